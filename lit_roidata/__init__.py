@@ -1,0 +1,23 @@
+"""lit_roidata: Detectron's training-data pipeline for PyTorch Lightning.
+
+The public entry points are :class:`lit_roidata.RoIDataModule` (the Lightning face),
+:mod:`lit_roidata.config` (Detectron's option tree), :mod:`lit_roidata.catalog`,
+:mod:`lit_roidata.roidb`, :mod:`lit_roidata.sampler`, :mod:`lit_roidata.minibatch`,
+:mod:`lit_roidata.callbacks` and :mod:`lit_roidata.exchange`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["RoIDataModule", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.
+    if name == "RoIDataModule":
+        from lit_roidata.datamodule import RoIDataModule
+
+        return RoIDataModule
+    raise AttributeError(f"module 'lit_roidata' has no attribute {name!r}")

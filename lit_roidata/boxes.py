@@ -1,0 +1,143 @@
+"""Box primitives shared by the roidb builder and the minibatch builders (spec §6.0).
+
+Every function follows Detectron's "+1" convention: a box ``[x1, y1, x2, y2]`` holds
+inclusive pixel indices, so its width is ``x2 - x1 + 1``. NumPy versions serve the
+roidb and the loader; the ``*_torch`` versions serve code that runs on the model's
+device every step (second-stage labels, spec §6.9).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = [
+    "bbox_overlaps",
+    "bbox_overlaps_torch",
+    "bbox_transform_targets",
+    "bbox_transform_targets_torch",
+    "bbox_transform_inv",
+    "clip_boxes",
+    "flip_boxes",
+    "box_areas",
+]
+
+
+def box_areas(boxes: np.ndarray) -> np.ndarray:
+    """Areas with the +1 convention."""
+    return (boxes[:, 2] - boxes[:, 0] + 1) * (boxes[:, 3] - boxes[:, 1] + 1)
+
+
+def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
+    """IoU matrix ``(N, K)`` of ``boxes`` against ``query`` (Detectron's ``bbox_overlaps``).
+
+    ``iw = min(x2) - max(x1) + 1`` and likewise ``ih``; pairs with ``iw <= 0`` or
+    ``ih <= 0`` have IoU 0. Computed in float64 and returned as float32, like the
+    Cython original.
+    """
+    a = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    b = np.asarray(query, dtype=np.float64).reshape(-1, 4)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return np.zeros((a.shape[0], b.shape[0]), dtype=np.float32)
+    iw = np.minimum(a[:, None, 2], b[None, :, 2]) - np.maximum(a[:, None, 0], b[None, :, 0]) + 1
+    ih = np.minimum(a[:, None, 3], b[None, :, 3]) - np.maximum(a[:, None, 1], b[None, :, 1]) + 1
+    np.maximum(iw, 0, out=iw)
+    np.maximum(ih, 0, out=ih)
+    inter = iw * ih
+    union = box_areas(a)[:, None] + box_areas(b)[None, :] - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(inter > 0, inter / union, 0.0)
+    return out.astype(np.float32)
+
+
+def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`bbox_overlaps` on any device (float32 result)."""
+    a = boxes.reshape(-1, 4).to(torch.float64)
+    b = query.reshape(-1, 4).to(torch.float64)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return a.new_zeros((a.shape[0], b.shape[0]), dtype=torch.float32)
+    iw = (torch.minimum(a[:, None, 2], b[None, :, 2])
+          - torch.maximum(a[:, None, 0], b[None, :, 0]) + 1).clamp_(min=0)
+    ih = (torch.minimum(a[:, None, 3], b[None, :, 3])
+          - torch.maximum(a[:, None, 1], b[None, :, 1]) + 1).clamp_(min=0)
+    inter = iw * ih
+    area_a = (a[:, 2] - a[:, 0] + 1) * (a[:, 3] - a[:, 1] + 1)
+    area_b = (b[:, 2] - b[:, 0] + 1) * (b[:, 3] - b[:, 1] + 1)
+    union = area_a[:, None] + area_b[None, :] - inter
+    out = torch.where(inter > 0, inter / union, torch.zeros_like(inter))
+    return out.to(torch.float32)
+
+
+def bbox_transform_targets(
+    ex_rois: np.ndarray, gt_rois: np.ndarray, weights: tuple[float, float, float, float]
+) -> np.ndarray:
+    """Regression targets ``(tx, ty, tw, th)`` from ``ex_rois`` to ``gt_rois`` (spec §4.4)."""
+    ex = np.asarray(ex_rois, dtype=np.float64).reshape(-1, 4)
+    gt = np.asarray(gt_rois, dtype=np.float64).reshape(-1, 4)
+    wx, wy, ww, wh = weights
+    ex_w = ex[:, 2] - ex[:, 0] + 1.0
+    ex_h = ex[:, 3] - ex[:, 1] + 1.0
+    ex_cx = ex[:, 0] + 0.5 * ex_w
+    ex_cy = ex[:, 1] + 0.5 * ex_h
+    gt_w = gt[:, 2] - gt[:, 0] + 1.0
+    gt_h = gt[:, 3] - gt[:, 1] + 1.0
+    gt_cx = gt[:, 0] + 0.5 * gt_w
+    gt_cy = gt[:, 1] + 0.5 * gt_h
+    targets = np.stack(
+        [wx * (gt_cx - ex_cx) / ex_w, wy * (gt_cy - ex_cy) / ex_h,
+         ww * np.log(gt_w / ex_w), wh * np.log(gt_h / ex_h)], axis=1)
+    return targets.astype(np.float32)
+
+
+def bbox_transform_targets_torch(
+    ex_rois: torch.Tensor, gt_rois: torch.Tensor, weights: tuple[float, float, float, float]
+) -> torch.Tensor:
+    """Torch twin of :func:`bbox_transform_targets` (float32 result)."""
+    ex = ex_rois.reshape(-1, 4).to(torch.float64)
+    gt = gt_rois.reshape(-1, 4).to(torch.float64)
+    wx, wy, ww, wh = weights
+    ex_w = ex[:, 2] - ex[:, 0] + 1.0
+    ex_h = ex[:, 3] - ex[:, 1] + 1.0
+    gt_w = gt[:, 2] - gt[:, 0] + 1.0
+    gt_h = gt[:, 3] - gt[:, 1] + 1.0
+    dx = (gt[:, 0] + 0.5 * gt_w) - (ex[:, 0] + 0.5 * ex_w)
+    dy = (gt[:, 1] + 0.5 * gt_h) - (ex[:, 1] + 0.5 * ex_h)
+    targets = torch.stack(
+        [wx * dx / ex_w, wy * dy / ex_h, ww * torch.log(gt_w / ex_w), wh * torch.log(gt_h / ex_h)],
+        dim=1)
+    return targets.to(torch.float32)
+
+
+def bbox_transform_inv(
+    boxes: np.ndarray, deltas: np.ndarray, weights: tuple[float, float, float, float]
+) -> np.ndarray:
+    """Decode ``deltas`` relative to ``boxes``: the inverse of :func:`bbox_transform_targets`."""
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+    d = np.asarray(deltas, dtype=np.float64).reshape(-1, 4)
+    wx, wy, ww, wh = weights
+    w = b[:, 2] - b[:, 0] + 1.0
+    h = b[:, 3] - b[:, 1] + 1.0
+    cx = b[:, 0] + 0.5 * w
+    cy = b[:, 1] + 0.5 * h
+    pcx = d[:, 0] / wx * w + cx
+    pcy = d[:, 1] / wy * h + cy
+    pw = np.exp(d[:, 2] / ww) * w
+    ph = np.exp(d[:, 3] / wh) * h
+    out = np.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
+    return out
+
+
+def clip_boxes(boxes: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Clip to ``[0, width-1] x [0, height-1]`` (a new array)."""
+    out = np.array(boxes, copy=True)
+    out[:, 0::2] = np.clip(out[:, 0::2], 0, width - 1)
+    out[:, 1::2] = np.clip(out[:, 1::2], 0, height - 1)
+    return out
+
+
+def flip_boxes(boxes: np.ndarray, width: int) -> np.ndarray:
+    """Horizontal mirror in pixel-index space: ``x1' = W - x2 - 1``, ``x2' = W - x1 - 1``."""
+    out = np.array(boxes, copy=True)
+    out[:, 0] = width - boxes[:, 2] - 1
+    out[:, 2] = width - boxes[:, 0] - 1
+    return out
