@@ -1,0 +1,274 @@
+"""Synthetic COCO-style demo data: images, annotation JSON and Detectron proposal files.
+
+``ensure_demo_data(root)`` writes, once, a small dataset family that exercises every part
+of the pipeline: two training datasets with the same categories (``combined_roidb`` over
+several datasets), a validation set, a proposal pickle per dataset in Detectron's format
+(spec §3.1), crowd regions as uncompressed RLE (``iscrowd=1``), polygons, a ``person``
+category with COCO's 17 keypoints (so Detectron's flip map applies, spec §2.2), a few
+portrait images (aspect grouping, spec §5.2) and a few images without objects.
+
+The data is generated into a temporary folder and moved into place under a file lock;
+a manifest written last marks it complete. So concurrent DDP ranks do not race, an
+interrupted run is rebuilt, and a complete folder is reused (idempotent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import cv2
+import numpy as np
+from filelock import FileLock, Timeout
+
+from lit_roidata.boxes import bbox_overlaps
+from lit_roidata.demo.shapes import DEMO_CATEGORIES, draw_image
+
+__all__ = [
+    "DEMO_CATEGORIES",
+    "DEMO_NUM_IMAGES",
+    "DEMO_TRAIN_DATASETS",
+    "DEMO_VAL_DATASETS",
+    "DemoDatasets",
+    "ensure_demo_data",
+    "register_demo_datasets",
+]
+
+log = logging.getLogger(__name__)
+
+DEMO_TRAIN_DATASETS: tuple[str, ...] = ("demo_train_a", "demo_train_b")
+DEMO_VAL_DATASETS: tuple[str, ...] = ("demo_val",)
+#: Images per dataset by default.
+DEMO_NUM_IMAGES: dict[str, int] = {"demo_train_a": 200, "demo_train_b": 100, "demo_val": 60}
+_ID_BASE = {"demo_train_a": 100000, "demo_train_b": 200000, "demo_val": 300000}
+_VERSION = 1
+_MANIFEST = "demo_manifest.json"
+_SIZE_RANGE = (160, 320)
+_LOCK_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class DemoDatasets:
+    """What :func:`register_demo_datasets` registered: names and proposal files.
+
+    Attributes:
+        train_datasets / val_datasets: catalog names.
+        train_proposal_files / val_proposal_files: proposal pickles, aligned with the names.
+        catalog: the catalog the names were registered in.
+    """
+
+    train_datasets: tuple[str, ...]
+    train_proposal_files: tuple[str, ...]
+    val_datasets: tuple[str, ...]
+    val_proposal_files: tuple[str, ...]
+    catalog: Any = None
+
+
+def _proposals(rng: np.random.Generator, gt: np.ndarray, W: int, H: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Jittered gt boxes (high scores) plus random boxes, sorted by descending score."""
+    total = int(rng.integers(100, 301))
+    per_gt = 24
+    if len(gt):
+        g = np.repeat(gt.astype(np.float64), per_gt, axis=0)
+        w, h = g[:, 2] - g[:, 0] + 1, g[:, 3] - g[:, 1] + 1
+        sigma = rng.choice([0.03, 0.08, 0.15, 0.3], size=len(g))
+        cx = g[:, 0] + 0.5 * w + rng.normal(0, 1, len(g)) * sigma * w
+        cy = g[:, 1] + 0.5 * h + rng.normal(0, 1, len(g)) * sigma * h
+        w = w * np.exp(rng.normal(0, 1, len(g)) * sigma)
+        h = h * np.exp(rng.normal(0, 1, len(g)) * sigma)
+        jit = np.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w - 1, cy + 0.5 * h - 1], 1)
+    else:
+        jit = np.zeros((0, 4))
+    n_rand = max(20, total - len(jit))
+    x1, y1 = rng.uniform(0, W - 2, n_rand), rng.uniform(0, H - 2, n_rand)
+    rw = np.exp(rng.uniform(np.log(4), np.log(W), n_rand))
+    rh = np.exp(rng.uniform(np.log(4), np.log(H), n_rand))
+    rand = np.stack([x1, y1, x1 + rw - 1, y1 + rh - 1], 1)
+    boxes = np.concatenate([jit, rand])
+    boxes[:, 0::2] = boxes[:, 0::2].clip(0, W - 1)
+    boxes[:, 1::2] = boxes[:, 1::2].clip(0, H - 1)
+    boxes[:, 2:] = np.maximum(boxes[:, 2:], boxes[:, :2])
+    boxes = boxes.astype(np.float32)
+    if len(gt):
+        iou = bbox_overlaps(boxes, gt.astype(np.float32)).max(axis=1)
+    else:
+        iou = np.zeros(len(boxes), np.float32)
+    scores = np.where(np.arange(len(boxes)) < len(jit),
+                      0.3 + 0.7 * iou * rng.uniform(0.8, 1.0, len(boxes)),
+                      rng.uniform(0.0, 0.4, len(boxes))).astype(np.float32)
+    order = np.argsort(-scores, kind="stable")
+    return boxes[order], scores[order]
+
+
+def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: int) -> None:
+    """Write ``out/<name>/{images/, annotations.json, proposals.pkl}``."""
+    img_dir = out / name / "images"
+    img_dir.mkdir(parents=True)
+    images, annotations = [], []
+    prop_boxes, prop_scores, prop_ids = [], [], []
+    ann_id = _ID_BASE[name]
+    for i in range(num_images):
+        rng = np.random.default_rng(np.random.SeedSequence([seed, ds_index, i]))
+        image_id = _ID_BASE[name] + 3 * i + 1
+        img, anns = draw_image(rng, portrait=i % 6 == 5, empty=i % 37 == 36,
+                               crowd=i % 8 == 3, size_range=_SIZE_RANGE)
+        H, W = img.shape[:2]
+        file_name = f"{name}_{image_id:07d}.jpg"
+        if not cv2.imwrite(str(img_dir / file_name), img, [cv2.IMWRITE_JPEG_QUALITY, 92]):
+            raise OSError(f"could not write demo image {img_dir / file_name}")
+        images.append({"id": image_id, "file_name": file_name, "width": W, "height": H})
+        for ann in anns:
+            ann_id += 1
+            annotations.append({"id": ann_id, "image_id": image_id, **ann})
+        gt = np.array([[a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2] - 1,
+                        a["bbox"][1] + a["bbox"][3] - 1] for a in anns]).reshape(-1, 4)
+        boxes, scores = _proposals(rng, gt, W, H)
+        prop_boxes.append(boxes)
+        prop_scores.append(scores)
+        prop_ids.append(image_id)
+    coco = {
+        "info": {"description": f"lit_roidata synthetic demo dataset {name}", "version": "1.0",
+                 "year": 2024},
+        "licenses": [],
+        "images": images,
+        "annotations": annotations,
+        "categories": [dict(c) for c in DEMO_CATEGORIES],
+    }
+    (out / name / "annotations.json").write_text(json.dumps(coco))
+    with open(out / name / "proposals.pkl", "wb") as f:
+        pickle.dump({"boxes": prop_boxes, "scores": prop_scores, "ids": prop_ids,
+                     "cfg": "# synthetic proposals (lit_roidata demo)\n"}, f, protocol=2)
+
+
+def _layout(root: Path, counts: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+    return {name: {"image_dir": str(root / name / "images"),
+                   "annotation_file": str(root / name / "annotations.json"),
+                   "proposal_file": str(root / name / "proposals.pkl"),
+                   "num_images": int(n)} for name, n in counts.items()}
+
+
+def _is_complete(root: Path, wanted: dict[str, Any]) -> bool:
+    try:
+        manifest = json.loads((root / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if {k: manifest.get(k) for k in wanted} != wanted:
+        return False
+    for name, n in wanted["num_images"].items():
+        d = root / name
+        if not ((d / "annotations.json").is_file() and (d / "proposals.pkl").is_file()):
+            return False
+        if sum(1 for e in os.scandir(d / "images") if e.name.endswith(".jpg")) != n:
+            return False
+    return True
+
+
+def ensure_demo_data(root: str | os.PathLike, *, seed: int = 0,
+                     num_images: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Create the synthetic demo datasets under ``root`` unless they are already there.
+
+    Safe to call from every DDP rank at once: a file lock serialises the ranks, the
+    data is built in a temporary folder and moved into place, and a manifest (written
+    last) records the seed and sizes. A complete folder with the same parameters is
+    reused untouched; anything else is regenerated. Takes a few seconds.
+
+    Args:
+        root: folder for the data (created if needed).
+        seed: generation seed; equal seeds give identical files.
+        num_images: images per dataset; defaults to :data:`DEMO_NUM_IMAGES`
+            (``demo_train_a`` 200, ``demo_train_b`` 100, ``demo_val`` 60).
+
+    Returns:
+        ``{name: {"image_dir", "annotation_file", "proposal_file", "num_images"}}`` for
+        ``demo_train_a``, ``demo_train_b`` and ``demo_val``.
+
+    Raises:
+        ValueError: unknown dataset name or a count below 1 in ``num_images``.
+        TimeoutError: another process held the lock for more than 10 minutes.
+    """
+    counts = dict(DEMO_NUM_IMAGES)
+    for name, n in (num_images or {}).items():
+        if name not in counts:
+            raise ValueError(f"num_images: unknown demo dataset {name!r}; "
+                             f"choose from {sorted(counts)}")
+        if int(n) < 1:
+            raise ValueError(f"num_images[{name!r}] = {n}; need at least 1 image")
+        counts[name] = int(n)
+    root = Path(root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    wanted = {"version": _VERSION, "seed": int(seed), "num_images": counts}
+    layout = _layout(root, counts)
+    if _is_complete(root, wanted):
+        return layout
+    try:
+        with FileLock(str(root / ".demo_data.lock"), timeout=_LOCK_TIMEOUT_S):
+            if _is_complete(root, wanted):  # another rank built it while we waited
+                return layout
+            _build(root, wanted)
+    except Timeout as e:
+        raise TimeoutError(f"waited {_LOCK_TIMEOUT_S:.0f} s for the demo-data lock "
+                           f"{root / '.demo_data.lock'}; if no other process is generating "
+                           f"the data, delete that file and retry") from e
+    return layout
+
+
+def _build(root: Path, wanted: dict[str, Any]) -> None:
+    log.info("generating synthetic demo data in %s (%s)", root, wanted["num_images"])
+    (root / _MANIFEST).unlink(missing_ok=True)
+    tmp = root / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        for ds_index, (name, n) in enumerate(sorted(wanted["num_images"].items())):
+            _make_dataset(tmp, name, n, wanted["seed"], ds_index)
+        for name in wanted["num_images"]:
+            shutil.rmtree(root / name, ignore_errors=True)
+            os.replace(tmp / name, root / name)
+        part = root / f"{_MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
+        part.write_text(json.dumps(wanted, indent=1))
+        os.replace(part, root / _MANIFEST)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _default_catalog() -> Any:
+    from lit_roidata.catalog import DatasetCatalog  # lazy: the catalog imports the roidb side
+
+    return DatasetCatalog
+
+
+def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed: int = 0,
+                           num_images: Mapping[str, int] | None = None) -> DemoDatasets:
+    """Ensure the demo data exists under ``root`` and register its names in a catalog.
+
+    Args:
+        root: demo data folder (see :func:`ensure_demo_data`).
+        catalog: an object with ``register(name, image_dir, annotation_file,
+            image_prefix="")``; default :class:`lit_roidata.catalog.DatasetCatalog`. If
+            ``register`` returns a new catalog (a frozen-value catalog), that one is used
+            for the next name and returned.
+        seed, num_images: passed to :func:`ensure_demo_data`.
+
+    Returns:
+        A :class:`DemoDatasets` with the train/val names and their proposal files.
+    """
+    layout = ensure_demo_data(root, seed=seed, num_images=num_images)
+    catalog = _default_catalog() if catalog is None else catalog
+    for name, info in layout.items():
+        result = catalog.register(name, info["image_dir"], info["annotation_file"],
+                                  image_prefix="")
+        if result is not None and hasattr(result, "register"):
+            catalog = result
+    return DemoDatasets(
+        train_datasets=DEMO_TRAIN_DATASETS,
+        train_proposal_files=tuple(layout[n]["proposal_file"] for n in DEMO_TRAIN_DATASETS),
+        val_datasets=DEMO_VAL_DATASETS,
+        val_proposal_files=tuple(layout[n]["proposal_file"] for n in DEMO_VAL_DATASETS),
+        catalog=catalog,
+    )

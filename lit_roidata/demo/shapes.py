@@ -1,0 +1,182 @@
+"""Drawing one synthetic demo image and its COCO annotations (used by :mod:`.data`).
+
+Each category is one shape in one colour, so a tiny detector separates the classes after
+a few hundred steps. Objects never overlap, so a drawn mask is exactly the object's
+segmentation and its tight pixel bounds are the COCO box (``w = x2 - x1 + 1``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cv2
+import numpy as np
+from pycocotools import mask as mask_utils
+
+__all__ = ["COCO_KEYPOINT_NAMES", "DEMO_CATEGORIES", "draw_image", "rle_uncompressed"]
+
+COCO_KEYPOINT_NAMES: tuple[str, ...] = (
+    "nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
+    "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist", "left_hip",
+    "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle",
+)
+_SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
+             [6, 8], [7, 9], [8, 10], [9, 11], [2, 3], [1, 2], [1, 3], [2, 4], [3, 5], [4, 6],
+             [5, 7]]
+
+#: COCO category records, in JSON order. Ids are deliberately not contiguous so that the
+#: contiguous <-> json id maps are exercised (spec §2.2).
+DEMO_CATEGORIES: tuple[dict[str, Any], ...] = (
+    {"id": 1, "name": "person", "supercategory": "person",
+     "keypoints": list(COCO_KEYPOINT_NAMES), "skeleton": _SKELETON},
+    {"id": 3, "name": "rectangle", "supercategory": "shape"},
+    {"id": 7, "name": "circle", "supercategory": "shape"},
+    {"id": 12, "name": "triangle", "supercategory": "shape"},
+)
+_COLOURS_BGR = {1: (120, 20, 110), 3: (40, 40, 220), 7: (220, 70, 30), 12: (40, 170, 40)}
+
+# A front-facing person: the person's left is on the image's right (COCO convention).
+_KP_TEMPLATE = np.array([
+    (0.50, 0.10), (0.58, 0.07), (0.42, 0.07), (0.64, 0.09), (0.36, 0.09), (0.72, 0.25),
+    (0.28, 0.25), (0.86, 0.42), (0.14, 0.42), (0.95, 0.56), (0.05, 0.56), (0.62, 0.58),
+    (0.38, 0.58), (0.66, 0.78), (0.34, 0.78), (0.70, 0.96), (0.30, 0.96)], dtype=np.float64)
+_LIMBS = [(5, 7), (7, 9), (6, 8), (8, 10), (11, 13), (13, 15), (12, 14), (14, 16)]
+
+
+def rle_uncompressed(mask: np.ndarray) -> dict[str, Any]:
+    """COCO's uncompressed RLE (column-major runs, starting with zeros), as in crowd JSON."""
+    flat = np.asarray(mask, dtype=np.uint8).reshape(-1, order="F")
+    change = np.flatnonzero(np.diff(flat)) + 1
+    bounds = np.concatenate([[0], change, [flat.size]])
+    counts = np.diff(bounds).tolist()
+    if flat.size and flat[0] == 1:
+        counts = [0] + counts
+    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
+
+
+def _draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> np.ndarray | None:
+    """Draw category ``cat`` into ``mask`` within box (x, y, w, h); keypoints for persons."""
+    if cat == 3:
+        cv2.rectangle(mask, (x, y), (x + w - 1, y + h - 1), 1, thickness=-1)
+    elif cat == 7:
+        cv2.ellipse(mask, (x + w // 2, y + h // 2), (max(w // 2 - 1, 1), max(h // 2 - 1, 1)),
+                    0, 0, 360, 1, thickness=-1)
+    elif cat == 12:
+        pts = np.array([[x + w // 2, y], [x + w - 1, y + h - 1], [x, y + h - 1]], np.int32)
+        cv2.fillPoly(mask, [pts], 1)
+    else:
+        kp = np.array([x, y]) + _KP_TEMPLATE * np.array([w - 1, h - 1])
+        p = np.round(kp).astype(np.int32)
+        t = max(2, w // 9)
+        cv2.circle(mask, tuple(int(v) for v in p[0]), max(2, int(0.09 * h)), 1, -1)
+        cv2.fillPoly(mask, [p[[5, 6, 12, 11]]], 1)
+        cv2.line(mask, tuple(map(int, p[0])), tuple(map(int, (p[5] + p[6]) // 2)), 1, t)
+        for a, b in _LIMBS:
+            cv2.line(mask, tuple(map(int, p[a])), tuple(map(int, p[b])), 1, t)
+        return kp
+    return None
+
+
+def _annotation(mask: np.ndarray, cat: int, *, crowd: bool) -> dict[str, Any] | None:
+    ys, xs = np.nonzero(mask)
+    if xs.size == 0:
+        return None
+    x0, x1, y0, y1 = int(xs.min()), int(xs.max()), int(ys.min()), int(ys.max())
+    ann: dict[str, Any] = {
+        "category_id": cat, "iscrowd": int(crowd), "area": float(xs.size),
+        "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
+    }
+    if crowd:
+        ann["segmentation"] = rle_uncompressed(mask)
+    else:
+        contours, _ = cv2.findContours(mask, cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_SIMPLE)
+        polys = [c.reshape(-1).astype(float).tolist() for c in contours if len(c) >= 3]
+        if not polys:
+            return None
+        ann["segmentation"] = polys
+        # COCO's area for a polygon is that of its rasterisation, not of the drawn mask.
+        rles = mask_utils.frPyObjects(polys, mask.shape[0], mask.shape[1])
+        ann["area"] = float(mask_utils.area(mask_utils.merge(rles)))
+    return ann
+
+
+def _keypoints(kp: np.ndarray, rng: np.random.Generator) -> tuple[list[float], int]:
+    vis = np.where(rng.random(len(kp)) < 0.12, 0, np.where(rng.random(len(kp)) < 0.2, 1, 2))
+    out = np.zeros((len(kp), 3))
+    out[:, :2] = np.round(kp, 1)
+    out[:, 2] = vis
+    out[vis == 0, :2] = 0  # COCO writes unlabelled keypoints as (0, 0, 0)
+    return out.reshape(-1).tolist(), int((vis > 0).sum())
+
+
+def _place(rng: np.random.Generator, taken: list[tuple[int, int, int, int]], W: int, H: int,
+           w: int, h: int, gap: int = 4) -> tuple[int, int] | None:
+    if w >= W - 2 or h >= H - 2:
+        return None
+    for _ in range(30):
+        x, y = int(rng.integers(1, W - w - 1)), int(rng.integers(1, H - h - 1))
+        if all(x + w + gap <= a or a + c + gap <= x or y + h + gap <= b or b + d + gap <= y
+               for a, b, c, d in taken):
+            return x, y
+    return None
+
+
+def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: bool,
+               size_range: tuple[int, int]) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """One BGR uint8 image and its annotation records (without ``id``/``image_id``).
+
+    Args:
+        rng: the image's own generator (so each image is reproducible on its own).
+        portrait: make the image taller than wide (exercises aspect grouping).
+        empty: no objects at all (Detectron keeps such images only if proposals give bg).
+        crowd: add one ``iscrowd=1`` region (a cluster of small shapes, RLE mask).
+        size_range: (short side, long side) bounds in pixels.
+    """
+    lo, hi = size_range
+    a, b = int(rng.integers(lo, (lo + hi) // 2 + 1)), int(rng.integers((lo + hi) // 2, hi + 1))
+    W, H = (a, b) if portrait else (b, a)
+    base = rng.integers(165, 245, size=3)
+    img = (base[None, None, :] + rng.normal(0, 6, size=(H, W, 3))).clip(0, 255).astype(np.uint8)
+    anns: list[dict[str, Any]] = []
+    taken: list[tuple[int, int, int, int]] = []
+    masks: list[tuple[np.ndarray, int]] = []
+    if crowd:
+        cat = int(rng.choice([3, 7]))
+        side = int(rng.integers(44, min(80, min(W, H) - 4) + 1))
+        pos = _place(rng, taken, W, H, side, side)
+        if pos is not None:
+            mask = np.zeros((H, W), np.uint8)
+            for cy in range(pos[1] + 3, pos[1] + side - 8, 11):
+                for cx in range(pos[0] + 3, pos[0] + side - 8, 11):
+                    _draw_shape(mask, cat, cx, cy, 7, 7)
+            ann = _annotation(mask, cat, crowd=True)
+            if ann is not None:
+                taken.append((pos[0], pos[1], side, side))
+                anns.append(ann)
+                masks.append((mask, cat))
+    n_obj = 0 if empty else int(rng.integers(1, 5))
+    for _ in range(n_obj):
+        cat = int(rng.choice([c["id"] for c in DEMO_CATEGORIES]))
+        if cat == 1:
+            h = int(rng.integers(48, min(112, H - 4) + 1))
+            w = max(16, int(round(h * rng.uniform(0.45, 0.6))))
+        else:
+            s = int(rng.integers(22, min(90, min(W, H) - 4) + 1))
+            w, h = s, int(np.clip(round(s * rng.uniform(0.7, 1.4)), 16, H - 4))
+        pos = _place(rng, taken, W, H, w, h)
+        if pos is None:
+            continue
+        mask = np.zeros((H, W), np.uint8)
+        kp = _draw_shape(mask, cat, pos[0], pos[1], w, h)
+        ann = _annotation(mask, cat, crowd=False)
+        if ann is None:
+            continue
+        if kp is not None:
+            ann["keypoints"], ann["num_keypoints"] = _keypoints(kp, rng)
+        taken.append((pos[0], pos[1], w, h))
+        anns.append(ann)
+        masks.append((mask, cat))
+    for mask, cat in masks:
+        shade = np.array(_COLOURS_BGR[cat]) + rng.integers(-15, 16, size=3)
+        img[mask > 0] = shade.clip(0, 255).astype(np.uint8)
+    return img, anns
