@@ -1,0 +1,109 @@
+"""``lit-roidata``: LightningCLI for training, plus the data tools.
+
+Two kinds of subcommand share one entry point:
+
+* ``fit``, ``validate``, ``test``, ``predict``: Lightning's own CLI (``LightningCLI``)
+  with the model and the data module both selectable by class path (subclass mode),
+  so ``--config configs/demo.yaml`` and ``--print_config`` work as in any Lightning
+  project;
+* ``inspect``, ``dump-blobs``, ``bench``, ``make-demo-data``: tools that read the same
+  YAML file (its ``data:`` section) and look at the data without training.
+
+The tools are dispatched *before* LightningCLI builds its parser: LightningCLI's
+subcommands are Trainer methods, and bolting other commands onto its parser would make
+``--print_config`` and the ``fit`` help harder to read. ``lit-roidata --help`` lists
+both kinds.
+
+Example::
+
+    lit-roidata fit --config configs/demo.yaml
+    lit-roidata fit --config configs/demo.yaml --trainer.devices 2 --trainer.strategy ddp
+    lit-roidata inspect --config configs/demo.yaml --out inspect_out
+    lit-roidata dump-blobs --config configs/demo.yaml --num 4 --out blobs/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+from jsonargparse import DefaultHelpFormatter
+from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning.cli import LightningCLI
+
+__all__ = ["TOOLS", "RoIDataCLI", "main", "run_tool"]
+
+#: Tool subcommand → ``"module:function"`` taking ``argv`` (list of str) → exit code.
+TOOLS: dict[str, tuple[str, str]] = {
+    "inspect": ("lit_roidata.tools.inspect:main",
+                "roidb statistics table, minibatch pictures and histograms (PNG)"),
+    "dump-blobs": ("lit_roidata.tools.dump_blobs:main",
+                   "Detectron's blob dump: identity order, one image per batch, .npz files"),
+    "bench": ("lit_roidata.tools.bench:main",
+              "train loader images/s and per-batch latency percentiles on your data"),
+    "make-demo-data": ("lit_roidata.tools.make_demo_data:main",
+                       "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
+}
+
+_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _tools_epilog() -> str:
+    lines = ["data tools (run `lit-roidata TOOL --help`):"]
+    lines += [f"  {name:<15} {help_}" for name, (_, help_) in TOOLS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _load(target: str) -> Callable[[list[str]], int]:
+    import importlib
+
+    module_name, func = target.split(":")
+    return getattr(importlib.import_module(module_name), func)
+
+
+def run_tool(name: str, argv: Sequence[str]) -> int:
+    """Run the tool subcommand ``name`` with its own arguments ``argv``; return its code."""
+    if name not in TOOLS:
+        raise ValueError(f"unknown tool {name!r}; choose one of {sorted(TOOLS)}")
+    return int(_load(TOOLS[name][0])(list(argv)) or 0)
+
+
+class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Keep the tools list in the epilog laid out as written."""
+
+
+class RoIDataCLI(LightningCLI):
+    """LightningCLI with the data module and the model selectable by class path.
+
+    The base classes are Lightning's own, so any LightningModule (the demo model or
+    yours) and any data module (:class:`lit_roidata.RoIDataModule` or a subclass) can
+    be named with ``class_path`` in the YAML file. The written ``config.yaml`` is
+    overwritten on a re-run in the same log directory (a resume), not refused.
+    """
+
+    def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_kwargs", {"epilog": _tools_epilog(),
+                                            "formatter_class": _HelpFormatter})
+        super().__init__(LightningModule, LightningDataModule, subclass_mode_model=True,
+                         subclass_mode_data=True, args=args, run=run, **kwargs)
+
+
+def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Any:
+    """Build and run the Lightning part of ``lit-roidata`` (returns the CLI object)."""
+    return RoIDataCLI(args=args, run=run)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point of ``lit-roidata`` (``[project.scripts]`` in pyproject)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in TOOLS:
+        return run_tool(args[0], args[1:])
+    # ``None`` lets LightningCLI read sys.argv itself (it warns when given both).
+    cli_main(None if argv is None else args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
