@@ -1,0 +1,411 @@
+"""Detectron's minibatch sampler: a locked cursor over per-pass permutations, split for DDP.
+
+Detectron's ``RoIDataLoader`` keeps one permutation of the roidb (aspect-grouped or
+plain), hands out ``IMS_PER_BATCH`` indices at a time under a lock, and draws a fresh
+permutation when the cursor passes the end (spec §5.2-5.3). GPUs take blocks from that
+shared stream first-come (§5.6). :class:`RoIBatchSampler` keeps the stream and makes it
+deterministic and resumable (spec §7.4, design principle 4):
+
+* the permutation of pass ``p`` is a pure function of ``(seed, p)`` drawn from a private
+  generator, so every rank computes the same stream without communication;
+* a global minibatch is ``world_size`` consecutive blocks of the stream and rank ``r``
+  takes block ``k * world_size + r``, so every rank yields the same number of batches;
+* the state is ``(seed, pass, cursor)`` with the cursor counted in *global* blocks, so a
+  resume is O(1) (no replay) and may change ``world_size`` without repeating or skipping
+  a block.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+__all__ = ["Block", "RoIBatchSampler", "STATE_VERSION"]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+# Domain separators so pass permutations and replacement draws never share a stream
+# with each other or with lit_roidata.rng.block_rng for the same seed.
+_PERM_DOMAIN = 0x7065726D  # "perm"
+_REPLACE_DOMAIN = 0x7265706C  # "repl"
+# State keys that must match for a checkpointed position to mean the same blocks.
+_STREAM_KEYS = ("seed", "ims_per_batch", "num_images", "num_horizontal",
+                "aspect_grouping", "shuffle")
+
+
+def _make_block(indices: list[int], seed: int, pass_index: int, block_index: int,
+                attempt: int) -> "Block":
+    return Block(indices, seed=seed, pass_index=pass_index, block_index=block_index,
+                 attempt=attempt)
+
+
+class Block(list):
+    """One partial minibatch: a ``list`` of roidb indices plus its place in the stream.
+
+    The coordinates travel with the indices through DataLoader index queues (the class
+    is module-level and pickles with its attributes) so the worker can seed everything
+    random from ``lit_roidata.rng.block_rng(seed, pass_index, block_index)``
+    (docs/architecture.md §3).
+
+    Attributes:
+        seed: the sampler's stream seed.
+        pass_index: the permutation (pass) the block comes from.
+        block_index: position of the block in the global stream of its pass.
+        attempt: 0 for a stream block; ``k >= 1`` for the k-th substitute made by
+            :meth:`RoIBatchSampler.replacement_block`.
+    """
+
+    def __init__(self, indices: Any = (), *, seed: int, pass_index: int, block_index: int,
+                 attempt: int = 0) -> None:
+        super().__init__(int(i) for i in indices)
+        self.seed = int(seed)
+        self.pass_index = int(pass_index)
+        self.block_index = int(block_index)
+        self.attempt = int(attempt)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_block, (list(self), self.seed, self.pass_index, self.block_index,
+                              self.attempt))
+
+    def __repr__(self) -> str:
+        return (f"Block({list.__repr__(self)}, seed={self.seed}, pass_index={self.pass_index}, "
+                f"block_index={self.block_index}, attempt={self.attempt})")
+
+
+def _check_int(name: str, value: Any, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"RoIBatchSampler: {name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"RoIBatchSampler: {name} must be >= {low}, got {value}")
+    return int(value)
+
+
+class RoIBatchSampler(Sampler[Block]):
+    """Yield this rank's partial minibatches (:class:`Block`) in Detectron's order, resumably.
+
+    Grouping (spec §5.2), wrap-around (§5.3), the DDP split (§7.4) and the resume cursor
+    all act on blocks, so they live in one object: one state to save, one place to test.
+
+    Two modes:
+
+    * epoch mode (``infinite=False``): one iteration is one pass; ``len()`` is the number
+      of *full* global minibatches in a pass, ``blocks_per_pass // world_size``, equal on
+      every rank. The last ``blocks_per_pass % world_size`` blocks of a pass are left out
+      so no rank waits for another. ``set_epoch(e)`` selects pass ``e``.
+    * infinite mode (``infinite=True``, Detectron's stream for ``max_steps`` training): the
+      iterator never stops; global minibatches run across pass boundaries exactly as
+      Detectron's cursor does. ``len()`` is still ``max(1, blocks_per_pass // world_size)``
+      so Lightning has an epoch length for progress and validation scheduling.
+
+    Draws (:meth:`draw` and iteration) are atomic under a lock: threads sharing one
+    sampler get whole blocks, none lost or duplicated (spec §10 item 12).
+
+    Args:
+        widths, heights: per-entry image size (``roidb.widths``/``roidb.heights``);
+            ``width >= height`` is horizontal (squares count as horizontal).
+        ims_per_batch: images per block, i.e. one rank's share (``TRAIN.IMS_PER_BATCH``).
+        aspect_grouping: ``TRAIN.ASPECT_GROUPING``: single-orientation blocks, tails cut.
+        shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` order: identity
+            permutation in blocks, wrapping to 0, grouping ignored (spec §8.1).
+        seed: stream seed; must be equal on every rank.
+        rank, world_size: this process's index and how many share a global minibatch.
+        infinite: stream mode (never stops) instead of epoch mode.
+
+    Raises:
+        ValueError: sizes that give no block at all (Detectron's ``IndexError``, Q14), a
+            rank outside ``range(world_size)``, or (epoch mode) fewer blocks per pass
+            than ranks.
+    """
+
+    def __init__(self, widths: Any, heights: Any, ims_per_batch: int, *,
+                 aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3,
+                 rank: int = 0, world_size: int = 1, infinite: bool = False) -> None:
+        w = np.asarray(widths).reshape(-1)
+        h = np.asarray(heights).reshape(-1)
+        if w.shape != h.shape:
+            raise ValueError(f"RoIBatchSampler: widths has {w.size} entries but heights has "
+                             f"{h.size}; pass roidb.widths and roidb.heights of one roidb")
+        self.ims_per_batch = _check_int("ims_per_batch", ims_per_batch, 1)
+        self.seed = _check_int("seed", seed, 0)
+        self.world_size = _check_int("world_size", world_size, 1)
+        self.rank = _check_int("rank", rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(f"RoIBatchSampler: rank={rank} is outside "
+                             f"range(world_size={world_size})")
+        self.shuffle = bool(shuffle)
+        self.aspect_grouping = bool(aspect_grouping)
+        self.infinite = bool(infinite)
+        self.num_images = int(w.size)
+        horizontal = w >= h
+        self.num_horizontal = int(horizontal.sum())
+        self._is_horz = horizontal.astype(bool)
+        # Orientation groups, used by the permutation and by replacement_block.
+        self._horz = np.flatnonzero(horizontal).astype(np.int64)
+        self._vert = np.flatnonzero(~horizontal).astype(np.int64)
+        self._grouped = self.aspect_grouping and self.shuffle
+        mb = self.ims_per_batch
+        if self._grouped:
+            self.blocks_per_pass = self._horz.size // mb + self._vert.size // mb
+        else:
+            self.blocks_per_pass = math.ceil(self.num_images / mb)
+        self._check_sizes()
+        self._lock = threading.Lock()
+        self._cache: tuple[int, np.ndarray] | None = None
+        self._pass = 0
+        self._cursor = 0  # global blocks of the current pass already drawn
+
+    def _check_sizes(self) -> None:
+        mb = self.ims_per_batch
+        if self._grouped and self.blocks_per_pass == 0:
+            raise ValueError(
+                f"RoIBatchSampler: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} "
+                f"images of one orientation, but the roidb has {self._horz.size} horizontal "
+                f"(w >= h) and {self._vert.size} vertical images; the permutation would be "
+                "empty (Detectron fails with IndexError, spec Q14). Add images, lower "
+                "TRAIN.IMS_PER_BATCH or set TRAIN.ASPECT_GROUPING False")
+        if not self._grouped and self.num_images < mb:
+            raise ValueError(
+                f"RoIBatchSampler: the roidb has {self.num_images} images, fewer than "
+                f"IMS_PER_BATCH={mb}; no block can be drawn (spec Q14). Add images or lower "
+                "TRAIN.IMS_PER_BATCH")
+        if not self.infinite and self.blocks_per_pass < self.world_size:
+            raise ValueError(
+                f"RoIBatchSampler: a pass has {self.blocks_per_pass} blocks of {mb} images, "
+                f"fewer than world_size={self.world_size}, so an epoch would have no global "
+                "minibatch. Use infinite=True (max_steps training), fewer ranks or a "
+                "smaller IMS_PER_BATCH")
+
+    # ------------------------------------------------------------------ permutations
+    def permutation(self, pass_index: int) -> np.ndarray:
+        """The order of pass ``pass_index`` (spec §5.2); a pure function of ``(seed, pass)``.
+
+        Grouped: length ``blocks_per_pass * ims_per_batch``, aligned rows single-orientation.
+        Otherwise a permutation of ``0..L-1`` (identity when ``shuffle=False``).
+        The result is read-only and cached for the current pass.
+        """
+        cache = self._cache
+        if cache is not None and cache[0] == pass_index:
+            return cache[1]
+        perm = self._compute_permutation(_check_int("pass_index", pass_index, 0))
+        perm.setflags(write=False)
+        self._cache = (pass_index, perm)
+        return perm
+
+    def _compute_permutation(self, pass_index: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_images, dtype=np.int64)
+        rng = np.random.Generator(np.random.PCG64(
+            np.random.SeedSequence([_PERM_DOMAIN, self.seed, pass_index])))
+        if not self._grouped:
+            return rng.permutation(self.num_images).astype(np.int64)
+        mb = self.ims_per_batch
+        horz = rng.permutation(self._horz)  # three draws, in Detectron's order
+        vert = rng.permutation(self._vert)
+        horz = horz[: horz.size // mb * mb]
+        vert = vert[: vert.size // mb * mb]
+        rows = np.concatenate([horz, vert]).reshape(-1, mb)
+        return rows[rng.permutation(rows.shape[0])].reshape(-1)
+
+    def block(self, pass_index: int, block_index: int) -> Block:
+        """Block ``block_index`` of pass ``pass_index`` of the global stream (pure)."""
+        if not 0 <= block_index < self.blocks_per_pass:
+            raise IndexError(f"block_index {block_index} outside a pass of "
+                             f"{self.blocks_per_pass} blocks")
+        perm = self.permutation(pass_index)
+        mb = self.ims_per_batch
+        start = block_index * mb
+        if start + mb <= perm.size:
+            inds = perm[start:start + mb]
+        else:  # ungrouped last block wraps onto the head of the same permutation (§5.3)
+            inds = perm[(start + np.arange(mb)) % perm.size]
+        return Block(inds.tolist(), seed=self.seed, pass_index=pass_index,
+                     block_index=block_index)
+
+    # ------------------------------------------------------------------ positions
+    def __len__(self) -> int:
+        """Batches per pass for this rank; equal on every rank, so DDP cannot hang."""
+        return max(1, self.blocks_per_pass // self.world_size)
+
+    def normalize(self, pass_index: int, cursor: int) -> tuple[int, int]:
+        """Where the next draw starts from position ``(pass_index, cursor)`` (pure).
+
+        Epoch mode: a pass with fewer than ``world_size`` blocks left is finished, so the
+        next draw starts at ``(pass + 1, 0)``. Infinite mode: a cursor at or past the end of
+        the pass carries into the next passes.
+        """
+        if self.infinite:
+            extra, cursor = divmod(cursor, self.blocks_per_pass)
+            return pass_index + extra, cursor
+        if cursor + self.world_size > self.blocks_per_pass:
+            return pass_index + 1, 0
+        return pass_index, cursor
+
+    def advance(self, pass_index: int, cursor: int, num_batches: int) -> tuple[int, int]:
+        """The position after ``num_batches`` more global minibatches (pure, O(1)).
+
+        Used by the stateful loader to count consumed batches, and to resume at any step
+        without replaying the stream.
+        """
+        n, ws = int(num_batches), self.world_size
+        if self.infinite:
+            return self.normalize(pass_index, cursor + n * ws)
+        left = (self.blocks_per_pass - cursor) // ws  # minibatches left in this pass
+        if n <= left:
+            return pass_index, cursor + n * ws
+        per_pass = self.blocks_per_pass // ws
+        full, rem = divmod(n - left, per_pass)
+        if rem == 0:
+            return pass_index + full, per_pass * ws
+        return pass_index + full + 1, rem * ws
+
+    def _draw_locked(self, stop_at_pass_end: bool) -> Block | None:
+        ws = self.world_size
+        if not self.infinite and self._cursor + ws > self.blocks_per_pass:
+            if stop_at_pass_end:
+                return None
+            self._pass, self._cursor = self._pass + 1, 0
+        extra, c = divmod(self._cursor + self.rank, self.blocks_per_pass)
+        blk = self.block(self._pass + extra, c)  # extra > 0 only in infinite mode
+        if self.infinite:
+            self._pass, self._cursor = self.normalize(self._pass, self._cursor + ws)
+        else:
+            self._cursor += ws
+        return blk
+
+    def draw(self) -> Block:
+        """Take this rank's next block, atomically (Detectron's locked cursor, spec §5.3).
+
+        Never stops: in epoch mode a finished pass rolls over to the next permutation.
+        """
+        with self._lock:
+            blk = self._draw_locked(stop_at_pass_end=False)
+        assert blk is not None
+        return blk
+
+    def __iter__(self) -> Iterator[Block]:
+        """This rank's blocks from the current position: to the end of the pass (epoch
+        mode) or forever (infinite mode)."""
+        with self._lock:
+            self._pass, self._cursor = self.normalize(self._pass, self._cursor)
+        while True:
+            with self._lock:
+                blk = self._draw_locked(stop_at_pass_end=True)
+            if blk is None:
+                return
+            yield blk
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch mode: start pass ``epoch`` unless it is already the current pass (so a
+        mid-epoch resume keeps its cursor). Infinite mode: no effect (the stream does not
+        follow epochs)."""
+        epoch = _check_int("epoch", epoch, 0)
+        if self.infinite:
+            return
+        with self._lock:
+            if epoch != self._pass:
+                self._pass, self._cursor = epoch, 0
+
+    # ------------------------------------------------------------------ state
+    def state_at(self, pass_index: int, cursor: int) -> dict[str, Any]:
+        """The state dict describing position ``(pass_index, cursor)`` of this stream."""
+        return {"version": STATE_VERSION, "seed": self.seed, "pass": int(pass_index),
+                "cursor": int(cursor), "ims_per_batch": self.ims_per_batch,
+                "world_size": self.world_size, "num_images": self.num_images,
+                "num_horizontal": self.num_horizontal,
+                "aspect_grouping": self._grouped, "shuffle": self.shuffle,
+                "infinite": self.infinite}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Seed, pass and cursor (in global blocks of the pass) plus what they depend on."""
+        with self._lock:
+            return self.state_at(self._pass, self._cursor)
+
+    def check_state(self, state: Mapping[str, Any], strict: bool = True) -> tuple[int, int]:
+        """Validate ``state`` against this stream; return the position to continue from.
+
+        A different ``world_size`` is accepted (the cursor counts global blocks). A
+        different seed, roidb size, orientation count, ``ims_per_batch``, grouping or
+        shuffle means the saved position names other blocks: ``strict`` raises, otherwise a
+        warning is logged and a fresh pass (``saved pass + 1``, cursor 0) begins.
+
+        Raises:
+            ValueError: a mismatch with ``strict=True``, or a malformed state.
+        """
+        missing = [k for k in ("pass", "cursor", *_STREAM_KEYS) if k not in state]
+        if missing:
+            raise ValueError(f"RoIBatchSampler: sampler state lacks {missing}; it was not "
+                             "written by RoIBatchSampler.state_dict()")
+        mine = self.state_at(0, 0)
+        diffs = [f"{k}: checkpoint {state[k]!r}, now {mine[k]!r}" for k in _STREAM_KEYS
+                 if state[k] != mine[k]]
+        p = _check_int("state['pass']", state["pass"], 0)
+        c = _check_int("state['cursor']", state["cursor"], 0)
+        if not diffs and c > self.blocks_per_pass:
+            diffs.append(f"cursor {c} beyond a pass of {self.blocks_per_pass} blocks")
+        if diffs:
+            msg = ("RoIBatchSampler: the saved data-stream position does not match this "
+                   "roidb/sampler (" + "; ".join(diffs) + ")")
+            if strict:
+                raise ValueError(msg + ". Restore the original dataset and TRAIN.IMS_PER_BATCH"
+                                 "/seed, or load with strict=False (loader: "
+                                 "strict_resume=False) to start a fresh pass")
+            log.warning("%s; starting a fresh pass %d", msg, p + 1)
+            return p + 1, 0
+        if state.get("world_size", self.world_size) != self.world_size:
+            log.info("RoIBatchSampler: resuming with world_size %d (checkpoint: %s); the "
+                     "global block stream continues at pass %d, block %d",
+                     self.world_size, state.get("world_size"), p, c)
+        return p, c
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore the position in O(1) (no replay); see :meth:`check_state`."""
+        p, c = self.check_state(state, strict=strict)
+        with self._lock:
+            self._pass, self._cursor = p, c
+
+    # ------------------------------------------------------------------ invalid blocks
+    def replacement_block(self, block: Block, attempt: int) -> Block:
+        """A deterministic substitute for an invalid block (spec §5.4, §10 item 13).
+
+        Detectron drops an invalid minibatch and takes the next one from the shared
+        stream; under DDP that would shift one rank's stream against the others. Instead
+        the worker that finds block ``b`` invalid asks for ``replacement_block(b, 1)``,
+        then ``(b, 2)``, ... until one is valid: the invalid block's slot is consumed, every
+        rank still yields one batch per step, and no other block moves. The substitute's
+        ``ims_per_batch`` images are drawn without replacement from ``b``'s orientation
+        group (grouped sampler) or from the whole roidb, by a generator seeded from
+        ``(seed, pass_index, block_index, attempt)``: a pure function, safe to call in any
+        worker process. The caller bounds ``attempt`` (a cap with a clear error).
+        """
+        attempt = _check_int("attempt", attempt, 1)
+        if not block:
+            raise ValueError("RoIBatchSampler.replacement_block: empty block")
+        pool = None
+        if self._grouped:
+            pool = self._horz if self._is_horz[int(block[0])] else self._vert
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+            [_REPLACE_DOMAIN, self.seed, block.pass_index, block.block_index, attempt])))
+        size = self.num_images if pool is None else pool.size
+        pick = rng.choice(size, size=self.ims_per_batch, replace=False)
+        inds = pick if pool is None else pool[pick]
+        return Block(inds.tolist(), seed=block.seed, pass_index=block.pass_index,
+                     block_index=block.block_index, attempt=attempt)
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_lock", None)
+        state["_cache"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
