@@ -1,0 +1,217 @@
+"""``BlobExchange``: an exactly-once mailbox between training processes (spec §8).
+
+The Detectron fork swapped per-iteration blobs (RPN outputs per FPN level, sampled RoIs,
+second-stage labels) between two training processes through 13 global memcached keys
+with a "read/unread" status key each (spec §8.1). That lost or duplicated messages,
+cross-wired GPUs and runs, reset pending messages, spun forever and pickled arrays
+(spec §8.3). This package provides the same capability with the guarantees of spec §8.4:
+
+>>> ex = BlobExchange("embedded", run_id="distill-1", rank=0)      # doctest: +SKIP
+>>> out = ex.channel("teacher_rpn", role="producer")                # doctest: +SKIP
+>>> out.put({"rpn_cls_probs_fpn2": probs}, meta={"step": 0})        # doctest: +SKIP
+>>> # in the other process, started separately with the same run id and rank:
+>>> inp = ex.channel("teacher_rpn", role="consumer")                # doctest: +SKIP
+>>> tensors, meta = inp.get(timeout=30.0)                           # doctest: +SKIP
+
+Backends: ``"embedded"`` (files under ``address`` or ``/dev/shm``; no server; one machine)
+and ``"memcached"`` (``address="host:port"``; chunked above the item size limit; restarts
+and evictions detected). See ``docs/exchange.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import uuid
+import weakref
+from typing import Any
+
+from lit_roidata.exchange.alignment import check_alignment
+from lit_roidata.exchange.channel import ROLES, Channel
+from lit_roidata.exchange.errors import (
+    AlignmentError,
+    ChannelBusyError,
+    ChannelClosedError,
+    ExchangeError,
+    ExchangeStateLostError,
+    ExchangeTimeoutError,
+    LeaseLostError,
+    PeerDeadError,
+    SequenceError,
+    WireFormatError,
+)
+from lit_roidata.exchange.store import Store, StoreUnavailable
+
+__all__ = [
+    "AlignmentError", "BlobExchange", "Channel", "ChannelBusyError", "ChannelClosedError",
+    "ExchangeError", "ExchangeStateLostError", "ExchangeTimeoutError", "LeaseLostError",
+    "PeerDeadError", "SequenceError", "WireFormatError", "check_alignment",
+]
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
+BACKENDS = ("embedded", "memcached")
+
+
+def _check_name(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"{what} must be 1-100 characters of A-Z a-z 0-9 _ . -, got {value!r}")
+    return value
+
+
+class BlobExchange:
+    """Named producer/consumer channels between processes that share a run id and rank.
+
+    Every channel is namespaced by ``(run_id, rank, name)`` (spec §8.4.3), so several
+    runs, DDP ranks and loaders never collide. Both processes pass the same ``run_id``
+    (e.g. the experiment name) and their DDP rank.
+
+    Args:
+        backend: ``"embedded"`` (no server) or ``"memcached"``.
+        address: embedded: the shared directory (default ``$LIT_ROIDATA_EXCHANGE_DIR`` or
+            ``/dev/shm/lit_roidata_exchange-<uid>``); memcached: ``"host:port"``.
+        run_id: the run's id, equal in both processes; default ``$LIT_ROIDATA_RUN_ID``.
+        rank: this process's rank; producer and consumer of a channel use the same rank.
+        timeout: default timeout of ``put``/``get`` in seconds.
+        capacity: default number of unacknowledged messages a producer may publish (1: the
+            fork's one-slot mailbox).
+        lease_ttl: seconds after which a silent owner's lease expires (dead-peer detection
+            across machines; on one machine a crashed peer is seen at once).
+        stop_event: optional ``threading.Event``-like object; once set, waiting calls raise
+            :class:`ChannelClosedError` (wire it to the loader's shutdown).
+        poll_min, poll_max: first and longest sleep of the waiting back-off, in seconds.
+        chunk_size: memcached only: bytes per chunk item (default: server item size − 4 KiB).
+
+    Raises:
+        ValueError: unknown backend, bad run id/rank/address.
+        ExchangeError: the backend cannot be reached or initialised.
+    """
+
+    def __init__(self, backend: str = "embedded", address: str | None = None,
+                 run_id: str | None = None, rank: int = 0, *, timeout: float = 60.0,
+                 capacity: int = 1, lease_ttl: float = 10.0, stop_event: Any = None,
+                 poll_min: float = 5e-5, poll_max: float = 0.01,
+                 chunk_size: int | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        run_id = run_id if run_id is not None else os.environ.get("LIT_ROIDATA_RUN_ID")
+        if run_id is None:
+            raise ValueError("BlobExchange needs run_id (equal in both processes, e.g. the "
+                             "experiment name) or $LIT_ROIDATA_RUN_ID")
+        self.run_id = _check_name("run_id", run_id)
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if lease_ttl <= 0 or timeout < 0:
+            raise ValueError("lease_ttl must be > 0 and timeout >= 0")
+        self.backend, self.address, self.rank = backend, address, rank
+        self.timeout, self.capacity, self.lease_ttl = timeout, capacity, lease_ttl
+        self.stop_event = stop_event
+        self.poll_min, self.poll_max = poll_min, poll_max
+        self._store = self._make_store(backend, address, chunk_size)
+        self._incarnation_key = f"{self.run_id}/incarnation"
+        self.incarnation = self._join()
+        self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+
+    @staticmethod
+    def _make_store(backend: str, address: str | None, chunk_size: int | None) -> Store:
+        if backend == "embedded":
+            from lit_roidata.exchange.embedded import EmbeddedStore
+
+            return EmbeddedStore(address)
+        from lit_roidata.exchange.memcached import MemcachedStore
+
+        try:
+            return MemcachedStore(address, chunk_size=chunk_size)
+        except StoreUnavailable as exc:
+            raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
+
+    def _join(self) -> bytes:
+        """Create the run's incarnation key if absent and remember its value.
+
+        A server restart (or eviction) loses the key; every later operation compares it
+        with this value and raises instead of reading state from another incarnation.
+        """
+        try:
+            self._store.add(self._incarnation_key, uuid.uuid4().hex.encode())
+            value = self._store.get(self._incarnation_key)
+        except StoreUnavailable as exc:
+            raise ExchangeError(f"cannot start the exchange: {exc}") from exc
+        if value is None:
+            raise ExchangeStateLostError(f"{self._store.describe} did not keep the incarnation "
+                                         f"key of run {self.run_id!r}; is it out of memory?")
+        return value
+
+    def channel(self, name: str, role: str = "producer", *, capacity: int | None = None,
+                timeout: float | None = None) -> Channel:
+        """Open one end of channel ``name``.
+
+        Args:
+            name: channel name (A-Z a-z 0-9 _ . -).
+            role: ``"producer"`` (``put``) or ``"consumer"`` (``get``).
+            capacity: override the exchange's capacity (producer side).
+            timeout: override the exchange's default timeout.
+
+        Returns:
+            The open :class:`Channel`; close it (or the exchange) when done.
+
+        Raises:
+            ChannelBusyError: another live process already holds this end.
+        """
+        _check_name("channel name", name)
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        ch = Channel(self, name, role, capacity=capacity or self.capacity,
+                     timeout=self.timeout if timeout is None else timeout)
+        with self._lock:
+            self._channels.add(ch)
+            if self._hb_thread is None:
+                self._hb_thread = threading.Thread(target=self._heartbeat, daemon=True,
+                                                   name=f"lit_roidata-exchange-{self.run_id}")
+                self._hb_thread.start()
+        return ch
+
+    def _heartbeat(self) -> None:
+        store = self._store.clone()
+        try:
+            while not self._hb_stop.wait(self.lease_ttl / 5):
+                with self._lock:
+                    channels = list(self._channels)
+                for ch in channels:
+                    try:
+                        ch._beat(store)
+                    except Exception as exc:  # keep beating for the other channels
+                        log.warning("heartbeat of %s failed: %s", ch.where, exc)
+        finally:
+            store.close()
+
+    def _forget(self, ch: Channel) -> None:
+        with self._lock:
+            self._channels.discard(ch)
+
+    def close(self) -> None:
+        """Close every open channel (waking waiters) and stop the heartbeat thread."""
+        with self._lock:
+            channels = list(self._channels)
+        for ch in channels:
+            ch.close()
+        self._hb_stop.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            self._hb_thread.join(timeout=5)
+        self._store.close()
+
+    def __enter__(self) -> BlobExchange:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = self._store.describe
+        return f"BlobExchange({self.backend!r}, run_id={self.run_id!r}, rank={self.rank}, {where})"

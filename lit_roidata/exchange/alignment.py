@@ -1,0 +1,100 @@
+"""Alignment checks: is the peer's message about the same minibatch as mine? (spec §8.4.8)
+
+Two processes exchanging RPN maps are only meaningful to each other when both are at the
+same step, on the same images, with the same flips and scales (spec §8.2). Each message
+carries that metadata; the consumer compares it with its own and fails loudly, naming the
+first field that differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from lit_roidata.exchange.errors import AlignmentError
+
+__all__ = ["check_alignment", "to_plain"]
+
+
+def to_plain(value: Any) -> Any:
+    """NumPy/torch values, tuples and mappings → plain JSON-like Python values."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    return value
+
+
+def _first_difference(got: Any, exp: Any, path: str, rel_tol: float) -> str | None:
+    if isinstance(exp, dict) and isinstance(got, dict):
+        for k in exp:
+            if k not in got:
+                return f"{path}.{k}"
+            diff = _first_difference(got[k], exp[k], f"{path}.{k}", rel_tol)
+            if diff:
+                return diff
+        return None
+    if isinstance(exp, list) and isinstance(got, list):
+        if len(got) != len(exp):
+            return path
+        for i, (g, e) in enumerate(zip(got, exp)):
+            diff = _first_difference(g, e, f"{path}[{i}]", rel_tol)
+            if diff:
+                return diff
+        return None
+    if isinstance(exp, bool) or isinstance(got, bool):
+        return None if got is exp else path
+    if isinstance(exp, float) or isinstance(got, float):
+        if isinstance(got, (int, float)) and isinstance(exp, (int, float)) and \
+                math.isclose(got, exp, rel_tol=rel_tol, abs_tol=0.0):
+            return None
+        return path
+    return None if got == exp else path
+
+
+def check_alignment(meta: Mapping[str, Any], expected: Mapping[str, Any], *,
+                    where: str = "", rel_tol: float = 1e-6,
+                    tensors: Mapping[str, Any] | None = None) -> None:
+    """Check that every field of ``expected`` matches ``meta``; raise naming the first miss.
+
+    Lists/tuples/arrays compare element-wise; floats (e.g. ``im_scales``) within
+    ``rel_tol``; booleans (``flipped``) and ints (``step``, image ids) exactly. The
+    special key ``"shapes"`` (name → shape) is compared with the shapes of ``tensors``.
+
+    Args:
+        meta: the metadata received with the message.
+        expected: this process's own values, e.g. ``{"step": 12, "image_ids": [...],
+            "flipped": [...], "im_scales": [...]}``.
+        where: channel description for the error message.
+        rel_tol: relative tolerance for floats.
+        tensors: the received tensors, needed only for ``"shapes"``.
+
+    Raises:
+        AlignmentError: a field is missing or differs; the message names it, both values
+            and the likely fix.
+    """
+    got_all = to_plain(dict(meta))
+    if "shapes" in expected and tensors is not None and "shapes" not in got_all:
+        got_all["shapes"] = {k: list(np.shape(v)) for k, v in tensors.items()}
+    prefix = f"{where}: " if where else ""
+    for key, exp_raw in expected.items():
+        exp = to_plain(exp_raw)
+        if key not in got_all:
+            raise AlignmentError(
+                f"{prefix}the message has no alignment field {key!r} (it has "
+                f"{sorted(got_all)}); the producer must put {key!r} in put(..., meta=...)")
+        diff = _first_difference(got_all[key], exp, key, rel_tol)
+        if diff is not None:
+            raise AlignmentError(
+                f"{prefix}misaligned stream: field {diff!r} differs: the message has "
+                f"{key}={got_all[key]!r}, this process expects {key}={exp!r}. Both "
+                "processes must use the same seed, sampler (identity or same permutation), "
+                "scales and ordered delivery so that step k is the same images, flips and "
+                "scales on both sides (spec §8.4.8)")

@@ -1,0 +1,61 @@
+"""Exceptions raised by :mod:`lit_roidata.exchange` (spec §8.4).
+
+Every error names the channel (run id, rank, channel name) and, where there is one, the
+peer, so a stuck or crashed pair of training processes can be diagnosed from one line.
+All derive from :class:`ExchangeError` so callers can catch the family at once.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlignmentError",
+    "ChannelBusyError",
+    "ChannelClosedError",
+    "ExchangeError",
+    "ExchangeStateLostError",
+    "ExchangeTimeoutError",
+    "LeaseLostError",
+    "PeerDeadError",
+    "SequenceError",
+    "WireFormatError",
+]
+
+
+class ExchangeError(RuntimeError):
+    """Base class of every error raised by the blob exchange."""
+
+
+class WireFormatError(ExchangeError, ValueError):
+    """A payload cannot be encoded (unsupported dtype, bad meta) or is corrupt on receipt."""
+
+
+class ExchangeTimeoutError(ExchangeError, TimeoutError):
+    """A bounded wait (``get`` or a ``put`` waiting for an acknowledgement) ran out."""
+
+
+class PeerDeadError(ExchangeError):
+    """The peer's lease expired or its process no longer exists (spec §8.4.5)."""
+
+
+class ChannelClosedError(ExchangeError):
+    """The peer closed the channel cleanly, or this end was closed / stopped (§8.4.9)."""
+
+
+class ChannelBusyError(ExchangeError):
+    """A second live producer (or consumer) tried to open the same channel (§8.4.3)."""
+
+
+class LeaseLostError(ExchangeError):
+    """This end's ownership lease was taken over (it stalled past the lease TTL)."""
+
+
+class SequenceError(ExchangeError):
+    """A message arrived out of order, duplicated, or with a gap (§8.4.1)."""
+
+
+class ExchangeStateLostError(ExchangeError):
+    """The backend lost this run's state (memcached restart or eviction, §8.4.6)."""
+
+
+class AlignmentError(ExchangeError, ValueError):
+    """A message's alignment metadata differs from the consumer's own (§8.4.8)."""

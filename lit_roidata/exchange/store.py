@@ -1,0 +1,95 @@
+"""The key-value primitives a backend provides to the channel protocol (spec §8.4.2, §8.4.6).
+
+The exactly-once protocol in :mod:`lit_roidata.exchange.channel` is written once against
+this small interface; a backend only maps it onto its storage. Keys are logical paths
+``"<run>/<rank>/<channel>/<name>"``; small values are ``bytes``; payloads are written once
+under a sequence-specific key and read back as a writable ``bytearray``.
+
+Every method either succeeds, returns the documented "absent"/"refused" value, or raises:
+:class:`StoreUnavailable` for a transient transport failure (the caller retries within its
+deadline) or an :class:`~lit_roidata.exchange.errors.ExchangeError` for anything else. No
+return value is ignored (the fork checked none, spec §8.3.6).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from lit_roidata.exchange.errors import ExchangeError
+from lit_roidata.exchange.wire import Encoded
+
+__all__ = ["Store", "StoreUnavailable"]
+
+
+class StoreUnavailable(ExchangeError):
+    """The backend could not be reached (connection refused/reset); retry within a deadline."""
+
+
+class Store(ABC):
+    """Key-value operations needed by a channel. Not thread-safe: one per thread or a lock."""
+
+    #: Human-readable location used in error messages, e.g. ``"memcached at 127.0.0.1:11211"``.
+    describe: str = "store"
+
+    @abstractmethod
+    def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
+        """Create ``key`` only if absent (or expired); return whether it was created."""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes, ttl: float = 0) -> None:
+        """Store ``value`` under ``key`` atomically (readers see old or new, never a mix)."""
+
+    @abstractmethod
+    def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """Values of the present keys. Keys are read in the given order (see channel.get)."""
+
+    @abstractmethod
+    def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
+        """Replace ``key``'s value with ``new`` iff it currently equals ``expected``."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` if present."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether a (payload or small) key is present."""
+
+    @abstractmethod
+    def put_payload(self, key: str, encoded: Encoded) -> None:
+        """Write a payload once; it becomes visible atomically and completely.
+
+        Raises:
+            ExchangeError: the key already exists (a duplicate publish) or the backend
+                refused the data (too large, out of memory).
+        """
+
+    @abstractmethod
+    def get_payload(self, key: str) -> bytearray | None:
+        """The whole payload as a writable buffer, or ``None`` if it was never written.
+
+        Raises:
+            ExchangeStateLostError: the payload was partly lost (e.g. an evicted chunk).
+        """
+
+    @abstractmethod
+    def delete_payload(self, key: str) -> None:
+        """Remove a payload (all of its parts) if present."""
+
+    @abstractmethod
+    def clone(self) -> Store:
+        """A new, independent handle on the same storage (e.g. for a heartbeat thread)."""
+
+    def close(self) -> None:
+        """Release connections/handles. Idempotent."""
+
+    def read_message(self, small_keys: list[str],
+                     payload_key: str) -> tuple[dict[str, bytes], bytearray | None]:
+        """Read ``small_keys`` and then the payload, in that order (one round trip if the
+        backend can). Reading the producer's head *before* the payload lets a consumer
+        tell "not yet published" from "published, then lost"."""
+        return self.get_many(small_keys), self.get_payload(payload_key)
+
+    def get(self, key: str) -> bytes | None:
+        """Value of one key, or ``None``."""
+        return self.get_many([key]).get(key)

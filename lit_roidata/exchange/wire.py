@@ -1,0 +1,270 @@
+"""The exchange's wire format: named arrays plus JSON metadata, no pickle (spec §8.4.7).
+
+The fork pickled arrays through pylibmc, which ties both ends to one Python/NumPy version
+and runs arbitrary code on load (spec §8.3.7). A message here is::
+
+    prefix (24 bytes, little-endian):
+        magic b"LRXW" | version u16 | flags u16 | header_len u32 | crc32 u32 | data_len u64
+    header: UTF-8 JSON, ``header_len`` bytes
+        {"envelope": {...}, "meta": {...},
+         "tensors": [{"name", "dtype", "byteorder", "shape", "offset", "nbytes"}, ...]}
+    zero padding to a multiple of 64 bytes
+    data: ``data_len`` bytes; every tensor starts at a 64-byte aligned ``offset``
+
+``dtype`` is a canonical name (``"float32"``, ``"bool"``, ``"bfloat16"``, ...),
+``byteorder`` is ``"<"`` (little-endian) or ``"|"`` (one-byte types); encoders always
+write little-endian, decoders also accept ``">"``. The CRC-32 covers the header, the
+padding and the data, so a torn or mixed-up payload (e.g. chunks of two messages) is
+reported instead of decoded.
+
+Decoded arrays are NumPy arrays backed by the (writable) receive buffer. NumPy has no
+``bfloat16``/``float8`` types, so those come back as ``torch.Tensor`` of the right dtype;
+with ``as_torch=True`` every entry is a tensor (sharing memory with the buffer).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from lit_roidata.exchange.errors import WireFormatError
+
+__all__ = ["Encoded", "Message", "SUPPORTED_DTYPES", "decode", "encode"]
+
+MAGIC = b"LRXW"
+VERSION = 1
+_PREFIX = struct.Struct("<4sHHIIQ")
+_ALIGN = 64
+
+# Canonical name -> NumPy dtype (little-endian) for types NumPy represents natively.
+_NUMPY_TYPES: dict[str, np.dtype] = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in (
+        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "float16", "float32", "float64", "complex64", "complex128",
+    )
+}
+# Canonical name -> (torch dtype attribute, same-width integer carrier) for torch-only types.
+_TORCH_ONLY: dict[str, tuple[str, str]] = {
+    "bfloat16": ("bfloat16", "int16"),
+    "float8_e4m3fn": ("float8_e4m3fn", "uint8"),
+    "float8_e5m2": ("float8_e5m2", "uint8"),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", "uint8"),
+    "float8_e5m2fnuz": ("float8_e5m2fnuz", "uint8"),
+}
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(_NUMPY_TYPES) + tuple(_TORCH_ONLY)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass
+class Encoded:
+    """An encoded message as a list of buffers (written without joining where possible)."""
+
+    buffers: list[Any]
+    nbytes: int
+
+    def tobytes(self) -> bytes:
+        """The message as one contiguous ``bytes`` object (one copy)."""
+        return b"".join(self.buffers)
+
+
+@dataclass
+class Message:
+    """A decoded message: tensors by name, user metadata and the channel envelope."""
+
+    tensors: dict[str, Any]
+    meta: dict[str, Any]
+    envelope: dict[str, Any] = field(default_factory=dict)
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _to_numpy(name: str, value: Any) -> tuple[str, np.ndarray]:
+    """Return ``(canonical dtype name, C-contiguous little-endian array)`` for one entry."""
+    if type(value).__module__.startswith("torch"):
+        torch = _torch()
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided:
+                raise WireFormatError(f"tensor {name!r} has layout {value.layout}; only dense "
+                                      "(strided) tensors can be exchanged: call .to_dense()")
+            t = value.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.resolve_conj().resolve_neg().contiguous()
+            tname = str(t.dtype).removeprefix("torch.")
+            if tname in _TORCH_ONLY:
+                carrier = getattr(torch, _TORCH_ONLY[tname][1])
+                return tname, t.view(carrier).numpy()
+            value = t.numpy()
+    arr = np.asarray(value)
+    dname = arr.dtype.name
+    if dname not in _NUMPY_TYPES:
+        raise WireFormatError(
+            f"tensor {name!r} has dtype {arr.dtype!r}, which the exchange cannot carry; "
+            f"supported: {', '.join(SUPPORTED_DTYPES)} (convert strings/objects to numbers)")
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    # Not np.ascontiguousarray: it turns 0-d arrays into shape (1,).
+    return dname, arr if arr.flags.c_contiguous else arr.copy(order="C")
+
+
+_LITTLE = np.little_endian
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):  # torch tensors, numpy scalars orjson did not take
+        return obj.tolist()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
+
+
+def _dumps(obj: Any, what: str) -> bytes:
+    try:
+        return orjson.dumps(obj, default=_json_default,
+                            option=orjson.OPT_SERIALIZE_NUMPY)
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise WireFormatError(f"{what} must be JSON-serialisable (numbers, strings, lists, "
+                              f"dicts with str keys, NumPy arrays): {exc}") from exc
+
+
+def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
+           envelope: Mapping[str, Any] | None = None) -> Encoded:
+    """Encode named arrays/tensors and JSON metadata into the wire format.
+
+    Args:
+        tensors: name -> NumPy array, torch tensor (any device; detached and copied to the
+            CPU) or anything ``np.asarray`` accepts. Any shape, including 0-d and empty.
+        meta: user metadata (e.g. alignment fields), JSON-serialisable.
+        envelope: channel bookkeeping (sequence number, channel, run id, rank).
+
+    Returns:
+        The encoded message as buffers (no copy of the array data is made).
+
+    Raises:
+        WireFormatError: an unsupported dtype, a non-str name, or non-JSON metadata.
+    """
+    if not isinstance(tensors, Mapping):
+        raise WireFormatError(f"tensors must be a dict of name -> array, got {type(tensors)}")
+    entries, arrays, offset = [], [], 0
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise WireFormatError(f"tensor names must be non-empty strings, got {name!r}")
+        dname, arr = _to_numpy(name, value)
+        entries.append({"name": name, "dtype": dname,
+                        "byteorder": "|" if arr.dtype.itemsize == 1 else "<",
+                        "shape": list(arr.shape), "offset": offset, "nbytes": arr.nbytes})
+        arrays.append(arr)
+        offset = _align(offset + arr.nbytes)
+    data_len = offset
+    header = _dumps({"envelope": dict(envelope or {}), "meta": dict(meta or {}),
+                     "tensors": entries}, "meta")
+    pad0 = bytes(_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
+    body: list[Any] = [header, pad0]
+    for arr, entry in zip(arrays, entries):
+        if arr.nbytes:
+            body.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        pad = _align(entry["offset"] + arr.nbytes) - entry["offset"] - arr.nbytes
+        if pad:
+            body.append(bytes(pad))
+    crc = 0
+    for buf in body:
+        crc = zlib.crc32(buf, crc)
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), crc, data_len)
+    buffers = [prefix, *body]
+    return Encoded(buffers, payload_size(buffers))
+
+
+def _fail(where: str, msg: str) -> WireFormatError:
+    return WireFormatError(f"corrupt exchange message{where}: {msg}")
+
+
+def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
+           where: str = "") -> Message:
+    """Decode and validate a message produced by :func:`encode`.
+
+    Args:
+        buf: the whole message. A writable buffer (``bytearray``) yields writable arrays
+            that share its memory; ``bytes`` yields read-only arrays.
+        as_torch: return every entry as a ``torch.Tensor`` instead of a NumPy array.
+        where: text naming the channel and sequence number, used in error messages.
+
+    Returns:
+        The tensors, the user metadata and the envelope.
+
+    Raises:
+        WireFormatError: bad magic/version, truncated data, CRC mismatch, inconsistent
+            tensor table or unknown dtype.
+    """
+    view = memoryview(buf).cast("B")
+    if len(view) < _PREFIX.size:
+        raise _fail(where, f"{len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
+    magic, version, _flags, header_len, crc, data_len = _PREFIX.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise _fail(where, f"bad magic {bytes(magic)!r} (not a lit_roidata exchange message)")
+    if version != VERSION:
+        raise _fail(where, f"wire version {version}, this build reads version {VERSION}; "
+                           "upgrade lit_roidata on both ends")
+    data_start = _align(_PREFIX.size + header_len)
+    if len(view) != data_start + data_len:
+        raise _fail(where, f"length {len(view)} != expected {data_start + data_len} (truncated "
+                           "or padded payload)")
+    if zlib.crc32(view[_PREFIX.size:]) != crc:
+        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
+    try:
+        header = orjson.loads(view[_PREFIX.size:_PREFIX.size + header_len])
+        entries = header["tensors"]
+        meta, envelope = header["meta"], header["envelope"]
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise _fail(where, f"unreadable header ({exc})") from exc
+    data = view[data_start:]
+    tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where) for e in entries}
+    return Message(tensors, meta, envelope)
+
+
+def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch: bool,
+                where: str) -> Any:
+    name, dname, shape = e["name"], e["dtype"], tuple(int(s) for s in e["shape"])
+    offset, nbytes, order = int(e["offset"]), int(e["nbytes"]), e["byteorder"]
+    if dname in _NUMPY_TYPES:
+        carrier = _NUMPY_TYPES[dname]
+    elif dname in _TORCH_ONLY:
+        carrier = np.dtype(_TORCH_ONLY[dname][1]).newbyteorder("<")
+    else:
+        raise _fail(where, f"tensor {name!r} has unknown dtype {dname!r}")
+    if order == ">":
+        carrier = carrier.newbyteorder(">")
+    count = int(np.prod(shape, dtype=np.int64))
+    if any(s < 0 for s in shape) or count * carrier.itemsize != nbytes \
+            or offset < 0 or offset + nbytes > data_len:
+        raise _fail(where, f"tensor {name!r}: shape {shape} x {dname} does not match "
+                           f"{nbytes} bytes at offset {offset} of {data_len}")
+    arr = np.frombuffer(data, dtype=carrier, count=count, offset=offset).reshape(shape)
+    if order == ">":
+        arr = arr.astype(carrier.newbyteorder("="))
+    if dname in _TORCH_ONLY:
+        torch = _torch()
+        t = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
+        return t.view(getattr(torch, _TORCH_ONLY[dname][0]))
+    if as_torch:
+        torch = _torch()
+        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    return arr
+
+
+def payload_size(buffers: Iterable[Any]) -> int:
+    """Total byte length of a list of buffers."""
+    return sum(memoryview(b).nbytes for b in buffers)
