@@ -1,0 +1,85 @@
+"""``get_minibatch``: one minibatch of blobs from roidb entries (spec §6, §6.10)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from lit_roidata import rng as rng_mod
+from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
+from lit_roidata.minibatch.image import Allocator, ImageBatch, ImageLoader, build_image_blob
+from lit_roidata.minibatch.names import get_minibatch_blob_names
+
+__all__ = ["Minibatch", "build_minibatch", "get_minibatch"]
+
+
+@dataclass
+class Minibatch:
+    """Blobs of one minibatch plus what the worker reports alongside them."""
+
+    blobs: dict[str, Any]
+    valid: bool
+    image: ImageBatch
+
+
+def _family_module(name: str) -> Any:
+    # Lazy: these modules belong to the RPN/RetinaNet builders and are only needed
+    # when their family is configured.
+    return importlib.import_module(f"lit_roidata.minibatch.{name}")
+
+
+def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
+                    pixel_format: str = "detectron", loader: ImageLoader | None = None,
+                    augment: Any = None, alloc: Allocator | None = None) -> Minibatch:
+    """:func:`get_minibatch` with the worker's options and the image metadata kept.
+
+    Args:
+        entries, cfg, rng: as :func:`get_minibatch`.
+        pixel_format: ``"detectron"`` (float32, Detectron's blob) or ``"uint8"``.
+        loader: ``entry -> BGR uint8 HWC`` image reader (default: decode the file).
+        augment: optional per-image augmentation applied before scaling.
+        alloc: optional allocator for the ``data`` blob (e.g. shared memory).
+    """
+    blobs: dict[str, Any] = {k: [] for k in get_minibatch_blob_names(cfg)}
+    image = build_image_blob(entries, cfg, rng, pixel_format=pixel_format, loader=loader,
+                             augment=augment, alloc=alloc)
+    blobs["data"] = image.data
+    entries = image.entries
+    if cfg.RPN.RPN_ON:
+        valid = _family_module("rpn").add_rpn_blobs(blobs, image.im_scales, entries, cfg, rng)
+    elif cfg.RETINANET.RETINANET_ON:
+        valid = _family_module("retinanet").add_retinanet_blobs(
+            blobs, image.im_scales, entries, cfg, rng)
+    else:
+        valid = add_fast_rcnn_blobs(blobs, image.im_scales, entries, cfg, rng)
+    return Minibatch(blobs=blobs, valid=bool(valid), image=image)
+
+
+def get_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any,
+                  rng: rng_mod.RNG) -> tuple[dict[str, np.ndarray], bool]:
+    """Detectron's ``get_minibatch``: every training blob for one minibatch.
+
+    The family is chosen with Detectron's precedence (``RPN.RPN_ON``, else
+    ``RETINANET.RETINANET_ON``, else Fast R-CNN from precomputed proposals). With a
+    ``numpy.random.RandomState`` the draws follow Detectron's call order: the scale
+    ``randint`` for all images, then per image the fg ``choice``, the bg ``choice``
+    and (keypoints) the keypoint ``choice``.
+
+    Args:
+        entries: roidb entries (Mappings with Detectron's field names).
+        cfg: the Detectron config.
+        rng: ``numpy.random.Generator`` (e.g. :func:`lit_roidata.rng.block_rng`) or
+            ``RandomState``.
+
+    Returns:
+        ``(blobs, valid)``: blob name -> NumPy array in :func:`get_minibatch_blob_names`
+        order (``data`` is Detectron's float32 blob), and the validity of §6.10.
+
+    Raises:
+        BadImageError: an image is missing, undecodable or of the wrong size.
+    """
+    mb = build_minibatch(entries, cfg, rng, pixel_format="detectron")
+    return mb.blobs, mb.valid

@@ -1,0 +1,144 @@
+"""Read and decode one roidb image, checked against the roidb (spec §6.2 steps 1-2).
+
+Detectron calls ``cv2.imread`` and asserts the result is not ``None`` (spec Q33): a bad
+file stops training with no name attached. Here every failure raises
+:class:`BadImageError`, which names the file, the image id, the dataset and a fix, so
+the worker can either fail loudly or (``on_bad_image="skip"``) replace the block.
+
+JPEG, PNG, GIF and WebP go through ``torchvision.io.decode_image`` (libjpeg-turbo /
+libpng) in RGB mode with the EXIF orientation applied, which also converts grayscale,
+CMYK/YCCK, palette and alpha images to three channels. Anything else (BMP, TIFF ...)
+falls back to ``cv2.imdecode`` as Detectron would read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import cv2
+import numpy as np
+import torch
+from torchvision.io import ImageReadMode, decode_image
+
+__all__ = ["BadImageError", "describe_entry", "decode_bgr", "load_image"]
+
+_TORCHVISION_MAGIC = (b"\xff\xd8", b"\x89PNG", b"GIF8", b"RIFF")
+
+
+class BadImageError(RuntimeError):
+    """An image that cannot be used: missing, unreadable, truncated or the wrong size.
+
+    Attributes:
+        path: the image file.
+        image_id: the roidb entry's ``id``.
+        dataset: the dataset name.
+        reason: a short machine-readable reason (``missing``, ``undecodable``,
+            ``size_mismatch``), used to count skips by reason.
+    """
+
+    def __init__(self, message: str, *, path: str, image_id: Any, dataset: str,
+                 reason: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.image_id = image_id
+        self.dataset = dataset
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # keep the attributes across worker pickling
+        return (_rebuild_bad_image, (str(self), self.path, self.image_id, self.dataset,
+                                     self.reason))
+
+
+def _rebuild_bad_image(message: str, path: str, image_id: Any, dataset: str,
+                       reason: str) -> BadImageError:
+    return BadImageError(message, path=path, image_id=image_id, dataset=dataset, reason=reason)
+
+
+def dataset_name(entry: Mapping[str, Any]) -> str:
+    """The dataset name of an entry (``entry['dataset'].name``, or a plain string)."""
+    ds = entry.get("dataset") if hasattr(entry, "get") else None
+    if ds is None:
+        return "<unknown dataset>"
+    return str(getattr(ds, "name", ds))
+
+
+def describe_entry(entry: Mapping[str, Any]) -> str:
+    """``image id 42 of dataset 'coco_2017_train' (/data/x.jpg)`` for error messages."""
+    return (f"image id {entry.get('id', '?')} of dataset '{dataset_name(entry)}' "
+            f"({entry.get('image', '?')})")
+
+
+def _error(entry: Mapping[str, Any], reason: str, what: str, fix: str) -> BadImageError:
+    return BadImageError(f"{describe_entry(entry)}: {what}. Fix: {fix}", path=str(entry.get("image")),
+                         image_id=entry.get("id"), dataset=dataset_name(entry), reason=reason)
+
+
+def decode_bgr(data: bytes) -> np.ndarray:
+    """Decode encoded image bytes to a ``(H, W, 3)`` BGR uint8 array (EXIF applied).
+
+    Raises:
+        ValueError: the bytes are not a decodable image (truncated JPEGs included).
+    """
+    if not data:
+        raise ValueError("the file is empty")
+    if data[:4].startswith(_TORCHVISION_MAGIC):
+        try:
+            t = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                             mode=ImageReadMode.RGB, apply_exif_orientation=True)
+        except RuntimeError as exc:
+            raise ValueError(str(exc).splitlines()[-1]) from exc
+        if t.dtype != torch.uint8:  # 16-bit PNG: keep the high byte, as OpenCV does
+            t = (t.to(torch.int32) >> 8).to(torch.uint8)
+        # HWC view, channels reversed to BGR; one copy makes it contiguous for OpenCV.
+        return np.ascontiguousarray(t.permute(1, 2, 0).numpy()[:, :, ::-1])
+    im = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    if im is None:
+        raise ValueError("not a known image format (or a corrupt file)")
+    return im
+
+
+def load_image(entry: Mapping[str, Any]) -> np.ndarray:
+    """Read, decode, size-check and (for flipped entries) mirror one roidb image.
+
+    The decoded size must equal the roidb's ``height``/``width``: Detectron computes
+    the scale from the decoded image but places every target with the JSON size
+    (spec Q10), so a mismatch silently misaligns targets there; here it is an error.
+
+    Args:
+        entry: a roidb entry (``image``, ``id``, ``width``, ``height``, ``flipped``).
+
+    Returns:
+        ``(height, width, 3)`` BGR uint8 array, C-contiguous.
+
+    Raises:
+        BadImageError: missing/unreadable/undecodable file or size mismatch.
+    """
+    path = entry["image"]
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise _error(entry, "missing", f"cannot read the file ({exc.strerror or exc})",
+                     "check the dataset's image directory in the catalog and that the file "
+                     "exists and is readable") from exc
+    try:
+        im = decode_bgr(data)
+    except ValueError as exc:
+        raise _error(entry, "undecodable", f"cannot decode the image ({exc})",
+                     "re-download or re-encode the file, or set on_bad_image='skip' to skip "
+                     "it") from exc
+    h, w = im.shape[:2]
+    want_h, want_w = int(entry["height"]), int(entry["width"])
+    if (h, w) != (want_h, want_w):
+        hint = ""
+        if (h, w) == (want_w, want_h):
+            hint = (" (width and height are swapped: the file probably carries an EXIF "
+                    "orientation tag that the annotation ignores)")
+        raise _error(entry, "size_mismatch",
+                     f"decoded image is {w}x{h} (WxH, after EXIF orientation) but the roidb "
+                     f"says {want_w}x{want_h}{hint}",
+                     "correct width/height in the annotation file, or re-save the image "
+                     "without an EXIF orientation tag, then rebuild the roidb cache")
+    if entry.get("flipped", False):
+        im = np.ascontiguousarray(im[:, ::-1])
+    return im

@@ -1,0 +1,133 @@
+"""Fast R-CNN blobs from a roidb with proposals: RoI sampling and targets (spec §6.3).
+
+:func:`add_fast_rcnn_blobs` does no image I/O: the data loader calls it for
+precomputed proposals, and end-to-end training (spec §6.9) calls it at run time with
+entries whose proposals came from the RPN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, MutableMapping, Sequence
+
+import numpy as np
+
+from lit_roidata import rng as rng_mod
+from lit_roidata.minibatch.fpn import add_multilevel_rois
+from lit_roidata.minibatch.keypoints import add_keypoint_rcnn_blobs, finalize_keypoint_minibatch
+from lit_roidata.minibatch.mask import add_mask_rcnn_blobs
+from lit_roidata.minibatch.names import get_fast_rcnn_blob_names
+
+__all__ = ["fg_rois_per_image", "sample_rois", "expand_bbox_targets", "add_fast_rcnn_blobs"]
+
+
+def fg_rois_per_image(cfg: Any) -> int:
+    """Nominal fg quota ``round(FG_FRACTION * BATCH_SIZE_PER_IM)`` (16 for 64)."""
+    return int(np.round(cfg.TRAIN.FG_FRACTION * int(cfg.TRAIN.BATCH_SIZE_PER_IM)))
+
+
+def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Expand compact ``(class, tx, ty, tw, th)`` rows to ``(r, 4C)`` targets and weights.
+
+    The class comes from column 0 (the roidb's, spec Q30), ``C = NUM_CLASSES`` or 2
+    when ``CLS_AGNOSTIC_BBOX_REG``.
+
+    Raises:
+        ValueError: a target class ``>= C`` (``MODEL.NUM_CLASSES`` too small).
+    """
+    num_reg_classes = 2 if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG else int(cfg.MODEL.NUM_CLASSES)
+    if num_reg_classes <= 0:
+        raise ValueError("MODEL.NUM_CLASSES is not set (it is -1 by default); set it to the "
+                         "number of classes plus one for background, e.g. 81 for COCO")
+    data = np.asarray(bbox_target_data, dtype=np.float32).reshape(-1, 5)
+    clss = data[:, 0].astype(np.int64)
+    n = data.shape[0]
+    targets = np.zeros((n, num_reg_classes, 4), dtype=np.float32)
+    inside = np.zeros((n, num_reg_classes, 4), dtype=np.float32)
+    rows = np.flatnonzero(data[:, 0] > 0)
+    if rows.size and clss[rows].max() >= num_reg_classes:
+        raise ValueError(f"a regression target has class {int(clss[rows].max())} but "
+                         f"MODEL.NUM_CLASSES is {num_reg_classes}; set MODEL.NUM_CLASSES to the "
+                         "dataset's class count plus one (background)")
+    targets[rows, clss[rows]] = data[rows, 1:]
+    inside[rows, clss[rows]] = 1.0
+    return targets.reshape(n, -1), inside.reshape(n, -1)
+
+
+def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: Any,
+                rng: rng_mod.RNG) -> dict[str, np.ndarray]:
+    """Sample fg/bg RoIs of one image and build its Fast R-CNN (+mask/keypoint) blobs.
+
+    Draw order: ``choice`` over fg candidates (if any), then over bg candidates (if
+    any), then the keypoint draw — Detectron's order, so a ``RandomState`` seeded like
+    Detectron's reproduces its RoIs.
+    """
+    rois_per_image = int(cfg.TRAIN.BATCH_SIZE_PER_IM)
+    fg_quota = fg_rois_per_image(cfg)
+    max_overlaps = np.asarray(entry["max_overlaps"])
+    fg_inds = np.where(max_overlaps >= cfg.TRAIN.FG_THRESH)[0]
+    n_fg = int(min(fg_quota, fg_inds.size))
+    if fg_inds.size > 0:
+        fg_inds = rng_mod.choice(rng, fg_inds, size=n_fg, replace=False)
+    bg_inds = np.where((max_overlaps < cfg.TRAIN.BG_THRESH_HI)
+                       & (max_overlaps >= cfg.TRAIN.BG_THRESH_LO))[0]
+    n_bg = int(min(rois_per_image - n_fg, bg_inds.size))
+    if bg_inds.size > 0:
+        bg_inds = rng_mod.choice(rng, bg_inds, size=n_bg, replace=False)
+    keep = np.append(fg_inds, bg_inds).astype(np.int64)
+    labels = np.asarray(entry["max_classes"])[keep].astype(np.int32)
+    labels[n_fg:] = 0
+    sampled_boxes = np.asarray(entry["boxes"], dtype=np.float32)[keep]
+    targets, inside = expand_bbox_targets(np.asarray(entry["bbox_targets"])[keep], cfg)
+    outside = np.array(inside > 0, dtype=inside.dtype)
+    scale = float(im_scale)
+    batch_col = batch_idx * np.ones((keep.size, 1), dtype=np.float32)
+    blob = {
+        "rois": np.hstack((batch_col, sampled_boxes * scale)).astype(np.float32, copy=False),
+        "labels_int32": labels,
+        "bbox_targets": targets,
+        "bbox_inside_weights": inside,
+        "bbox_outside_weights": outside,
+    }
+    if cfg.MODEL.MASK_ON:
+        add_mask_rcnn_blobs(blob, sampled_boxes, entry, scale, batch_idx, cfg)
+    if cfg.MODEL.KEYPOINTS_ON:
+        add_keypoint_rcnn_blobs(blob, entry, fg_quota, scale, batch_idx, cfg, rng)
+    return blob
+
+
+def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
+                        entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG) -> bool:
+    """Add the Fast R-CNN blob family of spec §6.1 to ``blobs``; return validity.
+
+    Per image :func:`sample_rois` (``batch_idx`` = position in ``entries``), then
+    concatenation in image order, FPN distribution (§6.4) and keypoint finalisation
+    (§6.6). Keys are written in :func:`get_fast_rcnn_blob_names` order (existing keys,
+    e.g. pre-created by ``get_minibatch``, keep their place).
+
+    Args:
+        blobs: dict to fill (may already hold ``data``).
+        im_scales: one scale per entry.
+        entries: roidb-style entries with ``boxes``, ``max_overlaps``, ``max_classes``,
+            ``bbox_targets``, ``box_to_gt_ind_map``, ``gt_classes``, ``is_crowd`` and,
+            when enabled, ``segms`` / ``gt_keypoints``.
+        cfg: the Detectron config.
+        rng: generator for the RoI (and keypoint) draws.
+
+    Returns:
+        ``False`` only for a keypoint minibatch that fails the validity rule (§6.10).
+    """
+    if len(im_scales) != len(entries):
+        raise ValueError(f"{len(entries)} entries but {len(im_scales)} scales")
+    per_image = [sample_rois(e, s, i, cfg, rng) for i, (e, s) in enumerate(zip(entries, im_scales))]
+    names = get_fast_rcnn_blob_names(cfg)
+    for name in names:
+        if per_image and name in per_image[0]:
+            blobs[name] = np.concatenate([b[name] for b in per_image])
+        elif name not in blobs or isinstance(blobs[name], list):
+            blobs[name] = []  # filled below (FPN / keypoint finalisation)
+    if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_ROIS:
+        add_multilevel_rois(blobs, cfg)
+    valid = True
+    if cfg.MODEL.KEYPOINTS_ON:
+        valid = finalize_keypoint_minibatch(blobs, valid, cfg)
+    return valid

@@ -1,0 +1,62 @@
+"""FPN multilevel RoI distribution with restore indices (spec §6.4)."""
+
+from __future__ import annotations
+
+from typing import Any, MutableMapping
+
+import numpy as np
+
+__all__ = ["map_rois_to_fpn_levels", "add_multilevel_roi_blobs", "add_multilevel_rois"]
+
+
+def map_rois_to_fpn_levels(rois: np.ndarray, k_min: int, k_max: int, *,
+                           canonical_scale: float = 224, canonical_level: int = 4) -> np.ndarray:
+    """FPN level of each box: ``floor(lvl0 + log2(sqrt(area) / s0 + 1e-6))`` clipped.
+
+    Areas use the +1 convention. The arithmetic stays in float32 like Detectron's,
+    so boxes exactly at a level boundary land where Detectron puts them.
+
+    Args:
+        rois: ``(n, 4)`` boxes in the scaled (network input) frame.
+        k_min, k_max: ``FPN.ROI_MIN_LEVEL`` / ``ROI_MAX_LEVEL``.
+        canonical_scale, canonical_level: ``FPN.ROI_CANONICAL_SCALE`` / ``_LEVEL``.
+
+    Returns:
+        float array of levels in ``[k_min, k_max]``.
+    """
+    w = rois[:, 2] - rois[:, 0] + 1
+    h = rois[:, 3] - rois[:, 1] + 1
+    s = np.sqrt(w * h)
+    target = np.floor(canonical_level + np.log2(s / canonical_scale + 1e-6))
+    return np.clip(target, k_min, k_max)
+
+
+def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str,
+                             rois: np.ndarray, target_lvls: np.ndarray, lvl_min: int,
+                             lvl_max: int) -> None:
+    """Write ``<prefix>_fpn<l>`` (rows of level l, original order) and
+    ``<prefix>_idx_restore_int32`` so that ``concat(levels)[restore] == rois``."""
+    order = []
+    for lvl in range(lvl_min, lvl_max + 1):
+        idx_lvl = np.where(target_lvls == lvl)[0]
+        blobs[f"{blob_prefix}_fpn{lvl}"] = rois[idx_lvl, :]
+        order.append(idx_lvl)
+    idx_order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
+    blobs[f"{blob_prefix}_idx_restore_int32"] = np.argsort(idx_order, kind="stable").astype(
+        np.int32, copy=False)
+
+
+def add_multilevel_rois(blobs: MutableMapping[str, Any], cfg: Any) -> None:
+    """Distribute ``rois`` (and ``mask_rois`` / ``keypoint_rois`` when on) over levels."""
+    lo, hi = cfg.FPN.ROI_MIN_LEVEL, cfg.FPN.ROI_MAX_LEVEL
+    prefixes = ["rois"]
+    if cfg.MODEL.MASK_ON:
+        prefixes.append("mask_rois")
+    if cfg.MODEL.KEYPOINTS_ON:
+        prefixes.append("keypoint_rois")
+    for prefix in prefixes:
+        rois = blobs[prefix]
+        lvls = map_rois_to_fpn_levels(rois[:, 1:5], lo, hi,
+                                      canonical_scale=cfg.FPN.ROI_CANONICAL_SCALE,
+                                      canonical_level=cfg.FPN.ROI_CANONICAL_LEVEL)
+        add_multilevel_roi_blobs(blobs, prefix, rois, lvls, lo, hi)

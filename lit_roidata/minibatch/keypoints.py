@@ -1,0 +1,129 @@
+"""Keypoint R-CNN targets and minibatch validity (spec §6.6, §6.10).
+
+Kept from Detectron on purpose: keypoint RoIs are sampled independently of the box
+head's fg RoIs (Q5), rows without a gt wrap to the last gt like NumPy's ``-1`` index
+(Q6, harmless: such rows are never fg), and the loss normaliser uses nominal counts
+(Q34). Fixed: a zero-width (or zero-height) RoI, possible for end-to-end RPN
+proposals, divides by zero in Detectron (Q25); here its extent is taken as 1 pixel,
+the same guard the mask rasteriser uses, and every non-degenerate RoI is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, MutableMapping
+
+import numpy as np
+
+from lit_roidata import rng as rng_mod
+
+__all__ = ["keypoints_to_heatmap_labels", "add_keypoint_rcnn_blobs",
+           "finalize_keypoint_minibatch", "check_keypoint_cfg"]
+
+
+def check_keypoint_cfg(cfg: Any) -> tuple[int, int]:
+    """``(NUM_KEYPOINTS, HEATMAP_SIZE)``, or a clear error if they are unset."""
+    k, hm = int(cfg.KRCNN.NUM_KEYPOINTS), int(cfg.KRCNN.HEATMAP_SIZE)
+    if k <= 0 or hm <= 0:
+        raise ValueError("MODEL.KEYPOINTS_ON needs KRCNN.NUM_KEYPOINTS and KRCNN.HEATMAP_SIZE "
+                         f"(got {k} and {hm}); COCO person keypoints use 17 and 56")
+    return k, hm
+
+
+def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
+                                heatmap_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Linear heatmap index ``y*HM + x`` and validity of each keypoint in its RoI.
+
+    Args:
+        keypoints: ``(n, 3, K)`` rows ``x, y, v`` in original image pixels.
+        rois: ``(n, 4)`` float32 boxes (original coordinates).
+        heatmap_size: ``KRCNN.HEATMAP_SIZE``.
+
+    Returns:
+        ``(heatmaps, weights)``, both float32 ``(n, K)``; location is 0 where invalid.
+    """
+    HM = heatmap_size
+    rois = np.asarray(rois, dtype=np.float32).reshape(-1, 4)
+    n, K = rois.shape[0], keypoints.shape[2]
+    heatmaps = np.zeros((n, K), dtype=np.float32)
+    weights = np.zeros((n, K), dtype=np.float32)
+    if n == 0:
+        return heatmaps, weights
+    dx = rois[:, 2] - rois[:, 0]
+    dy = rois[:, 3] - rois[:, 1]
+    dx = np.where(dx > 0, dx, np.float32(1))  # Q25 guard, a no-op for real boxes
+    dy = np.where(dy > 0, dy, np.float32(1))
+    scale_x = (HM / dx)[:, None]
+    scale_y = (HM / dy)[:, None]
+    vis = keypoints[:, 2, :] > 0
+    x = keypoints[:, 0, :].astype(np.float32)
+    y = keypoints[:, 1, :].astype(np.float32)
+    x_boundary = x == rois[:, 2:3]
+    y_boundary = y == rois[:, 3:4]
+    x = np.floor((x - rois[:, 0:1]) * scale_x)
+    y = np.floor((y - rois[:, 1:2]) * scale_y)
+    x[x_boundary] = HM - 1
+    y[y_boundary] = HM - 1
+    valid = (x >= 0) & (y >= 0) & (x < HM) & (y < HM) & vis
+    valid = valid.astype(np.int32)
+    heatmaps[:] = (y * HM + x) * valid
+    weights[:] = valid
+    return heatmaps, weights
+
+
+def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str, Any],
+                            fg_rois_per_image: int, im_scale: float, batch_idx: int,
+                            cfg: Any, rng: rng_mod.RNG) -> None:
+    """Add ``keypoint_rois``, ``keypoint_locations_int32``, ``keypoint_weights`` for one
+    image; draws ``choice`` only when there are more candidates than the fg quota."""
+    K, HM = check_keypoint_cfg(cfg)
+    gt_keypoints = np.asarray(entry["gt_keypoints"])
+    if gt_keypoints.ndim != 3 or gt_keypoints.shape[2] != K:
+        raise ValueError(f"image id {entry.get('id')}: gt_keypoints has shape "
+                         f"{gt_keypoints.shape}, expected (R_gt, 3, {K}); check "
+                         "KRCNN.NUM_KEYPOINTS against the dataset's keypoints")
+    boxes = np.asarray(entry["boxes"], dtype=np.float32)
+    max_overlaps = np.asarray(entry["max_overlaps"])
+    gt_inds = np.where(np.asarray(entry["gt_classes"]) > 0)[0]
+    box_to_gt = np.asarray(entry["box_to_gt_ind_map"]).astype(np.int64)
+    if gt_inds.size == 0 or boxes.shape[0] == 0:
+        kp_fg_inds = np.zeros((0,), dtype=np.int64)
+    else:
+        ind_kp = gt_inds[box_to_gt]  # -1 wraps to the last gt, as in Detectron (Q6)
+        kps = gt_keypoints[ind_kp]
+        within = ((kps[:, 0, :] >= boxes[:, 0:1]) & (kps[:, 0, :] <= boxes[:, 2:3]) &
+                  (kps[:, 1, :] >= boxes[:, 1:2]) & (kps[:, 1, :] <= boxes[:, 3:4]))
+        is_visible = np.sum((kps[:, 2, :] > 0) & within, axis=1) > 0
+        kp_fg_inds = np.where((max_overlaps >= cfg.TRAIN.FG_THRESH) & is_visible)[0]
+    quota = min(fg_rois_per_image, kp_fg_inds.size)
+    if kp_fg_inds.size > quota:
+        kp_fg_inds = rng_mod.choice(rng, kp_fg_inds, size=quota, replace=False)
+    sampled_rois = boxes[kp_fg_inds]
+    maps = box_to_gt[kp_fg_inds]
+    sampled_kps = -np.ones((len(sampled_rois), 3, K), dtype=gt_keypoints.dtype)
+    has_gt = maps >= 0
+    if has_gt.any():
+        sampled_kps[has_gt] = gt_keypoints[gt_inds[maps[has_gt]]]
+    heats, weights = keypoints_to_heatmap_labels(sampled_kps, sampled_rois, HM)
+    shape = (sampled_rois.shape[0] * K, 1)
+    rois_scaled = sampled_rois * float(im_scale)
+    batch_col = batch_idx * np.ones((rois_scaled.shape[0], 1), dtype=np.float32)
+    blobs["keypoint_rois"] = np.hstack((batch_col, rois_scaled)).astype(np.float32, copy=False)
+    blobs["keypoint_locations_int32"] = heats.reshape(shape).astype(np.int32, copy=False)
+    blobs["keypoint_weights"] = weights.reshape(shape)
+
+
+def finalize_keypoint_minibatch(blobs: MutableMapping[str, Any], valid: bool, cfg: Any) -> bool:
+    """Add ``keypoint_loss_normalizer`` and apply the validity rule (spec §6.6).
+
+    Returns:
+        ``valid and rows > 0 and visible > MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH``.
+    """
+    weights = blobs["keypoint_weights"]
+    num_visible = float(np.sum(weights))
+    min_count = cfg.KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH
+    valid = bool(valid and len(weights) > 0 and num_visible > min_count)
+    norm = num_visible / (cfg.TRAIN.IMS_PER_BATCH * cfg.TRAIN.BATCH_SIZE_PER_IM
+                          * cfg.TRAIN.FG_FRACTION * cfg.KRCNN.NUM_KEYPOINTS)
+    blobs["keypoint_loss_normalizer"] = np.array(norm, dtype=np.float32)
+    return valid
+

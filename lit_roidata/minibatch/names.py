@@ -1,0 +1,102 @@
+"""Blob names per model family, in Detectron's queue order (spec §6.1).
+
+The order matters: Detectron feeds blobs to the network positionally, and the
+in-network label ops of end-to-end training (spec §6.9) emit the Fast R-CNN list in
+this same order. Every training blob is float32 or int32 (spec §10 item 16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "get_minibatch_blob_names",
+    "get_fast_rcnn_blob_names",
+    "get_rpn_blob_names",
+    "get_retinanet_blob_names",
+]
+
+
+def _levels(lo: int, hi: int) -> range:
+    return range(int(lo), int(hi) + 1)
+
+
+def get_rpn_blob_names(cfg: Any) -> list[str]:
+    """RPN family (``RPN.RPN_ON``): ``im_info``, ``roidb`` and the wide RPN targets."""
+    names = ["im_info", "roidb"]
+    if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
+        for lvl in _levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL):
+            names += [
+                f"rpn_labels_int32_wide_fpn{lvl}",
+                f"rpn_bbox_targets_wide_fpn{lvl}",
+                f"rpn_bbox_inside_weights_wide_fpn{lvl}",
+                f"rpn_bbox_outside_weights_wide_fpn{lvl}",
+            ]
+    else:
+        names += [
+            "rpn_labels_int32_wide",
+            "rpn_bbox_targets_wide",
+            "rpn_bbox_inside_weights_wide",
+            "rpn_bbox_outside_weights_wide",
+        ]
+    return names
+
+
+def get_retinanet_blob_names(cfg: Any) -> list[str]:
+    """RetinaNet family: ``im_info``, fg/bg counts, then three blobs per FPN level.
+
+    Raises:
+        ValueError: RetinaNet without ``FPN.FPN_ON`` (Detectron asserts the same).
+    """
+    if not cfg.FPN.FPN_ON:
+        raise ValueError("RETINANET.RETINANET_ON needs FPN.FPN_ON: True (Detectron's RetinaNet "
+                         "is always built on FPN); set FPN.FPN_ON in the config")
+    names = ["im_info", "retnet_fg_num", "retnet_bg_num"]
+    for lvl in _levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL):
+        names += [
+            f"retnet_cls_labels_fpn{lvl}",
+            f"retnet_roi_bbox_targets_fpn{lvl}",
+            f"retnet_roi_fg_bbox_locs_fpn{lvl}",
+        ]
+    return names
+
+
+def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
+    """Fast R-CNN family (precomputed proposals, or the output of §6.9's label op)."""
+    names = ["rois", "labels_int32", "bbox_targets", "bbox_inside_weights",
+             "bbox_outside_weights"]
+    if cfg.MODEL.MASK_ON:
+        names += ["mask_rois", "roi_has_mask_int32", "masks_int32"]
+    if cfg.MODEL.KEYPOINTS_ON:
+        names += ["keypoint_rois", "keypoint_locations_int32", "keypoint_weights",
+                  "keypoint_loss_normalizer"]
+    if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_ROIS:
+        levels = _levels(cfg.FPN.ROI_MIN_LEVEL, cfg.FPN.ROI_MAX_LEVEL)
+        prefixes = ["rois"]
+        if cfg.MODEL.MASK_ON:
+            prefixes.append("mask_rois")
+        if cfg.MODEL.KEYPOINTS_ON:
+            prefixes.append("keypoint_rois")
+        for prefix in prefixes:
+            names += [f"{prefix}_fpn{lvl}" for lvl in levels]
+            names.append(f"{prefix}_idx_restore_int32")
+    return names
+
+
+def get_minibatch_blob_names(cfg: Any) -> list[str]:
+    """All training blob names for the configured model family, in queue order.
+
+    ``data`` first, then the family chosen with Detectron's precedence (spec §1):
+    ``RPN.RPN_ON``, else ``RETINANET.RETINANET_ON``, else Fast R-CNN.
+
+    Args:
+        cfg: a :class:`~lit_roidata.config.DetectronConfig`.
+
+    Returns:
+        The list of blob names (spec §6.1).
+    """
+    if cfg.RPN.RPN_ON:
+        return ["data"] + get_rpn_blob_names(cfg)
+    if cfg.RETINANET.RETINANET_ON:
+        return ["data"] + get_retinanet_blob_names(cfg)
+    return ["data"] + get_fast_rcnn_blob_names(cfg)
