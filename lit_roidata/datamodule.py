@@ -17,7 +17,7 @@ Lifecycle (Lightning's contract, ``datamodule.rst``):
   (:class:`~lit_roidata.dataset.RoIBlockDataset`), wrapped in the checkpointable
   :class:`~lit_roidata.loader.StatefulRoIDataLoader`.
 * ``val_dataloader`` / ``test_dataloader``: every evaluation image exactly once, in
-  roidb order, unflipped, split across ranks without padding (see :mod:`.evalset`).
+  roidb order, unflipped, split across ranks without padding (:class:`EvalLoader`).
 * ``on_after_batch_transfer``: uint8 images become Detectron's float blob (BGR minus
   ``PIXEL_MEANS``) on the device, 4× less host→device traffic than float32.
 """
@@ -27,12 +27,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, Mapping, Optional, Sequence
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
+from lit_roidata.minibatch.image import normalize_on_device
 
-__all__ = ["RoIDataModule", "ModelType"]
+__all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ class RoIDataModule(pl.LightningDataModule):
         cache_dir: folder for the roidb caches (default: the roidb builder's).
         data_root: root under which the built-in COCO catalog names resolve
             (``<data_root>/coco/...``).
+        dataset_catalog: YAML file registering your own datasets by name (see
+            :meth:`lit_roidata.catalog.Catalog.load_yaml`).
         demo_root: folder of the synthetic demo data; when set, ``prepare_data``
             generates it if missing and every process registers its datasets.
         infinite: Detectron's endless block stream (train with ``max_steps``) instead
@@ -117,6 +121,7 @@ class RoIDataModule(pl.LightningDataModule):
         on_bad_image: Literal["error", "skip"] = "error",
         cache_dir: Optional[str] = None,
         data_root: Optional[str] = None,
+        dataset_catalog: Optional[str] = None,
         demo_root: Optional[str] = None,
         infinite: bool = False,
         fix_rpn_quirks: bool = False,
@@ -153,22 +158,18 @@ class RoIDataModule(pl.LightningDataModule):
 
     def _datasets(self, split: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Dataset names and proposal files of ``split`` after the fallbacks."""
+        self.catalog()  # registers the demo datasets, if any
         hp, cfg = self.hparams, self.cfg
         if split == "test" and hp.test_datasets is None:
             split = "val"
-            names, props = hp.val_datasets, hp.val_proposal_files
-        else:
-            names = getattr(hp, f"{split}_datasets")
-            props = getattr(hp, f"{split}_proposal_files")
-        if split == "test" and props is None and not names:
-            props = hp.val_proposal_files
-        section = cfg.TRAIN if split == "train" else None
+        names = getattr(hp, f"{split}_datasets")
+        props = getattr(hp, f"{split}_proposal_files")
         if not names:
             if split == "train":
-                names, props = section.DATASETS, props or section.PROPOSAL_FILES
+                names, props = cfg.TRAIN.DATASETS, props or cfg.TRAIN.PROPOSAL_FILES
             else:
-                names = cfg.TEST.get("DATASETS", ())
-                props = props or cfg.TEST.get("PROPOSAL_FILES", ())
+                names = cfg.TEST.get("DATASETS") or ()
+                props = props or cfg.TEST.get("PROPOSAL_FILES") or ()
         if not names and self._demo is not None:
             demo = self._demo
             if split == "train":
@@ -183,18 +184,25 @@ class RoIDataModule(pl.LightningDataModule):
         return names, props
 
     def catalog(self) -> Any:
-        """The dataset catalog: built-in names under ``data_root`` plus the demo's."""
-        if self._catalog is None:
-            from lit_roidata import catalog as catalog_mod
+        """This module's dataset catalog (built once per process).
 
-            cat = catalog_mod.DatasetCatalog
+        A copy of the process-wide :data:`lit_roidata.catalog.DatasetCatalog` (so
+        datasets registered from Python are seen), with the built-in names resolved
+        under ``data_root``, the datasets of the ``dataset_catalog`` YAML file, and
+        the demo datasets when ``demo_root`` is set.
+        """
+        if self._catalog is None:
+            from lit_roidata.catalog import DatasetCatalog
+
+            cat = DatasetCatalog.copy()
             if self.hparams.data_root is not None:
-                cat = catalog_mod.builtin_catalog(self.hparams.data_root)
+                cat.set_data_root(self.hparams.data_root)
+            if self.hparams.dataset_catalog is not None:
+                cat.load_yaml(self.hparams.dataset_catalog, overwrite=True)
             if self.hparams.demo_root is not None:
                 from lit_roidata.demo import register_demo_datasets
 
                 self._demo = register_demo_datasets(self.hparams.demo_root, cat)
-                cat = self._demo.catalog if self._demo.catalog is not None else cat
             self._catalog = cat
         return self._catalog
 
@@ -247,3 +255,231 @@ class RoIDataModule(pl.LightningDataModule):
                 self.test_roidb = roidb_for_evaluation(
                     list(names), self.cfg, cache_dir=cache_dir, proposal_files=list(props),
                     catalog=catalog)
+
+    # ------------------------------------------------------------ dataloaders
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self._trainer if hasattr(self, "_trainer") else None
+        if trainer is None:
+            return 0, 1
+        return int(trainer.global_rank), int(trainer.world_size)
+
+    def make_sampler(self, roidb: Any = None, *, shuffle: bool = True,
+                     ims_per_batch: Optional[int] = None, rank: Optional[int] = None,
+                     world_size: Optional[int] = None) -> Any:
+        """Detectron's batch sampler over ``roidb`` (default: the training roidb).
+
+        Args:
+            shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` identity order.
+            ims_per_batch: images per partial minibatch (default ``TRAIN.IMS_PER_BATCH``).
+            rank, world_size: default: from the trainer (0 and 1 without one).
+        """
+        from lit_roidata.sampler import RoIBatchSampler
+
+        roidb = self.train_roidb if roidb is None else roidb
+        r, w = self._rank_world()
+        return RoIBatchSampler(
+            roidb.widths, roidb.heights,
+            int(self.cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch),
+            aspect_grouping=bool(self.cfg.TRAIN.ASPECT_GROUPING) and shuffle,
+            shuffle=shuffle, seed=self.seed, rank=r if rank is None else rank,
+            world_size=w if world_size is None else world_size,
+            infinite=bool(self.hparams.infinite))
+
+    def make_dataset(self, roidb: Any = None, sampler: Any = None, *,
+                     pixel_format: Optional[str] = None, cfg: Optional[DetectronConfig] = None
+                     ) -> Any:
+        """The workers' :class:`~lit_roidata.dataset.RoIBlockDataset` over ``roidb``.
+
+        Args:
+            sampler: the batch sampler whose ``replacement_block`` replaces a block with
+                a bad image (``on_bad_image="skip"``) or an invalid keypoint minibatch.
+            pixel_format, cfg: override this module's settings (the tools use them).
+        """
+        from lit_roidata.dataset import RoIBlockDataset
+
+        hp = self.hparams
+        return RoIBlockDataset(
+            self.train_roidb if roidb is None else roidb, self.cfg if cfg is None else cfg,
+            output_format=hp.output_format,
+            pixel_format=hp.pixel_format if pixel_format is None else pixel_format,
+            rng_mode=hp.rng_mode, on_bad_image=hp.on_bad_image,
+            replacement=None if sampler is None else sampler.replacement_block,
+            fix_rpn_quirks=hp.fix_rpn_quirks)
+
+    def train_dataloader(self) -> Any:
+        """The checkpointable train loader (this rank's partial minibatches)."""
+        from lit_roidata.loader import StatefulRoIDataLoader
+
+        if self.train_roidb is None:
+            self.setup("fit")
+        sampler = self.make_sampler()
+        dataset = self.make_dataset(sampler=sampler)
+        nw = int(self.hparams.num_workers)
+        self._train_loader = StatefulRoIDataLoader(
+            dataset, sampler, num_workers=nw, pin_memory=bool(self.hparams.pin_memory),
+            persistent_workers=False, prefetch_factor=None if nw == 0 else 2)
+        return self._train_loader
+
+    def _eval_loader(self, roidb: Any) -> Any:
+        if roidb is None:
+            return []
+        rank, world = self._rank_world()
+        return EvalLoader(roidb, self.cfg, rank=rank, world_size=world,
+                          ims_per_batch=int(self.hparams.eval_ims_per_batch),
+                          pixel_format=self.hparams.pixel_format,
+                          num_workers=int(self.hparams.num_workers),
+                          pin_memory=bool(self.hparams.pin_memory))
+
+    def val_dataloader(self) -> Any:
+        """Every validation image once, in roidb order, unflipped, sharded by rank."""
+        if self.val_roidb is None:
+            self.setup("validate")
+        return self._eval_loader(self.val_roidb)
+
+    def test_dataloader(self) -> Any:
+        """Every test image once, in roidb order, unflipped, sharded by rank."""
+        if self.test_roidb is None:
+            self.setup("test")
+        return self._eval_loader(self.test_roidb)
+
+    # ------------------------------------------------------------------- device
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Normalise a uint8 ``data`` blob into Detectron's float blob on the device."""
+        if (isinstance(batch, dict) and torch.is_tensor(batch.get("data"))
+                and batch["data"].dtype == torch.uint8):
+            sizes = _image_sizes(batch)
+            batch["data"] = normalize_on_device(batch["data"], sizes, self.cfg.PIXEL_MEANS)
+        return batch
+
+    # -------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The stream identity and skip counts (the loader position is saved by the
+        fit loop from :class:`~lit_roidata.loader.StatefulRoIDataLoader`)."""
+        return {"seed": self.seed, "skipped": dict(self._skipped)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the skip counts; a different seed is reported by the sampler."""
+        self._skipped = dict(state_dict.get("skipped", {}))
+
+
+def _image_sizes(batch: Mapping[str, Any]) -> Any:
+    """``(n, 2)`` unpadded ``(h, w)`` of the images in ``batch["data"]``."""
+    meta = batch.get("_meta") or {}
+    for key in ("image_sizes",):
+        if key in meta:
+            return meta[key]
+    if "im_info" in batch:
+        return batch["im_info"]
+    n, _, h, w = batch["data"].shape
+    return [[h, w]] * n
+
+
+class EvalDataset(torch.utils.data.Dataset):
+    """Evaluation batches: test-scale images, scaled proposals and what maps back to COCO.
+
+    Detectron tests one unflipped image at ``TEST.SCALE`` / ``TEST.MAX_SIZE`` and feeds
+    the first ``TEST.PROPOSAL_LIMIT`` proposals scaled to the input (its
+    ``_get_rois_blob``). ``__getitems__(indices)`` returns ``data``, ``im_info``
+    (``[round(H·s), round(W·s), s]``), ``rois`` (``(R, 5)``: batch index, scaled box;
+    only with proposal files), FPN ``rois_fpn<l>`` / ``rois_idx_restore_int32`` when
+    ``FPN.MULTILEVEL_ROIS`` is on, and ``_meta`` (``image_ids``, ``im_scales``,
+    ``datasets``, ``heights``, ``widths``, ``image_sizes``, ``indices``).
+    """
+
+    def __init__(self, roidb: Any, cfg: DetectronConfig, *, pixel_format: str = "uint8") -> None:
+        self.roidb = roidb
+        self.pixel_format = pixel_format
+        self.cfg = cfg.clone()
+        self.cfg.merge_from_dict({"TRAIN.SCALES": (int(cfg.TEST["SCALE"]),),
+                                  "TRAIN.MAX_SIZE": int(cfg.TEST["MAX_SIZE"])})
+        self.limit = int(cfg.TEST.get("PROPOSAL_LIMIT", -1))
+
+    def __len__(self) -> int:
+        return len(self.roidb)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
+        from lit_roidata.minibatch.image import build_image_blob
+
+        entries = [self.roidb[int(i)] for i in indices]
+        # One scale, so the generator draws nothing that matters.
+        ib = build_image_blob(entries, self.cfg, np.random.default_rng(0),
+                              pixel_format=self.pixel_format)
+        out: dict[str, Any] = {"data": torch.from_numpy(ib.data),
+                               "im_info": torch.from_numpy(ib.im_info)}
+        rois = self._rois(entries, ib.im_scales)
+        if rois is not None:
+            blobs: dict[str, Any] = {"rois": rois}
+            if self.cfg.FPN.FPN_ON and self.cfg.FPN.MULTILEVEL_ROIS:
+                from lit_roidata.minibatch.fpn import add_multilevel_roi_blobs, map_rois_to_fpn_levels
+
+                f = self.cfg.FPN
+                lvls = map_rois_to_fpn_levels(rois[:, 1:5], f.ROI_MIN_LEVEL, f.ROI_MAX_LEVEL,
+                                              canonical_scale=f.ROI_CANONICAL_SCALE,
+                                              canonical_level=f.ROI_CANONICAL_LEVEL)
+                add_multilevel_roi_blobs(blobs, "rois", rois, lvls, f.ROI_MIN_LEVEL,
+                                         f.ROI_MAX_LEVEL)
+            out.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in blobs.items()})
+        out["_meta"] = {
+            "image_ids": [int(e["id"]) for e in entries],
+            "im_scales": [float(s) for s in ib.im_scales],
+            "datasets": [self.roidb.dataset_of(int(i)) for i in indices],
+            "heights": [int(e["height"]) for e in entries],
+            "widths": [int(e["width"]) for e in entries],
+            "image_sizes": torch.from_numpy(ib.image_sizes),
+            "indices": [int(i) for i in indices],
+        }
+        return out
+
+    def _rois(self, entries: Sequence[Mapping[str, Any]], scales: Sequence[float]
+              ) -> Optional[np.ndarray]:
+        if not getattr(self.roidb, "has_proposals", True):
+            return None
+        parts = []
+        any_props = False
+        for b, (entry, s) in enumerate(zip(entries, scales)):
+            boxes = np.asarray(entry["boxes"], dtype=np.float32)
+            props = boxes[np.asarray(entry["gt_classes"]) == 0]
+            any_props |= len(props) > 0
+            if self.limit > 0:
+                props = props[: self.limit]
+            rows = np.empty((len(props), 5), dtype=np.float32)
+            rows[:, 0] = b
+            rows[:, 1:] = props * np.float32(s)
+            parts.append(rows)
+        return np.concatenate(parts) if any_props or self._expects_proposals() else None
+
+    def _expects_proposals(self) -> bool:
+        return bool(getattr(self.roidb, "proposal_files", ()))
+
+
+class EvalLoader:
+    """This rank's evaluation batches: a contiguous shard of the roidb, in order.
+
+    Shards differ by at most one image (no padding, no duplicates: COCO AP counts every
+    image once). Like :class:`~lit_roidata.loader.StatefulRoIDataLoader` it wraps the
+    ``DataLoader`` so Lightning never swaps in a ``DistributedSampler``, which would
+    pad the shards with repeated images.
+    """
+
+    def __init__(self, roidb: Any, cfg: DetectronConfig, *, rank: int = 0, world_size: int = 1,
+                 ims_per_batch: int = 1, pixel_format: str = "uint8", num_workers: int = 0,
+                 pin_memory: bool = False) -> None:
+        from lit_roidata.loader import passthrough_collate
+
+        shard = np.array_split(np.arange(len(roidb)), world_size)[rank]
+        self.batches = [shard[i:i + ims_per_batch].tolist()
+                        for i in range(0, len(shard), ims_per_batch)]
+        self.dataset = EvalDataset(roidb, cfg, pixel_format=pixel_format)
+        self.num_workers = min(int(num_workers), len(self.batches))
+        self._loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=self.batches, collate_fn=passthrough_collate,
+            num_workers=self.num_workers, pin_memory=pin_memory)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        return iter(self._loader)
