@@ -1,0 +1,205 @@
+"""The train DataLoader that checkpoints the batches the training loop consumed.
+
+A plain ``DataLoader`` over :class:`~lit_roidata.sampler.RoIBatchSampler` would resume at
+the sampler's cursor, which runs ``num_workers * prefetch_factor`` blocks ahead of
+training; and Lightning, seeing a ``DataLoader`` in a distributed run, would rebuild it
+around a ``DistributedSampler`` (``use_distributed_sampler=True``) and throw the batch
+sampler's own DDP split away (peers.md P9). :class:`StatefulRoIDataLoader` solves both:
+
+* it *wraps* a ``DataLoader`` instead of subclassing one. Lightning's
+  ``_DataConnector._prepare_dataloader`` (trainer/connectors/data_connector.py) returns
+  any object that is not a ``torch.utils.data.DataLoader`` unchanged, so the loader is
+  neither re-instantiated nor wrapped, whatever ``use_distributed_sampler`` says;
+* it implements ``state_dict``/``load_state_dict`` (Lightning's ``_Stateful`` protocol):
+  the fit loop stores the state under ``loops.fit_loop.state_dict.combined_loader`` in
+  every checkpoint (loops/fit_loop.py ``on_save_checkpoint``) and restores it before
+  creating the iterator; since every train loader is stateful, Lightning's mid-epoch
+  resume warning is not raised (loops/training_epoch_loop.py);
+* the position advances when a batch is *handed to the loop*, not when a worker is given
+  a block. Lightning does not prefetch from loaders that have a length
+  (loops/fetchers.py ``_PrefetchDataFetcher.__iter__``), and this loader always has one,
+  so a batch handed out is a batch trained on. Batches come out in sampler order
+  (``in_order=True``), so counting them is exact;
+* restoring is O(1): the saved ``(pass, cursor)`` is set on the sampler; nothing is
+  replayed (design principle 4).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lit_roidata.sampler import RoIBatchSampler
+
+__all__ = ["StatefulRoIDataLoader", "passthrough_collate"]
+
+log = logging.getLogger(__name__)
+
+
+def passthrough_collate(batch: Any) -> Any:
+    """Return the dataset's result for one block unchanged: batching is the sampler's job
+    (docs/architecture.md §4)."""
+    return batch
+
+
+class _EpochHook:
+    """What Lightning finds at ``loader.sampler``: it only calls ``set_epoch`` there
+    (lightning_fabric/utilities/data.py ``_set_sampler_epoch``), and the epoch must reach the
+    loader's consumed position, not only the sampler's draw position."""
+
+    __slots__ = ("_loader",)
+
+    def __init__(self, loader: "StatefulRoIDataLoader") -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
+class StatefulRoIDataLoader:
+    """A checkpointable train loader over a :class:`RoIBatchSampler` (design principle 4).
+
+    Iterating yields one item per block of this rank (the dataset's ``__getitems__``
+    result, passed through ``collate_fn``). ``len()`` is the sampler's length, equal on
+    every rank. The state is the sampler's position after the last batch handed out,
+    counted in global blocks, so a checkpoint taken mid-epoch resumes with exactly the
+    batches an uninterrupted run would have produced, for any ``num_workers`` and even
+    with another ``world_size``.
+
+    Args:
+        dataset: map-style dataset; ``__getitems__(block)`` (or ``__getitem__`` per index)
+            builds the blobs of one block in a worker.
+        batch_sampler: this rank's :class:`RoIBatchSampler`.
+        num_workers, pin_memory, timeout, worker_init_fn, multiprocessing_context,
+            prefetch_factor, persistent_workers: as for ``torch.utils.data.DataLoader``.
+        collate_fn: defaults to :func:`passthrough_collate`.
+        strict_resume: when a loaded state belongs to another stream (roidb length,
+            orientation count, ``ims_per_batch``, seed, grouping or shuffle differ),
+            ``True`` raises ``ValueError``; ``False`` logs a warning and starts a fresh pass.
+
+    Raises:
+        TypeError: an ``IterableDataset`` or a batch sampler that is not a
+            ``RoIBatchSampler``.
+    """
+
+    def __init__(self, dataset: Any, batch_sampler: RoIBatchSampler, *, num_workers: int = 0,
+                 collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
+                 timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, prefetch_factor: int | None = None,
+                 persistent_workers: bool = False, strict_resume: bool = True) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
+                            f"indices are fetched by index); got {type(dataset).__name__}")
+        if not isinstance(batch_sampler, RoIBatchSampler):
+            raise TypeError("StatefulRoIDataLoader: batch_sampler must be a RoIBatchSampler, "
+                            f"got {type(batch_sampler).__name__}")
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.strict_resume = bool(strict_resume)
+        # A private generator: the DataLoader draws the worker base seed from it, so the
+        # global torch RNG is never touched (a resumed run would otherwise diverge).
+        self._generator = torch.Generator()
+        self._loader = DataLoader(
+            dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+            collate_fn=passthrough_collate if collate_fn is None else collate_fn,
+            pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context, generator=self._generator,
+            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+            in_order=True)
+        state = batch_sampler.state_dict()
+        self._pos: tuple[int, int] = (state["pass"], state["cursor"])
+        self._consumed = 0  # global minibatches handed out over the run (informational)
+        self.sampler = _EpochHook(self)
+
+    # ------------------------------------------------------------------ DataLoader face
+    @property
+    def dataloader(self) -> DataLoader:
+        """The wrapped ``torch.utils.data.DataLoader``."""
+        return self._loader
+
+    @property
+    def num_workers(self) -> int:
+        return self._loader.num_workers
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._loader.pin_memory
+
+    @property
+    def persistent_workers(self) -> bool:
+        return self._loader.persistent_workers
+
+    @property
+    def collate_fn(self) -> Callable[[Any], Any]:
+        return self._loader.collate_fn
+
+    @property
+    def _iterator(self) -> Any:
+        # Lightning's CombinedLoader.reset() shuts persistent workers down through this.
+        return self._loader._iterator
+
+    @_iterator.setter
+    def _iterator(self, value: Any) -> None:
+        self._loader._iterator = value
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (:meth:`RoIBatchSampler.__len__`)."""
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches from the consumed position on: to the end of the pass (epoch mode) or
+        forever (infinite mode). Nothing runs until the first ``next()``, so Lightning can
+        create the iterator, then call ``set_epoch``, then fetch."""
+        return self._generate()
+
+    def _generate(self) -> Iterator[Any]:
+        sampler = self.batch_sampler
+        self._pos = sampler.normalize(*self._pos)
+        sampler.load_state_dict(sampler.state_at(*self._pos))
+        seed = np.random.SeedSequence([sampler.seed, *self._pos]).generate_state(1)[0]
+        self._generator.manual_seed(int(seed))  # worker seeds depend on position only
+        for batch in self._loader:
+            # Advance before yielding: a checkpoint written while the loop holds this
+            # batch must resume after it.
+            self._pos = sampler.advance(*self._pos, 1)
+            self._consumed += 1
+            yield batch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch mode: start pass ``epoch`` unless it is the current one (a mid-epoch
+        resume keeps its cursor). Infinite mode: no effect. Lightning calls this through
+        ``loader.sampler.set_epoch`` at every epoch start."""
+        self.batch_sampler.set_epoch(epoch)
+        if not self.batch_sampler.infinite and epoch != self._pos[0]:
+            self._pos = (int(epoch), 0)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The consumed position (``sampler`` entry, :meth:`RoIBatchSampler.state_at`)."""
+        return {"sampler": self.batch_sampler.state_at(*self._pos),
+                "consumed_batches": self._consumed, "num_workers": self.num_workers}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool | None = None) -> None:
+        """Continue from a saved position in O(1); no batch is replayed.
+
+        Args:
+            state_dict: from :meth:`state_dict` (or a bare sampler state).
+            strict: overrides ``strict_resume`` for this call.
+
+        Raises:
+            ValueError: the state belongs to another stream and resuming is strict.
+        """
+        strict = self.strict_resume if strict is None else bool(strict)
+        sampler_state = state_dict.get("sampler", state_dict)
+        self._pos = self.batch_sampler.check_state(sampler_state, strict=strict)
+        self._consumed = int(state_dict.get("consumed_batches", 0))
+        self.batch_sampler.load_state_dict(self.batch_sampler.state_at(*self._pos))
+
+    def __repr__(self) -> str:
+        return (f"StatefulRoIDataLoader(pass={self._pos[0]}, cursor={self._pos[1]}, "
+                f"len={len(self)}, num_workers={self.num_workers})")
