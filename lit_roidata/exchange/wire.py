@@ -132,7 +132,26 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON-serialisable")
 
 
+def _check_finite(obj: Any, path: str) -> None:
+    """JSON has no inf/nan (orjson would silently write ``null``): refuse them."""
+    if isinstance(obj, float):
+        if obj != obj or obj in (float("inf"), float("-inf")):
+            raise WireFormatError(f"meta field {path!r} is {obj}; JSON cannot carry inf/nan "
+                                  "(send it as a tensor instead)")
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _check_finite(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{path}[{i}]")
+    elif isinstance(obj, (np.ndarray, np.floating)) and obj.dtype.kind in "fc":
+        if not np.isfinite(obj).all():
+            raise WireFormatError(f"meta field {path!r} holds inf/nan; JSON cannot carry "
+                                  "them (send it as a tensor instead)")
+
+
 def _dumps(obj: Any, what: str) -> bytes:
+    _check_finite(obj.get("meta", {}), "")
     try:
         return orjson.dumps(obj, default=_json_default,
                             option=orjson.OPT_SERIALIZE_NUMPY)
