@@ -1,0 +1,293 @@
+"""Dataset catalog: name → image directory, COCO annotation file, image prefix.
+
+Detectron keeps a static dict rooted at ``detectron/datasets/data`` (spec §2.1). We keep
+its names and layout for the built-in COCO (and VOC-as-COCO-json) datasets, resolved
+under a *data root* that is chosen at lookup time (explicit ``data_root=`` or the
+``LIT_ROIDATA_DATA_ROOT`` environment variable), and let users add their own datasets
+from Python or from a YAML file.
+
+``DatasetCatalog`` is the process-wide default; code that wants isolation (tests,
+several experiments in one process) builds its own :class:`Catalog` and passes it
+explicitly (``combined_roidb_for_training(..., catalog=my_catalog)``).
+
+Example::
+
+    from lit_roidata.catalog import DatasetCatalog
+    DatasetCatalog.register("my_train", "/data/my/images", "/data/my/train.json")
+    DatasetCatalog.load_yaml("configs/datasets.yaml")
+    spec = DatasetCatalog.get("coco_2017_train")   # resolved under the data root
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import yaml
+
+__all__ = ["DatasetSpec", "Catalog", "DatasetCatalog", "builtin_datasets", "DATA_ROOT_ENV"]
+
+#: Environment variable naming the directory built-in datasets live under.
+DATA_ROOT_ENV = "LIT_ROIDATA_DATA_ROOT"
+_DEFAULT_DATA_ROOT = "data"
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Where one dataset lives (Detectron's catalog record, spec §2.1).
+
+    Attributes:
+        name: catalog name.
+        image_dir: directory holding the images.
+        annotation_file: COCO-format JSON file.
+        image_prefix: prepended to each ``file_name`` (Detectron's ``IM_PREFIX``).
+        proposal_file: optional default proposal file for this dataset.
+    """
+
+    name: str
+    image_dir: str
+    annotation_file: str
+    image_prefix: str = ""
+    proposal_file: Optional[str] = None
+
+
+def _coco(im_dir: str, ann: str, prefix: str = "") -> tuple[str, str, str]:
+    return ("coco/" + im_dir, "coco/annotations/" + ann, prefix)
+
+
+def _voc(year: str, split: str) -> tuple[str, str, str]:
+    return (f"VOC{year}/JPEGImages", f"VOC{year}/annotations/voc_{year}_{split}.json", "")
+
+
+#: Detectron's built-in names and paths relative to the data root
+#: (``detectron/datasets/dataset_catalog.py``).
+_BUILTIN: dict[str, tuple[str, str, str]] = {
+    "coco_2014_train": _coco("coco_train2014", "instances_train2014.json"),
+    "coco_2014_val": _coco("coco_val2014", "instances_val2014.json"),
+    "coco_2014_minival": _coco("coco_val2014", "instances_minival2014.json"),
+    "coco_2014_valminusminival": _coco("coco_val2014", "instances_valminusminival2014.json"),
+    "coco_2015_test": _coco("coco_test2015", "image_info_test2015.json"),
+    "coco_2015_test-dev": _coco("coco_test2015", "image_info_test-dev2015.json"),
+    "coco_2017_train": _coco("coco_train2017", "instances_train2017.json"),
+    "coco_2017_val": _coco("coco_val2017", "instances_val2017.json"),
+    "coco_2017_test": _coco("coco_test2015", "image_info_test2017.json", "COCO_test2015_"),
+    "coco_2017_test-dev": _coco("coco_test2015", "image_info_test-dev2017.json",
+                                "COCO_test2015_"),
+    "keypoints_coco_2014_train": _coco("coco_train2014", "person_keypoints_train2014.json"),
+    "keypoints_coco_2014_val": _coco("coco_val2014", "person_keypoints_val2014.json"),
+    "keypoints_coco_2014_minival": _coco("coco_val2014", "person_keypoints_minival2014.json"),
+    "keypoints_coco_2014_valminusminival": _coco(
+        "coco_val2014", "person_keypoints_valminusminival2014.json"),
+    "keypoints_coco_2015_test": _coco("coco_test2015", "image_info_test2015.json"),
+    "keypoints_coco_2015_test-dev": _coco("coco_test2015", "image_info_test-dev2015.json"),
+    "keypoints_coco_2017_train": _coco("coco_train2017", "person_keypoints_train2017.json"),
+    "keypoints_coco_2017_val": _coco("coco_val2017", "person_keypoints_val2017.json"),
+    "voc_2007_train": _voc("2007", "train"),
+    "voc_2007_val": _voc("2007", "val"),
+    "voc_2007_test": _voc("2007", "test"),
+    "voc_2012_train": _voc("2012", "train"),
+    "voc_2012_val": _voc("2012", "val"),
+}
+
+
+def builtin_datasets(data_root: PathLike) -> dict[str, DatasetSpec]:
+    """Detectron's built-in dataset names resolved under ``data_root``."""
+    root = os.fspath(data_root)
+    return {name: DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix)
+            for name, (im, ann, prefix) in _BUILTIN.items()}
+
+
+class Catalog:
+    """A registry of datasets by name, with Detectron's built-ins under a data root.
+
+    User registrations win over built-ins of the same name. Built-ins are resolved at
+    :meth:`get` time, so setting the data root (or the ``LIT_ROIDATA_DATA_ROOT``
+    variable) after import still takes effect.
+
+    Args:
+        data_root: directory of the built-in datasets; ``None`` reads
+            ``LIT_ROIDATA_DATA_ROOT`` at lookup time (default ``./data``).
+        builtins: include Detectron's built-in COCO/VOC names.
+    """
+
+    def __init__(self, data_root: Optional[PathLike] = None, *, builtins: bool = True) -> None:
+        self._data_root = None if data_root is None else os.fspath(data_root)
+        self._builtins = builtins
+        self._user: dict[str, DatasetSpec] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ data root
+    @property
+    def data_root(self) -> str:
+        """The directory built-in datasets are resolved under."""
+        if self._data_root is not None:
+            return self._data_root
+        return os.environ.get(DATA_ROOT_ENV, _DEFAULT_DATA_ROOT)
+
+    def set_data_root(self, data_root: Optional[PathLike]) -> None:
+        """Set (or with ``None`` reset to the environment default) the data root."""
+        self._data_root = None if data_root is None else os.fspath(data_root)
+
+    # ------------------------------------------------------------------ registry
+    def register(self, name: str, image_dir: PathLike, annotation_file: PathLike,
+                 image_prefix: str = "", *, proposal_file: Optional[PathLike] = None,
+                 overwrite: bool = False) -> DatasetSpec:
+        """Register a dataset under ``name``.
+
+        Args:
+            name: catalog name used in ``TRAIN.DATASETS``.
+            image_dir: directory holding the images.
+            annotation_file: COCO-format JSON.
+            image_prefix: prepended to every ``file_name``.
+            proposal_file: optional default proposal file.
+            overwrite: allow replacing an existing user registration.
+
+        Returns:
+            The registered :class:`DatasetSpec`.
+
+        Raises:
+            ValueError: empty name, or ``name`` already registered and not ``overwrite``.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"dataset name must be a non-empty string, got {name!r}")
+        spec = DatasetSpec(name, os.fspath(image_dir), os.fspath(annotation_file),
+                           str(image_prefix or ""),
+                           None if proposal_file is None else os.fspath(proposal_file))
+        with self._lock:
+            old = self._user.get(name)
+            if old is not None and old != spec and not overwrite:
+                raise ValueError(
+                    f"dataset {name!r} is already registered as {old}; pass overwrite=True "
+                    f"to replace it or choose another name")
+            self._user[name] = spec
+        return spec
+
+    def unregister(self, name: str) -> None:
+        """Remove a user registration (built-ins cannot be removed)."""
+        with self._lock:
+            self._user.pop(name, None)
+
+    def get(self, name: str) -> DatasetSpec:
+        """The :class:`DatasetSpec` registered as ``name``.
+
+        Raises:
+            KeyError: unknown name; the message lists the known names and the nearest one.
+        """
+        spec = self._user.get(name)
+        if spec is not None:
+            return spec
+        if self._builtins and name in _BUILTIN:
+            im, ann, prefix = _BUILTIN[name]
+            root = self.data_root
+            return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix)
+        known = self.names()
+        near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise KeyError(
+            f"dataset {name!r} is not in the catalog.{hint} Register it with "
+            f"DatasetCatalog.register(name, image_dir, annotation_file) or a catalog YAML. "
+            f"Known datasets: {', '.join(known)}")
+
+    def names(self) -> list[str]:
+        """All known names: user registrations first (in order), then built-ins."""
+        out = list(self._user)
+        if self._builtins:
+            out += [n for n in _BUILTIN if n not in self._user]
+        return out
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._user or (self._builtins and name in _BUILTIN)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def copy(self) -> "Catalog":
+        """An independent catalog with the same registrations and data root."""
+        out = Catalog(self._data_root, builtins=self._builtins)
+        out._user = dict(self._user)
+        return out
+
+    # ------------------------------------------------------------------ YAML
+    def load_yaml(self, path: PathLike, *, overwrite: bool = False) -> list[str]:
+        """Register the datasets listed in a YAML file; returns their names.
+
+        Format (relative paths resolve against ``data_root`` if given, else the YAML
+        file's directory)::
+
+            data_root: /data            # optional
+            datasets:
+              my_train:
+                image_dir: my/images
+                annotation_file: my/annotations/train.json
+                image_prefix: ""        # optional
+                proposal_file: null     # optional
+
+        A top-level ``data_root`` without ``datasets`` just sets this catalog's root
+        for built-ins (``builtin_data_root: true`` does it alongside datasets too).
+
+        Raises:
+            ValueError: malformed file or entry (names the file and the entry).
+        """
+        path = os.fspath(path)
+        with open(path, encoding="utf-8") as fh:
+            try:
+                data = yaml.safe_load(fh) or {}
+            except yaml.YAMLError as exc:
+                raise ValueError(f"{path}: not valid YAML: {exc}") from exc
+        return self.load_dict(data, base_dir=os.path.dirname(os.path.abspath(path)),
+                              source=path, overwrite=overwrite)
+
+    def load_dict(self, data: Mapping[str, Any], *, base_dir: str = ".", source: str = "<dict>",
+                  overwrite: bool = False) -> list[str]:
+        """Register datasets from a mapping shaped like :meth:`load_yaml`'s file."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected a mapping at the top level")
+        unknown = set(data) - {"data_root", "datasets", "builtin_data_root"}
+        if unknown:
+            raise ValueError(f"{source}: unknown top-level keys {sorted(unknown)}; expected "
+                             f"'datasets' and optionally 'data_root'")
+        root = data.get("data_root")
+        if root is not None:
+            root = os.path.join(base_dir, os.path.expanduser(str(root)))
+            if "datasets" not in data or data.get("builtin_data_root"):
+                self.set_data_root(root)
+        base = root if root is not None else base_dir
+        entries = data.get("datasets") or {}
+        if not isinstance(entries, Mapping):
+            raise ValueError(f"{source}: 'datasets' must map names to entries")
+        fields = {"image_dir", "annotation_file", "image_prefix", "proposal_file"}
+        names = []
+        for name, entry in entries.items():
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"{source}: dataset {name!r} must be a mapping with keys "
+                                 f"{sorted(fields)}")
+            bad = set(entry) - fields
+            missing = {"image_dir", "annotation_file"} - set(entry)
+            if bad or missing:
+                raise ValueError(f"{source}: dataset {name!r}: unknown keys {sorted(bad)}, "
+                                 f"missing keys {sorted(missing)}")
+
+            def res(p: Optional[str]) -> Optional[str]:
+                return None if p is None else os.path.join(base, os.path.expanduser(str(p)))
+
+            self.register(str(name), res(entry["image_dir"]), res(entry["annotation_file"]),
+                          str(entry.get("image_prefix") or ""),
+                          proposal_file=res(entry.get("proposal_file")), overwrite=overwrite)
+            names.append(str(name))
+        return names
+
+    def __repr__(self) -> str:
+        return (f"Catalog(data_root={self.data_root!r}, user={list(self._user)}, "
+                f"builtins={self._builtins})")
+
+
+#: The process-wide default catalog (user registrations + Detectron's built-ins).
+DatasetCatalog = Catalog()

@@ -1,0 +1,15 @@
+"""The combined roidb: COCO datasets + proposal files → a columnar, cached ``RoIDB``.
+
+Entry points: :func:`combined_roidb_for_training` (Detectron's training roidb, spec §4)
+and :func:`roidb_for_evaluation` (originals only, for validation/test). Both return a
+memory-mapped :class:`RoIDB` whose ``roidb[i]`` is a read-only mapping with Detectron's
+entry fields (docs/architecture.md §2).
+"""
+
+from lit_roidata.roidb.build import (CATEGORY_POLICIES, combined_roidb_for_training,
+                                     roidb_for_evaluation)
+from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
+from lit_roidata.roidb.store import ENTRY_FIELDS, RoIDB, RoIEntry
+
+__all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "RoIDB", "RoIEntry",
+           "DatasetInfo", "RoIDBInputError", "ENTRY_FIELDS", "CATEGORY_POLICIES"]

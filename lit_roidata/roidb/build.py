@@ -1,0 +1,354 @@
+"""``combined_roidb_for_training`` and ``roidb_for_evaluation``: inputs → cached ``RoIDB``.
+
+Order of operations is Detectron's (spec §4.1): per dataset, load + clean gt (§2.4),
+merge proposals (§3), class assignment (§2.5), flipped copies appended after the
+originals (§4.2); datasets concatenated in order; ``filter_for_training`` (§4.3);
+regression targets (§4.4, computed on access, see :mod:`.targets`). The result is
+written once to a cache directory keyed by the inputs' content and every option, and
+opened memory-mapped (:mod:`.cache`, :mod:`.store`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import time
+from collections import Counter
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
+from lit_roidata.config import DetectronConfig, get_cfg
+from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
+from lit_roidata.roidb.cache import write_arrays
+from lit_roidata.roidb.coco import GtTable, load_coco_json, read_json
+from lit_roidata.roidb.filters import filter_entries, trainable_images
+from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
+from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
+from lit_roidata.roidb.proposals import read_proposal_file
+from lit_roidata.roidb.report import BuildProgress, log_report
+from lit_roidata.roidb.segms import SegmColumns
+from lit_roidata.roidb.store import RoIDB
+
+__all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES"]
+
+logger = logging.getLogger("lit_roidata.roidb")
+
+#: How categories of several datasets are reconciled (spec Q22).
+CATEGORY_POLICIES = ("strict", "detectron", "by_name")
+MIN_PROPOSAL_SIZE = 2  # Detectron's get_roidb default (spec §2.3)
+
+Names = Union[str, Sequence[str]]
+
+
+def combined_roidb_for_training(
+    dataset_names: Names, proposal_files: Union[None, str, Sequence[Optional[str]]] = (),
+    cfg: Optional[DetectronConfig] = None, cache_dir: Optional[str] = None, *,
+    catalog: Optional[Catalog] = None, category_policy: str = "strict",
+    check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
+) -> RoIDB:
+    """Detectron's training roidb (spec §4), columnar and cached.
+
+    Args:
+        dataset_names: catalog name(s), concatenated in order (``TRAIN.DATASETS``).
+        proposal_files: one per dataset (``TRAIN.PROPOSAL_FILES``) or empty for none.
+        cfg: Detectron config (``TRAIN.*``, ``MODEL.KEYPOINTS_ON``, ``MODEL.BBOX_REG_*``).
+        cache_dir: cache root; default ``$LIT_ROIDATA_CACHE`` or ``~/.cache/lit_roidata``.
+        catalog: where names are looked up (default :data:`DatasetCatalog`).
+        category_policy: ``"strict"`` (category lists must agree, else a diff is shown),
+            ``"detectron"`` (concatenate without reconciling, spec Q22) or ``"by_name"``
+            (map every dataset's categories onto one class list by name).
+        check_images: verify at build time that every image file exists.
+        progress: show rich progress bars (default: when stderr is a terminal).
+        rebuild: ignore an existing cache.
+
+    Returns:
+        The :class:`RoIDB` (memory-mapped).
+
+    Raises:
+        KeyError: unknown dataset name. RoIDBInputError: bad input (names the file,
+        image id and fix). ValueError: bad arguments.
+    """
+    cfg = cfg if cfg is not None else get_cfg()
+    t = cfg.TRAIN
+    options = {
+        "mode": "train", "gt_min_area": float(t.GT_MIN_AREA),
+        "crowd_filter_thresh": float(t.CROWD_FILTER_THRESH),
+        "proposal_limit": int(t.PROPOSAL_LIMIT), "min_proposal_size": MIN_PROPOSAL_SIZE,
+        "use_flipped": bool(t.USE_FLIPPED), "filter": True,
+        "fg_thresh": float(t.FG_THRESH), "bg_thresh_hi": float(t.BG_THRESH_HI),
+        "bg_thresh_lo": float(t.BG_THRESH_LO), "keypoints_on": bool(cfg.MODEL.KEYPOINTS_ON),
+    }
+    return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
+                          category_policy, check_images, progress, rebuild)
+
+
+def roidb_for_evaluation(
+    dataset_names: Names, cfg: Optional[DetectronConfig] = None,
+    cache_dir: Optional[str] = None, proposal_files: Union[None, str, Sequence] = (),
+    catalog: Optional[Catalog] = None, *, category_policy: str = "strict",
+    check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
+) -> RoIDB:
+    """Originals only, ascending id per dataset: no flipping, no ``filter_for_training``.
+
+    For validation/test loaders and COCO evaluation. Gt is loaded and cleaned as for
+    training; proposals use ``TEST.PROPOSAL_LIMIT`` and no crowd filter, as Detectron's
+    test roidb does. Arguments as :func:`combined_roidb_for_training`.
+    """
+    cfg = cfg if cfg is not None else get_cfg()
+    options = {
+        "mode": "eval", "gt_min_area": float(cfg.TRAIN.GT_MIN_AREA), "crowd_filter_thresh": 0.0,
+        "proposal_limit": int(cfg.TEST.get("PROPOSAL_LIMIT", -1)),
+        "min_proposal_size": MIN_PROPOSAL_SIZE, "use_flipped": False, "filter": False,
+    }
+    return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
+                          category_policy, check_images, progress, rebuild)
+
+
+def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]:
+    names = (dataset_names,) if isinstance(dataset_names, str) else tuple(dataset_names)
+    if not names:
+        raise ValueError("no datasets given; set TRAIN.DATASETS (catalog names)")
+    if proposal_files is None or isinstance(proposal_files, str) and not proposal_files:
+        files: tuple = ()
+    elif isinstance(proposal_files, (str, os.PathLike)):
+        files = (os.fspath(proposal_files),)
+    else:
+        files = tuple(None if f in (None, "") else os.fspath(f) for f in proposal_files)
+    if not files:
+        files = (None,) * len(names)
+    if len(files) != len(names):
+        raise ValueError(f"{len(names)} dataset(s) {list(names)} but {len(files)} proposal "
+                         f"file(s); give one proposal file per dataset, or none")
+    return names, files
+
+
+def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
+                   category_policy, check_images, progress, rebuild) -> RoIDB:
+    if category_policy not in CATEGORY_POLICIES:
+        raise ValueError(f"category_policy={category_policy!r}; choose one of "
+                         f"{CATEGORY_POLICIES}")
+    names, files = _normalise(dataset_names, proposal_files)
+    catalog = catalog if catalog is not None else DatasetCatalog
+    specs = [catalog.get(n) for n in names]
+    root = os.path.abspath(cache_dir or default_cache_dir())
+    os.makedirs(root, exist_ok=True)
+    for spec in specs:
+        if not os.path.isfile(spec.annotation_file):
+            raise FileNotFoundError(
+                f"dataset {spec.name!r}: annotation file {spec.annotation_file} does not exist; "
+                f"fix the catalog entry (or the data root for built-in names)")
+    m = cfg.MODEL
+    options = dict(options, category_policy=category_policy, check_images=bool(check_images),
+                   bbox_thresh=float(cfg.TRAIN.BBOX_THRESH),
+                   cls_agnostic=bool(m.CLS_AGNOSTIC_BBOX_REG),
+                   bbox_reg_weights=[float(w) for w in m.BBOX_REG_WEIGHTS])
+    inputs = [{"name": s.name, "image_dir": os.path.abspath(s.image_dir),
+               "image_prefix": s.image_prefix,
+               "annotation": file_fingerprint(s.annotation_file, root),
+               "proposals": None if f is None else file_fingerprint(f, root)}
+              for s, f in zip(specs, files)]
+    key = cache_key({"inputs": inputs, "options": options})
+
+    def build(tmp: str) -> dict:
+        return _build(tmp, specs, files, options, progress, inputs)
+
+    path, manifest, built = get_or_build(root, key, build, rebuild=rebuild)
+    if built:
+        log_report(manifest["report"])
+    db = RoIDB(path)
+    logger.info("roidb %s: %d entries (%s)", "built" if built else "opened from cache",
+                len(db), path)
+    return db
+
+
+def _check_categories(tables_cats: list, names: list, policy: str) -> None:
+    if policy != "strict" or len(tables_cats) < 2:
+        return
+    ref = [f"{cid}: {n}" for cid, n in tables_cats[0]]
+    for cats, name in zip(tables_cats[1:], names[1:]):
+        cur = [f"{cid}: {n}" for cid, n in cats]
+        if cur != ref:
+            diff = "\n".join(difflib.unified_diff(ref, cur, names[0], name, lineterm="", n=1))
+            raise RoIDBInputError(
+                f"datasets {names[0]!r} and {name!r} have different categories (Detectron "
+                f"would silently mix their class ids, spec Q22):\n{diff}\nMake the category "
+                f"lists identical, or pass category_policy='by_name' (map by category name) "
+                f"or 'detectron' (keep Detectron's behaviour).")
+
+
+def _build(tmp, specs, files, options, progress, inputs) -> dict:
+    t0 = time.perf_counter()
+    tables: list[GtTable] = []
+    props: list = []
+    cats: list = []
+    union: Optional[list] = [] if options["category_policy"] == "by_name" else None
+    with BuildProgress(progress) as prog:
+        for spec, pfile in zip(specs, files):
+            with prog.task(f"{spec.name}: annotations", 3) as step:
+                data = read_json(spec.annotation_file)
+                step()
+                if not isinstance(data, dict):
+                    raise RoIDBInputError(f"{spec.annotation_file}: expected a JSON object")
+                c = [(int(x["id"]), str(x["name"])) for x in data.get("categories") or []
+                     if isinstance(x, dict) and "id" in x and "name" in x]
+                cats.append(c)
+                _check_categories(cats, [s.name for s in specs[:len(cats)]],
+                                  options["category_policy"])
+                if union is not None:
+                    union.extend(n for _, n in c if n not in union)
+                table = load_coco_json(spec.annotation_file, name=spec.name, data=data,
+                                       gt_min_area=options["gt_min_area"], class_order=union)
+                del data
+                step()
+                if options["check_images"]:
+                    _check_images(spec, table.file_names)
+                step()
+            tables.append(table)
+            if pfile is None:
+                props.append(empty_proposal_table(table.ids.size))
+                continue
+            with prog.task(f"{spec.name}: proposals {os.path.basename(pfile)}",
+                           table.ids.size) as step:
+                src = read_proposal_file(pfile)
+                props.append(build_proposal_table(
+                    src, image_ids=table.ids, widths=table.widths, heights=table.heights,
+                    gt_off=table.gt_off, gt_boxes=table.boxes, gt_classes=table.classes,
+                    gt_is_crowd=table.is_crowd, min_proposal_size=options["min_proposal_size"],
+                    proposal_limit=options["proposal_limit"],
+                    crowd_filter_thresh=options["crowd_filter_thresh"], progress=step))
+                del src
+    if union is not None:
+        for t in tables:
+            t.info = DatasetInfo(t.info.name, ("__background__", *union),
+                                 t.info.json_category_id_to_contiguous_id,
+                                 t.info.contiguous_category_id_to_json_id, t.info.keypoints,
+                                 t.info.keypoint_flip_map)
+    arrays, report = _combine(specs, tables, props, options)
+    manifest_arrays = write_arrays(tmp, arrays)
+    report["build_seconds"] = round(time.perf_counter() - t0, 3)
+    return {"arrays": manifest_arrays, "datasets": [t.info.to_json() for t in tables],
+            "targets": {"bbox_thresh": options["bbox_thresh"],
+                        "cls_agnostic": options["cls_agnostic"],
+                        "weights": options["bbox_reg_weights"]},
+            "options": options, "inputs": inputs, "report": report}
+
+
+def _check_images(spec: DatasetSpec, file_names: list) -> None:
+    if not os.path.isdir(spec.image_dir):
+        raise RoIDBInputError(
+            f"dataset {spec.name!r}: image directory {spec.image_dir} does not exist; fix the "
+            f"catalog entry (or pass check_images=False to skip this check)")
+    listing = set(os.listdir(spec.image_dir))
+    missing = []
+    for fn in file_names:
+        name = spec.image_prefix + fn
+        if ("/" in name or os.sep in name) and os.path.exists(os.path.join(spec.image_dir, name)):
+            continue
+        if name not in listing:
+            missing.append(name)
+    if missing:
+        raise RoIDBInputError(
+            f"dataset {spec.name!r} ({spec.annotation_file}): {len(missing)} of "
+            f"{len(file_names)} images are missing from {spec.image_dir}, e.g. "
+            f"{', '.join(missing[:5])}. Check image_dir/image_prefix in the catalog, download "
+            f"the images, or pass check_images=False.")
+
+
+def _offsets_cat(offs: Sequence[np.ndarray]) -> np.ndarray:
+    out, base = [np.zeros(1, np.int64)], 0
+    for o in offs:
+        out.append(np.asarray(o[1:], np.int64) + base)
+        base += int(o[-1])
+    return np.concatenate(out)
+
+
+def _combine(specs, tables, props, options) -> tuple[dict, dict]:
+    cat = np.concatenate
+    n_imgs = [t.ids.size for t in tables]
+    paths = [os.path.join(s.image_dir, s.image_prefix + fn).encode("utf-8")
+             for s, t in zip(specs, tables) for fn in t.file_names]
+    path_off = np.zeros(len(paths) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, paths), np.int64, len(paths)), out=path_off[1:])
+    k_max = max((t.info.num_keypoints for t in tables), default=0)
+    kps = []
+    for t in tables:
+        k = np.zeros((t.classes.size, 3, k_max), np.int32)
+        if t.keypoints is not None:
+            k[:, :, :t.keypoints.shape[2]] = t.keypoints
+        kps.append(k)
+    a: dict[str, np.ndarray] = {
+        "img_id": cat([t.ids for t in tables]),
+        "img_width": cat([t.widths for t in tables]).astype(np.int32),
+        "img_height": cat([t.heights for t in tables]).astype(np.int32),
+        "img_dataset": cat([np.full(n, k, np.int16) for k, n in enumerate(n_imgs)]),
+        "img_path_bytes": np.frombuffer(b"".join(paths), np.uint8),
+        "img_path_off": path_off,
+        "img_has_vis_kp": cat([t.has_vis_kp for t in tables]),
+        "img_gt_off": _offsets_cat([t.gt_off for t in tables]),
+        "img_prop_off": _offsets_cat([p.off for p in props]),
+        "gt_boxes": cat([t.boxes for t in tables]).reshape(-1, 4),
+        "gt_classes": cat([t.classes for t in tables]).astype(np.int32),
+        "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),
+        "gt_is_crowd": cat([t.is_crowd for t in tables]).astype(bool),
+        "gt_keypoints": cat(kps),
+        "prop_boxes": cat([p.boxes for p in props]).reshape(-1, 4).astype(np.float32),
+        "prop_max_overlaps": cat([p.max_overlaps for p in props]).astype(np.float32),
+        "prop_max_classes": cat([p.max_classes for p in props]).astype(np.int32),
+        "prop_gt_map": cat([p.gt_map for p in props]).astype(np.int32),
+    }
+    a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
+    starts = np.cumsum([0] + n_imgs)
+    entry_img, entry_flip = [], []
+    for k in range(len(tables)):
+        orig = np.arange(starts[k], starts[k + 1], dtype=np.int64)
+        entry_img.append(orig)
+        entry_flip.append(np.zeros(orig.size, bool))
+        if options["use_flipped"]:
+            entry_img.append(orig)
+            entry_flip.append(np.ones(orig.size, bool))
+    e_img, e_flip = cat(entry_img), cat(entry_flip)
+    before = int(e_img.size)
+    dropped: Counter = Counter()
+    if options["filter"]:
+        ok_img = trainable_images(
+            gt_off=a["img_gt_off"], gt_is_crowd=a["gt_is_crowd"], prop_off=a["img_prop_off"],
+            prop_max_overlaps=a["prop_max_overlaps"], fg_thresh=options["fg_thresh"],
+            bg_thresh_hi=options["bg_thresh_hi"], bg_thresh_lo=options["bg_thresh_lo"])
+        keep, dropped = filter_entries(e_img, ok_img, a["img_has_vis_kp"],
+                                       keypoints_on=options["keypoints_on"])
+        e_img, e_flip = e_img[keep], e_flip[keep]
+    a["entry_img"] = e_img
+    a["entry_flipped"] = e_flip
+    report = {"datasets": _dataset_reports(tables, props, a), "entries": {
+        "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped)}}
+    return a, report
+
+
+_GT_KEYS = ("gt_min_area", "ignore", "non_finite_bbox", "non_positive_area", "degenerate_box",
+            "annotation_unknown_image")
+
+
+def _dataset_reports(tables, props, a) -> list[dict]:
+    n_total = a["img_id"].size
+    weight = np.bincount(a["entry_img"], minlength=n_total)
+    rows_img = np.repeat(np.arange(n_total), np.diff(a["img_gt_off"]))
+    w_rows = np.where(a["gt_is_crowd"], 0, weight[rows_img])
+    out, g0 = [], 0
+    for t, p in zip(tables, props):
+        g1 = g0 + t.classes.size
+        hist = np.bincount(t.classes, weights=w_rows[g0:g1], minlength=t.info.num_classes)
+        out.append({
+            "name": t.info.name, "images": int(t.ids.size), "gt_boxes": int(t.classes.size),
+            "gt_crowd": int(t.is_crowd.sum()),
+            "dropped": {k: int(t.counts.get(k, 0)) for k in _GT_KEYS},
+            "segms": {k: int(t.counts.get(k, 0)) for k in
+                      ("polygon_lt_6_coords", "empty_segmentation", "missing_segmentation")},
+            "proposals": dict(p.counts),
+            "class_histogram": {t.info.classes[c]: int(hist[c])
+                                for c in range(1, t.info.num_classes)},
+        })
+        g0 = g1
+    return out

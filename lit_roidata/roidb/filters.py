@@ -1,0 +1,54 @@
+"""``filter_for_training`` over whole columns (spec §4.3)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+__all__ = ["segment_any", "trainable_images", "filter_entries"]
+
+
+def segment_any(flags: np.ndarray, off: np.ndarray) -> np.ndarray:
+    """Per segment ``off[i]:off[i+1]``: is any flag set (empty segments give False)."""
+    c = np.zeros(flags.size + 1, np.int64)
+    np.cumsum(flags, out=c[1:])
+    return (c[off[1:]] - c[off[:-1]]) > 0
+
+
+def _candidate(mo: np.ndarray, fg_thresh: float, bg_hi: float, bg_lo: float) -> np.ndarray:
+    return (mo >= fg_thresh) | ((mo < bg_hi) & (mo >= bg_lo))
+
+
+def trainable_images(*, gt_off: np.ndarray, gt_is_crowd: np.ndarray, prop_off: np.ndarray,
+                     prop_max_overlaps: np.ndarray, fg_thresh: float, bg_thresh_hi: float,
+                     bg_thresh_lo: float) -> np.ndarray:
+    """Per image: has at least one fg or bg candidate row (spec §4.3).
+
+    Gt rows have ``max_overlaps`` 1 (non-crowd) or -1 (crowd); proposal rows their own.
+    Flipped copies share ``max_overlaps``, so the answer holds for them too.
+    """
+    gt_mo = np.where(np.asarray(gt_is_crowd, bool), np.float32(-1), np.float32(1))
+    ok = segment_any(_candidate(gt_mo, fg_thresh, bg_thresh_hi, bg_thresh_lo), gt_off)
+    if prop_max_overlaps.size:
+        mo = np.asarray(prop_max_overlaps)
+        ok |= segment_any(_candidate(mo, fg_thresh, bg_thresh_hi, bg_thresh_lo), prop_off)
+    return ok
+
+
+def filter_entries(entry_img: np.ndarray, img_ok: np.ndarray, img_has_vis_kp: np.ndarray,
+                   *, keypoints_on: bool) -> tuple[np.ndarray, Counter]:
+    """Keep-mask over entries and the number dropped per reason.
+
+    Returns:
+        ``keep`` (bool per entry) and e.g. ``{"no_fg_or_bg_candidate": 12,
+        "no_visible_keypoints": 3}`` (entries, flipped copies included).
+    """
+    ok = img_ok[entry_img]
+    dropped: Counter = Counter()
+    dropped["no_fg_or_bg_candidate"] = int((~ok).sum())
+    if keypoints_on:
+        vis = img_has_vis_kp[entry_img]
+        dropped["no_visible_keypoints"] = int((ok & ~vis).sum())
+        ok = ok & vis
+    return ok, dropped

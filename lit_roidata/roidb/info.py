@@ -1,0 +1,103 @@
+"""Per-dataset metadata carried by every roidb entry (the ``dataset`` field).
+
+Detectron stores a back-reference to the whole ``JsonDataset`` (and with it the COCO
+API object) in each entry. We keep only what the data pipeline and evaluation read,
+in a small frozen value that pickles in microseconds into DataLoader workers
+(spec §2.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+__all__ = ["DatasetInfo", "RoIDBInputError", "COCO_KEYPOINT_FLIP_MAP", "keypoint_flip_map"]
+
+
+class RoIDBInputError(ValueError):
+    """Bad input to the roidb builder; the message names the file, image id and fix."""
+
+
+#: Detectron's hard-coded COCO person flip map (spec §2.2).
+COCO_KEYPOINT_FLIP_MAP: dict[str, str] = {
+    "left_eye": "right_eye",
+    "left_ear": "right_ear",
+    "left_shoulder": "right_shoulder",
+    "left_elbow": "right_elbow",
+    "left_wrist": "right_wrist",
+    "left_hip": "right_hip",
+    "left_knee": "right_knee",
+    "left_ankle": "right_ankle",
+}
+
+
+def keypoint_flip_map(keypoints: tuple[str, ...]) -> dict[str, str]:
+    """The left→right flip map for ``keypoints``.
+
+    For COCO's 17 person keypoints this is exactly Detectron's hard-coded map. Other
+    keypoint sets get every ``left_X``/``right_X`` pair present in the list (Detectron
+    would crash on them with a ``ValueError`` from ``list.index``).
+    """
+    names = set(keypoints)
+    out = {l: r for l, r in COCO_KEYPOINT_FLIP_MAP.items() if l in names and r in names}
+    for name in keypoints:
+        if name.startswith("left_") and "right_" + name[5:] in names:
+            out.setdefault(name, "right_" + name[5:])
+    return out
+
+
+@dataclass(frozen=True, eq=True)
+class DatasetInfo:
+    """Classes, category-id maps and keypoint metadata of one dataset (spec §2.2).
+
+    Attributes:
+        name: catalog name.
+        classes: ``('__background__', name_1, ...)`` in the JSON ``categories`` order
+            (or the shared order under ``category_policy="by_name"``).
+        json_category_id_to_contiguous_id: JSON category id → contiguous id (1-based).
+        contiguous_category_id_to_json_id: the inverse map (for evaluation).
+        keypoints: keypoint names of the ``person`` category, or ``None``.
+        keypoint_flip_map: left → right names used to flip keypoints, or ``None``.
+    """
+
+    name: str
+    classes: tuple[str, ...]
+    json_category_id_to_contiguous_id: Mapping[int, int] = field(hash=False)
+    contiguous_category_id_to_json_id: Mapping[int, int] = field(hash=False)
+    keypoints: Optional[tuple[str, ...]] = None
+    keypoint_flip_map: Optional[Mapping[str, str]] = field(default=None, hash=False)
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes including background (Detectron's ``num_classes``)."""
+        return len(self.classes)
+
+    @property
+    def num_keypoints(self) -> int:
+        """Keypoints per object, 0 if the dataset has none."""
+        return 0 if self.keypoints is None else len(self.keypoints)
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable dict (stored in the cache's ``meta.json``)."""
+        return {
+            "name": self.name,
+            "classes": list(self.classes),
+            "json_to_contiguous": [[int(k), int(v)] for k, v in
+                                   self.json_category_id_to_contiguous_id.items()],
+            "keypoints": None if self.keypoints is None else list(self.keypoints),
+            "keypoint_flip_map": None if self.keypoint_flip_map is None
+            else dict(self.keypoint_flip_map),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "DatasetInfo":
+        """Inverse of :meth:`to_json`."""
+        j2c = {int(k): int(v) for k, v in d["json_to_contiguous"]}
+        return cls(
+            name=d["name"],
+            classes=tuple(d["classes"]),
+            json_category_id_to_contiguous_id=j2c,
+            contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
+            keypoints=None if d["keypoints"] is None else tuple(d["keypoints"]),
+            keypoint_flip_map=d["keypoint_flip_map"],
+        )

@@ -1,0 +1,379 @@
+"""Proposal files → per-image proposal rows merged into the roidb (spec §3).
+
+A proposal file is read once at build time, processed in vectorised chunks of images
+(clip, de-duplicate, min size, optional limit, IoU merge against the gt rows, crowd
+filter) and written into the cache as flat float32 arrays with per-image offsets.
+Workers slice those arrays from the memory map; nothing is ever unpickled there.
+
+Accepted formats:
+
+* Detectron's pickle (``.pkl``): a dict with ``boxes`` (list of ``(P_i, 4)`` arrays,
+  descending score), ``scores`` and ``ids`` (or legacy ``indexes``, which wins).
+* ``.npz`` (ours; fast to write for 100k+ images): ``ids`` ``(n,)``, ``counts`` ``(n,)``
+  boxes per image, ``boxes`` ``(sum(counts), 4)`` and optionally ``scores``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from lit_roidata.roidb.info import RoIDBInputError
+
+__all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "build_proposal_table",
+           "unique_box_keep", "iou_pairs", "iof_pairs"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_BOXES = 2_000_000  # proposals processed per vectorised chunk (bounds peak memory)
+
+
+@dataclass
+class ProposalSource:
+    """A proposal file's records: ``boxes_of(i)`` is the box array of record ``i``."""
+
+    path: str
+    ids: np.ndarray                      # int64 (m,)
+    counts: np.ndarray                   # int64 (m,)
+    boxes_of: Callable[[int], np.ndarray]
+    flat: Optional[np.ndarray] = None    # (N, 4) when the file is flat (npz)
+    flat_off: Optional[np.ndarray] = None
+
+
+@dataclass
+class ProposalTable:
+    """Proposal rows of one dataset, aligned with its images (sorted by id).
+
+    Attributes:
+        off: int64 (n+1,) proposal row range per image.
+        boxes: float32 (P, 4); max_overlaps float32; max_classes int32;
+        gt_map: int32 ``box_to_gt_ind_map`` (-1 where no gt overlaps).
+        counts: what the processing removed, by reason.
+    """
+
+    off: np.ndarray
+    boxes: np.ndarray
+    max_overlaps: np.ndarray
+    max_classes: np.ndarray
+    gt_map: np.ndarray
+    counts: Counter
+
+
+def read_proposal_file(path: str) -> ProposalSource:
+    """Open a Detectron pickle or our ``.npz`` proposal file (spec §3.1).
+
+    Raises:
+        RoIDBInputError: unreadable file, missing keys, inconsistent lengths.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"proposal file not found: {path}")
+    if path.endswith(".npz"):
+        return _read_npz(path)
+    try:
+        with open(path, "rb") as fh:
+            data = pickle.load(fh, encoding="latin1")
+    except Exception as exc:  # pickle raises many types for a damaged file
+        raise RoIDBInputError(f"{path}: cannot unpickle the proposal file ({type(exc).__name__}: "
+                              f"{exc}); is it a Detectron proposal pickle?") from None
+    if not isinstance(data, dict) or "boxes" not in data:
+        raise RoIDBInputError(f"{path}: expected a dict with keys 'boxes', 'scores' and 'ids' "
+                              f"(or 'indexes'), got {type(data).__name__}")
+    key = "indexes" if "indexes" in data else "ids"
+    if key not in data or "scores" not in data:
+        raise RoIDBInputError(f"{path}: missing key {'ids' if key not in data else 'scores'!r}; "
+                              f"a Detectron proposal file has 'boxes', 'scores' and 'ids'")
+    boxes = data["boxes"]
+    ids = np.asarray(data[key], dtype=np.int64).ravel()
+    if len(boxes) != ids.size or len(data["scores"]) != ids.size:
+        raise RoIDBInputError(f"{path}: 'boxes' ({len(boxes)}), 'scores' "
+                              f"({len(data['scores'])}) and '{key}' ({ids.size}) must have one "
+                              f"record per image")
+    for i, b in enumerate(boxes):
+        shape = np.shape(b)
+        if not (len(shape) == 2 and shape[1] == 4) and np.size(b) != 0:
+            raise RoIDBInputError(f"{path}: record {i} (image id {int(ids[i])}) has boxes of "
+                                  f"shape {shape}; expected (P, 4) [x1, y1, x2, y2]. Regenerate "
+                                  f"the file or fix that record.")
+    counts = np.fromiter((np.size(b) // 4 for b in boxes), np.int64, len(boxes))
+    return ProposalSource(path, ids, counts, lambda i: np.asarray(boxes[i]).reshape(-1, 4))
+
+
+def _read_npz(path: str) -> ProposalSource:
+    with np.load(path) as z:
+        missing = {"ids", "counts", "boxes"} - set(z.files)
+        if missing:
+            raise RoIDBInputError(f"{path}: .npz proposal file lacks {sorted(missing)}; expected "
+                                  f"'ids' (n,), 'counts' (n,) and 'boxes' (sum(counts), 4)")
+        ids = np.asarray(z["ids"], np.int64).ravel()
+        counts = np.asarray(z["counts"], np.int64).ravel()
+        boxes = z["boxes"]
+    if boxes.ndim != 2 or boxes.shape[1] != 4 or counts.size != ids.size \
+            or int(counts.sum()) != boxes.shape[0] or (counts < 0).any():
+        raise RoIDBInputError(f"{path}: inconsistent shapes: ids {ids.shape}, counts "
+                              f"{counts.shape} (sum {int(counts.sum())}), boxes {boxes.shape}; "
+                              f"expected boxes of shape (sum(counts), 4)")
+    off = np.zeros(ids.size + 1, np.int64)
+    np.cumsum(counts, out=off[1:])
+    return ProposalSource(path, ids, counts, lambda i: boxes[off[i]:off[i + 1]], boxes, off)
+
+
+def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -> np.ndarray:
+    """Record index for each image (sorted ids), as Detectron aligns them (spec §3.2).
+
+    Records for ids not in the dataset are removed (counted); a missing or duplicated
+    id is an error naming the ids.
+    """
+    ids = src.ids
+    uniq, cnt = np.unique(ids, return_counts=True)
+    if (cnt > 1).any():
+        dup = uniq[cnt > 1]
+        raise RoIDBInputError(f"{src.path}: {dup.size} image id(s) appear more than once: "
+                              f"{dup[:10].tolist()}; each image needs exactly one record")
+    extra = ~np.isin(ids, image_ids)
+    counts["proposal_records_not_in_dataset"] = int(extra.sum())
+    if extra.any():
+        logger.warning("%s: %d record(s) for image ids not in the dataset were removed (e.g. "
+                       "%s)", src.path, int(extra.sum()), ids[extra][:5].tolist())
+    missing = ~np.isin(image_ids, ids)
+    if missing.any():
+        raise RoIDBInputError(
+            f"{src.path}: no proposals for {int(missing.sum())} of {image_ids.size} dataset "
+            f"images (e.g. image ids {image_ids[missing][:10].tolist()}). The proposal file "
+            f"must hold one record per image (an empty (0, 4) array is fine); regenerate it "
+            f"for this dataset.")
+    order = np.argsort(ids, kind="stable")
+    pos = np.searchsorted(ids[order], image_ids)
+    return order[pos]
+
+
+def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """Keep-mask of first occurrences of Detectron's box hash within each group (spec §3.3).
+
+    The hash is ``round(x1) + 1e3 round(y1) + 1e6 round(x2) + 1e9 round(y2)`` (which can
+    collide for coordinates >= 1000, spec Q13); order is preserved.
+    """
+    if boxes.shape[0] == 0:
+        return np.zeros(0, bool)
+    r = np.round(boxes).astype(np.int64)
+    h = r[:, 0] + 1000 * r[:, 1] + 1_000_000 * r[:, 2] + 1_000_000_000 * r[:, 3]
+    order = np.lexsort((h, group))
+    first = np.ones(order.size, bool)
+    first[1:] = (h[order][1:] != h[order][:-1]) | (group[order][1:] != group[order][:-1])
+    keep = np.zeros(boxes.shape[0], bool)
+    keep[order[first]] = True
+    return keep
+
+
+def iou_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise IoU of box pairs, identical arithmetic to ``boxes.bbox_overlaps``."""
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    iw = np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]) + 1
+    ih = np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]) + 1
+    np.maximum(iw, 0, out=iw)
+    np.maximum(ih, 0, out=ih)
+    inter = iw * ih
+    area_a = (a[:, 2] - a[:, 0] + 1) * (a[:, 3] - a[:, 1] + 1)
+    area_b = (b[:, 2] - b[:, 0] + 1) * (b[:, 3] - b[:, 1] + 1)
+    union = area_a + area_b - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(inter > 0, inter / union, 0.0)
+    return out.astype(np.float32)
+
+
+def iof_pairs(props: np.ndarray, crowd: np.ndarray) -> np.ndarray:
+    """Row-wise ``pycocotools.mask.iou(.., iscrowd=1)`` of float32 xyxy boxes (spec §3.5).
+
+    Detectron converts to xywh in float32 (``w = x2 - x1 + 1``), then the COCO API
+    computes ``intersection / area(proposal)`` in double.
+    """
+    pw = (props[:, 2] - props[:, 0] + 1).astype(np.float64)
+    ph = (props[:, 3] - props[:, 1] + 1).astype(np.float64)
+    gw = (crowd[:, 2] - crowd[:, 0] + 1).astype(np.float64)
+    gh = (crowd[:, 3] - crowd[:, 1] + 1).astype(np.float64)
+    px, py = props[:, 0].astype(np.float64), props[:, 1].astype(np.float64)
+    gx, gy = crowd[:, 0].astype(np.float64), crowd[:, 1].astype(np.float64)
+    w = np.minimum(pw + px, gw + gx) - np.maximum(px, gx)
+    h = np.minimum(ph + py, gh + gy) - np.maximum(py, gy)
+    ok = (w > 0) & (h > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ok, (w * h) / (pw * ph), 0.0)
+
+
+def _segment_pairs(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segments of the given sizes: owner index and position within, per element."""
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(counts.size), counts)
+    starts = np.cumsum(counts) - counts
+    within = np.arange(total) - np.repeat(starts, counts)
+    return owner, within
+
+
+def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: np.ndarray,
+                         heights: np.ndarray, gt_off: np.ndarray, gt_boxes: np.ndarray,
+                         gt_classes: np.ndarray, gt_is_crowd: np.ndarray,
+                         min_proposal_size: int = 2, proposal_limit: int = -1,
+                         crowd_filter_thresh: float = 0.0,
+                         progress: Optional[Callable[[int], None]] = None) -> ProposalTable:
+    """Process a proposal file for one dataset exactly as Detectron does (spec §3.2-3.5).
+
+    Args:
+        src: the opened file (:func:`read_proposal_file`).
+        image_ids, widths, heights, gt_*: the dataset's gt table (images sorted by id).
+        min_proposal_size: keep boxes with ``w > size`` and ``h > size`` (+1 widths).
+        proposal_limit: keep the first ``limit`` per image if ``> 0``.
+        crowd_filter_thresh: IoF threshold of the crowd filter; ``0`` disables it.
+        progress: called with the number of images done after each chunk.
+
+    Raises:
+        RoIDBInputError: missing/duplicate ids, NaN or infinite coordinates.
+    """
+    counts: Counter = Counter()
+    rec = align_records(src, image_ids, counts)
+    n = image_ids.size
+    n_boxes = src.counts[rec]
+    parts: list = []
+    start = 0
+    while start < n:
+        stop = start + 1
+        acc = int(n_boxes[start])
+        while stop < n and acc + int(n_boxes[stop]) <= _CHUNK_BOXES:
+            acc += int(n_boxes[stop])
+            stop += 1
+        parts.append(_chunk(src, rec, start, stop, image_ids, widths, heights, gt_off, gt_boxes,
+                            gt_classes, gt_is_crowd, min_proposal_size, proposal_limit,
+                            crowd_filter_thresh, counts))
+        if progress is not None:
+            progress(stop - start)
+        start = stop
+    per_img = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+    off = np.zeros(n + 1, np.int64)
+    np.cumsum(per_img, out=off[1:])
+    cat = (lambda k, dt, shape: np.concatenate([p[k] for p in parts]) if parts
+           else np.zeros(shape, dt))
+    table = ProposalTable(off=off, boxes=cat(1, np.float32, (0, 4)),
+                          max_overlaps=cat(2, np.float32, (0,)),
+                          max_classes=cat(3, np.int32, (0,)), gt_map=cat(4, np.int32, (0,)),
+                          counts=counts)
+    counts["proposals_kept"] = int(off[-1])
+    return table
+
+
+def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_classes,
+           gt_is_crowd, min_size, limit, crowd_thresh, counts):
+    recs = rec[i0:i1]
+    if src.flat is not None and recs.size and np.all(np.diff(recs) == 1):
+        b = np.asarray(src.flat[src.flat_off[recs[0]]:src.flat_off[recs[-1] + 1]])
+    else:
+        arrays = [src.boxes_of(int(r)) for r in recs]
+        b = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
+    if not np.issubdtype(b.dtype, np.floating):
+        b = b.astype(np.float32)
+    b = np.array(b, copy=True)
+    cnt = src.counts[recs]
+    img = np.repeat(np.arange(i0, i1), cnt)
+    counts["proposals_in_file"] += int(b.shape[0])
+    finite = np.isfinite(b).all(axis=1)
+    if not finite.all():
+        bad = np.unique(image_ids[img[~finite]])
+        raise RoIDBInputError(
+            f"{src.path}: {int((~finite).sum())} proposal(s) have NaN or infinite coordinates "
+            f"(image ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}). Regenerate the "
+            f"proposals or drop those boxes.")
+    # 1. clip (in the file's dtype, as Detectron does in place)
+    wm1 = (widths[img] - 1).astype(b.dtype)
+    hm1 = (heights[img] - 1).astype(b.dtype)
+    b[:, 0] = np.minimum(wm1, np.maximum(0, b[:, 0]))
+    b[:, 2] = np.minimum(wm1, np.maximum(0, b[:, 2]))
+    b[:, 1] = np.minimum(hm1, np.maximum(0, b[:, 1]))
+    b[:, 3] = np.minimum(hm1, np.maximum(0, b[:, 3]))
+    # 2. de-duplicate
+    keep = unique_box_keep(b, img)
+    counts["proposals_duplicate"] += int((~keep).sum())
+    b, img = b[keep], img[keep]
+    # 3. min size (strict, +1 widths, in the file's dtype)
+    w = b[:, 2] - b[:, 0] + 1
+    h = b[:, 3] - b[:, 1] + 1
+    keep = (w > min_size) & (h > min_size)
+    counts["proposals_min_size"] += int((~keep).sum())
+    b, img = b[keep], img[keep]
+    # 4. optional limit (file order = descending score)
+    if limit > 0 and img.size:
+        _, rank = _segment_pairs(np.bincount(img - i0, minlength=i1 - i0))
+        keep = rank < limit
+        counts["proposals_limit"] += int((~keep).sum())
+        b, img = b[keep], img[keep]
+    b = b.astype(np.float32)
+    mo, mc, gmap = _merge(b, img, gt_off, gt_boxes, gt_classes)
+    if crowd_thresh > 0:
+        bad = _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, crowd_thresh)
+        counts["proposals_crowd_filtered"] += int(bad.sum())
+        mo[bad] = -1.0
+        mc[bad] = 0
+    per_img = np.bincount(img - i0, minlength=i1 - i0).astype(np.int64)
+    return per_img, b, mo, mc, gmap
+
+
+def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray):
+    """Proposal × gt-row pairs of the same image: (proposal idx, gt row, position, #gt)."""
+    g0 = gt_off[img]
+    ng = gt_off[img + 1] - g0
+    p, within = _segment_pairs(ng)
+    return p, g0[p] + within, within, ng
+
+
+def _merge(b, img, gt_off, gt_boxes, gt_classes):
+    """IoU merge into overlaps (spec §3.4): ``(max_overlaps, max_classes, gt_map)``."""
+    n = b.shape[0]
+    mo = np.zeros(n, np.float32)
+    mc = np.zeros(n, np.int32)
+    gmap = np.full(n, -1, np.int32)
+    if n == 0:
+        return mo, mc, gmap
+    p, g, within, ng = _pairs_with_gt(img, gt_off)
+    if p.size == 0:
+        return mo, mc, gmap
+    ov = iou_pairs(b[p], gt_boxes[g])
+    has = ng > 0
+    starts = (np.cumsum(ng) - ng)[has]
+    best = np.maximum.reduceat(ov, starts)
+    pmax = np.zeros(n, np.float32)
+    pmax[has] = best
+    cand = np.where(ov == pmax[p], within, np.iinfo(np.int64).max)
+    arg = np.zeros(n, np.int64)
+    arg[has] = np.minimum.reduceat(cand, starts)
+    pos = pmax > 0
+    mo[pos] = pmax[pos]
+    gmap[pos] = arg[pos]
+    mc[pos] = gt_classes[gt_off[img[pos]] + arg[pos]]
+    return mo, mc, gmap
+
+
+def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
+    """Proposals whose IoF with some crowd box of their image exceeds ``thresh``."""
+    bad = np.zeros(b.shape[0], bool)
+    crowd_rows = np.flatnonzero(gt_is_crowd)
+    if crowd_rows.size == 0 or b.shape[0] == 0:
+        return bad
+    crowd_img = np.searchsorted(gt_off, crowd_rows, side="right") - 1
+    crowd_off = np.zeros(gt_off.size, np.int64)
+    np.cumsum(np.bincount(crowd_img, minlength=gt_off.size - 1), out=crowd_off[1:])
+    p, c, _, _ = _pairs_with_gt(img, crowd_off)
+    if p.size == 0:
+        return bad
+    iof = iof_pairs(b[p], gt_boxes[crowd_rows[c]])
+    bad[p[iof > thresh]] = True
+    return bad
+
+
+def empty_proposal_table(n: int) -> ProposalTable:
+    """A table with no proposals for ``n`` images."""
+    return ProposalTable(np.zeros(n + 1, np.int64), np.zeros((0, 4), np.float32),
+                         np.zeros(0, np.float32), np.zeros(0, np.int32),
+                         np.zeros(0, np.int32), Counter())

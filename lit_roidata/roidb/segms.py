@@ -1,0 +1,268 @@
+"""Columnar storage of COCO segmentations, and their (flipped) view per entry.
+
+Polygons are stored as one flat float64 coordinate array with two offset levels
+(object → polygons → coordinates); RLEs keep their JSON representation (uncompressed
+integer counts or the compressed string) so an entry returns exactly what the JSON held.
+Flipping happens on access (spec §4.2): polygons ``x' = W - x - 1``; RLE masks are
+decoded with ``pycocotools.mask``, mirrored column-wise and re-encoded in the same
+representation. Detectron crashes on compressed RLE here (spec Q12); we do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any, Sequence
+
+import numpy as np
+
+from lit_roidata.roidb.info import RoIDBInputError
+
+__all__ = ["SegmColumns", "encode_segms", "decode_segms", "POLY", "RLE_LIST", "RLE_STR"]
+
+POLY, RLE_LIST, RLE_STR = 0, 1, 2
+
+
+@dataclass
+class SegmColumns:
+    """Segmentations of ``G`` gt rows as flat arrays (see module docstring)."""
+
+    kind: np.ndarray        # int8 (G,)  POLY / RLE_LIST / RLE_STR
+    poly_off: np.ndarray    # int64 (G+1,) polygon range per row
+    coord_off: np.ndarray   # int64 (NP+1,) coordinate range per polygon
+    coords: np.ndarray      # float64 (NC,)
+    rle_idx: np.ndarray     # int32 (G,) row → RLE index, -1 for polygons
+    rle_size: np.ndarray    # int64 (NR, 2) (h, w)
+    rle_int_off: np.ndarray  # int64 (NR+1,) into rle_ints (RLE_LIST)
+    rle_ints: np.ndarray    # int64
+    rle_str_off: np.ndarray  # int64 (NR+1,) into rle_bytes (RLE_STR)
+    rle_bytes: np.ndarray   # uint8
+
+    FIELDS = ("kind", "poly_off", "coord_off", "coords", "rle_idx", "rle_size",
+              "rle_int_off", "rle_ints", "rle_str_off", "rle_bytes")
+
+    def arrays(self, prefix: str = "segm_") -> dict[str, np.ndarray]:
+        """The columns keyed by ``prefix + field`` (for the cache)."""
+        return {prefix + f: getattr(self, f) for f in self.FIELDS}
+
+    @classmethod
+    def from_arrays(cls, arrays: Any, prefix: str = "segm_") -> "SegmColumns":
+        """Inverse of :meth:`arrays` (``arrays`` may hold memory maps)."""
+        return cls(**{f: arrays[prefix + f] for f in cls.FIELDS})
+
+    @staticmethod
+    def concat(parts: Sequence["SegmColumns"]) -> "SegmColumns":
+        """Concatenate the segms of several tables, rebasing offsets."""
+        if len(parts) == 1:
+            return parts[0]
+        kinds, poly_off, coord_off, coords, rle_idx, rle_size = [], [0], [0], [], [], []
+        int_off, ints, str_off, strs = [0], [], [0], []
+        n_poly = n_coord = n_rle = n_int = n_str = 0
+        for p in parts:
+            kinds.append(p.kind)
+            poly_off.append(p.poly_off[1:] + n_poly)
+            coord_off.append(p.coord_off[1:] + n_coord)
+            coords.append(p.coords)
+            rle_idx.append(np.where(p.rle_idx >= 0, p.rle_idx + n_rle, -1).astype(np.int32))
+            rle_size.append(p.rle_size)
+            int_off.append(p.rle_int_off[1:] + n_int)
+            ints.append(p.rle_ints)
+            str_off.append(p.rle_str_off[1:] + n_str)
+            strs.append(p.rle_bytes)
+            n_poly += len(p.coord_off) - 1
+            n_coord += len(p.coords)
+            n_rle += len(p.rle_size)
+            n_int += len(p.rle_ints)
+            n_str += len(p.rle_bytes)
+        cat = np.concatenate
+        return SegmColumns(
+            cat(kinds).astype(np.int8), cat([np.asarray(x, np.int64).ravel() for x in poly_off]),
+            cat([np.asarray(x, np.int64).ravel() for x in coord_off]), cat(coords),
+            cat(rle_idx), cat(rle_size).reshape(-1, 2),
+            cat([np.asarray(x, np.int64).ravel() for x in int_off]), cat(ints),
+            cat([np.asarray(x, np.int64).ravel() for x in str_off]),
+            cat(strs).astype(np.uint8))
+
+
+def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
+                 image_ids: np.ndarray) -> tuple[SegmColumns, dict[str, int]]:
+    """Columnar encoding of JSON segmentations (spec §2.4 step 1).
+
+    Polygons with fewer than 6 coordinates are dropped; the object stays even when no
+    polygon remains (spec Q24). A missing ``segmentation`` is kept as an empty polygon
+    list and counted.
+
+    Args:
+        segms: one JSON ``segmentation`` value per kept gt row, in row order.
+        source: the annotation file (for error messages).
+        ann_ids, image_ids: per row, for error messages.
+
+    Returns:
+        The columns and counts ``{"polygon_lt_6_coords": n, "empty_segmentation": n,
+        "missing_segmentation": n}``.
+
+    Raises:
+        RoIDBInputError: a segmentation that is neither a polygon list nor an RLE dict.
+    """
+    g = len(segms)
+    kind = np.zeros(g, np.int8)
+    poly_counts = np.zeros(g, np.int64)
+    rle_idx = np.full(g, -1, np.int32)
+    polys: list = []
+    rle_sizes: list = []
+    rle_lists: list = []
+    rle_strs: list = []
+    rle_kinds: list = []
+    dropped = missing = 0
+    for i, s in enumerate(segms):
+        try:
+            if type(s) is list:
+                kept = [p for p in s if len(p) >= 6]
+                dropped += len(s) - len(kept)
+                polys.extend(kept)
+                poly_counts[i] = len(kept)
+            elif s is None:
+                missing += 1
+            else:
+                counts = s["counts"]
+                h, w = s["size"]
+                rle_idx[i] = len(rle_sizes)
+                rle_sizes.append((int(h), int(w)))
+                if isinstance(counts, list):
+                    kind[i] = RLE_LIST
+                    rle_lists.append(counts)
+                    rle_strs.append(b"")
+                else:
+                    kind[i] = RLE_STR
+                    rle_lists.append(())
+                    rle_strs.append(counts.encode("ascii") if isinstance(counts, str)
+                                    else bytes(counts))
+                rle_kinds.append(kind[i])
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            raise RoIDBInputError(
+                f"{source}: annotation id {int(ann_ids[i])} (image id {int(image_ids[i])}) has "
+                f"a malformed 'segmentation' ({type(exc).__name__}: {exc}); expected a list of "
+                f"polygons [[x1, y1, x2, y2, ...], ...] or an RLE dict {{'size': [h, w], "
+                f"'counts': ...}}. Fix or remove that annotation.") from None
+    coord_counts = np.fromiter(map(len, polys), np.int64, len(polys))
+    try:
+        coords = np.fromiter(chain.from_iterable(polys), np.float64, int(coord_counts.sum()))
+    except (TypeError, ValueError) as exc:
+        bad = _first_bad_polygon_row(segms)
+        raise RoIDBInputError(
+            f"{source}: annotation id {int(ann_ids[bad])} (image id {int(image_ids[bad])}) has "
+            f"a polygon with non-numeric coordinates ({exc}); fix or remove it.") from None
+    cols = SegmColumns(
+        kind=kind,
+        poly_off=_offsets(poly_counts),
+        coord_off=_offsets(coord_counts),
+        coords=coords,
+        rle_idx=rle_idx,
+        rle_size=np.asarray(rle_sizes, np.int64).reshape(-1, 2),
+        rle_int_off=_offsets(np.fromiter(map(len, rle_lists), np.int64, len(rle_lists))),
+        rle_ints=np.fromiter(chain.from_iterable(rle_lists), np.int64,
+                             sum(map(len, rle_lists))),
+        rle_str_off=_offsets(np.fromiter(map(len, rle_strs), np.int64, len(rle_strs))),
+        rle_bytes=np.frombuffer(b"".join(rle_strs), np.uint8).copy(),
+    )
+    empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing
+    return cols, {"polygon_lt_6_coords": dropped, "empty_segmentation": empty,
+                  "missing_segmentation": missing}
+
+
+def _first_bad_polygon_row(segms: Sequence[Any]) -> int:
+    for i, s in enumerate(segms):
+        if type(s) is list:
+            for p in s:
+                try:
+                    np.asarray(p, np.float64)
+                except (TypeError, ValueError):
+                    return i
+    return 0
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
+                 width: int = 0, height: int = 0) -> list:
+    """Segms of gt rows ``g0:g1`` as Detectron's entry holds them (spec §2.3, §4.2).
+
+    Returns:
+        One item per row: a list of polygons (lists of floats) or an RLE dict
+        ``{"size": [h, w], "counts": list | str}``; mirrored if ``flipped``.
+    """
+    out: list = []
+    if g1 <= g0:
+        return out
+    kind = np.asarray(cols.kind[g0:g1])
+    poly_off = np.asarray(cols.poly_off[g0:g1 + 1])
+    p0, p1 = int(poly_off[0]), int(poly_off[-1])
+    coord_off = np.asarray(cols.coord_off[p0:p1 + 1])
+    c0 = int(coord_off[0])
+    coords = np.array(cols.coords[c0:int(coord_off[-1])], dtype=np.float64)
+    if flipped and coords.size:
+        lens = np.diff(coord_off)
+        pos = np.arange(coords.size) - np.repeat(coord_off[:-1] - c0, lens)
+        xs = pos % 2 == 0
+        coords[xs] = width - coords[xs] - 1
+    polys = np.split(coords, coord_off[1:-1] - c0) if p1 > p0 else []
+    for j in range(g1 - g0):
+        if kind[j] == POLY:
+            a, b = int(poly_off[j]) - p0, int(poly_off[j + 1]) - p0
+            out.append([p.tolist() for p in polys[a:b]])
+        else:
+            out.append(_rle(cols, int(cols.rle_idx[g0 + j]), int(kind[j]), flipped))
+    return out
+
+
+def _rle(cols: SegmColumns, r: int, kind: int, flipped: bool) -> dict:
+    h, w = (int(v) for v in cols.rle_size[r])
+    if kind == RLE_LIST:
+        counts: Any = np.asarray(cols.rle_ints[cols.rle_int_off[r]:cols.rle_int_off[r + 1]])
+        rle = {"size": [h, w], "counts": counts.tolist()}
+    else:
+        raw = bytes(np.asarray(cols.rle_bytes[cols.rle_str_off[r]:cols.rle_str_off[r + 1]]))
+        rle = {"size": [h, w], "counts": raw.decode("ascii")}
+    if not flipped:
+        return rle
+    return flip_rle(rle)
+
+
+def flip_rle(rle: dict) -> dict:
+    """Mirror an RLE mask column-wise, keeping its representation (spec §4.2, Q12)."""
+    from pycocotools import mask as mask_util
+
+    h, w = (int(v) for v in rle["size"])
+    if isinstance(rle["counts"], list):
+        m = mask_util.decode(mask_util.frPyObjects(rle, h, w))
+    else:
+        m = mask_util.decode({"size": [h, w], "counts": rle["counts"].encode("ascii")
+                              if isinstance(rle["counts"], str) else rle["counts"]})
+    m = np.asfortranarray(m[:, ::-1])
+    if isinstance(rle["counts"], list):
+        return {"size": [h, w], "counts": mask_to_uncompressed_counts(m)}
+    enc = mask_util.encode(m)
+    counts = enc["counts"]
+    return {"size": [h, w], "counts": counts.decode("ascii") if isinstance(rle["counts"], str)
+            else counts}
+
+
+def mask_to_uncompressed_counts(mask: np.ndarray) -> list[int]:
+    """COCO uncompressed RLE counts (column-major runs, starting with zeros)."""
+    flat = np.asarray(mask, dtype=np.uint8).ravel(order="F")
+    if flat.size == 0:
+        return []
+    change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    bounds = np.concatenate([[0], change, [flat.size]])
+    runs = np.diff(bounds).tolist()
+    return ([0] + runs) if flat[0] else runs
+
+
+def empty_segm_columns() -> SegmColumns:
+    """Columns for zero rows."""
+    cols, _ = encode_segms([], source="", ann_ids=np.zeros(0), image_ids=np.zeros(0))
+    return cols

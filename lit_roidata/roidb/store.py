@@ -1,0 +1,312 @@
+"""The columnar, memory-mapped ``RoIDB`` and its Detectron-style entry view.
+
+Layout (one ``.npy`` file per column in the cache directory, opened with
+``np.load(mmap_mode="r")``, so every rank and DataLoader worker shares one copy in the
+page cache):
+
+* images (originals of all datasets, in Detectron order): ``img_id``, ``img_width``,
+  ``img_height``, ``img_dataset``, ``img_path_bytes`` + ``img_path_off``,
+  ``img_has_vis_kp``, ``img_gt_off``, ``img_prop_off``;
+* gt rows: ``gt_boxes``, ``gt_classes``, ``gt_seg_areas``, ``gt_is_crowd``,
+  ``gt_keypoints`` and the ``segm_*`` columns (:mod:`lit_roidata.roidb.segms`);
+* proposal rows: ``prop_boxes``, ``prop_max_overlaps``, ``prop_max_classes``,
+  ``prop_gt_map``;
+* entries (after flipping and filtering): ``entry_img`` and ``entry_flipped``.
+
+A flipped entry is the index of its original plus a flag; boxes, segms and keypoints
+are mirrored when read (spec §4.2). ``gt_overlaps`` is rebuilt from ``max_overlaps`` and
+``max_classes``: every row holds one non-zero value or is all -1 (spec §2.4, §3.4-3.5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Mapping, Optional
+
+import numpy as np
+import scipy.sparse
+
+from lit_roidata.boxes import flip_boxes
+from lit_roidata.roidb.cache import validate_cache
+from lit_roidata.roidb.info import DatasetInfo
+from lit_roidata.roidb.segms import SegmColumns, decode_segms
+from lit_roidata.roidb.targets import compute_bbox_targets
+
+__all__ = ["RoIDB", "RoIEntry", "ENTRY_FIELDS", "flip_keypoints"]
+
+#: The fields of every entry (``gt_keypoints`` only for datasets with keypoints).
+ENTRY_FIELDS = ("image", "id", "width", "height", "flipped", "boxes", "gt_classes",
+                "seg_areas", "gt_overlaps", "is_crowd", "box_to_gt_ind_map", "max_classes",
+                "max_overlaps", "bbox_targets", "segms", "gt_keypoints",
+                "has_visible_keypoints", "dataset")
+
+
+def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray:
+    """Detectron's ``flip_keypoints`` (spec §4.2): swap left/right, mirror x, zero x where v=0."""
+    out = kps.copy()
+    names = list(info.keypoints or ())
+    for left, right in (info.keypoint_flip_map or {}).items():
+        li, ri = names.index(left), names.index(right)
+        out[:, :, li] = kps[:, :, ri]
+        out[:, :, ri] = kps[:, :, li]
+    out[:, 0, :] = width - out[:, 0, :] - 1
+    invisible = out[:, 2, :] == 0
+    out[:, 0, :][invisible] = 0
+    return out
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+class RoIDB:
+    """Detectron's combined roidb, columnar and memory-mapped (spec §4).
+
+    ``len(roidb)`` entries; ``roidb[i]`` is a read-only :class:`RoIEntry` mapping with
+    Detectron's field names. ``widths``, ``heights``, ``ids`` and ``flipped`` are
+    per-entry arrays for code that must not touch every entry (aspect grouping).
+    Pickling stores only the cache path: a worker re-opens the memory maps.
+
+    Args:
+        path: a cache directory written by the builder.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        manifest = validate_cache(self.path)
+        self.manifest = manifest
+        self._a = {name: np.load(os.path.join(self.path, rec["file"]), mmap_mode="r")
+                   for name, rec in manifest["arrays"].items()}
+        self.datasets: tuple[DatasetInfo, ...] = tuple(
+            DatasetInfo.from_json(d) for d in manifest["datasets"])
+        t = manifest["targets"]
+        self._targets_cfg = (float(t["bbox_thresh"]), bool(t["cls_agnostic"]),
+                             tuple(float(w) for w in t["weights"]))
+        a = self._a
+        self._entry_img = np.asarray(a["entry_img"], np.int64)
+        self.flipped: np.ndarray = _ro(np.asarray(a["entry_flipped"], bool))
+        self.widths: np.ndarray = _ro(np.asarray(a["img_width"])[self._entry_img])
+        self.heights: np.ndarray = _ro(np.asarray(a["img_height"])[self._entry_img])
+        self.ids: np.ndarray = _ro(np.asarray(a["img_id"])[self._entry_img])
+        self._entry_dataset = np.asarray(a["img_dataset"])[self._entry_img]
+        self._segms = SegmColumns.from_arrays(a)
+        self._has_props = a["prop_boxes"].shape[0] > 0
+
+    # ------------------------------------------------------------------ sequence
+    def __len__(self) -> int:
+        return int(self._entry_img.size)
+
+    def __getitem__(self, i: int) -> "RoIEntry":
+        n = len(self)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"roidb index {i} out of range for {n} entries")
+        return RoIEntry(self, i)
+
+    def __iter__(self) -> Iterator["RoIEntry"]:
+        return (RoIEntry(self, i) for i in range(len(self)))
+
+    def dataset_of(self, i: int) -> str:
+        """Catalog name of the dataset entry ``i`` comes from."""
+        return self.datasets[int(self._entry_dataset[i])].name
+
+    def dataset_index(self, i: int) -> int:
+        """Position in :attr:`datasets` of entry ``i``'s dataset."""
+        return int(self._entry_dataset[i])
+
+    def image_index(self, i: int) -> int:
+        """Row of entry ``i`` in the image table (originals and flips share it)."""
+        return int(self._entry_img[i])
+
+    @property
+    def report(self) -> dict:
+        """The build report kept with the cache (counts by reason, histogram)."""
+        return self.manifest.get("report", {})
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    def __repr__(self) -> str:
+        names = ", ".join(d.name for d in self.datasets)
+        return f"RoIDB({len(self)} entries from [{names}], cache={self.path!r})"
+
+    # ------------------------------------------------------------------ columns
+    def _gt_range(self, img: int) -> tuple[int, int]:
+        off = self._a["img_gt_off"]
+        return int(off[img]), int(off[img + 1])
+
+    def _prop_range(self, img: int) -> tuple[int, int]:
+        off = self._a["img_prop_off"]
+        return int(off[img]), int(off[img + 1])
+
+
+class RoIEntry(Mapping):
+    """A read-only view of one roidb entry with Detectron's field names (spec §2.3).
+
+    Fields are computed on first access and memoised: RPN code that reads only
+    ``boxes`` and ``gt_classes`` never pays for ``segms`` or ``bbox_targets``.
+    Use :meth:`to_dict` for a plain dict (e.g. to pickle an entry).
+    """
+
+    __slots__ = ("_db", "_i", "_img", "_cache", "_info")
+
+    def __init__(self, db: RoIDB, i: int) -> None:
+        self._db = db
+        self._i = i
+        self._img = int(db._entry_img[i])
+        self._info = db.datasets[int(db._entry_dataset[i])]
+        self._cache: dict[str, Any] = {}
+
+    def _keys(self) -> tuple[str, ...]:
+        if self._info.keypoints is None:
+            return tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
+        return ENTRY_FIELDS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys()
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        if key not in self._keys():
+            raise KeyError(key)
+        value = getattr(self, "_f_" + key)()
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
+        self._cache[key] = value
+        return value
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a plain dict."""
+        return {k: self[k] for k in self._keys()}
+
+    def __repr__(self) -> str:
+        return (f"RoIEntry(index={self._i}, id={self['id']}, flipped={self['flipped']}, "
+                f"rows={self['boxes'].shape[0]}, dataset={self._info.name!r})")
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _a(self) -> Mapping[str, np.ndarray]:
+        return self._db._a
+
+    def _rows(self, gt_col: str, prop_col: Optional[str], prop_fill: Any = 0,
+              dtype: Any = None) -> np.ndarray:
+        g0, g1 = self._db._gt_range(self._img)
+        gt = np.asarray(self._a[gt_col][g0:g1])
+        p0, p1 = self._db._prop_range(self._img)
+        if p1 == p0:
+            out = np.array(gt, dtype=dtype or gt.dtype)
+        elif prop_col is None:
+            tail = np.full((p1 - p0,) + gt.shape[1:], prop_fill, dtype=dtype or gt.dtype)
+            out = np.concatenate([gt.astype(dtype or gt.dtype), tail])
+        else:
+            out = np.concatenate([gt.astype(dtype or gt.dtype),
+                                  np.asarray(self._a[prop_col][p0:p1], dtype or gt.dtype)])
+        return out
+
+    # ------------------------------------------------------------------ fields
+    def _f_image(self) -> str:
+        off = self._a["img_path_off"]
+        raw = self._a["img_path_bytes"][int(off[self._img]):int(off[self._img + 1])]
+        return bytes(np.asarray(raw)).decode("utf-8")
+
+    def _f_id(self) -> int:
+        return int(self._a["img_id"][self._img])
+
+    def _f_width(self) -> int:
+        return int(self._a["img_width"][self._img])
+
+    def _f_height(self) -> int:
+        return int(self._a["img_height"][self._img])
+
+    def _f_flipped(self) -> bool:
+        return bool(self._db.flipped[self._i])
+
+    def _f_boxes(self) -> np.ndarray:
+        boxes = self._rows("gt_boxes", "prop_boxes", dtype=np.float32)
+        if self["flipped"]:
+            boxes = flip_boxes(boxes, self["width"])
+        return boxes
+
+    def _f_gt_classes(self) -> np.ndarray:
+        return self._rows("gt_classes", None, 0, np.int32)
+
+    def _f_seg_areas(self) -> np.ndarray:
+        return self._rows("gt_seg_areas", None, 0, np.float32)
+
+    def _f_is_crowd(self) -> np.ndarray:
+        return self._rows("gt_is_crowd", None, False, bool)
+
+    def _f_box_to_gt_ind_map(self) -> np.ndarray:
+        g0, g1 = self._db._gt_range(self._img)
+        p0, p1 = self._db._prop_range(self._img)
+        return np.concatenate([np.arange(g1 - g0, dtype=np.int32),
+                               np.asarray(self._a["prop_gt_map"][p0:p1], np.int32)])
+
+    def _f_max_overlaps(self) -> np.ndarray:
+        g0, g1 = self._db._gt_range(self._img)
+        p0, p1 = self._db._prop_range(self._img)
+        crowd = np.asarray(self._a["gt_is_crowd"][g0:g1], bool)
+        gt = np.where(crowd, np.float32(-1), np.float32(1)).astype(np.float32)
+        return np.concatenate([gt, np.asarray(self._a["prop_max_overlaps"][p0:p1], np.float32)])
+
+    def _f_max_classes(self) -> np.ndarray:
+        g0, g1 = self._db._gt_range(self._img)
+        p0, p1 = self._db._prop_range(self._img)
+        crowd = np.asarray(self._a["gt_is_crowd"][g0:g1], bool)
+        gt = np.where(crowd, 0, np.asarray(self._a["gt_classes"][g0:g1])).astype(np.int64)
+        return np.concatenate([gt, np.asarray(self._a["prop_max_classes"][p0:p1], np.int64)])
+
+    def _f_gt_overlaps(self) -> scipy.sparse.csr_matrix:
+        mo, mc = self["max_overlaps"], self["max_classes"]
+        dense = np.zeros((mo.size, self._info.num_classes), np.float32)
+        pos = mo > 0
+        dense[np.flatnonzero(pos), mc[pos]] = mo[pos]
+        dense[mo == -1] = -1
+        return scipy.sparse.csr_matrix(dense)
+
+    def _f_bbox_targets(self) -> np.ndarray:
+        thresh, agnostic, weights = self._db._targets_cfg
+        return compute_bbox_targets(self["boxes"], self["max_overlaps"], self["max_classes"],
+                                    self["gt_classes"], self["is_crowd"], bbox_thresh=thresh,
+                                    cls_agnostic=agnostic, weights=weights)
+
+    def _f_segms(self) -> list:
+        g0, g1 = self._db._gt_range(self._img)
+        return decode_segms(self._db._segms, g0, g1, flipped=self["flipped"],
+                            width=self["width"], height=self["height"])
+
+    def _f_gt_keypoints(self) -> np.ndarray:
+        g0, g1 = self._db._gt_range(self._img)
+        k = self._info.num_keypoints
+        kps = np.array(self._a["gt_keypoints"][g0:g1, :, :k], dtype=np.int32)
+        if self["flipped"]:
+            kps = flip_keypoints(kps, self._info, self["width"])
+        return kps
+
+    def _f_has_visible_keypoints(self) -> bool:
+        return bool(self._a["img_has_vis_kp"][self._img])
+
+    def _f_dataset(self) -> DatasetInfo:
+        return self._info
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of a cache directory (for tools)."""
+    with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
+        return json.load(fh)
