@@ -1,0 +1,204 @@
+"""Anchors: Detectron's cell anchors and the fixed ``F x F`` field per stride (spec §6.0).
+
+The RPN and RetinaNet target builders label a *field* of anchors that covers the
+largest padded image any minibatch can hold, the same for every image, so the blobs
+have fixed shapes (``(n, A, F, F)``, the "wide" blobs) and the network crops them to its
+feature map. Fields are memoised per process and shared read-only by every call.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = [
+    "FieldOfAnchors",
+    "generate_anchors",
+    "field_size",
+    "get_field_of_anchors",
+    "rpn_fields",
+    "retinanet_fields",
+    "concat_fields",
+    "level_offsets",
+]
+
+
+def generate_anchors(
+    stride: float = 16,
+    sizes: Sequence[float] = (32, 64, 128, 256, 512),
+    aspect_ratios: Sequence[float] = (0.5, 1, 2),
+) -> np.ndarray:
+    """Cell anchors ``(len(ratios) * len(sizes), 4)`` float64, ratio-major (spec §6.0).
+
+    The base window is ``(0, 0, stride-1, stride-1)``. For each ratio ``r = h/w``:
+    ``w_r = round(sqrt(stride^2 / r))``, ``h_r = round(w_r * r)`` (NumPy's round half
+    to even), then for each size ``s`` the window is scaled by ``s / stride`` about the
+    base centre. The arithmetic follows Detectron's ``generate_anchors.py`` step by step
+    so the results are bit-identical.
+
+    Example:
+        >>> generate_anchors(4, (32,), (0.5, 1, 2)).tolist()[0]
+        [-22.0, -10.0, 25.0, 13.0]
+    """
+    scales = np.asarray(sizes, dtype=np.float64) / stride
+    ratios = np.asarray(aspect_ratios, dtype=np.float64)
+    base = np.array([1, 1, stride, stride], dtype=np.float64) - 1
+    w, h, cx, cy = _whctrs(base)
+    ws = np.round(np.sqrt(w * h / ratios))
+    hs = np.round(ws * ratios)
+    ratio_anchors = _mkanchors(ws, hs, cx, cy)
+    out = [_mkanchors(*_scaled(ratio_anchors[i], scales)) for i in range(len(ratios))]
+    return np.vstack(out) if out else np.zeros((0, 4), dtype=np.float64)
+
+
+def _whctrs(anchor: np.ndarray) -> tuple[Any, Any, Any, Any]:
+    w = anchor[2] - anchor[0] + 1
+    h = anchor[3] - anchor[1] + 1
+    return w, h, anchor[0] + 0.5 * (w - 1), anchor[1] + 0.5 * (h - 1)
+
+
+def _scaled(anchor: np.ndarray, scales: np.ndarray) -> tuple[Any, Any, Any, Any]:
+    w, h, cx, cy = _whctrs(anchor)
+    return w * scales, h * scales, cx, cy
+
+
+def _mkanchors(ws: np.ndarray, hs: np.ndarray, cx: float, cy: float) -> np.ndarray:
+    ws = ws[:, None]
+    hs = hs[:, None]
+    return np.hstack((cx - 0.5 * (ws - 1), cy - 0.5 * (hs - 1),
+                      cx + 0.5 * (ws - 1), cy + 0.5 * (hs - 1)))
+
+
+@dataclass(frozen=True)
+class FieldOfAnchors:
+    """All anchors of one stride on the fixed ``F x F`` grid (Detectron's ``FieldOfAnchors``).
+
+    Attributes:
+        field_of_anchors: float32 ``(F*F*A, 4)``, enumerated ``(y, x, a)`` with ``a``
+            fastest; read-only (shared by every caller in the process).
+        num_cell_anchors: ``A``.
+        stride: the level's stride in input pixels.
+        field_size: ``F``.
+        octave, aspect: RetinaNet's octave and aspect index of this field (else None).
+        key: the memoisation key (stride, sizes, ratios, coarsest stride, max size).
+    """
+
+    field_of_anchors: np.ndarray
+    num_cell_anchors: int
+    stride: float
+    field_size: int
+    octave: int | None = None
+    aspect: int | None = None
+    key: tuple[Any, ...] = ()
+
+
+def field_size(stride: float, coarsest_stride: int, max_size: int) -> int:
+    """``F = ceil(COARSEST_STRIDE * ceil(MAX_SIZE / COARSEST_STRIDE) / stride)`` (§6.0, Q29).
+
+    ``FPN.COARSEST_STRIDE`` sizes the field even when FPN is off, as in Detectron.
+    """
+    fpn_max_size = coarsest_stride * np.ceil(max_size / float(coarsest_stride))
+    return int(np.ceil(fpn_max_size / float(stride)))
+
+
+@functools.lru_cache(maxsize=64)
+def _field_array(stride: float, sizes: tuple[float, ...], ratios: tuple[float, ...],
+                 coarsest_stride: int, max_size: int) -> tuple[np.ndarray, int, int]:
+    cell = generate_anchors(stride=stride, sizes=sizes, aspect_ratios=ratios)
+    num_a = cell.shape[0]
+    f = field_size(stride, coarsest_stride, max_size)
+    shifts = np.arange(0, f) * stride
+    shift_x, shift_y = np.meshgrid(shifts, shifts)
+    shift_x, shift_y = shift_x.ravel(), shift_y.ravel()
+    shifts4 = np.vstack((shift_x, shift_y, shift_x, shift_y)).transpose()
+    field = cell.reshape((1, num_a, 4)) + shifts4.reshape((1, -1, 4)).transpose((1, 0, 2))
+    field = field.reshape((-1, 4)).astype(np.float32)
+    field.setflags(write=False)
+    return field, num_a, f
+
+
+def get_field_of_anchors(
+    stride: float,
+    sizes: Sequence[float],
+    aspect_ratios: Sequence[float],
+    *,
+    coarsest_stride: int,
+    max_size: int,
+    octave: int | None = None,
+    aspect: int | None = None,
+) -> FieldOfAnchors:
+    """The memoised field of anchors for one stride (spec §6.0).
+
+    ``anchor[(y*F + x)*A + a] = cell[a] + (x*s, y*s, x*s, y*s)``. Memoised per process
+    on all parameters (Detectron keys on ``stride, sizes, ratios`` only, per thread;
+    including ``COARSEST_STRIDE`` and ``MAX_SIZE`` makes a config change safe).
+
+    Args:
+        stride: grid step ``s`` (``2**level`` with FPN, ``RPN.STRIDE`` without).
+        sizes, aspect_ratios: forwarded to :func:`generate_anchors`.
+        coarsest_stride: ``FPN.COARSEST_STRIDE``; max_size: ``TRAIN.MAX_SIZE``.
+        octave, aspect: RetinaNet bookkeeping carried on the result.
+    """
+    key = (float(stride), tuple(float(s) for s in sizes),
+           tuple(float(r) for r in aspect_ratios), int(coarsest_stride), int(max_size))
+    field, num_a, f = _field_array(*key)
+    return FieldOfAnchors(field, num_a, float(stride), f, octave, aspect, key)
+
+
+def rpn_fields(cfg: Any) -> list[FieldOfAnchors]:
+    """The RPN's fields: one per FPN level ``RPN_MIN..RPN_MAX``, or the single level (§6.7).
+
+    FPN level ``l`` uses stride ``2**l``, one size ``RPN_ANCHOR_START_SIZE *
+    2**(l - RPN_MIN_LEVEL)`` and ``FPN.RPN_ASPECT_RATIOS`` (A = 3 by default); the
+    single level uses ``RPN.STRIDE``, ``RPN.SIZES``, ``RPN.ASPECT_RATIOS`` (A = 12).
+    """
+    kw = dict(coarsest_stride=cfg.FPN.COARSEST_STRIDE, max_size=cfg.TRAIN.MAX_SIZE)
+    if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
+        k_min, k_max = cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL
+        return [get_field_of_anchors(2.0 ** lvl,
+                                     (cfg.FPN.RPN_ANCHOR_START_SIZE * 2.0 ** (lvl - k_min),),
+                                     cfg.FPN.RPN_ASPECT_RATIOS, **kw)
+                for lvl in range(k_min, k_max + 1)]
+    return [get_field_of_anchors(cfg.RPN.STRIDE, cfg.RPN.SIZES, cfg.RPN.ASPECT_RATIOS, **kw)]
+
+
+def retinanet_fields(cfg: Any) -> list[FieldOfAnchors]:
+    """RetinaNet's fields in (level, octave, aspect) order, one anchor each (spec §6.8).
+
+    Size ``2**l * 2**(octave / SCALES_PER_OCTAVE) * ANCHOR_SCALE``, ratio
+    ``RETINANET.ASPECT_RATIOS[aspect]``.
+    """
+    r = cfg.RETINANET
+    kw = dict(coarsest_stride=cfg.FPN.COARSEST_STRIDE, max_size=cfg.TRAIN.MAX_SIZE)
+    out = []
+    for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1):
+        stride = 2.0 ** lvl
+        for octave in range(r.SCALES_PER_OCTAVE):
+            octave_scale = 2 ** (octave / float(r.SCALES_PER_OCTAVE))
+            for idx, ratio in enumerate(r.ASPECT_RATIOS):
+                out.append(get_field_of_anchors(
+                    stride, (stride * octave_scale * r.ANCHOR_SCALE,), (ratio,),
+                    octave=octave, aspect=idx, **kw))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _concat(keys: tuple[tuple[Any, ...], ...]) -> np.ndarray:
+    arrays = [_field_array(*k)[0] for k in keys]
+    out = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
+    out.setflags(write=False)
+    return out
+
+
+def concat_fields(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
+    """All anchors of ``fields`` concatenated in order (read-only, memoised)."""
+    return _concat(tuple(f.key for f in fields))
+
+
+def level_offsets(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
+    """Start index of each field in :func:`concat_fields`, plus the total at the end."""
+    sizes = [f.field_of_anchors.shape[0] for f in fields]
+    return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)

@@ -1,0 +1,338 @@
+"""RPN training targets in the loader: the "wide" anchor blobs, ``im_info`` and ``roidb`` (spec §6.7).
+
+Anchors of all levels are labelled and sampled jointly per image, exactly as Detectron's
+``roi_data/rpn.py``: straddle filtering, best-match and threshold positives, positive
+subsampling, negatives, regression targets and loss weights. The IoU is computed only
+for anchors near some gt box (the others have IoU 0 with every gt by construction), and
+the wide blobs are written by scattering the at most ``RPN_BATCH_SIZE_PER_IM`` labelled
+anchors into pre-filled arrays, so five FPN levels at 800x1333 cost milliseconds.
+
+``fix_rpn_quirks=True`` corrects two Detectron quirks (spec §9) and changes nothing else:
+
+* Q2: a gt box with zero IoU to every inside anchor no longer makes every anchor with
+  zero overlap to it a best match (so no longer "all anchors positive");
+* Q3: negatives are drawn *without* replacement and only from anchors that were not
+  positive before subsampling, so they never overwrite positives.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, MutableMapping, Sequence
+
+import numpy as np
+
+from lit_roidata import rng as rng_mod
+from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
+from lit_roidata.minibatch.anchors import (
+    FieldOfAnchors, concat_fields, level_offsets, rpn_fields)
+from lit_roidata.minibatch.roidb_blob import serialize_roidb
+
+__all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "anchor_gt_overlaps",
+           "RPN_BLOB_KINDS"]
+
+logger = logging.getLogger(__name__)
+
+RPN_BLOB_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
+                  "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
+_ONES4 = (1.0, 1.0, 1.0, 1.0)
+
+
+def get_rpn_blob_names(cfg: Any) -> list[str]:
+    """Training blob names of the RPN family after ``data``, in queue order (spec §6.1)."""
+    names = ["im_info", "roidb"]
+    if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
+        for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1):
+            names += [f"{k}_fpn{lvl}" for k in RPN_BLOB_KINDS]
+    else:
+        names += list(RPN_BLOB_KINDS)
+    return names
+
+
+def add_rpn_blobs(
+    blobs: MutableMapping[str, Any],
+    im_scales: Sequence[float],
+    entries: Sequence[Mapping[str, Any]],
+    cfg: Any,
+    rng: rng_mod.RNG,
+    *,
+    fix_rpn_quirks: bool = False,
+) -> bool:
+    """Add ``im_info``, ``roidb`` and the RPN wide blobs of one minibatch (spec §6.7).
+
+    Draws happen per image in image order (positive subsampling, then negatives), with
+    the calls Detectron makes, so a ``RandomState`` seeded like Detectron reproduces it.
+    ``RoIDataModule`` passes ``fix_rpn_quirks`` from its own option of that name.
+
+    Args:
+        blobs: the minibatch dict (already holding ``data``); updated in place.
+        im_scales: the scale of each image, as drawn for the image blob.
+        entries: the roidb entries (Detectron field names, docs/architecture.md §2).
+        cfg: a ``DetectronConfig``.
+        rng: generator for all draws (``lit_roidata.rng``).
+        fix_rpn_quirks: correct Q2 and Q3 (see the module docstring).
+
+    Returns:
+        True: RPN minibatches are always valid.
+
+    Raises:
+        ValueError: an entry has no non-crowd gt box (Detectron crashes there, Q27;
+            ``filter_for_training`` normally removes such images).
+    """
+    fields = rpn_fields(cfg)
+    all_anchors = concat_fields(fields)
+    n = len(entries)
+    out = _alloc_wide(fields, n)
+    im_info = np.zeros((n, 3), dtype=np.float32)
+    for i, entry in enumerate(entries):
+        scale = im_scales[i]
+        im_h, im_w = np.round(entry["height"] * scale), np.round(entry["width"] * scale)
+        im_info[i] = (im_h, im_w, scale)
+        keep = (np.asarray(entry["gt_classes"]) > 0) & ~np.asarray(entry["is_crowd"], bool)
+        if not keep.any():
+            raise ValueError(
+                f"RPN targets: image id {entry.get('id')} ({entry.get('image')}) has no "
+                "non-crowd gt box; Detectron crashes here (spec Q27). Keep "
+                "filter_for_training on, or drop images without annotations.")
+        gt = (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32)
+        res = label_anchors(all_anchors, fields, gt, im_h, im_w, cfg.TRAIN, rng,
+                            fix_rpn_quirks=fix_rpn_quirks)
+        _scatter(out, i, fields, *res)
+    blobs["im_info"] = im_info
+    blobs["roidb"] = serialize_roidb(entries)
+    multilevel = cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN
+    for li, lvl in enumerate(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)
+                             if multilevel else [None]):
+        for k, arr in zip(RPN_BLOB_KINDS, out[li]):
+            blobs[k if lvl is None else f"{k}_fpn{lvl}"] = arr
+    return True
+
+
+def _alloc_wide(fields: Sequence[FieldOfAnchors], n: int) -> list[tuple[np.ndarray, ...]]:
+    out = []
+    for f in fields:
+        a, s = f.num_cell_anchors, f.field_size
+        out.append((np.full((n, a, s, s), -1, dtype=np.int32),
+                    np.zeros((n, 4 * a, s, s), dtype=np.float32),
+                    np.zeros((n, 4 * a, s, s), dtype=np.float32),
+                    np.zeros((n, 4 * a, s, s), dtype=np.float32)))
+    return out
+
+
+def label_anchors(
+    all_anchors: np.ndarray,
+    fields: Sequence[FieldOfAnchors],
+    gt: np.ndarray,
+    im_h: float,
+    im_w: float,
+    train: Any,
+    rng: rng_mod.RNG,
+    *,
+    fix_rpn_quirks: bool = False,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+    """Label one image's anchors (spec §6.7 steps 3-8), in Detectron's draw order.
+
+    Args:
+        all_anchors: the concatenated fields ``(K, 4)``; fields: those fields.
+        gt: non-crowd gt boxes in the scaled frame ``(G, 4)``, ``G >= 1``.
+        im_h, im_w: ``round(height * scale)``, ``round(width * scale)``.
+        train: ``cfg.TRAIN`` (thresholds, batch size, straddle margin).
+
+    Returns:
+        ``(labelled, labels, fg, targets, num_examples)``: global indices (into
+        ``all_anchors``) of anchors with label >= 0 and those labels; global indices of
+        the anchors that get regression targets and the ``(len(fg), 4)`` targets;
+        the number of examples (weights are ``1/num_examples``).
+    """
+    inside = _inside(all_anchors, im_h, im_w, train.RPN_STRADDLE_THRESH)
+    inds_inside = np.flatnonzero(inside)
+    empty = np.zeros(0, np.int64)
+    if len(inds_inside) == 0:  # Detectron crashes in argmax here; nothing to label.
+        return empty, np.zeros(0, np.int32), empty, np.zeros((0, 4), np.float32), 0.0
+    labels, a2g_max = _positives(fields, all_anchors, inside, gt, train, fix_rpn_quirks)
+    fg_inds = _sample(labels, a2g_max, train, rng, fix_rpn_quirks)
+    fg_anchors = all_anchors[inds_inside[fg_inds]]
+    # The exact dense argmax (ties -> lowest gt), only for the <= 128 anchors that need it.
+    assigned = bbox_overlaps(fg_anchors, gt).argmax(axis=1) if len(fg_inds) else empty
+    targets = bbox_transform_targets(fg_anchors, gt[assigned], _ONES4)
+    labelled = np.flatnonzero(labels >= 0)
+    return (inds_inside[labelled], labels[labelled], inds_inside[fg_inds], targets,
+            float(len(labelled)))
+
+
+def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
+               gt: np.ndarray, train: Any, fix: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor."""
+    n_in = int(inside.sum())
+    below = min(train.RPN_NEGATIVE_OVERLAP, train.RPN_POSITIVE_OVERLAP)
+    cpos, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
+    labels = np.full(n_in, -1, dtype=np.int32)
+    a2g_max = np.zeros(n_in, dtype=np.float32)
+    g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
+    if len(cpos):
+        a2g_max[cpos] = overlaps.max(axis=1)
+        g2a_max = overlaps.max(axis=0)
+    best = overlaps == g2a_max[None, :]
+    if fix:
+        best &= (g2a_max > 0)[None, :]
+    labels[cpos[best.any(axis=1)]] = 1
+    if not fix and (g2a_max == 0).any():
+        not_cand = np.ones(n_in, dtype=bool)
+        not_cand[cpos] = False
+        labels[not_cand] = 1  # Q2: zero IoU to that gt equals its (zero) best overlap
+    labels[a2g_max >= train.RPN_POSITIVE_OVERLAP] = 1
+    return labels, a2g_max
+
+
+def _sample(labels: np.ndarray, a2g_max: np.ndarray, train: Any, rng: rng_mod.RNG,
+            fix: bool) -> np.ndarray:
+    """Subsample positives, then draw negatives (in place); returns the positives."""
+    num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
+    fg_inds = positives = np.flatnonzero(labels == 1)
+    if len(fg_inds) > num_fg:
+        disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
+        labels[disable] = -1
+        fg_inds = np.flatnonzero(labels == 1)
+    num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
+    bg_cand = a2g_max < train.RPN_NEGATIVE_OVERLAP
+    if fix:
+        bg_cand[positives] = False
+    bg_inds = np.flatnonzero(bg_cand)
+    if len(bg_inds) > num_bg:
+        if fix:
+            bg_inds = rng_mod.choice(rng, bg_inds, size=num_bg, replace=False)
+        else:  # Q3: with replacement, and may overwrite positives
+            bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
+    labels[bg_inds] = 0
+    return fg_inds
+
+
+def _inside(anchors: np.ndarray, im_h: float, im_w: float, t: float) -> np.ndarray:
+    """Bool mask of the anchors kept by the straddle test (all if ``t < 0``)."""
+    if t < 0:
+        return np.ones(anchors.shape[0], dtype=bool)
+    return ((anchors[:, 0] >= -t) & (anchors[:, 1] >= -t)
+            & (anchors[:, 2] < im_w + t) & (anchors[:, 3] < im_h + t))
+
+
+def anchor_gt_overlaps(
+    fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
+    gt: np.ndarray, below: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """IoU of inside anchors against gt boxes, without the dense ``K x G`` product.
+
+    Labelling needs, per anchor, whether its max IoU reaches the thresholds, and per gt
+    its best anchors; IoUs that are provably below both ``below`` and the gt's best
+    IoU cannot change either, so they are skipped (left 0):
+
+    * per field and cell anchor shape, the grid cells whose anchor can touch gt ``g``
+      form a rectangle (2-pixel margin), enumerated without a loop over boxes;
+    * a whole (shape, gt) rectangle is skipped when the area-ratio bound
+      ``min(area)/max(area)`` on its IoU is below ``below`` and below a lower bound of
+      the gt's best IoU (from the inside anchor nearest to the gt's centre).
+
+    IoUs are computed with the float64 steps of :func:`lit_roidata.boxes.bbox_overlaps`,
+    so every kept entry equals the dense matrix's entry bit for bit, every maximum and
+    every best-match tie is the dense one, and the row argmax may differ only where the
+    row max is below ``below`` (callers recompute it where they need it).
+
+    Args:
+        inside: bool mask over ``all_anchors`` of the anchors that take part.
+        below: ``min(RPN_NEGATIVE_OVERLAP, RPN_POSITIVE_OVERLAP)``; 0 disables skipping.
+
+    Returns:
+        ``(cand, overlaps)``: ascending positions among the inside anchors of every
+        anchor with a kept non-zero IoU candidate, and their ``(len(cand), G)`` IoUs.
+    """
+    offsets = level_offsets(fields)
+    g_area = (gt[:, 2] - gt[:, 0] + 1.0) * (gt[:, 3] - gt[:, 1] + 1.0)
+    shapes = [(offsets[li] + a, f, f.field_of_anchors[a].astype(np.float64))
+              for li, f in enumerate(fields) for a in range(f.num_cell_anchors)]
+    lower = np.zeros(len(gt), dtype=np.float64)
+    for base, f, cell in shapes:  # best IoU lower bound: anchor nearest the gt centre
+        s, size, n_a = f.stride, f.field_size, f.num_cell_anchors
+        x = np.clip(np.round(((gt[:, 0] + gt[:, 2]) - (cell[0] + cell[2])) / (2 * s)), 0, size - 1)
+        y = np.clip(np.round(((gt[:, 1] + gt[:, 3]) - (cell[1] + cell[3])) / (2 * s)), 0, size - 1)
+        idx = base + (y.astype(np.int64) * size + x.astype(np.int64)) * n_a
+        iou = _pair_iou(all_anchors[idx], gt).astype(np.float64) * inside[idx]
+        np.maximum(lower, iou, out=lower)
+    thresh = np.minimum(lower, below) / (1 + 1e-6)
+    gidx_parts, gid_parts = [], []
+    for base, f, cell in shapes:
+        s, size, n_a = f.stride, f.field_size, f.num_cell_anchors
+        a_area = (cell[2] - cell[0] + 1.0) * (cell[3] - cell[1] + 1.0)
+        bound = np.minimum(a_area, g_area) / np.maximum(a_area, g_area)
+        x0 = np.clip(np.ceil((gt[:, 0] - 2 - cell[2]) / s), 0, size).astype(np.int64)
+        x1 = np.clip(np.floor((gt[:, 2] + 2 - cell[0]) / s) + 1, 0, size).astype(np.int64)
+        y0 = np.clip(np.ceil((gt[:, 1] - 2 - cell[3]) / s), 0, size).astype(np.int64)
+        y1 = np.clip(np.floor((gt[:, 3] + 2 - cell[1]) / s) + 1, 0, size).astype(np.int64)
+        wx = np.maximum(x1 - x0, 0)
+        counts = wx * np.maximum(y1 - y0, 0) * (bound >= thresh)
+        total = int(counts.sum())
+        if total == 0:
+            continue
+        gid = np.repeat(np.arange(len(gt)), counts)
+        off = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        dy, dx = np.divmod(off, wx[gid])
+        gidx_parts.append(base + ((y0[gid] + dy) * size + x0[gid] + dx) * n_a)
+        gid_parts.append(gid)
+    n_inside = int(inside.sum())
+    if not gidx_parts:
+        return np.zeros(0, np.int64), np.zeros((0, len(gt)), np.float32)
+    gidx, gid = np.concatenate(gidx_parts), np.concatenate(gid_parts)
+    keep = inside[gidx]
+    gidx, gid = gidx[keep], gid[keep]
+    iou = _pair_iou(all_anchors[gidx], gt[gid])
+    pos = (np.cumsum(inside) - 1)[gidx]
+    is_cand = np.zeros(n_inside, dtype=bool)
+    is_cand[pos] = True
+    row = np.cumsum(is_cand) - 1
+    overlaps = np.zeros((int(is_cand.sum()), len(gt)), dtype=np.float32)
+    overlaps[row[pos], gid] = iou
+    return np.flatnonzero(is_cand), overlaps
+
+
+def _pair_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise IoU of ``a[i]`` and ``b[i]``, same float64 steps as ``bbox_overlaps``."""
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    iw = np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]) + 1
+    ih = np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]) + 1
+    np.maximum(iw, 0, out=iw)
+    np.maximum(ih, 0, out=ih)
+    inter = iw * ih
+    union = ((a[:, 2] - a[:, 0] + 1) * (a[:, 3] - a[:, 1] + 1)
+             + (b[:, 2] - b[:, 0] + 1) * (b[:, 3] - b[:, 1] + 1) - inter)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(inter > 0, inter / union, 0.0)
+    return out.astype(np.float32)
+
+
+def _scatter(out: list[tuple[np.ndarray, ...]], i: int, fields: Sequence[FieldOfAnchors],
+             labelled: np.ndarray, labels: np.ndarray, fg: np.ndarray,
+             targets: np.ndarray, num_examples: float) -> None:
+    """Write one image's labels, targets and weights into the level blobs (spec §6.7 step 9)."""
+    offsets = level_offsets(fields)
+    pos = labelled[labels == 1]
+    w_out = np.float32(1.0 / num_examples) if num_examples else np.float32(0)
+    for li, f in enumerate(fields):
+        lab_b, tgt_b, in_b, out_b = out[li]
+        lo, hi = offsets[li], offsets[li + 1]
+        sel = (labelled >= lo) & (labelled < hi)
+        a, y, x = _unravel(labelled[sel] - lo, f)
+        lab_b[i, a, y, x] = labels[sel]
+        for c in range(4):
+            out_b[i, 4 * a + c, y, x] = w_out
+        sel = (fg >= lo) & (fg < hi)
+        a, y, x = _unravel(fg[sel] - lo, f)
+        for c in range(4):
+            tgt_b[i, 4 * a + c, y, x] = targets[sel, c]
+        a, y, x = _unravel(pos[(pos >= lo) & (pos < hi)] - lo, f)
+        for c in range(4):
+            in_b[i, 4 * a + c, y, x] = 1.0
+
+
+def _unravel(local: np.ndarray, f: FieldOfAnchors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    cell, a = np.divmod(local, f.num_cell_anchors)
+    y, x = np.divmod(cell, f.field_size)
+    return a, y, x
