@@ -36,8 +36,9 @@ class BadImageError(RuntimeError):
             ``size_mismatch``), used to count skips by reason.
     """
 
-    def __init__(self, message: str, *, path: str, image_id: Any, dataset: str,
-                 reason: str) -> None:
+    def __init__(self, message: str, *, path: str | None = None, image_id: Any = None,
+                 dataset: str | None = None, reason: str = "bad_image") -> None:
+        # Keyword defaults let DataLoader re-raise it from a worker with the message only.
         super().__init__(message)
         self.path = path
         self.image_id = image_id

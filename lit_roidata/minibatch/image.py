@@ -30,6 +30,8 @@ __all__ = [
     "get_target_scale",
     "scale_image",
     "im_list_to_blob",
+    "load_and_scale",
+    "im_info_rows",
     "build_image_blob",
     "get_image_blob",
     "normalize_on_device",
@@ -138,21 +140,14 @@ def draw_scale_inds(num_images: int, num_scales: int, rng: rng_mod.RNG) -> np.nd
     return np.asarray(rng_mod.randint(rng, 0, num_scales, size=num_images))
 
 
-def build_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
-                     pixel_format: str = "detectron", loader: ImageLoader | None = None,
-                     augment: Any = None, alloc: Allocator | None = None) -> ImageBatch:
-    """Build the image side of a minibatch (spec §6.2), keeping Detectron's draw order.
+def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
+                   pixel_format: str = "detectron", loader: ImageLoader | None = None,
+                   augment: Any = None) -> tuple[list[np.ndarray], list[float], list[Any]]:
+    """Decode, (augment,) and scale each image; the draws of spec §6.2 step 1 first.
 
-    Args:
-        entries: roidb entries of one minibatch.
-        cfg: the Detectron config (``TRAIN.SCALES``, ``TRAIN.MAX_SIZE``, ``FPN``,
-            ``PIXEL_MEANS``).
-        rng: ``numpy.random.Generator`` or ``RandomState`` (see :mod:`lit_roidata.rng`).
-        pixel_format: ``"detectron"`` or ``"uint8"``.
-        loader: ``entry -> BGR uint8 HWC`` (default :func:`~.decode.load_image`).
-        augment: optional :class:`~lit_roidata.minibatch.augment.Augmentation`, applied
-            per image before scaling; it may change the entries' geometry.
-        alloc: optional blob allocator (see :func:`im_list_to_blob`).
+    Returns:
+        ``(images, im_scales, entries)``: resized HWC BGR images, their scales, and the
+        entries the targets must use (augmented copies when ``augment`` changed them).
 
     Raises:
         BadImageError: from the loader, naming the file, image id and dataset.
@@ -177,13 +172,41 @@ def build_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mo
         ims.append(im)
         im_scales.append(scale)
         out_entries.append(entry)
+    return ims, im_scales, out_entries
+
+
+def im_info_rows(entries: Sequence[Mapping[str, Any]], im_scales: Sequence[float]) -> np.ndarray:
+    """``(n, 3)`` float32 ``[round(H*s), round(W*s), s]`` from the roidb size (§6.2, Q9)."""
+    return np.array([[np.round(e["height"] * s), np.round(e["width"] * s), s]
+                     for e, s in zip(entries, im_scales)], dtype=np.float32).reshape(-1, 3)
+
+
+def build_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
+                     pixel_format: str = "detectron", loader: ImageLoader | None = None,
+                     augment: Any = None, alloc: Allocator | None = None) -> ImageBatch:
+    """Build the image side of a minibatch (spec §6.2), keeping Detectron's draw order.
+
+    Args:
+        entries: roidb entries of one minibatch.
+        cfg: the Detectron config (``TRAIN.SCALES``, ``TRAIN.MAX_SIZE``, ``FPN``,
+            ``PIXEL_MEANS``).
+        rng: ``numpy.random.Generator`` or ``RandomState`` (see :mod:`lit_roidata.rng`).
+        pixel_format: ``"detectron"`` or ``"uint8"``.
+        loader: ``entry -> BGR uint8 HWC`` (default :func:`~.decode.load_image`).
+        augment: optional :class:`~lit_roidata.minibatch.augment.Augmentation`, applied
+            per image before scaling; it may change the entries' geometry.
+        alloc: optional blob allocator (see :func:`im_list_to_blob`).
+
+    Raises:
+        BadImageError: from the loader, naming the file, image id and dataset.
+    """
+    ims, im_scales, out_entries = load_and_scale(entries, cfg, rng, pixel_format=pixel_format,
+                                                 loader=loader, augment=augment)
     data = im_list_to_blob(ims, fpn_on=cfg.FPN.FPN_ON, coarsest_stride=cfg.FPN.COARSEST_STRIDE,
                            alloc=alloc)
     sizes = np.array([im.shape[:2] for im in ims], dtype=np.int32).reshape(-1, 2)
-    im_info = np.array([[np.round(e["height"] * s), np.round(e["width"] * s), s]
-                        for e, s in zip(out_entries, im_scales)], dtype=np.float32).reshape(-1, 3)
-    return ImageBatch(data=data, im_scales=im_scales, image_sizes=sizes, im_info=im_info,
-                      entries=out_entries)
+    return ImageBatch(data=data, im_scales=im_scales, image_sizes=sizes,
+                      im_info=im_info_rows(out_entries, im_scales), entries=out_entries)
 
 
 def get_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any,

@@ -1,0 +1,268 @@
+"""``RoIBlockDataset``: a block of roidb indices in, one partial minibatch out.
+
+Runs inside DataLoader workers (docs/architecture.md §4). Workers are stateless
+(design principle 6): every random draw of a block comes from
+``lit_roidata.rng.block_rng(seed, pass_index, block_index)`` (or, with
+``rng_mode="detectron"``, a legacy ``RandomState`` seeded from the same triple and
+drawn in Detectron's call order), so :func:`rebuild_block` reproduces a block bit for
+bit in any process.
+
+An invalid minibatch (keypoint rule, spec §6.10) or, with ``on_bad_image="skip"``, a
+block with a bad image is replaced by ``replacement(block, attempt)`` for
+``attempt = 1, 2, ...`` (the sampler's ``RoIBatchSampler.replacement_block``), at most
+``max_attempts`` times, then a clear error. Detectron retries forever and silently
+(Q21) or dies on the first bad image (Q33); here every replacement is recorded in
+``"_meta"`` so the data module can report skips at the end of the epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, Mapping, Sequence
+
+import cv2
+import numpy as np
+import torch
+import torch.utils.data
+
+from lit_roidata.minibatch.core import build_minibatch
+from lit_roidata.minibatch.decode import BadImageError, dataset_name
+from lit_roidata.minibatch.image import PIXEL_FORMATS
+from lit_roidata.rng import RNG, block_rng
+
+__all__ = ["RoIBlockDataset", "rebuild_block", "make_block"]
+
+log = logging.getLogger(__name__)
+
+OUTPUT_FORMATS = ("detectron", "torchvision")
+RNG_MODES = ("block", "detectron")
+ON_BAD_IMAGE = ("raise", "skip")
+_DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rng streams
+_REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
+
+
+def make_block(indices: Sequence[int], *, seed: int, pass_index: int, block_index: int,
+               attempt: int = 0) -> Any:
+    """A ``lit_roidata.sampler.Block`` (indices + stream coordinates)."""
+    from lit_roidata.sampler import Block
+
+    return Block(indices, seed=seed, pass_index=pass_index, block_index=block_index,
+                 attempt=attempt)
+
+
+def _coords(block: Any) -> tuple[int, int, int, int]:
+    try:
+        return (int(block.seed), int(block.pass_index), int(block.block_index),
+                int(getattr(block, "attempt", 0)))
+    except AttributeError as exc:
+        raise TypeError("RoIBlockDataset needs a lit_roidata.sampler.Block (a list of roidb "
+                        "indices with seed, pass_index and block_index); got "
+                        f"{type(block).__name__}. Use RoIBatchSampler as the DataLoader's "
+                        "batch_sampler, or rebuild_block() for a one-off") from exc
+
+
+def _in_worker() -> bool:
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    # Allocated in shared memory so sending it to the main process copies nothing.
+    t = torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, dtype=dtype)).dtype)
+    return t.share_memory_().numpy()
+
+
+class RoIBlockDataset(torch.utils.data.Dataset):
+    """Build one partial minibatch per :class:`~lit_roidata.sampler.Block` (spec §6).
+
+    Use it with ``DataLoader(dataset, batch_sampler=RoIBatchSampler(...),
+    collate_fn=lambda b: b)``: the DataLoader calls :meth:`__getitems__` with the
+    whole block, so batching happens in the sampler.
+
+    Args:
+        roidb: a ``RoIDB`` or any sequence of roidb entries (docs/architecture.md §2).
+        cfg: the Detectron config.
+        output_format: ``"detectron"`` (blob dict + ``"_meta"``) or ``"torchvision"``
+            (``TorchvisionBatch``: images, targets and ``.meta``).
+        pixel_format: ``"uint8"`` (fast; normalise on the device with
+            :func:`lit_roidata.minibatch.normalize_on_device`) or ``"detectron"``.
+        rng_mode: ``"block"`` (PCG64 per block) or ``"detectron"`` (legacy
+            ``RandomState`` per block, Detectron's call order).
+        on_bad_image: ``"raise"`` or ``"skip"`` (replace the block, count the skip).
+        replacement: ``(block, attempt) -> Block``; default: a deterministic draw of
+            the same number of images with the same orientation.
+        augment: optional :class:`~lit_roidata.minibatch.augment.Augmentation`.
+        max_attempts: replacements tried before giving up with an error.
+        loader: optional ``entry -> BGR uint8 HWC`` image reader (tests, caches).
+    """
+
+    def __init__(self, roidb: Sequence[Mapping[str, Any]], cfg: Any, *,
+                 output_format: str = "detectron", pixel_format: str = "uint8",
+                 rng_mode: str = "block", on_bad_image: str = "raise",
+                 replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
+                 max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None
+                 ) -> None:
+        for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
+                                   ("pixel_format", pixel_format, PIXEL_FORMATS),
+                                   ("rng_mode", rng_mode, RNG_MODES),
+                                   ("on_bad_image", on_bad_image, ON_BAD_IMAGE)):
+            if value not in valid:
+                raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
+        if max_attempts < 0:
+            raise ValueError(f"max_attempts must be >= 0, got {max_attempts}")
+        self.roidb = roidb
+        self.cfg = cfg
+        self.output_format = output_format
+        self.pixel_format = pixel_format
+        self.rng_mode = rng_mode
+        self.on_bad_image = on_bad_image
+        self.replacement = replacement
+        self.augment = augment
+        self.max_attempts = int(max_attempts)
+        self.loader = loader
+        #: Skips and replacements made by *this process* (workers report theirs in _meta).
+        self.skip_counts: Counter[str] = Counter()
+        self._threads_set = False
+
+    def __len__(self) -> int:
+        return len(self.roidb)
+
+    def __getitem__(self, block: Any) -> Any:
+        """Same as :meth:`__getitems__` (for DataLoaders with ``batch_size=None``)."""
+        return self.__getitems__(block)
+
+    # ------------------------------------------------------------------ randomness
+    def block_rng(self, block: Any) -> RNG:
+        """The generator of ``block`` (a pure function of its coordinates)."""
+        seed, p, b, _ = _coords(block)
+        if self.rng_mode == "detectron":
+            state = np.random.SeedSequence([_DETECTRON_DOMAIN, seed, p, b]).generate_state(4)
+            return np.random.RandomState(state)
+        return block_rng(seed, p, b)
+
+    def _replacement(self, block: Any, attempt: int) -> Any:
+        if self.replacement is not None:
+            return self.replacement(block, attempt)
+        seed, p, b, _ = _coords(block)
+        g = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+            [_REPLACE_DOMAIN, seed, p, b, attempt])))
+        pool = np.arange(len(self.roidb))
+        widths, heights = getattr(self.roidb, "widths", None), getattr(self.roidb, "heights", None)
+        if widths is not None and heights is not None and len(block):
+            horz = np.asarray(widths) >= np.asarray(heights)
+            pool = np.flatnonzero(horz == horz[int(block[0])])
+        pick = g.choice(pool.size, size=min(len(block), pool.size), replace=False)
+        return make_block(pool[pick].tolist(), seed=seed, pass_index=p, block_index=b,
+                          attempt=attempt)
+
+    # ------------------------------------------------------------------ building
+    def _configure_threads(self) -> None:
+        if not self._threads_set:
+            self._threads_set = True
+            if _in_worker():  # N workers x OpenCV's thread pool would oversubscribe the CPUs
+                cv2.setNumThreads(1)
+
+    def _build_once(self, block: Any) -> tuple[Any, bool, list[Mapping[str, Any]]]:
+        entries = [self.roidb[int(i)] for i in block]
+        rng = self.block_rng(block)
+        if self.output_format == "torchvision":
+            from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
+
+            images, targets = build_torchvision_batch(entries, self.cfg, rng,
+                                                      pixel_format=self.pixel_format,
+                                                      loader=self.loader, augment=self.augment)
+            return (images, targets), True, entries
+        mb = build_minibatch(entries, self.cfg, rng, pixel_format=self.pixel_format,
+                             loader=self.loader, augment=self.augment,
+                             alloc=_shared_alloc if _in_worker() else None)
+        return mb, mb.valid, entries
+
+    def __getitems__(self, block: Any) -> Any:
+        """Build the partial minibatch of ``block`` (replacing it if it is unusable).
+
+        Returns:
+            ``output_format="detectron"``: dict blob name -> tensor in
+            ``get_minibatch_blob_names`` order, plus ``"_meta"``;
+            ``"torchvision"``: a :class:`TorchvisionBatch` ``(images, targets)``.
+
+        Raises:
+            BadImageError: with ``on_bad_image="raise"``.
+            RuntimeError: no usable block within ``max_attempts`` replacements.
+        """
+        self._configure_threads()
+        skipped: list[dict[str, Any]] = []
+        invalid = 0
+        current = block
+        for attempt in range(self.max_attempts + 1):
+            try:
+                out, valid, entries = self._build_once(current)
+            except BadImageError as exc:
+                if self.on_bad_image == "raise":
+                    raise
+                skipped.append({"reason": exc.reason, "path": exc.path, "image_id": exc.image_id,
+                                "dataset": exc.dataset, "message": str(exc)})
+                self.skip_counts[exc.reason] += 1
+                log.warning("skipping block %s: %s", list(current), exc)
+            else:
+                if valid:
+                    return self._package(out, entries, block, current, skipped, invalid)
+                invalid += 1
+                self.skip_counts["invalid_minibatch"] += 1
+            if attempt < self.max_attempts:
+                current = self._replacement(block, attempt + 1)
+        raise RuntimeError(
+            f"block {list(block)} (seed={_coords(block)[0]}, pass={_coords(block)[1]}, "
+            f"block={_coords(block)[2]}): no usable minibatch after {self.max_attempts} "
+            f"replacements ({invalid} invalid, {len(skipped)} with bad images: "
+            f"{[s['message'] for s in skipped[:3]]}). Check the images, or lower "
+            "KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH for keypoint models")
+
+    def _meta(self, entries: Sequence[Mapping[str, Any]], requested: Any, used: Any,
+              skipped: list, invalid: int, scales: Sequence[float]) -> dict[str, Any]:
+        seed, p, b, attempt = _coords(used)
+        return {
+            "image_ids": torch.tensor([int(e["id"]) for e in entries], dtype=torch.int64),
+            "flipped": torch.tensor([bool(e.get("flipped", False)) for e in entries]),
+            "im_scales": torch.tensor([float(s) for s in scales], dtype=torch.float64),
+            "datasets": [dataset_name(e) for e in entries],
+            "images": [str(e.get("image")) for e in entries],
+            "indices": [int(i) for i in used],
+            "requested_indices": [int(i) for i in requested],
+            "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
+            "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
+            "pixel_format": self.pixel_format,
+        }
+
+    def _package(self, out: Any, entries: list, requested: Any, used: Any, skipped: list,
+                 invalid: int) -> Any:
+        if self.output_format == "torchvision":
+            from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
+
+            images, targets = out
+            meta = self._meta(entries, requested, used, skipped, invalid,
+                              [t["scale"] for t in targets])
+            return TorchvisionBatch((images, targets), meta)
+        blobs: dict[str, Any] = {}
+        for name, value in out.blobs.items():
+            blobs[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+        meta = self._meta(entries, requested, used, skipped, invalid, out.image.im_scales)
+        meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
+        meta["im_info"] = torch.from_numpy(out.image.im_info)
+        blobs["_meta"] = meta
+        return blobs
+
+
+def rebuild_block(roidb: Sequence[Mapping[str, Any]], cfg: Any, indices: Sequence[int], *,
+                  seed: int, pass_index: int, block_index: int, attempt: int = 0,
+                  **dataset_kwargs: Any) -> Any:
+    """Rebuild one block exactly as a worker built it (``dump-blobs``, debugging, tests).
+
+    Args:
+        roidb, cfg: as :class:`RoIBlockDataset`.
+        indices: the block's roidb indices; seed, pass_index, block_index, attempt: its
+            stream coordinates (``"_meta"`` of the original batch has them all).
+        **dataset_kwargs: the :class:`RoIBlockDataset` options used in training.
+    """
+    ds = RoIBlockDataset(roidb, cfg, **dataset_kwargs)
+    return ds.__getitems__(make_block(indices, seed=seed, pass_index=pass_index,
+                                      block_index=block_index, attempt=attempt))

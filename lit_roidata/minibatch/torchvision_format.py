@@ -1,0 +1,146 @@
+"""Minibatches for torchvision detection models: image tensors and target dicts.
+
+Same images as the Detectron blob (decode, flip, one scale per image from
+``TRAIN.SCALES`` with the ``MAX_SIZE`` cap, same draws), but unpadded and with
+torchvision's conventions:
+
+* **images**: ``tv_tensors.Image`` ``(3, h, w)``; ``pixel_format="uint8"`` gives RGB
+  uint8 (what torchvision models expect after ``/ 255``), ``"detectron"`` gives
+  Detectron's BGR float32 minus ``PIXEL_MEANS``.
+* **coordinates**: continuous pixel edges in the *scaled* image. A Detectron box
+  ``[x1, y1, x2, y2]`` (inclusive pixel indices) becomes
+  ``[x1*s, y1*s, (x2+1)*s, (y2+1)*s]``; a keypoint at pixel index ``x`` becomes
+  ``(x + 0.5) * s`` (pixel centre); polygons (already continuous in COCO) are scaled.
+* **targets**: ``boxes`` (``BoundingBoxes``, XYXY, ``canvas_size=(h, w)``), ``labels``
+  int64 (contiguous ids), ``image_id``, non-crowd gt only; ``masks`` (``Mask`` uint8
+  ``(N, h, w)``) with ``MODEL.MASK_ON``; ``keypoints`` float32 ``(N, K, 3)`` rows
+  ``x, y, v`` with ``MODEL.KEYPOINTS_ON``; ``proposals`` (``BoundingBoxes``) when the
+  entry has proposal rows; ``crowd_boxes``; and ``scale``, ``orig_size``, ``flipped``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import cv2
+import numpy as np
+import pycocotools.mask as mask_util
+import torch
+from torchvision import tv_tensors
+
+from lit_roidata import rng as rng_mod
+from lit_roidata.minibatch.image import ImageLoader, load_and_scale
+from lit_roidata.minibatch.mask import _as_rle, _poly_parts
+
+__all__ = ["TorchvisionBatch", "to_continuous_boxes", "build_torchvision_batch"]
+
+
+class TorchvisionBatch(tuple):
+    """``(images, targets)``; ``.meta`` holds the block metadata (read it before a
+    device transfer: Lightning rebuilds tuples and drops the attribute)."""
+
+    meta: dict[str, Any] | None = None
+
+    def __new__(cls, items: Any = (), meta: dict[str, Any] | None = None) -> "TorchvisionBatch":
+        obj = super().__new__(cls, items)
+        obj.meta = meta
+        return obj
+
+    def __reduce__(self) -> tuple:
+        return (TorchvisionBatch, (tuple(self), self.meta))
+
+
+def to_continuous_boxes(boxes: np.ndarray, scale: float) -> np.ndarray:
+    """Detectron inclusive boxes to continuous XYXY in the scaled frame (float32)."""
+    b = np.asarray(boxes, dtype=np.float32).reshape(-1, 4).copy()
+    b[:, 2:] += 1
+    return b * np.float32(scale)
+
+
+def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: int) -> np.ndarray:
+    out = np.zeros((rows.size, h, w), dtype=np.uint8)
+    height, width = int(entry["height"]), int(entry["width"])
+    for j, r in enumerate(rows):
+        segm = entry["segms"][r]
+        parts = _poly_parts(segm)
+        if parts:
+            rles = mask_util.frPyObjects([p.astype(np.float64) * scale for p in parts], h, w)
+            out[j] = mask_util.decode(mask_util.merge(rles))
+            continue
+        rle = _as_rle(segm, height, width)
+        if rle is not None:
+            full = mask_util.decode(rle)
+            out[j] = cv2.resize(full, (w, h), interpolation=cv2.INTER_NEAREST)
+    return out
+
+
+def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.ndarray:
+    kps = np.asarray(entry["gt_keypoints"])[rows].astype(np.float32)  # (N, 3, K)
+    out = np.zeros((rows.size, kps.shape[2], 3), dtype=np.float32)
+    vis = kps[:, 2, :] > 0
+    out[:, :, 0] = np.where(vis, (kps[:, 0, :] + 0.5) * scale, 0)
+    out[:, :, 1] = np.where(vis, (kps[:, 1, :] + 0.5) * scale, 0)
+    out[:, :, 2] = kps[:, 2, :]
+    return out
+
+
+def _image_tensor(im: np.ndarray, pixel_format: str) -> tv_tensors.Image:
+    if pixel_format == "uint8":
+        chw = np.ascontiguousarray(im[:, :, ::-1].transpose(2, 0, 1))  # BGR -> RGB
+    else:
+        chw = np.ascontiguousarray(im.transpose(2, 0, 1))
+    return tv_tensors.Image(torch.from_numpy(chw))
+
+
+def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], cfg: Any) -> dict:
+    """The target dict of one image (see the module docstring for conventions)."""
+    h, w = size
+    boxes = np.asarray(entry["boxes"], dtype=np.float32).reshape(-1, 4)
+    gt_classes = np.asarray(entry["gt_classes"])
+    is_crowd = np.asarray(entry["is_crowd"]).astype(bool)
+    is_gt = gt_classes > 0
+    gt_rows = np.flatnonzero(is_gt & ~is_crowd)
+    crowd_rows = np.flatnonzero(is_gt & is_crowd)
+    prop_rows = np.flatnonzero(~is_gt)
+
+    def bb(rows: np.ndarray) -> tv_tensors.BoundingBoxes:
+        return tv_tensors.BoundingBoxes(torch.from_numpy(to_continuous_boxes(boxes[rows], scale)),
+                                        format="XYXY", canvas_size=(h, w))
+
+    target: dict[str, Any] = {
+        "boxes": bb(gt_rows),
+        "labels": torch.from_numpy(gt_classes[gt_rows].astype(np.int64)),
+        "image_id": int(entry["id"]),
+        "crowd_boxes": bb(crowd_rows),
+        "scale": float(scale),
+        "orig_size": (int(entry["height"]), int(entry["width"])),
+        "flipped": bool(entry.get("flipped", False)),
+    }
+    if cfg.MODEL.MASK_ON:
+        target["masks"] = tv_tensors.Mask(torch.from_numpy(_masks(entry, gt_rows, scale, h, w)))
+    if cfg.MODEL.KEYPOINTS_ON and "gt_keypoints" in entry:
+        target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
+    if prop_rows.size:
+        target["proposals"] = bb(prop_rows)
+    return target
+
+
+def build_torchvision_batch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
+                            pixel_format: str = "uint8", loader: ImageLoader | None = None,
+                            augment: Any = None) -> tuple[list[tv_tensors.Image], list[dict]]:
+    """Images and torchvision-style targets for a block of roidb entries.
+
+    Args:
+        entries: roidb entries; cfg: the Detectron config; rng: the block's generator
+            (the scale draw is the same as for the Detectron blob).
+        pixel_format: ``"uint8"`` (RGB uint8) or ``"detectron"`` (BGR float32 - means).
+        loader, augment: as :func:`~lit_roidata.minibatch.image.build_image_blob`.
+
+    Returns:
+        ``(images, targets)``.
+    """
+    ims, scales, used = load_and_scale(entries, cfg, rng, pixel_format=pixel_format,
+                                       loader=loader, augment=augment)
+    images = [_image_tensor(im, pixel_format) for im in ims]
+    targets = [make_target(e, s, im.shape[:2], cfg) for e, s, im in zip(used, scales, ims)]
+    return images, targets
