@@ -92,7 +92,7 @@ class BlobExchange:
     def __init__(self, backend: str = "embedded", address: str | None = None,
                  run_id: str | None = None, rank: int = 0, *, timeout: float = 60.0,
                  capacity: int = 1, lease_ttl: float = 10.0, stop_event: Any = None,
-                 poll_min: float = 5e-5, poll_max: float = 0.01,
+                 poll_min: float = 5e-5, poll_max: float = 0.002,
                  chunk_size: int | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -1,0 +1,58 @@
+"""Aligned synthetic streams for examples, tests and the benchmark (spec §8.4.8).
+
+Two processes that exchange per-step blobs must see the same images, flips and scales
+at every step. :func:`demo_alignment_stream` reproduces what two correctly configured
+loaders agree on, using the real :class:`~lit_roidata.sampler.RoIBatchSampler` (a pure
+function of the seed) and per-block generators (:func:`lit_roidata.rng.block_rng`), on
+a small fake roidb: every call with the same seed yields the same alignment metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from lit_roidata.rng import block_rng
+
+__all__ = ["demo_alignment_stream"]
+
+
+def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int = 2,
+                          scales: tuple[int, ...] = (600, 700, 800),
+                          max_size: int = 1333) -> Iterator[dict[str, Any]]:
+    """Yield ``{"image_ids", "flipped", "im_scales"}`` for each block of a fake roidb.
+
+    The roidb has ``num_images // 2`` originals followed by their flipped copies
+    (Detectron's order, spec §4.2); image sizes alternate landscape/portrait so aspect
+    grouping matters. Scales are drawn per block from ``block_rng`` like a worker does.
+
+    Args:
+        seed: the stream seed, equal in both processes for aligned streams.
+        num_images: roidb length (even).
+        ims_per_batch: images per block.
+        scales: ``TRAIN.SCALES``.
+        max_size: ``TRAIN.MAX_SIZE``.
+    """
+    from lit_roidata.sampler import RoIBatchSampler
+
+    half = num_images // 2
+    w0 = np.where(np.arange(half) % 2 == 0, 640, 480)
+    h0 = np.where(np.arange(half) % 2 == 0, 480, 640)
+    widths, heights = np.tile(w0, 2), np.tile(h0, 2)
+    ids = np.tile(np.arange(100, 100 + half), 2)
+    sampler = RoIBatchSampler(widths, heights, ims_per_batch, seed=seed, infinite=True)
+    for block in sampler:
+        rng = block_rng(seed, block.pass_index, block.block_index)
+        targets = rng.choice(np.asarray(scales), size=len(block))
+        im_scales = []
+        for i, target in zip(block, targets):
+            short, long_ = min(widths[i], heights[i]), max(widths[i], heights[i])
+            scale = float(target) / short
+            if round(scale * long_) > max_size:
+                scale = float(max_size) / long_
+            im_scales.append(scale)
+        yield {"image_ids": [int(ids[i]) for i in block],
+               "flipped": [bool(i >= half) for i in block],
+               "im_scales": im_scales}
