@@ -1,0 +1,213 @@
+"""Optional albumentations pipeline, applied per image before Detectron's scaling.
+
+Off by default, so the blobs are exactly Detectron's. When on, each image of a block
+goes through the pipeline after decoding (and after the roidb flip) and before the
+scale of spec §6.2; its geometry goes through the same transform:
+
+* every box row (gt and proposals) as a ``pascal_voc`` box ``[x1, y1, x2+1, y2+1]``
+  (continuous edges; converted back to Detectron's inclusive convention); rows the
+  pipeline drops (cropped away, below ``min_visibility``) leave the entry;
+* polygon vertices and keypoints (pixel centres ``x + 0.5``) as keypoints; keypoints
+  that leave the image become invisible (``v = 0``); RLE segms as masks;
+* then the entry is relabelled as the roidb builder labels it (spec §3.4, §4.4):
+  proposal overlaps with the surviving gt, ``max_classes``, ``box_to_gt_ind_map`` and
+  ``bbox_targets``; crowd-filtered proposal rows (overlap -1) stay filtered.
+
+Horizontal flips belong to ``TRAIN.USE_FLIPPED`` (keypoint left/right swap); a flip in
+the pipeline is refused for keypoint models. Draws come from the block's generator
+(a spawned child for ``numpy.random.Generator``), so augmented blocks stay
+reproducible.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import pycocotools.mask as mask_util
+
+from lit_roidata import rng as rng_mod
+from lit_roidata.boxes import bbox_overlaps
+from lit_roidata.minibatch.mask import _as_rle, _poly_parts
+from lit_roidata.roidb.targets import compute_bbox_targets
+
+__all__ = ["Augmentation"]
+
+_FLIPS = {"HorizontalFlip", "VerticalFlip", "D4", "Transpose", "RandomRotate90", "SquareSymmetry"}
+
+
+def _walk(transforms: Iterable[Any]) -> Iterable[Any]:
+    for t in transforms:
+        yield t
+        yield from _walk(getattr(t, "transforms", []) or [])
+
+
+class Augmentation:
+    """An albumentations pipeline that keeps a roidb entry consistent with its image.
+
+    Args:
+        transforms: albumentations transforms (a list or an ``A.Compose``).
+        cfg: the Detectron config (``TRAIN.BBOX_THRESH``, ``MODEL.BBOX_REG_WEIGHTS``,
+            ``MODEL.CLS_AGNOSTIC_BBOX_REG``, ``MODEL.KEYPOINTS_ON``).
+        min_visibility: albumentations' box ``min_visibility``.
+
+    Raises:
+        ValueError: a flip/rotation-by-90 transform in a keypoint model's pipeline.
+
+    Example::
+
+        >>> import albumentations as A
+        >>> aug = Augmentation([A.RandomBrightnessContrast(p=0.5)], cfg)
+        >>> ds = RoIBlockDataset(roidb, cfg, augment=aug)
+    """
+
+    def __init__(self, transforms: Any, cfg: Any, *, min_visibility: float = 0.0) -> None:
+        import albumentations as A
+
+        if isinstance(transforms, A.Compose):
+            transforms = list(transforms.transforms)
+        transforms = list(transforms)
+        if cfg.MODEL.KEYPOINTS_ON:
+            bad = sorted({type(t).__name__ for t in _walk(transforms)} & _FLIPS)
+            if bad:
+                raise ValueError(f"augmentation {bad} would mirror keypoints without swapping "
+                                 "left/right; use TRAIN.USE_FLIPPED for flips")
+        self.cfg = cfg
+        self.compose = A.Compose(
+            transforms,
+            bbox_params=A.BboxParams(format="pascal_voc", label_fields=["row_ids"],
+                                     min_visibility=min_visibility, clip=True),
+            keypoint_params=A.KeypointParams(format="xy", label_fields=["kp_ids"],
+                                             remove_invisible=False),
+            seed=0)
+
+    def draw_seeds(self, n: int, rng: rng_mod.RNG) -> list[int]:
+        """One seed per image, without disturbing a ``Generator``'s own stream."""
+        if isinstance(rng, np.random.Generator):
+            child = rng.spawn(1)[0]
+            return [int(s) for s in child.integers(0, 2**31 - 1, size=n)]
+        return [int(s) for s in rng_mod.randint(rng, 0, 2**31 - 1, size=n)]
+
+    def apply(self, im: np.ndarray, entry: Mapping[str, Any], *, seed: int
+              ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Transform one BGR image and its entry; returns the new image and entry copy."""
+        h, w = im.shape[:2]
+        boxes = np.asarray(entry["boxes"], dtype=np.float32).reshape(-1, 4)
+        vo = boxes.copy()
+        vo[:, 2:] += 1
+        vo[:, 0::2] = np.clip(vo[:, 0::2], 0, w)
+        vo[:, 1::2] = np.clip(vo[:, 1::2], 0, h)
+        ok = (vo[:, 2] > vo[:, 0]) & (vo[:, 3] > vo[:, 1])
+        n_gt = len(entry["segms"])
+        points, ids, polys = self._points(entry, n_gt)
+        rle_rows = [r for r in range(n_gt) if not _poly_parts(entry["segms"][r])
+                    and _as_rle(entry["segms"][r], h, w) is not None]
+        masks = [mask_util.decode(_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
+        self.compose.set_random_seed(int(seed))
+        kwargs: dict[str, Any] = {}
+        if masks:
+            kwargs["masks"] = masks
+        out = self.compose(image=np.ascontiguousarray(im[:, :, ::-1]), bboxes=vo[ok],
+                           row_ids=np.flatnonzero(ok), keypoints=points,
+                           kp_ids=np.arange(len(points)), **kwargs)
+        new_im = np.ascontiguousarray(out["image"][:, :, ::-1])
+        nh, nw = new_im.shape[:2]
+        kept = np.asarray(out["row_ids"], dtype=np.int64)
+        order = np.argsort(kept, kind="stable")  # keep gt rows a prefix
+        kept = kept[order]
+        new_boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)[order]
+        new_boxes[:, 2:] = np.maximum(new_boxes[:, 2:] - 1, new_boxes[:, :2])
+        new_pts = np.asarray(out["keypoints"], dtype=np.float32).reshape(-1, 2)
+        rle_masks = dict(zip(rle_rows, out.get("masks", [])))
+        return new_im, self._rebuild(entry, kept, new_boxes, new_pts, ids, polys, rle_masks,
+                                     n_gt, nh, nw)
+
+    @staticmethod
+    def _points(entry: Mapping[str, Any], n_gt: int) -> tuple[np.ndarray, list, list]:
+        pts: list[np.ndarray] = []
+        ids: list[tuple] = []
+        polys: list[list[int]] = []  # per gt row: number of vertices of each part
+        for r in range(n_gt):
+            parts = _poly_parts(entry["segms"][r])
+            polys.append([len(p) // 2 for p in parts])
+            for j, p in enumerate(parts):
+                pts.append(p.reshape(-1, 2))
+                ids.extend(("poly", r, j) for _ in range(len(p) // 2))
+        if "gt_keypoints" in entry:
+            kps = np.asarray(entry["gt_keypoints"])
+            for r in range(kps.shape[0]):
+                pts.append(kps[r, :2, :].T.astype(np.float32) + 0.5)
+                ids.extend(("kp", r, k) for k in range(kps.shape[2]))
+        arr = np.concatenate(pts).astype(np.float32) if pts else np.zeros((0, 2), np.float32)
+        return arr, ids, polys
+
+    def _rebuild(self, entry: Mapping[str, Any], kept: np.ndarray, boxes: np.ndarray,
+                 pts: np.ndarray, ids: Sequence[tuple], polys: list, rle_masks: dict,
+                 n_gt: int, h: int, w: int) -> dict[str, Any]:
+        gt_classes = np.asarray(entry["gt_classes"])
+        is_crowd = np.asarray(entry["is_crowd"]).astype(bool)
+        old_mo = np.asarray(entry["max_overlaps"])
+        is_gt_row = kept < n_gt
+        gt_old = kept[is_gt_row]
+        cursor = 0
+        new_polys: dict[int, list[list[float]]] = {r: [] for r in range(n_gt)}
+        for r in range(n_gt):
+            for nv in polys[r]:
+                new_polys[r].append(pts[cursor:cursor + nv].reshape(-1).astype(float).tolist())
+                cursor += nv
+        segms = []
+        for r in gt_old:
+            if r in rle_masks:
+                segms.append(mask_util.encode(np.asfortranarray(rle_masks[r].astype(np.uint8))))
+            elif polys[r]:
+                segms.append(new_polys[int(r)])
+            else:
+                segms.append(entry["segms"][r])
+        out = dict(entry)
+        out.update(width=w, height=h, boxes=boxes, gt_classes=gt_classes[kept],
+                   is_crowd=is_crowd[kept], segms=segms)
+        if "seg_areas" in entry:
+            out["seg_areas"] = np.asarray(entry["seg_areas"])[kept]
+        if "gt_keypoints" in entry:
+            kps = np.asarray(entry["gt_keypoints"]).copy()
+            kp_pts = pts[cursor:].reshape(kps.shape[0], kps.shape[2], 2) - 0.5 \
+                if kps.size else np.zeros((0, 0, 2), np.float32)
+            if kps.size:
+                inside = ((kp_pts[..., 0] >= 0) & (kp_pts[..., 0] <= w - 1)
+                          & (kp_pts[..., 1] >= 0) & (kp_pts[..., 1] <= h - 1))
+                kps[:, 0, :] = np.round(kp_pts[..., 0])
+                kps[:, 1, :] = np.round(kp_pts[..., 1])
+                kps[:, 2, :] = np.where(inside, kps[:, 2, :], 0)
+                kps[:, 0, :][kps[:, 2, :] == 0] = 0
+                kps[:, 1, :][kps[:, 2, :] == 0] = 0
+            kps = kps[gt_old]
+            out["gt_keypoints"] = kps
+            out["has_visible_keypoints"] = bool((kps[:, 2, :] > 0).any()) if kps.size else False
+        self._relabel(out, old_mo[kept], int(is_gt_row.sum()))
+        return out
+
+    def _relabel(self, e: dict[str, Any], old_mo: np.ndarray, n_gt: int) -> None:
+        boxes, gt_classes, is_crowd = e["boxes"], e["gt_classes"], e["is_crowd"]
+        R = boxes.shape[0]
+        mo = np.zeros(R, np.float32)
+        mc = np.zeros(R, np.int64)
+        b2g = -np.ones(R, np.int32)
+        if n_gt:
+            ov = bbox_overlaps(boxes[n_gt:], boxes[:n_gt])
+            arg, mx = ov.argmax(1), ov.max(1)
+            pos = mx > 0
+            rows = np.flatnonzero(pos) + n_gt
+            mo[rows], mc[rows], b2g[rows] = mx[pos], gt_classes[arg[pos]], arg[pos]
+            g = np.arange(n_gt)
+            mo[g] = np.where(is_crowd[:n_gt], -1.0, 1.0)
+            mc[g] = np.where(is_crowd[:n_gt], 0, gt_classes[:n_gt])
+            b2g[g] = g
+        filtered = np.flatnonzero(old_mo[n_gt:] < 0) + n_gt  # crowd-filtered proposals
+        mo[filtered], mc[filtered] = -1.0, 0
+        cfg = self.cfg
+        e.update(max_overlaps=mo, max_classes=mc, box_to_gt_ind_map=b2g,
+                 bbox_targets=compute_bbox_targets(
+                     boxes, mo, mc, gt_classes, is_crowd, bbox_thresh=cfg.TRAIN.BBOX_THRESH,
+                     cls_agnostic=cfg.MODEL.CLS_AGNOSTIC_BBOX_REG,
+                     weights=tuple(cfg.MODEL.BBOX_REG_WEIGHTS)))
+        e.pop("gt_overlaps", None)
