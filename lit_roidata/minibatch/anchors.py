@@ -23,6 +23,7 @@ __all__ = [
     "retinanet_fields",
     "concat_fields",
     "level_offsets",
+    "anchor_gt_overlaps",
 ]
 
 
@@ -202,3 +203,96 @@ def level_offsets(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
     """Start index of each field in :func:`concat_fields`, plus the total at the end."""
     sizes = [f.field_of_anchors.shape[0] for f in fields]
     return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+
+
+def anchor_gt_overlaps(
+    fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
+    gt: np.ndarray, below: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """IoU of inside anchors against gt boxes, without the dense ``K x G`` product.
+
+    Labelling needs, per anchor, whether its max IoU reaches the thresholds, and per gt
+    its best anchors; IoUs that are provably below both ``below`` and the gt's best
+    IoU cannot change either, so they are skipped (left 0):
+
+    * per field and cell anchor shape, the grid cells whose anchor can touch gt ``g``
+      form a rectangle (2-pixel margin), enumerated without a loop over boxes;
+    * a whole (shape, gt) rectangle is skipped when the area-ratio bound
+      ``min(area)/max(area)`` on its IoU is below ``below`` and below a lower bound of
+      the gt's best IoU (from the inside anchor nearest to the gt's centre).
+
+    IoUs are computed with the float64 steps of :func:`lit_roidata.boxes.bbox_overlaps`,
+    so every kept entry equals the dense matrix's entry bit for bit, every maximum and
+    every best-match tie is the dense one, and the row argmax may differ only where the
+    row max is below ``below`` (callers recompute it where they need it).
+
+    Args:
+        inside: bool mask over ``all_anchors`` of the anchors that take part.
+        below: ``min(RPN_NEGATIVE_OVERLAP, RPN_POSITIVE_OVERLAP)``; 0 disables skipping.
+
+    Returns:
+        ``(cand, overlaps)``: ascending positions among the inside anchors of every
+        anchor with a kept non-zero IoU candidate, and their ``(len(cand), G)`` IoUs.
+    """
+    offsets = level_offsets(fields)
+    g_area = (gt[:, 2] - gt[:, 0] + 1.0) * (gt[:, 3] - gt[:, 1] + 1.0)
+    shapes = [(offsets[li] + a, f, f.field_of_anchors[a].astype(np.float64))
+              for li, f in enumerate(fields) for a in range(f.num_cell_anchors)]
+    lower = np.zeros(len(gt), dtype=np.float64)
+    for base, f, cell in shapes:  # best IoU lower bound: anchor nearest the gt centre
+        s, size, n_a = f.stride, f.field_size, f.num_cell_anchors
+        x = np.clip(np.round(((gt[:, 0] + gt[:, 2]) - (cell[0] + cell[2])) / (2 * s)), 0, size - 1)
+        y = np.clip(np.round(((gt[:, 1] + gt[:, 3]) - (cell[1] + cell[3])) / (2 * s)), 0, size - 1)
+        idx = base + (y.astype(np.int64) * size + x.astype(np.int64)) * n_a
+        iou = _pair_iou(all_anchors[idx], gt).astype(np.float64) * inside[idx]
+        np.maximum(lower, iou, out=lower)
+    thresh = np.minimum(lower, below) / (1 + 1e-6)
+    gidx_parts, gid_parts = [], []
+    for base, f, cell in shapes:
+        s, size, n_a = f.stride, f.field_size, f.num_cell_anchors
+        a_area = (cell[2] - cell[0] + 1.0) * (cell[3] - cell[1] + 1.0)
+        bound = np.minimum(a_area, g_area) / np.maximum(a_area, g_area)
+        x0 = np.clip(np.ceil((gt[:, 0] - 2 - cell[2]) / s), 0, size).astype(np.int64)
+        x1 = np.clip(np.floor((gt[:, 2] + 2 - cell[0]) / s) + 1, 0, size).astype(np.int64)
+        y0 = np.clip(np.ceil((gt[:, 1] - 2 - cell[3]) / s), 0, size).astype(np.int64)
+        y1 = np.clip(np.floor((gt[:, 3] + 2 - cell[1]) / s) + 1, 0, size).astype(np.int64)
+        wx = np.maximum(x1 - x0, 0)
+        counts = wx * np.maximum(y1 - y0, 0) * (bound >= thresh)
+        total = int(counts.sum())
+        if total == 0:
+            continue
+        gid = np.repeat(np.arange(len(gt)), counts)
+        off = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        dy, dx = np.divmod(off, wx[gid])
+        gidx_parts.append(base + ((y0[gid] + dy) * size + x0[gid] + dx) * n_a)
+        gid_parts.append(gid)
+    n_inside = int(inside.sum())
+    if not gidx_parts:
+        return np.zeros(0, np.int64), np.zeros((0, len(gt)), np.float32)
+    gidx, gid = np.concatenate(gidx_parts), np.concatenate(gid_parts)
+    keep = inside[gidx]
+    gidx, gid = gidx[keep], gid[keep]
+    iou = _pair_iou(all_anchors[gidx], gt[gid])
+    pos = (np.cumsum(inside) - 1)[gidx]
+    is_cand = np.zeros(n_inside, dtype=bool)
+    is_cand[pos] = True
+    row = np.cumsum(is_cand) - 1
+    overlaps = np.zeros((int(is_cand.sum()), len(gt)), dtype=np.float32)
+    overlaps[row[pos], gid] = iou
+    return np.flatnonzero(is_cand), overlaps
+
+
+def _pair_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise IoU of ``a[i]`` and ``b[i]``, same float64 steps as ``bbox_overlaps``."""
+    a = a.astype(np.float64)
+    b = b.astype(np.float64)
+    iw = np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]) + 1
+    ih = np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]) + 1
+    np.maximum(iw, 0, out=iw)
+    np.maximum(ih, 0, out=ih)
+    inter = iw * ih
+    union = ((a[:, 2] - a[:, 0] + 1) * (a[:, 3] - a[:, 1] + 1)
+             + (b[:, 2] - b[:, 0] + 1) * (b[:, 3] - b[:, 1] + 1) - inter)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(inter > 0, inter / union, 0.0)
+    return out.astype(np.float32)

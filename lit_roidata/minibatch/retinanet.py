@@ -1,0 +1,179 @@
+"""RetinaNet training targets in the loader (spec §6.8).
+
+Every anchor of every (level, octave, aspect) field is labelled against the image's
+non-crowd gt boxes, with no sampling and no straddle filter, exactly as Detectron's
+``roi_data/retinanet.py``: best-match and threshold positives take the class of their
+own argmax gt, then every anchor with max IoU below ``NEGATIVE_OVERLAP`` becomes 0,
+after the foreground was counted (Q4, reproduced). Labels are cropped to the padded
+image's feature size; positives are listed as ``roi_fg_bbox_locs`` rows whose column 1
+is the channel offset of the box prediction, so the loss gathers without a dense target.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, MutableMapping, Sequence
+
+import numpy as np
+
+from lit_roidata import rng as rng_mod
+from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
+from lit_roidata.minibatch.anchors import (
+    FieldOfAnchors, anchor_gt_overlaps, concat_fields, level_offsets, retinanet_fields)
+from lit_roidata.minibatch.names import get_retinanet_blob_names
+
+__all__ = ["add_retinanet_blobs", "label_retinanet_anchors", "get_retinanet_blob_names"]
+
+_ONES4 = (1.0, 1.0, 1.0, 1.0)
+
+
+def add_retinanet_blobs(
+    blobs: MutableMapping[str, Any],
+    im_scales: Sequence[float],
+    entries: Sequence[Mapping[str, Any]],
+    cfg: Any,
+    rng: rng_mod.RNG | None = None,
+) -> bool:
+    """Add ``im_info``, ``retnet_fg_num``, ``retnet_bg_num`` and the per-level blobs (§6.8).
+
+    The padded size comes from ``blobs["data"]`` (NCHW), as Detectron passes the
+    network input's width and height. Nothing is random; ``rng`` is accepted for the
+    common signature of the family builders.
+
+    Args:
+        blobs: the minibatch dict, already holding ``data``; updated in place.
+        im_scales: the scale of each image.
+        entries: roidb entries (Detectron field names).
+        cfg: a ``DetectronConfig`` with ``FPN.FPN_ON``.
+
+    Returns:
+        True: RetinaNet minibatches are always valid.
+
+    Raises:
+        ValueError: FPN is off, an entry has no non-crowd gt box (Detectron asserts),
+            or a label does not fit ``MODEL.NUM_CLASSES``.
+    """
+    get_retinanet_blob_names(cfg)  # raises without FPN, like Detectron's assert
+    fields = retinanet_fields(cfg)
+    all_anchors = concat_fields(fields)
+    pad_h, pad_w = int(blobs["data"].shape[2]), int(blobs["data"].shape[3])
+    _warn_if_not_multiple(pad_h, pad_w, cfg)
+    n_classes = int(cfg.MODEL.NUM_CLASSES)
+    fg_total, bg_total = 0.0, 0.0
+    im_info = np.zeros((len(entries), 3), dtype=np.float32)
+    per_image = []
+    for i, entry in enumerate(entries):
+        scale = im_scales[i]
+        im_info[i] = (np.round(entry["height"] * scale), np.round(entry["width"] * scale), scale)
+        keep = (np.asarray(entry["gt_classes"]) > 0) & ~np.asarray(entry["is_crowd"], bool)
+        if not keep.any():
+            raise ValueError(
+                f"RetinaNet targets: image id {entry.get('id')} ({entry.get('image')}) has no "
+                "non-crowd gt box (Detectron asserts here); keep filter_for_training on")
+        gt = (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32)
+        labels, fg, targets, num_bg = label_retinanet_anchors(
+            all_anchors, fields, gt, np.asarray(entry["gt_classes"])[keep], cfg.RETINANET)
+        fg_num = np.float32(len(fg) + 1.0)
+        fg_total += fg_num
+        bg_total += (num_bg + 1.0) * (n_classes - 1) + fg_num * (n_classes - 2)
+        per_image.append((labels, fg, targets))
+    blobs["im_info"] = im_info
+    blobs["retnet_fg_num"] = np.array([fg_total], dtype=np.float32)
+    blobs["retnet_bg_num"] = np.array([bg_total], dtype=np.float32)
+    _level_blobs(blobs, per_image, fields, pad_h, pad_w, cfg)
+    return True
+
+
+def label_retinanet_anchors(
+    all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
+    gt_classes: np.ndarray, retina: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Label all anchors of one image (spec §6.8 steps 1-3).
+
+    Returns:
+        ``(labels, fg, targets, num_bg)``: float32 labels over all anchors (-1, 0 or a
+        class), the anchors counted as foreground *before* the negative overwrite (Q4),
+        their ``(len(fg), 4)`` targets, and the number of anchors below
+        ``NEGATIVE_OVERLAP``.
+    """
+    n = all_anchors.shape[0]
+    inside = np.ones(n, dtype=bool)
+    below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
+    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
+    a2g_max = np.zeros(n, dtype=np.float32)
+    g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
+    if len(cand):
+        a2g_max[cand] = overlaps.max(axis=1)
+        g2a_max = overlaps.max(axis=0)
+    positive = np.zeros(n, dtype=bool)
+    positive[cand[(overlaps == g2a_max[None, :]).any(axis=1)]] = True
+    if (g2a_max == 0).any():  # every anchor ties at zero with that gt (as Detectron)
+        not_cand = np.ones(n, dtype=bool)
+        not_cand[cand] = False
+        positive |= not_cand
+    positive |= a2g_max >= retina.POSITIVE_OVERLAP
+    fg = np.flatnonzero(positive)
+    # Exact dense argmax (ties -> lowest gt) for the positives only.
+    assigned = bbox_overlaps(all_anchors[fg], gt).argmax(axis=1) if len(fg) else fg
+    labels = np.full(n, -1, dtype=np.float32)
+    labels[fg] = gt_classes[assigned]
+    bg = a2g_max < retina.NEGATIVE_OVERLAP
+    labels[bg] = 0
+    targets = bbox_transform_targets(all_anchors[fg], gt[assigned], _ONES4)
+    return labels, fg, targets, int(bg.sum())
+
+
+def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Sequence[FieldOfAnchors],
+                 pad_h: int, pad_w: int, cfg: Any) -> None:
+    """Crop labels per field, list the positives per level, fill the blobs (§6.8 step 4)."""
+    retina = cfg.RETINANET
+    n_classes = int(cfg.MODEL.NUM_CLASSES)
+    loc_stride = 4 * (n_classes - 1) if retina.CLASS_SPECIFIC_BBOX else 4
+    num_aspects = len(retina.ASPECT_RATIOS)
+    offsets = level_offsets(fields)
+    field_ids = np.arange(len(fields))
+    for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1):
+        ids = field_ids[[int(round(np.log2(f.stride))) == lvl for f in fields]]
+        f0 = fields[ids[0]]
+        size, stride = f0.field_size, f0.stride
+        h, w = int(pad_h / stride), int(pad_w / stride)
+        cls = np.empty((len(per_image), len(ids), min(h, size), min(w, size)), np.int32)
+        tgt_rows, loc_rows = [], []
+        for i, (labels, fg, targets) in enumerate(per_image):
+            lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
+            grid = labels[lo:hi].reshape(len(ids), size, size)
+            cls[i] = grid[:, :h, :w]
+            sel = (fg >= lo) & (fg < hi)
+            sel[sel] = labels[fg[sel]] > 0  # positives overwritten by negatives drop out
+            local = fg[sel] - lo
+            field_in_level, cell = np.divmod(local, size * size)
+            y, x = np.divmod(cell, size)
+            lab = labels[fg[sel]].astype(np.int64)
+            l_cls = lab - 1 if retina.CLASS_SPECIFIC_BBOX else np.zeros_like(lab)
+            if l_cls.size and (l_cls.min() < 0 or l_cls.max() >= n_classes - 1):
+                raise ValueError(
+                    f"RetinaNet label {int(lab.max())} does not fit MODEL.NUM_CLASSES = "
+                    f"{n_classes}; set it to the dataset's class count plus one")
+            anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
+                                   for j in ids], np.int64)[field_in_level]
+            locs = np.stack([np.full_like(y, i), 4 * l_cls + loc_stride * anchor_ind, y, x], 1)
+            tgt_rows.append(targets[sel])
+            loc_rows.append(locs.astype(np.float32))
+        blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
+        blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = _rows(tgt_rows)
+        blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = _rows(loc_rows)
+
+
+def _rows(parts: list[np.ndarray]) -> np.ndarray:
+    return (np.concatenate(parts).astype(np.float32, copy=False) if parts
+            else np.zeros((0, 4), np.float32))
+
+
+def _warn_if_not_multiple(pad_h: int, pad_w: int, cfg: Any) -> None:
+    top = 2 ** int(cfg.FPN.RPN_MAX_LEVEL)
+    if pad_h % top or pad_w % top:
+        warnings.warn(
+            f"RetinaNet: padded blob {pad_h}x{pad_w} is not a multiple of the coarsest level "
+            f"stride {top}; the cropped labels will not match the head's feature size. "
+            f"Set FPN.COARSEST_STRIDE to {top} (Detectron's RetinaNet configs use 128).",
+            stacklevel=3)
