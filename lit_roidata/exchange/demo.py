@@ -1,4 +1,4 @@
-"""Aligned synthetic streams for examples, tests and the benchmark (spec §8.4.8).
+"""Aligned synthetic streams for the exchange examples, tests and benchmark (spec §8.4.8).
 
 Two processes that exchange per-step blobs must see the same images, flips and scales
 at every step. :func:`demo_alignment_stream` reproduces what two correctly configured
@@ -16,7 +16,7 @@ import numpy as np
 
 from lit_roidata.rng import block_rng
 
-__all__ = ["demo_alignment_stream"]
+__all__ = ["demo_alignment_stream", "demo_batches"]
 
 
 def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int = 2,
@@ -56,3 +56,27 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
         yield {"image_ids": [int(ids[i]) for i in block],
                "flipped": [bool(i >= half) for i in block],
                "im_scales": im_scales}
+
+
+
+def demo_batches(seed: int, num_batches: int, *, image_size: tuple[int, int] = (64, 96),
+                 **stream_kwargs: Any) -> list[dict[str, Any]]:
+    """Detectron-format toy batches (``data`` + ``_meta``) that follow the aligned stream.
+
+    Pixels are a pure function of the image id and flip, so two processes with the same
+    ``seed`` build identical batches. For examples and tests of the callback.
+    """
+    import torch
+
+    stream = demo_alignment_stream(seed, **stream_kwargs)
+    out = []
+    for _ in range(num_batches):
+        meta = next(stream)
+        images = []
+        for image_id, flipped in zip(meta["image_ids"], meta["flipped"]):
+            rng = np.random.default_rng(image_id)
+            img = rng.integers(0, 256, size=(3, *image_size), dtype=np.uint8)
+            images.append(img[:, :, ::-1] if flipped else img)
+        out.append({"data": torch.from_numpy(np.ascontiguousarray(np.stack(images))),
+                    "_meta": {k: torch.tensor(v) for k, v in meta.items()}})
+    return out

@@ -1,0 +1,187 @@
+"""``BlobExchangeCallback``: exchange named ``training_step`` outputs between two runs.
+
+The fork's use (spec §8.1): one model's per-level RPN outputs (``rpn_cls_probs_fpnX``,
+``rpn_bbox_pred_fpnX``) become the other model's targets, iteration by iteration. As a
+Lightning callback:
+
+* **publish**: after each training batch, the named entries of the dict returned by
+  ``training_step`` are sent on channel ``publish`` with alignment metadata (step, rank
+  and the batch's ``image_ids``, ``flipped``, ``im_scales`` from ``batch["_meta"]``);
+* **subscribe**: before each training batch, the peer's message is taken from channel
+  ``subscribe``, checked against this process's own alignment metadata (spec §8.4.8) and
+  put on the module as ``pl_module.peer_outputs`` (tensors on the module's device) and
+  ``pl_module.peer_meta``.
+
+``lag`` says which peer step a step sees. ``lag=1`` (default): at step ``t`` the peer's
+outputs of step ``t-1`` (published at the end of that step) are available, and
+``peer_outputs`` is ``None`` at the first step; two processes may then both publish and
+subscribe without waiting on each other (mutual learning). ``lag=0``: step ``t`` waits for
+the peer's step ``t`` (the fork's teacher → student use: targets about the *same*
+images); only one direction may use ``lag=0`` or the pair deadlocks (and times out).
+
+Each DDP rank uses its own channels (namespaced by ``trainer.global_rank``), so rank
+``r`` of one run talks to rank ``r`` of the other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+
+from lit_roidata.exchange import BlobExchange
+from lit_roidata.exchange.alignment import to_plain
+
+__all__ = ["BlobExchangeCallback", "batch_alignment_meta"]
+
+log = logging.getLogger(__name__)
+DEFAULT_ALIGN_FIELDS = ("image_ids", "flipped", "im_scales")
+
+
+def batch_alignment_meta(batch: Any, fields: Sequence[str] = DEFAULT_ALIGN_FIELDS
+                         ) -> dict[str, Any]:
+    """The alignment fields of a batch's ``_meta`` as plain lists (absent fields skipped).
+
+    Works for Detectron-format batches (``batch["_meta"]``) and torchvision-format ones
+    (``batch.meta``).
+    """
+    meta = None
+    if isinstance(batch, Mapping):
+        meta = batch.get("_meta")
+    if meta is None:
+        meta = getattr(batch, "meta", None)
+    if not isinstance(meta, Mapping):
+        return {}
+    return {f: to_plain(meta[f]) for f in fields if f in meta}
+
+
+class BlobExchangeCallback(pl.Callback):
+    """Publish ``training_step`` outputs to a peer run and receive the peer's (spec §8).
+
+    Args:
+        run_id: shared by both runs (e.g. ``"distill-exp1"``).
+        backend: ``"embedded"`` (one machine, no server) or ``"memcached"``.
+        address: embedded: shared directory (optional); memcached: ``"host:port"``.
+        publish: channel to send on, or ``None``.
+        publish_keys: names in ``training_step``'s returned dict to send.
+        subscribe: channel to receive from, or ``None``.
+        lag: 1: step ``t`` sees the peer's step ``t-1``; 0: the peer's step ``t`` (see
+            the module doc).
+        align_fields: ``batch["_meta"]`` fields sent and checked; ``step`` and ``rank``
+            are always included. Empty to check only the step.
+        timeout: seconds to wait for the peer per step.
+        capacity: messages this run may publish ahead of the peer's consumption.
+        lease_ttl: dead-peer detection delay across machines (seconds).
+        attribute: name of the module attribute that receives the peer's tensors.
+
+    Raises:
+        ValueError: neither ``publish`` nor ``subscribe`` given, or ``publish`` without
+            ``publish_keys``.
+    """
+
+    def __init__(self, run_id: str, backend: Literal["embedded", "memcached"] = "embedded",
+                 address: str | None = None, publish: str | None = None,
+                 publish_keys: Sequence[str] = (), subscribe: str | None = None,
+                 lag: Literal[0, 1] = 1, align_fields: Sequence[str] = DEFAULT_ALIGN_FIELDS,
+                 timeout: float = 120.0, capacity: int = 1, lease_ttl: float = 10.0,
+                 attribute: str = "peer_outputs") -> None:
+        if publish is None and subscribe is None:
+            raise ValueError("BlobExchangeCallback needs publish=<channel>, "
+                             "subscribe=<channel>, or both")
+        if publish is not None and not publish_keys:
+            raise ValueError(f"publish={publish!r} needs publish_keys: the names in "
+                             "training_step's returned dict to send")
+        if lag not in (0, 1):
+            raise ValueError(f"lag must be 0 or 1, got {lag!r}")
+        self.run_id, self.backend, self.address = run_id, backend, address
+        self.publish, self.publish_keys = publish, list(publish_keys)
+        self.subscribe, self.lag = subscribe, lag
+        self.align_fields = list(align_fields)
+        self.timeout, self.capacity, self.lease_ttl = timeout, capacity, lease_ttl
+        self.attribute = attribute
+        self.exchange: BlobExchange | None = None
+        self._out = self._in = None
+        self._step = 0
+        self._pending_align: dict[str, Any] | None = None  # this step's own alignment
+        self._previous_align: dict[str, Any] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.exchange is not None:
+            return
+        self.exchange = BlobExchange(self.backend, self.address, run_id=self.run_id,
+                                     rank=trainer.global_rank, timeout=self.timeout,
+                                     capacity=self.capacity, lease_ttl=self.lease_ttl)
+        if self.publish:
+            self._out = self.exchange.channel(self.publish, "producer")
+        if self.subscribe:
+            self._in = self.exchange.channel(self.subscribe, "consumer")
+        log.info("blob exchange ready: %r publish=%s subscribe=%s", self.exchange,
+                 self.publish, self.subscribe)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._step = trainer.global_step * max(1, trainer.accumulate_grad_batches)
+        setattr(pl_module, self.attribute, None)
+        pl_module.peer_meta = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                 stage: str) -> None:
+        self._close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
+        self.exchange = self._out = self._in = None
+
+    # -- per batch -----------------------------------------------------------------------
+    def _alignment(self, trainer: pl.Trainer, batch: Any) -> dict[str, Any]:
+        meta = batch_alignment_meta(batch, self.align_fields)
+        meta.update(step=self._step, rank=trainer.global_rank)
+        return meta
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        own = self._alignment(trainer, batch)
+        self._pending_align = own
+        if self._in is None:
+            return
+        expected = own if self.lag == 0 else self._previous_align
+        if expected is None:  # lag 1, first step: the peer has published nothing yet
+            setattr(pl_module, self.attribute, None)
+            pl_module.peer_meta = None
+            return
+        tensors, meta = self._in.get(self.timeout, expect=expected, as_torch=True)
+        device = pl_module.device
+        setattr(pl_module, self.attribute,
+                {k: v.to(device, non_blocking=True) for k, v in tensors.items()})
+        pl_module.peer_meta = meta
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        own = self._pending_align or self._alignment(trainer, batch)
+        if self._out is not None:
+            if not isinstance(outputs, Mapping):
+                raise TypeError(f"BlobExchangeCallback publishes {self.publish_keys} from "
+                                "training_step's returned dict, but training_step returned "
+                                f"{type(outputs).__name__}; return a dict with 'loss' and "
+                                "those entries")
+            missing = [k for k in self.publish_keys if k not in outputs]
+            if missing:
+                raise KeyError(f"training_step did not return {missing} (it returned "
+                               f"{sorted(outputs)}); BlobExchangeCallback(publish_keys=...) "
+                               "names what to send")
+            tensors = {k: _detach(outputs[k]) for k in self.publish_keys}
+            self._out.put(tensors, meta=own, timeout=self.timeout)
+        self._previous_align = own
+        self._step += 1
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,87 @@
+"""BlobExchangeCallback in real (tiny, CPU) Lightning Trainers: teacher → student (§8.1)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lit_roidata.exchange import AlignmentError
+from lit_roidata.exchange.callback import BlobExchangeCallback, batch_alignment_meta
+from lit_roidata.exchange.demo import demo_batches
+from lit_roidata.exchange.demo_model import RPNExchangeDemo
+
+K = 4
+RPN_KEYS = [f"rpn_{kind}_fpn{lvl}" for lvl in range(2, 7) for kind in ("cls_probs", "bbox_pred")]
+
+
+class Recorder(RPNExchangeDemo):
+    """Keeps what it published and what it received from the peer, per step."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sent, self.received = [], []
+
+    def training_step(self, batch, batch_idx):
+        peer = self.peer_outputs
+        self.received.append(None if peer is None else
+                             ({k: v.clone() for k, v in peer.items()}, dict(self.peer_meta)))
+        out = super().training_step(batch, batch_idx)
+        self.sent.append({k: out[k].clone() for k in RPN_KEYS})
+        return out
+
+
+def _fit(model, seed, callback, tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=K, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model, DataLoader(demo_batches(seed, K), batch_size=None))
+    return model
+
+
+@pytest.fixture
+def cb_args(tmp_path):
+    return {"run_id": f"cb{uuid.uuid4().hex[:8]}", "backend": "embedded",
+            "address": str(tmp_path / "exchange"), "timeout": 30.0}
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_teacher_outputs_reach_the_student(tmp_path, cb_args, lag):
+    # The teacher may run ahead by K messages, so the two fits can run one after the other.
+    teacher = _fit(Recorder(role="teacher"), 5, BlobExchangeCallback(
+        publish="teacher_rpn", publish_keys=RPN_KEYS, capacity=K, **cb_args), tmp_path)
+    student = _fit(Recorder(role="student"), 5, BlobExchangeCallback(
+        subscribe="teacher_rpn", lag=lag, **cb_args), tmp_path)
+    for step, got in enumerate(student.received):
+        if lag == 1 and step == 0:
+            assert got is None  # nothing from the peer before its first step
+            continue
+        tensors, meta = got
+        assert meta["step"] == step - lag
+        assert set(tensors) == set(RPN_KEYS)
+        for key in RPN_KEYS:
+            torch.testing.assert_close(tensors[key], teacher.sent[step - lag][key],
+                                       rtol=0, atol=0)
+
+
+def test_misaligned_student_fails_naming_the_field(tmp_path, cb_args):
+    _fit(Recorder(role="teacher"), 5, BlobExchangeCallback(
+        publish="teacher_rpn", publish_keys=RPN_KEYS, capacity=K, **cb_args), tmp_path)
+    with pytest.raises(AlignmentError, match="image_ids"):
+        _fit(Recorder(role="student"), 6, BlobExchangeCallback(  # another seed: other images
+            subscribe="teacher_rpn", lag=0, **cb_args), tmp_path)
+
+
+def test_callback_argument_checks_and_meta_extraction():
+    with pytest.raises(ValueError, match="publish"):
+        BlobExchangeCallback(run_id="x")
+    with pytest.raises(ValueError, match="publish_keys"):
+        BlobExchangeCallback(run_id="x", publish="out")
+    batch = demo_batches(1, 1)[0]
+    meta = batch_alignment_meta(batch)
+    assert set(meta) == {"image_ids", "flipped", "im_scales"}
+    assert isinstance(meta["image_ids"], list) and isinstance(meta["flipped"][0], bool)
