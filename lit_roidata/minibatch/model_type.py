@@ -1,0 +1,96 @@
+"""``model_type`` names and the blob family they select (spec §1, §6.1).
+
+Detectron chooses the loader's blob family from its own flags with a fixed
+precedence: ``RPN.RPN_ON`` (inferred from ``MODEL.FASTER_RCNN`` / ``MODEL.RPN_ONLY``)
+first, then ``RETINANET.RETINANET_ON``, else Fast R-CNN with precomputed proposals.
+``RoIDataModule(model_type=...)`` is a shorthand for those flags: it merges
+:func:`flags_for_model_type` into the config and :func:`blob_family` reads the result,
+so a Detectron YAML with the flags set and no ``model_type`` behaves the same.
+
+End-to-end names (``faster_rcnn``, ``mask_rcnn``, ``keypoint_rcnn``) build the RPN
+family in the loader; their second stage is labelled in the model by
+:func:`lit_roidata.minibatch.proposal_labels` (spec §6.9). The ``*_proposals`` names
+are Detectron's two-stage configs that read precomputed proposal files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MODEL_TYPES", "flags_for_model_type", "blob_family"]
+
+_OFF = {"MODEL.FASTER_RCNN": False, "MODEL.RPN_ONLY": False, "MODEL.MASK_ON": False,
+        "MODEL.KEYPOINTS_ON": False, "RPN.RPN_ON": False, "RETINANET.RETINANET_ON": False}
+
+_BASE: dict[str, dict[str, Any]] = {
+    "fast_rcnn": {},
+    "mask_rcnn_proposals": {"MODEL.MASK_ON": True},
+    "keypoint_rcnn_proposals": {"MODEL.KEYPOINTS_ON": True},
+    "faster_rcnn": {"MODEL.FASTER_RCNN": True, "RPN.RPN_ON": True},
+    "mask_rcnn": {"MODEL.FASTER_RCNN": True, "RPN.RPN_ON": True, "MODEL.MASK_ON": True},
+    "keypoint_rcnn": {"MODEL.FASTER_RCNN": True, "RPN.RPN_ON": True,
+                      "MODEL.KEYPOINTS_ON": True},
+    "rpn_only": {"MODEL.RPN_ONLY": True, "RPN.RPN_ON": True},
+    "retinanet": {"RETINANET.RETINANET_ON": True, "FPN.FPN_ON": True},
+}
+
+
+def _fpn(name: str) -> dict[str, Any]:
+    flags = {"FPN.FPN_ON": True}
+    if name != "rpn_only":
+        flags["FPN.MULTILEVEL_ROIS"] = True  # second stage on P2..P5
+    if _BASE[name].get("RPN.RPN_ON"):
+        flags["FPN.MULTILEVEL_RPN"] = True  # anchors on P2..P6
+    return flags
+
+
+MODEL_TYPES: tuple[str, ...] = tuple(_BASE) + tuple(
+    f"{name}_fpn" for name in _BASE if name != "retinanet")
+
+
+def flags_for_model_type(model_type: str) -> dict[str, Any]:
+    """Dotted Detectron keys that select ``model_type``'s blob family.
+
+    Every family flag is set explicitly (the others to False), so merging the result
+    over any config gives that family. ``<name>_fpn`` adds ``FPN.FPN_ON`` with
+    multilevel RoIs (second stage) and multilevel RPN anchors (RPN families).
+    ``retinanet`` always uses FPN (Detectron asserts it); its levels, anchor scales
+    and ``FPN.COARSEST_STRIDE`` (128 in Detectron's configs) stay with the config.
+
+    Example:
+        >>> flags_for_model_type("mask_rcnn_fpn")["FPN.MULTILEVEL_RPN"]
+        True
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones).
+    """
+    name = model_type.strip().lower()
+    base = name[:-4] if name.endswith("_fpn") else name
+    if name not in MODEL_TYPES:
+        raise ValueError(f"unknown model_type {model_type!r}; choose one of "
+                         f"{', '.join(MODEL_TYPES)} (or leave it unset and use Detectron's "
+                         "MODEL/RPN/RETINANET/FPN flags)")
+    flags = dict(_OFF)
+    flags.update(_BASE[base])
+    if name.endswith("_fpn"):
+        flags.update(_fpn(base))
+    return flags
+
+
+def blob_family(cfg: Any) -> str:
+    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: Detectron's precedence (spec §1).
+
+    ``MODEL.FASTER_RCNN`` and ``MODEL.RPN_ONLY`` imply ``RPN.RPN_ON`` (Detectron's
+    ``assert_and_infer_cfg``) even on a config that was not re-inferred.
+
+    Raises:
+        ValueError: RetinaNet without ``FPN.FPN_ON`` (Detectron asserts the same).
+    """
+    if cfg.RPN.RPN_ON or cfg.MODEL.FASTER_RCNN or cfg.MODEL.RPN_ONLY:
+        return "rpn"
+    if cfg.RETINANET.RETINANET_ON:
+        if not cfg.FPN.FPN_ON:
+            raise ValueError("RETINANET.RETINANET_ON needs FPN.FPN_ON: True (Detectron's "
+                             "RetinaNet is always built on FPN)")
+        return "retinanet"
+    return "fast_rcnn"
