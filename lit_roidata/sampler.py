@@ -46,6 +46,14 @@ def _make_block(indices: list[int], seed: int, pass_index: int, block_index: int
                  attempt=attempt)
 
 
+def _fast_block(indices: list[int], seed: int, pass_index: int, block_index: int) -> "Block":
+    # Half the cost of Block(...) (no keyword parsing): this runs once per batch.
+    blk = list.__new__(Block)
+    list.__init__(blk, indices)
+    blk.seed, blk.pass_index, blk.block_index, blk.attempt = seed, pass_index, block_index, 0
+    return blk
+
+
 class Block(list):
     """One partial minibatch: a ``list`` of roidb indices plus its place in the stream.
 
@@ -62,13 +70,17 @@ class Block(list):
             :meth:`RoIBatchSampler.replacement_block`.
     """
 
+    __slots__ = ("seed", "pass_index", "block_index", "attempt")
+
     def __init__(self, indices: Any = (), *, seed: int, pass_index: int, block_index: int,
                  attempt: int = 0) -> None:
-        super().__init__(int(i) for i in indices)
-        self.seed = int(seed)
-        self.pass_index = int(pass_index)
-        self.block_index = int(block_index)
-        self.attempt = int(attempt)
+        # Callers inside this module pass lists of Python ints (ndarray.tolist()); other
+        # iterables (NumPy arrays, tensors) are converted so workers see plain ints.
+        list.__init__(self, indices if type(indices) is list else [int(i) for i in indices])
+        self.seed = seed
+        self.pass_index = pass_index
+        self.block_index = block_index
+        self.attempt = attempt
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_make_block, (list(self), self.seed, self.pass_index, self.block_index,
@@ -225,8 +237,7 @@ class RoIBatchSampler(Sampler[Block]):
             inds = perm[start:start + mb]
         else:  # ungrouped last block wraps onto the head of the same permutation (§5.3)
             inds = perm[(start + np.arange(mb)) % perm.size]
-        return Block(inds.tolist(), seed=self.seed, pass_index=pass_index,
-                     block_index=block_index)
+        return _fast_block(inds.tolist(), self.seed, pass_index, block_index)
 
     # ------------------------------------------------------------------ positions
     def __len__(self) -> int:
@@ -266,18 +277,30 @@ class RoIBatchSampler(Sampler[Block]):
         return pass_index + full + 1, rem * ws
 
     def _draw_locked(self, stop_at_pass_end: bool) -> Block | None:
-        ws = self.world_size
-        if not self.infinite and self._cursor + ws > self.blocks_per_pass:
+        # The per-batch hot path (caller holds the lock): block() and normalize() inlined.
+        ws, nb, mb = self.world_size, self.blocks_per_pass, self.ims_per_batch
+        p, c = self._pass, self._cursor
+        if not self.infinite and c + ws > nb:
             if stop_at_pass_end:
                 return None
-            self._pass, self._cursor = self._pass + 1, 0
-        extra, c = divmod(self._cursor + self.rank, self.blocks_per_pass)
-        blk = self.block(self._pass + extra, c)  # extra > 0 only in infinite mode
-        if self.infinite:
-            self._pass, self._cursor = self.normalize(self._pass, self._cursor + ws)
-        else:
-            self._cursor += ws
-        return blk
+            p, c = p + 1, 0
+        q, b = p, c + self.rank
+        if b >= nb:  # infinite mode: this rank's block lies in a later pass
+            extra, b = divmod(b, nb)
+            q += extra
+        cache = self._cache
+        perm = cache[1] if cache is not None and cache[0] == q else self.permutation(q)
+        start = b * mb
+        if start + mb <= perm.size:
+            inds = perm[start:start + mb].tolist()
+        else:  # ungrouped last block wraps onto the head of the same permutation (§5.3)
+            inds = perm[(start + np.arange(mb)) % perm.size].tolist()
+        c += ws
+        if self.infinite and c >= nb:
+            extra, c = divmod(c, nb)
+            p += extra
+        self._pass, self._cursor = p, c
+        return _fast_block(inds, self.seed, q, b)
 
     def draw(self) -> Block:
         """Take this rank's next block, atomically (Detectron's locked cursor, spec §5.3).
