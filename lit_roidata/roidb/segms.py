@@ -10,6 +10,7 @@ representation. Detectron crashes on compressed RLE here (spec Q12); we do not.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Sequence
@@ -237,11 +238,13 @@ def flip_rle(rle: dict) -> dict:
     from pycocotools import mask as mask_util
 
     h, w = (int(v) for v in rle["size"])
-    if isinstance(rle["counts"], list):
-        m = mask_util.decode(mask_util.frPyObjects(rle, h, w))
-    else:
-        m = mask_util.decode({"size": [h, w], "counts": rle["counts"].encode("ascii")
-                              if isinstance(rle["counts"], str) else rle["counts"]})
+    with warnings.catch_warnings():  # pycocotools' NumPy 2 copy= deprecation
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if isinstance(rle["counts"], list):
+            m = mask_util.decode(mask_util.frPyObjects(rle, h, w))
+        else:
+            m = mask_util.decode({"size": [h, w], "counts": rle["counts"].encode("ascii")
+                                  if isinstance(rle["counts"], str) else rle["counts"]})
     m = np.asfortranarray(m[:, ::-1])
     if isinstance(rle["counts"], list):
         return {"size": [h, w], "counts": mask_to_uncompressed_counts(m)}
