@@ -45,6 +45,10 @@ def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndar
     inside = np.zeros((n, num_reg_classes, 4), dtype=np.float32)
     rows = np.flatnonzero(data[:, 0] > 0)
     if rows.size and clss[rows].max() >= num_reg_classes:
+        if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG:
+            raise ValueError(f"a regression target has class {int(clss[rows].max())} but "
+                             "MODEL.CLS_AGNOSTIC_BBOX_REG needs class 1; the roidb's targets "
+                             "were built class-specific: rebuild them with the same config")
         raise ValueError(f"a regression target has class {int(clss[rows].max())} but "
                          f"MODEL.NUM_CLASSES is {num_reg_classes}; set MODEL.NUM_CLASSES to the "
                          "dataset's class count plus one (background)")
