@@ -1,0 +1,269 @@
+"""``DemoFastRCNN``: a small Fast R-CNN that consumes this package's Detectron blobs.
+
+Built from torchvision parts (``roi_align``, ``batched_nms``) and a few convolutions, it
+exists to show the data pipeline end to end: it reads exactly the blobs Detectron's
+Fast R-CNN reads (spec §6.1 "Fast R-CNN with precomputed proposals", §6.3) and applies
+Detectron's losses: softmax cross-entropy over the sampled RoIs and smooth-L1 box
+regression masked by ``bbox_inside_weights`` / ``bbox_outside_weights``, both
+normalised by the number of RoIs. Inference follows Detectron's ``im_detect_bbox`` +
+``box_results_with_nms_and_limit``: decode with ``MODEL.BBOX_REG_WEIGHTS`` in original
+image coordinates, clip, per-class score threshold and NMS, keep the top detections.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import batched_nms, roi_align
+
+from lit_roidata.boxes import bbox_transform_inv, clip_boxes
+
+__all__ = ["DemoFastRCNN", "fast_rcnn_losses", "smooth_l1_loss"]
+
+_DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
+# Detectron clamps dw, dh before exp() so a wild prediction cannot overflow.
+_BBOX_XFORM_CLIP = math.log(1000.0 / 16.0)
+_PLUS_ONE = torch.tensor([0.0, 0.0, 1.0, 1.0])
+
+
+def smooth_l1_loss(pred: torch.Tensor, target: torch.Tensor, inside_w: torch.Tensor,
+                   outside_w: torch.Tensor, *, beta: float = 1.0,
+                   normalizer: float | None = None) -> torch.Tensor:
+    """Detectron's ``SmoothL1Loss`` op: ``sum(out * huber(in * (pred - target))) / N``.
+
+    Args:
+        pred, target, inside_w, outside_w: ``(N, 4C)`` tensors.
+        beta: transition point between the quadratic and the linear part.
+        normalizer: divisor; Detectron uses the number of rows ``N`` (the default).
+    """
+    diff = inside_w * (pred - target)
+    ad = diff.abs()
+    loss = torch.where(ad < beta, 0.5 * diff * diff / beta, ad - 0.5 * beta)
+    n = pred.shape[0] if normalizer is None else normalizer
+    return (outside_w * loss).sum() / max(n, 1)
+
+
+def fast_rcnn_losses(cls_logits: torch.Tensor, bbox_pred: torch.Tensor,
+                     blobs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detectron's Fast R-CNN head losses from the §6.3 blobs.
+
+    Returns:
+        ``loss_cls`` (mean softmax cross-entropy), ``loss_bbox`` (smooth L1, inside and
+        outside weights, divided by the number of RoIs) and ``accuracy_cls``.
+    """
+    labels = blobs["labels_int32"].long()
+    loss_cls = F.cross_entropy(cls_logits, labels)
+    loss_bbox = smooth_l1_loss(bbox_pred, blobs["bbox_targets"], blobs["bbox_inside_weights"],
+                               blobs["bbox_outside_weights"])
+    accuracy = (cls_logits.argmax(1) == labels).float().mean()
+    return {"loss_cls": loss_cls, "loss_bbox": loss_bbox, "accuracy_cls": accuracy.detach()}
+
+
+def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+                         nn.GroupNorm(min(8, cout // 4), cout), nn.ReLU(inplace=True))
+
+
+class DemoFastRCNN(pl.LightningModule):
+    """A small Fast R-CNN (conv body, RoIAlign, 2-layer MLP head) on Detectron blobs.
+
+    Training batches are the Fast R-CNN blobs of spec §6.1/§6.3: ``data`` (float32 NCHW
+    BGR minus ``PIXEL_MEANS``; uint8 images are normalised here), ``rois`` (R, 5),
+    ``labels_int32``, ``bbox_targets``, ``bbox_inside_weights``, ``bbox_outside_weights``
+    (R, 4·num_classes). Validation/test batches hold ``data``, ``rois`` and ``_meta``
+    (``image_ids``, ``im_scales``, ``datasets``, ``heights``, ``widths``);
+    ``validation_step`` returns ``{"detections": [...]}`` for
+    :class:`lit_roidata.evaluation.COCOEvaluator`.
+
+    Args:
+        num_classes: classes including background (``MODEL.NUM_CLASSES``).
+        lr: base learning rate (``SOLVER.BASE_LR``).
+        optimizer: ``"sgd"`` (momentum 0.9, as Detectron) or ``"adamw"``.
+        weight_decay: L2 weight decay (``SOLVER.WEIGHT_DECAY``).
+        warmup_iters: linear warm-up steps starting at ``warmup_factor · lr``.
+        warmup_factor: first warm-up multiplier (``SOLVER.WARMUP.WARMUP_FACTOR``).
+        lr_steps: steps at which the lr is multiplied by ``gamma`` (``SOLVER.STEPS``).
+        gamma: step decay factor.
+        backbone_width: channels of the first conv stage (doubled twice).
+        head_dim: width of the two fully connected layers (``FAST_RCNN.MLP_HEAD_DIM``).
+        roi_resolution: RoIAlign output size (``FAST_RCNN.ROI_XFORM_RESOLUTION``).
+        sampling_ratio: RoIAlign samples per bin (``FAST_RCNN.ROI_XFORM_SAMPLING_RATIO``).
+        bbox_reg_weights: ``MODEL.BBOX_REG_WEIGHTS`` used to decode box deltas.
+        cls_agnostic_bbox_reg: one box regressor for all foreground classes (2 columns).
+        score_thresh: ``TEST.SCORE_THRESH``.
+        nms_thresh: ``TEST.NMS``.
+        detections_per_im: ``TEST.DETECTIONS_PER_IM``.
+        pixel_means: BGR means, used only if ``data`` arrives as uint8.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 5,
+        lr: float = 0.01,
+        optimizer: Literal["sgd", "adamw"] = "sgd",
+        weight_decay: float = 1e-4,
+        warmup_iters: int = 50,
+        warmup_factor: float = 1.0 / 3.0,
+        lr_steps: Sequence[int] = (),
+        gamma: float = 0.1,
+        backbone_width: int = 16,
+        head_dim: int = 256,
+        roi_resolution: int = 7,
+        sampling_ratio: int = 2,
+        bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0),
+        cls_agnostic_bbox_reg: bool = False,
+        score_thresh: float = 0.05,
+        nms_thresh: float = 0.5,
+        detections_per_im: int = 100,
+        pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+    ) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"num_classes={num_classes}: need background plus >= 1 class "
+                             f"(MODEL.NUM_CLASSES counts the background)")
+        self.save_hyperparameters()
+        w = backbone_width
+        # Stride 8: the demo's objects are 20-110 px, so 7x7 bins stay meaningful.
+        self.body = nn.Sequential(_conv(3, w, 2), _conv(w, w, 1), _conv(w, 2 * w, 2),
+                                  _conv(2 * w, 2 * w, 1), _conv(2 * w, 4 * w, 2),
+                                  _conv(4 * w, 4 * w, 1))
+        self.spatial_scale = 1.0 / 8.0
+        self.fc6 = nn.Linear(4 * w * roi_resolution ** 2, head_dim)
+        self.fc7 = nn.Linear(head_dim, head_dim)
+        self.cls_score = nn.Linear(head_dim, num_classes)
+        self.bbox_pred = nn.Linear(head_dim, 4 * (2 if cls_agnostic_bbox_reg else num_classes))
+        nn.init.normal_(self.cls_score.weight, std=0.01)
+        nn.init.normal_(self.bbox_pred.weight, std=0.001)
+        nn.init.zeros_(self.cls_score.bias)
+        nn.init.zeros_(self.bbox_pred.bias)
+        self.register_buffer("pixel_means", torch.tensor(pixel_means, dtype=torch.float32),
+                             persistent=False)
+
+    # -- forward -------------------------------------------------------------------------
+    def _image_blob(self, data: Any) -> torch.Tensor:
+        x = torch.as_tensor(data, device=self.device)
+        if x.dtype == torch.uint8:  # NCHW BGR uint8: normalise as Detectron does
+            x = x.float() - self.pixel_means.view(1, 3, 1, 1)
+        # Inputs are BGR minus means (about +-128); scale them to unit order for the
+        # normalised conv body. Does not change what the data pipeline delivers.
+        return x.float() / 64.0
+
+    def forward(self, data: Any, rois: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Class logits ``(R, num_classes)`` and box deltas ``(R, 4C)`` for ``rois`` (R, 5)."""
+        feats = self.body(self._image_blob(data))
+        r = torch.as_tensor(rois, device=self.device, dtype=torch.float32).reshape(-1, 5)
+        pooled = roi_align(feats, r, output_size=self.hparams.roi_resolution,
+                           spatial_scale=self.spatial_scale,
+                           sampling_ratio=self.hparams.sampling_ratio, aligned=False)
+        h = F.relu(self.fc6(pooled.flatten(1)))
+        h = F.relu(self.fc7(h))
+        return self.cls_score(h), self.bbox_pred(h)
+
+    # -- training ------------------------------------------------------------------------
+    def _tensor(self, x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.as_tensor(x, device=self.device).to(dtype)
+
+    def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Forward a training batch of Fast R-CNN blobs and return Detectron's losses."""
+        missing = [k for k in ("data", "rois", "labels_int32", "bbox_targets",
+                               "bbox_inside_weights", "bbox_outside_weights") if k not in batch]
+        if missing:
+            raise KeyError(f"DemoFastRCNN needs the Fast R-CNN blobs (spec §6.1); the batch "
+                           f"lacks {missing} (has {sorted(batch)}). Use the Detectron output "
+                           f"format with MODEL.FASTER_RCNN False and proposal files.")
+        cls_logits, bbox_pred = self(batch["data"], batch["rois"])
+        blobs = {k: self._tensor(batch[k]) for k in
+                 ("labels_int32", "bbox_targets", "bbox_inside_weights", "bbox_outside_weights")}
+        if blobs["bbox_targets"].shape != bbox_pred.shape:
+            raise ValueError(f"bbox_targets has shape {tuple(blobs['bbox_targets'].shape)} but "
+                             f"the head predicts {tuple(bbox_pred.shape)}: set model.num_classes "
+                             f"to MODEL.NUM_CLASSES of the data ({self.hparams.num_classes} now)")
+        out = fast_rcnn_losses(cls_logits, bbox_pred, blobs)
+        out["loss"] = out["loss_cls"] + out["loss_bbox"]
+        return out
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        out = self.compute_losses(batch)
+        n = int(np.shape(batch["data"])[0])
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
+        self.log_dict({f"train/{k}": out[k] for k in ("loss_cls", "loss_bbox", "accuracy_cls")},
+                      batch_size=n)
+        return out["loss"]
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        if hp.optimizer == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9,
+                                  weight_decay=hp.weight_decay)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        steps, warm, factor, gamma = tuple(hp.lr_steps), hp.warmup_iters, hp.warmup_factor, hp.gamma
+
+        def schedule(it: int) -> float:  # Detectron's steps_with_decay + linear warm-up
+            mult = gamma ** sum(it >= s for s in steps)
+            if it < warm:
+                alpha = it / warm
+                mult *= factor * (1 - alpha) + alpha
+            return mult
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- inference -----------------------------------------------------------------------
+    @torch.no_grad()
+    def detect(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Detections per image in original-image coordinates (Detectron's test path).
+
+        Returns:
+            One dict per image: ``image_id``, ``dataset``, ``boxes`` (k, 4) float32
+            x1,y1,x2,y2 (+1 convention), ``scores`` (k,), ``labels`` (k,) contiguous ids.
+        """
+        meta = batch["_meta"]
+        cls_logits, bbox_pred = self(batch["data"], batch["rois"])
+        probs = F.softmax(cls_logits.float(), dim=1).cpu().numpy()
+        deltas = bbox_pred.float().cpu().numpy()
+        rois = torch.as_tensor(batch["rois"]).reshape(-1, 5).cpu().numpy()
+        C = self.hparams.num_classes
+        if self.hparams.cls_agnostic_bbox_reg:
+            deltas = np.tile(deltas[:, 4:8], (1, C))
+        deltas = deltas.reshape(-1, C, 4).copy()
+        deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], _BBOX_XFORM_CLIP)
+        results = []
+        for b, image_id in enumerate(meta["image_ids"]):
+            sel = rois[:, 0] == b
+            scale = float(meta["im_scales"][b])
+            H, W = int(meta["heights"][b]), int(meta["widths"][b])
+            boxes = rois[sel, 1:5] / scale
+            n = len(boxes)
+            pred = bbox_transform_inv(np.repeat(boxes, C, 0), deltas[sel].reshape(-1, 4),
+                                      self.hparams.bbox_reg_weights)
+            pred = clip_boxes(pred, H, W).reshape(n, C, 4)
+            results.append(self._nms_image(pred, probs[sel], int(image_id),
+                                           str(meta["datasets"][b])))
+        return results
+
+    def _nms_image(self, pred: np.ndarray, probs: np.ndarray, image_id: int,
+                   dataset: str) -> dict[str, Any]:
+        hp = self.hparams
+        rows, cls = np.nonzero(probs[:, 1:] > hp.score_thresh)
+        cls = cls + 1
+        boxes = torch.from_numpy(pred[rows, cls].astype(np.float32))
+        scores = torch.from_numpy(probs[rows, cls].astype(np.float32))
+        labels = torch.from_numpy(cls.astype(np.int64))
+        # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
+        keep = batched_nms(boxes + _PLUS_ONE, scores, labels, hp.nms_thresh)
+        keep = keep[: hp.detections_per_im]
+        return {"image_id": image_id, "dataset": dataset, "boxes": boxes[keep].numpy(),
+                "scores": scores[keep].numpy(), "labels": labels[keep].numpy()}
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
+        return {"detections": self.detect(batch)}
+
+    def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
+        return {"detections": self.detect(batch)}
