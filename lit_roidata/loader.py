@@ -27,6 +27,7 @@ sampler's own DDP split away (peers.md P9). :class:`StatefulRoIDataLoader` solve
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -81,6 +82,12 @@ class StatefulRoIDataLoader:
         strict_resume: when a loaded state belongs to another stream (roidb length,
             orientation count, ``ims_per_batch``, seed, grouping or shuffle differ),
             ``True`` raises ``ValueError``; ``False`` logs a warning and starts a fresh pass.
+        inflight: optional ``() -> int``: batches handed to the loop but not trained on
+            when :meth:`state_dict` runs (e.g. 1 when ``training_step`` raised and
+            ``OnExceptionCheckpoint`` saves); the saved position is moved back before them
+            (up to 8).
+        on_pass_end: optional ``() -> None`` called when the batch that finishes a pass is
+            handed out (the same step on every rank, so it may run a collective).
 
     Raises:
         TypeError: an ``IterableDataset`` or a batch sampler that is not a
@@ -91,7 +98,9 @@ class StatefulRoIDataLoader:
                  collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
                  timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, prefetch_factor: int | None = None,
-                 persistent_workers: bool = False, strict_resume: bool = True) -> None:
+                 persistent_workers: bool = False, strict_resume: bool = True,
+                 inflight: Callable[[], int] | None = None,
+                 on_pass_end: Callable[[], None] | None = None) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
@@ -114,6 +123,9 @@ class StatefulRoIDataLoader:
         state = batch_sampler.state_dict()
         self._pos: tuple[int, int] = (state["pass"], state["cursor"])
         self._consumed = 0  # global minibatches handed out over the run (informational)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=8)  # positions before them
+        self._inflight = inflight
+        self._on_pass_end = on_pass_end
         self.sampler = _EpochHook(self)
 
     # ------------------------------------------------------------------ DataLoader face
@@ -166,9 +178,17 @@ class StatefulRoIDataLoader:
         for batch in self._loader:
             # Advance before yielding: a checkpoint written while the loop holds this
             # batch must resume after it.
+            self._recent.append(self._pos)
             self._pos = sampler.advance(*self._pos, 1)
             self._consumed += 1
+            if self._on_pass_end is not None and self._pass_ended(self._recent[-1]):
+                self._on_pass_end()
             yield batch
+
+    def _pass_ended(self, before: tuple[int, int]) -> bool:
+        if self.batch_sampler.infinite:
+            return self._pos[0] != before[0]
+        return self.batch_sampler.normalize(*self._pos)[0] != self._pos[0]
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch mode: start pass ``epoch`` unless it is the current one (a mid-epoch
@@ -177,12 +197,20 @@ class StatefulRoIDataLoader:
         self.batch_sampler.set_epoch(epoch)
         if not self.batch_sampler.infinite and epoch != self._pos[0]:
             self._pos = (int(epoch), 0)
+            self._recent.clear()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The consumed position (``sampler`` entry, :meth:`RoIBatchSampler.state_at`)."""
-        return {"sampler": self.batch_sampler.state_at(*self._pos),
-                "consumed_batches": self._consumed, "num_workers": self.num_workers}
+        pos, consumed = self._pos, self._consumed
+        held = 0 if self._inflight is None else int(self._inflight())
+        if held > 0:
+            if held > len(self._recent):
+                raise RuntimeError(f"StatefulRoIDataLoader: {held} batches in flight but only "
+                                   f"{len(self._recent)} recent positions are known")
+            pos, consumed = self._recent[-held], consumed - held
+        return {"sampler": self.batch_sampler.state_at(*pos),
+                "consumed_batches": consumed, "num_workers": self.num_workers}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool | None = None) -> None:
         """Continue from a saved position in O(1); no batch is replayed.
@@ -198,6 +226,7 @@ class StatefulRoIDataLoader:
         sampler_state = state_dict.get("sampler", state_dict)
         self._pos = self.batch_sampler.check_state(sampler_state, strict=strict)
         self._consumed = int(state_dict.get("consumed_batches", 0))
+        self._recent.clear()
         self.batch_sampler.load_state_dict(self.batch_sampler.state_at(*self._pos))
 
     def __repr__(self) -> str:

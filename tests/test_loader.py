@@ -181,3 +181,23 @@ def test_trainer_resume_infinite_stream_max_steps(tmp_path, num_workers):
     rest = fit(tmp_path / "r", make_loader(num_workers=num_workers, infinite=True),
                ckpt_path=str(ckpt), max_steps=steps)
     assert rest == full[15:]
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+def test_inflight_and_pass_end_hooks(infinite):
+    ends: list[int] = []
+    held = [0]
+    a = make_loader(infinite=infinite, inflight=lambda: held[0],
+                    on_pass_end=lambda: ends.append(len(seen)))
+    seen = []
+    it = iter(a)
+    n = len(a) + 2 if infinite else len(a)
+    for _ in range(n):
+        seen.append(next(it))
+    assert ends == [len(a) - 1]  # called as the pass's last batch is handed out
+    held[0] = 1  # the last batch was handed out but training_step failed
+    state = a.state_dict()
+    b = make_loader(infinite=infinite)
+    b.load_state_dict(state)
+    b.set_epoch(0)
+    assert coords([next(iter(b))]) == coords(seen[-1:])
