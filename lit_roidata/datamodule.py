@@ -24,14 +24,17 @@ Lifecycle (Lightning's contract, ``datamodule.rst``):
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Any, Literal, Mapping, Optional, Sequence
+from collections import Counter
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
+from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.minibatch.image import normalize_on_device
 
 __all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader"]
@@ -85,7 +88,7 @@ class RoIDataModule(pl.LightningDataModule):
             ``RNG_SEED`` of the config. Must be equal on every rank.
         rng_mode: ``"block"`` (one generator per block: reproducible anywhere) or
             ``"detectron"`` (NumPy RandomState in Detectron's call order).
-        on_bad_image: ``"error"`` stops on an unreadable image naming it;
+        on_bad_image: ``"raise"`` stops on an unreadable image naming it;
             ``"skip"`` replaces its block deterministically and counts it (reported
             at the end of each epoch).
         cache_dir: folder for the roidb caches (default: the roidb builder's).
@@ -118,7 +121,7 @@ class RoIDataModule(pl.LightningDataModule):
         output_format: Literal["detectron", "torchvision"] = "detectron",
         seed: Optional[int] = None,
         rng_mode: Literal["block", "detectron"] = "block",
-        on_bad_image: Literal["error", "skip"] = "error",
+        on_bad_image: Literal["raise", "skip"] = "raise",
         cache_dir: Optional[str] = None,
         data_root: Optional[str] = None,
         dataset_catalog: Optional[str] = None,
@@ -142,7 +145,7 @@ class RoIDataModule(pl.LightningDataModule):
         self._catalog: Any = None
         self._demo: Any = None
         self._train_loader: Any = None
-        self._skipped: dict[str, int] = {}
+        self._skipped: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ config
     def _build_cfg(self) -> DetectronConfig:
@@ -298,35 +301,53 @@ class RoIDataModule(pl.LightningDataModule):
         from lit_roidata.dataset import RoIBlockDataset
 
         hp = self.hparams
+        kwargs: dict[str, Any] = {}
+        if hp.fix_rpn_quirks:
+            if "fix_rpn_quirks" not in inspect.signature(RoIBlockDataset).parameters:
+                raise ValueError("fix_rpn_quirks=True: this RoIBlockDataset does not pass the "
+                                 "flag to the RPN target builder yet; leave it False")
+            kwargs["fix_rpn_quirks"] = True
         return RoIBlockDataset(
             self.train_roidb if roidb is None else roidb, self.cfg if cfg is None else cfg,
             output_format=hp.output_format,
             pixel_format=hp.pixel_format if pixel_format is None else pixel_format,
             rng_mode=hp.rng_mode, on_bad_image=hp.on_bad_image,
-            replacement=None if sampler is None else sampler.replacement_block,
-            fix_rpn_quirks=hp.fix_rpn_quirks)
+            replacement=None if sampler is None else sampler.replacement_block, **kwargs)
 
     def train_dataloader(self) -> Any:
         """The checkpointable train loader (this rank's partial minibatches)."""
-        from lit_roidata.loader import StatefulRoIDataLoader
-
         if self.train_roidb is None:
             self.setup("fit")
         sampler = self.make_sampler()
         dataset = self.make_dataset(sampler=sampler)
         nw = int(self.hparams.num_workers)
-        self._train_loader = StatefulRoIDataLoader(
+        self._train_loader = _TrainLoader(
             dataset, sampler, num_workers=nw, pin_memory=bool(self.hparams.pin_memory),
-            persistent_workers=False, prefetch_factor=None if nw == 0 else 2)
+            persistent_workers=False, prefetch_factor=None if nw == 0 else 2,
+            inflight=self._batches_in_flight, on_pass_end=self.report_skips)
         return self._train_loader
 
-    def _eval_loader(self, roidb: Any) -> Any:
+    def _batches_in_flight(self) -> int:
+        """Batches handed to the training loop but not yet trained on (0 or 1).
+
+        An exception (Ctrl-C) inside ``training_step`` leaves one: Lightning counts it
+        ``ready`` but not ``processed`` and will not replay it, so the checkpoint
+        written then (``OnExceptionCheckpoint``) must put the stream back before it.
+        """
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None or not trainer.training:
+            return 0
+        prog = trainer.fit_loop.epoch_loop.batch_progress.total
+        return max(0, int(prog.ready) - int(prog.processed))
+
+    def _eval_loader(self, roidb: Any, split: str) -> Any:
         if roidb is None:
             return []
         rank, world = self._rank_world()
+        with_rois = bool(self._datasets(split)[1])
         return EvalLoader(roidb, self.cfg, rank=rank, world_size=world,
                           ims_per_batch=int(self.hparams.eval_ims_per_batch),
-                          pixel_format=self.hparams.pixel_format,
+                          pixel_format=self.hparams.pixel_format, with_rois=with_rois,
                           num_workers=int(self.hparams.num_workers),
                           pin_memory=bool(self.hparams.pin_memory))
 
@@ -334,32 +355,102 @@ class RoIDataModule(pl.LightningDataModule):
         """Every validation image once, in roidb order, unflipped, sharded by rank."""
         if self.val_roidb is None:
             self.setup("validate")
-        return self._eval_loader(self.val_roidb)
+        return self._eval_loader(self.val_roidb, "val")
 
     def test_dataloader(self) -> Any:
         """Every test image once, in roidb order, unflipped, sharded by rank."""
         if self.test_roidb is None:
             self.setup("test")
-        return self._eval_loader(self.test_roidb)
+        return self._eval_loader(self.test_roidb, "test")
 
     # ------------------------------------------------------------------- device
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Normalise a uint8 ``data`` blob into Detectron's float blob on the device."""
+        """Normalise a uint8 ``data`` blob into Detectron's float blob on the device,
+        and count the images the workers skipped (reported by :meth:`report_skips`)."""
+        meta = batch.get("_meta") if isinstance(batch, dict) else getattr(batch, "meta", None)
+        if isinstance(meta, Mapping):
+            for item in meta.get("skipped") or ():
+                self._skipped[str(item.get("reason", "bad_image"))] += 1
+            if meta.get("num_invalid_replaced"):
+                self._skipped["invalid_minibatch"] += int(meta["num_invalid_replaced"])
         if (isinstance(batch, dict) and torch.is_tensor(batch.get("data"))
                 and batch["data"].dtype == torch.uint8):
-            sizes = _image_sizes(batch)
-            batch["data"] = normalize_on_device(batch["data"], sizes, self.cfg.PIXEL_MEANS)
+            batch["data"] = normalize_on_device(batch["data"], _image_sizes(batch),
+                                                self.cfg.PIXEL_MEANS)
         return batch
+
+    def report_skips(self) -> dict[str, int]:
+        """Log (rank 0) and return the blocks replaced since the last report, by reason.
+
+        Called at the end of every pass of the training stream. Counts are summed over
+        ranks when a process group is up (every rank reaches a pass end together).
+        """
+        counts = Counter(self._skipped)
+        self._skipped = Counter()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, dict(counts))
+            counts = sum((Counter(g) for g in gathered), Counter())
+        if counts and self._rank_world()[0] == 0:
+            log.warning("data: replaced blocks this pass, by reason: %s (on_bad_image=%s)",
+                        dict(sorted(counts.items())), self.hparams.on_bad_image)
+        return dict(counts)
+
+    def teardown(self, stage: str) -> None:
+        """Report skips of an unfinished pass; drop the loader (its workers exit)."""
+        if stage == "fit":
+            if self._skipped and self._rank_world()[0] == 0:
+                log.warning("data: replaced blocks in the last (unfinished) pass, by "
+                            "reason: %s", dict(sorted(self._skipped.items())))
+            self._train_loader = None
 
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The stream identity and skip counts (the loader position is saved by the
-        fit loop from :class:`~lit_roidata.loader.StatefulRoIDataLoader`)."""
+        """The stream seed and pending skip counts (the loader position is saved by
+        the fit loop from the train loader, :class:`~lit_roidata.loader.StatefulRoIDataLoader`)."""
         return {"seed": self.seed, "skipped": dict(self._skipped)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the skip counts; a different seed is reported by the sampler."""
-        self._skipped = dict(state_dict.get("skipped", {}))
+        """Restore the pending skip counts; a different seed is refused by the sampler."""
+        self._skipped = Counter(state_dict.get("skipped", {}))
+
+
+class _TrainLoader(StatefulRoIDataLoader):
+    """The stateful loader plus two things only the data module knows about.
+
+    * ``inflight()``: batches the loop took but did not train on; a checkpoint written
+      after an exception then saves the position *before* that batch, so a resume
+      trains on exactly the batches an uninterrupted run would have.
+    * ``on_pass_end()``: called when a pass of the stream ends (skip reports).
+    """
+
+    def __init__(self, *args: Any, inflight: Callable[[], int],
+                 on_pass_end: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inflight = inflight
+        self._on_pass_end = on_pass_end
+        self._before: Optional[tuple[int, int]] = None
+
+    def _generate(self) -> Iterator[Any]:
+        inner = super()._generate()
+        while True:
+            before = self._pos
+            try:
+                batch = next(inner)
+            except StopIteration:
+                self._on_pass_end()
+                return
+            self._before = before
+            if self.batch_sampler.infinite and self._pos[0] != self.batch_sampler.normalize(*before)[0]:
+                self._on_pass_end()
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._before is not None and self._inflight() > 0:
+            state = dict(state, sampler=self.batch_sampler.state_at(*self._before),
+                         consumed_batches=max(0, state["consumed_batches"] - 1))
+        return state
 
 
 def _image_sizes(batch: Mapping[str, Any]) -> Any:
@@ -386,8 +477,10 @@ class EvalDataset(torch.utils.data.Dataset):
     ``datasets``, ``heights``, ``widths``, ``image_sizes``, ``indices``).
     """
 
-    def __init__(self, roidb: Any, cfg: DetectronConfig, *, pixel_format: str = "uint8") -> None:
+    def __init__(self, roidb: Any, cfg: DetectronConfig, *, pixel_format: str = "uint8",
+                 with_rois: bool = False) -> None:
         self.roidb = roidb
+        self.with_rois = bool(with_rois)
         self.pixel_format = pixel_format
         self.cfg = cfg.clone()
         self.cfg.merge_from_dict({"TRAIN.SCALES": (int(cfg.TEST["SCALE"]),),
@@ -435,24 +528,19 @@ class EvalDataset(torch.utils.data.Dataset):
 
     def _rois(self, entries: Sequence[Mapping[str, Any]], scales: Sequence[float]
               ) -> Optional[np.ndarray]:
-        if not getattr(self.roidb, "has_proposals", True):
+        """Proposal rows (``gt_classes == 0``), first ``TEST.PROPOSAL_LIMIT``, scaled."""
+        if not self.with_rois:
             return None
-        parts = []
-        any_props = False
+        parts = [np.zeros((0, 5), np.float32)]
         for b, (entry, s) in enumerate(zip(entries, scales)):
-            boxes = np.asarray(entry["boxes"], dtype=np.float32)
-            props = boxes[np.asarray(entry["gt_classes"]) == 0]
-            any_props |= len(props) > 0
+            props = np.asarray(entry["boxes"], np.float32)[np.asarray(entry["gt_classes"]) == 0]
             if self.limit > 0:
                 props = props[: self.limit]
             rows = np.empty((len(props), 5), dtype=np.float32)
             rows[:, 0] = b
             rows[:, 1:] = props * np.float32(s)
             parts.append(rows)
-        return np.concatenate(parts) if any_props or self._expects_proposals() else None
-
-    def _expects_proposals(self) -> bool:
-        return bool(getattr(self.roidb, "proposal_files", ()))
+        return np.concatenate(parts)
 
 
 class EvalLoader:
@@ -466,13 +554,13 @@ class EvalLoader:
 
     def __init__(self, roidb: Any, cfg: DetectronConfig, *, rank: int = 0, world_size: int = 1,
                  ims_per_batch: int = 1, pixel_format: str = "uint8", num_workers: int = 0,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, with_rois: bool = False) -> None:
         from lit_roidata.loader import passthrough_collate
 
         shard = np.array_split(np.arange(len(roidb)), world_size)[rank]
         self.batches = [shard[i:i + ims_per_batch].tolist()
                         for i in range(0, len(shard), ims_per_batch)]
-        self.dataset = EvalDataset(roidb, cfg, pixel_format=pixel_format)
+        self.dataset = EvalDataset(roidb, cfg, pixel_format=pixel_format, with_rois=with_rois)
         self.num_workers = min(int(num_workers), len(self.batches))
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=self.batches, collate_fn=passthrough_collate,
