@@ -54,7 +54,7 @@ def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndar
                          "dataset's class count plus one (background)")
     targets[rows, clss[rows]] = data[rows, 1:]
     inside[rows, clss[rows]] = 1.0
-    return targets.reshape(n, -1), inside.reshape(n, -1)
+    return targets.reshape(n, 4 * num_reg_classes), inside.reshape(n, 4 * num_reg_classes)
 
 
 def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: Any,
