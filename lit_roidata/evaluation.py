@@ -1,0 +1,352 @@
+"""COCO evaluation: predictions to COCO results, and a Lightning callback for box/mask AP.
+
+The model's ``validation_step`` (and ``test_step``) returns
+``{"detections": [per-image dict, ...]}`` with, for every image of the batch (also those
+without detections, so an image with missed objects still counts):
+
+* ``image_id`` (int, the JSON id), ``dataset`` (catalog name),
+* ``boxes`` ``(k, 4)`` float, original-image ``x1, y1, x2, y2`` with Detectron's +1
+  convention, ``scores`` ``(k,)``, ``labels`` ``(k,)`` contiguous class ids (1-based),
+* optionally ``masks``: ``k`` RLE dicts or a ``(k, H, W)`` binary array.
+
+:func:`detections_to_coco_results` restores the JSON category ids (Detectron's
+``contiguous_category_id_to_json_id``, spec §2.2) and converts boxes to COCO's
+``[x, y, w, h]`` with ``w = x2 - x1 + 1``, as Detectron's ``_coco_bbox_results_one_category``.
+:class:`COCOEvaluator` gathers the detections of all ranks, evaluates on rank 0 with
+pycocotools' ``COCOeval`` and logs the same numbers on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+from collections import defaultdict
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+__all__ = ["COCOEvaluator", "detections_to_coco_results", "coco_category_map"]
+
+log = logging.getLogger(__name__)
+
+#: ``COCOeval.stats`` positions of the numbers we log.
+_STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if torch.is_tensor(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _id_map(dataset_info: Any, dataset: Optional[str]) -> Mapping[int, int]:
+    """The contiguous → json map of ``dataset`` from an info object or a by-name mapping."""
+    if hasattr(dataset_info, "contiguous_category_id_to_json_id"):
+        return dataset_info.contiguous_category_id_to_json_id
+    if isinstance(dataset_info, Mapping):
+        if dataset in dataset_info:
+            return _id_map(dataset_info[dataset], dataset)
+        if all(isinstance(k, (int, np.integer)) for k in dataset_info):
+            return dataset_info  # already a contiguous -> json map
+        raise KeyError(f"no dataset info for dataset {dataset!r}; have {sorted(dataset_info)}")
+    raise TypeError(f"dataset_info must be a DatasetInfo, a {{name: DatasetInfo}} mapping or "
+                    f"a {{contiguous id: json id}} map, got {type(dataset_info).__name__}")
+
+
+def _rle(mask: Any, image_id: int) -> dict[str, Any]:
+    """A compressed RLE with text counts from an RLE dict or an ``(H, W)`` binary mask."""
+    from pycocotools import mask as mask_utils
+
+    if isinstance(mask, Mapping):
+        rle = dict(mask)
+        if isinstance(rle.get("counts"), list):  # uncompressed -> compressed
+            rle = mask_utils.frPyObjects(rle, *rle["size"])
+    else:
+        m = _numpy(mask)
+        if m.ndim != 2:
+            raise ValueError(f"image {image_id}: a mask must be (H, W), got shape {m.shape}")
+        rle = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
+    if isinstance(rle["counts"], bytes):  # json needs text, as Detectron's segm results
+        rle["counts"] = rle["counts"].decode("ascii")
+    return rle
+
+
+def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
+                               dataset_info: Any) -> list[dict[str, Any]]:
+    """Turn per-image detections into COCO result dicts (``loadRes`` / json format).
+
+    Args:
+        detections: per-image dicts as described in the module docstring.
+        dataset_info: a :class:`~lit_roidata.roidb.info.DatasetInfo` (anything with
+            ``contiguous_category_id_to_json_id``), a ``{dataset name: info}`` mapping
+            (chosen by each detection's ``dataset``) or a plain ``{contiguous: json}`` map.
+
+    Returns:
+        ``[{"image_id", "category_id", "bbox": [x, y, w, h], "score"} (+ "segmentation"),
+        ...]``, in input order.
+
+    Raises:
+        ValueError: a label with no json category (e.g. background 0 or a class the
+            dataset lacks), or inconsistent array lengths; the message names the image.
+    """
+    results: list[dict[str, Any]] = []
+    for det in detections:
+        image_id = int(det["image_id"])
+        boxes = _numpy(det["boxes"]).astype(np.float64).reshape(-1, 4)
+        scores = _numpy(det["scores"]).astype(np.float64).reshape(-1)
+        labels = _numpy(det["labels"]).astype(np.int64).reshape(-1)
+        if not len(boxes) == len(scores) == len(labels):
+            raise ValueError(f"image {image_id}: {len(boxes)} boxes, {len(scores)} scores and "
+                             f"{len(labels)} labels; they must have equal lengths")
+        id_map = _id_map(dataset_info, det.get("dataset"))
+        unknown = sorted({int(c) for c in labels} - {int(k) for k in id_map})
+        if unknown:
+            raise ValueError(f"image {image_id} (dataset {det.get('dataset')!r}): labels "
+                             f"{unknown} have no json category id; known contiguous ids are "
+                             f"{sorted(int(k) for k in id_map)} (0 is background)")
+        masks = det.get("masks")
+        if masks is not None and len(masks) != len(boxes):
+            raise ValueError(f"image {image_id}: {len(masks)} masks for {len(boxes)} boxes")
+        xywh = boxes.copy()
+        xywh[:, 2:] = boxes[:, 2:] - boxes[:, :2] + 1
+        for k in range(len(boxes)):
+            res = {"image_id": image_id, "category_id": int(id_map[int(labels[k])]),
+                   "bbox": [round(float(v), 3) for v in xywh[k]], "score": float(scores[k])}
+            if masks is not None:
+                res["segmentation"] = _rle(masks[k], image_id)
+            results.append(res)
+    return results
+
+
+def coco_category_map(coco: Any) -> dict[int, int]:
+    """Detectron's contiguous → json map from a COCO object: ``categories`` order, 1-based."""
+    return {i + 1: int(c) for i, c in enumerate(coco.getCatIds())}
+
+
+def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
+              image_ids: Sequence[int]) -> tuple[np.ndarray, str]:
+    """COCOeval on ``image_ids``; returns ``stats`` (12 numbers) and the summary text."""
+    from pycocotools.cocoeval import COCOeval
+
+    if not results:
+        return np.zeros(12), f"(no {iou_type} detections: AP is 0)"
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):  # pycocotools prints; we log
+        coco_dt = coco_gt.loadRes(results)
+        ev = COCOeval(coco_gt, coco_dt, iou_type)
+        ev.params.imgIds = sorted(int(i) for i in image_ids)
+        ev.evaluate()
+        ev.accumulate()
+        summary = io.StringIO()
+        with contextlib.redirect_stdout(summary):
+            ev.summarize()
+    return np.asarray(ev.stats, dtype=np.float64), summary.getvalue()
+
+
+class COCOEvaluator(pl.Callback):
+    """COCO box (and mask) AP of the model's detections after every validation/test pass.
+
+    Collects ``outputs["detections"]`` of each ``validation_step``/``test_step``, gathers
+    them from all ranks (``all_gather_object``), evaluates on rank 0 against each
+    dataset's annotation file with ``COCOeval`` (only on the images that were run, so
+    ``limit_val_batches`` gives a true partial AP), broadcasts the numbers and logs them
+    on every rank as ``val/bbox_AP``, ``val/bbox_AP50``, ... (``test/`` for test; with
+    several datasets also ``val/<dataset>/bbox_AP``; the unprefixed keys are their
+    mean). Rank 0 prints a summary table and logs COCO's full summary.
+
+    Datasets are resolved from the trainer's data module (its evaluation roidb's
+    ``DatasetInfo`` for the category ids, its catalog for the annotation file), else from
+    :data:`lit_roidata.catalog.DatasetCatalog` and the annotation file's category order.
+
+    Args:
+        iou_types: ``"bbox"`` and/or ``"segm"``; segm runs only if detections have masks.
+        annotation_files: ``{dataset name: COCO json}`` overriding the catalog.
+        output_dir: if set, rank 0 writes ``<prefix>_<iou>_<dataset>_results.json`` there.
+        print_summary: print a table of the APs on rank 0 after each evaluation.
+    """
+
+    def __init__(self, iou_types: Sequence[str] = ("bbox", "segm"),
+                 annotation_files: Optional[dict[str, str]] = None,
+                 output_dir: Optional[str] = None, print_summary: bool = True) -> None:
+        bad = sorted(set(iou_types) - {"bbox", "segm"})
+        if bad:
+            raise ValueError(f"iou_types {bad} are not supported; choose from bbox, segm")
+        self.iou_types = tuple(iou_types)
+        self.annotation_files = dict(annotation_files or {})
+        self.output_dir = output_dir
+        self.print_summary = print_summary
+        self._dets: list[dict[str, Any]] = []
+        self._coco_cache: dict[str, Any] = {}
+        self.last_metrics: dict[str, float] = {}
+
+    # -- collection ----------------------------------------------------------------------
+    def _collect(self, outputs: Any) -> None:
+        dets = outputs.get("detections") if isinstance(outputs, Mapping) else None
+        if dets is None:
+            return
+        for d in dets:
+            item = {k: (_numpy(v) if torch.is_tensor(v) else v) for k, v in d.items()}
+            self._dets.append(item)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._dets = []
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._dets = []
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        self._collect(outputs)
+
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                          outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:
+        self._collect(outputs)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._finish(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._finish(trainer, pl_module, "test")
+
+    # -- evaluation ----------------------------------------------------------------------
+    def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
+        dets = self._dets
+        self._dets = []
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, dets)
+            dets = [d for part in gathered for d in part]
+        metrics: dict[str, float] = {}
+        error: Optional[str] = None
+        if trainer.global_rank == 0:
+            try:
+                metrics = self.evaluate(dets, prefix=prefix, trainer=trainer)
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                error = f"{type(e).__name__}: {e}"
+        if distributed:
+            box = [(metrics, error)]
+            dist.broadcast_object_list(box, src=0)
+            metrics, error = box[0]
+        if error is not None:
+            raise RuntimeError(f"COCO evaluation failed on rank 0: {error}")
+        self.last_metrics = dict(metrics)
+        for key, value in metrics.items():
+            pl_module.log(key, float(value), rank_zero_only=False, sync_dist=False)
+
+    def evaluate(self, detections: Sequence[Mapping[str, Any]], *, prefix: str = "val",
+                 trainer: Optional[pl.Trainer] = None) -> dict[str, float]:
+        """Evaluate ``detections`` (all ranks' already gathered) and return the metrics.
+
+        Usable without a trainer: datasets then come from ``annotation_files`` or the
+        default catalog.
+        """
+        by_ds: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        for d in detections:
+            by_ds[str(d.get("dataset"))].append(d)
+        per_ds: dict[str, dict[str, float]] = {}
+        texts = []
+        for name in sorted(by_ds):
+            coco, info = self._dataset(name, trainer)
+            dets = by_ds[name]
+            image_ids = sorted({int(d["image_id"]) for d in dets})
+            missing = sorted(set(image_ids) - set(coco.getImgIds()))
+            if missing:
+                raise ValueError(f"dataset {name!r}: image ids {missing[:5]} are not in its "
+                                 f"annotation file; are the detections from another dataset?")
+            per_ds[name] = {}
+            for iou in self.iou_types:
+                if iou == "segm" and not any(d.get("masks") is not None for d in dets):
+                    continue
+                sel = dets if iou == "bbox" else [d for d in dets if d.get("masks") is not None]
+                results = detections_to_coco_results(sel, info)
+                if iou == "bbox":
+                    results = [{k: v for k, v in r.items() if k != "segmentation"}
+                               for r in results]
+                self._write(results, prefix, iou, name)
+                stats, text = _evaluate(coco, results, iou, image_ids)
+                texts.append(f"{name} {iou} ({len(image_ids)} images):\n{text}")
+                per_ds[name].update({f"{iou}_{s}": float(v) for s, v in zip(_STAT_NAMES, stats)})
+        metrics: dict[str, float] = {}
+        keys = sorted({k for m in per_ds.values() for k in m})
+        for k in keys:
+            vals = [m[k] for m in per_ds.values() if k in m]
+            metrics[f"{prefix}/{k}"] = float(np.mean(vals))
+        if len(per_ds) > 1:
+            for name, m in per_ds.items():
+                metrics.update({f"{prefix}/{name}/{k}": v for k, v in m.items()})
+        for t in texts:
+            log.info("COCO evaluation, %s", t)
+        if self.print_summary and per_ds:
+            self._print_table(per_ds, prefix)
+        return metrics
+
+    def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
+        """(COCO ground truth, id map source) for dataset ``name``."""
+        from pycocotools.coco import COCO
+
+        info = None
+        ann_file = self.annotation_files.get(name)
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if dm is not None:
+            for attr in ("val_roidb", "test_roidb", "train_roidb"):
+                roidb = getattr(dm, attr, None)
+                for ds_info in getattr(roidb, "datasets", ()) or ():
+                    if ds_info.name == name and info is None:
+                        info = ds_info
+            if ann_file is None and hasattr(dm, "catalog"):
+                ann_file = _annotation_file(dm.catalog(), name)
+        if ann_file is None:
+            from lit_roidata.catalog import DatasetCatalog
+
+            ann_file = _annotation_file(DatasetCatalog, name)
+        if ann_file not in self._coco_cache:
+            if not os.path.isfile(ann_file):
+                raise FileNotFoundError(f"annotation file {ann_file} of dataset {name!r} does "
+                                        f"not exist; fix the catalog entry or pass "
+                                        f"annotation_files={{{name!r}: path}}")
+            with contextlib.redirect_stdout(io.StringIO()):
+                self._coco_cache[ann_file] = COCO(ann_file)
+        coco = self._coco_cache[ann_file]
+        return coco, info if info is not None else coco_category_map(coco)
+
+    def _write(self, results: list[dict[str, Any]], prefix: str, iou: str, name: str) -> None:
+        if self.output_dir is None:
+            return
+        os.makedirs(self.output_dir, exist_ok=True)
+        path = os.path.join(self.output_dir, f"{prefix}_{iou}_{name}_results.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)
+
+    @staticmethod
+    def _print_table(per_ds: Mapping[str, Mapping[str, float]], prefix: str) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"COCO evaluation ({prefix})")
+        table.add_column("dataset")
+        table.add_column("type")
+        for s in _STAT_NAMES:
+            table.add_column(s, justify="right")
+        for name, m in per_ds.items():
+            for iou in ("bbox", "segm"):
+                if f"{iou}_AP" in m:
+                    table.add_row(name, iou, *(f"{100 * m[f'{iou}_{s}']:.1f}" for s in _STAT_NAMES))
+        Console().print(table)
+
+
+def _annotation_file(catalog: Any, name: str) -> str:
+    spec = catalog.get(name)
+    if isinstance(spec, Mapping):
+        return str(spec["annotation_file"])
+    return str(spec.annotation_file)
