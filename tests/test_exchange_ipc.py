@@ -176,7 +176,7 @@ def test_killed_consumer_is_detected_by_a_waiting_producer(setup):
     exchange, spawn = setup
     prod = exchange().channel("c", "producer")
     prod.put({"x": np.zeros(1)})
-    proc = spawn(role="consumer")
+    proc = spawn(role="consumer", hold=True)
     _expect_line(proc, "ready")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -173,6 +173,21 @@ class Channel:
             raise ChannelClosedError(f"{self.where}: stop requested (the exchange's stop "
                                      "event is set)")
 
+    def _check_peer(self, waiting_for: str) -> None:
+        """While waiting (at most every 50 ms): raise if the peer closed or died.
+
+        The lease is read before the tombstone: a peer that closes writes the tombstone
+        first and then drops its lease, so "no lease and no tombstone" means it died.
+        """
+        now = time.monotonic()
+        if now - self._peer_checked < _PEER_CHECK_EVERY:
+            return
+        with self._io:
+            self._check_usable()
+            got = self._store.get_many([self._k_lease[self.peer_role],
+                                        self._k_closed[self.peer_role]])
+        self._peer_state(got, waiting_for)
+
     def _peer_state(self, got: Mapping[str, bytes], waiting_for: str) -> None:
         """Raise if the peer closed or died; remember it when it is alive."""
         closed = got.get(self._k_closed[self.peer_role])
@@ -184,10 +199,7 @@ class Channel:
                 f"{self.where}: the {self.peer_role} (pid {info.get('pid')} on "
                 f"{info.get('hostname')}) closed the channel after seq {info.get('last_seq')} "
                 f"while this end waited for {waiting_for}")
-        now = time.monotonic()
-        if now - self._peer_checked < _PEER_CHECK_EVERY:
-            return
-        self._peer_checked = now
+        self._peer_checked = time.monotonic()
         state = peer_liveness(rec)
         if state == "alive":
             self._peer_seen = rec
@@ -247,7 +259,7 @@ class Channel:
         timeout = self.timeout if timeout is None else timeout
         deadline, backoff, unreachable = time.monotonic() + timeout, [self._ex.poll_min], None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
-        keys = [self._k_inc, self._k_ack, self._k_lease["consumer"], self._k_closed["consumer"]]
+        keys = [self._k_inc, self._k_ack]
         while True:
             try:
                 with self._io:
@@ -260,7 +272,7 @@ class Channel:
                         self._publish(seq, encoded)
                     self._next = seq + 1
                     return seq
-                self._peer_state(got, what)
+                self._check_peer(what)
                 unreachable = None
             except StoreUnavailable as exc:
                 unreachable = str(exc)
@@ -303,8 +315,7 @@ class Channel:
         timeout = self.timeout if timeout is None else timeout
         deadline, backoff, unreachable = time.monotonic() + timeout, [self._ex.poll_min], None
         what = f"message seq {seq} from the producer"
-        small = [self._k_inc, self._k_head, self._k_lease["producer"],
-                 self._k_closed["producer"]]
+        small = [self._k_inc, self._k_head]
         while True:
             try:
                 with self._io:
@@ -319,7 +330,7 @@ class Channel:
                         f"{self.where}: message seq {seq} was published (producer head is "
                         f"{head}) but is gone from {self._store.describe}: evicted or deleted. "
                         "Give memcached more memory (-m) and restart with a new run id")
-                self._peer_state(got, what)
+                self._check_peer(what)
                 unreachable = None
             except StoreUnavailable as exc:
                 unreachable = str(exc)

@@ -59,33 +59,53 @@ class EmbeddedStore(Store):
                                 "pass address=<writable dir> or set LIT_ROIDATA_EXCHANGE_DIR"
                                 ) from exc
         self.describe = f"embedded exchange directory {self.root}"
-        self._made: set[Path] = set()
+        self._root = str(self.root) + "/"
+        self._made: set[str] = set()
 
     # -- helpers -------------------------------------------------------------------------
-    def _path(self, key: str) -> Path:
-        path = self.root / key
-        parent = path.parent
+    # Plain strings and os.* calls: pathlib and buffered io cost more than the syscalls.
+    def _path(self, key: str) -> str:
+        path = self._root + key
+        parent = path.rpartition("/")[0]
         if parent not in self._made:
-            parent.mkdir(parents=True, exist_ok=True)
+            os.makedirs(parent, exist_ok=True)
             self._made.add(parent)
         return path
 
-    def _tmp(self, path: Path) -> Path:
-        return path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
-
-    def _write_tmp(self, path: Path, chunks: list) -> Path:
-        tmp = self._tmp(path)
-        with open(tmp, "wb", buffering=0) as f:
-            for chunk in chunks:
-                f.write(chunk)
+    @staticmethod
+    def _write_tmp(path: str, chunks: list) -> str:
+        tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            views = [memoryview(c).cast("B") for c in chunks]
+            views = [v for v in views if len(v)]
+            while views:
+                n = os.writev(fd, views[:512])
+                while views and n >= len(views[0]):  # drop fully written buffers
+                    n -= len(views[0])
+                    views.pop(0)
+                if n:
+                    views[0] = views[0][n:]
+        finally:
+            os.close(fd)
         return tmp
 
-    def _read_small(self, path: Path) -> bytes | None:
+    @staticmethod
+    def _read_small(path: str) -> bytes | None:
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        try:
+            parts = []
+            while True:
+                part = os.read(fd, 65536)
+                if not part:
+                    break
+                parts.append(part)
+        finally:
+            os.close(fd)
+        raw = b"".join(parts)
         if len(raw) < _EXPIRY.size:
             return None  # cannot happen with atomic writes; treat as absent
         (expiry,) = _EXPIRY.unpack_from(raw)
@@ -97,8 +117,8 @@ class EmbeddedStore(Store):
     def _expiry(ttl: float) -> bytes:
         return _EXPIRY.pack(time.time() + ttl if ttl else 0.0)
 
-    def _lock(self, path: Path) -> FileLock:
-        return FileLock(str(path.parent / ".lock"))
+    def _lock(self, path: str) -> FileLock:
+        return FileLock(path.rpartition("/")[0] + "/.lock")
 
     # -- small values --------------------------------------------------------------------
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
@@ -116,7 +136,7 @@ class EmbeddedStore(Store):
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         out = {}
         for key in keys:
-            value = self._read_small(self.root / key)
+            value = self._read_small(self._root + key)
             if value is not None:
                 out[key] = value
         return out
@@ -131,12 +151,12 @@ class EmbeddedStore(Store):
 
     def delete(self, key: str) -> None:
         try:
-            os.unlink(self.root / key)
+            os.unlink(self._root + key)
         except FileNotFoundError:
             pass
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self.root / key)
+        return os.path.exists(self._root + key)
 
     # -- payloads ------------------------------------------------------------------------
     def put_payload(self, key: str, encoded: Encoded) -> None:
@@ -156,12 +176,12 @@ class EmbeddedStore(Store):
             os.replace(tmp, path)
             return
         finally:
-            if tmp.exists():
+            if os.path.exists(tmp):
                 os.unlink(tmp)
 
     def get_payload(self, key: str) -> bytearray | None:
         try:
-            fd = os.open(self.root / key, os.O_RDONLY)
+            fd = os.open(self._root + key, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
@@ -171,7 +191,7 @@ class EmbeddedStore(Store):
             while got < size:
                 n = os.readv(fd, [view[got:]])
                 if n == 0:
-                    raise ExchangeError(f"payload {self.root / key} shrank while reading")
+                    raise ExchangeError(f"payload {self._root + key} shrank while reading")
                 got += n
             return buf
         finally:

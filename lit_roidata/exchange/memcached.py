@@ -17,6 +17,7 @@ What differs from the fork (spec §8.1, §8.3):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -55,6 +56,15 @@ def parse_address(address: str | None) -> tuple[str, int]:
         return host.strip("[]"), int(port)
     except ValueError as exc:
         raise ValueError(f"bad memcached address {address!r}: expected 'host:port'") from exc
+
+
+@functools.lru_cache(maxsize=8192)
+def _memcached_key(key: str) -> bytes:
+    """Logical key → memcached key (``lrx:`` prefix; hashed if too long or unsafe)."""
+    raw = ("lrx:" + key.replace("/", ":")).encode()
+    if not _KEY_OK.match(raw):
+        raw = b"lrx:h:" + hashlib.sha1(raw).hexdigest().encode()
+    return raw
 
 
 class MemcachedStore(Store):
@@ -102,11 +112,7 @@ class MemcachedStore(Store):
             raise ExchangeError(f"{self.describe}: {exc}") from exc
 
     def _k(self, key: str) -> bytes:
-        raw = ("lrx:" + key.replace("/", ":")).encode()
-        if not _KEY_OK.match(raw):
-            digest = hashlib.sha1(raw).hexdigest()
-            raw = b"lrx:h:" + digest.encode()
-        return raw
+        return _memcached_key(key)
 
     @staticmethod
     def _ttl(ttl: float) -> int:
@@ -216,7 +222,8 @@ class MemcachedStore(Store):
             if head is not None and head.startswith(_DESC_MAGIC):
                 n = _DESCRIPTOR.unpack_from(head)[1]
         keys = [self._k(key)] + [self._k(f"{key}#{i}") for i in range(n)]
-        self._call(self._client.delete_many, keys)
+        # Clean-up only (the ack already moved the stream on): no need to wait for replies.
+        self._call(self._client.delete_many, keys, noreply=True)
 
     def clone(self) -> MemcachedStore:
         return MemcachedStore(self.address, timeout=self._timeout, chunk_size=self.chunk_size)
