@@ -14,6 +14,7 @@ interrupted run is rebuilt, and a complete folder is reused (idempotent).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -260,9 +261,18 @@ def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed
     """
     layout = ensure_demo_data(root, seed=seed, num_images=num_images)
     catalog = _default_catalog() if catalog is None else catalog
+    try:
+        params = inspect.signature(catalog.register).parameters
+    except (TypeError, ValueError):
+        params = {}
     for name, info in layout.items():
+        extra: dict[str, Any] = {}
+        if "overwrite" in params:  # another demo root replaces the earlier registration
+            extra["overwrite"] = True
+        if "proposal_file" in params:
+            extra["proposal_file"] = info["proposal_file"]
         result = catalog.register(name, info["image_dir"], info["annotation_file"],
-                                  image_prefix="")
+                                  image_prefix="", **extra)
         if result is not None and hasattr(result, "register"):
             catalog = result
     return DemoDatasets(
