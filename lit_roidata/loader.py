@@ -227,6 +227,8 @@ class StatefulRoIDataLoader:
         self._pos = self.batch_sampler.check_state(sampler_state, strict=strict)
         self._consumed = int(state_dict.get("consumed_batches", 0))
         self._recent.clear()
+        log.debug("StatefulRoIDataLoader: data stream resumes at pass %d, block %d",
+                  *self._pos)
         self.batch_sampler.load_state_dict(self.batch_sampler.state_at(*self._pos))
 
     def __repr__(self) -> str:

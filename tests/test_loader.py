@@ -201,3 +201,13 @@ def test_inflight_and_pass_end_hooks(infinite):
     b.load_state_dict(state)
     b.set_epoch(0)
     assert coords([next(iter(b))]) == coords(seen[-1:])
+
+
+def test_persistent_workers_reiteration_continues_stream():
+    want = coords(b for b, _ in zip(iter(make_loader(infinite=True)), range(24)))
+    a = make_loader(num_workers=2, infinite=True, persistent_workers=True)
+    got = []
+    for _ in range(3):  # Lightning abandons the iterator at each epoch end
+        it = iter(a)
+        got += coords(next(it) for _ in range(8))
+    assert got == want
