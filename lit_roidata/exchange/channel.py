@@ -78,6 +78,7 @@ class Channel:
         self._wake = threading.Event()
         self._closing = False
         self._lost: str | None = None
+        self._lost_type: type[Exception] = LeaseLostError
         self._peer_seen: LeaseRecord | None = None
         self._peer_checked = 0.0
         ns = f"{exchange.run_id}/{exchange.rank}/{name}"
@@ -167,7 +168,7 @@ class Channel:
         if self._closing:
             raise ChannelClosedError(f"{self.where}: this end was closed")
         if self._lost:
-            raise LeaseLostError(self._lost)
+            raise self._lost_type(self._lost)
         stop = self._ex.stop_event
         if stop is not None and stop.is_set():
             raise ChannelClosedError(f"{self.where}: stop requested (the exchange's stop "
@@ -370,6 +371,19 @@ class Channel:
         except StoreUnavailable:
             return
         if self._closing:
+            return
+        try:
+            incarnation = store.get(self._k_inc)
+        except StoreUnavailable:
+            return
+        if incarnation != self._ex.incarnation:  # a restart, not a take-over: say so
+            self._lost_type = ExchangeStateLostError
+            self._lost = (f"{self.where}: the run's incarnation key is "
+                          f"{'missing' if incarnation is None else 'changed'} on "
+                          f"{self._store.describe}: the server restarted (or evicted this "
+                          "run's keys); messages may be lost. Restart both processes with a "
+                          "new run id (spec §8.4.6)")
+            self._wake.set()
             return
         self._lost = (f"{self.where}: this end lost its lease (it expired or another process "
                       f"took it over, e.g. after this process stalled for more than "
