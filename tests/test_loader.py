@@ -160,9 +160,9 @@ def fit(tmp_path, loader, ckpt_path=None, every=None, **trainer_kw):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_trainer_mid_epoch_resume_epoch_mode(tmp_path, num_workers):
     per_epoch = len(make_loader())
-    full = fit(tmp_path, make_loader(num_workers=num_workers), every=3, max_epochs=2)
+    full = fit(tmp_path, make_loader(num_workers=num_workers), every=1, max_epochs=2)
     assert len(full) == 2 * per_epoch and [p for p, _ in full] == [0] * per_epoch + [1] * per_epoch
-    for step in (3, per_epoch + 3 - per_epoch % 3):  # mid epoch 0, mid epoch 1
+    for step in (3, per_epoch, per_epoch + 2):  # mid epoch 0, its last batch, mid epoch 1
         ckpt = next(tmp_path.glob(f"*-step={step}.ckpt"))
         loader = make_loader(num_workers=num_workers)
         rest = fit(tmp_path / "r", loader, ckpt_path=str(ckpt), max_epochs=2)
@@ -211,3 +211,23 @@ def test_persistent_workers_reiteration_continues_stream():
         it = iter(a)
         got += coords(next(it) for _ in range(8))
     assert got == want
+
+
+def test_loader_resume_with_other_world_size():
+    def loaders(ws):
+        return [StatefulRoIDataLoader(BlockDataset(), RoIBatchSampler(
+            W, H, 2, seed=3, rank=r, world_size=ws, infinite=True)) for r in range(ws)]
+
+    ref = make_loader(infinite=True)
+    want = coords(b for b, _ in zip(iter(ref), range(40)))
+    two = loaders(2)
+    its = [iter(x) for x in two]
+    got = [c for _ in range(7) for it in its for c in coords([next(it)])]
+    state = two[0].state_dict()
+    assert state == two[1].state_dict()
+    three = loaders(3)
+    for x in three:
+        x.load_state_dict(state)
+    its = [iter(x) for x in three]
+    got += [c for _ in range(5) for it in its for c in coords([next(it)])]
+    assert got == want[:len(got)]  # the global stream goes on: no repeat, no skip
