@@ -302,3 +302,34 @@ def test_memcached_eviction_is_detected_not_waited_on(make_exchange):
     cons = make_exchange().channel("c", "consumer")
     with pytest.raises(ExchangeStateLostError, match="chunk 1/"):
         cons.get(timeout=5)
+
+
+@pytest.mark.parametrize("drop", ["after_payload_write", "at_head_update"])
+def test_put_retries_a_dropped_connection_without_duplicates(make_exchange, monkeypatch, drop):
+    from lit_roidata.exchange.store import StoreUnavailable
+
+    ex = make_exchange(capacity=2)
+    prod, cons = ex.channel("c", "producer"), ex.channel("c", "consumer")
+    store, dropped = prod._store, []
+    real_put, real_set = store.put_payload, store.set
+
+    def put_payload(key, encoded):
+        real_put(key, encoded)  # the write reaches the server, the reply is lost
+        if drop == "after_payload_write" and not dropped:
+            dropped.append(key)
+            raise StoreUnavailable("simulated connection drop")
+
+    def set_(key, value, ttl=0):
+        if drop == "at_head_update" and key.endswith("/head") and not dropped:
+            dropped.append(key)
+            raise StoreUnavailable("simulated connection drop")
+        real_set(key, value, ttl)
+
+    monkeypatch.setattr(store, "put_payload", put_payload)
+    monkeypatch.setattr(store, "set", set_)
+    assert prod.put({"x": np.array(1)}, timeout=10) == 1
+    assert prod.put({"x": np.array(2)}, timeout=10) == 2
+    assert dropped
+    assert [int(cons.get(timeout=5)[0]["x"]) for _ in range(2)] == [1, 2]
+    with pytest.raises(ExchangeTimeoutError):
+        cons.get(timeout=0.2)

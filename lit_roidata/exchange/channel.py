@@ -22,6 +22,7 @@ timeout, and wakes on ``close()`` or a stop event (§8.4.5, §8.4.9).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -261,6 +262,7 @@ class Channel:
         deadline, backoff, unreachable = time.monotonic() + timeout, [self._ex.poll_min], None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
         keys = [self._k_inc, self._k_ack]
+        state = {"stored": False, "failed": False}  # survives retries of this message
         while True:
             try:
                 with self._io:
@@ -270,7 +272,7 @@ class Channel:
                 if self._int(got, self._k_ack) >= seq - self.capacity:
                     with self._io:
                         self._check_usable()
-                        self._publish(seq, encoded)
+                        self._publish(seq, encoded, state)
                     self._next = seq + 1
                     return seq
                 self._check_peer(what)
@@ -279,12 +281,18 @@ class Channel:
                 unreachable = str(exc)
             self._wait(backoff, deadline, what, timeout, unreachable)
 
-    def _publish(self, seq: int, encoded: wire.Encoded) -> None:
-        try:
-            self._store.put_payload(self._msg(seq), encoded)
-        except StoreUnavailable:
-            if not self._store.exists(self._msg(seq)):  # connection died before the write
+    def _publish(self, seq: int, encoded: wire.Encoded, state: dict[str, bool]) -> None:
+        """Write the payload once, then advance ``head``; safe to retry after a failure."""
+        key = self._msg(seq)
+        if not state["stored"] and state["failed"]:
+            state["stored"] = self._store.exists(key)  # did the lost request get through?
+        if not state["stored"]:
+            try:
+                self._store.put_payload(key, encoded)
+            except StoreUnavailable:
+                state["failed"] = True
                 raise
+            state["stored"] = True
         self._store.set(self._k_head, str(seq).encode())
 
     def get(self, timeout: float | None = None, *, expect: Mapping[str, Any] | None = None,
@@ -409,7 +417,7 @@ class Channel:
         with self._io:
             try:
                 if not self._lost:
-                    tomb = orjson.dumps({"last_seq": self._next - 1, "pid": _pid(),
+                    tomb = orjson.dumps({"last_seq": self._next - 1, "pid": os.getpid(),
                                          "hostname": LeaseRecord.loads(self._lease).hostname,
                                          "time": time.time()})
                     self._store.set(self._k_closed[self.role], tomb)
@@ -428,8 +436,3 @@ class Channel:
     def __repr__(self) -> str:
         return f"<Channel {self.where}, next seq {self._next}>"
 
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
