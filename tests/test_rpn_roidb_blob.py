@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lit_roidata.minibatch.roidb_blob import (
-    ROIDB_BLOB_KEYS, deserialize_roidb, serialize_roidb)
+    EXTRA_KEYS, ROIDB_BLOB_KEYS, deserialize_roidb, serialize_roidb)
 
 _coord = st.floats(-1e4, 1e4, allow_nan=False, width=32)
 
@@ -35,7 +35,8 @@ def _entries(draw):
          "box_to_gt_ind_map": np.full(r, -1, np.int32),
          "segms": draw(st.lists(st.one_of(poly, rle), min_size=g, max_size=g)),
          "has_visible_keypoints": draw(st.booleans()),
-         "ignored_field": "not carried"}
+         "ignored_field": "not carried", "id": draw(st.integers(0, 2**40)),
+         "width": 640, "height": 480, "flipped": draw(st.booleans()), "image": "/d/ü 1.jpg"}
     if draw(st.booleans()):
         e["gt_keypoints"] = np.array(draw(st.lists(st.integers(-5, 500), min_size=g * 6,
                                                     max_size=g * 6)), np.int32).reshape(g, 3, 2)
@@ -43,7 +44,7 @@ def _entries(draw):
 
 
 def _assert_same(a, b):
-    assert set(b) == set(a) & set(ROIDB_BLOB_KEYS)
+    assert set(b) == set(a) & set(ROIDB_BLOB_KEYS + EXTRA_KEYS)
     for k, v in b.items():
         if k == "gt_overlaps":
             assert scipy.sparse.issparse(v)

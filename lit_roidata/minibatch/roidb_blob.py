@@ -23,16 +23,20 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import scipy.sparse
 
-__all__ = ["ROIDB_BLOB_KEYS", "serialize_roidb", "deserialize_roidb"]
+__all__ = ["ROIDB_BLOB_KEYS", "EXTRA_KEYS", "serialize_roidb", "deserialize_roidb"]
 
 ROIDB_BLOB_KEYS = ("has_visible_keypoints", "boxes", "segms", "seg_areas", "gt_classes",
                    "gt_overlaps", "is_crowd", "box_to_gt_ind_map", "gt_keypoints")
+# Not in Detectron's minimal roidb; carried so that errors can name the image and RLE
+# segms can be decoded at their size in the second stage.
+EXTRA_KEYS = ("id", "image", "width", "height", "flipped")
+_JSON_KEYS = frozenset(("segms", "has_visible_keypoints") + EXTRA_KEYS)
 _MAGIC = b"LRDB"
 _VERSION = 1
 
 
 def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    """Encode the keys of ``ROIDB_BLOB_KEYS`` present in each entry (spec §6.7).
+    """Encode the keys of ``ROIDB_BLOB_KEYS`` and ``EXTRA_KEYS`` present in each entry (§6.7).
 
     Returns:
         A 1-D float32 array of byte values (Detectron's container for the blob).
@@ -52,11 +56,11 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
 
     for entry in entries:
         item: dict[str, Any] = {}
-        for key in ROIDB_BLOB_KEYS:
+        for key in ROIDB_BLOB_KEYS + EXTRA_KEYS:
             if key not in entry:
                 continue
             value = entry[key]
-            if key == "segms" or key == "has_visible_keypoints":
+            if key in _JSON_KEYS:
                 item[key] = {"t": "j", "v": _to_json(value)}
             elif scipy.sparse.issparse(value):
                 csr = scipy.sparse.csr_matrix(value)

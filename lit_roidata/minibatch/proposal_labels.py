@@ -1,0 +1,259 @@
+"""Second-stage labels for end-to-end training, computed from the model's proposals (spec §6.9).
+
+In end-to-end Faster/Mask/Keypoint R-CNN the loader only delivers the RPN family
+(``data``, ``im_info``, ``roidb``, RPN targets); the Fast R-CNN, mask and keypoint
+blobs depend on the proposals the network has just produced. Detectron computes them
+in a Python op (``GenerateProposalLabels`` / ``CollectAndDistributeFpnRpnProposals``):
+
+1. FPN: keep the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE`` proposals by score
+   over the whole per-GPU minibatch (not per image, Q26);
+2. ``add_proposals`` (§3.6): per image, proposals divided by the image scale are merged
+   into the entry (§3.4, crowd gt rows included, **no** crowd filter) and classes are
+   assigned (§2.5);
+3. bbox regression targets (§4.4), then ``add_fast_rcnn_blobs`` (§6.3-§6.6), whose
+   ``valid`` result is ignored (Q7).
+
+:func:`proposal_labels` does exactly this. Steps 1-3's IoU and target computations run
+in torch on the proposals' device, vectorised over all images at once (a per-image
+mask on one ``N x G`` matrix); the sampling and the mask/keypoint targets are the
+loader's own :func:`lit_roidata.minibatch.fast_rcnn.add_fast_rcnn_blobs`, so both paths
+share one implementation and give the same blobs for the same proposals and seed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from lit_roidata import rng as rng_mod
+from lit_roidata.boxes import bbox_overlaps_torch, bbox_transform_targets_torch
+from lit_roidata.minibatch.roidb_blob import deserialize_roidb
+
+__all__ = ["proposal_labels", "collect_top_proposals", "merge_proposals"]
+
+logger = logging.getLogger(__name__)
+
+# Per-entry keys carried into the merged entries unchanged.
+_PASS_THROUGH = ("segms", "gt_keypoints", "has_visible_keypoints", "id", "image", "width",
+                 "height", "flipped", "dataset")
+
+
+def proposal_labels(
+    rois: Any,
+    entries: Any,
+    im_scales: Any,
+    cfg: Any,
+    rng: rng_mod.RNG,
+    *,
+    scores: Any = None,
+) -> dict[str, Any]:
+    """The Fast R-CNN / Mask / Keypoint blobs for a minibatch's RPN proposals (spec §6.9).
+
+    Args:
+        rois: ``(N, 5)`` proposals ``(batch_idx, x1, y1, x2, y2)`` in the scaled input
+            frame, a torch tensor on any device or a NumPy array; ``batch_idx`` is the
+            image's position in ``entries``.
+        entries: the minibatch's roidb entries (Mappings with Detectron's field names),
+            or the loader's ``roidb`` blob (array or tensor), which is deserialized.
+        im_scales: one scale per image (``im_info[:, 2]``; sequence, array or tensor).
+        cfg: the ``DetectronConfig``.
+        rng: generator for the RoI and keypoint sampling (``lit_roidata.rng``).
+        scores: optional ``(N,)`` objectness of ``rois``. With ``FPN.FPN_ON`` and
+            ``FPN.MULTILEVEL_RPN`` the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE``
+            by score over the whole minibatch are kept first (Q26); otherwise ignored
+            (single-level RPN applies its top-N per image while generating proposals).
+
+    Returns:
+        Blob name -> array, names and order of
+        :func:`lit_roidata.minibatch.names.get_fast_rcnn_blob_names`. torch tensors on
+        ``rois.device`` for tensor input (int32 / float32), NumPy arrays for NumPy input.
+
+    Raises:
+        ValueError: shapes disagree (``rois`` not ``(N, 5)``, a scale per image missing,
+            ``batch_idx`` outside the minibatch).
+    """
+    from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
+
+    as_numpy = not isinstance(rois, torch.Tensor)
+    rois_t = torch.as_tensor(np.asarray(rois)) if as_numpy else rois.detach()
+    if isinstance(entries, (np.ndarray, torch.Tensor)):
+        entries = deserialize_roidb(entries)
+    scales = [float(s) for s in (im_scales.tolist() if hasattr(im_scales, "tolist")
+                                 else im_scales)]
+    if scores is not None and cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
+        top_n = int(cfg.TRAIN.RPN_POST_NMS_TOP_N * cfg.FPN.RPN_COLLECT_SCALE)
+        rois_t = collect_top_proposals(rois_t, scores, top_n)
+    merged = merge_proposals(rois_t, entries, scales, cfg)
+    blobs: dict[str, Any] = {}
+    add_fast_rcnn_blobs(blobs, scales, merged, cfg, rng)  # valid is ignored in e2e (Q7)
+    if as_numpy:
+        return blobs
+    return {k: torch.from_numpy(v if v.flags.c_contiguous else v.copy()).to(rois_t.device)
+            for k, v in blobs.items()}
+
+
+def collect_top_proposals(rois: torch.Tensor, scores: Any, top_n: int) -> torch.Tensor:
+    """The ``top_n`` rows of ``rois`` by descending score, over all images (Q26).
+
+    Detectron sorts with ``np.argsort(-scores)`` (an unstable sort); a stable sort is
+    used here, so equal scores keep their input order.
+    """
+    s = torch.as_tensor(np.asarray(scores)) if not isinstance(scores, torch.Tensor) else scores
+    s = s.detach().reshape(-1).to(rois.device)
+    if s.numel() != rois.shape[0]:
+        raise ValueError(f"scores has {s.numel()} values for {rois.shape[0]} rois")
+    order = torch.sort(-s.to(torch.float64), stable=True).indices[:top_n]
+    return rois[order]
+
+
+def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
+                    im_scales: Sequence[float], cfg: Any) -> list[dict[str, Any]]:
+    """§3.6 ``add_proposals`` (crowd_thresh 0) plus §4.4 targets, as new entry dicts.
+
+    Proposal rows of image ``i`` (in ``rois`` order) are multiplied by ``1 / scale_i``
+    in float32, as Detectron does, and appended after the entry's rows. The results
+    carry ``boxes, gt_classes, is_crowd, seg_areas, box_to_gt_ind_map, max_overlaps,
+    max_classes, bbox_targets`` (NumPy, CPU) and the entry's ``segms``/``gt_keypoints``;
+    ``gt_overlaps`` is not rebuilt (``max_overlaps``/``max_classes`` hold its content).
+    """
+    if rois.ndim != 2 or rois.shape[1] != 5:
+        raise ValueError(f"rois must be (N, 5) (batch_idx, x1, y1, x2, y2), got {tuple(rois.shape)}")
+    if len(im_scales) != len(entries):
+        raise ValueError(f"{len(entries)} entries but {len(im_scales)} image scales")
+    dev = rois.device
+    img = rois[:, 0].round().to(torch.int64)
+    if img.numel() and (img.min() < 0 or img.max() >= len(entries)):
+        raise ValueError(f"rois batch_idx must lie in [0, {len(entries)}), got "
+                         f"[{int(img.min())}, {int(img.max())}]")
+    inv = torch.tensor([np.float32(1.0 / s) for s in im_scales], dtype=torch.float32, device=dev)
+    props = rois[:, 1:].to(torch.float32) * inv[img][:, None]
+    order = torch.sort(img, stable=True).indices  # image-major, score order within
+    img, props = img[order], props[order]
+    cols = [_entry_columns(e, dev) for e in entries]
+    gt = _cat_gt(cols, dev)
+    p_max, p_cls, p_map = _assign(props, img, gt, dev)
+    counts = torch.bincount(img, minlength=len(entries)).tolist()
+    rows = _merged_rows(cols, props, p_max, p_cls, p_map, counts, dev)
+    rows["bbox_targets"] = _targets(rows, gt, cfg, dev)
+    host = {k: v.cpu().numpy() for k, v in rows.items()}
+    starts = np.concatenate(([0], np.cumsum([c["n"] + p for c, p in zip(cols, counts)])))
+    out = []
+    for i, e in enumerate(entries):
+        merged = {k: v[starts[i]:starts[i + 1]] for k, v in host.items() if k != "img"}
+        merged["boxes"] = merged["boxes"].astype(np.float32)
+        merged.update({k: e[k] for k in _PASS_THROUGH if k in e})
+        out.append(merged)
+    return out
+
+
+def _entry_columns(e: Mapping[str, Any], dev: torch.device) -> dict[str, Any]:
+    """The entry's own rows as tensors, with their class assignment (§2.5)."""
+    gt_classes = np.asarray(e["gt_classes"])
+    if "max_overlaps" in e and "max_classes" in e:
+        mo, mc = np.asarray(e["max_overlaps"]), np.asarray(e["max_classes"])
+    elif "gt_overlaps" in e:
+        dense = e["gt_overlaps"].toarray() if hasattr(e["gt_overlaps"], "toarray") else \
+            np.asarray(e["gt_overlaps"])
+        mo = dense.max(axis=1) if dense.size else np.zeros(len(gt_classes), np.float32)
+        mc = dense.argmax(axis=1) if dense.size else np.zeros(len(gt_classes), np.int64)
+    else:
+        raise ValueError(f"entry {e.get('id', '?')}: needs max_overlaps/max_classes or "
+                         "gt_overlaps to merge proposals into it (a roidb entry or a "
+                         "deserialized roidb blob has them)")
+
+    def t(x: Any, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(x)).to(device=dev, dtype=dtype)
+
+    return {"n": len(gt_classes), "boxes": t(e["boxes"], torch.float32),
+            "gt_classes": t(gt_classes, torch.int32), "is_crowd": t(e["is_crowd"], torch.bool),
+            "seg_areas": t(e["seg_areas"], torch.float32),
+            "box_to_gt_ind_map": t(e["box_to_gt_ind_map"], torch.int32),
+            "max_overlaps": t(mo, torch.float32), "max_classes": t(mc, torch.int64)}
+
+
+def _cat_gt(cols: list[dict[str, Any]], dev: torch.device) -> dict[str, torch.Tensor]:
+    """Every image's gt rows (``gt_classes > 0``, crowd included), with image and row ids."""
+    parts: dict[str, list[torch.Tensor]] = {"boxes": [], "cls": [], "crowd": [], "row": [],
+                                            "img": []}
+    for i, c in enumerate(cols):
+        rows = torch.nonzero(c["gt_classes"] > 0).reshape(-1)
+        parts["boxes"].append(c["boxes"][rows])
+        parts["cls"].append(c["gt_classes"][rows].to(torch.int64))
+        parts["crowd"].append(c["is_crowd"][rows])
+        parts["row"].append(rows)
+        parts["img"].append(torch.full_like(rows, i))
+    return {k: torch.cat(v) if v else torch.zeros(0, device=dev) for k, v in parts.items()}
+
+
+def _masked_iou(a: torch.Tensor, a_img: torch.Tensor, b: torch.Tensor, b_img: torch.Tensor,
+                b_ok: torch.Tensor | None = None) -> torch.Tensor:
+    """IoU with pairs from different images (or ``~b_ok`` columns) set to -1."""
+    iou = bbox_overlaps_torch(a, b)
+    same = a_img[:, None] == b_img[None, :]
+    if b_ok is not None:
+        same &= b_ok[None, :]
+    return torch.where(same, iou, torch.full_like(iou, -1.0))
+
+
+def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
+            dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """§3.4: max IoU, its gt's class and roidb row per proposal (0, 0, -1 if none)."""
+    n = props.shape[0]
+    if n == 0 or gt["boxes"].shape[0] == 0:
+        return (torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.int64, device=dev),
+                torch.full((n,), -1, dtype=torch.int32, device=dev))
+    iou = _masked_iou(props, img, gt["boxes"], gt["img"])
+    best, arg = iou.max(dim=1)  # first maximal gt on ties
+    hit = best > 0
+    zero = torch.zeros_like(best)
+    return (torch.where(hit, best, zero),
+            torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
+            torch.where(hit, gt["row"][arg].to(torch.int32), torch.full_like(arg, -1).to(torch.int32)))
+
+
+def _merged_rows(cols: list[dict[str, Any]], props: torch.Tensor, p_max: torch.Tensor,
+                 p_cls: torch.Tensor, p_map: torch.Tensor, counts: list[int],
+                 dev: torch.device) -> dict[str, torch.Tensor]:
+    """Concatenate, image by image, the entry's rows and then its proposal rows."""
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in (
+        "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
+        "max_overlaps", "max_classes")}
+    start = 0
+    for i, (c, p) in enumerate(zip(cols, counts)):
+        sl = slice(start, start + p)
+        start += p
+        out["img"].append(torch.full((c["n"] + p,), i, dtype=torch.int64, device=dev))
+        out["boxes"].append(torch.cat([c["boxes"], props[sl]]))
+        out["gt_classes"].append(torch.cat([c["gt_classes"],
+                                            torch.zeros(p, dtype=torch.int32, device=dev)]))
+        out["is_crowd"].append(torch.cat([c["is_crowd"],
+                                          torch.zeros(p, dtype=torch.bool, device=dev)]))
+        out["seg_areas"].append(torch.cat([c["seg_areas"], torch.zeros(p, device=dev)]))
+        out["box_to_gt_ind_map"].append(torch.cat([c["box_to_gt_ind_map"], p_map[sl]]))
+        out["max_overlaps"].append(torch.cat([c["max_overlaps"], p_max[sl]]))
+        out["max_classes"].append(torch.cat([c["max_classes"], p_cls[sl]]))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: Any,
+             dev: torch.device) -> torch.Tensor:
+    """§4.4 on the merged rows: regress towards the best non-crowd gt of the same image."""
+    n = rows["boxes"].shape[0]
+    targets = torch.zeros((n, 5), dtype=torch.float32, device=dev)
+    ok = ~gt["crowd"].to(torch.bool) if gt["boxes"].shape[0] else None
+    ex = torch.nonzero(rows["max_overlaps"] >= cfg.TRAIN.BBOX_THRESH).reshape(-1)
+    if ok is None or not bool(ok.any()) or ex.numel() == 0:
+        return targets
+    iou = _masked_iou(rows["boxes"][ex], rows["img"][ex], gt["boxes"], gt["img"], ok)
+    best, arg = iou.max(dim=1)  # all-zero rows -> the image's first non-crowd gt (Q8)
+    ex = ex[best >= 0]  # images without a non-crowd gt keep all-zero targets
+    arg = arg[best >= 0]
+    cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG
+           else rows["max_classes"][ex])
+    targets[ex, 0] = cls.to(torch.float32)
+    targets[ex, 1:] = bbox_transform_targets_torch(
+        rows["boxes"][ex], gt["boxes"][arg], tuple(cfg.MODEL.BBOX_REG_WEIGHTS))
+    return targets
