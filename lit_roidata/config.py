@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import difflib
@@ -377,10 +378,26 @@ class DetectronConfig:
     def _set(self, dotted: str, value: Any) -> None:
         obj, leaf = self._resolve(dotted)
         if isinstance(obj, dict):
-            obj[leaf] = value
+            obj[leaf] = _decode(value)
             return
         current = getattr(obj, leaf)
+        if not isinstance(current, str):
+            value = _decode(value)
         setattr(obj, leaf, _coerce(dotted, value, current))
+
+
+def _decode(value: Any) -> Any:
+    """Detectron's ``_decode_cfg_value``: strings such as ``"(800,)"`` are literal-evaluated.
+
+    Detectron's YAML files write tuples as strings (``SCALES: (800,)``,
+    ``DATASETS: ('coco_2014_train',)``); a string that is not a Python literal stays a string.
+    """
+    if not isinstance(value, str):
+        return value
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
 
 
 def _top_level_keys(cfg: DetectronConfig) -> list[str]:
