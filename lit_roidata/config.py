@@ -119,7 +119,7 @@ class RPNConfig:
     RPN_ON: bool = False
     SIZES: tuple[float, ...] = (64, 128, 256, 512)
     STRIDE: int = 16
-    ASPECT_RATIOS: tuple[float, ...] = (0.5, 1, 2)
+    ASPECT_RATIOS: tuple[float, ...] = (0.5, 1.0, 2.0)
 
 
 @dataclass
@@ -138,7 +138,7 @@ class FPNConfig:
     MULTILEVEL_RPN: bool = False
     RPN_MAX_LEVEL: int = 6
     RPN_MIN_LEVEL: int = 2
-    RPN_ASPECT_RATIOS: tuple[float, ...] = (0.5, 1, 2)
+    RPN_ASPECT_RATIOS: tuple[float, ...] = (0.5, 1.0, 2.0)
     RPN_ANCHOR_START_SIZE: int = 32
     RPN_COLLECT_SCALE: int = 1
     EXTRA_CONV_LEVELS: bool = False
