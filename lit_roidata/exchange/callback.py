@@ -124,6 +124,7 @@ class BlobExchangeCallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._step = trainer.global_step * max(1, trainer.accumulate_grad_batches)
+        self._previous_align = self._pending_align = None
         setattr(pl_module, self.attribute, None)
         pl_module.peer_meta = None
 
