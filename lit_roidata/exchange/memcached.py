@@ -116,8 +116,10 @@ class MemcachedStore(Store):
 
     @staticmethod
     def _ttl(ttl: float) -> int:
-        # memcached expiry is in whole seconds; 0 means never.
-        return 0 if not ttl else max(1, math.ceil(ttl))
+        # memcached expiry is in whole seconds on a clock that ticks once a second, so a
+        # relative expiry of n lives between n-1 and n seconds: add one so an item lives
+        # at least ``ttl`` seconds (a lease must not lapse between two heartbeats).
+        return 0 if not ttl else math.ceil(ttl) + 1
 
     def item_size_max(self) -> int:
         """The server's item size limit in bytes (``memcached -I``)."""
