@@ -53,7 +53,8 @@ def test_valid_coco_with_crowd_keypoints_polygons(demo: tuple[Path, dict]) -> No
     assert all(isinstance(a["segmentation"], list) and all(len(p) >= 6 for p in a["segmentation"])
                for a in polys)
     persons = [a for a in polys if a["category_id"] == cats[0]["id"]]
-    assert persons and all(len(a["keypoints"]) == 3 * 17 for a in persons)
+    assert persons and all(len(a["keypoints"]) == 3 * 17 for a in anns)  # every object has them
+    assert all(a["num_keypoints"] == 0 for a in anns if a["category_id"] != cats[0]["id"])
     for a in persons:
         kp = np.array(a["keypoints"]).reshape(17, 3)
         assert a["num_keypoints"] == int((kp[:, 2] > 0).sum())

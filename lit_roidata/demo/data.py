@@ -49,7 +49,7 @@ DEMO_VAL_DATASETS: tuple[str, ...] = ("demo_val",)
 #: Images per dataset by default.
 DEMO_NUM_IMAGES: dict[str, int] = {"demo_train_a": 200, "demo_train_b": 100, "demo_val": 60}
 _ID_BASE = {"demo_train_a": 100000, "demo_train_b": 200000, "demo_val": 300000}
-_VERSION = 1
+_VERSION = 2  # bump when the generated content changes
 _MANIFEST = "demo_manifest.json"
 _SIZE_RANGE = (160, 320)
 _LOCK_TIMEOUT_S = 600.0

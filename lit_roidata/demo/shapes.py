@@ -151,6 +151,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
                     _draw_shape(mask, cat, cx, cy, 7, 7)
             ann = _annotation(mask, cat, crowd=True)
             if ann is not None:
+                ann["keypoints"], ann["num_keypoints"] = [0] * (3 * len(COCO_KEYPOINT_NAMES)), 0
                 taken.append((pos[0], pos[1], side, side))
                 anns.append(ann)
                 masks.append((mask, cat))
@@ -173,6 +174,8 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
             continue
         if kp is not None:
             ann["keypoints"], ann["num_keypoints"] = _keypoints(kp, rng)
+        else:  # a keypoint dataset needs the field on every object (Detectron crashes, Q23)
+            ann["keypoints"], ann["num_keypoints"] = [0] * (3 * len(COCO_KEYPOINT_NAMES)), 0
         taken.append((pos[0], pos[1], w, h))
         anns.append(ann)
         masks.append((mask, cat))
