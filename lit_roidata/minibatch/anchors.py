@@ -24,6 +24,7 @@ __all__ = [
     "concat_fields",
     "level_offsets",
     "anchor_gt_overlaps",
+    "inside_mask",
 ]
 
 
@@ -231,55 +232,109 @@ def anchor_gt_overlaps(
         below: ``min(RPN_NEGATIVE_OVERLAP, RPN_POSITIVE_OVERLAP)``; 0 disables skipping.
 
     Returns:
-        ``(cand, overlaps)``: ascending positions among the inside anchors of every
-        anchor with a kept non-zero IoU candidate, and their ``(len(cand), G)`` IoUs.
+        ``(cand, overlaps)``: ascending indices into ``all_anchors`` of the inside
+        anchors whose IoU was computed, and their ``(len(cand), G)`` IoUs.
     """
-    offsets = level_offsets(fields)
-    g_area = (gt[:, 2] - gt[:, 0] + 1.0) * (gt[:, 3] - gt[:, 1] + 1.0)
-    shapes = [(offsets[li] + a, f, f.field_of_anchors[a].astype(np.float64))
-              for li, f in enumerate(fields) for a in range(f.num_cell_anchors)]
-    lower = np.zeros(len(gt), dtype=np.float64)
-    for base, f, cell in shapes:  # best IoU lower bound: anchor nearest the gt centre
-        s, size, n_a = f.stride, f.field_size, f.num_cell_anchors
-        x = np.clip(np.round(((gt[:, 0] + gt[:, 2]) - (cell[0] + cell[2])) / (2 * s)), 0, size - 1)
-        y = np.clip(np.round(((gt[:, 1] + gt[:, 3]) - (cell[1] + cell[3])) / (2 * s)), 0, size - 1)
-        idx = base + (y.astype(np.int64) * size + x.astype(np.int64)) * n_a
-        iou = _pair_iou(all_anchors[idx], gt).astype(np.float64) * inside[idx]
-        np.maximum(lower, iou, out=lower)
+    tab = _shape_table(tuple(f.key for f in fields))
+    base, stride, size, n_a, cell = tab["base"], tab["stride"], tab["size"], tab["n_a"], tab["cell"]
+    n_s, n_g = len(base), len(gt)
+    g = gt.astype(np.float64)
+    # Lower bound of each gt's best IoU: the inside anchor of each shape nearest its centre.
+    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
+                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
+    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
+                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
+    near = (base[:, None] + (y * size[:, None] + x) * n_a[:, None]).ravel()
+    iou = _pair_iou(all_anchors[near], np.tile(gt, (n_s, 1))) * inside[near]
+    lower = iou.reshape(n_s, n_g).max(axis=0).astype(np.float64)
     thresh = np.minimum(lower, below) / (1 + 1e-6)
+    g_area = (g[:, 2] - g[:, 0] + 1.0) * (g[:, 3] - g[:, 1] + 1.0)
+    a_area = tab["area"][:, None]
+    bound = np.minimum(a_area, g_area[None]) / np.maximum(a_area, g_area[None])
+    # Cells of shape s whose anchor can touch gt g: [x0, x1) x [y0, y1) (2-px margin).
+    hi = size[:, None]
+    x0 = np.clip(np.ceil((g[None, :, 0] - 2 - cell[:, 2:3]) / stride[:, None]), 0, hi)
+    x1 = np.clip(np.floor((g[None, :, 2] + 2 - cell[:, 0:1]) / stride[:, None]) + 1, 0, hi)
+    y0 = np.clip(np.ceil((g[None, :, 1] - 2 - cell[:, 3:4]) / stride[:, None]), 0, hi)
+    y1 = np.clip(np.floor((g[None, :, 3] + 2 - cell[:, 1:2]) / stride[:, None]) + 1, 0, hi)
+    wx = np.maximum(x1 - x0, 0).astype(np.int64).ravel()
+    counts = wx * np.maximum(y1 - y0, 0).astype(np.int64).ravel() * (bound >= thresh).ravel()
+    total = int(counts.sum())
     gidx_parts, gid_parts = [], []
-    for base, f, cell in shapes:
-        s, size, n_a = f.stride, f.field_size, f.num_cell_anchors
-        a_area = (cell[2] - cell[0] + 1.0) * (cell[3] - cell[1] + 1.0)
-        bound = np.minimum(a_area, g_area) / np.maximum(a_area, g_area)
-        x0 = np.clip(np.ceil((gt[:, 0] - 2 - cell[2]) / s), 0, size).astype(np.int64)
-        x1 = np.clip(np.floor((gt[:, 2] + 2 - cell[0]) / s) + 1, 0, size).astype(np.int64)
-        y0 = np.clip(np.ceil((gt[:, 1] - 2 - cell[3]) / s), 0, size).astype(np.int64)
-        y1 = np.clip(np.floor((gt[:, 3] + 2 - cell[1]) / s) + 1, 0, size).astype(np.int64)
-        wx = np.maximum(x1 - x0, 0)
-        counts = wx * np.maximum(y1 - y0, 0) * (bound >= thresh)
-        total = int(counts.sum())
-        if total == 0:
-            continue
-        gid = np.repeat(np.arange(len(gt)), counts)
-        off = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-        dy, dx = np.divmod(off, wx[gid])
-        gidx_parts.append(base + ((y0[gid] + dy) * size + x0[gid] + dx) * n_a)
-        gid_parts.append(gid)
-    n_inside = int(inside.sum())
+    if total:
+        sg = np.repeat(np.arange(n_s * n_g), counts)
+        dy, dx = np.divmod(np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts),
+                           wx[sg])
+        si = sg // n_g
+        gidx_parts.append(base[si] + ((y0.ravel()[sg].astype(np.int64) + dy) * size[si]
+                                      + x0.ravel()[sg].astype(np.int64) + dx) * n_a[si])
+        gid_parts.append(sg % n_g)
     if not gidx_parts:
         return np.zeros(0, np.int64), np.zeros((0, len(gt)), np.float32)
     gidx, gid = np.concatenate(gidx_parts), np.concatenate(gid_parts)
     keep = inside[gidx]
     gidx, gid = gidx[keep], gid[keep]
     iou = _pair_iou(all_anchors[gidx], gt[gid])
-    pos = (np.cumsum(inside) - 1)[gidx]
-    is_cand = np.zeros(n_inside, dtype=bool)
-    is_cand[pos] = True
-    row = np.cumsum(is_cand) - 1
-    overlaps = np.zeros((int(is_cand.sum()), len(gt)), dtype=np.float32)
-    overlaps[row[pos], gid] = iou
-    return np.flatnonzero(is_cand), overlaps
+    is_cand = np.zeros(all_anchors.shape[0], dtype=bool)
+    is_cand[gidx] = True
+    cand = np.flatnonzero(is_cand)
+    row = np.empty(all_anchors.shape[0], dtype=np.int64)  # only read at cand
+    row[cand] = np.arange(len(cand))
+    overlaps = np.zeros((len(cand), len(gt)), dtype=np.float32)
+    overlaps[row[gidx], gid] = iou
+    return cand, overlaps
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_table(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
+    """Per cell-anchor shape of the fields: index base, stride, F, A, cell box, area."""
+    rows = []
+    start = 0
+    for k in keys:
+        field, n_a, f = _field_array(*k)
+        for a in range(n_a):
+            c = field[a].astype(np.float64)
+            rows.append((start + a, k[0], f, n_a, c, (c[2] - c[0] + 1.0) * (c[3] - c[1] + 1.0)))
+        start += field.shape[0]
+    return {"base": np.array([r[0] for r in rows], np.int64),
+            "stride": np.array([r[1] for r in rows], np.float64),
+            "size": np.array([r[2] for r in rows], np.int64),
+            "n_a": np.array([r[3] for r in rows], np.int64),
+            "cell": np.array([r[4] for r in rows], np.float64).reshape(-1, 4),
+            "area": np.array([r[5] for r in rows], np.float64)}
+
+
+def inside_mask(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
+                straddle: float) -> np.ndarray:
+    """Bool mask over the concatenated fields of the anchors kept by the straddle test.
+
+    ``x1 >= -t, y1 >= -t, x2 < W + t, y2 < H + t`` (spec §6.7 step 3; all anchors if
+    ``t < 0``). An anchor's x coordinates depend only on its column and shape, its y
+    coordinates only on its row, so the test is run on one row and one column of each
+    field (the same float32 values) and combined as an outer product.
+    """
+    return _inside_mask(tuple(f.key for f in fields), float(im_h), float(im_w), float(straddle))
+
+
+@functools.lru_cache(maxsize=32)
+def _inside_mask(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
+                 t: float) -> np.ndarray:
+    fields = [get_field_of_anchors(k[0], k[1], k[2], coarsest_stride=k[3], max_size=k[4])
+              for k in keys]
+    if t < 0:
+        out = np.ones(sum(f.field_of_anchors.shape[0] for f in fields), dtype=bool)
+        out.setflags(write=False)
+        return out
+    parts = []
+    for f in fields:
+        grid = f.field_of_anchors.reshape(f.field_size, f.field_size, f.num_cell_anchors, 4)
+        row, col = grid[0], grid[:, 0]  # (F, A, 4): x varies / y varies
+        x_ok = (row[..., 0] >= -t) & (row[..., 2] < im_w + t)
+        y_ok = (col[..., 1] >= -t) & (col[..., 3] < im_h + t)
+        parts.append((y_ok[:, None, :] & x_ok[None, :, :]).ravel())
+    out = np.concatenate(parts)
+    out.setflags(write=False)  # memoised: images of one size share it
+    return out
 
 
 def _pair_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, anchor_gt_overlaps, concat_fields, level_offsets, rpn_fields)
+    FieldOfAnchors, anchor_gt_overlaps, concat_fields, inside_mask, level_offsets, rpn_fields)
 from lit_roidata.minibatch.names import get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
@@ -133,48 +133,50 @@ def label_anchors(
         the anchors that get regression targets and the ``(len(fg), 4)`` targets;
         the number of examples (weights are ``1/num_examples``).
     """
-    inside = _inside(all_anchors, im_h, im_w, train.RPN_STRADDLE_THRESH)
-    inds_inside = np.flatnonzero(inside)
-    empty = np.zeros(0, np.int64)
-    if len(inds_inside) == 0:  # Detectron crashes in argmax here; nothing to label.
-        return empty, np.zeros(0, np.int32), empty, np.zeros((0, 4), np.float32), 0.0
+    inside = inside_mask(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
+    # Labels live on all K anchors (outside ones stay -1): the draws pick by position
+    # in the ascending index arrays, which is the same with or without the outside ones.
     labels, a2g_max = _positives(fields, all_anchors, inside, gt, train, fix_rpn_quirks)
-    fg_inds = _sample(labels, a2g_max, train, rng, fix_rpn_quirks)
-    fg_anchors = all_anchors[inds_inside[fg_inds]]
+    fg_inds = _sample(labels, a2g_max, inside, train, rng, fix_rpn_quirks)
+    fg_anchors = all_anchors[fg_inds]
     # The exact dense argmax (ties -> lowest gt), only for the <= 128 anchors that need it.
-    assigned = bbox_overlaps(fg_anchors, gt).argmax(axis=1) if len(fg_inds) else empty
+    assigned = (bbox_overlaps(fg_anchors, gt).argmax(axis=1) if len(fg_inds)
+                else np.zeros(0, np.int64))
     targets = bbox_transform_targets(fg_anchors, gt[assigned], _ONES4)
     labelled = np.flatnonzero(labels >= 0)
-    return (inds_inside[labelled], labels[labelled], inds_inside[fg_inds], targets,
-            float(len(labelled)))
+    return labelled, labels[labelled], fg_inds, targets, float(len(labelled))
 
 
 def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
                gt: np.ndarray, train: Any, fix: bool) -> tuple[np.ndarray, np.ndarray]:
     """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor."""
-    n_in = int(inside.sum())
     below = min(train.RPN_NEGATIVE_OVERLAP, train.RPN_POSITIVE_OVERLAP)
-    cpos, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
-    labels = np.full(n_in, -1, dtype=np.int32)
-    a2g_max = np.zeros(n_in, dtype=np.float32)
+    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
+    labels = np.full(all_anchors.shape[0], -1, dtype=np.int32)
+    a2g_max = np.zeros(all_anchors.shape[0], dtype=np.float32)
+    if not inside.any():  # Detectron crashes in argmax here; nothing to label
+        return labels, a2g_max
     g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
-    if len(cpos):
-        a2g_max[cpos] = overlaps.max(axis=1)
+    if len(cand):
+        a2g_max[cand] = overlaps.max(axis=1)
         g2a_max = overlaps.max(axis=0)
     best = overlaps == g2a_max[None, :]
     if fix:
         best &= (g2a_max > 0)[None, :]
-    labels[cpos[best.any(axis=1)]] = 1
+    labels[cand[best.any(axis=1)]] = 1
     if not fix and (g2a_max == 0).any():
-        not_cand = np.ones(n_in, dtype=bool)
-        not_cand[cpos] = False
-        labels[not_cand] = 1  # Q2: zero IoU to that gt equals its (zero) best overlap
-    labels[a2g_max >= train.RPN_POSITIVE_OVERLAP] = 1
+        zero = inside.copy()
+        zero[cand] = False
+        labels[zero] = 1  # Q2: zero IoU to that gt equals its (zero) best overlap
+    if train.RPN_POSITIVE_OVERLAP <= 0:
+        labels[inside] = 1
+    else:
+        labels[a2g_max >= train.RPN_POSITIVE_OVERLAP] = 1
     return labels, a2g_max
 
 
-def _sample(labels: np.ndarray, a2g_max: np.ndarray, train: Any, rng: rng_mod.RNG,
-            fix: bool) -> np.ndarray:
+def _sample(labels: np.ndarray, a2g_max: np.ndarray, inside: np.ndarray, train: Any,
+            rng: rng_mod.RNG, fix: bool) -> np.ndarray:
     """Subsample positives, then draw negatives (in place); returns the positives."""
     num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
     fg_inds = positives = np.flatnonzero(labels == 1)
@@ -182,8 +184,10 @@ def _sample(labels: np.ndarray, a2g_max: np.ndarray, train: Any, rng: rng_mod.RN
         disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
         labels[disable] = -1
         fg_inds = np.flatnonzero(labels == 1)
+    if not inside.any():
+        return fg_inds
     num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
-    bg_cand = a2g_max < train.RPN_NEGATIVE_OVERLAP
+    bg_cand = (a2g_max < train.RPN_NEGATIVE_OVERLAP) & inside
     if fix:
         bg_cand[positives] = False
     bg_inds = np.flatnonzero(bg_cand)
@@ -194,14 +198,6 @@ def _sample(labels: np.ndarray, a2g_max: np.ndarray, train: Any, rng: rng_mod.RN
             bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
     labels[bg_inds] = 0
     return fg_inds
-
-
-def _inside(anchors: np.ndarray, im_h: float, im_w: float, t: float) -> np.ndarray:
-    """Bool mask of the anchors kept by the straddle test (all if ``t < 0``)."""
-    if t < 0:
-        return np.ones(anchors.shape[0], dtype=bool)
-    return ((anchors[:, 0] >= -t) & (anchors[:, 1] >= -t)
-            & (anchors[:, 2] < im_w + t) & (anchors[:, 3] < im_h + t))
 
 
 def _scatter(out: list[tuple[np.ndarray, ...]], i: int, fields: Sequence[FieldOfAnchors],
