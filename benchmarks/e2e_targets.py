@@ -75,17 +75,6 @@ def make_entries(root: Path, n: int, rng: np.random.RandomState) -> list[dict]:
     return entries
 
 
-def timeit(fn: Callable[[int], Any], iters: int) -> float:
-    """Median seconds per call over ``iters`` calls (after one warm-up)."""
-    fn(0)
-    times = []
-    for k in range(iters):
-        t = time.perf_counter()
-        fn(k + 1)
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def dense_rpn_labels(all_anchors: np.ndarray, gt: np.ndarray, im_h: float, im_w: float,
                      train: Any, rng: np.random.RandomState) -> np.ndarray:
     """Detectron's ``_get_rpn_blobs`` labelling, literally (dense IoU), for comparison."""
@@ -113,51 +102,64 @@ def dense_rpn_labels(all_anchors: np.ndarray, gt: np.ndarray, im_h: float, im_w:
 
 
 def run(quick: bool = False, device: str = "cpu") -> list[tuple[str, float]]:
-    """Run the benchmark; returns ``(name, seconds per minibatch)`` rows (also printed)."""
-    iters = 3 if quick else 15
+    """Run the benchmark; returns ``(name, seconds per minibatch)`` rows (also printed).
+
+    The cases are timed round-robin (one call of each per round, median over rounds),
+    so a change in machine load affects all of them alike and the ratios stay fair.
+    """
+    rounds = 4 if quick else 20
     cfg = e2e_cfg()
     rs = np.random.RandomState(0)
-    rows: list[tuple[str, float]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        entries = make_entries(Path(tmp), 8, rs)
-        pairs = [entries[(2 * k) % 8:(2 * k) % 8 + 2] for k in range(4)]
-        rows.append(("image blob only (baseline)", timeit(
-            lambda k: get_image_blob(pairs[k % 4], cfg, np.random.RandomState(k)), iters)))
-        rows.append(("e2e loader minibatch (image + RPN 5 levels)", timeit(
-            lambda k: get_minibatch(pairs[k % 4], cfg, np.random.RandomState(k)), iters)))
     scales = [800 / 600] * 2
-    rows.append(("RPN targets only (add_rpn_blobs)", timeit(
-        lambda k: add_rpn_blobs({}, scales, pairs[k % 4], cfg, np.random.RandomState(k)), iters)))
     fields = rpn_fields(cfg)
     anchors = concat_fields(fields)
-
-    def dense(k: int) -> None:
-        for e in pairs[k % 4]:
-            gt = (e["boxes"] * scales[0]).astype(np.float32)
-            dense_rpn_labels(anchors, gt, 800.0, 1333.0, cfg.TRAIN, np.random.RandomState(k))
-    rows.append(("RPN labels, Detectron's dense IoU (reference)", timeit(dense, max(iters // 3, 2))))
-
     n = 2000
     xy = rs.uniform(0, 1200, (n, 2))
     rois = np.concatenate([rs.randint(0, 2, (n, 1)), xy, xy + rs.uniform(8, 400, (n, 2))], 1)
     rois = rois.astype(np.float32)
     scores = rs.rand(n).astype(np.float32)
-    rows.append((f"proposal_labels, {n} proposals, NumPy", timeit(
-        lambda k: proposal_labels(rois, pairs[k % 4], scales, cfg, np.random.RandomState(k),
-                                  scores=scores), iters)))
     rois_t, scores_t = torch.from_numpy(rois), torch.from_numpy(scores)
-    rows.append((f"proposal_labels, {n} proposals, torch cpu", timeit(
-        lambda k: proposal_labels(rois_t, pairs[k % 4], scales, cfg, np.random.RandomState(k),
-                                  scores=scores_t), iters)))
-    if device != "cpu" and torch.cuda.is_available():
-        rois_d, scores_d = rois_t.to(device), scores_t.to(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        entries = make_entries(Path(tmp), 8, rs)
+        pairs = [entries[2 * k:2 * k + 2] for k in range(4)]
 
-        def on_device(k: int) -> None:
-            out = proposal_labels(rois_d, pairs[k % 4], scales, cfg, np.random.RandomState(k),
-                                  scores=scores_d)
-            torch.cuda.synchronize()
-            assert out["rois"].device.type == "cuda"
-        rows.append((f"proposal_labels, {n} proposals, torch {device}", timeit(on_device, iters)))
+        def dense(k: int) -> None:
+            for e in pairs[k % 4]:
+                gt = (e["boxes"] * scales[0]).astype(np.float32)
+                dense_rpn_labels(anchors, gt, 800.0, 1333.0, cfg.TRAIN, np.random.RandomState(k))
+
+        cases: list[tuple[str, Callable[[int], Any]]] = [
+            ("image blob only (baseline)",
+             lambda k: get_image_blob(pairs[k % 4], cfg, np.random.RandomState(k))),
+            ("e2e loader minibatch (image + RPN 5 levels)",
+             lambda k: get_minibatch(pairs[k % 4], cfg, np.random.RandomState(k))),
+            ("RPN targets only (add_rpn_blobs)",
+             lambda k: add_rpn_blobs({}, scales, pairs[k % 4], cfg, np.random.RandomState(k))),
+            ("RPN labels, Detectron's dense IoU (reference)", dense),
+            (f"proposal_labels, {n} proposals, NumPy",
+             lambda k: proposal_labels(rois, pairs[k % 4], scales, cfg,
+                                       np.random.RandomState(k), scores=scores)),
+            (f"proposal_labels, {n} proposals, torch cpu",
+             lambda k: proposal_labels(rois_t, pairs[k % 4], scales, cfg,
+                                       np.random.RandomState(k), scores=scores_t)),
+        ]
+        if device != "cpu" and torch.cuda.is_available():
+            rois_d, scores_d = rois_t.to(device), scores_t.to(device)
+
+            def on_device(k: int) -> None:
+                out = proposal_labels(rois_d, pairs[k % 4], scales, cfg,
+                                      np.random.RandomState(k), scores=scores_d)
+                torch.cuda.synchronize()
+                assert out["rois"].device.type == "cuda"
+            cases.append((f"proposal_labels, {n} proposals, torch {device}", on_device))
+        times: dict[str, list[float]] = {name: [] for name, _ in cases}
+        for r in range(rounds + 1):
+            for name, fn in cases:
+                t = time.perf_counter()
+                fn(r)
+                if r:  # round 0 warms up
+                    times[name].append(time.perf_counter() - t)
+    rows = [(name, float(np.median(times[name]))) for name, _ in cases]
     base = rows[0][1]
     print(f"{'what':52s} {'ms/minibatch':>13s} {'minibatch/s':>12s} {'x baseline time':>16s}")
     for name, sec in rows:

@@ -232,3 +232,21 @@ def test_input_errors():
     with pytest.raises(ValueError, match="scales"):
         proposal_labels(np.zeros((0, 5), np.float32), e, [1.0, 2.0], cfg,
                         np.random.RandomState(0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu():
+    cfg = _cfg(mask=True, keypoints=True)
+    entries = [_gt_entry([[10, 10, 60, 50], [30, 5, 90, 70], [0, 0, 100, 90]], [1, 3, 2],
+                         [False, False, True], keypoints=True),
+               _gt_entry([[5, 20, 40, 80]], [4], [False], image_id=2, keypoints=True)]
+    r = np.random.RandomState(3)
+    xy = r.uniform(0, 100, (500, 2))
+    rois = np.concatenate([r.randint(0, 2, (500, 1)), xy, xy + r.uniform(2, 60, (500, 2))], 1)
+    rois = torch.from_numpy(rois.astype(np.float32))
+    scores = torch.rand(500, generator=torch.Generator().manual_seed(0))
+    cpu = proposal_labels(rois, entries, [1.2, 0.9], cfg, np.random.RandomState(1), scores=scores)
+    gpu = proposal_labels(rois.cuda(), entries, torch.tensor([1.2, 0.9]).cuda(), cfg,
+                          np.random.RandomState(1), scores=scores.cuda())
+    assert all(v.device.type == "cuda" for v in gpu.values())
+    _assert_blobs_equal({k: v.cpu() for k, v in gpu.items()}, {k: v.numpy() for k, v in cpu.items()})
