@@ -39,7 +39,7 @@ def test_warm_open_reuses_cache(ds, caplog):
     assert a.path == b.path
     msgs = [r.getMessage() for r in caplog.records if "entries (" in r.getMessage()]
     assert msgs[0].startswith("roidb built") and msgs[1].startswith("roidb opened from cache")
-    assert isinstance(a._a["gt_boxes"], np.memmap)
+    assert isinstance(a._a["gt_boxes"].base, np.memmap)  # a view of the memory map
 
 
 def test_changed_input_or_option_rebuilds(ds):

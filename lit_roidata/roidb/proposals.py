@@ -162,11 +162,17 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         return np.zeros(0, bool)
     r = np.round(boxes).astype(np.int64)
     h = r[:, 0] + 1000 * r[:, 1] + 1_000_000 * r[:, 2] + 1_000_000_000 * r[:, 3]
-    order = np.lexsort((h, group))
-    first = np.ones(order.size, bool)
-    first[1:] = (h[order][1:] != h[order][:-1]) | (group[order][1:] != group[order][:-1])
+    g = group - group.min()
+    span = int(h.max()) + 1
+    if span * (int(g.max()) + 1) < 2**62:
+        _, first = np.unique(g * span + h, return_index=True)  # stable: first occurrence
+    else:
+        order = np.lexsort((h, g))
+        new = np.ones(order.size, bool)
+        new[1:] = (h[order][1:] != h[order][:-1]) | (g[order][1:] != g[order][:-1])
+        first = order[new]
     keep = np.zeros(boxes.shape[0], bool)
-    keep[order[first]] = True
+    keep[first] = True
     return keep
 
 
@@ -329,30 +335,55 @@ def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray):
 
 
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
-    """IoU merge into overlaps (spec §3.4): ``(max_overlaps, max_classes, gt_map)``."""
+    """IoU merge into overlaps (spec §3.4): ``(max_overlaps, max_classes, gt_map)``.
+
+    Proposals are grouped by their image's gt count ``G`` so that each group is one dense
+    ``(P_G, G)`` IoU matrix; the arithmetic is that of ``boxes.bbox_overlaps`` (float64,
+    cast to float32) and ``argmax`` keeps the lowest gt index on ties, as Detectron.
+    """
     n = b.shape[0]
     mo = np.zeros(n, np.float32)
     mc = np.zeros(n, np.int32)
     gmap = np.full(n, -1, np.int32)
     if n == 0:
         return mo, mc, gmap
-    p, g, within, ng = _pairs_with_gt(img, gt_off)
-    if p.size == 0:
-        return mo, mc, gmap
-    ov = iou_pairs(b[p], gt_boxes[g])
-    has = ng > 0
-    starts = (np.cumsum(ng) - ng)[has]
-    best = np.maximum.reduceat(ov, starts)
-    pmax = np.zeros(n, np.float32)
-    pmax[has] = best
-    cand = np.where(ov == pmax[p], within, np.iinfo(np.int64).max)
-    arg = np.zeros(n, np.int64)
-    arg[has] = np.minimum.reduceat(cand, starts)
-    pos = pmax > 0
-    mo[pos] = pmax[pos]
-    gmap[pos] = arg[pos]
-    mc[pos] = gt_classes[gt_off[img[pos]] + arg[pos]]
+    ng = (gt_off[img + 1] - gt_off[img]).astype(np.int64)
+    g64 = gt_boxes.astype(np.float64)
+    g_area = (g64[:, 2] - g64[:, 0] + 1) * (g64[:, 3] - g64[:, 1] + 1)
+    for g in np.unique(ng):
+        if g == 0:
+            continue
+        sel = np.flatnonzero(ng == g)
+        rows = gt_off[img[sel]][:, None] + np.arange(g)[None, :]
+        ov = _dense_iou(b[sel].astype(np.float64), g64, g_area, rows)
+        arg = ov.argmax(axis=1)
+        best = ov[np.arange(sel.size), arg]
+        pos = best > 0
+        hit = sel[pos]
+        mo[hit] = best[pos]
+        gmap[hit] = arg[pos]
+        mc[hit] = gt_classes[rows[pos, arg[pos]]]
     return mo, mc, gmap
+
+
+def _dense_iou(p: np.ndarray, g64: np.ndarray, g_area: np.ndarray, rows: np.ndarray):
+    """IoU of each proposal (row of ``p``) with the gt rows ``rows[i]`` (float32 result)."""
+    px1, py1, px2, py2 = (p[:, k:k + 1] for k in range(4))
+    iw = np.minimum(px2, g64[rows, 2])
+    iw -= np.maximum(px1, g64[rows, 0])
+    iw += 1
+    np.maximum(iw, 0, out=iw)
+    ih = np.minimum(py2, g64[rows, 3])
+    ih -= np.maximum(py1, g64[rows, 1])
+    ih += 1
+    np.maximum(ih, 0, out=ih)
+    inter = iw
+    inter *= ih
+    union = (px2 - px1 + 1) * (py2 - py1 + 1) + g_area[rows]
+    union -= inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(inter > 0, inter / union, 0.0)
+    return out.astype(np.float32)
 
 
 def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):

@@ -210,11 +210,12 @@ def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
         pos = np.arange(coords.size) - np.repeat(coord_off[:-1] - c0, lens)
         xs = pos % 2 == 0
         coords[xs] = width - coords[xs] - 1
-    polys = np.split(coords, coord_off[1:-1] - c0) if p1 > p0 else []
+    flat = coords.tolist()
+    bounds = (coord_off - c0).tolist()
     for j in range(g1 - g0):
         if kind[j] == POLY:
             a, b = int(poly_off[j]) - p0, int(poly_off[j + 1]) - p0
-            out.append([p.tolist() for p in polys[a:b]])
+            out.append([flat[bounds[k]:bounds[k + 1]] for k in range(a, b)])
         else:
             out.append(_rle(cols, int(cols.rle_idx[g0 + j]), int(kind[j]), flipped))
     return out

@@ -77,7 +77,10 @@ class RoIDB:
         self.path = os.path.abspath(path)
         manifest = validate_cache(self.path)
         self.manifest = manifest
-        self._a = {name: np.load(os.path.join(self.path, rec["file"]), mmap_mode="r")
+        # Plain ndarray views of the memory maps: slicing an np.memmap costs Python-level
+        # __getitem__/__array_finalize__ calls on every access.
+        self._a = {name: np.asarray(np.load(os.path.join(self.path, rec["file"]),
+                                            mmap_mode="r"))
                    for name, rec in manifest["arrays"].items()}
         self.datasets: tuple[DatasetInfo, ...] = tuple(
             DatasetInfo.from_json(d) for d in manifest["datasets"])

@@ -1,0 +1,344 @@
+"""Benchmark: columnar roidb build/open/worker memory vs a Detectron-style list-of-dicts build.
+
+Generates a COCO train2017-scale annotation file (118,287 images, ~860k annotations with
+polygons, crowd RLEs of both kinds and person keypoints) and a proposal file with 1000
+boxes per image, then measures, each phase in a fresh subprocess:
+
+* ours, cold: ``combined_roidb_for_training`` with an empty cache (parse, clean, write);
+* ours, warm: the same call with the cache present (fingerprints + memory maps);
+* ours, worker: private memory a forked DataLoader worker adds while reading every entry;
+* baseline: :mod:`lit_roidata.roidb.reference` (pycocotools ``COCO`` + Detectron's per-entry
+  code, a list of dicts) - build time, peak memory and the same worker measurement.
+
+Figures are printed with ratios (baseline / ours). The machine may be shared: wall times
+include whatever else runs. Usage::
+
+    python benchmarks/roidb_build.py --quick          # ~5k images, ~1 minute
+    python benchmarks/roidb_build.py                  # full scale (several minutes, ~10 GB)
+    python benchmarks/roidb_build.py --baseline-images 20000   # smaller baseline sample
+
+Proposal files default to Detectron's pickle; ``--proposal-format npz`` writes our flat
+``.npz`` variant (faster to generate at 118k x 1000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+KEYPOINTS = ["nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
+             "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist",
+             "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle"]
+
+
+# ----------------------------------------------------------------------------- data
+def _rect_counts(h: int, w: int, x0: int, y0: int, x1: int, y1: int) -> list:
+    """Uncompressed COCO RLE of a filled rectangle (column-major runs)."""
+    counts, run = [], x0 * h + y0
+    for _ in range(x0, x1):
+        counts += [run, y1 - y0]
+        run = h - (y1 - y0)
+    counts.append(run - y0 + (w - x1) * h)
+    return counts
+
+
+def generate_coco(path: str, n_images: int, anns_per_image: float, seed: int = 0) -> int:
+    """Write a synthetic COCO file; returns the number of annotations."""
+    import orjson
+    from pycocotools import mask as mask_util
+
+    rng = np.random.default_rng(seed)
+    ids = np.sort(rng.choice(np.arange(1, 5 * n_images + 1), n_images, replace=False))
+    widths = rng.integers(320, 641, n_images)
+    heights = rng.integers(240, 481, n_images)
+    n_per = rng.poisson(anns_per_image, n_images)
+    n = int(n_per.sum())
+    img_of = np.repeat(np.arange(n_images), n_per)
+    w_i, h_i = widths[img_of], heights[img_of]
+    bw = np.minimum(np.exp(rng.normal(3.5, 1.0, n)), w_i - 1).round(2)
+    bh = np.minimum(np.exp(rng.normal(3.5, 1.0, n)), h_i - 1).round(2)
+    bx = (rng.random(n) * (w_i - bw)).round(2)
+    by = (rng.random(n) * (h_i - bh)).round(2)
+    cat_ids = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                        22, 23, 24, 25, 27, 28, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42,
+                        43, 44, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61,
+                        62, 63, 64, 65, 67, 70, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 84,
+                        85, 86, 87, 88, 89, 90])
+    cats = np.where(rng.random(n) < 0.3, 1, rng.choice(cat_ids[1:], n))
+    crowd = rng.random(n) < 0.01
+    n_polys = np.where(rng.random(n) < 0.9, 1, 2)
+    n_pts = rng.integers(8, 30, int(n_polys.sum()))
+    coords = rng.random(int(2 * n_pts.sum())).round(2) * 100
+    coord_lists = np.split(coords, np.cumsum(2 * n_pts)[:-1])
+    zeros_kp = [0] * 51
+    anns = []
+    poly_i = 0
+    for a in range(n):
+        x, y, w, h = float(bx[a]), float(by[a]), float(bw[a]), float(bh[a])
+        if crowd[a]:
+            H, W = int(h_i[a]), int(w_i[a])
+            cnt = _rect_counts(H, W, int(x), int(y), int(x + w), int(y + h))
+            seg = {"size": [H, W], "counts": cnt}
+            if a % 2:
+                seg["counts"] = mask_util.frPyObjects(seg, H, W)["counts"].decode("ascii")
+            poly_i += int(n_polys[a])
+        else:
+            seg = [(coord_lists[poly_i + k] + [x, y] * int(n_pts[poly_i + k])).tolist()
+                   for k in range(int(n_polys[a]))]
+            poly_i += int(n_polys[a])
+        if cats[a] == 1:
+            kp = np.zeros((17, 3), np.int64)
+            vis = rng.random(17) < 0.55
+            kp[vis, 0] = (x + rng.random(int(vis.sum())) * w).astype(np.int64)
+            kp[vis, 1] = (y + rng.random(int(vis.sum())) * h).astype(np.int64)
+            kp[vis, 2] = 2
+            kps = kp.ravel().tolist()
+        else:
+            kps = zeros_kp
+        anns.append({"segmentation": seg, "num_keypoints": 0, "area": round(w * h * 0.6, 2),
+                     "iscrowd": int(crowd[a]), "keypoints": kps, "image_id": int(ids[img_of[a]]),
+                     "bbox": [x, y, w, h], "category_id": int(cats[a]), "id": a + 1})
+    images = [{"license": 1, "file_name": f"{int(i):012d}.jpg", "coco_url": "",
+               "height": int(h), "width": int(w), "date_captured": "2013-11-14 11:18:45",
+               "flickr_url": "", "id": int(i)} for i, w, h in zip(ids, widths, heights)]
+    categories = [{"supercategory": "x", "id": int(c), "name": "person" if c == 1 else f"c{c}"}
+                  for c in cat_ids]
+    categories[0]["keypoints"] = KEYPOINTS
+    categories[0]["skeleton"] = [[16, 14], [14, 12]]
+    with open(path, "wb") as fh:
+        fh.write(orjson.dumps({"info": {}, "licenses": [], "images": images,
+                               "annotations": anns, "categories": categories}))
+    return n
+
+
+def generate_proposals(ann_path: str, path: str, per_image: int, fmt: str, seed: int = 1) -> None:
+    """Detectron-style proposals (descending score) for every image of ``ann_path``."""
+    import orjson
+
+    with open(ann_path, "rb") as fh:
+        images = orjson.loads(fh.read())["images"]
+    rng = np.random.default_rng(seed)
+    ids = np.array([im["id"] for im in images])
+    w = np.array([im["width"] for im in images], np.float32)
+    h = np.array([im["height"] for im in images], np.float32)
+    n = ids.size
+    boxes = np.empty((n * per_image, 4), np.float32)
+    step = max(1, 2_000_000 // per_image)
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        k = (e - s) * per_image
+        ww = np.repeat(w[s:e], per_image)
+        hh = np.repeat(h[s:e], per_image)
+        x1 = rng.random(k, np.float32) * ww
+        y1 = rng.random(k, np.float32) * hh
+        boxes[s * per_image:e * per_image] = np.stack(
+            [x1, y1, x1 + rng.random(k, np.float32) * ww / 2,
+             y1 + rng.random(k, np.float32) * hh / 2], 1)
+    scores = np.tile(np.linspace(1, 0, per_image, dtype=np.float32), n)
+    if fmt == "npz":
+        np.savez(path, ids=ids, counts=np.full(n, per_image), boxes=boxes, scores=scores)
+    else:
+        with open(path, "wb") as fh:
+            pickle.dump({"boxes": list(boxes.reshape(n, per_image, 4)),
+                         "scores": list(scores.reshape(n, per_image)), "ids": ids.tolist(),
+                         "cfg": ""}, fh, protocol=4)
+
+
+# ----------------------------------------------------------------------------- phases
+def _private_dirty_kb() -> int:
+    with open("/proc/self/smaps_rollup") as fh:
+        for line in fh:
+            if line.startswith("Private_Dirty:"):
+                return int(line.split()[1])
+    return 0
+
+
+class _Touch:
+    def __init__(self, db):
+        self.db = db
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, _):
+        before = _private_dirty_kb()
+        t0 = time.perf_counter()
+        acc = 0.0
+        for i in range(len(self.db)):
+            e = self.db[i]
+            acc += float(e["boxes"][:, 2].sum()) + len(e["segms"]) + float(e["max_overlaps"].sum())
+        return _private_dirty_kb() - before, time.perf_counter() - t0, acc
+
+
+def _worker_memory(db) -> tuple[float, float]:
+    import gc
+
+    import torch.utils.data
+
+    gc.collect()
+    gc.freeze()
+    loader = torch.utils.data.DataLoader(_Touch(db), batch_size=None, num_workers=1,
+                                         multiprocessing_context="fork")
+    (delta_kb, secs, _), = list(loader)
+    return delta_kb / 1024.0, secs
+
+
+def _catalog(ann: str):
+    from lit_roidata.catalog import Catalog
+
+    cat = Catalog(builtins=False)
+    cat.register("bench", os.path.dirname(ann), ann)
+    return cat
+
+
+def phase_ours(args) -> dict:
+    from lit_roidata.config import get_cfg
+    from lit_roidata.roidb import combined_roidb_for_training
+
+    props = [args.proposals] if args.proposals else ()
+    t0 = time.perf_counter()
+    db = combined_roidb_for_training("bench", props, get_cfg(), args.cache,
+                                     catalog=_catalog(args.ann), check_images=False,
+                                     progress=False)
+    secs = time.perf_counter() - t0
+    out = {"seconds": secs, "entries": len(db), "maxrss_mb": _maxrss_mb()}
+    if args.worker:
+        out["worker_mb"], out["worker_touch_s"] = _worker_memory(db)
+    return out
+
+
+def phase_baseline(args) -> dict:
+    from lit_roidata.config import get_cfg
+    from lit_roidata.roidb.reference import ReferenceDataset, reference_combined_roidb
+
+    t0 = time.perf_counter()
+    ds = ReferenceDataset("bench", os.path.dirname(args.ann), args.ann)
+    db = reference_combined_roidb([ds], [args.proposals or None], get_cfg())
+    secs = time.perf_counter() - t0
+    out = {"seconds": secs, "entries": len(db), "maxrss_mb": _maxrss_mb()}
+    if args.worker:
+        out["worker_mb"], out["worker_touch_s"] = _worker_memory(db)
+    return out
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_phase(name: str, **kw) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--phase", name]
+    for k, v in kw.items():
+        if v is True:
+            cmd.append(f"--{k}")
+        elif v not in (None, False):
+            cmd += [f"--{k}", str(v)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"phase {name} failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def subsample(ann: str, out: str, n: int) -> None:
+    import orjson
+
+    with open(ann, "rb") as fh:
+        d = orjson.loads(fh.read())
+    keep = {im["id"] for im in d["images"][:n]}
+    d["images"] = d["images"][:n]
+    d["annotations"] = [a for a in d["annotations"] if a["image_id"] in keep]
+    with open(out, "wb") as fh:
+        fh.write(orjson.dumps(d))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="~5k images")
+    p.add_argument("--images", type=int, default=118_287)
+    p.add_argument("--anns-per-image", type=float, default=7.3)
+    p.add_argument("--proposals-per-image", type=int, default=1000)
+    p.add_argument("--proposal-format", choices=["pkl", "npz"], default="pkl")
+    p.add_argument("--baseline-images", type=int, default=None,
+                   help="run the list-of-dicts baseline on the first N images (default: all)")
+    p.add_argument("--baseline-proposals", action="store_true",
+                   help="also run the baseline with proposals (default: only with --quick)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ann", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--proposals", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.phase:
+        fn = {"ours": phase_ours, "baseline": phase_baseline}[args.phase]
+        print(json.dumps(fn(args)))
+        return
+    if args.quick:
+        args.images = 5000
+        args.baseline_proposals = True
+    work = args.workdir or tempfile.mkdtemp(prefix="roidb-bench-")
+    os.makedirs(work, exist_ok=True)
+    ann = os.path.join(work, "instances.json")
+    prop = os.path.join(work, f"proposals.{args.proposal_format}")
+    t = time.perf_counter()
+    n_anns = generate_coco(ann, args.images, args.anns_per_image)
+    print(f"generated {args.images} images, {n_anns} annotations "
+          f"({os.path.getsize(ann) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
+    t = time.perf_counter()
+    generate_proposals(ann, prop, args.proposals_per_image, args.proposal_format)
+    print(f"generated {args.proposals_per_image} proposals/image "
+          f"({os.path.getsize(prop) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
+    cache = os.path.join(work, "cache")
+    rows = {}
+    rows["ours gt cold"] = run_phase("ours", ann=ann, cache=cache)
+    rows["ours gt warm"] = run_phase("ours", ann=ann, cache=cache, worker=True)
+    rows["ours +props cold"] = run_phase("ours", ann=ann, cache=cache, proposals=prop)
+    rows["ours +props warm"] = run_phase("ours", ann=ann, cache=cache, proposals=prop,
+                                         worker=True)
+    b_ann, scale = ann, 1.0
+    if args.baseline_images and args.baseline_images < args.images:
+        b_ann = os.path.join(work, "baseline.json")
+        subsample(ann, b_ann, args.baseline_images)
+        scale = args.images / args.baseline_images
+    rows["baseline gt"] = run_phase("baseline", ann=b_ann, worker=True)
+    if args.baseline_proposals:
+        rows["baseline +props"] = run_phase("baseline", ann=b_ann, proposals=prop, worker=True)
+    report(rows, scale, args)
+
+
+def report(rows: dict, scale: float, args) -> None:
+    print(f"\n{'phase':<18}{'entries':>9}{'time s':>10}{'peak RSS MiB':>14}"
+          f"{'worker +MiB':>13}{'touch-all s':>13}")
+    for k, r in rows.items():
+        print(f"{k:<18}{r['entries']:>9}{r['seconds']:>10.2f}{r['maxrss_mb']:>14.0f}"
+              f"{r.get('worker_mb', float('nan')):>13.1f}{r.get('worker_touch_s', float('nan')):>13.1f}")
+    note = "" if scale == 1.0 else f" (baseline on a 1/{scale:.1f} sample, scaled linearly)"
+    b, o, w = rows["baseline gt"], rows["ours gt cold"], rows["ours gt warm"]
+    print(f"\nratios, baseline / ours{note}:")
+    print(f"  build (gt):        {b['seconds'] * scale / o['seconds']:8.1f}x  "
+          f"(ours cold {o['seconds']:.1f}s, target < 20s at full scale)")
+    print(f"  open (warm):       {b['seconds'] * scale / w['seconds']:8.1f}x  "
+          f"(ours warm {w['seconds']:.3f}s, target < 0.5s)")
+    print(f"  peak memory (gt):  {b['maxrss_mb'] * scale / o['maxrss_mb']:8.1f}x")
+    print(f"  worker memory:     {b['worker_mb'] * scale / max(w['worker_mb'], 0.1):8.1f}x  "
+          f"(ours +{w['worker_mb']:.1f} MiB private per worker)")
+    if "baseline +props" in rows:
+        bp, op = rows["baseline +props"], rows["ours +props cold"]
+        print(f"  build (+props):    {bp['seconds'] * scale / op['seconds']:8.1f}x")
+        print(f"  worker (+props):   {bp['worker_mb'] * scale / max(rows['ours +props warm']['worker_mb'], 0.1):8.1f}x")
+    print("note: the machine may be shared with other jobs; wall times include their load.")
+
+
+if __name__ == "__main__":
+    main()
