@@ -284,10 +284,13 @@ class COCOEvaluator(pl.Callback):
         if len(per_ds) > 1:
             for name, m in per_ds.items():
                 metrics.update({f"{prefix}/{name}/{k}": v for k, v in m.items()})
-        for t in texts:
-            log.info("COCO evaluation, %s", t)
+        for t in texts:  # COCO's full summary; the table below has the headline numbers
+            log.debug("COCO evaluation, %s", t)
         if self.print_summary and per_ds:
             self._print_table(per_ds, prefix)
+        elif per_ds:
+            log.info("COCO evaluation (%s): %s", prefix, {k: round(v, 4) for k, v in
+                                                         metrics.items() if k.count("/") == 1})
         return metrics
 
     def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
