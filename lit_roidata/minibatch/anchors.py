@@ -236,42 +236,13 @@ def anchor_gt_overlaps(
         anchors whose IoU was computed, and their ``(len(cand), G)`` IoUs.
     """
     tab = _shape_table(tuple(f.key for f in fields))
-    base, stride, size, n_a, cell = tab["base"], tab["stride"], tab["size"], tab["n_a"], tab["cell"]
-    n_s, n_g = len(base), len(gt)
     g = gt.astype(np.float64)
-    # Lower bound of each gt's best IoU: the inside anchor of each shape nearest its centre.
-    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
-                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
-    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
-                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
-    near = (base[:, None] + (y * size[:, None] + x) * n_a[:, None]).ravel()
-    iou = _pair_iou(all_anchors[near], np.tile(gt, (n_s, 1))) * inside[near]
-    lower = iou.reshape(n_s, n_g).max(axis=0).astype(np.float64)
-    thresh = np.minimum(lower, below) / (1 + 1e-6)
+    lower = _best_iou_lower_bound(tab, all_anchors, inside, gt)
     g_area = (g[:, 2] - g[:, 0] + 1.0) * (g[:, 3] - g[:, 1] + 1.0)
     a_area = tab["area"][:, None]
     bound = np.minimum(a_area, g_area[None]) / np.maximum(a_area, g_area[None])
-    # Cells of shape s whose anchor can touch gt g: [x0, x1) x [y0, y1) (2-px margin).
-    hi = size[:, None]
-    x0 = np.clip(np.ceil((g[None, :, 0] - 2 - cell[:, 2:3]) / stride[:, None]), 0, hi)
-    x1 = np.clip(np.floor((g[None, :, 2] + 2 - cell[:, 0:1]) / stride[:, None]) + 1, 0, hi)
-    y0 = np.clip(np.ceil((g[None, :, 1] - 2 - cell[:, 3:4]) / stride[:, None]), 0, hi)
-    y1 = np.clip(np.floor((g[None, :, 3] + 2 - cell[:, 1:2]) / stride[:, None]) + 1, 0, hi)
-    wx = np.maximum(x1 - x0, 0).astype(np.int64).ravel()
-    counts = wx * np.maximum(y1 - y0, 0).astype(np.int64).ravel() * (bound >= thresh).ravel()
-    total = int(counts.sum())
-    gidx_parts, gid_parts = [], []
-    if total:
-        sg = np.repeat(np.arange(n_s * n_g), counts)
-        dy, dx = np.divmod(np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts),
-                           wx[sg])
-        si = sg // n_g
-        gidx_parts.append(base[si] + ((y0.ravel()[sg].astype(np.int64) + dy) * size[si]
-                                      + x0.ravel()[sg].astype(np.int64) + dx) * n_a[si])
-        gid_parts.append(sg % n_g)
-    if not gidx_parts:
-        return np.zeros(0, np.int64), np.zeros((0, len(gt)), np.float32)
-    gidx, gid = np.concatenate(gidx_parts), np.concatenate(gid_parts)
+    useful = bound >= np.minimum(lower, below) / (1 + 1e-6)  # (shapes, G)
+    gidx, gid = _candidate_pairs(tab, g, useful)
     keep = inside[gidx]
     gidx, gid = gidx[keep], gid[keep]
     iou = _pair_iou(all_anchors[gidx], gt[gid])
@@ -283,6 +254,41 @@ def anchor_gt_overlaps(
     overlaps = np.zeros((len(cand), len(gt)), dtype=np.float32)
     overlaps[row[gidx], gid] = iou
     return cand, overlaps
+
+
+def _best_iou_lower_bound(tab: dict[str, np.ndarray], all_anchors: np.ndarray,
+                          inside: np.ndarray, gt: np.ndarray) -> np.ndarray:
+    """Per gt, the best IoU among the inside anchors of each shape nearest its centre."""
+    base, stride, size, n_a, cell = tab["base"], tab["stride"], tab["size"], tab["n_a"], tab["cell"]
+    g = gt.astype(np.float64)
+    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
+                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
+    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
+                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
+    near = (base[:, None] + (y * size[:, None] + x) * n_a[:, None]).ravel()
+    iou = _pair_iou(all_anchors[near], np.tile(gt, (len(base), 1))) * inside[near]
+    return iou.reshape(len(base), len(gt)).max(axis=0).astype(np.float64)
+
+
+def _candidate_pairs(tab: dict[str, np.ndarray], g: np.ndarray,
+                     useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(anchor index, gt index) of every anchor of shape ``s`` that can touch gt ``j``,
+    for the ``useful[s, j]`` combinations: the cells ``[x0, x1) x [y0, y1)`` of each
+    rectangle (2-pixel margin) enumerated with ``repeat``/``divmod``, no loop over boxes."""
+    base, stride, size, n_a, cell = tab["base"], tab["stride"], tab["size"], tab["n_a"], tab["cell"]
+    hi, st = size[:, None], stride[:, None]
+    x0 = np.clip(np.ceil((g[None, :, 0] - 2 - cell[:, 2:3]) / st), 0, hi).astype(np.int64)
+    x1 = np.clip(np.floor((g[None, :, 2] + 2 - cell[:, 0:1]) / st) + 1, 0, hi).astype(np.int64)
+    y0 = np.clip(np.ceil((g[None, :, 1] - 2 - cell[:, 3:4]) / st), 0, hi).astype(np.int64)
+    y1 = np.clip(np.floor((g[None, :, 3] + 2 - cell[:, 1:2]) / st) + 1, 0, hi).astype(np.int64)
+    wx = np.maximum(x1 - x0, 0).ravel()
+    counts = wx * np.maximum(y1 - y0, 0).ravel() * useful.ravel()
+    total = int(counts.sum())
+    sg = np.repeat(np.arange(counts.size), counts)  # which (shape, gt) each pair is from
+    dy, dx = np.divmod(np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
+    si, n_g = sg // g.shape[0], g.shape[0]
+    gidx = base[si] + ((y0.ravel()[sg] + dy) * size[si] + x0.ravel()[sg] + dx) * n_a[si]
+    return gidx, sg % n_g
 
 
 @functools.lru_cache(maxsize=16)
