@@ -330,7 +330,10 @@ def report(rows: dict, scale: float, args) -> None:
           f"(ours cold {o['seconds']:.1f}s, target < 20s at full scale)")
     print(f"  open (warm):       {b['seconds'] * scale / w['seconds']:8.1f}x  "
           f"(ours warm {w['seconds']:.3f}s, target < 0.5s)")
-    print(f"  peak memory (gt):  {b['maxrss_mb'] * scale / o['maxrss_mb']:8.1f}x")
+    floor = w["maxrss_mb"]  # imports (torch, numpy, ...) + an opened roidb
+    print(f"  peak memory (gt):  {b['maxrss_mb'] * scale / o['maxrss_mb']:8.1f}x  (above "
+          f"imports: baseline {b['maxrss_mb'] - floor:.0f} MiB"
+          f"{' x scale' if scale != 1.0 else ''}, ours {o['maxrss_mb'] - floor:.0f} MiB)")
     print(f"  worker memory:     {b['worker_mb'] * scale / max(w['worker_mb'], 0.1):8.1f}x  "
           f"(ours +{w['worker_mb']:.1f} MiB private per worker)")
     if "baseline +props" in rows:

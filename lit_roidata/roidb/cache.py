@@ -5,8 +5,11 @@
   ``(path, size, mtime_ns, ctime_ns, inode)`` in ``<cache>/.fingerprints`` so a warm open
   does not re-read multi-GB files; ``ctime`` cannot be set by users, so a file replaced
   with a preserved mtime is still re-hashed.
-* **Atomic.** A cache is built in ``<cache>/.tmp-*`` and renamed to ``roidb-<key>`` only
-  when complete; ``manifest.json`` (written last) records every array's size.
+* **Atomic and durable.** A cache is built in ``<cache>/.tmp-*``, every file is fsynced,
+  and the directory is renamed to ``roidb-<key>`` only when complete; ``manifest.json``
+  (written last) records every array's size. (Fsync also means freshly built pages are
+  clean in the page cache, so workers mapping them share them instead of showing them
+  as private dirty memory.)
 * **Validated.** Opening checks the manifest and each file's size; a damaged or truncated
   cache is removed (with a warning) and rebuilt, never used.
 * **One builder.** A ``filelock`` per key: the first process builds, the others wait and
@@ -88,6 +91,8 @@ def _atomic_write_text(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -101,7 +106,10 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
     for name, arr in arrays.items():
         arr = np.ascontiguousarray(arr)
         fn = os.path.join(directory, name + ".npy")
-        np.save(fn, arr, allow_pickle=False)
+        with open(fn, "wb") as fh:
+            np.save(fh, arr, allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())  # durable before the rename that publishes the cache
         out[name] = {"file": name + ".npy", "bytes": os.path.getsize(fn),
                      "dtype": arr.dtype.str, "shape": list(arr.shape)}
     return out
@@ -172,13 +180,28 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
             manifest["key"] = key
             _atomic_write_text(os.path.join(tmp, MANIFEST),
                                json.dumps(manifest, indent=1, default=str))
+            _fsync_dir(tmp)
             os.rename(tmp, final)
+            _fsync_dir(cache_root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return final, validate_cache(final), True
     finally:
         lock.release()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _try_open(path: str) -> Optional[dict]:
