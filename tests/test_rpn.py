@@ -306,3 +306,21 @@ def test_fix_mode_property_on_both_generators(kind):
                               for lv in range(2, 7)])
         n_pos = (lab == 1).sum()
         assert 1 <= n_pos <= 128 and (lab == 0).sum() == 256 - n_pos
+
+
+def test_alloc_places_the_wide_blobs():
+    made = []
+
+    def alloc(shape, dtype):
+        made.append((shape, dtype))
+        return np.zeros(shape, dtype)
+
+    cfg = _tiny_cfg()
+    a: dict = {}
+    b: dict = {}
+    e = [_entry([[8, 8, 39, 39], [30, 30, 50, 50]])]
+    rpn.add_rpn_blobs(a, [1.0], e, cfg, np.random.RandomState(0), alloc=alloc)
+    rpn.add_rpn_blobs(b, [1.0], e, cfg, np.random.RandomState(0))
+    assert made == [((1, 1, 4, 4), np.int32)] + [((1, 4, 4, 4), np.float32)] * 3
+    for k in b:
+        np.testing.assert_array_equal(a[k], b[k])

@@ -18,7 +18,7 @@ anchors into pre-filled arrays, so five FPN levels at 800x1333 cost milliseconds
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
 
@@ -46,6 +46,7 @@ def add_rpn_blobs(
     rng: rng_mod.RNG,
     *,
     fix_rpn_quirks: bool = False,
+    alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
 ) -> bool:
     """Add ``im_info``, ``roidb`` and the RPN wide blobs of one minibatch (spec §6.7).
 
@@ -60,6 +61,9 @@ def add_rpn_blobs(
         cfg: a ``DetectronConfig``.
         rng: generator for all draws (``lit_roidata.rng``).
         fix_rpn_quirks: correct Q2 and Q3 (see the module docstring).
+        alloc: optional ``(shape, dtype) -> zeroed array`` for the wide blobs (about
+            35 MB for 2 images at FPN level 2 with MAX_SIZE 1333), e.g. shared memory
+            in a DataLoader worker so they are sent without a copy.
 
     Returns:
         True: RPN minibatches are always valid.
@@ -71,7 +75,7 @@ def add_rpn_blobs(
     fields = rpn_fields(cfg)
     all_anchors = concat_fields(fields)
     n = len(entries)
-    out = _alloc_wide(fields, n)
+    out = _alloc_wide(fields, n, alloc)
     im_info = np.zeros((n, 3), dtype=np.float32)
     for i, entry in enumerate(entries):
         scale = im_scales[i]
@@ -97,14 +101,20 @@ def add_rpn_blobs(
     return True
 
 
-def _alloc_wide(fields: Sequence[FieldOfAnchors], n: int) -> list[tuple[np.ndarray, ...]]:
+def _alloc_wide(fields: Sequence[FieldOfAnchors], n: int,
+                alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None,
+                ) -> list[tuple[np.ndarray, ...]]:
+    """Per level: labels filled with -1, targets and weights zeroed."""
+    def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return alloc(shape, np.dtype(dtype)) if alloc is not None else np.zeros(shape, dtype)
+
     out = []
     for f in fields:
         a, s = f.num_cell_anchors, f.field_size
-        out.append((np.full((n, a, s, s), -1, dtype=np.int32),
-                    np.zeros((n, 4 * a, s, s), dtype=np.float32),
-                    np.zeros((n, 4 * a, s, s), dtype=np.float32),
-                    np.zeros((n, 4 * a, s, s), dtype=np.float32)))
+        labels = zeros((n, a, s, s), np.int32)
+        labels.fill(-1)
+        out.append((labels, zeros((n, 4 * a, s, s), np.float32),
+                    zeros((n, 4 * a, s, s), np.float32), zeros((n, 4 * a, s, s), np.float32)))
     return out
 
 
