@@ -251,8 +251,17 @@ class COCOEvaluator(pl.Callback):
         default catalog.
         """
         by_ds: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        seen: set[tuple[str, int]] = set()
+        repeats = 0
         for d in detections:
-            by_ds[str(d.get("dataset"))].append(d)
+            key = (str(d.get("dataset")), int(d["image_id"]))
+            if key in seen:  # e.g. a DistributedSampler padding the last shard
+                repeats += 1
+                continue
+            seen.add(key)
+            by_ds[key[0]].append(d)
+        if repeats:
+            log.info("COCO evaluation: ignored %d repeated image(s) (padded shards)", repeats)
         per_ds: dict[str, dict[str, float]] = {}
         texts = []
         for name in sorted(by_ds):

@@ -106,6 +106,9 @@ def test_evaluator_perfect_and_shifted(tmp_path: Path) -> None:
     partial[2] = {**partial[2], "boxes": np.zeros((0, 4)), "scores": np.zeros(0),
                   "labels": np.zeros(0, int)}
     assert ev.evaluate(partial)["val/bbox_AP"] < 1.0
+    # an image seen twice (DistributedSampler padding) is evaluated once
+    twice = _perfect(anns)
+    assert ev.evaluate(twice + twice[:1])["val/bbox_AP"] == pytest.approx(1.0)
 
 
 def test_evaluator_masks(tmp_path: Path) -> None:
