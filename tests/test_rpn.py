@@ -157,7 +157,7 @@ def test_q3_flag_changes_only_negative_sampling():
 
 # --- literal dense port of Detectron's _get_rpn_blobs, for equality -----------------
 
-def _detectron_rpn(all_anchors, foas, gt_boxes, im_h, im_w, train, rng):
+def _detectron_rpn(all_anchors, foas, gt_boxes, im_h, im_w, train, rng, fix=False):
     t = train.RPN_STRADDLE_THRESH
     if t >= 0:
         inds_inside = np.where((all_anchors[:, 0] >= -t) & (all_anchors[:, 1] >= -t)
@@ -177,16 +177,21 @@ def _detectron_rpn(all_anchors, foas, gt_boxes, im_h, im_w, train, rng):
     a2g = o.argmax(axis=1)
     a2g_max = o[np.arange(n), a2g]
     g2a_max = o[o.argmax(axis=0), np.arange(o.shape[1])]
-    labels[np.where(o == g2a_max)[0]] = 1
+    best = (o == g2a_max) & (g2a_max > 0) if fix else o == g2a_max
+    labels[np.where(best)[0]] = 1
     labels[a2g_max >= train.RPN_POSITIVE_OVERLAP] = 1
     num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
-    fg = np.where(labels == 1)[0]
+    fg = positives = np.where(labels == 1)[0]
     if len(fg) > num_fg:
         labels[rng.choice(fg, size=len(fg) - num_fg, replace=False)] = -1
     fg = np.where(labels == 1)[0]
     num_bg = train.RPN_BATCH_SIZE_PER_IM - np.sum(labels == 1)
     bg = np.where(a2g_max < train.RPN_NEGATIVE_OVERLAP)[0]
-    enable = bg[rng.randint(len(bg), size=num_bg)] if len(bg) > num_bg else bg
+    if fix:  # the corrected semantics: without replacement, never a positive
+        bg = np.setdiff1d(bg, positives)
+        enable = rng.choice(bg, size=num_bg, replace=False) if len(bg) > num_bg else bg
+    else:
+        enable = bg[rng.randint(len(bg), size=num_bg)] if len(bg) > num_bg else bg
     labels[enable] = 0
     tg = np.zeros((n, 4), np.float32)
     tg[fg] = bbox_transform_targets(anchors[fg], gt_boxes[a2g[fg]], (1, 1, 1, 1))
@@ -231,13 +236,13 @@ def _scenes(draw):
     crowd[0] = False
     return (w, h, boxes, crowd, draw(st.sampled_from([1.0, 1.25, 0.8])),
             draw(st.sampled_from([0, -1, 8])), draw(st.booleans()), draw(st.integers(0, 99)),
-            draw(st.sampled_from([8, 64, 256])))
+            draw(st.sampled_from([8, 64, 256])), draw(st.booleans()))
 
 
 @settings(deadline=None, max_examples=40)
 @given(_scenes())
 def test_matches_detectron_and_invariants(scene):
-    w, h, boxes, crowd, scale, straddle, fpn, seed, batch = scene
+    w, h, boxes, crowd, scale, straddle, fpn, seed, batch, fix = scene
     cfg = _fpn_cfg(200, 32) if fpn else _tiny_cfg()
     if not fpn:
         cfg.merge_from_dict({"RPN.SIZES": (16, 32, 64), "RPN.ASPECT_RATIOS": (0.5, 1, 2),
@@ -247,7 +252,8 @@ def test_matches_detectron_and_invariants(scene):
     entries = [_entry(boxes, crowd=crowd, width=w, height=h),
                _entry(np.array(boxes)[::-1].copy(), crowd=crowd[::-1], width=h, height=w)]
     blobs: dict = {}
-    assert rpn.add_rpn_blobs(blobs, [scale, scale], entries, cfg, np.random.RandomState(seed))
+    assert rpn.add_rpn_blobs(blobs, [scale, scale], entries, cfg, np.random.RandomState(seed),
+                             fix_rpn_quirks=fix)
     fields = rpn_fields(cfg)
     all_anchors = concat_fields(fields)
     ref_rng = np.random.RandomState(seed)
@@ -255,7 +261,7 @@ def test_matches_detectron_and_invariants(scene):
     for i, e in enumerate(entries):
         gt = (e["boxes"][~e["is_crowd"]] * scale).astype(np.float32)
         im_h, im_w = np.round(e["height"] * scale), np.round(e["width"] * scale)
-        ref = _detectron_rpn(all_anchors, fields, gt, im_h, im_w, cfg.TRAIN, ref_rng)
+        ref = _detectron_rpn(all_anchors, fields, gt, im_h, im_w, cfg.TRAIN, ref_rng, fix)
         for li, level in enumerate(ref):
             for k, arr in enumerate(level):
                 np.testing.assert_array_equal(blobs[names[4 * li + k]][i], arr[0])
