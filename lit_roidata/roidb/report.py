@@ -59,7 +59,8 @@ def summary_text(report: dict, *, width: int = 120, top_classes: int = 20) -> st
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     t = Table(title="roidb build summary")
-    for col in ("dataset", "images", "gt boxes", "crowd", "proposals", "dropped (by reason)"):
+    for col in ("dataset", "images", "gt boxes", "crowd", "proposals", "dropped (by reason)",
+                "segms"):
         t.add_column(col, justify="left" if col in ("dataset", "dropped (by reason)") else "right")
     for d in report.get("datasets", []):
         drops = {k: v for k, v in d.get("dropped", {}).items() if v}
@@ -67,19 +68,23 @@ def summary_text(report: dict, *, width: int = 120, top_classes: int = 20) -> st
         t.add_row(d["name"], str(d.get("images", 0)), str(d.get("gt_boxes", 0)),
                   str(d.get("gt_crowd", 0)),
                   str(props.get("proposals_kept", "-")) if props else "-",
-                  ", ".join(f"{k}: {v}" for k, v in sorted(drops.items())) or "-")
+                  ", ".join(f"{k}: {v}" for k, v in sorted(drops.items())) or "-",
+                  ", ".join(f"{k}: {v}" for k, v in sorted(d.get("segms", {}).items()) if v)
+                  or "-")
     console.print(t)
     ent = report.get("entries", {})
     if ent:
         drops = {k: v for k, v in ent.get("dropped", {}).items() if v}
         console.print(f"entries: {ent.get('before_filter', 0)} -> {ent.get('after_filter', 0)} "
-                      f"after filter_for_training"
-                      + (f" (dropped {drops})" if drops else ""))
+                      f"after filter_for_training" + (f" (dropped {drops})" if drops else "")
+                      if ent.get("filtered", True) else
+                      f"entries: {ent.get('after_filter', 0)} (evaluation: no flip, no filter)")
     for d in report.get("datasets", []):
         hist = d.get("class_histogram") or {}
         if not hist:
             continue
-        h = Table(title=f"gt class histogram (non-crowd, final entries): {d['name']}")
+        h = Table(title=f"{d['name']}: gt class histogram (non-crowd, final entries)",
+                  title_justify="left")
         h.add_column("class")
         h.add_column("instances", justify="right")
         items = sorted(hist.items(), key=lambda kv: -kv[1])
