@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 OUTPUT_FORMATS = ("detectron", "torchvision")
 RNG_MODES = ("block", "detectron")
 ON_BAD_IMAGE = ("raise", "skip")
+MASK_FORMATS = ("detectron", "compact")
 _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rng streams
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
 
@@ -67,9 +68,11 @@ def _in_worker() -> bool:
 
 
 def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    # Allocated in shared memory so sending it to the main process copies nothing.
-    t = torch.zeros(shape, dtype=torch.from_numpy(np.zeros(0, dtype=dtype)).dtype)
-    return t.share_memory_().numpy()
+    # Allocated in shared memory so sending it to the main process copies nothing
+    # (torch.from_numpy keeps the storage; ForkingPickler then passes a handle).
+    t = torch.empty(shape, dtype=torch.from_numpy(np.zeros(0, dtype=dtype)).dtype)
+    t.share_memory_()
+    return t.zero_().numpy()
 
 
 class RoIBlockDataset(torch.utils.data.Dataset):
@@ -94,18 +97,24 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         augment: optional :class:`~lit_roidata.minibatch.augment.Augmentation`.
         max_attempts: replacements tried before giving up with an error.
         loader: optional ``entry -> BGR uint8 HWC`` image reader (tests, caches).
+        mask_format: ``"detectron"`` (class-specific ``masks_int32``, Detectron's
+            shape) or ``"compact"`` (``(n, M*M)`` plus ``mask_class_int32``; 80x less
+            data at COCO settings; expand with
+            :func:`lit_roidata.minibatch.device.finalize_on_device`).
+        fix_rpn_quirks: passed to the RPN target builder (spec Q2/Q3 fix).
     """
 
     def __init__(self, roidb: Sequence[Mapping[str, Any]], cfg: Any, *,
                  output_format: str = "detectron", pixel_format: str = "uint8",
                  rng_mode: str = "block", on_bad_image: str = "raise",
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
-                 max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None
-                 ) -> None:
+                 max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
+                 mask_format: str = "detectron", fix_rpn_quirks: bool = False) -> None:
         for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
                                    ("pixel_format", pixel_format, PIXEL_FORMATS),
                                    ("rng_mode", rng_mode, RNG_MODES),
-                                   ("on_bad_image", on_bad_image, ON_BAD_IMAGE)):
+                                   ("on_bad_image", on_bad_image, ON_BAD_IMAGE),
+                                   ("mask_format", mask_format, MASK_FORMATS)):
             if value not in valid:
                 raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
         if max_attempts < 0:
@@ -120,6 +129,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.augment = augment
         self.max_attempts = int(max_attempts)
         self.loader = loader
+        self.mask_format = mask_format
+        self.fix_rpn_quirks = bool(fix_rpn_quirks)
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
         self._threads_set = False
@@ -174,7 +185,9 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             return (images, targets), True, entries
         mb = build_minibatch(entries, self.cfg, rng, pixel_format=self.pixel_format,
                              loader=self.loader, augment=self.augment,
-                             alloc=_shared_alloc if _in_worker() else None)
+                             alloc=_shared_alloc if _in_worker() else None,
+                             compact_masks=self.mask_format == "compact",
+                             fix_rpn_quirks=self.fix_rpn_quirks)
         return mb, mb.valid, entries
 
     def __getitems__(self, block: Any) -> Any:
@@ -230,7 +243,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             "requested_indices": [int(i) for i in requested],
             "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
             "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
-            "pixel_format": self.pixel_format,
+            "pixel_format": self.pixel_format, "mask_format": self.mask_format,
         }
 
     def _package(self, out: Any, entries: list, requested: Any, used: Any, skipped: list,

@@ -178,3 +178,19 @@ def test_torchvision_output_and_pickling(tmp_path):
         RoIBlockDataset(roidb, cfg, output_format="coco")
     with pytest.raises(TypeError, match="Block"):
         ds.__getitems__([0, 1])
+
+
+def test_compact_masks_finalized_on_device_equal_detectron_blobs(tmp_path):
+    from lit_roidata.minibatch.device import finalize_on_device
+
+    roidb = _roidb(tmp_path)
+    cfg = small_cfg(**CFG)
+    blk = make_block([0, 3], seed=4, pass_index=0, block_index=1)
+    ref = RoIBlockDataset(roidb, cfg, pixel_format="detectron").__getitems__(blk)
+    fast = RoIBlockDataset(roidb, cfg, mask_format="compact").__getitems__(blk)
+    assert fast["masks_int32"].shape[1] == 36 and "mask_class_int32" in fast
+    out = finalize_on_device(fast, cfg.PIXEL_MEANS, cfg.MODEL.NUM_CLASSES)
+    assert "mask_class_int32" not in out and list(out) == list(ref)
+    assert torch.equal(out["masks_int32"], ref["masks_int32"])
+    assert out["data"].dtype == torch.float32 and (out["data"] - ref["data"]).abs().mean() < 0.5
+    assert finalize_on_device(ref, cfg.PIXEL_MEANS, cfg.MODEL.NUM_CLASSES) is ref

@@ -33,7 +33,8 @@ def _family_module(name: str) -> Any:
 
 def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                     pixel_format: str = "detectron", loader: ImageLoader | None = None,
-                    augment: Any = None, alloc: Allocator | None = None) -> Minibatch:
+                    augment: Any = None, alloc: Allocator | None = None,
+                    compact_masks: bool = False, fix_rpn_quirks: bool = False) -> Minibatch:
     """:func:`get_minibatch` with the worker's options and the image metadata kept.
 
     Args:
@@ -41,7 +42,11 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
         pixel_format: ``"detectron"`` (float32, Detectron's blob) or ``"uint8"``.
         loader: ``entry -> BGR uint8 HWC`` image reader (default: decode the file).
         augment: optional per-image augmentation applied before scaling.
-        alloc: optional allocator for the ``data`` blob (e.g. shared memory).
+        alloc: optional allocator for the ``data`` and ``masks_int32`` blobs (e.g.
+            shared memory, so a worker sends them without a copy).
+        compact_masks: ship class-specific masks compactly (see
+            :func:`~lit_roidata.minibatch.device.finalize_on_device`).
+        fix_rpn_quirks: passed to the RPN target builder (issue 5's Q2/Q3 fix).
     """
     blobs: dict[str, Any] = {k: [] for k in get_minibatch_blob_names(cfg)}
     image = build_image_blob(entries, cfg, rng, pixel_format=pixel_format, loader=loader,
@@ -49,12 +54,15 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
     blobs["data"] = image.data
     entries = image.entries
     if cfg.RPN.RPN_ON:
-        valid = _family_module("rpn").add_rpn_blobs(blobs, image.im_scales, entries, cfg, rng)
+        kwargs = {"fix_rpn_quirks": True} if fix_rpn_quirks else {}
+        valid = _family_module("rpn").add_rpn_blobs(blobs, image.im_scales, entries, cfg, rng,
+                                                    **kwargs)
     elif cfg.RETINANET.RETINANET_ON:
         valid = _family_module("retinanet").add_retinanet_blobs(
             blobs, image.im_scales, entries, cfg, rng)
     else:
-        valid = add_fast_rcnn_blobs(blobs, image.im_scales, entries, cfg, rng)
+        valid = add_fast_rcnn_blobs(blobs, image.im_scales, entries, cfg, rng, alloc=alloc,
+                                    compact_masks=compact_masks)
     return Minibatch(blobs=blobs, valid=bool(valid), image=image)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.fpn import add_multilevel_rois
 from lit_roidata.minibatch.keypoints import add_keypoint_rcnn_blobs, finalize_keypoint_minibatch
-from lit_roidata.minibatch.mask import add_mask_rcnn_blobs
+from lit_roidata.minibatch.mask import add_mask_rcnn_blobs, expand_class_specific_masks
 from lit_roidata.minibatch.names import get_fast_rcnn_blob_names
 
 __all__ = ["fg_rois_per_image", "sample_rois", "expand_bbox_targets", "add_fast_rcnn_blobs"]
@@ -93,14 +93,15 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
         "bbox_outside_weights": outside,
     }
     if cfg.MODEL.MASK_ON:
-        add_mask_rcnn_blobs(blob, sampled_boxes, entry, scale, batch_idx, cfg)
+        add_mask_rcnn_blobs(blob, sampled_boxes, entry, scale, batch_idx, cfg, expand=False)
     if cfg.MODEL.KEYPOINTS_ON:
         add_keypoint_rcnn_blobs(blob, entry, fg_quota, scale, batch_idx, cfg, rng)
     return blob
 
 
 def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
-                        entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG) -> bool:
+                        entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
+                        alloc: Any = None, compact_masks: bool = False) -> bool:
     """Add the Fast R-CNN blob family of spec §6.1 to ``blobs``; return validity.
 
     Per image :func:`sample_rois` (``batch_idx`` = position in ``entries``), then
@@ -116,6 +117,11 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
             when enabled, ``segms`` / ``gt_keypoints``.
         cfg: the Detectron config.
         rng: generator for the RoI (and keypoint) draws.
+        alloc: optional ``(shape, dtype) -> array`` for the largest blob (class-specific
+            ``masks_int32``), e.g. shared memory in a DataLoader worker.
+        compact_masks: keep class-specific ``masks_int32`` as ``(n, M*M)`` and add
+            ``mask_class_int32`` (n,); :func:`lit_roidata.minibatch.device.
+            expand_masks_on_device` restores Detectron's blob on the device.
 
     Returns:
         ``False`` only for a keypoint minibatch that fails the validity rule (§6.10).
@@ -125,7 +131,16 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     per_image = [sample_rois(e, s, i, cfg, rng) for i, (e, s) in enumerate(zip(entries, im_scales))]
     names = get_fast_rcnn_blob_names(cfg)
     for name in names:
-        if per_image and name in per_image[0]:
+        if name == "masks_int32" and cfg.MRCNN.CLS_SPECIFIC_MASK:
+            masks = np.concatenate([b[name] for b in per_image])
+            classes = np.concatenate([b["_mask_class_labels"] for b in per_image])
+            if compact_masks:
+                blobs[name] = masks
+                blobs["mask_class_int32"] = classes.astype(np.int32)
+            else:
+                blobs[name] = expand_class_specific_masks(masks, classes,
+                                                          int(cfg.MODEL.NUM_CLASSES), alloc=alloc)
+        elif per_image and name in per_image[0]:
             blobs[name] = np.concatenate([b[name] for b in per_image])
         elif name not in blobs or isinstance(blobs[name], list):
             blobs[name] = []  # filled below (FPN / keypoint finalisation)

@@ -58,64 +58,86 @@ def polys_to_boxes(polys: Sequence[Sequence[Sequence[float]]]) -> np.ndarray:
     return out
 
 
+def _rasterize_rle(rle: dict, box: np.ndarray, M: int) -> np.ndarray:
+    """Sample a decoded RLE at the centres of the ``M x M`` grid over ``box``."""
+    w = max(float(box[2] - box[0]), 1.0)
+    h = max(float(box[3] - box[1]), 1.0)
+    full = mask_util.decode(rle)
+    centres = (np.arange(M, dtype=np.float64) + 0.5) / M
+    xs = np.floor(box[0] + centres * w).astype(np.int64)
+    ys = np.floor(box[1] + centres * h).astype(np.int64)
+    inside = ((ys[:, None] >= 0) & (ys[:, None] < full.shape[0])
+              & (xs[None, :] >= 0) & (xs[None, :] < full.shape[1]))
+    grid = full[np.clip(ys, 0, full.shape[0] - 1)[:, None],
+                np.clip(xs, 0, full.shape[1] - 1)[None, :]]
+    return ((grid > 0) & inside).reshape(-1)
+
+
 def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, height: int,
                              width: int) -> np.ndarray:
     """``(n, M*M)`` int32 binary masks of ``segms[i]`` inside ``boxes[i]``; -1 rows where
     the segm is empty (no usable polygon and not RLE).
 
-    Polygons of all boxes go through one pycocotools call (fast); RLE segms are
-    sampled at the grid centres.
+    Polygon vertices of all boxes are normalised in one vectorised step (float32, as
+    Detectron) and rasterised by a single pycocotools call; RLE segms are sampled at
+    the grid centres.
     """
     n = len(segms)
+    boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
     masks = np.zeros((n, M * M), dtype=np.int32)
-    parts_all: list[np.ndarray] = []
-    owners: list[int] = []
+    flat: list[np.ndarray] = []
+    part_lens: list[int] = []
+    poly_rows: list[int] = []
+    parts_per_row: list[int] = []
+    cache: dict[int, tuple[list[np.ndarray], np.ndarray | None]] = {}
     for i, segm in enumerate(segms):
-        box = boxes[i]
-        w = np.maximum(box[2] - box[0], 1)
-        h = np.maximum(box[3] - box[1], 1)
-        parts = _poly_parts(segm)
-        if parts:
-            for part in parts:
-                p = part.copy()
-                p[0::2] = (p[0::2] - box[0]) * M / w
-                p[1::2] = (p[1::2] - box[1]) * M / h
-                parts_all.append(p)
-                owners.append(i)
+        key = id(segm)
+        if key not in cache:
+            parts = _poly_parts(segm)
+            cache[key] = (parts, np.concatenate(parts) if parts else None)
+        parts, cat = cache[key]
+        if cat is not None:
+            flat.append(cat)
+            part_lens.extend(len(p) for p in parts)
+            poly_rows.append(i)
+            parts_per_row.append(len(parts))
             continue
         rle = _as_rle(segm, height, width)
-        if rle is None:
-            masks[i] = -1  # Q24: no usable segmentation -> ignored target
-            continue
-        full = mask_util.decode(rle)
-        centres = (np.arange(M, dtype=np.float64) + 0.5) / M
-        xs = np.floor(box[0] + centres * w).astype(np.int64)
-        ys = np.floor(box[1] + centres * h).astype(np.int64)
-        inside = (ys[:, None] >= 0) & (ys[:, None] < full.shape[0]) & \
-                 (xs[None, :] >= 0) & (xs[None, :] < full.shape[1])
-        grid = full[np.clip(ys, 0, full.shape[0] - 1)[:, None],
-                    np.clip(xs, 0, full.shape[1] - 1)[None, :]]
-        masks[i] = ((grid > 0) & inside).reshape(-1)
-    if parts_all:
-        rles = mask_util.frPyObjects([p.astype(np.float64) for p in parts_all], M, M)
-        decoded = mask_util.decode(rles)  # (M, M, parts)
-        owners_arr = np.asarray(owners)
-        starts = np.flatnonzero(np.r_[True, owners_arr[1:] != owners_arr[:-1]])
-        summed = np.add.reduceat(decoded, starts, axis=2, dtype=np.int32)
-        masks[owners_arr[starts]] = (summed > 0).transpose(2, 0, 1).reshape(len(starts), -1)
+        masks[i] = -1 if rle is None else _rasterize_rle(rle, boxes[i], M)  # Q24: -1 = ignore
+    if not flat:
+        return masks
+    coords = np.concatenate(flat)
+    rows = np.asarray(poly_rows)
+    owner = np.repeat(rows, [len(f) // 2 for f in flat])  # one owner per vertex
+    w = np.maximum(boxes[:, 2] - boxes[:, 0], 1)
+    h = np.maximum(boxes[:, 3] - boxes[:, 1], 1)
+    coords[0::2] = (coords[0::2] - boxes[owner, 0]) * M / w[owner]
+    coords[1::2] = (coords[1::2] - boxes[owner, 1]) * M / h[owner]
+    parts_all = np.split(coords.astype(np.float64), np.cumsum(part_lens)[:-1])
+    decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts)
+    starts = np.r_[0, np.cumsum(parts_per_row)[:-1]]
+    summed = np.add.reduceat(decoded, starts, axis=2, dtype=np.int32)
+    masks[rows] = (summed > 0).transpose(2, 0, 1).reshape(len(rows), -1)
     return masks
 
 
-def expand_class_specific_masks(masks: np.ndarray, class_labels: np.ndarray,
-                                num_classes: int) -> np.ndarray:
-    """``(n, C*M*M)`` filled with -1, the mask copied into slot ``cls`` when ``cls > 0``."""
+def expand_class_specific_masks(masks: np.ndarray, class_labels: np.ndarray, num_classes: int,
+                                *, alloc: Any = None) -> np.ndarray:
+    """``(n, C*M*M)`` filled with -1, the mask copied into slot ``cls`` when ``cls > 0``.
+
+    ``alloc(shape, dtype)`` may place the (large) result, e.g. in shared memory.
+    """
     n, m2 = masks.shape
     cls = np.asarray(class_labels).astype(np.int64).reshape(-1)
     if cls.size and cls.max() >= num_classes:
         raise ValueError(f"mask target class {int(cls.max())} is >= MODEL.NUM_CLASSES "
                          f"({num_classes}); set MODEL.NUM_CLASSES to the dataset's class "
                          "count plus one (background)")
-    out = np.full((n, num_classes, m2), -1, dtype=np.int32)
+    if alloc is None:
+        out = np.full((n, num_classes, m2), -1, dtype=np.int32)
+    else:
+        out = alloc((n, num_classes, m2), np.dtype(np.int32))
+        out.fill(-1)
     rows = np.flatnonzero(cls > 0)
     out[rows, cls[rows]] = masks[rows]
     return out.reshape(n, num_classes * m2)
@@ -142,8 +164,13 @@ def _match_boxes(entry: Mapping[str, Any], gt_rows: np.ndarray) -> tuple[list, n
 
 def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarray,
                         entry: Mapping[str, Any], im_scale: float, batch_idx: int,
-                        cfg: Any) -> None:
+                        cfg: Any, *, expand: bool = True) -> None:
     """Add ``mask_rois``, ``roi_has_mask_int32``, ``masks_int32`` for one image.
+
+    With ``expand=False`` the class-specific expansion is left to the caller:
+    ``masks_int32`` stays ``(n, M*M)`` and ``_mask_class_labels`` holds the classes
+    (:func:`~lit_roidata.minibatch.fast_rcnn.add_fast_rcnn_blobs` expands the whole
+    minibatch at once into one array, saving a copy of the largest blob).
 
     Args:
         blobs: the image's Fast R-CNN blobs (``labels_int32`` is read).
@@ -179,7 +206,10 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
         class_labels = np.zeros((take.size,), dtype=np.int32)
         roi_has_mask[take] = 1
     if cfg.MRCNN.CLS_SPECIFIC_MASK:
-        masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
+        if expand:
+            masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
+        else:
+            blobs["_mask_class_labels"] = np.asarray(class_labels, dtype=np.int64)
     rois_fg = rois_fg * im_scale
     batch_col = batch_idx * np.ones((rois_fg.shape[0], 1), dtype=np.float32)
     blobs["mask_rois"] = np.hstack((batch_col, rois_fg)).astype(np.float32, copy=False)
