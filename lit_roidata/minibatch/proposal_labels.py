@@ -22,7 +22,6 @@ share one implementation and give the same blobs for the same proposals and seed
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -30,11 +29,10 @@ import torch
 
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps_torch, bbox_transform_targets_torch
+from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
 from lit_roidata.minibatch.roidb_blob import deserialize_roidb
 
 __all__ = ["proposal_labels", "collect_top_proposals", "merge_proposals"]
-
-logger = logging.getLogger(__name__)
 
 # Per-entry keys carried into the merged entries unchanged.
 _PASS_THROUGH = ("segms", "gt_keypoints", "has_visible_keypoints", "id", "image", "width",
@@ -75,8 +73,6 @@ def proposal_labels(
         ValueError: shapes disagree (``rois`` not ``(N, 5)``, a scale per image missing,
             ``batch_idx`` outside the minibatch).
     """
-    from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
-
     as_numpy = not isinstance(rois, torch.Tensor)
     rois_t = torch.as_tensor(np.asarray(rois)) if as_numpy else rois.detach()
     if isinstance(entries, (np.ndarray, torch.Tensor)):

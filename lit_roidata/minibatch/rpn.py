@@ -17,7 +17,6 @@ anchors into pre-filled arrays, so five FPN levels at 800x1333 cost milliseconds
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
@@ -30,8 +29,6 @@ from lit_roidata.minibatch.names import get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
 __all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS"]
-
-logger = logging.getLogger(__name__)
 
 RPN_BLOB_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
                   "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
