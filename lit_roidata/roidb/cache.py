@@ -75,8 +75,11 @@ def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
         for block in iter(lambda: fh.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    os.makedirs(memo_dir, exist_ok=True)
-    _atomic_write_text(memo, json.dumps({"path": path, "stat": stat_key, "blake2b": digest}))
+    try:  # best effort: a read-only cache directory just means re-hashing next time
+        os.makedirs(memo_dir, exist_ok=True)
+        _atomic_write_text(memo, json.dumps({"path": path, "stat": stat_key, "blake2b": digest}))
+    except OSError as exc:
+        logger.debug("cannot memoise the hash of %s: %s", path, exc)
     return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": digest}
 
 
