@@ -121,7 +121,7 @@ def _worker(root: str) -> None:
 
 
 def test_concurrent_ranks_do_not_race(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("fork")  # two "ranks" racing for the lock
     procs = [ctx.Process(target=_worker, args=(str(tmp_path),)) for _ in range(2)]
     for p in procs:
         p.start()
