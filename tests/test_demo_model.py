@@ -195,3 +195,16 @@ def test_validation_output_feeds_coco_evaluator(real: dict) -> None:
     ev = COCOEvaluator(annotation_files={"demo_val": ann}, print_summary=False)
     m = ev.evaluate(dets, trainer=None)
     assert 0.0 <= m["val/bbox_AP"] <= 1.0 and "val/bbox_AP50" in m
+
+
+def test_cpu_threads_set_in_setup() -> None:
+    from types import SimpleNamespace
+
+    model = DemoFastRCNN(num_classes=C, backbone_width=8, head_dim=32, cpu_threads=2)
+    model._trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    model.setup("fit")
+    assert torch.get_num_threads() == 2
+    model.hparams.cpu_threads = None
+    torch.set_num_threads(1)
+    model.setup("fit")
+    assert torch.get_num_threads() == 1
