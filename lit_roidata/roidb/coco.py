@@ -12,6 +12,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
+from operator import itemgetter, methodcaller
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -111,8 +112,8 @@ def dataset_info_from_categories(name: str, categories: Sequence[dict], *, sourc
 def _column(items: list, key: str, dtype: Any, *, source: str, what: str,
             default: Any = None) -> np.ndarray:
     """``np.array([it[key] for it in items])`` with an error naming the offending record."""
-    get: Callable[[dict], Any] = ((lambda it: it[key]) if default is None
-                                  else (lambda it: it.get(key, default)))
+    get: Callable[[dict], Any] = (itemgetter(key) if default is None
+                                  else methodcaller("get", key, default))
     try:
         return np.fromiter(map(get, items), dtype, len(items))
     except (KeyError, TypeError, ValueError):

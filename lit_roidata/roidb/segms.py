@@ -107,38 +107,50 @@ def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
     """
     g = len(segms)
     kind = np.zeros(g, np.int8)
-    poly_counts = np.zeros(g, np.int64)
     rle_idx = np.full(g, -1, np.int32)
-    polys: list = []
     rle_sizes: list = []
     rle_lists: list = []
     rle_strs: list = []
-    rle_kinds: list = []
-    dropped = missing = 0
-    for i, s in enumerate(segms):
+    # Polygon lists (the bulk) are handled with C-level map/chain, not a Python loop.
+    per_obj = [s if type(s) is list else () for s in segms]
+    others = [i for i, s in enumerate(segms) if type(s) is not list]
+    missing = 0
+    try:
+        obj_counts = np.fromiter(map(len, per_obj), np.int64, g)
+        polys = list(chain.from_iterable(per_obj))
+        plens = np.fromiter(map(len, polys), np.int64, len(polys))
+    except TypeError:
+        bad = next(i for i, s in enumerate(per_obj) if any(not hasattr(p, "__len__") for p in s))
+        raise RoIDBInputError(
+            f"{source}: annotation id {int(ann_ids[bad])} (image id {int(image_ids[bad])}) has "
+            f"a malformed polygon list; expected [[x1, y1, x2, y2, ...], ...]. Fix or remove "
+            f"that annotation.") from None
+    short = plens < 6
+    dropped = int(short.sum())
+    if dropped:
+        owner = np.repeat(np.arange(g), obj_counts)
+        obj_counts = obj_counts - np.bincount(owner[short], minlength=g)
+        polys = [p for p, s_ in zip(polys, short.tolist()) if not s_]
+    poly_counts = obj_counts
+    for i in others:
+        s = segms[i]
+        if s is None:
+            missing += 1
+            continue
         try:
-            if type(s) is list:
-                kept = [p for p in s if len(p) >= 6]
-                dropped += len(s) - len(kept)
-                polys.extend(kept)
-                poly_counts[i] = len(kept)
-            elif s is None:
-                missing += 1
+            counts = s["counts"]
+            h, w = s["size"]
+            rle_idx[i] = len(rle_sizes)
+            rle_sizes.append((int(h), int(w)))
+            if isinstance(counts, list):
+                kind[i] = RLE_LIST
+                rle_lists.append(counts)
+                rle_strs.append(b"")
             else:
-                counts = s["counts"]
-                h, w = s["size"]
-                rle_idx[i] = len(rle_sizes)
-                rle_sizes.append((int(h), int(w)))
-                if isinstance(counts, list):
-                    kind[i] = RLE_LIST
-                    rle_lists.append(counts)
-                    rle_strs.append(b"")
-                else:
-                    kind[i] = RLE_STR
-                    rle_lists.append(())
-                    rle_strs.append(counts.encode("ascii") if isinstance(counts, str)
-                                    else bytes(counts))
-                rle_kinds.append(kind[i])
+                kind[i] = RLE_STR
+                rle_lists.append(())
+                rle_strs.append(counts.encode("ascii") if isinstance(counts, str)
+                                else bytes(counts))
         except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise RoIDBInputError(
                 f"{source}: annotation id {int(ann_ids[i])} (image id {int(image_ids[i])}) has "
