@@ -25,11 +25,15 @@ Example::
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 from jsonargparse import DefaultHelpFormatter
 from pytorch_lightning import LightningDataModule, LightningModule
+from pytorch_lightning.callbacks import OnExceptionCheckpoint
 from pytorch_lightning.cli import LightningCLI
 
 __all__ = ["TOOLS", "RoIDataCLI", "main", "run_tool"]
@@ -46,7 +50,7 @@ TOOLS: dict[str, tuple[str, str]] = {
                        "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
 }
 
-_LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+log = logging.getLogger(__name__)
 
 
 def _tools_epilog() -> str:
@@ -89,15 +93,51 @@ class RoIDataCLI(LightningCLI):
         super().__init__(LightningModule, LightningDataModule, subclass_mode_model=True,
                          subclass_mode_data=True, args=args, run=run, **kwargs)
 
+    def before_fit(self) -> None:
+        """Say which checkpoint an ``OnExceptionCheckpoint`` run resumes from.
+
+        With that callback configured and no ``--ckpt_path``, Lightning resumes from the
+        interrupted run's checkpoint if there is one (so re-running the same command
+        after Ctrl-C continues exactly) and otherwise warns twice that it found none. We
+        log the decision once instead of those warnings.
+        """
+        if self._get(self.config_init, "ckpt_path") is not None:
+            return
+        ft = [cb for cb in self.trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
+        if not ft:
+            return
+        found = [cb.ckpt_path for cb in ft if os.path.isfile(cb.ckpt_path)]
+        if found:
+            log.warning("resuming from the interrupted run's checkpoint %s "
+                        "(OnExceptionCheckpoint); pass --ckpt_path to choose another", found[0])
+        else:
+            log.info("no interrupted-run checkpoint at %s: starting fresh",
+                     ", ".join(cb.ckpt_path for cb in ft))
+        for pattern in (r"`\.fit\(ckpt_path=None\)` was called without a model",
+                        r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint'):
+            warnings.filterwarnings("ignore", message=pattern)
+
 
 def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Any:
     """Build and run the Lightning part of ``lit-roidata`` (returns the CLI object)."""
     return RoIDataCLI(args=args, run=run)
 
 
+def _configure_logging() -> None:
+    """Show this package's INFO messages (roidb build report, skip reports) on stderr."""
+    logger = logging.getLogger("lit_roidata")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point of ``lit-roidata`` (``[project.scripts]`` in pyproject)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    _configure_logging()
     if args and args[0] in TOOLS:
         return run_tool(args[0], args[1:])
     # ``None`` lets LightningCLI read sys.argv itself (it warns when given both).

@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import Counter
-from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 import pytorch_lightning as pl
@@ -37,7 +37,7 @@ from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.minibatch.image import normalize_on_device
 
-__all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader"]
+__all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader", "fork_safe_opencv"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class RoIDataModule(pl.LightningDataModule):
             :meth:`lit_roidata.catalog.Catalog.load_yaml`).
         demo_root: folder of the synthetic demo data; when set, ``prepare_data``
             generates it if missing and every process registers its datasets.
+        demo_size: images per demo dataset, e.g. ``{"demo_train_a": 40}`` (default
+            200 / 100 / 60 for ``demo_train_a`` / ``demo_train_b`` / ``demo_val``).
         infinite: Detectron's endless block stream (train with ``max_steps``) instead
             of epochs of ``len(loader)`` batches.
         fix_rpn_quirks: correct Detectron's RPN label quirks Q2/Q3 (spec §9).
@@ -126,6 +128,7 @@ class RoIDataModule(pl.LightningDataModule):
         data_root: Optional[str] = None,
         dataset_catalog: Optional[str] = None,
         demo_root: Optional[str] = None,
+        demo_size: Optional[dict[str, int]] = None,
         infinite: bool = False,
         fix_rpn_quirks: bool = False,
         eval_ims_per_batch: int = 1,
@@ -205,7 +208,8 @@ class RoIDataModule(pl.LightningDataModule):
             if self.hparams.demo_root is not None:
                 from lit_roidata.demo import register_demo_datasets
 
-                self._demo = register_demo_datasets(self.hparams.demo_root, cat)
+                self._demo = register_demo_datasets(self.hparams.demo_root, cat,
+                                                    num_images=self.hparams.demo_size)
             self._catalog = cat
         return self._catalog
 
@@ -218,11 +222,11 @@ class RoIDataModule(pl.LightningDataModule):
         """
         from lit_roidata.roidb import combined_roidb_for_training, roidb_for_evaluation
 
-        if self.hparams.demo_root is not None:
-            from lit_roidata.demo import ensure_demo_data
-
-            ensure_demo_data(self.hparams.demo_root)
-        catalog = self.catalog()  # identical in every process: setup() builds it too
+        # Generates the demo data if asked (file-locked, idempotent); every process
+        # builds the same catalog again in setup().
+        catalog = self.catalog()
+        if self._demo is not None:
+            _add_missing_demo_keypoints(catalog, self._demo)
         names, props = self._datasets("train")
         if names:
             combined_roidb_for_training(list(names), list(props), self.cfg,
@@ -261,7 +265,7 @@ class RoIDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------ dataloaders
     def _rank_world(self) -> tuple[int, int]:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 1
         return int(trainer.global_rank), int(trainer.world_size)
@@ -321,7 +325,9 @@ class RoIDataModule(pl.LightningDataModule):
         sampler = self.make_sampler()
         dataset = self.make_dataset(sampler=sampler)
         nw = int(self.hparams.num_workers)
-        self._train_loader = _TrainLoader(
+        if nw > 0:
+            fork_safe_opencv()
+        self._train_loader = StatefulRoIDataLoader(
             dataset, sampler, num_workers=nw, pin_memory=bool(self.hparams.pin_memory),
             persistent_workers=False, prefetch_factor=None if nw == 0 else 2,
             inflight=self._batches_in_flight, on_pass_end=self.report_skips)
@@ -334,7 +340,7 @@ class RoIDataModule(pl.LightningDataModule):
         ``ready`` but not ``processed`` and will not replay it, so the checkpoint
         written then (``OnExceptionCheckpoint``) must put the stream back before it.
         """
-        trainer = getattr(self, "_trainer", None)
+        trainer = getattr(self, "trainer", None)
         if trainer is None or not trainer.training:
             return 0
         prog = trainer.fit_loop.epoch_loop.batch_progress.total
@@ -345,6 +351,8 @@ class RoIDataModule(pl.LightningDataModule):
             return []
         rank, world = self._rank_world()
         with_rois = bool(self._datasets(split)[1])
+        if self.hparams.num_workers > 0:
+            fork_safe_opencv()
         return EvalLoader(roidb, self.cfg, rank=rank, world_size=world,
                           ims_per_batch=int(self.hparams.eval_ims_per_batch),
                           pixel_format=self.hparams.pixel_format, with_rois=with_rois,
@@ -415,42 +423,46 @@ class RoIDataModule(pl.LightningDataModule):
         self._skipped = Counter(state_dict.get("skipped", {}))
 
 
-class _TrainLoader(StatefulRoIDataLoader):
-    """The stateful loader plus two things only the data module knows about.
+def fork_safe_opencv() -> None:
+    """Stop OpenCV's thread pool in this process before DataLoader workers fork.
 
-    * ``inflight()``: batches the loop took but did not train on; a checkpoint written
-      after an exception then saves the position *before* that batch, so a resume
-      trains on exactly the batches an uninterrupted run would have.
-    * ``on_pass_end()``: called when a pass of the stream ends (skip reports).
+    A worker forked while the parent's pool exists inherits its locks but not its
+    threads, and its first ``cv2.setNumThreads`` (the workers set 1) then waits forever.
+    The parent's pool is started by any earlier multi-threaded OpenCV call (demo data
+    generation, ``num_workers=0`` loading, the tools), so it is shut down here; the main
+    process then runs OpenCV single-threaded, which costs nothing when workers decode.
     """
+    import cv2
 
-    def __init__(self, *args: Any, inflight: Callable[[], int],
-                 on_pass_end: Callable[[], Any], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._inflight = inflight
-        self._on_pass_end = on_pass_end
-        self._before: Optional[tuple[int, int]] = None
+    if cv2.getNumThreads() != 1:
+        cv2.setNumThreads(1)
 
-    def _generate(self) -> Iterator[Any]:
-        inner = super()._generate()
-        while True:
-            before = self._pos
-            try:
-                batch = next(inner)
-            except StopIteration:
-                self._on_pass_end()
-                return
-            self._before = before
-            if self.batch_sampler.infinite and self._pos[0] != self.batch_sampler.normalize(*before)[0]:
-                self._on_pass_end()
-            yield batch
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self._before is not None and self._inflight() > 0:
-            state = dict(state, sampler=self.batch_sampler.state_at(*self._before),
-                         consumed_batches=max(0, state["consumed_batches"] - 1))
-        return state
+def _add_missing_demo_keypoints(catalog: Any, demo: Any) -> None:
+    """Give the demo's non-person objects all-zero keypoints, as COCO's keypoint files do.
+
+    The roidb builder (rightly, spec Q23) refuses a keypoint dataset with annotations
+    that lack ``keypoints``; the demo generator writes shapes without them. A no-op once
+    the files are complete; rewritten atomically otherwise.
+    """
+    import json
+    import os
+
+    for name in (*demo.train_datasets, *demo.val_datasets):
+        path = catalog.get(name).annotation_file
+        with open(path) as f:
+            coco = json.load(f)
+        kp_cats = [c for c in coco.get("categories", []) if c.get("keypoints")]
+        missing = [a for a in coco.get("annotations", []) if "keypoints" not in a]
+        if not kp_cats or not missing:
+            continue
+        for ann in missing:
+            ann["keypoints"] = [0] * (3 * len(kp_cats[0]["keypoints"]))
+            ann.setdefault("num_keypoints", 0)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(coco, f)
+        os.replace(tmp, path)
 
 
 def _image_sizes(batch: Mapping[str, Any]) -> Any:

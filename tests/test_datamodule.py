@@ -1,0 +1,192 @@
+"""RoIDataModule: config assembly, dataloaders, evaluation batches, Trainer fit/resume."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lit_roidata import RoIDataModule
+from lit_roidata.datamodule import EvalLoader
+from lit_roidata.minibatch import get_minibatch_blob_names
+
+from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: Any) -> Path:
+    return shared_root(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def dm(root: Path) -> RoIDataModule:
+    dm = RoIDataModule(**dm_kwargs(root))
+    dm.prepare_data()
+    dm.setup("fit")
+    return dm
+
+
+# ---------------------------------------------------------------------------- config
+def test_config_precedence_yaml_then_model_type_then_overrides(tmp_path: Path) -> None:
+    y = tmp_path / "detectron.yaml"
+    y.write_text("MODEL:\n  FASTER_RCNN: True\n  NUM_CLASSES: 81\nTRAIN:\n  SCALES: (500,)\n"
+                 "  DATASETS: ('coco_2014_train',)\nTEST:\n  DATASETS: ('coco_2014_minival',)\n")
+    dm = RoIDataModule(detectron_config=str(y))
+    assert dm.cfg.RPN.RPN_ON and dm.cfg.TRAIN.SCALES == (500,) and dm.cfg.MODEL.NUM_CLASSES == 81
+    dm = RoIDataModule(detectron_config=str(y), model_type="fast_rcnn",
+                       overrides={"TRAIN.SCALES": [600, 700], "MODEL": {"NUM_CLASSES": 3}})
+    assert not dm.cfg.RPN.RPN_ON and not dm.cfg.MODEL.FASTER_RCNN
+    assert dm.cfg.TRAIN.SCALES == (600, 700) and dm.cfg.MODEL.NUM_CLASSES == 3
+    assert dm.seed == dm.cfg.RNG_SEED == 3
+    assert RoIDataModule(seed=11).seed == 11
+    # Dataset names fall back to the Detectron file; test falls back to val.
+    assert dm._datasets("train") == (("coco_2014_train",), ())
+    assert dm._datasets("val") == (("coco_2014_minival",), ())
+    assert dm._datasets("test") == (("coco_2014_minival",), ())
+    assert dm.hparams.detectron_config == str(y)
+
+
+def test_bad_arguments_fail_with_clear_errors() -> None:
+    with pytest.raises(ValueError, match="num_workers"):
+        RoIDataModule(num_workers=-1)
+    with pytest.raises(ValueError, match="model_type"):
+        RoIDataModule(model_type="yolo")  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match="TRAIN.SCALE"):
+        RoIDataModule(overrides={"TRAIN.SCALE": [800]})
+    dm = RoIDataModule(train_datasets=["a", "b"], train_proposal_files=["p.pkl"])
+    with pytest.raises(ValueError, match="one proposal file per dataset"):
+        dm._datasets("train")
+    with pytest.raises(ValueError, match="no training datasets"):
+        RoIDataModule().setup("fit")
+
+
+# ------------------------------------------------------------------------ train batches
+def test_demo_defaults_and_train_batches(dm: RoIDataModule) -> None:
+    names, props = dm._datasets("train")
+    assert names == ("demo_train_a", "demo_train_b") and len(props) == 2
+    assert dm._datasets("val")[0] == ("demo_val",)
+    loader = dm.train_dataloader()
+    assert len(loader) == len(dm.make_sampler()) > 0
+    batch = next(iter(loader))
+    assert list(batch)[:-1] == get_minibatch_blob_names(dm.cfg) and list(batch)[-1] == "_meta"
+    data = batch["data"]
+    assert data.dtype == torch.uint8 and data.shape[0] == dm.cfg.TRAIN.IMS_PER_BATCH
+    out = dm.on_after_batch_transfer(dict(batch), 0)
+    assert out["data"].dtype == torch.float32
+    # Same block in Detectron's float pixel format: same layout and padding, pixels within
+    # one grey level (uint8 vs float resize kernel).
+    ref = dm.make_dataset(pixel_format="detectron", sampler=dm.make_sampler())
+    block = next(iter(dm.make_sampler()))
+    mine = dm.on_after_batch_transfer(dm.make_dataset().__getitems__(block), 0)["data"]
+    theirs = ref.__getitems__(block)["data"]
+    theirs = torch.as_tensor(theirs)
+    assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+    assert torch.equal(mine == 0, theirs == 0) or (mine - theirs).abs().max() <= 1.0 + 1e-4
+    assert (mine - theirs).abs().max() <= 1.0 + 1e-4 and (mine - theirs).abs().mean() < 0.5
+
+
+def test_rank_and_world_size_split_the_stream(dm: RoIDataModule) -> None:
+    whole = [list(b) for b in dm.make_sampler(world_size=1, rank=0)]
+    parts = [[list(b) for b in dm.make_sampler(world_size=2, rank=r)] for r in (0, 1)]
+    n = len(parts[0])
+    assert len(parts[1]) == n
+    assert [b for k in range(n) for b in (parts[0][k], parts[1][k])] == whole[:2 * n]
+
+
+# ---------------------------------------------------------------------- eval batches
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_eval_loader_covers_every_image_once_in_order(dm: RoIDataModule, world: int) -> None:
+    roidb = dm.val_roidb
+    limit = dm.cfg.TEST["PROPOSAL_LIMIT"]
+    seen: list[int] = []
+    lengths = []
+    for rank in range(world):
+        loader = EvalLoader(roidb, dm.cfg, rank=rank, world_size=world, ims_per_batch=2,
+                            with_rois=True)
+        lengths.append(sum(len(b) for b in loader.batches))
+        for batch in loader:
+            meta = batch["_meta"]
+            seen += meta["indices"]
+            for b, (i, s) in enumerate(zip(meta["indices"], meta["im_scales"])):
+                e = roidb[i]
+                assert not e["flipped"] and meta["image_ids"][b] == e["id"]
+                assert meta["heights"][b] == e["height"] and meta["widths"][b] == e["width"]
+                np.testing.assert_allclose(batch["im_info"][b].numpy(),
+                                           [round(e["height"] * s), round(e["width"] * s), s],
+                                           rtol=1e-6)
+                props = e["boxes"][e["gt_classes"] == 0][:limit]
+                rows = batch["rois"][batch["rois"][:, 0] == b]
+                np.testing.assert_allclose(rows[:, 1:].numpy(), props * np.float32(s), rtol=1e-6)
+                h, w = batch["_meta"]["image_sizes"][b].tolist()
+                assert (h, w) == (round(e["height"] * s), round(e["width"] * s))
+    assert seen == list(range(len(roidb)))  # contiguous shards: rank order is roidb order
+    assert max(lengths) - min(lengths) <= 1
+
+
+def test_eval_without_proposals_has_no_rois(dm: RoIDataModule) -> None:
+    batch = next(iter(EvalLoader(dm.val_roidb, dm.cfg, with_rois=False)))
+    assert "rois" not in batch and batch["data"].dtype == torch.uint8
+
+
+# ---------------------------------------------------------------------- Trainer runs
+class _Recorder(pl.Callback):
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.trained: list[list[int]] = []
+        self.fail_at = fail_at
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.fail_at is not None and trainer.global_step == self.fail_at:
+            raise RuntimeError("simulated failure inside the training step")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.trained.append(list(batch["_meta"]["indices"]))
+
+
+def _trainer(tmp: Path, steps: int, callbacks: list, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp), num_sanity_val_steps=0,
+                      limit_val_batches=0, callbacks=callbacks, **kw)
+
+
+def _model() -> Any:
+    from lit_roidata.demo import DemoFastRCNN
+
+    return DemoFastRCNN(**TINY_MODEL)
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+def test_fit_without_warnings_and_resume_after_an_exception(
+        root: Path, tmp_path: Path, infinite: bool) -> None:
+    """A failure inside step 3 → OnExceptionCheckpoint → resume: the batches trained
+    after the resume are exactly those an uninterrupted run trains (the failed one too),
+    and a normal run raises no Lightning warning about samplers or resuming."""
+    kw = dm_kwargs(root, num_workers=1, infinite=infinite)
+    steps = 6
+    full = _Recorder()
+    pl.seed_everything(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path / "a", steps, [full]).fit(_model(), datamodule=RoIDataModule(**kw))
+    ours = [w for w in caught if "lit_roidata" in w.filename or any(
+        s in str(w.message).lower() for s in ("sampler", "resum", "dataloader", "worker"))]
+    assert not ours, [str(w.message) for w in ours]
+    assert len(full.trained) == steps
+
+    crash = _Recorder(fail_at=3)
+    ckpt_dir = tmp_path / "exc"
+    on_exc = pl.callbacks.OnExceptionCheckpoint(dirpath=str(ckpt_dir))
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        _trainer(tmp_path / "b", steps, [crash, on_exc]).fit(_model(),
+                                                               datamodule=RoIDataModule(**kw))
+    assert crash.trained == full.trained[:3]
+    resumed = _Recorder()
+    _trainer(tmp_path / "c", steps, [resumed]).fit(
+        _model(), datamodule=RoIDataModule(**kw), ckpt_path=str(ckpt_dir / "on_exception.ckpt"))
+    assert crash.trained + resumed.trained == full.trained

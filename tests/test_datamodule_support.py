@@ -1,0 +1,120 @@
+"""Shared helpers for the data-module, CLI, tool and SIGINT tests (no tests here).
+
+Everything runs on a tiny demo (44 images, 64-96 px, a very small model) so that the
+Trainer, DDP and CLI tests fit CI on 2 cores. The demo data and the roidb caches live in
+one folder per pytest session, shared by all these test files (both are built once,
+under file locks, and reused).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+SMALL_DEMO = {"demo_train_a": 24, "demo_train_b": 12, "demo_val": 8}
+TINY_OVERRIDES = {
+    "MODEL.NUM_CLASSES": 5,
+    "TRAIN.SCALES": [64, 80, 96],
+    "TRAIN.MAX_SIZE": 128,
+    "TRAIN.BATCH_SIZE_PER_IM": 16,
+    "TEST.SCALE": 80,
+    "TEST.MAX_SIZE": 128,
+    "TEST.PROPOSAL_LIMIT": 40,
+}
+TINY_MODEL = {"num_classes": 5, "backbone_width": 8, "head_dim": 32, "warmup_iters": 2,
+              "lr": 0.01}
+
+
+def shared_root(tmp_path_factory: Any) -> Path:
+    """One folder per pytest session holding the demo data and roidb caches."""
+    root = Path(tmp_path_factory.getbasetemp()) / "lit_roidata_tiny_demo"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def dm_kwargs(root: Path, **changes: Any) -> dict[str, Any]:
+    """``RoIDataModule`` arguments for the tiny demo under ``root``."""
+    kw: dict[str, Any] = dict(demo_root=str(root / "data"), demo_size=dict(SMALL_DEMO),
+                              cache_dir=str(root / "cache"), model_type="fast_rcnn",
+                              overrides=dict(TINY_OVERRIDES), num_workers=0)
+    kw.update(changes)
+    return kw
+
+
+def tiny_config(root: Path, out: Path, *, trainer: dict | None = None, data: dict | None = None,
+                model: dict | None = None, callbacks: list | None = None,
+                drop_callbacks: tuple[str, ...] = ()) -> Path:
+    """configs/demo.yaml shrunk to the tiny demo, written to ``out`` (returns its path)."""
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg = copy.deepcopy(cfg)
+    t = cfg["trainer"]
+    t.update({"max_steps": 4, "val_check_interval": 4, "log_every_n_steps": 1,
+              "default_root_dir": str(out.parent / "runs"), "enable_model_summary": False})
+    kept = []
+    for cb in t.get("callbacks", []):
+        name = cb["class_path"].rsplit(".", 1)[-1]
+        if name in drop_callbacks:
+            continue
+        if name == "OnExceptionCheckpoint":
+            cb["init_args"]["dirpath"] = str(out.parent / "interrupted")
+        if name == "ModelCheckpoint":
+            cb["init_args"]["dirpath"] = str(out.parent / "checkpoints")
+        kept.append(cb)
+    t["callbacks"] = kept + list(callbacks or [])
+    t.update(trainer or {})
+    d = cfg["data"]["init_args"]
+    d.update(dm_kwargs(root))
+    d.update(data or {})
+    cfg["model"]["init_args"].update(TINY_MODEL)
+    cfg["model"]["init_args"].update(model or {})
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None
+            ) -> subprocess.CompletedProcess:
+    """``lit-roidata ARGS`` in a subprocess (``python -m lit_roidata.cli``)."""
+    return subprocess.run([sys.executable, "-m", "lit_roidata.cli", *args], cwd=cwd or REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+class IndexRecorder(pl.Callback):
+    """Append the roidb indices of every *trained* batch to ``<path>.rank<r>`` (jsonl)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        meta = batch["_meta"]
+        rec = {"step": int(trainer.global_step), "indices": [int(i) for i in meta["indices"]],
+               "pass": int(meta["pass_index"]), "block": int(meta["block_index"])}
+        with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+
+def read_records(path: Path, rank: int = 0) -> list[dict]:
+    p = Path(f"{path}.rank{rank}")
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
