@@ -241,7 +241,8 @@ class COCOEvaluator(pl.Callback):
             raise RuntimeError(f"COCO evaluation failed on rank 0: {error}")
         self.last_metrics = dict(metrics)
         for key, value in metrics.items():
-            pl_module.log(key, float(value), rank_zero_only=False, sync_dist=False)
+            # equal on every rank (broadcast above); sync_dist keeps Lightning content
+            pl_module.log(key, float(value), sync_dist=True)
 
     def evaluate(self, detections: Sequence[Mapping[str, Any]], *, prefix: str = "val",
                  trainer: Optional[pl.Trainer] = None) -> dict[str, float]:
