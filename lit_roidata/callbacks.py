@@ -319,7 +319,7 @@ class BroadcastParameters(pl.Callback):
                 blobs = load_weights_file(self.weights)
                 self.report = load_weights_into(module, blobs, name_map=self.name_map,
                                                 strict=self.strict, source=str(self.weights))
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
                 error = e
         if _distributed():  # tell the other ranks, so they fail too instead of hanging
             box = [None if error is None else (type(error).__name__, str(error))]

@@ -228,6 +228,11 @@ class COCOEvaluator(pl.Callback):
             dets = [d for part in gathered for d in part]
         metrics: dict[str, float] = {}
         error: Optional[str] = None
+        if not dets and trainer.global_rank == 0:
+            log.warning("COCOEvaluator: no detections were returned during %s; the model's "
+                        "%s_step must return {'detections': [per-image dict, ...]} (see "
+                        "lit_roidata.evaluation)", prefix, "validation" if prefix == "val"
+                        else "test")
         if trainer.global_rank == 0:
             try:
                 metrics = self.evaluate(dets, prefix=prefix, trainer=trainer)

@@ -161,3 +161,21 @@ def test_callback_in_trainer(tmp_path: Path) -> None:
     trainer.validate(_Oracle(_perfect(anns)), dataloaders=loader, verbose=False)
     assert trainer.callback_metrics["val/bbox_AP"].item() == pytest.approx(1.0)
     assert ev.last_metrics["val/bbox_AP50"] == pytest.approx(1.0)
+
+
+class _Silent(_Oracle):
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        return None
+
+
+def test_callback_warns_without_detections(tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    ann_file, _ = _tiny_coco(tmp_path)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[COCOEvaluator(annotation_files={"tiny": ann_file})])
+    loader = torch.utils.data.DataLoader(torch.arange(2), batch_size=1)
+    with caplog.at_level("WARNING", logger="lit_roidata.evaluation"):
+        trainer.validate(_Silent([]), dataloaders=loader, verbose=False)
+    assert "no detections were returned" in caplog.text
+    assert "val/bbox_AP" not in trainer.callback_metrics
