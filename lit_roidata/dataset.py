@@ -29,6 +29,7 @@ import torch.utils.data
 from lit_roidata.minibatch.core import build_minibatch
 from lit_roidata.minibatch.decode import BadImageError, dataset_name
 from lit_roidata.minibatch.image import PIXEL_FORMATS
+from lit_roidata.minibatch.transport import packed
 from lit_roidata.rng import RNG, block_rng
 
 __all__ = ["RoIBlockDataset", "rebuild_block", "make_block"]
@@ -262,7 +263,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
         meta["im_info"] = torch.from_numpy(out.image.im_info)
         blobs["_meta"] = meta
-        return blobs
+        # In a worker: one shared buffer for all small tensors instead of ~30 segments.
+        return packed(blobs) if _in_worker() else blobs
 
 
 def rebuild_block(roidb: Sequence[Mapping[str, Any]], cfg: Any, indices: Sequence[int], *,
