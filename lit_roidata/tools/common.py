@@ -1,0 +1,51 @@
+"""Shared argument handling of the data tools: the ``data:`` section of a CLI config."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+from pytorch_lightning import LightningDataModule
+
+__all__ = ["tool_parser", "data_module_from", "console"]
+
+# Top-level keys of a LightningCLI config that the tools accept and ignore.
+_IGNORED = ("trainer", "model", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler")
+
+
+def tool_parser(prog: str, description: str) -> ArgumentParser:
+    """A parser with ``--config`` and ``--data`` (class path + ``--data.init_args.*``)."""
+    parser = ArgumentParser(prog=f"lit-roidata {prog}", description=description,
+                            exit_on_error=True)
+    parser.add_argument("-c", "--config", action=ActionConfigFile,
+                        help="a lit-roidata YAML config (its data: section is used)")
+    parser.add_subclass_arguments(LightningDataModule, "data", required=True,
+                                  help="the data module (class_path + init_args)")
+    for key in _IGNORED:
+        parser.add_argument(f"--{key}", type=Optional[Any], default=None,
+                            help="(ignored by the tools)")
+    return parser
+
+
+def data_module_from(parser: ArgumentParser, argv: Sequence[str]) -> tuple[Any, Any]:
+    """Parse ``argv``; return ``(namespace, RoIDataModule instance)``.
+
+    Raises:
+        SystemExit: bad arguments (jsonargparse's message), or a data module that is
+            not a :class:`lit_roidata.RoIDataModule`.
+    """
+    from lit_roidata.datamodule import RoIDataModule
+
+    cfg = parser.parse_args(list(argv))
+    init = parser.instantiate_classes(cfg)
+    dm = init.data
+    if not isinstance(dm, RoIDataModule):
+        parser.error(f"data: the tools need a lit_roidata.RoIDataModule, got "
+                     f"{type(dm).__name__}")
+    return cfg, dm
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=False)

@@ -1,0 +1,204 @@
+"""``lit-roidata inspect``: look at the training data before training on it.
+
+Prints a roidb statistics table (rich) per dataset (entries, flips, orientations, gt
+boxes, crowd regions, proposals and keypoints per image, classes, and the build
+report's drop counts), then writes PNG files to ``--out``:
+
+* ``histograms.png``: aspect ratios, the image scales Detectron's ``TRAIN.SCALES`` /
+  ``TRAIN.MAX_SIZE`` rule gives, gt boxes and proposals per image;
+* ``minibatch_<k>.png``: the first minibatches of the training stream as the workers
+  build them, with gt boxes, masks (polygons and crowd RLE), visible keypoints and the
+  sampled RoIs (foreground green, background red) drawn in the network-input frame.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from lit_roidata.tools.common import console, data_module_from, tool_parser
+
+__all__ = ["main", "roidb_stats", "plot_histograms", "plot_minibatch"]
+
+_MAX_STAT_ENTRIES = 20000  # per-entry statistics use an even sample above this
+
+
+def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, dict[str, Any]]:
+    """Per-dataset statistics of ``roidb`` (see the module docstring)."""
+    n = len(roidb)
+    idx = np.arange(n) if n <= max_entries else np.linspace(0, n - 1, max_entries).astype(int)
+    horz = np.asarray(roidb.widths) >= np.asarray(roidb.heights)
+    stats: dict[str, dict[str, Any]] = {}
+    for i in idx:
+        e = roidb[int(i)]
+        name = roidb.dataset_of(int(i))
+        s = stats.setdefault(name, {"entries": 0, "flipped": 0, "horizontal": 0, "gt": [],
+                                    "crowd": 0, "proposals": [], "kp_images": 0, "classes": {}})
+        gt = np.asarray(e["gt_classes"]) > 0
+        crowd = np.asarray(e["is_crowd"], bool)
+        s["entries"] += 1
+        s["flipped"] += bool(e["flipped"])
+        s["horizontal"] += bool(horz[i])
+        s["gt"].append(int((gt & ~crowd).sum()))
+        s["crowd"] += int((gt & crowd).sum())
+        s["proposals"].append(int((~gt).sum()))
+        s["kp_images"] += bool(e.get("has_visible_keypoints", False))
+        classes = e["dataset"].classes
+        for c in np.asarray(e["gt_classes"])[gt & ~crowd]:
+            s["classes"][classes[int(c)]] = s["classes"].get(classes[int(c)], 0) + 1
+    for s in stats.values():
+        s["sampled"] = n > max_entries
+    return stats
+
+
+def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    con = console()
+    table = Table(title=f"roidb: {len(roidb)} entries ({roidb.path})")
+    for col in ("dataset", "entries", "flipped", "horiz/vert", "gt boxes/img", "crowd",
+                "proposals/img", "kp images"):
+        table.add_column(col, justify="right" if col != "dataset" else "left")
+    for name, s in stats.items():
+        gt, pr = np.asarray(s["gt"]), np.asarray(s["proposals"])
+        table.add_row(name + (" (sampled)" if s["sampled"] else ""), str(s["entries"]),
+                      str(s["flipped"]), f"{s['horizontal']}/{s['entries'] - s['horizontal']}",
+                      f"{gt.mean():.2f} (max {gt.max()})", str(s["crowd"]),
+                      f"{pr.mean():.1f} ({pr.min()}-{pr.max()})", str(s["kp_images"]))
+    con.print(table)
+    classes = Table(title="gt boxes per class (non-crowd)")
+    classes.add_column("dataset")
+    classes.add_column("class")
+    classes.add_column("boxes", justify="right")
+    for name, s in stats.items():
+        for c, k in sorted(s["classes"].items(), key=lambda kv: -kv[1]):
+            classes.add_row(name, c, str(k))
+    con.print(classes)
+    report = getattr(roidb, "report", None)
+    if report:
+        con.print("build report:", report)
+
+
+def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path: str) -> None:
+    """Aspect ratios, Detectron image scales, gt boxes and proposals per image."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w, h = np.asarray(roidb.widths, float), np.asarray(roidb.heights, float)
+    short, long_ = np.minimum(w, h), np.maximum(w, h)
+    scales = []
+    for target in cfg.TRAIN.SCALES:
+        s = target / short
+        s = np.where(np.round(s * long_) > cfg.TRAIN.MAX_SIZE, cfg.TRAIN.MAX_SIZE / long_, s)
+        scales.append(s)
+    gt = np.concatenate([np.asarray(s["gt"]) for s in stats.values()])
+    props = np.concatenate([np.asarray(s["proposals"]) for s in stats.values()])
+    fig, ax = plt.subplots(2, 2, figsize=(11, 8))
+    ax[0, 0].hist(w / h, bins=50)
+    ax[0, 0].axvline(1.0, color="k", ls="--", lw=1)
+    ax[0, 0].set_title("aspect ratio w/h (>= 1: horizontal group)")
+    ax[0, 1].hist(np.concatenate(scales), bins=50)
+    ax[0, 1].set_title(f"im_scale (TRAIN.SCALES={list(cfg.TRAIN.SCALES)}, "
+                       f"MAX_SIZE={cfg.TRAIN.MAX_SIZE})")
+    ax[1, 0].hist(gt, bins=np.arange(gt.max() + 2) - 0.5)
+    ax[1, 0].set_title("gt boxes per image (non-crowd)")
+    ax[1, 1].hist(props, bins=50)
+    ax[1, 1].set_title("proposals per image")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> None:
+    """Draw one minibatch (uint8 or float ``data``) with its targets; save a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Polygon, Rectangle
+
+    meta = blobs["_meta"]
+    data = np.asarray(blobs["data"])
+    sizes = np.asarray(meta["image_sizes"])
+    rois = np.asarray(blobs["rois"]) if "rois" in blobs else np.zeros((0, 5))
+    labels = np.asarray(blobs["labels_int32"]) if "labels_int32" in blobs else np.zeros(len(rois))
+    fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 6), squeeze=False)
+    for b, (ax, e) in enumerate(zip(axes[0], entries)):
+        h, w = (int(v) for v in sizes[b])
+        im = data[b, :, :h, :w].transpose(1, 2, 0).astype(np.float32)
+        if data.dtype != np.uint8:  # Detectron float blob: add the means back
+            im = im + np.asarray(e.get("_pixel_means", (102.9801, 115.9465, 122.7717)))
+        ax.imshow(np.clip(im[:, :, ::-1], 0, 255).astype(np.uint8))
+        s = float(meta["im_scales"][b])
+        sel = rois[:, 0] == b
+        for r, lab in zip(rois[sel], labels[sel]):
+            fg = lab > 0
+            ax.add_patch(Rectangle((r[1], r[2]), r[3] - r[1], r[4] - r[2], fill=False,
+                                   lw=0.8 if fg else 0.4, alpha=0.9 if fg else 0.35,
+                                   ec="lime" if fg else "red"))
+        _draw_gt(ax, e, s, Polygon, Rectangle)
+        ax.set_title(f"id {e['id']}{' (flipped)' if e['flipped'] else ''} scale {s:.3f}",
+                     fontsize=9)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _draw_gt(ax: Any, e: Any, s: float, Polygon: Any, Rectangle: Any) -> None:
+    import pycocotools.mask as mask_util
+
+    gt = np.flatnonzero(np.asarray(e["gt_classes"]) > 0)
+    classes = e["dataset"].classes
+    crowd = np.asarray(e["is_crowd"], bool)
+    for j, row in enumerate(gt):
+        x1, y1, x2, y2 = np.asarray(e["boxes"][row], float) * s
+        ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, lw=1.5,
+                               ec="orange" if crowd[row] else "yellow"))
+        ax.text(x1, y1, classes[int(e["gt_classes"][row])], color="yellow", fontsize=7)
+        segm = e["segms"][j] if j < len(e["segms"]) else None
+        if isinstance(segm, list):
+            for poly in segm:
+                xy = np.asarray(poly, float).reshape(-1, 2) * s
+                ax.add_patch(Polygon(xy, closed=True, fill=True, alpha=0.35, fc="cyan", ec="cyan", lw=1, zorder=3))
+        elif isinstance(segm, dict):
+            rle = segm if isinstance(segm.get("counts"), (bytes, str)) else \
+                mask_util.frPyObjects(segm, *segm["size"])
+            m = mask_util.decode(rle).astype(float)
+            H, W = m.shape
+            ax.imshow(np.ma.masked_equal(m, 0), cmap="autumn", alpha=0.4,
+                      extent=(-0.5 * s, (W - 0.5) * s, (H - 0.5) * s, -0.5 * s))
+    kps = e.get("gt_keypoints") if "gt_keypoints" in e else None
+    if kps is not None and len(kps):
+        for k in np.asarray(kps):
+            vis = k[2] > 0
+            ax.scatter(k[0][vis] * s, k[1][vis] * s, s=6, c="magenta")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = tool_parser("inspect", __doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="inspect_out", help="folder for the PNG files")
+    parser.add_argument("--num_batches", type=int, default=3, help="minibatch pictures")
+    cfg, dm = data_module_from(parser, argv or ())
+    dm.prepare_data()
+    dm.setup("fit")
+    roidb = dm.train_roidb
+    stats = roidb_stats(roidb)
+    _print_stats(roidb, stats)
+    os.makedirs(cfg.out, exist_ok=True)
+    written = [os.path.join(cfg.out, "histograms.png")]
+    plot_histograms(roidb, dm.cfg, stats, written[0])
+    if dm.hparams.output_format == "detectron":
+        sampler = dm.make_sampler(rank=0, world_size=1)
+        dataset = dm.make_dataset(sampler=sampler, pixel_format="uint8")
+        for k, block in zip(range(cfg.num_batches), sampler):
+            blobs = dataset.__getitems__(block)
+            entries = [roidb[int(i)] for i in blobs["_meta"]["indices"]]
+            written.append(os.path.join(cfg.out, f"minibatch_{k}.png"))
+            plot_minibatch(blobs, entries, written[-1])
+    console().print("wrote " + ", ".join(written))
+    return 0
