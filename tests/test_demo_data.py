@@ -9,6 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 from pycocotools.coco import COCO
 
 from lit_roidata.boxes import bbox_overlaps
@@ -171,3 +174,17 @@ def test_rle_uncompressed_roundtrip() -> None:
         assert sum(rle["counts"]) == m.size
         back = mask_utils.decode(mask_utils.frPyObjects(rle, 7, 5))
         np.testing.assert_array_equal(back, m)
+
+
+
+
+@settings(deadline=None, max_examples=50)
+@given(hnp.arrays(np.uint8, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=12),
+                  elements=st.integers(0, 1)))
+def test_rle_uncompressed_property(m: np.ndarray) -> None:
+    from pycocotools import mask as mask_utils
+
+    rle = rle_uncompressed(m)
+    assert sum(rle["counts"]) == m.size and all(c >= 0 for c in rle["counts"])
+    back = mask_utils.decode(mask_utils.frPyObjects(rle, *m.shape))
+    np.testing.assert_array_equal(back, m)

@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytorch_lightning as pl
 import torch
 from pycocotools import mask as mask_utils
@@ -179,3 +181,24 @@ def test_callback_warns_without_detections(tmp_path: Path,
         trainer.validate(_Silent([]), dataloaders=loader, verbose=False)
     assert "no detections were returned" in caplog.text
     assert "val/bbox_AP" not in trainer.callback_metrics
+
+
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.lists(st.tuples(st.floats(0, 500), st.floats(0, 500), st.floats(0, 300),
+                          st.floats(0, 300), st.floats(0, 1), st.integers(1, 4)),
+                max_size=20))
+def test_results_roundtrip_property(rows: list) -> None:
+    """xywh -> x1y1x2y2 (+1) gives the input back; every label maps to its json id."""
+    c2j = {1: 1, 2: 3, 3: 7, 4: 12}
+    boxes = np.array([[x, y, x + w, y + h] for x, y, w, h, _, _ in rows]).reshape(-1, 4)
+    det = {"image_id": 1, "boxes": boxes, "scores": [r[4] for r in rows],
+           "labels": [r[5] for r in rows]}
+    res = detections_to_coco_results([det], c2j)
+    assert len(res) == len(rows)
+    for r, (x, y, w, h, s, lab), b in zip(res, rows, boxes):
+        bx, by, bw, bh = r["bbox"]
+        np.testing.assert_allclose([bx, by, bx + bw - 1, by + bh - 1], b, atol=2e-3)
+        assert bw == pytest.approx(w + 1, abs=1e-3) and r["category_id"] == c2j[lab]
+        assert r["score"] == pytest.approx(s)
