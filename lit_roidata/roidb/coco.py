@@ -307,6 +307,10 @@ def _keypoints(anns: list, order: np.ndarray, k: int, path: str, ann_ids: np.nda
             f"{path}: annotation id {int(ann_ids[j])} (image id {int(img_ids[j])}) has "
             f"{int(lens[j])} keypoint values, expected 3 x {k} = {3 * k} ({bad.size} such "
             f"annotations). Fix the 'keypoints' lists.")
-    flat = np.fromiter(chain.from_iterable(kps), np.float64, 3 * k * len(kps))
-    # (G, K, 3) -> (G, 3, K); float -> int32 truncates toward zero, like Detectron.
+    n = 3 * k * len(kps)
+    try:  # integer fast path; Python floats are truncated toward zero, like Detectron
+        flat = np.fromiter(chain.from_iterable(kps), np.int64, n)
+    except (TypeError, ValueError, OverflowError):
+        flat = np.fromiter(chain.from_iterable(kps), np.float64, n)
+    # (G, K, 3) -> (G, 3, K); the int32 cast truncates toward zero, like Detectron.
     return np.ascontiguousarray(flat.reshape(-1, k, 3).transpose(0, 2, 1)).astype(np.int32)
