@@ -234,6 +234,12 @@ def phase_baseline(args) -> dict:
 
 
 def _maxrss_mb() -> float:
+    """Peak RSS of this process image (VmHWM; ``ru_maxrss`` would include the memory of
+    the benchmark parent this process was forked from before ``exec``)."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
