@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -280,6 +281,8 @@ def main() -> None:
     p.add_argument("--baseline-proposals", action="store_true",
                    help="also run the baseline with proposals (default: only with --quick)")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse the generated files already in --workdir")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ann", default=None, help=argparse.SUPPRESS)
     p.add_argument("--proposals", default=None, help=argparse.SUPPRESS)
@@ -297,15 +300,17 @@ def main() -> None:
     os.makedirs(work, exist_ok=True)
     ann = os.path.join(work, "instances.json")
     prop = os.path.join(work, f"proposals.{args.proposal_format}")
-    t = time.perf_counter()
-    n_anns = generate_coco(ann, args.images, args.anns_per_image)
-    print(f"generated {args.images} images, {n_anns} annotations "
-          f"({os.path.getsize(ann) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
-    t = time.perf_counter()
-    generate_proposals(ann, prop, args.proposals_per_image, args.proposal_format)
-    print(f"generated {args.proposals_per_image} proposals/image "
-          f"({os.path.getsize(prop) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
+    if not (args.reuse and os.path.exists(ann) and os.path.exists(prop)):
+        t = time.perf_counter()
+        n_anns = generate_coco(ann, args.images, args.anns_per_image)
+        print(f"generated {args.images} images, {n_anns} annotations "
+              f"({os.path.getsize(ann) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
+        t = time.perf_counter()
+        generate_proposals(ann, prop, args.proposals_per_image, args.proposal_format)
+        print(f"generated {args.proposals_per_image} proposals/image "
+              f"({os.path.getsize(prop) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f}s")
     cache = os.path.join(work, "cache")
+    shutil.rmtree(cache, ignore_errors=True)  # a cold build must start from nothing
     rows = {}
     rows["ours gt cold"] = run_phase("ours", ann=ann, cache=cache)
     rows["ours gt warm"] = run_phase("ours", ann=ann, cache=cache, worker=True)
