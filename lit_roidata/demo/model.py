@@ -164,9 +164,16 @@ class DemoFastRCNN(pl.LightningModule):
         # normalised conv body. Does not change what the data pipeline delivers.
         return x.float() / 64.0
 
+    def features(self, data: Any) -> torch.Tensor:
+        """The conv body's stride-8 feature map of the image blob."""
+        return self.body(self._image_blob(data))
+
     def forward(self, data: Any, rois: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Class logits ``(R, num_classes)`` and box deltas ``(R, 4C)`` for ``rois`` (R, 5)."""
-        feats = self.body(self._image_blob(data))
+        return self.box_head(self.features(data), rois)
+
+    def box_head(self, feats: torch.Tensor, rois: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoIAlign + MLP head on ``feats`` for ``rois`` ``(R, 5)`` in the scaled frame."""
         r = torch.as_tensor(rois, device=self.device, dtype=torch.float32).reshape(-1, 5)
         pooled = roi_align(feats, r, output_size=self.hparams.roi_resolution,
                            spatial_scale=self.spatial_scale,
@@ -234,11 +241,16 @@ class DemoFastRCNN(pl.LightningModule):
             One dict per image: ``image_id``, ``dataset``, ``boxes`` (k, 4) float32
             x1,y1,x2,y2 (+1 convention), ``scores`` (k,), ``labels`` (k,) contiguous ids.
         """
-        meta = batch["_meta"]
-        cls_logits, bbox_pred = self(batch["data"], batch["rois"])
+        return self.detections_for(self.features(batch["data"]), batch["rois"], batch["_meta"])
+
+    @torch.no_grad()
+    def detections_for(self, feats: torch.Tensor, rois: Any,
+                       meta: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """:meth:`detect` on computed features and given RoIs (scaled frame, (R, 5))."""
+        cls_logits, bbox_pred = self.box_head(feats, rois)
         probs = F.softmax(cls_logits.float(), dim=1).cpu().numpy()
         deltas = bbox_pred.float().cpu().numpy()
-        rois = torch.as_tensor(batch["rois"]).reshape(-1, 5).cpu().numpy()
+        rois = torch.as_tensor(rois).reshape(-1, 5).cpu().numpy()
         C = self.hparams.num_classes
         if self.hparams.cls_agnostic_bbox_reg:
             deltas = np.tile(deltas[:, 4:8], (1, C))
