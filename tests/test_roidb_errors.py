@@ -195,3 +195,14 @@ def test_no_images_list(tmp_path):
     cat.register("x", str(tmp_path), str(p))
     with pytest.raises(RoIDBInputError, match=r"no 'images' list"):
         combined_roidb_for_training("x", (), get_cfg(), str(tmp_path / "c"), catalog=cat)
+
+
+@pytest.mark.parametrize("seg", [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {"size": [10, 10]}, 5])
+def test_malformed_segmentation(tmp_path, seg):
+    data = make_coco(10)
+    victim = data["annotations"][0]
+    victim.update(bbox=[1, 1, 10, 10], area=100.0, segmentation=seg, iscrowd=0)
+    victim.pop("ignore", None)
+    with pytest.raises(RoIDBInputError, match=rf"annotation id {victim['id']} \(image id "
+                                              rf"{victim['image_id']}\) has a malformed"):
+        build(tmp_path, data)
