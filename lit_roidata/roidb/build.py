@@ -15,6 +15,7 @@ import difflib
 import gc
 import logging
 import os
+import pickle
 import time
 from collections import Counter
 from typing import Any, Optional, Sequence, Union
@@ -155,7 +156,7 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     key = cache_key({"inputs": inputs, "options": options})
 
     def build(tmp: str) -> dict:
-        return _build(tmp, specs, files, options, progress, inputs)
+        return _in_child(_build, tmp, specs, files, options, progress, inputs)
 
     path, manifest, built = get_or_build(root, key, build, rebuild=rebuild)
     if built:
@@ -179,6 +180,48 @@ def _check_categories(tables_cats: list, names: list, policy: str) -> None:
                 f"would silently mix their class ids, spec Q22):\n{diff}\nMake the category "
                 f"lists identical, or pass category_policy='by_name' (map by category name) "
                 f"or 'detectron' (keep Detectron's behaviour).")
+
+
+def _in_child(fn, *args):
+    """Run ``fn(*args)`` in a forked child and return its (picklable) result.
+
+    Parsing train2017 creates millions of Python objects (GBs); in a child they vanish
+    with ``os._exit`` instead of being freed one by one, and the calling process (a DDP
+    rank that goes on to train) keeps its small footprint. Errors are re-raised here.
+    Without ``fork`` (or with ``LIT_ROIDATA_BUILD_IN_PROCESS=1``) it runs in-process.
+    """
+    if not hasattr(os, "fork") or os.environ.get("LIT_ROIDATA_BUILD_IN_PROCESS") == "1":
+        return fn(*args)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            try:
+                payload = pickle.dumps(("ok", fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
+                code = 1
+                try:
+                    payload = pickle.dumps(("err", exc))
+                except Exception:  # unpicklable exception: keep type name and message
+                    payload = pickle.dumps(("err", RuntimeError(f"{type(exc).__name__}: "
+                                                                f"{exc}")))
+            with os.fdopen(w, "wb") as fh:
+                fh.write(payload)
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as fh:
+        data = fh.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        raise RuntimeError(f"the roidb builder process died (wait status {status}); rerun with "
+                           f"LIT_ROIDATA_BUILD_IN_PROCESS=1 to see the error in-process")
+    kind, value = pickle.loads(data)
+    if kind == "err":
+        raise value
+    return value
 
 
 @contextlib.contextmanager
