@@ -54,22 +54,28 @@ def dm_kwargs(root: Path, **changes: Any) -> dict[str, Any]:
 
 def tiny_config(root: Path, out: Path, *, trainer: dict | None = None, data: dict | None = None,
                 model: dict | None = None, callbacks: list | None = None,
-                drop_callbacks: tuple[str, ...] = ()) -> Path:
-    """configs/demo.yaml shrunk to the tiny demo, written to ``out`` (returns its path)."""
+                drop_callbacks: tuple[str, ...] = (), run: str | None = None) -> Path:
+    """configs/demo.yaml shrunk to the tiny demo, written to ``out`` (returns its path).
+
+    Checkpoints go to ``<out dir>/<run>/checkpoints`` and ``<run>/interrupted`` (``run``
+    defaults to the file's stem): Lightning auto-resumes from what it finds there.
+    """
+    run_dir = out.parent / (run or out.stem)
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     cfg = copy.deepcopy(cfg)
     t = cfg["trainer"]
     t.update({"max_steps": 4, "val_check_interval": 4, "log_every_n_steps": 1,
-              "default_root_dir": str(out.parent / "runs"), "enable_model_summary": False})
+              "default_root_dir": str(run_dir / "runs"), "enable_model_summary": False})
     kept = []
     for cb in t.get("callbacks", []):
         name = cb["class_path"].rsplit(".", 1)[-1]
         if name in drop_callbacks:
             continue
         if name == "OnExceptionCheckpoint":
-            cb["init_args"]["dirpath"] = str(out.parent / "interrupted")
+            cb["init_args"]["dirpath"] = str(run_dir / "interrupted")
         if name == "ModelCheckpoint":
-            cb["init_args"]["dirpath"] = str(out.parent / "checkpoints")
+            cb["init_args"]["dirpath"] = str(run_dir / "checkpoints")
+            cb["init_args"]["every_n_train_steps"] = 3
         kept.append(cb)
     t["callbacks"] = kept + list(callbacks or [])
     t.update(trainer or {})
