@@ -2,7 +2,8 @@
 
 ``lit-roidata fit --config configs/demo.yaml`` uses :func:`ensure_demo_data` /
 :func:`register_demo_datasets` to create the data on first use and
-:class:`DemoFastRCNN` as the model. ``DemoFastRCNN`` is imported lazily so that the
+:class:`DemoFastRCNN` as the model (:class:`DemoFasterRCNN` trains end to end from the
+loader's RPN targets). The models are imported lazily so that the
 data part stays usable (and cheap to import) without touching torchvision.
 """
 
@@ -25,6 +26,7 @@ __all__ = [
     "DEMO_VAL_DATASETS",
     "DemoDatasets",
     "DemoFastRCNN",
+    "DemoFasterRCNN",
     "ensure_demo_data",
     "register_demo_datasets",
 ]
@@ -35,4 +37,8 @@ def __getattr__(name: str) -> Any:
         from lit_roidata.demo.model import DemoFastRCNN
 
         return DemoFastRCNN
+    if name == "DemoFasterRCNN":
+        from lit_roidata.demo.faster import DemoFasterRCNN
+
+        return DemoFasterRCNN
     raise AttributeError(f"module 'lit_roidata.demo' has no attribute {name!r}")

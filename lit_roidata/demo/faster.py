@@ -1,0 +1,214 @@
+"""``DemoFasterRCNN``: the demo detector trained end to end from the loader's RPN targets.
+
+The loader delivers Detectron's RPN family (spec §6.1, §6.7): ``data``, ``im_info``,
+``roidb`` and the single-level wide blobs ``rpn_labels_int32_wide``,
+``rpn_bbox_targets_wide``, ``rpn_bbox_inside_weights_wide``,
+``rpn_bbox_outside_weights_wide`` (``(N, A, F, F)`` / ``(N, 4A, F, F)`` over the fixed
+field of anchors). As in Detectron, the wide blobs are cropped to the feature map
+(``SpatialNarrowAs``), the RPN proposals are generated in the network
+(``GenerateProposals``: top-k, decode, clip, min size, NMS, top-k per image), and the
+second-stage Fast R-CNN blobs come from :func:`lit_roidata.minibatch.proposal_labels`
+(spec §6.9). Body, RoI head, losses and inference are :class:`DemoFastRCNN`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import nms
+
+from lit_roidata.demo.model import DemoFastRCNN, fast_rcnn_losses, smooth_l1_loss
+
+__all__ = ["DemoFasterRCNN"]
+
+_STRIDE = 8  # the demo body's stride, so RPN.STRIDE must be 8
+_CLIP = math.log(1000.0 / 16.0)
+
+
+def _decode(anchors: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    """Detectron's ``bbox_transform`` with weights (1, 1, 1, 1), dw/dh clamped (torch)."""
+    w = anchors[:, 2] - anchors[:, 0] + 1.0
+    h = anchors[:, 3] - anchors[:, 1] + 1.0
+    cx, cy = anchors[:, 0] + 0.5 * w, anchors[:, 1] + 0.5 * h
+    pcx, pcy = deltas[:, 0] * w + cx, deltas[:, 1] * h + cy
+    pw = torch.exp(deltas[:, 2].clamp(max=_CLIP)) * w
+    ph = torch.exp(deltas[:, 3].clamp(max=_CLIP)) * h
+    return torch.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
+
+
+class DemoFasterRCNN(DemoFastRCNN):
+    """End-to-end Faster R-CNN on the demo body: RPN targets in, detections out.
+
+    Data config: ``model_type: faster_rcnn`` with ``RPN.STRIDE: 8`` and ``RPN.SIZES`` /
+    ``RPN.ASPECT_RATIOS`` equal to ``rpn_sizes`` / ``rpn_aspect_ratios`` (checked in
+    ``setup`` against the data module's config), and no proposal files.
+
+    Args:
+        rpn_sizes: anchor sizes in input pixels (``RPN.SIZES``).
+        rpn_aspect_ratios: anchor ratios h/w (``RPN.ASPECT_RATIOS``).
+        pre_nms_top_n / post_nms_top_n: proposals per image before/after NMS, training
+            (``TRAIN.RPN_PRE/POST_NMS_TOP_N``).
+        test_pre_nms_top_n / test_post_nms_top_n: the same at test time.
+        rpn_nms_thresh: ``RPN_NMS_THRESH``.
+        rpn_min_size: ``RPN_MIN_SIZE`` in original-image pixels.
+        sample_seed: seed of the second-stage RoI sampling (with rank and step).
+        **kwargs: :class:`DemoFastRCNN`'s arguments (``num_classes``, ``lr``, ...).
+    """
+
+    def __init__(self, rpn_sizes: Sequence[float] = (32.0, 64.0, 128.0),
+                 rpn_aspect_ratios: Sequence[float] = (0.5, 1.0, 2.0),
+                 pre_nms_top_n: int = 2000, post_nms_top_n: int = 300,
+                 test_pre_nms_top_n: int = 1000, test_post_nms_top_n: int = 150,
+                 rpn_nms_thresh: float = 0.7, rpn_min_size: float = 0.0,
+                 sample_seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+        from lit_roidata.minibatch.anchors import generate_anchors
+
+        cell = generate_anchors(stride=_STRIDE, sizes=tuple(rpn_sizes),
+                                aspect_ratios=tuple(rpn_aspect_ratios))
+        self.register_buffer("cell_anchors", torch.tensor(cell, dtype=torch.float32),
+                             persistent=False)
+        a, dim = len(cell), 4 * self.hparams.backbone_width
+        self.rpn_conv = nn.Conv2d(dim, dim, 3, 1, 1)
+        self.rpn_cls = nn.Conv2d(dim, a, 1)
+        self.rpn_bbox = nn.Conv2d(dim, 4 * a, 1)
+        for m in (self.rpn_conv, self.rpn_cls, self.rpn_bbox):
+            nn.init.normal_(m.weight, std=0.01)
+            nn.init.zeros_(m.bias)
+        self._cfg: Any = None
+
+    # -- config ------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self._cfg = self._data_cfg()
+
+    def _data_cfg(self) -> Any:
+        """The data module's Detectron config (checked), else defaults with our values."""
+        from lit_roidata.config import get_cfg
+
+        trainer = getattr(self, "_trainer", None)
+        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+        hp = self.hparams
+        if cfg is None:
+            cfg = get_cfg()
+            cfg.merge_from_dict({"MODEL.NUM_CLASSES": hp.num_classes,
+                                 "MODEL.BBOX_REG_WEIGHTS": tuple(hp.bbox_reg_weights)})
+            return cfg
+        want = {"RPN.STRIDE": _STRIDE, "RPN.SIZES": tuple(float(s) for s in hp.rpn_sizes),
+                "RPN.ASPECT_RATIOS": tuple(float(r) for r in hp.rpn_aspect_ratios)}
+        have = {"RPN.STRIDE": cfg.RPN.STRIDE, "RPN.SIZES": tuple(float(s) for s in cfg.RPN.SIZES),
+                "RPN.ASPECT_RATIOS": tuple(float(r) for r in cfg.RPN.ASPECT_RATIOS)}
+        bad = {k: (have[k], v) for k, v in want.items() if have[k] != v}
+        if bad:
+            raise ValueError("the data's RPN anchors do not match DemoFasterRCNN: " + ", ".join(
+                f"{k} is {h} in the data config but the model needs {w}"
+                for k, (h, w) in bad.items()) + "; set data.overrides accordingly")
+        return cfg
+
+    # -- RPN ---------------------------------------------------------------------------
+    def rpn(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Objectness logits ``(N, A, H, W)`` and deltas ``(N, 4A, H, W)``."""
+        h = F.relu(self.rpn_conv(feats))
+        return self.rpn_cls(h), self.rpn_bbox(h)
+
+    def _anchors(self, hf: int, wf: int) -> torch.Tensor:
+        """``(hf*wf*A, 4)`` anchors, enumerated (y, x, a) like the field of anchors."""
+        sy = torch.arange(hf, device=self.device, dtype=torch.float32) * _STRIDE
+        sx = torch.arange(wf, device=self.device, dtype=torch.float32) * _STRIDE
+        yy, xx = torch.meshgrid(sy, sx, indexing="ij")
+        shifts = torch.stack([xx, yy, xx, yy], -1).reshape(-1, 1, 4)
+        return (shifts + self.cell_anchors.view(1, -1, 4)).reshape(-1, 4)
+
+    @torch.no_grad()
+    def proposals(self, logits: torch.Tensor, deltas: torch.Tensor, im_info: Any, *,
+                  training: bool) -> torch.Tensor:
+        """Detectron's ``GenerateProposals`` per image: ``(R, 5)`` rois in the input frame."""
+        hp = self.hparams
+        pre = hp.pre_nms_top_n if training else hp.test_pre_nms_top_n
+        post = hp.post_nms_top_n if training else hp.test_post_nms_top_n
+        n, a, hf, wf = logits.shape
+        anchors = self._anchors(hf, wf)
+        scores = logits.permute(0, 2, 3, 1).reshape(n, -1).sigmoid()
+        d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4)
+        info = torch.as_tensor(im_info, device=self.device, dtype=torch.float32).reshape(-1, 3)
+        out = []
+        for i in range(n):
+            order = scores[i].argsort(descending=True)[:pre]
+            boxes = _decode(anchors[order], d[i, order].float())
+            h, w, s = info[i].tolist()
+            boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
+            boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
+            bw, bh = boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1
+            min_size = max(hp.rpn_min_size * s, 1.0)
+            keep = (bw >= min_size) & (bh >= min_size)
+            boxes, sc = boxes[keep], scores[i, order][keep]
+            keep = nms(boxes + boxes.new_tensor([0, 0, 1, 1]), sc, hp.rpn_nms_thresh)[:post]
+            out.append(torch.cat([boxes.new_full((len(keep), 1), float(i)), boxes[keep]], 1))
+        return torch.cat(out) if out else logits.new_zeros((0, 5))
+
+    def rpn_losses(self, logits: torch.Tensor, deltas: torch.Tensor,
+                   batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Sigmoid CE over non-ignored anchors and smooth L1 (beta 1/9) / images (spec §6.7)."""
+        n, _, hf, wf = logits.shape
+        names = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
+                 "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
+        missing = [k for k in names + ("im_info", "roidb") if k not in batch]
+        if missing:
+            raise KeyError(f"DemoFasterRCNN needs the single-level RPN blobs (spec §6.1); the "
+                           f"batch lacks {missing}. Use model_type faster_rcnn with FPN off.")
+        field = int(np.shape(batch[names[0]])[-1])
+        if hf > field or wf > field:
+            raise ValueError(f"feature map {hf}x{wf} exceeds the {field}x{field} field of "
+                             f"anchors: TRAIN.MAX_SIZE is smaller than the images")
+        wide = [self._tensor(batch[k])[:, :, :hf, :wf] for k in names]  # SpatialNarrowAs
+        labels = wide[0]
+        valid = labels >= 0
+        loss_cls = F.binary_cross_entropy_with_logits(
+            logits[valid], labels[valid].float(), reduction="sum") / valid.sum().clamp(min=1)
+        loss_bbox = smooth_l1_loss(deltas, wide[1], wide[2], wide[3], beta=1.0 / 9.0,
+                                   normalizer=n)
+        return {"loss_rpn_cls": loss_cls, "loss_rpn_bbox": loss_bbox}
+
+    # -- steps -------------------------------------------------------------------------
+    def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """RPN losses, in-network proposals, second-stage labels and Fast R-CNN losses."""
+        from lit_roidata.minibatch import proposal_labels
+
+        feats = self.features(batch["data"])
+        logits, deltas = self.rpn(feats)
+        out = self.rpn_losses(logits, deltas, batch)
+        rois = self.proposals(logits.detach(), deltas.detach(), batch["im_info"], training=True)
+        cfg = self._cfg if self._cfg is not None else self._data_cfg()
+        step = int(getattr(getattr(self, "_trainer", None), "global_step", 0) or 0)
+        rank = int(getattr(getattr(self, "_trainer", None), "global_rank", 0) or 0)
+        rng = np.random.default_rng([self.hparams.sample_seed, rank, step])
+        im_scales = torch.as_tensor(batch["im_info"]).reshape(-1, 3)[:, 2].cpu()
+        blobs = proposal_labels(rois, batch["roidb"], im_scales, cfg, rng)
+        cls_logits, bbox_pred = self.box_head(feats, blobs["rois"])
+        out.update(fast_rcnn_losses(cls_logits, bbox_pred, {k: v.float() if k != "labels_int32"
+                                                             else v for k, v in blobs.items()}))
+        out["loss"] = out["loss_rpn_cls"] + out["loss_rpn_bbox"] + out["loss_cls"] + out["loss_bbox"]
+        return out
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+        out = self.compute_losses(batch)
+        n = int(np.shape(batch["data"])[0])
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
+        self.log_dict({f"train/{k}": out[k] for k in ("loss_rpn_cls", "loss_rpn_bbox",
+                                                       "loss_cls", "loss_bbox", "accuracy_cls")},
+                      batch_size=n)
+        return out["loss"]
+
+    @torch.no_grad()
+    def detect(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """RPN proposals (test settings), then :meth:`DemoFastRCNN.detections_for`."""
+        feats = self.features(batch["data"])
+        logits, deltas = self.rpn(feats)
+        rois = self.proposals(logits, deltas, batch["im_info"], training=False)
+        return self.detections_for(feats, rois, batch["_meta"])
