@@ -268,10 +268,11 @@ def verify_replicas(module: nn.Module) -> int:
         bad = [r for r, theirs in enumerate(everyone)
                if i >= len(theirs) or theirs[i] != (name, value)]
         if bad:
+            theirs = [everyone[r][i][1] if i < len(everyone[r]) else None for r in bad]
             raise ReplicaMismatchError(
                 f"replicas differ: tensor {name!r} on rank(s) {bad} is not bit-identical to "
-                f"rank 0 (checksums {[everyone[r][i][1] if i < len(everyone[r]) else None for r in bad]}"
-                f" vs {value}); the parameter broadcast failed or a rank changed its weights")
+                f"rank 0 (checksums {theirs} vs {value}); the parameter broadcast failed or a "
+                f"rank changed its weights")
     if any(len(theirs) != len(ref) for theirs in everyone):
         raise ReplicaMismatchError("replicas differ in their number of tensors: "
                                    f"{[len(t) for t in everyone]}")

@@ -115,7 +115,9 @@ def test_deterministic_per_seed(tmp_path: Path) -> None:
     a = ensure_demo_data(tmp_path / "a", seed=5, num_images=small)
     b = ensure_demo_data(tmp_path / "b", seed=5, num_images=small)
     c = ensure_demo_data(tmp_path / "c", seed=6, num_images=small)
-    read = lambda d: json.loads(Path(d["demo_train_a"]["annotation_file"]).read_text())  # noqa: E731
+    def read(d: dict) -> dict:
+        return json.loads(Path(d["demo_train_a"]["annotation_file"]).read_text())
+
     assert read(a)["annotations"] == read(b)["annotations"] != read(c)["annotations"]
 
 
@@ -158,7 +160,8 @@ def test_register_in_catalog(demo: tuple[Path, dict]) -> None:
     out = register_demo_datasets(root, cat, num_images=SMALL)
     assert out.catalog is cat
     assert out.train_datasets == DEMO_TRAIN_DATASETS and out.val_datasets == DEMO_VAL_DATASETS
-    assert out.train_proposal_files == tuple(layout[n]["proposal_file"] for n in DEMO_TRAIN_DATASETS)
+    assert out.train_proposal_files == tuple(layout[n]["proposal_file"]
+                                             for n in DEMO_TRAIN_DATASETS)
     assert cat.entries["demo_val"] == (layout["demo_val"]["image_dir"],
                                        layout["demo_val"]["annotation_file"], "")
 

@@ -25,8 +25,10 @@ def test_boxes_to_xywh_and_json_ids_by_hand() -> None:
            "scores": torch.tensor([0.9, 0.25]), "labels": torch.tensor([2, 1])}
     res = detections_to_coco_results([det], INFO)
     assert res == [
-        {"image_id": 42, "category_id": 7, "bbox": [10.0, 20.0, 20.0, 40.0], "score": pytest.approx(0.9)},
-        {"image_id": 42, "category_id": 3, "bbox": [0.0, 0.0, 1.0, 1.0], "score": pytest.approx(0.25)},
+        {"image_id": 42, "category_id": 7, "bbox": [10.0, 20.0, 20.0, 40.0],
+         "score": pytest.approx(0.9)},
+        {"image_id": 42, "category_id": 3, "bbox": [0.0, 0.0, 1.0, 1.0],
+         "score": pytest.approx(0.25)},
     ]
     # a {dataset name: info} mapping and a plain {contiguous: json} map work too
     assert detections_to_coco_results([det], {"d": INFO}) == res

@@ -14,7 +14,7 @@ second-stage Fast R-CNN blobs come from :func:`lit_roidata.minibatch.proposal_la
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -193,7 +193,8 @@ class DemoFasterRCNN(DemoFastRCNN):
         cls_logits, bbox_pred = self.box_head(feats, blobs["rois"])
         out.update(fast_rcnn_losses(cls_logits, bbox_pred, {k: v.float() if k != "labels_int32"
                                                              else v for k, v in blobs.items()}))
-        out["loss"] = out["loss_rpn_cls"] + out["loss_rpn_bbox"] + out["loss_cls"] + out["loss_bbox"]
+        out["loss"] = sum(out[k] for k in ("loss_rpn_cls", "loss_rpn_bbox", "loss_cls",
+                                            "loss_bbox"))
         return out
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
