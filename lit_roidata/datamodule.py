@@ -24,7 +24,6 @@ Lifecycle (Lightning's contract, ``datamodule.rst``):
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import Counter
 from typing import Any, Literal, Mapping, Optional, Sequence
@@ -305,18 +304,13 @@ class RoIDataModule(pl.LightningDataModule):
         from lit_roidata.dataset import RoIBlockDataset
 
         hp = self.hparams
-        kwargs: dict[str, Any] = {}
-        if hp.fix_rpn_quirks:
-            if "fix_rpn_quirks" not in inspect.signature(RoIBlockDataset).parameters:
-                raise ValueError("fix_rpn_quirks=True: this RoIBlockDataset does not pass the "
-                                 "flag to the RPN target builder yet; leave it False")
-            kwargs["fix_rpn_quirks"] = True
         return RoIBlockDataset(
             self.train_roidb if roidb is None else roidb, self.cfg if cfg is None else cfg,
             output_format=hp.output_format,
             pixel_format=hp.pixel_format if pixel_format is None else pixel_format,
             rng_mode=hp.rng_mode, on_bad_image=hp.on_bad_image,
-            replacement=None if sampler is None else sampler.replacement_block, **kwargs)
+            replacement=None if sampler is None else sampler.replacement_block,
+            fix_rpn_quirks=bool(hp.fix_rpn_quirks))
 
     def train_dataloader(self) -> Any:
         """The checkpointable train loader (this rank's partial minibatches)."""

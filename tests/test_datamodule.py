@@ -190,3 +190,39 @@ def test_fit_without_warnings_and_resume_after_an_exception(
     _trainer(tmp_path / "c", steps, [resumed]).fit(
         _model(), datamodule=RoIDataModule(**kw), ckpt_path=str(ckpt_dir / "on_exception.ckpt"))
     assert crash.trained + resumed.trained == full.trained
+
+
+def test_rpn_family_and_quirk_flag_reach_the_workers(root: Path) -> None:
+    dm = RoIDataModule(**dm_kwargs(root, model_type="faster_rcnn", fix_rpn_quirks=True,
+                                   train_proposal_files=[]))
+    dm.prepare_data()
+    dm.setup("fit")
+    sampler = dm.make_sampler()
+    ds = dm.make_dataset(sampler=sampler)
+    assert ds.fix_rpn_quirks
+    batch = ds.__getitems__(next(iter(sampler)))
+    assert "im_info" in batch and "rpn_labels_int32_wide" in batch
+    assert list(batch)[:-1] == get_minibatch_blob_names(dm.cfg)
+
+
+def test_torchvision_output_format(root: Path) -> None:
+    dm = RoIDataModule(**dm_kwargs(root, output_format="torchvision"))
+    dm.prepare_data()
+    dm.setup("fit")
+    images, targets = next(iter(dm.train_dataloader()))
+    assert len(images) == len(targets) == dm.cfg.TRAIN.IMS_PER_BATCH
+    assert {"boxes", "labels", "image_id"} <= set(targets[0])
+
+
+def test_skip_counts_are_reported_and_checkpointed(dm: RoIDataModule) -> None:
+    batch = {"data": torch.zeros(1, 3, 4, 4, dtype=torch.uint8),
+             "_meta": {"skipped": [{"reason": "missing"}, {"reason": "undecodable"}],
+                       "num_invalid_replaced": 2, "image_sizes": torch.tensor([[4, 4]])}}
+    out = dm.on_after_batch_transfer(batch, 0)
+    assert out["data"].dtype == torch.float32
+    assert dm.state_dict()["skipped"] == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
+    other = RoIDataModule(**dm_kwargs(Path("/nonexistent")))
+    other.load_state_dict(dm.state_dict())
+    assert other.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
+    assert dm.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
+    assert dm.report_skips() == {}
