@@ -365,6 +365,10 @@ class RoIDataModule(pl.LightningDataModule):
             self.setup("test")
         return self._eval_loader(self.test_roidb, "test")
 
+    def predict_dataloader(self) -> Any:
+        """The test images (every one once, in order): ``test_dataloader``'s batches."""
+        return self.test_dataloader()
+
     # ------------------------------------------------------------------- device
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Normalise a uint8 ``data`` blob into Detectron's float blob on the device,

@@ -36,6 +36,20 @@ def test_print_config_parses_every_config(config: str, capsys: Any) -> None:
     assert dm.cfg.TRAIN.IMS_PER_BATCH >= 1
 
 
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_evaluation_subcommands_run(root: Path, tmp_path: Path, subcommand: str,
+                                    capsys: Any) -> None:
+    cfg = tiny_config(root, tmp_path / "tiny.yaml", trainer={"limit_val_batches": 4,
+                                                             "limit_test_batches": 4,
+                                                             "limit_predict_batches": 4})
+    args = [subcommand, "--config", str(cfg)]
+    if subcommand == "predict":
+        args += ["--model.class_path", "test_datamodule_support.PredictingFastRCNN"]
+    assert main(args) == 0
+    if subcommand != "predict":
+        assert "COCO evaluation" in capsys.readouterr().out
+
+
 def test_top_level_help_lists_the_tools(capsys: Any) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -124,3 +124,16 @@ def read_records(path: Path, rank: int = 0) -> list[dict]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def _demo_fast_rcnn() -> type:
+    from lit_roidata.demo import DemoFastRCNN
+
+    return DemoFastRCNN
+
+
+class PredictingFastRCNN(_demo_fast_rcnn()):  # type: ignore[misc]
+    """The demo model with a ``predict_step`` (its detections), for ``lit-roidata predict``."""
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.detect(batch)
