@@ -208,8 +208,8 @@ def run_loader(ds: Any, blocks: list[Any], workers: int) -> tuple[float, RssSamp
                                      multiprocessing_context="fork" if workers else None)
     warm = 2 * max(1, workers)
     n_images = 0
+    it = iter(dl)  # fork the workers before the sampler thread starts (fork + threads)
     with RssSampler() as rss:
-        it = iter(dl)
         for _ in range(warm):
             next(it)
         t0 = time.perf_counter()
@@ -226,7 +226,7 @@ def main() -> None:
     ap.add_argument("--root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                    "lit_roidata_bench_jpegs"))
     args = ap.parse_args()
-    n = 60 if args.quick else max(500, args.images)
+    n = 24 if args.quick else max(500, args.images)
     cfg = fpn_mask_cfg()
     t0 = time.perf_counter()
     roidb = make_data(Path(args.root), n, cfg)

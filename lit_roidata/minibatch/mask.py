@@ -114,10 +114,16 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     coords[0::2] = (coords[0::2] - boxes[owner, 0]) * M / w[owner]
     coords[1::2] = (coords[1::2] - boxes[owner, 1]) * M / h[owner]
     parts_all = np.split(coords.astype(np.float64), np.cumsum(part_lens)[:-1])
-    decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts)
+    decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts), F order
+    by_part = decoded.transpose(2, 1, 0).reshape(len(parts_all), M * M)  # C order [part, x, y]
     starts = np.r_[0, np.cumsum(parts_per_row)[:-1]]
-    summed = np.add.reduceat(decoded, starts, axis=2, dtype=np.int32)
-    masks[rows] = (summed > 0).transpose(2, 0, 1).reshape(len(rows), -1)
+    union = by_part[starts]  # first part of each row, then OR the others in
+    extra = np.ones(len(parts_all), dtype=bool)
+    extra[starts] = False
+    if extra.any():  # ufunc.at: unbuffered, so repeated rows accumulate
+        part_row = np.repeat(np.arange(len(rows)), parts_per_row)
+        np.bitwise_or.at(union, part_row[extra], by_part[extra])
+    masks[rows] = union.reshape(len(rows), M, M).transpose(0, 2, 1).reshape(len(rows), M * M)
     return masks
 
 
