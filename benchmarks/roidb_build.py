@@ -235,13 +235,16 @@ def phase_baseline(args) -> dict:
 
 
 def _maxrss_mb() -> float:
-    """Peak RSS of this process image (VmHWM; ``ru_maxrss`` would include the memory of
-    the benchmark parent this process was forked from before ``exec``)."""
+    """Peak RSS of this process image or of a forked builder child (VmHWM: ``ru_maxrss``
+    would include the memory of the benchmark parent this process was forked from)."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+                own = int(line.split()[1]) / 1024.0
+    # the builder runs in a forked child (lit_roidata.roidb.build._in_child)
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+    return max(own, child)
 
 
 def run_phase(name: str, **kw) -> dict:
