@@ -43,7 +43,7 @@ def assert_entry_equal(ours, ref, where=""):
         k for k in ref if k not in ours}  # JSON extras (e.g. coco_url) are not copied
 
 
-def build_both(tmp_path, seeds, cfg, *, proposals, keypoints, fmt="pkl"):
+def build_both(tmp_path, seeds, cfg, *, proposals, keypoints, fmt="pkl", dtype=np.float32):
     catalog = None
     names, files, refs = [], [], []
     for j, seed in enumerate(seeds):
@@ -54,7 +54,8 @@ def build_both(tmp_path, seeds, cfg, *, proposals, keypoints, fmt="pkl"):
         spec = catalog.get(name)
         refs.append(ReferenceDataset(name, spec.image_dir, spec.annotation_file))
         files.append(make_proposals(seed + 1, data, str(tmp_path / f"p{j}.{fmt}"), fmt=fmt,
-                                    extra_ids=(10_000 + j,)) if proposals else None)
+                                    extra_ids=(10_000 + j,), dtype=dtype)
+                     if proposals else None)
     ours = combined_roidb_for_training(names, files if proposals else (), cfg,
                                        str(tmp_path / "cache"), catalog=catalog,
                                        category_policy="strict")
@@ -86,9 +87,11 @@ def test_matches_detectron_reference(tmp_path_factory, seed, proposals, keypoint
 
 
 @pytest.mark.parametrize("fmt", ["pkl", "npz"])
-def test_proposal_formats_agree(tmp_path, fmt):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_proposal_formats_agree(tmp_path, fmt, dtype):
     cfg = get_cfg()
-    ours, ref = build_both(tmp_path, [11], cfg, proposals=True, keypoints=False, fmt=fmt)
+    ours, ref = build_both(tmp_path, [11], cfg, proposals=True, keypoints=False, fmt=fmt,
+                           dtype=dtype)
     assert len(ours) == len(ref) > 0
     for i, r in enumerate(ref):
         assert_entry_equal(ours[i], r, where=f"entry {i}")
