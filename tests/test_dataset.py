@@ -194,3 +194,22 @@ def test_compact_masks_finalized_on_device_equal_detectron_blobs(tmp_path):
     assert torch.equal(out["masks_int32"], ref["masks_int32"])
     assert out["data"].dtype == torch.float32 and (out["data"] - ref["data"]).abs().mean() < 0.5
     assert finalize_on_device(ref, cfg.PIXEL_MEANS, cfg.MODEL.NUM_CLASSES) is ref
+
+
+def test_transport_packs_small_tensors_into_one_buffer():
+    from lit_roidata.minibatch.transport import packed
+
+    big = torch.zeros(2, 3, 8, 8, dtype=torch.uint8).share_memory_()
+    d = {"data": big, "rois": torch.randn(7, 5), "n": torch.tensor(2.5),
+         "_meta": {"ids": torch.tensor([3, 4]), "flipped": torch.tensor([True, False]),
+                   "names": ["a", "b"], "empty": torch.zeros(0, 5)}}
+    back = pickle.loads(pickle.dumps(packed(d)))
+    assert type(back) is dict and list(back) == list(d) and list(back["_meta"]) == list(d["_meta"])
+    for got, want in [(back["rois"], d["rois"]), (back["n"], d["n"]),
+                      (back["_meta"]["ids"], d["_meta"]["ids"]),
+                      (back["_meta"]["flipped"], d["_meta"]["flipped"]),
+                      (back["_meta"]["empty"], d["_meta"]["empty"]), (back["data"], big)]:
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    # the small ones share one storage
+    ptr = back["rois"].untyped_storage().data_ptr()
+    assert back["_meta"]["ids"].untyped_storage().data_ptr() == ptr

@@ -168,3 +168,15 @@ def test_fast_rcnn_invariants(seed, n_images, per_im, fg_frac, cls_agnostic, use
     assert (cls > 0).all() and (ones[nz, cls] == 1).all()
     assert np.array_equal(blobs["bbox_outside_weights"], (inside > 0).astype(np.float32))
     assert not blobs["bbox_targets"][per_row == 0].any()
+
+
+def test_lazy_family_modules_and_callable_proposal_labels():
+    import importlib
+
+    import lit_roidata.minibatch as mb
+
+    mod = importlib.import_module("lit_roidata.minibatch.proposal_labels")
+    assert callable(mb.proposal_labels) and mb.proposal_labels is mod
+    assert mb.proposal_labels.proposal_labels is mod.proposal_labels
+    with pytest.raises(AttributeError):
+        mb.not_a_module  # noqa: B018
