@@ -180,3 +180,29 @@ def test_lazy_family_modules_and_callable_proposal_labels():
     assert mb.proposal_labels.proposal_labels is mod.proposal_labels
     with pytest.raises(AttributeError):
         mb.not_a_module  # noqa: B018
+
+
+def test_whole_minibatch_follows_detectron_call_order():
+    """randint(scales) for all images first, then per image fg choice, bg choice."""
+    from lit_roidata.minibatch.core import build_minibatch
+
+    cfg = small_cfg(**{"TRAIN.SCALES": (30, 40, 50), "TRAIN.BATCH_SIZE_PER_IM": 8})
+    r = np.random.default_rng(7)
+    entries = [make_entry(r, image_id=i, num_props=30) for i in range(2)]
+    mb = build_minibatch(entries, cfg, np.random.RandomState(123),
+                         loader=lambda e: np.zeros((48, 64, 3), np.uint8))
+    rs = np.random.RandomState(123)
+    scale_inds = rs.randint(0, 3, size=2)
+    rows = []
+    for i, e in enumerate(entries):
+        mo = e["max_overlaps"]
+        fg = np.flatnonzero(mo >= 0.5)
+        bg = np.flatnonzero((mo >= 0) & (mo < 0.5))
+        nf = min(2, fg.size)
+        fg = rs.choice(fg, size=nf, replace=False) if fg.size else fg
+        bg = rs.choice(bg, size=min(8 - nf, bg.size), replace=False) if bg.size else bg
+        s = cfg.TRAIN.SCALES[scale_inds[i]] / 48
+        assert mb.image.im_scales[i] == s
+        rows.append(np.hstack([np.full((nf + bg.size, 1), i, np.float32),
+                               e["boxes"][np.append(fg, bg).astype(int)] * s]))
+    assert np.array_equal(mb.blobs["rois"], np.vstack(rows).astype(np.float32))
