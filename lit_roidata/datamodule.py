@@ -35,13 +35,15 @@ import torch
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.minibatch.image import normalize_on_device
+from lit_roidata.minibatch.model_type import MODEL_TYPES
 
 __all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader", "fork_safe_opencv"]
 
 log = logging.getLogger(__name__)
 
-ModelType = Literal["fast_rcnn", "faster_rcnn", "mask_rcnn", "keypoint_rcnn", "rpn_only",
-                    "retinanet"]
+#: ``fast_rcnn``, ``faster_rcnn``, ``mask_rcnn``, ``keypoint_rcnn``, ``rpn_only``,
+#: ``retinanet``, ``*_proposals`` and ``*_fpn`` variants (:mod:`.minibatch.model_type`).
+ModelType = Literal[MODEL_TYPES]  # type: ignore[valid-type]
 
 
 class RoIDataModule(pl.LightningDataModule):

@@ -76,6 +76,7 @@ def tiny_config(root: Path, out: Path, *, trainer: dict | None = None, data: dic
         if name == "ModelCheckpoint":
             cb["init_args"]["dirpath"] = str(run_dir / "checkpoints")
             cb["init_args"]["every_n_train_steps"] = 3
+            cb["init_args"]["save_top_k"] = -1
         kept.append(cb)
     t["callbacks"] = kept + list(callbacks or [])
     t.update(trainer or {})

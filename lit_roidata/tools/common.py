@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 from pytorch_lightning import LightningDataModule
@@ -10,7 +10,10 @@ from pytorch_lightning import LightningDataModule
 __all__ = ["tool_parser", "data_module_from", "console"]
 
 # Top-level keys of a LightningCLI config that the tools accept and ignore.
-_IGNORED = ("trainer", "model", "seed_everything", "ckpt_path", "optimizer", "lr_scheduler")
+_IGNORED: dict[str, Any] = {"trainer": Optional[dict], "model": Optional[dict],
+                            "optimizer": Optional[dict], "lr_scheduler": Optional[dict],
+                            "seed_everything": Optional[Union[bool, int]],
+                            "ckpt_path": Optional[str]}
 
 
 def tool_parser(prog: str, description: str) -> ArgumentParser:
@@ -21,9 +24,8 @@ def tool_parser(prog: str, description: str) -> ArgumentParser:
                         help="a lit-roidata YAML config (its data: section is used)")
     parser.add_subclass_arguments(LightningDataModule, "data", required=True,
                                   help="the data module (class_path + init_args)")
-    for key in _IGNORED:
-        parser.add_argument(f"--{key}", type=Optional[Any], default=None,
-                            help="(ignored by the tools)")
+    for key, hint in _IGNORED.items():
+        parser.add_argument(f"--{key}", type=hint, default=None, help="(ignored by the tools)")
     return parser
 
 
@@ -37,7 +39,7 @@ def data_module_from(parser: ArgumentParser, argv: Sequence[str]) -> tuple[Any, 
     from lit_roidata.datamodule import RoIDataModule
 
     cfg = parser.parse_args(list(argv))
-    init = parser.instantiate_classes(cfg)
+    init = (parser.instantiate if hasattr(parser, "instantiate") else parser.instantiate_classes)(cfg)
     dm = init.data
     if not isinstance(dm, RoIDataModule):
         parser.error(f"data: the tools need a lit_roidata.RoIDataModule, got "
