@@ -226,8 +226,6 @@ class RoIDataModule(pl.LightningDataModule):
         # Generates the demo data if asked (file-locked, idempotent); every process
         # builds the same catalog again in setup().
         catalog = self.catalog()
-        if self._demo is not None:
-            _add_missing_demo_keypoints(catalog, self._demo)
         names, props = self._datasets("train")
         if names:
             combined_roidb_for_training(list(names), list(props), self.cfg,
@@ -436,33 +434,6 @@ def fork_safe_opencv() -> None:
 
     if cv2.getNumThreads() != 1:
         cv2.setNumThreads(1)
-
-
-def _add_missing_demo_keypoints(catalog: Any, demo: Any) -> None:
-    """Give the demo's non-person objects all-zero keypoints, as COCO's keypoint files do.
-
-    The roidb builder (rightly, spec Q23) refuses a keypoint dataset with annotations
-    that lack ``keypoints``; the demo generator writes shapes without them. A no-op once
-    the files are complete; rewritten atomically otherwise.
-    """
-    import json
-    import os
-
-    for name in (*demo.train_datasets, *demo.val_datasets):
-        path = catalog.get(name).annotation_file
-        with open(path) as f:
-            coco = json.load(f)
-        kp_cats = [c for c in coco.get("categories", []) if c.get("keypoints")]
-        missing = [a for a in coco.get("annotations", []) if "keypoints" not in a]
-        if not kp_cats or not missing:
-            continue
-        for ann in missing:
-            ann["keypoints"] = [0] * (3 * len(kp_cats[0]["keypoints"]))
-            ann.setdefault("num_keypoints", 0)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(coco, f)
-        os.replace(tmp, path)
 
 
 def _image_sizes(batch: Mapping[str, Any]) -> Any:
