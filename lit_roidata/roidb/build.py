@@ -328,8 +328,13 @@ def _offsets_cat(offs: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate(out)
 
 
+def _cat(arrays: list) -> np.ndarray:
+    """``np.concatenate`` that does not copy a single array (proposal columns are GBs)."""
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
 def _combine(specs, tables, props, options) -> tuple[dict, dict]:
-    cat = np.concatenate
+    cat = _cat
     n_imgs = [t.ids.size for t in tables]
     paths = [os.path.join(s.image_dir, s.image_prefix + fn).encode("utf-8")
              for s, t in zip(specs, tables) for fn in t.file_names]
@@ -357,10 +362,11 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
         "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),
         "gt_is_crowd": cat([t.is_crowd for t in tables]).astype(bool),
         "gt_keypoints": cat(kps),
-        "prop_boxes": cat([p.boxes for p in props]).reshape(-1, 4).astype(np.float32),
-        "prop_max_overlaps": cat([p.max_overlaps for p in props]).astype(np.float32),
-        "prop_max_classes": cat([p.max_classes for p in props]).astype(np.int32),
-        "prop_gt_map": cat([p.gt_map for p in props]).astype(np.int32),
+        "prop_boxes": cat([p.boxes for p in props]).reshape(-1, 4).astype(np.float32,
+                                                                          copy=False),
+        "prop_max_overlaps": cat([p.max_overlaps for p in props]).astype(np.float32, copy=False),
+        "prop_max_classes": cat([p.max_classes for p in props]).astype(np.int32, copy=False),
+        "prop_gt_map": cat([p.gt_map for p in props]).astype(np.int32, copy=False),
     }
     a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
     starts = np.cumsum([0] + n_imgs)

@@ -261,11 +261,18 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     per_img = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
     off = np.zeros(n + 1, np.int64)
     np.cumsum(per_img, out=off[1:])
-    cat = (lambda k, dt, shape: np.concatenate([p[k] for p in parts]) if parts
-           else np.zeros(shape, dt))
-    table = ProposalTable(off=off, boxes=cat(1, np.float32, (0, 4)),
-                          max_overlaps=cat(2, np.float32, (0,)),
-                          max_classes=cat(3, np.int32, (0,)), gt_map=cat(4, np.int32, (0,)),
+
+    def field(k: int, dt: type, shape: tuple) -> np.ndarray:
+        chunks = [p[k] for p in parts]
+        for i, p in enumerate(parts):  # drop the chunk references as we go (peak memory)
+            parts[i] = p[:k] + (None,) + p[k + 1:]
+        out = np.concatenate(chunks) if chunks else np.zeros(shape, dt)
+        del chunks
+        return out
+
+    table = ProposalTable(off=off, boxes=field(1, np.float32, (0, 4)),
+                          max_overlaps=field(2, np.float32, (0,)),
+                          max_classes=field(3, np.int32, (0,)), gt_map=field(4, np.int32, (0,)),
                           counts=counts)
     counts["proposals_kept"] = int(off[-1])
     return table
