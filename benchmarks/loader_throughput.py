@@ -222,6 +222,8 @@ def run_loader(ds: Any, blocks: list[Any], workers: int) -> tuple[float, RssSamp
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small smoke run")
+    ap.add_argument("--e2e", action="store_true", help="also run benchmarks/e2e_targets.py "
+                    "(e2e Mask R-CNN FPN: RPN targets, proposal_labels)")
     ap.add_argument("--images", type=int, default=500)
     ap.add_argument("--root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                    "lit_roidata_bench_jpegs"))
@@ -265,6 +267,16 @@ def main() -> None:
         same_masks = rates[("uint8", "detectron", w)]
         print(f"workers {w}: uint8+compact / Detectron float32 blobs {fast / det:.2f}x; "
               f"uint8 / float32 pixels (Detectron masks) {same_masks / det:.2f}x")
+    if args.e2e:
+        run_e2e(args)
+
+
+def run_e2e(args: argparse.Namespace) -> None:
+    """``--e2e``: the end-to-end family's benchmark, in this process."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from e2e_targets import run
+
+    run(quick=args.quick)
 
 
 if __name__ == "__main__":
