@@ -8,8 +8,12 @@ device every step (second-stage labels, spec §6.9).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is imported lazily: the roidb builder needs NumPy only.
+    import torch
 
 __all__ = [
     "bbox_overlaps",
@@ -52,6 +56,8 @@ def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
 
 def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Torch twin of :func:`bbox_overlaps` on any device (float32 result)."""
+    import torch
+
     a = boxes.reshape(-1, 4).to(torch.float64)
     b = query.reshape(-1, 4).to(torch.float64)
     if a.shape[0] == 0 or b.shape[0] == 0:
@@ -93,6 +99,8 @@ def bbox_transform_targets_torch(
     ex_rois: torch.Tensor, gt_rois: torch.Tensor, weights: tuple[float, float, float, float]
 ) -> torch.Tensor:
     """Torch twin of :func:`bbox_transform_targets` (float32 result)."""
+    import torch
+
     ex = ex_rois.reshape(-1, 4).to(torch.float64)
     gt = gt_rois.reshape(-1, 4).to(torch.float64)
     wx, wy, ww, wh = weights
