@@ -124,9 +124,13 @@ def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Any:
 
 
 def _configure_logging() -> None:
-    """Show this package's INFO messages (roidb build report, skip reports) on stderr."""
+    """Show this package's INFO messages (roidb build report, skip reports) on stderr.
+
+    Only when the application has not configured logging itself (no handler on the root
+    logger): an embedding program (or pytest's log capture) keeps control of the output.
+    """
     logger = logging.getLogger("lit_roidata")
-    if not logger.handlers:
+    if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)
