@@ -161,8 +161,6 @@ class FloorDataset(torch.utils.data.Dataset):
         return len(self.roidb)
 
     def __getitems__(self, block: Any) -> Any:
-        if torch.utils.data.get_worker_info() is not None:
-            cv2.setNumThreads(1)
         ims = []
         for i in block:
             im = load_image(self.roidb[i])
@@ -228,6 +226,9 @@ def main() -> None:
     ap.add_argument("--root", default=os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                    "lit_roidata_bench_jpegs"))
     args = ap.parse_args()
+    # One OpenCV thread per process, set before any fork: calling cv2.setNumThreads in
+    # a forked worker after the parent used OpenCV's pool deadlocks.
+    cv2.setNumThreads(1)
     n = 24 if args.quick else max(500, args.images)
     cfg = fpn_mask_cfg()
     t0 = time.perf_counter()

@@ -21,7 +21,6 @@ import logging
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
 
-import cv2
 import numpy as np
 import torch
 import torch.utils.data
@@ -134,7 +133,6 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.fix_rpn_quirks = bool(fix_rpn_quirks)
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
-        self._threads_set = False
 
     def __len__(self) -> int:
         return len(self.roidb)
@@ -168,12 +166,6 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                           attempt=attempt)
 
     # ------------------------------------------------------------------ building
-    def _configure_threads(self) -> None:
-        if not self._threads_set:
-            self._threads_set = True
-            if _in_worker():  # N workers x OpenCV's thread pool would oversubscribe the CPUs
-                cv2.setNumThreads(1)
-
     def _build_once(self, block: Any) -> tuple[Any, bool, list[Mapping[str, Any]]]:
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
@@ -203,7 +195,6 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             BadImageError: with ``on_bad_image="raise"``.
             RuntimeError: no usable block within ``max_attempts`` replacements.
         """
-        self._configure_threads()
         skipped: list[dict[str, Any]] = []
         invalid = 0
         current = block
