@@ -161,7 +161,9 @@ def _entry_columns(e: Mapping[str, Any], dev: torch.device) -> dict[str, Any]:
                          "deserialized roidb blob has them)")
 
     def t(x: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(x)).to(device=dev, dtype=dtype)
+        # Roidb columns are read-only memory maps; copy (a few gt rows) rather than
+        # wrap them in a tensor that torch would consider writable.
+        return torch.tensor(np.asarray(x), dtype=dtype, device=dev)
 
     return {"n": len(gt_classes), "boxes": t(e["boxes"], torch.float32),
             "gt_classes": t(gt_classes, torch.int32), "is_crowd": t(e["is_crowd"], torch.bool),
