@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # torch is imported lazily: the roidb builder needs NumPy onl
 
 __all__ = [
     "bbox_overlaps",
+    "bbox_overlaps_pairs",
     "bbox_overlaps_torch",
     "bbox_transform_targets",
     "bbox_transform_targets_torch",
@@ -49,6 +50,25 @@ def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
     np.maximum(ih, 0, out=ih)
     inter = iw * ih
     union = box_areas(a)[:, None] + box_areas(b)[None, :] - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(inter > 0, inter / union, 0.0)
+    return out.astype(np.float32)
+
+
+def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise IoU of ``a[i]`` and ``b[i]`` (``(N,)``), the arithmetic of :func:`bbox_overlaps`.
+
+    For sparse work (only the anchor/gt pairs that can matter), where the dense
+    ``(N, K)`` matrix would be wasteful.
+    """
+    a = np.asarray(a, dtype=np.float64).reshape(-1, 4)
+    b = np.asarray(b, dtype=np.float64).reshape(-1, 4)
+    iw = np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]) + 1
+    ih = np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]) + 1
+    np.maximum(iw, 0, out=iw)
+    np.maximum(ih, 0, out=ih)
+    inter = iw * ih
+    union = box_areas(a) + box_areas(b) - inter
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(inter > 0, inter / union, 0.0)
     return out.astype(np.float32)

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lit_roidata.boxes import bbox_overlaps_pairs
+
 __all__ = [
     "FieldOfAnchors",
     "generate_anchors",
@@ -245,7 +247,7 @@ def anchor_gt_overlaps(
     gidx, gid = _candidate_pairs(tab, g, useful)
     keep = inside[gidx]
     gidx, gid = gidx[keep], gid[keep]
-    iou = _pair_iou(all_anchors[gidx], gt[gid])
+    iou = bbox_overlaps_pairs(all_anchors[gidx], gt[gid])
     is_cand = np.zeros(all_anchors.shape[0], dtype=bool)
     is_cand[gidx] = True
     cand = np.flatnonzero(is_cand)
@@ -266,7 +268,7 @@ def _best_iou_lower_bound(tab: dict[str, np.ndarray], all_anchors: np.ndarray,
     y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
                          / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
     near = (base[:, None] + (y * size[:, None] + x) * n_a[:, None]).ravel()
-    iou = _pair_iou(all_anchors[near], np.tile(gt, (len(base), 1))) * inside[near]
+    iou = bbox_overlaps_pairs(all_anchors[near], np.tile(gt, (len(base), 1))) * inside[near]
     return iou.reshape(len(base), len(gt)).max(axis=0).astype(np.float64)
 
 
@@ -341,19 +343,3 @@ def _inside_mask(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
     out = np.concatenate(parts)
     out.setflags(write=False)  # memoised: images of one size share it
     return out
-
-
-def _pair_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise IoU of ``a[i]`` and ``b[i]``, same float64 steps as ``bbox_overlaps``."""
-    a = a.astype(np.float64)
-    b = b.astype(np.float64)
-    iw = np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]) + 1
-    ih = np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]) + 1
-    np.maximum(iw, 0, out=iw)
-    np.maximum(ih, 0, out=ih)
-    inter = iw * ih
-    union = ((a[:, 2] - a[:, 0] + 1) * (a[:, 3] - a[:, 1] + 1)
-             + (b[:, 2] - b[:, 0] + 1) * (b[:, 3] - b[:, 1] + 1) - inter)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(inter > 0, inter / union, 0.0)
-    return out.astype(np.float32)

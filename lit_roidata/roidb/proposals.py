@@ -27,7 +27,7 @@ import numpy as np
 from lit_roidata.roidb.info import RoIDBInputError
 
 __all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "build_proposal_table",
-           "unique_box_keep", "iou_pairs", "iof_pairs"]
+           "unique_box_keep", "iof_pairs"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,23 +174,6 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     keep = np.zeros(boxes.shape[0], bool)
     keep[first] = True
     return keep
-
-
-def iou_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise IoU of box pairs, identical arithmetic to ``boxes.bbox_overlaps``."""
-    a = a.astype(np.float64)
-    b = b.astype(np.float64)
-    iw = np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]) + 1
-    ih = np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]) + 1
-    np.maximum(iw, 0, out=iw)
-    np.maximum(ih, 0, out=ih)
-    inter = iw * ih
-    area_a = (a[:, 2] - a[:, 0] + 1) * (a[:, 3] - a[:, 1] + 1)
-    area_b = (b[:, 2] - b[:, 0] + 1) * (b[:, 3] - b[:, 1] + 1)
-    union = area_a + area_b - inter
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(inter > 0, inter / union, 0.0)
-    return out.astype(np.float32)
 
 
 def iof_pairs(props: np.ndarray, crowd: np.ndarray) -> np.ndarray:
