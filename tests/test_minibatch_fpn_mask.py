@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
 from lit_roidata.minibatch.fpn import add_multilevel_roi_blobs, map_rois_to_fpn_levels
 from lit_roidata.minibatch.mask import expand_class_specific_masks, rasterize_segms_in_boxes
-from test_minibatch_helpers import label_entry, make_entry, small_cfg
+from test_minibatch_helpers import make_entry, small_cfg
 
 
 # ------------------------------------------------------------------------------- FPN

@@ -12,7 +12,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets, flip_boxes
+from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.config import get_cfg
 
 

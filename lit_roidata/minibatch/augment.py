@@ -28,7 +28,7 @@ import pycocotools.mask as mask_util
 
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps
-from lit_roidata.minibatch.mask import _as_rle, _poly_parts
+from lit_roidata.minibatch.mask import segm_as_rle, segm_polygons
 from lit_roidata.roidb.targets import compute_bbox_targets
 
 __all__ = ["Augmentation"]
@@ -100,9 +100,9 @@ class Augmentation:
         ok = (vo[:, 2] > vo[:, 0]) & (vo[:, 3] > vo[:, 1])
         n_gt = len(entry["segms"])
         points, ids, polys = self._points(entry, n_gt)
-        rle_rows = [r for r in range(n_gt) if not _poly_parts(entry["segms"][r])
-                    and _as_rle(entry["segms"][r], h, w) is not None]
-        masks = [mask_util.decode(_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
+        rle_rows = [r for r in range(n_gt) if not segm_polygons(entry["segms"][r])
+                    and segm_as_rle(entry["segms"][r], h, w) is not None]
+        masks = [mask_util.decode(segm_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
         self.compose.set_random_seed(int(seed))
         kwargs: dict[str, Any] = {}
         if masks:
@@ -128,7 +128,7 @@ class Augmentation:
         ids: list[tuple] = []
         polys: list[list[int]] = []  # per gt row: number of vertices of each part
         for r in range(n_gt):
-            parts = _poly_parts(entry["segms"][r])
+            parts = segm_polygons(entry["segms"][r])
             polys.append([len(p) // 2 for p in parts])
             for j, p in enumerate(parts):
                 pts.append(p.reshape(-1, 2))

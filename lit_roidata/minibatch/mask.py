@@ -23,10 +23,10 @@ import pycocotools.mask as mask_util
 from lit_roidata.boxes import bbox_overlaps
 
 __all__ = ["polys_to_boxes", "add_mask_rcnn_blobs", "expand_class_specific_masks",
-           "rasterize_segms_in_boxes"]
+           "rasterize_segms_in_boxes", "segm_as_rle", "segm_polygons"]
 
 
-def _as_rle(segm: Any, height: int, width: int) -> dict | None:
+def segm_as_rle(segm: Any, height: int, width: int) -> dict | None:
     """A compressed RLE dict for an RLE segm (dict, or Q12's one-element list), else None."""
     if isinstance(segm, list) and len(segm) == 1 and isinstance(segm[0], Mapping):
         segm = segm[0]
@@ -41,7 +41,7 @@ def _as_rle(segm: Any, height: int, width: int) -> dict | None:
     return rle
 
 
-def _poly_parts(segm: Any) -> list[np.ndarray]:
+def segm_polygons(segm: Any) -> list[np.ndarray]:
     """Polygon parts with >= 3 points as float32 arrays (Detectron's polygon dtype)."""
     if not isinstance(segm, list) or (segm and isinstance(segm[0], Mapping)):
         return []
@@ -93,7 +93,7 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     for i, segm in enumerate(segms):
         key = id(segm)
         if key not in cache:
-            parts = _poly_parts(segm)
+            parts = segm_polygons(segm)
             cache[key] = (parts, np.concatenate(parts) if parts else None)
         parts, cat = cache[key]
         if cat is not None:
@@ -102,7 +102,7 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
             poly_rows.append(i)
             parts_per_row.append(len(parts))
             continue
-        rle = _as_rle(segm, height, width)
+        rle = segm_as_rle(segm, height, width)
         masks[i] = -1 if rle is None else _rasterize_rle(rle, boxes[i], M)  # Q24: -1 = ignore
     if not flat:
         return masks
@@ -155,11 +155,11 @@ def _match_boxes(entry: Mapping[str, Any], gt_rows: np.ndarray) -> tuple[list, n
     chosen = [segms[i] for i in gt_rows]
     out = np.zeros((len(chosen), 4), dtype=np.float32)
     for j, segm in enumerate(chosen):
-        parts = _poly_parts(segm)
+        parts = segm_polygons(segm)
         if parts:
             out[j] = polys_to_boxes([parts])[0]
             continue
-        rle = _as_rle(segm, int(entry["height"]), int(entry["width"]))
+        rle = segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
         if rle is not None:
             x, y, w, h = mask_util.toBbox(rle)
             out[j] = (x, y, x + w, y + h)

@@ -30,7 +30,7 @@ from torchvision import tv_tensors
 
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.image import ImageLoader, load_and_scale
-from lit_roidata.minibatch.mask import _as_rle, _poly_parts
+from lit_roidata.minibatch.mask import segm_as_rle, segm_polygons
 
 __all__ = ["TorchvisionBatch", "to_continuous_boxes", "build_torchvision_batch"]
 
@@ -62,12 +62,12 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
     height, width = int(entry["height"]), int(entry["width"])
     for j, r in enumerate(rows):
         segm = entry["segms"][r]
-        parts = _poly_parts(segm)
+        parts = segm_polygons(segm)
         if parts:
             rles = mask_util.frPyObjects([p.astype(np.float64) * scale for p in parts], h, w)
             out[j] = mask_util.decode(mask_util.merge(rles))
             continue
-        rle = _as_rle(segm, height, width)
+        rle = segm_as_rle(segm, height, width)
         if rle is not None:
             full = mask_util.decode(rle)
             out[j] = cv2.resize(full, (w, h), interpolation=cv2.INTER_NEAREST)
