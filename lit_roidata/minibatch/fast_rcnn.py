@@ -57,13 +57,22 @@ def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndar
     return targets.reshape(n, 4 * num_reg_classes), inside.reshape(n, 4 * num_reg_classes)
 
 
+def _expanded_targets(target_data: np.ndarray, cfg: Any) -> dict[str, np.ndarray]:
+    targets, inside = expand_bbox_targets(target_data, cfg)
+    # inside weights are exactly 0 or 1, so (inside > 0) as float32 equals a copy
+    return {"bbox_targets": targets, "bbox_inside_weights": inside,
+            "bbox_outside_weights": inside.copy()}
+
+
 def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: Any,
-                rng: rng_mod.RNG) -> dict[str, np.ndarray]:
+                rng: rng_mod.RNG, *, expand_targets: bool = True) -> dict[str, np.ndarray]:
     """Sample fg/bg RoIs of one image and build its Fast R-CNN (+mask/keypoint) blobs.
 
     Draw order: ``choice`` over fg candidates (if any), then over bg candidates (if
     any), then the keypoint draw — Detectron's order, so a ``RandomState`` seeded like
-    Detectron's reproduces its RoIs.
+    Detectron's reproduces its RoIs. With ``expand_targets=False`` the compact
+    ``(r, 5)`` targets are returned as ``_bbox_target_data`` instead of the three
+    ``(r, 4C)`` blobs (the caller expands the whole minibatch at once).
     """
     rois_per_image = int(cfg.TRAIN.BATCH_SIZE_PER_IM)
     fg_quota = fg_rois_per_image(cfg)
@@ -81,17 +90,17 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
     labels = np.asarray(entry["max_classes"])[keep].astype(np.int32)
     labels[n_fg:] = 0
     sampled_boxes = np.asarray(entry["boxes"], dtype=np.float32)[keep]
-    targets, inside = expand_bbox_targets(np.asarray(entry["bbox_targets"])[keep], cfg)
-    outside = np.array(inside > 0, dtype=inside.dtype)
+    target_data = np.asarray(entry["bbox_targets"], dtype=np.float32)[keep]
     scale = float(im_scale)
     batch_col = batch_idx * np.ones((keep.size, 1), dtype=np.float32)
     blob = {
         "rois": np.hstack((batch_col, sampled_boxes * scale)).astype(np.float32, copy=False),
         "labels_int32": labels,
-        "bbox_targets": targets,
-        "bbox_inside_weights": inside,
-        "bbox_outside_weights": outside,
     }
+    if expand_targets:
+        blob.update(_expanded_targets(target_data, cfg))
+    else:
+        blob["_bbox_target_data"] = target_data
     if cfg.MODEL.MASK_ON:
         add_mask_rcnn_blobs(blob, sampled_boxes, entry, scale, batch_idx, cfg, expand=False)
     if cfg.MODEL.KEYPOINTS_ON:
@@ -128,9 +137,17 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     """
     if len(im_scales) != len(entries):
         raise ValueError(f"{len(entries)} entries but {len(im_scales)} scales")
-    per_image = [sample_rois(e, s, i, cfg, rng) for i, (e, s) in enumerate(zip(entries, im_scales))]
+    per_image = [sample_rois(e, s, i, cfg, rng, expand_targets=False)
+                 for i, (e, s) in enumerate(zip(entries, im_scales))]
     names = get_fast_rcnn_blob_names(cfg)
+    if per_image:  # one expansion for the minibatch: no per-image (r, 4C) copies
+        expanded = _expanded_targets(
+            np.concatenate([b.pop("_bbox_target_data") for b in per_image]), cfg)
+        per_image[0].update(expanded)
     for name in names:
+        if name in ("bbox_targets", "bbox_inside_weights", "bbox_outside_weights") and per_image:
+            blobs[name] = per_image[0][name]
+            continue
         if name == "masks_int32" and cfg.MRCNN.CLS_SPECIFIC_MASK:
             masks = np.concatenate([b[name] for b in per_image])
             classes = np.concatenate([b["_mask_class_labels"] for b in per_image])

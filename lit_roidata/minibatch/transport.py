@@ -3,11 +3,11 @@
 A DataLoader worker sends every CPU tensor through its own shared-memory segment (a
 file descriptor, an ``mmap`` and a socket message each). A Fast R-CNN FPN batch holds
 ~30 small blobs, which costs more than the image itself. :func:`packed` wraps the
-dict so that, when pickled, all tensors up to ``limit`` bytes are copied into one
-byte tensor; unpickling (in the main process) returns a plain dict whose small
-tensors are views into that buffer, in the original key order. Large tensors (the
-image and mask blobs, already allocated in shared memory by the worker) are sent
-as they are.
+dict so that, when pickled, every tensor not already in shared memory (up to
+``limit`` bytes) is copied into one byte tensor; unpickling (in the main process)
+returns a plain dict whose tensors are views into that buffer, in the original key
+order. Tensors the worker allocated in shared memory (the image and mask blobs) are
+sent as they are.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 __all__ = ["packed", "PackedBlobs"]
 
 _ALIGN = 8
-SMALL_LIMIT = 1 << 20
+SMALL_LIMIT = 1 << 26  # everything not already in shared memory
 
 
 class PackedBlobs(dict):
