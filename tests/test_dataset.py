@@ -213,3 +213,14 @@ def test_transport_packs_small_tensors_into_one_buffer():
     # the small ones share one storage
     ptr = back["rois"].untyped_storage().data_ptr()
     assert back["_meta"]["ids"].untyped_storage().data_ptr() == ptr
+
+
+def test_bad_image_in_worker_reraised_with_names(tmp_path):
+    roidb = _roidb(tmp_path)
+    roidb[1]["image"] = str(tmp_path / "missing.jpg")
+    ds = RoIBlockDataset(roidb, small_cfg())
+    dl = torch.utils.data.DataLoader(
+        ds, batch_sampler=[make_block([0, 1], seed=0, pass_index=0, block_index=0)],
+        collate_fn=lambda b: b, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(BadImageError, match=r"image id 101 of dataset 'test_ds'.*missing\.jpg"):
+        next(iter(dl))
