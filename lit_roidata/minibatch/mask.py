@@ -113,7 +113,9 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     h = np.maximum(boxes[:, 3] - boxes[:, 1], 1)
     coords[0::2] = (coords[0::2] - boxes[owner, 0]) * M / w[owner]
     coords[1::2] = (coords[1::2] - boxes[owner, 1]) * M / h[owner]
-    parts_all = np.split(coords.astype(np.float64), np.cumsum(part_lens)[:-1])
+    ends = np.cumsum(part_lens).tolist()
+    coords64 = coords.astype(np.float64)
+    parts_all = [coords64[a:b] for a, b in zip([0] + ends[:-1], ends)]
     decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts), F order
     by_part = decoded.transpose(2, 1, 0).reshape(len(parts_all), M * M)  # C order [part, x, y]
     starts = np.r_[0, np.cumsum(parts_per_row)[:-1]]
