@@ -226,3 +226,27 @@ def test_skip_counts_are_reported_and_checkpointed(dm: RoIDataModule) -> None:
     assert other.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
     assert dm.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
     assert dm.report_skips() == {}
+
+
+@pytest.mark.parametrize("pixel_format", ["uint8", "detectron"])
+def test_compact_masks_expand_on_device_to_detectron_blobs(root: Path, pixel_format: str) -> None:
+    """mask_format="compact" + on_after_batch_transfer == Detectron's blobs from the workers."""
+    batches = {}
+    for mask_format in ("compact", "detectron"):
+        dm = RoIDataModule(**dm_kwargs(root, model_type="mask_rcnn_proposals",
+                                       mask_format=mask_format, pixel_format=pixel_format))
+        dm.prepare_data()
+        dm.setup("fit")
+        sampler = dm.make_sampler()
+        ds = dm.make_dataset(sampler=sampler)
+        raw = ds.__getitems__(next(iter(sampler)))
+        if mask_format == "compact":
+            assert "mask_class_int32" in raw
+        batches[mask_format] = dm.on_after_batch_transfer(dict(raw), 0)
+    compact, detectron = batches["compact"], batches["detectron"]
+    assert list(compact)[:-1] == list(detectron)[:-1] == get_minibatch_blob_names(dm.cfg)
+    for name in get_minibatch_blob_names(dm.cfg):
+        a, b = torch.as_tensor(compact[name]), torch.as_tensor(detectron[name])
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    masks = torch.as_tensor(detectron["masks_int32"])
+    assert masks.shape[1] == dm.cfg.MODEL.NUM_CLASSES * dm.cfg.MRCNN.RESOLUTION ** 2
