@@ -502,14 +502,9 @@ class EvalDataset(torch.utils.data.Dataset):
         if rois is not None:
             blobs: dict[str, Any] = {"rois": rois}
             if self.cfg.FPN.FPN_ON and self.cfg.FPN.MULTILEVEL_ROIS:
-                from lit_roidata.minibatch.fpn import add_multilevel_roi_blobs, map_rois_to_fpn_levels
+                from lit_roidata.minibatch.fpn import add_multilevel_rois
 
-                f = self.cfg.FPN
-                lvls = map_rois_to_fpn_levels(rois[:, 1:5], f.ROI_MIN_LEVEL, f.ROI_MAX_LEVEL,
-                                              canonical_scale=f.ROI_CANONICAL_SCALE,
-                                              canonical_level=f.ROI_CANONICAL_LEVEL)
-                add_multilevel_roi_blobs(blobs, "rois", rois, lvls, f.ROI_MIN_LEVEL,
-                                         f.ROI_MAX_LEVEL)
+                add_multilevel_rois(blobs, self.cfg, prefixes=("rois",))
             out.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in blobs.items()})
         out["_meta"] = {
             "image_ids": [int(e["id"]) for e in entries],

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, MutableMapping
+from typing import Any, MutableMapping, Sequence
 
 import numpy as np
+
+from lit_roidata.minibatch.names import multilevel_roi_prefixes
 
 __all__ = ["map_rois_to_fpn_levels", "add_multilevel_roi_blobs", "add_multilevel_rois"]
 
@@ -46,17 +48,18 @@ def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str,
         np.int32, copy=False)
 
 
-def add_multilevel_rois(blobs: MutableMapping[str, Any], cfg: Any) -> None:
-    """Distribute ``rois`` (and ``mask_rois`` / ``keypoint_rois`` when on) over levels."""
-    lo, hi = cfg.FPN.ROI_MIN_LEVEL, cfg.FPN.ROI_MAX_LEVEL
-    prefixes = ["rois"]
-    if cfg.MODEL.MASK_ON:
-        prefixes.append("mask_rois")
-    if cfg.MODEL.KEYPOINTS_ON:
-        prefixes.append("keypoint_rois")
-    for prefix in prefixes:
+def add_multilevel_rois(blobs: MutableMapping[str, Any], cfg: Any,
+                        prefixes: Sequence[str] | None = None) -> None:
+    """Distribute ``rois`` (and ``mask_rois`` / ``keypoint_rois`` when on) over levels.
+
+    ``prefixes`` overrides which ``(n, 5)`` RoI blobs are distributed (default:
+    :func:`~lit_roidata.minibatch.names.multilevel_roi_prefixes`).
+    """
+    f = cfg.FPN
+    lo, hi = f.ROI_MIN_LEVEL, f.ROI_MAX_LEVEL
+    for prefix in multilevel_roi_prefixes(cfg) if prefixes is None else prefixes:
         rois = blobs[prefix]
         lvls = map_rois_to_fpn_levels(rois[:, 1:5], lo, hi,
-                                      canonical_scale=cfg.FPN.ROI_CANONICAL_SCALE,
-                                      canonical_level=cfg.FPN.ROI_CANONICAL_LEVEL)
+                                      canonical_scale=f.ROI_CANONICAL_SCALE,
+                                      canonical_level=f.ROI_CANONICAL_LEVEL)
         add_multilevel_roi_blobs(blobs, prefix, rois, lvls, lo, hi)

@@ -14,6 +14,7 @@ __all__ = [
     "get_fast_rcnn_blob_names",
     "get_rpn_blob_names",
     "get_retinanet_blob_names",
+    "multilevel_roi_prefixes",
 ]
 
 
@@ -61,6 +62,17 @@ def get_retinanet_blob_names(cfg: Any) -> list[str]:
     return names
 
 
+def multilevel_roi_prefixes(cfg: Any) -> list[str]:
+    """The RoI blobs FPN distributes over levels: ``rois``, then ``mask_rois`` and
+    ``keypoint_rois`` when their heads are on (spec §6.4)."""
+    prefixes = ["rois"]
+    if cfg.MODEL.MASK_ON:
+        prefixes.append("mask_rois")
+    if cfg.MODEL.KEYPOINTS_ON:
+        prefixes.append("keypoint_rois")
+    return prefixes
+
+
 def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
     """Fast R-CNN family (precomputed proposals, or the output of §6.9's label op)."""
     names = ["rois", "labels_int32", "bbox_targets", "bbox_inside_weights",
@@ -72,12 +84,7 @@ def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
                   "keypoint_loss_normalizer"]
     if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_ROIS:
         levels = _levels(cfg.FPN.ROI_MIN_LEVEL, cfg.FPN.ROI_MAX_LEVEL)
-        prefixes = ["rois"]
-        if cfg.MODEL.MASK_ON:
-            prefixes.append("mask_rois")
-        if cfg.MODEL.KEYPOINTS_ON:
-            prefixes.append("keypoint_rois")
-        for prefix in prefixes:
+        for prefix in multilevel_roi_prefixes(cfg):
             names += [f"{prefix}_fpn{lvl}" for lvl in levels]
             names.append(f"{prefix}_idx_restore_int32")
     return names
