@@ -40,6 +40,7 @@ ENTRY_FIELDS = ("image", "id", "width", "height", "flipped", "boxes", "gt_classe
                 "seg_areas", "gt_overlaps", "is_crowd", "box_to_gt_ind_map", "max_classes",
                 "max_overlaps", "bbox_targets", "segms", "gt_keypoints",
                 "has_visible_keypoints", "dataset")
+_FIELDS_NO_KEYPOINTS = tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
 
 
 def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray:
@@ -168,9 +169,7 @@ class RoIEntry(Mapping):
         self._cache: dict[str, Any] = {}
 
     def _keys(self) -> tuple[str, ...]:
-        if self._info.keypoints is None:
-            return tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
-        return ENTRY_FIELDS
+        return _FIELDS_NO_KEYPOINTS if self._info.keypoints is None else ENTRY_FIELDS
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys())
