@@ -22,24 +22,19 @@ def _levels(lo: int, hi: int) -> range:
     return range(int(lo), int(hi) + 1)
 
 
+#: The four "wide" RPN target blobs of one level (suffixed ``_fpn<l>`` with FPN).
+RPN_BLOB_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
+                  "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
+
+
 def get_rpn_blob_names(cfg: Any) -> list[str]:
     """RPN family (``RPN.RPN_ON``): ``im_info``, ``roidb`` and the wide RPN targets."""
     names = ["im_info", "roidb"]
     if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
         for lvl in _levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL):
-            names += [
-                f"rpn_labels_int32_wide_fpn{lvl}",
-                f"rpn_bbox_targets_wide_fpn{lvl}",
-                f"rpn_bbox_inside_weights_wide_fpn{lvl}",
-                f"rpn_bbox_outside_weights_wide_fpn{lvl}",
-            ]
+            names += [f"{kind}_fpn{lvl}" for kind in RPN_BLOB_KINDS]
     else:
-        names += [
-            "rpn_labels_int32_wide",
-            "rpn_bbox_targets_wide",
-            "rpn_bbox_inside_weights_wide",
-            "rpn_bbox_outside_weights_wide",
-        ]
+        names += RPN_BLOB_KINDS
     return names
 
 

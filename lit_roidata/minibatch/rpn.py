@@ -25,13 +25,11 @@ from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
     FieldOfAnchors, anchor_gt_overlaps, concat_fields, inside_mask, level_offsets, rpn_fields)
-from lit_roidata.minibatch.names import get_rpn_blob_names
+from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
 __all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS"]
 
-RPN_BLOB_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
-                  "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
 _ONES4 = (1.0, 1.0, 1.0, 1.0)
 
 
