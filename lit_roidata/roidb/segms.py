@@ -276,9 +276,3 @@ def mask_to_uncompressed_counts(mask: np.ndarray) -> list[int]:
     bounds = np.concatenate([[0], change, [flat.size]])
     runs = np.diff(bounds).tolist()
     return ([0] + runs) if flat[0] else runs
-
-
-def empty_segm_columns() -> SegmColumns:
-    """Columns for zero rows."""
-    cols, _ = encode_segms([], source="", ann_ids=np.zeros(0), image_ids=np.zeros(0))
-    return cols

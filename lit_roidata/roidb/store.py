@@ -20,7 +20,6 @@ are mirrored when read (spec §4.2). ``gt_overlaps`` is rebuilt from ``max_overl
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Iterator, Mapping, Optional
 
@@ -306,9 +305,3 @@ class RoIEntry(Mapping):
 
     def _f_dataset(self) -> DatasetInfo:
         return self._info
-
-
-def read_manifest(path: str) -> dict:
-    """The manifest of a cache directory (for tools)."""
-    with open(os.path.join(path, "manifest.json"), encoding="utf-8") as fh:
-        return json.load(fh)
