@@ -139,16 +139,13 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
         raise ValueError(f"{len(entries)} entries but {len(im_scales)} scales")
     per_image = [sample_rois(e, s, i, cfg, rng, expand_targets=False)
                  for i, (e, s) in enumerate(zip(entries, im_scales))]
-    names = get_fast_rcnn_blob_names(cfg)
-    if per_image:  # one expansion for the minibatch: no per-image (r, 4C) copies
-        expanded = _expanded_targets(
-            np.concatenate([b.pop("_bbox_target_data") for b in per_image]), cfg)
-        per_image[0].update(expanded)
-    for name in names:
-        if name in ("bbox_targets", "bbox_inside_weights", "bbox_outside_weights") and per_image:
-            blobs[name] = per_image[0][name]
-            continue
-        if name == "masks_int32" and cfg.MRCNN.CLS_SPECIFIC_MASK:
+    # One expansion for the minibatch: no per-image (r, 4C) copies.
+    expanded = (_expanded_targets(np.concatenate([b.pop("_bbox_target_data") for b in per_image]),
+                                  cfg) if per_image else {})
+    for name in get_fast_rcnn_blob_names(cfg):
+        if name in expanded:
+            blobs[name] = expanded[name]
+        elif name == "masks_int32" and cfg.MRCNN.CLS_SPECIFIC_MASK:
             masks = np.concatenate([b[name] for b in per_image])
             classes = np.concatenate([b["_mask_class_labels"] for b in per_image])
             if compact_masks:
