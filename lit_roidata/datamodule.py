@@ -452,9 +452,8 @@ def fork_safe_opencv() -> None:
 def _image_sizes(batch: Mapping[str, Any]) -> Any:
     """``(n, 2)`` unpadded ``(h, w)`` of the images in ``batch["data"]``."""
     meta = batch.get("_meta") or {}
-    for key in ("image_sizes",):
-        if key in meta:
-            return meta[key]
+    if "image_sizes" in meta:
+        return meta["image_sizes"]
     if "im_info" in batch:
         return batch["im_info"]
     n, _, h, w = batch["data"].shape
