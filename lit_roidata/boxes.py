@@ -30,7 +30,20 @@ __all__ = [
 
 def box_areas(boxes: np.ndarray) -> np.ndarray:
     """Areas with the +1 convention."""
-    return (boxes[:, 2] - boxes[:, 0] + 1) * (boxes[:, 3] - boxes[:, 1] + 1)
+    return (boxes[..., 2] - boxes[..., 0] + 1) * (boxes[..., 3] - boxes[..., 1] + 1)
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of float64 boxes ``a[..., :4]`` and ``b[..., :4]``, broadcast (float32 result)."""
+    iw = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]) + 1
+    ih = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]) + 1
+    np.maximum(iw, 0, out=iw)
+    np.maximum(ih, 0, out=ih)
+    inter = iw * ih
+    union = box_areas(a) + box_areas(b) - inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(inter > 0, inter / union, 0.0)
+    return out.astype(np.float32)
 
 
 def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -44,15 +57,7 @@ def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
     b = np.asarray(query, dtype=np.float64).reshape(-1, 4)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return np.zeros((a.shape[0], b.shape[0]), dtype=np.float32)
-    iw = np.minimum(a[:, None, 2], b[None, :, 2]) - np.maximum(a[:, None, 0], b[None, :, 0]) + 1
-    ih = np.minimum(a[:, None, 3], b[None, :, 3]) - np.maximum(a[:, None, 1], b[None, :, 1]) + 1
-    np.maximum(iw, 0, out=iw)
-    np.maximum(ih, 0, out=ih)
-    inter = iw * ih
-    union = box_areas(a)[:, None] + box_areas(b)[None, :] - inter
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(inter > 0, inter / union, 0.0)
-    return out.astype(np.float32)
+    return _iou(a[:, None, :], b[None, :, :])
 
 
 def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -63,15 +68,7 @@ def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     a = np.asarray(a, dtype=np.float64).reshape(-1, 4)
     b = np.asarray(b, dtype=np.float64).reshape(-1, 4)
-    iw = np.minimum(a[:, 2], b[:, 2]) - np.maximum(a[:, 0], b[:, 0]) + 1
-    ih = np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 1], b[:, 1]) + 1
-    np.maximum(iw, 0, out=iw)
-    np.maximum(ih, 0, out=ih)
-    inter = iw * ih
-    union = box_areas(a) + box_areas(b) - inter
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(inter > 0, inter / union, 0.0)
-    return out.astype(np.float32)
+    return _iou(a, b)
 
 
 def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -87,9 +84,7 @@ def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tenso
     ih = (torch.minimum(a[:, None, 3], b[None, :, 3])
           - torch.maximum(a[:, None, 1], b[None, :, 1]) + 1).clamp_(min=0)
     inter = iw * ih
-    area_a = (a[:, 2] - a[:, 0] + 1) * (a[:, 3] - a[:, 1] + 1)
-    area_b = (b[:, 2] - b[:, 0] + 1) * (b[:, 3] - b[:, 1] + 1)
-    union = area_a[:, None] + area_b[None, :] - inter
+    union = box_areas(a)[:, None] + box_areas(b)[None, :] - inter
     out = torch.where(inter > 0, inter / union, torch.zeros_like(inter))
     return out.to(torch.float32)
 
