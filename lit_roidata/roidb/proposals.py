@@ -316,12 +316,11 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
     return per_img, b, mo, mc, gmap
 
 
-def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray):
-    """Proposal × gt-row pairs of the same image: (proposal idx, gt row, position, #gt)."""
+def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Proposal × gt-row pairs of the same image: (proposal idx, gt row)."""
     g0 = gt_off[img]
-    ng = gt_off[img + 1] - g0
-    p, within = _segment_pairs(ng)
-    return p, g0[p] + within, within, ng
+    p, within = _segment_pairs(gt_off[img + 1] - g0)
+    return p, g0[p] + within
 
 
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
@@ -385,7 +384,7 @@ def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
     crowd_img = np.searchsorted(gt_off, crowd_rows, side="right") - 1
     crowd_off = np.zeros(gt_off.size, np.int64)
     np.cumsum(np.bincount(crowd_img, minlength=gt_off.size - 1), out=crowd_off[1:])
-    p, c, _, _ = _pairs_with_gt(img, crowd_off)
+    p, c = _pairs_with_gt(img, crowd_off)
     if p.size == 0:
         return bad
     iof = iof_pairs(b[p], gt_boxes[crowd_rows[c]])
