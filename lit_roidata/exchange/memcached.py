@@ -129,11 +129,6 @@ class MemcachedStore(Store):
             return 1 << 20
         return int(value)
 
-    def server_start_time(self) -> int:
-        """Server clock minus uptime: changes whenever the server restarts."""
-        stats = self._call(self._client.stats)
-        return int(stats[b"time"]) - int(stats[b"uptime"])
-
     # -- small values --------------------------------------------------------------------
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
         return bool(self._call(self._client.add, self._k(key), value, self._ttl(ttl)))
