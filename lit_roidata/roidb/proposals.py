@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from lit_roidata.boxes import box_areas
 from lit_roidata.roidb.info import RoIDBInputError
 
 __all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "build_proposal_table",
@@ -338,7 +339,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
         return mo, mc, gmap
     ng = (gt_off[img + 1] - gt_off[img]).astype(np.int64)
     g64 = gt_boxes.astype(np.float64)
-    g_area = (g64[:, 2] - g64[:, 0] + 1) * (g64[:, 3] - g64[:, 1] + 1)
+    g_area = box_areas(g64)
     for g in np.unique(ng):
         if g == 0:
             continue
@@ -368,7 +369,7 @@ def _dense_iou(p: np.ndarray, g64: np.ndarray, g_area: np.ndarray, rows: np.ndar
     np.maximum(ih, 0, out=ih)
     inter = iw
     inter *= ih
-    union = (px2 - px1 + 1) * (py2 - py1 + 1) + g_area[rows]
+    union = box_areas(p)[:, None] + g_area[rows]
     union -= inter
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(inter > 0, inter / union, 0.0)
