@@ -20,6 +20,7 @@ from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
     FieldOfAnchors, anchor_gt_overlaps, concat_fields, level_offsets, retinanet_fields)
+from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import get_retinanet_blob_names
 
 __all__ = ["add_retinanet_blobs", "label_retinanet_anchors", "get_retinanet_blob_names"]
@@ -60,11 +61,9 @@ def add_retinanet_blobs(
     _warn_if_not_multiple(pad_h, pad_w, cfg)
     n_classes = int(cfg.MODEL.NUM_CLASSES)
     fg_total, bg_total = 0.0, 0.0
-    im_info = np.zeros((len(entries), 3), dtype=np.float32)
     per_image = []
     for i, entry in enumerate(entries):
         scale = im_scales[i]
-        im_info[i] = (np.round(entry["height"] * scale), np.round(entry["width"] * scale), scale)
         keep = (np.asarray(entry["gt_classes"]) > 0) & ~np.asarray(entry["is_crowd"], bool)
         if not keep.any():
             raise ValueError(
@@ -77,7 +76,7 @@ def add_retinanet_blobs(
         fg_total += fg_num
         bg_total += (num_bg + 1.0) * (n_classes - 1) + fg_num * (n_classes - 2)
         per_image.append((labels, fg, targets))
-    blobs["im_info"] = im_info
+    blobs["im_info"] = im_info_rows(entries, im_scales)
     blobs["retnet_fg_num"] = np.array([fg_total], dtype=np.float32)
     blobs["retnet_bg_num"] = np.array([bg_total], dtype=np.float32)
     _level_blobs(blobs, per_image, fields, pad_h, pad_w, cfg)

@@ -25,6 +25,7 @@ from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
     FieldOfAnchors, anchor_gt_overlaps, concat_fields, inside_mask, level_offsets, rpn_fields)
+from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
@@ -71,11 +72,10 @@ def add_rpn_blobs(
     all_anchors = concat_fields(fields)
     n = len(entries)
     out = _alloc_wide(fields, n, alloc)
-    im_info = np.zeros((n, 3), dtype=np.float32)
+    im_info = im_info_rows(entries, im_scales)
     for i, entry in enumerate(entries):
         scale = im_scales[i]
-        im_h, im_w = np.round(entry["height"] * scale), np.round(entry["width"] * scale)
-        im_info[i] = (im_h, im_w, scale)
+        im_h, im_w = im_info[i, 0], im_info[i, 1]
         keep = (np.asarray(entry["gt_classes"]) > 0) & ~np.asarray(entry["is_crowd"], bool)
         if not keep.any():
             raise ValueError(
