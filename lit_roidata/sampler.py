@@ -46,6 +46,15 @@ def _make_block(indices: list[int], seed: int, pass_index: int, block_index: int
                  attempt=attempt)
 
 
+def _block_indices(perm: np.ndarray, block_index: int, mb: int) -> list[int]:
+    """The ``mb`` roidb indices of block ``block_index`` of the permutation ``perm``."""
+    start = block_index * mb
+    if start + mb <= perm.size:
+        return perm[start:start + mb].tolist()
+    # ungrouped last block wraps onto the head of the same permutation (§5.3)
+    return perm[(start + np.arange(mb)) % perm.size].tolist()
+
+
 def _fast_block(indices: list[int], seed: int, pass_index: int, block_index: int) -> "Block":
     # Half the cost of Block(...) (no keyword parsing): this runs once per batch.
     blk = list.__new__(Block)
@@ -230,14 +239,8 @@ class RoIBatchSampler(Sampler[Block]):
         if not 0 <= block_index < self.blocks_per_pass:
             raise IndexError(f"block_index {block_index} outside a pass of "
                              f"{self.blocks_per_pass} blocks")
-        perm = self.permutation(pass_index)
-        mb = self.ims_per_batch
-        start = block_index * mb
-        if start + mb <= perm.size:
-            inds = perm[start:start + mb]
-        else:  # ungrouped last block wraps onto the head of the same permutation (§5.3)
-            inds = perm[(start + np.arange(mb)) % perm.size]
-        return _fast_block(inds.tolist(), self.seed, pass_index, block_index)
+        inds = _block_indices(self.permutation(pass_index), block_index, self.ims_per_batch)
+        return _fast_block(inds, self.seed, pass_index, block_index)
 
     # ------------------------------------------------------------------ positions
     def __len__(self) -> int:
@@ -277,7 +280,8 @@ class RoIBatchSampler(Sampler[Block]):
         return pass_index + full + 1, rem * ws
 
     def _draw_locked(self, stop_at_pass_end: bool) -> Block | None:
-        # The per-batch hot path (caller holds the lock): block() and normalize() inlined.
+        # The per-batch hot path (caller holds the lock): normalize() and the permutation
+        # cache lookup inlined.
         ws, nb, mb = self.world_size, self.blocks_per_pass, self.ims_per_batch
         p, c = self._pass, self._cursor
         if not self.infinite and c + ws > nb:
@@ -290,11 +294,7 @@ class RoIBatchSampler(Sampler[Block]):
             q += extra
         cache = self._cache
         perm = cache[1] if cache is not None and cache[0] == q else self.permutation(q)
-        start = b * mb
-        if start + mb <= perm.size:
-            inds = perm[start:start + mb].tolist()
-        else:  # ungrouped last block wraps onto the head of the same permutation (§5.3)
-            inds = perm[(start + np.arange(mb)) % perm.size].tolist()
+        inds = _block_indices(perm, b, mb)
         c += ws
         if self.infinite and c >= nb:
             extra, c = divmod(c, nb)
