@@ -426,13 +426,14 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]
 
 _SECTIONS = {f.name for f in dataclasses.fields(DetectronConfig)} - {
     "NUM_GPUS", "PIXEL_MEANS", "RNG_SEED", "OTHER"}
+#: TEST.BBOX_AUG, TEST.MASK_AUG, ...: the nested sections of TEST.
+_TEST_SUBSECTIONS = {k for k, v in _PASSTHROUGH_DEFAULTS["TEST"].items() if isinstance(v, dict)}
 
 
 def _is_section(dotted: str) -> bool:
     parts = dotted.split(".")
     return parts[0] in _SECTIONS and (len(parts) == 1 or parts[0] == "TEST" and len(parts) == 2
-                                      and parts[1] in {"BBOX_AUG", "MASK_AUG", "KPS_AUG",
-                                                       "SOFT_NMS", "BBOX_VOTE"})
+                                      and parts[1] in _TEST_SUBSECTIONS)
 
 
 def _coerce(key: str, value: Any, current: Any) -> Any:
