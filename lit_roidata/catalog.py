@@ -95,11 +95,15 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
 }
 
 
+def _builtin_spec(name: str, root: str) -> DatasetSpec:
+    im, ann, prefix = _BUILTIN[name]
+    return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix)
+
+
 def builtin_datasets(data_root: PathLike) -> dict[str, DatasetSpec]:
     """Detectron's built-in dataset names resolved under ``data_root``."""
     root = os.fspath(data_root)
-    return {name: DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix)
-            for name, (im, ann, prefix) in _BUILTIN.items()}
+    return {name: _builtin_spec(name, root) for name in _BUILTIN}
 
 
 class Catalog:
@@ -182,9 +186,7 @@ class Catalog:
         if spec is not None:
             return spec
         if self._builtins and name in _BUILTIN:
-            im, ann, prefix = _BUILTIN[name]
-            root = self.data_root
-            return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix)
+            return _builtin_spec(name, self.data_root)
         known = self.names()
         near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
         hint = f" Did you mean {near[0]!r}?" if near else ""
