@@ -35,6 +35,7 @@ import torch
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.minibatch.device import expand_masks_on_device
+from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import normalize_on_device
 from lit_roidata.minibatch.model_type import MODEL_TYPES
 
@@ -501,8 +502,6 @@ class EvalDataset(torch.utils.data.Dataset):
         if rois is not None:
             blobs: dict[str, Any] = {"rois": rois}
             if self.cfg.FPN.FPN_ON and self.cfg.FPN.MULTILEVEL_ROIS:
-                from lit_roidata.minibatch.fpn import add_multilevel_rois
-
                 add_multilevel_rois(blobs, self.cfg, prefixes=("rois",))
             out.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in blobs.items()})
         out["_meta"] = {
@@ -526,10 +525,7 @@ class EvalDataset(torch.utils.data.Dataset):
             props = np.asarray(entry["boxes"], np.float32)[np.asarray(entry["gt_classes"]) == 0]
             if self.limit > 0:
                 props = props[: self.limit]
-            rows = np.empty((len(props), 5), dtype=np.float32)
-            rows[:, 0] = b
-            rows[:, 1:] = props * np.float32(s)
-            parts.append(rows)
+            parts.append(rois_blob(props * np.float32(s), b))
         return np.concatenate(parts)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import numpy as np
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.minibatch.fpn import add_multilevel_rois
+from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.keypoints import add_keypoint_rcnn_blobs, finalize_keypoint_minibatch
 from lit_roidata.minibatch.mask import add_mask_rcnn_blobs, expand_class_specific_masks
 from lit_roidata.minibatch.names import get_fast_rcnn_blob_names
@@ -92,11 +92,7 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
     sampled_boxes = np.asarray(entry["boxes"], dtype=np.float32)[keep]
     target_data = np.asarray(entry["bbox_targets"], dtype=np.float32)[keep]
     scale = float(im_scale)
-    batch_col = batch_idx * np.ones((keep.size, 1), dtype=np.float32)
-    blob = {
-        "rois": np.hstack((batch_col, sampled_boxes * scale)).astype(np.float32, copy=False),
-        "labels_int32": labels,
-    }
+    blob = {"rois": rois_blob(sampled_boxes * scale, batch_idx), "labels_int32": labels}
     if expand_targets:
         blob.update(_expanded_targets(target_data, cfg))
     else:

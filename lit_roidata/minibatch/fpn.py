@@ -1,4 +1,5 @@
-"""FPN multilevel RoI distribution with restore indices (spec §6.4)."""
+"""RoI blobs: ``(batch_idx, x1, y1, x2, y2)`` rows and their FPN multilevel distribution
+with restore indices (spec §6.4)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import numpy as np
 
 from lit_roidata.minibatch.names import multilevel_roi_prefixes
 
-__all__ = ["map_rois_to_fpn_levels", "add_multilevel_roi_blobs", "add_multilevel_rois"]
+__all__ = ["rois_blob", "map_rois_to_fpn_levels", "add_multilevel_roi_blobs",
+           "add_multilevel_rois"]
+
+
+def rois_blob(boxes: np.ndarray, batch_idx: int) -> np.ndarray:
+    """``(n, 5)`` float32 rows ``(batch_idx, x1, y1, x2, y2)`` for ``(n, 4)`` scaled boxes."""
+    batch_col = np.full((boxes.shape[0], 1), batch_idx, dtype=np.float32)
+    return np.hstack((batch_col, boxes)).astype(np.float32, copy=False)
 
 
 def map_rois_to_fpn_levels(rois: np.ndarray, k_min: int, k_max: int, *,

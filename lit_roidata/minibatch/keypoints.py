@@ -15,6 +15,7 @@ from typing import Any, Mapping, MutableMapping
 import numpy as np
 
 from lit_roidata import rng as rng_mod
+from lit_roidata.minibatch.fpn import rois_blob
 
 __all__ = ["keypoints_to_heatmap_labels", "add_keypoint_rcnn_blobs",
            "finalize_keypoint_minibatch", "check_keypoint_cfg"]
@@ -105,9 +106,7 @@ def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str,
         sampled_kps[has_gt] = gt_keypoints[gt_inds[maps[has_gt]]]
     heats, weights = keypoints_to_heatmap_labels(sampled_kps, sampled_rois, HM)
     shape = (sampled_rois.shape[0] * K, 1)
-    rois_scaled = sampled_rois * float(im_scale)
-    batch_col = batch_idx * np.ones((rois_scaled.shape[0], 1), dtype=np.float32)
-    blobs["keypoint_rois"] = np.hstack((batch_col, rois_scaled)).astype(np.float32, copy=False)
+    blobs["keypoint_rois"] = rois_blob(sampled_rois * float(im_scale), batch_idx)
     blobs["keypoint_locations_int32"] = heats.reshape(shape).astype(np.int32, copy=False)
     blobs["keypoint_weights"] = weights.reshape(shape)
 

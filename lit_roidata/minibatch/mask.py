@@ -21,6 +21,7 @@ import numpy as np
 import pycocotools.mask as mask_util
 
 from lit_roidata.boxes import bbox_overlaps
+from lit_roidata.minibatch.fpn import rois_blob
 
 __all__ = ["polys_to_boxes", "add_mask_rcnn_blobs", "expand_class_specific_masks",
            "rasterize_segms_in_boxes", "segm_as_rle", "segm_polygons"]
@@ -218,8 +219,6 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
             masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
         else:
             blobs["_mask_class_labels"] = np.asarray(class_labels, dtype=np.int64)
-    rois_fg = rois_fg * im_scale
-    batch_col = batch_idx * np.ones((rois_fg.shape[0], 1), dtype=np.float32)
-    blobs["mask_rois"] = np.hstack((batch_col, rois_fg)).astype(np.float32, copy=False)
+    blobs["mask_rois"] = rois_blob(rois_fg * im_scale, batch_idx)
     blobs["roi_has_mask_int32"] = roi_has_mask.astype(np.int32, copy=False)
     blobs["masks_int32"] = masks
