@@ -137,9 +137,11 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
         size, stride = f0.field_size, f0.stride
         h, w = int(pad_h / stride), int(pad_w / stride)
         cls = np.empty((len(per_image), len(ids), min(h, size), min(w, size)), np.int32)
+        lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
+        field_anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
+                                     for j in ids], np.int64)
         tgt_rows, loc_rows = [], []
         for i, (labels, fg, targets) in enumerate(per_image):
-            lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
             grid = labels[lo:hi].reshape(len(ids), size, size)
             cls[i] = grid[:, :h, :w]
             sel = (fg >= lo) & (fg < hi)
@@ -153,8 +155,7 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
                 raise ValueError(
                     f"RetinaNet label {int(lab.max())} does not fit MODEL.NUM_CLASSES = "
                     f"{n_classes}; set it to the dataset's class count plus one")
-            anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
-                                   for j in ids], np.int64)[field_in_level]
+            anchor_ind = field_anchor_ind[field_in_level]
             locs = np.stack([np.full_like(y, i), 4 * l_cls + loc_stride * anchor_ind, y, x], 1)
             tgt_rows.append(targets[sel])
             loc_rows.append(locs.astype(np.float32))
