@@ -32,7 +32,7 @@ from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
-from lit_roidata.roidb.segms import SegmColumns
+from lit_roidata.roidb.segms import SegmColumns, concat_offsets
 from lit_roidata.roidb.store import RoIDB
 
 __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES"]
@@ -320,14 +320,6 @@ def _check_images(spec: DatasetSpec, file_names: list) -> None:
             f"the images, or pass check_images=False.")
 
 
-def _offsets_cat(offs: Sequence[np.ndarray]) -> np.ndarray:
-    out, base = [np.zeros(1, np.int64)], 0
-    for o in offs:
-        out.append(np.asarray(o[1:], np.int64) + base)
-        base += int(o[-1])
-    return np.concatenate(out)
-
-
 def _cat(arrays: list) -> np.ndarray:
     """``np.concatenate`` that does not copy a single array (proposal columns are GBs)."""
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
@@ -355,8 +347,8 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
         "img_path_bytes": np.frombuffer(b"".join(paths), np.uint8),
         "img_path_off": path_off,
         "img_has_vis_kp": cat([t.has_vis_kp for t in tables]),
-        "img_gt_off": _offsets_cat([t.gt_off for t in tables]),
-        "img_prop_off": _offsets_cat([p.off for p in props]),
+        "img_gt_off": concat_offsets([t.gt_off for t in tables]),
+        "img_prop_off": concat_offsets([p.off for p in props]),
         "gt_boxes": cat([t.boxes for t in tables]).reshape(-1, 4),
         "gt_classes": cat([t.classes for t in tables]).astype(np.int32),
         "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),

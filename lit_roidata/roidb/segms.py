@@ -56,33 +56,18 @@ class SegmColumns:
         """Concatenate the segms of several tables, rebasing offsets."""
         if len(parts) == 1:
             return parts[0]
-        kinds, poly_off, coord_off, coords, rle_idx, rle_size = [], [0], [0], [], [], []
-        int_off, ints, str_off, strs = [0], [], [0], []
-        n_poly = n_coord = n_rle = n_int = n_str = 0
-        for p in parts:
-            kinds.append(p.kind)
-            poly_off.append(p.poly_off[1:] + n_poly)
-            coord_off.append(p.coord_off[1:] + n_coord)
-            coords.append(p.coords)
-            rle_idx.append(np.where(p.rle_idx >= 0, p.rle_idx + n_rle, -1).astype(np.int32))
-            rle_size.append(p.rle_size)
-            int_off.append(p.rle_int_off[1:] + n_int)
-            ints.append(p.rle_ints)
-            str_off.append(p.rle_str_off[1:] + n_str)
-            strs.append(p.rle_bytes)
-            n_poly += len(p.coord_off) - 1
-            n_coord += len(p.coords)
-            n_rle += len(p.rle_size)
-            n_int += len(p.rle_ints)
-            n_str += len(p.rle_bytes)
         cat = np.concatenate
+        rle_base = np.cumsum([0] + [len(p.rle_size) for p in parts[:-1]]).tolist()
         return SegmColumns(
-            cat(kinds).astype(np.int8), cat([np.asarray(x, np.int64).ravel() for x in poly_off]),
-            cat([np.asarray(x, np.int64).ravel() for x in coord_off]), cat(coords),
-            cat(rle_idx), cat(rle_size).reshape(-1, 2),
-            cat([np.asarray(x, np.int64).ravel() for x in int_off]), cat(ints),
-            cat([np.asarray(x, np.int64).ravel() for x in str_off]),
-            cat(strs).astype(np.uint8))
+            cat([p.kind for p in parts]).astype(np.int8),
+            concat_offsets([p.poly_off for p in parts]),
+            concat_offsets([p.coord_off for p in parts]), cat([p.coords for p in parts]),
+            cat([np.where(p.rle_idx >= 0, p.rle_idx + n, -1).astype(np.int32)
+                 for p, n in zip(parts, rle_base)]),
+            cat([p.rle_size for p in parts]).reshape(-1, 2),
+            concat_offsets([p.rle_int_off for p in parts]), cat([p.rle_ints for p in parts]),
+            concat_offsets([p.rle_str_off for p in parts]),
+            cat([p.rle_bytes for p in parts]).astype(np.uint8))
 
 
 def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
@@ -198,6 +183,15 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
+
+
+def concat_offsets(offs: Sequence[np.ndarray]) -> np.ndarray:
+    """One offset array for the concatenation of the columns each of ``offs`` indexes."""
+    out, base = [np.zeros(1, np.int64)], 0
+    for o in offs:
+        out.append(np.asarray(o[1:], np.int64) + base)
+        base += int(o[-1])
+    return np.concatenate(out)
 
 
 def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
