@@ -17,6 +17,7 @@ import numpy as np
 from lit_roidata.boxes import bbox_overlaps_pairs
 
 __all__ = [
+    "scaled_noncrowd_gt",
     "FieldOfAnchors",
     "generate_anchors",
     "field_size",
@@ -343,3 +344,21 @@ def _inside_mask(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
     out = np.concatenate(parts)
     out.setflags(write=False)  # memoised: images of one size share it
     return out
+
+
+def scaled_noncrowd_gt(entry: Any, scale: float, family: str,
+                       what_detectron_does: str) -> tuple[np.ndarray, np.ndarray]:
+    """The entry's non-crowd gt boxes in the scaled frame, and their row mask.
+
+    RPN and RetinaNet label anchors against these (spec §6.7 step 2, §6.8). An image
+    without one cannot be labelled; Detectron fails there (``what_detectron_does``),
+    we raise a ``ValueError`` naming the image.
+    """
+    keep = (np.asarray(entry["gt_classes"]) > 0) & ~np.asarray(entry["is_crowd"], bool)
+    if not keep.any():
+        raise ValueError(
+            f"{family} targets: image id {entry.get('id')} ({entry.get('image')}) has no "
+            f"non-crowd gt box; {what_detectron_does}. Keep filter_for_training on, or "
+            "drop images without annotations.")
+    gt = (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32)
+    return gt, keep

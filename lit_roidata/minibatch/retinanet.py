@@ -19,7 +19,8 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, anchor_gt_overlaps, concat_fields, level_offsets, retinanet_fields)
+    FieldOfAnchors, anchor_gt_overlaps, concat_fields, level_offsets, retinanet_fields,
+    scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import get_retinanet_blob_names
 
@@ -64,12 +65,7 @@ def add_retinanet_blobs(
     per_image = []
     for i, entry in enumerate(entries):
         scale = im_scales[i]
-        keep = (np.asarray(entry["gt_classes"]) > 0) & ~np.asarray(entry["is_crowd"], bool)
-        if not keep.any():
-            raise ValueError(
-                f"RetinaNet targets: image id {entry.get('id')} ({entry.get('image')}) has no "
-                "non-crowd gt box (Detectron asserts here); keep filter_for_training on")
-        gt = (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32)
+        gt, keep = scaled_noncrowd_gt(entry, scale, "RetinaNet", "Detectron asserts here")
         labels, fg, targets, num_bg = label_retinanet_anchors(
             all_anchors, fields, gt, np.asarray(entry["gt_classes"])[keep], cfg.RETINANET)
         fg_num = np.float32(len(fg) + 1.0)

@@ -24,7 +24,8 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, anchor_gt_overlaps, concat_fields, inside_mask, level_offsets, rpn_fields)
+    FieldOfAnchors, anchor_gt_overlaps, concat_fields, inside_mask, level_offsets, rpn_fields,
+    scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
@@ -76,13 +77,7 @@ def add_rpn_blobs(
     for i, entry in enumerate(entries):
         scale = im_scales[i]
         im_h, im_w = im_info[i, 0], im_info[i, 1]
-        keep = (np.asarray(entry["gt_classes"]) > 0) & ~np.asarray(entry["is_crowd"], bool)
-        if not keep.any():
-            raise ValueError(
-                f"RPN targets: image id {entry.get('id')} ({entry.get('image')}) has no "
-                "non-crowd gt box; Detectron crashes here (spec Q27). Keep "
-                "filter_for_training on, or drop images without annotations.")
-        gt = (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32)
+        gt, _ = scaled_noncrowd_gt(entry, scale, "RPN", "Detectron crashes here (spec Q27)")
         res = label_anchors(all_anchors, fields, gt, im_h, im_w, cfg.TRAIN, rng,
                             fix_rpn_quirks=fix_rpn_quirks)
         _scatter(out, i, fields, *res)
