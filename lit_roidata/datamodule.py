@@ -34,9 +34,8 @@ import torch
 
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.loader import StatefulRoIDataLoader
-from lit_roidata.minibatch.device import expand_masks_on_device
+from lit_roidata.minibatch.device import finalize_on_device
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
-from lit_roidata.minibatch.image import normalize_on_device
 from lit_roidata.minibatch.model_type import MODEL_TYPES
 
 __all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader", "fork_safe_opencv"]
@@ -380,23 +379,20 @@ class RoIDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------- device
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Normalise a uint8 ``data`` blob into Detectron's float blob on the device,
-        and count the images the workers skipped (reported by :meth:`report_skips`)."""
+        """Finish the worker's compact blobs on the device (uint8 ``data`` -> Detectron's
+        float blob, compact masks -> ``masks_int32``; :func:`finalize_on_device`), and
+        count the images the workers skipped (reported by :meth:`report_skips`)."""
         meta = batch.get("_meta") if isinstance(batch, dict) else getattr(batch, "meta", None)
         if isinstance(meta, Mapping):
             for item in meta.get("skipped") or ():
                 self._skipped[str(item.get("reason", "bad_image"))] += 1
             if meta.get("num_invalid_replaced"):
                 self._skipped["invalid_minibatch"] += int(meta["num_invalid_replaced"])
-        if (isinstance(batch, dict) and torch.is_tensor(batch.get("data"))
-                and batch["data"].dtype == torch.uint8):
-            batch["data"] = normalize_on_device(batch["data"], _image_sizes(batch),
-                                                self.cfg.PIXEL_MEANS)
-        if isinstance(batch, dict) and "mask_class_int32" in batch:
-            # Compact masks (mask_format="compact"): Detectron's class-specific blob.
-            classes = batch.pop("mask_class_int32")
-            batch["masks_int32"] = expand_masks_on_device(batch["masks_int32"], classes,
-                                                          int(self.cfg.MODEL.NUM_CLASSES))
+        if isinstance(batch, dict):
+            # uint8 pixels -> Detectron's float blob; compact masks (mask_format="compact")
+            # -> Detectron's class-specific masks_int32.
+            finalize_on_device(batch, self.cfg.PIXEL_MEANS, int(self.cfg.MODEL.NUM_CLASSES),
+                               image_sizes=_image_sizes(batch) if "data" in batch else None)
         return batch
 
     def report_skips(self) -> dict[str, int]:

@@ -39,19 +39,20 @@ def expand_masks_on_device(masks: torch.Tensor, classes: torch.Tensor,
 
 
 def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[float],
-                       num_classes: int) -> MutableMapping[str, Any]:
+                       num_classes: int, *, image_sizes: Any = None) -> MutableMapping[str, Any]:
     """Turn a worker's compact blobs into Detectron's, in place, on their device.
 
     Normalises a uint8 ``data`` blob (:func:`normalize_on_device`, using
     ``_meta["image_sizes"]``) and expands compact masks (``mask_class_int32`` present)
     with :func:`expand_masks_on_device`; ``mask_class_int32`` is removed. A batch that
     is already in Detectron's format is returned unchanged. Meant for
-    ``LightningDataModule.on_after_batch_transfer``.
+    ``LightningDataModule.on_after_batch_transfer``. ``image_sizes`` (``(n, 2)``
+    unpadded ``(h, w)``), when given, is used instead of the ``_meta`` lookup.
     """
     data = batch.get("data")
     if isinstance(data, torch.Tensor) and data.dtype == torch.uint8:
         meta = batch.get("_meta") or {}
-        sizes = meta.get("image_sizes")
+        sizes = meta.get("image_sizes") if image_sizes is None else image_sizes
         if sizes is None:
             sizes = meta.get("im_info")
         if sizes is None:
