@@ -225,18 +225,20 @@ def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
         The tensors, the user metadata and the envelope.
 
     Raises:
-        WireFormatError: bad magic/version, truncated data, CRC mismatch, inconsistent
+        WireFormatError: bad magic/version/flags, truncated data, CRC mismatch, inconsistent
             tensor table or unknown dtype.
     """
     view = memoryview(buf).cast("B")
     if len(view) < _PREFIX.size:
         raise _fail(where, f"{len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    magic, version, _flags, header_len, crc, data_len = _PREFIX.unpack_from(view, 0)
+    magic, version, flags, header_len, crc, data_len = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise _fail(where, f"bad magic {bytes(magic)!r} (not a lit_roidata exchange message)")
     if version != VERSION:
         raise _fail(where, f"wire version {version}, this build reads version {VERSION}; "
                            "upgrade lit_roidata on both ends")
+    if flags != 0:  # the prefix is outside the CRC: an unknown flag is a corrupt prefix
+        raise _fail(where, f"unknown flags {flags:#06x} (version {VERSION} defines none)")
     data_start = _align(_PREFIX.size + header_len)
     if len(view) != data_start + data_len:
         raise _fail(where, f"length {len(view)} != expected {data_start + data_len} (truncated "
