@@ -255,3 +255,80 @@ def test_lightning_internals_we_rely_on(root: Path, tmp_path: Path) -> None:
 
     src = inspect.getsource(type(trainer.fit_loop).setup_data)
     assert "_load_combined_loader_states" in src
+
+
+class FakeWorld(FailingData):
+    """Rank 0 of ``world`` processes, in one process: the loader and Lightning's epoch
+    length are those of that world size (what an elastic resume changes)."""
+
+    world = 1
+
+    def _rank_world(self) -> tuple[int, int]:
+        return 0, self.world
+
+
+class PosRecorder(Recorder):
+    def __init__(self, fail: dict | None = None) -> None:
+        super().__init__(fail)
+        self.positions: list[tuple[int, int]] = []
+        self.epochs: list[int] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        meta = batch["_meta"]
+        self.positions.append((int(meta["pass_index"]), int(meta["block_index"])))
+        self.epochs.append(trainer.current_epoch)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+
+def _fit_world(tmp: Path, kw: dict, steps: int, world: int, *, fail: dict | None = None,
+               ckpt: str | None = None, every: int | None = None) -> PosRecorder:
+    rec = PosRecorder(fail)
+    dm = FakeWorld(**kw)
+    dm.world, dm.fail = world, fail
+    cbs = [rec, pl.callbacks.OnExceptionCheckpoint(dirpath=str(tmp / "exc")),
+           pl.callbacks.ModelCheckpoint(dirpath=str(tmp / "ckpt"), every_n_train_steps=every,
+                                        save_top_k=-1)]
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp), limit_val_batches=0, callbacks=cbs)
+    old = signal.getsignal(signal.SIGINT)
+    try:
+        trainer.fit(_make_model(fail), datamodule=dm, ckpt_path=ckpt)
+    except SystemExit:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return rec
+
+
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("how", ["interrupt", "checkpoint"])
+def test_epoch_mode_elastic_resume_keeps_epochs_and_passes_together(
+        root: Path, tmp_path: Path, before: int, after: int, how: str) -> None:
+    """Epoch mode, resumed with another world size mid-pass: the rest of the pass is
+    trained (every global block once, the tail shorter than a global minibatch left out)
+    and Lightning's next epoch starts with the next pass, not earlier."""
+    kw = dm_kwargs(root, infinite=False)
+    dm = RoIDataModule(**kw)
+    dm.prepare_data()
+    dm.setup("fit")
+    bpp = dm.make_sampler().blocks_per_pass
+    s1 = max(1, bpp // (3 * before))  # steps before the resume, early in the pass
+    if how == "interrupt":
+        fail = {"where": "step", "step": s1}
+        first = _fit_world(tmp_path, kw, 10_000, before, fail=fail)
+        ckpt = tmp_path / "exc" / "on_exception.ckpt"
+    else:
+        # A ModelCheckpoint written mid-epoch (on_train_batch_end of step s1).
+        first = _fit_world(tmp_path, kw, s1 + 1, before, every=s1)
+        ckpt = tmp_path / "ckpt" / f"epoch=0-step={s1}.ckpt"
+        first.positions = first.positions[:s1]
+    assert len(first.positions) == s1
+    cursor = s1 * before
+    left = (bpp - cursor) // after
+    extra = 3
+    second = _fit_world(tmp_path / "b", kw, s1 + left + extra, after, ckpt=str(ckpt))
+    expected = [(0, cursor + k * after) for k in range(left)] + [(1, k * after) for k in range(extra)]
+    assert second.positions == expected
+    assert second.epochs == [0] * left + [1] * extra
