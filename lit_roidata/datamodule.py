@@ -572,9 +572,13 @@ class EvalLoader:
                         for i in range(0, len(shard), ims_per_batch)]
         self.dataset = EvalDataset(roidb, cfg, pixel_format=pixel_format, with_rois=with_rois)
         self.num_workers = min(int(num_workers), len(self.batches))
+        # A private generator: creating the iterator draws the workers' base seed, which
+        # would otherwise come from (and advance) the global torch RNG, so a validation
+        # would change the training that follows it.
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=self.batches, collate_fn=passthrough_collate,
-            num_workers=self.num_workers, pin_memory=pin_memory)
+            num_workers=self.num_workers, pin_memory=pin_memory,
+            generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
         return len(self.batches)
