@@ -176,10 +176,10 @@ def test_exception_in_the_callback_of_a_validation_step_resumes_exactly(
     _check_resume(root, tmp_path, "callback", infinite=True, step=step, exc=RuntimeError)
 
 
-@pytest.mark.parametrize("val_batches", [0, 3])
-def test_interrupted_validation_is_rerun_in_full(root: Path, tmp_path: Path,
+@pytest.mark.parametrize("infinite,val_batches", [(True, 0), (True, 3), (False, 3)])
+def test_interrupted_validation_is_rerun_in_full(root: Path, tmp_path: Path, infinite: bool,
                                                  val_batches: int) -> None:
-    _check_resume(root, tmp_path, "val", infinite=True, step=4, val_batches=val_batches)
+    _check_resume(root, tmp_path, "val", infinite=infinite, step=4, val_batches=val_batches)
 
 
 @pytest.mark.slow
@@ -332,3 +332,49 @@ def test_epoch_mode_elastic_resume_keeps_epochs_and_passes_together(
     expected = [(0, cursor + k * after) for k in range(left)] + [(1, k * after) for k in range(extra)]
     assert second.positions == expected
     assert second.epochs == [0] * left + [1] * extra
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+def test_align_makes_epoch_length_and_progress_agree_at_every_resume_step(infinite: bool) -> None:
+    """For every step of a pass and every 1/2/3 -> 1/2/3 world-size change, the restored
+    in-epoch counter plus the batches the loader will still yield this pass is
+    ``len(loader)``: Lightning ends the epoch exactly when the pass ends."""
+    import numpy as np
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    from lit_roidata.loader import StatefulRoIDataLoader
+    from lit_roidata.resume import align_fit_loop
+    from lit_roidata.sampler import RoIBatchSampler
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.state.fn = TrainerFn.FITTING
+    bp = trainer.fit_loop.epoch_loop.batch_progress
+    w, h = np.full(23, 8), np.full(23, 6)  # 23 blocks of 1 image: odd, so tails exist
+    for before in (1, 2, 3):
+        old = RoIBatchSampler(w, h, 1, seed=1, world_size=before, infinite=infinite)
+        for step in range(len(old) + 1):
+            state = {"sampler": old.state_at(*old.advance(2, 0, step)),
+                     "consumed_batches": 50 + step}
+            for after in (1, 2, 3):
+                new = RoIBatchSampler(w, h, 1, seed=1, world_size=after, infinite=infinite)
+                loader = StatefulRoIDataLoader(_Plain(), new)
+                for t in (bp.total, bp.current):
+                    for name in ("ready", "started", "processed", "completed"):
+                        setattr(t, name, (50 if t is bp.total else 0) + step)
+                loader.load_state_dict(state)
+                align_fit_loop(trainer, loader, {"fn": "fit", "stage": "train"})
+                # blocks this rank still draws from the saved pass (the sampler rolls
+                # into the next pass when fewer than `after` blocks are left)
+                remaining = sum(1 for b in loader.batch_sampler if b.pass_index == 2) \
+                    if not infinite else None
+                if infinite:
+                    assert bp.current.ready == min(step, len(loader))
+                else:
+                    assert bp.current.ready + remaining == len(loader), (before, after, step)
+                    assert bp.total.ready == 50 + step  # the global step is untouched
+
+
+class _Plain:
+    def __getitems__(self, block: Any) -> Any:
+        return list(block)
