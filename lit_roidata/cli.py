@@ -215,7 +215,12 @@ def _no_implicit_last(trainer: Any) -> None:
     for cb in trainer.callbacks:
         if isinstance(cb, ModelCheckpoint):
             assert hasattr(cb, "_find_last_checkpoints"), "Lightning API changed"
-            cb._find_last_checkpoints = lambda trainer: set()
+            cb._find_last_checkpoints = _none_found
+
+
+def _none_found(trainer: Any) -> set:
+    """``ModelCheckpoint._find_last_checkpoints`` replacement: nothing (picklable)."""
+    return set()
 
 
 def _load_meta(path: str) -> dict[str, Any]:
