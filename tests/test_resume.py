@@ -255,6 +255,8 @@ def test_lightning_internals_we_rely_on(root: Path, tmp_path: Path) -> None:
 
     src = inspect.getsource(type(trainer.fit_loop).setup_data)
     assert "_load_combined_loader_states" in src
+    # The CLI hides ModelCheckpoint's last.ckpt from Lightning's implicit "last" lookup.
+    assert callable(getattr(pl.callbacks.ModelCheckpoint, "_find_last_checkpoints", None))
 
 
 class FakeWorld(FailingData):
