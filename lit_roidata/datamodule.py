@@ -332,6 +332,10 @@ class RoIDataModule(pl.LightningDataModule):
         if nw > 0:
             fork_safe_opencv()
         previous = self._train_loader
+        trainer = getattr(self, "trainer", None)
+        combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+        if combined is None or all(dl is not previous for dl in combined.flattened):
+            previous = None  # not a reload of the loader the running fit uses
         self._train_loader = StatefulRoIDataLoader(
             dataset, sampler, num_workers=nw, pin_memory=bool(self.hparams.pin_memory),
             persistent_workers=False, prefetch_factor=None if nw == 0 else 2,

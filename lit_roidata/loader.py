@@ -18,8 +18,10 @@ sampler's own DDP split away (peers.md P9). :class:`StatefulRoIDataLoader` solve
 * the position advances when a batch is *handed to the loop*, not when a worker is given
   a block. Lightning does not prefetch from loaders that have a length
   (loops/fetchers.py ``_PrefetchDataFetcher.__iter__``), and this loader always has one,
-  so a batch handed out is a batch trained on. Batches come out in sampler order
-  (``in_order=True``), so counting them is exact;
+  so at most the batch being moved to the device or trained on is handed out and not
+  yet trained; the ``inflight`` callback (the data module's) says so when a checkpoint
+  is written on an interrupt. Batches come out in sampler order (``in_order=True``), so
+  counting them is exact;
 * restoring is O(1): the saved ``(pass, cursor)`` is set on the sampler; nothing is
   replayed (design principle 4).
 """
