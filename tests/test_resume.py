@@ -74,6 +74,13 @@ class Recorder(pl.Callback):
             f["done"] = True
             raise f.get("exc", KeyboardInterrupt)("simulated interrupt in a callback")
 
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        f = self.fail
+        if f and f["where"] == "epoch_start" and trainer.current_epoch == f["step"] \
+                and not f.get("done"):
+            f["done"] = True
+            raise f.get("exc", KeyboardInterrupt)("simulated interrupt at an epoch start")
+
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._nval = 0
 
@@ -142,11 +149,11 @@ def _fit(tmp: Path, kw: dict, steps: int, *, fail: dict | None = None, ckpt: str
 
 def _check_resume(root: Path, tmp_path: Path, where: str, *, infinite: bool, workers: int = 0,
                   step: int = 4, exc: type = KeyboardInterrupt, steps: int = 9,
-                  val_batches: int = 0) -> None:
+                  val_batches: int = 0, val_every: int = 4) -> None:
     kw = dm_kwargs(root, num_workers=workers, infinite=infinite)
-    ref = _fit(tmp_path / "ref", kw, steps)
+    ref = _fit(tmp_path / "ref", kw, steps, val_every=val_every)
     fail = {"where": where, "step": step, "exc": exc, "val_batches": val_batches}
-    first = _fit(tmp_path / "run", kw, steps, fail=fail)
+    first = _fit(tmp_path / "run", kw, steps, fail=fail, val_every=val_every)
     assert fail.get("done"), "the interrupt was not reached"
     ckpt = tmp_path / "run" / "exc" / "on_exception.ckpt"
     assert ckpt.is_file()
@@ -154,7 +161,7 @@ def _check_resume(root: Path, tmp_path: Path, where: str, *, infinite: bool, wor
     loader_state = state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     # The saved stream position is the batches the model trained on (its global step).
     assert loader_state["consumed_batches"] == state["global_step"] == len(first.trained)
-    second = _fit(tmp_path / "run", kw, steps, ckpt=str(ckpt))
+    second = _fit(tmp_path / "run", kw, steps, ckpt=str(ckpt), val_every=val_every)
     assert first.trained + second.trained == ref.trained
     assert first.lrs + second.lrs == ref.lrs
     # Validation at the same steps, each one complete (an interrupted one is rerun).
@@ -166,6 +173,20 @@ def _check_resume(root: Path, tmp_path: Path, where: str, *, infinite: bool, wor
 def test_ctrl_c_anywhere_in_a_training_step_resumes_exactly(root: Path, tmp_path: Path,
                                                              where: str, infinite: bool) -> None:
     _check_resume(root, tmp_path, where, infinite=infinite)
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+def test_ctrl_c_at_an_epoch_start_resumes_exactly(root: Path, tmp_path: Path,
+                                                  infinite: bool) -> None:
+    """Interrupted in ``on_train_epoch_start`` of epoch 1: the next epoch is not skipped."""
+    kw = dm_kwargs(root, infinite=infinite)
+    dm = RoIDataModule(**kw)
+    dm.prepare_data()
+    dm.setup("fit")
+    n = len(dm.train_dataloader())
+    dm._train_loader = None
+    _check_resume(root, tmp_path, "epoch_start", infinite=infinite, step=1, steps=n + 3,
+                  val_every=10_000)
 
 
 @pytest.mark.parametrize("step", [3, 4])
