@@ -5,7 +5,6 @@ progress bars count steps; log lines once under DDP."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -192,12 +191,12 @@ def test_progress_bar_counts_steps_out_of_max_steps_and_after_a_resume(
 
     def fit(steps: int, ckpt: str | None) -> None:
         cls = StepProgressBar if bar == "rich" else StepTQDMProgressBar
+        ck = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True)
         trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False,
                              enable_model_summary=False, default_root_dir=str(tmp_path),
-                             limit_val_batches=0, callbacks=[cls(), Probe(), pl.callbacks.ModelCheckpoint(
-                                 dirpath=str(tmp_path / "ck"), save_last=True)])
-        trainer.fit(_make_model(None), datamodule=RoIDataModule(**dm_kwargs(root, infinite=True)),
-                    ckpt_path=ckpt)
+                             limit_val_batches=0, callbacks=[cls(), Probe(), ck])
+        dm = RoIDataModule(**dm_kwargs(root, infinite=True))
+        trainer.fit(_make_model(None), datamodule=dm, ckpt_path=ckpt)
 
     fit(3, None)
     fit(5, str(tmp_path / "ck" / "last.ckpt"))

@@ -70,7 +70,8 @@ class Recorder(pl.Callback):
         self.trained.append((trainer.global_step, list(batch["_meta"]["indices"])))
         self.lrs.append((trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]))
         f = self.fail
-        if f and f["where"] == "callback" and trainer.global_step == f["step"] and not f.get("done"):
+        if f and f["where"] == "callback" and trainer.global_step == f["step"] \
+                and not f.get("done"):
             f["done"] = True
             raise f.get("exc", KeyboardInterrupt)("simulated interrupt in a callback")
 
@@ -252,7 +253,8 @@ def test_lightning_internals_we_rely_on(root: Path, tmp_path: Path) -> None:
     ep = trainer.fit_loop.epoch_loop
     assert isinstance(ep.batch_progress, _BatchProgress)
     assert isinstance(ep.val_loop.batch_progress, _BatchProgress)
-    assert isinstance(ep.batch_progress.total.processed, int) and hasattr(ep, "_batches_that_stepped")
+    assert isinstance(ep.batch_progress.total.processed, int)
+    assert hasattr(ep, "_batches_that_stepped")
     # ready counted before the step, processed after it, loader counts at hand-out.
     assert seen["start"] == (1, 0, 1)
     assert seen["end"] == (1, 1, 0, 0)
@@ -352,7 +354,8 @@ def test_epoch_mode_elastic_resume_keeps_epochs_and_passes_together(
     left = (bpp - cursor) // after
     extra = 3
     second = _fit_world(tmp_path / "b", kw, s1 + left + extra, after, ckpt=str(ckpt))
-    expected = [(0, cursor + k * after) for k in range(left)] + [(1, k * after) for k in range(extra)]
+    expected = ([(0, cursor + k * after) for k in range(left)]
+                + [(1, k * after) for k in range(extra)])
     assert second.positions == expected
     assert second.epochs == [0] * left + [1] * extra
 
