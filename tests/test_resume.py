@@ -130,11 +130,14 @@ def _fit(tmp: Path, kw: dict, steps: int, *, fail: dict | None = None, ckpt: str
     dm = FailingData(**kw)
     dm.fail = fail
     on_exc = pl.callbacks.OnExceptionCheckpoint(dirpath=str(tmp / "exc"))
+    every = pl.callbacks.ModelCheckpoint(dirpath=str(tmp / "steps"), every_n_train_steps=3,
+                                         save_top_k=-1, save_weights_only=True)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(tmp),
                          num_sanity_val_steps=0, check_val_every_n_epoch=None,
-                         val_check_interval=val_every, callbacks=[rec, on_exc], **trainer_kw)
+                         val_check_interval=val_every, callbacks=[rec, on_exc, every],
+                         **trainer_kw)
     pl.seed_everything(0)
     old = signal.getsignal(signal.SIGINT)
     try:
@@ -167,6 +170,15 @@ def _check_resume(root: Path, tmp_path: Path, where: str, *, infinite: bool, wor
     assert first.lrs + second.lrs == ref.lrs
     # Validation at the same steps, each one complete (an interrupted one is rerun).
     assert first.vals + second.vals == ref.vals, (first.vals, second.vals, ref.vals)
+    # Checkpoints by step at the same steps (except one whose on_train_batch_end was
+    # interrupted before ModelCheckpoint's turn: those hooks are not rerun).
+    assert _saved(tmp_path / "ref")
+    if where != "callback" or step % 3:
+        assert _saved(tmp_path / "run") == _saved(tmp_path / "ref")
+
+
+def _saved(run: Path) -> list[str]:
+    return sorted(p.name.split("-")[-1] for p in (run / "steps").glob("*.ckpt"))
 
 
 @pytest.mark.parametrize("where", ["fetch", "transfer", "step", "callback"])
