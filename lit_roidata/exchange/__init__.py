@@ -322,6 +322,8 @@ class BlobExchange:
         self._hb_stop.set()
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=5)
+        if self.backend == "embedded" and self._hb_thread is not None:  # opened channels
+            self._store.remove_run_if_unused(self.run_id)  # incarnation and lock files
         self._store.close()
 
     def __enter__(self) -> BlobExchange:

@@ -467,10 +467,12 @@ class Channel:
     def _replace_foreign_payload(self, key: str, seq: int, encoded: wire.Encoded) -> None:
         """``msg.<seq>`` exists but ``head`` has not reached it, so no consumer has read it:
         it was left by a fenced-out (stalled) producer, or forged. Replace it."""
-        if self._owns_payload(key, seq):
-            return
+        env = self._payload_envelope(key)
+        if env is not None and env.get("seq") == seq and env.get("gen") == self._gen:
+            return  # our own earlier write
         got = self._store.get_many([self._k_head])
-        if self._int(got, self._k_head) >= seq:
+        forged = env is None and self._ex.auth_key is not None  # fails authentication
+        if self._int(got, self._k_head) >= seq and not forged:
             raise SequenceError(f"{self.where}: seq {seq} is already published by another "
                                 "writer: a second producer used this channel")
         log.warning("%s: replacing an unpublished payload at seq %d left by another writer "
@@ -514,6 +516,7 @@ class Channel:
         what = f"message seq {seq} from the producer"
         small = [self._k_inc, self._k_head, self._k_ack]
         where = f"{self.where}, seq {seq}"
+        rejected = sum(self.rejected.values())
         while True:
             try:
                 with self._io:
@@ -525,12 +528,13 @@ class Channel:
                     msg = self._accept(buf, seq, as_torch, where)
                     if msg is not None:
                         break
-                elif buf is None and head >= seq:
+                    self._check_peer(what)
+                elif buf is None and head >= seq and rejected == sum(self.rejected.values()):
                     raise ExchangeStateLostError(
                         f"{self.where}: message seq {seq} was published (producer head is "
                         f"{head}) but is gone from {self._store.describe}: evicted or deleted. "
                         "Give memcached more memory (-m) and restart with a new run id")
-                else:
+                else:  # not yet published (or, after a rejected forgery, not yet again)
                     self._check_peer(what)
                 unreachable = None
             except StoreUnavailable as exc:
@@ -549,6 +553,8 @@ class Channel:
         try:
             msg = wire.decode(buf, as_torch=as_torch, where=f" on {where}", key=key)
         except MessageAuthError as exc:
+            if key is None:
+                raise  # an authenticated message and no secret here: a configuration error
             self._reject("forged", seq, str(exc))
             return None
         env = msg.envelope

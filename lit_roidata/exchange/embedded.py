@@ -370,6 +370,20 @@ class EmbeddedStore(Store):
                 removed.append(run.name)
         return removed
 
+    def remove_run_if_unused(self, run_id: str) -> bool:
+        """Remove ``<root>/<run_id>`` if no channel directory is left in it (every channel
+        of the run was closed by both ends); return whether it was removed."""
+        run = self._root + run_id
+        try:
+            entries = list(os.scandir(run))
+        except OSError:
+            return False
+        if any(e.is_dir(follow_symlinks=False) for e in entries):
+            return False
+        shutil.rmtree(run, ignore_errors=True)
+        self._made.discard(run)
+        return True
+
     def delete_namespace(self, prefix: str, keys: list[str] | None = None,
                          payloads: list[str] | None = None) -> None:
         """Remove every key under ``prefix`` (a channel's directory) and the directory."""
