@@ -313,16 +313,21 @@ class BlobExchange:
         with self._lock:
             self._channels.discard(ch)
 
-    def close(self) -> None:
-        """Close every open channel (waking waiters) and stop the heartbeat thread."""
+    def close(self, finished: bool = True) -> None:
+        """Close every open channel (waking waiters) and stop the heartbeat thread.
+
+        Args:
+            finished: ``False`` keeps every stream for a later resume even when both ends
+                are closed (see :meth:`Channel.close`).
+        """
         with self._lock:
             channels = list(self._channels)
         for ch in channels:
-            ch.close()
+            ch.close(finished)
         self._hb_stop.set()
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=5)
-        if self.backend == "embedded" and self._hb_thread is not None:  # opened channels
+        if finished and self.backend == "embedded" and self._hb_thread is not None:
             self._store.remove_run_if_unused(self.run_id)  # incarnation and lock files
         self._store.close()
 

@@ -208,11 +208,11 @@ class BlobExchangeCallback(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._close()
+        self._close(finished=False)  # keep the streams: the run may resume from a checkpoint
 
-    def _close(self) -> None:
+    def _close(self, finished: bool = True) -> None:
         if self.exchange is not None:
-            self.exchange.close()
+            self.exchange.close(finished)
         self.exchange = self._out = self._in = None
 
     # -- per batch -----------------------------------------------------------------------

@@ -672,13 +672,17 @@ class Channel:
         if self._store.get(key) == self._lease:
             self._store.delete(key)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
         """Leave a tombstone, release the lease and wake a waiting ``get``/``put``.
 
         Safe to call from another thread (a blocked ``get`` then raises
         :class:`ChannelClosedError`; a ``get`` that already read its message does not
         acknowledge it, so it stays pending) and more than once. When the peer has closed
         cleanly as well, the channel's keys and files are removed: the stream is over.
+
+        Args:
+            finished: ``False`` (e.g. closing because of an exception) never removes the
+                stream, so it can be resumed from a checkpoint.
         """
         if self._closing:
             return
@@ -694,7 +698,8 @@ class Channel:
                     self._store.set(self._k_closed[self.role], tomb)
                     self._store.delete(self._k_activity[self.role])
                     self._release()
-                    self._cleanup_if_finished()
+                    if finished:
+                        self._cleanup_if_finished()
             except Exception as exc:  # closing must not raise on a dead backend
                 log.warning("%s: could not close cleanly: %s", self.where, exc)
             finally:
