@@ -136,6 +136,11 @@ class BlobExchange:
         key_ttl: memcached only: expiry (seconds) of every key, refreshed by each write.
         busy_timeout: the longest time (seconds) a wait is extended while the peer reports
             itself busy (see :meth:`busy`).
+        on_state_lost: what both ends do when the store loses the run's state (memcached
+            restart or eviction): ``"raise"`` :class:`ExchangeStateLostError`, or
+            ``"recover"``: rejoin, the consumer re-states its position and the producer
+            re-publishes the messages it has not seen acknowledged (it keeps up to
+            ``capacity`` of them in memory), so nothing is lost or duplicated.
 
     Raises:
         ValueError: unknown backend, bad run id/rank/address, empty secret.
@@ -150,9 +155,12 @@ class BlobExchange:
                  secret: str | bytes | None = None, secret_file: str | os.PathLike | None = None,
                  authenticate: bool | None = None, shm_dir: str | os.PathLike | None = None,
                  stale_after: float | None = 3600.0, key_ttl: float = 7 * 24 * 3600.0,
-                 busy_timeout: float = 3600.0) -> None:
+                 busy_timeout: float = 3600.0, on_state_lost: str = "raise") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if on_state_lost not in ("raise", "recover"):
+            raise ValueError(f"on_state_lost must be 'raise' or 'recover', got {on_state_lost!r}")
+        self.recover = on_state_lost == "recover"
         run_id = run_id if run_id is not None else os.environ.get("LIT_ROIDATA_RUN_ID")
         if run_id is None:
             raise ValueError("BlobExchange needs run_id (equal in both processes, e.g. the "
@@ -189,7 +197,11 @@ class BlobExchange:
                 log.info("removed %d stale exchange run(s) from %s: %s", len(removed),
                          self._store.root, ", ".join(removed))
         self._incarnation_key = f"{self.run_id}/incarnation"
+        self._join_lock = threading.Lock()
         self.incarnation = self._join()
+        #: Every incarnation this process joined (authenticated messages from any of them
+        #: are accepted: a producer may re-publish after a recovery).
+        self.incarnations = {self.incarnation.decode()}
         self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._hb_stop = threading.Event()
@@ -224,6 +236,20 @@ class BlobExchange:
             raise ExchangeStateLostError(f"{self._store.describe} did not keep the incarnation "
                                          f"key of run {self.run_id!r}; is it out of memory?")
         return value
+
+    def _rejoin(self, store: Store) -> bytes:
+        """After a state loss: create (or adopt) the run's new incarnation key."""
+        with self._join_lock:
+            value = store.get(self._incarnation_key)
+            if value is None:
+                store.add(self._incarnation_key, uuid.uuid4().hex.encode())
+                value = store.get(self._incarnation_key)
+            if value is None:
+                raise ExchangeStateLostError(f"{store.describe} does not keep the incarnation "
+                                             f"key of run {self.run_id!r}; out of memory?")
+            self.incarnation = value
+            self.incarnations.add(value.decode())
+            return value
 
     def channel(self, name: str, role: str = "producer", *, capacity: int | None = None,
                 timeout: float | None = None, start_seq: int | None = None,

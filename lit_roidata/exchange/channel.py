@@ -129,6 +129,9 @@ class Channel:
         self._k_closed = {r: f"{ns}/closed.{r}" for r in ROLES}
         self._k_activity = {r: f"{ns}/activity.{r}" for r in ROLES}
         self._k_inc = exchange._incarnation_key
+        self._incarnation = exchange.incarnation  # the one this end last joined
+        self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
+        self._resend = False
         self._ns = ns
         self._committed = 0
         self.where = (f"channel {name!r} ({role}; run {exchange.run_id!r}, rank "
@@ -249,13 +252,69 @@ class Channel:
 
     def _check_incarnation(self, got: Mapping[str, bytes]) -> None:
         value = got.get(self._k_inc)
-        if value != self._ex.incarnation:
+        if value != self._incarnation:
             state = "is missing" if value is None else "changed"
             raise ExchangeStateLostError(
                 f"{self.where}: the run's incarnation key {state} on {self._store.describe}: "
                 "the server restarted (or evicted this run's keys) after this process joined, "
                 "so messages may have been lost and old data must not be trusted. Restart "
-                "both processes with a new run id")
+                "both processes with a new run id, or open the exchange with "
+                "on_state_lost='recover'")
+
+    def _check_or_recover(self, got: Mapping[str, bytes]) -> bool:
+        """Check the incarnation; in ``on_state_lost="recover"`` mode rejoin instead of
+        raising. Returns whether a recovery happened (the caller then polls again)."""
+        try:
+            self._check_incarnation(got)
+            return False
+        except ExchangeStateLostError:
+            if not self._ex.recover:
+                raise
+        with self._io:
+            self._check_usable()
+            self._recover()
+        return True
+
+    def _recover(self) -> None:
+        """Rejoin after the store lost this run's state (memcached restart): new
+        incarnation and lease; the consumer re-states its position (``ack``), the producer
+        re-publishes what the consumer has not acknowledged before its next message."""
+        s = self._store
+        self._incarnation = self._ex._rejoin(s)
+        gen = s.incr(self._k_gen)
+        mine = LeaseRecord.mine(self.role, gen).dumps()
+        key = self._k_lease[self.role]
+        if not s.add(key, mine, self._ex.lease_ttl):
+            raw = s.get(key)
+            owner = LeaseRecord.loads(raw) if raw is not None else None
+            if owner is not None and peer_liveness(owner) == "alive" and raw != self._lease:
+                raise ChannelBusyError(f"{self.where}: after the state loss, "
+                                       f"{owner.describe()} holds this end's lease")
+            s.set(key, mine, self._ex.lease_ttl)
+        self._lease, self._gen, self._peer_seen = mine, gen, None
+        s.add(self._k_head, b"0 0")
+        if self.role == "consumer":
+            if not s.add(self._k_ack, b"%d %d" % (self._next - 1, gen)):
+                self._fenced_set(self._k_ack, self._next - 1, None)
+        else:
+            self._resend = True
+        log.warning("%s: %s lost this run's state (restart or eviction); rejoined as "
+                    "incarnation %s at seq %d", self.where, s.describe,
+                    self._incarnation.decode(), self._next)
+
+    def _republish(self, ack: int) -> None:
+        """Producer after a recovery: write again every message after the consumer's
+        ``ack`` (kept in memory until acknowledged), then ``head``."""
+        missing = [q for q in range(ack + 1, self._next) if q not in self._pending]
+        if missing:
+            raise ExchangeStateLostError(
+                f"{self.where}: after the store lost its state the consumer is at seq {ack}, "
+                f"but this producer no longer holds seq {missing[0]}..{missing[-1]} (it keeps "
+                "only unacknowledged messages): they are lost")
+        for q in range(ack + 1, self._next):
+            self._store.put_payload(self._msg(q), self._pending[q])  # False: already there
+        self._fenced_set(self._k_head, max(self._next - 1, 0), None)
+        self._resend = False
 
     def _fenced_set(self, key: str, seq: int, raw: bytes | None) -> None:
         """Set ``key`` (head or ack) to ``seq`` if no newer lease generation wrote it.
@@ -420,7 +479,9 @@ class Channel:
         seq = self._next
         encoded = wire.encode(tensors, meta, envelope={
             "seq": seq, "channel": self.name, "run_id": self._ex.run_id, "rank": self._ex.rank,
-            "gen": self._gen, "inc": self._ex.incarnation.decode()}, key=self._ex.auth_key)
+            "gen": self._gen, "inc": self._incarnation.decode()}, key=self._ex.auth_key)
+        if self._ex.recover:  # kept for a re-publish: must not alias the caller's arrays
+            encoded = wire.Encoded([encoded.tobytes()], encoded.nbytes)
         timeout = self.timeout if timeout is None else timeout
         w, unreachable = self._waiter(timeout), None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
@@ -431,18 +492,54 @@ class Channel:
                 with self._io:
                     self._check_usable()
                     got = self._store.get_many(keys)
-                self._check_incarnation(got)
-                if self._int(got, self._k_ack) >= seq - self.capacity:
+                if self._check_or_recover(got):
+                    state.update(stored=False, failed=False)  # written to the lost state
+                    continue
+                if self._resend:
+                    if self._k_ack not in got:  # the consumer has not re-joined yet
+                        what_r = "the consumer to re-join after the store lost its state"
+                        self._check_peer(what_r)
+                        self._wait(w, what_r, timeout, None)
+                        continue
+                    with self._io:
+                        self._republish(_seq(got[self._k_ack]))
+                    continue
+                ack = self._int(got, self._k_ack)
+                if self._pending:
+                    for q in [q for q in self._pending if q <= ack]:
+                        del self._pending[q]
+                if ack >= seq - self.capacity:
                     with self._io:
                         self._check_usable()
                         self._publish(seq, encoded, state, got.get(self._k_head))
+                    if self._ex.recover:
+                        self._pending[seq] = encoded
                     self._next = seq + 1
                     return seq
                 self._check_peer(what)
                 unreachable = None
             except StoreUnavailable as exc:
                 unreachable = str(exc)
+            except ExchangeStateLostError:
+                if not self._incarnation_moved():
+                    raise
+                with self._io:  # the state was lost between our read and our write
+                    self._check_usable()
+                    self._recover()
+                state.update(stored=False, failed=False)
+                continue
             self._wait(w, what, timeout, unreachable)
+
+    def _incarnation_moved(self) -> bool:
+        """Recover mode: whether the run's incarnation differs from the one this end
+        joined (a restart, as opposed to a lost message, which is not recoverable)."""
+        if not self._ex.recover:
+            return False
+        try:
+            with self._io:
+                return self._store.get(self._k_inc) != self._incarnation
+        except StoreUnavailable:
+            return False
 
     def _publish(self, seq: int, encoded: wire.Encoded, state: dict[str, bool],
                  head_raw: bytes | None) -> None:
@@ -522,7 +619,8 @@ class Channel:
                 with self._io:
                     self._check_usable()
                     got, buf = self._store.read_message(small, self._msg(seq))
-                self._check_incarnation(got)
+                if self._check_or_recover(got):
+                    continue
                 head = self._int(got, self._k_head)
                 if buf is not None and head >= seq:
                     msg = self._accept(buf, seq, as_torch, where)
@@ -560,7 +658,7 @@ class Channel:
         env = msg.envelope
         if (env.get("seq"), env.get("channel"), env.get("run_id"), env.get("rank")) != \
                 (seq, self.name, self._ex.run_id, self._ex.rank) or \
-                (key is not None and env.get("inc") != self._ex.incarnation.decode()):
+                (key is not None and env.get("inc") not in self._ex.incarnations):
             if key is not None:
                 self._reject("replayed", seq, f"an authentic message stamped {env}")
                 return None
@@ -600,6 +698,13 @@ class Channel:
             except StoreUnavailable as exc:
                 ack_raw = None  # re-read: a restart in between is then reported as such
                 self._wait(w, f"the acknowledgement write of seq {seq}", timeout, str(exc))
+            except ExchangeStateLostError:
+                if not self._incarnation_moved():
+                    raise
+                with self._io:
+                    self._check_usable()
+                    self._recover()  # re-states ack = seq - 1; then ack seq as usual
+                ack_raw = None
 
     def commit(self, seq: int) -> None:
         """Exactly-once consumers: the application's checkpoint now covers ``seq``.
@@ -653,7 +758,9 @@ class Channel:
             incarnation = store.get(self._k_inc)
         except StoreUnavailable:
             return
-        if incarnation != self._ex.incarnation:  # a restart, not a take-over: say so
+        if incarnation != self._incarnation and self._ex.recover:
+            return  # put/get rejoin on their next poll
+        if incarnation != self._incarnation:  # a restart, not a take-over: say so
             self._lost_type = ExchangeStateLostError
             self._lost = (f"{self.where}: the run's incarnation key is "
                           f"{'missing' if incarnation is None else 'changed'} on "

@@ -207,7 +207,8 @@ class MemcachedStore(Store):
     # -- payloads ------------------------------------------------------------------------
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
         k = self._k(key)
-        data = encoded.tobytes()
+        one = encoded.buffers[0] if len(encoded.buffers) == 1 else None
+        data = one if isinstance(one, bytes) else encoded.tobytes()
         if len(data) <= self.chunk_size:
             head = data
         else:
