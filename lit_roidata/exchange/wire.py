@@ -14,7 +14,8 @@ and runs arbitrary code on load (spec §8.3.7). A message here is::
 Flags (prefix, u16): bit 0 (``FLAG_HMAC``) means a 32-byte HMAC-SHA256 tag follows the
 data. It covers the whole prefix (flags included) and everything up to the tag, under a
 per-run key, and is checked with :func:`hmac.compare_digest` before anything else is
-parsed. Any other flag bit is rejected, so a later format change sets a new bit or
+parsed. The tag detects corruption as well, so with this flag the ``crc32`` field is 0
+and not computed (one pass over the payload instead of two). Any other flag bit is rejected, so a later format change sets a new bit or
 bumps ``version``.
 
 ``dtype`` is a canonical name (``"float32"``, ``"bool"``, ``"bfloat16"``, ...),
@@ -214,8 +215,9 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
         if pad:
             body.append(bytes(pad))
     crc = 0
-    for buf in body:
-        crc = zlib.crc32(buf, crc)
+    if key is None:  # with an HMAC the tag covers corruption too
+        for buf in body:
+            crc = zlib.crc32(buf, crc)
     flags = FLAG_HMAC if key is not None else 0
     prefix = _PREFIX.pack(MAGIC, VERSION, flags, len(header), crc, data_len)
     buffers = [prefix, *body]
@@ -252,8 +254,7 @@ def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
             tensor table or unknown dtype.
     """
     view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
-    if zlib.crc32(view[_PREFIX.size:data_start + data_len]) != crc:
-        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
+    _check_crc(view, data_start + data_len, crc, key, where)
     header = _header(view, header_len, where)
     entries = header["tensors"]
     meta, envelope = header["meta"], header["envelope"]
@@ -266,9 +267,15 @@ def read_envelope(buf: bytes | bytearray | memoryview, *, key: bytes | None = No
                   where: str = "") -> dict[str, Any]:
     """The envelope of a message (checked like :func:`decode`, tensors not decoded)."""
     view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
-    if zlib.crc32(view[_PREFIX.size:data_start + data_len]) != crc:
-        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
+    _check_crc(view, data_start + data_len, crc, key, where)
     return _header(view, header_len, where)["envelope"]
+
+
+def _check_crc(view: memoryview, end: int, crc: int, key: bytes | None, where: str) -> None:
+    if key is not None:
+        return  # authenticated: the verified HMAC already covers every byte
+    if zlib.crc32(view[_PREFIX.size:end]) != crc:
+        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
 
 
 def _header(view: memoryview, header_len: int, where: str) -> dict[str, Any]:
