@@ -335,8 +335,18 @@ def test_put_retries_a_dropped_connection_without_duplicates(make_exchange, monk
             raise StoreUnavailable("simulated connection drop")  # ... the reply is lost
         return ok
 
+    real_fence = store.fence
+
+    def fence(key, new, gen):  # the embedded store's one-step fenced write
+        out = real_fence(key, new, gen)
+        if drop == "at_head_update" and key.endswith("/head") and not dropped:
+            dropped.append(key)
+            raise StoreUnavailable("simulated connection drop")
+        return out
+
     monkeypatch.setattr(store, "put_payload", put_payload)
     monkeypatch.setattr(store, "cas", cas)
+    monkeypatch.setattr(store, "fence", fence)
     assert prod.put({"x": np.array(1)}, timeout=10) == 1
     assert prod.put({"x": np.array(2)}, timeout=10) == 2
     assert dropped

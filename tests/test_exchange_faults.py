@@ -533,3 +533,30 @@ def test_secret_settings(make_exchange, tmp_path, monkeypatch):
     secret_file.write_text("")
     with pytest.raises(ValueError, match="empty"):
         make_exchange(secret_file=secret_file)
+
+
+@needs_memcached
+def test_memcached_restart_with_recover_loses_and_duplicates_nothing():
+    with MemcachedServer(item_size="1m") as server:
+        kw = {"run_id": f"rv{uuid.uuid4().hex[:8]}", "lease_ttl": 30,
+              "on_state_lost": "recover", "capacity": 3}
+        ex_p = BlobExchange("memcached", server.address, **kw)
+        ex_c = BlobExchange("memcached", server.address, **kw)
+        prod, cons = ex_p.channel("c", "producer"), ex_c.channel("c", "consumer")
+        big = np.arange(600_000, dtype=np.int32)  # 2.4 MB: chunked, re-sent chunked
+        for i in range(1, 4):
+            prod.put({"i": np.array(i), "big": big + i})
+        assert int(cons.get(timeout=10)[0]["i"]) == 1
+        server.restart()  # messages 2 and 3 were only in the server
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.extend(
+            int(cons.get(timeout=30)[0]["i"]) for _ in range(3)))
+        t.start()
+        assert prod.put({"i": np.array(4), "big": big + 4}, timeout=30) == 4
+        t.join(60)
+        assert got == [2, 3, 4]
+        with pytest.raises(ExchangeTimeoutError):
+            cons.get(timeout=0.3)  # nothing twice
+        assert ex_p.incarnation == ex_c.incarnation and len(ex_c.incarnations) == 2
+        ex_p.close()
+        ex_c.close()

@@ -264,6 +264,8 @@ class Channel:
     def _check_or_recover(self, got: Mapping[str, bytes]) -> bool:
         """Check the incarnation; in ``on_state_lost="recover"`` mode rejoin instead of
         raising. Returns whether a recovery happened (the caller then polls again)."""
+        if not self._store.volatile:
+            return False  # polls do not read it; the heartbeat checks it
         try:
             self._check_incarnation(got)
             return False
@@ -324,6 +326,13 @@ class Channel:
         or the run's incarnation vanished.
         """
         new = b"%d %d" % (seq, self._gen)
+        if self._store.local_fence:  # one locked read-check-write, no prior read needed
+            done, cur = self._store.fence(key, new, self._gen)
+            if done:
+                return
+            if cur is None:
+                self._int({}, key)  # raises: the key vanished
+            raw = cur
         for _ in range(16):
             if raw is None:
                 got = self._store.get_many([self._k_inc, key])
@@ -485,7 +494,9 @@ class Channel:
         timeout = self.timeout if timeout is None else timeout
         w, unreachable = self._waiter(timeout), None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
-        keys = [self._k_inc, self._k_ack, self._k_head]
+        keys = [self._k_inc, self._k_ack] if self._store.volatile else [self._k_ack]
+        if not self._store.local_fence:
+            keys.append(self._k_head)  # its CAS token makes the fenced head write 1 RTT
         state = {"stored": False, "failed": False}  # survives retries of this message
         while True:
             try:
@@ -611,7 +622,9 @@ class Channel:
         timeout = self.timeout if timeout is None else timeout
         w, unreachable = self._waiter(timeout), None
         what = f"message seq {seq} from the producer"
-        small = [self._k_inc, self._k_head, self._k_ack]
+        small = [self._k_inc, self._k_head] if self._store.volatile else [self._k_head]
+        if not self._store.local_fence:
+            small.append(self._k_ack)  # its CAS token makes the fenced ack write 1 RTT
         where = f"{self.where}, seq {seq}"
         rejected = sum(self.rejected.values())
         while True:

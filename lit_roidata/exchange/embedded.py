@@ -186,15 +186,14 @@ class EmbeddedStore(Store):
         except FileNotFoundError:
             return None
         try:
-            parts = []
-            while True:
-                part = os.read(fd, 65536)
-                if not part:
-                    break
-                parts.append(part)
+            raw = os.read(fd, 65536)  # small values: one read returns the whole file
+            if len(raw) == 65536:
+                parts = [raw]
+                while part := os.read(fd, 65536):
+                    parts.append(part)
+                raw = b"".join(parts)
         finally:
             os.close(fd)
-        raw = b"".join(parts)
         if len(raw) < _EXPIRY.size:
             return None  # cannot happen with atomic writes; treat as absent
         (expiry,) = _EXPIRY.unpack_from(raw)
@@ -256,6 +255,22 @@ class EmbeddedStore(Store):
                 return False
             self._replace(path, new, ttl)
             return True
+
+    local_fence = True
+    volatile = False
+
+    def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
+        path = self._path(key)
+        with self._lock(path):
+            cur = self._read_small(path)
+            if cur is None:
+                return False, None
+            parts = cur.split(b" ", 1)
+            if len(parts) > 1 and int(parts[1]) > gen:
+                return False, cur
+            if cur != new:
+                self._replace(path, new, 0)
+            return True, cur
 
     def incr(self, key: str, ttl: float = 0) -> int:
         path = self._path(key)

@@ -91,6 +91,19 @@ class Store(ABC):
     def clone(self) -> Store:
         """A new, independent handle on the same storage (e.g. for a heartbeat thread)."""
 
+    #: Whether :meth:`fence` is one atomic local operation (no prior read needed).
+    local_fence: bool = False
+    #: Whether the store can lose state by itself (a cache server restarting or evicting):
+    #: then every poll also checks the run's incarnation key. A directory only loses
+    #: state if someone deletes it; the heartbeat and missing keys reveal that.
+    volatile: bool = True
+
+    def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
+        """Replace ``key`` (``"<seq> <gen>"``) with ``new`` unless its stored generation
+        is newer than ``gen``; return ``(done, current value or None if missing)``.
+        Only backends with ``local_fence`` implement it."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release connections/handles. Idempotent."""
 
