@@ -5,19 +5,13 @@ A proposal file is read once at build time, processed in vectorised chunks of im
 filter) and written into the cache as flat float32 arrays with per-image offsets.
 Workers slice those arrays from the memory map; nothing is ever unpickled there.
 
-Accepted formats:
-
-* Detectron's pickle (``.pkl``): a dict with ``boxes`` (list of ``(P_i, 4)`` arrays,
-  descending score), ``scores`` and ``ids`` (or legacy ``indexes``, which wins).
-* ``.npz`` (ours; fast to write for 100k+ images): ``ids`` ``(n,)``, ``counts`` ``(n,)``
-  boxes per image, ``boxes`` ``(sum(counts), 4)`` and optionally ``scores``.
+Files are read by :mod:`.proposal_files` (Detectron's pickle, streamed without holding
+it in memory, or the columnar ``.npz`` that :func:`convert_proposals` writes).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import pickle
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -26,25 +20,15 @@ import numpy as np
 
 from lit_roidata.boxes import box_areas
 from lit_roidata.roidb.info import RoIDBInputError
+from lit_roidata.roidb.proposal_files import ProposalSource, convert_proposals
+from lit_roidata.roidb.proposal_files import read_proposal_file
 
-__all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "build_proposal_table",
-           "unique_box_keep", "iof_pairs"]
+__all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "convert_proposals",
+           "build_proposal_table", "unique_box_keep", "iof_pairs"]
 
 logger = logging.getLogger(__name__)
 
 _CHUNK_BOXES = 2_000_000  # proposals processed per vectorised chunk (bounds peak memory)
-
-
-@dataclass
-class ProposalSource:
-    """A proposal file's records: ``boxes_of(i)`` is the box array of record ``i``."""
-
-    path: str
-    ids: np.ndarray                      # int64 (m,)
-    counts: np.ndarray                   # int64 (m,)
-    boxes_of: Callable[[int], np.ndarray]
-    flat: Optional[np.ndarray] = None    # (N, 4) when the file is flat (npz)
-    flat_off: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -64,64 +48,6 @@ class ProposalTable:
     max_classes: np.ndarray
     gt_map: np.ndarray
     counts: Counter
-
-
-def read_proposal_file(path: str) -> ProposalSource:
-    """Open a Detectron pickle or our ``.npz`` proposal file (spec §3.1).
-
-    Raises:
-        RoIDBInputError: unreadable file, missing keys, inconsistent lengths.
-    """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"proposal file not found: {path}")
-    if path.endswith(".npz"):
-        return _read_npz(path)
-    try:
-        with open(path, "rb") as fh:
-            data = pickle.load(fh, encoding="latin1")
-    except Exception as exc:  # pickle raises many types for a damaged file
-        raise RoIDBInputError(f"{path}: cannot unpickle the proposal file ({type(exc).__name__}: "
-                              f"{exc}); is it a Detectron proposal pickle?") from None
-    if not isinstance(data, dict) or "boxes" not in data:
-        raise RoIDBInputError(f"{path}: expected a dict with keys 'boxes', 'scores' and 'ids' "
-                              f"(or 'indexes'), got {type(data).__name__}")
-    key = "indexes" if "indexes" in data else "ids"
-    if key not in data or "scores" not in data:
-        raise RoIDBInputError(f"{path}: missing key {'ids' if key not in data else 'scores'!r}; "
-                              f"a Detectron proposal file has 'boxes', 'scores' and 'ids'")
-    boxes = data["boxes"]
-    ids = np.asarray(data[key], dtype=np.int64).ravel()
-    if len(boxes) != ids.size or len(data["scores"]) != ids.size:
-        raise RoIDBInputError(f"{path}: 'boxes' ({len(boxes)}), 'scores' "
-                              f"({len(data['scores'])}) and '{key}' ({ids.size}) must have one "
-                              f"record per image")
-    for i, b in enumerate(boxes):
-        shape = np.shape(b)
-        if not (len(shape) == 2 and shape[1] == 4) and np.size(b) != 0:
-            raise RoIDBInputError(f"{path}: record {i} (image id {int(ids[i])}) has boxes of "
-                                  f"shape {shape}; expected (P, 4) [x1, y1, x2, y2]. Regenerate "
-                                  f"the file or fix that record.")
-    counts = np.fromiter((np.size(b) // 4 for b in boxes), np.int64, len(boxes))
-    return ProposalSource(path, ids, counts, lambda i: np.asarray(boxes[i]).reshape(-1, 4))
-
-
-def _read_npz(path: str) -> ProposalSource:
-    with np.load(path) as z:
-        missing = {"ids", "counts", "boxes"} - set(z.files)
-        if missing:
-            raise RoIDBInputError(f"{path}: .npz proposal file lacks {sorted(missing)}; expected "
-                                  f"'ids' (n,), 'counts' (n,) and 'boxes' (sum(counts), 4)")
-        ids = np.asarray(z["ids"], np.int64).ravel()
-        counts = np.asarray(z["counts"], np.int64).ravel()
-        boxes = z["boxes"]
-    if boxes.ndim != 2 or boxes.shape[1] != 4 or counts.size != ids.size \
-            or int(counts.sum()) != boxes.shape[0] or (counts < 0).any():
-        raise RoIDBInputError(f"{path}: inconsistent shapes: ids {ids.shape}, counts "
-                              f"{counts.shape} (sum {int(counts.sum())}), boxes {boxes.shape}; "
-                              f"expected boxes of shape (sum(counts), 4)")
-    off = np.zeros(ids.size + 1, np.int64)
-    np.cumsum(counts, out=off[1:])
-    return ProposalSource(path, ids, counts, lambda i: boxes[off[i]:off[i + 1]], boxes, off)
 
 
 def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -> np.ndarray:
