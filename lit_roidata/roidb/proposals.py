@@ -92,7 +92,16 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     g = group - group.min()
     span = int(h.max()) + 1
     if span * (int(g.max()) + 1) < 2**62:
-        _, first = np.unique(g * span + h, return_index=True)  # stable: first occurrence
+        # first occurrence of each key: an (unstable, SIMD) argsort, then the smallest
+        # original index within each run of equal keys (np.unique(return_index=True)
+        # does the same with a stable sort, ~5x slower)
+        key = g * span + h
+        order = np.argsort(key)
+        ks = key[order]
+        new = np.empty(ks.size, bool)
+        new[0] = True
+        np.not_equal(ks[1:], ks[:-1], out=new[1:])
+        first = np.minimum.reduceat(order, np.flatnonzero(new))
     else:
         order = np.lexsort((h, g))
         new = np.ones(order.size, bool)
@@ -253,9 +262,11 @@ def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray) -> tuple[np.ndarray, np.
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
     """IoU merge into overlaps (spec §3.4): ``(max_overlaps, max_classes, gt_map)``.
 
-    Proposals are grouped by their image's gt count ``G`` so that each group is one dense
-    ``(P_G, G)`` IoU matrix; the arithmetic is that of ``boxes.bbox_overlaps`` (float64,
-    cast to float32) and ``argmax`` keeps the lowest gt index on ties, as Detectron.
+    Images are grouped by their gt count ``G``; each group is one padded
+    ``(images, P_max, G)`` IoU block computed by broadcasting (no per-pair gathers). The
+    arithmetic is that of ``boxes.bbox_overlaps`` (float64, cast to float32) and
+    ``argmax`` keeps the lowest gt index on ties, as Detectron. ``img`` must be
+    non-decreasing (proposals of one image contiguous), as :func:`_chunk` produces.
     """
     n = b.shape[0]
     mo = np.zeros(n, np.float32)
@@ -263,43 +274,53 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     gmap = np.full(n, -1, np.int32)
     if n == 0:
         return mo, mc, gmap
-    ng = (gt_off[img + 1] - gt_off[img]).astype(np.int64)
-    g64 = gt_boxes.astype(np.float64)
-    g_area = box_areas(g64)
+    starts = np.flatnonzero(np.r_[True, img[1:] != img[:-1]])
+    pcount = np.diff(np.r_[starts, n])
+    uimg = img[starts]
+    ng = (gt_off[uimg + 1] - gt_off[uimg]).astype(np.int64)
+    b64 = b.astype(np.float64)
     for g in np.unique(ng):
         if g == 0:
             continue
         sel = np.flatnonzero(ng == g)
-        rows = gt_off[img[sel]][:, None] + np.arange(g)[None, :]
-        ov = _dense_iou(b[sel].astype(np.float64), g64, g_area, rows)
-        arg = ov.argmax(axis=1)
-        best = ov[np.arange(sel.size), arg]
-        pos = best > 0
-        hit = sel[pos]
+        cnt = pcount[sel]
+        ar = np.arange(int(cnt.max()))
+        valid = ar[None, :] < cnt[:, None]
+        idx = np.where(valid, starts[sel][:, None] + ar[None, :], starts[sel][:, None])
+        rows = gt_off[uimg[sel]][:, None] + np.arange(g)[None, :]
+        ov = _block_iou(b64[idx], gt_boxes[rows].astype(np.float64))  # (k, P, g) float32
+        arg = ov.argmax(axis=2)
+        best = np.take_along_axis(ov, arg[..., None], axis=2)[..., 0]
+        pos = valid & (best > 0)
+        hit = idx[pos]
+        a = arg[pos]
         mo[hit] = best[pos]
-        gmap[hit] = arg[pos]
-        mc[hit] = gt_classes[rows[pos, arg[pos]]]
+        gmap[hit] = a
+        mc[hit] = gt_classes[np.take_along_axis(rows, arg, axis=1)[pos]]
     return mo, mc, gmap
 
 
-def _dense_iou(p: np.ndarray, g64: np.ndarray, g_area: np.ndarray, rows: np.ndarray):
-    """IoU of each proposal (row of ``p``) with the gt rows ``rows[i]`` (float32 result)."""
-    px1, py1, px2, py2 = (p[:, k:k + 1] for k in range(4))
-    iw = np.minimum(px2, g64[rows, 2])
-    iw -= np.maximum(px1, g64[rows, 0])
+def _block_iou(p: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """IoU ``(k, P, G)`` of float64 proposals ``(k, P, 4)`` with gt ``(k, G, 4)`` of the
+    same image, in ``bbox_overlaps``' arithmetic (float32 result)."""
+    px1, py1, px2, py2 = (p[:, :, None, c] for c in range(4))
+    gx1, gy1, gx2, gy2 = (g[:, None, :, c] for c in range(4))
+    iw = np.minimum(px2, gx2)
+    iw -= np.maximum(px1, gx1)
     iw += 1
     np.maximum(iw, 0, out=iw)
-    ih = np.minimum(py2, g64[rows, 3])
-    ih -= np.maximum(py1, g64[rows, 1])
+    ih = np.minimum(py2, gy2)
+    ih -= np.maximum(py1, gy1)
     ih += 1
     np.maximum(ih, 0, out=ih)
     inter = iw
     inter *= ih
-    union = box_areas(p)[:, None] + g_area[rows]
+    union = box_areas(p)[:, :, None] + box_areas(g)[:, None, :]
     union -= inter
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(inter > 0, inter / union, 0.0)
-    return out.astype(np.float32)
+        np.divide(inter, union, out=union)
+    union[inter <= 0] = 0.0
+    return union.astype(np.float32)
 
 
 def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
