@@ -163,7 +163,16 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     rec = align_records(src, image_ids, counts)
     n = image_ids.size
     n_boxes = src.counts[rec]
-    parts: list = []
+    # Outputs are allocated once for the file's box count and filled chunk by chunk: the
+    # untouched tail (what the rules remove) is never paged in, and no concatenation
+    # copies the columns (1000 proposals x 118k images is ~3 GiB of them).
+    cap = int(n_boxes.sum())
+    boxes = np.empty((cap, 4), np.float32)
+    mo_all = np.empty(cap, np.float32)
+    mc_all = np.empty(cap, np.int32)
+    gm_all = np.empty(cap, np.int32)
+    off = np.zeros(n + 1, np.int64)
+    pos = 0
     start = 0
     while start < n:
         stop = start + 1
@@ -171,28 +180,22 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         while stop < n and acc + int(n_boxes[stop]) <= _CHUNK_BOXES:
             acc += int(n_boxes[stop])
             stop += 1
-        parts.append(_chunk(src, rec, start, stop, image_ids, widths, heights, gt_off, gt_boxes,
-                            gt_classes, gt_is_crowd, min_proposal_size, proposal_limit,
-                            crowd_filter_thresh, counts))
+        per_img, b, mo, mc, gmap = _chunk(
+            src, rec, start, stop, image_ids, widths, heights, gt_off, gt_boxes, gt_classes,
+            gt_is_crowd, min_proposal_size, proposal_limit, crowd_filter_thresh, counts)
+        k = b.shape[0]
+        boxes[pos:pos + k] = b
+        mo_all[pos:pos + k] = mo
+        mc_all[pos:pos + k] = mc
+        gm_all[pos:pos + k] = gmap
+        np.cumsum(per_img, out=off[start + 1:stop + 1])
+        off[start + 1:stop + 1] += pos
+        pos += k
         if progress is not None:
             progress(stop - start)
         start = stop
-    per_img = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-    off = np.zeros(n + 1, np.int64)
-    np.cumsum(per_img, out=off[1:])
-
-    def field(k: int, dt: type, shape: tuple) -> np.ndarray:
-        chunks = [p[k] for p in parts]
-        for i, p in enumerate(parts):  # drop the chunk references as we go (peak memory)
-            parts[i] = p[:k] + (None,) + p[k + 1:]
-        out = np.concatenate(chunks) if chunks else np.zeros(shape, dt)
-        del chunks
-        return out
-
-    table = ProposalTable(off=off, boxes=field(1, np.float32, (0, 4)),
-                          max_overlaps=field(2, np.float32, (0,)),
-                          max_classes=field(3, np.int32, (0,)), gt_map=field(4, np.int32, (0,)),
-                          counts=counts)
+    table = ProposalTable(off=off, boxes=boxes[:pos], max_overlaps=mo_all[:pos],
+                          max_classes=mc_all[:pos], gt_map=gm_all[:pos], counts=counts)
     counts["proposals_kept"] = int(off[-1])
     return table
 
