@@ -128,7 +128,12 @@ class _Stored:
         if len(raw) != dtype.itemsize * math.prod(shape):
             raise pickle.UnpicklingError(f"array data of {len(raw)} bytes for shape {shape} "
                                          f"and dtype {dtype}")
-        if fortran and len(shape) > 1:
+        if not dtype.isnative and not (dtype.fields or dtype.subdtype or dtype.metadata):
+            # ndarray.__setstate__ byte-swaps to the native order (pickle protocols <= 4)
+            arr = np.frombuffer(raw, dtype).reshape(shape, order="F" if fortran else "C")
+            dtype = dtype.newbyteorder("=")
+            raw = np.ascontiguousarray(arr, dtype=dtype)
+        elif fortran and len(shape) > 1:
             raw = np.frombuffer(raw, dtype).reshape(shape, order="F").copy(order="C")
         self.sink.put(self, raw, dtype, shape)
 
@@ -318,7 +323,9 @@ def _ids_array(path: str, key: str, ids: list) -> np.ndarray:
         if ok.all():
             return arr.astype(np.int64)
     for i, v in enumerate(ids):
-        if isinstance(v, (bool, np.bool_)) or not _is_integral(v):
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, bool) or not _is_integral(v):
             what = f"{v!r} ({type(v).__name__})"
             if len(what) > 80:
                 what = what[:77] + "..."
@@ -339,6 +346,10 @@ def _is_integral(v: Any) -> bool:
     if isinstance(v, (float, np.floating)):
         return math.isfinite(v) and float(v).is_integer() and abs(v) < 2.0**63
     return False
+
+
+def _type_name(v: Any) -> str:
+    return "ndarray" if isinstance(v, (_Stored, _SubArray)) else type(v).__name__
 
 
 def _shape_dtype(item: Any) -> tuple[tuple, Optional[np.dtype]]:
@@ -365,7 +376,7 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None) -> Proposal
     """Validate an unpickled proposal dict (streamed or plain) and index its records."""
     if not isinstance(data, dict):
         raise RoIDBInputError(f"{path}: expected a dict with keys 'boxes', 'scores' and 'ids' "
-                              f"(or 'indexes'), got {type(data).__name__}. Save the proposals "
+                              f"(or 'indexes'), got {_type_name(data)}. Save the proposals "
                               f"as dict(boxes=[...], scores=[...], ids=[...]).")
     id_key = "indexes" if "indexes" in data else "ids"
     score_key = next((k for k in _SCORE_KEYS if k in data), None)
@@ -392,7 +403,7 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None) -> Proposal
         good = dt is not None and dt.kind in "iuf" and (
             (len(shape) == 2 and shape[1] == 4) or size == 0)
         if not good:
-            kind = (f"{type(b).__name__} that is no numeric array" if dt is None else
+            kind = (f"{_type_name(b)} that is no numeric array" if dt is None else
                     f"dtype {dt}" if dt.kind not in "iuf" else f"shape {shape}")
             raise RoIDBInputError(f"{path}: record {i} (image id {int(ids[i])}) has boxes of "
                                   f"{kind}; expected a (P, 4) array of numbers [x1, y1, x2, y2] "

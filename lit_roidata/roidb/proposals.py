@@ -63,6 +63,12 @@ def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -
         raise RoIDBInputError(f"{src.path}: {dup.size} image id(s) appear more than once: "
                               f"{dup[:10].tolist()}; each image needs exactly one record")
     extra = ~np.isin(ids, image_ids)
+    if ids.size and extra.all():
+        raise RoIDBInputError(
+            f"{src.path}: none of its {ids.size} record ids (e.g. {ids[:5].tolist()}) is an "
+            f"image id of this dataset (e.g. {image_ids[:5].tolist()}); is it the proposal "
+            f"file of another dataset? Pass the file made for this dataset (one per dataset, "
+            f"in the same order as the dataset names).")
     counts["proposal_records_not_in_dataset"] = int(extra.sum())
     if extra.any():
         logger.warning("%s: %d record(s) for image ids not in the dataset were removed (e.g. "
