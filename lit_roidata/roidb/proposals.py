@@ -93,8 +93,8 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     """
     if boxes.shape[0] == 0:
         return np.zeros(0, bool)
-    r = np.round(boxes).astype(np.int64)
-    h = r[:, 0] + 1000 * r[:, 1] + 1_000_000 * r[:, 2] + 1_000_000_000 * r[:, 3]
+    h = np.round(boxes).astype(np.int64) @ np.array([1, 1000, 1_000_000, 1_000_000_000],
+                                                    np.int64)
     g = group - group.min()
     span = int(h.max()) + 1
     if span * (int(g.max()) + 1) < 2**62:
@@ -227,22 +227,21 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
             f"{src.path}: {int((~finite).sum())} proposal(s) have NaN or infinite coordinates "
             f"(image ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}). Regenerate the "
             f"proposals or drop those boxes.")
-    # 1. clip (in the file's dtype, as Detectron does in place)
-    wm1 = (widths[img] - 1).astype(b.dtype)
-    hm1 = (heights[img] - 1).astype(b.dtype)
-    b[:, 0] = np.minimum(wm1, np.maximum(0, b[:, 0]))
-    b[:, 2] = np.minimum(wm1, np.maximum(0, b[:, 2]))
-    b[:, 1] = np.minimum(hm1, np.maximum(0, b[:, 1]))
-    b[:, 3] = np.minimum(hm1, np.maximum(0, b[:, 3]))
-    # 2. de-duplicate
-    keep = unique_box_keep(b, img)
-    counts["proposals_duplicate"] += int((~keep).sum())
-    b, img = b[keep], img[keep]
-    # 3. min size (strict, +1 widths, in the file's dtype)
+    # 1. clip (in the file's dtype, as Detectron does in place: min(W - 1, max(0, x)))
+    wm1 = (widths[img] - 1).astype(b.dtype)[:, None]
+    hm1 = (heights[img] - 1).astype(b.dtype)[:, None]
+    xs, ys = b[:, 0::2], b[:, 1::2]
+    np.minimum(wm1, np.maximum(0, xs, out=xs), out=xs)
+    np.minimum(hm1, np.maximum(0, ys, out=ys), out=ys)
+    # 2. de-duplicate, then 3. min size (strict, +1 widths, in the file's dtype); the size
+    # rule looks at each box alone, so both masks are applied in one compaction
+    unique = unique_box_keep(b, img)
     w = b[:, 2] - b[:, 0] + 1
     h = b[:, 3] - b[:, 1] + 1
-    keep = (w > min_size) & (h > min_size)
-    counts["proposals_min_size"] += int((~keep).sum())
+    big = (w > min_size) & (h > min_size)
+    counts["proposals_duplicate"] += int(b.shape[0] - np.count_nonzero(unique))
+    keep = unique & big
+    counts["proposals_min_size"] += int(np.count_nonzero(unique) - np.count_nonzero(keep))
     b, img = b[keep], img[keep]
     # 4. optional limit (file order = descending score)
     if limit > 0 and img.size:
@@ -311,25 +310,39 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
 
 def _block_iou(p: np.ndarray, g: np.ndarray) -> np.ndarray:
     """IoU ``(k, P, G)`` of float64 proposals ``(k, P, 4)`` with gt ``(k, G, 4)`` of the
-    same image, in ``bbox_overlaps``' arithmetic (float32 result)."""
+    same image, in ``bbox_overlaps``' arithmetic (float64, float32 result).
+
+    Written with explicit output buffers (three float64 blocks, reused) because the
+    blocks are large and fresh temporaries cost as much as the arithmetic.
+    """
     px1, py1, px2, py2 = (p[:, :, None, c] for c in range(4))
     gx1, gy1, gx2, gy2 = (g[:, None, :, c] for c in range(4))
-    iw = np.minimum(px2, gx2)
-    iw -= np.maximum(px1, gx1)
+    shape = (p.shape[0], p.shape[1], g.shape[1])
+    iw = np.empty(shape)
+    tmp = np.empty(shape)
+    np.minimum(px2, gx2, out=iw)
+    iw -= np.maximum(px1, gx1, out=tmp)
     iw += 1
     np.maximum(iw, 0, out=iw)
     ih = np.minimum(py2, gy2)
-    ih -= np.maximum(py1, gy1)
+    ih -= np.maximum(py1, gy1, out=tmp)
     ih += 1
     np.maximum(ih, 0, out=ih)
     inter = iw
     inter *= ih
-    union = box_areas(p)[:, :, None] + box_areas(g)[:, None, :]
+    pa, ga = box_areas(p), box_areas(g)
+    union = np.add(pa[:, :, None], ga[:, None, :], out=tmp)
     union -= inter
-    with np.errstate(divide="ignore", invalid="ignore"):
-        np.divide(inter, union, out=union)
-    union[inter <= 0] = 0.0
-    return union.astype(np.float32)
+    out = np.empty(shape, np.float32)
+    if (pa > 0).all() and (ga > 0).all():
+        # union > 0 everywhere, so 0 / union is exactly the 0 Detectron writes
+        np.divide(inter, union, out=out)  # computed in float64, rounded once to float32
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.divide(inter, union, out=union)
+        union[inter <= 0] = 0.0
+        out[...] = union
+    return out
 
 
 def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
