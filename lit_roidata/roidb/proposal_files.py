@@ -27,6 +27,7 @@ import math
 import os
 import pickle
 import tempfile
+import weakref
 import zipfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional
@@ -422,6 +423,8 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None) -> Proposal
     src = ProposalSource(path, ids, counts, lambda i: _load(boxes[i]).reshape(-1, 4),
                          scores_of=lambda i: _load(scores[i]).reshape(-1),
                          keep_alive=(keep_alive, boxes, scores))
+    if keep_alive is not None and hasattr(keep_alive, "close"):
+        weakref.finalize(src, keep_alive.close)  # the scratch file goes with the source
     flat = _contiguous(boxes, counts, 4)
     if flat is not None:
         src.flat, src.flat_off = flat, _offsets(counts)
@@ -538,10 +541,12 @@ def _read_npz(path: str) -> ProposalSource:
     except BaseException:
         fh.close()
         raise
-    return ProposalSource(path, ids, counts, lambda i: flat[off[i]:off[i + 1]], flat, off,
-                          scores_flat=scores_flat,
-                          scores_of=None if scores_flat is None
-                          else (lambda i: scores_flat[off[i]:off[i + 1]]), keep_alive=fh)
+    src = ProposalSource(path, ids, counts, lambda i: flat[off[i]:off[i + 1]], flat, off,
+                         scores_flat=scores_flat,
+                         scores_of=None if scores_flat is None
+                         else (lambda i: scores_flat[off[i]:off[i + 1]]), keep_alive=fh)
+    weakref.finalize(src, fh.close)
+    return src
 
 
 # ----------------------------------------------------------------------------- conversion
