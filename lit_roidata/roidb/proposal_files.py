@@ -154,11 +154,21 @@ def _real_reconstruct() -> np.ndarray:
 
 
 class _Sink:
-    """Anonymous scratch file the arrays' bytes are appended to, in unpickling order."""
+    """Anonymous scratch file the arrays' bytes are appended to, in unpickling order.
+
+    Writes are gathered and issued with ``os.writev`` (a few MiB per call): one
+    ``write`` per 16 KiB array costs three times as much CPU in the kernel.
+    """
+
+    _BATCH_BYTES = 8 << 20
+    _BATCH_BUFFERS = 512
 
     def __init__(self) -> None:
         self.fh = tempfile.TemporaryFile(prefix="lit-roidata-proposals-")
-        self.pos = 0
+        self.fd = self.fh.fileno()
+        self.pos = 0          # logical end (written + pending)
+        self._pending: list = []
+        self._pending_bytes = 0
 
     def reconstruct(self, subtype: Any = None, shape: Any = None, code: Any = None) -> _Stored:
         """Stands in for ``numpy.core.multiarray._reconstruct``."""
@@ -179,16 +189,34 @@ class _Sink:
         return st
 
     def put(self, st: _Stored, raw: Any, dtype: np.dtype, shape: tuple) -> None:
-        align = max(1, dtype.alignment)
-        pad = (-self.pos) % align
+        pad = (-self.pos) % max(1, dtype.alignment)
         if pad:
-            self.fh.write(b"\0" * pad)
-            self.pos += pad
+            self._append(b"\0" * pad)
         if not isinstance(raw, (bytes, bytearray)):
             raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-        self.fh.write(raw)
         st.off, st.dtype, st.shape = self.pos, dtype, shape
-        self.pos += dtype.itemsize * math.prod(shape)
+        self._append(raw)
+
+    def _append(self, raw: Any) -> None:
+        n = len(raw) if isinstance(raw, (bytes, bytearray)) else raw.nbytes
+        if not n:
+            return
+        self._pending.append(raw)
+        self._pending_bytes += n
+        self.pos += n
+        if self._pending_bytes >= self._BATCH_BYTES or len(self._pending) >= self._BATCH_BUFFERS:
+            self._flush()
+
+    def _flush(self) -> None:
+        bufs = [memoryview(b).cast("B") for b in self._pending]
+        while bufs:
+            n = os.writev(self.fd, bufs)
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            if bufs and n:
+                bufs[0] = bufs[0][n:]
+        self._pending, self._pending_bytes = [], 0
 
     def read(self, off: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
         n = math.prod(shape)
@@ -198,7 +226,7 @@ class _Sink:
         return FileRows(self.fh, off, dtype, n, row_shape)
 
     def finish(self) -> None:
-        self.fh.flush()
+        self._flush()
 
 
 class _ProposalUnpickler(pickle.Unpickler):

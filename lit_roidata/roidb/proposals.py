@@ -249,7 +249,7 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
         keep = rank < limit
         counts["proposals_limit"] += int((~keep).sum())
         b, img = b[keep], img[keep]
-    b = b.astype(np.float32)
+    b = b.astype(np.float32, copy=False)
     mo, mc, gmap = _merge(b, img, gt_off, gt_boxes, gt_classes)
     if crowd_thresh > 0:
         bad = _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, crowd_thresh)
@@ -286,7 +286,6 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     pcount = np.diff(np.r_[starts, n])
     uimg = img[starts]
     ng = (gt_off[uimg + 1] - gt_off[uimg]).astype(np.int64)
-    b64 = b.astype(np.float64)
     for g in np.unique(ng):
         if g == 0:
             continue
@@ -296,7 +295,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
         valid = ar[None, :] < cnt[:, None]
         idx = np.where(valid, starts[sel][:, None] + ar[None, :], starts[sel][:, None])
         rows = gt_off[uimg[sel]][:, None] + np.arange(g)[None, :]
-        ov = _block_iou(b64[idx], gt_boxes[rows].astype(np.float64))  # (k, P, g) float32
+        ov = _block_iou(b[idx].astype(np.float64), gt_boxes[rows].astype(np.float64))
         arg = ov.argmax(axis=2)
         best = np.take_along_axis(ov, arg[..., None], axis=2)[..., 0]
         pos = valid & (best > 0)
