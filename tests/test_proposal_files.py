@@ -307,9 +307,9 @@ def proposal_sets(draw):
             b = np.zeros(0, dt)  # a 1-D empty record, as some writers produce
         boxes.append(b)
         scores.append(np.sort(rng.random(len(b)))[::-1].astype(np.float32))
-    id_form = draw(st.sampled_from(["list", "numpy_scalars", "array"]))
+    id_form = draw(st.sampled_from(["list", "numpy_scalars", "array", "0d_arrays"]))
     ids_obj = {"list": ids, "numpy_scalars": [np.int64(i) for i in ids],
-               "array": np.array(ids)}[id_form]
+               "array": np.array(ids), "0d_arrays": [np.array(i) for i in ids]}[id_form]
     return {"boxes": boxes, "scores": scores, "ids": ids_obj, "cfg": "x"}
 
 

@@ -417,7 +417,8 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None) -> Proposal
                               f"and 'ids', one entry per image")
     boxes = _as_records(path, "boxes", data["boxes"])
     scores = _as_records(path, score_key, data[score_key])
-    id_list = _as_records(path, id_key, data[id_key])
+    id_list = [x.load() if isinstance(x, (_Stored, _SubArray)) else x  # e.g. 0-d arrays
+               for x in _as_records(path, id_key, data[id_key])]
     if len(boxes) != len(id_list) or len(scores) != len(id_list):
         raise RoIDBInputError(f"{path}: 'boxes' ({len(boxes)}), {score_key!r} "
                               f"({len(scores)}) and {id_key!r} ({len(id_list)}) must have one "
