@@ -48,6 +48,8 @@ TOOLS: dict[str, tuple[str, str]] = {
               "train loader images/s and per-batch latency percentiles on your data"),
     "make-demo-data": ("lit_roidata.tools.make_demo_data:main",
                        "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
+    "convert-proposals": ("lit_roidata.tools.convert_proposals:main",
+                          "proposal pickle -> columnar .npz (loads without unpickling)"),
 }
 
 log = logging.getLogger(__name__)
