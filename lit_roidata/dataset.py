@@ -39,6 +39,7 @@ OUTPUT_FORMATS = ("detectron", "torchvision")
 RNG_MODES = ("block", "detectron")
 ON_BAD_IMAGE = ("raise", "skip")
 MASK_FORMATS = ("detectron", "compact")
+TARGET_FORMATS = ("detectron", "compact")
 _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rng streams
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
 
@@ -102,6 +103,11 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             data at COCO settings; expand with
             :func:`lit_roidata.minibatch.device.finalize_on_device`).
         fix_rpn_quirks: passed to the RPN target builder (spec Q2/Q3 fix).
+        target_format: ``"detectron"`` (RPN wide blobs and RetinaNet class labels built
+            densely in the worker, Detectron's blobs) or ``"compact"`` (only the sampled
+            anchors, their labels, targets and weights; a few KB instead of ~45 MB per
+            FPN batch; expand with
+            :func:`lit_roidata.minibatch.device.finalize_on_device`).
     """
 
     def __init__(self, roidb: Sequence[Mapping[str, Any]], cfg: Any, *,
@@ -109,12 +115,14 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                  rng_mode: str = "block", on_bad_image: str = "raise",
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
                  max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
-                 mask_format: str = "detectron", fix_rpn_quirks: bool = False) -> None:
+                 mask_format: str = "detectron", fix_rpn_quirks: bool = False,
+                 target_format: str = "detectron") -> None:
         for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
                                    ("pixel_format", pixel_format, PIXEL_FORMATS),
                                    ("rng_mode", rng_mode, RNG_MODES),
                                    ("on_bad_image", on_bad_image, ON_BAD_IMAGE),
-                                   ("mask_format", mask_format, MASK_FORMATS)):
+                                   ("mask_format", mask_format, MASK_FORMATS),
+                                   ("target_format", target_format, TARGET_FORMATS)):
             if value not in valid:
                 raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
         if max_attempts < 0:
@@ -131,6 +139,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.loader = loader
         self.mask_format = mask_format
         self.fix_rpn_quirks = bool(fix_rpn_quirks)
+        self.target_format = target_format
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
 
@@ -180,7 +189,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                              loader=self.loader, augment=self.augment,
                              alloc=_shared_alloc if _in_worker() else None,
                              compact_masks=self.mask_format == "compact",
-                             fix_rpn_quirks=self.fix_rpn_quirks)
+                             fix_rpn_quirks=self.fix_rpn_quirks,
+                             compact_targets=self.target_format == "compact")
         return mb, mb.valid, entries
 
     def __getitems__(self, block: Any) -> Any:
@@ -236,6 +246,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
             "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
             "pixel_format": self.pixel_format, "mask_format": self.mask_format,
+            "target_format": self.target_format,
         }
 
     def _package(self, out: Any, entries: list, requested: Any, used: Any, skipped: list,

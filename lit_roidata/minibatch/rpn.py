@@ -30,7 +30,13 @@ from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
-__all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS"]
+__all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS",
+           "RPN_COMPACT_KEYS"]
+
+#: The compact RPN targets a worker ships with ``target_format="compact"`` instead of
+#: the wide blobs (see :func:`add_rpn_blobs`), in this order.
+RPN_COMPACT_KEYS = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
+                    "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 _ONES4 = (1.0, 1.0, 1.0, 1.0)
 
@@ -44,6 +50,7 @@ def add_rpn_blobs(
     *,
     fix_rpn_quirks: bool = False,
     alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+    compact: bool = False,
 ) -> bool:
     """Add ``im_info``, ``roidb`` and the RPN wide blobs of one minibatch (spec §6.7).
 
@@ -61,6 +68,23 @@ def add_rpn_blobs(
         alloc: optional ``(shape, dtype) -> zeroed array`` for the wide blobs (about
             35 MB for 2 images at FPN level 2 with MAX_SIZE 1333), e.g. shared memory
             in a DataLoader worker so they are sent without a copy.
+        compact: instead of the wide blobs, add only what is not a fill value
+            (``RPN_COMPACT_KEYS``; the same draws, so expanding them with
+            :func:`lit_roidata.minibatch.device.expand_rpn_targets` gives the wide
+            blobs bit for bit):
+
+            * ``rpn_compact_layout`` int64 ``(levels, 3)``: ``(FPN level or -1, A, F)``
+              of each field, in blob order;
+            * ``rpn_compact_labels_int32`` ``(L, 3)``: ``(image, anchor, label)`` of every
+              anchor with label 0 or 1, ``anchor`` indexing the fields concatenated in
+              order (:func:`~lit_roidata.minibatch.anchors.concat_fields`), each field
+              enumerated ``(y, x, a)`` with ``a`` fastest;
+            * ``rpn_compact_fg_int32`` ``(P, 2)`` ``(image, anchor)`` and
+              ``rpn_compact_bbox_targets`` float32 ``(P, 4)``: the regression targets
+              (the positives after subsampling; a positive later drawn as a negative,
+              Q3, keeps its target, as in Detectron);
+            * ``rpn_compact_outside_weights`` float32 ``(n,)``: each image's outside
+              weight ``1 / #labelled``. Inside weights are 1 where the label is 1.
 
     Returns:
         True: RPN minibatches are always valid.
@@ -72,23 +96,58 @@ def add_rpn_blobs(
     fields = rpn_fields(cfg)
     all_anchors = concat_fields(fields)
     n = len(entries)
-    out = _alloc_wide(fields, n, alloc)
+    out = None if compact else _alloc_wide(fields, n, alloc)
     im_info = im_info_rows(entries, im_scales)
+    per_image = []
     for i, entry in enumerate(entries):
         scale = im_scales[i]
         im_h, im_w = im_info[i, 0], im_info[i, 1]
         gt, _ = scaled_noncrowd_gt(entry, scale, "RPN", "Detectron crashes here (spec Q27)")
         res = label_anchors(all_anchors, fields, gt, im_h, im_w, cfg.TRAIN, rng,
                             fix_rpn_quirks=fix_rpn_quirks)
-        _scatter(out, i, fields, *res)
+        if out is None:
+            per_image.append(res)
+        else:
+            _scatter(out, i, fields, *res)
     blobs["im_info"] = im_info
     blobs["roidb"] = serialize_roidb(entries)
     multilevel = cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN
-    for li, lvl in enumerate(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)
-                             if multilevel else [None]):
+    levels = (list(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)) if multilevel
+              else [None])
+    if out is None:
+        for lvl in levels:  # the wide names were pre-created by get_minibatch: drop them
+            for k in RPN_BLOB_KINDS:
+                blobs.pop(k if lvl is None else f"{k}_fpn{lvl}", None)
+        blobs.update(_compact(per_image, fields, levels))
+        return True
+    for li, lvl in enumerate(levels):
         for k, arr in zip(RPN_BLOB_KINDS, out[li]):
             blobs[k if lvl is None else f"{k}_fpn{lvl}"] = arr
     return True
+
+
+def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
+             levels: Sequence[int | None]) -> dict[str, np.ndarray]:
+    """The ``RPN_COMPACT_KEYS`` blobs from each image's :func:`label_anchors` result."""
+    layout = np.array([(-1 if lvl is None else lvl, f.num_cell_anchors, f.field_size)
+                       for lvl, f in zip(levels, fields)], dtype=np.int64).reshape(-1, 3)
+    labels, fg, targets = [], [], []
+    weights = np.zeros(len(per_image), np.float32)
+    for i, (labelled, lab, fg_inds, tgt, num_examples) in enumerate(per_image):
+        labels.append(np.stack([np.full(len(labelled), i), labelled, lab], 1))
+        fg.append(np.stack([np.full(len(fg_inds), i), fg_inds], 1))
+        targets.append(np.asarray(tgt).reshape(-1, 4))
+        weights[i] = np.float32(1.0 / num_examples) if num_examples else np.float32(0)
+
+    def rows(parts: list[np.ndarray], width: int, dtype: Any) -> np.ndarray:
+        return (np.concatenate(parts).astype(dtype) if parts
+                else np.zeros((0, width), dtype))
+
+    return {"rpn_compact_layout": layout,
+            "rpn_compact_labels_int32": rows(labels, 3, np.int32),
+            "rpn_compact_fg_int32": rows(fg, 2, np.int32),
+            "rpn_compact_bbox_targets": rows(targets, 4, np.float32),
+            "rpn_compact_outside_weights": weights}
 
 
 def _alloc_wide(fields: Sequence[FieldOfAnchors], n: int,
