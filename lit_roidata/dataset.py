@@ -28,7 +28,7 @@ import torch.utils.data
 from lit_roidata.minibatch.core import build_minibatch
 from lit_roidata.minibatch.decode import BadImageError, dataset_name
 from lit_roidata.minibatch.image import PIXEL_FORMATS
-from lit_roidata.minibatch.transport import packed
+from lit_roidata.minibatch.transport import packed, shared_empty
 from lit_roidata.rng import RNG, block_rng
 
 __all__ = ["RoIBlockDataset", "rebuild_block", "make_block"]
@@ -68,12 +68,29 @@ def _in_worker() -> bool:
     return torch.utils.data.get_worker_info() is not None
 
 
+#: Shared-memory tensors behind the arrays ``_shared_alloc`` handed out for the block
+#: being built, by data address (``torch.from_numpy`` of such an array makes a tensor
+#: that no longer knows it is shared, so ``_package`` sends the original tensor).
+_SHARED: dict[int, torch.Tensor] = {}
+
+
 def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    # Allocated in shared memory so sending it to the main process copies nothing
-    # (torch.from_numpy keeps the storage; ForkingPickler then passes a handle).
-    t = torch.empty(shape, dtype=torch.from_numpy(np.zeros(0, dtype=dtype)).dtype)
-    t.share_memory_()
-    return t.zero_().numpy()
+    # Allocated in shared memory where it is built, so sending it to the main process
+    # copies nothing (ForkingPickler passes a handle to the segment).
+    t = shared_empty(shape, dtype).zero_()
+    arr = t.numpy()
+    if arr.size:
+        _SHARED[arr.ctypes.data] = t
+    return arr
+
+
+def _as_tensor(value: np.ndarray) -> torch.Tensor:
+    """``value`` as a tensor: its shared-memory tensor if ``_shared_alloc`` made it."""
+    t = _SHARED.get(value.ctypes.data) if value.size else None
+    if (t is not None and tuple(t.shape) == value.shape and value.flags.c_contiguous
+            and t.numpy().dtype == value.dtype):
+        return t
+    return torch.from_numpy(value)
 
 
 class RoIBlockDataset(torch.utils.data.Dataset):
@@ -178,6 +195,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
     def _build_once(self, block: Any) -> tuple[Any, bool, list[Mapping[str, Any]]]:
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
+        _SHARED.clear()
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 
@@ -260,11 +278,12 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             return TorchvisionBatch((images, targets), meta)
         blobs: dict[str, Any] = {}
         for name, value in out.blobs.items():
-            blobs[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+            blobs[name] = _as_tensor(value) if isinstance(value, np.ndarray) else value
         meta = self._meta(entries, requested, used, skipped, invalid, out.image.im_scales)
         meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
         meta["im_info"] = torch.from_numpy(out.image.im_info)
         blobs["_meta"] = meta
+        _SHARED.clear()
         # In a worker: one shared buffer for all small tensors instead of ~30 segments.
         return packed(blobs) if _in_worker() else blobs
 

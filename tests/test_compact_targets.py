@@ -170,3 +170,38 @@ def test_datamodule_option_reaches_the_workers(tmp_path):
     assert list(out)[:-1] == get_minibatch_blob_names(dm.cfg)
     with pytest.raises(ValueError, match="target_format"):
         RoIBlockDataset([], dm.cfg, target_format="dense")
+
+
+@pytest.mark.parametrize("target_format", ["compact", "detectron"])
+def test_worker_output_crosses_with_one_copy(demo, monkeypatch, target_format):
+    """Large blobs are built in shared memory (sent as a handle); only small tensors are
+    copied, once, into the packed buffer, which is itself in shared memory."""
+    import lit_roidata.dataset as dataset_mod
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reducers)
+
+    from lit_roidata.minibatch.transport import PackedBlobs, transfer_report
+
+    cfg = _cfg("mask_rcnn_fpn")
+    roidb = _roidb(demo, cfg, "mask_rcnn_fpn")
+    blk = make_block([0, 1], seed=3, pass_index=0, block_index=0)
+    ref = RoIBlockDataset(roidb, cfg, target_format=target_format).__getitems__(blk)
+    monkeypatch.setattr(dataset_mod, "_in_worker", lambda: True)
+    out = RoIBlockDataset(roidb, cfg, target_format=target_format).__getitems__(blk)
+    assert isinstance(out, PackedBlobs) and out["data"].is_shared()
+    rep = transfer_report(out)
+    assert rep["moved_bytes"] == 0
+    big = [k for k, v in out.items() if torch.is_tensor(v) and v.numel() * v.element_size() > 1 << 16]
+    assert all(out[k].is_shared() for k in big) and "data" in big
+    if target_format == "compact":
+        compact_bytes = sum(out[k].numel() * out[k].element_size() for k in RPN_COMPACT_KEYS)
+        assert compact_bytes < 2 * 256 * 4 * 8 and rep["copied_bytes"] < rep["shared_bytes"] / 2
+    else:  # the wide RPN blobs are allocated in shared memory too
+        assert out["rpn_labels_int32_wide_fpn2"].is_shared()
+    layout, buf = out.__reduce__()[1]
+    assert buf.is_shared() and buf.numel() >= rep["packed_bytes"]
+    back = ForkingPickler.loads(bytes(ForkingPickler.dumps(out)))
+    for k, v in ref.items():
+        if torch.is_tensor(v):
+            assert torch.equal(back[k], v), k
