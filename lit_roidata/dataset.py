@@ -28,7 +28,7 @@ import torch.utils.data
 from lit_roidata.minibatch.core import build_minibatch
 from lit_roidata.minibatch.decode import BadImageError, dataset_name
 from lit_roidata.minibatch.image import PIXEL_FORMATS
-from lit_roidata.minibatch.transport import packed, shared_empty
+from lit_roidata.minibatch.transport import packed, shared_empty, trim_heap
 from lit_roidata.rng import RNG, block_rng
 
 __all__ = ["RoIBlockDataset", "rebuild_block", "make_block"]
@@ -196,12 +196,15 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
         _SHARED.clear()
+        if _in_worker():  # the previous block's temporaries are freed: keep memory flat
+            trim_heap()
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 
             images, targets = build_torchvision_batch(entries, self.cfg, rng,
                                                       pixel_format=self.pixel_format,
-                                                      loader=self.loader, augment=self.augment)
+                                                      loader=self.loader, augment=self.augment,
+                                                      shared=_in_worker())
             return (images, targets), True, entries
         mb = build_minibatch(entries, self.cfg, rng, pixel_format=self.pixel_format,
                              loader=self.loader, augment=self.augment,

@@ -205,3 +205,19 @@ def test_worker_output_crosses_with_one_copy(demo, monkeypatch, target_format):
     for k, v in ref.items():
         if torch.is_tensor(v):
             assert torch.equal(back[k], v), k
+
+
+def test_torchvision_output_built_in_shared_memory(demo, monkeypatch):
+    """In a worker, torchvision images and masks are built in shared memory (no copy out)."""
+    import lit_roidata.dataset as dataset_mod
+
+    cfg = _cfg("mask_rcnn_fpn")
+    roidb = _roidb(demo, cfg, "mask_rcnn_fpn")
+    blk = make_block([0, 1], seed=3, pass_index=0, block_index=0)
+    ref = RoIBlockDataset(roidb, cfg, output_format="torchvision").__getitems__(blk)
+    monkeypatch.setattr(dataset_mod, "_in_worker", lambda: True)
+    out = RoIBlockDataset(roidb, cfg, output_format="torchvision").__getitems__(blk)
+    for (im, tg), (rim, rtg) in zip(zip(*out), zip(*ref)):
+        assert im.is_shared() and tg["masks"].is_shared() and not rim.is_shared()
+        assert type(im) is type(rim) and torch.equal(im, rim)
+        assert type(tg["masks"]) is type(rtg["masks"]) and torch.equal(tg["masks"], rtg["masks"])
