@@ -77,7 +77,7 @@ _SHARED: dict[int, torch.Tensor] = {}
 def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     # Allocated in shared memory where it is built, so sending it to the main process
     # copies nothing (ForkingPickler passes a handle to the segment).
-    t = shared_empty(shape, dtype).zero_()
+    t = shared_empty(shape, dtype)  # a new segment: zero-filled by the OS (ftruncate)
     arr = t.numpy()
     if arr.size:
         _SHARED[arr.ctypes.data] = t

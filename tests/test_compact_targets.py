@@ -221,3 +221,16 @@ def test_torchvision_output_built_in_shared_memory(demo, monkeypatch):
         assert im.is_shared() and tg["masks"].is_shared() and not rim.is_shared()
         assert type(im) is type(rim) and torch.equal(im, rim)
         assert type(tg["masks"]) is type(rtg["masks"]) and torch.equal(tg["masks"], rtg["masks"])
+
+
+def test_shared_empty_segments_read_as_zeros():
+    """The worker allocator relies on new segments being zero-filled (no memset pass)."""
+    from lit_roidata.dataset import _as_tensor, _shared_alloc
+
+    for k in range(20):
+        a = _shared_alloc((3, 257, 129), np.dtype(np.float32 if k % 2 else np.uint8))
+        assert not a.any()
+        a[...] = 7  # dirty it before it is freed; the next one must still be zeros
+        t = _as_tensor(a)
+        assert t.is_shared() and t.data_ptr() == a.ctypes.data
+        del a, t

@@ -74,11 +74,12 @@ def trim_heap() -> bool:
 
 
 def shared_empty(shape: tuple[int, ...], dtype: Any) -> torch.Tensor:
-    """An uninitialised CPU tensor allocated directly in shared memory.
+    """A CPU tensor allocated directly in a new shared-memory segment.
 
     ``torch.empty(...).share_memory_()`` allocates privately, then allocates the shared
-    segment and copies into it; this allocates the segment only. ``dtype`` is a torch
-    or NumPy dtype.
+    segment and copies into it; this allocates the segment only. A new segment is a
+    file extended with ``ftruncate``, so it reads as zeros until written (POSIX), at no
+    cost: pages are materialised when first written. ``dtype`` is a torch or NumPy dtype.
     """
     if not isinstance(dtype, torch.dtype):
         dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
