@@ -159,8 +159,25 @@ def _memory() -> dict[str, Any]:
         if k == 0:
             out["main_pss"] = m.pss / 2**20
         else:
-            out["workers"].append({"uss": m.uss / 2**20, "pss": m.pss / 2**20})
+            out["workers"].append({"uss": m.uss / 2**20, "pss": m.pss / 2**20,
+                                   "anon": _anonymous_mib(p.pid)})
     return out
+
+
+def _anonymous_mib(pid: int) -> float:
+    """Anonymous (heap) memory of a process, MiB: what malloc growth would show in.
+
+    USS also counts clean pages of memory-mapped files only this process has read (the
+    roidb columns), which grow as a pass visits more images but are page cache.
+    """
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Anonymous:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
 
 
 def _count(batch: Any) -> int:
@@ -571,7 +588,9 @@ def main() -> None:
             for k, (wa, wb) in enumerate(zip(a["workers"], b["workers"])):
                 print(f"  worker {k}: USS {wa['uss']:.0f} -> {wb['uss']:.0f} MiB "
                       f"({wb['uss'] / wa['uss'] - 1:+.1%}), PSS {wa['pss']:.0f} -> "
-                      f"{wb['pss']:.0f} MiB ({wb['pss'] / wa['pss'] - 1:+.1%})")
+                      f"{wb['pss']:.0f} MiB ({wb['pss'] / wa['pss'] - 1:+.1%}), anonymous "
+                      f"{wa.get('anon', 0):.0f} -> {wb.get('anon', 0):.0f} MiB "
+                      f"({wb.get('anon', 0) / max(wa.get('anon', 0), 1e-9) - 1:+.1%})")
 
     if args.pss_images and (not only or "pss" in only):
         t0 = time.perf_counter()

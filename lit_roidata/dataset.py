@@ -74,6 +74,10 @@ def _in_worker() -> bool:
 _SHARED: dict[int, torch.Tensor] = {}
 
 
+_TRIM_EVERY = 8  # blocks between two malloc_trim calls in a worker (~1 ms each)
+_TRIM_COUNTER = [0]
+
+
 def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     # Allocated in shared memory where it is built, so sending it to the main process
     # copies nothing (ForkingPickler passes a handle to the segment).
@@ -196,8 +200,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
         _SHARED.clear()
-        if _in_worker():  # the previous block's temporaries are freed: keep memory flat
-            trim_heap()
+        if _in_worker():  # earlier blocks' temporaries are freed: keep memory flat
+            _TRIM_COUNTER[0] += 1
+            if _TRIM_COUNTER[0] % _TRIM_EVERY == 1:
+                trim_heap()
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 

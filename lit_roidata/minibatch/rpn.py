@@ -193,17 +193,69 @@ def label_anchors(
         the number of examples (weights are ``1/num_examples``).
     """
     inside = inside_mask(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-    # Labels live on all K anchors (outside ones stay -1): the draws pick by position
-    # in the ascending index arrays, which is the same with or without the outside ones.
-    labels, a2g_max = _positives(fields, all_anchors, inside, gt, train, fix_rpn_quirks)
-    fg_inds = _sample(labels, a2g_max, inside, train, rng, fix_rpn_quirks)
+    sparse = _label_sparse(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
+    if sparse is not None:
+        labelled, lab, fg_inds = sparse
+    else:
+        # Labels live on all K anchors (outside ones stay -1): the draws pick by position
+        # in the ascending index arrays, the same with or without the outside ones.
+        labels, a2g_max = _positives(fields, all_anchors, inside, gt, train, fix_rpn_quirks)
+        fg_inds = _sample(labels, a2g_max, inside, train, rng, fix_rpn_quirks)
+        labelled = np.flatnonzero(labels >= 0)
+        lab = labels[labelled]
     fg_anchors = all_anchors[fg_inds]
     # The exact dense argmax (ties -> lowest gt), only for the <= 128 anchors that need it.
     assigned = (bbox_overlaps(fg_anchors, gt).argmax(axis=1) if len(fg_inds)
                 else np.zeros(0, np.int64))
     targets = bbox_transform_targets(fg_anchors, gt[assigned], _ONES4)
-    labelled = np.flatnonzero(labels >= 0)
-    return labelled, labels[labelled], fg_inds, targets, float(len(labelled))
+    return labelled, lab, fg_inds, targets, float(len(labelled))
+
+
+def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
+                  gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`_positives` + :func:`_sample` on index sets instead of K-long label arrays.
+
+    The same draws on the same ascending index arrays, so the same result; only the
+    K-long passes that cannot matter are skipped (outside the IoU candidates every
+    anchor's max IoU is 0, below both thresholds). Returns None where the general path
+    is needed: no inside anchor, a non-positive threshold, or Detectron's Q2 (a gt
+    with zero IoU to every inside anchor makes all of them positive).
+    """
+    pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
+    if pos_t <= 0 or neg_t <= 0 or not inside.any():
+        return None
+    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt,
+                                        below=min(neg_t, pos_t))
+    if len(cand) == 0:
+        return None
+    a2g = overlaps.max(axis=1)
+    g2a = overlaps.max(axis=0)
+    if not fix and (g2a == 0).any():
+        return None
+    best = overlaps == g2a[None, :]
+    if fix:
+        best &= (g2a > 0)[None, :]
+    positives = cand[best.any(axis=1) | (a2g >= pos_t)]  # ascending, as flatnonzero
+    num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
+    fg_inds = positives
+    if len(fg_inds) > num_fg:
+        disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
+        fg_inds = np.setdiff1d(fg_inds, disable, assume_unique=True)
+    num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
+    bg_cand = inside.copy()
+    bg_cand[cand[a2g >= neg_t]] = False
+    if fix:
+        bg_cand[positives] = False
+    bg_inds = np.flatnonzero(bg_cand)
+    if len(bg_inds) > num_bg:
+        if fix:
+            bg_inds = rng_mod.choice(rng, bg_inds, size=num_bg, replace=False)
+        else:  # Q3: with replacement, and may overwrite positives
+            bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
+    labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
+    lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
+    return labelled, lab, fg_inds
 
 
 def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
