@@ -125,16 +125,16 @@ def expand_targets(batch: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     if not has_rpn and not any(k.endswith("_sparse") for k in batch):
         return batch
     rpn = expand_rpn_targets({k: batch[k] for k in _RPN_COMPACT}) if has_rpn else {}
-    items = list(batch.items())
+    items = dict(batch)
     batch.clear()
-    for k, v in items:
+    for k, v in items.items():
         if k in _RPN_COMPACT:
             if k == _RPN_COMPACT[0]:
                 batch.update(rpn)
         elif k.endswith("_sparse") and torch.is_tensor(v):
             base = k[: -len("_sparse")]
-            batch[base] = expand_sparse(v, dict(items)[f"{base}_shape"])
-        elif not (k.endswith("_shape") and f"{k[: -len('_shape')]}_sparse" in dict(items)):
+            batch[base] = expand_sparse(v, items[f"{base}_shape"])
+        elif not (k.endswith("_shape") and f"{k[: -len('_shape')]}_sparse" in items):
             batch[k] = v
     return batch
 
