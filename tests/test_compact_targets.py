@@ -170,6 +170,17 @@ def test_datamodule_option_reaches_the_workers(tmp_path):
     assert list(out)[:-1] == get_minibatch_blob_names(dm.cfg)
     with pytest.raises(ValueError, match="target_format"):
         RoIBlockDataset([], dm.cfg, target_format="dense")
+    raw_dm = RoIDataModule(demo_root=str(tmp_path / "demo"), cache_dir=str(tmp_path / "c"),
+                           model_type="faster_rcnn_fpn", num_workers=0,
+                           demo_size={"demo_train_a": 4, "demo_train_b": 2, "demo_val": 1},
+                           overrides={"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": [160],
+                                      "TRAIN.MAX_SIZE": 256}, target_format="compact_raw")
+    raw_dm.setup("fit")
+    ds = raw_dm.make_dataset()
+    assert ds.target_format == "compact"
+    kept = raw_dm.on_after_batch_transfer(ds.__getitems__(next(iter(raw_dm.make_sampler()))), 0)
+    assert all(k in kept for k in RPN_COMPACT_KEYS) and kept["data"].dtype == torch.float32
+    assert not any(k.startswith("rpn_labels_int32_wide") for k in kept)
 
 
 @pytest.mark.parametrize("target_format", ["compact", "detectron"])
