@@ -358,8 +358,8 @@ def phase_tv(args: argparse.Namespace) -> dict[str, Any]:
     coco = ds._dataset.coco  # the references drop images without (non-crowd) annotations
     keep = [k for k, i in enumerate(ds._dataset.ids)
             if any(not a["iscrowd"] for a in coco.imgToAnns[i])]
-    horz = np.array([coco.imgs[ds._dataset.ids[k]]["width"] >= coco.imgs[ds._dataset.ids[k]]["height"]
-                     for k in keep])
+    imgs = [coco.imgs[ds._dataset.ids[k]] for k in keep]
+    horz = np.array([im["width"] >= im["height"] for im in imgs])
 
     def batches() -> Any:  # aspect grouping, as the references' GroupedBatchSampler
         r = np.random.default_rng(0)
@@ -417,7 +417,8 @@ PHASES = {"lit": phase_lit, "floor": phase_floor, "d2": phase_d2, "tv": phase_tv
 def run_phase(args: argparse.Namespace, phase: str, **kw: Any) -> dict[str, Any] | None:
     cmd = [sys.executable, __file__, "--phase", phase, "--ann", args.ann,
            "--images-dir", args.images_dir, "--cache", args.cache, "--warm", str(args.warm),
-           "--timed", str(kw.pop("timed", args.timed)), "--workers", str(kw.pop("workers", args.workers))]
+           "--timed", str(kw.pop("timed", args.timed)),
+           "--workers", str(kw.pop("workers", args.workers))]
     for k, v in kw.items():
         if isinstance(v, (tuple, list)):
             v = ",".join(str(x) for x in v)
@@ -594,7 +595,8 @@ def main() -> None:
         print(f"=== worker memory after {mb[0]} and {mb[1]} batches (lit e2e, compact) ===")
         res = run_phase(args, "lit", variant="compact", timed=2, mem_at=mb)
         if res:
-            a, b = res["memory_at"][str(mb[0] + args.warm)], res["memory_at"][str(mb[1] + args.warm)]
+            at = res["memory_at"]
+            a, b = at[str(mb[0] + args.warm)], at[str(mb[1] + args.warm)]
             for k, (wa, wb) in enumerate(zip(a["workers"], b["workers"])):
                 print(f"  worker {k}: USS {wa['uss']:.0f} -> {wb['uss']:.0f} MiB "
                       f"({wb['uss'] / wa['uss'] - 1:+.1%}), PSS {wa['pss']:.0f} -> "
@@ -616,7 +618,8 @@ def main() -> None:
                 print(f"  detectron2:      {d2m['memory']['total_pss']:.0f} MiB")
             if lit and d2m:
                 print(f"  lit / detectron2 total PSS: "
-                      f"{lit['memory']['total_pss'] / d2m['memory']['total_pss']:.2f}x (target <= 0.5)")
+                      f"{lit['memory']['total_pss'] / d2m['memory']['total_pss']:.2f}x "
+                      "(target <= 0.5)")
 
 
 if __name__ == "__main__":

@@ -203,7 +203,8 @@ def test_worker_output_crosses_with_one_copy(demo, monkeypatch, target_format):
     assert isinstance(out, PackedBlobs) and out["data"].is_shared()
     rep = transfer_report(out)
     assert rep["moved_bytes"] == 0
-    big = [k for k, v in out.items() if torch.is_tensor(v) and v.numel() * v.element_size() > 1 << 16]
+    big = [k for k, v in out.items()
+           if torch.is_tensor(v) and v.numel() * v.element_size() > 1 << 16]
     assert all(out[k].is_shared() for k in big) and "data" in big
     if target_format == "compact":
         compact_bytes = sum(out[k].numel() * out[k].element_size() for k in RPN_COMPACT_KEYS)
