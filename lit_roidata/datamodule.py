@@ -112,6 +112,14 @@ class RoIDataModule(pl.LightningDataModule):
             the device in :meth:`on_after_batch_transfer` (identical blob, ~NUM_CLASSES
             times less worker memory and copying); ``"detectron"`` builds the expanded
             blob in the workers, as Detectron does.
+        target_format: ``"compact"`` (default) ships only the sampled RPN anchors
+            (their labels, regression targets and weights) and RetinaNet's non-zero
+            class labels from the workers, and expands them to Detectron's dense blobs
+            on the device in :meth:`on_after_batch_transfer` (identical blobs, a few KB
+            instead of ~45 MB per FPN batch); ``"detectron"`` builds the dense blobs in
+            the workers; ``"compact_raw"`` ships the compact form and leaves it
+            unexpanded, for a model whose loss reads the sampled anchors directly
+            (docs/rpn_retinanet.md describes the blobs).
     """
 
     def __init__(
@@ -141,6 +149,7 @@ class RoIDataModule(pl.LightningDataModule):
         eval_ims_per_batch: int = 1,
         pin_memory: bool = False,
         mask_format: Literal["compact", "detectron"] = "compact",
+        target_format: Literal["compact", "detectron", "compact_raw"] = "compact",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -320,7 +329,9 @@ class RoIDataModule(pl.LightningDataModule):
             rng_mode=hp.rng_mode, on_bad_image=hp.on_bad_image,
             replacement=None if sampler is None else sampler.replacement_block,
             fix_rpn_quirks=bool(hp.fix_rpn_quirks),
-            mask_format=str(getattr(hp, "mask_format", "compact")))
+            mask_format=str(getattr(hp, "mask_format", "compact")),
+            target_format="detectron" if getattr(hp, "target_format", "compact") == "detectron"
+            else "compact")
 
     def train_dataloader(self) -> Any:
         """The checkpointable train loader (this rank's partial minibatches)."""
@@ -420,7 +431,9 @@ class RoIDataModule(pl.LightningDataModule):
             # uint8 pixels -> Detectron's float blob; compact masks (mask_format="compact")
             # -> Detectron's class-specific masks_int32.
             finalize_on_device(batch, self.cfg.PIXEL_MEANS, int(self.cfg.MODEL.NUM_CLASSES),
-                               image_sizes=_image_sizes(batch) if "data" in batch else None)
+                               image_sizes=_image_sizes(batch) if "data" in batch else None,
+                               expand_compact_targets=getattr(self.hparams, "target_format",
+                                                              "compact") != "compact_raw")
         return batch
 
     def report_skips(self) -> dict[str, int]:

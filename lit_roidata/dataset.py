@@ -28,7 +28,7 @@ import torch.utils.data
 from lit_roidata.minibatch.core import build_minibatch
 from lit_roidata.minibatch.decode import BadImageError, dataset_name
 from lit_roidata.minibatch.image import PIXEL_FORMATS
-from lit_roidata.minibatch.transport import packed
+from lit_roidata.minibatch.transport import packed, shared_empty, trim_heap
 from lit_roidata.rng import RNG, block_rng
 
 __all__ = ["RoIBlockDataset", "rebuild_block", "make_block"]
@@ -39,6 +39,7 @@ OUTPUT_FORMATS = ("detectron", "torchvision")
 RNG_MODES = ("block", "detectron")
 ON_BAD_IMAGE = ("raise", "skip")
 MASK_FORMATS = ("detectron", "compact")
+TARGET_FORMATS = ("detectron", "compact")
 _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rng streams
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
 
@@ -67,12 +68,33 @@ def _in_worker() -> bool:
     return torch.utils.data.get_worker_info() is not None
 
 
+#: Shared-memory tensors behind the arrays ``_shared_alloc`` handed out for the block
+#: being built, by data address (``torch.from_numpy`` of such an array makes a tensor
+#: that no longer knows it is shared, so ``_package`` sends the original tensor).
+_SHARED: dict[int, torch.Tensor] = {}
+
+
+_TRIM_EVERY = 8  # blocks between two malloc_trim calls in a worker (~1 ms each)
+_TRIM_COUNTER = [0]
+
+
 def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    # Allocated in shared memory so sending it to the main process copies nothing
-    # (torch.from_numpy keeps the storage; ForkingPickler then passes a handle).
-    t = torch.empty(shape, dtype=torch.from_numpy(np.zeros(0, dtype=dtype)).dtype)
-    t.share_memory_()
-    return t.zero_().numpy()
+    # Allocated in shared memory where it is built, so sending it to the main process
+    # copies nothing (ForkingPickler passes a handle to the segment).
+    t = shared_empty(shape, dtype)  # a new segment: zero-filled by the OS (ftruncate)
+    arr = t.numpy()
+    if arr.size:
+        _SHARED[arr.ctypes.data] = t
+    return arr
+
+
+def _as_tensor(value: np.ndarray) -> torch.Tensor:
+    """``value`` as a tensor: its shared-memory tensor if ``_shared_alloc`` made it."""
+    t = _SHARED.get(value.ctypes.data) if value.size else None
+    if (t is not None and tuple(t.shape) == value.shape and value.flags.c_contiguous
+            and t.numpy().dtype == value.dtype):
+        return t
+    return torch.from_numpy(value)
 
 
 class RoIBlockDataset(torch.utils.data.Dataset):
@@ -102,6 +124,11 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             data at COCO settings; expand with
             :func:`lit_roidata.minibatch.device.finalize_on_device`).
         fix_rpn_quirks: passed to the RPN target builder (spec Q2/Q3 fix).
+        target_format: ``"detectron"`` (RPN wide blobs and RetinaNet class labels built
+            densely in the worker, Detectron's blobs) or ``"compact"`` (only the sampled
+            anchors, their labels, targets and weights; a few KB instead of ~45 MB per
+            FPN batch; expand with
+            :func:`lit_roidata.minibatch.device.finalize_on_device`).
     """
 
     def __init__(self, roidb: Sequence[Mapping[str, Any]], cfg: Any, *,
@@ -109,12 +136,14 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                  rng_mode: str = "block", on_bad_image: str = "raise",
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
                  max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
-                 mask_format: str = "detectron", fix_rpn_quirks: bool = False) -> None:
+                 mask_format: str = "detectron", fix_rpn_quirks: bool = False,
+                 target_format: str = "detectron") -> None:
         for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
                                    ("pixel_format", pixel_format, PIXEL_FORMATS),
                                    ("rng_mode", rng_mode, RNG_MODES),
                                    ("on_bad_image", on_bad_image, ON_BAD_IMAGE),
-                                   ("mask_format", mask_format, MASK_FORMATS)):
+                                   ("mask_format", mask_format, MASK_FORMATS),
+                                   ("target_format", target_format, TARGET_FORMATS)):
             if value not in valid:
                 raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
         if max_attempts < 0:
@@ -131,6 +160,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.loader = loader
         self.mask_format = mask_format
         self.fix_rpn_quirks = bool(fix_rpn_quirks)
+        self.target_format = target_format
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
 
@@ -169,18 +199,25 @@ class RoIBlockDataset(torch.utils.data.Dataset):
     def _build_once(self, block: Any) -> tuple[Any, bool, list[Mapping[str, Any]]]:
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
+        _SHARED.clear()
+        if _in_worker():  # earlier blocks' temporaries are freed: keep memory flat
+            _TRIM_COUNTER[0] += 1
+            if _TRIM_COUNTER[0] % _TRIM_EVERY == 1:
+                trim_heap()
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 
             images, targets = build_torchvision_batch(entries, self.cfg, rng,
                                                       pixel_format=self.pixel_format,
-                                                      loader=self.loader, augment=self.augment)
+                                                      loader=self.loader, augment=self.augment,
+                                                      shared=_in_worker())
             return (images, targets), True, entries
         mb = build_minibatch(entries, self.cfg, rng, pixel_format=self.pixel_format,
                              loader=self.loader, augment=self.augment,
                              alloc=_shared_alloc if _in_worker() else None,
                              compact_masks=self.mask_format == "compact",
-                             fix_rpn_quirks=self.fix_rpn_quirks)
+                             fix_rpn_quirks=self.fix_rpn_quirks,
+                             compact_targets=self.target_format == "compact")
         return mb, mb.valid, entries
 
     def __getitems__(self, block: Any) -> Any:
@@ -236,6 +273,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
             "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
             "pixel_format": self.pixel_format, "mask_format": self.mask_format,
+            "target_format": self.target_format,
         }
 
     def _package(self, out: Any, entries: list, requested: Any, used: Any, skipped: list,
@@ -249,11 +287,12 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             return TorchvisionBatch((images, targets), meta)
         blobs: dict[str, Any] = {}
         for name, value in out.blobs.items():
-            blobs[name] = torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+            blobs[name] = _as_tensor(value) if isinstance(value, np.ndarray) else value
         meta = self._meta(entries, requested, used, skipped, invalid, out.image.im_scales)
         meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
         meta["im_info"] = torch.from_numpy(out.image.im_info)
         blobs["_meta"] = meta
+        _SHARED.clear()
         # In a worker: one shared buffer for all small tensors instead of ~30 segments.
         return packed(blobs) if _in_worker() else blobs
 

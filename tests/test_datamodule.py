@@ -192,16 +192,20 @@ def test_fit_without_warnings_and_resume_after_an_exception(
     assert crash.trained + resumed.trained == full.trained
 
 
-def test_rpn_family_and_quirk_flag_reach_the_workers(root: Path) -> None:
+@pytest.mark.parametrize("target_format", ["detectron", "compact"])
+def test_rpn_family_and_quirk_flag_reach_the_workers(root: Path, target_format: str) -> None:
     dm = RoIDataModule(**dm_kwargs(root, model_type="faster_rcnn", fix_rpn_quirks=True,
-                                   train_proposal_files=[]))
+                                   train_proposal_files=[], target_format=target_format))
     dm.prepare_data()
     dm.setup("fit")
     sampler = dm.make_sampler()
     ds = dm.make_dataset(sampler=sampler)
-    assert ds.fix_rpn_quirks
+    assert ds.fix_rpn_quirks and ds.target_format == target_format
     batch = ds.__getitems__(next(iter(sampler)))
-    assert "im_info" in batch and "rpn_labels_int32_wide" in batch
+    assert "im_info" in batch
+    assert ("rpn_labels_int32_wide" in batch) == (target_format == "detectron")
+    batch = dm.on_after_batch_transfer(batch, 0)
+    assert "rpn_labels_int32_wide" in batch
     assert list(batch)[:-1] == get_minibatch_blob_names(dm.cfg)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,7 @@ from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.config import get_cfg
 from lit_roidata.minibatch import retinanet
 from lit_roidata.minibatch.anchors import concat_fields, retinanet_fields
+from lit_roidata.minibatch.device import expand_targets
 
 
 def _entry(boxes, classes, crowd=None, width=64, height=64):
@@ -201,6 +203,14 @@ def test_matches_detectron_and_invariants(scene):
     for k, v in ref.items():
         assert blobs[k].dtype == v.dtype, k
         np.testing.assert_array_equal(blobs[k], v, err_msg=k)
+    # target_format="compact": sparse class labels, expanded on the device
+    compact = {"data": _data(2, pad, pad)}
+    retinanet.add_retinanet_blobs(compact, [scale, scale], entries, cfg, compact=True)
+    expanded = expand_targets({k: torch.from_numpy(v) for k, v in compact.items()})
+    assert list(expanded) == list(blobs)
+    for k, v in ref.items():
+        assert expanded[k].numpy().dtype == v.dtype, k
+        np.testing.assert_array_equal(expanded[k].numpy(), v, err_msg=k)
     # spec §10 item 24
     fg = 0
     for lvl in (3, 4, 5):

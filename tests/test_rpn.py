@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,7 @@ from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.config import get_cfg
 from lit_roidata.minibatch import rpn
 from lit_roidata.minibatch.anchors import concat_fields, rpn_fields
+from lit_roidata.minibatch.device import expand_targets
 from lit_roidata.minibatch.roidb_blob import deserialize_roidb
 
 
@@ -266,6 +268,16 @@ def test_matches_detectron_and_invariants(scene):
             for k, arr in enumerate(level):
                 np.testing.assert_array_equal(blobs[names[4 * li + k]][i], arr[0])
         _check_invariants(blobs, names, i, fields, all_anchors, gt, im_h, im_w, cfg)
+    # target_format="compact": the same draws, expanded on the device, are the same blobs
+    compact: dict = {}
+    rpn.add_rpn_blobs(compact, [scale, scale], entries, cfg, np.random.RandomState(seed),
+                      fix_rpn_quirks=fix, compact=True)
+    assert not any(k in compact for k in names)
+    expanded = expand_targets({k: torch.from_numpy(compact[k]) for k in rpn.RPN_COMPACT_KEYS})
+    assert list(expanded) == names
+    for k in names:
+        assert expanded[k].numpy().dtype == blobs[k].dtype
+        np.testing.assert_array_equal(expanded[k].numpy(), blobs[k], err_msg=k)
 
 
 def _check_invariants(blobs, names, i, fields, all_anchors, gt, im_h, im_w, cfg):

@@ -334,14 +334,19 @@ def _inside_mask(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
         out = np.ones(sum(f.field_of_anchors.shape[0] for f in fields), dtype=bool)
         out.setflags(write=False)
         return out
-    parts = []
+    out = np.empty(sum(f.field_of_anchors.shape[0] for f in fields), dtype=bool)
+    start = 0
     for f in fields:
-        grid = f.field_of_anchors.reshape(f.field_size, f.field_size, f.num_cell_anchors, 4)
+        n_f, a = f.field_size, f.num_cell_anchors
+        grid = f.field_of_anchors.reshape(n_f, n_f, a, 4)
         row, col = grid[0], grid[:, 0]  # (F, A, 4): x varies / y varies
         x_ok = (row[..., 0] >= -t) & (row[..., 2] < im_w + t)
         y_ok = (col[..., 1] >= -t) & (col[..., 3] < im_h + t)
-        parts.append((y_ok[:, None, :] & x_ok[None, :, :]).ravel())
-    out = np.concatenate(parts)
+        # out[y, x, a] = y_ok[y, a] & x_ok[x, a], written in place with long inner loops
+        part = out[start:start + n_f * n_f * a].reshape(n_f, n_f, a)
+        part[...] = x_ok[None, :, :]
+        part &= y_ok[:, None, :]
+        start += n_f * n_f * a
     out.setflags(write=False)  # memoised: images of one size share it
     return out
 

@@ -34,7 +34,8 @@ def _family_module(name: str) -> Any:
 def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                     pixel_format: str = "detectron", loader: ImageLoader | None = None,
                     augment: Any = None, alloc: Allocator | None = None,
-                    compact_masks: bool = False, fix_rpn_quirks: bool = False) -> Minibatch:
+                    compact_masks: bool = False, fix_rpn_quirks: bool = False,
+                    compact_targets: bool = False) -> Minibatch:
     """:func:`get_minibatch` with the worker's options and the image metadata kept.
 
     Args:
@@ -42,11 +43,14 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
         pixel_format: ``"detectron"`` (float32, Detectron's blob) or ``"uint8"``.
         loader: ``entry -> BGR uint8 HWC`` image reader (default: decode the file).
         augment: optional per-image augmentation applied before scaling.
-        alloc: optional allocator for the ``data`` and ``masks_int32`` blobs (e.g.
-            shared memory, so a worker sends them without a copy).
+        alloc: optional allocator for the large blobs (``data``, ``masks_int32``, the
+            RPN wide blobs), e.g. shared memory, so a worker sends them without a copy.
         compact_masks: ship class-specific masks compactly (see
             :func:`~lit_roidata.minibatch.device.finalize_on_device`).
         fix_rpn_quirks: passed to the RPN target builder (issue 5's Q2/Q3 fix).
+        compact_targets: ship RPN / RetinaNet targets compactly (``target_format=
+            "compact"``; see :func:`~lit_roidata.minibatch.rpn.add_rpn_blobs` and
+            :func:`~lit_roidata.minibatch.device.expand_targets`).
     """
     blobs: dict[str, Any] = {k: [] for k in get_minibatch_blob_names(cfg)}
     image = build_image_blob(entries, cfg, rng, pixel_format=pixel_format, loader=loader,
@@ -54,12 +58,17 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
     blobs["data"] = image.data
     entries = image.entries
     if cfg.RPN.RPN_ON:
-        kwargs = {"fix_rpn_quirks": True} if fix_rpn_quirks else {}
+        kwargs: dict[str, Any] = {"fix_rpn_quirks": True} if fix_rpn_quirks else {}
+        if compact_targets:
+            kwargs["compact"] = True
+        elif alloc is not None:
+            kwargs["alloc"] = alloc
         valid = _family_module("rpn").add_rpn_blobs(blobs, image.im_scales, entries, cfg, rng,
                                                     **kwargs)
     elif cfg.RETINANET.RETINANET_ON:
+        kwargs = {"compact": True} if compact_targets else {}
         valid = _family_module("retinanet").add_retinanet_blobs(
-            blobs, image.im_scales, entries, cfg, rng)
+            blobs, image.im_scales, entries, cfg, rng, **kwargs)
     else:
         valid = add_fast_rcnn_blobs(blobs, image.im_scales, entries, cfg, rng, alloc=alloc,
                                     compact_masks=compact_masks)

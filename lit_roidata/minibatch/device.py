@@ -1,21 +1,31 @@
 """Finish a worker's compact blobs on the training device (after the host-to-device copy).
 
-Two blobs dominate a worker's output: the image (``data``) and, for Mask R-CNN, the
-class-specific ``masks_int32`` of shape ``(n, NUM_CLASSES * M * M)`` that is -1 except
-one slot per row (65 MB per batch at COCO settings). Workers can ship both compactly
-(``pixel_format="uint8"``, ``mask_format="compact"``); :func:`finalize_on_device`
+A few blobs dominate a worker's output when built as Detectron builds them: the image
+(``data``), for Mask R-CNN the class-specific ``masks_int32`` of shape
+``(n, NUM_CLASSES * M * M)`` that is -1 except one slot per row (65 MB per batch at
+COCO settings), and the RPN "wide" targets, four ``(n, ·, F, F)`` maps per FPN level
+that hold at most ``RPN_BATCH_SIZE_PER_IM`` non-fill values per image (45 MB per batch
+at 800x1333). Workers can ship all of them compactly (``pixel_format="uint8"``,
+``mask_format="compact"``, ``target_format="compact"``); :func:`finalize_on_device`
 restores Detectron's exact blobs on the device, where filling memory is nearly free.
+Every function here is plain torch on the input's device (CPU or CUDA).
 """
 
 from __future__ import annotations
 
-from typing import Any, MutableMapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 import torch
 
 from lit_roidata.minibatch.image import normalize_on_device
 
-__all__ = ["expand_masks_on_device", "finalize_on_device"]
+__all__ = ["expand_masks_on_device", "expand_rpn_targets", "expand_sparse", "expand_targets",
+           "finalize_on_device"]
+
+_RPN_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
+              "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
+_RPN_COMPACT = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
+                "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 
 def expand_masks_on_device(masks: torch.Tensor, classes: torch.Tensor,
@@ -38,16 +48,111 @@ def expand_masks_on_device(masks: torch.Tensor, classes: torch.Tensor,
     return out.view(n, num_classes * m2)
 
 
+def expand_rpn_targets(compact: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detectron's RPN wide blobs from the compact ones (``target_format="compact"``).
+
+    Args:
+        compact: the five ``rpn_compact_*`` tensors of
+            :func:`lit_roidata.minibatch.rpn.add_rpn_blobs` (``compact=True``), all on
+            one device.
+
+    Returns:
+        ``rpn_labels_int32_wide``, ``rpn_bbox_targets_wide``,
+        ``rpn_bbox_inside_weights_wide``, ``rpn_bbox_outside_weights_wide`` (suffixed
+        ``_fpn<l>`` per FPN level), in Detectron's order, shapes ``(n, A, F, F)`` int32
+        and ``(n, 4A, F, F)`` float32, on the same device: labels -1 and the rest 0
+        except at the listed anchors, bit-identical to the worker-side blobs.
+    """
+    layout = compact["rpn_compact_layout"].detach().cpu().tolist()
+    rows = compact["rpn_compact_labels_int32"].to(torch.int64)
+    fg = compact["rpn_compact_fg_int32"].to(torch.int64)
+    targets = compact["rpn_compact_bbox_targets"]
+    weights = compact["rpn_compact_outside_weights"]
+    n, dev = int(weights.shape[0]), weights.device
+    out: dict[str, torch.Tensor] = {}
+    lo = 0
+    for lvl, a, f in layout:
+        hi = lo + f * f * a
+        names = [k if lvl < 0 else f"{k}_fpn{lvl}" for k in _RPN_KINDS]
+        labels = torch.full((n, a, f, f), -1, dtype=torch.int32, device=dev)
+        tgt, inw, outw = (torch.zeros((n, 4 * a, f, f), dtype=torch.float32, device=dev)
+                          for _ in range(3))
+        sel = rows[(rows[:, 1] >= lo) & (rows[:, 1] < hi)]
+        img, cell, anc = _split(sel[:, 0], sel[:, 1] - lo, a)
+        lab = sel[:, 2].to(torch.int32)
+        labels.view(n, a, f * f)[img, anc, cell] = lab
+        w = weights[img].unsqueeze(1).expand(-1, 4)
+        ch = (4 * anc).unsqueeze(1) + torch.arange(4, device=dev)  # (m, 4) channels
+        outw.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = w
+        pos = lab == 1
+        inw.view(n, 4 * a, f * f)[img[pos].unsqueeze(1), ch[pos], cell[pos].unsqueeze(1)] = 1.0
+        sel_fg = (fg[:, 1] >= lo) & (fg[:, 1] < hi)
+        img, cell, anc = _split(fg[sel_fg, 0], fg[sel_fg, 1] - lo, a)
+        ch = (4 * anc).unsqueeze(1) + torch.arange(4, device=dev)
+        tgt.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = targets[sel_fg]
+        out.update(zip(names, (labels, tgt, inw, outw)))
+        lo = hi
+    return out
+
+
+def _split(img: torch.Tensor, local: torch.Tensor, a: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(image, cell, cell anchor)`` of level-local anchor indices (``a`` fastest)."""
+    return img, torch.div(local, a, rounding_mode="floor"), torch.remainder(local, a)
+
+
+def expand_sparse(rows: torch.Tensor, shape: Any, fill: int = 0) -> torch.Tensor:
+    """A dense int32 blob from ``(flat index, value)`` rows (RetinaNet's sparse labels).
+
+    Args:
+        rows: int32 ``(K, 2)``; shape: the blob's shape (tensor or sequence);
+        fill: the value everywhere else (0, background, for RetinaNet labels).
+    """
+    shape = [int(x) for x in (shape.detach().cpu().tolist() if torch.is_tensor(shape) else shape)]
+    out = torch.full(shape, fill, dtype=torch.int32, device=rows.device)
+    out.view(-1)[rows[:, 0].to(torch.int64)] = rows[:, 1].to(torch.int32)
+    return out
+
+
+def expand_targets(batch: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Replace compact RPN / RetinaNet targets in ``batch`` by Detectron's blobs, in place.
+
+    The expanded blobs take the compact ones' place, so the key order is Detectron's
+    blob order again (:func:`~lit_roidata.minibatch.get_minibatch_blob_names`). A batch
+    without compact targets is returned unchanged.
+    """
+    has_rpn = _RPN_COMPACT[0] in batch
+    if not has_rpn and not any(k.endswith("_sparse") for k in batch):
+        return batch
+    rpn = expand_rpn_targets({k: batch[k] for k in _RPN_COMPACT}) if has_rpn else {}
+    items = dict(batch)
+    batch.clear()
+    for k, v in items.items():
+        if k in _RPN_COMPACT:
+            if k == _RPN_COMPACT[0]:
+                batch.update(rpn)
+        elif k.endswith("_sparse") and torch.is_tensor(v):
+            base = k[: -len("_sparse")]
+            batch[base] = expand_sparse(v, items[f"{base}_shape"])
+        elif not (k.endswith("_shape") and f"{k[: -len('_shape')]}_sparse" in items):
+            batch[k] = v
+    return batch
+
+
 def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[float],
-                       num_classes: int, *, image_sizes: Any = None) -> MutableMapping[str, Any]:
+                       num_classes: int, *, image_sizes: Any = None,
+                       expand_compact_targets: bool = True) -> MutableMapping[str, Any]:
     """Turn a worker's compact blobs into Detectron's, in place, on their device.
 
     Normalises a uint8 ``data`` blob (:func:`normalize_on_device`, using
     ``_meta["image_sizes"]``) and expands compact masks (``mask_class_int32`` present)
-    with :func:`expand_masks_on_device`; ``mask_class_int32`` is removed. A batch that
-    is already in Detectron's format is returned unchanged. Meant for
-    ``LightningDataModule.on_after_batch_transfer``. ``image_sizes`` (``(n, 2)``
-    unpadded ``(h, w)``), when given, is used instead of the ``_meta`` lookup.
+    with :func:`expand_masks_on_device`; ``mask_class_int32`` is removed; and expands
+    compact RPN / RetinaNet targets with :func:`expand_targets` (unless
+    ``expand_compact_targets=False``: a model that computes its loss on the sampled
+    anchors keeps them). A batch that is already in Detectron's format is returned
+    unchanged. Meant for ``LightningDataModule.on_after_batch_transfer``.
+    ``image_sizes`` (``(n, 2)`` unpadded ``(h, w)``), when given, is used instead of the
+    ``_meta`` lookup.
     """
     data = batch.get("data")
     if isinstance(data, torch.Tensor) and data.dtype == torch.uint8:
@@ -62,4 +167,6 @@ def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[fl
     if "mask_class_int32" in batch:
         classes = batch.pop("mask_class_int32")
         batch["masks_int32"] = expand_masks_on_device(batch["masks_int32"], classes, num_classes)
+    if expand_compact_targets:
+        expand_targets(batch)
     return batch

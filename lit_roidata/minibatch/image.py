@@ -129,9 +129,13 @@ def im_list_to_blob(ims: Sequence[np.ndarray], *, fpn_on: bool = False,
     blob = alloc(shape, dtype) if alloc is not None else np.zeros(shape, dtype=dtype)
     for i, im in enumerate(ims):
         h, w = im.shape[:2]
-        # cv2.split de-interleaves with SIMD: ~3x faster than a strided transpose copy.
-        for c, plane in enumerate(cv2.split(im)):
-            blob[i, c, :h, :w] = plane
+        # cv2.split de-interleaves with SIMD (~3x faster than a strided transpose copy),
+        # straight into the blob's planes (no per-plane temporaries).
+        planes = [blob[i, c, :h, :w] for c in range(3)]
+        out = cv2.split(im, planes)
+        for c, plane in enumerate(out):
+            if not np.shares_memory(plane, planes[c]):  # OpenCV could not write in place
+                planes[c][...] = plane
     return blob
 
 

@@ -35,6 +35,8 @@ def add_retinanet_blobs(
     entries: Sequence[Mapping[str, Any]],
     cfg: Any,
     rng: rng_mod.RNG | None = None,
+    *,
+    compact: bool = False,
 ) -> bool:
     """Add ``im_info``, ``retnet_fg_num``, ``retnet_bg_num`` and the per-level blobs (§6.8).
 
@@ -47,6 +49,13 @@ def add_retinanet_blobs(
         im_scales: the scale of each image.
         entries: roidb entries (Detectron field names).
         cfg: a ``DetectronConfig`` with ``FPN.FPN_ON``.
+        compact: ship each level's class labels (mostly 0, background) sparsely: in
+            place of ``retnet_cls_labels_fpn<l>`` the blobs ``..._fpn<l>_sparse`` (int32
+            ``(K, 2)`` rows ``(flat index, label)`` of the non-zero labels, the flat
+            index into the C-ordered ``(n, A, h, w)`` blob) and ``..._fpn<l>_shape``
+            (int64 ``(4,)``, that shape);
+            :func:`lit_roidata.minibatch.device.expand_sparse` restores the blob bit
+            for bit. The other blobs are unchanged (they already list positives only).
 
     Returns:
         True: RetinaNet minibatches are always valid.
@@ -75,7 +84,7 @@ def add_retinanet_blobs(
     blobs["im_info"] = im_info_rows(entries, im_scales)
     blobs["retnet_fg_num"] = np.array([fg_total], dtype=np.float32)
     blobs["retnet_bg_num"] = np.array([bg_total], dtype=np.float32)
-    _level_blobs(blobs, per_image, fields, pad_h, pad_w, cfg)
+    _level_blobs(blobs, per_image, fields, pad_h, pad_w, cfg, compact=compact)
     return True
 
 
@@ -119,7 +128,7 @@ def label_retinanet_anchors(
 
 
 def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Sequence[FieldOfAnchors],
-                 pad_h: int, pad_w: int, cfg: Any) -> None:
+                 pad_h: int, pad_w: int, cfg: Any, *, compact: bool = False) -> None:
     """Crop labels per field, list the positives per level, fill the blobs (§6.8 step 4)."""
     retina = cfg.RETINANET
     n_classes = int(cfg.MODEL.NUM_CLASSES)
@@ -132,14 +141,18 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
         f0 = fields[ids[0]]
         size, stride = f0.field_size, f0.stride
         h, w = int(pad_h / stride), int(pad_w / stride)
-        cls = np.empty((len(per_image), len(ids), min(h, size), min(w, size)), np.int32)
+        shape = (len(per_image), len(ids), min(h, size), min(w, size))
+        cls = None if compact else np.empty(shape, np.int32)
+        sparse = []
         lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
         field_anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
                                      for j in ids], np.int64)
         tgt_rows, loc_rows = [], []
         for i, (labels, fg, targets) in enumerate(per_image):
-            grid = labels[lo:hi].reshape(len(ids), size, size)
-            cls[i] = grid[:, :h, :w]
+            if cls is None:
+                sparse.append(_sparse_rows(labels[lo:hi], i, shape, size))
+            else:
+                cls[i] = labels[lo:hi].reshape(len(ids), size, size)[:, :h, :w]
             sel = (fg >= lo) & (fg < hi)
             sel[sel] = labels[fg[sel]] > 0  # positives overwritten by negatives drop out
             local = fg[sel] - lo
@@ -155,9 +168,40 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
             locs = np.stack([np.full_like(y, i), 4 * l_cls + loc_stride * anchor_ind, y, x], 1)
             tgt_rows.append(targets[sel])
             loc_rows.append(locs.astype(np.float32))
-        blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
+        if cls is None:
+            blobs[f"retnet_cls_labels_fpn{lvl}_sparse"] = (
+                np.concatenate(sparse) if sparse else np.zeros((0, 2), np.int32))
+            blobs[f"retnet_cls_labels_fpn{lvl}_shape"] = np.array(shape, np.int64)
+        else:
+            blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
         blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = _rows(tgt_rows)
         blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = _rows(loc_rows)
+    if compact:  # the sparse pair takes the place of the dense labels (blob order)
+        items = dict(blobs)
+        blobs.clear()
+        done: set[str] = set()
+        for k, v in items.items():
+            if k in done:
+                continue
+            base = k.removesuffix("_sparse").removesuffix("_shape")
+            if base.startswith("retnet_cls_labels_fpn") and f"{base}_sparse" in items:
+                for part in (f"{base}_sparse", f"{base}_shape"):
+                    blobs[part] = items[part]
+                done.update((base, f"{base}_sparse", f"{base}_shape"))
+            else:
+                blobs[k] = v
+
+
+def _sparse_rows(level_labels: np.ndarray, i: int, shape: tuple[int, ...],
+                 size: int) -> np.ndarray:
+    """``(flat index, label)`` of image ``i``'s non-zero labels inside the crop."""
+    _, n_fields, h, w = shape
+    nz = np.flatnonzero(level_labels)
+    field, cell = np.divmod(nz, size * size)
+    y, x = np.divmod(cell, size)
+    keep = (y < h) & (x < w)
+    flat = ((i * n_fields + field[keep]) * h + y[keep]) * w + x[keep]
+    return np.stack([flat, level_labels[nz[keep]].astype(np.int32)], 1).astype(np.int32)
 
 
 def _rows(parts: list[np.ndarray]) -> np.ndarray:

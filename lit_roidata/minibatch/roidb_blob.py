@@ -115,7 +115,15 @@ def deserialize_roidb(blob: Any) -> list[dict[str, Any]]:
     return out
 
 
+_PLAIN = frozenset((float, int, str, bool, type(None)))
+
+
 def _to_json(value: Any) -> Any:
+    kind = type(value)
+    if kind in _PLAIN:  # fast paths: polygon coordinates are lists of Python floats
+        return value
+    if (kind is list or kind is tuple) and all(type(v) in _PLAIN for v in value):
+        return list(value)
     if isinstance(value, bytes):
         return {"__bytes__": value.decode("latin1")}
     if isinstance(value, Mapping):

@@ -31,6 +31,7 @@ from torchvision import tv_tensors
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.image import ImageLoader, load_and_scale
 from lit_roidata.minibatch.mask import segm_as_rle, segm_polygons
+from lit_roidata.minibatch.transport import shared_empty
 
 __all__ = ["TorchvisionBatch", "to_continuous_boxes", "build_torchvision_batch"]
 
@@ -57,8 +58,11 @@ def to_continuous_boxes(boxes: np.ndarray, scale: float) -> np.ndarray:
     return b * np.float32(scale)
 
 
-def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: int) -> np.ndarray:
-    out = np.zeros((rows.size, h, w), dtype=np.uint8)
+def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: int,
+           shared: bool = False) -> torch.Tensor:
+    t = (shared_empty((rows.size, h, w), torch.uint8).zero_() if shared
+         else torch.zeros((rows.size, h, w), dtype=torch.uint8))
+    out = t.numpy()
     height, width = int(entry["height"]), int(entry["width"])
     for j, r in enumerate(rows):
         segm = entry["segms"][r]
@@ -71,7 +75,7 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
         if rle is not None:
             full = mask_util.decode(rle)
             out[j] = cv2.resize(full, (w, h), interpolation=cv2.INTER_NEAREST)
-    return out
+    return t
 
 
 def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.ndarray:
@@ -84,16 +88,21 @@ def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.n
     return out
 
 
-def _image_tensor(im: np.ndarray, pixel_format: str) -> tv_tensors.Image:
-    if pixel_format == "uint8":
-        chw = np.ascontiguousarray(im[:, :, ::-1].transpose(2, 0, 1))  # BGR -> RGB
-    else:
-        chw = np.ascontiguousarray(im.transpose(2, 0, 1))
-    return tv_tensors.Image(torch.from_numpy(chw))
+def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv_tensors.Image:
+    src = im[:, :, ::-1] if pixel_format == "uint8" else im  # uint8: BGR -> RGB
+    if shared:  # built in shared memory: a DataLoader worker sends it without a copy
+        t = shared_empty((im.shape[2], im.shape[0], im.shape[1]), im.dtype)
+        t.numpy()[...] = src.transpose(2, 0, 1)
+        return tv_tensors.Image(t)
+    return tv_tensors.Image(torch.from_numpy(np.ascontiguousarray(src.transpose(2, 0, 1))))
 
 
-def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], cfg: Any) -> dict:
-    """The target dict of one image (see the module docstring for conventions)."""
+def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], cfg: Any, *,
+                shared: bool = False) -> dict:
+    """The target dict of one image (see the module docstring for conventions).
+
+    ``shared=True`` allocates the masks in shared memory (for DataLoader workers).
+    """
     h, w = size
     boxes = np.asarray(entry["boxes"], dtype=np.float32).reshape(-1, 4)
     gt_classes = np.asarray(entry["gt_classes"])
@@ -117,7 +126,7 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
         "flipped": bool(entry.get("flipped", False)),
     }
     if cfg.MODEL.MASK_ON:
-        target["masks"] = tv_tensors.Mask(torch.from_numpy(_masks(entry, gt_rows, scale, h, w)))
+        target["masks"] = tv_tensors.Mask(_masks(entry, gt_rows, scale, h, w, shared))
     if cfg.MODEL.KEYPOINTS_ON and "gt_keypoints" in entry:
         target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
     if prop_rows.size:
@@ -127,7 +136,8 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
 
 def build_torchvision_batch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                             pixel_format: str = "uint8", loader: ImageLoader | None = None,
-                            augment: Any = None) -> tuple[list[tv_tensors.Image], list[dict]]:
+                            augment: Any = None, shared: bool = False
+                            ) -> tuple[list[tv_tensors.Image], list[dict]]:
     """Images and torchvision-style targets for a block of roidb entries.
 
     Args:
@@ -135,12 +145,15 @@ def build_torchvision_batch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng:
             (the scale draw is the same as for the Detectron blob).
         pixel_format: ``"uint8"`` (RGB uint8) or ``"detectron"`` (BGR float32 - means).
         loader, augment: as :func:`~lit_roidata.minibatch.image.build_image_blob`.
+        shared: build the images and masks in shared memory (what a DataLoader worker
+            sends then crosses to the main process without a copy).
 
     Returns:
         ``(images, targets)``.
     """
     ims, scales, used = load_and_scale(entries, cfg, rng, pixel_format=pixel_format,
                                        loader=loader, augment=augment)
-    images = [_image_tensor(im, pixel_format) for im in ims]
-    targets = [make_target(e, s, im.shape[:2], cfg) for e, s, im in zip(used, scales, ims)]
+    images = [_image_tensor(im, pixel_format, shared) for im in ims]
+    targets = [make_target(e, s, im.shape[:2], cfg, shared=shared)
+               for e, s, im in zip(used, scales, ims)]
     return images, targets

@@ -41,6 +41,7 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
             module configured for torchvision output.
     """
     from lit_roidata.minibatch import get_minibatch_blob_names
+    from lit_roidata.minibatch.device import expand_masks_on_device, expand_targets
 
     if dm.hparams.output_format != "detectron":
         raise ValueError("dump-blobs writes Detectron blobs; set data.init_args.output_format "
@@ -58,6 +59,11 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
     index = []
     for k, block in zip(range(int(num)), sampler):
         mb = dataset.__getitems__(block)
+        # Compact masks / RPN targets (the data module's defaults) -> Detectron's blobs.
+        if "mask_class_int32" in mb:
+            mb["masks_int32"] = expand_masks_on_device(
+                mb["masks_int32"], mb.pop("mask_class_int32"), int(dm.cfg.MODEL.NUM_CLASSES))
+        expand_targets(mb)
         meta = mb["_meta"]
         path = os.path.join(out, f"minibatch_{k:05d}.npz")
         np.savez(path, **{n: np.asarray(mb[n]) for n in chosen})
