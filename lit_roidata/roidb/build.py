@@ -26,7 +26,8 @@ from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
 from lit_roidata.config import DetectronConfig, get_cfg
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import write_arrays
-from lit_roidata.roidb.coco import GtTable, load_coco_json, read_json
+from lit_roidata.roidb.coco import GtTable, load_coco_json
+from lit_roidata.roidb.decode import decode_coco
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
@@ -251,20 +252,19 @@ def _build_inner(tmp, specs, files, options, progress, inputs) -> dict:
     with BuildProgress(progress) as prog:
         for spec, pfile in zip(specs, files):
             with prog.task(f"{spec.name}: annotations", 3) as step:
-                data = read_json(spec.annotation_file)
+                raw = decode_coco(spec.annotation_file)
                 step()
-                if not isinstance(data, dict):
-                    raise RoIDBInputError(f"{spec.annotation_file}: expected a JSON object")
-                c = [(int(x["id"]), str(x["name"])) for x in data.get("categories") or []
+                c = [(int(x["id"]), str(x["name"])) for x in raw.categories
                      if isinstance(x, dict) and "id" in x and "name" in x]
                 cats.append(c)
                 _check_categories(cats, [s.name for s in specs[:len(cats)]],
                                   options["category_policy"])
                 if union is not None:
                     union.extend(n for _, n in c if n not in union)
-                table = load_coco_json(spec.annotation_file, name=spec.name, data=data,
-                                       gt_min_area=options["gt_min_area"], class_order=union)
-                del data
+                table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
+                                       gt_min_area=options["gt_min_area"], class_order=union,
+                                       keypoints_required=bool(options.get("keypoints_on")))
+                del raw
                 step()
                 if options["check_images"]:
                     _check_images(spec, table.file_names)
