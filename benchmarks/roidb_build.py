@@ -96,7 +96,8 @@ def generate_coco(path: str, n_images: int, anns_per_image: float, seed: int = 0
                 seg["counts"] = mask_util.frPyObjects(seg, H, W)["counts"].decode("ascii")
             poly_i += int(n_polys[a])
         else:
-            seg = [(coord_lists[poly_i + k] + [x, y] * int(n_pts[poly_i + k])).tolist()
+            # 2 decimals, as in COCO's own files
+            seg = [(coord_lists[poly_i + k] + [x, y] * int(n_pts[poly_i + k])).round(2).tolist()
                    for k in range(int(n_polys[a]))]
             poly_i += int(n_polys[a])
         if cats[a] == 1:

@@ -197,6 +197,9 @@ def _in_child(fn, *args):
     pid = os.fork()
     if pid == 0:  # child
         code = 0
+        from lit_roidata.roidb import decode
+
+        decode._KEEP = True  # freed by os._exit, not object by object
         try:
             os.close(r)
             try:

@@ -3,9 +3,8 @@
 Two decoders produce the same :class:`RawCoco`:
 
 * **fast** (:func:`decode_fast`): ``msgspec`` with typed ``Struct`` schemas decodes only
-  the fields the roidb reads (unknown fields are skipped without building objects);
-  boxes, polygons and keypoints are kept as raw JSON slices and turned into NumPy
-  arrays in bulk (one C-level number scan per field, no Python float per coordinate);
+  the fields the roidb reads (unknown fields are skipped without building objects) and
+  checks their types while decoding;
 * **generic** (:func:`decode_generic`): ``orjson`` into Python objects, field by field,
   with an error that names the file, the record and the fix for every malformed value.
 
@@ -19,10 +18,9 @@ RLE sizes, keypoint ranges, ...) are checked afterwards on the columns, by
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import itemgetter, methodcaller
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Any, Callable, Optional, Union
 
 import msgspec
@@ -131,16 +129,21 @@ class _Img(msgspec.Struct):
     file_name: str
 
 
+class _RLE(msgspec.Struct):
+    size: list[int]
+    counts: Union[list[int], str]
+
+
 class _Ann(msgspec.Struct, kw_only=True):
     id: int = -1
     image_id: int
     category_id: int
-    bbox: msgspec.Raw
+    bbox: tuple[float, float, float, float]
     area: float
     iscrowd: Union[int, bool] = 0
     ignore: float = 0.0
-    segmentation: msgspec.Raw = _NULL
-    keypoints: msgspec.Raw = _NULL
+    segmentation: Union[list[list[float]], _RLE, None] = None
+    keypoints: Optional[list[float]] = None
 
 
 class _Top(msgspec.Struct):
@@ -150,126 +153,65 @@ class _Top(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_Top)
+_EMPTY: tuple = ()
 
-
-# byte classes for the bulk number scan
-_NUMCHARS = np.zeros(256, bool)
-_NUMCHARS[np.frombuffer(b"0123456789.-+eE", np.uint8)] = True
-_ALLOWED = _NUMCHARS.copy()
-_ALLOWED[np.frombuffer(b"[], \t\r\n", np.uint8)] = True
-_TO_SPACE = bytes.maketrans(b"[],\t\r\n", b"      ")
-
-
-def numeric_lists(raws: list, depth: int) -> Optional[tuple]:
-    """Bulk-parse JSON arrays of numbers (``depth`` 1) or of arrays of numbers (2).
-
-    ``raws`` are valid JSON texts (msgspec checked them). Returns ``(values, per_raw)``
-    for depth 1 and ``(values, lists_per_raw, values_per_list)`` for depth 2, or
-    ``None`` when any raw holds something else (null, a string, other nesting): the
-    caller then uses the generic decoder, which names the record.
-    """
-    n = len(raws)
-    buf = b"".join(raws)
-    a = np.frombuffer(buf, np.uint8)
-    lens = np.fromiter(map(len, raws), np.int64, n)
-    starts = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=starts[1:])
-    if n and (lens == 0).any():
-        return None
-    if a.size and not _ALLOWED[a].all():
-        return None
-    if n and (a[starts[:-1]] != ord("[")).any():
-        return None
-    d = np.cumsum((a == ord("[")).astype(np.int32) - (a == ord("]")))
-    if a.size and d.max() > depth:
-        return None
-    num = _NUMCHARS[a]
-    tok = np.flatnonzero(num & ~np.concatenate([[False], num[:-1]]))
-    if tok.size and (d[tok] != depth).any():
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        try:
-            vals = np.fromstring(buf.translate(_TO_SPACE), dtype=np.float64, sep=" ") \
-                if tok.size else np.zeros(0, np.float64)
-        except (ValueError, DeprecationWarning):
-            return None
-    if vals.size != tok.size:
-        return None
-    if depth == 1:
-        owner = np.searchsorted(starts[1:], tok, side="right")
-        return vals, np.bincount(owner, minlength=n).astype(np.int64)
-    lists = np.flatnonzero((a == ord("[")) & (d == 2))
-    owner_tok = np.searchsorted(lists, tok, side="right") - 1
-    per_list = np.bincount(owner_tok, minlength=lists.size).astype(np.int64)
-    owner_list = np.searchsorted(starts[1:], lists, side="right")
-    return vals, np.bincount(owner_list, minlength=n).astype(np.int64), per_list
+#: Set in the forked builder process (:func:`lit_roidata.roidb.build._in_child`): the
+#: decoded objects are kept until ``os._exit`` instead of being freed one by one.
+KEEP_UNTIL_EXIT: list = []
+_KEEP = False
 
 
 def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
-    """The typed msgspec decode; ``None`` if the file is not strictly well-typed."""
+    """The typed msgspec decode; ``None`` if the file is not strictly well-typed.
+
+    Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
+    like are skipped by msgspec without building objects, and annotations become
+    slotted structs instead of dicts); numbers go from the decoded lists into NumPy
+    arrays with C-level iteration.
+    """
     try:
         top = _DECODER.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    images = top.images
-    anns = top.annotations or []
-    try:
         cats = orjson.loads(bytes(top.categories)) or []
-    except orjson.JSONDecodeError:
+    except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError):
         return None
     if not isinstance(cats, list):
         return None
+    if _KEEP:
+        KEEP_UNTIL_EXIT.append(top)
+    images = top.images
+    anns = top.annotations or []
     n, na = len(images), len(anns)
-    g = attrgetter_list
-    img_id = np.fromiter(g(images, "id"), np.int64, n)
-    img_w = np.fromiter(g(images, "width"), np.float64, n)
-    img_h = np.fromiter(g(images, "height"), np.float64, n)
-    names = list(g(images, "file_name"))
-    bb = numeric_lists([bytes(r) for r in g(anns, "bbox")], 1)
-    if bb is None or (bb[1] != 4).any():
-        return None
-    segs = [bytes(r) for r in g(anns, "segmentation")]
-    f = np.fromiter((s[0] for s in segs), np.uint8, len(segs))
-    is_poly = f == ord("[")
-    is_rle = f == ord("{")
-    if not (is_poly | is_rle | (f == ord("n"))).all():
-        return None
-    pidx = np.flatnonzero(is_poly)
-    pp = numeric_lists([segs[i] for i in pidx.tolist()], 2)
-    if pp is None:
-        return None
-    poly_n = np.zeros(na, np.int64)
-    poly_n[pidx] = pp[1]
-    seg_kind = np.full(na, SEG_MISSING, np.int8)
-    seg_kind[is_poly] = SEG_POLY
-    seg_kind[is_rle] = SEG_RLE
-    rles = {i: orjson.loads(segs[i]) for i in np.flatnonzero(is_rle).tolist()}
-    kps = [bytes(r) for r in g(anns, "keypoints")]
-    kp_len = np.full(na, -1, np.int64)
-    has_kp = np.fromiter((k != b"null" for k in kps), bool, na)
-    kidx = np.flatnonzero(has_kp)
-    kk = numeric_lists([kps[i] for i in kidx.tolist()], 1)
-    if kk is None:
-        return None
-    kp_len[kidx] = kk[1]
-    crowd = np.fromiter(g(anns, "iscrowd"), np.int64, na)
+    img_id = np.fromiter(map(attrgetter("id"), images), np.int64, n)
+    img_w = np.fromiter(map(attrgetter("width"), images), np.float64, n)
+    img_h = np.fromiter(map(attrgetter("height"), images), np.float64, n)
+    names = list(map(attrgetter("file_name"), images))
+    bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
+                       4 * na).reshape(-1, 4)
+    segs = list(map(attrgetter("segmentation"), anns))
+    types = list(map(type, segs))
+    per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
+    poly_n = np.fromiter(map(len, per), np.int64, na)
+    polys = list(chain.from_iterable(per))
+    coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
+    coords = np.fromiter(chain.from_iterable(polys), np.float64, int(coord_n.sum()))
+    seg_kind = np.fromiter((SEG_POLY if t is list else SEG_MISSING if s_ is None else SEG_RLE
+                            for s_, t in zip(segs, types)), np.int8, na)
+    rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
+            for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
+    kps = list(map(attrgetter("keypoints"), anns))
+    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, na)
+    kp_vals = np.fromiter(chain.from_iterable(k for k in kps if k is not None), np.float64,
+                          int(np.maximum(kp_len, 0).sum()))
     return RawCoco(
         source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
-        file_names=names, ann_id=np.fromiter(g(anns, "id"), np.int64, na),
-        ann_img=np.fromiter(g(anns, "image_id"), np.int64, na),
-        ann_cat=np.fromiter(g(anns, "category_id"), np.int64, na),
-        ann_bbox=bb[0].reshape(-1, 4), ann_area=np.fromiter(g(anns, "area"), np.float64, na),
-        ann_crowd=crowd, ann_ignore=np.fromiter(g(anns, "ignore"), np.float64, na),
-        seg_kind=seg_kind, poly_n=poly_n, coord_n=pp[2], coords=pp[0], rles=rles,
-        kp_len=kp_len, kp_vals=kk[0], decoder="fast")
-
-
-def attrgetter_list(items: list, name: str) -> Any:
-    """``map(attrgetter(name), items)``."""
-    from operator import attrgetter
-
-    return map(attrgetter(name), items)
+        file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),
+        ann_img=np.fromiter(map(attrgetter("image_id"), anns), np.int64, na),
+        ann_cat=np.fromiter(map(attrgetter("category_id"), anns), np.int64, na),
+        ann_bbox=bbox, ann_area=np.fromiter(map(attrgetter("area"), anns), np.float64, na),
+        ann_crowd=np.fromiter(map(attrgetter("iscrowd"), anns), np.int64, na),
+        ann_ignore=np.fromiter(map(attrgetter("ignore"), anns), np.float64, na),
+        seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords, rles=rles,
+        kp_len=kp_len, kp_vals=kp_vals, decoder="fast")
 
 
 # --------------------------------------------------------------------------- generic
