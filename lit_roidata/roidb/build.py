@@ -36,7 +36,8 @@ from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.segms import SegmColumns, concat_offsets
 from lit_roidata.roidb.store import RoIDB
 
-__all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES"]
+__all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES",
+           "check_training_config"]
 
 logger = logging.getLogger("lit_roidata.roidb")
 
@@ -109,6 +110,68 @@ def roidb_for_evaluation(
     }
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
                           category_policy, check_images, progress, rebuild)
+
+
+def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
+                          dataset_names: Names = ()) -> None:
+    """Reject config values that make training impossible, before any roidb is built.
+
+    Checks ``TRAIN.IMS_PER_BATCH``, ``TRAIN.SCALES``, ``TRAIN.MAX_SIZE``, the RoI and
+    RPN sampling sizes and fractions, the fg/bg thresholds, and that a Fast R-CNN
+    family model (no RPN, no RetinaNet: it trains on precomputed proposals) has a
+    proposal file for every training dataset.
+
+    Raises:
+        ValueError: every problem found, each with the setting to change.
+    """
+    from lit_roidata.minibatch.model_type import blob_family
+
+    t, problems = cfg.TRAIN, []
+
+    def pos_int(v: Any) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+
+    if not pos_int(t.IMS_PER_BATCH):
+        problems.append(f"TRAIN.IMS_PER_BATCH={t.IMS_PER_BATCH!r}: images per GPU (per rank) "
+                        f"must be an integer >= 1 (Detectron uses 2)")
+    scales = t.SCALES if isinstance(t.SCALES, (list, tuple)) else (t.SCALES,)
+    if not scales or not all(pos_int(v) for v in scales):
+        problems.append(f"TRAIN.SCALES={t.SCALES!r}: give one or more shorter-side sizes in "
+                        f"pixels, e.g. (800,)")
+    if not pos_int(t.MAX_SIZE):
+        problems.append(f"TRAIN.MAX_SIZE={t.MAX_SIZE!r}: the longer-side cap must be an "
+                        f"integer >= 1, e.g. 1333")
+    if not pos_int(t.BATCH_SIZE_PER_IM):
+        problems.append(f"TRAIN.BATCH_SIZE_PER_IM={t.BATCH_SIZE_PER_IM!r}: RoIs per image "
+                        f"must be an integer >= 1 (Detectron uses 512)")
+    if not 0.0 <= float(t.FG_FRACTION) <= 1.0:
+        problems.append(f"TRAIN.FG_FRACTION={t.FG_FRACTION!r}: must be in [0, 1]")
+    if float(t.BG_THRESH_LO) > float(t.BG_THRESH_HI):
+        problems.append(f"TRAIN.BG_THRESH_LO={t.BG_THRESH_LO!r} > TRAIN.BG_THRESH_HI="
+                        f"{t.BG_THRESH_HI!r}: no RoI could be background")
+    family = blob_family(cfg)
+    if family == "rpn":
+        if not pos_int(t.RPN_BATCH_SIZE_PER_IM):
+            problems.append(f"TRAIN.RPN_BATCH_SIZE_PER_IM={t.RPN_BATCH_SIZE_PER_IM!r}: "
+                            f"anchors per image must be an integer >= 1 (Detectron uses 256)")
+        if not 0.0 <= float(t.RPN_FG_FRACTION) <= 1.0:
+            problems.append(f"TRAIN.RPN_FG_FRACTION={t.RPN_FG_FRACTION!r}: must be in [0, 1]")
+    if family == "fast_rcnn":
+        if dataset_names:
+            names, files = _normalise(dataset_names, proposal_files)
+        else:
+            names, files = (), _normalise(("?",), proposal_files)[1]
+        if any(f is None for f in files):
+            missing = [n for n, f in zip(names, files) if f is None]
+            problems.append(
+                f"the model is a Fast R-CNN family model (no RPN, no RetinaNet), which trains "
+                f"on precomputed proposals, but no proposal file is given"
+                f"{' for ' + ', '.join(map(repr, missing)) if missing else ''}: it would train "
+                f"on the gt boxes alone. Add proposal files (data.train_proposal_files or "
+                f"TRAIN.PROPOSAL_FILES, one per dataset) or choose an end-to-end model_type "
+                f"(faster_rcnn, mask_rcnn, keypoint_rcnn, retinanet, their _fpn variants)")
+    if problems:
+        raise ValueError("the training config cannot work:\n  - " + "\n  - ".join(problems))
 
 
 def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]:
@@ -383,6 +446,7 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
             bg_thresh_hi=options["bg_thresh_hi"], bg_thresh_lo=options["bg_thresh_lo"])
         keep, dropped = filter_entries(e_img, ok_img, a["img_has_vis_kp"],
                                        keypoints_on=options["keypoints_on"])
+        _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options)
         e_img, e_flip = e_img[keep], e_flip[keep]
     a["entry_img"] = e_img
     a["entry_flipped"] = e_flip
@@ -390,6 +454,50 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
         "filtered": bool(options["filter"])}}
     return a, report
+
+
+def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> None:
+    """No trainable entry left: a named error at build, by dataset and reason.
+
+    A dataset emptied while others still have entries is logged as a warning (the
+    roidb remains trainable, as in Detectron).
+    """
+    ds = a["img_dataset"][e_img]
+    msgs = []
+    for k, (spec, t) in enumerate(zip(specs, tables)):
+        mine = ds == k
+        if keep[mine].any():
+            continue
+        n_img = int(t.ids.size)
+        gt_drops = {r: int(t.counts.get(r, 0)) for r in _GT_KEYS if t.counts.get(r, 0)}
+        no_cand = int((mine & ~ok_img[e_img]).sum())
+        no_vis = int(mine.sum()) - no_cand
+        lines = [f"{n_img} images, {int(t.classes.size)} gt boxes kept "
+                 f"({int(t.is_crowd.sum())} of them crowd)"]
+        if gt_drops:
+            lines.append("gt boxes dropped at load: " + ", ".join(f"{r}: {v}" for r, v in
+                                                                  gt_drops.items()))
+        if no_cand:
+            lines.append(f"filter_for_training removed {no_cand} entries with no foreground "
+                         f"or background candidate (no non-crowd gt box"
+                         f" and no proposal in the background range)")
+        if no_vis:
+            lines.append(f"filter_for_training removed {no_vis} entries without a visible "
+                         f"keypoint (MODEL.KEYPOINTS_ON)")
+        fix = ("add non-crowd annotations (or give a proposal file so background RoIs exist), "
+               "check TRAIN.GT_MIN_AREA and the 'ignore' flags, or remove the dataset from "
+               "TRAIN.DATASETS / data.train_datasets")
+        if n_img == 0:
+            fix = "the annotation file lists no images; fix the file or remove the dataset"
+        elif no_vis and not no_cand:
+            fix = ("label keypoints (visibility > 0) on its 'person' annotations, turn "
+                   "MODEL.KEYPOINTS_ON off, or remove the dataset")
+        msgs.append(f"training dataset {spec.name!r} ({spec.annotation_file}) has no "
+                    f"trainable image left: " + "; ".join(lines) + f". To train on it, {fix}.")
+    if msgs and not keep.any():
+        raise RoIDBInputError("the training roidb is empty: " + "\n".join(msgs))
+    for m in msgs:
+        logger.warning("%s", m)
 
 
 _GT_KEYS = ("gt_min_area", "ignore", "non_finite_bbox", "non_positive_area", "degenerate_box",
