@@ -48,6 +48,8 @@ TOOLS: dict[str, tuple[str, str]] = {
               "train loader images/s and per-batch latency percentiles on your data"),
     "make-demo-data": ("lit_roidata.tools.make_demo_data:main",
                        "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
+    "cache": ("lit_roidata.tools.cache:main",
+              "roidb caches: ls (sizes, datasets, last used), clean, verify (checksums)"),
 }
 
 log = logging.getLogger(__name__)

@@ -53,6 +53,7 @@ def combined_roidb_for_training(
     cfg: Optional[DetectronConfig] = None, cache_dir: Optional[str] = None, *,
     catalog: Optional[Catalog] = None, category_policy: str = "strict",
     check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
+    verify: Optional[bool] = None,
 ) -> RoIDB:
     """Detectron's training roidb (spec §4), columnar and cached.
 
@@ -68,6 +69,9 @@ def combined_roidb_for_training(
         check_images: verify at build time that every image file exists.
         progress: show rich progress bars (default: when stderr is a terminal).
         rebuild: ignore an existing cache.
+        verify: check an existing cache's array checksums (a full read): ``None`` on the
+            first open after each boot, ``True`` always, ``False`` never. A damaged
+            cache is rebuilt, with a warning naming the file.
 
     Returns:
         The :class:`RoIDB` (memory-mapped).
@@ -87,7 +91,7 @@ def combined_roidb_for_training(
         "bg_thresh_lo": float(t.BG_THRESH_LO), "keypoints_on": bool(cfg.MODEL.KEYPOINTS_ON),
     }
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild)
+                          category_policy, check_images, progress, rebuild, verify)
 
 
 def roidb_for_evaluation(
@@ -95,6 +99,7 @@ def roidb_for_evaluation(
     cache_dir: Optional[str] = None, proposal_files: Union[None, str, Sequence] = (),
     catalog: Optional[Catalog] = None, *, category_policy: str = "strict",
     check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
+    verify: Optional[bool] = None,
 ) -> RoIDB:
     """Originals only, ascending id per dataset: no flipping, no ``filter_for_training``.
 
@@ -109,7 +114,7 @@ def roidb_for_evaluation(
         "min_proposal_size": MIN_PROPOSAL_SIZE, "use_flipped": False, "filter": False,
     }
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild)
+                          category_policy, check_images, progress, rebuild, verify)
 
 
 def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
@@ -193,7 +198,7 @@ def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]
 
 
 def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                   category_policy, check_images, progress, rebuild) -> RoIDB:
+                   category_policy, check_images, progress, rebuild, verify=None) -> RoIDB:
     if category_policy not in CATEGORY_POLICIES:
         raise ValueError(f"category_policy={category_policy!r}; choose one of "
                          f"{CATEGORY_POLICIES}")
@@ -222,7 +227,7 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     def build(tmp: str) -> dict:
         return _in_child(_build, tmp, specs, files, options, progress, inputs)
 
-    path, manifest, built = get_or_build(root, key, build, rebuild=rebuild)
+    path, manifest, built = get_or_build(root, key, build, rebuild=rebuild, verify=verify)
     if built:
         log_report(manifest["report"])
     db = RoIDB(path)
