@@ -230,6 +230,8 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     path, manifest, built = get_or_build(root, key, build, rebuild=rebuild, verify=verify)
     if built:
         log_report(manifest["report"])
+        for w in manifest["report"].get("warnings", []):
+            logger.warning("%s", w)
     db = RoIDB(path)
     logger.info("roidb %s: %d entries (%s)", "built" if built else "opened from cache",
                 len(db), path)
@@ -444,6 +446,7 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
     e_img, e_flip = cat(entry_img), cat(entry_flip)
     before = int(e_img.size)
     dropped: Counter = Counter()
+    warnings_: list = []
     if options["filter"]:
         ok_img = trainable_images(
             gt_off=a["img_gt_off"], gt_is_crowd=a["gt_is_crowd"], prop_off=a["img_prop_off"],
@@ -451,21 +454,21 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
             bg_thresh_hi=options["bg_thresh_hi"], bg_thresh_lo=options["bg_thresh_lo"])
         keep, dropped = filter_entries(e_img, ok_img, a["img_has_vis_kp"],
                                        keypoints_on=options["keypoints_on"])
-        _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options)
+        warnings_ = _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options)
         e_img, e_flip = e_img[keep], e_flip[keep]
     a["entry_img"] = e_img
     a["entry_flipped"] = e_flip
     report = {"datasets": _dataset_reports(tables, props, a), "entries": {
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
-        "filtered": bool(options["filter"])}}
+        "filtered": bool(options["filter"])}, "warnings": warnings_}
     return a, report
 
 
-def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> None:
+def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:
     """No trainable entry left: a named error at build, by dataset and reason.
 
-    A dataset emptied while others still have entries is logged as a warning (the
-    roidb remains trainable, as in Detectron).
+    A dataset emptied while others still have entries is returned as a warning (kept in
+    the report and logged by the caller; the roidb remains trainable, as in Detectron).
     """
     ds = a["img_dataset"][e_img]
     msgs = []
@@ -501,8 +504,7 @@ def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> None:
                     f"trainable image left: " + "; ".join(lines) + f". To train on it, {fix}.")
     if msgs and not keep.any():
         raise RoIDBInputError("the training roidb is empty: " + "\n".join(msgs))
-    for m in msgs:
-        logger.warning("%s", m)
+    return msgs
 
 
 _GT_KEYS = ("gt_min_area", "ignore", "non_finite_bbox", "non_positive_area", "degenerate_box",
