@@ -317,6 +317,8 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
         np.cumsum(per, out=off[1:])
         bad[np.flatnonzero(~bad)[bad_ok]] = True
         return c_ok, off, bad
+    if v.size == 0:
+        return np.zeros(0, np.int64), np.zeros(n + 1, np.int64), bad
     tok_end = np.flatnonzero(~more)
     tok_start = np.concatenate([[0], tok_end[:-1] + 1]).astype(np.int64)
     klen = tok_end - tok_start + 1
