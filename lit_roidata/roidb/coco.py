@@ -358,7 +358,11 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
         out = np.zeros((rows.size, 3 * k), np.float64)
         has = present[rows]
         sel = rows[has]
-        out[has] = vals[take_ranges(off[sel], np.full(sel.size, 3 * k))].reshape(-1, 3 * k)
+        if (kp_len[present] == 3 * k).all():  # the usual case: one (3K,) row per holder
+            rank = np.cumsum(present) - 1
+            out[has] = vals.reshape(-1, 3 * k)[rank[sel]]
+        else:
+            out[has] = vals[off[sel][:, None] + np.arange(3 * k)]
         # (G, K, 3) -> (G, 3, K); the int32 cast truncates toward zero, like Detectron.
         return np.ascontiguousarray(out.reshape(-1, k, 3).transpose(0, 2, 1)).astype(np.int32)
 

@@ -143,7 +143,9 @@ class _Ann(msgspec.Struct, kw_only=True):
     iscrowd: Union[int, bool] = 0
     ignore: float = 0.0
     segmentation: Union[list[list[float]], _RLE, None] = None
-    keypoints: Optional[list[float]] = None
+    # int | float: keypoints are mostly small integers (0 for unlabelled), which Python
+    # shares instead of allocating a float each
+    keypoints: Optional[list[Union[int, float]]] = None
 
 
 class _Top(msgspec.Struct):
