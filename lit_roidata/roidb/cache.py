@@ -188,34 +188,70 @@ def verify_checksums(path: str, manifest: Optional[dict] = None) -> None:
         if got != want:
             raise CacheError(f"{path}: array file {rec['file']} is damaged (its BLAKE2b checksum "
                              f"differs from the manifest's; e.g. zero-filled by a power loss)")
-    try:
-        _atomic_write_text(os.path.join(path, VERIFIED), _boot_id())
-    except OSError:  # read-only cache: verify again next time
-        pass
+    for stamp in _stamps(path):  # in the cache, or (read-only cache) in the temp dir
+        try:
+            _atomic_write_text(stamp, _boot_id())
+            break
+        except OSError:
+            continue
+
+
+def _stamps(path: str) -> list[str]:
+    digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+    return [os.path.join(path, VERIFIED),
+            os.path.join(tempfile.gettempdir(), f"lit_roidata-verified-{digest}")]
 
 
 def _verified_this_boot(path: str) -> bool:
-    try:
-        with open(os.path.join(path, VERIFIED), encoding="ascii") as fh:
-            return fh.read().strip() == _boot_id()
-    except OSError:
-        return False
+    for stamp in _stamps(path):
+        try:
+            with open(stamp, encoding="ascii") as fh:
+                if fh.read().strip() == _boot_id():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def hold_in_use(path: str) -> Any:
-    """A shared lock that marks the cache at ``path`` as in use while the file stays open.
+    """A shared lock that marks the cache at ``path`` as in use while it is held.
 
     ``lit-roidata cache clean`` never removes a cache someone holds. The lock goes away
-    with the returned file object (closed or garbage-collected) or the process.
+    with the returned object (``close()`` or garbage collection) or the process.
     """
     try:
         import fcntl
 
-        fh = open(os.path.join(path, MANIFEST), "rb")
-        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
-        return fh
+        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY)
     except (OSError, ImportError):
         return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return _InUse(fd)
+
+
+class _InUse:
+    """Owns the descriptor holding the in-use lock; closing it (or GC) releases it."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        """Release the lock."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def in_use(path: str) -> bool:
