@@ -288,3 +288,20 @@ def test_cache_tool_ls_clean_verify(ds, capsys):
     assert not os.path.exists(path)
     with pytest.raises(SystemExit):  # nothing is removed without an explicit choice
         main(["cache", "--cache-dir", root, "clean"])
+
+
+@pytest.mark.parametrize("algo", ["blake2b", "xxh3_128"])
+def test_checksum_algorithms(ds, monkeypatch, algo):
+    from lit_roidata.roidb import cache as cache_mod
+
+    if algo == "xxh3_128":
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr(cache_mod, "_default_algo", lambda: algo)
+    cat, _, tmp = ds
+    a = _build(cat, tmp, cache=f"c-{algo}")
+    recs = a.manifest["arrays"].values()
+    assert all(r["checksum"].startswith(algo + ":") for r in recs)
+    cache_mod.verify_checksums(a.path)
+    _damage(os.path.join(a.path, "img_id.npy"), "flip")
+    with pytest.raises(CacheError, match=rf"img_id\.npy is damaged \(its {algo} checksum"):
+        cache_mod.verify_checksums(a.path)

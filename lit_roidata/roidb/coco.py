@@ -355,16 +355,17 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
                   f"a keypoint that is not labelled.")
 
     def table(rows: np.ndarray) -> np.ndarray:
-        out = np.zeros((rows.size, 3 * k), np.float64)
+        out = np.zeros((rows.size, 3 * k), np.int32)
         has = present[rows]
         sel = rows[has]
         if (kp_len[present] == 3 * k).all():  # the usual case: one (3K,) row per holder
             rank = np.cumsum(present) - 1
-            out[has] = vals.reshape(-1, 3 * k)[rank[sel]]
+            picked = vals.reshape(-1, 3 * k)[rank[sel]]
         else:
-            out[has] = vals[off[sel][:, None] + np.arange(3 * k)]
-        # (G, K, 3) -> (G, 3, K); the int32 cast truncates toward zero, like Detectron.
-        return np.ascontiguousarray(out.reshape(-1, k, 3).transpose(0, 2, 1)).astype(np.int32)
+            picked = vals[off[sel][:, None] + np.arange(3 * k)]
+        out[has] = picked.astype(np.int32)  # truncates toward zero, like Detectron
+        # (G, K, 3) -> (G, 3, K)
+        return np.ascontiguousarray(out.reshape(-1, k, 3).transpose(0, 2, 1))
 
     return table
 
