@@ -163,9 +163,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         t = Table(title=f"roidb caches in {root}")
         for col in ("key", "MiB", "datasets", "mode", "entries", "built", "last used", "state"):
-            t.add_column(col, justify="right" if col in ("MiB", "entries") else "left")
-        for r in recs:
-            t.add_row(r["key"], f"{r['bytes'] / 2**20:.1f}", ", ".join(r["datasets"]) or "-",
+            t.add_column(col, justify="right" if col in ("MiB", "entries") else "left",
+                         no_wrap=col in ("key", "state"))
+        for r in recs:  # a key prefix is enough for `clean --key` / `verify --key`
+            t.add_row(r["key"][:12], f"{r['bytes'] / 2**20:.1f}", ", ".join(r["datasets"]) or "-",
                       r["mode"], str(r["entries"]), _when(r["built"]), _when(r["last_used"]),
                       r["state"])
         con.print(t)
