@@ -50,6 +50,8 @@ TOOLS: dict[str, tuple[str, str]] = {
                        "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
     "convert-proposals": ("lit_roidata.tools.convert_proposals:main",
                           "proposal pickle -> columnar .npz (loads without unpickling)"),
+    "cache": ("lit_roidata.tools.cache:main",
+              "roidb caches: ls (sizes, datasets, last used), clean, verify (checksums)"),
 }
 
 log = logging.getLogger(__name__)

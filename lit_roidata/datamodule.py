@@ -240,12 +240,14 @@ class RoIDataModule(pl.LightningDataModule):
         files stay). Every process opens them again in :meth:`setup`.
         """
         from lit_roidata.roidb import combined_roidb_for_training, roidb_for_evaluation
+        from lit_roidata.roidb.build import check_training_config
 
         # Generates the demo data if asked (file-locked, idempotent); every process
         # builds the same catalog again in setup().
         catalog = self.catalog()
         names, props = self._datasets("train")
         if names:
+            check_training_config(self.cfg, list(props), list(names))  # before any build
             combined_roidb_for_training(list(names), list(props), self.cfg,
                                         cache_dir=self.hparams.cache_dir, catalog=catalog)
         for split in ("val", "test"):
@@ -257,6 +259,7 @@ class RoIDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the cached roidbs read-only for ``stage`` (every process)."""
         from lit_roidata.roidb import combined_roidb_for_training, roidb_for_evaluation
+        from lit_roidata.roidb.build import check_training_config
 
         catalog = self.catalog()
         cache_dir = self.hparams.cache_dir
@@ -265,6 +268,7 @@ class RoIDataModule(pl.LightningDataModule):
             if not names:
                 raise ValueError("no training datasets: set data.train_datasets (or "
                                  "TRAIN.DATASETS in the Detectron config, or demo_root)")
+            check_training_config(self.cfg, list(props), list(names))  # before any build
             self.train_roidb = combined_roidb_for_training(
                 list(names), list(props), self.cfg, cache_dir=cache_dir, catalog=catalog)
         if stage in (None, "fit", "validate") and self.val_roidb is None:

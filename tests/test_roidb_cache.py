@@ -204,3 +204,104 @@ def test_forked_workers_do_not_grow_with_roidb_size(tmp_path):
     # proportional to the roidb (8x more entries).
     assert deltas[1600] < 16 * 1024, deltas
     assert deltas[1600] - deltas[200] < 8 * 1024, deltas
+
+
+def _damage(fn, how):
+    size = os.path.getsize(fn)
+    with open(fn, "r+b") as fh:
+        if how == "zero":  # what a power loss leaves: right size, zeros
+            fh.write(b"\0" * size)
+        elif how == "zero_tail":  # header intact, data zeroed
+            fh.seek(128)
+            fh.write(b"\0" * (size - 128))
+        else:  # one flipped bit in the data
+            fh.seek(size - 3)
+            b = fh.read(1)
+            fh.seek(size - 3)
+            fh.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("how", ["zero", "zero_tail", "flip"])
+def test_damaged_array_file_is_named_and_rebuilt(ds, caplog, how):
+    from lit_roidata.roidb.cache import verify_checksums
+
+    cat, _, tmp = ds
+    a = _build(cat, tmp)
+    ref = [a[i]["boxes"].copy() for i in range(len(a))]
+    fn = os.path.join(a.path, "gt_boxes.npy")
+    _damage(fn, how)
+    with pytest.raises(CacheError, match=r"gt_boxes\.npy"):
+        verify_checksums(a.path)
+    if how == "zero":  # the header is gone: even a plain open names the file, never unpickles
+        with pytest.raises(CacheError, match=r"gt_boxes\.npy has a damaged header"):
+            RoIDB(a.path)
+    # the next build verifies on request (and on the first open after a boot) and rebuilds
+    with caplog.at_level(logging.WARNING):
+        b = _build(cat, tmp, verify=True)
+    assert any("unusable" in r.getMessage() and "gt_boxes.npy" in r.getMessage()
+               for r in caplog.records)
+    assert len(b) == len(ref)
+    for i in range(len(b)):
+        np.testing.assert_array_equal(b[i]["boxes"], ref[i])
+    verify_checksums(b.path)
+
+
+def test_checksums_verified_on_first_open_after_a_boot(ds, caplog, monkeypatch):
+    from lit_roidata.roidb import cache as cache_mod
+
+    cat, _, tmp = ds
+    a = _build(cat, tmp)
+    _damage(os.path.join(a.path, "gt_classes.npy"), "flip")
+    assert _build(cat, tmp).path == a.path  # same boot: the cheap open does not read it all
+    monkeypatch.setattr(cache_mod, "_boot_id", lambda: "another-boot")
+    with caplog.at_level(logging.WARNING):
+        _build(cat, tmp)
+    assert any("gt_classes.npy is damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_cache_tool_ls_clean_verify(ds, capsys):
+    from lit_roidata.cli import main
+
+    cat, _, tmp = ds
+    root = str(tmp / "c")
+    a = _build(cat, tmp)
+    key = os.path.basename(a.path)[len("roidb-"):]
+    assert main(["cache", "--cache-dir", root, "ls"]) == 0
+    out = capsys.readouterr().out
+    assert key[:8] in out and "in use" in out and "d" in out
+    assert main(["cache", "--cache-dir", root, "verify"]) == 0
+    assert "ok" in capsys.readouterr().out
+    # in use: never removed
+    assert main(["cache", "--cache-dir", root, "clean", "--all"]) == 0
+    assert "kept roidb-" in capsys.readouterr().out and os.path.isdir(a.path)
+    path = a.path
+    del a
+    gc.collect()
+    _damage(os.path.join(path, "gt_boxes.npy"), "flip")
+    assert main(["cache", "--cache-dir", root, "verify"]) == 1
+    assert "DAMAGED" in capsys.readouterr().out
+    assert main(["cache", "--cache-dir", root, "clean", "--older-than", "1"]) == 0
+    assert os.path.isdir(path)  # used just now
+    assert main(["cache", "--cache-dir", root, "clean", "--key", key[:6], "--dry-run"]) == 0
+    assert "would remove" in capsys.readouterr().out and os.path.isdir(path)
+    assert main(["cache", "--cache-dir", root, "clean", "--key", key[:6]]) == 0
+    assert not os.path.exists(path)
+    with pytest.raises(SystemExit):  # nothing is removed without an explicit choice
+        main(["cache", "--cache-dir", root, "clean"])
+
+
+@pytest.mark.parametrize("algo", ["blake2b", "xxh3_128"])
+def test_checksum_algorithms(ds, monkeypatch, algo):
+    from lit_roidata.roidb import cache as cache_mod
+
+    if algo == "xxh3_128":
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr(cache_mod, "_default_algo", lambda: algo)
+    cat, _, tmp = ds
+    a = _build(cat, tmp, cache=f"c-{algo}")
+    recs = a.manifest["arrays"].values()
+    assert all(r["checksum"].startswith(algo + ":") for r in recs)
+    cache_mod.verify_checksums(a.path)
+    _damage(os.path.join(a.path, "img_id.npy"), "flip")
+    with pytest.raises(CacheError, match=rf"img_id\.npy is damaged \(its {algo} checksum"):
+        cache_mod.verify_checksums(a.path)

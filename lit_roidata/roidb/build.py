@@ -26,7 +26,8 @@ from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
 from lit_roidata.config import DetectronConfig, get_cfg
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import write_arrays
-from lit_roidata.roidb.coco import GtTable, load_coco_json, read_json
+from lit_roidata.roidb.coco import GtTable, load_coco_json
+from lit_roidata.roidb.decode import decode_coco
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
@@ -35,7 +36,8 @@ from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.segms import SegmColumns, concat_offsets
 from lit_roidata.roidb.store import RoIDB
 
-__all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES"]
+__all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES",
+           "check_training_config"]
 
 logger = logging.getLogger("lit_roidata.roidb")
 
@@ -51,6 +53,7 @@ def combined_roidb_for_training(
     cfg: Optional[DetectronConfig] = None, cache_dir: Optional[str] = None, *,
     catalog: Optional[Catalog] = None, category_policy: str = "strict",
     check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
+    verify: Optional[bool] = None,
 ) -> RoIDB:
     """Detectron's training roidb (spec §4), columnar and cached.
 
@@ -66,6 +69,9 @@ def combined_roidb_for_training(
         check_images: verify at build time that every image file exists.
         progress: show rich progress bars (default: when stderr is a terminal).
         rebuild: ignore an existing cache.
+        verify: check an existing cache's array checksums (a full read): ``None`` on the
+            first open after each boot, ``True`` always, ``False`` never. A damaged
+            cache is rebuilt, with a warning naming the file.
 
     Returns:
         The :class:`RoIDB` (memory-mapped).
@@ -85,7 +91,7 @@ def combined_roidb_for_training(
         "bg_thresh_lo": float(t.BG_THRESH_LO), "keypoints_on": bool(cfg.MODEL.KEYPOINTS_ON),
     }
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild)
+                          category_policy, check_images, progress, rebuild, verify)
 
 
 def roidb_for_evaluation(
@@ -93,6 +99,7 @@ def roidb_for_evaluation(
     cache_dir: Optional[str] = None, proposal_files: Union[None, str, Sequence] = (),
     catalog: Optional[Catalog] = None, *, category_policy: str = "strict",
     check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
+    verify: Optional[bool] = None,
 ) -> RoIDB:
     """Originals only, ascending id per dataset: no flipping, no ``filter_for_training``.
 
@@ -107,7 +114,69 @@ def roidb_for_evaluation(
         "min_proposal_size": MIN_PROPOSAL_SIZE, "use_flipped": False, "filter": False,
     }
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild)
+                          category_policy, check_images, progress, rebuild, verify)
+
+
+def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
+                          dataset_names: Names = ()) -> None:
+    """Reject config values that make training impossible, before any roidb is built.
+
+    Checks ``TRAIN.IMS_PER_BATCH``, ``TRAIN.SCALES``, ``TRAIN.MAX_SIZE``, the RoI and
+    RPN sampling sizes and fractions, the fg/bg thresholds, and that a Fast R-CNN
+    family model (no RPN, no RetinaNet: it trains on precomputed proposals) has a
+    proposal file for every training dataset.
+
+    Raises:
+        ValueError: every problem found, each with the setting to change.
+    """
+    from lit_roidata.minibatch.model_type import blob_family
+
+    t, problems = cfg.TRAIN, []
+
+    def pos_int(v: Any) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+
+    if not pos_int(t.IMS_PER_BATCH):
+        problems.append(f"TRAIN.IMS_PER_BATCH={t.IMS_PER_BATCH!r}: images per GPU (per rank) "
+                        f"must be an integer >= 1 (Detectron uses 2)")
+    scales = t.SCALES if isinstance(t.SCALES, (list, tuple)) else (t.SCALES,)
+    if not scales or not all(pos_int(v) for v in scales):
+        problems.append(f"TRAIN.SCALES={t.SCALES!r}: give one or more shorter-side sizes in "
+                        f"pixels, e.g. (800,)")
+    if not pos_int(t.MAX_SIZE):
+        problems.append(f"TRAIN.MAX_SIZE={t.MAX_SIZE!r}: the longer-side cap must be an "
+                        f"integer >= 1, e.g. 1333")
+    if not pos_int(t.BATCH_SIZE_PER_IM):
+        problems.append(f"TRAIN.BATCH_SIZE_PER_IM={t.BATCH_SIZE_PER_IM!r}: RoIs per image "
+                        f"must be an integer >= 1 (Detectron uses 512)")
+    if not 0.0 <= float(t.FG_FRACTION) <= 1.0:
+        problems.append(f"TRAIN.FG_FRACTION={t.FG_FRACTION!r}: must be in [0, 1]")
+    if float(t.BG_THRESH_LO) > float(t.BG_THRESH_HI):
+        problems.append(f"TRAIN.BG_THRESH_LO={t.BG_THRESH_LO!r} > TRAIN.BG_THRESH_HI="
+                        f"{t.BG_THRESH_HI!r}: no RoI could be background")
+    family = blob_family(cfg)
+    if family == "rpn":
+        if not pos_int(t.RPN_BATCH_SIZE_PER_IM):
+            problems.append(f"TRAIN.RPN_BATCH_SIZE_PER_IM={t.RPN_BATCH_SIZE_PER_IM!r}: "
+                            f"anchors per image must be an integer >= 1 (Detectron uses 256)")
+        if not 0.0 <= float(t.RPN_FG_FRACTION) <= 1.0:
+            problems.append(f"TRAIN.RPN_FG_FRACTION={t.RPN_FG_FRACTION!r}: must be in [0, 1]")
+    if family == "fast_rcnn":
+        if dataset_names:
+            names, files = _normalise(dataset_names, proposal_files)
+        else:
+            names, files = (), _normalise(("?",), proposal_files)[1]
+        if any(f is None for f in files):
+            missing = [n for n, f in zip(names, files) if f is None]
+            problems.append(
+                f"the model is a Fast R-CNN family model (no RPN, no RetinaNet), which trains "
+                f"on precomputed proposals, but no proposal file is given"
+                f"{' for ' + ', '.join(map(repr, missing)) if missing else ''}: it would train "
+                f"on the gt boxes alone. Add proposal files (data.train_proposal_files or "
+                f"TRAIN.PROPOSAL_FILES, one per dataset) or choose an end-to-end model_type "
+                f"(faster_rcnn, mask_rcnn, keypoint_rcnn, retinanet, their _fpn variants)")
+    if problems:
+        raise ValueError("the training config cannot work:\n  - " + "\n  - ".join(problems))
 
 
 def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]:
@@ -129,7 +198,7 @@ def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]
 
 
 def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                   category_policy, check_images, progress, rebuild) -> RoIDB:
+                   category_policy, check_images, progress, rebuild, verify=None) -> RoIDB:
     if category_policy not in CATEGORY_POLICIES:
         raise ValueError(f"category_policy={category_policy!r}; choose one of "
                          f"{CATEGORY_POLICIES}")
@@ -158,9 +227,11 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     def build(tmp: str) -> dict:
         return _in_child(_build, tmp, specs, files, options, progress, inputs)
 
-    path, manifest, built = get_or_build(root, key, build, rebuild=rebuild)
+    path, manifest, built = get_or_build(root, key, build, rebuild=rebuild, verify=verify)
     if built:
         log_report(manifest["report"])
+        for w in manifest["report"].get("warnings", []):
+            logger.warning("%s", w)
     db = RoIDB(path)
     logger.info("roidb %s: %d entries (%s)", "built" if built else "opened from cache",
                 len(db), path)
@@ -196,6 +267,9 @@ def _in_child(fn, *args):
     pid = os.fork()
     if pid == 0:  # child
         code = 0
+        from lit_roidata.roidb import decode
+
+        decode._KEEP = True  # freed by os._exit, not object by object
         try:
             os.close(r)
             try:
@@ -251,20 +325,19 @@ def _build_inner(tmp, specs, files, options, progress, inputs) -> dict:
     with BuildProgress(progress) as prog:
         for spec, pfile in zip(specs, files):
             with prog.task(f"{spec.name}: annotations", 3) as step:
-                data = read_json(spec.annotation_file)
+                raw = decode_coco(spec.annotation_file)
                 step()
-                if not isinstance(data, dict):
-                    raise RoIDBInputError(f"{spec.annotation_file}: expected a JSON object")
-                c = [(int(x["id"]), str(x["name"])) for x in data.get("categories") or []
+                c = [(int(x["id"]), str(x["name"])) for x in raw.categories
                      if isinstance(x, dict) and "id" in x and "name" in x]
                 cats.append(c)
                 _check_categories(cats, [s.name for s in specs[:len(cats)]],
                                   options["category_policy"])
                 if union is not None:
                     union.extend(n for _, n in c if n not in union)
-                table = load_coco_json(spec.annotation_file, name=spec.name, data=data,
-                                       gt_min_area=options["gt_min_area"], class_order=union)
-                del data
+                table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
+                                       gt_min_area=options["gt_min_area"], class_order=union,
+                                       keypoints_required=bool(options.get("keypoints_on")))
+                del raw
                 step()
                 if options["check_images"]:
                     _check_images(spec, table.file_names)
@@ -373,6 +446,7 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
     e_img, e_flip = cat(entry_img), cat(entry_flip)
     before = int(e_img.size)
     dropped: Counter = Counter()
+    warnings_: list = []
     if options["filter"]:
         ok_img = trainable_images(
             gt_off=a["img_gt_off"], gt_is_crowd=a["gt_is_crowd"], prop_off=a["img_prop_off"],
@@ -380,13 +454,57 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
             bg_thresh_hi=options["bg_thresh_hi"], bg_thresh_lo=options["bg_thresh_lo"])
         keep, dropped = filter_entries(e_img, ok_img, a["img_has_vis_kp"],
                                        keypoints_on=options["keypoints_on"])
+        warnings_ = _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options)
         e_img, e_flip = e_img[keep], e_flip[keep]
     a["entry_img"] = e_img
     a["entry_flipped"] = e_flip
     report = {"datasets": _dataset_reports(tables, props, a), "entries": {
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
-        "filtered": bool(options["filter"])}}
+        "filtered": bool(options["filter"])}, "warnings": warnings_}
     return a, report
+
+
+def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:
+    """No trainable entry left: a named error at build, by dataset and reason.
+
+    A dataset emptied while others still have entries is returned as a warning (kept in
+    the report and logged by the caller; the roidb remains trainable, as in Detectron).
+    """
+    ds = a["img_dataset"][e_img]
+    msgs = []
+    for k, (spec, t) in enumerate(zip(specs, tables)):
+        mine = ds == k
+        if keep[mine].any():
+            continue
+        n_img = int(t.ids.size)
+        gt_drops = {r: int(t.counts.get(r, 0)) for r in _GT_KEYS if t.counts.get(r, 0)}
+        no_cand = int((mine & ~ok_img[e_img]).sum())
+        no_vis = int(mine.sum()) - no_cand
+        lines = [f"{n_img} images, {int(t.classes.size)} gt boxes kept "
+                 f"({int(t.is_crowd.sum())} of them crowd)"]
+        if gt_drops:
+            lines.append("gt boxes dropped at load: " + ", ".join(f"{r}: {v}" for r, v in
+                                                                  gt_drops.items()))
+        if no_cand:
+            lines.append(f"filter_for_training removed {no_cand} entries with no foreground "
+                         f"or background candidate (no non-crowd gt box"
+                         f" and no proposal in the background range)")
+        if no_vis:
+            lines.append(f"filter_for_training removed {no_vis} entries without a visible "
+                         f"keypoint (MODEL.KEYPOINTS_ON)")
+        fix = ("add non-crowd annotations (or give a proposal file so background RoIs exist), "
+               "check TRAIN.GT_MIN_AREA and the 'ignore' flags, or remove the dataset from "
+               "TRAIN.DATASETS / data.train_datasets")
+        if n_img == 0:
+            fix = "the annotation file lists no images; fix the file or remove the dataset"
+        elif no_vis and not no_cand:
+            fix = ("label keypoints (visibility > 0) on its 'person' annotations, turn "
+                   "MODEL.KEYPOINTS_ON off, or remove the dataset")
+        msgs.append(f"training dataset {spec.name!r} ({spec.annotation_file}) has no "
+                    f"trainable image left: " + "; ".join(lines) + f". To train on it, {fix}.")
+    if msgs and not keep.any():
+        raise RoIDBInputError("the training roidb is empty: " + "\n".join(msgs))
+    return msgs
 
 
 _GT_KEYS = ("gt_min_area", "ignore", "non_finite_bbox", "non_positive_area", "degenerate_box",

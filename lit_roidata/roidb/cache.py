@@ -10,8 +10,13 @@
   (written last) records every array's size. (Fsync also means freshly built pages are
   clean in the page cache, so workers mapping them share them instead of showing them
   as private dirty memory.)
-* **Validated.** Opening checks the manifest and each file's size; a damaged or truncated
-  cache is removed (with a warning) and rebuilt, never used.
+* **Validated.** Opening checks the manifest, each file's size and its ``.npy`` header
+  (dtype and shape as recorded); a damaged or truncated cache is removed (with a warning
+  naming the file) and rebuilt, never used.
+* **Checksummed.** The manifest keeps a 128-bit digest of every array file (xxh3 when
+  ``xxhash`` is installed, else BLAKE2b), computed at build. The digests are verified (a full read) on the first open after each boot, which
+  is when a power loss shows, on request (``verify=True``, ``lit-roidata cache verify``),
+  never on the other opens, which stay cheap. A ``verified`` stamp holds the boot id.
 * **One builder.** A ``filelock`` per key: the first process builds, the others wait and
   then open the result (DDP ranks, several nodes on a shared filesystem).
 """
@@ -30,7 +35,8 @@ import numpy as np
 from filelock import FileLock, Timeout
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "default_cache_dir", "file_fingerprint", "cache_key",
-           "write_arrays", "validate_cache", "get_or_build", "CacheError"]
+           "write_arrays", "validate_cache", "verify_checksums", "get_or_build", "CacheError",
+           "hold_in_use", "in_use", "LAST_USED"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,9 @@ CACHE_ENV = "LIT_ROIDATA_CACHE"
 #: Bumped whenever the on-disk layout or a build rule changes.
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+VERIFIED = "verified"
+LAST_USED = "last_used"
+_HASH_BLOCK = 1 << 22
 
 
 class CacheError(RuntimeError):
@@ -106,6 +115,7 @@ def _atomic_write_text(path: str, text: str) -> None:
 def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, dict]:
     """Save each array as ``<name>.npy``; returns the manifest entries (sizes, shapes)."""
     out = {}
+    algo = _default_algo()
     for name, arr in arrays.items():
         arr = np.ascontiguousarray(arr)
         fn = os.path.join(directory, name + ".npy")
@@ -114,16 +124,195 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
             fh.flush()
             os.fsync(fh.fileno())  # durable before the rename that publishes the cache
         out[name] = {"file": name + ".npy", "bytes": os.path.getsize(fn),
-                     "dtype": arr.dtype.str, "shape": list(arr.shape)}
+                     "dtype": arr.dtype.str, "shape": list(arr.shape),
+                     "checksum": f"{algo}:{file_digest(fn, algo)}"}
     return out
 
 
+def _hasher(algo: str) -> Any:
+    if algo == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algo == "blake2b":
+        return hashlib.blake2b(digest_size=16)
+    raise CacheError(f"unknown checksum algorithm {algo!r}")
+
+
+def _default_algo() -> str:
+    """``xxh3_128`` (several GB/s) when ``xxhash`` is installed, else BLAKE2b."""
+    try:
+        import xxhash  # noqa: F401
+
+        return "xxh3_128"
+    except ImportError:
+        return "blake2b"
+
+
+def file_digest(path: str, algo: str = "blake2b") -> str:
+    """128-bit digest (``xxh3_128`` or ``blake2b``) of a file's bytes, in 4 MiB blocks."""
+    h = _hasher(algo)
+    with open(path, "rb", buffering=0) as fh:
+        buf = bytearray(_HASH_BLOCK)
+        view = memoryview(buf)
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+            return fh.read().strip()
+    except OSError:  # not Linux: verify once per cache
+        return "unknown"
+
+
+def _check_header(path: str, rec: dict) -> None:
+    """The ``.npy`` header of ``rec['file']`` is readable and matches the manifest."""
+    fn = os.path.join(path, rec["file"])
+    try:
+        with open(fn, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+            else:
+                arr = np.load(fn, mmap_mode="r", allow_pickle=False)
+                shape, dtype = arr.shape, arr.dtype
+    except (OSError, ValueError) as exc:
+        raise CacheError(f"{path}: array file {rec['file']} has a damaged header ({exc})") \
+            from None
+    if dtype.hasobject or list(shape) != list(rec["shape"]) or dtype.str != rec["dtype"]:
+        raise CacheError(f"{path}: array file {rec['file']} holds {dtype.str} {list(shape)}, the "
+                         f"manifest says {rec['dtype']} {rec['shape']} (overwritten or damaged)")
+
+
+def verify_checksums(path: str, manifest: Optional[dict] = None) -> None:
+    """Read every array file of the cache at ``path`` and compare its BLAKE2b digest.
+
+    Raises:
+        CacheError: naming the first file whose digest differs (or a cache built before
+            checksums were kept).
+    """
+    manifest = manifest if manifest is not None else validate_cache(path)
+    for name, rec in manifest.get("arrays", {}).items():
+        want = rec.get("checksum")
+        if not want or ":" not in want:
+            raise CacheError(f"{path}: the manifest has no checksum for {rec['file']} (a cache "
+                             f"from an older version); rebuild it")
+        algo, digest = want.split(":", 1)
+        try:
+            got = file_digest(os.path.join(path, rec["file"]), algo)
+        except ImportError:
+            raise CacheError(f"{path}: checksums are {algo} but xxhash is not installed here; "
+                             f"install it (pip install xxhash) or rebuild the cache") from None
+        if got != digest:
+            raise CacheError(f"{path}: array file {rec['file']} is damaged (its {algo} checksum "
+                             f"differs from the manifest's; e.g. zero-filled by a power loss)")
+    for stamp in _stamps(path):  # in the cache, or (read-only cache) in the temp dir
+        try:
+            _atomic_write_text(stamp, _boot_id())
+            break
+        except OSError:
+            continue
+
+
+def _stamps(path: str) -> list[str]:
+    digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+    return [os.path.join(path, VERIFIED),
+            os.path.join(tempfile.gettempdir(), f"lit_roidata-verified-{digest}")]
+
+
+def _verified_this_boot(path: str) -> bool:
+    for stamp in _stamps(path):
+        try:
+            with open(stamp, encoding="ascii") as fh:
+                if fh.read().strip() == _boot_id():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def hold_in_use(path: str) -> Any:
+    """A shared lock that marks the cache at ``path`` as in use while it is held.
+
+    ``lit-roidata cache clean`` never removes a cache someone holds. The lock goes away
+    with the returned object (``close()`` or garbage collection) or the process.
+    """
+    try:
+        import fcntl
+
+        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY)
+    except (OSError, ImportError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return _InUse(fd)
+
+
+class _InUse:
+    """Owns the descriptor holding the in-use lock; closing it (or GC) releases it."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        """Release the lock."""
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def in_use(path: str) -> bool:
+    """Whether a process holds the cache at ``path`` (:func:`hold_in_use`)."""
+    try:
+        import fcntl
+
+        with open(os.path.join(path, MANIFEST), "rb") as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            return False
+    except (OSError, ImportError):
+        return False
+
+
+def touch_last_used(path: str) -> None:
+    """Record that the cache at ``path`` was opened now (best effort)."""
+    try:
+        with open(os.path.join(path, LAST_USED), "a"):
+            pass
+        os.utime(os.path.join(path, LAST_USED))
+    except OSError:
+        pass
+
+
 def validate_cache(path: str) -> dict[str, Any]:
-    """The manifest of a complete, undamaged cache directory.
+    """The manifest of a complete, undamaged cache directory (cheap: no full read).
 
     Raises:
         CacheError: missing/unreadable manifest, wrong format version, a missing array
-            file or one whose size differs from the manifest (e.g. truncated).
+            file, one whose size differs from the manifest (e.g. truncated) or whose
+            ``.npy`` header is damaged or disagrees with the manifest.
     """
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as fh:
@@ -141,11 +330,13 @@ def validate_cache(path: str) -> dict[str, Any]:
         if size != rec["bytes"]:
             raise CacheError(f"{path}: array file {rec['file']} has {size} bytes, the manifest "
                              f"says {rec['bytes']} (truncated or overwritten)")
+        _check_header(path, rec)
     return manifest
 
 
 def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any]], *,
-                 rebuild: bool = False, lock_timeout: float = -1) -> tuple[str, dict, bool]:
+                 rebuild: bool = False, lock_timeout: float = -1,
+                 verify: Optional[bool] = None) -> tuple[str, dict, bool]:
     """Open the cache ``roidb-<key>`` under ``cache_root``, building it if needed.
 
     Args:
@@ -153,6 +344,9 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
             ``format``); it runs under the lock, at most once per key at a time.
         rebuild: discard an existing cache and build again.
         lock_timeout: seconds to wait for another builder (-1: forever).
+        verify: compare the array checksums when opening an existing cache: ``None``
+            (default) on the first open after each boot, ``True`` always, ``False`` never.
+            A mismatch rebuilds the cache, with a warning naming the file.
 
     Returns:
         ``(path, manifest, built)``.
@@ -160,8 +354,9 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
     os.makedirs(cache_root, exist_ok=True)
     final = os.path.join(cache_root, f"roidb-{key}")
     if not rebuild:
-        manifest = _try_open(final)
+        manifest = _try_open(final, verify)
         if manifest is not None:
+            touch_last_used(final)
             return final, manifest, False
     lock = FileLock(final + ".lock")
     try:
@@ -170,8 +365,9 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
         logger.info("waiting for another process to finish building %s", final)
         lock.acquire(timeout=lock_timeout)
     try:
-        manifest = None if rebuild else _try_open(final)
+        manifest = None if rebuild else _try_open(final, verify)
         if manifest is not None:
+            touch_last_used(final)
             return final, manifest, False
         if os.path.exists(final):
             logger.warning("removing damaged or outdated roidb cache %s", final)
@@ -183,6 +379,8 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
             manifest["key"] = key
             _atomic_write_text(os.path.join(tmp, MANIFEST),
                                json.dumps(manifest, indent=1, default=str))
+            _atomic_write_text(os.path.join(tmp, VERIFIED), _boot_id())  # digests of this build
+            touch_last_used(tmp)
             _fsync_dir(tmp)
             os.rename(tmp, final)
             _fsync_dir(cache_root)
@@ -207,11 +405,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _try_open(path: str) -> Optional[dict]:
+def _try_open(path: str, verify: Optional[bool] = None) -> Optional[dict]:
     if not os.path.isdir(path):
         return None
     try:
-        return validate_cache(path)
+        manifest = validate_cache(path)
+        if verify or (verify is None and not _verified_this_boot(path)):
+            verify_checksums(path, manifest)
+        return manifest
     except CacheError as exc:
         logger.warning("roidb cache is unusable and will be rebuilt: %s", exc)
         return None

@@ -19,7 +19,8 @@ import numpy as np
 
 from lit_roidata.roidb.info import RoIDBInputError
 
-__all__ = ["SegmColumns", "encode_segms", "decode_segms", "POLY", "RLE_LIST", "RLE_STR"]
+__all__ = ["SegmColumns", "encode_segms", "decode_segms", "POLY", "RLE_LIST", "RLE_STR",
+           "rle_string_counts", "take_ranges"]
 
 POLY, RLE_LIST, RLE_STR = 0, 1, 2
 
@@ -134,8 +135,9 @@ def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
             else:
                 kind[i] = RLE_STR
                 rle_lists.append(())
-                rle_strs.append(counts.encode("ascii") if isinstance(counts, str)
-                                else bytes(counts))
+                if not isinstance(counts, (str, bytes)):
+                    raise TypeError(f"'counts' is {counts!r:.40}, not a list or a string")
+                rle_strs.append(counts.encode("ascii") if isinstance(counts, str) else counts)
         except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise RoIDBInputError(
                 f"{source}: annotation id {int(ann_ids[i])} (image id {int(image_ids[i])}) has "
@@ -270,3 +272,83 @@ def mask_to_uncompressed_counts(mask: np.ndarray) -> list[int]:
     bounds = np.concatenate([[0], change, [flat.size]])
     runs = np.diff(bounds).tolist()
     return ([0] + runs) if flat[0] else runs
+
+
+def take_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for every ``(s, l)`` pair, vectorised."""
+    starts = np.asarray(starts, np.int64)
+    lens = np.asarray(lens, np.int64)
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    first = np.cumsum(lens) - lens
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - first, lens)
+
+
+def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Decode COCO compressed RLE strings to their run lengths, all strings at once.
+
+    The format of pycocotools' ``rleFrString``: characters ``'0'..'o'`` carry 5 bits
+    each plus a continuation bit, the last chunk of a value is sign-extended, and from
+    the fourth value on each value is a delta to the value two places before.
+
+    Returns:
+        ``(counts, off, bad)``: int64 run lengths, int64 (n+1,) offsets per string, and
+        bool per string: a character outside ``'0'..'o'``, a truncated value, a value
+        over 32 bits or a negative run (such a string's counts are meaningless).
+    """
+    n = len(strs)
+    lens = np.fromiter(map(len, strs), np.int64, n)
+    soff = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=soff[1:])
+    v = np.frombuffer(b"".join(strs), np.uint8).astype(np.int64) - 48
+    owner = np.repeat(np.arange(n), lens)
+    bad = np.zeros(n, bool)
+    np.logical_or.at(bad, owner[(v < 0) | (v > 63)], True)
+    more = (v & 0x20) != 0
+    last = soff[1:][lens > 0] - 1
+    bad[np.flatnonzero(lens > 0)[more[last]]] = True
+    if bad.any():  # decode only the well-formed strings
+        ok = [s for s, b in zip(strs, bad.tolist()) if not b]
+        c_ok, off_ok, bad_ok = rle_string_counts(ok)
+        per = np.zeros(n, np.int64)
+        per[~bad] = np.diff(off_ok)
+        off = np.zeros(n + 1, np.int64)
+        np.cumsum(per, out=off[1:])
+        bad[np.flatnonzero(~bad)[bad_ok]] = True
+        return c_ok, off, bad
+    if v.size == 0:
+        return np.zeros(0, np.int64), np.zeros(n + 1, np.int64), bad
+    tok_end = np.flatnonzero(~more)
+    tok_start = np.concatenate([[0], tok_end[:-1] + 1]).astype(np.int64)
+    klen = tok_end - tok_start + 1
+    tok_str = owner[tok_start] if tok_start.size else np.zeros(0, np.int64)
+    big = klen > 7
+    if big.any():
+        np.logical_or.at(bad, tok_str[big], True)
+        klen = np.minimum(klen, 7)
+    k = np.arange(v.size, dtype=np.int64) - np.repeat(tok_start, tok_end - tok_start + 1)
+    contrib = (v & 0x1F) << (5 * np.minimum(k, 6))
+    x = np.add.reduceat(contrib, tok_start) if tok_start.size else np.zeros(0, np.int64)
+    neg = (v[tok_end] & 0x10) != 0 if tok_end.size else np.zeros(0, bool)
+    x = np.where(neg, x - (np.int64(1) << (5 * klen)), x)
+    ntok = np.bincount(tok_str, minlength=n).astype(np.int64)
+    off = np.zeros(n + 1, np.int64)
+    np.cumsum(ntok, out=off[1:])
+    m = np.arange(x.size, dtype=np.int64) - off[:-1][tok_str]
+    chain_ = np.where(m == 0, 0, np.where(m % 2 == 1, 1, 2))
+    key = tok_str * 3 + chain_
+    order = np.argsort(key, kind="stable")
+    xs = x[order]
+    cs = np.cumsum(xs)
+    ks = key[order]
+    first = np.ones(ks.size, bool)
+    first[1:] = ks[1:] != ks[:-1]
+    base = np.maximum.accumulate(np.where(first, np.arange(ks.size), 0))
+    before = np.concatenate([[0], cs])[base]
+    c = np.empty_like(x)
+    c[order] = cs - before
+    out_of_range = (c < 0) | (c >= 2 ** 32)
+    if out_of_range.any():
+        np.logical_or.at(bad, tok_str[out_of_range], True)
+    return c, off, bad

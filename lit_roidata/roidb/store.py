@@ -27,7 +27,7 @@ import numpy as np
 import scipy.sparse
 
 from lit_roidata.boxes import flip_boxes
-from lit_roidata.roidb.cache import validate_cache
+from lit_roidata.roidb.cache import CacheError, hold_in_use, validate_cache
 from lit_roidata.roidb.info import DatasetInfo
 from lit_roidata.roidb.segms import SegmColumns, decode_segms
 from lit_roidata.roidb.targets import compute_bbox_targets
@@ -56,6 +56,17 @@ def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray
     return out
 
 
+def _load(path: str, file: str) -> np.ndarray:
+    """Memory-map one array file of a cache (never unpickles); errors name the file."""
+    fn = os.path.join(path, file)
+    try:
+        return np.asarray(np.load(fn, mmap_mode="r", allow_pickle=False))
+    except (OSError, ValueError) as exc:
+        raise CacheError(f"{fn}: cannot be opened as a roidb array ({exc}); the cache is "
+                         f"damaged: delete {path} (or `lit-roidata cache clean`) and it is "
+                         f"rebuilt") from None
+
+
 def _ro(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
@@ -79,9 +90,8 @@ class RoIDB:
         self.manifest = manifest
         # Plain ndarray views of the memory maps: slicing an np.memmap costs Python-level
         # __getitem__/__array_finalize__ calls on every access.
-        self._a = {name: np.asarray(np.load(os.path.join(self.path, rec["file"]),
-                                            mmap_mode="r"))
-                   for name, rec in manifest["arrays"].items()}
+        self._a = {name: _load(self.path, rec["file"]) for name, rec in manifest["arrays"].items()}
+        self._in_use = hold_in_use(self.path)  # `lit-roidata cache clean` skips it
         self.datasets: tuple[DatasetInfo, ...] = tuple(
             DatasetInfo.from_json(d) for d in manifest["datasets"])
         t = manifest["targets"]

@@ -1,0 +1,393 @@
+"""COCO JSON → :class:`RawCoco`: the fields the roidb reads, as columns, in JSON order.
+
+Two decoders produce the same :class:`RawCoco`:
+
+* **fast** (:func:`decode_fast`): ``msgspec`` with typed ``Struct`` schemas decodes only
+  the fields the roidb reads (unknown fields are skipped without building objects) and
+  checks their types while decoding;
+* **generic** (:func:`decode_generic`): ``orjson`` into Python objects, field by field,
+  with an error that names the file, the record and the fix for every malformed value.
+
+:func:`decode_coco` tries the fast one and falls back to the generic one on anything the
+strict schema does not accept (a wrong type, a ``null``, a float width, malformed JSON),
+so a bad file always ends in the generic decoder's precise :class:`RoIDBInputError`,
+and a good file gives identical columns either way (tested). Value rules (odd polygons,
+RLE sizes, keypoint ranges, ...) are checked afterwards on the columns, by
+:mod:`lit_roidata.roidb.coco`, for both decoders alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter, itemgetter, methodcaller
+from typing import Any, Callable, Optional, Union
+
+import msgspec
+import numpy as np
+import orjson
+
+from lit_roidata.roidb.info import RoIDBInputError
+
+__all__ = ["RawCoco", "decode_coco", "decode_fast", "decode_generic", "read_json",
+           "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
+
+#: ``RawCoco.seg_kind`` values.
+SEG_MISSING, SEG_POLY, SEG_RLE = 0, 1, 2
+
+_REQUIRED = object()
+
+
+@dataclass
+class RawCoco:
+    """One COCO file's roidb fields as columns, images and annotations in JSON order.
+
+    Attributes:
+        source: the file (for messages).
+        categories: the JSON ``categories`` entries (plain dicts).
+        img_id, img_w, img_h: int64 / float64 / float64 per image; ``file_names`` str.
+        ann_id (``-1`` when absent), ann_img, ann_cat: int64 per annotation.
+        ann_bbox: float64 (N, 4); ann_area, ann_ignore: float64; ann_crowd: int64.
+        seg_kind: int8 per annotation (``SEG_MISSING`` / ``SEG_POLY`` / ``SEG_RLE``).
+        poly_n: int64 polygons per annotation; coord_n: int64 coordinates per polygon;
+        coords: float64, all polygon coordinates.
+        rles: annotation index → the JSON RLE value (a dict, or whatever was there).
+        kp_len: int64 keypoint values per annotation (-1: no ``keypoints`` field);
+        kp_vals: float64, all keypoint values.
+    """
+
+    source: str
+    categories: list
+    img_id: np.ndarray
+    img_w: np.ndarray
+    img_h: np.ndarray
+    file_names: list
+    ann_id: np.ndarray
+    ann_img: np.ndarray
+    ann_cat: np.ndarray
+    ann_bbox: np.ndarray
+    ann_area: np.ndarray
+    ann_crowd: np.ndarray
+    ann_ignore: np.ndarray
+    seg_kind: np.ndarray
+    poly_n: np.ndarray
+    coord_n: np.ndarray
+    coords: np.ndarray
+    rles: dict = field(default_factory=dict)
+    kp_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    kp_vals: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    decoder: str = "generic"
+
+    def ann_label(self, i: int) -> str:
+        """``annotation id X (image id Y)`` of annotation ``i`` (JSON position)."""
+        aid = int(self.ann_id[i])
+        who = f"annotation id {aid}" if aid != -1 else f"annotation #{i} (no 'id')"
+        return f"{who} (image id {int(self.ann_img[i])})"
+
+
+def read_json(path: str, raw: Optional[bytes] = None) -> Any:
+    """Parse a JSON file with orjson.
+
+    Raises:
+        RoIDBInputError: malformed JSON, naming the file, line, column and byte offset.
+    """
+    if raw is None:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RoIDBInputError(
+            f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno} (byte {exc.pos}): "
+            f"{exc.msg}. Re-export or repair the file; a truncated download is a common "
+            f"cause.") from None
+
+
+def decode_coco(path: str, *, fast: bool = True) -> RawCoco:
+    """Decode ``path`` with the fast typed decoder, or the generic one if it refuses.
+
+    Raises:
+        RoIDBInputError: a malformed file or record (named, with the fix).
+    """
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    if fast:
+        out = decode_fast(raw, path)
+        if out is not None:
+            return out
+    return decode_generic(read_json(path, raw), path)
+
+
+# ------------------------------------------------------------------------------ fast
+_NULL = msgspec.Raw(b"null")
+
+
+class _Img(msgspec.Struct):
+    id: int
+    width: int
+    height: int
+    file_name: str
+
+
+class _RLE(msgspec.Struct):
+    size: list[int]
+    counts: Union[list[int], str]
+
+
+class _Ann(msgspec.Struct, kw_only=True):
+    id: int = -1
+    image_id: int
+    category_id: int
+    bbox: tuple[float, float, float, float]
+    area: float
+    iscrowd: Union[int, bool] = 0
+    ignore: float = 0.0
+    segmentation: Union[list[list[float]], _RLE, None] = None
+    # int | float: keypoints are mostly small integers (0 for unlabelled), which Python
+    # shares instead of allocating a float each
+    keypoints: Optional[list[Union[int, float]]] = None
+
+
+class _Top(msgspec.Struct):
+    images: list[_Img]
+    annotations: Optional[list[_Ann]] = None
+    categories: msgspec.Raw = _NULL
+
+
+_DECODER = msgspec.json.Decoder(_Top)
+_EMPTY: tuple = ()
+
+#: Set in the forked builder process (:func:`lit_roidata.roidb.build._in_child`): the
+#: decoded objects are kept until ``os._exit`` instead of being freed one by one.
+KEEP_UNTIL_EXIT: list = []
+_KEEP = False
+
+
+def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
+    """The typed msgspec decode; ``None`` if the file is not strictly well-typed.
+
+    Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
+    like are skipped by msgspec without building objects, and annotations become
+    slotted structs instead of dicts); numbers go from the decoded lists into NumPy
+    arrays with C-level iteration.
+    """
+    try:
+        top = _DECODER.decode(raw)
+        cats = orjson.loads(bytes(top.categories)) or []
+    except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError):
+        return None
+    if not isinstance(cats, list):
+        return None
+    if _KEEP:
+        KEEP_UNTIL_EXIT.append(top)
+    images = top.images
+    anns = top.annotations or []
+    n, na = len(images), len(anns)
+    img_id = np.fromiter(map(attrgetter("id"), images), np.int64, n)
+    img_w = np.fromiter(map(attrgetter("width"), images), np.float64, n)
+    img_h = np.fromiter(map(attrgetter("height"), images), np.float64, n)
+    names = list(map(attrgetter("file_name"), images))
+    bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
+                       4 * na).reshape(-1, 4)
+    segs = list(map(attrgetter("segmentation"), anns))
+    types = list(map(type, segs))
+    per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
+    poly_n = np.fromiter(map(len, per), np.int64, na)
+    polys = list(chain.from_iterable(per))
+    coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
+    coords = np.fromiter(chain.from_iterable(polys), np.float64, int(coord_n.sum()))
+    seg_kind = np.fromiter((SEG_POLY if t is list else SEG_MISSING if s_ is None else SEG_RLE
+                            for s_, t in zip(segs, types)), np.int8, na)
+    rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
+            for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
+    kps = list(map(attrgetter("keypoints"), anns))
+    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, na)
+    kp_vals = np.fromiter(chain.from_iterable(k for k in kps if k is not None), np.float64,
+                          int(np.maximum(kp_len, 0).sum()))
+    return RawCoco(
+        source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
+        file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),
+        ann_img=np.fromiter(map(attrgetter("image_id"), anns), np.int64, na),
+        ann_cat=np.fromiter(map(attrgetter("category_id"), anns), np.int64, na),
+        ann_bbox=bbox, ann_area=np.fromiter(map(attrgetter("area"), anns), np.float64, na),
+        ann_crowd=np.fromiter(map(attrgetter("iscrowd"), anns), np.int64, na),
+        ann_ignore=np.fromiter(map(attrgetter("ignore"), anns), np.float64, na),
+        seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords, rles=rles,
+        kp_len=kp_len, kp_vals=kp_vals, decoder="fast")
+
+
+# --------------------------------------------------------------------------- generic
+_INT = frozenset({int})
+_NUM = frozenset({int, float})
+_INT_OR_BOOL = frozenset({int, bool})
+_NUM_OR_BOOL = frozenset({int, float, bool})
+
+
+def _col(items: list, key: str, allowed: frozenset, dtype: Any, *, source: str, what: str,
+         label: Callable[[int], str], default: Any = _REQUIRED, fix: str = "") -> np.ndarray:
+    """One typed column of ``items``; an error naming the record for a bad value."""
+    get: Callable[[Any], Any] = (itemgetter(key) if default is _REQUIRED
+                                 else methodcaller("get", key, default))
+    try:
+        vals = list(map(get, items))
+    except (KeyError, TypeError, AttributeError):
+        for i, it in enumerate(items):
+            if not isinstance(it, dict):
+                raise RoIDBInputError(f"{source}: {what} #{i} is not a JSON object (got "
+                                      f"{it!r:.80}); fix or remove it.") from None
+            if key not in it:
+                raise RoIDBInputError(f"{source}: {label(i)} has no {key!r}; {fix or 'add it'}"
+                                      f".") from None
+        raise
+    if not set(map(type, vals)) <= allowed:
+        i = next(i for i, v in enumerate(vals) if type(v) not in allowed)
+        kind = "an integer" if allowed in (_INT, _INT_OR_BOOL) else "a number"
+        raise RoIDBInputError(f"{source}: {label(i)} has {key}={vals[i]!r:.80}, expected "
+                              f"{kind}; {fix or 'fix that record'}.")
+    try:
+        return np.fromiter(vals, dtype, len(vals))
+    except OverflowError:
+        i = next(i for i, v in enumerate(vals) if abs(v) >= 2 ** 63)
+        raise RoIDBInputError(f"{source}: {label(i)} has {key}={vals[i]!r}, out of range; fix "
+                              f"that record.") from None
+
+
+def decode_generic(data: Any, source: str) -> RawCoco:
+    """Decode parsed JSON (``orjson.loads`` output) into a :class:`RawCoco`.
+
+    Raises:
+        RoIDBInputError: any field of a wrong type, naming the file, record and fix.
+    """
+    if not isinstance(data, dict):
+        raise RoIDBInputError(f"{source}: expected a JSON object at the top level")
+    images = data.get("images")
+    if not isinstance(images, list):
+        raise RoIDBInputError(f"{source}: no 'images' list at the top level; is this a "
+                              f"COCO-format annotation file?")
+    cats = data.get("categories") or []
+    if not isinstance(cats, list):
+        raise RoIDBInputError(f"{source}: 'categories' must be a list of objects")
+    anns = data.get("annotations") or []
+    if not isinstance(anns, list):
+        raise RoIDBInputError(f"{source}: 'annotations' must be a list of objects")
+
+    def img_label(i: int) -> str:
+        iid = images[i].get("id") if isinstance(images[i], dict) else None
+        return f"image #{i} (id {iid})"
+
+    img_id = _col(images, "id", _INT, np.int64, source=source, what="image", label=img_label)
+
+    def img_label2(i: int) -> str:
+        return f"image id {int(img_id[i])}"
+
+    img_w = _col(images, "width", _NUM, np.float64, source=source, what="image",
+                 label=img_label2, fix="set it to the image's width in pixels")
+    img_h = _col(images, "height", _NUM, np.float64, source=source, what="image",
+                 label=img_label2, fix="set it to the image's height in pixels")
+    names = [im.get("file_name") for im in images]
+    if not set(map(type, names)) <= {str}:
+        i = next(i for i, v in enumerate(names) if type(v) is not str)
+        raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has file_name="
+                              f"{names[i]!r:.80}; every image needs a 'file_name' string.")
+    na = len(anns)
+    ann_id = _col(anns, "id", _INT, np.int64, source=source, what="annotation",
+                  label=lambda i: f"annotation #{i}", default=-1)
+    img_raw = [a.get("image_id") if isinstance(a, dict) else None for a in anns]
+
+    def lab(i: int) -> str:
+        aid = int(ann_id[i])
+        who = f"annotation id {aid}" if aid != -1 else f"annotation #{i} (no 'id')"
+        return f"{who} (image id {img_raw[i]})"
+
+    ann_img = _col(anns, "image_id", _INT, np.int64, source=source, what="annotation",
+                   label=lab, fix="every annotation needs the integer id of its image")
+    ann_cat = _col(anns, "category_id", _INT, np.int64, source=source, what="annotation",
+                   label=lab, fix="every annotation needs the integer id of one of "
+                   "'categories'")
+    area = _col(anns, "area", _NUM, np.float64, source=source, what="annotation", label=lab,
+                fix="give the object's area in pixels (the mask area for COCO)")
+    crowd = _col(anns, "iscrowd", _INT_OR_BOOL, np.int64, source=source, what="annotation",
+                 label=lab, default=0, fix="use 0 or 1")
+    ignore = _col(anns, "ignore", _NUM_OR_BOOL, np.float64, source=source,
+                  what="annotation", label=lab, default=0, fix="use 0 or 1")
+    bbox = _bboxes(anns, source, lab)
+    seg_kind, poly_n, coord_n, coords, rles = _segms(anns, source, lab)
+    kp_len, kp_vals = _keypoints(anns, source, lab)
+    return RawCoco(source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
+                   file_names=names, ann_id=ann_id, ann_img=ann_img, ann_cat=ann_cat,
+                   ann_bbox=bbox, ann_area=area, ann_crowd=crowd, ann_ignore=ignore,
+                   seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords,
+                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic")
+
+
+def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
+    boxes = [a.get("bbox") for a in anns]
+    ok = set(map(type, boxes)) <= {list} and all(len(b) == 4 for b in boxes)
+    if ok:
+        flat = list(chain.from_iterable(boxes))
+        ok = set(map(type, flat)) <= _NUM
+    if not ok:
+        for i, b in enumerate(boxes):
+            if not (type(b) is list and len(b) == 4 and all(type(v) in _NUM for v in b)):
+                raise RoIDBInputError(
+                    f"{source}: {lab(i)} has bbox {b!r:.80}; expected [x, y, width, height] "
+                    f"(4 numbers). Fix or remove it.")
+    return np.fromiter(flat, np.float64, len(flat)).reshape(-1, 4)
+
+
+def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
+    segs = [a.get("segmentation") for a in anns]
+    n = len(segs)
+    types = np.fromiter((0 if s is None else 1 if type(s) is list else 2 if type(s) is dict
+                         else 3 for s in segs), np.int8, n)
+    if (types == 3).any():
+        i = int(np.flatnonzero(types == 3)[0])
+        raise RoIDBInputError(
+            f"{source}: {lab(i)} has a malformed 'segmentation' ({segs[i]!r:.80}); expected a "
+            f"list of polygons [[x1, y1, x2, y2, ...], ...] or an RLE dict "
+            f"{{'size': [h, w], 'counts': ...}}. Fix or remove that annotation.")
+    per = [s if type(s) is list else () for s in segs]
+    poly_n = np.fromiter(map(len, per), np.int64, n)
+    polys = list(chain.from_iterable(per))
+    if not set(map(type, polys)) <= {list}:
+        i = next(i for i, s in enumerate(per) if any(type(p) is not list for p in s))
+        raise RoIDBInputError(
+            f"{source}: {lab(i)} has a malformed polygon list (an element is "
+            f"{next(p for p in per[i] if type(p) is not list)!r:.40}, not a list); expected "
+            f"[[x1, y1, x2, y2, ...], ...]. Fix or remove that annotation.")
+    coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
+    flat = list(chain.from_iterable(polys))
+    if not set(map(type, flat)) <= _NUM:
+        for i, s in enumerate(per):
+            for p in s:
+                bad = [v for v in p if type(v) not in _NUM]
+                if bad:
+                    raise RoIDBInputError(
+                        f"{source}: {lab(i)} has a polygon coordinate {bad[0]!r:.40} (a "
+                        f"polygon is a list of numbers x1, y1, x2, y2, ...). Fix the "
+                        f"coordinates or remove that polygon.")
+    coords = np.fromiter(flat, np.float64, len(flat))
+    kind = np.where(types == 1, SEG_POLY, np.where(types == 2, SEG_RLE, SEG_MISSING))
+    rles = {i: segs[i] for i in np.flatnonzero(types == 2).tolist()}
+    return kind.astype(np.int8), poly_n, coord_n, coords, rles
+
+
+def _keypoints(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
+    kps = [a.get("keypoints") for a in anns]
+    n = len(kps)
+    present = [k for k in kps if k is not None]
+    if not set(map(type, present)) <= {list}:
+        i = next(i for i, k in enumerate(kps) if k is not None and type(k) is not list)
+        raise RoIDBInputError(f"{source}: {lab(i)} has keypoints={kps[i]!r:.80}; expected a "
+                              f"list [x1, y1, v1, x2, y2, v2, ...]. Fix that record.")
+    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, n)
+    flat = list(chain.from_iterable(present))
+    if not set(map(type, flat)) <= _NUM:
+        i = next(i for i, k in enumerate(kps) if k is not None
+                 and any(type(v) not in _NUM for v in k))
+        bad = next(v for v in kps[i] if type(v) not in _NUM)
+        raise RoIDBInputError(
+            f"{source}: {lab(i)} has a keypoint value {bad!r:.40}; keypoints are numbers "
+            f"[x1, y1, v1, ...] (use 0, 0, 0 for a keypoint that is not labelled). Fix that "
+            f"record.")
+    return kp_len, np.fromiter(flat, np.float64, len(flat))

@@ -1,0 +1,201 @@
+"""``lit-roidata cache``: list, clean and verify the roidb caches.
+
+Subcommands (all take ``--cache-dir``, default ``$LIT_ROIDATA_CACHE`` or
+``~/.cache/lit_roidata``):
+
+* ``ls``: one row per cache: key, size, datasets, entries, built, last used, state
+  (``ok``, ``in use`` when a process has it open, ``damaged``);
+* ``clean``: remove caches chosen explicitly with ``--all``, ``--older-than DAYS``
+  (not used for that long) or ``--key KEY`` (repeatable; a prefix is enough). A cache
+  in use or being built is never removed (it is listed as kept). ``--dry-run`` shows
+  what would go. ``--all`` also removes leftovers of interrupted builds and the input
+  fingerprint memo;
+* ``verify``: read every array file and compare its checksum with the manifest; exit
+  status 1 if any cache is damaged (``clean --key`` it, or let the next run rebuild it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+from lit_roidata.roidb.cache import LAST_USED, MANIFEST, CacheError, default_cache_dir, in_use
+from lit_roidata.roidb.cache import validate_cache, verify_checksums
+
+__all__ = ["main", "list_caches", "clean_caches"]
+
+
+def _size(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+
+
+def _building(path: str) -> bool:
+    """Whether a builder holds the lock of the cache at ``path``."""
+    from filelock import FileLock, Timeout
+
+    lock_file = path + ".lock"
+    if not os.path.exists(lock_file):
+        return False
+    lock = FileLock(lock_file)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    lock.release()
+    return False
+
+
+def list_caches(root: str) -> list[dict[str, Any]]:
+    """One dict per ``roidb-*`` directory under ``root`` (see the module docstring)."""
+    out = []
+    if not os.path.isdir(root):
+        return out
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not (name.startswith("roidb-") and os.path.isdir(path)):
+            continue
+        rec: dict[str, Any] = {"key": name[len("roidb-"):], "path": path, "bytes": _size(path)}
+        try:
+            m = validate_cache(path)
+            rec["state"] = "ok"
+            rec["datasets"] = [d["name"] for d in m.get("datasets", [])]
+            rec["entries"] = int(m.get("report", {}).get("entries", {}).get("after_filter", 0))
+            rec["mode"] = m.get("options", {}).get("mode", "?")
+        except CacheError as exc:
+            rec["state"], rec["error"] = "damaged", str(exc)
+            rec["datasets"], rec["entries"], rec["mode"] = [], 0, "?"
+        try:
+            rec["built"] = os.path.getmtime(os.path.join(path, MANIFEST))
+        except OSError:
+            rec["built"] = None
+        try:
+            rec["last_used"] = os.path.getmtime(os.path.join(path, LAST_USED))
+        except OSError:
+            rec["last_used"] = rec["built"]
+        if in_use(path):
+            rec["state"] = "in use"
+        out.append(rec)
+    return out
+
+
+def clean_caches(root: str, *, all_: bool = False, older_than_days: Optional[float] = None,
+                 keys: Sequence[str] = (), dry_run: bool = False) -> tuple[list, list]:
+    """Remove the chosen caches; returns ``(removed, kept)`` as ``(key, reason)`` lists.
+
+    Raises:
+        ValueError: no selection given (nothing is removed by default).
+    """
+    if not (all_ or older_than_days is not None or keys):
+        raise ValueError("choose what to remove: --all, --older-than DAYS or --key KEY")
+    now = time.time()
+    removed, kept = [], []
+    for rec in list_caches(root):
+        chosen = all_ or any(rec["key"].startswith(k) for k in keys) or (
+            older_than_days is not None and rec["last_used"] is not None
+            and now - rec["last_used"] > older_than_days * 86400)
+        if not chosen:
+            continue
+        if rec["state"] == "in use" or _building(rec["path"]):
+            kept.append((rec["key"], "in use" if rec["state"] == "in use" else "being built"))
+            continue
+        if not dry_run:
+            trash = tempfile.mkdtemp(dir=root, prefix=".trash-")
+            os.rename(rec["path"], os.path.join(trash, "old"))
+            shutil.rmtree(trash, ignore_errors=True)
+            try:
+                os.unlink(rec["path"] + ".lock")
+            except OSError:
+                pass
+        removed.append((rec["key"], f"{rec['bytes'] / 2**20:.1f} MiB"))
+    if all_ and not dry_run and os.path.isdir(root):
+        for name in os.listdir(root):  # leftovers of interrupted builds, fingerprint memo
+            p = os.path.join(root, name)
+            if name.startswith((".tmp-", ".trash-")) and now - os.path.getmtime(p) > 3600:
+                shutil.rmtree(p, ignore_errors=True)
+            elif name == ".fingerprints":
+                shutil.rmtree(p, ignore_errors=True)
+    return removed, kept
+
+
+def _when(t: Optional[float]) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``lit-roidata cache``; returns the exit status."""
+    p = argparse.ArgumentParser(prog="lit-roidata cache",
+                                description="list, clean and verify the roidb caches")
+    p.add_argument("--cache-dir", default=None,
+                   help="cache root (default $LIT_ROIDATA_CACHE or ~/.cache/lit_roidata)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list caches: size, datasets, entries, last used, state")
+    ls.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    cl = sub.add_parser("clean", help="remove caches (never one in use)")
+    cl.add_argument("--all", action="store_true", dest="all_", help="every cache")
+    cl.add_argument("--older-than", type=float, default=None, metavar="DAYS",
+                    help="caches not used for DAYS days")
+    cl.add_argument("--key", action="append", default=[], help="a cache key (or prefix)")
+    cl.add_argument("--dry-run", action="store_true", help="only show what would go")
+    ve = sub.add_parser("verify", help="checksum every array of every cache")
+    ve.add_argument("--key", action="append", default=[], help="only these keys (prefixes)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    root = os.path.abspath(args.cache_dir or default_cache_dir())
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if args.cmd == "ls":
+        recs = list_caches(root)
+        if args.json:
+            print(json.dumps(recs, indent=1))
+            return 0
+        t = Table(title=f"roidb caches in {root}")
+        for col in ("key", "MiB", "datasets", "mode", "entries", "built", "last used", "state"):
+            t.add_column(col, justify="right" if col in ("MiB", "entries") else "left",
+                         no_wrap=col in ("key", "state"))
+        for r in recs:  # a key prefix is enough for `clean --key` / `verify --key`
+            t.add_row(r["key"][:12], f"{r['bytes'] / 2**20:.1f}", ", ".join(r["datasets"]) or "-",
+                      r["mode"], str(r["entries"]), _when(r["built"]), _when(r["last_used"]),
+                      r["state"])
+        con.print(t)
+        con.print(f"{len(recs)} cache(s), {sum(r['bytes'] for r in recs) / 2**20:.1f} MiB")
+        return 0
+    if args.cmd == "clean":
+        try:
+            removed, kept = clean_caches(root, all_=args.all_, older_than_days=args.older_than,
+                                         keys=args.key, dry_run=args.dry_run)
+        except ValueError as exc:
+            p.error(str(exc))
+        verb = "would remove" if args.dry_run else "removed"
+        for key, size in removed:
+            con.print(f"{verb} roidb-{key} ({size})")
+        for key, why in kept:
+            con.print(f"kept roidb-{key} ({why})")
+        con.print(f"{verb} {len(removed)} cache(s), kept {len(kept)}")
+        return 0
+    bad = 0
+    for r in list_caches(root):
+        if args.key and not any(r["key"].startswith(k) for k in args.key):
+            continue
+        try:
+            verify_checksums(r["path"])
+            con.print(f"ok      roidb-{r['key']}")
+        except CacheError as exc:
+            bad += 1
+            con.print(f"DAMAGED roidb-{r['key']}: {exc}", markup=False, highlight=False)
+    if bad:
+        con.print(f"{bad} damaged cache(s): remove them (lit-roidata cache clean --key KEY) or "
+                  f"let the next run rebuild them")
+    return 1 if bad else 0
