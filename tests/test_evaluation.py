@@ -140,7 +140,7 @@ def test_unknown_image_and_category_map(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="12345"):
         ev.evaluate(dets)
     with pytest.raises(ValueError, match="iou_types"):
-        COCOEvaluator(iou_types=("keypoints",))
+        COCOEvaluator(iou_types=("keypoint",))
 
 
 class _Oracle(pl.LightningModule):
