@@ -118,6 +118,18 @@ class RoIDataCLI(LightningCLI):
             warnings.filterwarnings("ignore", message=pattern)
 
 
+    def before_predict(self) -> None:
+        """Write the detections as COCO results json: add a
+        :class:`~lit_roidata.models.COCOPredictionWriter` (``<default_root_dir>/predictions``)
+        unless the config already has a prediction writer."""
+        from pytorch_lightning.callbacks import BasePredictionWriter
+
+        from lit_roidata.models.predict import COCOPredictionWriter
+
+        if not any(isinstance(cb, BasePredictionWriter) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(COCOPredictionWriter())
+
+
 def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Any:
     """Build and run the Lightning part of ``lit-roidata`` (returns the CLI object)."""
     return RoIDataCLI(args=args, run=run)
