@@ -258,3 +258,53 @@ def test_family_fits_validates_and_predicts(root: Path, tmp_path: Path, family: 
             assert all("segmentation" in r for r in results)
         if family == "keypoint_rcnn":
             assert all(len(r["keypoints"]) == 3 * 17 for r in results)
+
+
+def _readme_example() -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Using your own COCO data")
+    block = text[text.index("```python", start) + len("```python"):]
+    return block[: block.index("```")]
+
+
+@pytest.mark.slow
+def test_readme_example_runs_as_written(root: Path, tmp_path: Path, monkeypatch: Any) -> None:
+    """The README's Python example, on a COCO-layout copy of the demo data, with only the
+    sizes shrunk (no download, CPU, 2 steps, small scales)."""
+    from lit_roidata.demo import register_demo_datasets
+    from lit_roidata.catalog import Catalog
+
+    demo = register_demo_datasets(str(root / "data"), Catalog(), num_images=dict(SMALL_DEMO))
+    assert demo.train_datasets  # the demo exists under root/data
+    coco = tmp_path / "data" / "coco"
+    (coco / "annotations").mkdir(parents=True)
+    (coco / "coco_train2014").symlink_to(root / "data" / "demo_train_a" / "images")
+    (coco / "coco_val2014").symlink_to(root / "data" / "demo_val" / "images")
+    for name, src in (("instances_train2014", "demo_train_a"),
+                      ("instances_valminusminival2014", "demo_val"),
+                      ("instances_minival2014", "demo_val")):
+        (coco / "annotations" / f"{name}.json").write_text(
+            (root / "data" / src / "annotations.json").read_text())
+    # The Detectron YAML the example names, at CPU-test sizes.
+    det = yaml.safe_load((REPO / "configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml").read_text())
+    det["TRAIN"].update({"SCALES": [96], "MAX_SIZE": 128, "BATCH_SIZE_PER_IM": 64})
+    det["TEST"].update({"SCALE": 96, "MAX_SIZE": 128})
+    small = tmp_path / "e2e_mask_rcnn_R-50-FPN_1x.yaml"
+    small.write_text(yaml.safe_dump(det))
+
+    code = _readme_example()
+    for old, new in (('"configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml"', repr(str(small))),
+                     ('"/data"', repr(str(tmp_path / "data"))),
+                     ("num_workers=4", "num_workers=0"),
+                     ('weights_backbone="IMAGENET1K_V1"',
+                      'weights_backbone=None, backbone="resnet18", cpu_threads=1'),
+                     ('strategy="ddp", devices=8', 'accelerator="cpu", devices=1, logger=False, '
+                                                  'enable_checkpointing=False'),
+                     ('max_steps=dm.cfg.SOLVER["MAX_ITER"]', "max_steps=2")):
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.setenv("LIT_ROIDATA_CACHE", str(tmp_path / "cache"))
+    scope: dict[str, Any] = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["trainer"].global_step == 2
+    assert scope["model"].hparams.lr == 0.02 and scope["model"].hparams.num_classes == 81
