@@ -407,6 +407,17 @@ class TorchvisionDetector(pl.LightningModule):
         log.info("loaded %d tensors from %s", len(keep), path)
 
     def setup(self, stage: str) -> None:
+        """Take ``PIXEL_MEANS`` from the data module's config (it normalises the
+        evaluation blobs with them); set the CPU threads."""
+        trainer = getattr(self, "_trainer", None)
+        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+        means = getattr(cfg, "PIXEL_MEANS", None)
+        if means is not None and tuple(float(v) for v in means) != tuple(
+                float(v) for v in self.hparams.pixel_means):
+            log.warning("using the data module's PIXEL_MEANS %s instead of pixel_means %s",
+                        tuple(means), tuple(self.hparams.pixel_means))
+            self._means = torch.tensor(tuple(means), dtype=torch.float32,
+                                       device=self._means.device).view(3, 1, 1)
         if self.hparams.cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(int(self.hparams.cpu_threads))
 
