@@ -12,6 +12,8 @@ For payloads of 1 KB, 1 MB and 8 MB it measures:
   lease checks, incarnation check, CRC-32 of the wire format).
 * **exchange, two processes**: ping-pong round-trip latency with an echo peer process
   (two messages per round trip, each with its full protocol).
+* **+ HMAC**: the in-process cases again with a run secret set (every message carries an
+  HMAC-SHA256 over header and payload, checked on receipt): the cost of authentication.
 
 Throughput is payload bytes per put+get pair (MB/s, 10^6 bytes); ratios are exchange time
 / baseline time (lower is better). It starts its own memcached servers.
@@ -96,8 +98,10 @@ def bench_baseline(address: str, payload: bytes, n: int) -> list[float]:
         client.close()
 
 
-def bench_in_process(backend: str, address: str, arr: np.ndarray, n: int) -> list[float]:
-    ex = BlobExchange(backend, address, run_id=f"bench{uuid.uuid4().hex[:8]}")
+def bench_in_process(backend: str, address: str, arr: np.ndarray, n: int,
+                     secret: str | None = None) -> list[float]:
+    kw = {"secret": secret} if secret else {}
+    ex = BlobExchange(backend, address, run_id=f"bench{uuid.uuid4().hex[:8]}", **kw)
     prod, cons = ex.channel("c", "producer"), ex.channel("c", "consumer")
 
     def once():
@@ -143,7 +147,13 @@ def _fmt(times: list[float], size: int) -> tuple[str, str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--no-hmac", dest="hmac", action="store_false",
+                        help="skip the authenticated (HMAC) rows")
+    parser.add_argument("--no-ping-pong", dest="ping_pong", action="store_false",
+                        help="skip the two-process rows")
     args = parser.parse_args()
+    os.environ.pop("LIT_ROIDATA_EXCHANGE_SECRET", None)  # rows without HMAC are plain
+    os.environ.pop("LIT_ROIDATA_EXCHANGE_SECRET_FILE", None)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     embedded_dir = tempfile.mkdtemp(prefix="lrx_bench_", dir=shm)
     print(f"embedded directory: {embedded_dir}; median of N put+get pairs per row")
@@ -162,7 +172,13 @@ def main() -> None:
             for name, backend, address in cases:
                 us, mbs, med = _fmt(bench_in_process(backend, address, arr, n), size)
                 rows.append((label, f"exchange {name}", n, us, mbs, f"{med / b_med:.2f}"))
-            for name, backend, address in cases[:2]:
+            if args.hmac:
+                for name, backend, address in cases[:2]:
+                    us, mbs, med = _fmt(bench_in_process(backend, address, arr, n,
+                                                         secret="bench-secret"), size)
+                    rows.append((label, f"exchange {name} + HMAC", n, us, mbs,
+                                 f"{med / b_med:.2f}"))
+            for name, backend, address in cases[:2] if args.ping_pong else ():
                 pp = bench_ping_pong(backend, address, arr, max(3, n // 2))
                 med = statistics.median(pp)
                 rows.append((label, f"ping-pong RTT 2 procs, {name}", max(3, n // 2),

@@ -19,6 +19,15 @@ include whatever else runs. Usage::
 
 Proposal files default to Detectron's pickle; ``--proposal-format npz`` writes our flat
 ``.npz`` variant (faster to generate at 118k x 1000).
+
+``--proposals-vs-d2 --d2-src /path/to/detectron2`` runs only the proposal-loading
+comparison (:func:`proposals_vs_d2`): converting the pickle once
+(``convert_proposals``), cold builds from the pickle and from the ``.npz``, against
+Detectron2's ``load_coco_json`` + ``load_proposals_into_dataset`` +
+``DatasetFromList(serialize=True)`` from that source checkout, each in its own process
+(wall time and peak RSS; ratios ours / Detectron2)::
+
+    python benchmarks/roidb_build.py --proposals-vs-d2 --d2-src /tmp/d2 --images 20000
 """
 
 from __future__ import annotations
@@ -209,12 +218,13 @@ def phase_ours(args) -> dict:
     from lit_roidata.roidb import combined_roidb_for_training
 
     props = [args.proposals] if args.proposals else ()
-    t0 = time.perf_counter()
+    c0, t0 = _cpu_s(), time.perf_counter()
     db = combined_roidb_for_training("bench", props, get_cfg(), args.cache,
                                      catalog=_catalog(args.ann), check_images=False,
                                      progress=False)
     secs = time.perf_counter() - t0
-    out = {"seconds": secs, "entries": len(db), "maxrss_mb": _maxrss_mb()}
+    out = {"seconds": secs, "entries": len(db), "maxrss_mb": _maxrss_mb(),
+           "cpu_s": _cpu_s() - c0}
     if args.worker:
         out["worker_mb"], out["worker_touch_s"] = _worker_memory(db)
     return out
@@ -232,6 +242,46 @@ def phase_baseline(args) -> dict:
     if args.worker:
         out["worker_mb"], out["worker_touch_s"] = _worker_memory(db)
     return out
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its waited-for children (the
+    forked builder): on a shared machine a steadier measure than wall time."""
+    a = resource.getrusage(resource.RUSAGE_SELF)
+    b = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def phase_convert(args) -> dict:
+    from lit_roidata.roidb.proposals import convert_proposals
+
+    c0, t0 = _cpu_s(), time.perf_counter()
+    info = convert_proposals(args.proposals, args.out)
+    return {"seconds": time.perf_counter() - t0, "entries": info["images"],
+            "maxrss_mb": _maxrss_mb(), "boxes": info["boxes"], "cpu_s": _cpu_s() - c0}
+
+
+def phase_d2_proposals(args) -> dict:
+    """Detectron2's whole load with proposals, as its ``get_detection_dataset_dicts`` +
+    ``build_detection_train_loader`` do it (from a source checkout; nothing vendored)."""
+    sys.path.insert(0, os.path.abspath(args.d2_src))
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    from detectron2.data.build import load_proposals_into_dataset
+    from detectron2.data.common import DatasetFromList
+    from detectron2.data.datasets.coco import load_coco_json
+
+    base = _maxrss_mb()
+    c0, t0 = _cpu_s(), time.perf_counter()
+    dicts = load_coco_json(args.ann, os.path.dirname(args.ann))
+    dicts = load_proposals_into_dataset(dicts, args.proposals)
+    ds = DatasetFromList(dicts, copy=False, serialize=True)
+    secs = time.perf_counter() - t0
+    return {"seconds": secs, "entries": len(ds), "maxrss_mb": _maxrss_mb(),
+            "import_rss_mb": base, "cpu_s": _cpu_s() - c0}
 
 
 def _maxrss_mb() -> float:
@@ -286,6 +336,13 @@ def main() -> None:
     p.add_argument("--workdir", default=None)
     p.add_argument("--reuse", action="store_true",
                    help="reuse the generated files already in --workdir")
+    p.add_argument("--proposals-vs-d2", action="store_true",
+                   help="only the proposal-loading comparison with Detectron2 (see above)")
+    p.add_argument("--d2-src", default=None,
+                   help="detectron2 source checkout for the Detectron2 row")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="repetitions of each proposal-comparison phase (spread)")
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ann", default=None, help=argparse.SUPPRESS)
     p.add_argument("--proposals", default=None, help=argparse.SUPPRESS)
@@ -293,12 +350,16 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.phase:
-        fn = {"ours": phase_ours, "baseline": phase_baseline}[args.phase]
+        fn = {"ours": phase_ours, "baseline": phase_baseline, "convert": phase_convert,
+              "d2props": phase_d2_proposals}[args.phase]
         print(json.dumps(fn(args)))
         return
     if args.quick:
         args.images = 5000
         args.baseline_proposals = True
+    if args.proposals_vs_d2:
+        proposals_vs_d2(args)
+        return
     work = args.workdir or tempfile.mkdtemp(prefix="roidb-bench-")
     os.makedirs(work, exist_ok=True)
     ann = os.path.join(work, "instances.json")
@@ -329,6 +390,65 @@ def main() -> None:
     if args.baseline_proposals:
         rows["baseline +props"] = run_phase("baseline", ann=b_ann, proposals=prop, worker=True)
     report(rows, scale, args)
+
+
+def proposals_vs_d2(args) -> None:
+    """Proposal loading: ours (convert once; cold builds from .pkl and .npz) vs Detectron2.
+
+    Every phase runs in a fresh process; peak RSS is that process's high-water mark (or
+    of its forked builder child). Our cold builds start from an empty cache each time.
+    """
+    work = args.workdir or tempfile.mkdtemp(prefix="roidb-props-bench-")
+    os.makedirs(work, exist_ok=True)
+    ann = os.path.join(work, "instances.json")
+    pkl = os.path.join(work, "proposals.pkl")
+    npz = os.path.join(work, "proposals.npz")
+    if not (args.reuse and os.path.exists(ann) and os.path.exists(pkl)):
+        t = time.perf_counter()
+        n_anns = generate_coco(ann, args.images, args.anns_per_image)
+        generate_proposals(ann, pkl, args.proposals_per_image, "pkl")
+        print(f"generated {args.images} images, {n_anns} annotations, "
+              f"{args.proposals_per_image} proposals/image "
+              f"({os.path.getsize(pkl) / 2**20:.0f} MiB pickle) in "
+              f"{time.perf_counter() - t:.0f}s")
+    cache = os.path.join(work, "cache")
+    rows: dict = {}
+
+    def run(name, phase, **kw):
+        for _ in range(max(1, args.repeat)):
+            if phase == "ours":
+                shutil.rmtree(cache, ignore_errors=True)
+            rows.setdefault(name, []).append(run_phase(phase, **kw))
+
+    run("ours: convert .pkl -> .npz", "convert", proposals=pkl, out=npz)
+    run("ours: cold build from .pkl", "ours", ann=ann, cache=cache, proposals=pkl)
+    run("ours: cold build from .npz", "ours", ann=ann, cache=cache, proposals=npz)
+    run("ours: cold build, gt only", "ours", ann=ann, cache=cache)
+    d2 = None
+    if args.d2_src and os.path.isdir(os.path.join(args.d2_src, "detectron2")):
+        run("detectron2: load + proposals + serialize", "d2props", ann=ann, proposals=pkl,
+            **{"d2-src": args.d2_src})
+        d2 = rows["detectron2: load + proposals + serialize"]
+    print(f"\n{args.images} images x {args.proposals_per_image} proposals "
+          f"({os.path.getsize(pkl) / 2**20:.0f} MiB pickle), {max(1, args.repeat)} run(s) "
+          f"each; median [min-max]")
+    print(f"{'phase':<42}{'wall s':>20}{'CPU s':>20}{'peak RSS MiB':>22}"
+          f"{'wall/d2':>9}{'CPU/d2':>8}{'mem/d2':>8}")
+    med = lambda v: float(np.median(v))  # noqa: E731
+    for k, rs in rows.items():
+        cols = ""
+        for key, fmt in (("seconds", ".1f"), ("cpu_s", ".1f"), ("maxrss_mb", ".0f")):
+            v = [r[key] for r in rs]
+            cols += f"{med(v):>9{fmt}} [{min(v):{fmt}}-{max(v):{fmt}}]".rjust(20 if key !=
+                                                                              "maxrss_mb" else 22)
+        ratios = ""
+        for key in ("seconds", "cpu_s", "maxrss_mb"):
+            ratios += (f"{med([r[key] for r in rs]) / med([r[key] for r in d2]):>8.2f}"
+                       if d2 else f"{'-':>8}")
+        print(f"{k:<42}{cols} {ratios}")
+    if d2 is None:
+        print("detectron2 row skipped: pass --d2-src pointing at a detectron2 source checkout")
+    print("note: the machine may be shared with other jobs; wall times include their load.")
 
 
 def report(rows: dict, scale: float, args) -> None:

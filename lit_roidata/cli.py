@@ -48,6 +48,8 @@ TOOLS: dict[str, tuple[str, str]] = {
               "train loader images/s and per-batch latency percentiles on your data"),
     "make-demo-data": ("lit_roidata.tools.make_demo_data:main",
                        "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
+    "convert-proposals": ("lit_roidata.tools.convert_proposals:main",
+                          "proposal pickle -> columnar .npz (loads without unpickling)"),
 }
 
 log = logging.getLogger(__name__)
@@ -94,45 +96,215 @@ class RoIDataCLI(LightningCLI):
                          subclass_mode_data=True, args=args, run=run, **kwargs)
 
     def before_fit(self) -> None:
-        """Say which checkpoint an ``OnExceptionCheckpoint`` run resumes from.
+        """Choose the checkpoint to resume from, say which (and its step), or say that
+        training starts fresh.
 
-        With that callback configured and no ``--ckpt_path``, Lightning resumes from the
-        interrupted run's checkpoint if there is one (so re-running the same command
-        after Ctrl-C continues exactly) and otherwise warns twice that it found none. We
-        log the decision once instead of those warnings.
+        * ``--ckpt_path last``: the newest of the interrupted-run checkpoint and the
+          ``last.ckpt`` files of every ``ModelCheckpoint`` (also in earlier logger
+          versions, where Lightning does not look);
+        * ``--ckpt_path fresh``: start from scratch; an interrupted-run checkpoint is
+          moved aside to ``<name>.ckpt.stale``;
+        * no ``--ckpt_path`` with ``OnExceptionCheckpoint`` configured: resume the
+          interrupted run if its checkpoint was written by an interrupted ``fit`` (so
+          re-running the same command after Ctrl-C continues exactly). A checkpoint
+          written by another subcommand's crash is moved aside, not resumed.
+
+        Under DDP the decision is made once (rank 0) and handed to the other processes
+        through the environment (``LIT_ROIDATA_RESUME_FROM``).
         """
-        if self._get(self.config_init, "ckpt_path") is not None:
+        _use_step_progress_bar(self.trainer)
+        decided = os.environ.get(_RESUME_ENV)
+        if decided is not None:
+            if not decided:
+                _no_implicit_last(self.trainer)
+            self._set_ckpt_path(decided or None)
             return
+        ckpt = self._get(self.config_init, "ckpt_path")
         ft = [cb for cb in self.trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
-        if not ft:
-            return
-        found = [cb.ckpt_path for cb in ft if os.path.isfile(cb.ckpt_path)]
-        if found:
-            log.warning("resuming from the interrupted run's checkpoint %s "
-                        "(OnExceptionCheckpoint); pass --ckpt_path to choose another", found[0])
-        else:
-            log.info("no interrupted-run checkpoint at %s: starting fresh",
-                     ", ".join(cb.ckpt_path for cb in ft))
         for pattern in (r"`\.fit\(ckpt_path=None\)` was called without a model",
                         r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint'):
             warnings.filterwarnings("ignore", message=pattern)
+        if ckpt in (None, "last"):
+            # Never resume (nor let Lightning resume, which treats ckpt_path=None as "last"
+            # when OnExceptionCheckpoint is configured) from another subcommand's crash.
+            for cb in ft:
+                if os.path.isfile(cb.ckpt_path) and _interrupted_fit_step(cb.ckpt_path) is None:
+                    _move_aside(cb.ckpt_path, "it was not written by an interrupted `fit`")
+        if ckpt == "fresh":
+            for cb in ft:
+                _move_aside(cb.ckpt_path, "--ckpt_path fresh")
+            log.warning("starting a fresh run (--ckpt_path fresh)")
+            path = None
+        elif ckpt == "last":
+            found = [p for p in (cb.ckpt_path for cb in ft) if os.path.isfile(p)]
+            found += _last_checkpoints(self.trainer)
+            path = max(found, key=os.path.getmtime) if found else None
+            if path is None:
+                log.warning("--ckpt_path last: no last checkpoint found (looked for %s); "
+                            "training starts from scratch", ", ".join(_last_patterns(self.trainer)
+                                                                     ) or "none configured")
+            else:
+                log.warning("resuming from %s (global step %s; --ckpt_path last)", path,
+                            _step_of(path))
+        elif ckpt is not None:
+            log.warning("resuming from %s (global step %s)", ckpt, _step_of(str(ckpt)))
+            path = str(ckpt)
+        else:
+            path = None
+            for cb in ft:
+                if not os.path.isfile(cb.ckpt_path):
+                    continue
+                step = _interrupted_fit_step(cb.ckpt_path)
+                path = cb.ckpt_path
+                log.warning("resuming the interrupted run from %s at global step %d "
+                            "(OnExceptionCheckpoint). To start fresh instead, pass "
+                            "--ckpt_path fresh; to choose a checkpoint, --ckpt_path PATH",
+                            path, step)
+                break
+            if path is None and ft:
+                log.info("no interrupted-run checkpoint at %s: starting fresh",
+                         ", ".join(cb.ckpt_path for cb in ft))
+        if path is None:
+            _no_implicit_last(self.trainer)
+        os.environ[_RESUME_ENV] = path or ""
+        self._set_ckpt_path(path)
 
+    def after_fit(self) -> None:
+        """Forget the resume decision handed to the DDP processes."""
+        os.environ.pop(_RESUME_ENV, None)
+
+    def _set_ckpt_path(self, path: Optional[str]) -> None:
+        self.config_init[self.subcommand]["ckpt_path"] = path
+
+    def _not_fit(self) -> None:
+        """``validate``/``test``/``predict`` never write an interrupted-run checkpoint:
+        a crash there must not make the next ``fit`` resume (another experiment)."""
+        _use_step_progress_bar(self.trainer)
+        kept = [cb for cb in self.trainer.callbacks if not isinstance(cb, OnExceptionCheckpoint)]
+        if len(kept) != len(self.trainer.callbacks):
+            self.trainer.callbacks = kept
+
+    before_validate = before_test = _not_fit
 
     def before_predict(self) -> None:
-        """Write the detections as COCO results json: add a
+        """As ``validate``/``test`` (no interrupted-run checkpoint), and write the
+        detections as COCO results json: add a
         :class:`~lit_roidata.models.COCOPredictionWriter` (``<default_root_dir>/predictions``)
         unless the config already has a prediction writer."""
         from pytorch_lightning.callbacks import BasePredictionWriter
 
         from lit_roidata.models.predict import COCOPredictionWriter
 
+        self._not_fit()
         if not any(isinstance(cb, BasePredictionWriter) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(COCOPredictionWriter())
 
 
+_RESUME_ENV = "LIT_ROIDATA_RESUME_FROM"
+
+
+def _use_step_progress_bar(trainer: Any) -> None:
+    """Swap Lightning's own progress bars for the step-counting ones (same settings)."""
+    from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
+
+    from lit_roidata.progress import StepProgressBar, StepTQDMProgressBar
+
+    for cb in trainer.callbacks:
+        if type(cb) is RichProgressBar:
+            cb.__class__ = StepProgressBar
+        elif type(cb) is TQDMProgressBar:
+            cb.__class__ = StepTQDMProgressBar
+
+
+def _no_implicit_last(trainer: Any) -> None:
+    """Start fresh although ``OnExceptionCheckpoint`` is configured.
+
+    Lightning turns ``fit(ckpt_path=None)`` into ``"last"`` when that callback is
+    present, and ``"last"`` also takes ``ModelCheckpoint``'s ``last.ckpt`` (with a fixed
+    ``dirpath``: the previous, maybe finished, run). The CLI has decided not to resume,
+    so hide those from that lookup (``ModelCheckpoint._find_last_checkpoints``, checked by
+    tests/test_cli_lifecycle.py).
+    """
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint):
+            assert hasattr(cb, "_find_last_checkpoints"), "Lightning API changed"
+            cb._find_last_checkpoints = _none_found
+
+
+def _none_found(trainer: Any) -> set:
+    """``ModelCheckpoint._find_last_checkpoints`` replacement: nothing (picklable)."""
+    return set()
+
+
+def _load_meta(path: str) -> dict[str, Any]:
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - an unreadable file is "not resumable"
+        return {}
+
+
+def _step_of(path: str) -> Any:
+    return _load_meta(path).get("global_step", "?") if os.path.isfile(path) else "?"
+
+
+def _interrupted_fit_step(path: str) -> Optional[int]:
+    """The global step of an interrupted ``fit`` checkpoint, or ``None`` when the file was
+    written by another subcommand (or is unreadable)."""
+    ckpt = _load_meta(path)
+    if "loops" not in ckpt or "fit_loop" not in (ckpt.get("loops") or {}):
+        return None
+    phases = [v["phase"] for v in ckpt.values() if isinstance(v, dict)
+              and isinstance(v.get("phase"), dict) and v["phase"]]
+    if phases and any(str(p.get("fn")) != "fit" for p in phases):
+        return None
+    return int(ckpt.get("global_step", 0))
+
+
+def _move_aside(path: str, why: str) -> None:
+    if os.path.isfile(path):
+        os.replace(path, path + ".stale")
+        log.warning("not resuming from %s (%s): moved it to %s", path, why, path + ".stale")
+
+
+def _last_patterns(trainer: Any) -> list[str]:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    pats = []
+    for cb in trainer.callbacks:
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        name = f"{cb.CHECKPOINT_NAME_LAST}*{cb.FILE_EXTENSION}"
+        if cb.dirpath is not None:
+            pats.append(os.path.join(str(cb.dirpath), name))
+        elif trainer.loggers:
+            lg = trainer.loggers[0]
+            base = os.path.join(str(lg.save_dir or trainer.default_root_dir), str(lg.name or ""))
+            pats.append(os.path.join(base, "*", "checkpoints", name))
+        else:
+            pats.append(os.path.join(str(trainer.default_root_dir), "checkpoints", name))
+    return pats
+
+
+def _last_checkpoints(trainer: Any) -> list[str]:
+    """``last*.ckpt`` of every ModelCheckpoint, in its dirpath or (dirpath unset) in
+    every version folder of the first logger."""
+    import glob
+
+    return [p for pat in _last_patterns(trainer) for p in glob.glob(pat) if os.path.isfile(p)]
+
+
+
 def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Any:
     """Build and run the Lightning part of ``lit-roidata`` (returns the CLI object)."""
-    return RoIDataCLI(args=args, run=run)
+    try:
+        return RoIDataCLI(args=args, run=run)
+    finally:
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            os.environ.pop(_RESUME_ENV, None)
 
 
 def _configure_logging() -> None:
@@ -148,6 +320,21 @@ def _configure_logging() -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+        handler.addFilter(_RankZeroFilter())
+
+
+class _RankZeroFilter(logging.Filter):
+    """Under DDP, print a message once (global rank 0) unless it is rank-specific
+    (``log.warning(..., extra={"rank_specific": True})``); those are prefixed with the rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+        rank = int(getattr(rank_zero_only, "rank", 0) or 0)
+        if getattr(record, "rank_specific", False):
+            record.msg = f"[rank {rank}] {record.msg}"
+            return True
+        return rank == 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

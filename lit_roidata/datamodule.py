@@ -157,6 +157,8 @@ class RoIDataModule(pl.LightningDataModule):
         self._demo: Any = None
         self._train_loader: Any = None
         self._skipped: Counter[str] = Counter()
+        self._restored_phase: dict[str, Any] = {}
+        self._carry_from: Any = None
 
     # ------------------------------------------------------------------ config
     def _build_cfg(self) -> DetectronConfig:
@@ -329,24 +331,50 @@ class RoIDataModule(pl.LightningDataModule):
         nw = int(self.hparams.num_workers)
         if nw > 0:
             fork_safe_opencv()
+        previous = self._train_loader
+        trainer = getattr(self, "trainer", None)
+        combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+        if combined is None or all(dl is not previous for dl in combined.flattened):
+            previous = None  # not a reload of the loader the running fit uses
         self._train_loader = StatefulRoIDataLoader(
             dataset, sampler, num_workers=nw, pin_memory=bool(self.hparams.pin_memory),
             persistent_workers=False, prefetch_factor=None if nw == 0 else 2,
-            inflight=self._batches_in_flight, on_pass_end=self.report_skips)
+            inflight=self._batches_in_flight, on_pass_end=self.report_skips,
+            on_restore=self._align_loops)
+        if previous is not None:
+            # reload_dataloaders_every_n_epochs: the new loader continues the stream
+            # where the old one stopped (in infinite mode it would restart at pass 0).
+            self._carry_from = self._train_loader
+            try:
+                self._train_loader.load_state_dict(previous.state_dict(), strict=False)
+            finally:
+                self._carry_from = None
         return self._train_loader
 
     def _batches_in_flight(self) -> int:
-        """Batches handed to the training loop but not yet trained on (0 or 1).
+        """Batches handed to the training loop but not trained on (0 or 1).
 
-        An exception (Ctrl-C) inside ``training_step`` leaves one: Lightning counts it
-        ``ready`` but not ``processed`` and will not replay it, so the checkpoint
-        written then (``OnExceptionCheckpoint``) must put the stream back before it.
+        An interrupt (Ctrl-C, an exception) after the loader handed a batch out and
+        before the step finished leaves one; Lightning will not replay it, so the
+        checkpoint written then (``OnExceptionCheckpoint``) must put the stream back
+        before it (:func:`lit_roidata.resume.batches_in_flight`).
         """
-        trainer = getattr(self, "trainer", None)
-        if trainer is None or not trainer.training:
+        from lit_roidata.resume import batches_in_flight
+
+        loader = self._train_loader
+        if loader is None:
             return 0
-        prog = trainer.fit_loop.epoch_loop.batch_progress.total
-        return max(0, int(prog.ready) - int(prog.processed))
+        return batches_in_flight(getattr(self, "trainer", None), loader.consumed_batches)
+
+    def _align_loops(self, loader: Any, state: Mapping[str, Any]) -> None:
+        """Make Lightning's restored loop counters agree with the restored stream."""
+        from lit_roidata.resume import align_fit_loop
+
+        trainer = getattr(self, "trainer", None)
+        # Only while Lightning restores a checkpoint (not when a reloaded loader takes
+        # over the previous one's position).
+        if trainer is not None and loader is not self._carry_from and trainer.fit_loop.restarting:
+            align_fit_loop(trainer, loader, self._restored_phase)
 
     def _eval_loader(self, roidb: Any, split: str) -> Any:
         if roidb is None:
@@ -424,11 +452,15 @@ class RoIDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """The stream seed and pending skip counts (the loader position is saved by
         the fit loop from the train loader, :class:`~lit_roidata.loader.StatefulRoIDataLoader`)."""
-        return {"seed": self.seed, "skipped": dict(self._skipped)}
+        from lit_roidata.resume import save_phase
+
+        return {"seed": self.seed, "skipped": dict(self._skipped),
+                "phase": save_phase(getattr(self, "trainer", None))}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the pending skip counts; a different seed is refused by the sampler."""
         self._skipped = Counter(state_dict.get("skipped", {}))
+        self._restored_phase = dict(state_dict.get("phase") or {})
 
 
 def fork_safe_opencv() -> None:
@@ -544,9 +576,13 @@ class EvalLoader:
                         for i in range(0, len(shard), ims_per_batch)]
         self.dataset = EvalDataset(roidb, cfg, pixel_format=pixel_format, with_rois=with_rois)
         self.num_workers = min(int(num_workers), len(self.batches))
+        # A private generator: creating the iterator draws the workers' base seed, which
+        # would otherwise come from (and advance) the global torch RNG, so a validation
+        # would change the training that follows it.
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=self.batches, collate_fn=passthrough_collate,
-            num_workers=self.num_workers, pin_memory=pin_memory)
+            num_workers=self.num_workers, pin_memory=pin_memory,
+            generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -189,7 +189,7 @@ class COCOEvaluator(pl.Callback):
     """COCO box, mask and keypoint AP of the model's detections after every validation/test pass.
 
     Collects ``outputs["detections"]`` of each ``validation_step``/``test_step``, gathers
-    them from all ranks (``all_gather_object``), evaluates on rank 0 against each
+    them from all ranks (``gather_object`` to rank 0), evaluates on rank 0 against each
     dataset's annotation file with ``COCOeval`` (only on the images that were run, so
     ``limit_val_batches`` gives a true partial AP), broadcasts the numbers and logs them
     on every rank as ``val/bbox_AP``, ``val/bbox_AP50``, ... (``test/`` for test; with
@@ -266,9 +266,11 @@ class COCOEvaluator(pl.Callback):
         self._dets = []
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, dets)
-            dets = [d for part in gathered for d in part]
+            # Only rank 0 evaluates: gather the detections there, not onto every rank.
+            gathered: Optional[list[Any]] = (
+                [None] * dist.get_world_size() if dist.get_rank() == 0 else None)
+            dist.gather_object(dets, gathered, dst=0)
+            dets = [d for part in gathered for d in part] if gathered is not None else []
         metrics: dict[str, float] = {}
         error: Optional[str] = None
         if not dets and trainer.global_rank == 0:

@@ -18,8 +18,10 @@ sampler's own DDP split away (peers.md P9). :class:`StatefulRoIDataLoader` solve
 * the position advances when a batch is *handed to the loop*, not when a worker is given
   a block. Lightning does not prefetch from loaders that have a length
   (loops/fetchers.py ``_PrefetchDataFetcher.__iter__``), and this loader always has one,
-  so a batch handed out is a batch trained on. Batches come out in sampler order
-  (``in_order=True``), so counting them is exact;
+  so at most the batch being moved to the device or trained on is handed out and not
+  yet trained; the ``inflight`` callback (the data module's) says so when a checkpoint
+  is written on an interrupt. Batches come out in sampler order (``in_order=True``), so
+  counting them is exact;
 * restoring is O(1): the saved ``(pass, cursor)`` is set on the sampler; nothing is
   replayed (design principle 4).
 """
@@ -88,6 +90,9 @@ class StatefulRoIDataLoader:
             (up to 8).
         on_pass_end: optional ``() -> None`` called when the batch that finishes a pass is
             handed out (the same step on every rank, so it may run a collective).
+        on_restore: optional ``(loader, state) -> None`` called at the end of
+            :meth:`load_state_dict` (the data module aligns Lightning's loop counters with
+            the restored position there).
 
     Raises:
         TypeError: an ``IterableDataset`` or a batch sampler that is not a
@@ -100,7 +105,9 @@ class StatefulRoIDataLoader:
                  multiprocessing_context: Any = None, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, strict_resume: bool = True,
                  inflight: Callable[[], int] | None = None,
-                 on_pass_end: Callable[[], None] | None = None) -> None:
+                 on_pass_end: Callable[[], None] | None = None,
+                 on_restore: Callable[["StatefulRoIDataLoader", Mapping[str, Any]], None]
+                 | None = None) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
@@ -126,6 +133,7 @@ class StatefulRoIDataLoader:
         self._recent: deque[tuple[int, int]] = deque(maxlen=8)  # positions before them
         self._inflight = inflight
         self._on_pass_end = on_pass_end
+        self._on_restore = on_restore
         self.sampler = _EpochHook(self)
 
     # ------------------------------------------------------------------ DataLoader face
@@ -173,8 +181,12 @@ class StatefulRoIDataLoader:
         sampler = self.batch_sampler
         self._pos = sampler.normalize(*self._pos)
         sampler.load_state_dict(sampler.state_at(*self._pos))
-        seed = np.random.SeedSequence([sampler.seed, *self._pos]).generate_state(1)[0]
-        self._generator.manual_seed(int(seed))  # worker seeds depend on position only
+        # Worker seeds depend on the position and the rank (global-RNG use inside workers,
+        # e.g. a user's augmentation, differs between ranks); the blobs themselves are
+        # seeded per block (lit_roidata.rng.block_rng) and do not depend on either.
+        seed = np.random.SeedSequence([sampler.seed, *self._pos, sampler.rank]
+                                      ).generate_state(1)[0]
+        self._generator.manual_seed(int(seed))
         for batch in self._loader:
             # Advance before yielding: a checkpoint written while the loop holds this
             # batch must resume after it.
@@ -198,6 +210,16 @@ class StatefulRoIDataLoader:
         if not self.batch_sampler.infinite and epoch != self._pos[0]:
             self._pos = (int(epoch), 0)
             self._recent.clear()
+
+    @property
+    def consumed_batches(self) -> int:
+        """Global minibatches handed to the loop over the run (restored on resume)."""
+        return self._consumed
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """``(pass, cursor)`` after the last batch handed out (cursor in global blocks)."""
+        return self._pos
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -230,6 +252,8 @@ class StatefulRoIDataLoader:
         log.debug("StatefulRoIDataLoader: data stream resumes at pass %d, block %d",
                   *self._pos)
         self.batch_sampler.load_state_dict(self.batch_sampler.state_at(*self._pos))
+        if self._on_restore is not None:
+            self._on_restore(self, state_dict)
 
     def __repr__(self) -> str:
         return (f"StatefulRoIDataLoader(pass={self._pos[0]}, cursor={self._pos[1]}, "

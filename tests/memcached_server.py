@@ -31,6 +31,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _BindError(RuntimeError):
+    pass
+
+
 class MemcachedServer:
     """A memcached process on ``127.0.0.1:<port>``.
 
@@ -46,6 +50,7 @@ class MemcachedServer:
         if binary is None:
             raise FileNotFoundError("memcached is not installed (apt-get install memcached)")
         self.binary, self.item_size, self.memory_mb = binary, item_size, memory_mb
+        self._fixed_port = port is not None
         self.port = port or _free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -55,7 +60,22 @@ class MemcachedServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> MemcachedServer:
-        """Start the server and wait until it answers ``version``."""
+        """Start the server and wait until it answers ``version``.
+
+        The free port is probed by binding and closing a socket, so another process can
+        take it before memcached binds it: if memcached fails to bind, a new free port is
+        tried (a fixed or restarted port is retried for a few seconds instead).
+        """
+        for attempt in range(20):
+            try:
+                return self._start_once(timeout)
+            except _BindError:
+                if not self._fixed_port and self.proc is None and attempt < 5:
+                    self.port = _free_port()
+                time.sleep(0.1 * (attempt + 1) if self._fixed_port else 0)
+        raise RuntimeError(f"memcached could not bind a port (last tried {self.port})")
+
+    def _start_once(self, timeout: float) -> MemcachedServer:
         cmd = [self.binary, "-l", "127.0.0.1", "-p", str(self.port), "-U", "0",
                "-I", self.item_size, "-m", str(self.memory_mb), "-t", "2"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -65,7 +85,11 @@ class MemcachedServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"memcached exited with {self.proc.returncode}: {err}")
+                code = self.proc.returncode
+                self.proc = None
+                if "bind" in err.lower() or "in use" in err.lower():
+                    raise _BindError(err)
+                raise RuntimeError(f"memcached exited with {code}: {err}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"version\r\n")
@@ -94,7 +118,11 @@ class MemcachedServer:
     def restart(self) -> None:
         """Stop and start again on the same port: every item is gone."""
         self.stop()
-        self.start()
+        fixed, self._fixed_port = self._fixed_port, True  # keep the address
+        try:
+            self.start()
+        finally:
+            self._fixed_port = fixed
 
     def __enter__(self) -> MemcachedServer:
         return self.start()

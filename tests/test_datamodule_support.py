@@ -66,6 +66,9 @@ def tiny_config(root: Path, out: Path, *, trainer: dict | None = None, data: dic
     t = cfg["trainer"]
     t.update({"max_steps": 4, "val_check_interval": 4, "log_every_n_steps": 1,
               "default_root_dir": str(run_dir / "runs"), "enable_model_summary": False})
+    if isinstance(t.get("logger"), dict):
+        # Logs go under the test's folder, never into the repository's runs/demo.
+        t["logger"].setdefault("init_args", {})["save_dir"] = str(run_dir / "runs")
     kept = []
     for cb in t.get("callbacks", []):
         name = cb["class_path"].rsplit(".", 1)[-1]

@@ -85,3 +85,92 @@ def test_callback_argument_checks_and_meta_extraction():
     meta = batch_alignment_meta(batch)
     assert set(meta) == {"image_ids", "flipped", "im_scales"}
     assert isinstance(meta["image_ids"], list) and isinstance(meta["flipped"][0], bool)
+
+
+class CrashAt(Recorder):
+    """A student that dies in ``training_step`` of step ``crash_at`` (after the callback
+    took that step's message), as a killed or failing trainer would."""
+
+    def __init__(self, crash_at=None, **kw):
+        super().__init__(**kw)
+        self.crash_at = crash_at
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.crash_at:
+            raise RuntimeError("simulated crash")
+        return super().training_step(batch, batch_idx)
+
+
+def test_exactly_once_with_the_checkpoint(tmp_path, cb_args):
+    """A student restarted from its checkpoint receives exactly the messages after it:
+    the one it took just before crashing is delivered again, none is skipped."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    teacher = _fit(Recorder(role="teacher"), 5, BlobExchangeCallback(
+        publish="teacher_rpn", publish_keys=RPN_KEYS, capacity=K, **cb_args), tmp_path)
+    ckpt_dir = tmp_path / "ckpt"
+
+    def student_trainer(cb):
+        return pl.Trainer(accelerator="cpu", devices=1, max_steps=K, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[cb, ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
+                                                         every_n_train_steps=1,
+                                                         save_top_k=-1)],
+                          default_root_dir=str(tmp_path))
+
+    data = DataLoader(demo_batches(5, K), batch_size=None)
+    first = CrashAt(crash_at=2, role="student")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        student_trainer(BlobExchangeCallback(subscribe="teacher_rpn", lag=0,
+                                             delivery="exactly_once", **cb_args)
+                        ).fit(first, data)
+    assert len(first.received) == 2  # steps 0 and 1; step 2's message was taken, unused
+    state = torch.load(ckpt_dir / "last.ckpt", weights_only=False)["callbacks"]
+    assert next(v for k, v in state.items() if "BlobExchangeCallback" in k)[
+        "consumed_seq"] == 2
+    second = CrashAt(role="student")
+    # This list loader is not resumable: feed the restarted run the batches after the
+    # checkpoint (the alignment check would catch anything else).
+    rest = DataLoader(list(demo_batches(5, K))[2:], batch_size=None)
+    student_trainer(BlobExchangeCallback(subscribe="teacher_rpn", lag=0,
+                                         delivery="exactly_once", **cb_args)
+                    ).fit(second, rest, ckpt_path=str(ckpt_dir / "last.ckpt"))
+    steps = [meta["step"] for _, meta in second.received]
+    assert steps == [2, 3]  # exactly the messages after the checkpoint, in order
+    for (tensors, meta) in second.received:
+        for key in RPN_KEYS:
+            torch.testing.assert_close(tensors[key], teacher.sent[meta["step"]][key],
+                                       rtol=0, atol=0)
+    assert not list((tmp_path / "exchange").rglob("msg.*"))  # all consumed and cleaned
+
+
+class SlowValidation(Recorder):
+    """Records, during validation, what the peer's consumer sees of this process."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.peer, self.seen = None, []
+
+    def validation_step(self, batch, batch_idx):
+        self.seen.append(self.peer.peer_activity())
+
+
+def test_validation_marks_the_process_busy_for_its_peer(tmp_path, cb_args):
+    from lit_roidata.exchange import BlobExchange
+
+    peer_ex = BlobExchange("embedded", cb_args["address"], run_id=cb_args["run_id"])
+    peer = peer_ex.channel("teacher_rpn", "consumer")
+    model = SlowValidation(role="teacher")
+    model.peer = peer
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         val_check_interval=1, limit_val_batches=1,
+                         callbacks=[BlobExchangeCallback(publish="teacher_rpn",
+                                                         publish_keys=RPN_KEYS, capacity=K,
+                                                         **cb_args)],
+                         default_root_dir=str(tmp_path))
+    data = DataLoader(demo_batches(5, 2), batch_size=None)
+    trainer.fit(model, data, DataLoader(demo_batches(5, 1), batch_size=None))
+    assert model.seen and all(a["busy"] and a["activity"] == "validation" for a in model.seen)
+    peer_ex.close()

@@ -20,6 +20,7 @@ from lit_roidata.exchange import (
     BlobExchange,
     ChannelBusyError,
     ChannelClosedError,
+    ExchangeError,
     ExchangeStateLostError,
     ExchangeTimeoutError,
     LeaseLostError,
@@ -155,13 +156,16 @@ def test_reinitialising_keeps_a_pending_message(make_exchange):
     prod = ex.channel("c", "producer")
     prod.put({"x": np.array(1)})
     prod.close()
-    prod = make_exchange(capacity=2).channel("c", "producer")  # a restarted producer
+    with pytest.raises(ExchangeError, match=f"run id '{ex.run_id}' already has a stream.*"
+                                            "resume=True"):
+        make_exchange(capacity=2).channel("c", "producer")  # reuse is never silent
+    prod = make_exchange(capacity=2, resume=True).channel("c", "producer")  # restarted
     assert prod.next_seq == 2
     prod.put({"x": np.array(2)})
     cons = make_exchange().channel("c", "consumer")
     assert int(cons.get(timeout=5)[0]["x"]) == 1
     cons.close()
-    cons = make_exchange().channel("c", "consumer")  # a restarted consumer resumes
+    cons = make_exchange(resume=True).channel("c", "consumer")  # a restarted consumer
     assert int(cons.get(timeout=5)[0]["x"]) == 2
 
 
@@ -210,6 +214,7 @@ def test_cross_wired_payload_is_a_sequence_error(make_exchange):
     stray = wire.encode({"x": np.zeros(1)}, envelope={"seq": 1, "channel": "other",
                                                        "run_id": ex.run_id, "rank": 0})
     prod._store.put_payload(prod._msg(1), stray)
+    prod._fenced_set(prod._k_head, 1, None)  # published as far as head is concerned
     with pytest.raises(SequenceError, match="cross-wired"):
         cons.get(timeout=5)
 
@@ -298,8 +303,10 @@ def test_memcached_eviction_is_detected_not_waited_on(make_exchange):
     cons.close()
     prod._store.set(prod._k_ack, b"1")
     prod.put({"x": big}, timeout=5)
-    prod._store.delete(prod._msg(2) + "#1")
-    cons = make_exchange().channel("c", "consumer")
+    desc = prod._store.get(prod._msg(2))
+    writer = desc[-8:].hex()  # the descriptor names the writer's chunk keys
+    prod._store.delete(prod._msg(2) + f"#{writer}#1")
+    cons = make_exchange(resume=True).channel("c", "consumer")
     with pytest.raises(ExchangeStateLostError, match="chunk 1/"):
         cons.get(timeout=5)
 
@@ -311,22 +318,35 @@ def test_put_retries_a_dropped_connection_without_duplicates(make_exchange, monk
     ex = make_exchange(capacity=2)
     prod, cons = ex.channel("c", "producer"), ex.channel("c", "consumer")
     store, dropped = prod._store, []
-    real_put, real_set = store.put_payload, store.set
+    real_put = store.put_payload
 
-    def put_payload(key, encoded):
-        real_put(key, encoded)  # the write reaches the server, the reply is lost
+    def put_payload(key, encoded, ttl=0):
+        real_put(key, encoded, ttl)  # the write reaches the server, the reply is lost
         if drop == "after_payload_write" and not dropped:
             dropped.append(key)
             raise StoreUnavailable("simulated connection drop")
 
-    def set_(key, value, ttl=0):
+    real_cas = store.cas
+
+    def cas(key, expected, new, ttl=0):
+        ok = real_cas(key, expected, new, ttl)  # the write reaches the server ...
+        if drop == "at_head_update" and key.endswith("/head") and not dropped:
+            dropped.append(key)
+            raise StoreUnavailable("simulated connection drop")  # ... the reply is lost
+        return ok
+
+    real_fence = store.fence
+
+    def fence(key, new, gen):  # the embedded store's one-step fenced write
+        out = real_fence(key, new, gen)
         if drop == "at_head_update" and key.endswith("/head") and not dropped:
             dropped.append(key)
             raise StoreUnavailable("simulated connection drop")
-        real_set(key, value, ttl)
+        return out
 
     monkeypatch.setattr(store, "put_payload", put_payload)
-    monkeypatch.setattr(store, "set", set_)
+    monkeypatch.setattr(store, "cas", cas)
+    monkeypatch.setattr(store, "fence", fence)
     assert prod.put({"x": np.array(1)}, timeout=10) == 1
     assert prod.put({"x": np.array(2)}, timeout=10) == 2
     assert dropped

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from lit_roidata.exchange import WireFormatError
+from lit_roidata.exchange import wire
 from lit_roidata.exchange.wire import SUPPORTED_DTYPES, decode, encode
 
 NUMPY_DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
@@ -137,3 +138,31 @@ def test_pickle_is_never_used():
     assert raw.startswith(b"LRXW")
     assert b"\x80\x04" not in raw[:64] and b"numpy" not in raw
     assert set(SUPPORTED_DTYPES) >= {"bool", "bfloat16", "float16", "int64"}
+
+
+def test_hmac_flag_roundtrip_and_tampering():
+    from lit_roidata.exchange import MessageAuthError
+
+    key = b"k" * 32
+    arr = np.arange(100, dtype=np.float32)
+    raw = bytearray(wire.encode({"a": arr}, {"m": 1}, {"seq": 3}, key=key).tobytes())
+    assert wire._PREFIX.unpack_from(raw)[2] == wire.FLAG_HMAC
+    msg = wire.decode(raw, key=key)
+    np.testing.assert_array_equal(msg.tensors["a"], arr)
+    assert msg.envelope == {"seq": 3} and wire.read_envelope(raw, key=key) == {"seq": 3}
+    for pos in (0, 7, 30, len(raw) - 40, len(raw) - 1):  # prefix, header, data, tag
+        bad = bytearray(raw)
+        bad[pos] ^= 0x01
+        with pytest.raises(WireFormatError):  # MessageAuthError or a bad prefix
+            wire.decode(bad, key=key)
+    with pytest.raises(MessageAuthError, match="does not match"):
+        wire.decode(raw, key=b"x" * 32)
+    with pytest.raises(MessageAuthError, match="no secret"):
+        wire.decode(raw)
+    plain = wire.encode({"a": arr}).tobytes()
+    with pytest.raises(MessageAuthError, match="unauthenticated"):
+        wire.decode(plain, key=key)
+    unknown = bytearray(raw)
+    unknown[6] |= 0x02  # an undefined flag bit
+    with pytest.raises(WireFormatError, match="unknown flags"):
+        wire.decode(unknown, key=key)

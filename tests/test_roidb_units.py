@@ -9,7 +9,7 @@ from hypothesis.extra import numpy as hnp
 
 from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.roidb.filters import segment_any
-from lit_roidata.roidb.proposals import _dense_iou, iof_pairs, unique_box_keep
+from lit_roidata.roidb.proposals import _block_iou, iof_pairs, unique_box_keep
 from lit_roidata.roidb.segms import encode_segms, decode_segms, mask_to_uncompressed_counts
 
 SET = settings(deadline=None, max_examples=50)
@@ -50,15 +50,17 @@ def test_unique_box_keep_hash_collision_q13():
 
 @SET
 @given(p=boxes_strategy(40, 100.0), g=boxes_strategy(6, 100.0))
-def test_dense_iou_equals_bbox_overlaps(p, g):
+def test_block_iou_equals_bbox_overlaps(p, g):
     p, g = _xyxy(p), _xyxy(g)
     if g.shape[0] == 0:
         return
-    g64 = g.astype(np.float64)
-    area = (g64[:, 2] - g64[:, 0] + 1) * (g64[:, 3] - g64[:, 1] + 1)
-    rows = np.tile(np.arange(g.shape[0]), (p.shape[0], 1))
-    np.testing.assert_array_equal(_dense_iou(p.astype(np.float64), g64, area, rows),
-                                  bbox_overlaps(p, g))
+    # two "images" in one padded block: the same proposals against gt and reversed gt
+    pp = np.stack([p, p]).astype(np.float64)
+    gg = np.stack([g, g[::-1]]).astype(np.float64)
+    out = _block_iou(pp, gg)
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out[0], bbox_overlaps(p, g))
+    np.testing.assert_array_equal(out[1], bbox_overlaps(p, g[::-1]))
 
 
 @SET

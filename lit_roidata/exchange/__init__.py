@@ -20,12 +20,18 @@ and evictions detected). See ``docs/exchange.md``.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import re
 import threading
+import time
 import uuid
 import weakref
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from lit_roidata.exchange.alignment import check_alignment
@@ -38,6 +44,7 @@ from lit_roidata.exchange.errors import (
     ExchangeStateLostError,
     ExchangeTimeoutError,
     LeaseLostError,
+    MessageAuthError,
     PeerDeadError,
     SequenceError,
     WireFormatError,
@@ -47,12 +54,43 @@ from lit_roidata.exchange.store import Store, StoreUnavailable
 __all__ = [
     "AlignmentError", "BlobExchange", "Channel", "ChannelBusyError", "ChannelClosedError",
     "ExchangeError", "ExchangeStateLostError", "ExchangeTimeoutError", "LeaseLostError",
-    "PeerDeadError", "SequenceError", "WireFormatError", "check_alignment",
+    "MessageAuthError", "PeerDeadError", "SequenceError", "WireFormatError", "check_alignment",
 ]
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
 BACKENDS = ("embedded", "memcached")
+SECRET_ENV, SECRET_FILE_ENV = "LIT_ROIDATA_EXCHANGE_SECRET", "LIT_ROIDATA_EXCHANGE_SECRET_FILE"
+
+
+def load_secret(secret: str | bytes | None = None,
+                secret_file: str | os.PathLike | None = None) -> bytes | None:
+    """The exchange secret: ``secret``, else the file ``secret_file``, else
+    ``$LIT_ROIDATA_EXCHANGE_SECRET``, else the file ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``;
+    ``None`` if none is set.
+
+    Raises:
+        ValueError: the secret (or its file) is empty, or the file cannot be read.
+    """
+    source = "secret="
+    if secret is None and secret_file is None:
+        secret, source = os.environ.get(SECRET_ENV), f"${SECRET_ENV}"
+        if not secret:
+            secret = None
+            secret_file = os.environ.get(SECRET_FILE_ENV) or None
+    if secret is None and secret_file is not None:
+        source = f"secret file {secret_file}"
+        try:
+            secret = Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"cannot read the exchange secret file {secret_file}: {exc}"
+                             ) from exc
+    if secret is None:
+        return None
+    value = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not value:
+        raise ValueError(f"the exchange secret from {source} is empty")
+    return value
 
 
 def _check_name(what: str, value: Any) -> str:
@@ -83,9 +121,29 @@ class BlobExchange:
             :class:`ChannelClosedError` (wire it to the loader's shutdown).
         poll_min, poll_max: first and longest sleep of the waiting back-off, in seconds.
         chunk_size: memcached only: bytes per chunk item (default: server item size − 4 KiB).
+        resume: continue a stream this run id already has (a restarted producer, or a
+            consumer restarted from its checkpoint). Without it, opening an end whose role
+            already made progress under this run id raises :class:`ExchangeError`.
+        secret, secret_file: the run's shared secret (default: ``$LIT_ROIDATA_EXCHANGE_SECRET``
+            or the file named by ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``). With a secret every
+            message carries an HMAC-SHA256 (key derived from the secret and the run id);
+            forged or replayed messages are rejected and counted.
+        authenticate: ``None`` (default): on iff a secret is set; ``False``: off even with
+            a secret; ``True``: require a secret.
+        shm_dir: embedded only: the directory (same as ``address``).
+        stale_after: embedded only: at start-up, remove other runs' directories that no
+            live process owns and that were idle this many seconds (``None``: never).
+        key_ttl: memcached only: expiry (seconds) of every key, refreshed by each write.
+        busy_timeout: the longest time (seconds) a wait is extended while the peer reports
+            itself busy (see :meth:`busy`).
+        on_state_lost: what both ends do when the store loses the run's state (memcached
+            restart or eviction): ``"raise"`` :class:`ExchangeStateLostError`, or
+            ``"recover"``: rejoin, the consumer re-states its position and the producer
+            re-publishes the messages it has not seen acknowledged (it keeps up to
+            ``capacity`` of them in memory), so nothing is lost or duplicated.
 
     Raises:
-        ValueError: unknown backend, bad run id/rank/address.
+        ValueError: unknown backend, bad run id/rank/address, empty secret.
         ExchangeError: the backend cannot be reached or initialised.
     """
 
@@ -93,9 +151,16 @@ class BlobExchange:
                  run_id: str | None = None, rank: int = 0, *, timeout: float = 60.0,
                  capacity: int = 1, lease_ttl: float = 10.0, stop_event: Any = None,
                  poll_min: float = 5e-5, poll_max: float = 0.002,
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, resume: bool = False,
+                 secret: str | bytes | None = None, secret_file: str | os.PathLike | None = None,
+                 authenticate: bool | None = None, shm_dir: str | os.PathLike | None = None,
+                 stale_after: float | None = 3600.0, key_ttl: float = 7 * 24 * 3600.0,
+                 busy_timeout: float = 3600.0, on_state_lost: str = "raise") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if on_state_lost not in ("raise", "recover"):
+            raise ValueError(f"on_state_lost must be 'raise' or 'recover', got {on_state_lost!r}")
+        self.recover = on_state_lost == "recover"
         run_id = run_id if run_id is not None else os.environ.get("LIT_ROIDATA_RUN_ID")
         if run_id is None:
             raise ValueError("BlobExchange needs run_id (equal in both processes, e.g. the "
@@ -107,20 +172,44 @@ class BlobExchange:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if lease_ttl <= 0 or timeout < 0:
             raise ValueError("lease_ttl must be > 0 and timeout >= 0")
+        if shm_dir is not None:
+            if backend != "embedded" or (address is not None and str(address) != str(shm_dir)):
+                raise ValueError("shm_dir is the embedded backend's directory; pass it or "
+                                 "address, not both")
+            address = str(shm_dir)
+        key = load_secret(secret, secret_file)
+        if authenticate is True and key is None:
+            raise ValueError(f"authenticate=True needs a secret (secret=, secret_file=, "
+                             f"${SECRET_ENV} or ${SECRET_FILE_ENV})")
+        self.authenticated = key is not None and authenticate is not False
+        #: Per-run HMAC key (``None``: messages are not authenticated).
+        self.auth_key = (hmac.new(key, b"lit_roidata.exchange/" + self.run_id.encode(),
+                                  hashlib.sha256).digest() if self.authenticated else None)
         self.backend, self.address, self.rank = backend, address, rank
         self.timeout, self.capacity, self.lease_ttl = timeout, capacity, lease_ttl
-        self.stop_event = stop_event
+        self.stop_event, self.resume, self.busy_timeout = stop_event, resume, busy_timeout
         self.poll_min, self.poll_max = poll_min, poll_max
-        self._store = self._make_store(backend, address, chunk_size)
+        self._activity: tuple[str, bool, float] = ("opened", False, time.time())
+        self._store = self._make_store(backend, address, chunk_size, key_ttl)
+        if backend == "embedded" and stale_after is not None:
+            removed = self._store.sweep_stale_runs(stale_after, keep=self.run_id)
+            if removed:
+                log.info("removed %d stale exchange run(s) from %s: %s", len(removed),
+                         self._store.root, ", ".join(removed))
         self._incarnation_key = f"{self.run_id}/incarnation"
+        self._join_lock = threading.Lock()
         self.incarnation = self._join()
+        #: Every incarnation this process joined (authenticated messages from any of them
+        #: are accepted: a producer may re-publish after a recovery).
+        self.incarnations = {self.incarnation.decode()}
         self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
 
     @staticmethod
-    def _make_store(backend: str, address: str | None, chunk_size: int | None) -> Store:
+    def _make_store(backend: str, address: str | None, chunk_size: int | None,
+                    key_ttl: float) -> Store:
         if backend == "embedded":
             from lit_roidata.exchange.embedded import EmbeddedStore
 
@@ -128,7 +217,7 @@ class BlobExchange:
         from lit_roidata.exchange.memcached import MemcachedStore
 
         try:
-            return MemcachedStore(address, chunk_size=chunk_size)
+            return MemcachedStore(address, chunk_size=chunk_size, key_ttl=key_ttl)
         except StoreUnavailable as exc:
             raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
 
@@ -139,7 +228,7 @@ class BlobExchange:
         with this value and raises instead of reading state from another incarnation.
         """
         try:
-            self._store.add(self._incarnation_key, uuid.uuid4().hex.encode())
+            self._store.add(self._incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
             value = self._store.get(self._incarnation_key)
         except StoreUnavailable as exc:
             raise ExchangeError(f"cannot start the exchange: {exc}") from exc
@@ -148,8 +237,23 @@ class BlobExchange:
                                          f"key of run {self.run_id!r}; is it out of memory?")
         return value
 
+    def _rejoin(self, store: Store) -> bytes:
+        """After a state loss: create (or adopt) the run's new incarnation key."""
+        with self._join_lock:
+            value = store.get(self._incarnation_key)
+            if value is None:
+                store.add(self._incarnation_key, uuid.uuid4().hex.encode())
+                value = store.get(self._incarnation_key)
+            if value is None:
+                raise ExchangeStateLostError(f"{store.describe} does not keep the incarnation "
+                                             f"key of run {self.run_id!r}; out of memory?")
+            self.incarnation = value
+            self.incarnations.add(value.decode())
+            return value
+
     def channel(self, name: str, role: str = "producer", *, capacity: int | None = None,
-                timeout: float | None = None) -> Channel:
+                timeout: float | None = None, start_seq: int | None = None,
+                delivery: str = "at_most_once") -> Channel:
         """Open one end of channel ``name``.
 
         Args:
@@ -157,18 +261,26 @@ class BlobExchange:
             role: ``"producer"`` (``put``) or ``"consumer"`` (``get``).
             capacity: override the exchange's capacity (producer side).
             timeout: override the exchange's default timeout.
+            start_seq: consumer resuming from its own checkpoint: the next sequence
+                number to read (needs ``resume=True`` and ``delivery="exactly_once"``
+                on the consumer that wrote the checkpoint).
+            delivery: consumer side: ``"at_most_once"`` (default; payloads deleted when
+                taken) or ``"exactly_once"`` (kept until :meth:`Channel.commit`).
 
         Returns:
             The open :class:`Channel`; close it (or the exchange) when done.
 
         Raises:
             ChannelBusyError: another live process already holds this end.
+            ExchangeError: this end already made progress under this run id and
+                ``resume`` is not set.
         """
         _check_name("channel name", name)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         ch = Channel(self, name, role, capacity=capacity or self.capacity,
-                     timeout=self.timeout if timeout is None else timeout)
+                     timeout=self.timeout if timeout is None else timeout,
+                     start_seq=start_seq, delivery=delivery)
         with self._lock:
             self._channels.add(ch)
             if self._hb_thread is None:
@@ -177,12 +289,44 @@ class BlobExchange:
                 self._hb_thread.start()
         return ch
 
+    def set_activity(self, activity: str, busy: bool = False) -> None:
+        """Tell the peers what this process is doing.
+
+        While ``busy`` is true, a peer waiting on any of this exchange's channels does not
+        count the time against its timeout (up to its ``busy_timeout``), and its timeout
+        errors say what this process was doing. The state is refreshed by the heartbeat.
+        """
+        self._activity = (str(activity), bool(busy), time.time())
+        with self._lock:
+            channels = list(self._channels)
+        for ch in channels:
+            with ch._io:
+                if ch._closing or ch._lost:
+                    continue
+                try:
+                    ch._write_activity(ch._store)
+                except Exception as exc:  # the heartbeat retries
+                    log.warning("%s: could not publish the activity: %s", ch.where, exc)
+
+    @contextlib.contextmanager
+    def busy(self, activity: str) -> Iterator[None]:
+        """Context manager: mark this process busy with ``activity`` (e.g.
+        ``"validation"``) so that waiting peers extend their timeouts meanwhile."""
+        previous = self._activity[0]
+        self.set_activity(activity, busy=True)
+        try:
+            yield
+        finally:
+            self.set_activity(f"{previous} (after {activity})", busy=False)
+
     def _heartbeat(self) -> None:
         store = self._store.clone()
         try:
             while not self._hb_stop.wait(self.lease_ttl / 5):
                 with self._lock:
                     channels = list(self._channels)
+                with contextlib.suppress(Exception):  # keep the run's keys from expiring
+                    store.cas(self._incarnation_key, self.incarnation, self.incarnation)
                 for ch in channels:
                     try:
                         ch._beat(store)
@@ -195,15 +339,22 @@ class BlobExchange:
         with self._lock:
             self._channels.discard(ch)
 
-    def close(self) -> None:
-        """Close every open channel (waking waiters) and stop the heartbeat thread."""
+    def close(self, finished: bool = True) -> None:
+        """Close every open channel (waking waiters) and stop the heartbeat thread.
+
+        Args:
+            finished: ``False`` keeps every stream for a later resume even when both ends
+                are closed (see :meth:`Channel.close`).
+        """
         with self._lock:
             channels = list(self._channels)
         for ch in channels:
-            ch.close()
+            ch.close(finished)
         self._hb_stop.set()
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=5)
+        if finished and self.backend == "embedded" and self._hb_thread is not None:
+            self._store.remove_run_if_unused(self.run_id)  # incarnation and lock files
         self._store.close()
 
     def __enter__(self) -> BlobExchange:

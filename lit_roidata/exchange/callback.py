@@ -21,6 +21,16 @@ images); only one direction may use ``lag=0`` or the pair deadlocks (and times o
 
 Each DDP rank uses its own channels (namespaced by ``trainer.global_rank``), so rank
 ``r`` of one run talks to rank ``r`` of the other.
+
+**Busy peers.** During validation (and so during a COCO evaluation run from it) the
+callback marks its process busy; the peer's waits are extended meanwhile instead of
+timing out, and a timeout error says what the peer last reported doing.
+
+**Checkpoints.** The callback's state (saved in Lightning checkpoints) holds the last
+consumed and published sequence numbers. With ``delivery="exactly_once"`` the consumer
+keeps received payloads until a later checkpoint covers them, so a run restarted from a
+checkpoint (``ckpt_path=...``) receives exactly the messages after it; a restarted
+producer does not publish again what its previous process already published.
 """
 
 from __future__ import annotations
@@ -76,6 +86,15 @@ class BlobExchangeCallback(pl.Callback):
         capacity: messages this run may publish ahead of the peer's consumption.
         lease_ttl: dead-peer detection delay across machines (seconds).
         attribute: name of the module attribute that receives the peer's tensors.
+        delivery: ``"at_most_once"`` (default: a message taken just before a crash is
+            lost) or ``"exactly_once"`` (payloads are kept until the next checkpoint, so
+            a restart from a checkpoint resumes right after it; costs storage for the
+            messages between two checkpoints).
+        resume: continue this run id's existing streams; default: only when restored
+            from a checkpoint.
+        busy_timeout: the longest time a wait is extended while the peer is busy.
+        secret: the run's shared secret for authenticated messages (default from
+            ``$LIT_ROIDATA_EXCHANGE_SECRET`` / ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``).
 
     Raises:
         ValueError: neither ``publish`` nor ``subscribe`` given, or ``publish`` without
@@ -87,7 +106,10 @@ class BlobExchangeCallback(pl.Callback):
                  publish_keys: Sequence[str] = (), subscribe: str | None = None,
                  lag: Literal[0, 1] = 1, align_fields: Sequence[str] = DEFAULT_ALIGN_FIELDS,
                  timeout: float = 120.0, capacity: int = 1, lease_ttl: float = 10.0,
-                 attribute: str = "peer_outputs") -> None:
+                 attribute: str = "peer_outputs",
+                 delivery: Literal["at_most_once", "exactly_once"] = "at_most_once",
+                 resume: bool | None = None, busy_timeout: float = 3600.0,
+                 secret: str | bytes | None = None) -> None:
         if publish is None and subscribe is None:
             raise ValueError("BlobExchangeCallback needs publish=<channel>, "
                              "subscribe=<channel>, or both")
@@ -96,37 +118,89 @@ class BlobExchangeCallback(pl.Callback):
                              "training_step's returned dict to send")
         if lag not in (0, 1):
             raise ValueError(f"lag must be 0 or 1, got {lag!r}")
+        if delivery not in ("at_most_once", "exactly_once"):
+            raise ValueError(f"delivery must be 'at_most_once' or 'exactly_once', got "
+                             f"{delivery!r}")
         self.run_id, self.backend, self.address = run_id, backend, address
         self.publish, self.publish_keys = publish, list(publish_keys)
         self.subscribe, self.lag = subscribe, lag
         self.align_fields = list(align_fields)
         self.timeout, self.capacity, self.lease_ttl = timeout, capacity, lease_ttl
         self.attribute = attribute
+        self.delivery, self.resume, self.busy_timeout = delivery, resume, busy_timeout
+        self.secret = secret
         self.exchange: BlobExchange | None = None
         self._out = self._in = None
         self._step = 0
         self._pending_align: dict[str, Any] | None = None  # this step's own alignment
         self._previous_align: dict[str, Any] | None = None
+        self._consumed = self._published = 0  # sequence numbers, saved in checkpoints
+        self._restored: dict[str, Any] | None = None
+        self._checkpointed_seq = 0  # consumed seq at the previous state_dict()
 
     # -- lifecycle -----------------------------------------------------------------------
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self.exchange is not None:
-            return
-        self.exchange = BlobExchange(self.backend, self.address, run_id=self.run_id,
-                                     rank=trainer.global_rank, timeout=self.timeout,
-                                     capacity=self.capacity, lease_ttl=self.lease_ttl)
-        if self.publish:
-            self._out = self.exchange.channel(self.publish, "producer")
-        if self.subscribe:
-            self._in = self.exchange.channel(self.subscribe, "consumer")
-        log.info("blob exchange ready: %r publish=%s subscribe=%s", self.exchange,
-                 self.publish, self.subscribe)
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._step = trainer.global_step * max(1, trainer.accumulate_grad_batches)
+        # Callback state is restored before on_fit_start, so a resumed run knows its seqs.
         self._previous_align = self._pending_align = None
         setattr(pl_module, self.attribute, None)
         pl_module.peer_meta = None
+        if self.exchange is not None:
+            return
+        restored = self._restored
+        resume = self.resume if self.resume is not None else restored is not None
+        self.exchange = BlobExchange(self.backend, self.address, run_id=self.run_id,
+                                     rank=trainer.global_rank, timeout=self.timeout,
+                                     capacity=self.capacity, lease_ttl=self.lease_ttl,
+                                     resume=resume, busy_timeout=self.busy_timeout,
+                                     secret=self.secret)
+        if self.publish:
+            self._out = self.exchange.channel(self.publish, "producer")
+            self._published = int(restored.get("published_seq", 0)) if restored else 0
+        if self.subscribe:
+            start = None
+            if restored is not None and self.delivery == "exactly_once":
+                start = int(restored.get("consumed_seq", 0)) + 1
+            self._in = self.exchange.channel(self.subscribe, "consumer", start_seq=start,
+                                             delivery=self.delivery)
+            self._consumed = self._checkpointed_seq = self._in.next_seq - 1
+        if restored is not None and restored.get("previous_align") is not None:
+            self._previous_align = restored["previous_align"]
+        log.info("blob exchange ready: %r publish=%s subscribe=%s", self.exchange,
+                 self.publish, self.subscribe)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # global_step is restored after on_fit_start.
+        self._step = trainer.global_step * max(1, trainer.accumulate_grad_batches)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.exchange is not None:
+            self.exchange.set_activity("validation", busy=True)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.exchange is not None:
+            self.exchange.set_activity(f"training (after validation at step {self._step})",
+                                       busy=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Consumed/published sequence numbers (and the last alignment) for checkpoints.
+
+        Saving a new checkpoint means the previous one was written, so payloads up to the
+        previous checkpoint's consumed seq are released (``exactly_once``).
+        """
+        if self._in is not None and self.delivery == "exactly_once":
+            self._in.commit(self._checkpointed_seq)
+        self._checkpointed_seq = self._consumed
+        return {"consumed_seq": self._consumed, "published_seq": self._published,
+                "previous_align": self._previous_align, "run_id": self.run_id}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Remember the checkpoint's sequence numbers; the channels open in on_fit_start."""
+        if state_dict.get("run_id", self.run_id) != self.run_id:
+            log.warning("BlobExchangeCallback: the checkpoint was written with run id %r, "
+                        "this run uses %r; its sequence numbers are ignored",
+                        state_dict.get("run_id"), self.run_id)
+            return
+        self._restored = dict(state_dict)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                  stage: str) -> None:
@@ -134,11 +208,11 @@ class BlobExchangeCallback(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        self._close()
+        self._close(finished=False)  # keep the streams: the run may resume from a checkpoint
 
-    def _close(self) -> None:
+    def _close(self, finished: bool = True) -> None:
         if self.exchange is not None:
-            self.exchange.close()
+            self.exchange.close(finished)
         self.exchange = self._out = self._in = None
 
     # -- per batch -----------------------------------------------------------------------
@@ -159,6 +233,7 @@ class BlobExchangeCallback(pl.Callback):
             pl_module.peer_meta = None
             return
         tensors, meta = self._in.get(self.timeout, expect=expected, as_torch=True)
+        self._consumed = self._in.next_seq - 1
         device = pl_module.device
         setattr(pl_module, self.attribute,
                 {k: v.to(device, non_blocking=True) for k, v in tensors.items()})
@@ -178,8 +253,10 @@ class BlobExchangeCallback(pl.Callback):
                 raise KeyError(f"training_step did not return {missing} (it returned "
                                f"{sorted(outputs)}); BlobExchangeCallback(publish_keys=...) "
                                "names what to send")
-            tensors = {k: _detach(outputs[k]) for k in self.publish_keys}
-            self._out.put(tensors, meta=own, timeout=self.timeout)
+            self._published += 1
+            if self._published >= self._out.next_seq:  # else: sent before a restart
+                tensors = {k: _detach(outputs[k]) for k in self.publish_keys}
+                self._out.put(tensors, meta=own, timeout=self.timeout)
         self._previous_align = own
         self._step += 1
 

@@ -2,18 +2,27 @@
 
 Keys of a channel live under ``<run_id>/<rank>/<name>/`` (spec §8.4.3):
 
-=================  ==============================================================
-``head``           last sequence number the producer published (bookkeeping)
-``ack``            last sequence number the consumer took (the acknowledgement)
-``msg.<seq>``      the payload of message ``seq``, written once (§8.4.2)
-``lease.<role>``   the owner of each end, with a TTL refreshed by a heartbeat
-``closed.<role>``  tombstone left by a clean ``close()`` (§8.4.9)
-=================  ==============================================================
+===================  ============================================================
+``head``             ``"<seq> <gen>"``: last sequence number the producer published
+``ack``              ``"<seq> <gen>"``: last sequence number the consumer took
+``msg.<seq>``        the payload of message ``seq``, written once (§8.4.2)
+``lease.<role>``     the owner of each end, with a TTL refreshed by a heartbeat
+``gen``              counter handing out lease generations (fencing tokens)
+``closed.<role>``    tombstone left by a clean ``close()`` (§8.4.9)
+``activity.<role>``  what the owner says it is doing (busy pauses the peer's timeout)
+``commit``           exactly-once consumers: payloads up to here may be deleted
+===================  ============================================================
 
 Protocol (§8.4.1): the producer writes ``msg.<s>`` only when ``ack >= s - capacity``
 (capacity 1 by default: the fork's one-slot mailbox), then sets ``head``. The consumer
-reads ``head`` and then ``msg.<ack+1>``, checks the sequence number inside the payload,
-sets ``ack`` and deletes the payload. Opening a channel creates ``head``/``ack`` with
+reads ``head`` and then ``msg.<ack+1>`` (a payload counts only once ``head`` reaches it),
+checks the sequence number inside the payload, sets ``ack`` and deletes the payload.
+
+Fencing: each lease acquisition draws a new generation from ``gen``; ``head`` and
+``ack`` carry the generation of their last writer and are only ever changed by
+compare-and-swap from a value whose generation is not newer than the writer's own. A
+new owner stamps its generation at once, so an owner that stalled past its lease and
+was taken over can no longer move the stream (its write raises ``LeaseLostError``). Opening a channel creates ``head``/``ack`` with
 ``add`` (never overwrites), so a restarted end resumes where the stream is and a pending
 message is never discarded (§8.4.4). Waiting backs off exponentially, is bounded by a
 timeout, and wakes on ``close()`` or a stop event (§8.4.5, §8.4.9).
@@ -35,11 +44,14 @@ from lit_roidata.exchange.alignment import check_alignment
 from lit_roidata.exchange.errors import (
     ChannelBusyError,
     ChannelClosedError,
+    ExchangeError,
     ExchangeStateLostError,
     ExchangeTimeoutError,
     LeaseLostError,
+    MessageAuthError,
     PeerDeadError,
     SequenceError,
+    WireFormatError,
 )
 from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
 from lit_roidata.exchange.store import Store, StoreUnavailable
@@ -51,7 +63,17 @@ __all__ = ["Channel"]
 
 log = logging.getLogger(__name__)
 ROLES = ("producer", "consumer")
+DELIVERY = ("at_most_once", "exactly_once")
 _PEER_CHECK_EVERY = 0.05  # seconds between lease/pid checks of the peer while waiting
+
+
+def _seq(raw: bytes) -> int:
+    return int(raw.split(b" ", 1)[0])
+
+
+def _gen(raw: bytes) -> int:
+    parts = raw.split(b" ", 1)
+    return int(parts[1]) if len(parts) > 1 else 0
 
 
 class Channel:
@@ -63,16 +85,30 @@ class Channel:
         role: ``"producer"`` or ``"consumer"``.
         capacity: messages the producer may publish ahead of the consumer's ack.
         timeout: default timeout in seconds of ``put``/``get``.
+        start_seq: consumer only: the sequence number to read next, from the
+            application's checkpoint (exactly-once resume); the payloads from there on
+            must still be stored (``delivery="exactly_once"`` keeps them).
+        delivery: consumer only: ``"at_most_once"`` deletes a payload as soon as ``get``
+            returns it; ``"exactly_once"`` keeps it until :meth:`commit` says the
+            application's checkpoint covers it.
 
     Raises:
         ChannelBusyError: another live process (or object) holds this end of the channel.
+        ExchangeError: the channel has an earlier stream of this role and the exchange
+            was not opened with ``resume=True``.
     """
 
     def __init__(self, exchange: BlobExchange, name: str, role: str, *, capacity: int,
-                 timeout: float) -> None:
+                 timeout: float, start_seq: int | None = None,
+                 delivery: str = "at_most_once") -> None:
+        if delivery not in DELIVERY:
+            raise ValueError(f"delivery must be one of {DELIVERY}, got {delivery!r}")
+        if start_seq is not None and (role != "consumer" or start_seq < 1):
+            raise ValueError("start_seq is a consumer's next sequence number (>= 1)")
         self.name, self.role = name, role
         self.peer_role = ROLES[1 - ROLES.index(role)]
         self.capacity, self.timeout = capacity, timeout
+        self.delivery = delivery
         self._ex = exchange
         self._store: Store = exchange._store.clone()
         self._io = threading.Lock()
@@ -81,27 +117,40 @@ class Channel:
         self._lost: str | None = None
         self._lost_type: type[Exception] = LeaseLostError
         self._peer_seen: LeaseRecord | None = None
+        self._peer_activity: dict[str, Any] | None = None
         self._peer_checked = 0.0
+        #: Messages rejected by this consumer: ``forged`` (no/bad HMAC) and ``replayed``
+        #: (authentic, but stamped for another position, channel, run or incarnation).
+        self.rejected = {"forged": 0, "replayed": 0}
         ns = f"{exchange.run_id}/{exchange.rank}/{name}"
         self._k_head, self._k_ack = f"{ns}/head", f"{ns}/ack"
+        self._k_gen, self._k_commit = f"{ns}/gen", f"{ns}/commit"
         self._k_lease = {r: f"{ns}/lease.{r}" for r in ROLES}
         self._k_closed = {r: f"{ns}/closed.{r}" for r in ROLES}
+        self._k_activity = {r: f"{ns}/activity.{r}" for r in ROLES}
         self._k_inc = exchange._incarnation_key
+        self._incarnation = exchange.incarnation  # the one this end last joined
+        self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
+        self._resend = False
         self._ns = ns
+        self._committed = 0
         self.where = (f"channel {name!r} ({role}; run {exchange.run_id!r}, rank "
                       f"{exchange.rank}, {self._store.describe})")
         with self._io:
             self._lease = self._acquire_lease()
+            self._gen = LeaseRecord.loads(self._lease).gen
             try:
-                self._next = self._init_position()
+                self._next = self._init_position(start_seq)
+                self._write_activity(self._store)
             except BaseException:
                 self._release()
+                self._store.close()
                 raise
 
     # -- opening -------------------------------------------------------------------------
     def _acquire_lease(self) -> bytes:
-        mine = LeaseRecord.mine(self.role).dumps()
         key, ttl, s = self._k_lease[self.role], self._ex.lease_ttl, self._store
+        mine = LeaseRecord.mine(self.role, s.incr(self._k_gen)).dumps()
         for _ in range(10):
             if s.add(key, mine, ttl):
                 return mine
@@ -113,7 +162,7 @@ class Channel:
                 raise ChannelBusyError(
                     f"{self.where}: this channel already has a {self.role}: "
                     f"{owner.describe()}, opened {time.time() - owner.opened_at:.1f}s ago. "
-                    f"A channel has exactly one producer and one consumer (spec §8.4.3): use "
+                    f"A channel has exactly one producer and one consumer: use "
                     f"another channel name, rank or run id. If that process is gone, its "
                     f"lease expires within {ttl:g}s.")
             if s.cas(key, raw, mine, ttl):
@@ -123,24 +172,70 @@ class Channel:
         raise ChannelBusyError(f"{self.where}: could not acquire the {self.role} lease "
                                "(contention with other processes opening it)")
 
-    def _init_position(self) -> int:
+    def _init_position(self, start_seq: int | None) -> int:
         s = self._store
-        s.add(self._k_head, b"0")
-        s.add(self._k_ack, b"0")
-        s.delete(self._k_closed[self.role])
-        got = s.get_many([self._k_inc, self._k_head, self._k_ack])
+        s.add(self._k_head, b"0 0")
+        s.add(self._k_ack, b"0 0")
+        got = s.get_many([self._k_inc, self._k_head, self._k_ack, self._k_closed[self.role],
+                          self._k_commit])
         self._check_incarnation(got)
         head, ack = self._int(got, self._k_head), self._int(got, self._k_ack)
+        committed = int(got.get(self._k_commit, b"0"))
+        prior = ack if self.role == "consumer" else max(head, ack)
+        if prior and not self._ex.resume:
+            raise ExchangeError(
+                f"{self.where}: run id {self._ex.run_id!r} already has a stream on this "
+                f"channel (producer head {head}, consumer ack {ack}), left by an earlier "
+                f"{self.role}. Pass resume=True to BlobExchange to continue that stream, or "
+                "use a new run id for a new one")
+        s.delete(self._k_closed[self.role])
         if self.role == "consumer":
-            if ack:
-                s.delete_payload(self._msg(ack))  # taken, but a crash kept it from deletion
-            return ack + 1
+            self._committed = committed
+            if start_seq is None:
+                if ack and self.delivery == "at_most_once":
+                    s.delete_payload(self._msg(ack))  # taken, but a crash kept it
+                self._fenced_set(self._k_ack, ack, got[self._k_ack])
+                return ack + 1
+            if start_seq - 1 > ack:
+                raise SequenceError(
+                    f"{self.where}: the checkpoint says seq {start_seq - 1} was consumed, "
+                    f"but the stream's ack is {ack}: the checkpoint belongs to another "
+                    "stream (run id) or the exchange state was reset")
+            for seq in range(start_seq, min(ack, head) + 1):
+                if not s.exists(self._msg(seq)):
+                    raise ExchangeStateLostError(
+                        f"{self.where}: resuming from the checkpoint needs message seq {seq} "
+                        f"again, but it is gone (the stream acknowledged up to {ack}). "
+                        "Exactly-once resume needs delivery='exactly_once' on the consumer "
+                        "that wrote the checkpoint")
+            self._fenced_set(self._k_ack, start_seq - 1, got[self._k_ack])
+            return start_seq
         last = max(head, ack)
-        while s.exists(self._msg(last + 1)):  # published, but a crash kept head behind
+        while self._orphan_is_valid(last + 1):  # published, but a crash kept head behind
             last += 1
-        if last != head:
-            s.set(self._k_head, str(last).encode())
+        self._fenced_set(self._k_head, last, got[self._k_head])
         return last + 1
+
+    def _orphan_is_valid(self, seq: int) -> bool:
+        """Whether an unpublished payload at ``seq`` is a well-formed message of this
+        channel (adopted by a restarted producer); anything else there is removed."""
+        key = self._msg(seq)
+        if not self._store.exists(key):
+            return False
+        env = self._payload_envelope(key)
+        if env is not None and env.get("seq") == seq and env.get("channel") == self.name:
+            return True
+        self._store.delete_payload(key)
+        return False
+
+    def _payload_envelope(self, key: str) -> dict[str, Any] | None:
+        buf = self._store.get_payload(key)
+        if buf is None:
+            return None
+        try:
+            return wire.read_envelope(buf, key=self._ex.auth_key)
+        except WireFormatError:
+            return None
 
     # -- helpers ---------------------------------------------------------------------------
     def _msg(self, seq: int) -> str:
@@ -153,17 +248,109 @@ class Channel:
                 f"{self.where}: key {key!r} vanished from {self._store.describe} (evicted, or "
                 "the server restarted); the stream position is lost. Restart both processes "
                 "with a new run id and give memcached enough memory (-m)")
-        return int(raw)
+        return _seq(raw)
 
     def _check_incarnation(self, got: Mapping[str, bytes]) -> None:
         value = got.get(self._k_inc)
-        if value != self._ex.incarnation:
+        if value != self._incarnation:
             state = "is missing" if value is None else "changed"
             raise ExchangeStateLostError(
                 f"{self.where}: the run's incarnation key {state} on {self._store.describe}: "
                 "the server restarted (or evicted this run's keys) after this process joined, "
                 "so messages may have been lost and old data must not be trusted. Restart "
-                "both processes with a new run id (spec §8.4.6)")
+                "both processes with a new run id, or open the exchange with "
+                "on_state_lost='recover'")
+
+    def _check_or_recover(self, got: Mapping[str, bytes]) -> bool:
+        """Check the incarnation; in ``on_state_lost="recover"`` mode rejoin instead of
+        raising. Returns whether a recovery happened (the caller then polls again)."""
+        if not self._store.volatile:
+            return False  # polls do not read it; the heartbeat checks it
+        try:
+            self._check_incarnation(got)
+            return False
+        except ExchangeStateLostError:
+            if not self._ex.recover:
+                raise
+        with self._io:
+            self._check_usable()
+            self._recover()
+        return True
+
+    def _recover(self) -> None:
+        """Rejoin after the store lost this run's state (memcached restart): new
+        incarnation and lease; the consumer re-states its position (``ack``), the producer
+        re-publishes what the consumer has not acknowledged before its next message."""
+        s = self._store
+        self._incarnation = self._ex._rejoin(s)
+        gen = s.incr(self._k_gen)
+        mine = LeaseRecord.mine(self.role, gen).dumps()
+        key = self._k_lease[self.role]
+        if not s.add(key, mine, self._ex.lease_ttl):
+            raw = s.get(key)
+            owner = LeaseRecord.loads(raw) if raw is not None else None
+            if owner is not None and peer_liveness(owner) == "alive" and raw != self._lease:
+                raise ChannelBusyError(f"{self.where}: after the state loss, "
+                                       f"{owner.describe()} holds this end's lease")
+            s.set(key, mine, self._ex.lease_ttl)
+        self._lease, self._gen, self._peer_seen = mine, gen, None
+        s.add(self._k_head, b"0 0")
+        if self.role == "consumer":
+            if not s.add(self._k_ack, b"%d %d" % (self._next - 1, gen)):
+                self._fenced_set(self._k_ack, self._next - 1, None)
+        else:
+            self._resend = True
+        log.warning("%s: %s lost this run's state (restart or eviction); rejoined as "
+                    "incarnation %s at seq %d", self.where, s.describe,
+                    self._incarnation.decode(), self._next)
+
+    def _republish(self, ack: int) -> None:
+        """Producer after a recovery: write again every message after the consumer's
+        ``ack`` (kept in memory until acknowledged), then ``head``."""
+        missing = [q for q in range(ack + 1, self._next) if q not in self._pending]
+        if missing:
+            raise ExchangeStateLostError(
+                f"{self.where}: after the store lost its state the consumer is at seq {ack}, "
+                f"but this producer no longer holds seq {missing[0]}..{missing[-1]} (it keeps "
+                "only unacknowledged messages): they are lost")
+        for q in range(ack + 1, self._next):
+            self._store.put_payload(self._msg(q), self._pending[q])  # False: already there
+        self._fenced_set(self._k_head, max(self._next - 1, 0), None)
+        self._resend = False
+
+    def _fenced_set(self, key: str, seq: int, raw: bytes | None) -> None:
+        """Set ``key`` (head or ack) to ``seq`` if no newer lease generation wrote it.
+
+        ``raw`` is the value read last (``None``: read it now). Raises LeaseLostError if
+        a newer owner of this role has written the key, ExchangeStateLostError if the key
+        or the run's incarnation vanished.
+        """
+        new = b"%d %d" % (seq, self._gen)
+        if self._store.local_fence:  # one locked read-check-write, no prior read needed
+            done, cur = self._store.fence(key, new, self._gen)
+            if done:
+                return
+            if cur is None:
+                self._int({}, key)  # raises: the key vanished
+            raw = cur
+        for _ in range(16):
+            if raw is None:
+                got = self._store.get_many([self._k_inc, key])
+                self._check_incarnation(got)
+                self._int(got, key)
+                raw = got[key]
+            if _gen(raw) > self._gen:
+                self._lost = (
+                    f"{self.where}: this end (lease generation {self._gen}) was fenced out: "
+                    f"generation {_gen(raw)} took the {self.role} lease over (this process "
+                    f"stalled for more than lease_ttl={self._ex.lease_ttl:g}s), so its "
+                    f"write of seq {seq} was refused; stop using this channel")
+                self._lost_type = LeaseLostError
+                raise LeaseLostError(self._lost)
+            if raw == new or self._store.cas(key, raw, new):
+                return
+            raw = None
+        raise LeaseLostError(f"{self.where}: could not update {key!r} (contention)")
 
     def _check_usable(self) -> None:
         if self._closing:
@@ -187,7 +374,8 @@ class Channel:
         with self._io:
             self._check_usable()
             got = self._store.get_many([self._k_lease[self.peer_role],
-                                        self._k_closed[self.peer_role]])
+                                        self._k_closed[self.peer_role],
+                                        self._k_activity[self.peer_role]])
         self._peer_state(got, waiting_for)
 
     def _peer_state(self, got: Mapping[str, bytes], waiting_for: str) -> None:
@@ -202,35 +390,76 @@ class Channel:
                 f"{info.get('hostname')}) closed the channel after seq {info.get('last_seq')} "
                 f"while this end waited for {waiting_for}")
         self._peer_checked = time.monotonic()
+        act = got.get(self._k_activity[self.peer_role])
+        try:
+            self._peer_activity = orjson.loads(act) if act is not None else None
+        except orjson.JSONDecodeError:
+            self._peer_activity = None
         state = peer_liveness(rec)
         if state == "alive":
             self._peer_seen = rec
         elif state == "dead":
             raise PeerDeadError(f"{self.where}: the {rec.describe()} is no longer running "
-                                f"(its process is gone); this end waited for {waiting_for}")
+                                f"(its process is gone){self._activity_text()}; this end "
+                                f"waited for {waiting_for}")
         elif self._peer_seen is not None:
             raise PeerDeadError(
                 f"{self.where}: the {self._peer_seen.describe()} stopped heart-beating (its "
-                f"lease expired after {self._ex.lease_ttl:g}s); this end waited for "
-                f"{waiting_for}")
+                f"lease expired after {self._ex.lease_ttl:g}s){self._activity_text()}; this "
+                f"end waited for {waiting_for}")
 
-    def _wait(self, backoff: list[float], deadline: float, what: str, timeout: float,
+    def _peer_busy(self) -> bool:
+        act = self._peer_activity
+        return bool(act and act.get("busy"))
+
+    def _activity_text(self) -> str:
+        act = self._peer_activity
+        if not act:
+            return ""
+        ago = time.time() - float(act.get("since", time.time()))
+        state = "busy with" if act.get("busy") else "last reported"
+        return f"; it was {state} {act.get('activity')!r} (since {ago:.1f}s ago)"
+
+    def _wait(self, w: dict[str, float], what: str, timeout: float,
               unreachable: str | None) -> None:
+        """Sleep one back-off step; raise ExchangeTimeoutError once the deadline passed.
+
+        Time during which the peer reports itself busy (validation, evaluation, ...: see
+        ``BlobExchange.busy``) does not count, up to the exchange's ``busy_timeout``.
+        """
         self._check_usable()
         now = time.monotonic()
-        if now >= deadline:
+        if self._peer_busy() and w["paused"] < self._ex.busy_timeout:
+            step = min(now - w["last"], self._ex.busy_timeout - w["paused"])
+            w["paused"] += step
+            w["deadline"] += step
+        w["last"] = now
+        if now >= w["deadline"]:
             if unreachable:
                 peer = f"{self._store.describe} was unreachable: {unreachable}"
             elif self._peer_seen is not None:
                 peer = f"the {self._peer_seen.describe()} is alive but sent nothing"
+                peer += self._activity_text()
+                if w["paused"]:
+                    peer += f"; the wait was extended by {w['paused']:.1f}s while it was busy"
+                    if w["paused"] >= self._ex.busy_timeout:
+                        peer += f" (at most busy_timeout={self._ex.busy_timeout:g}s)"
             else:
                 peer = (f"no {self.peer_role} is connected (none has opened channel "
                         f"{self.name!r} with run id {self._ex.run_id!r} and rank "
                         f"{self._ex.rank}; start it with the same values)")
+            if any(self.rejected.values()):
+                peer += (f"; rejected {self.rejected['forged']} forged and "
+                         f"{self.rejected['replayed']} replayed message(s)")
             raise ExchangeTimeoutError(f"{self.where}: no {what} within {timeout:g}s; {peer}")
-        self._wake.wait(min(backoff[0], deadline - now))
-        backoff[0] = min(backoff[0] * 2, self._ex.poll_max)
+        self._wake.wait(min(w["backoff"], w["deadline"] - now))
+        w["backoff"] = min(w["backoff"] * 2, self._ex.poll_max)
         self._check_usable()
+
+    def _waiter(self, timeout: float) -> dict[str, float]:
+        now = time.monotonic()
+        return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
+                "paused": 0.0}
 
     # -- public API ------------------------------------------------------------------------
     def put(self, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None, *,
@@ -243,7 +472,8 @@ class Channel:
             meta: JSON-serialisable metadata, e.g. alignment fields (step, image ids,
                 flipped, scales).
             timeout: seconds to wait for the consumer's acknowledgement; default: the
-                channel's timeout.
+                channel's timeout (time while the consumer reports itself busy does not
+                count).
 
         Returns:
             The message's sequence number (1, 2, ...).
@@ -257,50 +487,115 @@ class Channel:
         self._check_usable()
         seq = self._next
         encoded = wire.encode(tensors, meta, envelope={
-            "seq": seq, "channel": self.name, "run_id": self._ex.run_id, "rank": self._ex.rank})
+            "seq": seq, "channel": self.name, "run_id": self._ex.run_id, "rank": self._ex.rank,
+            "gen": self._gen, "inc": self._incarnation.decode()}, key=self._ex.auth_key)
+        if self._ex.recover:  # kept for a re-publish: must not alias the caller's arrays
+            encoded = wire.Encoded([encoded.tobytes()], encoded.nbytes)
         timeout = self.timeout if timeout is None else timeout
-        deadline, backoff, unreachable = time.monotonic() + timeout, [self._ex.poll_min], None
+        w, unreachable = self._waiter(timeout), None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
-        keys = [self._k_inc, self._k_ack]
+        keys = [self._k_inc, self._k_ack] if self._store.volatile else [self._k_ack]
+        if not self._store.local_fence:
+            keys.append(self._k_head)  # its CAS token makes the fenced head write 1 RTT
         state = {"stored": False, "failed": False}  # survives retries of this message
         while True:
             try:
                 with self._io:
                     self._check_usable()
                     got = self._store.get_many(keys)
-                self._check_incarnation(got)
-                if self._int(got, self._k_ack) >= seq - self.capacity:
+                if self._check_or_recover(got):
+                    state.update(stored=False, failed=False)  # written to the lost state
+                    continue
+                if self._resend:
+                    if self._k_ack not in got:  # the consumer has not re-joined yet
+                        what_r = "the consumer to re-join after the store lost its state"
+                        self._check_peer(what_r)
+                        self._wait(w, what_r, timeout, None)
+                        continue
+                    with self._io:
+                        self._republish(_seq(got[self._k_ack]))
+                    continue
+                ack = self._int(got, self._k_ack)
+                if self._pending:
+                    for q in [q for q in self._pending if q <= ack]:
+                        del self._pending[q]
+                if ack >= seq - self.capacity:
                     with self._io:
                         self._check_usable()
-                        self._publish(seq, encoded, state)
+                        self._publish(seq, encoded, state, got.get(self._k_head))
+                    if self._ex.recover:
+                        self._pending[seq] = encoded
                     self._next = seq + 1
                     return seq
                 self._check_peer(what)
                 unreachable = None
             except StoreUnavailable as exc:
                 unreachable = str(exc)
-            self._wait(backoff, deadline, what, timeout, unreachable)
+            except ExchangeStateLostError:
+                if not self._incarnation_moved():
+                    raise
+                with self._io:  # the state was lost between our read and our write
+                    self._check_usable()
+                    self._recover()
+                state.update(stored=False, failed=False)
+                continue
+            self._wait(w, what, timeout, unreachable)
 
-    def _publish(self, seq: int, encoded: wire.Encoded, state: dict[str, bool]) -> None:
-        """Write the payload once, then advance ``head``; safe to retry after a failure."""
+    def _incarnation_moved(self) -> bool:
+        """Recover mode: whether the run's incarnation differs from the one this end
+        joined (a restart, as opposed to a lost message, which is not recoverable)."""
+        if not self._ex.recover:
+            return False
+        try:
+            with self._io:
+                return self._store.get(self._k_inc) != self._incarnation
+        except StoreUnavailable:
+            return False
+
+    def _publish(self, seq: int, encoded: wire.Encoded, state: dict[str, bool],
+                 head_raw: bytes | None) -> None:
+        """Write the payload once, then advance ``head`` (fenced); safe to retry."""
         key = self._msg(seq)
         if not state["stored"] and state["failed"]:
-            state["stored"] = self._store.exists(key)  # did the lost request get through?
+            state["stored"] = self._owns_payload(key, seq)  # did the lost request get through?
         if not state["stored"]:
             try:
-                self._store.put_payload(key, encoded)
+                if not self._store.put_payload(key, encoded):
+                    self._replace_foreign_payload(key, seq, encoded)
             except StoreUnavailable:
                 state["failed"] = True
                 raise
             state["stored"] = True
-        self._store.set(self._k_head, str(seq).encode())
+        self._fenced_set(self._k_head, seq, head_raw)
+
+    def _owns_payload(self, key: str, seq: int) -> bool:
+        env = self._payload_envelope(key)
+        return env is not None and env.get("seq") == seq and env.get("gen") == self._gen
+
+    def _replace_foreign_payload(self, key: str, seq: int, encoded: wire.Encoded) -> None:
+        """``msg.<seq>`` exists but ``head`` has not reached it, so no consumer has read it:
+        it was left by a fenced-out (stalled) producer, or forged. Replace it."""
+        env = self._payload_envelope(key)
+        if env is not None and env.get("seq") == seq and env.get("gen") == self._gen:
+            return  # our own earlier write
+        got = self._store.get_many([self._k_head])
+        forged = env is None and self._ex.auth_key is not None  # fails authentication
+        if self._int(got, self._k_head) >= seq and not forged:
+            raise SequenceError(f"{self.where}: seq {seq} is already published by another "
+                                "writer: a second producer used this channel")
+        log.warning("%s: replacing an unpublished payload at seq %d left by another writer "
+                    "(a producer that lost its lease, or a forgery)", self.where, seq)
+        self._store.delete_payload(key)
+        if not self._store.put_payload(key, encoded):
+            raise SequenceError(f"{self.where}: another writer keeps writing seq {seq}")
 
     def get(self, timeout: float | None = None, *, expect: Mapping[str, Any] | None = None,
             as_torch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         """Take the next message, in order and exactly once.
 
         Args:
-            timeout: seconds to wait; default: the channel's timeout.
+            timeout: seconds to wait; default: the channel's timeout (time while the
+                producer reports itself busy does not count).
             expect: alignment fields this process expects (see
                 :func:`~lit_roidata.exchange.alignment.check_alignment`); a mismatch raises
                 before the message is acknowledged, so it stays pending.
@@ -313,60 +608,151 @@ class Channel:
         Raises:
             ExchangeTimeoutError: nothing arrived in time (names the channel and the peer).
             PeerDeadError / ChannelClosedError: the producer died / closed the channel
-                (after every pending message was delivered).
+                (after every pending message was delivered), or this end was closed
+                meanwhile (the message then stays pending).
             SequenceError, WireFormatError, AlignmentError, ExchangeStateLostError,
-            LeaseLostError: see :mod:`~lit_roidata.exchange.errors`.
+            LeaseLostError: see :mod:`~lit_roidata.exchange.errors`. A forged or replayed
+            message is never returned: with authentication on it is counted in
+            :attr:`rejected`, deleted, and the wait goes on.
         """
         if self.role != "consumer":
             raise TypeError(f"{self.where}: get() needs a consumer channel")
         self._check_usable()
         seq = self._next
         timeout = self.timeout if timeout is None else timeout
-        deadline, backoff, unreachable = time.monotonic() + timeout, [self._ex.poll_min], None
+        w, unreachable = self._waiter(timeout), None
         what = f"message seq {seq} from the producer"
-        small = [self._k_inc, self._k_head]
+        small = [self._k_inc, self._k_head] if self._store.volatile else [self._k_head]
+        if not self._store.local_fence:
+            small.append(self._k_ack)  # its CAS token makes the fenced ack write 1 RTT
+        where = f"{self.where}, seq {seq}"
+        rejected = sum(self.rejected.values())
         while True:
             try:
                 with self._io:
                     self._check_usable()
                     got, buf = self._store.read_message(small, self._msg(seq))
-                self._check_incarnation(got)
-                if buf is not None:
-                    break
+                if self._check_or_recover(got):
+                    continue
                 head = self._int(got, self._k_head)
-                if head >= seq:
+                if buf is not None and head >= seq:
+                    msg = self._accept(buf, seq, as_torch, where)
+                    if msg is not None:
+                        break
+                    self._check_peer(what)
+                elif buf is None and head >= seq and rejected == sum(self.rejected.values()):
                     raise ExchangeStateLostError(
                         f"{self.where}: message seq {seq} was published (producer head is "
                         f"{head}) but is gone from {self._store.describe}: evicted or deleted. "
                         "Give memcached more memory (-m) and restart with a new run id")
-                self._check_peer(what)
+                else:  # not yet published (or, after a rejected forgery, not yet again)
+                    self._check_peer(what)
                 unreachable = None
             except StoreUnavailable as exc:
                 unreachable = str(exc)
-            self._wait(backoff, deadline, what, timeout, unreachable)
-        where = f"{self.where}, seq {seq}"
-        msg = wire.decode(buf, as_torch=as_torch, where=f" on {where}")
-        env = msg.envelope
-        if (env.get("seq"), env.get("channel"), env.get("run_id"), env.get("rank")) != \
-                (seq, self.name, self._ex.run_id, self._ex.rank):
-            raise SequenceError(f"{where}: the payload is stamped {env}, expected seq {seq} of "
-                                "this channel: duplicate, gap or cross-wired message")
+            self._wait(w, what, timeout, unreachable)
         if expect is not None:
             check_alignment(msg.meta, expect, where=where, tensors=msg.tensors)
-        with self._io:
-            self._store.set(self._k_ack, str(seq).encode())
-            self._next = seq + 1
-            try:
-                self._store.delete_payload(self._msg(seq))
-            except StoreUnavailable:
-                log.warning("%s: could not delete the payload of seq %d (server "
-                            "unreachable); it is removed when the channel reopens", where, seq)
+        self._acknowledge(seq, got.get(self._k_ack), w, what, timeout)
         return msg.tensors, msg.meta
+
+    def _accept(self, buf: bytearray, seq: int, as_torch: bool,
+                where: str) -> wire.Message | None:
+        """Decode a payload; ``None`` (after counting and deleting it) if it is forged or
+        replayed under authentication."""
+        key = self._ex.auth_key
+        try:
+            msg = wire.decode(buf, as_torch=as_torch, where=f" on {where}", key=key)
+        except MessageAuthError as exc:
+            if key is None:
+                raise  # an authenticated message and no secret here: a configuration error
+            self._reject("forged", seq, str(exc))
+            return None
+        env = msg.envelope
+        if (env.get("seq"), env.get("channel"), env.get("run_id"), env.get("rank")) != \
+                (seq, self.name, self._ex.run_id, self._ex.rank) or \
+                (key is not None and env.get("inc") not in self._ex.incarnations):
+            if key is not None:
+                self._reject("replayed", seq, f"an authentic message stamped {env}")
+                return None
+            raise SequenceError(f"{where}: the payload is stamped {env}, expected seq {seq} of "
+                                "this channel: duplicate, gap or cross-wired message")
+        return msg
+
+    def _reject(self, kind: str, seq: int, why: str) -> None:
+        self.rejected[kind] += 1
+        log.warning("%s: rejected a %s message at seq %d (%s); %d forged and %d replayed so "
+                    "far", self.where, kind, seq, why, self.rejected["forged"],
+                    self.rejected["replayed"])
+        with self._io:
+            self._store.delete_payload(self._msg(seq))
+
+    def _acknowledge(self, seq: int, ack_raw: bytes | None, w: dict[str, float], what: str,
+                     timeout: float) -> None:
+        """Set ``ack`` (fenced) and drop the payload; retried while the server is away.
+
+        A ``close()`` that started meanwhile wins: the message is not acknowledged, stays
+        pending, and the tombstone's ``last_seq`` equals ``ack``.
+        """
+        while True:
+            try:
+                with self._io:
+                    self._check_usable()
+                    self._fenced_set(self._k_ack, seq, ack_raw)
+                    self._next = seq + 1
+                    if self.delivery == "at_most_once":
+                        try:
+                            self._store.delete_payload(self._msg(seq))
+                        except StoreUnavailable:
+                            log.warning("%s: could not delete the payload of seq %d (server "
+                                        "unreachable); it is removed when the channel reopens",
+                                        self.where, seq)
+                return
+            except StoreUnavailable as exc:
+                ack_raw = None  # re-read: a restart in between is then reported as such
+                self._wait(w, f"the acknowledgement write of seq {seq}", timeout, str(exc))
+            except ExchangeStateLostError:
+                if not self._incarnation_moved():
+                    raise
+                with self._io:
+                    self._check_usable()
+                    self._recover()  # re-states ack = seq - 1; then ack seq as usual
+                ack_raw = None
+
+    def commit(self, seq: int) -> None:
+        """Exactly-once consumers: the application's checkpoint now covers ``seq``.
+
+        Payloads up to ``seq`` are deleted (a consumer restarted from that checkpoint
+        never needs them again). Call it only once the checkpoint is durable.
+        """
+        if self.role != "consumer":
+            raise TypeError(f"{self.where}: commit() needs a consumer channel")
+        seq = min(seq, self._next - 1)
+        if seq <= self._committed:
+            return
+        with self._io:
+            self._check_usable()
+            for s in range(self._committed + 1, seq + 1):
+                self._store.delete_payload(self._msg(s))
+            self._store.set(self._k_commit, str(seq).encode())
+            self._committed = seq
 
     @property
     def next_seq(self) -> int:
         """The sequence number of the next message this end will put or get."""
         return self._next
+
+    def peer_activity(self) -> dict[str, Any] | None:
+        """What the peer last reported doing (``{"activity", "busy", "since", "pid"}``)."""
+        with self._io:
+            raw = self._store.get(self._k_activity[self.peer_role])
+        return None if raw is None else orjson.loads(raw)
+
+    def _write_activity(self, store: Store) -> None:
+        activity, busy, since = self._ex._activity
+        store.set(self._k_activity[self.role], orjson.dumps(
+            {"activity": activity, "busy": busy, "since": since, "pid": os.getpid()}),
+            ttl=self._ex.lease_ttl)
 
     def _beat(self, store: Store) -> None:
         """Refresh this end's lease (called by the exchange's heartbeat thread)."""
@@ -375,6 +761,7 @@ class Channel:
         key = self._k_lease[self.role]
         try:
             if store.cas(key, self._lease, self._lease, self._ex.lease_ttl):
+                self._write_activity(store)
                 return
         except StoreUnavailable:
             return
@@ -384,13 +771,15 @@ class Channel:
             incarnation = store.get(self._k_inc)
         except StoreUnavailable:
             return
-        if incarnation != self._ex.incarnation:  # a restart, not a take-over: say so
+        if incarnation != self._incarnation and self._ex.recover:
+            return  # put/get rejoin on their next poll
+        if incarnation != self._incarnation:  # a restart, not a take-over: say so
             self._lost_type = ExchangeStateLostError
             self._lost = (f"{self.where}: the run's incarnation key is "
                           f"{'missing' if incarnation is None else 'changed'} on "
                           f"{self._store.describe}: the server restarted (or evicted this "
                           "run's keys); messages may be lost. Restart both processes with a "
-                          "new run id (spec §8.4.6)")
+                          "new run id")
             self._wake.set()
             return
         self._lost = (f"{self.where}: this end lost its lease (it expired or another process "
@@ -403,11 +792,17 @@ class Channel:
         if self._store.get(key) == self._lease:
             self._store.delete(key)
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
         """Leave a tombstone, release the lease and wake a waiting ``get``/``put``.
 
         Safe to call from another thread (a blocked ``get`` then raises
-        :class:`ChannelClosedError`) and more than once.
+        :class:`ChannelClosedError`; a ``get`` that already read its message does not
+        acknowledge it, so it stays pending) and more than once. When the peer has closed
+        cleanly as well, the channel's keys and files are removed: the stream is over.
+
+        Args:
+            finished: ``False`` (e.g. closing because of an exception) never removes the
+                stream, so it can be resumed from a checkpoint.
         """
         if self._closing:
             return
@@ -419,13 +814,35 @@ class Channel:
                 if not self._lost:
                     tomb = orjson.dumps({"last_seq": self._next - 1, "pid": os.getpid(),
                                          "hostname": LeaseRecord.loads(self._lease).hostname,
-                                         "time": time.time()})
+                                         "gen": self._gen, "time": time.time()})
                     self._store.set(self._k_closed[self.role], tomb)
+                    self._store.delete(self._k_activity[self.role])
                     self._release()
+                    if finished:
+                        self._cleanup_if_finished()
             except Exception as exc:  # closing must not raise on a dead backend
                 log.warning("%s: could not close cleanly: %s", self.where, exc)
             finally:
                 self._store.close()
+
+    def _cleanup_if_finished(self) -> None:
+        """Both ends closed cleanly: remove payloads and bookkeeping of this channel."""
+        peer = self.peer_role
+        got = self._store.get_many([self._k_lease[peer], self._k_closed[peer], self._k_head,
+                                    self._k_ack, self._k_commit])
+        if self._k_closed[peer] not in got or self._k_lease[peer] in got:
+            return
+        head = _seq(got.get(self._k_head, b"0"))
+        if self._k_commit in got:  # exactly-once: payloads after the commit were kept
+            low = int(got[self._k_commit])
+        else:
+            low = max(_seq(got.get(self._k_ack, b"0")) - 1, 0)
+        keys = [self._k_head, self._k_ack, self._k_gen, self._k_commit,
+                *self._k_lease.values(), *self._k_closed.values(),
+                *self._k_activity.values()]
+        payloads = [self._msg(s) for s in range(low + 1, head + 2)]
+        self._store.delete_namespace(self._ns, keys, payloads)
+        log.debug("%s: both ends closed; removed the channel's state", self.where)
 
     def __enter__(self) -> Channel:
         return self
@@ -435,4 +852,3 @@ class Channel:
 
     def __repr__(self) -> str:
         return f"<Channel {self.where}, next seq {self._next}>"
-

@@ -15,6 +15,7 @@ __all__ = [
     "ExchangeStateLostError",
     "ExchangeTimeoutError",
     "LeaseLostError",
+    "MessageAuthError",
     "PeerDeadError",
     "SequenceError",
     "WireFormatError",
@@ -27,6 +28,10 @@ class ExchangeError(RuntimeError):
 
 class WireFormatError(ExchangeError, ValueError):
     """A payload cannot be encoded (unsupported dtype, bad meta) or is corrupt on receipt."""
+
+
+class MessageAuthError(WireFormatError):
+    """A message failed authentication (HMAC missing or wrong): forged or altered."""
 
 
 class ExchangeTimeoutError(ExchangeError, TimeoutError):

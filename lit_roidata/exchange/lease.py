@@ -49,14 +49,15 @@ class LeaseRecord:
     host_id: str
     create_time: float  # process start time, to tell a reused PID from the owner
     opened_at: float
+    gen: int = 0  # lease generation: the fencing token of every write by this owner
 
     @classmethod
-    def mine(cls, role: str) -> LeaseRecord:
-        """A fresh record for this process."""
+    def mine(cls, role: str, gen: int = 0) -> LeaseRecord:
+        """A fresh record for this process, holding lease generation ``gen``."""
         pid = os.getpid()
         return cls(token=uuid.uuid4().hex, role=role, pid=pid, hostname=socket.gethostname(),
                    host_id=host_identity(), create_time=_create_time(pid) or 0.0,
-                   opened_at=time.time())
+                   opened_at=time.time(), gen=gen)
 
     def dumps(self) -> bytes:
         """Serialise to the stored value."""

@@ -10,7 +10,13 @@ What differs from the fork (spec §8.1, §8.3):
   descriptor (``LRXC``: chunk count, total length) is ``add``-ed under ``<key>``: the
   descriptor is the atomic publish. A missing chunk is reported as lost state, never
   assembled into a wrong payload (the wire CRC would catch a mix-up as well).
-* Leases use ``add`` with an expiry and ``gets``/``cas`` heart-beats (atomic).
+* Leases use ``add`` with an expiry and ``gets``/``cas`` heart-beats (atomic). Reads use
+  ``gets`` and remember each key's CAS token, so a fenced ``cas`` right after a read
+  costs one round trip.
+* Chunk keys carry a random writer id stored in the descriptor, so two writers of the
+  same payload key (a stale producer and its successor) never overwrite each other's
+  chunks.
+* Every key is stored with an expiry (``key_ttl``), so an abandoned run's keys vanish.
 * Connection failures raise :class:`StoreUnavailable` so callers retry within their
   deadline; a server restart is detected one level up, by the run's incarnation key.
 """
@@ -20,9 +26,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import re
 import socket
 import struct
+import time
 
 from pymemcache.client.base import Client
 from pymemcache.exceptions import (
@@ -37,8 +45,9 @@ from lit_roidata.exchange.wire import Encoded
 
 __all__ = ["MemcachedStore", "parse_address"]
 
-_DESCRIPTOR = struct.Struct("<4sIQ")  # magic, chunk count, total length
-_DESC_MAGIC = b"LRXC"
+_DESCRIPTOR = struct.Struct("<4sIQ8s")  # magic, chunk count, total length, writer id
+_DESC_MAGIC = b"LRXD"  # "LRXC" (no writer id) was version 1; chunk keys are "<key>#<w>#<i>"
+_MAX_RELATIVE_TTL = 30 * 24 * 3600  # memcached reads larger expiries as unix times
 _KEY_OK = re.compile(rb"^[\x21-\x7e]{1,250}$")
 _CHUNK_MARGIN = 4096  # room for the item header and key inside item_size_max
 _TRANSIENT = (OSError, socket.timeout, MemcacheUnexpectedCloseError)
@@ -67,6 +76,10 @@ def _memcached_key(key: str) -> bytes:
     return raw
 
 
+def _chunk_key(key: str, writer: bytes, i: int) -> str:
+    return f"{key}#{writer.hex()}#{i}"
+
+
 class MemcachedStore(Store):
     """:class:`~lit_roidata.exchange.store.Store` on one memcached server.
 
@@ -75,11 +88,14 @@ class MemcachedStore(Store):
         timeout: socket timeout in seconds for one request.
         chunk_size: bytes per chunk item; default: the server's ``item_size_max`` minus a
             margin for the item header.
+        key_ttl: expiry in seconds of every key stored without its own (at most 30 days),
+            so keys of an abandoned run disappear; refreshed by every write.
     """
 
     def __init__(self, address: str, *, timeout: float = 30.0,
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, key_ttl: float = 7 * 24 * 3600) -> None:
         self.address = address
+        self.key_ttl = key_ttl
         self._server = parse_address(address)
         self._timeout = timeout
         self.describe = f"memcached at {address}"
@@ -90,7 +106,8 @@ class MemcachedStore(Store):
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
-        self._chunks: dict[str, int] = {}  # chunk counts of payloads read, for delete
+        self._chunks: dict[str, list[str]] = {}  # chunk keys of payloads read, for delete
+        self._tokens: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value, cas token)
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
@@ -114,12 +131,13 @@ class MemcachedStore(Store):
     def _k(self, key: str) -> bytes:
         return _memcached_key(key)
 
-    @staticmethod
-    def _ttl(ttl: float) -> int:
+    def _ttl(self, ttl: float) -> int:
         # memcached expiry is in whole seconds on a clock that ticks once a second, so a
         # relative expiry of n lives between n-1 and n seconds: add one so an item lives
         # at least ``ttl`` seconds (a lease must not lapse between two heartbeats).
-        return 0 if not ttl else math.ceil(ttl) + 1
+        # ``ttl=0`` means "the store's key_ttl", so no key lives forever.
+        ttl = ttl or self.key_ttl
+        return 0 if not ttl else min(math.ceil(ttl) + 1, _MAX_RELATIVE_TTL)
 
     def item_size_max(self) -> int:
         """The server's item size limit in bytes (``memcached -I``)."""
@@ -139,43 +157,78 @@ class MemcachedStore(Store):
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         mapped = {self._k(k): k for k in keys}
-        got = self._call(self._client.get_many, list(mapped))
-        return {mapped[k]: v for k, v in got.items()}
+        got = self._call(self._client.gets_many, list(mapped))
+        out = {}
+        tokens = self._tokens
+        if len(tokens) > 4096:
+            tokens.clear()
+        for k, (value, token) in got.items():
+            if len(value) <= 256:  # only small (bookkeeping) values are cas-ed
+                tokens[k] = (value, token)
+            out[mapped[k]] = value
+        return out
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
         k = self._k(key)
-        value, token = self._call(self._client.gets, k)
-        if value is None or value != expected:
-            return False
+        cached = self._tokens.pop(k, None)
+        if cached is not None and cached[0] == expected:
+            token = cached[1]  # read moments ago by get_many: skip the extra gets
+        else:
+            value, token = self._call(self._client.gets, k)
+            if value is None or value != expected:
+                return False
         return bool(self._call(self._client.cas, k, new, token, self._ttl(ttl)))
+
+    def incr(self, key: str, ttl: float = 0) -> int:
+        k = self._k(key)
+        for _ in range(3):
+            value = self._call(self._client.incr, k, 1)
+            if value is not None:
+                return int(value)
+            self._call(self._client.add, k, str(time.time_ns() // 1000).encode(),
+                       self._ttl(ttl))
+        raise ExchangeError(f"{self.describe} did not keep counter {key!r}")
 
     def delete(self, key: str) -> None:
         self._call(self._client.delete, self._k(key))
 
     def exists(self, key: str) -> bool:
-        # touch with expiry 0 keeps "never expire" and transfers no data.
-        return bool(self._call(self._client.touch, self._k(key), 0))
+        # Meta get without flags ("mg <key>"): "HD" if present, "EN" if not. Transfers no
+        # data and, unlike ``touch``, leaves the key's expiry alone (memcached >= 1.6).
+        line = self._call(self._client._misc_cmd, [b"mg " + self._k(key) + b"\r\n"],
+                          b"mg", False)[0]
+        if line.startswith(b"HD"):
+            return True
+        if line.startswith(b"EN"):
+            return False
+        raise ExchangeError(f"{self.describe} answered {line!r} to a meta get; the exchange "
+                            "needs memcached >= 1.6")
 
     # -- payloads ------------------------------------------------------------------------
-    def put_payload(self, key: str, encoded: Encoded) -> None:
+    def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
         k = self._k(key)
-        data = encoded.tobytes()
+        one = encoded.buffers[0] if len(encoded.buffers) == 1 else None
+        data = one if isinstance(one, bytes) else encoded.tobytes()
         if len(data) <= self.chunk_size:
             head = data
         else:
             view = memoryview(data)
             n = math.ceil(len(data) / self.chunk_size)
-            chunks = {self._k(f"{key}#{i}"): bytes(view[i * self.chunk_size:
-                                                         (i + 1) * self.chunk_size])
+            writer = os.urandom(8)
+            chunks = {self._k(_chunk_key(key, writer, i)):
+                      bytes(view[i * self.chunk_size:(i + 1) * self.chunk_size])
                       for i in range(n)}
-            failed = self._call(self._client.set_many, chunks, 0)
+            failed = self._call(self._client.set_many, chunks, self._ttl(ttl))
             if failed:
+                self._call(self._client.delete_many, list(chunks), noreply=True)
                 raise ExchangeError(f"{self.describe} did not store {len(failed)} chunk(s) "
                                     f"of {key!r}; give it more memory (-m)")
-            head = _DESCRIPTOR.pack(_DESC_MAGIC, n, len(data))
-        if not self._call(self._client.add, k, head, 0):
-            raise ExchangeError(f"{self.describe}: payload {key!r} already exists: a second "
-                                "writer published the same sequence number")
+            head = _DESCRIPTOR.pack(_DESC_MAGIC, n, len(data), writer)
+        if not self._call(self._client.add, k, head, self._ttl(ttl)):
+            if len(data) > self.chunk_size:
+                self._call(self._client.delete_many, list(chunks), noreply=True)
+            return False
+        return True
 
     def get_payload(self, key: str) -> bytearray | None:
         head = self.get_many([key]).get(key)
@@ -189,12 +242,12 @@ class MemcachedStore(Store):
 
     def resolve_payload(self, key: str, head: bytes) -> bytearray:
         """Turn a payload item (whole message or chunk descriptor) into the message bytes."""
-        if not head.startswith(_DESC_MAGIC):
-            self._chunks[key] = 0
+        if not head.startswith(_DESC_MAGIC) or len(head) != _DESCRIPTOR.size:
+            self._chunks[key] = []
             return bytearray(head)
-        _, n, total = _DESCRIPTOR.unpack_from(head)
-        self._chunks[key] = n
-        names = [f"{key}#{i}" for i in range(n)]
+        _, n, total, writer = _DESCRIPTOR.unpack(head)
+        names = [_chunk_key(key, writer, i) for i in range(n)]
+        self._chunks[key] = names
         got = self.get_many(names)
         buf, pos = bytearray(total), 0
         for i, name in enumerate(names):
@@ -212,18 +265,21 @@ class MemcachedStore(Store):
         return buf
 
     def delete_payload(self, key: str) -> None:
-        n = self._chunks.pop(key, None)
-        if n is None:
+        names = self._chunks.pop(key, None)
+        if names is None:
             head = self.get_many([key]).get(key)
-            n = 0
-            if head is not None and head.startswith(_DESC_MAGIC):
-                n = _DESCRIPTOR.unpack_from(head)[1]
-        keys = [self._k(key)] + [self._k(f"{key}#{i}") for i in range(n)]
+            names = []
+            if head is not None and head.startswith(_DESC_MAGIC) and \
+                    len(head) == _DESCRIPTOR.size:
+                _, n, _, writer = _DESCRIPTOR.unpack(head)
+                names = [_chunk_key(key, writer, i) for i in range(n)]
+        keys = [self._k(key)] + [self._k(name) for name in names]
         # Clean-up only (the ack already moved the stream on): no need to wait for replies.
         self._call(self._client.delete_many, keys, noreply=True)
 
     def clone(self) -> MemcachedStore:
-        return MemcachedStore(self.address, timeout=self._timeout, chunk_size=self.chunk_size)
+        return MemcachedStore(self.address, timeout=self._timeout, chunk_size=self.chunk_size,
+                              key_ttl=self.key_ttl)
 
     def close(self) -> None:
         self._client.close()

@@ -56,12 +56,23 @@ class Store(ABC):
         """Whether a (payload or small) key is present."""
 
     @abstractmethod
-    def put_payload(self, key: str, encoded: Encoded) -> None:
+    def incr(self, key: str, ttl: float = 0) -> int:
+        """Atomically increment a counter and return the new value (lease generations).
+
+        A missing counter starts from the current time in microseconds, so values keep
+        growing across a memcached restart that lost the counter.
+        """
+
+    @abstractmethod
+    def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
         """Write a payload once; it becomes visible atomically and completely.
 
+        Returns:
+            ``False`` if ``key`` already exists (nothing was written), else ``True``.
+
         Raises:
-            ExchangeError: the key already exists (a duplicate publish) or the backend
-                refused the data (too large, out of memory).
+            ExchangeError: the backend refused the data (too large, out of memory or
+                space).
         """
 
     @abstractmethod
@@ -80,8 +91,28 @@ class Store(ABC):
     def clone(self) -> Store:
         """A new, independent handle on the same storage (e.g. for a heartbeat thread)."""
 
+    #: Whether :meth:`fence` is one atomic local operation (no prior read needed).
+    local_fence: bool = False
+    #: Whether the store can lose state by itself (a cache server restarting or evicting):
+    #: then every poll also checks the run's incarnation key. A directory only loses
+    #: state if someone deletes it; the heartbeat and missing keys reveal that.
+    volatile: bool = True
+
+    def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
+        """Replace ``key`` (``"<seq> <gen>"``) with ``new`` unless its stored generation
+        is newer than ``gen``; return ``(done, current value or None if missing)``.
+        Only backends with ``local_fence`` implement it."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release connections/handles. Idempotent."""
+
+    def delete_namespace(self, prefix: str, keys: list[str], payloads: list[str]) -> None:
+        """Remove a finished channel: ``keys`` and ``payloads`` (all under ``prefix``)."""
+        for key in keys:
+            self.delete(key)
+        for key in payloads:
+            self.delete_payload(key)
 
     def read_message(self, small_keys: list[str],
                      payload_key: str) -> tuple[dict[str, bytes], bytearray | None]:

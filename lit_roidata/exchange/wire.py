@@ -11,6 +11,13 @@ and runs arbitrary code on load (spec §8.3.7). A message here is::
     zero padding to a multiple of 64 bytes
     data: ``data_len`` bytes; every tensor starts at a 64-byte aligned ``offset``
 
+Flags (prefix, u16): bit 0 (``FLAG_HMAC``) means a 32-byte HMAC-SHA256 tag follows the
+data. It covers the whole prefix (flags included) and everything up to the tag, under a
+per-run key, and is checked with :func:`hmac.compare_digest` before anything else is
+parsed. The tag detects corruption as well, so with this flag the ``crc32`` field is 0
+and not computed (one pass over the payload instead of two). Any other flag bit is rejected, so a later format change sets a new bit or
+bumps ``version``.
+
 ``dtype`` is a canonical name (``"float32"``, ``"bool"``, ``"bfloat16"``, ...),
 ``byteorder`` is ``"<"`` (little-endian) or ``"|"`` (one-byte types); encoders always
 write little-endian, decoders also accept ``">"``. The CRC-32 covers the header, the
@@ -24,6 +31,8 @@ with ``as_torch=True`` every entry is a tensor (sharing memory with the buffer).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import zlib
 from collections.abc import Iterable, Mapping
@@ -33,12 +42,16 @@ from typing import Any
 import numpy as np
 import orjson
 
-from lit_roidata.exchange.errors import WireFormatError
+from lit_roidata.exchange.errors import MessageAuthError, WireFormatError
 
-__all__ = ["Encoded", "Message", "SUPPORTED_DTYPES", "decode", "encode"]
+__all__ = ["Encoded", "FLAG_HMAC", "Message", "SUPPORTED_DTYPES", "decode", "encode",
+           "read_envelope"]
 
 MAGIC = b"LRXW"
 VERSION = 1
+FLAG_HMAC = 0x0001
+KNOWN_FLAGS = FLAG_HMAC
+TAG_SIZE = 32  # HMAC-SHA256
 _PREFIX = struct.Struct("<4sHHIIQ")
 _ALIGN = 64
 
@@ -161,7 +174,8 @@ def _dumps(obj: Any, what: str) -> bytes:
 
 
 def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
-           envelope: Mapping[str, Any] | None = None) -> Encoded:
+           envelope: Mapping[str, Any] | None = None, *, key: bytes | None = None
+           ) -> Encoded:
     """Encode named arrays/tensors and JSON metadata into the wire format.
 
     Args:
@@ -169,6 +183,7 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
             CPU) or anything ``np.asarray`` accepts. Any shape, including 0-d and empty.
         meta: user metadata (e.g. alignment fields), JSON-serialisable.
         envelope: channel bookkeeping (sequence number, channel, run id, rank).
+        key: HMAC key; if given, the message is authenticated (``FLAG_HMAC``).
 
     Returns:
         The encoded message as buffers (no copy of the array data is made).
@@ -200,10 +215,17 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
         if pad:
             body.append(bytes(pad))
     crc = 0
-    for buf in body:
-        crc = zlib.crc32(buf, crc)
-    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), crc, data_len)
+    if key is None:  # with an HMAC the tag covers corruption too
+        for buf in body:
+            crc = zlib.crc32(buf, crc)
+    flags = FLAG_HMAC if key is not None else 0
+    prefix = _PREFIX.pack(MAGIC, VERSION, flags, len(header), crc, data_len)
     buffers = [prefix, *body]
+    if key is not None:
+        mac = hmac.new(key, prefix, hashlib.sha256)
+        for buf in body:
+            mac.update(buf)
+        buffers.append(mac.digest())
     return Encoded(buffers, payload_size(buffers))
 
 
@@ -212,7 +234,7 @@ def _fail(where: str, msg: str) -> WireFormatError:
 
 
 def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
-           where: str = "") -> Message:
+           where: str = "", key: bytes | None = None) -> Message:
     """Decode and validate a message produced by :func:`encode`.
 
     Args:
@@ -220,14 +242,53 @@ def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
             that share its memory; ``bytes`` yields read-only arrays.
         as_torch: return every entry as a ``torch.Tensor`` instead of a NumPy array.
         where: text naming the channel and sequence number, used in error messages.
+        key: HMAC key; if given, only authenticated messages with a valid tag are read.
 
     Returns:
         The tensors, the user metadata and the envelope.
 
     Raises:
+        MessageAuthError: ``key`` is set and the message is unauthenticated or its tag is
+            wrong (forged or altered), or the message is authenticated and ``key`` is not.
         WireFormatError: bad magic/version/flags, truncated data, CRC mismatch, inconsistent
             tensor table or unknown dtype.
     """
+    view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
+    _check_crc(view, data_start + data_len, crc, key, where)
+    header = _header(view, header_len, where)
+    entries = header["tensors"]
+    meta, envelope = header["meta"], header["envelope"]
+    data = view[data_start:data_start + data_len]
+    tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where) for e in entries}
+    return Message(tensors, meta, envelope)
+
+
+def read_envelope(buf: bytes | bytearray | memoryview, *, key: bytes | None = None,
+                  where: str = "") -> dict[str, Any]:
+    """The envelope of a message (checked like :func:`decode`, tensors not decoded)."""
+    view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
+    _check_crc(view, data_start + data_len, crc, key, where)
+    return _header(view, header_len, where)["envelope"]
+
+
+def _check_crc(view: memoryview, end: int, crc: int, key: bytes | None, where: str) -> None:
+    if key is not None:
+        return  # authenticated: the verified HMAC already covers every byte
+    if zlib.crc32(view[_PREFIX.size:end]) != crc:
+        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
+
+
+def _header(view: memoryview, header_len: int, where: str) -> dict[str, Any]:
+    try:
+        header = orjson.loads(view[_PREFIX.size:_PREFIX.size + header_len])
+        header["tensors"], header["meta"], header["envelope"]  # noqa: B018
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise _fail(where, f"unreadable header ({exc})") from exc
+    return header
+
+
+def _check_prefix(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
+                  ) -> tuple[memoryview, int, int, int, int]:
     view = memoryview(buf).cast("B")
     if len(view) < _PREFIX.size:
         raise _fail(where, f"{len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
@@ -237,23 +298,29 @@ def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
     if version != VERSION:
         raise _fail(where, f"wire version {version}, this build reads version {VERSION}; "
                            "upgrade lit_roidata on both ends")
-    if flags != 0:  # the prefix is outside the CRC: an unknown flag is a corrupt prefix
-        raise _fail(where, f"unknown flags {flags:#06x} (version {VERSION} defines none)")
+    if flags & ~KNOWN_FLAGS:  # the prefix is outside the CRC: an unknown flag is corrupt
+        raise _fail(where, f"unknown flags {flags:#06x} (version {VERSION} defines only "
+                           f"{KNOWN_FLAGS:#06x}, HMAC)")
     data_start = _align(_PREFIX.size + header_len)
-    if len(view) != data_start + data_len:
-        raise _fail(where, f"length {len(view)} != expected {data_start + data_len} (truncated "
-                           "or padded payload)")
-    if zlib.crc32(view[_PREFIX.size:]) != crc:
-        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
-    try:
-        header = orjson.loads(view[_PREFIX.size:_PREFIX.size + header_len])
-        entries = header["tensors"]
-        meta, envelope = header["meta"], header["envelope"]
-    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-        raise _fail(where, f"unreadable header ({exc})") from exc
-    data = view[data_start:]
-    tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where) for e in entries}
-    return Message(tensors, meta, envelope)
+    tag = TAG_SIZE if flags & FLAG_HMAC else 0
+    if len(view) != data_start + data_len + tag:
+        raise _fail(where, f"length {len(view)} != expected {data_start + data_len + tag} "
+                           "(truncated or padded payload)")
+    if key is not None:
+        if not tag:
+            raise MessageAuthError(f"unauthenticated exchange message{where}: this end "
+                                   "requires an HMAC (a secret is set) and the message has "
+                                   "none (forged, or the producer has no secret)")
+        end = data_start + data_len
+        mac = hmac.new(key, view[:end], hashlib.sha256).digest()
+        if not hmac.compare_digest(mac, view[end:]):
+            raise MessageAuthError(f"forged or altered exchange message{where}: its HMAC "
+                                   "does not match this run's secret")
+    elif tag:
+        raise MessageAuthError(f"authenticated exchange message{where}, but this end has no "
+                               "secret to check it: set the same secret on both ends "
+                               "(LIT_ROIDATA_EXCHANGE_SECRET or secret=...)")
+    return view, data_start, data_len, header_len, crc
 
 
 def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch: bool,

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Optional, Sequence
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 __all__ = ["main"]
 
@@ -22,7 +25,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="generation seed (default: 0)")
     parser.add_argument("--size", type=json.loads, default=None, metavar="JSON",
                         help='images per dataset, e.g. \'{"demo_train_a": 40}\'')
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing folder holding other data (other seed or "
+                             "sizes, or not demo data) and its roidb caches under ROOT/cache")
     args = parser.parse_args(list(argv or ()))
+    refusal = _existing_data(args.root, args.seed, args.size)
+    if refusal and not args.force:
+        print(f"lit-roidata make-demo-data: {refusal}; not replacing it. Pass --force to "
+              "replace it (its roidb caches under ROOT/cache are removed too), or choose "
+              "another --root.", file=sys.stderr)
+        return 2
+    if refusal:
+        import shutil
+
+        shutil.rmtree(os.path.join(args.root, "cache"), ignore_errors=True)
     from rich.console import Console
     from rich.table import Table
 
@@ -37,3 +53,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       info["proposal_file"])
     Console().print(table)
     return 0
+
+
+def _existing_data(root: str, seed: int, size: Optional[dict[str, Any]]) -> Optional[str]:
+    """Why generating into ``root`` would replace something (``None``: nothing there, or
+    the same demo data already, which is reused untouched)."""
+    from lit_roidata.demo import data as demo
+
+    path = Path(root)
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"{root} exists and is not a folder"
+    entries = [e for e in path.iterdir() if e.name != ".demo_data.lock"]
+    if not entries:
+        return None
+    counts = dict(demo.DEMO_NUM_IMAGES)
+    counts.update({k: int(v) for k, v in (size or {}).items()})
+    wanted = {"version": demo._VERSION, "seed": int(seed), "num_images": counts}
+    if demo._is_complete(path.expanduser().resolve(), wanted):
+        return None
+    return (f"{root} already holds other data ({len(entries)} entries: not the demo data "
+            f"for seed {seed} and these sizes)")

@@ -1,0 +1,709 @@
+"""Reading and converting proposal files without holding them in memory.
+
+Two formats are read:
+
+* **Detectron's pickle** (``.pkl``): a dict with ``boxes`` (one ``(P_i, 4)`` array per
+  image, descending score), ``scores`` (one ``(P_i,)`` array per image; ``objectness_logits``
+  as Detectron2 names it is accepted too) and ``ids`` (or legacy ``indexes``, which
+  wins). Python 2 pickles (protocol 2) are read with ``encoding="latin1"``.
+* **Columnar** ``.npz`` (written by :func:`convert_proposals`): ``ids (n,)``, ``counts (n,)``
+  boxes per image, ``boxes (sum(counts), 4)`` and optionally ``scores (sum(counts),)``.
+
+The pickle is *streamed*: a :class:`pickle.Unpickler` subclass intercepts NumPy's array
+reconstruction, so each array's raw bytes are appended to an anonymous scratch file as
+soon as the unpickler has read them and are then freed; what stays in memory is a small
+record (offset, dtype, shape) per array. The processing then reads the boxes back in
+chunks. Peak memory is a chunk, not the file, and no per-image NumPy array is kept.
+The ``.npz`` is read the same way (``pread`` of the stored member, no unpickling).
+
+The unpickler is created in exactly one place (:func:`_unpickler`), where a future
+trust policy for pickles belongs; today any class the file names is importable, as with
+``pickle.load``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import tempfile
+import weakref
+import zipfile
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Optional
+
+import numpy as np
+
+from lit_roidata.roidb.info import RoIDBInputError
+
+__all__ = ["ProposalSource", "read_proposal_file", "convert_proposals"]
+
+_RECONSTRUCT = {("numpy.core.multiarray", "_reconstruct"),
+                ("numpy._core.multiarray", "_reconstruct")}
+_FROMBUFFER = {("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")}
+_SCORE_KEYS = ("scores", "objectness_logits")
+
+
+@dataclass
+class ProposalSource:
+    """A proposal file's records: ``boxes_of(i)`` is the box array of record ``i``.
+
+    ``flat`` (with ``flat_off``) is set when the records' boxes lie one after the other
+    in one dtype: ``flat[a:b]`` returns rows ``a..b`` as an in-memory array.
+    """
+
+    path: str
+    ids: np.ndarray                      # int64 (m,)
+    counts: np.ndarray                   # int64 (m,)
+    boxes_of: Callable[[int], np.ndarray]
+    flat: Optional[Any] = None           # (N, 4) rows, sliceable
+    flat_off: Optional[np.ndarray] = None
+    scores_flat: Optional[Any] = None    # (N,) scores in the same order, when contiguous
+    scores_of: Optional[Callable[[int], np.ndarray]] = None
+    keep_alive: Any = None               # scratch file / pickle data the accessors read
+
+
+class FileRows:
+    """Rows ``(N, *row_shape)`` of ``dtype`` stored at ``offset`` in an open file.
+
+    Slicing with a step-1 ``slice`` reads those rows with ``os.pread`` into a new,
+    writable array (nothing is memory-mapped, so reading a 2 GiB file in chunks does
+    not grow the resident set).
+    """
+
+    def __init__(self, fh: BinaryIO, offset: int, dtype: np.dtype, n: int,
+                 row_shape: tuple = (4,)) -> None:
+        self.fh, self.offset, self.dtype = fh, int(offset), np.dtype(dtype)
+        self.row_shape = tuple(row_shape)
+        self.row_bytes = self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64))
+        self.shape = (int(n), *self.row_shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        if not isinstance(sl, slice) or sl.step not in (None, 1):
+            raise TypeError("FileRows supports contiguous slices only")
+        a, b, _ = sl.indices(self.shape[0])
+        b = max(a, b)
+        out = np.empty((b - a, *self.row_shape), self.dtype)
+        nbytes = out.nbytes
+        if nbytes:
+            view = memoryview(out.reshape(-1).view(np.uint8))
+            got = 0
+            fd = self.fh.fileno()
+            while got < nbytes:
+                n = os.preadv(fd, [view[got:]], self.offset + a * self.row_bytes + got)
+                if n <= 0:
+                    raise OSError(f"short read from {getattr(self.fh, 'name', 'scratch file')}")
+                got += n
+        return out
+
+
+# ----------------------------------------------------------------------------- streaming
+class _Stored:
+    """An array the unpickler wrote to the scratch file (only its place is kept)."""
+
+    __slots__ = ("sink", "off", "dtype", "shape", "array")
+
+    def __init__(self, sink: "_Sink") -> None:
+        self.sink, self.off, self.dtype, self.shape, self.array = sink, -1, None, (), None
+
+    def __setstate__(self, state: tuple) -> None:
+        """``ndarray.__setstate__``'s arguments: write the raw bytes out, keep the place."""
+        if len(state) == 5:
+            _, shape, dtype, fortran, raw = state
+        elif len(state) == 4:
+            shape, dtype, fortran, raw = state
+        else:
+            raise pickle.UnpicklingError(f"unexpected ndarray state of length {len(state)}")
+        dtype = np.dtype(dtype)
+        if isinstance(raw, str):  # a Python 2 str read with encoding="latin1"
+            raw = raw.encode("latin1")
+        if dtype.hasobject or not isinstance(raw, (bytes, bytearray)):
+            arr = _real_reconstruct()
+            arr.__setstate__(state)  # object arrays etc.: let NumPy do it, keep it
+            self.array, self.dtype, self.shape = arr, arr.dtype, arr.shape
+            return
+        shape = tuple(int(s) for s in shape)
+        if len(raw) != dtype.itemsize * math.prod(shape):
+            raise pickle.UnpicklingError(f"array data of {len(raw)} bytes for shape {shape} "
+                                         f"and dtype {dtype}")
+        if not dtype.isnative and not (dtype.fields or dtype.subdtype or dtype.metadata):
+            # ndarray.__setstate__ byte-swaps to the native order (pickle protocols <= 4)
+            arr = np.frombuffer(raw, dtype).reshape(shape, order="F" if fortran else "C")
+            dtype = dtype.newbyteorder("=")
+            raw = np.ascontiguousarray(arr, dtype=dtype)
+        elif fortran and len(shape) > 1:
+            raw = np.frombuffer(raw, dtype).reshape(shape, order="F").copy(order="C")
+        self.sink.put(self, raw, dtype, shape)
+
+    def load(self) -> np.ndarray:
+        """The array (read back from the scratch file)."""
+        if self.array is not None:
+            return self.array
+        return self.sink.read(self.off, self.dtype, self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def _real_reconstruct() -> np.ndarray:
+    return np.ndarray.__new__(np.ndarray, (0,), np.uint8)
+
+
+class _Sink:
+    """Anonymous scratch file the arrays' bytes are appended to, in unpickling order.
+
+    Writes are gathered and issued with ``os.writev`` (a few MiB per call): one
+    ``write`` per 16 KiB array costs three times as much CPU in the kernel.
+    """
+
+    _BATCH_BYTES = 8 << 20
+    _BATCH_BUFFERS = 512
+
+    def __init__(self) -> None:
+        self.fh = tempfile.TemporaryFile(prefix="lit-roidata-proposals-")
+        self.fd = self.fh.fileno()
+        self.pos = 0          # logical end (written + pending)
+        self._pending: list = []
+        self._pending_bytes = 0
+
+    def reconstruct(self, subtype: Any = None, shape: Any = None, code: Any = None) -> _Stored:
+        """Stands in for ``numpy.core.multiarray._reconstruct``."""
+        return _Stored(self)
+
+    def frombuffer(self, buf: Any, dtype: Any, shape: tuple, order: str) -> _Stored:
+        """Stands in for ``numpy.core.numeric._frombuffer`` (pickle protocol 5)."""
+        dtype = np.dtype(dtype)
+        arr = np.frombuffer(buf, dtype=dtype)
+        st = _Stored(self)
+        if dtype.hasobject:
+            st.array = arr.reshape(shape, order=order)
+            st.dtype, st.shape = st.array.dtype, st.array.shape
+            return st
+        arr = arr.reshape(shape, order=order)
+        self.put(st, np.ascontiguousarray(arr).reshape(-1).view(np.uint8) if arr.size else b"",
+                 dtype, tuple(int(s) for s in shape))
+        return st
+
+    def put(self, st: _Stored, raw: Any, dtype: np.dtype, shape: tuple) -> None:
+        pad = (-self.pos) % max(1, dtype.alignment)
+        if pad:
+            self._append(b"\0" * pad)
+        if not isinstance(raw, (bytes, bytearray)):
+            raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        st.off, st.dtype, st.shape = self.pos, dtype, shape
+        self._append(raw)
+
+    def _append(self, raw: Any) -> None:
+        n = len(raw) if isinstance(raw, (bytes, bytearray)) else raw.nbytes
+        if not n:
+            return
+        self._pending.append(raw)
+        self._pending_bytes += n
+        self.pos += n
+        if self._pending_bytes >= self._BATCH_BYTES or len(self._pending) >= self._BATCH_BUFFERS:
+            self._flush()
+
+    def _flush(self) -> None:
+        bufs = [memoryview(b).cast("B") for b in self._pending]
+        while bufs:
+            n = os.writev(self.fd, bufs)
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            if bufs and n:
+                bufs[0] = bufs[0][n:]
+        self._pending, self._pending_bytes = [], 0
+
+    def read(self, off: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
+        n = math.prod(shape)
+        return FileRows(self.fh, off, dtype, n, ())[0:n].reshape(shape)
+
+    def rows(self, off: int, dtype: np.dtype, n: int, row_shape: tuple) -> FileRows:
+        return FileRows(self.fh, off, dtype, n, row_shape)
+
+    def finish(self) -> None:
+        self._flush()
+
+
+class _ProposalUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that routes NumPy arrays to a :class:`_Sink`."""
+
+    def __init__(self, fh: BinaryIO, sink: _Sink) -> None:
+        super().__init__(fh, encoding="latin1")
+        self._sink = sink
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _RECONSTRUCT:
+            return self._sink.reconstruct
+        if (module, name) in _FROMBUFFER:
+            return self._sink.frombuffer
+        return super().find_class(module, name)
+
+
+def _unpickler(fh: BinaryIO, sink: _Sink) -> pickle.Unpickler:
+    """The one place a proposal pickle's unpickler is created (its trust policy)."""
+    return _ProposalUnpickler(fh, sink)
+
+
+# ----------------------------------------------------------------------------- reading
+def read_proposal_file(path: str) -> ProposalSource:
+    """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated).
+
+    Raises:
+        FileNotFoundError: no such file.
+        RoIDBInputError: an empty, truncated or unreadable file, a wrong top-level type,
+            missing keys, ids that are not integers, per-image boxes that are not
+            ``(P, 4)`` numbers, or scores whose length differs from the boxes'. The
+            message names the file, the record (index and image id) and the fix.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"proposal file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise RoIDBInputError(f"{path}: the proposal file is empty (0 bytes); it was probably "
+                              f"not written completely. Regenerate or copy it again.")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if path.endswith(".npz") or magic == b"PK\x03\x04":
+        return _read_npz(path)
+    return _read_pickle(path)
+
+
+def _read_pickle(path: str) -> ProposalSource:
+    sink = _Sink()
+    try:
+        with open(path, "rb") as fh:
+            data = _unpickler(fh, sink).load()
+    except RoIDBInputError:
+        raise
+    except Exception as exc:  # pickle raises many types for a damaged file
+        sink.fh.close()
+        hint = ("the file is truncated (copy or write it again)"
+                if isinstance(exc, EOFError) or "truncated" in str(exc)
+                else "is it a Detectron proposal pickle?")
+        raise RoIDBInputError(f"{path}: cannot unpickle the proposal file "
+                              f"({type(exc).__name__}: {exc}); {hint}") from None
+    sink.finish()
+    return source_from_object(path, data, keep_alive=sink.fh)
+
+
+def _as_records(path: str, key: str, value: Any) -> list:
+    """A top-level field as a list of per-image items."""
+    if isinstance(value, _Stored):
+        if value.array is not None:
+            return list(value.array)
+        if len(value.shape) == 0:
+            raise RoIDBInputError(f"{path}: {key!r} is a scalar; expected one entry per image")
+        if key == "ids" or len(value.shape) == 1:
+            return list(value.load())
+        # a (n, P, 4) array: one view per record, read back on demand
+        n, per = value.shape[0], math.prod(value.shape[1:])
+        step = per * value.dtype.itemsize
+        return [_SubArray(value, i * step, value.shape[1:]) for i in range(n)]
+    if isinstance(value, np.ndarray):
+        return list(value)
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise RoIDBInputError(f"{path}: {key!r} is a {type(value).__name__}; expected a list with "
+                          f"one entry per image")
+
+
+class _SubArray:
+    """Record ``i`` of a stored ``(n, ...)`` array."""
+
+    __slots__ = ("parent", "delta", "shape")
+
+    def __init__(self, parent: _Stored, delta: int, shape: tuple) -> None:
+        self.parent, self.delta, self.shape = parent, delta, tuple(shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parent.dtype
+
+    @property
+    def off(self) -> int:
+        return self.parent.off + self.delta
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def load(self) -> np.ndarray:
+        return self.parent.sink.read(self.off, self.parent.dtype, self.shape)
+
+
+def _ids_array(path: str, key: str, ids: list) -> np.ndarray:
+    """Integer image ids, or an error naming the first record that is not one."""
+    try:
+        arr = np.asarray(ids)
+    except Exception:  # ragged / odd objects: checked one by one below
+        arr = np.asarray(ids, dtype=object)
+    if arr.ndim == 1 and arr.dtype.kind in "iu":
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            arr = arr.astype(object)
+        else:
+            return arr.astype(np.int64)
+    if arr.ndim == 1 and arr.dtype.kind == "f":
+        ok = np.isfinite(arr) & (arr == np.round(arr)) & (np.abs(arr) < 2.0**63)
+        if ok.all():
+            return arr.astype(np.int64)
+    for i, v in enumerate(ids):
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, bool) or not _is_integral(v):
+            what = f"{v!r} ({type(v).__name__})"
+            if len(what) > 80:
+                what = what[:77] + "..."
+            hint = (" It looks like a file name: map file names to image ids with the "
+                    "annotation json (images[].file_name -> images[].id), e.g. "
+                    "`lit-roidata convert-proposals in.pkl out.npz --annotations "
+                    "instances.json`." if isinstance(v, (str, bytes)) else "")
+            raise RoIDBInputError(
+                f"{path}: {key!r} record {i} is {what}; ids must be the integer image ids "
+                f"of the dataset (the 'id' of each entry of 'images' in the annotation "
+                f"json).{hint}")
+    return np.array([int(v) for v in ids], dtype=np.int64)
+
+
+def _is_integral(v: Any) -> bool:
+    if isinstance(v, (int, np.integer)):
+        return -2**63 <= int(v) < 2**63
+    if isinstance(v, (float, np.floating)):
+        return math.isfinite(v) and float(v).is_integer() and abs(v) < 2.0**63
+    return False
+
+
+def _type_name(v: Any) -> str:
+    return "ndarray" if isinstance(v, (_Stored, _SubArray)) else type(v).__name__
+
+
+def _shape_dtype(item: Any) -> tuple[tuple, Optional[np.dtype]]:
+    if isinstance(item, (_Stored, _SubArray)):
+        if isinstance(item, _Stored) and item.array is not None:
+            return item.array.shape, item.array.dtype
+        return tuple(item.shape), item.dtype
+    if isinstance(item, np.ndarray):
+        return item.shape, item.dtype
+    try:
+        a = np.asarray(item)
+    except Exception:
+        return (-1,), None
+    return a.shape, a.dtype
+
+
+def _load(item: Any) -> np.ndarray:
+    if isinstance(item, (_Stored, _SubArray)):
+        return item.load()
+    return np.asarray(item)
+
+
+def source_from_object(path: str, data: Any, keep_alive: Any = None) -> ProposalSource:
+    """Validate an unpickled proposal dict (streamed or plain) and index its records."""
+    if not isinstance(data, dict):
+        raise RoIDBInputError(f"{path}: expected a dict with keys 'boxes', 'scores' and 'ids' "
+                              f"(or 'indexes'), got {_type_name(data)}. Save the proposals "
+                              f"as dict(boxes=[...], scores=[...], ids=[...]).")
+    id_key = "indexes" if "indexes" in data else "ids"
+    score_key = next((k for k in _SCORE_KEYS if k in data), None)
+    missing = [k for k, ok in (("boxes", "boxes" in data), ("ids", id_key in data),
+                                ("scores", score_key is not None)) if not ok]
+    if missing:
+        raise RoIDBInputError(f"{path}: missing key(s) {missing} (found {sorted(map(str, data))}"
+                              f"); a Detectron proposal file is a dict with 'boxes', 'scores' "
+                              f"and 'ids', one entry per image")
+    boxes = _as_records(path, "boxes", data["boxes"])
+    scores = _as_records(path, score_key, data[score_key])
+    id_list = [x.load() if isinstance(x, (_Stored, _SubArray)) else x  # e.g. 0-d arrays
+               for x in _as_records(path, id_key, data[id_key])]
+    if len(boxes) != len(id_list) or len(scores) != len(id_list):
+        raise RoIDBInputError(f"{path}: 'boxes' ({len(boxes)}), {score_key!r} "
+                              f"({len(scores)}) and {id_key!r} ({len(id_list)}) must have one "
+                              f"record per image")
+    ids = _ids_array(path, id_key, id_list)
+    m = ids.size
+    counts = np.zeros(m, np.int64)
+    dtypes = set()
+    for i, b in enumerate(boxes):
+        shape, dt = _shape_dtype(b)
+        size = math.prod(shape) if dt is not None else -1
+        good = dt is not None and dt.kind in "iuf" and (
+            (len(shape) == 2 and shape[1] == 4) or size == 0)
+        if not good:
+            kind = (f"{_type_name(b)} that is no numeric array" if dt is None else
+                    f"dtype {dt}" if dt.kind not in "iuf" else f"shape {shape}")
+            raise RoIDBInputError(f"{path}: record {i} (image id {int(ids[i])}) has boxes of "
+                                  f"{kind}; expected a (P, 4) array of numbers [x1, y1, x2, y2] "
+                                  f"(an empty (0, 4) array for no proposals). Regenerate the "
+                                  f"file or fix that record.")
+        counts[i] = size // 4
+        dtypes.add(dt)
+    for i, s in enumerate(scores):
+        shape, dt = _shape_dtype(s)
+        n = math.prod(shape) if dt is not None else -1
+        if n != counts[i] or (n and (dt is None or dt.kind not in "iuf")):
+            raise RoIDBInputError(f"{path}: record {i} (image id {int(ids[i])}) has "
+                                  f"{int(counts[i])} boxes but {score_key!r} of shape {shape}"
+                                  f"{'' if dt is None else f' ({dt})'}; each image needs one "
+                                  f"score per box. Regenerate the file or fix that record.")
+    src = ProposalSource(path, ids, counts, lambda i: _load(boxes[i]).reshape(-1, 4),
+                         scores_of=lambda i: _load(scores[i]).reshape(-1),
+                         keep_alive=(keep_alive, boxes, scores))
+    if keep_alive is not None and hasattr(keep_alive, "close"):
+        weakref.finalize(src, keep_alive.close)  # the scratch file goes with the source
+    flat = _contiguous(boxes, counts, 4)
+    if flat is not None:
+        src.flat, src.flat_off = flat, _offsets(counts)
+    src.scores_flat = _contiguous(scores, counts, None)
+    return src
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    off = np.zeros(counts.size + 1, np.int64)
+    np.cumsum(counts, out=off[1:])
+    return off
+
+
+def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Optional[FileRows]:
+    """The records as one :class:`FileRows` when they lie back to back in the scratch file
+    in one dtype (the usual layout of a Detectron pickle), else ``None``."""
+    stored = [it for it in items if isinstance(it, (_Stored, _SubArray))
+              and not (isinstance(it, _Stored) and it.array is not None)]
+    if len(stored) != len(items) or not items:
+        return None
+    dtype = None
+    nonempty = [it for it, c in zip(items, counts) if c]
+    if not nonempty:
+        return None
+    dtype = nonempty[0].dtype
+    expect = nonempty[0].off
+    for it, c in zip(items, counts):
+        if not c:
+            continue
+        if it.dtype != dtype or it.off != expect:
+            return None
+        expect += int(c) * (width or 1) * dtype.itemsize
+    sink = nonempty[0].sink if isinstance(nonempty[0], _Stored) else nonempty[0].parent.sink
+    return sink.rows(nonempty[0].off, dtype, int(counts.sum()), (width,) if width else ())
+
+
+# ----------------------------------------------------------------------------- npz
+def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple[int, np.dtype, tuple,
+                                                                        bool, bool]:
+    """``(data offset, dtype, shape, fortran, stored)`` of ``name.npy`` in an open npz."""
+    info = zf.getinfo(name + ".npy")
+    fh.seek(info.header_offset)
+    local = fh.read(30)
+    if local[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"bad local header for {name}.npy")
+    n_name = int.from_bytes(local[26:28], "little")
+    n_extra = int.from_bytes(local[28:30], "little")
+    start = info.header_offset + 30 + n_name + n_extra
+    stored = info.compress_type == zipfile.ZIP_STORED
+    with zf.open(info) as member:
+        version = np.lib.format.read_magic(member)
+        reader = {(1, 0): np.lib.format.read_array_header_1_0,
+                  (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        shape, fortran, dtype = (reader(member) if reader is not None
+                                 else np.lib.format._read_array_header(member, version))
+        header_len = member.tell() if stored else 0
+    return start + header_len, dtype, shape, fortran, stored
+
+
+def _read_npz(path: str) -> ProposalSource:
+    def bad(what: str) -> RoIDBInputError:
+        return RoIDBInputError(f"{path}: {what}; a columnar proposal file holds 'ids' (n,), "
+                               f"'counts' (n,), 'boxes' (sum(counts), 4) and optionally 'scores' "
+                               f"(sum(counts),) (write one with lit-roidata convert-proposals)")
+
+    fh = open(path, "rb")
+    try:
+        try:
+            zf = zipfile.ZipFile(fh)
+            names = {n[:-4] for n in zf.namelist() if n.endswith(".npy")}
+        except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            raise RoIDBInputError(f"{path}: not a readable .npz file ({exc}); it may be "
+                                  f"truncated. Write it again (lit-roidata convert-proposals)."
+                                  ) from None
+        missing = {"ids", "counts", "boxes"} - names
+        if missing:
+            raise bad(f".npz proposal file lacks {sorted(missing)}")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                ids_raw, counts_raw = z["ids"], z["counts"]
+            b_off, b_dtype, b_shape, b_fortran, b_stored = _npz_member(zf, fh, "boxes")
+            s_meta = _npz_member(zf, fh, "scores") if "scores" in names else None
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise RoIDBInputError(f"{path}: cannot read the .npz ({type(exc).__name__}: {exc}); "
+                                  f"it may be truncated or hold object arrays. Write it again "
+                                  f"(lit-roidata convert-proposals).") from None
+        ids = _ids_array(path, "ids", list(np.asarray(ids_raw).ravel())) \
+            if np.asarray(ids_raw).dtype.kind not in "iu" else np.asarray(ids_raw, np.int64).ravel()
+        if np.asarray(counts_raw).dtype.kind not in "iu":
+            raise bad(f"'counts' has dtype {np.asarray(counts_raw).dtype}, expected integers")
+        counts = np.asarray(counts_raw, np.int64).ravel()
+        total = int(counts.sum()) if counts.size else 0
+        if len(b_shape) != 2 or b_shape[1] != 4 or counts.size != ids.size \
+                or total != b_shape[0] or (counts < 0).any():
+            raise bad(f"inconsistent shapes: ids {tuple(ids.shape)}, counts "
+                      f"{tuple(counts.shape)} (sum {total}), boxes {tuple(b_shape)}")
+        if b_dtype.kind not in "iuf":
+            raise bad(f"'boxes' has dtype {b_dtype}, expected numbers")
+        if s_meta is not None and math.prod(s_meta[2]) != total:
+            raise bad(f"'scores' has shape {tuple(s_meta[2])} but there are {total} boxes")
+        off = _offsets(counts)
+        if b_stored and not b_fortran:
+            flat: Any = FileRows(fh, b_off, b_dtype, total)
+        else:  # compressed (savez_compressed): decompress once into memory
+            with np.load(path, allow_pickle=False) as z:
+                flat = np.ascontiguousarray(z["boxes"])
+        scores_flat: Any = None
+        if s_meta is not None:
+            if s_meta[4] and not s_meta[3]:
+                scores_flat = FileRows(fh, s_meta[0], s_meta[1], total, ())
+            else:
+                with np.load(path, allow_pickle=False) as z:
+                    scores_flat = np.ascontiguousarray(z["scores"]).reshape(-1)
+    except BaseException:
+        fh.close()
+        raise
+    src = ProposalSource(path, ids, counts, lambda i: flat[off[i]:off[i + 1]], flat, off,
+                         scores_flat=scores_flat,
+                         scores_of=None if scores_flat is None
+                         else (lambda i: scores_flat[off[i]:off[i + 1]]), keep_alive=fh)
+    weakref.finalize(src, fh.close)
+    return src
+
+
+# ----------------------------------------------------------------------------- conversion
+_CHUNK_ROWS = 1 << 20
+
+
+def _write_member(zf: zipfile.ZipFile, name: str, dtype: np.dtype, shape: tuple,
+                  chunks: Any) -> None:
+    """Stream ``chunks`` (arrays in row order) into ``name.npy`` of an open npz."""
+    with zf.open(name + ".npy", "w", force_zip64=True) as f:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                  "fortran_order": False, "shape": tuple(int(s) for s in shape)}
+        np.lib.format.write_array_header_2_0(f, header)
+        for c in chunks:
+            c = np.ascontiguousarray(c, dtype=dtype)
+            if c.size:
+                f.write(c.reshape(-1).view(np.uint8))
+
+
+def _chunks_of(flat: Any, of: Callable[[int], np.ndarray], counts: np.ndarray,
+               rows: int = _CHUNK_ROWS) -> Any:
+    if flat is not None:
+        total = int(counts.sum())
+        for a in range(0, total, rows):
+            yield flat[a:min(total, a + rows)]
+        return
+    for i in range(counts.size):
+        yield of(i)
+
+
+def convert_proposals(in_path: str, out_path: str, *,
+                      annotations: Optional[str] = None) -> dict:
+    """Convert a proposal pickle into the columnar ``.npz`` (reads it once, streamed).
+
+    The ``.npz`` keeps the file's record order, box dtype and scores, so a roidb built
+    from it is identical to one built from the pickle, and it loads without unpickling.
+
+    Args:
+        in_path: Detectron proposal pickle (or an ``.npz``, rewritten).
+        out_path: the ``.npz`` to write (written to a temporary name, then renamed).
+        annotations: optional COCO json; when the pickle's ids are file names, they are
+            mapped to that json's image ids (by ``file_name`` or its stem).
+
+    Returns:
+        ``{"images": n, "boxes": N, "dtype": str, "seconds_read": .., "seconds_write": ..}``.
+
+    Raises:
+        RoIDBInputError: as :func:`read_proposal_file`; unknown file names.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    if annotations is not None:
+        src = _read_with_name_map(in_path, annotations)
+    else:
+        src = read_proposal_file(in_path)
+    t1 = time.perf_counter()
+    counts = src.counts
+    total = int(counts.sum())
+    if src.flat is not None:
+        dtype = np.dtype(src.flat.dtype)
+    else:
+        dts = {np.asarray(src.boxes_of(i)).dtype for i in range(counts.size) if counts[i]}
+        dtype = np.result_type(*dts) if dts else np.dtype(np.float32)
+    if dtype.kind not in "f":
+        dtype = np.dtype(np.float32) if dtype.kind in "iu" else dtype
+    tmp = f"{out_path}.tmp-{os.getpid()}"
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            _write_member(zf, "ids", np.int64, src.ids.shape, [src.ids])
+            _write_member(zf, "counts", np.int64, counts.shape, [counts])
+            _write_member(zf, "boxes", dtype, (total, 4),
+                          _chunks_of(src.flat, src.boxes_of, counts))
+            if src.scores_flat is not None or src.scores_of is not None:
+                sdt = np.dtype(src.scores_flat.dtype) if src.scores_flat is not None else \
+                    np.result_type(*({np.asarray(src.scores_of(i)).dtype
+                                      for i in range(counts.size) if counts[i]}
+                                     or {np.dtype(np.float32)}))
+                _write_member(zf, "scores", sdt, (total,),
+                              _chunks_of(src.scores_flat, src.scores_of, counts))
+        os.replace(tmp, out_path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return {"images": int(counts.size), "boxes": total, "dtype": dtype.str,
+            "seconds_read": round(t1 - t0, 3),
+            "seconds_write": round(time.perf_counter() - t1, 3)}
+
+
+def _read_with_name_map(path: str, annotations: str) -> ProposalSource:
+    """Read a pickle whose ids may be file names, mapping them through a COCO json."""
+    import orjson
+
+    with open(annotations, "rb") as fh:
+        images = orjson.loads(fh.read()).get("images") or []
+    by_name: dict = {}
+    for im in images:
+        fn = str(im.get("file_name", ""))
+        for k in (fn, os.path.basename(fn), os.path.splitext(os.path.basename(fn))[0]):
+            by_name.setdefault(k, im.get("id"))
+    sink = _Sink()
+    try:
+        with open(path, "rb") as fh:
+            data = _unpickler(fh, sink).load()
+    except Exception as exc:
+        sink.fh.close()
+        raise RoIDBInputError(f"{path}: cannot unpickle the proposal file "
+                              f"({type(exc).__name__}: {exc})") from None
+    sink.finish()
+    if isinstance(data, dict):
+        key = "indexes" if "indexes" in data else "ids"
+        if key in data:
+            ids = _as_records(path, key, data[key])
+            mapped = []
+            for i, v in enumerate(ids):
+                if isinstance(v, bytes):
+                    v = v.decode("utf-8", "replace")
+                if isinstance(v, str):
+                    k = next((c for c in (v, os.path.basename(v),
+                                          os.path.splitext(os.path.basename(v))[0])
+                              if c in by_name), None)
+                    if k is None:
+                        raise RoIDBInputError(f"{path}: record {i} has id {v!r}, which is no "
+                                              f"file_name of {annotations}; check that the "
+                                              f"proposals belong to that dataset")
+                    v = by_name[k]
+                mapped.append(v)
+            data = dict(data)
+            data[key] = mapped
+    return source_from_object(path, data, keep_alive=sink.fh)

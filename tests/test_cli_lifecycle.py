@@ -1,0 +1,249 @@
+"""The CLI lifecycle: which checkpoint a `fit` resumes from, and never from another
+subcommand's crash; `--ckpt_path last`; tests and tools never overwrite a user's files;
+progress bars count steps; log lines once under DDP."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import yaml
+
+from lit_roidata.cli import main
+
+from test_datamodule_support import REPO, read_records, shared_root, tiny_config
+
+REC = "test_datamodule_support.IndexRecorder"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: Any) -> Path:
+    return shared_root(tmp_path_factory)
+
+
+def _paths(node: Any) -> list[str]:
+    out: list[str] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k in ("save_dir", "dirpath", "default_root_dir", "cache_dir", "demo_root", "path"):
+                out.append(str(v))
+            out += _paths(v)
+    elif isinstance(node, list):
+        for v in node:
+            out += _paths(v)
+    return out
+
+
+def test_test_configs_write_only_under_their_temp_dir(root: Path, tmp_path: Path) -> None:
+    """Every folder a test config writes to (logs, checkpoints, caches) is a temp dir,
+    so running the suite from the repository root leaves runs/demo alone."""
+    cfg = yaml.safe_load(tiny_config(root, tmp_path / "t.yaml").read_text())
+    paths = _paths(cfg)
+    assert any("save_dir" in str(k) for k in [cfg["trainer"]["logger"]["init_args"]])
+    for p in paths:
+        assert Path(p).is_absolute() and not Path(p).resolve().is_relative_to(REPO), p
+
+
+def _ckpt_dir(tmp_path: Path, run: str) -> Path:
+    return tmp_path / run / "interrupted"
+
+
+class Boom(pl.Callback):
+    """Fails at the start of the given stage (here: predict)."""
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        raise RuntimeError("simulated crash in predict")
+
+
+def test_a_crash_in_predict_never_makes_fit_resume(root: Path, tmp_path: Path,
+                                                   caplog: Any) -> None:
+    cfg = tiny_config(root, tmp_path / "run.yaml", run="run",
+                      trainer={"max_steps": 2, "limit_val_batches": 0},
+                      callbacks=[{"class_path": "test_cli_lifecycle.Boom"},
+                                 {"class_path": REC, "init_args": {"path": str(tmp_path / "rec")}}])
+    with pytest.raises(RuntimeError, match="simulated crash in predict"):
+        main(["predict", "--config", str(cfg), "--model.class_path",
+              "test_datamodule_support.PredictingFastRCNN"])
+    exc = _ckpt_dir(tmp_path, "run") / "on_exception.ckpt"
+    assert not exc.exists(), "predict wrote an interrupted-run checkpoint"
+    # A stale one (e.g. from an older version) is not resumed either: it is moved aside.
+    fake = {"loops": {"predict_loop": {}}, "global_step": 0, "state_dict": {}}
+    exc.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(fake, exc)
+    with caplog.at_level(logging.WARNING, logger="lit_roidata"):
+        assert main(["fit", "--config", str(cfg)]) == 0
+    assert [r["step"] for r in read_records(tmp_path / "rec")] == [1, 2]
+    assert (exc.parent / "on_exception.ckpt.stale").is_file()
+    assert "not written by an interrupted `fit`" in caplog.text
+
+
+class StopAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: Any, *a: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("simulated failure")
+
+
+def test_ckpt_path_last_resumes_from_the_newest_checkpoint(root: Path, tmp_path: Path,
+                                                           caplog: Any) -> None:
+    """The documented `--ckpt_path last` finds last.ckpt of the previous run (its logger
+    version folder; Lightning looks only in the new one) and names the step."""
+    rec = tmp_path / "rec"
+    cbs = [{"class_path": REC, "init_args": {"path": str(rec)}}]
+    cfg = tiny_config(root, tmp_path / "run.yaml", run="run", drop_callbacks=("ModelCheckpoint",),
+                      trainer={"max_steps": 3, "limit_val_batches": 0},
+                      callbacks=cbs + [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                                        "init_args": {"save_last": True}}])
+    assert main(["fit", "--config", str(cfg)]) == 0
+    lasts = list((tmp_path / "run" / "runs").rglob("last.ckpt"))
+    assert lasts, "ModelCheckpoint(save_last=True) wrote no last.ckpt"
+    cfg5 = yaml.safe_load(cfg.read_text())
+    cfg5["trainer"]["max_steps"] = 5
+    (tmp_path / "run5.yaml").write_text(yaml.safe_dump(cfg5))
+    with caplog.at_level(logging.WARNING, logger="lit_roidata"):
+        assert main(["fit", "--config", str(tmp_path / "run5.yaml"), "--ckpt_path", "last"]) == 0
+    assert "global step 3" in caplog.text
+    assert [r["step"] for r in read_records(rec)] == [1, 2, 3, 4, 5]
+
+
+def test_rerun_after_an_interrupted_fit_names_the_step_and_fresh_starts_over(
+        root: Path, tmp_path: Path, caplog: Any) -> None:
+    rec = tmp_path / "rec"
+    cfg = tiny_config(root, tmp_path / "run.yaml", run="run",
+                      trainer={"max_steps": 4, "limit_val_batches": 0},
+                      callbacks=[{"class_path": REC, "init_args": {"path": str(rec)}},
+                                 {"class_path": "test_cli_lifecycle.StopAt",
+                                  "init_args": {"step": 2}}])
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        main(["fit", "--config", str(cfg)])
+    exc = _ckpt_dir(tmp_path, "run") / "on_exception.ckpt"
+    assert exc.is_file()
+    plain = yaml.safe_load(cfg.read_text())
+    plain["trainer"]["callbacks"] = [c for c in plain["trainer"]["callbacks"]
+                                     if not c["class_path"].endswith("StopAt")]
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(plain))
+    with caplog.at_level(logging.WARNING, logger="lit_roidata"):
+        assert main(["fit", "--config", str(tmp_path / "plain.yaml"), "--ckpt_path", "fresh"]) == 0
+    assert "fresh" in caplog.text
+    assert [r["step"] for r in read_records(rec)] == [1, 2, 1, 2, 3, 4]
+    # Interrupted again, then the same command: resumes, naming the step.
+    with pytest.raises(RuntimeError):
+        main(["fit", "--config", str(cfg)])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_roidata"):
+        assert main(["fit", "--config", str(tmp_path / "plain.yaml")]) == 0
+    assert "at global step 2" in caplog.text and "--ckpt_path fresh" in caplog.text
+    assert [r["step"] for r in read_records(rec)][-4:] == [1, 2, 3, 4]
+
+
+def test_make_demo_data_refuses_to_replace_other_data_without_force(tmp_path: Path,
+                                                                    capsys: Any) -> None:
+    root = tmp_path / "demo_data"
+    size = '{"demo_train_a": 2, "demo_train_b": 2, "demo_val": 2}'
+    assert main(["make-demo-data", "--root", str(root), "--size", size]) == 0
+    marker = root / "demo_train_a" / "annotations.json"
+    before = marker.read_bytes()
+    (root / "cache").mkdir()
+    # The same data again: reused untouched.
+    assert main(["make-demo-data", "--root", str(root), "--size", size]) == 0
+    # Other sizes: refused, nothing changed.
+    other = '{"demo_train_a": 3, "demo_train_b": 2, "demo_val": 2}'
+    assert main(["make-demo-data", "--root", str(root), "--size", other]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert marker.read_bytes() == before and (root / "cache").is_dir()
+    # A folder with the user's own files: refused too.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["make-demo-data", "--root", str(mine), "--size", size]) == 2
+    assert (mine / "notes.txt").read_text() == "keep me"
+    # --force replaces it and drops the stale caches.
+    assert main(["make-demo-data", "--root", str(root), "--size", other, "--force"]) == 0
+    assert marker.read_bytes() != before and not (root / "cache").exists()
+
+
+@pytest.mark.parametrize("bar", ["rich", "tqdm"])
+def test_progress_bar_counts_steps_out_of_max_steps_and_after_a_resume(
+        root: Path, tmp_path: Path, bar: str) -> None:
+    from lit_roidata import RoIDataModule
+    from lit_roidata.progress import StepProgressBar, StepTQDMProgressBar
+
+    from test_datamodule_support import dm_kwargs
+    from test_resume import _make_model
+
+    seen: list[tuple[Any, Any, str]] = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            pb = trainer.progress_bar_callback
+            if bar == "rich":
+                task = pb.progress.tasks[pb.train_progress_bar_id]
+                seen.append((task.completed, task.total, str(task.description)))
+            else:
+                b = pb.train_progress_bar
+                seen.append((b.n, b.total, str(b.desc)))
+
+    def fit(steps: int, ckpt: str | None) -> None:
+        cls = StepProgressBar if bar == "rich" else StepTQDMProgressBar
+        ck = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True)
+        trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False,
+                             enable_model_summary=False, default_root_dir=str(tmp_path),
+                             limit_val_batches=0, callbacks=[cls(), Probe(), ck])
+        dm = RoIDataModule(**dm_kwargs(root, infinite=True))
+        trainer.fit(_make_model(None), datamodule=dm, ckpt_path=ckpt)
+
+    fit(3, None)
+    fit(5, str(tmp_path / "ck" / "last.ckpt"))
+    assert [(c, t) for c, t, _ in seen] == [(1, 3), (2, 3), (3, 3), (4, 5), (5, 5)], seen
+    assert all("-2" not in d and "Epoch" not in d for _, _, d in seen)
+
+
+def test_log_lines_once_under_ddp_unless_rank_specific(capsys: Any) -> None:
+    from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+    from lit_roidata.cli import _RankZeroFilter
+
+    log = logging.getLogger("lit_roidata.test_rank")
+    handler = logging.StreamHandler()
+    handler.addFilter(_RankZeroFilter())
+    log.addHandler(handler)
+    old = getattr(rank_zero_only, "rank", 0)
+    try:
+        for rank in (0, 1):
+            rank_zero_only.rank = rank
+            log.warning("shared message")
+            log.warning("my shard", extra={"rank_specific": True})
+    finally:
+        rank_zero_only.rank = old
+        log.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.count("shared message") == 1
+    assert "[rank 0] my shard" in err and "[rank 1] my shard" in err
+
+
+BARS: list[tuple[str, Any, str]] = []
+
+
+class BarProbe(pl.Callback):
+    def on_train_end(self, trainer: Any, *a: Any) -> None:
+        pb = trainer.progress_bar_callback
+        task = pb.progress.tasks[pb.train_progress_bar_id]
+        BARS.append((type(pb).__name__, (task.completed, task.total), str(task.description)))
+
+
+def test_cli_fit_shows_steps_out_of_max_steps_in_infinite_mode(root: Path, tmp_path: Path) -> None:
+    """configs/demo.yaml trains by max_steps on the endless stream: the bar the CLI shows
+    counts steps out of max_steps (Lightning's own said `Epoch 0/-2`)."""
+    BARS.clear()
+    cfg = tiny_config(root, tmp_path / "run.yaml", run="run",
+                      trainer={"max_steps": 2, "limit_val_batches": 0, "enable_progress_bar": True},
+                      callbacks=[{"class_path": "test_cli_lifecycle.BarProbe"}])
+    assert main(["fit", "--config", str(cfg)]) == 0
+    assert [b[1] for b in BARS] == [(2, 2)] and BARS[0][0] == "StepProgressBar"
+    assert all("-2" not in b[2] and "Epoch" not in b[2] for b in BARS), BARS
