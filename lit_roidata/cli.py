@@ -186,7 +186,20 @@ class RoIDataCLI(LightningCLI):
         if len(kept) != len(self.trainer.callbacks):
             self.trainer.callbacks = kept
 
-    before_validate = before_test = before_predict = _not_fit
+    before_validate = before_test = _not_fit
+
+    def before_predict(self) -> None:
+        """As ``validate``/``test`` (no interrupted-run checkpoint), and write the
+        detections as COCO results json: add a
+        :class:`~lit_roidata.models.COCOPredictionWriter` (``<default_root_dir>/predictions``)
+        unless the config already has a prediction writer."""
+        from pytorch_lightning.callbacks import BasePredictionWriter
+
+        from lit_roidata.models.predict import COCOPredictionWriter
+
+        self._not_fit()
+        if not any(isinstance(cb, BasePredictionWriter) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(COCOPredictionWriter())
 
 
 _RESUME_ENV = "LIT_ROIDATA_RESUME_FROM"
@@ -284,6 +297,7 @@ def _last_checkpoints(trainer: Any) -> list[str]:
     import glob
 
     return [p for pat in _last_patterns(trainer) for p in glob.glob(pat) if os.path.isfile(p)]
+
 
 
 def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Any:

@@ -7,11 +7,15 @@ without detections, so an image with missed objects still counts):
 * ``image_id`` (int, the JSON id), ``dataset`` (catalog name),
 * ``boxes`` ``(k, 4)`` float, original-image ``x1, y1, x2, y2`` with Detectron's +1
   convention, ``scores`` ``(k,)``, ``labels`` ``(k,)`` contiguous class ids (1-based),
-* optionally ``masks``: ``k`` RLE dicts or a ``(k, H, W)`` binary array.
+* optionally ``masks``: ``k`` RLE dicts or a ``(k, H, W)`` binary array,
+* optionally ``keypoints``: ``(k, K, 3)`` rows ``x, y, score`` in original-image pixel
+  coordinates (COCO's keypoint coordinates).
 
 :func:`detections_to_coco_results` restores the JSON category ids (Detectron's
 ``contiguous_category_id_to_json_id``, spec §2.2) and converts boxes to COCO's
-``[x, y, w, h]`` with ``w = x2 - x1 + 1``, as Detectron's ``_coco_bbox_results_one_category``.
+``[x, y, w, h]`` with ``w = x2 - x1 + 1``, as Detectron's ``_coco_bbox_results_one_category``;
+keypoints become COCO's flat ``[x1, y1, v1, ...]`` with ``v = 1`` and the box score as the
+instance score (Detectron's ``KRCNN.KEYPOINT_CONFIDENCE: bbox``).
 :class:`COCOEvaluator` gathers the detections of all ranks, evaluates on rank 0 with
 pycocotools' ``COCOeval`` and logs the same numbers on every rank.
 """
@@ -31,12 +35,16 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-__all__ = ["COCOEvaluator", "detections_to_coco_results", "coco_category_map"]
+__all__ = ["COCOEvaluator", "detections_to_coco_results", "coco_category_map",
+           "keypoint_category_ids"]
 
 log = logging.getLogger(__name__)
 
 #: ``COCOeval.stats`` positions of the numbers we log.
 _STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
+#: ... and for keypoints (COCO has no small-object keypoint AP).
+_KP_STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl")
+_IOU_TYPES = ("bbox", "segm", "keypoints")
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -88,8 +96,8 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             (chosen by each detection's ``dataset``) or a plain ``{contiguous: json}`` map.
 
     Returns:
-        ``[{"image_id", "category_id", "bbox": [x, y, w, h], "score"} (+ "segmentation"),
-        ...]``, in input order.
+        ``[{"image_id", "category_id", "bbox": [x, y, w, h], "score"} (+ "segmentation",
+        "keypoints"), ...]``, in input order.
 
     Raises:
         ValueError: a label with no json category (e.g. background 0 or a class the
@@ -113,6 +121,12 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
         masks = det.get("masks")
         if masks is not None and len(masks) != len(boxes):
             raise ValueError(f"image {image_id}: {len(masks)} masks for {len(boxes)} boxes")
+        kps = det.get("keypoints")
+        if kps is not None:
+            kps = _numpy(kps).astype(np.float64)
+            if kps.ndim != 3 or kps.shape[0] != len(boxes) or kps.shape[2] < 2:
+                raise ValueError(f"image {image_id}: keypoints must be (k, K, 3) for {len(boxes)} "
+                                 f"boxes, got shape {kps.shape}")
         xywh = boxes.copy()
         xywh[:, 2:] = boxes[:, 2:] - boxes[:, :2] + 1
         for k in range(len(boxes)):
@@ -120,6 +134,10 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
                    "bbox": [round(float(v), 3) for v in xywh[k]], "score": float(scores[k])}
             if masks is not None:
                 res["segmentation"] = _rle(masks[k], image_id)
+            if kps is not None:
+                flat = np.ones((kps.shape[1], 3))
+                flat[:, :2] = kps[k, :, :2]
+                res["keypoints"] = [round(float(v), 2) for v in flat.reshape(-1)]
             results.append(res)
     return results
 
@@ -129,18 +147,36 @@ def coco_category_map(coco: Any) -> dict[int, int]:
     return {i + 1: int(c) for i, c in enumerate(coco.getCatIds())}
 
 
+def keypoint_category_ids(coco_gt: Any) -> list[int]:
+    """Json ids of the categories that define keypoints (``"keypoints"`` names)."""
+    return sorted(int(c["id"]) for c in coco_gt.loadCats(coco_gt.getCatIds())
+                  if c.get("keypoints"))
+
+
 def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
-              image_ids: Sequence[int]) -> tuple[np.ndarray, str]:
-    """COCOeval on ``image_ids``; returns ``stats`` (12 numbers) and the summary text."""
+              image_ids: Sequence[int], kpt_oks_sigmas: Optional[Sequence[float]] = None
+              ) -> tuple[np.ndarray, str]:
+    """COCOeval on ``image_ids``; returns ``stats`` (12, or 10 for keypoints, numbers)
+    and the summary text. Keypoints are evaluated on the keypoint categories only."""
     from pycocotools.cocoeval import COCOeval
 
+    n_stats = 10 if iou_type == "keypoints" else 12
     if not results:
-        return np.zeros(12), f"(no {iou_type} detections: AP is 0)"
+        return np.zeros(n_stats), f"(no {iou_type} detections: AP is 0)"
     text = io.StringIO()
     with contextlib.redirect_stdout(text):  # pycocotools prints; we log
         coco_dt = coco_gt.loadRes(results)
         ev = COCOeval(coco_gt, coco_dt, iou_type)
         ev.params.imgIds = sorted(int(i) for i in image_ids)
+        if iou_type == "keypoints":
+            ev.params.catIds = keypoint_category_ids(coco_gt)
+            k = len(results[0]["keypoints"]) // 3
+            if kpt_oks_sigmas is not None:
+                ev.params.kpt_oks_sigmas = np.asarray(kpt_oks_sigmas, dtype=np.float64)
+            if len(ev.params.kpt_oks_sigmas) != k:
+                raise ValueError(f"keypoint evaluation: the detections have {k} keypoints but "
+                                 f"there are {len(ev.params.kpt_oks_sigmas)} OKS sigmas (COCO's "
+                                 f"17 by default); pass COCOEvaluator(kpt_oks_sigmas=[...])")
         ev.evaluate()
         ev.accumulate()
         summary = io.StringIO()
@@ -150,7 +186,7 @@ def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
 
 
 class COCOEvaluator(pl.Callback):
-    """COCO box (and mask) AP of the model's detections after every validation/test pass.
+    """COCO box, mask and keypoint AP of the model's detections after every validation/test pass.
 
     Collects ``outputs["detections"]`` of each ``validation_step``/``test_step``, gathers
     them from all ranks (``gather_object`` to rank 0), evaluates on rank 0 against each
@@ -165,19 +201,26 @@ class COCOEvaluator(pl.Callback):
     :data:`lit_roidata.catalog.DatasetCatalog` and the annotation file's category order.
 
     Args:
-        iou_types: ``"bbox"`` and/or ``"segm"``; segm runs only if detections have masks.
+        iou_types: ``"bbox"``, ``"segm"``, ``"keypoints"``; segm and keypoints run only if
+            detections have masks / keypoints (keypoints on the json's categories that
+            define keypoints, e.g. ``person``).
         annotation_files: ``{dataset name: COCO json}`` overriding the catalog.
         output_dir: if set, rank 0 writes ``<prefix>_<iou>_<dataset>_results.json`` there.
         print_summary: print a table of the APs on rank 0 after each evaluation.
+        kpt_oks_sigmas: per-keypoint OKS sigmas when the dataset does not have COCO's 17
+            person keypoints (COCOeval's default sigmas).
     """
 
-    def __init__(self, iou_types: Sequence[str] = ("bbox", "segm"),
+    def __init__(self, iou_types: Sequence[str] = _IOU_TYPES,
                  annotation_files: Optional[dict[str, str]] = None,
-                 output_dir: Optional[str] = None, print_summary: bool = True) -> None:
-        bad = sorted(set(iou_types) - {"bbox", "segm"})
+                 output_dir: Optional[str] = None, print_summary: bool = True,
+                 kpt_oks_sigmas: Optional[Sequence[float]] = None) -> None:
+        bad = sorted(set(iou_types) - set(_IOU_TYPES))
         if bad:
-            raise ValueError(f"iou_types {bad} are not supported; choose from bbox, segm")
+            raise ValueError(f"iou_types {bad} are not supported; choose from bbox, segm, "
+                             f"keypoints")
         self.iou_types = tuple(iou_types)
+        self.kpt_oks_sigmas = None if kpt_oks_sigmas is None else list(kpt_oks_sigmas)
         self.annotation_files = dict(annotation_files or {})
         self.output_dir = output_dir
         self.print_summary = print_summary
@@ -282,17 +325,22 @@ class COCOEvaluator(pl.Callback):
                                  f"annotation file; are the detections from another dataset?")
             per_ds[name] = {}
             for iou in self.iou_types:
-                if iou == "segm" and not any(d.get("masks") is not None for d in dets):
+                field = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}[iou]
+                if iou != "bbox" and not any(d.get(field) is not None for d in dets):
                     continue
-                sel = dets if iou == "bbox" else [d for d in dets if d.get("masks") is not None]
+                sel = [d for d in dets if d.get(field) is not None]
                 results = detections_to_coco_results(sel, info)
-                if iou == "bbox":
-                    results = [{k: v for k, v in r.items() if k != "segmentation"}
-                               for r in results]
+                drop = {"bbox": ("segmentation", "keypoints"), "segm": ("keypoints",),
+                        "keypoints": ("segmentation",)}[iou]
+                results = [{k: v for k, v in r.items() if k not in drop} for r in results]
+                if iou == "keypoints":
+                    kp_cats = set(keypoint_category_ids(coco))
+                    results = [r for r in results if r["category_id"] in kp_cats]
                 self._write(results, prefix, iou, name)
-                stats, text = _evaluate(coco, results, iou, image_ids)
+                stats, text = _evaluate(coco, results, iou, image_ids, self.kpt_oks_sigmas)
                 texts.append(f"{name} {iou} ({len(image_ids)} images):\n{text}")
-                per_ds[name].update({f"{iou}_{s}": float(v) for s, v in zip(_STAT_NAMES, stats)})
+                names = _KP_STAT_NAMES if iou == "keypoints" else _STAT_NAMES
+                per_ds[name].update({f"{iou}_{s}": float(v) for s, v in zip(names, stats)})
         metrics: dict[str, float] = {}
         keys = sorted({k for m in per_ds.values() for k in m})
         for k in keys:
@@ -359,9 +407,10 @@ class COCOEvaluator(pl.Callback):
         for s in _STAT_NAMES:
             table.add_column(s, justify="right")
         for name, m in per_ds.items():
-            for iou in ("bbox", "segm"):
+            for iou in _IOU_TYPES:
                 if f"{iou}_AP" in m:
-                    table.add_row(name, iou, *(f"{100 * m[f'{iou}_{s}']:.1f}" for s in _STAT_NAMES))
+                    table.add_row(name, iou, *(f"{100 * m[f'{iou}_{s}']:.1f}" if f"{iou}_{s}" in m
+                                               else "-" for s in _STAT_NAMES))
         Console().print(table)
 
 

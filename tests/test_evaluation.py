@@ -140,7 +140,7 @@ def test_unknown_image_and_category_map(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="12345"):
         ev.evaluate(dets)
     with pytest.raises(ValueError, match="iou_types"):
-        COCOEvaluator(iou_types=("keypoints",))
+        COCOEvaluator(iou_types=("keypoint",))
 
 
 class _Oracle(pl.LightningModule):
@@ -204,3 +204,39 @@ def test_results_roundtrip_property(rows: list) -> None:
         np.testing.assert_allclose([bx, by, bx + bw - 1, by + bh - 1], b, atol=2e-3)
         assert bw == pytest.approx(w + 1, abs=1e-3) and r["category_id"] == c2j[lab]
         assert r["score"] == pytest.approx(s)
+
+
+def test_keypoint_results_and_ap(tmp_path: Path) -> None:
+    """Keypoints become COCO's flat x, y, v=1 lists scored by the box; perfect keypoints
+    give OKS AP 1 (on the category that defines keypoints only), shifted ones less."""
+    ann_file, anns = _tiny_coco(tmp_path)
+    data = json.loads(Path(ann_file).read_text())
+    data["categories"][0]["keypoints"] = [f"k{i}" for i in range(17)]
+    rng = np.random.default_rng(0)
+    for a in data["annotations"]:
+        if a["category_id"] == 3 and not a["iscrowd"]:
+            x, y, w, h = a["bbox"]
+            kp = np.stack([x + rng.uniform(0, w, 17), y + rng.uniform(0, h, 17),
+                           np.full(17, 2.0)], 1)
+            a["keypoints"], a["num_keypoints"] = kp.reshape(-1).round(1).tolist(), 17
+        else:
+            a["keypoints"], a["num_keypoints"] = [0] * 51, 0
+    Path(ann_file).write_text(json.dumps(data))
+    by_id = {a["id"]: a for a in data["annotations"]}
+    dets = _perfect(anns)
+    for d in dets:
+        rows = [a for a in anns if a["image_id"] == d["image_id"] and not a["iscrowd"]]
+        d["keypoints"] = np.array([np.asarray(by_id[a["id"]]["keypoints"], float).reshape(17, 3)
+                                   for a in rows]).reshape(-1, 17, 3)
+    res = detections_to_coco_results(dets[:1], {1: 3, 2: 7})
+    assert res[0]["keypoints"][:3] == [round(v, 2) for v in dets[0]["keypoints"][0, 0, :2]] + [1.0]
+    assert res[0]["score"] == pytest.approx(0.9)  # the box score (KEYPOINT_CONFIDENCE: bbox)
+    ev = COCOEvaluator(annotation_files={"tiny": ann_file}, print_summary=False)
+    m = ev.evaluate(dets)
+    assert m["val/keypoints_AP"] == pytest.approx(1.0) and m["val/bbox_AP"] == pytest.approx(1.0)
+    for d in dets:
+        d["keypoints"][..., :2] += 6.0
+    assert ev.evaluate(dets)["val/keypoints_AP"] < 0.9
+    with pytest.raises(ValueError, match="OKS sigmas"):
+        COCOEvaluator(annotation_files={"tiny": ann_file}, print_summary=False,
+                      kpt_oks_sigmas=[0.1] * 5).evaluate(dets)

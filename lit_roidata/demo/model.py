@@ -289,3 +289,9 @@ class DemoFastRCNN(pl.LightningModule):
 
     def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
         return {"detections": self.detect(batch)}
+
+    def predict_step(self, batch: Mapping[str, Any], batch_idx: int,
+                     dataloader_idx: int = 0) -> list[dict[str, Any]]:
+        """Detections of an evaluation batch (:meth:`detect`); ``lit-roidata predict``
+        writes them as COCO results (:class:`lit_roidata.models.COCOPredictionWriter`)."""
+        return self.detect(batch)

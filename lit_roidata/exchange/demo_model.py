@@ -125,5 +125,14 @@ class RPNExchangeDemo(pl.LightningModule):
         published = {k: v.detach() for k, v in out.items() if not k.startswith("rpn_cls_logits")}
         return {"loss": loss, **published}
 
+    def predict_step(self, batch: Mapping[str, Any], batch_idx: int,
+                     dataloader_idx: int = 0) -> Any:
+        """Refused with an explanation: this RPN demo outputs per-level RPN maps, not
+        detections, so there are no COCO results to write."""
+        raise RuntimeError("RPNExchangeDemo demonstrates the blob exchange with raw per-level "
+                           "RPN outputs; it makes no detections, so `predict` has no COCO "
+                           "results to write. Predict with a detector config (e.g. "
+                           "configs/demo.yaml or configs/demo_faster_rcnn.yaml)")
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)

@@ -1,0 +1,122 @@
+"""``COCOPredictionWriter``: ``predict`` detections written as COCO results json files.
+
+Every model the package ships returns, from ``predict_step``, the per-image detection
+dicts :mod:`lit_roidata.evaluation` describes (``image_id``, ``dataset``, ``boxes``,
+``scores``, ``labels``, optionally ``masks`` / ``keypoints``). This callback collects
+them, gathers them to rank 0 under DDP, maps contiguous class ids to the json's
+category ids (:func:`lit_roidata.evaluation.detections_to_coco_results`) and writes one
+file per dataset, ``<output_dir>/<dataset>.json`` (default
+``<default_root_dir>/predictions``), in the format ``COCO.loadRes`` reads. ``lit-roidata
+predict`` adds it when the config has none and prints the paths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import defaultdict
+from typing import Any, Mapping, Optional, Sequence
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.callbacks import BasePredictionWriter
+
+__all__ = ["COCOPredictionWriter"]
+
+log = logging.getLogger(__name__)
+
+
+class COCOPredictionWriter(BasePredictionWriter):
+    """Write ``predict`` detections as COCO results json, one file per dataset.
+
+    Args:
+        output_dir: folder of the json files; default ``<trainer.default_root_dir>/predictions``.
+
+    Attributes:
+        written: ``{dataset: path}`` of the last ``predict`` run (rank 0).
+    """
+
+    def __init__(self, output_dir: Optional[str] = None) -> None:
+        super().__init__(write_interval="batch")
+        self.output_dir = output_dir
+        self._dets: list[dict[str, Any]] = []
+        self.written: dict[str, str] = {}
+
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._dets = []
+
+    def write_on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           prediction: Any, batch_indices: Optional[Sequence[int]], batch: Any,
+                           batch_idx: int, dataloader_idx: int) -> None:
+        if isinstance(prediction, Mapping):
+            prediction = prediction.get("detections")
+        if prediction is None:
+            raise TypeError(f"{type(pl_module).__name__}.predict_step returned nothing; it must "
+                            f"return a list of per-image detection dicts (lit_roidata.evaluation)")
+        for d in prediction:
+            self._dets.append({k: (v.detach().cpu().numpy() if torch.is_tensor(v) else v)
+                               for k, v in d.items()})
+
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dets = self._dets
+        self._dets = []
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: Optional[list[Any]] = [None] * dist.get_world_size() \
+                if dist.get_rank() == 0 else None
+            dist.gather_object(dets, gathered, dst=0)
+            dets = [d for part in gathered for d in part] if gathered is not None else []
+        if trainer.global_rank != 0:
+            return
+        self.written = self.write(dets, trainer)
+        for name, path in self.written.items():
+            print(f"predictions ({name}): {path}", flush=True)
+
+    def write(self, detections: Sequence[Mapping[str, Any]], trainer: Optional[pl.Trainer] = None
+              ) -> dict[str, str]:
+        """Write ``detections`` grouped by dataset; return ``{dataset: path}``."""
+        from lit_roidata.evaluation import detections_to_coco_results
+
+        by_ds: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+        for d in detections:
+            by_ds[str(d.get("dataset"))].append(d)
+        out_dir = self.output_dir or os.path.join(
+            getattr(trainer, "default_root_dir", None) or os.getcwd(), "predictions")
+        os.makedirs(out_dir, exist_ok=True)
+        written = {}
+        for name, dets in sorted(by_ds.items()):
+            results = detections_to_coco_results(dets, _id_map_source(name, trainer))
+            path = os.path.join(out_dir, f"{name}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(results, f)
+            os.replace(path + ".tmp", path)
+            log.info("wrote %d detections of %d images (%s) to %s", len(results), len(dets),
+                     name, path)
+            written[name] = path
+        if not by_ds:
+            log.warning("predict produced no detections to write")
+        return written
+
+
+def _id_map_source(name: str, trainer: Optional[pl.Trainer]) -> Any:
+    """The ``DatasetInfo`` of ``name`` from the data module's roidbs, else the category
+    order of its annotation file (Detectron's contiguous ids)."""
+    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+    for attr in ("test_roidb", "val_roidb", "train_roidb"):
+        for info in getattr(getattr(dm, attr, None), "datasets", ()) or ():
+            if info.name == name:
+                return info
+    import contextlib
+    import io
+
+    from pycocotools.coco import COCO
+
+    from lit_roidata.evaluation import _annotation_file, coco_category_map
+
+    catalog = dm.catalog() if dm is not None and hasattr(dm, "catalog") else None
+    if catalog is None:
+        from lit_roidata.catalog import DatasetCatalog as catalog
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco = COCO(_annotation_file(catalog, name))
+    return coco_category_map(coco)
