@@ -87,7 +87,10 @@ class StatefulRoIDataLoader:
             ``OnExceptionCheckpoint`` saves); the saved position is moved back before them
             (up to 8).
         on_pass_end: optional ``() -> None`` called when the batch that finishes a pass is
-            handed out (the same step on every rank, so it may run a collective).
+            handed out (local work only: no collective inside batch fetching).
+        on_batch: optional ``batch -> batch`` applied in this process, in stream order, to
+            every batch before it is handed out (e.g. ``RoIBlockDataset.repair`` of the
+            skip policy, counting skips).
 
     Raises:
         TypeError: an ``IterableDataset`` or a batch sampler that is not a
@@ -100,7 +103,8 @@ class StatefulRoIDataLoader:
                  multiprocessing_context: Any = None, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, strict_resume: bool = True,
                  inflight: Callable[[], int] | None = None,
-                 on_pass_end: Callable[[], None] | None = None) -> None:
+                 on_pass_end: Callable[[], None] | None = None,
+                 on_batch: Callable[[Any], Any] | None = None) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
@@ -126,6 +130,7 @@ class StatefulRoIDataLoader:
         self._recent: deque[tuple[int, int]] = deque(maxlen=8)  # positions before them
         self._inflight = inflight
         self._on_pass_end = on_pass_end
+        self._on_batch = on_batch
         self.sampler = _EpochHook(self)
 
     # ------------------------------------------------------------------ DataLoader face
@@ -176,6 +181,8 @@ class StatefulRoIDataLoader:
         seed = np.random.SeedSequence([sampler.seed, *self._pos]).generate_state(1)[0]
         self._generator.manual_seed(int(seed))  # worker seeds depend on position only
         for batch in self._loader:
+            if self._on_batch is not None:
+                batch = self._on_batch(batch)
             # Advance before yielding: a checkpoint written while the loop holds this
             # batch must resume after it.
             self._recent.append(self._pos)

@@ -88,33 +88,33 @@ class RepairRequest:
         record: what was wrong (reason, path, image id, dataset, message, index).
         substitutes: replacements made so far in this block (dicts, see ``_meta``).
         skipped: bad images found so far in this block (records).
+        requested: the stream block as the sampler gave it.
     """
 
-    __slots__ = ("block", "slot", "record", "substitutes", "skipped")
+    __slots__ = ("block", "slot", "record", "substitutes", "skipped", "requested")
 
-    def __init__(self, block: Any, slot: int, record: dict, substitutes: list, skipped: list
-                 ) -> None:
+    def __init__(self, block: Any, slot: int, record: dict, substitutes: list, skipped: list,
+                 requested: Any = None) -> None:
         self.block, self.slot, self.record = block, int(slot), record
         self.substitutes, self.skipped = substitutes, skipped
+        self.requested = block if requested is None else requested
 
     def __reduce__(self) -> tuple:
         return (RepairRequest, (self.block, self.slot, self.record, self.substitutes,
-                                self.skipped))
+                                self.skipped, self.requested))
 
     def __repr__(self) -> str:
         return f"RepairRequest(block={self.block!r}, slot={self.slot}, reason={self.record.get('reason')})"
 
 
-def _twins_of(roidb: Any) -> Any:
-    """``index -> all indices reading the same file`` (originals and their flips)."""
+def _file_keys(roidb: Any) -> Any:
+    """One key per roidb entry naming its file (originals and flips share it), or None."""
     rows = getattr(roidb, "_entry_img", None)
     if rows is not None:
-        rows = np.asarray(rows)
-        return lambda i: np.flatnonzero(rows == rows[int(i)]).tolist()
-    if isinstance(roidb, Sequence):
-        paths = [str(e.get("image")) if hasattr(e, "get") else None for e in roidb]
-        return lambda i: [j for j, p in enumerate(paths) if p is not None and p == paths[int(i)]] or [int(i)]
-    return lambda i: [int(i)]
+        return np.asarray(rows)
+    if isinstance(roidb, Sequence) and len(roidb) and hasattr(roidb[0], "get"):
+        return np.asarray([str(e.get("image")) for e in roidb])
+    return None
 
 
 class BadImageLedger:
@@ -133,7 +133,7 @@ class BadImageLedger:
 
     def __init__(self, sampler: Any, roidb: Any = None) -> None:
         self.sampler = sampler
-        self._twins = _twins_of(roidb) if roidb is not None else (lambda i: [int(i)])
+        self._files = _file_keys(roidb) if roidb is not None else None
         self.known: dict[int, dict] = {}  # roidb index -> record (what was wrong)
         #: ``[(from_pass, frozenset)]``: the known set each pass uses (sorted by pass).
         self.frozen: list[tuple[int, frozenset]] = [(0, frozenset())]
@@ -152,7 +152,9 @@ class BadImageLedger:
     def mark_bad(self, index: int, record: Mapping[str, Any]) -> bool:
         """Remember ``index`` (and its flipped twin: same file) as bad; ``True`` if new."""
         new = int(index) not in self.known
-        for j in self._twins(int(index)):
+        twins = ([int(index)] if self._files is None
+                 else np.flatnonzero(self._files == self._files[int(index)]).tolist())
+        for j in twins:
             self.known.setdefault(int(j), dict(record, index=int(index)))
         return new
 
