@@ -399,6 +399,9 @@ class RoIDataModule(pl.LightningDataModule):
 
     def _count_skips(self, meta: Mapping[str, Any]) -> None:
         for item in meta.get("skipped") or ():
+            if item.get("again"):  # a file already reported (an original and its flip)
+                self._skipped["read_again"] += 1
+                continue
             self._skipped[str(item.get("reason", "bad_image"))] += 1
             rec = {k: item.get(k) for k in ("reason", "path", "image_id", "dataset",
                                               "message", "index")}

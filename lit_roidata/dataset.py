@@ -266,11 +266,16 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                     f"last one is bad too ({item.record.get('message')}). Check the image "
                     "files (the skip report lists them)")
             tries += 1
-            rec = item.record
-            self.ledger.mark_bad(int(item.block[item.slot]), rec)
-            self.skip_counts[str(rec.get("reason", "bad_image"))] += 1
-            log.warning("skipping %s (replacing only this image of its block)",
-                        rec.get("message"))
+            # A file already known here (e.g. the flipped copy of an image found bad
+            # earlier in this pass, read by a worker that could not know) is not a new skip.
+            new = self.ledger.mark_bad(int(item.block[item.slot]), item.record)
+            rec = dict(item.record, again=not new)
+            if new:
+                self.skip_counts[str(rec.get("reason", "bad_image"))] += 1
+                log.warning("skipping %s (replacing only this image of its block)",
+                            rec.get("message"))
+            else:
+                self.skip_counts["read_again"] += 1
             block, sub = self.ledger.substitute(item.block, item.slot, attempt=tries - 1)
             item = self._build_stream(item.requested, block, item.substitutes + [sub],
                                       item.skipped + [rec])

@@ -1,0 +1,261 @@
+"""``on_bad_image="skip"`` through RoIDataModule (0 and 2 workers), a real Trainer.fit with
+a resume, and 2-process DDP (gloo): only bad images replaced, every file reported once,
+never read again once known on every rank, and kept in the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lit_roidata import RoIDataModule
+from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
+from test_datamodule_support import TINY_MODEL, dm_kwargs, read_records, run_cli, tiny_config
+
+RESERVE = 0.2
+
+
+def _break_files(root: Path) -> dict[str, str]:
+    """Truncate one JPEG, empty one, and move one away (the roidb cache is already
+    built, so the loss is found only when the image is read)."""
+    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip"))
+    dm.prepare_data()
+    dm.setup("fit")
+    rdb = dm.train_roidb
+    paths = sorted({str(rdb[i]["image"]) for i in range(len(rdb))})
+    truncated, empty, missing = paths[1], paths[7], paths[20]
+    data = Path(truncated).read_bytes()
+    Path(truncated).write_bytes(data[: len(data) // 2])
+    Path(empty).write_bytes(b"")
+    # renamed, not deleted, so the demo data still counts as complete (not regenerated)
+    Path(missing).rename(Path(missing).with_name("moved_" + Path(missing).name))
+    return {truncated: "undecodable", empty: "undecodable", missing: "missing"}
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory: Any) -> tuple[Path, dict[str, str]]:
+    root = Path(tmp_path_factory.mktemp("skip_demo"))
+    return root, _break_files(root)
+
+
+def _epochs(dm: RoIDataModule, n: int) -> tuple[list[list[dict]], list[dict]]:
+    loader = dm.train_dataloader()
+    metas, reports = [], []
+    for epoch in range(n):
+        loader.set_epoch(epoch)
+        metas.append([(b["_meta"] if isinstance(b, dict) else b.meta) for b in loader])
+        reports.append(dm.exchange_bad_images())  # what on_train_epoch_end runs
+    return metas, reports
+
+
+def _check(metas: list[dict], bad: dict[str, str]) -> None:
+    images = Counter(p for m in metas for p in m["images"])
+    assert not set(images) & set(bad)
+    keys = Counter((m["pass_index"], i) for m in metas for i in m["indices"])
+    assert all(n == 1 for n in keys.values())  # no entry twice in a pass
+    for m in metas:
+        assert not [s for s in m["substitutes"] if s["why"] == "reserve_exhausted"]
+        bad_slots = {s["slot"] for s in m["substitutes"]}
+        for k, (req, used) in enumerate(zip(m["requested_indices"], m["indices"])):
+            if k not in bad_slots:
+                assert req == used  # partners kept
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_datamodule_replaces_only_bad_images_and_reports_each_file(broken, nw: int) -> None:
+    root, bad = broken
+    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
+                                   bad_image_reserve=RESERVE))
+    dm.setup("fit")
+    metas, reports = _epochs(dm, 2)
+    for ms in metas:
+        _check(ms, bad)
+    files = {r["path"]: r for r in reports[0]["files"]}
+    assert set(files) <= set(bad) and files  # found in the first pass
+    for path, rec in files.items():
+        assert rec["reason"] == bad[path] and path in rec["message"]
+    counts = reports[0]["counts"]
+    assert sum(counts.get(k, 0) for k in ("missing", "undecodable")) == len(files)
+    # second pass: what is known is replaced before it is read; nothing found twice
+    again = {r["path"] for r in reports[1]["files"]}
+    assert not again & set(files)
+    read1 = {p for m in metas[1] for s in m["skipped"] for p in [s["path"]]}
+    assert not read1 & set(files)
+    # the bad list is in the checkpoint state and restored
+    state = dm.state_dict()
+    assert {v["path"] for v in state["bad_images"]["known"].values()} >= set(files)
+    other = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
+                                      bad_image_reserve=RESERVE))
+    other.setup("fit")
+    other.load_state_dict(state)
+    other.train_dataloader()
+    assert other._ledger.known == dm._ledger.known
+    assert other._ledger.frozen == dm._ledger.frozen
+    if nw == 2:
+        ref = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=0,
+                                        bad_image_reserve=RESERVE))
+        ref.setup("fit")
+        ref_metas, _ = _epochs(ref, 2)
+        assert [[m["indices"] for m in ms] for ms in ref_metas] == \
+            [[m["indices"] for m in ms] for ms in metas]
+
+
+def test_torchvision_format_counts_skips_and_keeps_meta_on_device(broken) -> None:
+    root, bad = broken
+    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", output_format="torchvision",
+                                   bad_image_reserve=RESERVE))
+    dm.setup("fit")
+    metas, reports = _epochs(dm, 1)
+    _check(metas[0], bad)
+    assert reports[0]["files"] and sum(reports[0]["counts"].values()) >= len(reports[0]["files"])
+    loader = dm.train_dataloader()
+    batch = next(iter(loader))
+    moved = dm.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    assert isinstance(moved, TorchvisionBatch) and moved.meta is batch.meta
+
+
+def test_no_collective_inside_batch_fetching(broken, monkeypatch) -> None:
+    """The loader's fetch path never calls torch.distributed (a collective there can
+    hang DDP when ranks differ); the exchange happens only in the epoch hook."""
+    root, _ = broken
+    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
+    dm.setup("fit")
+    calls = []
+
+    def gather(out: list, obj: Any) -> None:
+        calls.append(obj)
+        out[:] = [obj, {"counts": {}, "files": []}]
+
+    loader = dm.train_dataloader()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)  # not a collective
+    for name in ("all_gather_object", "all_gather", "all_reduce", "broadcast_object_list",
+                 "barrier", "gather_object", "broadcast"):
+        monkeypatch.setattr(torch.distributed, name, gather if name == "all_gather_object"
+                            else lambda *a, **k: calls.append(name))
+    loader.set_epoch(0)
+    for _ in loader:
+        pass
+    assert not calls
+    report = dm.exchange_bad_images()
+    assert len(calls) == 1 and report["files"]
+
+
+class _Recorder(pl.Callback):
+    def __init__(self) -> None:
+        self.trained: list[list[int]] = []
+        self.images: list[str] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.trained.append(list(batch["_meta"]["indices"]))
+        self.images += list(batch["_meta"]["images"])
+
+
+def _trainer(tmp: Path, steps: int, callbacks: list, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp), num_sanity_val_steps=0,
+                      limit_val_batches=0, callbacks=callbacks, **kw)
+
+
+@pytest.mark.slow
+def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Path,
+                                                            caplog) -> None:
+    from lit_roidata.demo import DemoFastRCNN
+
+    root, bad = broken
+    kw = dm_kwargs(root, on_bad_image="skip", num_workers=1, bad_image_reserve=RESERVE)
+    dm = RoIDataModule(**kw)
+    dm.setup("fit")
+    steps = len(dm.train_dataloader()) + 3  # one epoch and a bit
+    rec = _Recorder()
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True,
+                                        every_n_train_steps=steps - 1)
+    pl.seed_everything(0)
+    dm = RoIDataModule(**kw)
+    with caplog.at_level(logging.WARNING, logger="lit_roidata"):
+        _trainer(tmp_path / "a", steps, [rec, ckpt]).fit(DemoFastRCNN(**TINY_MODEL),
+                                                         datamodule=dm)
+    assert not set(rec.images) & set(bad)
+    text = caplog.text
+    found = [p for p in bad if p in text]
+    assert found and "skip report" in text and "whole run" in text
+    for p in found:  # each file listed once per report, with its reason
+        assert text.count(f"  {p} (") >= 1
+    saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
+    known = saved["datamodule_hyper_parameters"] if False else None
+    state = next(v for k, v in saved.items() if k == "RoIDataModule")
+    assert {r["path"] for r in state["bad_images"]["known"].values()} >= set(found)
+    # resume: the known files are never read again
+    rec2 = _Recorder()
+    dm2 = RoIDataModule(**kw)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lit_roidata"):
+        _trainer(tmp_path / "b", steps + 4, [rec2]).fit(
+            DemoFastRCNN(**TINY_MODEL), datamodule=dm2, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    assert len(rec2.trained) == 5 and not set(rec2.images) & set(bad)
+    assert dm2._ledger.known.keys() >= {int(k) for k in state["bad_images"]["known"]}
+    assert not any(f"skipping image" in r.message and any(p in r.message for p in found)
+                   for r in caplog.records)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_exchange_bad_images(broken, tmp_path: Path) -> None:
+    """2 ranks (gloo): each file found once in the run over both ranks, reported by rank
+    0 at the epoch end, never read again by either rank after the exchange."""
+    root, bad = broken
+    rec = tmp_path / "rec"
+    cfg = tiny_config(root, tmp_path / "ddp.yaml",
+                      trainer={"max_epochs": 3, "max_steps": -1, "devices": 2,
+                               "strategy": "ddp", "limit_val_batches": 0,
+                               "num_sanity_val_steps": 0, "val_check_interval": None},
+                      callbacks=[{"class_path": "test_skip_datamodule.SkipRecorder",
+                                  "init_args": {"path": str(rec)}}],
+                      data={"num_workers": 1, "on_bad_image": "skip", "infinite": False,
+                            "bad_image_reserve": RESERVE},
+                      drop_callbacks=("ModelCheckpoint",))
+    res = run_cli("fit", "--config", str(cfg), timeout=500)
+    assert res.returncode == 0, res.stderr[-4000:]
+    r0, r1 = read_records(rec, 0), read_records(rec, 1)
+    assert len(r0) == len(r1) > 0
+    skipped = [(r["epoch"], s) for recs in (r0, r1) for r in recs for s in r["skipped"]]
+    paths = Counter(s for _, s in skipped)
+    assert paths and set(paths) <= set(bad)
+    assert all(n == 1 for n in paths.values()), paths  # read once in the run, all ranks
+    assert all(e == 0 for e, _ in skipped)  # after the first exchange: never read again
+    delivered = [p for recs in (r0, r1) for r in recs for p in r["images"]]
+    assert not set(delivered) & set(bad)
+    for epoch in range(3):  # exactly once per pass across both ranks
+        keys = Counter(i for recs in (r0, r1) for r in recs if r["epoch"] == epoch
+                       for i in r["indices"])
+        assert all(n == 1 for n in keys.values())
+    out = res.stdout + res.stderr
+    assert "skip report" in out
+    for p in paths:
+        assert p in out
+
+
+class SkipRecorder(pl.Callback):
+    """Per rank: the entries, files and newly skipped files of every trained batch."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        meta = batch["_meta"]
+        rec = {"epoch": int(trainer.current_epoch),
+               "indices": [int(i) for i in meta["indices"]], "images": list(meta["images"]),
+               "skipped": [s["path"] for s in meta["skipped"]]}
+        with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
+            f.write(json.dumps(rec) + "\n")
