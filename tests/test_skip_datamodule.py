@@ -108,6 +108,40 @@ def test_datamodule_replaces_only_bad_images_and_reports_each_file(broken, nw: i
             [[m["indices"] for m in ms] for ms in metas]
 
 
+def _infinite_epochs(dm: RoIDataModule, n: int) -> list[dict]:
+    """What Lightning does in infinite mode: a fresh iterator per epoch, a fixed number of
+    batches (here 2/3 of a pass, as with ``limit_train_batches``: epochs and passes do not
+    align), then the epoch-end exchange."""
+    loader = dm.train_dataloader()
+    metas = []
+    for epoch in range(n):
+        loader.set_epoch(epoch)
+        it = iter(loader)
+        metas += [next(it)["_meta"] for _ in range(len(loader) * 2 // 3)]
+        it.close()
+        dm.exchange_bad_images()
+    return metas
+
+
+def test_infinite_mode_passes_across_epochs(broken) -> None:
+    """Passes and epochs are not aligned; the bad list found in an epoch applies from
+    the next pass not started, the same with 0 and 2 workers."""
+    root, bad = broken
+    runs = []
+    for nw in (0, 2):
+        dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
+                                       infinite=True, bad_image_reserve=RESERVE))
+        dm.setup("fit")
+        metas = _infinite_epochs(dm, 5)
+        for p in {m["pass_index"] for m in metas}:
+            _check([m for m in metas if m["pass_index"] == p], bad)
+        runs.append([(m["pass_index"], m["block_index"], m["indices"]) for m in metas])
+        # a file is a new skip at most once on this rank (flips: "again")
+        new = Counter(s["path"] for m in metas for s in m["skipped"] if not s.get("again"))
+        assert new and all(n == 1 for n in new.values())
+    assert runs[0] == runs[1]
+
+
 def test_torchvision_format_counts_skips_and_keeps_meta_on_device(broken) -> None:
     root, bad = broken
     dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", output_format="torchvision",
