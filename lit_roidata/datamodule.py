@@ -357,6 +357,8 @@ class RoIDataModule(pl.LightningDataModule):
             self.setup("fit")
         sampler = self.make_sampler()
         dataset = self.make_dataset(sampler=sampler)
+        if self._ledger is not None:  # a reloaded loader keeps what the run learnt
+            self._ledger_state = self._ledger.state_dict()
         self._ledger = dataset.ledger
         if self._ledger is not None and self._ledger_state is not None:
             self._ledger.load_state_dict(self._ledger_state)
