@@ -286,8 +286,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         """Whole-block replacements ``first, first + 1, ...`` (invalid minibatches; bad
         images when there is no ledger)."""
         known = frozenset()
-        if self.ledger is not None:
-            known = self.ledger.frozen_for(_coords(block)[1]) | frozenset(self.ledger.known)
+        if self.ledger is not None:  # the frozen set only: the same in every worker
+            known = self.ledger.frozen_for(_coords(block)[1])
         for attempt in range(first, self.max_attempts + 1):
             if attempt > first or first > 0:
                 current = self._replacement(block, attempt)
