@@ -97,7 +97,8 @@ class RoIDataModule(pl.LightningDataModule):
             every skipped file is reported with its reason at the end of each epoch.
             Every good image of a pass is delivered exactly once (docs/minibatch.md).
         bad_image_reserve: with ``on_bad_image="skip"``, the fraction of each pass's
-            blocks held back as replacements for bad images (at least one block).
+            blocks held back as replacements for bad images (at least 16 images, at
+            most a quarter of a pass; 0: none, every replacement a counted repeat).
         cache_dir: folder for the roidb caches (default: the roidb builder's).
         data_root: root under which the built-in COCO catalog names resolve
             (``<data_root>/coco/...``).
@@ -317,7 +318,7 @@ class RoIDataModule(pl.LightningDataModule):
 
             hb = holdback_blocks(sampler.blocks_per_pass,
                                  float(getattr(self.hparams, "bad_image_reserve", 0.01)),
-                                 1 if kw["infinite"] else int(kw["world_size"]))
+                                 1 if kw["infinite"] else int(kw["world_size"]), mb)
             if hb:
                 sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, holdback=hb, **kw)
         return sampler

@@ -65,17 +65,25 @@ _RESERVE_DOMAIN = 0x72737276  # "rsrv": reserve order of a pass
 _FALLBACK_DOMAIN = 0x66616c6c  # "fall": the draw when the reserve is exhausted
 
 
-def holdback_blocks(natural_blocks: int, fraction: float, world_size: int = 1) -> int:
+MIN_RESERVE_IMAGES = 16
+
+
+def holdback_blocks(natural_blocks: int, fraction: float, world_size: int = 1,
+                    ims_per_batch: int = 1) -> int:
     """Blocks to hold back per pass for a reserve of ``fraction`` of a pass.
 
-    At least one block (so ``IMS_PER_BATCH=1`` on one process still has a reserve), at
-    most what leaves ``world_size`` blocks to deliver. 0 when ``fraction`` is 0.
+    At least :data:`MIN_RESERVE_IMAGES` images (a small dataset still has a reserve of
+    each orientation: an image and its flipped copy are two entries), at most a quarter
+    of the pass and never so many that fewer than ``world_size`` blocks are left. 0 when
+    ``fraction`` is 0 (no reserve: every replacement is a counted repeat).
     """
     if fraction < 0 or fraction >= 1:
         raise ValueError(f"bad_image_reserve={fraction}: use a fraction of a pass in [0, 1)")
     if fraction == 0:
         return 0
-    want = max(1, int(np.ceil(fraction * natural_blocks)))
+    want = max(int(np.ceil(fraction * natural_blocks)),
+               -(-MIN_RESERVE_IMAGES // max(1, int(ims_per_batch))))
+    want = min(want, max(1, natural_blocks // 4))
     return max(0, min(want, natural_blocks - max(1, world_size)))
 
 
@@ -188,7 +196,7 @@ class BadImageLedger:
         return rest[g.permutation(rest.size)]
 
     def _pass_plan(self, pass_index: int) -> tuple[frozenset, dict, dict]:
-        """``(F, {(block, slot): replacement}, {orientation: free reserve images})``."""
+        """``(F, {(block, slot): (replacement, why)}, {orientation: free reserve images})``."""
         hit = self._cache.get(pass_index)
         bad = self.frozen_for(pass_index)
         if hit is not None and hit[0] is bad:
@@ -210,8 +218,9 @@ class BadImageLedger:
                 b, slot = divmod(pos, mb)
                 idx = int(delivered[pos])
                 pool = pools.get(self._orient(idx))
-                plan[(b, slot)] = (pool.pop(0) if pool else
-                                   self._fallback(pass_index, b, slot, 0, idx, bad))
+                plan[(b, slot)] = ((pool.pop(0), "known_bad") if pool else
+                                   (self._fallback(pass_index, b, slot, 0, idx, bad),
+                                    "reserve_exhausted"))
         out = (bad, plan, pools)
         self._cache[pass_index] = out
         return out
@@ -265,21 +274,13 @@ class BadImageLedger:
         inds, subs = list(block), []
         for slot, i in enumerate(block):
             if int(i) in bad:
-                new = plan.get((block.block_index, slot))
+                new, why = plan.get((block.block_index, slot), (None, "reserve_exhausted"))
                 if new is None:  # a block outside the delivered pass (not expected)
                     new = self._fallback(block.pass_index, block.block_index, slot, 0, int(i),
                                          bad)
                 inds[slot] = new
-                subs.append({"slot": slot, "bad_index": int(i), "index": int(new),
-                             "why": "known_bad" if self._from_reserve(block.pass_index, new)
-                             else "reserve_exhausted"})
+                subs.append({"slot": slot, "bad_index": int(i), "index": int(new), "why": why})
         return _with_indices(block, inds), subs
-
-    def _from_reserve(self, pass_index: int, index: int) -> bool:
-        sm = self.sampler
-        delivered = sm.permutation(pass_index)[: self.delivered_blocks(pass_index)
-                                               * sm.ims_per_batch]
-        return not bool(np.any(delivered == int(index)))
 
     def substitute(self, block: Any, slot: int, attempt: int = 0) -> tuple[Any, dict]:
         """Replace ``block[slot]`` (found bad, already :meth:`mark_bad`) by this rank's next

@@ -101,7 +101,7 @@ def test_skip_policy_exactly_once_partners_kept_never_twice(n, mb, ws, frac, gro
         widths[2 * mb: 4 * mb], heights[2 * mb: 4 * mb] = 10, 20
         horz = widths >= heights
     probe = RoIBatchSampler(widths, heights, mb, world_size=ws, aspect_grouping=grouping)
-    hb = holdback_blocks(probe.blocks_per_pass, frac, ws)
+    hb = holdback_blocks(probe.blocks_per_pass, frac, ws, mb)
     if probe.blocks_per_pass - hb < ws or hb == 0:
         return
     bad = set(data.draw(st.sets(st.integers(0, n - 1), max_size=max(1, n // 4))))
@@ -129,7 +129,7 @@ def test_single_process_resume_mid_pass_is_exact(n, mb, stop, seed):
     widths, heights = np.full(n, 20), np.full(n, 10)
     bad = set(rng.choice(n, size=max(1, n // 5), replace=False).tolist())
     probe = RoIBatchSampler(widths, heights, mb)
-    hb = holdback_blocks(probe.blocks_per_pass, 0.3)
+    hb = holdback_blocks(probe.blocks_per_pass, 0.3, 1, mb)
     samplers, ledgers = _world(widths, heights, mb, 1, hb)
     _run_pass(samplers, ledgers, 0, bad, Counter())
     ref_s, ref_l = _world(widths, heights, mb, 1, hb)
@@ -204,4 +204,8 @@ def test_state_roundtrip_and_frozen_snapshots():
     assert other.known == led.known and other.frozen == led.frozen
     with pytest.raises(ValueError, match="bad_image_reserve"):
         holdback_blocks(10, 1.5)
-    assert holdback_blocks(100, 0.01) == 1 and holdback_blocks(100, 0) == 0
+    assert holdback_blocks(100, 0.01) == 16 and holdback_blocks(100, 0) == 0
+    assert holdback_blocks(100, 0.01, ims_per_batch=2) == 8
+    assert holdback_blocks(10_000, 0.01, ims_per_batch=2) == 100
+    assert holdback_blocks(20, 0.01) == 5 and holdback_blocks(3, 0.5, world_size=2) == 1
+    assert holdback_blocks(2, 0.5, world_size=2) == 0
