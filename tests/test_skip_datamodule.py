@@ -108,6 +108,18 @@ def test_datamodule_replaces_only_bad_images_and_reports_each_file(broken, nw: i
             [[m["indices"] for m in ms] for ms in metas]
 
 
+def test_ims_per_batch_1_default_reserve_no_repeat(broken) -> None:
+    """The issue's case: IMS_PER_BATCH=1, default reserve: no image twice in a pass."""
+    root, bad = broken
+    over = dict(dm_kwargs(root)["overrides"], **{"TRAIN.IMS_PER_BATCH": 1})
+    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", overrides=over))
+    dm.setup("fit")
+    metas, reports = _epochs(dm, 2)
+    for ms in metas:
+        _check(ms, bad)
+    assert reports[0]["files"] and "reserve_exhausted" not in reports[0]["counts"]
+
+
 def _infinite_epochs(dm: RoIDataModule, n: int) -> list[dict]:
     """What Lightning does in infinite mode: a fresh iterator per epoch, a fixed number of
     batches (here 2/3 of a pass, as with ``limit_train_batches``: epochs and passes do not
