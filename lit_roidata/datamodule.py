@@ -387,7 +387,9 @@ class RoIDataModule(pl.LightningDataModule):
             return
         if not any(isinstance(cb, BadImageReport) and cb.datamodule is self
                    for cb in trainer.callbacks):
-            trainer.callbacks.append(BadImageReport(self))
+            # First: an epoch-end checkpoint (ModelCheckpoint runs last) must hold the
+            # state after the exchange, or a resume from it would replace differently.
+            trainer.callbacks.insert(0, BadImageReport(self))
 
     def _on_train_batch(self, batch: Any) -> Any:
         """Main process, stream order, before the device transfer: finish blocks with a
