@@ -461,8 +461,9 @@ class RoIDataModule(pl.LightningDataModule):
         if counts and self._rank_world()[0] == 0:
             from lit_roidata.skip import summarize
 
-            log.warning("%s (on_bad_image=%s)", summarize(report["files"], report["counts"]),
-                        self.hparams.on_bad_image)
+            log.warning("%s", summarize(report["files"], report["counts"],
+                                        f"data: skip report of the epoch (on_bad_image="
+                                        f"{self.hparams.on_bad_image})"))
         return report
 
     def log_run_skips(self) -> dict[str, Any]:
@@ -472,7 +473,8 @@ class RoIDataModule(pl.LightningDataModule):
         if report["counts"] and self._rank_world()[0] == 0:
             from lit_roidata.skip import summarize
 
-            log.warning("data: whole run: %s", summarize(report["files"], report["counts"]))
+            log.warning("%s", summarize(report["files"], report["counts"],
+                                        "data: skip report of the whole run"))
         return report
 
     def _batches_in_flight(self) -> int:

@@ -371,9 +371,10 @@ class BadImageReport(pl.Callback):
         self.datamodule.log_run_skips()
 
 
-def summarize(records: Sequence[Mapping[str, Any]], counts: Mapping[str, int]) -> str:
-    """A readable multi-line skip report."""
-    lines = [f"data: skip report: {dict(sorted(Counter(counts).items()))}"]
+def summarize(records: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
+              title: str = "data: skip report") -> str:
+    """A readable multi-line skip report: the counts by kind, then one line per file."""
+    lines = [f"{title}: {dict(sorted(Counter(counts).items()))}"]
     if records:
         lines.append(f"bad images found ({len(records)}):")
         lines += _report_lines(records)

@@ -227,20 +227,28 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
     rec = _Recorder()
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), save_last=True,
                                         every_n_train_steps=steps - 1)
+    at_epoch_end = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ep"), every_n_epochs=1,
+                                                save_on_train_epoch_end=True, save_top_k=-1)
     pl.seed_everything(0)
     dm = RoIDataModule(**kw)
     with caplog.at_level(logging.WARNING, logger="lit_roidata"):
-        _trainer(tmp_path / "a", steps, [rec, ckpt]).fit(DemoFastRCNN(**TINY_MODEL),
+        _trainer(tmp_path / "a", steps, [rec, ckpt, at_epoch_end]).fit(DemoFastRCNN(**TINY_MODEL),
                                                          datamodule=dm)
     assert not set(rec.images) & set(bad)
     text = caplog.text
     found = [p for p in bad if p in text]
-    assert found and "skip report" in text and "whole run" in text
+    assert found and "skip report of the epoch" in text and "skip report of the whole run" in text
     for p in found:  # each file listed once per report, with its reason
         assert text.count(f"  {p} (") >= 1
     saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
     state = next(v for k, v in saved.items() if k == "RoIDataModule")
     assert {r["path"] for r in state["bad_images"]["known"].values()} >= set(found)
+    # the epoch-end checkpoint holds the state after the exchange (bad list frozen for
+    # the next pass), so a resume from it replaces exactly as the uninterrupted run
+    (ep,) = list((tmp_path / "ep").glob("epoch=0-*.ckpt"))
+    ep_state = torch.load(ep, weights_only=False)["RoIDataModule"]["bad_images"]
+    (start, frozen), = [f for f in ep_state["frozen"] if f[0] == 1]
+    assert {int(i) for i in frozen} == {int(k) for k in ep_state["known"]}
     # resume: the known files are never read again
     rec2 = _Recorder()
     dm2 = RoIDataModule(**kw)
