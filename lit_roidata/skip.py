@@ -170,7 +170,10 @@ class BadImageLedger:
         """Make every known bad image part of the frozen set from pass ``from_pass`` on
         (call with the same arguments on every rank: after an exchange)."""
         s = frozenset(self.known)
-        self.frozen = [(p, f) for p, f in self.frozen if p < from_pass] + [(int(from_pass), s)]
+        # Only the snapshot in force just before ``from_pass`` can still be asked for (the
+        # stream never goes back), so older ones are dropped.
+        older = [(p, f) for p, f in self.frozen if p < from_pass][-1:]
+        self.frozen = older + [(int(from_pass), s)]
         self._cache = {p: v for p, v in self._cache.items() if p < from_pass}
 
     # ------------------------------------------------------------------ reserve
