@@ -209,3 +209,28 @@ def test_state_roundtrip_and_frozen_snapshots():
     assert holdback_blocks(10_000, 0.01, ims_per_batch=2) == 100
     assert holdback_blocks(20, 0.01) == 5 and holdback_blocks(3, 0.5, world_size=2) == 1
     assert holdback_blocks(2, 0.5, world_size=2) == 0
+
+
+@pytest.mark.parametrize("grouping", [True, False])
+def test_sampler_holdback_keeps_detectron_blocks_and_is_part_of_the_state(grouping):
+    rng = np.random.default_rng(3)
+    w, h = rng.integers(10, 30, 23), rng.integers(10, 30, 23)
+    ref = RoIBatchSampler(w, h, 2, seed=5, aspect_grouping=grouping)
+    held = RoIBatchSampler(w, h, 2, seed=5, aspect_grouping=grouping, holdback=3)
+    assert held.blocks_per_pass == ref.blocks_per_pass - 3 == len(held)
+    for p in range(2):
+        assert [list(held.block(p, b)) for b in range(held.blocks_per_pass)] == \
+            [list(ref.block(p, b)) for b in range(held.blocks_per_pass)]
+    # the reserve: everything the pass does not deliver, each image once
+    led = BadImageLedger(held)
+    delivered = {i for b in range(held.blocks_per_pass) for i in held.block(0, b)}
+    assert set(led.reserve(0).tolist()) == set(range(23)) - delivered
+    state = held.state_dict()
+    assert state["holdback"] == 3
+    with pytest.raises(ValueError, match="holdback"):
+        ref.load_state_dict(state)
+    old = dict(ref.state_dict())
+    old.pop("holdback")  # a checkpoint written before holdback existed
+    ref.load_state_dict(old)
+    with pytest.raises(ValueError, match="holdback"):
+        RoIBatchSampler(w, h, 2, holdback=ref.blocks_per_pass)
