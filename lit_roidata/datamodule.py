@@ -364,6 +364,8 @@ class RoIDataModule(pl.LightningDataModule):
         if self._ledger is not None and self._ledger_state is not None:
             self._ledger.load_state_dict(self._ledger_state)
         self._train_dataset = dataset
+        dataset.defer_repair = True  # every repair in _on_train_batch, in stream order
+        self._first_batch = True
         nw = int(self.hparams.num_workers)
         if nw > 0:
             fork_safe_opencv()
@@ -395,6 +397,11 @@ class RoIDataModule(pl.LightningDataModule):
         """Main process, stream order, before the device transfer: finish blocks with a
         newly found bad image and count every skip (any ``output_format``)."""
         dataset = getattr(self, "_train_dataset", None)
+        if getattr(self, "_first_batch", False) and self._ledger is not None:
+            self._first_batch = False
+            loader = self._train_loader
+            if loader is not None:  # where this (maybe resumed) stream starts
+                self._ledger.resumed_at(*loader.batch_sampler.normalize(*loader._pos))
         if dataset is not None:
             batch = dataset.repair(batch)
         meta = batch.get("_meta") if isinstance(batch, dict) else getattr(batch, "meta", None)

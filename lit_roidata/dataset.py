@@ -143,6 +143,9 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.mask_format = mask_format
         self.fix_rpn_quirks = bool(fix_rpn_quirks)
         self.ledger = ledger
+        #: ``True``: hand a block with a newly found bad image back as a RepairRequest
+        #: even in the main process (the caller repairs every batch in stream order).
+        self.defer_repair = False
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
 
@@ -238,7 +241,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         except BadImageError as exc:
             rec = self._record(exc, current, reads)
             req = RepairRequest(current, rec["slot"], rec, subs, skipped, requested)
-            return req if _in_worker() else self.repair(req)
+            return req if _in_worker() or self.defer_repair else self.repair(req)
         if valid:
             return self._package(out, entries, requested, current, skipped, 0, subs)
         self.skip_counts["invalid_minibatch"] += 1
@@ -277,8 +280,12 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             else:
                 self.skip_counts["read_again"] += 1
             block, sub = self.ledger.substitute(item.block, item.slot, attempt=tries - 1)
-            item = self._build_stream(item.requested, block, item.substitutes + [sub],
-                                      item.skipped + [rec])
+            defer, self.defer_repair = self.defer_repair, True  # loop here, not recurse
+            try:
+                item = self._build_stream(item.requested, block, item.substitutes + [sub],
+                                          item.skipped + [rec])
+            finally:
+                self.defer_repair = defer
         return item
 
     def _attempts(self, block: Any, current: Any, first: int, skipped: list, invalid: int,

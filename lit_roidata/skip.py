@@ -146,6 +146,11 @@ class BadImageLedger:
         #: ``[(from_pass, frozenset)]``: the known set each pass uses (sorted by pass).
         self.frozen: list[tuple[int, frozenset]] = [(0, frozenset())]
         self.used: dict[tuple[int, Any], int] = {}  # (pass, orientation) -> share used
+        #: A pass whose share this rank takes from the end: set after restoring a state
+        #: saved by another rank mid-pass (this rank's use of its share before the
+        #: interruption is unknown; it took from the front).
+        self.reverse_pass: int | None = None
+        self.restored_foreign = False
         self._cache: dict[int, tuple[frozenset, dict, dict]] = {}
 
     # ------------------------------------------------------------------ sets
@@ -299,6 +304,8 @@ class BadImageLedger:
         o = self._orient(bad_index)
         _, _, pools = self._pass_plan(p)
         share = pools.get(o, [])[sm.rank::sm.world_size]
+        if p == self.reverse_pass:
+            share = share[::-1]
         key = (p, o)
         new = None
         why = "new_bad"
@@ -337,7 +344,17 @@ class BadImageLedger:
         same = (int(state.get("rank", -1)) == self.sampler.rank
                 and int(state.get("world_size", -1)) == self.sampler.world_size)
         self.used = {(int(p), o): int(n) for p, o, n in state.get("used", [])} if same else {}
+        self.restored_foreign = not same
         self._cache = {}
+
+    def resumed_at(self, pass_index: int, cursor: int) -> None:
+        """Tell the ledger where a resumed stream starts. If the state came from another
+        rank (or world size) and the resume is mid-pass, this rank takes its share of that
+        pass's reserve from the end, so it does not repeat a replacement it delivered
+        before the interruption (it took those from the front)."""
+        if self.restored_foreign and cursor > 0:
+            self.reverse_pass = int(pass_index)
+        self.restored_foreign = False
 
 
 def _with_indices(block: Any, inds: list[int]) -> Any:

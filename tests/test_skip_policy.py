@@ -234,3 +234,45 @@ def test_sampler_holdback_keeps_detectron_blocks_and_is_part_of_the_state(groupi
     ref.load_state_dict(old)
     with pytest.raises(ValueError, match="holdback"):
         RoIBatchSampler(w, h, 2, holdback=ref.blocks_per_pass)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(12, 40), mb=st.integers(1, 3), stop=st.integers(1, 12),
+       seed=st.integers(0, 2**16))
+def test_ddp_resume_from_rank0_state_repeats_no_replacement(n, mb, stop, seed):
+    """Lightning saves rank 0's state only: rank 1 resumes without its use of its reserve
+    share, so it takes that pass's share from the end (``resumed_at``): no image is
+    delivered twice in the interrupted pass unless the reserve runs out."""
+    rng = np.random.default_rng(seed)
+    widths, heights = np.full(n, 20), np.full(n, 10)
+    bad = set(rng.choice(n, size=max(2, n // 4), replace=False).tolist())
+    probe = RoIBatchSampler(widths, heights, mb, world_size=2)
+    hb = holdback_blocks(probe.blocks_per_pass, 0.5, 2, mb)
+    if probe.blocks_per_pass - hb < 2 or hb == 0:
+        return
+    samplers, ledgers = _world(widths, heights, mb, 2, hb)
+    steps = len(samplers[0])
+    stop = min(stop, steps - 1)
+    out = []
+    before = ledgers
+    for k in range(steps):
+        if k == stop:  # interrupt: both ranks restart from rank 0's checkpointed state
+            state = ledgers[0].state_dict()
+            samplers, ledgers = _world(widths, heights, mb, 2, hb)
+            for led in ledgers:
+                led.load_state_dict(state)
+                led.resumed_at(0, stop * 2)
+        for r in range(2):
+            orig = samplers[r].block(0, k * 2 + r)
+            blk, subs = _deliver(samplers[r], ledgers[r], orig, bad, Counter())
+            out.append((r, list(orig), list(blk), subs))
+    share = len(ledgers[1]._pass_plan(0)[2].get(True, [])[1::2])
+    used_front, used_back = before[1].used.get((0, True), 0), ledgers[1].used.get((0, True), 0)
+    delivered = Counter(i for _, _, blk, _ in out for i in blk)
+    assert not set(delivered) & bad
+    for _, orig, blk, _ in out:  # partners kept
+        assert all(o == d for o, d in zip(orig, blk) if o not in bad)
+    exhausted = sum(x["why"] == "reserve_exhausted" for *_, subs in out for x in subs)
+    repeats = sum(c - 1 for c in delivered.values())
+    if used_front + used_back <= share:  # the two ends of rank 1's share did not meet
+        assert repeats <= exhausted
