@@ -451,9 +451,16 @@ class RoIDataModule(pl.LightningDataModule):
             counts.update(part["counts"])
             for rec in part["files"]:
                 files.setdefault(str(rec.get("path")), rec)
+        # One count per file: a file two ranks found in the same epoch (an image and its
+        # flipped copy) counts once by its reason, the second find as read_again.
+        found = Counter(str(r.get("reason")) for part in parts for r in part["files"])
+        counts.subtract(found)
+        counts.update(Counter(str(r.get("reason")) for r in files.values()))
+        counts["read_again"] += sum(found.values()) - len(files)
+        counts = Counter({k: v for k, v in counts.items() if v > 0})
         ledger = self._ledger
         if ledger is not None:
-            for rec in files.values():
+            for rec in (r for part in parts for r in part["files"]):
                 if rec.get("index") is not None:
                     ledger.mark_bad(int(rec["index"]), rec)
             loader = self._train_loader

@@ -316,3 +316,28 @@ class SkipRecorder(pl.Callback):
                            for s in meta["skipped"]]}
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+def test_exchange_counts_each_file_once_across_ranks(broken, monkeypatch) -> None:
+    """Two ranks that found the same file in one epoch (an image and its flipped copy):
+    the merged report counts it once by its reason, the second find as read_again."""
+    root, _ = broken
+    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
+    dm.setup("fit")
+    dm.train_dataloader()
+    rec = {"reason": "missing", "path": "/x/a.jpg", "image_id": 1, "dataset": "d",
+           "message": "m", "index": 3}
+    dm._skipped.update({"missing": 1})
+    dm._skip_records.append(dict(rec))
+    other = {"counts": {"missing": 1, "known_bad": 2}, "files": [dict(rec, index=40)]}
+
+    def gather(out: list, obj: Any) -> None:
+        out[:] = [obj, other]
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+    report = dm.exchange_bad_images()
+    assert report["counts"] == {"known_bad": 2, "missing": 1, "read_again": 1}
+    assert [f["path"] for f in report["files"]] == ["/x/a.jpg"]
+    assert {3, 40} <= set(dm._ledger.known)  # both ranks' finds are known everywhere
