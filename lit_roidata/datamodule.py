@@ -449,8 +449,10 @@ class RoIDataModule(pl.LightningDataModule):
         files: dict[str, dict[str, Any]] = {}
         for part in parts:
             counts.update(part["counts"])
-            for rec in part["files"]:
-                files.setdefault(str(rec.get("path")), rec)
+            for rec in part["files"]:  # one record per file (no path: kept apart)
+                key = rec.get("path")
+                files.setdefault(str(key) if key is not None else f"<no path {len(files)}>",
+                                 rec)
         # One count per file: a file two ranks found in the same epoch (an image and its
         # flipped copy) counts once by its reason, the second find as read_again.
         found = Counter(str(r.get("reason")) for part in parts for r in part["files"])

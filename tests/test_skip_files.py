@@ -133,9 +133,9 @@ def _loader_metas(tmp_path: Path, nw: int, mb: int) -> list[dict]:
 
 @pytest.mark.parametrize("mb", [1, 2])
 def test_same_stream_with_0_and_2_workers(tmp_path: Path, mb: int) -> None:
-    a = _loader_metas(tmp_path / "a", 0, mb) if (tmp_path / "a").mkdir() is None else None
-    b = _loader_metas(tmp_path / "b", 2, mb) if (tmp_path / "b").mkdir() is None else None
-    assert a == b
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _loader_metas(tmp_path / "a", 0, mb) == _loader_metas(tmp_path / "b", 2, mb)
 
 
 def test_torchvision_output_counts_and_keeps_meta(tmp_path: Path) -> None:
