@@ -91,8 +91,14 @@ class RoIDataModule(pl.LightningDataModule):
         rng_mode: ``"block"`` (one generator per block: reproducible anywhere) or
             ``"detectron"`` (NumPy RandomState in Detectron's call order).
         on_bad_image: ``"raise"`` stops on an unreadable image naming it;
-            ``"skip"`` replaces its block deterministically and counts it (reported
-            at the end of each epoch).
+            ``"skip"`` replaces only that image (its partners stay), deterministically,
+            from images the pass holds back; the bad file is never read again once
+            every rank knows it (exchanged at each epoch end, kept in checkpoints), and
+            every skipped file is reported with its reason at the end of each epoch.
+            Every good image of a pass is delivered exactly once (docs/minibatch.md).
+        bad_image_reserve: with ``on_bad_image="skip"``, the fraction of each pass's
+            blocks held back as replacements for bad images (at least 16 images, at
+            most a quarter of a pass; 0: none, every replacement a counted repeat).
         cache_dir: folder for the roidb caches (default: the roidb builder's).
         data_root: root under which the built-in COCO catalog names resolve
             (``<data_root>/coco/...``).
@@ -150,6 +156,7 @@ class RoIDataModule(pl.LightningDataModule):
         pin_memory: bool = False,
         mask_format: Literal["compact", "detectron"] = "compact",
         target_format: Literal["compact", "detectron", "compact_raw"] = "compact",
+        bad_image_reserve: float = 0.01,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -168,6 +175,15 @@ class RoIDataModule(pl.LightningDataModule):
         self._skipped: Counter[str] = Counter()
         self._restored_phase: dict[str, Any] = {}
         self._carry_from: Any = None
+        if not 0 <= bad_image_reserve < 1:
+            raise ValueError(f"bad_image_reserve={bad_image_reserve}; use a fraction of a "
+                             "pass in [0, 1), e.g. 0.01")
+        self._skip_records: list[dict[str, Any]] = []  # bad files found, not yet reported
+        self._run_skips: Counter[str] = Counter()
+        self._run_skip_files: dict[str, dict[str, Any]] = {}
+        self.last_skip_report: dict[str, Any] = {"counts": {}, "files": []}
+        self._ledger: Any = None
+        self._ledger_state: Optional[Mapping[str, Any]] = None
 
     # ------------------------------------------------------------------ config
     def _build_cfg(self) -> DetectronConfig:
@@ -305,13 +321,22 @@ class RoIDataModule(pl.LightningDataModule):
 
         roidb = self.train_roidb if roidb is None else roidb
         r, w = self._rank_world()
-        return RoIBatchSampler(
-            roidb.widths, roidb.heights,
-            int(self.cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch),
-            aspect_grouping=bool(self.cfg.TRAIN.ASPECT_GROUPING) and shuffle,
-            shuffle=shuffle, seed=self.seed, rank=r if rank is None else rank,
-            world_size=w if world_size is None else world_size,
-            infinite=bool(self.hparams.infinite))
+        kw = dict(aspect_grouping=bool(self.cfg.TRAIN.ASPECT_GROUPING) and shuffle,
+                  shuffle=shuffle, seed=self.seed, rank=r if rank is None else rank,
+                  world_size=w if world_size is None else world_size,
+                  infinite=bool(self.hparams.infinite))
+        mb = int(self.cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch)
+        sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, **kw)
+        if self.hparams.on_bad_image == "skip":
+            # Hold back the reserve that replaces bad images (lit_roidata.skip).
+            from lit_roidata.skip import holdback_blocks
+
+            hb = holdback_blocks(sampler.blocks_per_pass,
+                                 float(getattr(self.hparams, "bad_image_reserve", 0.01)),
+                                 1 if kw["infinite"] else int(kw["world_size"]), mb)
+            if hb:
+                sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, holdback=hb, **kw)
+        return sampler
 
     def make_dataset(self, roidb: Any = None, sampler: Any = None, *,
                      pixel_format: Optional[str] = None, cfg: Optional[DetectronConfig] = None
@@ -319,15 +344,22 @@ class RoIDataModule(pl.LightningDataModule):
         """The workers' :class:`~lit_roidata.dataset.RoIBlockDataset` over ``roidb``.
 
         Args:
-            sampler: the batch sampler whose ``replacement_block`` replaces a block with
-                a bad image (``on_bad_image="skip"``) or an invalid keypoint minibatch.
+            sampler: the batch sampler whose ``replacement_block`` replaces an invalid
+                keypoint minibatch; with ``on_bad_image="skip"`` the dataset also gets a
+                :class:`~lit_roidata.skip.BadImageLedger` over it.
             pixel_format, cfg: override this module's settings (the tools use them).
         """
         from lit_roidata.dataset import RoIBlockDataset
 
         hp = self.hparams
+        roidb = self.train_roidb if roidb is None else roidb
+        ledger = None
+        if hp.on_bad_image == "skip" and sampler is not None:
+            from lit_roidata.skip import BadImageLedger
+
+            ledger = BadImageLedger(sampler, roidb)
         return RoIBlockDataset(
-            self.train_roidb if roidb is None else roidb, self.cfg if cfg is None else cfg,
+            roidb, self.cfg if cfg is None else cfg, ledger=ledger,
             output_format=hp.output_format,
             pixel_format=hp.pixel_format if pixel_format is None else pixel_format,
             rng_mode=hp.rng_mode, on_bad_image=hp.on_bad_image,
@@ -343,6 +375,14 @@ class RoIDataModule(pl.LightningDataModule):
             self.setup("fit")
         sampler = self.make_sampler()
         dataset = self.make_dataset(sampler=sampler)
+        if self._ledger is not None:  # a reloaded loader keeps what the run learnt
+            self._ledger_state = self._ledger.state_dict()
+        self._ledger = dataset.ledger
+        if self._ledger is not None and self._ledger_state is not None:
+            self._ledger.load_state_dict(self._ledger_state)
+        self._train_dataset = dataset
+        dataset.defer_repair = True  # every repair in _on_train_batch, in stream order
+        self._first_batch = True
         nw = int(self.hparams.num_workers)
         if nw > 0:
             fork_safe_opencv()
@@ -354,7 +394,7 @@ class RoIDataModule(pl.LightningDataModule):
         self._train_loader = StatefulRoIDataLoader(
             dataset, sampler, num_workers=nw, pin_memory=bool(self.hparams.pin_memory),
             persistent_workers=False, prefetch_factor=None if nw == 0 else 2,
-            inflight=self._batches_in_flight, on_pass_end=self.report_skips,
+            inflight=self._batches_in_flight, on_batch=self._on_train_batch,
             on_restore=self._align_loops)
         if previous is not None:
             # reload_dataloaders_every_n_epochs: the new loader continues the stream
@@ -364,7 +404,125 @@ class RoIDataModule(pl.LightningDataModule):
                 self._train_loader.load_state_dict(previous.state_dict(), strict=False)
             finally:
                 self._carry_from = None
+        # Workers are started anew every epoch (persistent_workers=False): each epoch's
+        # workers see the bad images exchanged at the end of the previous epoch.
+        self._add_report_callback()
         return self._train_loader
+
+    # ------------------------------------------------------------ skip policy
+    def _add_report_callback(self) -> None:
+        """Register :class:`~lit_roidata.skip.BadImageReport` (epoch-end exchange and
+        report) with the trainer, once."""
+        from lit_roidata.skip import BadImageReport
+
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return
+        if not any(isinstance(cb, BadImageReport) and cb.datamodule is self
+                   for cb in trainer.callbacks):
+            # First: an epoch-end checkpoint (ModelCheckpoint runs last) must hold the
+            # state after the exchange, or a resume from it would replace differently.
+            trainer.callbacks.insert(0, BadImageReport(self))
+
+    def _on_train_batch(self, batch: Any) -> Any:
+        """Main process, stream order, before the device transfer: finish blocks with a
+        newly found bad image and count every skip (any ``output_format``)."""
+        dataset = getattr(self, "_train_dataset", None)
+        if getattr(self, "_first_batch", False) and self._ledger is not None:
+            self._first_batch = False
+            loader = self._train_loader
+            if loader is not None:  # where this (maybe resumed) stream starts
+                self._ledger.resumed_at(*loader.batch_sampler.normalize(*loader._pos))
+        if dataset is not None:
+            batch = dataset.repair(batch)
+        meta = batch.get("_meta") if isinstance(batch, dict) else getattr(batch, "meta", None)
+        if isinstance(meta, Mapping):
+            self._count_skips(meta)
+        return batch
+
+    def _count_skips(self, meta: Mapping[str, Any]) -> None:
+        for item in meta.get("skipped") or ():
+            if item.get("again"):  # a file already reported (an original and its flip)
+                self._skipped["read_again"] += 1
+                continue
+            self._skipped[str(item.get("reason", "bad_image"))] += 1
+            rec = {k: item.get(k) for k in ("reason", "path", "image_id", "dataset",
+                                              "message", "index")}
+            rec.update(pass_index=meta.get("pass_index"), block_index=meta.get("block_index"))
+            self._skip_records.append(rec)
+            if self._ledger is not None and rec["index"] is not None:
+                self._ledger.mark_bad(int(rec["index"]), rec)
+        for sub in meta.get("substitutes") or ():
+            if sub.get("why") in ("known_bad", "reserve_exhausted"):
+                self._skipped[str(sub["why"])] += 1
+        if meta.get("num_invalid_replaced"):
+            self._skipped["invalid_minibatch"] += int(meta["num_invalid_replaced"])
+
+    def exchange_bad_images(self) -> dict[str, Any]:
+        """Merge the bad images found on every rank and report the epoch's skips.
+
+        Called by :class:`~lit_roidata.skip.BadImageReport` in ``on_train_epoch_end``
+        (every rank at the same step): under DDP one ``all_gather_object`` of the new
+        records; never called while a batch is fetched. The merged bad images are
+        replaced before reading from the next pass that has not started, on every rank.
+        Rank 0 logs every skipped file with its reason.
+
+        Returns:
+            ``{"counts": {kind: n}, "files": [record, ...]}`` of this epoch, all ranks.
+        """
+        mine = {"counts": dict(self._skipped), "files": list(self._skip_records)}
+        self._skipped, self._skip_records = Counter(), []
+        parts = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            parts = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(parts, mine)
+        counts: Counter[str] = Counter()
+        files: dict[str, dict[str, Any]] = {}
+        for part in parts:
+            counts.update(part["counts"])
+            for rec in part["files"]:  # one record per file (no path: kept apart)
+                key = rec.get("path")
+                files.setdefault(str(key) if key is not None else f"<no path {len(files)}>",
+                                 rec)
+        # One count per file: a file two ranks found in the same epoch (an image and its
+        # flipped copy) counts once by its reason, the second find as read_again.
+        found = Counter(str(r.get("reason")) for part in parts for r in part["files"])
+        counts.subtract(found)
+        counts.update(Counter(str(r.get("reason")) for r in files.values()))
+        counts["read_again"] += sum(found.values()) - len(files)
+        counts = Counter({k: v for k, v in counts.items() if v > 0})
+        ledger = self._ledger
+        if ledger is not None:
+            for rec in (r for part in parts for r in part["files"]):
+                if rec.get("index") is not None:
+                    ledger.mark_bad(int(rec["index"]), rec)
+            loader = self._train_loader
+            pos = loader._pos if loader is not None else (0, 0)
+            p, c = loader.batch_sampler.normalize(*pos) if loader is not None else pos
+            ledger.freeze(p if c == 0 else p + 1)
+        report = {"counts": dict(sorted(counts.items())), "files": list(files.values())}
+        self.last_skip_report = report
+        self._run_skips.update(counts)
+        for path, rec in files.items():
+            self._run_skip_files.setdefault(path, rec)
+        if counts and self._rank_world()[0] == 0:
+            from lit_roidata.skip import summarize
+
+            log.warning("%s", summarize(report["files"], report["counts"],
+                                        f"data: skip report of the epoch (on_bad_image="
+                                        f"{self.hparams.on_bad_image})"))
+        return report
+
+    def log_run_skips(self) -> dict[str, Any]:
+        """Log (rank 0) and return every skip of the run so far (no collective)."""
+        report = {"counts": dict(sorted(self._run_skips.items())),
+                  "files": list(self._run_skip_files.values())}
+        if report["counts"] and self._rank_world()[0] == 0:
+            from lit_roidata.skip import summarize
+
+            log.warning("%s", summarize(report["files"], report["counts"],
+                                        "data: skip report of the whole run"))
+        return report
 
     def _batches_in_flight(self) -> int:
         """Batches handed to the training loop but not trained on (0 or 1).
@@ -423,14 +581,8 @@ class RoIDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------- device
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Finish the worker's compact blobs on the device (uint8 ``data`` -> Detectron's
-        float blob, compact masks -> ``masks_int32``; :func:`finalize_on_device`), and
-        count the images the workers skipped (reported by :meth:`report_skips`)."""
-        meta = batch.get("_meta") if isinstance(batch, dict) else getattr(batch, "meta", None)
-        if isinstance(meta, Mapping):
-            for item in meta.get("skipped") or ():
-                self._skipped[str(item.get("reason", "bad_image"))] += 1
-            if meta.get("num_invalid_replaced"):
-                self._skipped["invalid_minibatch"] += int(meta["num_invalid_replaced"])
+        float blob, compact masks -> ``masks_int32``; :func:`finalize_on_device`). Skips
+        are counted before the transfer, when the loader hands the batch out."""
         if isinstance(batch, dict):
             # uint8 pixels -> Detectron's float blob; compact masks (mask_format="compact")
             # -> Detectron's class-specific masks_int32.
@@ -440,22 +592,22 @@ class RoIDataModule(pl.LightningDataModule):
                                                               "compact") != "compact_raw")
         return batch
 
-    def report_skips(self) -> dict[str, int]:
-        """Log (rank 0) and return the blocks replaced since the last report, by reason.
+    def transfer_batch_to_device(self, batch: Any, device: torch.device,
+                                 dataloader_idx: int) -> Any:
+        """Lightning's transfer, keeping ``TorchvisionBatch.meta`` (a plain transfer
+        rebuilds the tuple without it)."""
+        from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
 
-        Called at the end of every pass of the training stream. Counts are summed over
-        ranks when a process group is up (every rank reaches a pass end together).
-        """
-        counts = Counter(self._skipped)
-        self._skipped = Counter()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            gathered: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, dict(counts))
-            counts = sum((Counter(g) for g in gathered), Counter())
-        if counts and self._rank_world()[0] == 0:
-            log.warning("data: replaced blocks this pass, by reason: %s (on_bad_image=%s)",
-                        dict(sorted(counts.items())), self.hparams.on_bad_image)
-        return dict(counts)
+        moved = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        if isinstance(batch, TorchvisionBatch) and getattr(moved, "meta", None) is None:
+            moved = TorchvisionBatch(tuple(moved), batch.meta)
+        return moved
+
+    def report_skips(self) -> dict[str, int]:
+        """Report (rank 0 logs) the skips since the last report, by kind; see
+        :meth:`exchange_bad_images` (this is its ``counts``). Under DDP call it only where
+        every rank calls it at the same step (an epoch hook): it runs a collective."""
+        return dict(self.exchange_bad_images()["counts"])
 
     def teardown(self, stage: str) -> None:
         """Report skips of an unfinished pass; drop the loader (its workers exit)."""
@@ -467,17 +619,27 @@ class RoIDataModule(pl.LightningDataModule):
 
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The stream seed and pending skip counts (the loader position is saved by
-        the fit loop from the train loader, :class:`~lit_roidata.loader.StatefulRoIDataLoader`)."""
+        """The stream seed, the loop phase, pending skip counts and records, and the known
+        bad images (:meth:`lit_roidata.skip.BadImageLedger.state_dict`) (the loader position
+        is saved by the fit loop from the train loader,
+        :class:`~lit_roidata.loader.StatefulRoIDataLoader`)."""
         from lit_roidata.resume import save_phase
 
+        ledger = self._ledger.state_dict() if self._ledger is not None else self._ledger_state
         return {"seed": self.seed, "skipped": dict(self._skipped),
-                "phase": save_phase(getattr(self, "trainer", None))}
+                "phase": save_phase(getattr(self, "trainer", None)),
+                "skip_records": [dict(r) for r in self._skip_records],
+                "bad_images": None if ledger is None else dict(ledger)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the pending skip counts; a different seed is refused by the sampler."""
+        """Restore the pending skip counts and the known bad images; a different seed is
+        refused by the sampler."""
         self._skipped = Counter(state_dict.get("skipped", {}))
         self._restored_phase = dict(state_dict.get("phase") or {})
+        self._skip_records = [dict(r) for r in state_dict.get("skip_records", [])]
+        self._ledger_state = state_dict.get("bad_images")
+        if self._ledger is not None and self._ledger_state is not None:
+            self._ledger.load_state_dict(self._ledger_state)
 
 
 def fork_safe_opencv() -> None:

@@ -7,12 +7,15 @@ Runs inside DataLoader workers (docs/architecture.md §4). Workers are stateless
 drawn in Detectron's call order), so :func:`rebuild_block` reproduces a block bit for
 bit in any process.
 
-An invalid minibatch (keypoint rule, spec §6.10) or, with ``on_bad_image="skip"``, a
-block with a bad image is replaced by ``replacement(block, attempt)`` for
-``attempt = 1, 2, ...`` (the sampler's ``RoIBatchSampler.replacement_block``), at most
-``max_attempts`` times, then a clear error. Detectron retries forever and silently
-(Q21) or dies on the first bad image (Q33); here every replacement is recorded in
-``"_meta"`` so the data module can report skips at the end of the epoch.
+An invalid minibatch (keypoint rule, spec §6.10) is replaced by
+``replacement(block, attempt)`` for ``attempt = 1, 2, ...`` (the sampler's
+``RoIBatchSampler.replacement_block``), at most ``max_attempts`` times, then a clear
+error. With ``on_bad_image="skip"`` and a :class:`~lit_roidata.skip.BadImageLedger`,
+only a bad image is replaced, never its partners (see :mod:`lit_roidata.skip`): known
+bad images before reading, a newly found one by the main process
+(:meth:`RoIBlockDataset.repair`). Detectron retries forever and silently (Q21) or dies on
+the first bad image (Q33); here every replacement is recorded in ``"_meta"`` so the data
+module can report skips at the end of the epoch.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 import torch.utils.data
 
 from lit_roidata.minibatch.core import build_minibatch
-from lit_roidata.minibatch.decode import BadImageError, dataset_name
+from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch.transport import packed, shared_empty, trim_heap
 from lit_roidata.rng import RNG, block_rng
@@ -113,9 +116,16 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             :func:`lit_roidata.minibatch.normalize_on_device`) or ``"detectron"``.
         rng_mode: ``"block"`` (PCG64 per block) or ``"detectron"`` (legacy
             ``RandomState`` per block, Detectron's call order).
-        on_bad_image: ``"raise"`` or ``"skip"`` (replace the block, count the skip).
-        replacement: ``(block, attempt) -> Block``; default: a deterministic draw of
-            the same number of images with the same orientation.
+        on_bad_image: ``"raise"`` or ``"skip"`` (replace the bad image, count the skip).
+        replacement: ``(block, attempt) -> Block`` for invalid minibatches; default: a
+            deterministic draw of the same number of images with the same orientation.
+        ledger: a :class:`~lit_roidata.skip.BadImageLedger` over the sampler: with
+            ``on_bad_image="skip"`` only the bad image of a block is replaced, from the
+            pass's reserve (every good image of a pass delivered exactly once). With
+            DataLoader workers, a block with a newly found bad image comes back as a
+            :class:`~lit_roidata.skip.RepairRequest`: pass every batch through
+            :meth:`repair` in the main process (``RoIDataModule`` does). Without a
+            ledger, a block with a bad image is replaced whole (``replacement``).
         augment: optional :class:`~lit_roidata.minibatch.augment.Augmentation`.
         max_attempts: replacements tried before giving up with an error.
         loader: optional ``entry -> BGR uint8 HWC`` image reader (tests, caches).
@@ -137,7 +147,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
                  max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
                  mask_format: str = "detectron", fix_rpn_quirks: bool = False,
-                 target_format: str = "detectron") -> None:
+                 target_format: str = "detectron",
+                 ledger: Any = None) -> None:
         for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
                                    ("pixel_format", pixel_format, PIXEL_FORMATS),
                                    ("rng_mode", rng_mode, RNG_MODES),
@@ -161,6 +172,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.mask_format = mask_format
         self.fix_rpn_quirks = bool(fix_rpn_quirks)
         self.target_format = target_format
+        self.ledger = ledger
+        #: ``True``: hand a block with a newly found bad image back as a RepairRequest
+        #: even in the main process (the caller repairs every batch in stream order).
+        self.defer_repair = False
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
 
@@ -196,7 +211,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                           attempt=attempt)
 
     # ------------------------------------------------------------------ building
-    def _build_once(self, block: Any) -> tuple[Any, bool, list[Mapping[str, Any]]]:
+    def _build_once(self, block: Any, reads: list | None = None
+                    ) -> tuple[Any, bool, list[Mapping[str, Any]]]:
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
         _SHARED.clear()
@@ -204,16 +220,23 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             _TRIM_COUNTER[0] += 1
             if _TRIM_COUNTER[0] % _TRIM_EVERY == 1:
                 trim_heap()
+        loader = self.loader
+        if reads is not None:  # count the images read, to know which slot failed
+            base = self.loader or load_image
+
+            def loader(entry: Mapping[str, Any]) -> np.ndarray:
+                reads.append(1)
+                return base(entry)
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 
             images, targets = build_torchvision_batch(entries, self.cfg, rng,
                                                       pixel_format=self.pixel_format,
-                                                      loader=self.loader, augment=self.augment,
+                                                      loader=loader, augment=self.augment,
                                                       shared=_in_worker())
             return (images, targets), True, entries
         mb = build_minibatch(entries, self.cfg, rng, pixel_format=self.pixel_format,
-                             loader=self.loader, augment=self.augment,
+                             loader=loader, augment=self.augment,
                              alloc=_shared_alloc if _in_worker() else None,
                              compact_masks=self.mask_format == "compact",
                              fix_rpn_quirks=self.fix_rpn_quirks,
@@ -221,37 +244,113 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         return mb, mb.valid, entries
 
     def __getitems__(self, block: Any) -> Any:
-        """Build the partial minibatch of ``block`` (replacing it if it is unusable).
+        """Build the partial minibatch of ``block`` (replacing what is unusable).
 
         Returns:
             ``output_format="detectron"``: dict blob name -> tensor in
             ``get_minibatch_blob_names`` order, plus ``"_meta"``;
-            ``"torchvision"``: a :class:`TorchvisionBatch` ``(images, targets)``.
+            ``"torchvision"``: a :class:`TorchvisionBatch` ``(images, targets)``;
+            in a worker with a ledger, a :class:`~lit_roidata.skip.RepairRequest` for a
+            block with a newly found bad image (finish it with :meth:`repair`).
 
         Raises:
             BadImageError: with ``on_bad_image="raise"``.
             RuntimeError: no usable block within ``max_attempts`` replacements.
         """
-        skipped: list[dict[str, Any]] = []
-        invalid = 0
-        current = block
-        for attempt in range(self.max_attempts + 1):
+        if self.on_bad_image == "skip" and self.ledger is not None and _coords(block)[3] == 0:
+            current, subs = self.ledger.apply_plan(block)
+            return self._build_stream(block, current, subs, [])
+        return self._attempts(block, block, 0, [], 0, [])
+
+    def _record(self, exc: BadImageError, block: Any, reads: list) -> dict[str, Any]:
+        slot = max(0, len(reads) - 1)
+        return {"reason": exc.reason, "path": exc.path, "image_id": exc.image_id,
+                "dataset": exc.dataset, "message": str(exc),
+                "index": int(block[slot]) if slot < len(block) else None, "slot": slot}
+
+    def _build_stream(self, requested: Any, current: Any, subs: list, skipped: list) -> Any:
+        """A stream block with only its bad images replaced (skip policy with a ledger)."""
+        from lit_roidata.skip import RepairRequest
+
+        reads: list = []
+        try:
+            out, valid, entries = self._build_once(current, reads)
+        except BadImageError as exc:
+            rec = self._record(exc, current, reads)
+            req = RepairRequest(current, rec["slot"], rec, subs, skipped, requested)
+            return req if _in_worker() or self.defer_repair else self.repair(req)
+        if valid:
+            return self._package(out, entries, requested, current, skipped, 0, subs)
+        self.skip_counts["invalid_minibatch"] += 1
+        return self._attempts(requested, current, 1, skipped, 1, subs)
+
+    def repair(self, item: Any) -> Any:
+        """Finish a :class:`~lit_roidata.skip.RepairRequest` in the main process (any
+        other item is returned unchanged).
+
+        The bad image becomes known to the ledger and its slot is refilled with this
+        rank's next reserve image; the block is rebuilt here (bad images are rare). Call
+        it on every batch, in the order the loader yields them.
+
+        Raises:
+            RuntimeError: more than ``max_attempts`` bad images in a row for one block.
+        """
+        from lit_roidata.skip import RepairRequest
+
+        tries = 0
+        while isinstance(item, RepairRequest):
+            if tries >= self.max_attempts + 1 or self.ledger is None:
+                raise RuntimeError(
+                    f"block {list(item.requested)} (pass {item.block.pass_index}, block "
+                    f"{item.block.block_index}): {tries} bad images replaced in a row and the "
+                    f"last one is bad too ({item.record.get('message')}). Check the image "
+                    "files (the skip report lists them)")
+            tries += 1
+            # A file already known here (e.g. the flipped copy of an image found bad
+            # earlier in this pass, read by a worker that could not know) is not a new skip.
+            new = self.ledger.mark_bad(int(item.block[item.slot]), item.record)
+            rec = dict(item.record, again=not new)
+            if new:
+                self.skip_counts[str(rec.get("reason", "bad_image"))] += 1
+                log.warning("skipping %s (replacing only this image of its block)",
+                            rec.get("message"))
+            else:
+                self.skip_counts["read_again"] += 1
+            block, sub = self.ledger.substitute(item.block, item.slot, attempt=tries - 1)
+            defer, self.defer_repair = self.defer_repair, True  # loop here, not recurse
             try:
-                out, valid, entries = self._build_once(current)
+                item = self._build_stream(item.requested, block, item.substitutes + [sub],
+                                          item.skipped + [rec])
+            finally:
+                self.defer_repair = defer
+        return item
+
+    def _attempts(self, block: Any, current: Any, first: int, skipped: list, invalid: int,
+                  subs: list) -> Any:
+        """Whole-block replacements ``first, first + 1, ...`` (invalid minibatches; bad
+        images when there is no ledger)."""
+        known = frozenset()
+        if self.ledger is not None:  # the frozen set only: the same in every worker
+            known = self.ledger.frozen_for(_coords(block)[1])
+        for attempt in range(first, self.max_attempts + 1):
+            if attempt > first or first > 0:
+                current = self._replacement(block, attempt)
+                if known and any(int(i) in known for i in current):
+                    continue  # never read an image known to be bad
+            reads: list = []
+            try:
+                out, valid, entries = self._build_once(current, reads)
             except BadImageError as exc:
                 if self.on_bad_image == "raise":
                     raise
-                skipped.append({"reason": exc.reason, "path": exc.path, "image_id": exc.image_id,
-                                "dataset": exc.dataset, "message": str(exc)})
+                skipped.append(self._record(exc, current, reads))
                 self.skip_counts[exc.reason] += 1
                 log.warning("skipping block %s: %s", list(current), exc)
             else:
                 if valid:
-                    return self._package(out, entries, block, current, skipped, invalid)
+                    return self._package(out, entries, block, current, skipped, invalid, subs)
                 invalid += 1
                 self.skip_counts["invalid_minibatch"] += 1
-            if attempt < self.max_attempts:
-                current = self._replacement(block, attempt + 1)
         raise RuntimeError(
             f"block {list(block)} (seed={_coords(block)[0]}, pass={_coords(block)[1]}, "
             f"block={_coords(block)[2]}): no usable minibatch after {self.max_attempts} "
@@ -260,7 +359,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             "KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH for keypoint models")
 
     def _meta(self, entries: Sequence[Mapping[str, Any]], requested: Any, used: Any,
-              skipped: list, invalid: int, scales: Sequence[float]) -> dict[str, Any]:
+              skipped: list, invalid: int, scales: Sequence[float],
+              substitutes: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
         seed, p, b, attempt = _coords(used)
         return {
             "image_ids": torch.tensor([int(e["id"]) for e in entries], dtype=torch.int64),
@@ -272,23 +372,25 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             "requested_indices": [int(i) for i in requested],
             "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
             "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
+            "substitutes": [dict(x) for x in substitutes],
             "pixel_format": self.pixel_format, "mask_format": self.mask_format,
             "target_format": self.target_format,
         }
 
     def _package(self, out: Any, entries: list, requested: Any, used: Any, skipped: list,
-                 invalid: int) -> Any:
+                 invalid: int, substitutes: Sequence[Mapping[str, Any]] = ()) -> Any:
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
 
             images, targets = out
             meta = self._meta(entries, requested, used, skipped, invalid,
-                              [t["scale"] for t in targets])
+                              [t["scale"] for t in targets], substitutes)
             return TorchvisionBatch((images, targets), meta)
         blobs: dict[str, Any] = {}
         for name, value in out.blobs.items():
             blobs[name] = _as_tensor(value) if isinstance(value, np.ndarray) else value
-        meta = self._meta(entries, requested, used, skipped, invalid, out.image.im_scales)
+        meta = self._meta(entries, requested, used, skipped, invalid, out.image.im_scales,
+                          substitutes)
         meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
         meta["im_info"] = torch.from_numpy(out.image.im_info)
         blobs["_meta"] = meta

@@ -89,7 +89,10 @@ class StatefulRoIDataLoader:
             ``OnExceptionCheckpoint`` saves); the saved position is moved back before them
             (up to 8).
         on_pass_end: optional ``() -> None`` called when the batch that finishes a pass is
-            handed out (the same step on every rank, so it may run a collective).
+            handed out (local work only: no collective inside batch fetching).
+        on_batch: optional ``batch -> batch`` applied in this process, in stream order, to
+            every batch before it is handed out (e.g. ``RoIBlockDataset.repair`` of the
+            skip policy, counting skips).
         on_restore: optional ``(loader, state) -> None`` called at the end of
             :meth:`load_state_dict` (the data module aligns Lightning's loop counters with
             the restored position there).
@@ -107,7 +110,8 @@ class StatefulRoIDataLoader:
                  inflight: Callable[[], int] | None = None,
                  on_pass_end: Callable[[], None] | None = None,
                  on_restore: Callable[["StatefulRoIDataLoader", Mapping[str, Any]], None]
-                 | None = None) -> None:
+                 | None = None,
+                 on_batch: Callable[[Any], Any] | None = None) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
@@ -134,6 +138,7 @@ class StatefulRoIDataLoader:
         self._inflight = inflight
         self._on_pass_end = on_pass_end
         self._on_restore = on_restore
+        self._on_batch = on_batch
         self.sampler = _EpochHook(self)
 
     # ------------------------------------------------------------------ DataLoader face
@@ -188,6 +193,8 @@ class StatefulRoIDataLoader:
                                       ).generate_state(1)[0]
         self._generator.manual_seed(int(seed))
         for batch in self._loader:
+            if self._on_batch is not None:
+                batch = self._on_batch(batch)
             # Advance before yielding: a checkpoint written while the loop holds this
             # batch must resume after it.
             self._recent.append(self._pos)

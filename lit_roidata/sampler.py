@@ -37,7 +37,7 @@ _PERM_DOMAIN = 0x7065726D  # "perm"
 _REPLACE_DOMAIN = 0x7265706C  # "repl"
 # State keys that must match for a checkpointed position to mean the same blocks.
 _STREAM_KEYS = ("seed", "ims_per_batch", "num_images", "num_horizontal",
-                "aspect_grouping", "shuffle")
+                "aspect_grouping", "shuffle", "holdback")
 
 
 def _make_block(indices: list[int], seed: int, pass_index: int, block_index: int,
@@ -138,6 +138,11 @@ class RoIBatchSampler(Sampler[Block]):
         seed: stream seed; must be equal on every rank.
         rank, world_size: this process's index and how many share a global minibatch.
         infinite: stream mode (never stops) instead of epoch mode.
+        holdback: blocks held back at the end of every pass (default 0: Detectron's
+            stream). Their images are not delivered by the pass; with
+            ``on_bad_image="skip"`` they are the reserve that replaces bad images
+            (:class:`lit_roidata.skip.BadImageLedger`). The delivered blocks are the
+            first ``blocks_per_pass`` blocks of Detectron's permutation, unchanged.
 
     Raises:
         ValueError: sizes that give no block at all (Detectron's ``IndexError``, Q14), a
@@ -147,7 +152,8 @@ class RoIBatchSampler(Sampler[Block]):
 
     def __init__(self, widths: Any, heights: Any, ims_per_batch: int, *,
                  aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3,
-                 rank: int = 0, world_size: int = 1, infinite: bool = False) -> None:
+                 rank: int = 0, world_size: int = 1, infinite: bool = False,
+                 holdback: int = 0) -> None:
         w = np.asarray(widths).reshape(-1)
         h = np.asarray(heights).reshape(-1)
         if w.shape != h.shape:
@@ -176,6 +182,13 @@ class RoIBatchSampler(Sampler[Block]):
             self.blocks_per_pass = self._horz.size // mb + self._vert.size // mb
         else:
             self.blocks_per_pass = math.ceil(self.num_images / mb)
+        #: Blocks of the full permutation; ``blocks_per_pass`` excludes the held-back ones.
+        self.natural_blocks_per_pass = self.blocks_per_pass
+        self.holdback = _check_int("holdback", holdback, 0)
+        if self.holdback and self.holdback >= self.blocks_per_pass:
+            raise ValueError(f"RoIBatchSampler: holdback={holdback} blocks leaves no block of a "
+                             f"pass of {self.blocks_per_pass}; lower the bad-image reserve")
+        self.blocks_per_pass -= self.holdback
         self._check_sizes()
         self._lock = threading.Lock()
         self._cache: tuple[int, np.ndarray] | None = None
@@ -343,7 +356,7 @@ class RoIBatchSampler(Sampler[Block]):
                 "world_size": self.world_size, "num_images": self.num_images,
                 "num_horizontal": self.num_horizontal,
                 "aspect_grouping": self._grouped, "shuffle": self.shuffle,
-                "infinite": self.infinite}
+                "infinite": self.infinite, "holdback": self.holdback}
 
     def state_dict(self) -> dict[str, Any]:
         """Seed, pass and cursor (in global blocks of the pass) plus what they depend on."""
@@ -361,6 +374,7 @@ class RoIBatchSampler(Sampler[Block]):
         Raises:
             ValueError: a mismatch with ``strict=True``, or a malformed state.
         """
+        state = {"holdback": 0, **state}  # states written before holdback existed
         missing = [k for k in ("pass", "cursor", *_STREAM_KEYS) if k not in state]
         if missing:
             raise ValueError(f"RoIBatchSampler: sampler state lacks {missing}; it was not "

@@ -222,6 +222,7 @@ def test_skip_counts_are_reported_and_checkpointed(dm: RoIDataModule) -> None:
     batch = {"data": torch.zeros(1, 3, 4, 4, dtype=torch.uint8),
              "_meta": {"skipped": [{"reason": "missing"}, {"reason": "undecodable"}],
                        "num_invalid_replaced": 2, "image_sizes": torch.tensor([[4, 4]])}}
+    batch = dm._on_train_batch(batch)  # counted when the loader hands the batch out
     out = dm.on_after_batch_transfer(batch, 0)
     assert out["data"].dtype == torch.float32
     assert dm.state_dict()["skipped"] == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}

@@ -1,0 +1,148 @@
+"""The skip policy with real bad files (truncated JPEG, missing, zero bytes) through the
+dataset, the stateful loader with 0 and 2 workers, and RoIDataModule."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from lit_roidata.dataset import RoIBlockDataset
+from lit_roidata.loader import StatefulRoIDataLoader
+from lit_roidata.sampler import RoIBatchSampler
+from lit_roidata.skip import BadImageLedger, RepairRequest
+from test_minibatch_helpers import make_entry, small_cfg, write_image
+
+
+def _truncated_jpeg(path: Path, w: int, h: int) -> None:
+    im = (np.random.default_rng(1).random((h, w, 3)) * 255).astype(np.uint8)
+    data = cv2.imencode(".jpg", im)[1].tobytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _roidb(root: Path, n: int = 16) -> tuple[list[dict], dict[int, str]]:
+    """``n`` entries (landscape and portrait); entries 1, 4 and 9 are bad files."""
+    r = np.random.default_rng(0)
+    out, bad = [], {}
+    for i in range(n):
+        w, h = (64, 48) if i % 3 else (48, 64)
+        p = root / f"im{i}.png"
+        if i == 1:
+            p = root / "truncated.jpg"
+            _truncated_jpeg(p, w, h)
+            bad[i] = "undecodable"
+        elif i == 4:
+            p = root / "missing.png"
+            bad[i] = "missing"
+        elif i == 9:
+            p = root / "empty.png"
+            p.write_bytes(b"")
+            bad[i] = "undecodable"
+        else:
+            write_image(p, w, h, seed=i)
+        out.append(make_entry(r, width=w, height=h, image=str(p), image_id=100 + i))
+    return out, bad
+
+
+def _setup(root: Path, mb: int, *, holdback: int | None = None, rank: int = 0, ws: int = 1):
+    roidb, bad = _roidb(root)
+    w = np.array([e["width"] for e in roidb])
+    h = np.array([e["height"] for e in roidb])
+    holdback = 6 // mb if holdback is None else holdback  # enough reserve of each orientation
+    sampler = RoIBatchSampler(w, h, mb, seed=4, holdback=holdback, rank=rank, world_size=ws)
+    ledger = BadImageLedger(sampler, roidb)
+    ds = RoIBlockDataset(roidb, small_cfg(**{"TRAIN.IMS_PER_BATCH": mb}), on_bad_image="skip",
+                         replacement=sampler.replacement_block, ledger=ledger)
+    return roidb, bad, sampler, ledger, ds
+
+
+def _check_pass(sampler, metas, bad):
+    assert not [s for m in metas for s in m["substitutes"] if s["why"] == "reserve_exhausted"]
+    got = Counter(i for m in metas for i in m["indices"])
+    assert not set(got) & set(bad)
+    assert all(n == 1 for n in got.values()), got  # nothing delivered twice
+    want = [i for b in range(len(sampler) * sampler.world_size)
+            for i in sampler.block(metas[0]["pass_index"], b) if i not in bad]
+    assert all(got[i] == 1 for i in want)  # every good image of the pass, once
+    for m in metas:  # partners kept
+        for req, used in zip(m["requested_indices"], m["indices"]):
+            if req not in bad:
+                assert req == used
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_real_bad_files_replaced_alone_and_reported(tmp_path: Path, mb: int) -> None:
+    roidb, bad, sampler, ledger, ds = _setup(tmp_path, mb)
+    metas = [ds.__getitems__(blk)["_meta"] for blk in sampler]
+    _check_pass(sampler, metas, bad)
+    found = {s["index"]: s for m in metas for s in m["skipped"]}
+    in_pass = {i for b in range(len(sampler)) for i in sampler.block(0, b)} & set(bad)
+    assert in_pass <= set(found) <= set(bad)  # (a reserve image can be bad too)
+    in_pass = set(found)
+    for i, rec in found.items():
+        assert rec["reason"] == bad[i] and rec["path"] == roidb[i]["image"]
+        assert rec["image_id"] == 100 + i and str(roidb[i]["image"]) in rec["message"]
+    assert set(ledger.known) == in_pass
+    # next pass: the known files are replaced before reading (no new skip)
+    ledger.freeze(1)
+    sampler.set_epoch(1)
+    metas1 = [ds.__getitems__(blk)["_meta"] for blk in sampler]
+    _check_pass(sampler, metas1, bad)
+    assert not {s["index"] for m in metas1 for s in m["skipped"]} & in_pass
+    known_subs = [s for m in metas1 for s in m["substitutes"] if s["bad_index"] in in_pass]
+    assert len(known_subs) == len({i for b in range(len(sampler)) for i in sampler.block(1, b)}
+                                  & in_pass)
+    assert all(s["why"] == "known_bad" for s in known_subs)
+
+
+def test_worker_hands_back_a_repair_request(tmp_path: Path) -> None:
+    roidb, bad, sampler, ledger, ds = _setup(tmp_path, 2)
+    blk = next(b for b in sampler if set(b) & set(bad))
+    import lit_roidata.dataset as dsmod
+
+    orig = dsmod._in_worker
+    dsmod._in_worker = lambda: True
+    try:
+        req = ds.__getitems__(blk)
+    finally:
+        dsmod._in_worker = orig
+    assert isinstance(req, RepairRequest) and req.block[req.slot] in bad
+    out = ds.repair(req)
+    assert not set(out["_meta"]["indices"]) & set(bad)
+
+
+def _loader_metas(tmp_path: Path, nw: int, mb: int) -> list[dict]:
+    roidb, bad, sampler, ledger, ds = _setup(tmp_path, mb)
+    loader = StatefulRoIDataLoader(ds, sampler, num_workers=nw, on_batch=ds.repair,
+                                   multiprocessing_context="fork" if nw else None)
+    metas = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        metas.append([b["_meta"] for b in loader])
+        ledger.freeze(epoch + 1)  # what the epoch-end exchange does
+    for ms in metas:
+        _check_pass(sampler, ms, bad)
+    return [[(m["indices"], [s["index"] for s in m["skipped"]]) for m in ms] for ms in metas]
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_same_stream_with_0_and_2_workers(tmp_path: Path, mb: int) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _loader_metas(tmp_path / "a", 0, mb) == _loader_metas(tmp_path / "b", 2, mb)
+
+
+def test_torchvision_output_counts_and_keeps_meta(tmp_path: Path) -> None:
+    roidb, bad, sampler, ledger, _ = _setup(tmp_path, 2)
+    ds = RoIBlockDataset(roidb, small_cfg(), on_bad_image="skip", output_format="torchvision",
+                         replacement=sampler.replacement_block, ledger=ledger)
+    outs = [ds.__getitems__(blk) for blk in sampler]
+    metas = [o.meta for o in outs]
+    _check_pass(sampler, metas, bad)
+    assert sum(m["num_skipped"] for m in metas) == len(ledger.known)
