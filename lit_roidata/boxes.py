@@ -22,6 +22,7 @@ __all__ = [
     "bbox_transform_targets",
     "bbox_transform_targets_torch",
     "bbox_transform_inv",
+    "bbox_transform_inv_torch",
     "clip_boxes",
     "flip_boxes",
     "box_areas",
@@ -148,6 +149,36 @@ def bbox_transform_inv(
     ph = np.exp(d[:, 3] / wh) * h
     out = np.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
     return out
+
+
+def bbox_transform_inv_torch(
+    boxes: torch.Tensor, deltas: torch.Tensor,
+    weights: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0),
+    clip: float | None = None,
+) -> torch.Tensor:
+    """Torch twin of :func:`bbox_transform_inv` (Detectron's ``bbox_transform``).
+
+    Computes in the dtype of ``deltas``. ``clip`` (Detectron's ``BBOX_XFORM_CLIP``,
+    ``log(1000/16)``) caps ``dw, dh`` after dividing by their weights, so no box grows
+    more than ``1000/16`` times its reference; ``None`` caps nothing.
+    """
+    import torch
+
+    d = deltas.reshape(-1, 4)
+    b = boxes.reshape(-1, 4).to(d.dtype)
+    wx, wy, ww, wh = weights
+    w = b[:, 2] - b[:, 0] + 1.0
+    h = b[:, 3] - b[:, 1] + 1.0
+    cx = b[:, 0] + 0.5 * w
+    cy = b[:, 1] + 0.5 * h
+    dw, dh = d[:, 2] / ww, d[:, 3] / wh
+    if clip is not None:
+        dw, dh = dw.clamp(max=clip), dh.clamp(max=clip)
+    pcx = d[:, 0] / wx * w + cx
+    pcy = d[:, 1] / wy * h + cy
+    pw = torch.exp(dw) * w
+    ph = torch.exp(dh) * h
+    return torch.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
 
 
 def clip_boxes(boxes: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -10,6 +10,9 @@ without detections, so an image with missed objects still counts):
 * optionally ``masks``: ``k`` RLE dicts or a ``(k, H, W)`` binary array,
 * optionally ``keypoints``: ``(k, K, 3)`` rows ``x, y, score`` in original-image pixel
   coordinates (COCO's keypoint coordinates).
+* optionally ``proposals: True``: the boxes are class-agnostic object proposals (an
+  RPN-only model); ``labels`` may be left out and every result gets ``category_id`` 1,
+  the form COCO's proposal evaluation (``COCOeval`` with ``params.useCats = 0``) reads.
 
 :func:`detections_to_coco_results` restores the JSON category ids (Detectron's
 ``contiguous_category_id_to_json_id``, spec §2.2) and converts boxes to COCO's
@@ -108,11 +111,15 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
         image_id = int(det["image_id"])
         boxes = _numpy(det["boxes"]).astype(np.float64).reshape(-1, 4)
         scores = _numpy(det["scores"]).astype(np.float64).reshape(-1)
-        labels = _numpy(det["labels"]).astype(np.int64).reshape(-1)
+        proposals = bool(det.get("proposals", False))
+        labels = (np.ones(len(boxes), np.int64) if proposals and det.get("labels") is None
+                  else _numpy(det["labels"]).astype(np.int64).reshape(-1))
         if not len(boxes) == len(scores) == len(labels):
             raise ValueError(f"image {image_id}: {len(boxes)} boxes, {len(scores)} scores and "
                              f"{len(labels)} labels; they must have equal lengths")
-        id_map = _id_map(dataset_info, det.get("dataset"))
+        # Class-agnostic proposals: every box is category 1, as COCO's proposal results.
+        id_map = ({int(c): 1 for c in labels} if proposals
+                  else _id_map(dataset_info, det.get("dataset")))
         unknown = sorted({int(c) for c in labels} - {int(k) for k in id_map})
         if unknown:
             raise ValueError(f"image {image_id} (dataset {det.get('dataset')!r}): labels "

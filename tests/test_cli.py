@@ -93,3 +93,50 @@ def test_fit_demo_then_resume_continues_the_data_stream_exactly(root: Path, tmp_
     res = run_cli("fit", "--config", str(cfg6), "--ckpt_path", str(step3))
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["indices"] for r in read_records(part)] == ref[3:]
+
+
+def _exchange_teacher_config(root: Path, out: Path) -> Path:
+    """configs/exchange_teacher.yaml on the tiny demo, alone (no peer: the exchange
+    callback is dropped), checkpointing into ``out``'s folder."""
+    from test_datamodule_support import SMALL_DEMO
+
+    cfg = yaml.safe_load((REPO / "configs" / "exchange_teacher.yaml").read_text())
+    run = out.parent / "teacher"
+    cfg["trainer"].update({"max_steps": 3, "enable_checkpointing": True,
+                           "default_root_dir": str(run), "limit_predict_batches": 3,
+                           "enable_model_summary": False, "callbacks": [
+                               {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                                "init_args": {"dirpath": str(run / "checkpoints")}}]})
+    cfg["data"]["init_args"].update({"demo_root": str(root / "data"),
+                                     "demo_size": dict(SMALL_DEMO),
+                                     "cache_dir": str(root / "cache"), "num_workers": 0})
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+@pytest.mark.slow
+def test_predict_exchange_config_writes_class_agnostic_proposals(root: Path, tmp_path: Path,
+                                                                 capsys: Any) -> None:
+    """The RPN-only exchange demo predicts its proposals: COCO results with
+    ``category_id`` 1 (COCO's proposal format), boxes inside the original images."""
+    cfg = _exchange_teacher_config(root, tmp_path / "teacher.yaml")
+    assert main(["fit", "--config", str(cfg)]) == 0
+    ckpt = sorted((tmp_path / "teacher" / "checkpoints").glob("*.ckpt"))[-1]
+    capsys.readouterr()
+    assert main(["predict", "--config", str(cfg), "--ckpt_path", str(ckpt)]) == 0
+    path = tmp_path / "teacher" / "predictions" / "demo_val.json"
+    assert f"predictions (demo_val): {path}" in capsys.readouterr().out
+    from pycocotools.coco import COCO
+
+    gt = COCO(str(root / "data" / "demo_val" / "annotations.json"))
+    dt = gt.loadRes(str(path))
+    anns = dt.loadAnns(dt.getAnnIds())
+    assert anns and {a["category_id"] for a in anns} == {1}
+    assert set(dt.getImgIds()) <= set(gt.getImgIds())
+    for a in anns:
+        img = gt.imgs[a["image_id"]]
+        x, y, w, h = a["bbox"]
+        assert x >= 0 and y >= 0 and w >= 1 and h >= 1
+        assert x + w <= img["width"] + 1e-3 and y + h <= img["height"] + 1e-3
+    per_image = {i: len(dt.getAnnIds(imgIds=[i])) for i in dt.getImgIds()}
+    assert max(per_image.values()) <= 1000  # TEST.RPN_POST_NMS_TOP_N

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import nms
 
+from lit_roidata.boxes import bbox_transform_inv_torch
 from lit_roidata.demo.model import DemoFastRCNN, fast_rcnn_losses, smooth_l1_loss
 
 __all__ = ["DemoFasterRCNN"]
@@ -32,13 +33,7 @@ _CLIP = math.log(1000.0 / 16.0)
 
 def _decode(anchors: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
     """Detectron's ``bbox_transform`` with weights (1, 1, 1, 1), dw/dh clamped (torch)."""
-    w = anchors[:, 2] - anchors[:, 0] + 1.0
-    h = anchors[:, 3] - anchors[:, 1] + 1.0
-    cx, cy = anchors[:, 0] + 0.5 * w, anchors[:, 1] + 0.5 * h
-    pcx, pcy = deltas[:, 0] * w + cx, deltas[:, 1] * h + cy
-    pw = torch.exp(deltas[:, 2].clamp(max=_CLIP)) * w
-    ph = torch.exp(deltas[:, 3].clamp(max=_CLIP)) * h
-    return torch.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
+    return bbox_transform_inv_torch(anchors, deltas, (1.0, 1.0, 1.0, 1.0), clip=_CLIP)
 
 
 class DemoFasterRCNN(DemoFastRCNN):

@@ -7,6 +7,7 @@ a laptop. It is a demonstration of the plumbing, not a detector.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -125,14 +126,106 @@ class RPNExchangeDemo(pl.LightningModule):
         published = {k: v.detach() for k, v in out.items() if not k.startswith("rpn_cls_logits")}
         return {"loss": loss, **published}
 
+    def _test_cfg(self) -> Any:
+        """The data module's Detectron config (anchors, ``TEST.RPN_*``), else defaults."""
+        from lit_roidata.config import get_cfg
+
+        trainer = getattr(self, "_trainer", None)
+        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+        if cfg is None:
+            cfg = get_cfg()
+            cfg.merge_from_dict({"FPN.FPN_ON": True, "FPN.MULTILEVEL_RPN": True,
+                                 "FPN.RPN_MIN_LEVEL": self.levels[0],
+                                 "FPN.RPN_MAX_LEVEL": self.levels[-1]})
+        return cfg
+
+    @torch.no_grad()
+    def proposals(self, out: Mapping[str, torch.Tensor], im_info: Any, cfg: Any
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Detectron's RPN-only test path per image: ``(boxes (R, 4), scores (R,))`` in
+        the scaled input frame.
+
+        Per FPN level (Detectron's ``GenerateProposals``): the top ``TEST.RPN_PRE_NMS_TOP_N``
+        anchors by objectness, decoded with the predicted deltas (``BBOX_XFORM_CLIP``),
+        clipped to the scaled image, boxes under ``TEST.RPN_MIN_SIZE`` (original pixels,
+        at least 1) or centred outside the image dropped, NMS at ``TEST.RPN_NMS_THRESH``,
+        the top ``TEST.RPN_POST_NMS_TOP_N`` kept; then over all levels (Detectron's
+        ``CollectAndDistributeFpnRpnProposals``) the top ``TEST.RPN_POST_NMS_TOP_N *
+        FPN.RPN_COLLECT_SCALE`` by score. Anchors are the loader's
+        (:func:`lit_roidata.minibatch.anchors.rpn_fields`' levels), cropped to the map.
+        """
+        from torchvision.ops import nms
+
+        from lit_roidata.boxes import bbox_transform_inv_torch
+        from lit_roidata.minibatch.anchors import get_field_of_anchors
+
+        test = cfg.TEST
+        pre, post = int(test["RPN_PRE_NMS_TOP_N"]), int(test["RPN_POST_NMS_TOP_N"])
+        thresh, min_size = float(test["RPN_NMS_THRESH"]), float(test["RPN_MIN_SIZE"])
+        collect = int(post * cfg.FPN.RPN_COLLECT_SCALE)
+        clip = float(getattr(cfg, "BBOX_XFORM_CLIP", math.log(1000.0 / 16.0)))
+        info = torch.as_tensor(im_info, dtype=torch.float32).reshape(-1, 3).tolist()
+        k_min = cfg.FPN.RPN_MIN_LEVEL
+        per_image: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in info]
+        for lvl in self.levels:
+            probs, deltas = out[f"rpn_cls_probs_fpn{lvl}"], out[f"rpn_bbox_pred_fpn{lvl}"]
+            n, a, hf, wf = probs.shape
+            field = get_field_of_anchors(
+                2.0 ** lvl, (cfg.FPN.RPN_ANCHOR_START_SIZE * 2.0 ** (lvl - k_min),),
+                cfg.FPN.RPN_ASPECT_RATIOS, coarsest_stride=cfg.FPN.COARSEST_STRIDE,
+                max_size=max(hf, wf) * 2 ** lvl)
+            if field.num_cell_anchors != a:
+                raise ValueError(f"FPN level {lvl}: the model predicts {a} anchors per "
+                                 f"location but FPN.RPN_ASPECT_RATIOS gives "
+                                 f"{field.num_cell_anchors}; set num_anchors accordingly")
+            f = field.field_size
+            crop = field.field_of_anchors.reshape(f, f, a, 4)[:hf, :wf]  # read-only, shared
+            anchors = torch.tensor(crop.reshape(-1, 4), device=probs.device)
+            scores = probs.permute(0, 2, 3, 1).reshape(n, -1).float()  # (y, x, a) order
+            d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4).float()
+            for i, (h, w, s) in enumerate(info):
+                order = scores[i].argsort(descending=True)[:pre]
+                boxes = bbox_transform_inv_torch(anchors[order], d[i, order], clip=clip)
+                boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
+                boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
+                bw, bh = boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1
+                ms = max(min_size * s, 1.0)
+                keep = ((bw >= ms) & (bh >= ms) & (boxes[:, 0] + bw / 2 < w)
+                        & (boxes[:, 1] + bh / 2 < h))
+                boxes, sc = boxes[keep], scores[i, order][keep]
+                # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
+                keep = nms(boxes + boxes.new_tensor([0, 0, 1, 1]), sc, thresh)[:post]
+                per_image[i].append((boxes[keep], sc[keep]))
+        result = []
+        for parts in per_image:
+            boxes = torch.cat([b for b, _ in parts])
+            scores = torch.cat([s for _, s in parts])
+            top = scores.argsort(descending=True)[:collect]
+            result.append((boxes[top], scores[top]))
+        return result
+
     def predict_step(self, batch: Mapping[str, Any], batch_idx: int,
-                     dataloader_idx: int = 0) -> Any:
-        """Refused with an explanation: this RPN demo outputs per-level RPN maps, not
-        detections, so there are no COCO results to write."""
-        raise RuntimeError("RPNExchangeDemo demonstrates the blob exchange with raw per-level "
-                           "RPN outputs; it makes no detections, so `predict` has no COCO "
-                           "results to write. Predict with a detector config (e.g. "
-                           "configs/demo.yaml or configs/demo_faster_rcnn.yaml)")
+                     dataloader_idx: int = 0) -> list[dict[str, Any]]:
+        """Class-agnostic RPN proposals per image, as Detectron tests an RPN-only model.
+
+        Returns the per-image dicts of :mod:`lit_roidata.evaluation` flagged
+        ``proposals: True`` (boxes in original-image pixels, scores = objectness, no
+        labels); :class:`~lit_roidata.models.COCOPredictionWriter` writes them with
+        ``category_id`` 1, to be evaluated as proposals (``useCats = 0``).
+        """
+        meta = batch["_meta"]
+        out = self(batch["data"])
+        found = self.proposals(out, batch["im_info"], self._test_cfg())
+        dets = []
+        for b, (boxes, scores) in enumerate(found):
+            boxes = boxes / float(meta["im_scales"][b])
+            h, w = int(meta["heights"][b]), int(meta["widths"][b])
+            boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
+            boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
+            dets.append({"image_id": int(meta["image_ids"][b]),
+                         "dataset": str(meta["datasets"][b]), "boxes": boxes.cpu().numpy(),
+                         "scores": scores.cpu().numpy(), "proposals": True})
+        return dets
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
