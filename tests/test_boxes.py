@@ -9,6 +9,7 @@ from lit_roidata.boxes import (
     bbox_overlaps,
     bbox_overlaps_torch,
     bbox_transform_inv,
+    bbox_transform_inv_torch,
     bbox_transform_targets,
     bbox_transform_targets_torch,
     clip_boxes,
@@ -76,3 +77,28 @@ def test_flip_is_an_involution(boxes, width):
 def test_clip_by_hand():
     b = np.array([[-5, -1, 700, 30]], np.float32)
     np.testing.assert_array_equal(clip_boxes(b, height=20, width=640), [[0, 0, 639, 19]])
+
+
+def test_decode_torch_by_hand():
+    anchor = torch.tensor([[0.0, 0.0, 15.0, 15.0]])  # w = h = 16, centre (8, 8)
+    # dx 0.5 -> centre x 16, dy -0.25 -> centre y 4, dw log 2 -> w 32, dh 0 -> h 16
+    d = torch.tensor([[0.5, -0.25, float(np.log(2.0)), 0.0]])
+    expect = [[0.0, -4.0, 31.0, 11.0]]
+    np.testing.assert_allclose(bbox_transform_inv_torch(anchor, d), expect, atol=1e-5)
+    np.testing.assert_allclose(  # the weights divide the deltas first
+        bbox_transform_inv_torch(anchor, d * torch.tensor([10.0, 10.0, 5.0, 5.0]),
+                                 (10.0, 10.0, 5.0, 5.0)), expect, atol=1e-5)
+    # BBOX_XFORM_CLIP caps the growth at 1000/16 times: w = 1000 about centre 8
+    big = torch.tensor([[0.0, 0.0, 10.0, 10.0]])
+    got = bbox_transform_inv_torch(anchor, big, clip=float(np.log(1000.0 / 16.0)))
+    np.testing.assert_allclose(got, [[-492.0, -492.0, 507.0, 507.0]], atol=1e-3)
+
+
+@settings(deadline=None, max_examples=50)
+@given(_boxes(), st.sampled_from([(1.0, 1.0, 1.0, 1.0), (10.0, 10.0, 5.0, 5.0)]),
+       st.integers(0, 2**31 - 1))
+def test_decode_torch_matches_numpy(boxes, weights, seed):
+    d = np.random.default_rng(seed).normal(size=boxes.shape).astype(np.float32)
+    got = bbox_transform_inv_torch(torch.from_numpy(boxes), torch.from_numpy(d).double(),
+                                   weights).numpy()
+    np.testing.assert_allclose(got, bbox_transform_inv(boxes, d, weights), rtol=1e-9, atol=1e-6)
