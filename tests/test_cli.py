@@ -121,7 +121,7 @@ def test_predict_exchange_config_writes_class_agnostic_proposals(root: Path, tmp
     ``category_id`` 1 (COCO's proposal format), boxes inside the original images."""
     cfg = _exchange_teacher_config(root, tmp_path / "teacher.yaml")
     assert main(["fit", "--config", str(cfg)]) == 0
-    ckpt = sorted((tmp_path / "teacher" / "checkpoints").glob("*.ckpt"))[-1]
+    ckpt = max((tmp_path / "teacher" / "checkpoints").glob("*.ckpt"))
     capsys.readouterr()
     assert main(["predict", "--config", str(cfg), "--ckpt_path", str(ckpt)]) == 0
     path = tmp_path / "teacher" / "predictions" / "demo_val.json"
