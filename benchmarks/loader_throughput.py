@@ -91,7 +91,8 @@ def _image(r: np.random.Generator, w: int, h: int) -> np.ndarray:
 
 def make_entry(r: np.random.Generator, path: str, image_id: int, w: int, h: int,
                cfg: Any, num_props: int = 2000) -> dict[str, Any]:
-    """A roidb-style entry: ~7 gt with polygons, ``num_props`` proposals, labelled (§3.4)."""
+    """A roidb-style entry: ~7 gt with polygons, ``num_props`` proposals, labelled (Detectron
+    semantics: proposals)."""
     n_gt = int(r.integers(2, 13))
     wh = r.uniform(16, [w / 2, h / 2], (n_gt, 2))
     xy = r.uniform(0, [w, h] - wh, (n_gt, 2))

@@ -2,7 +2,8 @@
 
 Baselines measured in the same run:
 
-* Detectron's ``RoIDataLoader`` cursor (spec §5.2-5.3), written out below: a ``deque``
+* Detectron's ``RoIDataLoader`` cursor (Detectron semantics: sampler and aspect grouping), written
+out below: a ``deque``
   permutation rotated under a ``threading.Lock``, reshuffled (grouping included) when the
   cursor passes the end;
 * resume by replay (what mmengine does on resume): draw and drop every earlier batch.
@@ -23,7 +24,8 @@ from lit_roidata.sampler import RoIBatchSampler
 
 
 class DetectronCursor:
-    """Detectron's ``_shuffle_roidb_inds`` + ``_get_next_minibatch_inds`` (spec §5.2-5.3)."""
+    """Detectron's ``_shuffle_roidb_inds`` + ``_get_next_minibatch_inds`` (Detectron semantics:
+    sampler and aspect grouping)."""
 
     def __init__(self, widths: np.ndarray, heights: np.ndarray, mb: int, seed: int) -> None:
         self._w, self._h, self._mb = widths, heights, mb

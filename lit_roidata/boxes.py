@@ -1,9 +1,10 @@
-"""Box primitives shared by the roidb builder and the minibatch builders (spec §6.0).
+"""Box primitives shared by the roidb builder and the minibatch builders (Detectron semantics:
+minibatch primitives).
 
 Every function follows Detectron's "+1" convention: a box ``[x1, y1, x2, y2]`` holds
 inclusive pixel indices, so its width is ``x2 - x1 + 1``. NumPy versions serve the
 roidb and the loader; the ``*_torch`` versions serve code that runs on the model's
-device every step (second-stage labels, spec §6.9).
+device every step (second-stage labels, Detectron semantics: end-to-end training).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tenso
 def bbox_transform_targets(
     ex_rois: np.ndarray, gt_rois: np.ndarray, weights: tuple[float, float, float, float]
 ) -> np.ndarray:
-    """Regression targets ``(tx, ty, tw, th)`` from ``ex_rois`` to ``gt_rois`` (spec §4.4)."""
+    """Regression targets ``(tx, ty, tw, th)`` from ``ex_rois`` to ``gt_rois`` (Detectron semantics:
+    bounding-box regression targets)."""
     ex = np.asarray(ex_rois, dtype=np.float64).reshape(-1, 4)
     gt = np.asarray(gt_rois, dtype=np.float64).reshape(-1, 4)
     wx, wy, ww, wh = weights

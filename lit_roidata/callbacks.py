@@ -1,13 +1,15 @@
 """Weights loading on rank 0, parameter broadcast, and a bit-exact replica check.
 
 Detectron loads a weights file into GPU 0 only and then copies every parameter blob from
-GPU 0 to the other GPUs (``broadcast_parameters``, spec §7.2-7.3); that copy also
+GPU 0 to the other GPUs (``broadcast_parameters``, Detectron semantics: multi-gpu and weights); that
+copy also
 equalises the independent random initialisations. :class:`BroadcastParameters` does
 the same for a Lightning run: rank 0 loads the file (a Lightning/PyTorch checkpoint or
 state dict, or a Detectron ``.pkl`` of named blobs), every parameter and buffer is
 broadcast from rank 0, and then each rank's per-tensor checksums are gathered and
 compared, so a replica that differs by a single bit fails the run with the tensor's
-name. DDP broadcasts parameters when it wraps the module too (spec §7.4); the explicit
+name. DDP broadcasts parameters when it wraps the module too (Detectron semantics: multi-gpu and
+weights); the explicit
 step makes the load rank-0-only, covers non-DDP strategies and checks the result.
 
 Works with any ``torch.distributed`` backend: tensors are moved to the current CUDA
@@ -113,7 +115,8 @@ def _source_name(name: str, name_map: Optional[NameMap]) -> Optional[str]:
 def load_weights_into(module: nn.Module, blobs: Mapping[str, Any], *,
                       name_map: Optional[NameMap] = None, strict: bool = False,
                       source: str = "<weights>") -> LoadReport:
-    """Copy named blobs into ``module``'s parameters and buffers (spec §7.3).
+    """Copy named blobs into ``module``'s parameters and buffers (Detectron semantics: multi-gpu and
+    weights).
 
     For each tensor of ``module.state_dict()`` in model order: its file name is
     ``name_map(name)`` (identity by default; ``None`` skips it); Detectron's special case

@@ -1,6 +1,7 @@
 """Dataset catalog: name → image directory, COCO annotation file, image prefix.
 
-Detectron keeps a static dict rooted at ``detectron/datasets/data`` (spec §2.1). We keep
+Detectron keeps a static dict rooted at ``detectron/datasets/data`` (Detectron semantics: datasets
+and catalog). We keep
 its names and layout for the built-in COCO (and VOC-as-COCO-json) datasets, resolved
 under a *data root* that is chosen at lookup time (explicit ``data_root=`` or the
 ``LIT_ROIDATA_DATA_ROOT`` environment variable), and let users add their own datasets
@@ -39,7 +40,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """Where one dataset lives (Detectron's catalog record, spec §2.1).
+    """Where one dataset lives (Detectron's catalog record, Detectron semantics: datasets and
+    catalog).
 
     Attributes:
         name: catalog name.

@@ -1,14 +1,21 @@
 """Detectron's option tree, with Detectron's defaults, as typed Python objects.
 
-The data pipeline reads the same keys Detectron reads (spec §1), so a Detectron user
-recognises every name: ``cfg.TRAIN.SCALES``, ``cfg.FPN.COARSEST_STRIDE`` ... Sections are
-dataclasses, which gives attribute access, type hints (LightningCLI / jsonargparse turn
-them into ``--data.cfg.TRAIN.SCALES`` options) and a docstring per section.
+The data pipeline reads the same keys Detectron reads (docs/detectron_semantics.md,
+"Configuration"), so a Detectron user recognises every name: ``cfg.TRAIN.SCALES``,
+``cfg.FPN.COARSEST_STRIDE`` ... Sections are dataclasses, which gives attribute access,
+type hints and a docstring per section. On the command line the config is not exposed
+option by option: it is reached through the data module's ``detectron_config`` (a
+Detectron YAML file) and ``overrides`` (dotted keys), e.g.
+``--data.init_args.overrides '{"TRAIN.SCALES": [800]}'`` or, in a YAML config,
+``overrides: {TRAIN.SCALES: [800]}``.
 
 Sections that only the model reads in Detectron (``SOLVER``, ``FAST_RCNN``, ``RESNETS``,
 ``TEST`` ...) are kept as checked key/value tables so that a Detectron YAML file such as
-``e2e_mask_rcnn_R-50-FPN_1x.yaml`` loads unchanged; an unknown key anywhere is an error
-that names the key and the nearest valid one.
+``e2e_mask_rcnn_R-50-FPN_1x.yaml`` loads unchanged. An unknown key in a typed section,
+at the top level or directly under one of these tables is an error that names the key
+and the nearest valid one; keys *inside* the nested tables of ``TEST`` (``TEST.BBOX_AUG``,
+``TEST.MASK_AUG``, ``TEST.KPS_AUG``) are not checked and are stored as given, because
+the data pipeline never reads them.
 
 Example::
 
@@ -51,7 +58,8 @@ class ConfigError(KeyError, ValueError):
 
 @dataclass
 class TrainConfig:
-    """``TRAIN``: datasets, image scales, RoI / anchor sampling (spec §1)."""
+    """``TRAIN``: datasets, image scales, RoI / anchor sampling (Detectron semantics:
+    configuration)."""
 
     WEIGHTS: str = ""
     DATASETS: tuple[str, ...] = ()
@@ -70,7 +78,8 @@ class TrainConfig:
     ASPECT_GROUPING: bool = True
     CROWD_FILTER_THRESH: float = 0.7
     GT_MIN_AREA: float = -1
-    #: Not in Detectron (spec Q28): -1 keeps every proposal, as Detectron trains.
+    #: Not in Detectron (Detectron quirk Q28, docs/detectron_quirks.md): -1 keeps every proposal, as
+    # Detectron trains.
     PROPOSAL_LIMIT: int = -1
     RPN_POSITIVE_OVERLAP: float = 0.7
     RPN_NEGATIVE_OVERLAP: float = 0.3
@@ -270,7 +279,8 @@ def _passthrough(name: str) -> Any:
 
 @dataclass
 class DetectronConfig:
-    """Detectron's whole option tree, data-pipeline sections typed (spec §1).
+    """Detectron's whole option tree, data-pipeline sections typed (Detectron semantics:
+    configuration).
 
     Use :func:`get_cfg` for a fresh copy with Detectron's defaults, then
     :meth:`merge_from_dict` / :meth:`merge_from_file` for overrides with dotted
@@ -508,7 +518,7 @@ def _lists(obj: Any) -> Any:
 
 
 def get_cfg() -> DetectronConfig:
-    """A fresh config holding Detectron's defaults (spec §1)."""
+    """A fresh config holding Detectron's defaults (Detectron semantics: configuration)."""
     return DetectronConfig()
 
 

@@ -1,6 +1,7 @@
 """``RoIDataModule``: Detectron's training-data pipeline as a LightningDataModule.
 
-This is the only place that knows the config's shape (style guide §2): it turns its
+This is the only place that knows the config's shape (docs/architecture.md, "Configuration"): it
+turns its
 ``__init__`` arguments (which LightningCLI exposes as ``--data.init_args.*``) into a
 Detectron config, a dataset catalog, the cached combined roidb, Detectron's batch
 sampler and the workers' dataset, and hands Lightning the stateful train loader.
@@ -13,7 +14,7 @@ Lifecycle (Lightning's contract, ``datamodule.rst``):
 * ``setup`` (every process): open the caches read-only (memory-mapped, milliseconds).
 * ``train_dataloader``: :class:`~lit_roidata.sampler.RoIBatchSampler` over the roidb
   with this process's rank and world size (``TRAIN.IMS_PER_BATCH`` is per rank, as
-  Detectron's per-GPU minibatch, spec §7.4), workers building blobs
+  Detectron's per-GPU minibatch, Detectron semantics: multi-gpu and weights), workers building blobs
   (:class:`~lit_roidata.dataset.RoIBlockDataset`), wrapped in the checkpointable
   :class:`~lit_roidata.loader.StatefulRoIDataLoader`.
 * ``val_dataloader`` / ``test_dataloader``: every evaluation image exactly once, in
@@ -110,7 +111,8 @@ class RoIDataModule(pl.LightningDataModule):
             200 / 100 / 60 for ``demo_train_a`` / ``demo_train_b`` / ``demo_val``).
         infinite: Detectron's endless block stream (train with ``max_steps``) instead
             of epochs of ``len(loader)`` batches.
-        fix_rpn_quirks: correct Detectron's RPN label quirks Q2/Q3 (spec §9).
+        fix_rpn_quirks: correct Detectron's RPN label quirks Q2/Q3
+            (docs/detectron_quirks.md).
         eval_ims_per_batch: images per validation/test batch (Detectron tests one).
         pin_memory: pin host memory of batches (faster copies to a GPU).
         mask_format: ``"compact"`` (default) ships one ``M x M`` mask per mask RoI from
@@ -646,7 +648,8 @@ def fork_safe_opencv() -> None:
     """Stop OpenCV's thread pool in this process before DataLoader workers fork.
 
     A worker forked while the parent's pool exists inherits its locks but not its
-    threads, and its first ``cv2.setNumThreads`` (the workers set 1) then waits forever.
+    threads, and its first call that uses the pool (or ``cv2.setNumThreads``) can wait
+    forever.
     The parent's pool is started by any earlier multi-threaded OpenCV call (demo data
     generation, ``num_workers=0`` loading, the tools), so it is shut down here; the main
     process then runs OpenCV single-threaded, which costs nothing when workers decode.

@@ -1,20 +1,22 @@
 """``RoIBlockDataset``: a block of roidb indices in, one partial minibatch out.
 
-Runs inside DataLoader workers (docs/architecture.md §4). Workers are stateless
+Runs inside DataLoader workers (docs/architecture.md, "Worker output"). Workers are stateless
 (design principle 6): every random draw of a block comes from
 ``lit_roidata.rng.block_rng(seed, pass_index, block_index)`` (or, with
 ``rng_mode="detectron"``, a legacy ``RandomState`` seeded from the same triple and
 drawn in Detectron's call order), so :func:`rebuild_block` reproduces a block bit for
 bit in any process.
 
-An invalid minibatch (keypoint rule, spec §6.10) is replaced by
+An invalid minibatch (keypoint rule, Detectron semantics: minibatch validity) is replaced by
 ``replacement(block, attempt)`` for ``attempt = 1, 2, ...`` (the sampler's
 ``RoIBatchSampler.replacement_block``), at most ``max_attempts`` times, then a clear
 error. With ``on_bad_image="skip"`` and a :class:`~lit_roidata.skip.BadImageLedger`,
 only a bad image is replaced, never its partners (see :mod:`lit_roidata.skip`): known
 bad images before reading, a newly found one by the main process
-(:meth:`RoIBlockDataset.repair`). Detectron retries forever and silently (Q21) or dies on
-the first bad image (Q33); here every replacement is recorded in ``"_meta"`` so the data
+(:meth:`RoIBlockDataset.repair`). Detectron retries forever and silently (Detectron quirk Q21,
+docs/detectron_quirks.md) or dies on
+the first bad image (Detectron quirk Q33, docs/detectron_quirks.md); here every replacement is
+recorded in ``"_meta"`` so the data
 module can report skips at the end of the epoch.
 """
 
@@ -101,14 +103,15 @@ def _as_tensor(value: np.ndarray) -> torch.Tensor:
 
 
 class RoIBlockDataset(torch.utils.data.Dataset):
-    """Build one partial minibatch per :class:`~lit_roidata.sampler.Block` (spec §6).
+    """Build one partial minibatch per :class:`~lit_roidata.sampler.Block` (Detectron semantics:
+    minibatch primitives).
 
     Use it with ``DataLoader(dataset, batch_sampler=RoIBatchSampler(...),
     collate_fn=lambda b: b)``: the DataLoader calls :meth:`__getitems__` with the
     whole block, so batching happens in the sampler.
 
     Args:
-        roidb: a ``RoIDB`` or any sequence of roidb entries (docs/architecture.md §2).
+        roidb: a ``RoIDB`` or any sequence of roidb entries (docs/architecture.md, "A roidb entry").
         cfg: the Detectron config.
         output_format: ``"detectron"`` (blob dict + ``"_meta"``) or ``"torchvision"``
             (``TorchvisionBatch``: images, targets and ``.meta``).
@@ -133,7 +136,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             shape) or ``"compact"`` (``(n, M*M)`` plus ``mask_class_int32``; 80x less
             data at COCO settings; expand with
             :func:`lit_roidata.minibatch.device.finalize_on_device`).
-        fix_rpn_quirks: passed to the RPN target builder (spec Q2/Q3 fix).
+        fix_rpn_quirks: passed to the RPN target builder (Detectron quirk Q2/Q3
+            (docs/detectron_quirks.md) fix).
         target_format: ``"detectron"`` (RPN wide blobs and RetinaNet class labels built
             densely in the worker, Detectron's blobs) or ``"compact"`` (only the sampled
             anchors, their labels, targets and weights; a few KB instead of ~45 MB per

@@ -15,7 +15,8 @@ without detections, so an image with missed objects still counts):
   the form COCO's proposal evaluation (``COCOeval`` with ``params.useCats = 0``) reads.
 
 :func:`detections_to_coco_results` restores the JSON category ids (Detectron's
-``contiguous_category_id_to_json_id``, spec §2.2) and converts boxes to COCO's
+``contiguous_category_id_to_json_id``, Detectron semantics: datasets and catalog) and converts boxes
+to COCO's
 ``[x, y, w, h]`` with ``w = x2 - x1 + 1``, as Detectron's ``_coco_bbox_results_one_category``;
 keypoints become COCO's flat ``[x1, y1, v1, ...]`` with ``v = 1`` and the box score as the
 instance score (Detectron's ``KRCNN.KEYPOINT_CONFIDENCE: bbox``).

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 def passthrough_collate(batch: Any) -> Any:
     """Return the dataset's result for one block unchanged: batching is the sampler's job
-    (docs/architecture.md §4)."""
+    (docs/architecture.md, "Worker output")."""
     return batch
 
 

@@ -2,9 +2,11 @@
 
 Detectron's ``RoIDataLoader`` keeps one permutation of the roidb (aspect-grouped or
 plain), hands out ``IMS_PER_BATCH`` indices at a time under a lock, and draws a fresh
-permutation when the cursor passes the end (spec §5.2-5.3). GPUs take blocks from that
-shared stream first-come (§5.6). :class:`RoIBatchSampler` keeps the stream and makes it
-deterministic and resumable (spec §7.4, design principle 4):
+permutation when the cursor passes the end (Detectron semantics: sampler and aspect grouping). GPUs
+take blocks from that
+shared stream first-come (Detectron semantics: sampler and aspect grouping).
+:class:`RoIBatchSampler` keeps the stream and makes it
+deterministic and resumable (Detectron semantics: multi-gpu and weights, design principle 4):
 
 * the permutation of pass ``p`` is a pure function of ``(seed, p)`` drawn from a private
   generator, so every rank computes the same stream without communication;
@@ -51,7 +53,8 @@ def _block_indices(perm: np.ndarray, block_index: int, mb: int) -> list[int]:
     start = block_index * mb
     if start + mb <= perm.size:
         return perm[start:start + mb].tolist()
-    # ungrouped last block wraps onto the head of the same permutation (§5.3)
+    # ungrouped last block wraps onto the head of the same permutation (Detectron semantics: sampler
+    # and aspect grouping)
     return perm[(start + np.arange(mb)) % perm.size].tolist()
 
 
@@ -69,7 +72,7 @@ class Block(list):
     The coordinates travel with the indices through DataLoader index queues (the class
     is module-level and pickles with its attributes) so the worker can seed everything
     random from ``lit_roidata.rng.block_rng(seed, pass_index, block_index)``
-    (docs/architecture.md §3).
+    (docs/architecture.md, "Blocks and randomness").
 
     Attributes:
         seed: the sampler's stream seed.
@@ -111,7 +114,9 @@ def _check_int(name: str, value: Any, low: int) -> int:
 class RoIBatchSampler(Sampler[Block]):
     """Yield this rank's partial minibatches (:class:`Block`) in Detectron's order, resumably.
 
-    Grouping (spec §5.2), wrap-around (§5.3), the DDP split (§7.4) and the resume cursor
+    Grouping (Detectron semantics: sampler and aspect grouping), wrap-around (Detectron semantics:
+    sampler and aspect grouping), the DDP split (Detectron semantics: multi-gpu and weights) and the
+    resume cursor
     all act on blocks, so they live in one object: one state to save, one place to test.
 
     Two modes:
@@ -126,7 +131,7 @@ class RoIBatchSampler(Sampler[Block]):
       so Lightning has an epoch length for progress and validation scheduling.
 
     Draws (:meth:`draw` and iteration) are atomic under a lock: threads sharing one
-    sampler get whole blocks, none lost or duplicated (spec §10 item 12).
+    sampler get whole blocks, none lost or duplicated (Detectron semantics: tested invariants).
 
     Args:
         widths, heights: per-entry image size (``roidb.widths``/``roidb.heights``);
@@ -134,7 +139,8 @@ class RoIBatchSampler(Sampler[Block]):
         ims_per_batch: images per block, i.e. one rank's share (``TRAIN.IMS_PER_BATCH``).
         aspect_grouping: ``TRAIN.ASPECT_GROUPING``: single-orientation blocks, tails cut.
         shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` order: identity
-            permutation in blocks, wrapping to 0, grouping ignored (spec §8.1).
+            permutation in blocks, wrapping to 0, grouping ignored (Detectron semantics:
+            cross-process exchange).
         seed: stream seed; must be equal on every rank.
         rank, world_size: this process's index and how many share a global minibatch.
         infinite: stream mode (never stops) instead of epoch mode.
@@ -145,7 +151,8 @@ class RoIBatchSampler(Sampler[Block]):
             first ``blocks_per_pass`` blocks of Detectron's permutation, unchanged.
 
     Raises:
-        ValueError: sizes that give no block at all (Detectron's ``IndexError``, Q14), a
+        ValueError: sizes that give no block at all (Detectron's ``IndexError``, Detectron quirk Q14
+            (docs/detectron_quirks.md)), a
             rank outside ``range(world_size)``, or (epoch mode) fewer blocks per pass
             than ranks.
     """
@@ -202,12 +209,14 @@ class RoIBatchSampler(Sampler[Block]):
                 f"RoIBatchSampler: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} "
                 f"images of one orientation, but the roidb has {self._horz.size} horizontal "
                 f"(w >= h) and {self._vert.size} vertical images; the permutation would be "
-                "empty (Detectron fails with IndexError, spec Q14). Add images, lower "
+                "empty (Detectron fails with IndexError: Detectron quirk Q14, see "
+                "docs/detectron_quirks.md). Add images, lower "
                 "TRAIN.IMS_PER_BATCH or set TRAIN.ASPECT_GROUPING False")
         if not self._grouped and self.num_images < mb:
             raise ValueError(
                 f"RoIBatchSampler: the roidb has {self.num_images} images, fewer than "
-                f"IMS_PER_BATCH={mb}; no block can be drawn (spec Q14). Add images or lower "
+                f"IMS_PER_BATCH={mb}; no block can be drawn (Detectron quirk Q14, see "
+                "docs/detectron_quirks.md). Add images or lower "
                 "TRAIN.IMS_PER_BATCH")
         if not self.infinite and self.blocks_per_pass < self.world_size:
             raise ValueError(
@@ -218,7 +227,8 @@ class RoIBatchSampler(Sampler[Block]):
 
     # ------------------------------------------------------------------ permutations
     def permutation(self, pass_index: int) -> np.ndarray:
-        """The order of pass ``pass_index`` (spec §5.2); a pure function of ``(seed, pass)``.
+        """The order of pass ``pass_index`` (Detectron semantics: sampler and aspect grouping); a
+        pure function of ``(seed, pass)``.
 
         Grouped: length ``blocks_per_pass * ims_per_batch``, aligned rows single-orientation.
         Otherwise a permutation of ``0..L-1`` (identity when ``shuffle=False``).
@@ -316,7 +326,8 @@ class RoIBatchSampler(Sampler[Block]):
         return _fast_block(inds, self.seed, q, b)
 
     def draw(self) -> Block:
-        """Take this rank's next block, atomically (Detectron's locked cursor, spec §5.3).
+        """Take this rank's next block, atomically (Detectron's locked cursor, Detectron semantics:
+        sampler and aspect grouping).
 
         Never stops: in epoch mode a finished pass rolls over to the next permutation.
         """
@@ -409,7 +420,8 @@ class RoIBatchSampler(Sampler[Block]):
 
     # ------------------------------------------------------------------ invalid blocks
     def replacement_block(self, block: Block, attempt: int) -> Block:
-        """A deterministic substitute for an invalid block (spec §5.4, §10 item 13).
+        """A deterministic substitute for an invalid block (Detectron semantics: sampler and aspect
+        grouping; tested invariants).
 
         Detectron drops an invalid minibatch and takes the next one from the shared
         stream; under DDP that would shift one rank's stream against the others. Instead

@@ -37,7 +37,8 @@ def uncompressed_counts(mask: np.ndarray) -> list:
 
 def make_coco(seed: int, n_images: int = 6, *, keypoints: bool = False, max_anns: int = 5,
               categories: Optional[list] = None, rle: bool = True) -> dict:
-    """A random COCO dict exercising every cleaning rule (spec §2.4)."""
+    """A random COCO dict exercising every cleaning rule (Detectron semantics: ground-truth
+    cleaning)."""
     rng = np.random.default_rng(seed)
     if categories is None:
         categories = [{"id": 3, "name": "car"}, {"id": 1, "name": "person"},

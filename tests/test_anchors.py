@@ -1,4 +1,5 @@
-"""Anchors and fields of anchors (spec §6.0, Q29)."""
+"""Anchors and fields of anchors (Detectron semantics: minibatch primitives, Detectron quirk Q29
+(docs/detectron_quirks.md))."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Box primitives (spec §6.0, §4.4): hand-checked cases and property tests."""
+"""Box primitives (Detectron semantics: minibatch primitives; bounding-box regression targets):
+hand-checked cases and property tests."""
 
 import numpy as np
 import torch

@@ -1,4 +1,5 @@
-"""BlobExchangeCallback in real (tiny, CPU) Lightning Trainers: teacher → student (§8.1)."""
+"""BlobExchangeCallback in real (tiny, CPU) Lightning Trainers: teacher → student (Detectron
+semantics: cross-process exchange)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""BlobExchange channel semantics in one process (threads), on both backends (spec §8.4).
+"""BlobExchange channel semantics in one process (threads), on both backends (Detectron semantics:
+cross-process exchange).
 
 The cross-process versions (separate producer/consumer processes, killed peers, server
 restarts) are in ``test_exchange_ipc.py``.

@@ -1,4 +1,5 @@
-"""BlobExchange between separately started processes, on both backends (spec §8.4, §10.28).
+"""BlobExchange between separately started processes, on both backends (Detectron semantics:
+cross-process exchange; tested invariants).
 
 Each peer is an unrelated ``python -c`` process that only shares the run id (and, for
 memcached, the server address) with the test process. memcached is the real server,

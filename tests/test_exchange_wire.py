@@ -1,4 +1,5 @@
-"""Wire format of the blob exchange: explicit dtype/shape/byte order, no pickle (§8.4.7)."""
+"""Wire format of the blob exchange: explicit dtype/shape/byte order, no pickle (Detectron
+semantics: cross-process exchange)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Image blob (spec §6.2, §10 items 17-18): decoding, scaling, padding, pixel formats."""
+"""Image blob (Detectron semantics: image blob; tested invariants): decoding, scaling, padding,
+pixel formats."""
 
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def test_uint8_resize_within_one_grey_level_of_float(tmp_path):
        st.lists(st.integers(10, 80), min_size=1, max_size=3), st.integers(20, 120),
        st.booleans(), st.sampled_from([8, 32]), st.integers(0, 2**31 - 1))
 def test_blob_shape_scale_padding_im_info(sizes, scales, max_size, fpn, stride, seed):
-    """§10 items 17-18 for any image sizes, scales, MAX_SIZE and FPN padding."""
+    """Detectron semantics: tested invariants for any image sizes, scales, MAX_SIZE and FPN
+    padding."""
     cfg = small_cfg(**{"TRAIN.SCALES": tuple(scales), "TRAIN.MAX_SIZE": max_size,
                        "FPN.FPN_ON": fpn, "FPN.COARSEST_STRIDE": stride})
     ims = {i: np.full((h, w, 3), 200, np.uint8) for i, (w, h) in enumerate(sizes)}

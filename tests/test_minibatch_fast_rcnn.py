@@ -1,4 +1,4 @@
-"""Fast R-CNN blobs (spec §6.1, §6.3; §10 items 16 and 19)."""
+"""Fast R-CNN blobs (Detectron semantics: blob names; Fast R-CNN targets; tested invariants)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def test_bg_rows_keep_roidb_targets_q30():
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.sampled_from([4, 16, 64]),
        st.sampled_from([0.25, 0.5]), st.booleans(), st.booleans())
 def test_fast_rcnn_invariants(seed, n_images, per_im, fg_frac, cls_agnostic, use_rs):
-    """§10 items 16 and 19 on random labelled entries."""
+    """Detectron semantics: tested invariants on random labelled entries."""
     r = np.random.default_rng(seed)
     cfg = small_cfg(**{"TRAIN.BATCH_SIZE_PER_IM": per_im, "TRAIN.FG_FRACTION": fg_frac,
                        "MODEL.CLS_AGNOSTIC_BBOX_REG": cls_agnostic})

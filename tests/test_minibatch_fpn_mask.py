@@ -1,4 +1,5 @@
-"""FPN level distribution (§6.4, §10 item 20) and Mask R-CNN targets (§6.5, item 21)."""
+"""FPN level distribution (Detectron semantics: FPN RoI levels; tested invariants) and Mask R-CNN
+targets (Detectron semantics: mask targets, item 21)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def test_fpn_level_hand_cases():
                           st.floats(0, 900)), min_size=0, max_size=40),
        st.integers(1, 3), st.integers(3, 6))
 def test_fpn_restore_and_levels(boxes, lo, hi):
-    """§10 item 20: concat(levels)[restore] == rois; each roi on its formula level."""
+    """Detectron semantics: tested invariants: concat(levels)[restore] == rois; each roi on its
+    formula level."""
     b = np.array([[x, y, x + w, y + h] for x, y, w, h in boxes], np.float32).reshape(-1, 4)
     rois = np.hstack([np.zeros((len(b), 1), np.float32), b])
     lv = map_rois_to_fpn_levels(b, lo, hi)
@@ -97,7 +99,9 @@ def test_rle_segm_matches_polygon_for_rectangle_and_empty_is_ignored():
     boxes = np.array([[4, 4, 12, 12]] * 3, np.float32)
     m = rasterize_segms_in_boxes([rle, _square(4, 4, 12, 12), []], boxes, 8, 32, 32)
     assert m[0].all() and np.array_equal(m[0], m[1])
-    assert (m[2] == -1).all()  # Q24: no usable polygon -> ignored target, no crash
+    # Detectron quirk Q24 (docs/detectron_quirks.md): no usable polygon -> ignored target, no
+    # crash
+    assert (m[2] == -1).all()
 
 
 def test_class_specific_expansion():
@@ -134,7 +138,7 @@ def test_empty_polygon_gt_q24_does_not_crash():
 @settings(deadline=None, max_examples=40)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.booleans(), st.booleans())
 def test_mask_invariants(seed, n_images, cls_specific, fpn):
-    """§10 item 21 (and item 20 for mask_rois) on random entries."""
+    """Detectron semantics: tested invariants (and item 20 for mask_rois) on random entries."""
     r = np.random.default_rng(seed)
     cfg = small_cfg(**{"MODEL.MASK_ON": True, "MRCNN.RESOLUTION": 6,
                        "MRCNN.CLS_SPECIFIC_MASK": cls_specific, "FPN.FPN_ON": fpn,

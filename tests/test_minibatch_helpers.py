@@ -1,7 +1,8 @@
 """Shared builders for the minibatch tests: roidb-style entries as plain dicts.
 
-The entries follow docs/architecture.md §2 and are labelled the way the roidb builder
-labels them (spec §3.4, §4.4), so the minibatch code sees realistic input.
+The entries follow docs/architecture.md ("A roidb entry") and are labelled the way the roidb builder
+labels them (Detectron semantics: proposals; bounding-box regression targets), so the minibatch code
+sees realistic input.
 """
 
 from __future__ import annotations

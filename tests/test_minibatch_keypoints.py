@@ -1,4 +1,5 @@
-"""Keypoint targets and minibatch validity (spec §6.6, §6.10, §10 item 22, Q5, Q25)."""
+"""Keypoint targets and minibatch validity (Detectron semantics: keypoint targets; minibatch
+validity; tested invariants, Detectron quirk Q5/Q25 (docs/detectron_quirks.md))."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_validity_and_normaliser():
 @settings(deadline=None, max_examples=40)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(0, 30), st.booleans())
 def test_keypoint_invariants(seed, n_images, min_count, fpn):
-    """§10 item 22 on random entries."""
+    """Detectron semantics: tested invariants on random entries."""
     r = np.random.default_rng(seed)
     cfg = _cfg(**{"KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH": min_count,
                   "FPN.FPN_ON": fpn, "FPN.MULTILEVEL_ROIS": fpn})

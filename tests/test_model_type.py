@@ -1,4 +1,5 @@
-"""model_type -> Detectron flags, and Detectron's blob-family precedence (spec §1)."""
+"""model_type -> Detectron flags, and Detectron's blob-family precedence (Detectron semantics:
+configuration)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Second-stage labels (spec §6.9): merge semantics vs a literal Detectron port, and the
+"""Second-stage labels (Detectron semantics: end-to-end training): merge semantics vs a literal
+Detectron port, and the
 same blobs as the loader's precomputed-proposal path for the same proposals and seed."""
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def test_roidb_blob_input_equals_entries():
 
 
 def test_no_crowd_filter_and_crowd_class_q8():
-    # spec Q8: a proposal on the crowd box becomes fg of the crowd's class (crowd_thresh 0), while
+    # Detectron quirk Q8 (docs/detectron_quirks.md): a proposal on the crowd box becomes fg of the
+    # crowd's class (crowd_thresh 0), while
     # its regression target goes to the best non-crowd gt.
     cfg = _cfg(mask=False, fpn=False)
     entries = [_gt_entry([[10, 10, 30, 30], [50, 50, 90, 90]], [1, 3], [False, True])]

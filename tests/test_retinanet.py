@@ -1,4 +1,5 @@
-"""RetinaNet targets (spec §6.8, §10 item 24): hand-checked counts, and equality with a
+"""RetinaNet targets (Detectron semantics: RetinaNet targets; tested invariants): hand-checked
+counts, and equality with a
 literal dense port of Detectron's ``add_retinanet_blobs``."""
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def test_matches_detectron_and_invariants(scene):
     for k, v in ref.items():
         assert expanded[k].numpy().dtype == v.dtype, k
         np.testing.assert_array_equal(expanded[k].numpy(), v, err_msg=k)
-    # spec §10 item 24
+    # Detectron semantics: tested invariants
     fg = 0
     for lvl in (3, 4, 5):
         cls = blobs[f"retnet_cls_labels_fpn{lvl}"]

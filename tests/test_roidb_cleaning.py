@@ -1,4 +1,5 @@
-"""Hand-checked fixtures: one annotation per cleaning rule (spec §2.4-2.5, §3, §4.3)."""
+"""Hand-checked fixtures: one annotation per cleaning rule (Detectron semantics: ground-truth
+cleaning; class assignment; proposals; filtering)."""
 
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def test_proposal_processing_by_hand(tmp_path):
     rep = db.report["datasets"][0]["proposals"]
     assert rep["proposals_duplicate"] == 1 and rep["proposals_min_size"] == 1
     assert rep["proposals_crowd_filtered"] == 1 and rep["proposals_kept"] == 5
-    # §4.3: image 3 (no gt) has no proposals -> filtered; image 2 (crowd only) too
+    # Detectron semantics: filtering: image 3 (no gt) has no proposals -> filtered; image 2 (crowd
+    # only) too
     assert sorted(set(db.ids.tolist())) == [1]
 
 

@@ -3,7 +3,7 @@
 Random COCO datasets (every cleaning rule, crowd RLEs of both kinds, keypoints) and
 random proposal files (duplicates, tiny boxes, out-of-image boxes, extra ids) are built
 both ways; every field of every entry, and the entry order, must match exactly
-(spec §2-§4, §10 items 1-9).
+(Detectron semantics: roidb building; tested invariants).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Spec §10 items 1-9 checked directly on the columnar roidb (hypothesis)."""
+"""Detectron semantics (tested invariants) checked directly on the columnar roidb (hypothesis)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def _build(tmp, seed, *, proposals, flipped=True, keypoints=False, kp_on=False,
 @SETTINGS
 @given(seed=st.integers(0, 5000), proposals=st.booleans(), flipped=st.booleans())
 def test_order_and_filtering_only_removes(tmp_path_factory, seed, proposals, flipped):
-    """§10.1: dataset by dataset, originals by ascending id, then flipped copies."""
+    """Detectron semantics: tested invariants: dataset by dataset, originals by ascending id, then
+    flipped copies."""
     tmp = tmp_path_factory.mktemp("inv1")
     db, cfg, datas, catalog, names, files = _build(tmp, seed, proposals=proposals,
                                                    flipped=flipped)
@@ -66,7 +67,7 @@ def _check_entry(e, cfg, has_props):
     boxes = e["boxes"]
     r = boxes.shape[0]
     w, h = e["width"], e["height"]
-    # §10.2
+    # Detectron semantics: tested invariants
     assert boxes.dtype == np.float32 and boxes.shape == (r, 4)
     assert (boxes[:, 0] >= 0).all() and (boxes[:, 0] <= boxes[:, 2]).all()
     assert (boxes[:, 2] <= w - 1).all() and (boxes[:, 1] >= 0).all()
@@ -81,7 +82,7 @@ def _check_entry(e, cfg, has_props):
     assert len(e["segms"]) == n_gt
     props = ~gt
     assert not e["is_crowd"][props].any() and (e["seg_areas"][props] == 0).all()
-    # §10.3
+    # Detectron semantics: tested invariants
     nc = gt & ~e["is_crowd"]
     cr = gt & e["is_crowd"]
     assert (boxes[nc, 2] > boxes[nc, 0]).all() and (boxes[nc, 3] > boxes[nc, 1]).all()
@@ -89,7 +90,7 @@ def _check_entry(e, cfg, has_props):
     np.testing.assert_array_equal(e["max_classes"][nc], e["gt_classes"][nc])
     np.testing.assert_array_equal(e["box_to_gt_ind_map"][:n_gt], np.arange(n_gt))
     assert (e["max_overlaps"][cr] == -1).all() and (e["max_classes"][cr] == 0).all()
-    # §10.4
+    # Detectron semantics: tested invariants
     dense = e["gt_overlaps"].toarray()
     if r:
         np.testing.assert_array_equal(e["max_overlaps"], dense.max(1))
@@ -98,7 +99,7 @@ def _check_entry(e, cfg, has_props):
     assert (mc[mo == 0] == 0).all() and (mc[mo > 0] != 0).all()
     for row in dense[props]:
         assert (row == -1).all() or np.count_nonzero(row) <= 1
-    # §10.5
+    # Detectron semantics: tested invariants
     if props.any():
         pb = boxes[props]
         ov = bbox_overlaps(pb, boxes[:n_gt]) if n_gt else np.zeros((pb.shape[0], 0))
@@ -108,10 +109,13 @@ def _check_entry(e, cfg, has_props):
         pmo = mo[props]
         ok = has & (pmo != -1)
         np.testing.assert_array_equal(e["gt_classes"][m[ok]], mc[props][ok])
-        # §10.6: proposals unique after rounding, (+1) sizes > 2, clipped. Dedup runs on
-        # the original image's proposals (§3.3); a flipped entry mirrors them, and
+        # Detectron semantics: tested invariants: proposals unique after rounding, (+1) sizes > 2,
+        # clipped. Dedup runs on
+        # the original image's proposals (Detectron semantics: proposals); a flipped entry mirrors
+        # them, and
         # mirrored .5 coordinates can round together (numpy rounds half to even), so
-        # uniqueness holds for originals only (flipped geometry is §10.7's check).
+        # uniqueness holds for originals only (flipped geometry is Detectron semantics: tested
+        # invariants's check).
         if not e["flipped"]:
             r_ = np.round(pb).astype(np.int64)
             hashes = r_[:, 0] + 1000 * r_[:, 1] + 10**6 * r_[:, 2] + 10**9 * r_[:, 3]
@@ -119,7 +123,7 @@ def _check_entry(e, cfg, has_props):
             # the size rule too: mirroring in float32 (W - x - 1) can shrink a width by
             # one ulp, so a flipped box of width just above 2 may read as exactly 2
             assert ((pb[:, 2] - pb[:, 0] + 1) > 2).all() and ((pb[:, 3] - pb[:, 1] + 1) > 2).all()
-    # §10.9
+    # Detectron semantics: tested invariants
     t = e["bbox_targets"]
     assert t.dtype == np.float32 and t.shape == (r, 5)
     low = mo < cfg.TRAIN.BBOX_THRESH
@@ -140,13 +144,13 @@ def _check_entry(e, cfg, has_props):
 @SETTINGS
 @given(seed=st.integers(0, 5000), proposals=st.booleans(), crowd=st.sampled_from([0.0, 0.7]))
 def test_entry_invariants(tmp_path_factory, seed, proposals, crowd):
-    """§10.2-10.6, 10.8, 10.9 on every entry."""
+    """Detectron semantics: tested invariants on every entry."""
     tmp = tmp_path_factory.mktemp("inv2")
     db, cfg, *_ = _build(tmp, seed, proposals=proposals, crowd=crowd)
     for i in range(len(db)):
         e = db[i]
         _check_entry(e, cfg, proposals)
-        # §10.8
+        # Detectron semantics: tested invariants
         mo = e["max_overlaps"]
         assert ((mo >= cfg.TRAIN.FG_THRESH) | ((mo < cfg.TRAIN.BG_THRESH_HI)
                                                & (mo >= cfg.TRAIN.BG_THRESH_LO))).any()
@@ -157,7 +161,8 @@ def test_entry_invariants(tmp_path_factory, seed, proposals, crowd):
 @SETTINGS
 @given(seed=st.integers(0, 5000), proposals=st.booleans())
 def test_flip_invariants(tmp_path_factory, seed, proposals):
-    """§10.7: flip involution, shared fields, keypoint swap involution, v=0 ⇒ x=0."""
+    """Detectron semantics: tested invariants: flip involution, shared fields, keypoint swap
+    involution, v=0 ⇒ x=0."""
     tmp = tmp_path_factory.mktemp("inv3")
     db, cfg, *_ = _build(tmp, seed, proposals=proposals, keypoints=True, two=False)
     n = len(db) // 2
@@ -189,7 +194,8 @@ def test_flip_invariants(tmp_path_factory, seed, proposals):
 
 
 def test_keypoint_filter(tmp_path):
-    """§10.8 with KEYPOINTS_ON: every kept entry has a visible keypoint."""
+    """Detectron semantics: tested invariants with KEYPOINTS_ON: every kept entry has a visible
+    keypoint."""
     db, *_ = _build(tmp_path, 3, proposals=False, keypoints=True, kp_on=True)
     assert len(db) > 0
     assert all(db[i]["has_visible_keypoints"] for i in range(len(db)))

@@ -30,7 +30,8 @@ def _xyxy(b):
 @SET
 @given(boxes=boxes_strategy(), groups=st.integers(1, 4), scale=st.sampled_from([1.0, 1e6]))
 def test_unique_box_keep_matches_detectron(boxes, groups, scale):
-    """Per group, Detectron's ``np.unique(hashes, return_index=True)`` then sort (§3.3)."""
+    """Per group, Detectron's ``np.unique(hashes, return_index=True)`` then sort (Detectron
+    semantics: proposals)."""
     boxes = _xyxy(boxes * np.float32(scale))
     g = np.sort(np.arange(boxes.shape[0]) % groups)
     keep = unique_box_keep(boxes, g)
@@ -44,7 +45,9 @@ def test_unique_box_keep_matches_detectron(boxes, groups, scale):
 
 
 def test_unique_box_keep_hash_collision_q13():
-    b = np.array([[1000, 0, 5, 5], [0, 1, 5, 5]], np.float32)  # equal hashes (spec Q13)
+    # equal hashes (Detectron quirk Q13,
+    # docs/detectron_quirks.md)
+    b = np.array([[1000, 0, 5, 5], [0, 1, 5, 5]], np.float32)
     np.testing.assert_array_equal(unique_box_keep(b, np.zeros(2, int)), [True, False])
 
 

@@ -1,4 +1,5 @@
-"""RPN targets (spec §6.7, §10 item 23): hand-checked cases, quirk flags, and equality
+"""RPN targets (Detectron semantics: RPN targets; tested invariants): hand-checked cases, quirk
+flags, and equality
 with a literal dense port of Detectron's ``_get_rpn_blobs``."""
 
 from __future__ import annotations
@@ -103,13 +104,14 @@ def test_scaled_gt_and_crowd_ignored():
 
 
 def test_no_gt_raises_clear_error():
-    with pytest.raises(ValueError, match="image id 7.*Q27"):
+    with pytest.raises(ValueError, match=r"image id 7.*quirk Q27, see docs/detectron_quirks\.md"):
         rpn.add_rpn_blobs({}, [1.0], [_entry([[8, 8, 39, 39]], crowd=[True], image_id=7)],
                           _tiny_cfg(), np.random.RandomState(0))
 
 
 def _q2_case(fix):
-    # Spec Q2: a 5-px corner box has zero IoU with every inside anchor (default
+    # Detectron quirk Q2 (docs/detectron_quirks.md): a 5-px corner box has zero IoU with every
+    # inside anchor (default
     # single-level anchors of the C4 configs, straddle 0, 800x600).
     cfg = get_cfg()
     cfg.RPN.SIZES = (32, 64, 128, 256, 512)
@@ -124,10 +126,12 @@ def test_q2_default_makes_zero_iou_anchors_positive():
     anchors, (labelled, labels, fg, _, _) = _q2_case(False)
     inside = (anchors[:, 0] >= 0) & (anchors[:, 1] >= 0) & (anchors[:, 2] < 800) & (
         anchors[:, 3] < 600)
-    assert 15000 < inside.sum() < 16500  # spec: ~15.7k, all of them "positive" before sampling
+    assert 15000 < inside.sum() < 16500  # ~15.7k, all of them "positive" before sampling
     assert len(fg) == 128  # subsampled from "all inside anchors are positive"
     pos = labelled[labels == 1]
-    assert 100 <= len(pos) <= 128  # a few overwritten by negatives (Q3)
+    # a few overwritten by negatives (Detectron quirk Q3,
+    # docs/detectron_quirks.md)
+    assert 100 <= len(pos) <= 128
     assert (bbox_overlaps(anchors[pos], np.array([[0, 0, 4, 4]], np.float32)) == 0).all()
 
 
@@ -142,7 +146,9 @@ def test_q3_flag_changes_only_negative_sampling():
     fields = rpn_fields(cfg)
     anchors = concat_fields(fields)
     r = np.random.RandomState(5)
-    xy = r.uniform(50, 450, (30, 2))  # every gt overlaps some anchor: Q2 cannot occur
+    # every gt overlaps some anchor: Detectron quirk Q2 (docs/detectron_quirks.md) cannot
+    # occur
+    xy = r.uniform(50, 450, (30, 2))
     gt = np.concatenate([xy, xy + r.uniform(20, 150, (30, 2))], 1).astype(np.float32)
     out = {fix: rpn.label_anchors(anchors, fields, gt, 600.0, 800.0, cfg.TRAIN,
                                   np.random.RandomState(11), fix_rpn_quirks=fix)
@@ -281,7 +287,7 @@ def test_matches_detectron_and_invariants(scene):
 
 
 def _check_invariants(blobs, names, i, fields, all_anchors, gt, im_h, im_w, cfg):
-    """Spec §10 item 23 for image ``i``."""
+    """Detectron semantics (tested invariants) for image ``i``."""
     flat = []
     for li, f in enumerate(fields):
         lab, tgt, inw, outw = (blobs[n][i] for n in names[4 * li:4 * li + 4])

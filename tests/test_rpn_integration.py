@@ -1,5 +1,6 @@
 """RPN and RetinaNet families end to end: real (demo) roidb entries, decoded images,
-``get_minibatch``, the ``roidb`` blob and ``proposal_labels`` on it (spec §6.1, §6.7-§6.9)."""
+``get_minibatch``, the ``roidb`` blob and ``proposal_labels`` on it (Detectron semantics: blob
+names; RPN targets; end-to-end training)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _cfg(model_type, **extra):
 
 def _check_dtypes(blobs):
     for k, v in blobs.items():
-        assert v.dtype in (np.float32, np.int32), k  # spec §10 item 16
+        assert v.dtype in (np.float32, np.int32), k  # Detectron semantics: tested invariants
 
 
 def test_e2e_mask_rcnn_fpn_minibatch_and_second_stage(roidb):

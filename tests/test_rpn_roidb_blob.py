@@ -1,4 +1,4 @@
-"""The ``roidb`` blob round-trips (spec §6.7, §10 item 25)."""
+"""The ``roidb`` blob round-trips (Detectron semantics: RPN targets; tested invariants)."""
 
 from __future__ import annotations
 

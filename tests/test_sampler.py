@@ -1,4 +1,5 @@
-"""RoIBatchSampler against spec §5.2-5.4, §7.4 and the invariants of §10 items 10-15."""
+"""RoIBatchSampler against Detectron semantics: sampler and aspect grouping; multi-gpu and weights
+and the invariants of Detectron semantics: tested invariants."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _stream(sampler: RoIBatchSampler, n: int) -> list[Block]:
     return [sampler.draw() for _ in range(n)]
 
 
-# ---------------------------------------------------------------- §10 item 10
+# ---------------------------------------------------------------- Detectron semantics: tested
+# invariants
 @SETTINGS
 @given(sizes(), st.integers(1, 8), st.integers(0, 2**31 - 1))
 def test_ungrouped_stream_is_perm_plus_wrapped_head(wh, mb, seed):
@@ -58,7 +60,8 @@ def test_ungrouped_stream_is_perm_plus_wrapped_head(wh, mb, seed):
     assert all(len(set(b)) == mb for b in blocks)  # no index twice within a block
 
 
-# ---------------------------------------------------------------- §10 item 11
+# ---------------------------------------------------------------- Detectron semantics: tested
+# invariants
 @SETTINGS
 @given(sizes(), st.integers(1, 6), st.integers(0, 2**31 - 1))
 def test_grouped_pass_invariants(wh, mb, seed):
@@ -109,7 +112,8 @@ def test_permutation_is_pure_and_ignores_global_rng():
     assert not np.array_equal(pa[0], RoIBatchSampler(w, h, 2, seed=6).permutation(0))
 
 
-# ---------------------------------------------------------------- §10 item 12
+# ---------------------------------------------------------------- Detectron semantics: tested
+# invariants
 @pytest.mark.parametrize("grouping", [True, False])
 def test_concurrent_draws_are_atomic(grouping):
     w, h = np.random.default_rng(0).integers(100, 900, (2, 503))
@@ -133,7 +137,8 @@ def test_concurrent_draws_are_atomic(grouping):
     assert shared.state_dict() == ref.state_dict()
 
 
-# ---------------------------------------------------------------- §10 item 13
+# ---------------------------------------------------------------- Detectron semantics: tested
+# invariants
 @SETTINGS
 @given(sizes(min_len=4), st.integers(1, 4), st.booleans(), st.integers(0, 1000))
 def test_invalid_blocks_are_replaced_deterministically(wh, mb, grouping, seed):
@@ -168,7 +173,8 @@ def test_invalid_blocks_are_replaced_deterministically(wh, mb, grouping, seed):
                                                infinite=True), 13)[-1]
 
 
-# ---------------------------------------------------------------- §10 item 14
+# ---------------------------------------------------------------- Detectron semantics: tested
+# invariants
 @SETTINGS
 @given(sizes(min_len=2, max_len=80), st.integers(1, 4), st.integers(1, 4), st.booleans(),
        st.booleans(), st.integers(0, 1000))
@@ -203,7 +209,8 @@ def test_ddp_split(wh, mb, ws, grouping, infinite, seed):
     assert len(set(coords)) == len(coords) == steps * ws  # disjoint, cover the prefix
 
 
-# ---------------------------------------------------------------- §10 item 15
+# ---------------------------------------------------------------- Detectron semantics: tested
+# invariants
 @SETTINGS
 @given(st.integers(1, 40), st.integers(1, 5))
 def test_simple_loader_order(n, mb):
@@ -300,3 +307,12 @@ def test_block_pickles_with_coordinates():
     c = pickle.loads(pickle.dumps(b))
     assert type(c) is Block and c == [3, 1]
     assert (c.seed, c.pass_index, c.block_index, c.attempt) == (2, 5, 7, 1)
+
+
+def test_too_few_images_for_a_block_is_an_error_q14():
+    # Detectron quirk Q14 (docs/detectron_quirks.md): an empty permutation, IndexError later.
+    w, h = np.array([4.0, 4.0, 2.0]), np.array([2.0, 2.0, 4.0])  # 2 horizontal, 1 vertical
+    with pytest.raises(ValueError, match=r"aspect grouping.*Q14.*docs/detectron_quirks\.md"):
+        RoIBatchSampler(w, h, 3)
+    with pytest.raises(ValueError, match=r"fewer than.*Q14.*docs/detectron_quirks\.md"):
+        RoIBatchSampler(w, h, 4, aspect_grouping=False)

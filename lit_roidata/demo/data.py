@@ -3,9 +3,12 @@
 ``ensure_demo_data(root)`` writes, once, a small dataset family that exercises every part
 of the pipeline: two training datasets with the same categories (``combined_roidb`` over
 several datasets), a validation set, a proposal pickle per dataset in Detectron's format
-(spec §3.1), crowd regions as uncompressed RLE (``iscrowd=1``), polygons, a ``person``
-category with COCO's 17 keypoints (so Detectron's flip map applies, spec §2.2), a few
-portrait images (aspect grouping, spec §5.2) and a few images without objects.
+(Detectron semantics: proposals), crowd regions as uncompressed RLE (``iscrowd=1``), polygons, a
+``person``
+category with COCO's 17 keypoints (so Detectron's flip map applies, Detectron semantics: datasets
+and catalog), a few
+portrait images (aspect grouping, Detectron semantics: sampler and aspect grouping) and a few images
+without objects.
 
 The data is generated into a temporary folder and moved into place under a file lock;
 a manifest written last marks it complete. So concurrent DDP ranks do not race, an

@@ -1,6 +1,7 @@
 """``DemoFasterRCNN``: the demo detector trained end to end from the loader's RPN targets.
 
-The loader delivers Detectron's RPN family (spec §6.1, §6.7): ``data``, ``im_info``,
+The loader delivers Detectron's RPN family (Detectron semantics: blob names; RPN targets): ``data``,
+``im_info``,
 ``roidb`` and the single-level wide blobs ``rpn_labels_int32_wide``,
 ``rpn_bbox_targets_wide``, ``rpn_bbox_inside_weights_wide``,
 ``rpn_bbox_outside_weights_wide`` (``(N, A, F, F)`` / ``(N, 4A, F, F)`` over the fixed
@@ -8,7 +9,8 @@ field of anchors). As in Detectron, the wide blobs are cropped to the feature ma
 (``SpatialNarrowAs``), the RPN proposals are generated in the network
 (``GenerateProposals``: top-k, decode, clip, min size, NMS, top-k per image), and the
 second-stage Fast R-CNN blobs come from :func:`lit_roidata.minibatch.proposal_labels`
-(spec §6.9). Body, RoI head, losses and inference are :class:`DemoFastRCNN`'s.
+(Detectron semantics: end-to-end training). Body, RoI head, losses and inference are
+:class:`DemoFastRCNN`'s.
 """
 
 from __future__ import annotations
@@ -149,13 +151,15 @@ class DemoFasterRCNN(DemoFastRCNN):
 
     def rpn_losses(self, logits: torch.Tensor, deltas: torch.Tensor,
                    batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Sigmoid CE over non-ignored anchors and smooth L1 (beta 1/9) / images (spec §6.7)."""
+        """Sigmoid CE over non-ignored anchors and smooth L1 (beta 1/9) / images (Detectron
+        semantics: RPN targets)."""
         n, _, hf, wf = logits.shape
         names = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
                  "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
         missing = [k for k in names + ("im_info", "roidb") if k not in batch]
         if missing:
-            raise KeyError(f"DemoFasterRCNN needs the single-level RPN blobs (spec §6.1); the "
+            raise KeyError(f"DemoFasterRCNN needs the single-level RPN blobs (Detectron "
+                           f"semantics: blob names); the "
                            f"batch lacks {missing}. Use model_type faster_rcnn with FPN off.")
         field = int(np.shape(batch[names[0]])[-1])
         if hf > field or wf > field:

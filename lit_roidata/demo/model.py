@@ -2,7 +2,8 @@
 
 Built from torchvision parts (``roi_align``, ``batched_nms``) and a few convolutions, it
 exists to show the data pipeline end to end: it reads exactly the blobs Detectron's
-Fast R-CNN reads (spec §6.1 "Fast R-CNN with precomputed proposals", §6.3) and applies
+Fast R-CNN reads (Detectron semantics: blob names "Fast R-CNN with precomputed proposals", Detectron
+semantics: Fast R-CNN targets) and applies
 Detectron's losses: softmax cross-entropy over the sampled RoIs and smooth-L1 box
 regression masked by ``bbox_inside_weights`` / ``bbox_outside_weights``, both
 normalised by the number of RoIs. Inference follows Detectron's ``im_detect_bbox`` +
@@ -51,7 +52,7 @@ def smooth_l1_loss(pred: torch.Tensor, target: torch.Tensor, inside_w: torch.Ten
 
 def fast_rcnn_losses(cls_logits: torch.Tensor, bbox_pred: torch.Tensor,
                      blobs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detectron's Fast R-CNN head losses from the §6.3 blobs.
+    """Detectron's Fast R-CNN head losses from Detectron semantics: Fast R-CNN targets blobs.
 
     Returns:
         ``loss_cls`` (mean softmax cross-entropy), ``loss_bbox`` (smooth L1, inside and
@@ -73,7 +74,8 @@ def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
 class DemoFastRCNN(pl.LightningModule):
     """A small Fast R-CNN (conv body, RoIAlign, 2-layer MLP head) on Detectron blobs.
 
-    Training batches are the Fast R-CNN blobs of spec §6.1/§6.3: ``data`` (float32 NCHW
+    Training batches are the Fast R-CNN blobs of Detectron semantics: blob names; Fast R-CNN
+    targets: ``data`` (float32 NCHW
     BGR minus ``PIXEL_MEANS``; uint8 images are normalised here), ``rois`` (R, 5),
     ``labels_int32``, ``bbox_targets``, ``bbox_inside_weights``, ``bbox_outside_weights``
     (R, 4·num_classes). Validation/test batches hold ``data``, ``rois`` and ``_meta``
@@ -191,7 +193,8 @@ class DemoFastRCNN(pl.LightningModule):
         missing = [k for k in ("data", "rois", "labels_int32", "bbox_targets",
                                "bbox_inside_weights", "bbox_outside_weights") if k not in batch]
         if missing:
-            raise KeyError(f"DemoFastRCNN needs the Fast R-CNN blobs (spec §6.1); the batch "
+            raise KeyError(f"DemoFastRCNN needs the Fast R-CNN blobs (Detectron semantics: "
+                           f"blob names); the batch "
                            f"lacks {missing} (has {sorted(batch)}). Use the Detectron output "
                            f"format with MODEL.FASTER_RCNN False and proposal files.")
         cls_logits, bbox_pred = self(batch["data"], batch["rois"])

@@ -25,7 +25,7 @@ _SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13],
              [5, 7]]
 
 #: COCO category records, in JSON order. Ids are deliberately not contiguous so that the
-#: contiguous <-> json id maps are exercised (spec §2.2).
+#: contiguous <-> json id maps are exercised (Detectron semantics: datasets and catalog).
 DEMO_CATEGORIES: tuple[dict[str, Any], ...] = (
     {"id": 1, "name": "person", "supercategory": "person",
      "keypoints": list(COCO_KEYPOINT_NAMES), "skeleton": _SKELETON},
@@ -174,7 +174,9 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
             continue
         if kp is not None:
             ann["keypoints"], ann["num_keypoints"] = _keypoints(kp, rng)
-        else:  # a keypoint dataset needs the field on every object (Detectron crashes, Q23)
+        # a keypoint dataset needs the field on every object (Detectron crashes, Detectron quirk Q23
+        # (docs/detectron_quirks.md))
+        else:
             ann["keypoints"], ann["num_keypoints"] = [0] * (3 * len(COCO_KEYPOINT_NAMES)), 0
         taken.append((pos[0], pos[1], w, h))
         anns.append(ann)

@@ -1,7 +1,9 @@
-"""Alignment checks: is the peer's message about the same minibatch as mine? (spec §8.4.8)
+"""Alignment checks: is the peer's message about the same minibatch as mine? (Detectron semantics:
+cross-process exchange)
 
 Two processes exchanging RPN maps are only meaningful to each other when both are at the
-same step, on the same images, with the same flips and scales (spec §8.2). Each message
+same step, on the same images, with the same flips and scales (Detectron semantics: cross-process
+exchange). Each message
 carries that metadata; the consumer compares it with its own and fails loudly, naming the
 first field that differs.
 """
@@ -97,4 +99,4 @@ def check_alignment(meta: Mapping[str, Any], expected: Mapping[str, Any], *,
                 f"{key}={got_all[key]!r}, this process expects {key}={exp!r}. Both "
                 "processes must use the same seed, sampler (identity or same permutation), "
                 "scales and ordered delivery so that step k is the same images, flips and "
-                "scales on both sides (spec §8.4.8)")
+                "scales on both sides (Detectron semantics: cross-process exchange)")

@@ -1,19 +1,24 @@
-"""One producer → one consumer channel with exactly-once, in-order delivery (spec §8.4).
+"""One producer → one consumer channel with exactly-once, in-order delivery (Detectron semantics:
+cross-process exchange).
 
-Keys of a channel live under ``<run_id>/<rank>/<name>/`` (spec §8.4.3):
+Keys of a channel live under ``<run_id>/<rank>/<name>/`` (Detectron semantics: cross-process
+exchange):
 
 ===================  ============================================================
 ``head``             ``"<seq> <gen>"``: last sequence number the producer published
 ``ack``              ``"<seq> <gen>"``: last sequence number the consumer took
-``msg.<seq>``        the payload of message ``seq``, written once (§8.4.2)
+``msg.<seq>``        the payload of message ``seq``, written once (Detectron semantics:
+cross-process exchange)
 ``lease.<role>``     the owner of each end, with a TTL refreshed by a heartbeat
 ``gen``              counter handing out lease generations (fencing tokens)
-``closed.<role>``    tombstone left by a clean ``close()`` (§8.4.9)
+``closed.<role>``    tombstone left by a clean ``close()`` (Detectron semantics: cross-process
+exchange)
 ``activity.<role>``  what the owner says it is doing (busy pauses the peer's timeout)
 ``commit``           exactly-once consumers: payloads up to here may be deleted
 ===================  ============================================================
 
-Protocol (§8.4.1): the producer writes ``msg.<s>`` only when ``ack >= s - capacity``
+Protocol (Detectron semantics: cross-process exchange): the producer writes ``msg.<s>`` only when
+``ack >= s - capacity``
 (capacity 1 by default: the fork's one-slot mailbox), then sets ``head``. The consumer
 reads ``head`` and then ``msg.<ack+1>`` (a payload counts only once ``head`` reaches it),
 checks the sequence number inside the payload, sets ``ack`` and deletes the payload.
@@ -24,8 +29,9 @@ compare-and-swap from a value whose generation is not newer than the writer's ow
 new owner stamps its generation at once, so an owner that stalled past its lease and
 was taken over can no longer move the stream (its write raises ``LeaseLostError``). Opening a channel creates ``head``/``ack`` with
 ``add`` (never overwrites), so a restarted end resumes where the stream is and a pending
-message is never discarded (§8.4.4). Waiting backs off exponentially, is bounded by a
-timeout, and wakes on ``close()`` or a stop event (§8.4.5, §8.4.9).
+message is never discarded (Detectron semantics: cross-process exchange). Waiting backs off
+exponentially, is bounded by a
+timeout, and wakes on ``close()`` or a stop event (Detectron semantics: cross-process exchange).
 """
 
 from __future__ import annotations

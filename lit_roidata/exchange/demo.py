@@ -1,4 +1,5 @@
-"""Aligned synthetic streams for the exchange examples, tests and benchmark (spec §8.4.8).
+"""Aligned synthetic streams for the exchange examples, tests and benchmark (Detectron semantics:
+cross-process exchange).
 
 Two processes that exchange per-step blobs must see the same images, flips and scales
 at every step. :func:`demo_alignment_stream` reproduces what two correctly configured
@@ -25,7 +26,8 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     """Yield ``{"image_ids", "flipped", "im_scales"}`` for each block of a fake roidb.
 
     The roidb has ``num_images // 2`` originals followed by their flipped copies
-    (Detectron's order, spec §4.2); image sizes alternate landscape/portrait so aspect
+    (Detectron's order, Detectron semantics: flipping); image sizes alternate landscape/portrait so
+    aspect
     grouping matters. Scales are drawn per block from ``block_rng`` like a worker does.
 
     Args:

@@ -1,4 +1,5 @@
-"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example (spec §8.1).
+"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example (Detectron
+semantics: cross-process exchange).
 
 The fork exchanged per-level RPN outputs between two training processes; this module is
 the smallest model that produces and consumes them, so ``configs/exchange_*.yaml`` run on
@@ -30,7 +31,7 @@ class RPNExchangeDemo(pl.LightningModule):
     has them (sigmoid cross-entropy on labelled anchors, smooth-L1 with inside/outside
     weights); for ``role="student"`` plus a distillation term against the peer's outputs
     (``self.peer_outputs``) weighted like the fork's consumer op: inside weight 1, outside
-    weight ``1/(C·H·W)`` per image (spec §8.1).
+    weight ``1/(C·H·W)`` per image (Detectron semantics: cross-process exchange).
 
     Args:
         role: ``"teacher"`` (publishes) or ``"student"`` (also learns from the peer).

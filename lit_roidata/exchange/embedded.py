@@ -1,4 +1,5 @@
-"""The embedded backend: a directory of files on one machine, no server (spec §8.4).
+"""The embedded backend: a directory of files on one machine, no server (Detectron semantics:
+cross-process exchange).
 
 Unrelated processes started separately meet in ``<root>/<run>/<rank>/<channel>/`` (the
 root defaults to ``/dev/shm`` when it exists, so payloads never touch a disk). Atomicity

@@ -1,4 +1,4 @@
-"""Exceptions raised by :mod:`lit_roidata.exchange` (spec §8.4).
+"""Exceptions raised by :mod:`lit_roidata.exchange` (Detectron semantics: cross-process exchange).
 
 Every error names the channel (run id, rank, channel name) and, where there is one, the
 peer, so a stuck or crashed pair of training processes can be diagnosed from one line.
@@ -39,15 +39,18 @@ class ExchangeTimeoutError(ExchangeError, TimeoutError):
 
 
 class PeerDeadError(ExchangeError):
-    """The peer's lease expired or its process no longer exists (spec §8.4.5)."""
+    """The peer's lease expired or its process no longer exists (Detectron semantics: cross-process
+    exchange)."""
 
 
 class ChannelClosedError(ExchangeError):
-    """The peer closed the channel cleanly, or this end was closed / stopped (§8.4.9)."""
+    """The peer closed the channel cleanly, or this end was closed / stopped (Detectron semantics:
+    cross-process exchange)."""
 
 
 class ChannelBusyError(ExchangeError):
-    """A second live producer (or consumer) tried to open the same channel (§8.4.3)."""
+    """A second live producer (or consumer) tried to open the same channel (Detectron semantics:
+    cross-process exchange)."""
 
 
 class LeaseLostError(ExchangeError):
@@ -55,12 +58,15 @@ class LeaseLostError(ExchangeError):
 
 
 class SequenceError(ExchangeError):
-    """A message arrived out of order, duplicated, or with a gap (§8.4.1)."""
+    """A message arrived out of order, duplicated, or with a gap (Detectron semantics: cross-process
+    exchange)."""
 
 
 class ExchangeStateLostError(ExchangeError):
-    """The backend lost this run's state (memcached restart or eviction, §8.4.6)."""
+    """The backend lost this run's state (memcached restart or eviction, Detectron semantics:
+    cross-process exchange)."""
 
 
 class AlignmentError(ExchangeError, ValueError):
-    """A message's alignment metadata differs from the consumer's own (§8.4.8)."""
+    """A message's alignment metadata differs from the consumer's own (Detectron semantics:
+    cross-process exchange)."""

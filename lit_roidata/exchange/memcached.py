@@ -1,6 +1,7 @@
-"""The memcached backend (pymemcache), done the way spec §8.4.2/§8.4.6 asks.
+"""The memcached backend (pymemcache), done the way Detectron semantics: cross-process exchange
+asks.
 
-What differs from the fork (spec §8.1, §8.3):
+What differs from the fork (Detectron semantics: cross-process exchange):
 
 * Values are raw bytes in our wire format (no pickle), sent with ``noreply`` off so that
   every store returns a status that is checked.

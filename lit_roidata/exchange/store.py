@@ -1,4 +1,5 @@
-"""The key-value primitives a backend provides to the channel protocol (spec §8.4.2, §8.4.6).
+"""The key-value primitives a backend provides to the channel protocol (Detectron semantics:
+cross-process exchange).
 
 The exactly-once protocol in :mod:`lit_roidata.exchange.channel` is written once against
 this small interface; a backend only maps it onto its storage. Keys are logical paths
@@ -8,7 +9,7 @@ under a sequence-specific key and read back as a writable ``bytearray``.
 Every method either succeeds, returns the documented "absent"/"refused" value, or raises:
 :class:`StoreUnavailable` for a transient transport failure (the caller retries within its
 deadline) or an :class:`~lit_roidata.exchange.errors.ExchangeError` for anything else. No
-return value is ignored (the fork checked none, spec §8.3.6).
+return value is ignored (the fork checked none, Detectron semantics: cross-process exchange).
 """
 
 from __future__ import annotations

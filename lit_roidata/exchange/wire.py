@@ -1,7 +1,8 @@
-"""The exchange's wire format: named arrays plus JSON metadata, no pickle (spec §8.4.7).
+"""The exchange's wire format: named arrays plus JSON metadata, no pickle (Detectron semantics:
+cross-process exchange).
 
 The fork pickled arrays through pylibmc, which ties both ends to one Python/NumPy version
-and runs arbitrary code on load (spec §8.3.7). A message here is::
+and runs arbitrary code on load (Detectron semantics: cross-process exchange). A message here is::
 
     prefix (24 bytes, little-endian):
         magic b"LRXW" | version u16 | flags u16 | header_len u32 | crc32 u32 | data_len u64

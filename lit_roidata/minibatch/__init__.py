@@ -1,8 +1,10 @@
-"""Minibatch blobs: image blob and per-family training targets (spec §6).
+"""Minibatch blobs: image blob and per-family training targets (Detectron semantics: minibatch
+primitives).
 
 Public API (a contract with the rest of ``lit_roidata``):
 
-* :func:`get_minibatch_blob_names` — blob names for the configured family (§6.1);
+* :func:`get_minibatch_blob_names` — blob names for the configured family (Detectron
+  semantics: blob names);
 * :func:`get_minibatch` — ``(blobs, valid)`` for a list of roidb entries;
 * :func:`get_image_blob` — Detectron's ``data`` blob and ``im_scales``;
 * :func:`normalize_on_device` — uint8 blob to Detectron's float blob on the device.

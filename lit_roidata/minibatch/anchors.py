@@ -1,4 +1,5 @@
-"""Anchors: Detectron's cell anchors and the fixed ``F x F`` field per stride (spec §6.0).
+"""Anchors: Detectron's cell anchors and the fixed ``F x F`` field per stride (Detectron semantics:
+minibatch primitives).
 
 The RPN and RetinaNet target builders label a *field* of anchors that covers the
 largest padded image any minibatch can hold, the same for every image, so the blobs
@@ -36,7 +37,8 @@ def generate_anchors(
     sizes: Sequence[float] = (32, 64, 128, 256, 512),
     aspect_ratios: Sequence[float] = (0.5, 1, 2),
 ) -> np.ndarray:
-    """Cell anchors ``(len(ratios) * len(sizes), 4)`` float64, ratio-major (spec §6.0).
+    """Cell anchors ``(len(ratios) * len(sizes), 4)`` float64, ratio-major (Detectron semantics:
+    minibatch primitives).
 
     The base window is ``(0, 0, stride-1, stride-1)``. For each ratio ``r = h/w``:
     ``w_r = round(sqrt(stride^2 / r))``, ``h_r = round(w_r * r)`` (NumPy's round half
@@ -101,7 +103,8 @@ class FieldOfAnchors:
 
 
 def field_size(stride: float, coarsest_stride: int, max_size: int) -> int:
-    """``F = ceil(COARSEST_STRIDE * ceil(MAX_SIZE / COARSEST_STRIDE) / stride)`` (§6.0, Q29).
+    """``F = ceil(COARSEST_STRIDE * ceil(MAX_SIZE / COARSEST_STRIDE) / stride)`` (Detectron
+    semantics: minibatch primitives, Detectron quirk Q29 (docs/detectron_quirks.md)).
 
     ``FPN.COARSEST_STRIDE`` sizes the field even when FPN is off, as in Detectron.
     """
@@ -135,7 +138,7 @@ def get_field_of_anchors(
     octave: int | None = None,
     aspect: int | None = None,
 ) -> FieldOfAnchors:
-    """The memoised field of anchors for one stride (spec §6.0).
+    """The memoised field of anchors for one stride (Detectron semantics: minibatch primitives).
 
     ``anchor[(y*F + x)*A + a] = cell[a] + (x*s, y*s, x*s, y*s)``. Memoised per process
     on all parameters (Detectron keys on ``stride, sizes, ratios`` only, per thread;
@@ -154,7 +157,8 @@ def get_field_of_anchors(
 
 
 def rpn_fields(cfg: Any) -> list[FieldOfAnchors]:
-    """The RPN's fields: one per FPN level ``RPN_MIN..RPN_MAX``, or the single level (§6.7).
+    """The RPN's fields: one per FPN level ``RPN_MIN..RPN_MAX``, or the single level (Detectron
+    semantics: RPN targets).
 
     FPN level ``l`` uses stride ``2**l``, one size ``RPN_ANCHOR_START_SIZE *
     2**(l - RPN_MIN_LEVEL)`` and ``FPN.RPN_ASPECT_RATIOS`` (A = 3 by default); the
@@ -171,7 +175,8 @@ def rpn_fields(cfg: Any) -> list[FieldOfAnchors]:
 
 
 def retinanet_fields(cfg: Any) -> list[FieldOfAnchors]:
-    """RetinaNet's fields in (level, octave, aspect) order, one anchor each (spec §6.8).
+    """RetinaNet's fields in (level, octave, aspect) order, one anchor each (Detectron semantics:
+    RetinaNet targets).
 
     Size ``2**l * 2**(octave / SCALES_PER_OCTAVE) * ANCHOR_SCALE``, ratio
     ``RETINANET.ASPECT_RATIOS[aspect]``.
@@ -317,7 +322,8 @@ def inside_mask(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
                 straddle: float) -> np.ndarray:
     """Bool mask over the concatenated fields of the anchors kept by the straddle test.
 
-    ``x1 >= -t, y1 >= -t, x2 < W + t, y2 < H + t`` (spec §6.7 step 3; all anchors if
+    ``x1 >= -t, y1 >= -t, x2 < W + t, y2 < H + t`` (Detectron semantics: RPN targets step 3; all
+    anchors if
     ``t < 0``). An anchor's x coordinates depend only on its column and shape, its y
     coordinates only on its row, so the test is run on one row and one column of each
     field (the same float32 values) and combined as an outer product.
@@ -355,7 +361,8 @@ def scaled_noncrowd_gt(entry: Any, scale: float, family: str,
                        what_detectron_does: str) -> tuple[np.ndarray, np.ndarray]:
     """The entry's non-crowd gt boxes in the scaled frame, and their row mask.
 
-    RPN and RetinaNet label anchors against these (spec §6.7 step 2, §6.8). An image
+    RPN and RetinaNet label anchors against these (Detectron semantics: RPN targets step 2,
+    Detectron semantics: RetinaNet targets). An image
     without one cannot be labelled; Detectron fails there (``what_detectron_does``),
     we raise a ``ValueError`` naming the image.
     """

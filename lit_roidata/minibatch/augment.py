@@ -2,14 +2,15 @@
 
 Off by default, so the blobs are exactly Detectron's. When on, each image of a block
 goes through the pipeline after decoding (and after the roidb flip) and before the
-scale of spec §6.2; its geometry goes through the same transform:
+scale of Detectron semantics: image blob; its geometry goes through the same transform:
 
 * every box row (gt and proposals) as a ``pascal_voc`` box ``[x1, y1, x2+1, y2+1]``
   (continuous edges; converted back to Detectron's inclusive convention); rows the
   pipeline drops (cropped away, below ``min_visibility``) leave the entry;
 * polygon vertices and keypoints (pixel centres ``x + 0.5``) as keypoints; keypoints
   that leave the image become invisible (``v = 0``); RLE segms as masks;
-* then the entry is relabelled as the roidb builder labels it (spec §3.4, §4.4):
+* then the entry is relabelled as the roidb builder labels it (Detectron semantics: proposals;
+bounding-box regression targets):
   proposal overlaps with the surviving gt, ``max_classes``, ``box_to_gt_ind_map`` and
   ``bbox_targets``; crowd-filtered proposal rows (overlap -1) stay filtered.
 

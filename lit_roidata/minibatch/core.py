@@ -1,4 +1,5 @@
-"""``get_minibatch``: one minibatch of blobs from roidb entries (spec §6, §6.10)."""
+"""``get_minibatch``: one minibatch of blobs from roidb entries (Detectron semantics: minibatch
+primitives; minibatch validity)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
             RPN wide blobs), e.g. shared memory, so a worker sends them without a copy.
         compact_masks: ship class-specific masks compactly (see
             :func:`~lit_roidata.minibatch.device.finalize_on_device`).
-        fix_rpn_quirks: passed to the RPN target builder (issue 5's Q2/Q3 fix).
+        fix_rpn_quirks: passed to the RPN target builder (Detectron quirk Q2/Q3
+            (docs/detectron_quirks.md) fix).
         compact_targets: ship RPN / RetinaNet targets compactly (``target_format=
             "compact"``; see :func:`~lit_roidata.minibatch.rpn.add_rpn_blobs` and
             :func:`~lit_roidata.minibatch.device.expand_targets`).
@@ -93,7 +95,8 @@ def get_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any,
 
     Returns:
         ``(blobs, valid)``: blob name -> NumPy array in :func:`get_minibatch_blob_names`
-        order (``data`` is Detectron's float32 blob), and the validity of §6.10.
+        order (``data`` is Detectron's float32 blob), and the validity of Detectron semantics:
+        minibatch validity.
 
     Raises:
         BadImageError: an image is missing, undecodable or of the wrong size.

@@ -1,6 +1,8 @@
-"""Read and decode one roidb image, checked against the roidb (spec §6.2 steps 1-2).
+"""Read and decode one roidb image, checked against the roidb (Detectron semantics: image blob steps
+1-2).
 
-Detectron calls ``cv2.imread`` and asserts the result is not ``None`` (spec Q33): a bad
+Detectron calls ``cv2.imread`` and asserts the result is not ``None`` (Detectron quirk Q33,
+docs/detectron_quirks.md): a bad
 file stops training with no name attached. Here every failure raises
 :class:`BadImageError`, which names the file, the image id, the dataset and a fix, so
 the worker can either fail loudly or (``on_bad_image="skip"``) replace the block.
@@ -105,7 +107,8 @@ def load_image(entry: Mapping[str, Any]) -> np.ndarray:
 
     The decoded size must equal the roidb's ``height``/``width``: Detectron computes
     the scale from the decoded image but places every target with the JSON size
-    (spec Q10), so a mismatch silently misaligns targets there; here it is an error.
+    (Detectron quirk Q10, docs/detectron_quirks.md), so a mismatch silently misaligns targets there;
+    here it is an error.
 
     Args:
         entry: a roidb entry (``image``, ``id``, ``width``, ``height``, ``flipped``).

@@ -30,7 +30,8 @@ _RPN_COMPACT = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_f
 
 def expand_masks_on_device(masks: torch.Tensor, classes: torch.Tensor,
                            num_classes: int) -> torch.Tensor:
-    """Detectron's class-specific mask targets from compact ones (spec §6.5).
+    """Detectron's class-specific mask targets from compact ones (Detectron semantics: mask
+    targets).
 
     Args:
         masks: ``(n, M*M)`` int32 targets (values -1/0/1).

@@ -1,7 +1,9 @@
-"""Fast R-CNN blobs from a roidb with proposals: RoI sampling and targets (spec §6.3).
+"""Fast R-CNN blobs from a roidb with proposals: RoI sampling and targets (Detectron semantics: Fast
+R-CNN targets).
 
 :func:`add_fast_rcnn_blobs` does no image I/O: the data loader calls it for
-precomputed proposals, and end-to-end training (spec §6.9) calls it at run time with
+precomputed proposals, and end-to-end training (Detectron semantics: end-to-end training) calls it
+at run time with
 entries whose proposals came from the RPN.
 """
 
@@ -28,7 +30,8 @@ def fg_rois_per_image(cfg: Any) -> int:
 def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
     """Expand compact ``(class, tx, ty, tw, th)`` rows to ``(r, 4C)`` targets and weights.
 
-    The class comes from column 0 (the roidb's, spec Q30), ``C = NUM_CLASSES`` or 2
+    The class comes from column 0 (the roidb's, Detectron quirk Q30 (docs/detectron_quirks.md)), ``C
+    = NUM_CLASSES`` or 2
     when ``CLS_AGNOSTIC_BBOX_REG``.
 
     Raises:
@@ -107,11 +110,14 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
 def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
                         entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                         alloc: Any = None, compact_masks: bool = False) -> bool:
-    """Add the Fast R-CNN blob family of spec §6.1 to ``blobs``; return validity.
+    """Add the Fast R-CNN blob family of Detectron semantics: blob names to ``blobs``; return
+    validity.
 
     Per image :func:`sample_rois` (``batch_idx`` = position in ``entries``), then
-    concatenation in image order, FPN distribution (§6.4) and keypoint finalisation
-    (§6.6). Keys are written in :func:`get_fast_rcnn_blob_names` order (existing keys,
+    concatenation in image order, FPN distribution (Detectron semantics: FPN RoI levels) and
+    keypoint finalisation
+    (Detectron semantics: keypoint targets). Keys are written in :func:`get_fast_rcnn_blob_names`
+    order (existing keys,
     e.g. pre-created by ``get_minibatch``, keep their place).
 
     Args:
@@ -129,7 +135,8 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
             expand_masks_on_device` restores Detectron's blob on the device.
 
     Returns:
-        ``False`` only for a keypoint minibatch that fails the validity rule (§6.10).
+        ``False`` only for a keypoint minibatch that fails the validity rule (Detectron semantics:
+        minibatch validity).
     """
     if len(im_scales) != len(entries):
         raise ValueError(f"{len(entries)} entries but {len(im_scales)} scales")

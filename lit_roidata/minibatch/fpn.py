@@ -1,5 +1,5 @@
 """RoI blobs: ``(batch_idx, x1, y1, x2, y2)`` rows and their FPN multilevel distribution
-with restore indices (spec §6.4)."""
+with restore indices (Detectron semantics: FPN RoI levels)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ``data`` blob: scale, pad and stack the images of one minibatch (spec §6.2).
+"""The ``data`` blob: scale, pad and stack the images of one minibatch (Detectron semantics: image
+blob).
 
 Two pixel formats share every geometric step (scale draw, ``MAX_SIZE`` cap, OpenCV
 ``INTER_LINEAR`` resize, bottom/right padding to ``FPN.COARSEST_STRIDE``):
@@ -52,7 +53,8 @@ class ImageBatch:
         im_scales: per-image scale factors (Detectron's ``im_scales``).
         image_sizes: ``(n, 2)`` int32 ``(h, w)`` of each resized image inside the padding.
         im_info: ``(n, 3)`` float32 rows ``[round(H*s), round(W*s), s]`` with the roidb's
-            ``H``/``W`` (spec §6.2, Q9).
+            ``H``/``W`` (Detectron semantics: image blob, Detectron quirk Q9
+            (docs/detectron_quirks.md)).
         entries: the entries the targets must be built from (the input entries, or
             their augmented copies when an augmentation pipeline ran).
     """
@@ -117,7 +119,8 @@ def im_list_to_blob(ims: Sequence[np.ndarray], *, fpn_on: bool = False,
 
     Args:
         ims: HWC images of one dtype (uint8 or float32).
-        fpn_on, coarsest_stride: pad the canvas to a multiple of the stride (§6.2 step 4).
+        fpn_on, coarsest_stride: pad the canvas to a multiple of the stride (Detectron semantics:
+        image blob step 4).
         alloc: optional ``(shape, dtype) -> array`` to place the blob, e.g. in shared
             memory; must return zeros.
     """
@@ -147,7 +150,8 @@ def draw_scale_inds(num_images: int, num_scales: int, rng: rng_mod.RNG) -> np.nd
 def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                    pixel_format: str = "detectron", loader: ImageLoader | None = None,
                    augment: Any = None) -> tuple[list[np.ndarray], list[float], list[Any]]:
-    """Decode, (augment,) and scale each image; the draws of spec §6.2 step 1 first.
+    """Decode, (augment,) and scale each image; the draws of Detectron semantics: image blob step 1
+    first.
 
     Returns:
         ``(images, im_scales, entries)``: resized HWC BGR images, their scales, and the
@@ -180,7 +184,8 @@ def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.
 
 
 def im_info_rows(entries: Sequence[Mapping[str, Any]], im_scales: Sequence[float]) -> np.ndarray:
-    """``(n, 3)`` float32 ``[round(H*s), round(W*s), s]`` from the roidb size (§6.2, Q9)."""
+    """``(n, 3)`` float32 ``[round(H*s), round(W*s), s]`` from the roidb size (Detectron semantics:
+    image blob, Detectron quirk Q9 (docs/detectron_quirks.md))."""
     return np.array([[np.round(e["height"] * s), np.round(e["width"] * s), s]
                      for e, s in zip(entries, im_scales)], dtype=np.float32).reshape(-1, 3)
 
@@ -188,7 +193,8 @@ def im_info_rows(entries: Sequence[Mapping[str, Any]], im_scales: Sequence[float
 def build_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                      pixel_format: str = "detectron", loader: ImageLoader | None = None,
                      augment: Any = None, alloc: Allocator | None = None) -> ImageBatch:
-    """Build the image side of a minibatch (spec §6.2), keeping Detectron's draw order.
+    """Build the image side of a minibatch (Detectron semantics: image blob), keeping Detectron's
+    draw order.
 
     Args:
         entries: roidb entries of one minibatch.

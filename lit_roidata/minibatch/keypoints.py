@@ -1,10 +1,15 @@
-"""Keypoint R-CNN targets and minibatch validity (spec §6.6, §6.10).
+"""Keypoint R-CNN targets and minibatch validity (Detectron semantics: keypoint targets; minibatch
+validity).
 
 Kept from Detectron on purpose: keypoint RoIs are sampled independently of the box
-head's fg RoIs (Q5), rows without a gt wrap to the last gt like NumPy's ``-1`` index
-(Q6, harmless: such rows are never fg), and the loss normaliser uses nominal counts
-(Q34). Fixed: a zero-width (or zero-height) RoI, possible for end-to-end RPN
-proposals, divides by zero in Detectron (Q25); here its extent is taken as 1 pixel,
+head's fg RoIs (Detectron quirk Q5, docs/detectron_quirks.md), rows without a gt wrap to the last gt
+like NumPy's ``-1`` index
+(Detectron quirk Q6, docs/detectron_quirks.md, harmless: such rows are never fg), and the loss
+normaliser uses nominal counts
+(Detectron quirk Q34, docs/detectron_quirks.md). Fixed: a zero-width (or zero-height) RoI, possible
+for end-to-end RPN
+proposals, divides by zero in Detectron (Detectron quirk Q25, docs/detectron_quirks.md); here its
+extent is taken as 1 pixel,
 the same guard the mask rasteriser uses, and every non-degenerate RoI is unchanged.
 """
 
@@ -51,7 +56,9 @@ def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
         return heatmaps, weights
     dx = rois[:, 2] - rois[:, 0]
     dy = rois[:, 3] - rois[:, 1]
-    dx = np.where(dx > 0, dx, np.float32(1))  # Q25 guard, a no-op for real boxes
+    # Detectron quirk Q25 (docs/detectron_quirks.md) guard, a no-op for real
+    # boxes
+    dx = np.where(dx > 0, dx, np.float32(1))
     dy = np.where(dy > 0, dy, np.float32(1))
     scale_x = (HM / dx)[:, None]
     scale_y = (HM / dy)[:, None]
@@ -89,7 +96,9 @@ def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str,
     if gt_inds.size == 0 or boxes.shape[0] == 0:
         kp_fg_inds = np.zeros((0,), dtype=np.int64)
     else:
-        ind_kp = gt_inds[box_to_gt]  # -1 wraps to the last gt, as in Detectron (Q6)
+        # -1 wraps to the last gt, as in Detectron (Detectron quirk Q6,
+        # docs/detectron_quirks.md)
+        ind_kp = gt_inds[box_to_gt]
         kps = gt_keypoints[ind_kp]
         within = ((kps[:, 0, :] >= boxes[:, 0:1]) & (kps[:, 0, :] <= boxes[:, 2:3]) &
                   (kps[:, 1, :] >= boxes[:, 1:2]) & (kps[:, 1, :] <= boxes[:, 3:4]))
@@ -112,7 +121,8 @@ def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str,
 
 
 def finalize_keypoint_minibatch(blobs: MutableMapping[str, Any], valid: bool, cfg: Any) -> bool:
-    """Add ``keypoint_loss_normalizer`` and apply the validity rule (spec §6.6).
+    """Add ``keypoint_loss_normalizer`` and apply the validity rule (Detectron semantics: keypoint
+    targets).
 
     Returns:
         ``valid and rows > 0 and visible > MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH``.

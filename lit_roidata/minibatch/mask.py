@@ -1,10 +1,11 @@
-"""Mask R-CNN targets for the sampled RoIs of one image (spec §6.5).
+"""Mask R-CNN targets for the sampled RoIs of one image (Detectron semantics: mask targets).
 
 Faithful to Detectron for polygon segmentations: each fg RoI takes the gt whose
 polygon *bounding box* has the highest IoU (+1 IoU, ties to the first), and the
 polygon is rasterised by pycocotools at ``M x M`` relative to the RoI with
-``w = max(x2 - x1, 1)`` (no +1, spec Q25). Detectron crashes in two cases that we
-handle instead (spec Q24):
+``w = max(x2 - x1, 1)`` (no +1, Detectron quirk Q25 (docs/detectron_quirks.md)). Detectron crashes
+in two cases that we
+handle instead (Detectron quirk Q24, docs/detectron_quirks.md):
 
 * a non-crowd gt whose polygons were all dropped (each had < 6 coordinates): it is
   matched through its gt box and its RoIs get an all ``-1`` target (ignored by the
@@ -28,7 +29,8 @@ __all__ = ["polys_to_boxes", "add_mask_rcnn_blobs", "expand_class_specific_masks
 
 
 def segm_as_rle(segm: Any, height: int, width: int) -> dict | None:
-    """A compressed RLE dict for an RLE segm (dict, or Q12's one-element list), else None."""
+    """A compressed RLE dict for an RLE segm (dict, or Detectron quirk Q12's
+    (docs/detectron_quirks.md) one-element list), else None."""
     if isinstance(segm, list) and len(segm) == 1 and isinstance(segm[0], Mapping):
         segm = segm[0]
     if not isinstance(segm, Mapping):
@@ -104,7 +106,9 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
             parts_per_row.append(len(parts))
             continue
         rle = segm_as_rle(segm, height, width)
-        masks[i] = -1 if rle is None else _rasterize_rle(rle, boxes[i], M)  # Q24: -1 = ignore
+        # Detectron quirk Q24 (docs/detectron_quirks.md): -1 =
+        # ignore
+        masks[i] = -1 if rle is None else _rasterize_rle(rle, boxes[i], M)
     if not flat:
         return masks
     coords = np.concatenate(flat)
@@ -167,7 +171,9 @@ def _match_boxes(entry: Mapping[str, Any], gt_rows: np.ndarray) -> tuple[list, n
             x, y, w, h = mask_util.toBbox(rle)
             out[j] = (x, y, x + w, y + h)
         else:
-            out[j] = boxes[gt_rows[j]]  # Q24: match through the gt box instead
+            # Detectron quirk Q24 (docs/detectron_quirks.md): match through the gt box
+            # instead
+            out[j] = boxes[gt_rows[j]]
     return chosen, out
 
 
@@ -205,7 +211,9 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
             best = np.argmax(bbox_overlaps(rois_fg, match_boxes), axis=1)
             masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M,
                                              int(entry["height"]), int(entry["width"]))
-        else:  # fg only through crowd boxes (Q8): nothing to learn a mask from
+        # fg only through crowd boxes (Detectron quirk Q8, docs/detectron_quirks.md): nothing to
+        # learn a mask from
+        else:
             masks = np.full((fg_inds.shape[0], M * M), -1, dtype=np.int32)
     else:
         bg_inds = np.where(labels == 0)[0]

@@ -1,4 +1,5 @@
-"""``model_type`` names and the blob family they select (spec §1, §6.1).
+"""``model_type`` names and the blob family they select (Detectron semantics: configuration; blob
+names).
 
 Detectron chooses the loader's blob family from its own flags with a fixed
 precedence: ``RPN.RPN_ON`` (inferred from ``MODEL.FASTER_RCNN`` / ``MODEL.RPN_ONLY``)
@@ -9,7 +10,8 @@ so a Detectron YAML with the flags set and no ``model_type`` behaves the same.
 
 End-to-end names (``faster_rcnn``, ``mask_rcnn``, ``keypoint_rcnn``) build the RPN
 family in the loader; their second stage is labelled in the model by
-:func:`lit_roidata.minibatch.proposal_labels` (spec §6.9). The ``*_proposals`` names
+:func:`lit_roidata.minibatch.proposal_labels` (Detectron semantics: end-to-end training). The
+``*_proposals`` names
 are Detectron's two-stage configs that read precomputed proposal files.
 """
 
@@ -78,7 +80,8 @@ def flags_for_model_type(model_type: str) -> dict[str, Any]:
 
 
 def blob_family(cfg: Any) -> str:
-    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: Detectron's precedence (spec §1).
+    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: Detectron's precedence (Detectron semantics:
+    configuration).
 
     ``MODEL.FASTER_RCNN`` and ``MODEL.RPN_ONLY`` imply ``RPN.RPN_ON`` (Detectron's
     ``assert_and_infer_cfg``) even on a config that was not re-inferred.

@@ -1,8 +1,9 @@
-"""Blob names per model family, in Detectron's queue order (spec §6.1).
+"""Blob names per model family, in Detectron's queue order (Detectron semantics: blob names).
 
 The order matters: Detectron feeds blobs to the network positionally, and the
-in-network label ops of end-to-end training (spec §6.9) emit the Fast R-CNN list in
-this same order. Every training blob is float32 or int32 (spec §10 item 16).
+in-network label ops of end-to-end training (Detectron semantics: end-to-end training) emit the Fast
+R-CNN list in
+this same order. Every training blob is float32 or int32 (Detectron semantics: tested invariants).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def get_retinanet_blob_names(cfg: Any) -> list[str]:
 
 def multilevel_roi_prefixes(cfg: Any) -> list[str]:
     """The RoI blobs FPN distributes over levels: ``rois``, then ``mask_rois`` and
-    ``keypoint_rois`` when their heads are on (spec §6.4)."""
+    ``keypoint_rois`` when their heads are on (Detectron semantics: FPN RoI levels)."""
     prefixes = ["rois"]
     if cfg.MODEL.MASK_ON:
         prefixes.append("mask_rois")
@@ -69,7 +70,8 @@ def multilevel_roi_prefixes(cfg: Any) -> list[str]:
 
 
 def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
-    """Fast R-CNN family (precomputed proposals, or the output of §6.9's label op)."""
+    """Fast R-CNN family (precomputed proposals, or the output of Detectron semantics: end-to-end
+    training's label op)."""
     names = ["rois", "labels_int32", "bbox_targets", "bbox_inside_weights",
              "bbox_outside_weights"]
     if cfg.MODEL.MASK_ON:
@@ -88,14 +90,15 @@ def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
 def get_minibatch_blob_names(cfg: Any) -> list[str]:
     """All training blob names for the configured model family, in queue order.
 
-    ``data`` first, then the family chosen with Detectron's precedence (spec §1):
+    ``data`` first, then the family chosen with Detectron's precedence (Detectron semantics:
+    configuration):
     ``RPN.RPN_ON``, else ``RETINANET.RETINANET_ON``, else Fast R-CNN.
 
     Args:
         cfg: a :class:`~lit_roidata.config.DetectronConfig`.
 
     Returns:
-        The list of blob names (spec §6.1).
+        The list of blob names (Detectron semantics: blob names).
     """
     if cfg.RPN.RPN_ON:
         return ["data"] + get_rpn_blob_names(cfg)

@@ -1,4 +1,5 @@
-"""Second-stage labels for end-to-end training, computed from the model's proposals (spec §6.9).
+"""Second-stage labels for end-to-end training, computed from the model's proposals (Detectron
+semantics: end-to-end training).
 
 In end-to-end Faster/Mask/Keypoint R-CNN the loader only delivers the RPN family
 (``data``, ``im_info``, ``roidb``, RPN targets); the Fast R-CNN, mask and keypoint
@@ -6,12 +7,15 @@ blobs depend on the proposals the network has just produced. Detectron computes 
 in a Python op (``GenerateProposalLabels`` / ``CollectAndDistributeFpnRpnProposals``):
 
 1. FPN: keep the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE`` proposals by score
-   over the whole per-GPU minibatch (not per image, Q26);
-2. ``add_proposals`` (§3.6): per image, proposals divided by the image scale are merged
-   into the entry (§3.4, crowd gt rows included, **no** crowd filter) and classes are
-   assigned (§2.5);
-3. bbox regression targets (§4.4), then ``add_fast_rcnn_blobs`` (§6.3-§6.6), whose
-   ``valid`` result is ignored (Q7).
+   over the whole per-GPU minibatch (not per image, Detectron quirk Q26 (docs/detectron_quirks.md));
+2. ``add_proposals`` (Detectron semantics: proposals): per image, proposals divided by the image
+scale are merged
+   into the entry (Detectron semantics: proposals, crowd gt rows included, **no** crowd filter) and
+   classes are
+   assigned (Detectron semantics: class assignment);
+3. bbox regression targets (Detectron semantics: bounding-box regression targets), then
+``add_fast_rcnn_blobs`` (Detectron semantics: Fast R-CNN targets; keypoint targets), whose
+   ``valid`` result is ignored (Detectron quirk Q7, docs/detectron_quirks.md).
 
 :func:`proposal_labels` does exactly this. Steps 1-3's IoU and target computations run
 in torch on the proposals' device, vectorised over all images at once (a per-image
@@ -48,7 +52,8 @@ def proposal_labels(
     *,
     scores: Any = None,
 ) -> dict[str, Any]:
-    """The Fast R-CNN / Mask / Keypoint blobs for a minibatch's RPN proposals (spec §6.9).
+    """The Fast R-CNN / Mask / Keypoint blobs for a minibatch's RPN proposals (Detectron semantics:
+    end-to-end training).
 
     Args:
         rois: ``(N, 5)`` proposals ``(batch_idx, x1, y1, x2, y2)`` in the scaled input
@@ -61,7 +66,8 @@ def proposal_labels(
         rng: generator for the RoI and keypoint sampling (``lit_roidata.rng``).
         scores: optional ``(N,)`` objectness of ``rois``. With ``FPN.FPN_ON`` and
             ``FPN.MULTILEVEL_RPN`` the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE``
-            by score over the whole minibatch are kept first (Q26); otherwise ignored
+            by score over the whole minibatch are kept first (Detectron quirk Q26,
+            docs/detectron_quirks.md); otherwise ignored
             (single-level RPN applies its top-N per image while generating proposals).
 
     Returns:
@@ -84,7 +90,9 @@ def proposal_labels(
         rois_t = collect_top_proposals(rois_t, scores, top_n)
     merged = merge_proposals(rois_t, entries, scales, cfg)
     blobs: dict[str, Any] = {}
-    add_fast_rcnn_blobs(blobs, scales, merged, cfg, rng)  # valid is ignored in e2e (Q7)
+    # valid is ignored in e2e (Detectron quirk Q7,
+    # docs/detectron_quirks.md)
+    add_fast_rcnn_blobs(blobs, scales, merged, cfg, rng)
     if as_numpy:
         return blobs
     return {k: torch.from_numpy(v if v.flags.c_contiguous else v.copy()).to(rois_t.device)
@@ -92,7 +100,8 @@ def proposal_labels(
 
 
 def collect_top_proposals(rois: torch.Tensor, scores: Any, top_n: int) -> torch.Tensor:
-    """The ``top_n`` rows of ``rois`` by descending score, over all images (Q26).
+    """The ``top_n`` rows of ``rois`` by descending score, over all images (Detectron quirk Q26,
+    docs/detectron_quirks.md).
 
     Detectron sorts with ``np.argsort(-scores)`` (an unstable sort); a stable sort is
     used here, so equal scores keep their input order.
@@ -107,7 +116,8 @@ def collect_top_proposals(rois: torch.Tensor, scores: Any, top_n: int) -> torch.
 
 def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
                     im_scales: Sequence[float], cfg: Any) -> list[dict[str, Any]]:
-    """§3.6 ``add_proposals`` (crowd_thresh 0) plus §4.4 targets, as new entry dicts.
+    """Detectron semantics: proposals ``add_proposals`` (crowd_thresh 0) plus Detectron semantics:
+    bounding-box regression targets targets, as new entry dicts.
 
     Proposal rows of image ``i`` (in ``rois`` order) are multiplied by ``1 / scale_i``
     in float32, as Detectron does, and appended after the entry's rows. The results
@@ -146,7 +156,8 @@ def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
 
 
 def _entry_columns(e: Mapping[str, Any], dev: torch.device) -> dict[str, Any]:
-    """The entry's own rows as tensors, with their class assignment (§2.5)."""
+    """The entry's own rows as tensors, with their class assignment (Detectron semantics: class
+    assignment)."""
     gt_classes = np.asarray(e["gt_classes"])
     if "max_overlaps" in e and "max_classes" in e:
         mo, mc = np.asarray(e["max_overlaps"]), np.asarray(e["max_classes"])
@@ -198,7 +209,8 @@ def _masked_iou(a: torch.Tensor, a_img: torch.Tensor, b: torch.Tensor, b_img: to
 
 def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
             dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """§3.4: max IoU, its gt's class and roidb row per proposal (0, 0, -1 if none)."""
+    """Detectron semantics: proposals: max IoU, its gt's class and roidb row per proposal (0, 0, -1
+    if none)."""
     n = props.shape[0]
     if n == 0 or gt["boxes"].shape[0] == 0:
         return (torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.int64, device=dev),
@@ -238,7 +250,8 @@ def _merged_rows(cols: list[dict[str, Any]], props: torch.Tensor, p_max: torch.T
 
 def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: Any,
              dev: torch.device) -> torch.Tensor:
-    """§4.4 on the merged rows: regress towards the best non-crowd gt of the same image."""
+    """Detectron semantics: bounding-box regression targets on the merged rows: regress towards the
+    best non-crowd gt of the same image."""
     n = rows["boxes"].shape[0]
     targets = torch.zeros((n, 5), dtype=torch.float32, device=dev)
     ok = ~gt["crowd"].to(torch.bool) if gt["boxes"].shape[0] else None
@@ -246,7 +259,9 @@ def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: An
     if ok is None or not bool(ok.any()) or ex.numel() == 0:
         return targets
     iou = _masked_iou(rows["boxes"][ex], rows["img"][ex], gt["boxes"], gt["img"], ok)
-    best, arg = iou.max(dim=1)  # all-zero rows -> the image's first non-crowd gt (Q8)
+    # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8,
+    # docs/detectron_quirks.md)
+    best, arg = iou.max(dim=1)
     ex = ex[best >= 0]  # images without a non-crowd gt keep all-zero targets
     arg = arg[best >= 0]
     cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG

@@ -1,10 +1,11 @@
-"""RetinaNet training targets in the loader (spec §6.8).
+"""RetinaNet training targets in the loader (Detectron semantics: RetinaNet targets).
 
 Every anchor of every (level, octave, aspect) field is labelled against the image's
 non-crowd gt boxes, with no sampling and no straddle filter, exactly as Detectron's
 ``roi_data/retinanet.py``: best-match and threshold positives take the class of their
 own argmax gt, then every anchor with max IoU below ``NEGATIVE_OVERLAP`` becomes 0,
-after the foreground was counted (Q4, reproduced). Labels are cropped to the padded
+after the foreground was counted (Detectron quirk Q4, docs/detectron_quirks.md, reproduced). Labels
+are cropped to the padded
 image's feature size; positives are listed as ``roi_fg_bbox_locs`` rows whose column 1
 is the channel offset of the box prediction, so the loss gathers without a dense target.
 """
@@ -38,7 +39,8 @@ def add_retinanet_blobs(
     *,
     compact: bool = False,
 ) -> bool:
-    """Add ``im_info``, ``retnet_fg_num``, ``retnet_bg_num`` and the per-level blobs (§6.8).
+    """Add ``im_info``, ``retnet_fg_num``, ``retnet_bg_num`` and the per-level blobs (Detectron
+    semantics: RetinaNet targets).
 
     The padded size comes from ``blobs["data"]`` (NCHW), as Detectron passes the
     network input's width and height. Nothing is random; ``rng`` is accepted for the
@@ -92,11 +94,12 @@ def label_retinanet_anchors(
     all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
     gt_classes: np.ndarray, retina: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Label all anchors of one image (spec §6.8 steps 1-3).
+    """Label all anchors of one image (Detectron semantics: RetinaNet targets steps 1-3).
 
     Returns:
         ``(labels, fg, targets, num_bg)``: float32 labels over all anchors (-1, 0 or a
-        class), the anchors counted as foreground *before* the negative overwrite (Q4),
+        class), the anchors counted as foreground *before* the negative overwrite (Detectron quirk
+        Q4, docs/detectron_quirks.md),
         their ``(len(fg), 4)`` targets, and the number of anchors below
         ``NEGATIVE_OVERLAP``.
     """
@@ -129,7 +132,8 @@ def label_retinanet_anchors(
 
 def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Sequence[FieldOfAnchors],
                  pad_h: int, pad_w: int, cfg: Any, *, compact: bool = False) -> None:
-    """Crop labels per field, list the positives per level, fill the blobs (§6.8 step 4)."""
+    """Crop labels per field, list the positives per level, fill the blobs (Detectron semantics:
+    RetinaNet targets step 4)."""
     retina = cfg.RETINANET
     n_classes = int(cfg.MODEL.NUM_CLASSES)
     loc_stride = 4 * (n_classes - 1) if retina.CLASS_SPECIFIC_BBOX else 4

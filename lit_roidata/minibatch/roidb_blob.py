@@ -1,4 +1,5 @@
-"""The ``roidb`` blob: per-image gt dicts carried from the loader to the model (spec §6.7, §6.9).
+"""The ``roidb`` blob: per-image gt dicts carried from the loader to the model (Detectron semantics:
+RPN targets; end-to-end training).
 
 Detectron pickles the minimal roidb into a float32 array of byte values. We keep the
 container (a 1-D float32 array of byte values, so the blob obeys the float32/int32 rule)
@@ -10,7 +11,8 @@ without executing code:
 The header holds, per image, each key with either a JSON value (``segms``,
 ``has_visible_keypoints``), an array descriptor ``{"t": "a", "dtype", "shape", "off"}``
 pointing into the raw array section, or a CSR descriptor for ``gt_overlaps``.
-``deserialize_roidb(serialize_roidb(x)) == x`` (spec §10 item 25); polygons come back as
+``deserialize_roidb(serialize_roidb(x)) == x`` (Detectron semantics: tested invariants); polygons
+come back as
 lists of Python floats and compressed RLE ``counts`` keep their ``bytes``/``str`` type.
 """
 
@@ -36,7 +38,8 @@ _VERSION = 1
 
 
 def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    """Encode the keys of ``ROIDB_BLOB_KEYS`` and ``EXTRA_KEYS`` present in each entry (§6.7).
+    """Encode the keys of ``ROIDB_BLOB_KEYS`` and ``EXTRA_KEYS`` present in each entry (Detectron
+    semantics: RPN targets).
 
     Returns:
         A 1-D float32 array of byte values (Detectron's container for the blob).

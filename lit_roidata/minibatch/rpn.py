@@ -1,4 +1,5 @@
-"""RPN training targets in the loader: the "wide" anchor blobs, ``im_info`` and ``roidb`` (spec §6.7).
+"""RPN training targets in the loader: the "wide" anchor blobs, ``im_info`` and ``roidb`` (Detectron
+semantics: RPN targets).
 
 Anchors of all levels are labelled and sampled jointly per image, exactly as Detectron's
 ``roi_data/rpn.py``: straddle filtering, best-match and threshold positives, positive
@@ -7,11 +8,14 @@ for anchors near some gt box (the others have IoU 0 with every gt by constructio
 the wide blobs are written by scattering the at most ``RPN_BATCH_SIZE_PER_IM`` labelled
 anchors into pre-filled arrays, so five FPN levels at 800x1333 cost milliseconds.
 
-``fix_rpn_quirks=True`` corrects two Detectron quirks (spec §9) and changes nothing else:
+``fix_rpn_quirks=True`` corrects two Detectron quirks (docs/detectron_quirks.md) and changes nothing
+else:
 
-* Q2: a gt box with zero IoU to every inside anchor no longer makes every anchor with
+* Detectron quirk Q2 (docs/detectron_quirks.md): a gt box with zero IoU to every inside anchor no
+longer makes every anchor with
   zero overlap to it a best match (so no longer "all anchors positive");
-* Q3: negatives are drawn *without* replacement and only from anchors that were not
+* Detectron quirk Q3 (docs/detectron_quirks.md): negatives are drawn *without* replacement and only
+from anchors that were not
   positive before subsampling, so they never overwrite positives.
 """
 
@@ -52,7 +56,8 @@ def add_rpn_blobs(
     alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
     compact: bool = False,
 ) -> bool:
-    """Add ``im_info``, ``roidb`` and the RPN wide blobs of one minibatch (spec §6.7).
+    """Add ``im_info``, ``roidb`` and the RPN wide blobs of one minibatch (Detectron semantics: RPN
+    targets).
 
     Draws happen per image in image order (positive subsampling, then negatives), with
     the calls Detectron makes, so a ``RandomState`` seeded like Detectron reproduces it.
@@ -61,10 +66,11 @@ def add_rpn_blobs(
     Args:
         blobs: the minibatch dict (already holding ``data``); updated in place.
         im_scales: the scale of each image, as drawn for the image blob.
-        entries: the roidb entries (Detectron field names, docs/architecture.md §2).
+        entries: the roidb entries (Detectron field names, docs/architecture.md, "A roidb entry").
         cfg: a ``DetectronConfig``.
         rng: generator for all draws (``lit_roidata.rng``).
-        fix_rpn_quirks: correct Q2 and Q3 (see the module docstring).
+        fix_rpn_quirks: correct Detectron quirk Q2/Q3 (docs/detectron_quirks.md) (see the module
+            docstring).
         alloc: optional ``(shape, dtype) -> zeroed array`` for the wide blobs (about
             35 MB for 2 images at FPN level 2 with MAX_SIZE 1333), e.g. shared memory
             in a DataLoader worker so they are sent without a copy.
@@ -82,7 +88,7 @@ def add_rpn_blobs(
             * ``rpn_compact_fg_int32`` ``(P, 2)`` ``(image, anchor)`` and
               ``rpn_compact_bbox_targets`` float32 ``(P, 4)``: the regression targets
               (the positives after subsampling; a positive later drawn as a negative,
-              Q3, keeps its target, as in Detectron);
+              Detectron quirk Q3 (docs/detectron_quirks.md), keeps its target, as in Detectron);
             * ``rpn_compact_outside_weights`` float32 ``(n,)``: each image's outside
               weight ``1 / #labelled``. Inside weights are 1 where the label is 1.
 
@@ -90,7 +96,8 @@ def add_rpn_blobs(
         True: RPN minibatches are always valid.
 
     Raises:
-        ValueError: an entry has no non-crowd gt box (Detectron crashes there, Q27;
+        ValueError: an entry has no non-crowd gt box (Detectron crashes there, Detectron quirk Q27
+            (docs/detectron_quirks.md);
             ``filter_for_training`` normally removes such images).
     """
     fields = rpn_fields(cfg)
@@ -102,7 +109,8 @@ def add_rpn_blobs(
     for i, entry in enumerate(entries):
         scale = im_scales[i]
         im_h, im_w = im_info[i, 0], im_info[i, 1]
-        gt, _ = scaled_noncrowd_gt(entry, scale, "RPN", "Detectron crashes here (spec Q27)")
+        gt, _ = scaled_noncrowd_gt(entry, scale, "RPN", "Detectron crashes here (Detectron "
+                                   "quirk Q27, see docs/detectron_quirks.md)")
         res = label_anchors(all_anchors, fields, gt, im_h, im_w, cfg.TRAIN, rng,
                             fix_rpn_quirks=fix_rpn_quirks)
         if out is None:
@@ -178,7 +186,8 @@ def label_anchors(
     *,
     fix_rpn_quirks: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
-    """Label one image's anchors (spec §6.7 steps 3-8), in Detectron's draw order.
+    """Label one image's anchors (Detectron semantics: RPN targets steps 3-8), in Detectron's draw
+    order.
 
     Args:
         all_anchors: the concatenated fields ``(K, 4)``; fields: those fields.
@@ -219,7 +228,8 @@ def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, ins
     The same draws on the same ascending index arrays, so the same result; only the
     K-long passes that cannot matter are skipped (outside the IoU candidates every
     anchor's max IoU is 0, below both thresholds). Returns None where the general path
-    is needed: no inside anchor, a non-positive threshold, or Detectron's Q2 (a gt
+    is needed: no inside anchor, a non-positive threshold, or Detectron quirk Q2
+    (docs/detectron_quirks.md) (a gt
     with zero IoU to every inside anchor makes all of them positive).
     """
     pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
@@ -251,7 +261,9 @@ def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, ins
     if len(bg_inds) > num_bg:
         if fix:
             bg_inds = rng_mod.choice(rng, bg_inds, size=num_bg, replace=False)
-        else:  # Q3: with replacement, and may overwrite positives
+        # Detectron quirk Q3 (docs/detectron_quirks.md): with replacement, and may overwrite
+        # positives
+        else:
             bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
     labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
     lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
@@ -278,7 +290,9 @@ def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside
     if not fix and (g2a_max == 0).any():
         zero = inside.copy()
         zero[cand] = False
-        labels[zero] = 1  # Q2: zero IoU to that gt equals its (zero) best overlap
+        # Detectron quirk Q2 (docs/detectron_quirks.md): zero IoU to that gt equals its (zero) best
+        # overlap
+        labels[zero] = 1
     if train.RPN_POSITIVE_OVERLAP <= 0:
         labels[inside] = 1
     else:
@@ -305,7 +319,9 @@ def _sample(labels: np.ndarray, a2g_max: np.ndarray, inside: np.ndarray, train: 
     if len(bg_inds) > num_bg:
         if fix:
             bg_inds = rng_mod.choice(rng, bg_inds, size=num_bg, replace=False)
-        else:  # Q3: with replacement, and may overwrite positives
+        # Detectron quirk Q3 (docs/detectron_quirks.md): with replacement, and may overwrite
+        # positives
+        else:
             bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
     labels[bg_inds] = 0
     return fg_inds
@@ -314,7 +330,8 @@ def _sample(labels: np.ndarray, a2g_max: np.ndarray, inside: np.ndarray, train: 
 def _scatter(out: list[tuple[np.ndarray, ...]], i: int, fields: Sequence[FieldOfAnchors],
              labelled: np.ndarray, labels: np.ndarray, fg: np.ndarray,
              targets: np.ndarray, num_examples: float) -> None:
-    """Write one image's labels, targets and weights into the level blobs (spec §6.7 step 9)."""
+    """Write one image's labels, targets and weights into the level blobs (Detectron semantics: RPN
+    targets step 9)."""
     offsets = level_offsets(fields)
     pos = labelled[labels == 1]
     w_out = np.float32(1.0 / num_examples) if num_examples else np.float32(0)

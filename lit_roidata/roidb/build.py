@@ -1,9 +1,13 @@
 """``combined_roidb_for_training`` and ``roidb_for_evaluation``: inputs → cached ``RoIDB``.
 
-Order of operations is Detectron's (spec §4.1): per dataset, load + clean gt (§2.4),
-merge proposals (§3), class assignment (§2.5), flipped copies appended after the
-originals (§4.2); datasets concatenated in order; ``filter_for_training`` (§4.3);
-regression targets (§4.4, computed on access, see :mod:`.targets`). The result is
+Order of operations is Detectron's (Detectron semantics: roidb building): per dataset, load + clean
+gt (Detectron semantics: ground-truth cleaning),
+merge proposals (Detectron semantics: proposals), class assignment (Detectron semantics: class
+assignment), flipped copies appended after the
+originals (Detectron semantics: flipping); datasets concatenated in order; ``filter_for_training``
+(Detectron semantics: filtering);
+regression targets (Detectron semantics: bounding-box regression targets, computed on access, see
+:mod:`.targets`). The result is
 written once to a cache directory keyed by the inputs' content and every option, and
 opened memory-mapped (:mod:`.cache`, :mod:`.store`).
 """
@@ -41,9 +45,10 @@ __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLI
 
 logger = logging.getLogger("lit_roidata.roidb")
 
-#: How categories of several datasets are reconciled (spec Q22).
+#: How categories of several datasets are reconciled (Detectron quirk Q22,
+# docs/detectron_quirks.md).
 CATEGORY_POLICIES = ("strict", "detectron", "by_name")
-MIN_PROPOSAL_SIZE = 2  # Detectron's get_roidb default (spec §2.3)
+MIN_PROPOSAL_SIZE = 2  # Detectron's get_roidb default (Detectron semantics: roidb building)
 
 Names = Union[str, Sequence[str]]
 
@@ -55,7 +60,7 @@ def combined_roidb_for_training(
     check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
     verify: Optional[bool] = None,
 ) -> RoIDB:
-    """Detectron's training roidb (spec §4), columnar and cached.
+    """Detectron's training roidb (Detectron semantics: roidb building), columnar and cached.
 
     Args:
         dataset_names: catalog name(s), concatenated in order (``TRAIN.DATASETS``).
@@ -64,7 +69,8 @@ def combined_roidb_for_training(
         cache_dir: cache root; default ``$LIT_ROIDATA_CACHE`` or ``~/.cache/lit_roidata``.
         catalog: where names are looked up (default :data:`DatasetCatalog`).
         category_policy: ``"strict"`` (category lists must agree, else a diff is shown),
-            ``"detectron"`` (concatenate without reconciling, spec Q22) or ``"by_name"``
+            ``"detectron"`` (concatenate without reconciling, Detectron quirk Q22
+            (docs/detectron_quirks.md)) or ``"by_name"``
             (map every dataset's categories onto one class list by name).
         check_images: verify at build time that every image file exists.
         progress: show rich progress bars (default: when stderr is a terminal).
@@ -248,7 +254,8 @@ def _check_categories(tables_cats: list, names: list, policy: str) -> None:
             diff = "\n".join(difflib.unified_diff(ref, cur, names[0], name, lineterm="", n=1))
             raise RoIDBInputError(
                 f"datasets {names[0]!r} and {name!r} have different categories (Detectron "
-                f"would silently mix their class ids, spec Q22):\n{diff}\nMake the category "
+                f"would silently mix their class ids, Detectron quirk Q22, see "
+                f"docs/detectron_quirks.md):\n{diff}\nMake the category "
                 f"lists identical, or pass category_policy='by_name' (map by category name) "
                 f"or 'detectron' (keep Detectron's behaviour).")
 

@@ -1,4 +1,5 @@
-"""COCO JSON → columnar ground-truth table, with Detectron's cleaning rules (spec §2.2-2.4).
+"""COCO JSON → columnar ground-truth table, with Detectron's cleaning rules (Detectron semantics:
+datasets and catalog; ground-truth cleaning).
 
 The file is decoded by :mod:`lit_roidata.roidb.decode` (a typed msgspec decoder that
 reads only the fields the roidb needs, with an orjson fallback that names any malformed
@@ -39,7 +40,8 @@ class GtTable:
         ids, widths, heights: per image, ascending id.
         file_names: per image, JSON ``file_name``.
         gt_off: int64 (n+1,) gt row range per image.
-        boxes, classes, seg_areas, is_crowd: per gt row (spec §2.4).
+        boxes, classes, seg_areas, is_crowd: per gt row (Detectron semantics: ground-truth
+        cleaning).
         segms: :class:`SegmColumns` per gt row.
         keypoints: int32 (G, 3, K) or ``None``; has_vis_kp: bool per image.
         counts: drop/keep counts by reason (for the build report).
@@ -63,7 +65,8 @@ class GtTable:
 
 def dataset_info_from_categories(name: str, categories: Sequence[dict], *, source: str,
                                  class_order: Optional[Sequence[str]] = None) -> DatasetInfo:
-    """Classes and id maps in the order of the JSON ``categories`` array (spec §2.2).
+    """Classes and id maps in the order of the JSON ``categories`` array (Detectron semantics:
+    datasets and catalog).
 
     Args:
         class_order: if given (``category_policy="by_name"``), the shared class names
@@ -108,7 +111,8 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
                    class_order: Optional[Sequence[str]] = None,
                    data: Optional[dict] = None, raw: Optional[RawCoco] = None,
                    keypoints_required: bool = False) -> GtTable:
-    """Load one COCO annotation file into a :class:`GtTable` (spec §2.2-2.4).
+    """Load one COCO annotation file into a :class:`GtTable` (Detectron semantics: datasets and
+    catalog; ground-truth cleaning).
 
     Args:
         path: the annotation JSON.
@@ -390,7 +394,8 @@ def _classes(raw: RawCoco, order: np.ndarray, info: DatasetInfo) -> np.ndarray:
 
 def _segm_columns(raw: RawCoco, order: np.ndarray,
                   rles: dict) -> tuple[SegmColumns, dict[str, int]]:
-    """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Q24)."""
+    """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
+    Q24, docs/detectron_quirks.md)."""
     g = order.size
     poly_off = _offsets(raw.poly_n)
     coord_off = _offsets(raw.coord_n)

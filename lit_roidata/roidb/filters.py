@@ -1,4 +1,4 @@
-"""``filter_for_training`` over whole columns (spec §4.3)."""
+"""``filter_for_training`` over whole columns (Detectron semantics: filtering)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _candidate(mo: np.ndarray, fg_thresh: float, bg_hi: float, bg_lo: float) -> 
 def trainable_images(*, gt_off: np.ndarray, gt_is_crowd: np.ndarray, prop_off: np.ndarray,
                      prop_max_overlaps: np.ndarray, fg_thresh: float, bg_thresh_hi: float,
                      bg_thresh_lo: float) -> np.ndarray:
-    """Per image: has at least one fg or bg candidate row (spec §4.3).
+    """Per image: has at least one fg or bg candidate row (Detectron semantics: filtering).
 
     Gt rows have ``max_overlaps`` 1 (non-crowd) or -1 (crowd); proposal rows their own.
     Flipped copies share ``max_overlaps``, so the answer holds for them too.

@@ -3,7 +3,7 @@
 Detectron stores a back-reference to the whole ``JsonDataset`` (and with it the COCO
 API object) in each entry. We keep only what the data pipeline and evaluation read,
 in a small frozen value that pickles in microseconds into DataLoader workers
-(spec §2.2).
+(Detectron semantics: datasets and catalog).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class RoIDBInputError(ValueError):
     """Bad input to the roidb builder; the message names the file, image id and fix."""
 
 
-#: Detectron's hard-coded COCO person flip map (spec §2.2).
+#: Detectron's hard-coded COCO person flip map (Detectron semantics: datasets and catalog).
 COCO_KEYPOINT_FLIP_MAP: dict[str, str] = {
     "left_eye": "right_eye",
     "left_ear": "right_ear",
@@ -48,7 +48,8 @@ def keypoint_flip_map(keypoints: tuple[str, ...]) -> dict[str, str]:
 
 @dataclass(frozen=True, eq=True)
 class DatasetInfo:
-    """Classes, category-id maps and keypoint metadata of one dataset (spec §2.2).
+    """Classes, category-id maps and keypoint metadata of one dataset (Detectron semantics: datasets
+    and catalog).
 
     Attributes:
         name: catalog name.

@@ -1,4 +1,4 @@
-"""Proposal files → per-image proposal rows merged into the roidb (spec §3).
+"""Proposal files → per-image proposal rows merged into the roidb (Detectron semantics: proposals).
 
 A proposal file is read once at build time, processed in vectorised chunks of images
 (clip, de-duplicate, min size, optional limit, IoU merge against the gt rows, crowd
@@ -51,7 +51,8 @@ class ProposalTable:
 
 
 def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -> np.ndarray:
-    """Record index for each image (sorted ids), as Detectron aligns them (spec §3.2).
+    """Record index for each image (sorted ids), as Detectron aligns them (Detectron semantics:
+    proposals).
 
     Records for ids not in the dataset are removed (counted); a missing or duplicated
     id is an error naming the ids.
@@ -86,10 +87,12 @@ def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -
 
 
 def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """Keep-mask of first occurrences of Detectron's box hash within each group (spec §3.3).
+    """Keep-mask of first occurrences of Detectron's box hash within each group (Detectron
+    semantics: proposals).
 
     The hash is ``round(x1) + 1e3 round(y1) + 1e6 round(x2) + 1e9 round(y2)`` (which can
-    collide for coordinates >= 1000, spec Q13); order is preserved.
+    collide for coordinates >= 1000, Detectron quirk Q13 (docs/detectron_quirks.md)); order is
+    preserved.
     """
     if boxes.shape[0] == 0:
         return np.zeros(0, bool)
@@ -119,7 +122,8 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
 
 
 def iof_pairs(props: np.ndarray, crowd: np.ndarray) -> np.ndarray:
-    """Row-wise ``pycocotools.mask.iou(.., iscrowd=1)`` of float32 xyxy boxes (spec §3.5).
+    """Row-wise ``pycocotools.mask.iou(.., iscrowd=1)`` of float32 xyxy boxes (Detectron semantics:
+    proposals).
 
     Detectron converts to xywh in float32 (``w = x2 - x1 + 1``), then the COCO API
     computes ``intersection / area(proposal)`` in double.
@@ -152,7 +156,8 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
                          min_proposal_size: int = 2, proposal_limit: int = -1,
                          crowd_filter_thresh: float = 0.0,
                          progress: Optional[Callable[[int], None]] = None) -> ProposalTable:
-    """Process a proposal file for one dataset exactly as Detectron does (spec §3.2-3.5).
+    """Process a proposal file for one dataset exactly as Detectron does (Detectron semantics:
+    proposals).
 
     Args:
         src: the opened file (:func:`read_proposal_file`).
@@ -268,7 +273,8 @@ def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
-    """IoU merge into overlaps (spec §3.4): ``(max_overlaps, max_classes, gt_map)``.
+    """IoU merge into overlaps (Detectron semantics: proposals): ``(max_overlaps, max_classes,
+    gt_map)``.
 
     Images are grouped by their gt count ``G``; each group is one padded
     ``(images, P_max, G)`` IoU block computed by broadcasting (no per-pair gathers). The

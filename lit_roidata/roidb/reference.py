@@ -5,7 +5,7 @@ This is Detectron's ``json_dataset.py`` / ``roidb.py`` logic line by line (pycoc
 it can serve as a test oracle and as the benchmark baseline for the columnar builder:
 
 * RLE segms are flipped with the same fix as ours (Detectron crashes on compressed RLE
-  and wraps uncompressed ones in a list, spec Q12);
+  and wraps uncompressed ones in a list, Detectron quirk Q12 (docs/detectron_quirks.md));
 * box arithmetic uses the shared :mod:`lit_roidata.boxes` (IoU, target encoding).
 
 It is slow and memory-hungry by design (that is what it measures); do not use it to
@@ -33,7 +33,8 @@ __all__ = ["ReferenceDataset", "reference_combined_roidb"]
 
 
 class ReferenceDataset:
-    """Detectron's ``JsonDataset`` (spec §2.2) on top of ``pycocotools.COCO``."""
+    """Detectron's ``JsonDataset`` (Detectron semantics: datasets and catalog) on top of
+    ``pycocotools.COCO``."""
 
     def __init__(self, name: str, image_dir: str, ann_file: str, image_prefix: str = "") -> None:
         from pycocotools.coco import COCO
@@ -62,7 +63,7 @@ class ReferenceDataset:
     def get_roidb(self, *, gt: bool = True, proposal_file: Optional[str] = None,
                   min_proposal_size: int = 2, proposal_limit: int = -1,
                   crowd_filter_thresh: float = 0, gt_min_area: float = -1) -> list[dict]:
-        """Detectron's ``get_roidb`` (spec §2.3)."""
+        """Detectron's ``get_roidb`` (Detectron semantics: roidb building)."""
         image_ids = sorted(self.COCO.getImgIds())
         roidb = copy.deepcopy(self.COCO.loadImgs(image_ids))
         for entry in roidb:
@@ -245,7 +246,8 @@ def _flip_poly(poly: list, width: int) -> list:
 
 
 def _compute_targets(entry: dict, cfg) -> np.ndarray:
-    """Detectron's ``_compute_targets`` (spec §4.4), per entry."""
+    """Detectron's ``_compute_targets`` (Detectron semantics: bounding-box regression targets), per
+    entry."""
     rois, overlaps, labels = entry["boxes"], entry["max_overlaps"], entry["max_classes"]
     gt_inds = np.where((entry["gt_classes"] > 0) & (entry["is_crowd"] == 0))[0]
     targets = np.zeros((rois.shape[0], 5), dtype=np.float32)
@@ -291,7 +293,8 @@ def _flipped(entry: dict, ds: ReferenceDataset) -> dict:
 
 def reference_combined_roidb(datasets: Sequence[ReferenceDataset],
                              proposal_files: Sequence[Optional[str]], cfg) -> list[dict]:
-    """Detectron's ``combined_roidb_for_training`` (spec §4.1) as a list of dicts."""
+    """Detectron's ``combined_roidb_for_training`` (Detectron semantics: roidb building) as a list
+    of dicts."""
     t = cfg.TRAIN
     out: list[dict] = []
     for ds, pf in zip(datasets, proposal_files):

@@ -1,7 +1,8 @@
 """Build report (what was kept and dropped, by reason) and rich progress/summary output.
 
 The report is a plain dict stored in the cache manifest (``RoIDB.report``) and logged
-once as a rich table when a cache is built (spec §4.1 step 6 logs a class histogram;
+once as a rich table when a cache is built (Detectron semantics: roidb building step 6 logs a class
+histogram;
 we also log every drop reason, design principle 7).
 """
 

@@ -3,9 +3,11 @@
 Polygons are stored as one flat float64 coordinate array with two offset levels
 (object → polygons → coordinates); RLEs keep their JSON representation (uncompressed
 integer counts or the compressed string) so an entry returns exactly what the JSON held.
-Flipping happens on access (spec §4.2): polygons ``x' = W - x - 1``; RLE masks are
+Flipping happens on access (Detectron semantics: flipping): polygons ``x' = W - x - 1``; RLE masks
+are
 decoded with ``pycocotools.mask``, mirrored column-wise and re-encoded in the same
-representation. Detectron crashes on compressed RLE here (spec Q12); we do not.
+representation. Detectron crashes on compressed RLE here (Detectron quirk Q12,
+docs/detectron_quirks.md); we do not.
 """
 
 from __future__ import annotations
@@ -73,10 +75,11 @@ class SegmColumns:
 
 def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
                  image_ids: np.ndarray) -> tuple[SegmColumns, dict[str, int]]:
-    """Columnar encoding of JSON segmentations (spec §2.4 step 1).
+    """Columnar encoding of JSON segmentations (Detectron semantics: ground-truth cleaning step 1).
 
     Polygons with fewer than 6 coordinates are dropped; the object stays even when no
-    polygon remains (spec Q24). A missing ``segmentation`` is kept as an empty polygon
+    polygon remains (Detectron quirk Q24, docs/detectron_quirks.md). A missing ``segmentation`` is
+    kept as an empty polygon
     list and counted.
 
     Args:
@@ -198,7 +201,8 @@ def concat_offsets(offs: Sequence[np.ndarray]) -> np.ndarray:
 
 def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
                  width: int = 0, height: int = 0) -> list:
-    """Segms of gt rows ``g0:g1`` as Detectron's entry holds them (spec §2.3, §4.2).
+    """Segms of gt rows ``g0:g1`` as Detectron's entry holds them (Detectron semantics: roidb
+    building; flipping).
 
     Returns:
         One item per row: a list of polygons (lists of floats) or an RLE dict
@@ -243,7 +247,8 @@ def _rle(cols: SegmColumns, r: int, kind: int, flipped: bool) -> dict:
 
 
 def flip_rle(rle: dict) -> dict:
-    """Mirror an RLE mask column-wise, keeping its representation (spec §4.2, Q12)."""
+    """Mirror an RLE mask column-wise, keeping its representation (Detectron semantics: flipping,
+    Detectron quirk Q12 (docs/detectron_quirks.md))."""
     from pycocotools import mask as mask_util
 
     h, w = (int(v) for v in rle["size"])

@@ -14,8 +14,10 @@ page cache):
 * entries (after flipping and filtering): ``entry_img`` and ``entry_flipped``.
 
 A flipped entry is the index of its original plus a flag; boxes, segms and keypoints
-are mirrored when read (spec §4.2). ``gt_overlaps`` is rebuilt from ``max_overlaps`` and
-``max_classes``: every row holds one non-zero value or is all -1 (spec §2.4, §3.4-3.5).
+are mirrored when read (Detectron semantics: flipping). ``gt_overlaps`` is rebuilt from
+``max_overlaps`` and
+``max_classes``: every row holds one non-zero value or is all -1 (Detectron semantics: ground-truth
+cleaning; proposals).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ _FIELDS_NO_KEYPOINTS = tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
 
 
 def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray:
-    """Detectron's ``flip_keypoints`` (spec §4.2): swap left/right, mirror x, zero x where v=0."""
+    """Detectron's ``flip_keypoints`` (Detectron semantics: flipping): swap left/right, mirror x,
+    zero x where v=0."""
     out = kps.copy()
     names = list(info.keypoints or ())
     for left, right in (info.keypoint_flip_map or {}).items():
@@ -73,7 +76,7 @@ def _ro(a: np.ndarray) -> np.ndarray:
 
 
 class RoIDB:
-    """Detectron's combined roidb, columnar and memory-mapped (spec §4).
+    """Detectron's combined roidb, columnar and memory-mapped (Detectron semantics: roidb building).
 
     ``len(roidb)`` entries; ``roidb[i]`` is a read-only :class:`RoIEntry` mapping with
     Detectron's field names. ``widths``, ``heights``, ``ids`` and ``flipped`` are
@@ -161,7 +164,8 @@ class RoIDB:
 
 
 class RoIEntry(Mapping):
-    """A read-only view of one roidb entry with Detectron's field names (spec §2.3).
+    """A read-only view of one roidb entry with Detectron's field names (Detectron semantics: roidb
+    building).
 
     Fields are computed on first access and memoised: RPN code that reads only
     ``boxes`` and ``gt_classes`` never pays for ``segms`` or ``bbox_targets``.

@@ -1,4 +1,5 @@
-"""Bounding-box regression targets of one roidb entry (spec §4.4).
+"""Bounding-box regression targets of one roidb entry (Detectron semantics: bounding-box regression
+targets).
 
 Computed when an entry's ``bbox_targets`` is read rather than stored: it costs one
 small IoU matrix per entry, and it keeps flipped entries true views (Detectron computes
@@ -23,7 +24,8 @@ def compute_bbox_targets(boxes: np.ndarray, max_overlaps: np.ndarray, max_classe
 
     Rows with ``max_overlaps >= bbox_thresh`` are regressed towards the non-crowd gt
     with the highest IoU, recomputed here (not ``box_to_gt_ind_map``; ties and all-zero
-    rows go to the lowest gt index, spec Q8). Class column: ``max_classes`` or 1 if
+    rows go to the lowest gt index, Detectron quirk Q8 (docs/detectron_quirks.md)). Class column:
+    ``max_classes`` or 1 if
     class-agnostic.
 
     Args:

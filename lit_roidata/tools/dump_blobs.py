@@ -1,6 +1,7 @@
 """``lit-roidata dump-blobs``: Detectron's blob dump, as ``.npz`` files.
 
-Like Detectron's ``RoIDataLoaderSimple`` debugging path (spec §5.2, issue 3): the roidb
+Like Detectron's ``RoIDataLoaderSimple`` debugging path (Detectron semantics: sampler and aspect
+grouping, issue 3): the roidb
 in identity order (``shuffle=False``, no aspect grouping), one image per minibatch, and
 the first K minibatches saved with the chosen blob names, Detectron's pixel format by
 default so the ``data`` blob compares directly with a Detectron dump. Every block is

@@ -1,0 +1,146 @@
+"""Generate ``docs/api.md`` from the public API's signatures and docstrings.
+
+``python -m lit_roidata.tools.api_docs`` rewrites ``docs/api.md``;
+``python -m lit_roidata.tools.api_docs --check`` exits with status 1 if the file is out of
+date (``tests/test_api_docs.py`` runs the same comparison). For every public module below
+the page lists each public class and function with its signature and the first paragraph
+of its docstring, and each class's public methods with the first line of theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+__all__ = ["MODULES", "render", "main"]
+
+#: Modules documented, in page order, with their public names (``None``: the module's
+#: ``__all__``). Only classes and functions are listed.
+MODULES: list[tuple[str, Optional[list[str]]]] = [
+    ("lit_roidata.datamodule", ["RoIDataModule", "EvalLoader", "EvalDataset",
+                                "fork_safe_opencv"]),
+    ("lit_roidata.cli", None),
+    ("lit_roidata.config", None),
+    ("lit_roidata.catalog", None),
+    ("lit_roidata.roidb", None),
+    ("lit_roidata.roidb.proposal_files", None),
+    ("lit_roidata.sampler", None),
+    ("lit_roidata.loader", None),
+    ("lit_roidata.dataset", None),
+    ("lit_roidata.minibatch", None),
+    ("lit_roidata.minibatch.model_type", ["flags_for_model_type", "blob_family"]),
+    ("lit_roidata.skip", None),
+    ("lit_roidata.progress", None),
+    ("lit_roidata.evaluation", None),
+    ("lit_roidata.callbacks", None),
+    ("lit_roidata.exchange", None),
+    ("lit_roidata.demo", None),
+    ("lit_roidata.tools.dump_blobs", ["dump_blobs"]),
+    ("lit_roidata.tools.bench", ["bench_loader"]),
+]
+
+_HEADER = """# API reference
+
+Generated from the docstrings by `python -m lit_roidata.tools.api_docs` (do not edit by
+hand; `tests/test_api_docs.py` fails when this page is out of date). Public names of each
+part with the first paragraph of their docstrings; the pages linked from
+[index.md](index.md) explain how they fit together.
+"""
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _first_paragraph(obj: Any) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.strip().split("\n\n")[0].strip()
+
+
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+def _signature(obj: Any) -> str:
+    """``inspect.signature`` text; long default values (third-party objects) shown as ``...``."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "(...)"
+    params = [p.replace(default=_Elided())
+              if p.default is not p.empty and len(repr(p.default)) > 40 else p
+              for p in sig.parameters.values()]
+    return _ADDRESS.sub("", str(sig.replace(parameters=params)))
+
+
+def _methods(cls: type) -> list[tuple[str, Any]]:
+    out = []
+    for name, member in sorted(vars(cls).items()):
+        if name.startswith("_"):
+            continue
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        if inspect.isfunction(member):
+            out.append((name, member))
+    return out
+
+
+def _entry(name: str, obj: Any) -> list[str]:
+    kind = "class" if inspect.isclass(obj) else "def"
+    lines = [f"### `{kind} {name}{_signature(obj)}`", ""]
+    para = _first_paragraph(obj)
+    if para:
+        lines += [para, ""]
+    if inspect.isclass(obj):
+        for mname, meth in _methods(obj):
+            first = _first_paragraph(meth).split("\n")[0]
+            lines.append(f"- `{mname}{_signature(meth)}`" + (f": {first}" if first else ""))
+        if lines[-1] != "":
+            lines.append("")
+    return lines
+
+
+def render() -> str:
+    """The text of ``docs/api.md`` for the code as it is now."""
+    lines = [_HEADER]
+    for modname, names in MODULES:
+        mod = importlib.import_module(modname)
+        names = list(names if names is not None else getattr(mod, "__all__", []))
+        lines += [f"## `{modname}`", ""]
+        para = _first_paragraph(mod)
+        if para:
+            lines += [para, ""]
+        for name in names:
+            obj = getattr(mod, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                lines += _entry(name, obj)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Write (or with ``--check`` compare) ``docs/api.md``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m lit_roidata.tools.api_docs",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "docs"
+                                             / "api.md"), help="the page to write")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the page differs from the generated text")
+    args = parser.parse_args(argv)
+    text = render()
+    out = Path(args.out)
+    if args.check:
+        if not out.is_file() or out.read_text(encoding="utf-8") != text:
+            print(f"{out} is out of date; run python -m lit_roidata.tools.api_docs",
+                  file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
