@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
 from lit_roidata.config import DetectronConfig, get_cfg
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
@@ -31,7 +32,6 @@ from lit_roidata.roidb.decode import decode_coco
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
-from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
