@@ -45,7 +45,7 @@ def main() -> int:
     from lit_roidata.catalog import Catalog
     from lit_roidata.config import get_cfg
     from lit_roidata.demo.data import ensure_demo_data, register_demo_datasets
-    from lit_roidata.minibatch import get_image_blob, get_minibatch, proposal_labels
+    from lit_roidata.minibatch import get_image_blob, proposal_labels
     from lit_roidata.minibatch.image import normalize_on_device
     from lit_roidata.rng import block_rng
     from lit_roidata.roidb import combined_roidb_for_training
@@ -53,7 +53,7 @@ def main() -> int:
     root = tempfile.mkdtemp()
     ensure_demo_data(os.path.join(root, "demo"))
     catalog = Catalog()
-    reg = register_demo_datasets(os.path.join(root, "demo"), catalog)
+    register_demo_datasets(os.path.join(root, "demo"), catalog)
     cfg = get_cfg()
     cfg.merge_from_dict({"MODEL.NUM_CLASSES": 5, "MODEL.MASK_ON": True, "FPN.FPN_ON": True,
                          "FPN.MULTILEVEL_ROIS": True, "MRCNN.RESOLUTION": 28,
@@ -81,8 +81,10 @@ def main() -> int:
     for i, (e, s) in enumerate(zip(entries, scales_f)):
         gt = torch.as_tensor(np.asarray(e["boxes"])[:4]) * s
         jit = gt.repeat(200, 1) + torch.randn(gt.shape[0] * 200, 4, generator=g) * 8
-        x1 = torch.minimum(jit[:, 0], jit[:, 2]); x2 = torch.maximum(jit[:, 0], jit[:, 2]) + 2
-        y1 = torch.minimum(jit[:, 1], jit[:, 3]); y2 = torch.maximum(jit[:, 1], jit[:, 3]) + 2
+        x1 = torch.minimum(jit[:, 0], jit[:, 2])
+        x2 = torch.maximum(jit[:, 0], jit[:, 2]) + 2
+        y1 = torch.minimum(jit[:, 1], jit[:, 3])
+        y2 = torch.maximum(jit[:, 1], jit[:, 3]) + 2
         rois.append(torch.stack([torch.full_like(x1, i), x1, y1, x2, y2], 1))
     rois = torch.cat(rois).float()
     cpu_blobs = proposal_labels(rois.numpy(), entries, scales_f, cfg, block_rng(3, 0, 1))

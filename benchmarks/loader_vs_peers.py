@@ -247,6 +247,7 @@ def phase_lit(args: argparse.Namespace) -> dict[str, Any]:
     elif args.variant == "fast_rcnn":
         model_type = "fast_rcnn_fpn"
         kw["train_proposal_files"] = [args.proposals]
+        kw["trust_pickle"] = True  # the benchmark wrote the pickle
     dm = _lit_module(args, model_type, **kw)
     loader = dm.train_dataloader()
     res = time_loader(iter(loader), args.warm, args.timed, mem_at=args.mem_at)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_roidata._optional import MissingOptionalDependency
+from lit_roidata._pickle_trust import UntrustedPickleError
+
 __version__ = "0.1.0"
-__all__ = ["RoIDataModule", "__version__"]
+__all__ = ["MissingOptionalDependency", "RoIDataModule", "UntrustedPickleError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

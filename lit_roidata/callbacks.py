@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lit_roidata._pickle_trust import UntrustedPickleError, warn_trusted
+
 __all__ = [
     "BroadcastParameters",
     "LoadReport",
@@ -69,15 +71,25 @@ class LoadReport:
     unused: list[str] = field(default_factory=list)
 
 
-def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
+_TRUST_FIX = ("If you trust the file, pass trust_pickle=True to BroadcastParameters (in a "
+              "config: init_args: {trust_pickle: true}); or, once, load it in a trusted "
+              "session and save its tensors with torch.save(state_dict, 'weights.pth').")
+
+
+def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False
+                      ) -> dict[str, Any]:
     """Read a weights file into ``{name: array or tensor}``.
 
     Accepts a Detectron pickle (``{'blobs': {...}, 'cfg': ...}`` or a legacy bare dict
     of arrays, read with ``encoding='latin1'`` as Detectron does on Python 3), a
     Lightning checkpoint (its ``state_dict``) or a plain PyTorch state dict.
+    ``.pth``/``.ckpt`` files are read with ``torch.load(weights_only=True)``. A pickle
+    (``.pkl``, or a checkpoint that ``weights_only`` refuses) runs code when loaded,
+    so it is read only with ``trust_pickle=True`` (with a one-line warning).
 
     Raises:
         FileNotFoundError: no such file.
+        UntrustedPickleError: a pickle without ``trust_pickle=True``.
         ValueError: the file holds no name → tensor mapping.
     """
     path = os.fspath(path)
@@ -85,15 +97,22 @@ def load_weights_file(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"weights file {path} does not exist (BroadcastParameters "
                                 f"weights=...); give a .pkl, .ckpt or .pth path")
     if path.endswith((".pkl", ".pickle")):
+        if not trust_pickle:
+            raise UntrustedPickleError(path, "weights file", _TRUST_FIX)
+        warn_trusted(path, "weights file")
         with open(path, "rb") as f:
             obj = pickle.load(f, encoding="latin1")
         blobs = obj.get("blobs", obj) if isinstance(obj, dict) else None
     else:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:  # a Lightning checkpoint with arbitrary hparams
-            log.warning("weights file %s needs full unpickling (weights_only=False); load "
-                        "only files you trust", path)
+        except pickle.UnpicklingError as exc:  # e.g. a checkpoint with arbitrary hparams
+            if not trust_pickle:
+                raise UntrustedPickleError(
+                    path, "weights file",
+                    f"torch.load(weights_only=True) refused it ({str(exc).splitlines()[0]}). "
+                    + _TRUST_FIX) from None
+            warn_trusted(path, "weights file")
             obj = torch.load(path, map_location="cpu", weights_only=False)
         blobs = obj.get("state_dict", obj) if isinstance(obj, dict) else None
     if not isinstance(blobs, dict):
@@ -300,16 +319,22 @@ class BroadcastParameters(pl.Callback):
             may return ``None`` to skip a tensor).
         strict: fail if a model tensor has no blob in the file.
         verify: gather per-tensor checksums and fail on any difference.
+        trust_pickle: read ``weights`` when it is a pickle (a Detectron ``.pkl``, or a
+            checkpoint that ``torch.load(weights_only=True)`` refuses). Unpickling runs
+            any code the file names, so without it such a file is refused with an error
+            that says how to proceed; with it a one-line warning is logged.
 
     Example::
 
         trainer = pl.Trainer(strategy="ddp", devices=2, callbacks=[
-            BroadcastParameters("R-50.pkl", name_map=my_detectron_names)])
+            BroadcastParameters("R-50.pkl", name_map=my_detectron_names,
+                                trust_pickle=True)])
     """
 
     def __init__(self, weights: Optional[str] = None, name_map: Optional[NameMap] = None,
-                 strict: bool = False, verify: bool = True) -> None:
+                 strict: bool = False, verify: bool = True, trust_pickle: bool = False) -> None:
         self.weights = weights
+        self.trust_pickle = trust_pickle
         self.name_map = name_map
         self.strict = strict
         self.verify = verify
@@ -320,7 +345,7 @@ class BroadcastParameters(pl.Callback):
         error: Optional[BaseException] = None
         if trainer.global_rank == 0:
             try:
-                blobs = load_weights_file(self.weights)
+                blobs = load_weights_file(self.weights, trust_pickle=self.trust_pickle)
                 self.report = load_weights_into(module, blobs, name_map=self.name_map,
                                                 strict=self.strict, source=str(self.weights))
             except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks

@@ -244,7 +244,7 @@ def _load_meta(path: str) -> dict[str, Any]:
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - an unreadable file is "not resumable"
         return {}
 

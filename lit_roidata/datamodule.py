@@ -60,7 +60,7 @@ class RoIDataModule(pl.LightningDataModule):
     Example::
 
         dm = RoIDataModule(train_datasets=["coco_2014_train"],
-                           train_proposal_files=["rpn_proposals_train.pkl"],
+                           train_proposal_files=["rpn_proposals_train.npz"],
                            detectron_config="fast_rcnn_R-50-FPN_1x.yaml",
                            data_root="/data")
         trainer.fit(model, datamodule=dm)
@@ -128,6 +128,10 @@ class RoIDataModule(pl.LightningDataModule):
             the workers; ``"compact_raw"`` ships the compact form and leaves it
             unexpanded, for a model whose loss reads the sampled anchors directly
             (docs/rpn_retinanet.md describes the blobs).
+        trust_pickle: read proposal files that are pickles (``.pkl``). Unpickling runs
+            any code the file names, so they are refused unless this is set (with a
+            warning when used); ``lit-roidata convert-proposals in.pkl out.npz``
+            converts one once into the ``.npz`` format, which needs no trust.
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class RoIDataModule(pl.LightningDataModule):
         mask_format: Literal["compact", "detectron"] = "compact",
         target_format: Literal["compact", "detectron", "compact_raw"] = "compact",
         bad_image_reserve: float = 0.01,
+        trust_pickle: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -267,12 +272,14 @@ class RoIDataModule(pl.LightningDataModule):
         if names:
             check_training_config(self.cfg, list(props), list(names))  # before any build
             combined_roidb_for_training(list(names), list(props), self.cfg,
-                                        cache_dir=self.hparams.cache_dir, catalog=catalog)
+                                        cache_dir=self.hparams.cache_dir, catalog=catalog,
+                                        trust_pickle=self.hparams.trust_pickle)
         for split in ("val", "test"):
             names, props = self._datasets(split)
             if names:
                 roidb_for_evaluation(list(names), self.cfg, cache_dir=self.hparams.cache_dir,
-                                     proposal_files=list(props), catalog=catalog)
+                                     proposal_files=list(props), catalog=catalog,
+                                     trust_pickle=self.hparams.trust_pickle)
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the cached roidbs read-only for ``stage`` (every process)."""
@@ -288,19 +295,20 @@ class RoIDataModule(pl.LightningDataModule):
                                  "TRAIN.DATASETS in the Detectron config, or demo_root)")
             check_training_config(self.cfg, list(props), list(names))  # before any build
             self.train_roidb = combined_roidb_for_training(
-                list(names), list(props), self.cfg, cache_dir=cache_dir, catalog=catalog)
+                list(names), list(props), self.cfg, cache_dir=cache_dir, catalog=catalog,
+                trust_pickle=self.hparams.trust_pickle)
         if stage in (None, "fit", "validate") and self.val_roidb is None:
             names, props = self._datasets("val")
             if names:
                 self.val_roidb = roidb_for_evaluation(
                     list(names), self.cfg, cache_dir=cache_dir, proposal_files=list(props),
-                    catalog=catalog)
+                    catalog=catalog, trust_pickle=self.hparams.trust_pickle)
         if stage in (None, "test") and self.test_roidb is None:
             names, props = self._datasets("test")
             if names:
                 self.test_roidb = roidb_for_evaluation(
                     list(names), self.cfg, cache_dir=cache_dir, proposal_files=list(props),
-                    catalog=catalog)
+                    catalog=catalog, trust_pickle=self.hparams.trust_pickle)
 
     # ------------------------------------------------------------ dataloaders
     def _rank_world(self) -> tuple[int, int]:

@@ -69,7 +69,8 @@ def test_detectron_pkl_with_mapping_hook(tmp_path: Path, bare: bool,
     path = _write_pkl(tmp_path / "model_final.pkl", blobs, bare=bare)
     net = Net()
     with caplog.at_level(logging.WARNING, logger="lit_roidata.callbacks"):
-        report = load_weights_into(net, load_weights_file(path), name_map=detectron_name,
+        report = load_weights_into(net, load_weights_file(path, trust_pickle=True),
+                                   name_map=detectron_name,
                                    source=str(path))
     np.testing.assert_array_equal(net.conv1.weight.detach().numpy(), blobs["conv1_w"])
     np.testing.assert_array_equal(net.mask_fcn.weight.detach().numpy(), blobs["fcn1_w"])
@@ -117,11 +118,53 @@ def test_lightning_checkpoint_and_state_dict(tmp_path: Path) -> None:
         load_weights_file(tmp_path / "list.pth")
 
 
+class _RunsCode:
+    """Unpickling this object opens (creates) a marker file: code from the file runs."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickled_weights_need_trust(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A .pkl (or a checkpoint ``weights_only`` refuses) is refused without trust_pickle,
+    before any of its code runs; trusted, it loads with one warning line; .pth needs none."""
+    from lit_roidata._pickle_trust import UntrustedPickleError
+
+    marker = tmp_path / "code_ran"
+    pkl = tmp_path / "w.pkl"
+    with open(pkl, "wb") as f:
+        pickle.dump({"blobs": _detectron_blobs(), "cfg": _RunsCode(str(marker))}, f, protocol=2)
+    with pytest.raises(UntrustedPickleError, match=r"w\.pkl: the weights file is a pickle.*"
+                       r"trust_pickle=True.*torch\.save"):
+        load_weights_file(pkl)
+    cb = BroadcastParameters(str(pkl), name_map=detectron_name)
+    with pytest.raises(UntrustedPickleError, match="trust_pickle"):
+        cb.setup(SimpleNamespace(global_rank=0, world_size=1), Net(), "fit")
+    assert not marker.exists()
+    with caplog.at_level(logging.WARNING, logger="lit_roidata"):
+        assert "conv1_w" in load_weights_file(pkl, trust_pickle=True)
+    assert marker.exists()
+    assert sum("trust_pickle=True" in r.getMessage() for r in caplog.records) == 1
+    # A checkpoint holding an arbitrary object: weights_only refuses it, no silent fallback.
+    marker.unlink()
+    ckpt = tmp_path / "odd.ckpt"
+    torch.save({"state_dict": Net().state_dict(), "extra": _RunsCode(str(marker))}, ckpt)
+    with pytest.raises(UntrustedPickleError, match=r"odd\.ckpt.*weights_only=True"):
+        load_weights_file(ckpt)
+    assert not marker.exists()
+    assert "conv1.weight" in load_weights_file(ckpt, trust_pickle=True) and marker.exists()
+    torch.save(Net().state_dict(), tmp_path / "w.pth")
+    assert "conv1.weight" in load_weights_file(tmp_path / "w.pth")  # plain tensors: no trust
+
+
 def test_single_process_is_noop(tmp_path: Path) -> None:
     net = Net()
     assert broadcast_module(net) == 0 and verify_replicas(net) == 0
     cb = BroadcastParameters(str(_write_pkl(tmp_path / "w.pkl", _detectron_blobs())),
-                             name_map=detectron_name)
+                             name_map=detectron_name, trust_pickle=True)
     cb.setup(SimpleNamespace(global_rank=0, world_size=1), net, "fit")
     np.testing.assert_array_equal(net.bn.bias.detach().numpy(), _detectron_blobs()["bn_b"])
 
@@ -135,7 +178,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weights: str) -> No
         torch.manual_seed(100 + rank)  # different random init on every rank
         net = Net()
         torch.save(net.state_dict(), f"{out}/init{rank}.pt")
-        cb = BroadcastParameters(weights, name_map=detectron_name)
+        cb = BroadcastParameters(weights, name_map=detectron_name, trust_pickle=True)
         cb.setup(fake_trainer, net, "fit")
         torch.save(net.state_dict(), f"{out}/after{rank}.pt")
 
@@ -160,7 +203,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weights: str) -> No
         Path(f"{out}/structure{rank}.txt").write_text(msg)
 
         # a weights file that does not fit fails on rank 0 and, told by rank 0, on rank 1
-        bad = BroadcastParameters(weights, name_map=lambda n: "conv1_w")
+        bad = BroadcastParameters(weights, name_map=lambda n: "conv1_w", trust_pickle=True)
         try:
             bad.setup(fake_trainer, Net(), "fit")
             msg = "no error"

@@ -94,7 +94,7 @@ def _main(out_dir: str) -> None:
         use_distributed_sampler=False,  # the val loaders are sharded by hand
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False,
-        callbacks=[BroadcastParameters(str(out / "w.pkl"), name_map=name_map),
+        callbacks=[BroadcastParameters(str(out / "w.pkl"), name_map=name_map, trust_pickle=True),
                    COCOEvaluator(annotation_files={"tiny": str(out / "tiny.json")},
                                  output_dir=str(out / "results"), print_summary=False)])
     trainer.fit(Model())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,7 @@ from lit_roidata.demo import (
     register_demo_datasets,
 )
 from lit_roidata.demo.shapes import COCO_KEYPOINT_NAMES, rle_uncompressed
+from lit_roidata.roidb.proposals import read_proposal_file
 
 SMALL = {"demo_train_a": 24, "demo_train_b": 10, "demo_val": 9}
 
@@ -78,8 +78,12 @@ def test_valid_coco_with_crowd_keypoints_polygons(demo: tuple[Path, dict]) -> No
 def test_proposal_file_format(demo: tuple[Path, dict]) -> None:
     _, layout = demo
     for info in layout.values():
-        with open(info["proposal_file"], "rb") as f:
-            props = pickle.load(f, encoding="latin1")
+        assert info["proposal_file"].endswith(".npz")
+        read_proposal_file(info["proposal_file"])  # the columnar format: no trust_pickle
+        with np.load(info["proposal_file"], allow_pickle=False) as z:
+            ends = np.cumsum(z["counts"])[:-1]
+            props = {"ids": z["ids"].tolist(), "boxes": np.split(z["boxes"], ends),
+                     "scores": np.split(z["scores"], ends)}
         coco = COCO(info["annotation_file"])
         assert sorted(props["ids"]) == sorted(coco.getImgIds())
         assert len(props["boxes"]) == len(props["scores"]) == len(props["ids"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lit_roidata.minibatch import get_minibatch, get_minibatch_blob_names
+from lit_roidata.minibatch import get_minibatch_blob_names
 from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs, expand_bbox_targets
 from test_minibatch_helpers import make_entry, small_cfg
 

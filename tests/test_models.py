@@ -152,6 +152,11 @@ def test_local_weights_load_and_skip_other_class_counts(tmp_path: Path) -> None:
     c = _tiny(num_classes=3, weights=str(path))  # predictor re-initialised, rest loaded
     assert torch.equal(c.net.backbone.body.conv1.weight, a.net.backbone.body.conv1.weight)
     assert c.net.roi_heads.box_predictor.cls_score.out_features == 3
+    # Only tensors are unpickled: a file holding other objects is refused, no fallback.
+    torch.save({"state_dict": a.net.state_dict(), "odd": Path("x")}, tmp_path / "odd.ckpt")
+    with pytest.raises(ValueError, match=r"odd\.ckpt: torch\.load\(weights_only=True\) "
+                       r"refused.*torch\.save"):
+        _tiny(num_classes=5, weights=str(tmp_path / "odd.ckpt"))
 
 
 def test_every_arch_builds_without_download() -> None:

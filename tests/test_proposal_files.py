@@ -30,10 +30,10 @@ def _dump(path, obj, protocol=4) -> str:
     return str(path)
 
 
-def _build(tmp_path, data, proposals, name="d"):
+def _build(tmp_path, data, proposals, name="d", trust=True):
     cat = write_dataset(str(tmp_path), name, data)
     return combined_roidb_for_training(name, proposals, get_cfg(), str(tmp_path / "c"),
-                                       catalog=cat, progress=False)
+                                       catalog=cat, progress=False, trust_pickle=trust)
 
 
 def _good(data, n_per=3, dtype=np.float32):
@@ -48,7 +48,7 @@ def test_empty_file(tmp_path):
     p = tmp_path / "p.pkl"
     p.write_bytes(b"")
     with pytest.raises(RoIDBInputError, match=r"p\.pkl: the proposal file is empty"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
 
 
 def test_truncated_pickle(tmp_path):
@@ -58,14 +58,14 @@ def test_truncated_pickle(tmp_path):
     raw = p.read_bytes()
     p.write_bytes(raw[:len(raw) // 2])
     with pytest.raises(RoIDBInputError, match=r"p\.pkl: cannot unpickle.*truncated"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
 
 
 def test_not_a_pickle(tmp_path):
     p = tmp_path / "p.pkl"
     p.write_bytes(b"boxes,scores,ids\n1,2,3\n")
     with pytest.raises(RoIDBInputError, match=r"p\.pkl: cannot unpickle"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
 
 
 @pytest.mark.parametrize("obj,kind", [([np.zeros((2, 4))], "list"), (np.zeros((3, 5, 4)),
@@ -73,7 +73,7 @@ def test_not_a_pickle(tmp_path):
 def test_wrong_top_level_type(tmp_path, obj, kind):
     p = _dump(tmp_path / "p.pkl", obj)
     with pytest.raises(RoIDBInputError, match=rf"p\.pkl: expected a dict .* got {kind}"):
-        read_proposal_file(p)
+        read_proposal_file(p, trust_pickle=True)
 
 
 @pytest.mark.parametrize("drop,missing", [("ids", "ids"), ("scores", "scores"),
@@ -83,13 +83,13 @@ def test_missing_keys(tmp_path, drop, missing):
     del d[drop]
     p = _dump(tmp_path / "p.pkl", d)
     with pytest.raises(RoIDBInputError, match=rf"p\.pkl: missing key\(s\) \['{missing}'\]"):
-        read_proposal_file(p)
+        read_proposal_file(p, trust_pickle=True)
 
 
 def test_detectron2_key_names_accepted(tmp_path):
     d = _good(make_coco(1))
     d["objectness_logits"] = d.pop("scores")
-    src = read_proposal_file(_dump(tmp_path / "p.pkl", d))
+    src = read_proposal_file(_dump(tmp_path / "p.pkl", d), trust_pickle=True)
     assert src.counts.tolist() == [3] * len(d["ids"])
 
 
@@ -119,13 +119,13 @@ def test_ids_not_integers(tmp_path, bad, shown):
     d["ids"][1] = bad
     p = _dump(tmp_path / "p.pkl", d)
     with pytest.raises(RoIDBInputError, match=rf"p\.pkl: 'ids' record 1 is {shown}"):
-        read_proposal_file(p)
+        read_proposal_file(p, trust_pickle=True)
 
 
 def test_integral_float_ids_accepted_as_detectron_does(tmp_path):
     d = _good(make_coco(3))
     d["ids"] = [float(i) for i in d["ids"]]
-    src = read_proposal_file(_dump(tmp_path / "p.pkl", d))
+    src = read_proposal_file(_dump(tmp_path / "p.pkl", d), trust_pickle=True)
     assert src.ids.dtype == np.int64 and src.ids.tolist() == [int(i) for i in d["ids"]]
 
 
@@ -159,7 +159,7 @@ def test_boxes_of_wrong_shape_or_type(tmp_path, record, what):
     p = _dump(tmp_path / "p.pkl", d)
     with pytest.raises(RoIDBInputError, match=rf"p\.pkl: record 2 \(image id {d['ids'][2]}\) "
                                               rf"has boxes of {what}; expected a \(P, 4\)"):
-        read_proposal_file(p)
+        read_proposal_file(p, trust_pickle=True)
 
 
 @pytest.mark.parametrize("fmt", ["pkl", "npz"])
@@ -172,7 +172,7 @@ def test_non_finite_boxes(tmp_path, fmt, value):
     p = _dump(tmp_path / "p.pkl", d)
     if fmt == "npz":
         p2 = str(tmp_path / "p.npz")
-        convert_proposals(p, p2)
+        convert_proposals(p, p2, trust_pickle=True)
         p = p2
     with pytest.raises(RoIDBInputError, match=rf"p\.{fmt}: 1 proposal\(s\) have NaN or infinite "
                                               rf"coordinates \(image ids \[{d['ids'][1]}\]"):
@@ -185,12 +185,12 @@ def test_scores_length_mismatch(tmp_path):
     p = _dump(tmp_path / "p.pkl", d)
     with pytest.raises(RoIDBInputError, match=rf"p\.pkl: record 3 \(image id {d['ids'][3]}\) "
                                               rf"has 3 boxes but 'scores' of shape \(2,\)"):
-        read_proposal_file(p)
+        read_proposal_file(p, trust_pickle=True)
     d["scores"] = d["scores"][:-1]
     p = _dump(tmp_path / "p.pkl", d)
     with pytest.raises(RoIDBInputError, match=r"'boxes' \(\d+\), 'scores' \(\d+\) and 'ids' "
                                               r"\(\d+\) must have one record per image"):
-        read_proposal_file(p)
+        read_proposal_file(p, trust_pickle=True)
 
 
 def test_small_boxes_are_a_counted_drop(tmp_path):
@@ -207,23 +207,23 @@ def test_npz_errors(tmp_path):
     p = tmp_path / "p.npz"
     p.write_bytes(b"PK\x03\x04 not really a zip")
     with pytest.raises(RoIDBInputError, match=r"p\.npz: not a readable \.npz file"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
     np.savez(p, ids=ids, boxes=np.zeros((0, 4)))
     with pytest.raises(RoIDBInputError, match=r"p\.npz: \.npz proposal file lacks \['counts'\]"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
     np.savez(p, ids=np.array([f"{i}.jpg" for i in ids]), counts=np.zeros(ids.size, int),
              boxes=np.zeros((0, 4)))
     with pytest.raises(RoIDBInputError, match=r"p\.npz: 'ids' record 0 is '\d+\.jpg'"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
     np.savez(p, ids=ids, counts=np.ones(ids.size, int), boxes=np.zeros((ids.size, 4)),
              scores=np.zeros(ids.size + 1))
     with pytest.raises(RoIDBInputError, match=r"'scores' has shape \(\d+,\) but there are"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
     np.savez(p, ids=ids, counts=np.ones(ids.size, int), boxes=np.zeros((ids.size, 4)))
     raw = p.read_bytes()
     p.write_bytes(raw[:len(raw) - 40])  # truncated: the zip directory is gone
     with pytest.raises(RoIDBInputError, match=r"p\.npz: not a readable \.npz file"):
-        read_proposal_file(str(p))
+        read_proposal_file(str(p), trust_pickle=True)
 
 
 # ----------------------------------------------------------------------------- formats
@@ -324,7 +324,7 @@ def test_streaming_equals_pickle_load(tmp_path, obj, how, limit, crowd):
     with open(path, "rb") as fh:
         plain = pickle.load(fh, encoding="latin1")
     ref = source_from_object(path, plain)
-    src = read_proposal_file(path)
+    src = read_proposal_file(path, trust_pickle=True)
     np.testing.assert_array_equal(src.ids, ref.ids)
     np.testing.assert_array_equal(src.counts, ref.counts)
     for i in range(src.ids.size):
@@ -333,8 +333,8 @@ def test_streaming_equals_pickle_load(tmp_path, obj, how, limit, crowd):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(src.scores_of(i), ref.scores_of(i))
     npz = str(tmp_path / f"p{how}.npz")
-    convert_proposals(path, npz)
-    srcz = read_proposal_file(npz)
+    convert_proposals(path, npz, trust_pickle=True)
+    srcz = read_proposal_file(npz)  # the .npz needs no trust
     # a gt table for the ids: image k has k % 3 gt boxes, one crowd
     ids = np.sort(src.ids)
     widths = np.full(ids.size, 80)
@@ -362,7 +362,7 @@ def test_streaming_keeps_no_arrays_in_memory(tmp_path):
     """Arrays go to the scratch file as they are unpickled: the source holds only their
     places, and contiguous records are read as one flat range."""
     d = _good(make_coco(1, n_images=5), n_per=1000)
-    src = read_proposal_file(_dump(tmp_path / "p.pkl", d))
+    src = read_proposal_file(_dump(tmp_path / "p.pkl", d), trust_pickle=True)
     assert src.flat is not None and src.scores_flat is not None
     assert not any(isinstance(x, np.ndarray) for x in src.keep_alive[1])
     np.testing.assert_array_equal(src.flat[0:2000], np.concatenate(d["boxes"][:2]))
@@ -370,13 +370,92 @@ def test_streaming_keeps_no_arrays_in_memory(tmp_path):
 
 
 def test_pickle_read_in_one_place():
-    """The trust policy has one home: read_proposal_file builds its unpickler there."""
+    """The trust policy has one home: every unpickler is built by ``_unpickler``."""
     import inspect
 
     from lit_roidata.roidb import proposal_files
 
     src = inspect.getsource(proposal_files)
     assert src.count("pickle.Unpickler)") == 1 and src.count("_ProposalUnpickler(fh") == 1
-    assert src.count("_unpickler(fh, sink)") == 2  # pickle reading and the id-mapping path
+    assert src.count("_unpickler(fh, sink, trust_pickle=trust_pickle)") == 2  # read, id map
+    assert src.count("raise untrusted_proposal_pickle(") == 3  # each path refuses first
     assert "pickle.load(" not in src and "pickle.loads(" not in src
     assert os.path.basename(proposal_files.__file__) == "proposal_files.py"
+
+
+# ------------------------------------------------------------------------ trust policy
+class _Boom:
+    """Unpickling this calls ``os.system``-like code: here it only writes a marker."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_needs_trust_and_names_both_fixes(tmp_path, caplog):
+    """Without trust_pickle a pickle is refused before anything is unpickled (no code
+    runs), the error names the file, convert-proposals and trust_pickle; the .npz and
+    the trusted pickle build the same roidb, the trusted one with a one-line warning."""
+    from lit_roidata._pickle_trust import UntrustedPickleError
+
+    data = make_coco(4)
+    marker = tmp_path / "code_ran"
+    d = dict(_good(data), cfg=_Boom(str(marker)))
+    p = _dump(tmp_path / "p.pkl", d)
+    fixes = (r"p\.pkl: the proposal file is a pickle.*lit-roidata convert-proposals "
+             r".*p\.pkl p\.npz.*trust_pickle=True.*--data\.trust_pickle true")
+    with pytest.raises(UntrustedPickleError, match=fixes):
+        read_proposal_file(p)
+    with pytest.raises(UntrustedPickleError, match=fixes):
+        convert_proposals(p, str(tmp_path / "x.npz"))
+    with pytest.raises(UntrustedPickleError, match=fixes):
+        _build(tmp_path / "a", data, [p], trust=False)
+    assert not marker.exists()
+    with caplog.at_level("WARNING", logger="lit_roidata"):
+        trusted = _build(tmp_path / "a", data, [p], trust=True)
+    assert marker.exists()  # trusting means the file's code ran, as documented
+    lines = [r.getMessage() for r in caplog.records if "trust_pickle=True" in r.getMessage()]
+    assert len(lines) == 1 and "p.pkl" in lines[0] and "\n" not in lines[0]
+    # Refused even though a roidb built from it is now cached (same answer every time).
+    with pytest.raises(UntrustedPickleError):
+        _build(tmp_path / "a", data, [p], trust=False)
+    npz = str(tmp_path / "p.npz")
+    assert cli_main(["convert-proposals", p, npz]) == 0  # the user named it: allowed
+    converted = _build(tmp_path / "b", data, [npz], trust=False)
+    np.testing.assert_array_equal(trusted._a["prop_boxes"], converted._a["prop_boxes"])
+
+
+def test_datamodule_trust_pickle_reaches_the_build(tmp_path):
+    """``RoIDataModule(trust_pickle=...)`` (``--data.trust_pickle``) decides."""
+    from lit_roidata import RoIDataModule
+    from lit_roidata._pickle_trust import UntrustedPickleError
+
+    data = make_coco(5)
+    cat_file = tmp_path / "catalog.yaml"
+    write_dataset(str(tmp_path), "d", data)
+    p = make_proposals(1, data, str(tmp_path / "p.pkl"))
+    cat_file.write_text(f"datasets:\n  d:\n    image_dir: {tmp_path / 'd' / 'images'}\n"
+                        f"    annotation_file: {tmp_path / 'd' / 'ann.json'}\n")
+    kw = dict(train_datasets=["d"], train_proposal_files=[p], dataset_catalog=str(cat_file),
+              cache_dir=str(tmp_path / "c"), model_type="fast_rcnn", num_workers=0)
+    with pytest.raises(UntrustedPickleError, match="convert-proposals"):
+        RoIDataModule(**kw).prepare_data()
+    dm = RoIDataModule(**kw, trust_pickle=True)
+    dm.prepare_data()
+    dm.setup("fit")
+    assert len(dm.train_roidb) > 0
+
+
+def test_cli_flag_data_trust_pickle(capsys):
+    """``--data.trust_pickle true`` falls out of the data module's signature."""
+    import yaml
+
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
+    for argv, want in ((["--data.trust_pickle", "true"], True), ([], False)):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["fit", "--config", config, *argv, "--print_config"])
+        assert exc.value.code in (0, None)
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["data"]["init_args"]["trust_pickle"] is want

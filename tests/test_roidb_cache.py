@@ -28,7 +28,7 @@ def ds(tmp_path):
 
 def _build(cat, tmp_path, cfg=None, cache="c", **kw):
     return combined_roidb_for_training("d", kw.pop("proposals", ()), cfg or get_cfg(),
-                                       str(tmp_path / cache), catalog=cat, **kw)
+                                       str(tmp_path / cache), catalog=cat, **kw, trust_pickle=True)
 
 
 def test_warm_open_reuses_cache(ds, caplog):
@@ -111,7 +111,7 @@ def _child(cat, tmp_path, q):
     logging.getLogger("lit_roidata.roidb").addHandler(H())
     logging.getLogger("lit_roidata.roidb").setLevel(logging.INFO)
     db = combined_roidb_for_training("d", [str(tmp_path / "p.pkl")], get_cfg(),
-                                     str(tmp_path / "shared"), catalog=cat)
+                                     str(tmp_path / "shared"), catalog=cat, trust_pickle=True)
     q.put((db.path, any(m.startswith("roidb built") for m in records), len(db)))
 
 
@@ -138,7 +138,7 @@ def test_waits_for_lock_holder(tmp_path):
     cat = write_dataset(str(tmp_path), "d", data)
     make_proposals(1, data, str(tmp_path / "p.pkl"))
     probe = combined_roidb_for_training("d", [str(tmp_path / "p.pkl")], get_cfg(),
-                                        str(tmp_path / "probe"), catalog=cat)
+                                        str(tmp_path / "probe"), catalog=cat, trust_pickle=True)
     key_dir = os.path.basename(probe.path)
     os.makedirs(tmp_path / "shared")
     lock = FileLock(str(tmp_path / "shared" / (key_dir + ".lock")))
@@ -191,7 +191,8 @@ def test_forked_workers_do_not_grow_with_roidb_size(tmp_path):
         cat = write_dataset(str(tmp_path), f"d{n}", data, images=False)
         make_proposals(2, data, str(tmp_path / f"p{n}.pkl"), per_image=60)
         db = combined_roidb_for_training(f"d{n}", [str(tmp_path / f"p{n}.pkl")], get_cfg(),
-                                         str(tmp_path / "c"), catalog=cat, check_images=False)
+                                         str(tmp_path / "c"), catalog=cat, check_images=False,
+                                         trust_pickle=True)
         gc.collect()
         gc.freeze()  # keep the parent's GC from touching (copying) every object in the child
         loader = torch.utils.data.DataLoader(_Touch(db), batch_size=None, num_workers=1,

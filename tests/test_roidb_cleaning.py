@@ -132,8 +132,10 @@ def _proposal_db(tmp_path, boxes_for_1, *, limit=-1, crowd=0.7):
     cfg = get_cfg()
     cfg.merge_from_dict({"TRAIN.PROPOSAL_LIMIT": limit, "TRAIN.CROWD_FILTER_THRESH": crowd,
                          "TRAIN.USE_FLIPPED": False})
-    ev = roidb_for_evaluation("hand", cfg, str(tmp_path / "c"), proposal_files=[p], catalog=cat)
-    db = combined_roidb_for_training("hand", [p], cfg, str(tmp_path / "c"), catalog=cat)
+    ev = roidb_for_evaluation("hand", cfg, str(tmp_path / "c"), proposal_files=[p], catalog=cat,
+                              trust_pickle=True)
+    db = combined_roidb_for_training("hand", [p], cfg, str(tmp_path / "c"), catalog=cat,
+                                     trust_pickle=True)
     return db, ev
 
 

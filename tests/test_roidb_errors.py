@@ -19,7 +19,7 @@ def build(tmp_path, data, proposals=(), **kw):
     cat = write_dataset(str(tmp_path), "bad", data, images=kw.pop("images", True))
     cfg = kw.pop("cfg", get_cfg())
     return combined_roidb_for_training("bad", proposals, cfg, str(tmp_path / "c"), catalog=cat,
-                                       **kw)
+                                       **kw, trust_pickle=True)
 
 
 def test_malformed_json_names_file_and_position(tmp_path):

@@ -30,7 +30,7 @@ def _build(tmp, seed, *, proposals, flipped=True, keypoints=False, kp_on=False,
             files.append(make_proposals(seed + j, data, str(tmp / f"p{j}.pkl")))
     try:
         db = combined_roidb_for_training(names, files, cfg, str(tmp / "cache"),
-                                         catalog=catalog)
+                                         catalog=catalog, trust_pickle=True)
     except RoIDBInputError as exc:  # nothing trainable at all: refused at build (issue #11)
         assert "the training roidb is empty" in str(exc)
         assume(False)
@@ -46,7 +46,7 @@ def test_order_and_filtering_only_removes(tmp_path_factory, seed, proposals, fli
     db, cfg, datas, catalog, names, files = _build(tmp, seed, proposals=proposals,
                                                    flipped=flipped)
     ev = roidb_for_evaluation(names, cfg, str(tmp / "cache"), proposal_files=files,
-                              catalog=catalog)
+                              catalog=catalog, trust_pickle=True)
     expected = []
     for j, data in enumerate(datas):
         ids = sorted(im["id"] for im in data["images"])

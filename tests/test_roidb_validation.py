@@ -24,7 +24,7 @@ def build(tmp_path, data, proposals=(), **kw):
     cat = write_dataset(str(tmp_path), "bad", data)
     cfg = kw.pop("cfg", get_cfg())
     return combined_roidb_for_training("bad", proposals, cfg, str(tmp_path / "c"), catalog=cat,
-                                       **kw)
+                                       **kw, trust_pickle=True)
 
 
 def victim_of(data, **fields):

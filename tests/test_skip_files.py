@@ -3,15 +3,12 @@ dataset, the stateful loader with 0 and 2 workers, and RoIDataModule."""
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import cv2
 import numpy as np
 import pytest
-import torch
 
 from lit_roidata.dataset import RoIBlockDataset
 from lit_roidata.loader import StatefulRoIDataLoader

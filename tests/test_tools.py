@@ -26,7 +26,7 @@ def test_make_demo_data(tmp_path: Path, capsys: Any) -> None:
     assert main(["make-demo-data", "--root", str(tmp_path / "d"), "--size", size]) == 0
     ann = json.loads((tmp_path / "d" / "demo_train_a" / "annotations.json").read_text())
     assert len(ann["images"]) == 3
-    assert (tmp_path / "d" / "demo_val" / "proposals.pkl").is_file()
+    assert (tmp_path / "d" / "demo_val" / "proposals.npz").is_file()
     assert "demo_train_b" in capsys.readouterr().out
 
 

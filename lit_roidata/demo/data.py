@@ -2,13 +2,12 @@
 
 ``ensure_demo_data(root)`` writes, once, a small dataset family that exercises every part
 of the pipeline: two training datasets with the same categories (``combined_roidb`` over
-several datasets), a validation set, a proposal pickle per dataset in Detectron's format
-(Detectron semantics: proposals), crowd regions as uncompressed RLE (``iscrowd=1``), polygons, a
-``person``
-category with COCO's 17 keypoints (so Detectron's flip map applies, Detectron semantics: datasets
-and catalog), a few
-portrait images (aspect grouping, Detectron semantics: sampler and aspect grouping) and a few images
-without objects.
+several datasets), a validation set, a proposal file per dataset (Detectron's proposals,
+in the columnar ``.npz`` format that is read without unpickling; Detectron semantics:
+proposals), crowd regions as uncompressed RLE (``iscrowd=1``), polygons, a ``person``
+category with COCO's 17 keypoints (so Detectron's flip map applies, Detectron semantics:
+datasets and catalog), a few portrait images (aspect grouping, Detectron semantics: sampler
+and aspect grouping) and a few images without objects.
 
 The data is generated into a temporary folder and moved into place under a file lock;
 a manifest written last marks it complete. So concurrent DDP ranks do not race, an
@@ -21,7 +20,6 @@ import inspect
 import json
 import logging
 import os
-import pickle
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -52,7 +50,7 @@ DEMO_VAL_DATASETS: tuple[str, ...] = ("demo_val",)
 #: Images per dataset by default.
 DEMO_NUM_IMAGES: dict[str, int] = {"demo_train_a": 200, "demo_train_b": 100, "demo_val": 60}
 _ID_BASE = {"demo_train_a": 100000, "demo_train_b": 200000, "demo_val": 300000}
-_VERSION = 2  # bump when the generated content changes
+_VERSION = 3  # bump when the generated content changes
 _MANIFEST = "demo_manifest.json"
 _SIZE_RANGE = (160, 320)
 _LOCK_TIMEOUT_S = 600.0
@@ -64,7 +62,7 @@ class DemoDatasets:
 
     Attributes:
         train_datasets / val_datasets: catalog names.
-        train_proposal_files / val_proposal_files: proposal pickles, aligned with the names.
+        train_proposal_files / val_proposal_files: proposal files, aligned with the names.
         catalog: the catalog the names were registered in.
     """
 
@@ -113,7 +111,7 @@ def _proposals(rng: np.random.Generator, gt: np.ndarray, W: int, H: int
 
 
 def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: int) -> None:
-    """Write ``out/<name>/{images/, annotations.json, proposals.pkl}``."""
+    """Write ``out/<name>/{images/, annotations.json, proposals.npz}``."""
     img_dir = out / name / "images"
     img_dir.mkdir(parents=True)
     images, annotations = [], []
@@ -147,15 +145,17 @@ def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: in
         "categories": [dict(c) for c in DEMO_CATEGORIES],
     }
     (out / name / "annotations.json").write_text(json.dumps(coco))
-    with open(out / name / "proposals.pkl", "wb") as f:
-        pickle.dump({"boxes": prop_boxes, "scores": prop_scores, "ids": prop_ids,
-                     "cfg": "# synthetic proposals (lit_roidata demo)\n"}, f, protocol=2)
+    # The columnar proposal format (read without unpickling; see convert_proposals).
+    np.savez(out / name / "proposals.npz", ids=np.asarray(prop_ids, np.int64),
+             counts=np.asarray([len(b) for b in prop_boxes], np.int64),
+             boxes=np.concatenate(prop_boxes).astype(np.float32, copy=False),
+             scores=np.concatenate(prop_scores).astype(np.float32, copy=False))
 
 
 def _layout(root: Path, counts: Mapping[str, int]) -> dict[str, dict[str, Any]]:
     return {name: {"image_dir": str(root / name / "images"),
                    "annotation_file": str(root / name / "annotations.json"),
-                   "proposal_file": str(root / name / "proposals.pkl"),
+                   "proposal_file": str(root / name / "proposals.npz"),
                    "num_images": int(n)} for name, n in counts.items()}
 
 
@@ -168,7 +168,7 @@ def _is_complete(root: Path, wanted: dict[str, Any]) -> bool:
         return False
     for name, n in wanted["num_images"].items():
         d = root / name
-        if not ((d / "annotations.json").is_file() and (d / "proposals.pkl").is_file()):
+        if not ((d / "annotations.json").is_file() and (d / "proposals.npz").is_file()):
             return False
         if sum(1 for e in os.scandir(d / "images") if e.name.endswith(".jpg")) != n:
             return False

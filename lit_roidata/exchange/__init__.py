@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lit_roidata._optional import require
 from lit_roidata.exchange.alignment import check_alignment
 from lit_roidata.exchange.channel import ROLES, Channel
 from lit_roidata.exchange.errors import (
@@ -218,6 +219,7 @@ class BlobExchange:
             from lit_roidata.exchange.embedded import EmbeddedStore
 
             return EmbeddedStore(address)
+        require("pymemcache", "memcached", "the memcached BlobExchange backend")
         from lit_roidata.exchange.memcached import MemcachedStore
 
         try:

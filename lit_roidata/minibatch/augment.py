@@ -28,6 +28,7 @@ import numpy as np
 import pycocotools.mask as mask_util
 
 from lit_roidata import rng as rng_mod
+from lit_roidata._optional import require
 from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.minibatch.mask import segm_as_rle, segm_polygons
 from lit_roidata.roidb.targets import compute_bbox_targets
@@ -63,7 +64,7 @@ class Augmentation:
     """
 
     def __init__(self, transforms: Any, cfg: Any, *, min_visibility: float = 0.0) -> None:
-        import albumentations as A
+        A = require("albumentations", "augment", "augmentation (Augmentation)")
 
         if isinstance(transforms, A.Compose):
             transforms = list(transforms.transforms)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from typing import Any, Literal, Mapping, Optional, Sequence
 
 import numpy as np
@@ -378,7 +379,14 @@ class TorchvisionDetector(pl.LightningModule):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"weights file {path} does not exist; give a local "
                                     f".pth/.ckpt path or a torchvision weight name")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        try:  # tensors only: a full unpickle would run any code the file names
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(
+                f"{path}: torch.load(weights_only=True) refused the weights file "
+                f"({str(exc).splitlines()[0]}); it holds objects besides tensors, and "
+                f"unpickling those runs code. Load it once in a trusted session and save "
+                f"its tensors: torch.save(state_dict, 'weights.pth')") from None
         if isinstance(state, Mapping) and "state_dict" in state:
             state = state["state_dict"]
         if not isinstance(state, Mapping):

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
 from lit_roidata.config import DetectronConfig, get_cfg
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
@@ -35,6 +36,7 @@ from lit_roidata.roidb.decode import decode_coco
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
+from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.segms import SegmColumns, concat_offsets
@@ -58,7 +60,7 @@ def combined_roidb_for_training(
     cfg: Optional[DetectronConfig] = None, cache_dir: Optional[str] = None, *,
     catalog: Optional[Catalog] = None, category_policy: str = "strict",
     check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
-    verify: Optional[bool] = None,
+    verify: Optional[bool] = None, trust_pickle: bool = False,
 ) -> RoIDB:
     """Detectron's training roidb (Detectron semantics: roidb building), columnar and cached.
 
@@ -78,6 +80,9 @@ def combined_roidb_for_training(
         verify: check an existing cache's array checksums (a full read): ``None`` on the
             first open after each boot, ``True`` always, ``False`` never. A damaged
             cache is rebuilt, with a warning naming the file.
+        trust_pickle: allow proposal pickles (``.pkl``); unpickling runs code, so without
+            it a pickle is refused with an error naming ``lit-roidata convert-proposals``.
+            The ``.npz`` proposal format needs no trust.
 
     Returns:
         The :class:`RoIDB` (memory-mapped).
@@ -97,7 +102,8 @@ def combined_roidb_for_training(
         "bg_thresh_lo": float(t.BG_THRESH_LO), "keypoints_on": bool(cfg.MODEL.KEYPOINTS_ON),
     }
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild, verify)
+                          category_policy, check_images, progress, rebuild, verify,
+                          trust_pickle)
 
 
 def roidb_for_evaluation(
@@ -105,7 +111,7 @@ def roidb_for_evaluation(
     cache_dir: Optional[str] = None, proposal_files: Union[None, str, Sequence] = (),
     catalog: Optional[Catalog] = None, *, category_policy: str = "strict",
     check_images: bool = True, progress: Optional[bool] = None, rebuild: bool = False,
-    verify: Optional[bool] = None,
+    verify: Optional[bool] = None, trust_pickle: bool = False,
 ) -> RoIDB:
     """Originals only, ascending id per dataset: no flipping, no ``filter_for_training``.
 
@@ -120,7 +126,8 @@ def roidb_for_evaluation(
         "min_proposal_size": MIN_PROPOSAL_SIZE, "use_flipped": False, "filter": False,
     }
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild, verify)
+                          category_policy, check_images, progress, rebuild, verify,
+                          trust_pickle)
 
 
 def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
@@ -204,7 +211,8 @@ def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]
 
 
 def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                   category_policy, check_images, progress, rebuild, verify=None) -> RoIDB:
+                   category_policy, check_images, progress, rebuild, verify=None,
+                   trust_pickle=False) -> RoIDB:
     if category_policy not in CATEGORY_POLICIES:
         raise ValueError(f"category_policy={category_policy!r}; choose one of "
                          f"{CATEGORY_POLICIES}")
@@ -218,6 +226,11 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
             raise FileNotFoundError(
                 f"dataset {spec.name!r}: annotation file {spec.annotation_file} does not exist; "
                 f"fix the catalog entry (or the data root for built-in names)")
+    for f in files:  # refused or warned about before any build, cached or not
+        if f is not None and os.path.isfile(f) and is_pickle(f):
+            if not trust_pickle:
+                raise untrusted_proposal_pickle(f)
+            warn_trusted(f, "proposal file")
     m = cfg.MODEL
     options = dict(options, category_policy=category_policy, check_images=bool(check_images),
                    bbox_thresh=float(cfg.TRAIN.BBOX_THRESH),
@@ -231,7 +244,7 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     key = cache_key({"inputs": inputs, "options": options})
 
     def build(tmp: str) -> dict:
-        return _in_child(_build, tmp, specs, files, options, progress, inputs)
+        return _in_child(_build, tmp, specs, files, options, progress, inputs, trust_pickle)
 
     path, manifest, built = get_or_build(root, key, build, rebuild=rebuild, verify=verify)
     if built:
@@ -318,12 +331,12 @@ def _gc_paused():
             gc.enable()
 
 
-def _build(tmp, specs, files, options, progress, inputs) -> dict:
+def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
     with _gc_paused():
-        return _build_inner(tmp, specs, files, options, progress, inputs)
+        return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
 
 
-def _build_inner(tmp, specs, files, options, progress, inputs) -> dict:
+def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
     t0 = time.perf_counter()
     tables: list[GtTable] = []
     props: list = []
@@ -355,7 +368,7 @@ def _build_inner(tmp, specs, files, options, progress, inputs) -> dict:
                 continue
             with prog.task(f"{spec.name}: proposals {os.path.basename(pfile)}",
                            table.ids.size) as step:
-                src = read_proposal_file(pfile)
+                src = read_proposal_file(pfile, trust_pickle=trust_pickle)
                 props.append(build_proposal_table(
                     src, image_ids=table.ids, widths=table.widths, heights=table.heights,
                     gt_off=table.gt_off, gt_boxes=table.boxes, gt_classes=table.classes,

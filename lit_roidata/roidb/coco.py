@@ -355,8 +355,8 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
         rows = np.unique(v_owner[bad_v & known[v_owner]])
         if rows.size:
             _fail(raw, rows, "has a keypoint value that is not a finite number within the "
-                  "int32 range", f"Keypoints are [x1, y1, v1, ...] in pixels; use 0, 0, 0 for "
-                  f"a keypoint that is not labelled.")
+                  "int32 range", "Keypoints are [x1, y1, v1, ...] in pixels; use 0, 0, 0 for "
+                  "a keypoint that is not labelled.")
 
     def table(rows: np.ndarray) -> np.ndarray:
         out = np.zeros((rows.size, 3 * k), np.int32)

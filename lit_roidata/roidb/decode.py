@@ -289,7 +289,6 @@ def decode_generic(data: Any, source: str) -> RawCoco:
         i = next(i for i, v in enumerate(names) if type(v) is not str)
         raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has file_name="
                               f"{names[i]!r:.80}; every image needs a 'file_name' string.")
-    na = len(anns)
     ann_id = _col(anns, "id", _INT, np.int64, source=source, what="annotation",
                   label=lambda i: f"annotation #{i}", default=-1)
     img_raw = [a.get("image_id") if isinstance(a, dict) else None for a in anns]

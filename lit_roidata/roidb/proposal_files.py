@@ -16,9 +16,9 @@ record (offset, dtype, shape) per array. The processing then reads the boxes bac
 chunks. Peak memory is a chunk, not the file, and no per-image NumPy array is kept.
 The ``.npz`` is read the same way (``pread`` of the stored member, no unpickling).
 
-The unpickler is created in exactly one place (:func:`_unpickler`), where a future
-trust policy for pickles belongs; today any class the file names is importable, as with
-``pickle.load``.
+The unpickler is created in exactly one place (:func:`_unpickler`), which holds the
+trust policy: unpickling runs code, so a pickle is read only with ``trust_pickle=True``
+(any class the file names is then importable, as with ``pickle.load``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Optional
 
 import numpy as np
 
+from lit_roidata._pickle_trust import UntrustedPickleError
 from lit_roidata.roidb.info import RoIDBInputError
 
 __all__ = ["ProposalSource", "read_proposal_file", "convert_proposals"]
@@ -244,17 +245,40 @@ class _ProposalUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _unpickler(fh: BinaryIO, sink: _Sink) -> pickle.Unpickler:
+def untrusted_proposal_pickle(path: str) -> UntrustedPickleError:
+    """The error for a proposal pickle read without ``trust_pickle=True``."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return UntrustedPickleError(
+        path, "proposal file",
+        f"Convert it once with `lit-roidata convert-proposals {path} {stem}.npz` and give "
+        f"the .npz instead, or, if you trust the file, pass trust_pickle=True (on the "
+        f"command line: --data.trust_pickle true).")
+
+
+def is_pickle(path: str) -> bool:
+    """Whether a proposal file is read by unpickling (anything but the ``.npz``)."""
+    if path.endswith(".npz"):
+        return False
+    with open(path, "rb") as fh:
+        return fh.read(4) != b"PK\x03\x04"
+
+
+def _unpickler(fh: BinaryIO, sink: _Sink, *, trust_pickle: bool) -> pickle.Unpickler:
     """The one place a proposal pickle's unpickler is created (its trust policy)."""
+    if not trust_pickle:
+        raise untrusted_proposal_pickle(getattr(fh, "name", "<stream>"))
     return _ProposalUnpickler(fh, sink)
 
 
 # ----------------------------------------------------------------------------- reading
-def read_proposal_file(path: str) -> ProposalSource:
+def read_proposal_file(path: str, *, trust_pickle: bool = False) -> ProposalSource:
     """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated).
+
+    A pickle is read only with ``trust_pickle=True`` (unpickling runs code).
 
     Raises:
         FileNotFoundError: no such file.
+        UntrustedPickleError: a pickle without ``trust_pickle=True``.
         RoIDBInputError: an empty, truncated or unreadable file, a wrong top-level type,
             missing keys, ids that are not integers, per-image boxes that are not
             ``(P, 4)`` numbers, or scores whose length differs from the boxes'. The
@@ -270,14 +294,16 @@ def read_proposal_file(path: str) -> ProposalSource:
         magic = fh.read(4)
     if path.endswith(".npz") or magic == b"PK\x03\x04":
         return _read_npz(path)
-    return _read_pickle(path)
+    return _read_pickle(path, trust_pickle)
 
 
-def _read_pickle(path: str) -> ProposalSource:
+def _read_pickle(path: str, trust_pickle: bool) -> ProposalSource:
+    if not trust_pickle:
+        raise untrusted_proposal_pickle(path)
     sink = _Sink()
     try:
         with open(path, "rb") as fh:
-            data = _unpickler(fh, sink).load()
+            data = _unpickler(fh, sink, trust_pickle=trust_pickle).load()
     except RoIDBInputError:
         raise
     except Exception as exc:  # pickle raises many types for a damaged file
@@ -607,7 +633,7 @@ def _chunks_of(flat: Any, of: Callable[[int], np.ndarray], counts: np.ndarray,
 
 
 def convert_proposals(in_path: str, out_path: str, *,
-                      annotations: Optional[str] = None) -> dict:
+                      annotations: Optional[str] = None, trust_pickle: bool = False) -> dict:
     """Convert a proposal pickle into the columnar ``.npz`` (reads it once, streamed).
 
     The ``.npz`` keeps the file's record order, box dtype and scores, so a roidb built
@@ -618,6 +644,8 @@ def convert_proposals(in_path: str, out_path: str, *,
         out_path: the ``.npz`` to write (written to a temporary name, then renamed).
         annotations: optional COCO json; when the pickle's ids are file names, they are
             mapped to that json's image ids (by ``file_name`` or its stem).
+        trust_pickle: read a pickle (unpickling runs code; ``lit-roidata
+            convert-proposals`` passes it, as the user names the file explicitly).
 
     Returns:
         ``{"images": n, "boxes": N, "dtype": str, "seconds_read": .., "seconds_write": ..}``.
@@ -629,9 +657,9 @@ def convert_proposals(in_path: str, out_path: str, *,
 
     t0 = time.perf_counter()
     if annotations is not None:
-        src = _read_with_name_map(in_path, annotations)
+        src = _read_with_name_map(in_path, annotations, trust_pickle)
     else:
-        src = read_proposal_file(in_path)
+        src = read_proposal_file(in_path, trust_pickle=trust_pickle)
     t1 = time.perf_counter()
     counts = src.counts
     total = int(counts.sum())
@@ -666,7 +694,7 @@ def convert_proposals(in_path: str, out_path: str, *,
             "seconds_write": round(time.perf_counter() - t1, 3)}
 
 
-def _read_with_name_map(path: str, annotations: str) -> ProposalSource:
+def _read_with_name_map(path: str, annotations: str, trust_pickle: bool) -> ProposalSource:
     """Read a pickle whose ids may be file names, mapping them through a COCO json."""
     import orjson
 
@@ -677,10 +705,12 @@ def _read_with_name_map(path: str, annotations: str) -> ProposalSource:
         fn = str(im.get("file_name", ""))
         for k in (fn, os.path.basename(fn), os.path.splitext(os.path.basename(fn))[0]):
             by_name.setdefault(k, im.get("id"))
+    if not trust_pickle:
+        raise untrusted_proposal_pickle(path)
     sink = _Sink()
     try:
         with open(path, "rb") as fh:
-            data = _unpickler(fh, sink).load()
+            data = _unpickler(fh, sink, trust_pickle=trust_pickle).load()
     except Exception as exc:
         sink.fh.close()
         raise RoIDBInputError(f"{path}: cannot unpickle the proposal file "

@@ -5,6 +5,9 @@ into memory) and writes ``ids``, ``counts``, ``boxes`` and ``scores`` as uncompr
 ``.npy`` members, which the roidb build then reads with plain file reads, without
 unpickling. The record order, box dtype and scores are kept, so a roidb built from the
 ``.npz`` equals one built from the pickle.
+
+Unpickling runs any code the file names: convert only files you trust. The ``.npz`` is
+then read without unpickling, so the roidb build needs no ``trust_pickle``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.path.exists(args.output) and not args.force:
         parser.error(f"{args.output} exists; pass --force to overwrite it")
     try:
-        info = convert_proposals(args.input, args.output, annotations=args.annotations)
+        info = convert_proposals(args.input, args.output, annotations=args.annotations,
+                                 trust_pickle=True)  # the user named this file to convert
     except (RoIDBInputError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from lit_roidata._optional import require
 from lit_roidata.tools.common import console, data_module_from, tool_parser
 
 __all__ = ["main", "roidb_stats", "plot_histograms", "plot_minibatch"]
@@ -83,8 +84,7 @@ def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
 
 def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path: str) -> None:
     """Aspect ratios, Detectron image scales, gt boxes and proposals per image."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "viz", "lit-roidata inspect (plots)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -115,8 +115,7 @@ def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path
 
 def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> None:
     """Draw one minibatch (uint8 or float ``data``) with its targets; save a PNG."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "viz", "lit-roidata inspect (plots)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Polygon, Rectangle
@@ -184,6 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", default="inspect_out", help="folder for the PNG files")
     parser.add_argument("--num_batches", type=int, default=3, help="minibatch pictures")
     cfg, dm = data_module_from(parser, argv or ())
+    require("matplotlib", "viz", "lit-roidata inspect (plots)")  # before the roidb build
     dm.prepare_data()
     dm.setup("fit")
     roidb = dm.train_roidb
