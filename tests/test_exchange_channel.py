@@ -37,29 +37,6 @@ except ImportError:  # tests/ imported as a package
     from tests.memcached_server import memcached_server  # noqa: F401
 
 
-@pytest.fixture(params=["embedded", "memcached"])
-def make_exchange(request, tmp_path):
-    """A factory of exchanges sharing one run id on the parametrised backend."""
-    if request.param == "memcached":
-        address = request.getfixturevalue("memcached_server").address
-    else:
-        address = str(tmp_path / "exchange")
-    run_id = f"t{uuid.uuid4().hex[:12]}"
-    made: list[BlobExchange] = []
-
-    def make(**kw) -> BlobExchange:
-        kw.setdefault("run_id", run_id)
-        kw.setdefault("lease_ttl", 3.0)
-        ex = BlobExchange(request.param, address, **kw)
-        made.append(ex)
-        return ex
-
-    make.backend = request.param
-    yield make
-    for ex in made:
-        ex.close()
-
-
 def _producer_thread(ch, k, start=0, **put_kw):
     def run():
         for i in range(start, start + k):

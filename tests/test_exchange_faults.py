@@ -57,29 +57,6 @@ def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
 
-@pytest.fixture(params=["embedded", "memcached"])
-def make_exchange(request, tmp_path):
-    """Factory of exchanges sharing one run id on the parametrised backend."""
-    if request.param == "memcached":
-        address = request.getfixturevalue("memcached_server").address
-    else:
-        address = str(tmp_path / "exchange")
-    run_id = f"f{uuid.uuid4().hex[:12]}"
-    made: list[BlobExchange] = []
-
-    def make(**kw) -> BlobExchange:
-        kw.setdefault("run_id", run_id)
-        kw.setdefault("lease_ttl", 3.0)
-        ex = BlobExchange(request.param, address, **kw)
-        made.append(ex)
-        return ex
-
-    make.backend, make.address = request.param, address
-    yield make
-    for ex in made:
-        ex.close()
-
-
 class BlockingExpect(Mapping):
     """An ``expect=`` mapping whose iteration blocks until released: it holds a ``get``
     between decoding its message and acknowledging it (the window of the close race)."""
