@@ -377,8 +377,8 @@ def test_pickle_read_in_one_place():
 
     src = inspect.getsource(proposal_files)
     assert src.count("pickle.Unpickler)") == 1 and src.count("_ProposalUnpickler(fh") == 1
-    assert src.count("_unpickler(fh, sink, trust_pickle=trust_pickle)") == 2  # read, id map
-    assert src.count("raise untrusted_proposal_pickle(") == 3  # each path refuses first
+    assert src.count("_unpickler(fh, sink, trust_pickle=trust_pickle)") == 1  # _load_pickle
+    assert src.count("raise untrusted_proposal_pickle(") == 2  # _unpickler and _load_pickle
     assert "pickle.load(" not in src and "pickle.loads(" not in src
     assert os.path.basename(proposal_files.__file__) == "proposal_files.py"
 

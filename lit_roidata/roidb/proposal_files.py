@@ -298,6 +298,12 @@ def read_proposal_file(path: str, *, trust_pickle: bool = False) -> ProposalSour
 
 
 def _read_pickle(path: str, trust_pickle: bool) -> ProposalSource:
+    data, sink = _load_pickle(path, trust_pickle)
+    return source_from_object(path, data, keep_alive=sink.fh)
+
+
+def _load_pickle(path: str, trust_pickle: bool) -> tuple[Any, "_Sink"]:
+    """Unpickle a proposal file, its arrays streamed into a scratch file (the sink)."""
     if not trust_pickle:
         raise untrusted_proposal_pickle(path)
     sink = _Sink()
@@ -314,7 +320,7 @@ def _read_pickle(path: str, trust_pickle: bool) -> ProposalSource:
         raise RoIDBInputError(f"{path}: cannot unpickle the proposal file "
                               f"({type(exc).__name__}: {exc}); {hint}") from None
     sink.finish()
-    return source_from_object(path, data, keep_alive=sink.fh)
+    return data, sink
 
 
 def _as_records(path: str, key: str, value: Any) -> list:
@@ -705,17 +711,7 @@ def _read_with_name_map(path: str, annotations: str, trust_pickle: bool) -> Prop
         fn = str(im.get("file_name", ""))
         for k in (fn, os.path.basename(fn), os.path.splitext(os.path.basename(fn))[0]):
             by_name.setdefault(k, im.get("id"))
-    if not trust_pickle:
-        raise untrusted_proposal_pickle(path)
-    sink = _Sink()
-    try:
-        with open(path, "rb") as fh:
-            data = _unpickler(fh, sink, trust_pickle=trust_pickle).load()
-    except Exception as exc:
-        sink.fh.close()
-        raise RoIDBInputError(f"{path}: cannot unpickle the proposal file "
-                              f"({type(exc).__name__}: {exc})") from None
-    sink.finish()
+    data, sink = _load_pickle(path, trust_pickle)
     if isinstance(data, dict):
         key = "indexes" if "indexes" in data else "ids"
         if key in data:
