@@ -306,3 +306,26 @@ def test_checksum_algorithms(ds, monkeypatch, algo):
     _damage(os.path.join(a.path, "img_id.npy"), "flip")
     with pytest.raises(CacheError, match=rf"img_id\.npy is damaged \(its {algo} checksum"):
         cache_mod.verify_checksums(a.path)
+
+
+@pytest.mark.parametrize("algo", ["blake2b", "xxh3_128"])
+def test_write_arrays_checksums_the_written_bytes(tmp_path, monkeypatch, algo):
+    """The digest is taken while writing (no read-back) and equals the file's digest; the
+    files are byte for byte what ``np.save`` writes."""
+    from lit_roidata.roidb import cache as cache_mod
+
+    if algo == "xxh3_128":
+        pytest.importorskip("xxhash")
+    monkeypatch.setattr(cache_mod, "_default_algo", lambda: algo)
+    arrays = {"i": np.arange(10, dtype=np.int64), "empty": np.zeros((0, 4), np.float32),
+              "b": np.array([True, False, True]), "strided": np.arange(12, dtype=np.int16)
+              .reshape(3, 4)[:, ::2], "u8": np.frombuffer(b"abc", np.uint8),
+              "zero_dim": np.zeros((2, 3, 0), np.int32), "k": np.ones((5, 3, 17), np.int32)}
+    manifest = cache_mod.write_arrays(str(tmp_path), arrays)
+    for name, arr in arrays.items():
+        fn = tmp_path / f"{name}.npy"
+        np.save(tmp_path / f"ref_{name}.npy", arr)
+        assert fn.read_bytes() == (tmp_path / f"ref_{name}.npy").read_bytes(), name
+        rec = manifest[name]
+        assert rec["bytes"] == fn.stat().st_size
+        assert rec["checksum"] == f"{algo}:{cache_mod.file_digest(str(fn), algo)}"

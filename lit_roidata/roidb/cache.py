@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -113,20 +114,47 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, dict]:
-    """Save each array as ``<name>.npy``; returns the manifest entries (sizes, shapes)."""
+    """Save each array as ``<name>.npy``; returns the manifest entries (sizes, shapes).
+
+    Each file's checksum is computed from the bytes as they are written (the ``.npy``
+    header, then the array's memory), not by reading the file back; every file is
+    fsynced once all are written, so the kernel writes them back meanwhile.
+    """
     out = {}
     algo = _default_algo()
-    for name, arr in arrays.items():
-        arr = np.ascontiguousarray(arr)
-        fn = os.path.join(directory, name + ".npy")
-        with open(fn, "wb") as fh:
-            np.save(fh, arr, allow_pickle=False)
+    fds = []
+    try:
+        for name, arr in arrays.items():
+            arr = np.ascontiguousarray(arr)
+            fn = os.path.join(directory, name + ".npy")
+            fh = open(fn, "wb")
+            fds.append(fh)
+            h = _hasher(algo)
+            for part in (_npy_header(arr), memoryview(arr.reshape(-1)).cast("B")):
+                fh.write(part)
+                h.update(part)
+            out[name] = {"file": name + ".npy", "bytes": fh.tell(),
+                         "dtype": arr.dtype.str, "shape": list(arr.shape),
+                         "checksum": f"{algo}:{h.hexdigest()}"}
+        for fh in fds:
             fh.flush()
             os.fsync(fh.fileno())  # durable before the rename that publishes the cache
-        out[name] = {"file": name + ".npy", "bytes": os.path.getsize(fn),
-                     "dtype": arr.dtype.str, "shape": list(arr.shape),
-                     "checksum": f"{algo}:{file_digest(fn, algo)}"}
+    finally:
+        for fh in fds:
+            fh.close()
     return out
+
+
+def _npy_header(arr: np.ndarray) -> bytes:
+    """The ``.npy`` header ``np.save`` would write before ``arr``'s bytes."""
+    buf = io.BytesIO()
+    meta = np.lib.format.header_data_from_array_1_0(arr)
+    try:
+        np.lib.format.write_array_header_1_0(buf, meta)
+    except ValueError:  # a header over 64 KiB
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buf, meta)
+    return buf.getvalue()
 
 
 def _hasher(algo: str) -> Any:
