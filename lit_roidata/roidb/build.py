@@ -22,6 +22,7 @@ import os
 import pickle
 import time
 from collections import Counter
+from operator import methodcaller
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -413,6 +414,18 @@ def _check_images(spec: DatasetSpec, file_names: list) -> None:
             f"the images, or pass check_images=False.")
 
 
+def _image_paths(spec: DatasetSpec, file_names: list) -> list[bytes]:
+    """``os.path.join(image_dir, image_prefix + file_name)`` of every image, UTF-8."""
+    base = os.path.join(spec.image_dir, "")
+    names = [spec.image_prefix + fn for fn in file_names]
+    joined = "\0" + "\0".join(names)
+    if (not base or os.name == "nt" or "\0" + os.sep in joined
+            or (os.altsep and "\0" + os.altsep in joined)):  # join's special cases
+        return [os.path.join(spec.image_dir, n).encode("utf-8") for n in names]
+    head = base.encode("utf-8")
+    return [head + n for n in map(methodcaller("encode", "utf-8"), names)]
+
+
 def _cat(arrays: list) -> np.ndarray:
     """``np.concatenate`` that does not copy a single array (proposal columns are GBs)."""
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
@@ -421,13 +434,15 @@ def _cat(arrays: list) -> np.ndarray:
 def _combine(specs, tables, props, options) -> tuple[dict, dict]:
     cat = _cat
     n_imgs = [t.ids.size for t in tables]
-    paths = [os.path.join(s.image_dir, s.image_prefix + fn).encode("utf-8")
-             for s, t in zip(specs, tables) for fn in t.file_names]
+    paths = [p for s, t in zip(specs, tables) for p in _image_paths(s, t.file_names)]
     path_off = np.zeros(len(paths) + 1, np.int64)
     np.cumsum(np.fromiter(map(len, paths), np.int64, len(paths)), out=path_off[1:])
     k_max = max((t.info.num_keypoints for t in tables), default=0)
     kps = []
     for t in tables:
+        if t.keypoints is not None and t.keypoints.shape[2] == k_max:
+            kps.append(t.keypoints)  # already (G, 3, k_max) int32: no copy
+            continue
         k = np.zeros((t.classes.size, 3, k_max), np.int32)
         if t.keypoints is not None:
             k[:, :, :t.keypoints.shape[2]] = t.keypoints

@@ -1,7 +1,7 @@
 """The on-disk roidb cache: content keys, atomic writes, validation, one builder at a time.
 
-* **Key.** ``sha256`` of the input fingerprints (path, size, mtime, BLAKE2b of the
-  content) and every option that changes the result. Content hashes are memoised per
+* **Key.** ``sha256`` of the input fingerprints (path, size, mtime, xxh3 or BLAKE2b of
+  the content) and every option that changes the result. Content hashes are memoised per
   ``(path, size, mtime_ns, ctime_ns, inode)`` in ``<cache>/.fingerprints`` so a warm open
   does not re-read multi-GB files; ``ctime`` cannot be set by users, so a file replaced
   with a preserved mtime is still re-hashed.
@@ -62,7 +62,10 @@ def default_cache_dir() -> str:
 
 
 def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
-    """``{path, size, mtime_ns, blake2b}`` of ``path``, with the hash memoised by stat.
+    """``{path, size, mtime_ns, <algo>: digest}`` of ``path``, with the hash memoised by stat.
+
+    The content hash is ``xxh3_128`` when ``xxhash`` is installed (GB/s: a cold build
+    of a large annotation file does not wait for it), else BLAKE2b.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -70,27 +73,32 @@ def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     path = os.path.abspath(path)
     st = os.stat(path)
     stat_key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+    algo = _default_algo()
     memo_dir = os.path.join(cache_root, ".fingerprints")
     memo = os.path.join(memo_dir, hashlib.sha1(path.encode()).hexdigest() + ".json")
+    out = {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     try:
         with open(memo, encoding="utf-8") as fh:
             rec = json.load(fh)
-        if rec.get("stat") == stat_key and rec.get("path") == path:
-            return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                    "blake2b": rec["blake2b"]}
+        if rec.get("stat") == stat_key and rec.get("path") == path and algo in rec:
+            return {**out, algo: rec[algo]}
     except (OSError, ValueError, KeyError):
         pass
-    h = hashlib.blake2b(digest_size=20)
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = file_digest(path, algo) if algo != "blake2b" else _blake2b_20(path)
     try:  # best effort: a read-only cache directory just means re-hashing next time
         os.makedirs(memo_dir, exist_ok=True)
-        _atomic_write_text(memo, json.dumps({"path": path, "stat": stat_key, "blake2b": digest}))
+        _atomic_write_text(memo, json.dumps({"path": path, "stat": stat_key, algo: digest}))
     except OSError as exc:
         logger.debug("cannot memoise the hash of %s: %s", path, exc)
-    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "blake2b": digest}
+    return {**out, algo: digest}
+
+
+def _blake2b_20(path: str) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(_HASH_BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def cache_key(doc: Mapping[str, Any]) -> str:
