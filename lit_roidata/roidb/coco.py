@@ -405,7 +405,10 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
     pidx, row_of = pidx[~short], row_of[~short]
     poly_counts = np.bincount(row_of, minlength=g).astype(np.int64)
     coord_counts = raw.coord_n[pidx]
-    coords = raw.coords[take_ranges(coord_off[pidx], coord_counts)]
+    if pidx.size == raw.coord_n.size and (pidx == np.arange(pidx.size)).all():
+        coords = raw.coords  # every polygon kept, in file order (one file per image order)
+    else:
+        coords = raw.coords[take_ranges(coord_off[pidx], coord_counts)]
     seg_kind = raw.seg_kind[order]
     kind = np.full(g, POLY, np.int8)
     rle_idx = np.full(g, -1, np.int32)
