@@ -67,6 +67,7 @@ _SLOT = struct.Struct("<4sQdH70s")
 _CRC = struct.Struct("<I")
 _SLOT_SIZE = _SLOT.size + _CRC.size
 _RECORD_SIZE = 2 * _SLOT_SIZE
+_RECORD = struct.Struct("<" + 2 * (_SLOT.format[1:] + _CRC.format[1:]))  # both slots
 _TORN_RETRIES = 3
 
 
@@ -80,17 +81,20 @@ def _pack_slot(version: int, expiry: float, value: bytes) -> bytes:
 def _parse_record(raw: bytes) -> tuple[int, float, bytes] | None:
     """``(version, expiry, value)`` of the valid slot with the highest version, or ``None``
     if neither slot is valid (both torn: a concurrent writer, or damage)."""
-    best = None
-    for off in (0, _SLOT_SIZE):
-        end = off + _SLOT.size
-        if raw[off:off + 4] != _MAGIC or len(raw) < end + _CRC.size:
-            continue
-        if zlib.crc32(raw[off:end]) != _CRC.unpack_from(raw, end)[0]:
-            continue
-        _, version, expiry, n, value = _SLOT.unpack_from(raw, off)
-        if best is None or version > best[0]:
-            best = (version, expiry, value[:n])
-    return best
+    if len(raw) < _RECORD_SIZE:
+        return None
+    m0, v0, e0, n0, val0, c0, m1, v1, e1, n1, val1, c1 = _RECORD.unpack_from(raw)
+    ok0 = m0 == _MAGIC
+    ok1 = m1 == _MAGIC
+    if ok1 and (not ok0 or v1 > v0):  # check the newer slot first, the other if it is torn
+        if zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
+            return v1, e1, val1[:n1]
+        ok1 = False
+    if ok0 and zlib.crc32(raw[:_SLOT.size]) == c0:
+        return v0, e0, val0[:n0]
+    if ok1 and zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
+        return v1, e1, val1[:n1]
+    return None
 
 
 def _libc_renameat2():
