@@ -264,11 +264,7 @@ class EmbeddedStore(Store):
         while True:
             fd = self._lockfds.get(directory)
             if fd is None:
-                try:
-                    fd = os.open(directory + "/.lock", os.O_RDWR | os.O_CREAT, 0o644)
-                except FileNotFoundError:  # the directory was swept away: make it again
-                    os.makedirs(directory, exist_ok=True)
-                    continue
+                fd = os.open(directory + "/.lock", os.O_RDWR | os.O_CREAT, 0o644)
                 self._lockfds[directory] = fd
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink:
