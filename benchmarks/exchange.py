@@ -1,12 +1,12 @@
 """BlobExchange latency and throughput vs a plain pymemcache set/get loop (same run).
 
-For payloads of 1 KB, 1 MB and 8 MB it measures:
+For payloads of 1 KB, 1 MB and 35 MB (an RPN message) it measures:
 
 * **baseline**: ``client.set(key, payload); client.get(key)`` with pymemcache on a local
-  memcached (``-I 16m``, so nothing is chunked): the raw cost of moving the bytes
+  memcached (``-I 64m``, so nothing is chunked): the raw cost of moving the bytes
   through the server and back, with none of the exchange's guarantees.
 * **exchange, one process**: ``producer.put(...)`` then ``consumer.get(...)`` on the
-  embedded backend (``/dev/shm`` or tmp), on memcached ``-I 16m`` and on memcached
+  embedded backend (``/dev/shm`` or tmp), on memcached ``-I 64m`` and on memcached
   ``-I 1m`` (payloads above 1 MB chunked). Same unit of work as the baseline (one write
   and one read of the payload), plus the exactly-once protocol (sequence numbers, ack,
   lease checks, incarnation check, CRC-32 of the wire format).
@@ -15,6 +15,15 @@ For payloads of 1 KB, 1 MB and 8 MB it measures:
 * **+ HMAC**: the in-process cases again with a run secret set (every message carries an
   HMAC-SHA256 over header and payload, checked on receipt): the cost of authentication.
 
+* **before** (``--baseline-src DIR``): the same in-process put+get with another copy of
+  the package (``DIR/lit_roidata``, e.g. the release before lease fencing, extracted with
+  ``git archive 874f482 lit_roidata | tar -x -C DIR``), loaded into this process under its
+  own module table and run interleaved with the current code (old, new, new + HMAC, old,
+  ...), so the machine's load hits both alike. ``now/before`` is the ratio of medians.
+
+Each row is measured ``--repeats`` times (interleaved); it prints the median of the
+repeats' medians and their range (min..max).
+
 Throughput is payload bytes per put+get pair (MB/s, 10^6 bytes); ratios are exchange time
 / baseline time (lower is better). It starts its own memcached servers.
 
@@ -22,13 +31,17 @@ Usage::
 
     python benchmarks/exchange.py            # full run
     python benchmarks/exchange.py --quick    # smoke run
+    git archive 874f482 lit_roidata | tar -x -C /tmp/fence-old
+    python benchmarks/exchange.py --baseline-src /tmp/fence-old --no-ping-pong
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,7 +61,7 @@ from pymemcache.client.base import Client  # noqa: E402
 
 from lit_roidata.exchange import BlobExchange  # noqa: E402
 
-SIZES = {"1 KB": 1_000, "1 MB": 1_000_000, "8 MB": 8_000_000}
+SIZES = {"1 KB": 1_000, "1 MB": 1_000_000, "35 MB": 35_000_000}
 ECHO = r"""
 import json, sys
 from lit_roidata.exchange import BlobExchange, ChannelClosedError
@@ -67,7 +80,7 @@ ex.close()
 
 
 def _iters(size: int, quick: bool) -> int:
-    n = {1_000: 2000, 1_000_000: 60, 8_000_000: 12}[size]
+    n = {1_000: 1000, 1_000_000: 40, 35_000_000: 5}[size]
     return max(3, n // 10) if quick else n
 
 
@@ -99,9 +112,15 @@ def bench_baseline(address: str, payload: bytes, n: int) -> list[float]:
 
 
 def bench_in_process(backend: str, address: str, arr: np.ndarray, n: int,
-                     secret: str | None = None) -> list[float]:
+                     secret: str | None = None, version: Version | None = None) -> list[float]:
     kw = {"secret": secret} if secret else {}
-    ex = BlobExchange(backend, address, run_id=f"bench{uuid.uuid4().hex[:8]}", **kw)
+    with version or contextlib.nullcontext():
+        return _bench_in_process(version.exchange if version else BlobExchange, backend,
+                                 address, arr, n, kw)
+
+
+def _bench_in_process(cls, backend, address, arr, n, kw) -> list[float]:
+    ex = cls(backend, address, run_id=f"bench{uuid.uuid4().hex[:8]}", **kw)
     prod, cons = ex.channel("c", "producer"), ex.channel("c", "consumer")
 
     def once():
@@ -112,6 +131,44 @@ def bench_in_process(backend: str, address: str, arr: np.ndarray, n: int,
         return _timed(once, n)
     finally:
         ex.close()
+
+
+class Version:
+    """One copy of the ``lit_roidata`` package, loaded under its own module table.
+
+    ``with version:`` puts its modules into ``sys.modules`` (so imports done lazily inside
+    its functions resolve to the same copy) and puts the previous ones back afterwards.
+    """
+
+    def __init__(self, src: Path | None) -> None:
+        saved = _take_modules()
+        if src is not None:
+            sys.path.insert(0, str(src))
+        try:
+            import lit_roidata.exchange as mod
+
+            self.exchange = mod.BlobExchange
+            self.where = Path(mod.__file__).parents[1]
+        finally:
+            if src is not None:
+                sys.path.remove(str(src))
+            self.modules = _take_modules()
+            sys.modules.update(saved)
+        self._saved: dict = {}
+
+    def __enter__(self) -> Version:
+        self._saved = _take_modules()
+        sys.modules.update(self.modules)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _take_modules()
+        sys.modules.update(self._saved)
+
+
+def _take_modules() -> dict:
+    names = [k for k in sys.modules if k == "lit_roidata" or k.startswith("lit_roidata.")]
+    return {k: sys.modules.pop(k) for k in names}
 
 
 def bench_ping_pong(backend: str, address: str, arr: np.ndarray, n: int) -> list[float]:
@@ -139,56 +196,105 @@ def bench_ping_pong(backend: str, address: str, arr: np.ndarray, n: int) -> list
             peer.kill()
 
 
-def _fmt(times: list[float], size: int) -> tuple[str, str, float]:
-    med = statistics.median(times)
-    return f"{med * 1e6:10.0f}", f"{size / med / 1e6:9.1f}", med
+def _stat(medians: list[float]) -> tuple[float, float, float]:
+    return statistics.median(medians), min(medians), max(medians)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measure every row this many times, interleaved (default 3)")
+    parser.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
+                        help="a directory holding another copy of the package "
+                             "(DIR/lit_roidata), measured side by side as 'before'")
+    parser.add_argument("--sizes", default=",".join(SIZES),
+                        help="comma-separated payload sizes to run (default: all)")
     parser.add_argument("--no-hmac", dest="hmac", action="store_false",
                         help="skip the authenticated (HMAC) rows")
+    parser.add_argument("--no-chunked", dest="chunked", action="store_false",
+                        help="skip memcached -I 1m (chunked payloads)")
     parser.add_argument("--no-ping-pong", dest="ping_pong", action="store_false",
                         help="skip the two-process rows")
     args = parser.parse_args()
     os.environ.pop("LIT_ROIDATA_EXCHANGE_SECRET", None)  # rows without HMAC are plain
     os.environ.pop("LIT_ROIDATA_EXCHANGE_SECRET_FILE", None)
+    before = None
+    if args.baseline_src is not None:
+        if not (args.baseline_src / "lit_roidata" / "exchange").is_dir():
+            parser.error(f"--baseline-src {args.baseline_src}: no lit_roidata/exchange there")
+        before = Version(args.baseline_src.resolve())
+        print(f"before: {before.where}")
+    print(f"now:    {Path(sys.modules['lit_roidata'].__file__).parent}")
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     embedded_dir = tempfile.mkdtemp(prefix="lrx_bench_", dir=shm)
-    print(f"embedded directory: {embedded_dir}; median of N put+get pairs per row")
-    with MemcachedServer(item_size="16m", memory_mb=1024) as big, \
-            MemcachedServer(item_size="1m", memory_mb=1024) as small:
-        rows = []
-        for label, size in SIZES.items():
-            n = _iters(size, args.quick)
-            arr = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-            base = bench_baseline(big.address, arr.tobytes(), n)
-            cases = [("embedded", "embedded", embedded_dir),
-                     ("memcached -I 16m", "memcached", big.address),
-                     ("memcached -I 1m (chunked)", "memcached", small.address)]
-            b_us, b_mbs, b_med = _fmt(base, size)
-            rows.append((label, "baseline pymemcache set+get", n, b_us, b_mbs, "1.00"))
-            for name, backend, address in cases:
-                us, mbs, med = _fmt(bench_in_process(backend, address, arr, n), size)
-                rows.append((label, f"exchange {name}", n, us, mbs, f"{med / b_med:.2f}"))
-            if args.hmac:
-                for name, backend, address in cases[:2]:
-                    us, mbs, med = _fmt(bench_in_process(backend, address, arr, n,
-                                                         secret="bench-secret"), size)
-                    rows.append((label, f"exchange {name} + HMAC", n, us, mbs,
-                                 f"{med / b_med:.2f}"))
-            for name, backend, address in cases[:2] if args.ping_pong else ():
-                pp = bench_ping_pong(backend, address, arr, max(3, n // 2))
-                med = statistics.median(pp)
-                rows.append((label, f"ping-pong RTT 2 procs, {name}", max(3, n // 2),
-                             f"{med * 1e6:10.0f}", f"{2 * size / med / 1e6:9.1f}",
-                             f"{med / b_med:.2f}"))
-    print(f"{'payload':8} {'case':42} {'N':>5} {'median us':>10} {'MB/s':>9} {'x base':>7}")
-    for label, case, n, us, mbs, ratio in rows:
-        print(f"{label:8} {case:42} {n:5d} {us} {mbs} {ratio:>7}")
-    print("x base = median time / baseline median (same payload); ping-pong moves the "
-          "payload twice per round trip (MB/s counts both).")
+    print(f"embedded directory: {embedded_dir}; each row: median over --repeats "
+          f"{args.repeats} of the median of N put+get pairs (range min..max)")
+    try:
+        with MemcachedServer(item_size="64m", memory_mb=1024) as big, \
+                MemcachedServer(item_size="1m", memory_mb=1024) as small:
+            rows = _run(args, before, embedded_dir, big, small)
+    finally:
+        shutil.rmtree(embedded_dir, ignore_errors=True)
+    print(f"{'payload':8} {'case':50} {'N':>4} {'median us':>10} {'range us':>17} "
+          f"{'MB/s':>8} {'x base':>6} {'now/before':>10}")
+    for label, case, n, (med, lo, hi), size, b_med, rel in rows:
+        if "HMAC cost" in case:  # a difference of times: no throughput or ratio
+            mbs_txt, x_txt = f"{'':8}", f"{'':6}"
+        else:
+            mbs = (2 if "ping-pong" in case else 1) * size / med / 1e6
+            mbs_txt, x_txt = f"{mbs:8.1f}", f"{med / b_med:6.2f}"
+        print(f"{label:8} {case:50} {n:4d} {med * 1e6:10.0f} {lo * 1e6:8.0f}..{hi * 1e6:<8.0f}"
+              f" {mbs_txt} {x_txt} {rel:>10}")
+    print("x base = median / pymemcache baseline median (same payload). now/before = "
+          "median of the per-repeat ratios [min..max]. HMAC cost = (+HMAC) - (plain), same "
+          "repeat. ping-pong moves the payload twice per round trip (MB/s counts both).")
+
+
+def _run(args, before, embedded_dir, big, small) -> list:
+    cases = [("embedded", "embedded", embedded_dir),
+             ("memcached -I 64m", "memcached", big.address)]
+    if args.chunked:
+        cases.append(("memcached -I 1m (chunked)", "memcached", small.address))
+    rows = []
+    for label in args.sizes.split(","):
+        size = SIZES[label.strip()]
+        n = _iters(size, args.quick)
+        arr = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+        base = [statistics.median(bench_baseline(big.address, arr.tobytes(), n))
+                for _ in range(args.repeats)]
+        b_med = statistics.median(base)
+        rows.append((label, "baseline pymemcache set+get", n, _stat(base), size, b_med, ""))
+        for name, backend, address in cases:
+            variants = [("before", None, before)] if before is not None else []
+            variants.append(("now", None, None))
+            if args.hmac and "chunked" not in name:
+                variants.append(("now + HMAC", "bench-secret", None))
+            meds: dict[str, list[float]] = {v[0]: [] for v in variants}
+            for _ in range(args.repeats):  # interleaved: before, now, now + HMAC, before, ...
+                for tag, secret, version in variants:
+                    meds[tag].append(statistics.median(bench_in_process(
+                        backend, address, arr, n, secret=secret, version=version)))
+            for tag, _, _ in variants:
+                rel = ""
+                if before is not None and tag != "before":
+                    ratios = [a / b for a, b in zip(meds[tag], meds["before"])]
+                    rel = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}]"
+                rows.append((label, f"exchange {name}, {tag}", n, _stat(meds[tag]), size,
+                             b_med, rel))
+            if "now + HMAC" in meds:
+                cost = [a - b for a, b in zip(meds["now + HMAC"], meds["now"])]
+                c_med = statistics.median(cost)
+                rows.append((label, f"  HMAC cost, {name} (us, +HMAC - plain)", n,
+                             _stat(cost), size, b_med,
+                             f"{c_med / statistics.median(meds['now']) * 100:+.0f}%"))
+        for name, backend, address in cases[:2] if args.ping_pong else ():
+            npp = max(3, n // 2)
+            pp = [statistics.median(bench_ping_pong(backend, address, arr, npp))
+                  for _ in range(args.repeats)]
+            rows.append((label, f"ping-pong RTT 2 procs, {name}", npp, _stat(pp), size,
+                         b_med, ""))
+    return rows
 
 
 if __name__ == "__main__":

@@ -18,6 +18,18 @@ comes from the file system:
 
 A small value file holds an 8-byte little-endian expiry time (``time.time()``, 0 = never)
 followed by the value, which gives leases a TTL without a server.
+
+The stream positions ``head`` and ``ack`` change on every message, so they are *records*
+instead: a file of two fixed-size slots (magic ``LRX1``, version, expiry, length, value,
+CRC-32), created complete (temporary file + rename) and then updated in place with one
+``pwrite`` of the slot the next version owns, under the directory's ``flock``. Each store
+handle keeps the record files and the lock file open. A reader takes the valid slot with
+the highest version without locking: a slot being written fails its CRC and the other one
+holds the previous value, so a reader sees old or new, and a writer killed in the middle
+of its ``pwrite`` leaves the previous value in force. An open record whose file was removed
+(link count 0: the channel was deleted) is reopened by name. A position file in the
+earlier format (expiry + value, replaced on every write) is still read, and converted on
+its next write.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import shutil
 import struct
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +58,43 @@ _EXPIRY = struct.Struct("<d")
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
+
+# Records (the positions head and ack): two slots of magic, version, expiry, value length,
+# value (up to 70 bytes) and a CRC-32 of all that.
+_RECORD_SUFFIXES = ("/head", "/ack")
+_MAGIC = b"LRX1"
+_SLOT = struct.Struct("<4sQdH70s")
+_CRC = struct.Struct("<I")
+_SLOT_SIZE = _SLOT.size + _CRC.size
+_RECORD_SIZE = 2 * _SLOT_SIZE
+_RECORD = struct.Struct("<" + 2 * (_SLOT.format[1:] + _CRC.format[1:]))  # both slots
+_TORN_RETRIES = 3
+
+
+def _pack_slot(version: int, expiry: float, value: bytes) -> bytes:
+    if len(value) > 70:
+        raise ExchangeError(f"a position value is limited to 70 bytes, got {len(value)}")
+    body = _SLOT.pack(_MAGIC, version, expiry, len(value), value)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _parse_record(raw: bytes) -> tuple[int, float, bytes] | None:
+    """``(version, expiry, value)`` of the valid slot with the highest version, or ``None``
+    if neither slot is valid (both torn: a concurrent writer, or damage)."""
+    if len(raw) < _RECORD_SIZE:
+        return None
+    m0, v0, e0, n0, val0, c0, m1, v1, e1, n1, val1, c1 = _RECORD.unpack_from(raw)
+    ok0 = m0 == _MAGIC
+    ok1 = m1 == _MAGIC
+    if ok1 and (not ok0 or v1 > v0):  # check the newer slot first, the other if it is torn
+        if zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
+            return v1, e1, val1[:n1]
+        ok1 = False
+    if ok0 and zlib.crc32(raw[:_SLOT.size]) == c0:
+        return v0, e0, val0[:n0]
+    if ok1 and zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
+        return v1, e1, val1[:n1]
+    return None
 
 
 def _libc_renameat2():
@@ -115,6 +165,7 @@ class EmbeddedStore(Store):
         self._made: set[str] = set()
         self._links = hard_links
         self._lockfds: dict[str, int] = {}
+        self._recfds: dict[str, int] = {}  # record path -> fd kept open (O_RDWR)
 
     # -- helpers -------------------------------------------------------------------------
     # Plain strings and os.* calls: pathlib and buffered io cost more than the syscalls.
@@ -210,11 +261,19 @@ class EmbeddedStore(Store):
     def _lock(self, path: str) -> Iterator[None]:
         """Exclusive ``flock`` on the directory's ``.lock`` file (fd kept per handle)."""
         directory = path.rpartition("/")[0]
-        fd = self._lockfds.get(directory)
-        if fd is None:
-            fd = os.open(directory + "/.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            self._lockfds[directory] = fd
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            fd = self._lockfds.get(directory)
+            if fd is None:
+                fd = os.open(directory + "/.lock", os.O_RDWR | os.O_CREAT, 0o644)
+                self._lockfds[directory] = fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink:
+                break
+            # The lock file was removed (the channel was deleted and maybe re-created):
+            # a lock on the old file excludes nobody. Open the current one.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            del self._lockfds[directory]
         try:
             yield
         finally:
@@ -229,22 +288,111 @@ class EmbeddedStore(Store):
                 os.unlink(tmp)
             raise
 
+    # -- records (head, ack) ---------------------------------------------------------------
+    def _record_fd(self, path: str) -> int | None:
+        fd = self._recfds.get(path)
+        if fd is not None:
+            if os.fstat(fd).st_nlink:
+                return fd
+            os.close(fd)  # removed (channel deleted, or an old-format file converted)
+            del self._recfds[path]
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        self._recfds[path] = fd
+        return fd
+
+    def _read_record(self, path: str, locked: bool = False) -> tuple[int, float, bytes] | None:
+        """``(version, expiry, value)`` of a record file, ``None`` if there is none. An
+        earlier-format file reads as version -1. Without the lock, a read that finds both
+        slots torn is retried, then repeated under the lock."""
+        for _ in range(1 if locked else _TORN_RETRIES):
+            fd = self._record_fd(path)
+            if fd is None:
+                return None
+            raw = os.pread(fd, 4096, 0)
+            if raw[:4] != _MAGIC:  # earlier format: expiry + value, replaced atomically
+                if len(raw) < _EXPIRY.size:
+                    return None
+                return -1, _EXPIRY.unpack_from(raw)[0], raw[_EXPIRY.size:]
+            rec = _parse_record(raw)
+            if rec is not None:
+                return rec
+        if not locked:
+            with self._lock(path):
+                return self._read_record(path, locked=True)
+        raise ExchangeError(f"the position file {path} is damaged (neither of its slots "
+                            "passes its CRC); delete the run directory and start a new run")
+
+    def _record_value(self, path: str, locked: bool = False) -> bytes | None:
+        rec = self._read_record(path, locked)
+        if rec is None or (rec[1] and rec[1] < time.time()):
+            return None
+        return rec[2]
+
+    def _write_record(self, path: str, value: bytes, ttl: float,
+                      rec: tuple[int, float, bytes] | None) -> None:
+        """Write a record (the caller holds the lock and passes what it read under it)."""
+        expiry = time.time() + ttl if ttl else 0.0
+        if rec is None or rec[0] < 0:  # create (or convert an earlier-format file) whole
+            data = _pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)
+            tmp = self._write_tmp(path, [data])
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            return
+        version = rec[0] + 1
+        try:
+            os.pwrite(self._recfds[path], _pack_slot(version, expiry, value),
+                      (version & 1) * _SLOT_SIZE)
+        except OSError as exc:
+            if exc.errno in _SPACE_ERRNOS:
+                raise self._space_error(path, exc, _SLOT_SIZE) from exc
+            raise
+
+    def _get_locked(self, path: str) -> tuple[bytes | None, tuple | None]:
+        """Current value (``None``: absent or expired) and, for a record, what was read."""
+        if path.endswith(_RECORD_SUFFIXES):
+            rec = self._read_record(path, locked=True)
+            if rec is None or (rec[1] and rec[1] < time.time()):
+                return None, rec
+            return rec[2], rec
+        return self._read_small(path), None
+
+    def _set_locked(self, path: str, value: bytes, ttl: float, rec: tuple | None) -> None:
+        if path.endswith(_RECORD_SUFFIXES):
+            self._write_record(path, value, ttl, rec)
+        else:
+            self._replace(path, value, ttl)
+
     # -- small values --------------------------------------------------------------------
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
         path = self._path(key)
         with self._lock(path):
-            if self._read_small(path) is not None:
+            cur, rec = self._get_locked(path)
+            if cur is not None:
                 return False
-            self._replace(path, value, ttl)
+            self._set_locked(path, value, ttl, rec)
             return True
 
     def set(self, key: str, value: bytes, ttl: float = 0) -> None:
-        self._replace(self._path(key), value, ttl)
+        path = self._path(key)
+        if path.endswith(_RECORD_SUFFIXES):  # written in place: writers take the lock
+            with self._lock(path):
+                self._write_record(path, value, ttl, self._read_record(path, locked=True))
+        else:
+            self._replace(path, value, ttl)
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         out = {}
         for key in keys:
-            value = self._read_small(self._root + key)
+            path = self._root + key
+            value = (self._record_value(path) if path.endswith(_RECORD_SUFFIXES)
+                     else self._read_small(path))
             if value is not None:
                 out[key] = value
         return out
@@ -252,9 +400,10 @@ class EmbeddedStore(Store):
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
         path = self._path(key)
         with self._lock(path):
-            if self._read_small(path) != expected:
+            cur, rec = self._get_locked(path)
+            if cur != expected:
                 return False
-            self._replace(path, new, ttl)
+            self._set_locked(path, new, ttl, rec)
             return True
 
     local_fence = True
@@ -262,26 +411,29 @@ class EmbeddedStore(Store):
 
     def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
         path = self._path(key)
-        with self._lock(path):
-            cur = self._read_small(path)
+        with self._lock(path):  # one locked read-check-write (a pwrite for a record)
+            cur, rec = self._get_locked(path)
             if cur is None:
                 return False, None
             parts = cur.split(b" ", 1)
             if len(parts) > 1 and int(parts[1]) > gen:
                 return False, cur
             if cur != new:
-                self._replace(path, new, 0)
+                self._set_locked(path, new, 0, rec)
             return True, cur
 
     def incr(self, key: str, ttl: float = 0) -> int:
         path = self._path(key)
         with self._lock(path):
-            raw = self._read_small(path)
+            raw, rec = self._get_locked(path)
             value = (int(raw) if raw is not None else time.time_ns() // 1000) + 1
-            self._replace(path, str(value).encode(), ttl)
+            self._set_locked(path, str(value).encode(), ttl, rec)
             return value
 
     def delete(self, key: str) -> None:
+        fd = self._recfds.pop(self._root + key, None)
+        if fd is not None:
+            os.close(fd)
         try:
             os.unlink(self._root + key)
         except FileNotFoundError:
@@ -422,6 +574,7 @@ class EmbeddedStore(Store):
 
     def close(self) -> None:
         fds, self._lockfds = self._lockfds, {}
-        for fd in fds.values():
+        recs, self._recfds = self._recfds, {}
+        for fd in [*fds.values(), *recs.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
