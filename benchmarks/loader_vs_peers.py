@@ -21,6 +21,19 @@ over the main process and its workers):
   transforms (``RandomShortestSize``, flip, ``PILToTensor``, ``ToDtype(float32)``) with
   masks, grouped by orientation;
 
+The e2e comparison with Detectron2 is made at two points, each against the same-run
+Detectron2 row:
+
+* (a) the loader's output as the training process receives it: lit's batches from the
+  DataLoader, before ``on_after_batch_transfer`` (uint8 pixels, compact targets);
+  Detectron2's ``build_detection_train_loader`` output (``DatasetMapper`` does not
+  normalise or pad: uint8 CHW images of different sizes);
+* (b) the loader + the step that makes a model-ready batch, on the same device (the
+  CPU here): lit + ``on_after_batch_transfer`` (means subtracted, padding zeroed,
+  compact targets expanded to Detectron's dense blobs); Detectron2 + its model's
+  ``preprocess_image``: ``(x - pixel_mean) / pixel_std`` and
+  ``ImageList.from_tensors(..., 32)`` (``detectron2.structures`` from the checkout).
+
 then ratios against the peers measured in this run. Also printed:
 
 * bytes copied per batch out of a worker (``transport.transfer_report``), compact vs
@@ -59,6 +72,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 SCALES = tuple(range(640, 801, 32))
+# The (b) rows: loader + the step that makes a model-ready batch on the same device.
+E2E_READY = "lit e2e compact + on_after_batch_transfer"
+D2_READY = "detectron2 loader + preprocess_image"
 MAX_SIZE = 1333
 
 
@@ -160,8 +176,22 @@ def _memory() -> dict[str, Any]:
             out["main_pss"] = m.pss / 2**20
         else:
             out["workers"].append({"uss": m.uss / 2**20, "pss": m.pss / 2**20,
-                                   "anon": _anonymous_mib(p.pid)})
+                                   "anon": _anonymous_mib(p.pid),
+                                   "file_private": _rollup_mib(p.pid, "Private_Clean:")})
     return out
+
+
+def _rollup_mib(pid: int, key: str) -> float:
+    """One ``/proc/<pid>/smaps_rollup`` field, MiB (``Private_Clean``: file pages, such as
+    the memory-mapped roidb columns, that only this process has read)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
 
 
 def _anonymous_mib(pid: int) -> float:
@@ -250,7 +280,13 @@ def phase_lit(args: argparse.Namespace) -> dict[str, Any]:
         kw["trust_pickle"] = True  # the benchmark wrote the pickle
     dm = _lit_module(args, model_type, **kw)
     loader = dm.train_dataloader()
-    res = time_loader(iter(loader), args.warm, args.timed, mem_at=args.mem_at)
+    # --finish 1: + the step that makes a model-ready batch, in this process (the CPU is
+    # the device here): uint8 -> Detectron's float blob (means subtracted, padding
+    # zeroed) and the compact targets expanded to Detectron's dense blobs.
+    finish = (lambda b: dm.on_after_batch_transfer(b, 0)) if args.finish else None
+    res = time_loader(iter(loader), args.warm, args.timed, mem_at=args.mem_at, on_batch=finish)
+    if args.finish:
+        return res
     if args.variant in ("compact", "detectron_targets"):  # device-side expansion, here CPU
         import torch
 
@@ -335,12 +371,37 @@ def _d2_loader(args: argparse.Namespace, ann: str, img_dir: str) -> Any:
     return build_detection_train_loader(cfg)  # DatasetMapper(cfg, True): instance masks
 
 
+def _d2_model_ready(args: argparse.Namespace) -> Callable[[Any], Any]:
+    """Detectron2's ``GeneralizedRCNN.preprocess_image`` on the CPU, from the checkout.
+
+    ``DatasetMapper`` leaves uint8 CHW images of different sizes; the model then does
+    ``(x - pixel_mean) / pixel_std`` per image (uint8 minus float32 -> float32) and
+    ``ImageList.from_tensors(images, size_divisibility)`` (zero padding to a multiple of
+    the FPN backbone's 32). ``detectron2.structures`` imports without compiled
+    extensions, so its own ``ImageList`` is used.
+    """
+    import torch
+    from detectron2.config import get_cfg
+    from detectron2.structures import ImageList
+
+    cfg = get_cfg()
+    mean = torch.tensor(cfg.MODEL.PIXEL_MEAN).view(-1, 1, 1)
+    std = torch.tensor(cfg.MODEL.PIXEL_STD).view(-1, 1, 1)
+
+    def preprocess(batch: list[dict[str, Any]]) -> Any:
+        images = [(x["image"] - mean) / std for x in batch]
+        return ImageList.from_tensors(images, 32)
+
+    return preprocess
+
+
 def phase_d2(args: argparse.Namespace) -> dict[str, Any]:
     import logging
 
     logging.disable(logging.WARNING)
     loader = _d2_loader(args, args.ann, args.images_dir)
-    return time_loader(iter(loader), args.warm, args.timed, mem_at=args.mem_at)
+    finish = _d2_model_ready(args) if args.finish else None
+    return time_loader(iter(loader), args.warm, args.timed, mem_at=args.mem_at, on_batch=finish)
 
 
 def phase_tv(args: argparse.Namespace) -> dict[str, Any]:
@@ -483,6 +544,7 @@ def main() -> None:
     ap.add_argument("--cache", default="")
     ap.add_argument("--mem-at", default="")
     ap.add_argument("--fake-read", action="store_true")
+    ap.add_argument("--finish", type=int, default=0)
     args = ap.parse_args()
     args.mem_at = tuple(int(x) for x in args.mem_at.split(",") if x)
     if args.d2_src and not os.path.isdir(os.path.join(args.d2_src, "detectron2")):
@@ -519,6 +581,7 @@ def main() -> None:
         ("floor, 1 process", "floor", {"workers": 0}),
         ("floor, 2 processes", "floor", {"workers": 2}),
         ("lit e2e mask_rcnn_fpn (compact targets)", "lit", {"variant": "compact"}),
+        (E2E_READY, "lit", {"variant": "compact", "finish": 1}),
         ("lit e2e mask_rcnn_fpn (detectron targets)", "lit", {"variant": "detectron_targets"}),
         ("lit torchvision output (masks)", "lit", {"variant": "torchvision"}),
         ("lit fast_rcnn_fpn from proposals", "lit", {"variant": "fast_rcnn", "proposals": props}),
@@ -526,6 +589,7 @@ def main() -> None:
     ]
     if args.d2_src:
         plan.append(("detectron2 build_detection_train_loader", "d2", {}))
+        plan.append((D2_READY, "d2", {"finish": 1}))
     else:
         print("note: no --d2-src given: the Detectron2 rows are skipped", flush=True)
     for rep in range(args.repeat):
@@ -568,7 +632,11 @@ def main() -> None:
              "d2": "detectron2 build_detection_train_loader", "tv": "torchvision references",
              "tvo": "lit torchvision output (masks)", "fast": "lit fast_rcnn_fpn from proposals",
              "floor2": "floor, 2 processes"}
-    ratio(e2e, d2, "lit e2e (compact) / Detectron2 (target >= 2x)", names["e2e"], names["d2"])
+    ratio(e2e, d2, "(a) loader output: lit e2e (compact) / Detectron2 (target >= 2x)",
+          names["e2e"], names["d2"])
+    ratio(best(E2E_READY), best(D2_READY), "(b) model-ready batch on the same device (CPU): "
+          "lit e2e + on_after_batch_transfer / Detectron2 + normalise + ImageList pad",
+          E2E_READY, D2_READY)
     ratio(dense, d2, "lit e2e (detectron targets) / Detectron2", names["dense"], names["d2"])
     ratio(e2e, dense, "lit e2e compact / detectron targets", names["e2e"], names["dense"])
     ratio(tvo, tv, "lit torchvision output / torchvision references (target >= 2x)",
@@ -603,7 +671,9 @@ def main() -> None:
                       f"({wb['uss'] / wa['uss'] - 1:+.1%}), PSS {wa['pss']:.0f} -> "
                       f"{wb['pss']:.0f} MiB ({wb['pss'] / wa['pss'] - 1:+.1%}), anonymous "
                       f"{wa.get('anon', 0):.0f} -> {wb.get('anon', 0):.0f} MiB "
-                      f"({wb.get('anon', 0) / max(wa.get('anon', 0), 1e-9) - 1:+.1%})")
+                      f"({wb.get('anon', 0) / max(wa.get('anon', 0), 1e-9) - 1:+.1%}), "
+                      f"private clean (file pages read) {wa.get('file_private', 0):.0f} -> "
+                      f"{wb.get('file_private', 0):.0f} MiB")
 
     if args.pss_images and (not only or "pss" in only):
         t0 = time.perf_counter()

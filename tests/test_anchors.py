@@ -119,3 +119,22 @@ def test_retinanet_fields_order():
         f.field_of_anchors[:1], generate_anchors(8, (8 * 2 ** (1 / 3) * 4,), (2.0,)).astype(
             np.float32))
     assert fields[-1].field_size == field_size(128, 128, 1333) == 11
+
+
+@settings(deadline=None, max_examples=25)
+@given(st.integers(1, 1400), st.integers(1, 1400), st.sampled_from([-1.0, 0.0, 0.5, 3.0, 40.0]),
+       st.booleans())
+def test_inside_mask_equals_the_straddle_test_on_every_anchor(im_h, im_w, t, fpn):
+    """The per-shape rectangles give exactly ``x1 >= -t, y1 >= -t, x2 < W + t, y2 < H + t``
+    evaluated on every anchor (all anchors when ``t < 0``)."""
+    from lit_roidata.minibatch.anchors import _inside_mask, concat_fields, inside_mask, rpn_fields
+
+    cfg = get_cfg()
+    cfg.merge_from_dict({"FPN.FPN_ON": fpn, "FPN.MULTILEVEL_RPN": fpn})
+    fields = rpn_fields(cfg)
+    a = concat_fields(fields)
+    _inside_mask.cache_clear()
+    got = inside_mask(fields, float(im_h), float(im_w), t)
+    want = (np.ones(len(a), bool) if t < 0 else
+            (a[:, 0] >= -t) & (a[:, 1] >= -t) & (a[:, 2] < im_w + t) & (a[:, 3] < im_h + t))
+    assert got.dtype == bool and np.array_equal(got, want)

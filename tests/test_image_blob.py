@@ -216,3 +216,23 @@ def test_normalize_on_device_exact_lut_and_padding():
     assert np.abs(fast - ref).max() < 1e-4
     with pytest.raises(ValueError):
         normalize_on_device(torch.from_numpy(data).float(), sizes, MEANS)
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_normalize_on_device_cpu_path_matches_float64_reference(n, H, W, strided, seed):
+    """The CPU path (a table lookup per image plane, padding zeroed) gives Detectron's
+    ``float32(float64(v) - mean)`` for every value, any sizes (full, partial, larger
+    than the canvas), and non-contiguous input."""
+    r = np.random.default_rng(seed)
+    full = r.integers(0, 256, (n, 3, H, 2 * W if strided else W), dtype=np.uint8)
+    data = torch.from_numpy(full)[..., ::2] if strided else torch.from_numpy(full)
+    sizes = np.stack([r.integers(0, H + 3, n), r.integers(0, W + 3, n)], 1)
+    out = normalize_on_device(data, sizes, MEANS).numpy()
+    ref = (data.numpy().astype(np.float64) - MEANS.reshape(1, 3, 1, 1)).astype(np.float32)
+    for i, (h, w) in enumerate(sizes):
+        ref[i, :, h:, :] = 0
+        ref[i, :, :, w:] = 0
+    assert out.dtype == np.float32 and out.shape == (n, 3, H, W)
+    assert np.array_equal(out, ref)

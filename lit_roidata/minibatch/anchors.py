@@ -348,10 +348,19 @@ def _inside_mask(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
         row, col = grid[0], grid[:, 0]  # (F, A, 4): x varies / y varies
         x_ok = (row[..., 0] >= -t) & (row[..., 2] < im_w + t)
         y_ok = (col[..., 1] >= -t) & (col[..., 3] < im_h + t)
-        # out[y, x, a] = y_ok[y, a] & x_ok[x, a], written in place with long inner loops
+        # out[y, x, a] = y_ok[y, a] & x_ok[x, a]. Coordinates grow with the index, so each
+        # shape's kept columns (rows) are one contiguous run: the mask is a rectangle per
+        # cell anchor, written as one slice on a cleared field.
         part = out[start:start + n_f * n_f * a].reshape(n_f, n_f, a)
-        part[...] = x_ok[None, :, :]
-        part &= y_ok[:, None, :]
+        part.fill(False)
+        for k in range(a):
+            xs, ys = np.flatnonzero(x_ok[:, k]), np.flatnonzero(y_ok[:, k])
+            if not (len(xs) and len(ys)):
+                continue
+            if xs[-1] - xs[0] + 1 == len(xs) and ys[-1] - ys[0] + 1 == len(ys):
+                part[ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1, k] = True
+            else:  # not a rectangle (cannot happen for a regular grid): the outer product
+                part[:, :, k] = y_ok[:, k, None] & x_ok[None, :, k]
         start += n_f * n_f * a
     out.setflags(write=False)  # memoised: images of one size share it
     return out
