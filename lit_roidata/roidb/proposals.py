@@ -272,16 +272,111 @@ def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray) -> tuple[np.ndarray, np.
     return p, g0[p] + within
 
 
+_IOU_BLOCK = 1 << 15  # proposals per IoU block: the float64 temporaries stay in cache
+
+
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
     """IoU merge into overlaps (Detectron semantics: proposals): ``(max_overlaps, max_classes,
     gt_map)``.
 
-    Images are grouped by their gt count ``G``; each group is one padded
-    ``(images, P_max, G)`` IoU block computed by broadcasting (no per-pair gathers). The
-    arithmetic is that of ``boxes.bbox_overlaps`` (float64, cast to float32) and
-    ``argmax`` keeps the lowest gt index on ties, as Detectron. ``img`` must be
+    Images are ordered by gt count ``G``, then by proposal count; consecutive images of
+    one ``G`` form small padded ``(images, P)`` blocks (a few 10k proposals, so the
+    float64 temporaries stay in the CPU cache), and the IoU with gt slot ``j = 0..G-1``
+    is one broadcast per slot, folded into a running maximum (strictly greater replaces,
+    so ties keep the lowest gt index, as ``argmax`` does). The arithmetic is that of
+    ``boxes.bbox_overlaps`` (float64, rounded once to float32). ``img`` must be
     non-decreasing (proposals of one image contiguous), as :func:`_chunk` produces.
+    Boxes of zero or negative area (possible only with ``min_proposal_size < 0`` or
+    degenerate gt) go through :func:`_merge_blocks`, whose NaN handling matches
+    ``argmax``'s.
     """
+    n = b.shape[0]
+    mo = np.zeros(n, np.float32)
+    mc = np.zeros(n, np.int32)
+    gmap = np.full(n, -1, np.int32)
+    if n == 0:
+        return mo, mc, gmap
+    starts = np.flatnonzero(np.r_[True, img[1:] != img[:-1]])
+    pcount = np.diff(np.r_[starts, n])
+    uimg = img[starts]
+    g0 = gt_off[uimg]
+    ng = (gt_off[uimg + 1] - g0).astype(np.int64)
+    if not ng.any():
+        return mo, mc, gmap
+    r0, r1 = int(gt_off[uimg[0]]), int(gt_off[uimg[-1] + 1])
+    gt64 = gt_boxes[r0:r1].astype(np.float64)  # the chunk's gt rows, from row r0
+    ga = box_areas(gt64)
+    cols = np.empty((4, n))
+    cols[...] = b.T
+    pa = (cols[2] - cols[0] + 1) * (cols[3] - cols[1] + 1)  # box_areas' arithmetic
+    if not ((pa > 0).all() and (ga > 0).all()):
+        return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
+    gx1, gy1, gx2, gy2 = (np.ascontiguousarray(gt64[:, c]) for c in range(4))
+    order = np.lexsort((-pcount, ng))
+    order = order[ng[order] > 0]
+    ng_o = ng[order]
+    bounds = np.flatnonzero(np.r_[True, ng_o[1:] != ng_o[:-1], True])
+    for gs, ge in zip(bounds[:-1], bounds[1:]):
+        g = int(ng_o[gs])
+        k0 = gs
+        while k0 < ge:
+            p_max = int(pcount[order[k0]])
+            k1 = min(ge, k0 + max(1, _IOU_BLOCK // p_max))
+            sel = order[k0:k1]
+            k0 = k1
+            _merge_block(sel, starts, pcount, p_max, g0 - r0, g, cols, pa, gx1, gy1, gx2, gy2,
+                         ga, gt_classes[r0:r1], mo, mc, gmap)
+    return mo, mc, gmap
+
+
+def _merge_block(sel, starts, pcount, p_max, g0, g, cols, pa, gx1, gy1, gx2, gy2, ga,
+                 gt_classes, mo, mc, gmap):
+    """One padded block of :func:`_merge`: images ``sel`` (``g`` gt each, at most
+    ``p_max`` proposals), written into ``mo``/``mc``/``gmap``."""
+    cnt = pcount[sel]
+    ar = np.arange(p_max)
+    valid = ar[None, :] < cnt[:, None]
+    idx = starts[sel][:, None] + np.minimum(ar[None, :], cnt[:, None] - 1)
+    px1, py1, px2, py2 = (c[idx] for c in cols)
+    pab = pa[idx]
+    rows = g0[sel]
+    shape = idx.shape
+    iw, ih, tmp = np.empty(shape), np.empty(shape), np.empty(shape)
+    ov = np.empty(shape, np.float32)
+    best = np.zeros(shape, np.float32)
+    arg = np.zeros(shape, np.int32)
+    upd = np.empty(shape, bool)
+    for j in range(g):
+        r = rows + j
+        np.minimum(px2, gx2[r][:, None], out=iw)
+        iw -= np.maximum(px1, gx1[r][:, None], out=tmp)
+        iw += 1
+        np.maximum(iw, 0, out=iw)
+        np.minimum(py2, gy2[r][:, None], out=ih)
+        ih -= np.maximum(py1, gy1[r][:, None], out=tmp)
+        ih += 1
+        np.maximum(ih, 0, out=ih)
+        iw *= ih  # intersection
+        np.add(pab, ga[r][:, None], out=tmp)
+        tmp -= iw  # union (> 0: both areas are)
+        np.divide(iw, tmp, out=ov)  # computed in float64, rounded once to float32
+        if j == 0:
+            best[...] = ov
+            continue
+        np.greater(ov, best, out=upd)
+        np.copyto(best, ov, where=upd)
+        np.copyto(arg, j, where=upd)
+    pos = valid & (best > 0)
+    hit = idx[pos]
+    a = arg[pos]
+    mo[hit] = best[pos]
+    gmap[hit] = a
+    mc[hit] = gt_classes[rows[:, None].repeat(p_max, 1)[pos] + a]
+
+
+def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
+    """:func:`_merge` by whole ``(images, P_max, G)`` IoU blocks and ``argmax`` (any box
+    areas, including zero or negative ones)."""
     n = b.shape[0]
     mo = np.zeros(n, np.float32)
     mc = np.zeros(n, np.int32)
