@@ -86,7 +86,7 @@ def _oracle(boxes_per_img, gt, min_size, limit, crowd_thresh):
         w1, h1 = gt["widths"][i] - 1, gt["heights"][i] - 1
         b[:, [0, 2]] = np.minimum(np.asarray(w1, b.dtype), np.maximum(0, b[:, [0, 2]]))
         b[:, [1, 3]] = np.minimum(np.asarray(h1, b.dtype), np.maximum(0, b[:, [1, 3]]))
-        hashes = np.round(b).astype(np.int64).dot(np.array([1, 1000, 10**6, 10**9]))
+        hashes = np.round(b).dot(np.array([1, 1e3, 1e6, 1e9]))
         _, first = np.unique(hashes, return_index=True)
         b = b[np.sort(first)]
         w = b[:, 2] - b[:, 0] + 1

@@ -90,14 +90,26 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     """Keep-mask of first occurrences of Detectron's box hash within each group (Detectron
     semantics: proposals).
 
-    The hash is ``round(x1) + 1e3 round(y1) + 1e6 round(x2) + 1e9 round(y2)`` (which can
-    collide for coordinates >= 1000, Detectron quirk Q13 (docs/detectron_quirks.md)); order is
+    The hash is Detectron's float64 ``round(x1) + 1e3 round(y1) + 1e6 round(x2) + 1e9
+    round(y2)`` (which can collide for coordinates >= 1000, Detectron quirk Q13
+    (docs/detectron_quirks.md), and rounds away low digits beyond 2**53); order is
     preserved.
     """
     if boxes.shape[0] == 0:
         return np.zeros(0, bool)
-    h = np.round(boxes).astype(np.int64) @ np.array([1, 1000, 1_000_000, 1_000_000_000],
-                                                    np.int64)
+    hf = np.round(boxes).dot(np.array([1, 1e3, 1e6, 1e9]))  # Detectron's expression
+    g = group - group.min()
+    lo, hi = float(hf.min()), float(hf.max())
+    if not (-2.0**53 < lo and hi < 2.0**53):  # huge coordinates: compare the floats
+        order = np.lexsort((hf, g))
+        new = np.ones(order.size, bool)
+        new[1:] = (hf[order][1:] != hf[order][:-1]) | (g[order][1:] != g[order][:-1])
+        keep = np.zeros(boxes.shape[0], bool)
+        keep[order[new]] = True
+        return keep
+    h = hf.astype(np.int64)  # exact: integral values below 2**53
+    h -= int(lo)
+    del hf
     g = group - group.min()
     span = int(h.max()) + 1
     if span * (int(g.max()) + 1) < 2**62:
@@ -315,11 +327,9 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     r0, r1 = int(gt_off[uimg[0]]), int(gt_off[uimg[-1] + 1])
     gt64 = gt_boxes[r0:r1].astype(np.float64)  # the chunk's gt rows, from row r0
     ga = box_areas(gt64)
-    cols = np.empty((4, n))
-    cols[...] = b.T
-    pa = (cols[2] - cols[0] + 1) * (cols[3] - cols[1] + 1)  # box_areas' arithmetic
-    if not ((pa > 0).all() and (ga > 0).all()):
+    if not (ga > 0).all():
         return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
+    cols = b.T  # a view: each block gathers its own rows
     gx1, gy1, gx2, gy2 = (np.ascontiguousarray(gt64[:, c]) for c in range(4))
     order = np.lexsort((-pcount, ng))
     order = order[ng[order] > 0]
@@ -333,24 +343,32 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
             k1 = min(ge, k0 + max(1, _IOU_BLOCK // p_max))
             sel = order[k0:k1]
             k0 = k1
-            _merge_block(sel, starts, pcount, p_max, g0 - r0, g, cols, pa, gx1, gy1, gx2, gy2,
-                         ga, gt_classes[r0:r1], mo, mc, gmap)
+            if not _merge_block(sel, starts, pcount, p_max, g0 - r0, g, cols, gx1, gy1, gx2,
+                                gy2, ga, gt_classes[r0:r1], mo, mc, gmap):
+                return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
     return mo, mc, gmap
 
 
-def _merge_block(sel, starts, pcount, p_max, g0, g, cols, pa, gx1, gy1, gx2, gy2, ga,
-                 gt_classes, mo, mc, gmap):
+def _merge_block(sel, starts, pcount, p_max, g0, g, cols, gx1, gy1, gx2, gy2, ga,
+                 gt_classes, mo, mc, gmap) -> bool:
     """One padded block of :func:`_merge`: images ``sel`` (``g`` gt each, at most
-    ``p_max`` proposals), written into ``mo``/``mc``/``gmap``."""
+    ``p_max`` proposals), written into ``mo``/``mc``/``gmap``. ``False`` (nothing
+    written) when a proposal's area is not positive."""
     cnt = pcount[sel]
     ar = np.arange(p_max)
     valid = ar[None, :] < cnt[:, None]
     idx = starts[sel][:, None] + np.minimum(ar[None, :], cnt[:, None] - 1)
-    px1, py1, px2, py2 = (c[idx] for c in cols)
-    pab = pa[idx]
+    px1, py1, px2, py2 = (c[idx].astype(np.float64) for c in cols)
+    pab = px2 - px1
+    pab += 1
+    tmp = py2 - py1
+    tmp += 1
+    pab *= tmp  # box_areas' arithmetic, in float64
+    if not (pab > 0).all():
+        return False
     rows = g0[sel]
     shape = idx.shape
-    iw, ih, tmp = np.empty(shape), np.empty(shape), np.empty(shape)
+    iw, ih = np.empty(shape), np.empty(shape)
     ov = np.empty(shape, np.float32)
     best = np.zeros(shape, np.float32)
     arg = np.zeros(shape, np.int32)
@@ -381,6 +399,7 @@ def _merge_block(sel, starts, pcount, p_max, g0, g, cols, pa, gx1, gy1, gx2, gy2
     mo[hit] = best[pos]
     gmap[hit] = a
     mc[hit] = gt_classes[rows[:, None].repeat(p_max, 1)[pos] + a]
+    return True
 
 
 def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
