@@ -1,7 +1,7 @@
 """The on-disk roidb cache: content keys, atomic writes, validation, one builder at a time.
 
 * **Key.** ``sha256`` of the input fingerprints (path, size, mtime, xxh3 or BLAKE2b of
-  the content) and every option that changes the result. Content hashes are memoised per
+  the content, as ``"<algo>:<hex>"``) and every option that changes the result. Content hashes are memoised per
   ``(path, size, mtime_ns, ctime_ns, inode)`` in ``<cache>/.fingerprints`` so a warm open
   does not re-read multi-GB files; ``ctime`` cannot be set by users, so a file replaced
   with a preserved mtime is still re-hashed.
@@ -62,10 +62,10 @@ def default_cache_dir() -> str:
 
 
 def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
-    """``{path, size, mtime_ns, <algo>: digest}`` of ``path``, with the hash memoised by stat.
+    """``{path, size, mtime_ns, digest}`` of ``path``, with the hash memoised by stat.
 
-    The content hash is ``xxh3_128`` when ``xxhash`` is installed (GB/s: a cold build
-    of a large annotation file does not wait for it), else BLAKE2b.
+    The digest is ``"<algo>:<hex>"`` (xxh3_128 when ``xxhash`` is installed, several GB/s,
+    else BLAKE2b): a cold build hashes every input file once, proposal files are GBs.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -76,29 +76,22 @@ def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     algo = _default_algo()
     memo_dir = os.path.join(cache_root, ".fingerprints")
     memo = os.path.join(memo_dir, hashlib.sha1(path.encode()).hexdigest() + ".json")
-    out = {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     try:
         with open(memo, encoding="utf-8") as fh:
             rec = json.load(fh)
-        if rec.get("stat") == stat_key and rec.get("path") == path and algo in rec:
-            return {**out, algo: rec[algo]}
+        if rec.get("stat") == stat_key and rec.get("path") == path and \
+                str(rec["digest"]).startswith(algo + ":"):
+            return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                    "digest": rec["digest"]}
     except (OSError, ValueError, KeyError):
         pass
-    digest = file_digest(path, algo) if algo != "blake2b" else _blake2b_20(path)
+    digest = f"{algo}:{file_digest(path, algo)}"
     try:  # best effort: a read-only cache directory just means re-hashing next time
         os.makedirs(memo_dir, exist_ok=True)
-        _atomic_write_text(memo, json.dumps({"path": path, "stat": stat_key, algo: digest}))
+        _atomic_write_text(memo, json.dumps({"path": path, "stat": stat_key, "digest": digest}))
     except OSError as exc:
         logger.debug("cannot memoise the hash of %s: %s", path, exc)
-    return {**out, algo: digest}
-
-
-def _blake2b_20(path: str) -> str:
-    h = hashlib.blake2b(digest_size=20)
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(_HASH_BLOCK), b""):
-            h.update(block)
-    return h.hexdigest()
+    return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
 
 
 def cache_key(doc: Mapping[str, Any]) -> str:

@@ -11,9 +11,17 @@ __all__ = ["segment_any", "trainable_images", "filter_entries"]
 
 def segment_any(flags: np.ndarray, off: np.ndarray) -> np.ndarray:
     """Per segment ``off[i]:off[i+1]``: is any flag set (empty segments give False)."""
-    c = np.zeros(flags.size + 1, np.int64)
-    np.cumsum(flags, out=c[1:])
-    return (c[off[1:]] - c[off[:-1]]) > 0
+    flags = np.asarray(flags, bool)
+    off = np.asarray(off, np.int64)
+    out = np.zeros(off.size - 1, bool)
+    nonempty = np.flatnonzero(off[1:] > off[:-1])
+    if nonempty.size:
+        # a reduceat over the non-empty segments' starts (each runs to the next one's
+        # start, which is its own end); no int64 prefix sum over the whole column
+        lo = int(off[nonempty[0]])
+        out[nonempty] = np.logical_or.reduceat(flags[lo:int(off[nonempty[-1] + 1])],
+                                               off[nonempty] - lo)
+    return out
 
 
 def _candidate(mo: np.ndarray, fg_thresh: float, bg_hi: float, bg_lo: float) -> np.ndarray:

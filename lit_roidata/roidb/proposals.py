@@ -90,27 +90,53 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     """Keep-mask of first occurrences of Detectron's box hash within each group (Detectron
     semantics: proposals).
 
-    The hash is ``round(x1) + 1e3 round(y1) + 1e6 round(x2) + 1e9 round(y2)`` (which can
-    collide for coordinates >= 1000, Detectron quirk Q13 (docs/detectron_quirks.md)); order is
+    The hash is Detectron's float64 ``round(x1) + 1e3 round(y1) + 1e6 round(x2) + 1e9
+    round(y2)`` (which can collide for coordinates >= 1000, Detectron quirk Q13
+    (docs/detectron_quirks.md), and rounds away low digits beyond 2**53); order is
     preserved.
     """
     if boxes.shape[0] == 0:
         return np.zeros(0, bool)
-    h = np.round(boxes).astype(np.int64) @ np.array([1, 1000, 1_000_000, 1_000_000_000],
-                                                    np.int64)
+    r = np.round(boxes)
+    if r.size and float(np.abs(r).max()) < 2.0**53 / 1.002e9:
+        # every partial sum is an integer below 2**53, hence exact in any summation
+        # order: a float64 BLAS product (np.dot of float32 rows by a float64 vector
+        # takes a slow generic loop) gives Detectron's values exactly
+        hf = r.astype(np.float64) @ np.array([1, 1e3, 1e6, 1e9])
+    else:
+        hf = r.dot(np.array([1, 1e3, 1e6, 1e9]))  # Detectron's expression
+    del r
+    g = group - group.min()
+    lo, hi = float(hf.min()), float(hf.max())
+    if not (-2.0**53 < lo and hi < 2.0**53):  # huge coordinates: compare the floats
+        order = np.lexsort((hf, g))
+        new = np.ones(order.size, bool)
+        new[1:] = (hf[order][1:] != hf[order][:-1]) | (g[order][1:] != g[order][:-1])
+        keep = np.zeros(boxes.shape[0], bool)
+        keep[order[new]] = True
+        return keep
+    h = hf.astype(np.int64)  # exact: integral values below 2**53
+    h -= int(lo)
+    del hf
     g = group - group.min()
     span = int(h.max()) + 1
     if span * (int(g.max()) + 1) < 2**62:
-        # first occurrence of each key: an (unstable, SIMD) argsort, then the smallest
-        # original index within each run of equal keys (np.unique(return_index=True)
-        # does the same with a stable sort, ~5x slower)
+        # Duplicates are rare: sort the keys' values (a SIMD sort, ~4x cheaper than an
+        # argsort) to find the repeated ones, then settle first occurrences among the
+        # boxes carrying a repeated key only (np.unique's stable return_index).
         key = g * span + h
-        order = np.argsort(key)
-        ks = key[order]
-        new = np.empty(ks.size, bool)
-        new[0] = True
-        np.not_equal(ks[1:], ks[:-1], out=new[1:])
-        first = np.minimum.reduceat(order, np.flatnonzero(new))
+        ks = np.sort(key)
+        rep = ks[1:][ks[1:] == ks[:-1]]
+        if rep.size == 0:
+            return np.ones(boxes.shape[0], bool)
+        rep = np.unique(rep)
+        at = np.minimum(np.searchsorted(rep, key), rep.size - 1)
+        cand = np.flatnonzero(rep[at] == key)
+        _, first = np.unique(key[cand], return_index=True)
+        keep = np.ones(boxes.shape[0], bool)
+        keep[cand] = False
+        keep[cand[first]] = True
+        return keep
     else:
         order = np.lexsort((h, g))
         new = np.ones(order.size, bool)
@@ -221,23 +247,26 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
         b = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
     if not np.issubdtype(b.dtype, np.floating):
         b = b.astype(np.float32)
-    b = np.array(b, copy=True)
+    if b.base is not None or not (b.flags.writeable and b.flags.c_contiguous):
+        b = np.array(b, copy=True)  # a view of the source: clipped in place below
+    b = b.reshape(-1, 4)
     cnt = src.counts[recs]
     img = np.repeat(np.arange(i0, i1), cnt)
     counts["proposals_in_file"] += int(b.shape[0])
-    finite = np.isfinite(b).all(axis=1)
-    if not finite.all():
+    if b.size and not (np.isfinite(b.min()) and np.isfinite(b.max())):  # NaN/inf propagate
+        finite = np.isfinite(b).all(axis=1)
         bad = np.unique(image_ids[img[~finite]])
         raise RoIDBInputError(
             f"{src.path}: {int((~finite).sum())} proposal(s) have NaN or infinite coordinates "
             f"(image ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}). Regenerate the "
             f"proposals or drop those boxes.")
-    # 1. clip (in the file's dtype, as Detectron does in place: min(W - 1, max(0, x)))
-    wm1 = (widths[img] - 1).astype(b.dtype)[:, None]
-    hm1 = (heights[img] - 1).astype(b.dtype)[:, None]
-    xs, ys = b[:, 0::2], b[:, 1::2]
-    np.minimum(wm1, np.maximum(0, xs, out=xs), out=xs)
-    np.minimum(hm1, np.maximum(0, ys, out=ys), out=ys)
+    # 1. clip (in the file's dtype, as Detectron does in place: min(W - 1, max(0, x))),
+    # all four columns in one contiguous pass against per-box [W-1, H-1, W-1, H-1] rows
+    wm1 = (widths[i0:i1] - 1).astype(b.dtype)
+    hm1 = (heights[i0:i1] - 1).astype(b.dtype)
+    lim = np.repeat(np.stack([wm1, hm1, wm1, hm1], 1), cnt, axis=0)
+    np.minimum(lim, np.maximum(0, b, out=b), out=b)
+    del lim
     # 2. de-duplicate, then 3. min size (strict, +1 widths, in the file's dtype); the size
     # rule looks at each box alone, so both masks are applied in one compaction
     unique = unique_box_keep(b, img)
@@ -272,16 +301,118 @@ def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray) -> tuple[np.ndarray, np.
     return p, g0[p] + within
 
 
+_IOU_BLOCK = 1 << 15  # proposals per IoU block: the float64 temporaries stay in cache
+
+
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
     """IoU merge into overlaps (Detectron semantics: proposals): ``(max_overlaps, max_classes,
     gt_map)``.
 
-    Images are grouped by their gt count ``G``; each group is one padded
-    ``(images, P_max, G)`` IoU block computed by broadcasting (no per-pair gathers). The
-    arithmetic is that of ``boxes.bbox_overlaps`` (float64, cast to float32) and
-    ``argmax`` keeps the lowest gt index on ties, as Detectron. ``img`` must be
+    Images are ordered by gt count ``G``, then by proposal count; consecutive images of
+    one ``G`` form small padded ``(images, P)`` blocks (a few 10k proposals, so the
+    float64 temporaries stay in the CPU cache), and the IoU with gt slot ``j = 0..G-1``
+    is one broadcast per slot, folded into a running maximum (strictly greater replaces,
+    so ties keep the lowest gt index, as ``argmax`` does). The arithmetic is that of
+    ``boxes.bbox_overlaps`` (float64, rounded once to float32). ``img`` must be
     non-decreasing (proposals of one image contiguous), as :func:`_chunk` produces.
+    Boxes of zero or negative area (possible only with ``min_proposal_size < 0`` or
+    degenerate gt) go through :func:`_merge_blocks`, whose NaN handling matches
+    ``argmax``'s.
     """
+    n = b.shape[0]
+    mo = np.zeros(n, np.float32)
+    mc = np.zeros(n, np.int32)
+    gmap = np.full(n, -1, np.int32)
+    if n == 0:
+        return mo, mc, gmap
+    starts = np.flatnonzero(np.r_[True, img[1:] != img[:-1]])
+    pcount = np.diff(np.r_[starts, n])
+    uimg = img[starts]
+    g0 = gt_off[uimg]
+    ng = (gt_off[uimg + 1] - g0).astype(np.int64)
+    if not ng.any():
+        return mo, mc, gmap
+    r0, r1 = int(gt_off[uimg[0]]), int(gt_off[uimg[-1] + 1])
+    gt64 = gt_boxes[r0:r1].astype(np.float64)  # the chunk's gt rows, from row r0
+    ga = box_areas(gt64)
+    if not (ga > 0).all():
+        return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
+    cols = b.T  # a view: each block gathers its own rows
+    gx1, gy1, gx2, gy2 = (np.ascontiguousarray(gt64[:, c]) for c in range(4))
+    order = np.lexsort((-pcount, ng))
+    order = order[ng[order] > 0]
+    ng_o = ng[order]
+    bounds = np.flatnonzero(np.r_[True, ng_o[1:] != ng_o[:-1], True])
+    for gs, ge in zip(bounds[:-1], bounds[1:]):
+        g = int(ng_o[gs])
+        k0 = gs
+        while k0 < ge:
+            p_max = int(pcount[order[k0]])
+            k1 = min(ge, k0 + max(1, _IOU_BLOCK // p_max))
+            sel = order[k0:k1]
+            k0 = k1
+            if not _merge_block(sel, starts, pcount, p_max, g0 - r0, g, cols, gx1, gy1, gx2,
+                                gy2, ga, gt_classes[r0:r1], mo, mc, gmap):
+                return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
+    return mo, mc, gmap
+
+
+def _merge_block(sel, starts, pcount, p_max, g0, g, cols, gx1, gy1, gx2, gy2, ga,
+                 gt_classes, mo, mc, gmap) -> bool:
+    """One padded block of :func:`_merge`: images ``sel`` (``g`` gt each, at most
+    ``p_max`` proposals), written into ``mo``/``mc``/``gmap``. ``False`` (nothing
+    written) when a proposal's area is not positive."""
+    cnt = pcount[sel]
+    ar = np.arange(p_max)
+    valid = ar[None, :] < cnt[:, None]
+    idx = starts[sel][:, None] + np.minimum(ar[None, :], cnt[:, None] - 1)
+    px1, py1, px2, py2 = (c[idx].astype(np.float64) for c in cols)
+    pab = px2 - px1
+    pab += 1
+    tmp = py2 - py1
+    tmp += 1
+    pab *= tmp  # box_areas' arithmetic, in float64
+    if not (pab > 0).all():
+        return False
+    rows = g0[sel]
+    shape = idx.shape
+    iw, ih = np.empty(shape), np.empty(shape)
+    ov = np.empty(shape, np.float32)
+    best = np.zeros(shape, np.float32)
+    arg = np.zeros(shape, np.int32)
+    upd = np.empty(shape, bool)
+    for j in range(g):
+        r = rows + j
+        np.minimum(px2, gx2[r][:, None], out=iw)
+        iw -= np.maximum(px1, gx1[r][:, None], out=tmp)
+        iw += 1
+        np.maximum(iw, 0, out=iw)
+        np.minimum(py2, gy2[r][:, None], out=ih)
+        ih -= np.maximum(py1, gy1[r][:, None], out=tmp)
+        ih += 1
+        np.maximum(ih, 0, out=ih)
+        iw *= ih  # intersection
+        np.add(pab, ga[r][:, None], out=tmp)
+        tmp -= iw  # union (> 0: both areas are)
+        np.divide(iw, tmp, out=ov)  # computed in float64, rounded once to float32
+        if j == 0:
+            best[...] = ov
+            continue
+        np.greater(ov, best, out=upd)
+        np.copyto(best, ov, where=upd)
+        np.copyto(arg, j, where=upd)
+    pos = valid & (best > 0)
+    hit = idx[pos]
+    a = arg[pos]
+    mo[hit] = best[pos]
+    gmap[hit] = a
+    mc[hit] = gt_classes[rows[:, None].repeat(p_max, 1)[pos] + a]
+    return True
+
+
+def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
+    """:func:`_merge` by whole ``(images, P_max, G)`` IoU blocks and ``argmax`` (any box
+    areas, including zero or negative ones)."""
     n = b.shape[0]
     mo = np.zeros(n, np.float32)
     mc = np.zeros(n, np.int32)
