@@ -22,7 +22,7 @@ import types
 from typing import Any, Optional, TypeVar
 
 __all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
-           "import_namespace", "isinstance_any", "source_class", "foreign_references"]
+           "import_namespace", "available", "isinstance_any", "source_class", "foreign_references"]
 
 #: The two namespaces, by the module name of their ``Trainer``'s package.
 PL = "pytorch_lightning"
@@ -69,6 +69,16 @@ def import_namespace(namespace: str) -> types.ModuleType:
         return require(LIGHTNING, "lightning",
                        "the `lightning` namespace (lit_roidata.lightning, `import lightning as L`)")
     raise ValueError(f"unknown Lightning namespace {namespace!r}; use one of {NAMESPACES}")
+
+
+def available(namespace: str) -> bool:
+    """Whether ``namespace``'s package is installed (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(namespace.split(".")[0]) is not None
+    except ImportError:  # an import hook that hides the package
+        return False
 
 
 def lightning_attr(namespace_or_obj: Any, dotted: str) -> Any:

@@ -32,12 +32,9 @@ def _data_module_bases() -> tuple[type, ...]:
     """``LightningDataModule`` of both namespaces (the second when ``lightning`` is
     installed): a config may name ``lit_roidata.RoIDataModule`` or
     ``lit_roidata.lightning.RoIDataModule``."""
-    import importlib.util
+    from lit_roidata._lightning import NAMESPACES, available, lightning_attr
 
-    from lit_roidata._lightning import LIGHTNING, NAMESPACES, PL, lightning_attr
-
-    have = [PL] + [LIGHTNING] * (importlib.util.find_spec("lightning") is not None)
-    return tuple(lightning_attr(ns, "LightningDataModule") for ns in NAMESPACES if ns in have)
+    return tuple(lightning_attr(ns, "LightningDataModule") for ns in NAMESPACES if available(ns))
 
 
 def data_module_from(parser: ArgumentParser, argv: Sequence[str]) -> tuple[Any, Any]:
