@@ -36,7 +36,7 @@ from pytorch_lightning.cli import LightningCLI
 
 from lit_roidata._lightning import PL, bind, lightning_attr
 
-__all__ = ["TOOLS", "RoIDataCLI", "main", "run_tool"]
+__all__ = ["TOOLS", "RoIDataCLI", "main", "run_tool", "translate_class_path"]
 
 #: Tool subcommand → ``"module:function"`` taking ``argv`` (list of str) → exit code.
 TOOLS: dict[str, tuple[str, str]] = {
@@ -98,6 +98,17 @@ class RoIDataCLI(LightningCLI):
         super().__init__(lightning_attr(self, "LightningModule"),
                          lightning_attr(self, "LightningDataModule"), subclass_mode_model=True,
                          subclass_mode_data=True, args=args, run=run, **kwargs)
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
+                     subparser_kwargs: dict[str, Any]) -> None:
+        """LightningCLI's parser; for ``lightning.pytorch`` the YAML files' class paths of
+        the other namespace are translated (:func:`translate_class_path`), so the same
+        config files serve both."""
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        from lit_roidata._lightning import LIGHTNING, namespace_of
+
+        if namespace_of(self) == LIGHTNING and self.parser.parser_mode == "yaml":
+            self.parser.parser_mode = _lightning_parser_mode()  # reaches the subcommands
 
     def before_fit(self) -> None:
         """Choose the checkpoint to resume from, say which (and its step), or say that
@@ -208,6 +219,65 @@ class RoIDataCLI(LightningCLI):
 
 
 _RESUME_ENV = "LIT_ROIDATA_RESUME_FROM"
+_LIGHTNING_MODE = "lit_roidata_lightning"
+
+
+def translate_class_path(path: str, namespace: str) -> str:
+    """The class path of ``path``'s class in ``namespace``: ``pytorch_lightning.X`` <->
+    ``lightning.pytorch.X``; a lit_roidata Lightning class (``lit_roidata.RoIDataModule``,
+    ``lit_roidata.demo.DemoFastRCNN``) -> its binding (``lit_roidata.lightning.X``).
+    Anything else (your own classes) is returned unchanged."""
+    from lit_roidata._lightning import LIGHTNING, bind, namespace_of, source_class
+
+    other = {PL: LIGHTNING, LIGHTNING: PL}[namespace]
+    for old, new in ((other + ".", namespace + "."),):
+        if path.startswith(old):
+            return new + path[len(old):]
+    if not path.startswith("lit_roidata."):
+        return path
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return path
+    if (not isinstance(obj, type) or namespace_of(obj) in (None, namespace)
+            or not source_class(obj).__module__.startswith("lit_roidata.")):
+        return path
+    bound = bind(obj, namespace)
+    return f"{bound.__module__}.{bound.__qualname__}"
+
+
+def _translate_class_paths(value: Any, namespace: str) -> Any:
+    if isinstance(value, dict):
+        out = {k: _translate_class_paths(v, namespace) for k, v in value.items()}
+        if isinstance(out.get("class_path"), str):
+            out["class_path"] = translate_class_path(out["class_path"], namespace)
+        return out
+    if isinstance(value, list):
+        return [_translate_class_paths(v, namespace) for v in value]
+    return value
+
+
+def _lightning_parser_mode() -> str:
+    """A jsonargparse parser mode: YAML with the class paths translated to
+    ``lightning.pytorch`` (:func:`translate_class_path`), registered once."""
+    import jsonargparse
+    import yaml
+
+    from lit_roidata._lightning import LIGHTNING
+
+    if _LIGHTNING_MODE not in _modes_registered:
+        yaml_loader = jsonargparse.get_loader("yaml")
+        jsonargparse.set_loader(
+            _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),
+            exceptions=(yaml.YAMLError,))
+        _modes_registered.add(_LIGHTNING_MODE)
+    return _LIGHTNING_MODE
+
+
+_modes_registered: set[str] = set()
 
 
 def _use_step_progress_bar(trainer: Any) -> None:
