@@ -137,8 +137,7 @@ class RoIDataCLI(LightningCLI):
         ckpt = self._get(self.config_init, "ckpt_path")
         on_exc = lightning_attr(self.trainer, "callbacks.OnExceptionCheckpoint")
         ft = [cb for cb in self.trainer.callbacks if isinstance(cb, on_exc)]
-        for pattern in (r"`\.fit\(ckpt_path=None\)` was called without a model",
-                        r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint'):
+        for pattern in _SILENCED_WARNINGS:
             warnings.filterwarnings("ignore", message=pattern)
         if ckpt in (None, "last"):
             # Never resume (nor let Lightning resume, which treats ckpt_path=None as "last"
@@ -219,6 +218,10 @@ class RoIDataCLI(LightningCLI):
 
 
 _RESUME_ENV = "LIT_ROIDATA_RESUME_FROM"
+#: Lightning's warnings about the resume choice the CLI made itself (checked against
+#: Lightning's text by tests/test_lightning_internals.py).
+_SILENCED_WARNINGS = (r"`\.fit\(ckpt_path=None\)` was called without a model",
+                      r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint')
 _LIGHTNING_MODE = "lit_roidata_lightning"
 
 
