@@ -233,9 +233,8 @@ def translate_class_path(path: str, namespace: str) -> str:
     from lit_roidata._lightning import LIGHTNING, bind, namespace_of, source_class
 
     other = {PL: LIGHTNING, LIGHTNING: PL}[namespace]
-    for old, new in ((other + ".", namespace + "."),):
-        if path.startswith(old):
-            return new + path[len(old):]
+    if path.startswith(other + "."):
+        return namespace + path[len(other):]
     if not path.startswith("lit_roidata."):
         return path
     import importlib

@@ -31,6 +31,32 @@ def root(tmp_path_factory: Any) -> Path:
     return shared_root(tmp_path_factory)
 
 
+def test_every_lightning_class_of_the_package_has_a_binding() -> None:
+    """A new Lightning-derived class in lit_roidata must be listed in
+    lit_roidata.lightning.CLASSES (else ``import lightning as L`` users cannot name it)."""
+    import importlib
+    import pkgutil
+
+    import lit_roidata
+
+    found = {}
+    for info in pkgutil.walk_packages(lit_roidata.__path__, "lit_roidata."):
+        if info.name.endswith("__main__") or info.name.startswith("lit_roidata.lightning"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency (its extra is not installed)
+            continue
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and obj.__module__ == info.name
+                    and namespace_of(obj) == PL):
+                found[obj.__name__] = f"{info.name}:{obj.__name__}"
+    assert found and found == {k: lit_l.CLASSES[k] for k in found}, (
+        "add these to lit_roidata.lightning.CLASSES: "
+        f"{ {k: v for k, v in found.items() if lit_l.CLASSES.get(k) != v} }")
+    assert set(found) == set(lit_l.CLASSES)
+
+
 @pytest.mark.parametrize("name", sorted(lit_l.CLASSES))
 def test_every_binding_is_the_same_class_in_lightning_pytorch(name: str) -> None:
     bound = getattr(lit_l, name)

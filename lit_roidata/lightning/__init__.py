@@ -26,7 +26,8 @@ from lit_roidata._lightning import LIGHTNING, bind, import_namespace
 
 import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` is missing
 
-#: Public name here -> ``module:name`` of the ``pytorch_lightning`` class it binds.
+#: Public name here -> ``module:name`` of the ``pytorch_lightning`` class it binds (every
+#: Lightning-derived class of lit_roidata: tests/test_lightning_namespaces.py checks it).
 CLASSES: dict[str, str] = {
     "RoIDataModule": "lit_roidata.datamodule:RoIDataModule",
     "BroadcastParameters": "lit_roidata.callbacks:BroadcastParameters",
@@ -59,6 +60,11 @@ def __getattr__(name: str) -> Any:
         cls = bind(_source(name), LIGHTNING)
         globals()[name] = cls
         return cls
+    from lit_roidata._lightning import _cache
+
+    for (_, ns), cls in list(_cache.items()):  # bound on the fly (lit_roidata.lightning.bind)
+        if ns == LIGHTNING and cls.__qualname__ == name:
+            return cls
     raise AttributeError(f"module 'lit_roidata.lightning' has no attribute {name!r}")
 
 
