@@ -3,7 +3,9 @@
 The public entry points are :class:`lit_roidata.RoIDataModule` (the Lightning face),
 :mod:`lit_roidata.config` (Detectron's option tree), :mod:`lit_roidata.catalog`,
 :mod:`lit_roidata.roidb`, :mod:`lit_roidata.sampler`, :mod:`lit_roidata.minibatch`,
-:mod:`lit_roidata.callbacks` and :mod:`lit_roidata.exchange`.
+:mod:`lit_roidata.callbacks` and :mod:`lit_roidata.exchange`. These classes are for
+``pytorch_lightning``; :mod:`lit_roidata.lightning` has the same ones for
+``lightning.pytorch`` (``import lightning as L``).
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ import warnings
 from typing import Any, Callable, Optional, Sequence
 
 from jsonargparse import DefaultHelpFormatter
-from pytorch_lightning import LightningDataModule, LightningModule
-from pytorch_lightning.callbacks import OnExceptionCheckpoint
 from pytorch_lightning.cli import LightningCLI
 
-__all__ = ["TOOLS", "RoIDataCLI", "main", "run_tool"]
+from lit_roidata._lightning import PL, bind, lightning_attr
+
+__all__ = ["TOOLS", "RoIDataCLI", "main", "run_tool", "translate_class_path"]
 
 #: Tool subcommand → ``"module:function"`` taking ``argv`` (list of str) → exit code.
 TOOLS: dict[str, tuple[str, str]] = {
@@ -88,14 +88,27 @@ class RoIDataCLI(LightningCLI):
     yours) and any data module (:class:`lit_roidata.RoIDataModule` or a subclass) can
     be named with ``class_path`` in the YAML file. The written ``config.yaml`` is
     overwritten on a re-run in the same log directory (a resume), not refused.
+    ``lit_roidata.lightning.RoIDataCLI`` is the same CLI for ``lightning.pytorch``.
     """
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("parser_kwargs", {"epilog": _tools_epilog(),
                                             "formatter_class": _HelpFormatter})
-        super().__init__(LightningModule, LightningDataModule, subclass_mode_model=True,
+        super().__init__(lightning_attr(self, "LightningModule"),
+                         lightning_attr(self, "LightningDataModule"), subclass_mode_model=True,
                          subclass_mode_data=True, args=args, run=run, **kwargs)
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
+                     subparser_kwargs: dict[str, Any]) -> None:
+        """LightningCLI's parser; for ``lightning.pytorch`` the YAML files' class paths of
+        the other namespace are translated (:func:`translate_class_path`), so the same
+        config files serve both."""
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        from lit_roidata._lightning import LIGHTNING, namespace_of
+
+        if namespace_of(self) == LIGHTNING and self.parser.parser_mode == "yaml":
+            self.parser.parser_mode = _lightning_parser_mode()  # reaches the subcommands
 
     def before_fit(self) -> None:
         """Choose the checkpoint to resume from, say which (and its step), or say that
@@ -122,9 +135,9 @@ class RoIDataCLI(LightningCLI):
             self._set_ckpt_path(decided or None)
             return
         ckpt = self._get(self.config_init, "ckpt_path")
-        ft = [cb for cb in self.trainer.callbacks if isinstance(cb, OnExceptionCheckpoint)]
-        for pattern in (r"`\.fit\(ckpt_path=None\)` was called without a model",
-                        r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint'):
+        on_exc = lightning_attr(self.trainer, "callbacks.OnExceptionCheckpoint")
+        ft = [cb for cb in self.trainer.callbacks if isinstance(cb, on_exc)]
+        for pattern in _SILENCED_WARNINGS:
             warnings.filterwarnings("ignore", message=pattern)
         if ckpt in (None, "last"):
             # Never resume (nor let Lightning resume, which treats ckpt_path=None as "last"
@@ -182,7 +195,8 @@ class RoIDataCLI(LightningCLI):
         """``validate``/``test``/``predict`` never write an interrupted-run checkpoint:
         a crash there must not make the next ``fit`` resume (another experiment)."""
         _use_step_progress_bar(self.trainer)
-        kept = [cb for cb in self.trainer.callbacks if not isinstance(cb, OnExceptionCheckpoint)]
+        on_exc = lightning_attr(self.trainer, "callbacks.OnExceptionCheckpoint")
+        kept = [cb for cb in self.trainer.callbacks if not isinstance(cb, on_exc)]
         if len(kept) != len(self.trainer.callbacks):
             self.trainer.callbacks = kept
 
@@ -193,29 +207,92 @@ class RoIDataCLI(LightningCLI):
         detections as COCO results json: add a
         :class:`~lit_roidata.models.COCOPredictionWriter` (``<default_root_dir>/predictions``)
         unless the config already has a prediction writer."""
-        from pytorch_lightning.callbacks import BasePredictionWriter
-
+        from lit_roidata._lightning import namespace_of
         from lit_roidata.models.predict import COCOPredictionWriter
 
         self._not_fit()
-        if not any(isinstance(cb, BasePredictionWriter) for cb in self.trainer.callbacks):
-            self.trainer.callbacks.append(COCOPredictionWriter())
+        writer = lightning_attr(self.trainer, "callbacks.BasePredictionWriter")
+        if not any(isinstance(cb, writer) for cb in self.trainer.callbacks):
+            self.trainer.callbacks.append(
+                bind(COCOPredictionWriter, namespace_of(self.trainer) or PL)())
 
 
 _RESUME_ENV = "LIT_ROIDATA_RESUME_FROM"
+#: Lightning's warnings about the resume choice the CLI made itself (checked against
+#: Lightning's text by tests/test_lightning_internals.py).
+_SILENCED_WARNINGS = (r"`\.fit\(ckpt_path=None\)` was called without a model",
+                      r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint')
+_LIGHTNING_MODE = "lit_roidata_lightning"
+
+
+def translate_class_path(path: str, namespace: str) -> str:
+    """The class path of ``path``'s class in ``namespace``: ``pytorch_lightning.X`` <->
+    ``lightning.pytorch.X``; a lit_roidata Lightning class (``lit_roidata.RoIDataModule``,
+    ``lit_roidata.demo.DemoFastRCNN``) -> its binding (``lit_roidata.lightning.X``).
+    Anything else (your own classes) is returned unchanged."""
+    from lit_roidata._lightning import LIGHTNING, bind, namespace_of, source_class
+
+    other = {PL: LIGHTNING, LIGHTNING: PL}[namespace]
+    if path.startswith(other + "."):
+        return namespace + path[len(other):]
+    if not path.startswith("lit_roidata."):
+        return path
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return path
+    if (not isinstance(obj, type) or namespace_of(obj) in (None, namespace)
+            or not source_class(obj).__module__.startswith("lit_roidata.")):
+        return path
+    bound = bind(obj, namespace)
+    return f"{bound.__module__}.{bound.__qualname__}"
+
+
+def _translate_class_paths(value: Any, namespace: str) -> Any:
+    if isinstance(value, dict):
+        out = {k: _translate_class_paths(v, namespace) for k, v in value.items()}
+        if isinstance(out.get("class_path"), str):
+            out["class_path"] = translate_class_path(out["class_path"], namespace)
+        return out
+    if isinstance(value, list):
+        return [_translate_class_paths(v, namespace) for v in value]
+    return value
+
+
+def _lightning_parser_mode() -> str:
+    """A jsonargparse parser mode: YAML with the class paths translated to
+    ``lightning.pytorch`` (:func:`translate_class_path`), registered once."""
+    import jsonargparse
+    import yaml
+
+    from lit_roidata._lightning import LIGHTNING
+
+    if _LIGHTNING_MODE not in _modes_registered:
+        yaml_loader = jsonargparse.get_loader("yaml")
+        jsonargparse.set_loader(
+            _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),
+            exceptions=(yaml.YAMLError,))
+        _modes_registered.add(_LIGHTNING_MODE)
+    return _LIGHTNING_MODE
+
+
+_modes_registered: set[str] = set()
 
 
 def _use_step_progress_bar(trainer: Any) -> None:
     """Swap Lightning's own progress bars for the step-counting ones (same settings)."""
-    from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
-
+    from lit_roidata._lightning import namespace_of
     from lit_roidata.progress import StepProgressBar, StepTQDMProgressBar
 
+    ns = namespace_of(trainer) or PL
+    swap = {lightning_attr(ns, "callbacks.RichProgressBar"): bind(StepProgressBar, ns),
+            lightning_attr(ns, "callbacks.TQDMProgressBar"): bind(StepTQDMProgressBar, ns)}
     for cb in trainer.callbacks:
-        if type(cb) is RichProgressBar:
-            cb.__class__ = StepProgressBar
-        elif type(cb) is TQDMProgressBar:
-            cb.__class__ = StepTQDMProgressBar
+        if type(cb) in swap:
+            cb.__class__ = swap[type(cb)]
 
 
 def _no_implicit_last(trainer: Any) -> None:
@@ -227,8 +304,7 @@ def _no_implicit_last(trainer: Any) -> None:
     so hide those from that lookup (``ModelCheckpoint._find_last_checkpoints``, checked by
     tests/test_cli_lifecycle.py).
     """
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
+    ModelCheckpoint = lightning_attr(trainer, "callbacks.ModelCheckpoint")
     for cb in trainer.callbacks:
         if isinstance(cb, ModelCheckpoint):
             assert hasattr(cb, "_find_last_checkpoints"), "Lightning API changed"
@@ -273,8 +349,7 @@ def _move_aside(path: str, why: str) -> None:
 
 
 def _last_patterns(trainer: Any) -> list[str]:
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
+    ModelCheckpoint = lightning_attr(trainer, "callbacks.ModelCheckpoint")
     pats = []
     for cb in trainer.callbacks:
         if not isinstance(cb, ModelCheckpoint):
@@ -300,10 +375,11 @@ def _last_checkpoints(trainer: Any) -> list[str]:
 
 
 
-def cli_main(args: Optional[list[str]] = None, run: bool = True) -> Any:
-    """Build and run the Lightning part of ``lit-roidata`` (returns the CLI object)."""
+def cli_main(args: Optional[list[str]] = None, run: bool = True, namespace: str = PL) -> Any:
+    """Build and run the Lightning part of ``lit-roidata`` (returns the CLI object);
+    ``namespace="lightning.pytorch"`` uses that namespace's LightningCLI and Trainer."""
     try:
-        return RoIDataCLI(args=args, run=run)
+        return bind(RoIDataCLI, namespace)(args=args, run=run)
     finally:
         if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
             os.environ.pop(_RESUME_ENV, None)
@@ -330,23 +406,28 @@ class _RankZeroFilter(logging.Filter):
     (``log.warning(..., extra={"rank_specific": True})``); those are prefixed with the rank."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from pytorch_lightning.utilities.rank_zero import rank_zero_only
-
-        rank = int(getattr(rank_zero_only, "rank", 0) or 0)
+        # The rank is set by the strategy of the namespace in use; the other namespace's
+        # (if imported) keeps the one it read from the environment: the same, or 0.
+        rank = 0
+        for ns in ("pytorch_lightning", "lightning.pytorch"):
+            module = sys.modules.get(f"{ns}.utilities.rank_zero")
+            if module is not None:
+                rank = max(rank, int(getattr(module.rank_zero_only, "rank", 0) or 0))
         if getattr(record, "rank_specific", False):
             record.msg = f"[rank {rank}] {record.msg}"
             return True
         return rank == 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console entry point of ``lit-roidata`` (``[project.scripts]`` in pyproject)."""
+def main(argv: Optional[Sequence[str]] = None, namespace: str = PL) -> int:
+    """Console entry point of ``lit-roidata`` (``[project.scripts]`` in pyproject);
+    ``python -m lit_roidata.lightning`` passes ``namespace="lightning.pytorch"``."""
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_logging()
     if args and args[0] in TOOLS:
         return run_tool(args[0], args[1:])
     # ``None`` lets LightningCLI read sys.argv itself (it warns when given both).
-    cli_main(None if argv is None else args)
+    cli_main(None if argv is None else args, namespace=namespace)
     return 0
 
 

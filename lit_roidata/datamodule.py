@@ -51,6 +51,9 @@ ModelType = Literal[MODEL_TYPES]  # type: ignore[valid-type]
 class RoIDataModule(pl.LightningDataModule):
     """Detectron's combined roidb, batch sampler and minibatch blobs for Lightning.
 
+    This class is for ``pytorch_lightning``; ``lit_roidata.lightning.RoIDataModule`` is the
+    same class for ``lightning.pytorch`` (``import lightning as L``).
+
     The config is assembled in this order, later entries winning: Detectron's
     defaults, the Detectron YAML file ``detectron_config``, the flags of
     ``model_type``, then ``overrides``. Dataset lists left empty fall back to the
@@ -423,16 +426,19 @@ class RoIDataModule(pl.LightningDataModule):
     def _add_report_callback(self) -> None:
         """Register :class:`~lit_roidata.skip.BadImageReport` (epoch-end exchange and
         report) with the trainer, once."""
+        from lit_roidata._lightning import PL, bind, isinstance_any, namespace_of
         from lit_roidata.skip import BadImageReport
 
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return
-        if not any(isinstance(cb, BadImageReport) and cb.datamodule is self
+        if not any(isinstance_any(cb, BadImageReport) and cb.datamodule is self
                    for cb in trainer.callbacks):
             # First: an epoch-end checkpoint (ModelCheckpoint runs last) must hold the
             # state after the exchange, or a resume from it would replace differently.
-            trainer.callbacks.insert(0, BadImageReport(self))
+            # The callback of the trainer's Lightning namespace (lit_roidata.lightning).
+            report = bind(BadImageReport, namespace_of(trainer) or PL)
+            trainer.callbacks.insert(0, report(self))
 
     def _on_train_batch(self, batch: Any) -> Any:
         """Main process, stream order, before the device transfer: finish blocks with a

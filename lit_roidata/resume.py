@@ -22,8 +22,8 @@ restored counters (before the fit loop computes its restart stage) so that the r
 run sees exactly the state of an uninterrupted run after ``T`` trained batches, and
 reruns a validation that was interrupted (or not yet run) in full.
 
-Lightning internals used (``pytorch_lightning`` 2.x, covered by
-``tests/test_resume.py::test_lightning_internals_we_rely_on``):
+Lightning internals used (Lightning 2.5+, either namespace; covered by
+``tests/test_lightning_internals.py``):
 ``fit_loop.epoch_loop.batch_progress`` (``total``/``current`` ready, started,
 processed, completed; ``is_last_batch``), ``epoch_loop._batches_that_stepped``,
 ``epoch_loop.val_loop.batch_progress`` and its *mid-evaluation* restart pattern

@@ -20,6 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+try:
+    from conftest import LIGHTNING_NAMESPACES
+except ImportError:  # run as the DDP script (no pytest conftest on the path)
+    LIGHTNING_NAMESPACES = []
+
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = (3, 5, 8, 13, 21)
 
@@ -35,12 +40,20 @@ def _tiny_coco(out: Path) -> str:
     return str(path)
 
 
-def _main(out_dir: str) -> None:
-    import pytorch_lightning as pl
+def _main(out_dir: str, namespace: str = "pytorch_lightning") -> None:
+    import importlib
+
     import torch
 
+    from lit_roidata._lightning import bind
     from lit_roidata.callbacks import BroadcastParameters
     from lit_roidata.evaluation import COCOEvaluator
+
+    # pytorch_lightning with lit_roidata's classes, or lightning.pytorch with
+    # lit_roidata.lightning's (the same classes bound to it).
+    pl = importlib.import_module(namespace)
+    BroadcastParameters = bind(BroadcastParameters, namespace)  # noqa: N806
+    COCOEvaluator = bind(COCOEvaluator, namespace)  # noqa: N806
 
     out = Path(out_dir)
     rank_env = int(os.environ.get("LOCAL_RANK", 0))
@@ -100,8 +113,9 @@ def _main(out_dir: str) -> None:
     trainer.fit(Model())
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=LIGHTNING_NAMESPACES)
+def ddp_run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The 2-process run, once per Lightning namespace."""
     out = tmp_path_factory.mktemp("ddp_cb")
     _tiny_coco(out)
     rng = np.random.default_rng(3)
@@ -113,7 +127,8 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], cwd=out,
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out),
+                           request.param], cwd=out,
                           env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
@@ -146,4 +161,4 @@ def test_ddp_evaluator_gathers_all_ranks(ddp_run: Path) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _main(*sys.argv[1:3])

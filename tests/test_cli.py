@@ -11,7 +11,9 @@ import yaml
 
 from lit_roidata.cli import TOOLS, main
 
-from test_datamodule_support import REPO, read_records, run_cli, shared_root, tiny_config
+from conftest import LIGHTNING_NAMESPACES
+from test_datamodule_support import (REPO, index_recorder, read_records, run_cli, shared_root,
+                                     tiny_config)
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -21,29 +23,39 @@ def root(tmp_path_factory: Any) -> Path:
     return shared_root(tmp_path_factory)
 
 
+@pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)
 @pytest.mark.parametrize("config", [c.name for c in CONFIGS if not c.name.startswith("exchange_")])
-def test_print_config_parses_every_config(config: str, capsys: Any) -> None:
+def test_print_config_parses_every_config(config: str, namespace: str, capsys: Any) -> None:
+    """Every shipped config parses with ``lit-roidata`` and, unchanged, with
+    ``python -m lit_roidata.lightning`` (its class paths translated to lightning.pytorch)."""
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--config", str(REPO / "configs" / config), "--print_config"])
+        main(["fit", "--config", str(REPO / "configs" / config), "--print_config"],
+             namespace=namespace)
     assert exc.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["class_path"] == "lit_roidata.RoIDataModule"
-    assert printed["model"]["class_path"]
-    # The data module accepts the Detectron keys of the config (instantiating checks them).
     from lit_roidata import RoIDataModule
+    from lit_roidata._lightning import bind
 
-    dm = RoIDataModule(**printed["data"]["init_args"])
+    data_class = bind(RoIDataModule, namespace)
+    assert printed["data"]["class_path"] == {"pytorch_lightning": "lit_roidata.RoIDataModule",
+                                             "lightning.pytorch": "lit_roidata.lightning."
+                                             "RoIDataModule"}[namespace]
+    assert printed["model"]["class_path"]
+    other = "lightning.pytorch" if namespace == "pytorch_lightning" else "pytorch_lightning"
+    assert other + "." not in yaml.safe_dump(printed)
+    # The data module accepts the Detectron keys of the config (instantiating checks them).
+    dm = data_class(**printed["data"]["init_args"])
     assert dm.cfg.TRAIN.IMS_PER_BATCH >= 1
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
 def test_evaluation_subcommands_run(root: Path, tmp_path: Path, subcommand: str,
-                                    capsys: Any) -> None:
+                                    capsys: Any, lightning_ns: Any) -> None:
     cfg = tiny_config(root, tmp_path / "tiny.yaml", trainer={"limit_val_batches": 4,
                                                              "limit_test_batches": 4,
                                                              "limit_predict_batches": 4})
     args = [subcommand, "--config", str(cfg)]
-    assert main(args) == 0
+    assert main(args, namespace=lightning_ns.name) == 0
     out = capsys.readouterr().out
     if subcommand != "predict":
         assert "COCO evaluation" in out
@@ -66,15 +78,18 @@ def test_top_level_help_lists_the_tools(capsys: Any) -> None:
 
 
 @pytest.mark.slow
-def test_fit_demo_then_resume_continues_the_data_stream_exactly(root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)
+def test_fit_demo_then_resume_continues_the_data_stream_exactly(root: Path, tmp_path: Path,
+                                                                namespace: str) -> None:
     """configs/demo.yaml (tiny) trains, validates with COCO AP, checkpoints; a resume
-    from the step-3 checkpoint trains exactly the batches an uninterrupted run trains."""
-    rec = "test_datamodule_support.IndexRecorder"
+    from the step-3 checkpoint trains exactly the batches an uninterrupted run trains.
+    With ``lit-roidata`` and with ``python -m lit_roidata.lightning`` (same YAML)."""
+    rec = index_recorder(namespace)
     full = tmp_path / "full"
     cfg = tiny_config(root, tmp_path / "full.yaml", trainer={"max_steps": 6},
                       callbacks=[{"class_path": rec, "init_args": {"path": str(full)}}],
                       data={"num_workers": 1})
-    res = run_cli("fit", "--config", str(cfg))
+    res = run_cli("fit", "--config", str(cfg), namespace=namespace)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "COCO evaluation" in res.stdout + res.stderr
     ckpts = sorted((tmp_path / "full" / "checkpoints").glob("*.ckpt"))
@@ -90,7 +105,7 @@ def test_fit_demo_then_resume_continues_the_data_stream_exactly(root: Path, tmp_
     cfg6 = tiny_config(root, tmp_path / "resume.yaml", trainer={"max_steps": 6},
                        callbacks=[{"class_path": rec, "init_args": {"path": str(part)}}],
                        data={"num_workers": 2})
-    res = run_cli("fit", "--config", str(cfg6), "--ckpt_path", str(step3))
+    res = run_cli("fit", "--config", str(cfg6), "--ckpt_path", str(step3), namespace=namespace)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["indices"] for r in read_records(part)] == ref[3:]
 

@@ -134,7 +134,7 @@ def test_eval_without_proposals_has_no_rois(dm: RoIDataModule) -> None:
 
 
 # ---------------------------------------------------------------------- Trainer runs
-class _Recorder(pl.Callback):
+class _RecorderHooks:
     def __init__(self, fail_at: int | None = None) -> None:
         self.trained: list[list[int]] = []
         self.fail_at = fail_at
@@ -148,47 +148,52 @@ class _Recorder(pl.Callback):
         self.trained.append(list(batch["_meta"]["indices"]))
 
 
-def _trainer(tmp: Path, steps: int, callbacks: list, **kw: Any) -> pl.Trainer:
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+def _trainer(tmp: Path, steps: int, callbacks: list, ns: Any = pl, **kw: Any) -> pl.Trainer:
+    return ns.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
                       enable_progress_bar=False, enable_model_summary=False,
                       default_root_dir=str(tmp), num_sanity_val_steps=0,
                       limit_val_batches=0, callbacks=callbacks, **kw)
 
 
-def _model() -> Any:
+def _model(ns: Any = None) -> Any:
     from lit_roidata.demo import DemoFastRCNN
 
-    return DemoFastRCNN(**TINY_MODEL)
+    return (DemoFastRCNN if ns is None else ns.lit(DemoFastRCNN))(**TINY_MODEL)
 
 
 @pytest.mark.parametrize("infinite", [False, True])
 def test_fit_without_warnings_and_resume_after_an_exception(
-        root: Path, tmp_path: Path, infinite: bool) -> None:
+        root: Path, tmp_path: Path, infinite: bool, lightning_ns: Any) -> None:
     """A failure inside step 3 → OnExceptionCheckpoint → resume: the batches trained
     after the resume are exactly those an uninterrupted run trains (the failed one too),
-    and a normal run raises no Lightning warning about samplers or resuming."""
+    and a normal run raises no Lightning warning about samplers or resuming. In both
+    Lightning namespaces (``lit_roidata`` with ``pytorch_lightning``,
+    ``lit_roidata.lightning`` with ``import lightning as L``)."""
+    ns = lightning_ns
     kw = dm_kwargs(root, num_workers=1, infinite=infinite)
     steps = 6
-    full = _Recorder()
-    pl.seed_everything(0)
+    Recorder, DataModule = ns.callback(_RecorderHooks), ns.lit(RoIDataModule)
+    full = Recorder()
+    ns.seed_everything(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _trainer(tmp_path / "a", steps, [full]).fit(_model(), datamodule=RoIDataModule(**kw))
+        _trainer(tmp_path / "a", steps, [full], ns).fit(_model(ns),
+                                                        datamodule=DataModule(**kw))
     ours = [w for w in caught if "lit_roidata" in w.filename or any(
         s in str(w.message).lower() for s in ("sampler", "resum", "dataloader", "worker"))]
     assert not ours, [str(w.message) for w in ours]
     assert len(full.trained) == steps
 
-    crash = _Recorder(fail_at=3)
+    crash = Recorder(fail_at=3)
     ckpt_dir = tmp_path / "exc"
-    on_exc = pl.callbacks.OnExceptionCheckpoint(dirpath=str(ckpt_dir))
+    on_exc = ns.callbacks.OnExceptionCheckpoint(dirpath=str(ckpt_dir))
     with pytest.raises(RuntimeError, match="simulated failure"):
-        _trainer(tmp_path / "b", steps, [crash, on_exc]).fit(_model(),
-                                                               datamodule=RoIDataModule(**kw))
+        _trainer(tmp_path / "b", steps, [crash, on_exc], ns).fit(_model(ns),
+                                                                   datamodule=DataModule(**kw))
     assert crash.trained == full.trained[:3]
-    resumed = _Recorder()
-    _trainer(tmp_path / "c", steps, [resumed]).fit(
-        _model(), datamodule=RoIDataModule(**kw), ckpt_path=str(ckpt_dir / "on_exception.ckpt"))
+    resumed = Recorder()
+    _trainer(tmp_path / "c", steps, [resumed], ns).fit(
+        _model(ns), datamodule=DataModule(**kw), ckpt_path=str(ckpt_dir / "on_exception.ckpt"))
     assert crash.trained + resumed.trained == full.trained
 
 

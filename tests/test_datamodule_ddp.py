@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from test_datamodule_support import read_records, run_cli, shared_root, tiny_config
+from conftest import LIGHTNING_NAMESPACES
+from test_datamodule_support import (index_recorder, read_records, run_cli, shared_root,
+                                     tiny_config)
 
 
 @pytest.fixture(scope="module")
@@ -16,14 +18,17 @@ def root(tmp_path_factory: Any) -> Path:
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_fit_the_demo(root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)
+def test_ddp_two_processes_fit_the_demo(root: Path, tmp_path: Path, namespace: str) -> None:
+    """Two DDP ranks (CLI, gloo) under ``lit-roidata`` (pytorch_lightning) and
+    ``python -m lit_roidata.lightning`` (lightning.pytorch), same YAML."""
     rec = tmp_path / "rec"
     cfg = tiny_config(root, tmp_path / "ddp.yaml",
                       trainer={"max_steps": 4, "devices": 2, "strategy": "ddp"},
-                      callbacks=[{"class_path": "test_datamodule_support.IndexRecorder",
+                      callbacks=[{"class_path": index_recorder(namespace),
                                   "init_args": {"path": str(rec)}}],
                       data={"num_workers": 1})
-    res = run_cli("fit", "--config", str(cfg), timeout=400)
+    res = run_cli("fit", "--config", str(cfg), timeout=400, namespace=namespace)
     assert res.returncode == 0, res.stderr[-4000:]
     r0, r1 = read_records(rec, 0), read_records(rec, 1)
     assert len(r0) == len(r1) == 4

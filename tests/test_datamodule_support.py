@@ -100,14 +100,22 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None
-            ) -> subprocess.CompletedProcess:
-    """``lit-roidata ARGS`` in a subprocess (``python -m lit_roidata.cli``)."""
-    return subprocess.run([sys.executable, "-m", "lit_roidata.cli", *args], cwd=cwd or REPO,
+def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None,
+            namespace: str = "pytorch_lightning") -> subprocess.CompletedProcess:
+    """``lit-roidata ARGS`` in a subprocess (``python -m lit_roidata.cli``; with
+    ``namespace="lightning.pytorch"``: ``python -m lit_roidata.lightning``)."""
+    module = "lit_roidata.cli" if namespace == "pytorch_lightning" else "lit_roidata.lightning"
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO,
                           env=cli_env(), capture_output=True, text=True, timeout=timeout)
 
 
-class IndexRecorder(pl.Callback):
+def index_recorder(namespace: str = "pytorch_lightning") -> str:
+    """Class path of :class:`IndexRecorder` for ``namespace``."""
+    name = "IndexRecorder" if namespace == "pytorch_lightning" else "LightningIndexRecorder"
+    return f"test_datamodule_support.{name}"
+
+
+class _IndexRecorderHooks:
     """Append the roidb indices of every *trained* batch to ``<path>.rank<r>`` (jsonl)."""
 
     def __init__(self, path: str) -> None:
@@ -121,6 +129,20 @@ class IndexRecorder(pl.Callback):
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
+
+
+class IndexRecorder(_IndexRecorderHooks, pl.Callback):
+    __doc__ = _IndexRecorderHooks.__doc__
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LightningIndexRecorder":  # only with `lightning` installed
+        import lightning.pytorch as lp
+
+        cls = type(name, (_IndexRecorderHooks, lp.Callback), {"__module__": __name__})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
 
 
 def read_records(path: Path, rank: int = 0) -> list[dict]:

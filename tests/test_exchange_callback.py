@@ -19,7 +19,7 @@ K = 4
 RPN_KEYS = [f"rpn_{kind}_fpn{lvl}" for lvl in range(2, 7) for kind in ("cls_probs", "bbox_pred")]
 
 
-class Recorder(RPNExchangeDemo):
+class _RecorderMixin:
     """Keeps what it published and what it received from the peer, per step."""
 
     def __init__(self, **kw):
@@ -35,8 +35,12 @@ class Recorder(RPNExchangeDemo):
         return out
 
 
-def _fit(model, seed, callback, tmp_path):
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=K, logger=False,
+class Recorder(_RecorderMixin, RPNExchangeDemo):
+    __doc__ = _RecorderMixin.__doc__
+
+
+def _fit(model, seed, callback, tmp_path, ns=pl):
+    trainer = ns.Trainer(accelerator="cpu", devices=1, max_steps=K, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[callback],
                          default_root_dir=str(tmp_path))
@@ -51,12 +55,17 @@ def cb_args(tmp_path):
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-def test_teacher_outputs_reach_the_student(tmp_path, cb_args, lag):
+def test_teacher_outputs_reach_the_student(tmp_path, cb_args, lag, lightning_ns):
+    """In both Lightning namespaces (lit_roidata.lightning's model and callback with
+    ``import lightning as L``)."""
+    ns = lightning_ns
+    rec = type("Recorder", (_RecorderMixin, ns.lit(RPNExchangeDemo)), {})
+    exchange = ns.lit(BlobExchangeCallback)
     # The teacher may run ahead by K messages, so the two fits can run one after the other.
-    teacher = _fit(Recorder(role="teacher"), 5, BlobExchangeCallback(
-        publish="teacher_rpn", publish_keys=RPN_KEYS, capacity=K, **cb_args), tmp_path)
-    student = _fit(Recorder(role="student"), 5, BlobExchangeCallback(
-        subscribe="teacher_rpn", lag=lag, **cb_args), tmp_path)
+    teacher = _fit(rec(role="teacher"), 5, exchange(
+        publish="teacher_rpn", publish_keys=RPN_KEYS, capacity=K, **cb_args), tmp_path, ns)
+    student = _fit(rec(role="student"), 5, exchange(
+        subscribe="teacher_rpn", lag=lag, **cb_args), tmp_path, ns)
     for step, got in enumerate(student.received):
         if lag == 1 and step == 0:
             assert got is None  # nothing from the peer before its first step

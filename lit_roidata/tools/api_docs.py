@@ -25,6 +25,7 @@ MODULES: list[tuple[str, Optional[list[str]]]] = [
     ("lit_roidata.datamodule", ["RoIDataModule", "EvalLoader", "EvalDataset",
                                 "fork_safe_opencv"]),
     ("lit_roidata.cli", None),
+    ("lit_roidata.lightning", ["cli_main", "main"]),
     ("lit_roidata.config", None),
     ("lit_roidata.catalog", None),
     ("lit_roidata.roidb", None),

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser
-from pytorch_lightning import LightningDataModule
 
 __all__ = ["tool_parser", "data_module_from", "console"]
 
@@ -22,11 +21,20 @@ def tool_parser(prog: str, description: str) -> ArgumentParser:
                             exit_on_error=True)
     parser.add_argument("-c", "--config", action=ActionConfigFile,
                         help="a lit-roidata YAML config (its data: section is used)")
-    parser.add_subclass_arguments(LightningDataModule, "data", required=True,
+    parser.add_subclass_arguments(_data_module_bases(), "data", required=True,
                                   help="the data module (class_path + init_args)")
     for key, hint in _IGNORED.items():
         parser.add_argument(f"--{key}", type=hint, default=None, help="(ignored by the tools)")
     return parser
+
+
+def _data_module_bases() -> tuple[type, ...]:
+    """``LightningDataModule`` of both namespaces (the second when ``lightning`` is
+    installed): a config may name ``lit_roidata.RoIDataModule`` or
+    ``lit_roidata.lightning.RoIDataModule``."""
+    from lit_roidata._lightning import NAMESPACES, available, lightning_attr
+
+    return tuple(lightning_attr(ns, "LightningDataModule") for ns in NAMESPACES if available(ns))
 
 
 def data_module_from(parser: ArgumentParser, argv: Sequence[str]) -> tuple[Any, Any]:
@@ -36,12 +44,13 @@ def data_module_from(parser: ArgumentParser, argv: Sequence[str]) -> tuple[Any, 
         SystemExit: bad arguments (jsonargparse's message), or a data module that is
             not a :class:`lit_roidata.RoIDataModule`.
     """
+    from lit_roidata._lightning import isinstance_any
     from lit_roidata.datamodule import RoIDataModule
 
     cfg = parser.parse_args(list(argv))
     init = (parser.instantiate if hasattr(parser, "instantiate") else parser.instantiate_classes)(cfg)
     dm = init.data
-    if not isinstance(dm, RoIDataModule):
+    if not isinstance_any(dm, RoIDataModule):
         parser.error(f"data: the tools need a lit_roidata.RoIDataModule, got "
                      f"{type(dm).__name__}")
     return cfg, dm

@@ -1,0 +1,253 @@
+"""One implementation, two Lightning namespaces.
+
+``pytorch_lightning`` (package ``pytorch-lightning``) and ``lightning.pytorch`` (package
+``lightning``, ``import lightning as L``) ship the same code under two names, and their
+classes do not mix: a ``lightning.pytorch.Trainer`` refuses a
+``pytorch_lightning.LightningModule`` and finds no parent for a
+``pytorch_lightning.LightningDataModule``. lit_roidata's classes are written once, against
+``pytorch_lightning`` (the :mod:`lit_roidata` names), and :func:`bind` makes the same class
+for ``lightning.pytorch`` (the :mod:`lit_roidata.lightning` names): a new class whose
+Lightning bases are the other namespace's, whose methods are the very same code (only
+their zero-argument ``super()`` cell points at the new class), in the same order as
+written. Code shared by both bindings never names a Lightning namespace directly: it
+asks :func:`namespace_of` the object it works on (the trainer, the callback) and looks
+the class up there (:func:`lightning_attr`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import types
+from typing import Any, Optional, TypeVar
+
+__all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
+           "import_namespace", "available", "isinstance_any", "source_class", "foreign_references"]
+
+#: The two namespaces, by the module name of their ``Trainer``'s package.
+PL = "pytorch_lightning"
+LIGHTNING = "lightning.pytorch"
+NAMESPACES = (PL, LIGHTNING)
+
+# Module-name prefixes of each namespace (the trainer package and its fabric package).
+_PREFIXES = {PL: ("pytorch_lightning", "lightning_fabric"),
+             LIGHTNING: ("lightning.pytorch", "lightning.fabric")}
+_BOUND_MODULE = {LIGHTNING: "lit_roidata.lightning"}
+_SOURCE_ATTR = "__lit_roidata_source__"
+_cache: dict[tuple[type, str], type] = {}
+_lock = threading.RLock()
+
+T = TypeVar("T", bound=type)
+
+
+def _ns_of_module(module: str) -> Optional[str]:
+    for ns, prefixes in _PREFIXES.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return ns
+    return None
+
+
+def namespace_of(obj: Any) -> Optional[str]:
+    """:data:`PL` or :data:`LIGHTNING`: the namespace whose classes ``obj`` (a class or an
+    instance, e.g. a Trainer or a callback) derives from; ``None`` if neither."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    for k in cls.__mro__:
+        ns = _ns_of_module(getattr(k, "__module__", "") or "")
+        if ns is not None:
+            return ns
+    return None
+
+
+def import_namespace(namespace: str) -> types.ModuleType:
+    """The module ``pytorch_lightning`` or ``lightning.pytorch``; the second needs the
+    ``lightning`` package (the ``[lightning]`` extra), with an error that says so."""
+    if namespace == PL:
+        return importlib.import_module(PL)
+    if namespace == LIGHTNING:
+        from lit_roidata._optional import require
+
+        return require(LIGHTNING, "lightning",
+                       "the `lightning` namespace (lit_roidata.lightning, `import lightning as L`)")
+    raise ValueError(f"unknown Lightning namespace {namespace!r}; use one of {NAMESPACES}")
+
+
+def available(namespace: str) -> bool:
+    """Whether ``namespace``'s package is installed (without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(namespace.split(".")[0]) is not None
+    except ImportError:  # an import hook that hides the package
+        return False
+
+
+def lightning_attr(namespace_or_obj: Any, dotted: str) -> Any:
+    """``<namespace>.<dotted>``, e.g. ``lightning_attr(trainer, "callbacks.ModelCheckpoint")``
+    is the ``ModelCheckpoint`` class of the namespace ``trainer`` comes from (a namespace
+    name or an object of either namespace; objects of neither mean ``pytorch_lightning``)."""
+    ns = (namespace_or_obj if isinstance(namespace_or_obj, str)
+          else namespace_of(namespace_or_obj) or PL)
+    module_path, _, name = ("." + dotted).rpartition(".")
+    root = import_namespace(ns)
+    module = importlib.import_module(ns + module_path) if module_path else root
+    return getattr(module, name)
+
+
+def source_class(cls: type) -> type:
+    """The class as written (the ``pytorch_lightning`` one) for a bound class; ``cls``
+    itself otherwise."""
+    return cls.__dict__.get(_SOURCE_ATTR, cls)
+
+
+def isinstance_any(obj: Any, cls: type) -> bool:
+    """``isinstance(obj, cls)`` in either namespace: true also for the other binding of
+    ``cls`` (and its subclasses)."""
+    src = source_class(cls)
+    return any(source_class(k) is src for k in type(obj).__mro__)
+
+
+def _translate(base: type, namespace: str) -> type:
+    """The class of ``namespace`` with the same module path and name as Lightning's
+    ``base`` (e.g. ``pytorch_lightning.callbacks.progress.rich_progress.RichProgressBar``
+    -> ``lightning.pytorch.callbacks.progress.rich_progress.RichProgressBar``)."""
+    src_ns = _ns_of_module(base.__module__)
+    assert src_ns is not None
+    for old, new in zip(_PREFIXES[src_ns], _PREFIXES[namespace]):
+        if base.__module__ == old or base.__module__.startswith(old + "."):
+            import_namespace(namespace)
+            module = importlib.import_module(new + base.__module__[len(old):])
+            target: Any = module
+            for part in base.__qualname__.split("."):
+                target = getattr(target, part)
+            return target
+    raise AssertionError(base)  # pragma: no cover - _ns_of_module matched a prefix
+
+
+def _rebind_function(f: types.FunctionType, old: type, new: type) -> types.FunctionType:
+    code = f.__code__
+    if "__class__" not in code.co_freevars:
+        return f
+    closure = tuple(
+        types.CellType(new) if name == "__class__" and cell.cell_contents is old else cell
+        for name, cell in zip(code.co_freevars, f.__closure__ or ()))
+    g = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, closure)
+    g.__kwdefaults__ = None if f.__kwdefaults__ is None else dict(f.__kwdefaults__)
+    g.__dict__.update(f.__dict__)
+    for attr in ("__qualname__", "__doc__", "__module__", "__annotations__"):
+        setattr(g, attr, getattr(f, attr))
+    return g
+
+
+def _rebind_value(value: Any, old: type, new: type) -> Any:
+    if isinstance(value, types.FunctionType):
+        return _rebind_function(value, old, new)
+    if isinstance(value, (staticmethod, classmethod)):
+        return type(value)(_rebind_value(value.__func__, old, new))
+    if isinstance(value, property):
+        return type(value)(*(None if f is None else _rebind_value(f, old, new)
+                             for f in (value.fget, value.fset, value.fdel)), value.__doc__)
+    return value
+
+
+def _bind_base(base: type, namespace: str) -> type:
+    ns = namespace_of(base)
+    if ns is None or ns == namespace:
+        return base
+    if _ns_of_module(base.__module__) is not None:
+        return _translate(base, namespace)
+    if source_class(base).__module__.split(".")[0] == "lit_roidata":
+        return bind(base, namespace)
+    raise TypeError(f"cannot bind {base.__module__}.{base.__qualname__} to {namespace}: it "
+                    "is not a lit_roidata class; derive your class from the "
+                    f"{namespace} binding of the lit_roidata class instead")
+
+
+def bind(cls: T, namespace: str) -> T:
+    """``cls`` (a lit_roidata class derived from Lightning classes) for ``namespace``.
+
+    Returns ``cls`` when it already is of that namespace, the class as written when asked
+    for ``pytorch_lightning``, and otherwise (once per class; the same object on every
+    call) a class with the same name, code, docstring and ``__init__`` signature whose
+    Lightning bases (and lit_roidata bases, recursively) are those of ``namespace``.
+    Bound classes live in :mod:`lit_roidata.lightning`, so class paths (LightningCLI),
+    pickling and checkpoints' hyper-parameters name them there.
+    """
+    if namespace not in NAMESPACES:
+        raise ValueError(f"unknown Lightning namespace {namespace!r}; use one of {NAMESPACES}")
+    src = source_class(cls)
+    if namespace_of(src) is None:
+        raise TypeError(f"{src.__qualname__} does not derive from a Lightning class")
+    if namespace_of(src) == namespace:
+        return src  # type: ignore[return-value]
+    with _lock:
+        key = (src, namespace)
+        if key in _cache:
+            return _cache[key]  # type: ignore[return-value]
+        bases = tuple(_bind_base(b, namespace) for b in src.__bases__)
+        body = {k: v for k, v in src.__dict__.items() if k not in ("__dict__", "__weakref__")}
+        slots = body.get("__slots__", ())
+        for name in ([slots] if isinstance(slots, str) else slots):
+            body.pop(name, None)  # member descriptors are made again from __slots__
+        new = types.new_class(src.__name__, bases, exec_body=lambda ns: ns.update(body))
+        for k, v in list(new.__dict__.items()):
+            rebound = _rebind_value(v, src, new)
+            if rebound is not v:
+                setattr(new, k, rebound)
+        new.__module__ = _BOUND_MODULE[namespace]
+        new.__qualname__ = src.__qualname__
+        setattr(new, _SOURCE_ATTR, src)
+        _cache[key] = new
+        return new  # type: ignore[return-value]
+
+
+def foreign_references(cls: type, namespace: Optional[str] = None) -> list[str]:
+    """Names of another Lightning namespace that the code of ``cls`` (its own methods and
+    the lit_roidata functions they call, transitively) uses directly; empty when the class
+    works in ``namespace`` (default: its own). Used by the tests: shared code must look
+    Lightning classes up through :func:`lightning_attr`, never import them."""
+    namespace = namespace or namespace_of(cls)
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def foreign(name: str) -> bool:
+        ns = _ns_of_module(name)
+        return ns is not None and ns != namespace
+
+    def walk_code(code: types.CodeType, glb: dict[str, Any], where: str) -> None:
+        for name in code.co_names:
+            if foreign(name):
+                found.append(f"{where}: imports {name}")
+            value = glb.get(name)
+            if value is None:
+                continue
+            if isinstance(value, types.ModuleType) and foreign(value.__name__):
+                found.append(f"{where}: uses module {value.__name__} as {name!r}")
+            elif isinstance(value, type) and foreign(value.__module__):
+                found.append(f"{where}: uses {value.__module__}.{value.__qualname__}")
+            elif (isinstance(value, types.FunctionType)
+                  and value.__module__.split(".")[0] == "lit_roidata"):
+                walk_function(value)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                walk_code(const, glb, where)
+
+    def walk_function(f: types.FunctionType) -> None:
+        if id(f) in seen:
+            return
+        seen.add(id(f))
+        walk_code(f.__code__, f.__globals__, f"{f.__module__}.{f.__qualname__}")
+
+    for k in cls.__mro__:
+        if source_class(k).__module__.split(".")[0] != "lit_roidata":
+            continue
+        for value in vars(k).values():
+            funcs = [value]
+            if isinstance(value, (staticmethod, classmethod)):
+                funcs = [value.__func__]
+            elif isinstance(value, property):
+                funcs = [value.fget, value.fset, value.fdel]
+            for f in funcs:
+                if isinstance(f, types.FunctionType):
+                    walk_function(f)
+    return found
+

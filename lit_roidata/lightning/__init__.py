@@ -1,0 +1,87 @@
+"""lit_roidata for ``import lightning as L`` (the ``lightning.pytorch`` namespace).
+
+``pytorch_lightning`` and ``lightning.pytorch`` are the same Lightning in two packages whose
+classes do not mix: a ``lightning.pytorch.Trainer`` needs a ``lightning.pytorch``
+LightningModule, data module and callbacks. :mod:`lit_roidata` (``lit_roidata.RoIDataModule``,
+``lit_roidata.demo.DemoFastRCNN``, ...) is bound to ``pytorch_lightning``; this module holds
+the same classes bound to ``lightning.pytorch`` (same code, same arguments)::
+
+    import lightning as L
+    from lit_roidata.lightning import DemoFastRCNN, RoIDataModule
+
+    L.Trainer(max_steps=100).fit(DemoFastRCNN(num_classes=4),
+                                 datamodule=RoIDataModule(demo_root="demo_data"))
+
+``python -m lit_roidata.lightning fit --config cfg.yaml`` is ``lit-roidata`` with
+``lightning.pytorch``'s LightningCLI (class paths in the YAML file then name
+``lightning.pytorch.*`` and ``lit_roidata.lightning.*`` classes). Needs the ``lightning``
+package: ``pip install "lit_roidata[lightning]"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lit_roidata._lightning import LIGHTNING, bind, import_namespace
+
+import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` is missing
+
+#: Public name here -> ``module:name`` of the ``pytorch_lightning`` class it binds (every
+#: Lightning-derived class of lit_roidata: tests/test_lightning_namespaces.py checks it).
+CLASSES: dict[str, str] = {
+    "RoIDataModule": "lit_roidata.datamodule:RoIDataModule",
+    "BroadcastParameters": "lit_roidata.callbacks:BroadcastParameters",
+    "BadImageReport": "lit_roidata.skip:BadImageReport",
+    "COCOEvaluator": "lit_roidata.evaluation:COCOEvaluator",
+    "StepProgressBar": "lit_roidata.progress:StepProgressBar",
+    "StepTQDMProgressBar": "lit_roidata.progress:StepTQDMProgressBar",
+    "BlobExchangeCallback": "lit_roidata.exchange.callback:BlobExchangeCallback",
+    "COCOPredictionWriter": "lit_roidata.models.predict:COCOPredictionWriter",
+    "TorchvisionDetector": "lit_roidata.models.detector:TorchvisionDetector",
+    "DemoFastRCNN": "lit_roidata.demo.model:DemoFastRCNN",
+    "DemoFasterRCNN": "lit_roidata.demo.faster:DemoFasterRCNN",
+    "RPNExchangeDemo": "lit_roidata.exchange.demo_model:RPNExchangeDemo",
+    "RoIDataCLI": "lit_roidata.cli:RoIDataCLI",
+}
+
+__all__ = [*CLASSES, "cli_main", "main"]
+
+
+def _source(name: str) -> type:
+    import importlib
+
+    module, attr = CLASSES[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def __getattr__(name: str) -> Any:
+    # Bound on first use (importing every class would import torchvision's models, ...).
+    if name in CLASSES:
+        cls = bind(_source(name), LIGHTNING)
+        globals()[name] = cls
+        return cls
+    from lit_roidata._lightning import _cache
+
+    for (_, ns), cls in list(_cache.items()):  # bound on the fly (lit_roidata.lightning.bind)
+        if ns == LIGHTNING and cls.__qualname__ == name:
+            return cls
+    raise AttributeError(f"module 'lit_roidata.lightning' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def cli_main(args: Any = None, run: bool = True) -> Any:
+    """:func:`lit_roidata.cli.cli_main` with ``lightning.pytorch``'s LightningCLI."""
+    from lit_roidata.cli import cli_main as _cli_main
+
+    return _cli_main(args, run, namespace=LIGHTNING)
+
+
+def main(argv: Any = None) -> int:
+    """``python -m lit_roidata.lightning``: :func:`lit_roidata.cli.main` (the Lightning
+    subcommands and the data tools) with ``lightning.pytorch``'s LightningCLI."""
+    from lit_roidata.cli import main as _main
+
+    return _main(argv, namespace=LIGHTNING)

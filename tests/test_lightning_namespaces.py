@@ -1,0 +1,170 @@
+"""lit_roidata.lightning: the same classes bound to ``lightning.pytorch``.
+
+The bindings are made, not copied (lit_roidata._lightning.bind): these tests check that a
+bound class is a real class of its namespace with the same code, arguments and
+documentation, that shared code never reaches into the other namespace, and that a whole
+``import lightning as L`` run (data module, model, every callback, validate, resume)
+works.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lit_roidata import RoIDataModule
+from lit_roidata._lightning import (LIGHTNING, PL, bind, foreign_references, isinstance_any,
+                                    namespace_of, source_class)
+
+from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
+
+L = pytest.importorskip("lightning")
+import lit_roidata.lightning as lit_l  # noqa: E402  (needs `lightning`)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: Any) -> Path:
+    return shared_root(tmp_path_factory)
+
+
+def test_every_lightning_class_of_the_package_has_a_binding() -> None:
+    """A new Lightning-derived class in lit_roidata must be listed in
+    lit_roidata.lightning.CLASSES (else ``import lightning as L`` users cannot name it)."""
+    import importlib
+    import pkgutil
+
+    import lit_roidata
+
+    found = {}
+    for info in pkgutil.walk_packages(lit_roidata.__path__, "lit_roidata."):
+        if info.name.endswith("__main__") or info.name.startswith("lit_roidata.lightning"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency (its extra is not installed)
+            continue
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and obj.__module__ == info.name
+                    and namespace_of(obj) == PL):
+                found[obj.__name__] = f"{info.name}:{obj.__name__}"
+    assert found and found == {k: lit_l.CLASSES[k] for k in found}, (
+        "add these to lit_roidata.lightning.CLASSES: "
+        f"{ {k: v for k, v in found.items() if lit_l.CLASSES.get(k) != v} }")
+    assert set(found) == set(lit_l.CLASSES)
+
+
+@pytest.mark.parametrize("name", sorted(lit_l.CLASSES))
+def test_every_binding_is_the_same_class_in_lightning_pytorch(name: str) -> None:
+    bound = getattr(lit_l, name)
+    src = lit_l._source(name)
+    assert namespace_of(src) == PL and namespace_of(bound) == LIGHTNING
+    assert source_class(bound) is src and bind(src, LIGHTNING) is bound
+    assert bind(bound, PL) is src and bind(bound, LIGHTNING) is bound
+    assert bound.__module__ == "lit_roidata.lightning" and bound.__name__ == src.__name__
+    assert bound.__doc__ == src.__doc__
+    assert (list(inspect.signature(bound.__init__).parameters)
+            == list(inspect.signature(src.__init__).parameters))
+    if "__init__" in vars(src):  # ours: the very same signature (LightningCLI reads it)
+        assert inspect.signature(bound.__init__) == inspect.signature(src.__init__)
+    # Not a copy: the same code objects, in a class of the other namespace.
+    for key, value in vars(src).items():
+        if inspect.isfunction(value):
+            assert vars(bound)[key].__code__ is value.__code__, key
+    assert not any(namespace_of(k) == PL and k.__module__.startswith("pytorch_lightning")
+                   for k in bound.__mro__), bound.__mro__
+    # Importable by its class path (LightningCLI, pickle, checkpoints' hyper-parameters).
+    assert pickle.loads(pickle.dumps(bound)) is bound
+    # Shared code looks Lightning classes up in the namespace of what it works on.
+    assert foreign_references(bound) == []
+    assert foreign_references(src) == []
+
+
+def test_super_and_save_hyperparameters_run_in_the_bound_class() -> None:
+    """Zero-argument super() of the bound methods reaches lightning.pytorch's bases, and
+    save_hyperparameters (which reads the __class__ of __init__'s frame) records them."""
+    dm = lit_l.RoIDataModule(**dm_kwargs(Path("/nonexistent"), seed=7))
+    assert isinstance(dm, L.LightningDataModule) and dm.hparams.seed == 7
+    assert dict(dm.hparams) == dict(RoIDataModule(**dm_kwargs(Path("/nonexistent"),
+                                                               seed=7)).hparams)
+    model = lit_l.DemoFasterRCNN(**TINY_MODEL)  # a subclass: both levels bound
+    assert isinstance(model, L.LightningModule) and isinstance(model, lit_l.DemoFastRCNN)
+    assert model.hparams.num_classes == TINY_MODEL["num_classes"]
+    assert isinstance_any(model, RoIDataModule) is False
+    assert isinstance_any(dm, RoIDataModule) and isinstance_any(RoIDataModule(), lit_l.RoIDataModule)
+
+
+def test_subclassing_and_binding_errors() -> None:
+    import pytorch_lightning as pl
+
+    class Mine(RoIDataModule):
+        pass
+
+    with pytest.raises(TypeError, match="derive your class from the lightning.pytorch binding"):
+        bind(type("Sub", (Mine,), {"__module__": "user_code"}), LIGHTNING)
+    with pytest.raises(TypeError, match="does not derive from a Lightning class"):
+        bind(dict, LIGHTNING)
+    with pytest.raises(ValueError, match="unknown Lightning namespace"):
+        bind(RoIDataModule, "lightning")
+    assert bind(pl.Callback, PL) is pl.Callback
+
+    class MyData(lit_l.RoIDataModule):  # users subclass the binding of their namespace
+        def __init__(self, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.mine = True
+
+    dm = MyData(**dm_kwargs(Path("/nonexistent")))
+    assert dm.mine and isinstance(dm, L.LightningDataModule) and dm.hparams.num_workers == 0
+
+
+class _Seen:
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.callbacks = list(trainer.callbacks)
+
+
+def test_fit_validate_resume_with_every_callback(root: Path, tmp_path: Path,
+                                                 lightning_ns: Any) -> None:
+    """A run in each namespace with its bindings: the data module (skip policy: it adds
+    its BadImageReport of the trainer's namespace), the demo model, COCOEvaluator, the
+    step progress bar, ModelCheckpoint; then validate; then resume from last.ckpt."""
+    from lit_roidata.demo import DemoFastRCNN
+    from lit_roidata.evaluation import COCOEvaluator
+    from lit_roidata.progress import StepTQDMProgressBar
+
+    ns = lightning_ns
+    seen = ns.callback(_Seen)()
+
+    def trainer(steps: int) -> Any:
+        return ns.Trainer(
+            accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False,
+            enable_model_summary=False, default_root_dir=str(tmp_path),
+            limit_val_batches=3, val_check_interval=3, check_val_every_n_epoch=None,
+            num_sanity_val_steps=0,
+            callbacks=[ns.lit(COCOEvaluator)(), ns.lit(StepTQDMProgressBar)(), seen,
+                       ns.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
+                                                    save_last=True)])
+
+    kw = dm_kwargs(root, on_bad_image="skip", infinite=True)
+    first = trainer(3)
+    first.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL), datamodule=ns.lit(RoIDataModule)(**kw))
+    assert first.global_step == 3 and "val/bbox_AP" in first.callback_metrics
+    from lit_roidata.skip import BadImageReport
+
+    reports = [c for c in seen.callbacks if isinstance_any(c, BadImageReport)]
+    assert len(reports) == 1 and namespace_of(reports[0]) == ns.name, seen.callbacks
+    assert all(namespace_of(c) == ns.name for c in seen.callbacks)
+    metrics = first.validate(datamodule=ns.lit(RoIDataModule)(**kw), ckpt_path="last",
+                             verbose=False)
+    assert "val/bbox_AP" in metrics[0]
+    resumed = trainer(6)
+    resumed.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL), datamodule=ns.lit(RoIDataModule)(**kw),
+                ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    assert resumed.global_step == 6
+    dm = resumed.datamodule
+    assert dm.hparams.on_bad_image == "skip"
