@@ -57,7 +57,7 @@ def test_load_detectron_yaml():
     assert cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN and cfg.MRCNN.RESOLUTION == 28
     assert cfg.TRAIN.WEIGHTS.startswith("https://")
     assert cfg.TEST["DATASETS"] == ("coco_2014_minival",) and cfg.SOLVER["MAX_ITER"] == 90000
-    assert cfg.OTHER["OUTPUT_DIR"] == "."
+    assert cfg.OUTPUT_DIR == "."
 
 
 def test_round_trip_via_dump(tmp_path):
