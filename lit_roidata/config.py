@@ -60,7 +60,14 @@ __all__ = [
     "load_detectron_cfg",
 ]
 
-_MISSING = object()
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<no default>"
+
+
+_MISSING: Any = _Missing()
 _KEY_PATH = "__key_path__"
 
 
@@ -191,7 +198,8 @@ class DetectronConfig(CfgNode):
             else value
 
     def infer(self) -> None:
-        """Derive inferred options, as Detectron's ``assert_and_infer_cfg``:
+        """Derive the inferred options, as Detectron's ``assert_and_infer_cfg`` does.
+
         ``RPN.RPN_ON`` if ``MODEL.FASTER_RCNN`` or ``MODEL.RPN_ONLY``, and
         ``TEST.PRECOMPUTED_PROPOSALS = False`` if RPN or RetinaNet is on."""
         if self.MODEL.FASTER_RCNN or self.MODEL.RPN_ONLY:
