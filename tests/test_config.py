@@ -213,3 +213,23 @@ def test_lightning_cli_configs_build_their_detectron_config(name):
     flags = flags_for_model_type(args["model_type"]) if args.get("model_type") else None
     cfg = load_detectron_cfg(source, flags, args.get("overrides") or {})
     assert cfg.is_frozen()
+
+
+def test_frozen_reads_follow_defrost_and_refreeze():
+    """Frozen nodes mirror their keys for fast attribute reads; the mirror must follow a
+    defrost / change / freeze cycle and refuse dict-level changes while frozen."""
+    cfg = load_detectron_cfg(None)
+    with pytest.raises(AttributeError, match="frozen"):
+        cfg.TRAIN.update({"SCALES": (1,)})
+    for change in (lambda: cfg.TRAIN.pop("SCALES"), cfg.clear,
+                   lambda: cfg.setdefault("NEW", 1), cfg.popitem):
+        with pytest.raises(AttributeError, match="frozen"):
+            change()
+    copy_ = cfg.clone()
+    copy_.defrost()
+    copy_.TRAIN.SCALES = (5,)
+    copy_.TEST.merge_from_dict({"SCALE": 7})
+    assert copy_.TRAIN.SCALES == (5,) and copy_.TEST.SCALE == 7
+    copy_.freeze()
+    assert copy_.TRAIN.SCALES == (5,) and copy_.TEST.SCALE == 7 and copy_.TEST is copy_["TEST"]
+    assert cfg.TRAIN.SCALES == (600,) and cfg.TEST.SCALE == 600
