@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 
-
 class _Missing:
     def __repr__(self) -> str:
         return "<no default>"
