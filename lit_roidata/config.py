@@ -136,22 +136,27 @@ class DetectronConfig(CfgNode):
                 self.__dict__.pop(key, None)
 
     def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """As ``dict.update``; refused (``AttributeError``) while the config is frozen."""
         self._refuse_if_frozen("(update)")
         super().update(*args, **kwargs)
 
     def pop(self, key: Any, *default: Any) -> Any:  # type: ignore[override]
+        """As ``dict.pop``; refused (``AttributeError``) while the config is frozen."""
         self._refuse_if_frozen(key)
         return super().pop(key, *default)
 
     def popitem(self) -> Any:  # type: ignore[override]
+        """As ``dict.popitem``; refused (``AttributeError``) while the config is frozen."""
         self._refuse_if_frozen("(popitem)")
         return super().popitem()
 
     def clear(self) -> None:  # type: ignore[override]
+        """As ``dict.clear``; refused (``AttributeError``) while the config is frozen."""
         self._refuse_if_frozen("(clear)")
         super().clear()
 
     def setdefault(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+        """As ``dict.setdefault``; refused (``AttributeError``) while the config is frozen."""
         if key not in self:
             self._refuse_if_frozen(key)
         return super().setdefault(key, default)
