@@ -1,45 +1,57 @@
-"""Detectron's option tree, with Detectron's defaults, as typed Python objects.
+"""Detectron's option tree, with Detectron's defaults, on yacs' ``CfgNode``.
 
 The data pipeline reads the same keys Detectron reads (docs/detectron_semantics.md,
 "Configuration"), so a Detectron user recognises every name: ``cfg.TRAIN.SCALES``,
-``cfg.FPN.COARSEST_STRIDE`` ... Sections are dataclasses, which gives attribute access,
-type hints and a docstring per section. On the command line the config is not exposed
-option by option: it is reached through the data module's ``detectron_config`` (a
-Detectron YAML file) and ``overrides`` (dotted keys), e.g.
-``--data.init_args.overrides '{"TRAIN.SCALES": [800]}'`` or, in a YAML config,
-``overrides: {TRAIN.SCALES: [800]}``.
+``cfg.FPN.COARSEST_STRIDE``, ``cfg.TEST.SCALE``, ``cfg.SOLVER.BASE_LR`` ... Every section,
+including ``TEST``, ``SOLVER`` and the test-time augmentation sections under ``TEST``
+(``TEST.BBOX_AUG`` ...), is a :class:`DetectronConfig` node with attribute access.
 
-Sections that only the model reads in Detectron (``SOLVER``, ``FAST_RCNN``, ``RESNETS``,
-``TEST`` ...) are kept as checked key/value tables so that a Detectron YAML file such as
-``e2e_mask_rcnn_R-50-FPN_1x.yaml`` loads unchanged. An unknown key in a typed section,
-at the top level or directly under one of these tables is an error that names the key
-and the nearest valid one; keys *inside* the nested tables of ``TEST`` (``TEST.BBOX_AUG``,
-``TEST.MASK_AUG``, ``TEST.KPS_AUG``) are not checked and are stored as given, because
-the data pipeline never reads them.
+The tree is a `yacs <https://github.com/rbgirshick/yacs>`_ ``CfgNode`` (yacs is
+Detectron's own config code, extracted into a library): values from YAML files and
+override dicts are decoded with Detectron's ``literal_eval`` rule (``SCALES: (800,)``
+written as a string becomes a tuple) and type-checked against the default by yacs.
+On top of yacs, this module
+
+* names the file and the key in every error, and the nearest valid key for a typo,
+  at every depth (``TEST.BBOX_AUG.ENABLD`` is an error, as in Detectron);
+* accepts an int where the default is a float (``SOLVER.BASE_LR: 1``,
+  ``RETINANET.ANCHOR_SCALE: 4``), which Detectron and yacs reject;
+  ``RETINANET.ANCHOR_SCALE`` and a few pixel thresholds default to floats here so that
+  ``ANCHOR_SCALE: 4.5`` works (Detectron's default is the int ``4`` and it would
+  reject ``4.5``);
+* accepts a single name for ``*.DATASETS`` / ``*.PROPOSAL_FILES`` and Detectron's
+  ``PIXEL_MEANS: [[[b, g, r]]]`` (stored flat as three floats);
+* re-derives Detectron's inferred options after every merge (:meth:`DetectronConfig.infer`).
+
+:func:`get_cfg` returns a mutable copy of the defaults (for scripts and tests);
+:func:`load_detectron_cfg` merges a file or dict and any overrides, infers, and returns
+a **frozen** config: assigning to it raises ``AttributeError``. The data module builds
+its config with :func:`load_detectron_cfg`; on the command line the config is reached
+through the data module's ``detectron_config`` (a Detectron YAML file) and ``overrides``
+(dotted or nested keys), e.g. ``--data.init_args.overrides '{"TRAIN.SCALES": [800]}'`` or,
+in a YAML config, ``overrides: {TRAIN.SCALES: [800]}``.
 
 Example::
 
-    >>> from lit_roidata.config import get_cfg
+    >>> from lit_roidata.config import get_cfg, load_detectron_cfg
     >>> cfg = get_cfg()
     >>> cfg.TRAIN.SCALES
     (600,)
-    >>> cfg.merge_from_dict({"TRAIN.SCALES": (800,), "MODEL.FASTER_RCNN": True})
-    >>> cfg.TRAIN.SCALES, cfg.RPN.RPN_ON
-    ((800,), True)
+    >>> cfg = load_detectron_cfg(None, {"TRAIN.SCALES": (800,), "MODEL.FASTER_RCNN": True})
+    >>> cfg.TRAIN.SCALES, cfg.RPN.RPN_ON, cfg.is_frozen()
+    ((800,), True, True)
 """
 
 from __future__ import annotations
 
-import ast
-import copy
-import dataclasses
 import difflib
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import yaml
+from yacs.config import CfgNode
+from yacs.config import _check_and_coerce_cfg_value_type as _yacs_type_check
 
 __all__ = [
     "DetectronConfig",
@@ -49,6 +61,15 @@ __all__ = [
 ]
 
 
+class _Missing:
+    def __repr__(self) -> str:
+        return "<no default>"
+
+
+_MISSING: Any = _Missing()
+_KEY_PATH = "__key_path__"
+
+
 class ConfigError(KeyError, ValueError):
     """A config key or value that Detectron's option tree does not accept."""
 
@@ -56,274 +77,139 @@ class ConfigError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-@dataclass
-class TrainConfig:
-    """``TRAIN``: datasets, image scales, RoI / anchor sampling (Detectron semantics:
-    configuration)."""
+class DetectronConfig(CfgNode):
+    """Detectron's option tree: a yacs ``CfgNode`` with Detectron's defaults.
 
-    WEIGHTS: str = ""
-    DATASETS: tuple[str, ...] = ()
-    PROPOSAL_FILES: tuple[str, ...] = ()
-    SCALES: tuple[int, ...] = (600,)
-    MAX_SIZE: int = 1000
-    IMS_PER_BATCH: int = 2
-    BATCH_SIZE_PER_IM: int = 64
-    FG_FRACTION: float = 0.25
-    FG_THRESH: float = 0.5
-    BG_THRESH_HI: float = 0.5
-    BG_THRESH_LO: float = 0.0
-    USE_FLIPPED: bool = True
-    BBOX_THRESH: float = 0.5
-    SNAPSHOT_ITERS: int = 80000
-    ASPECT_GROUPING: bool = True
-    CROWD_FILTER_THRESH: float = 0.7
-    GT_MIN_AREA: float = -1
-    #: Not in Detectron (Detectron quirk Q28, docs/detectron_quirks.md): -1 keeps every proposal, as
-    # Detectron trains.
-    PROPOSAL_LIMIT: int = -1
-    RPN_POSITIVE_OVERLAP: float = 0.7
-    RPN_NEGATIVE_OVERLAP: float = 0.3
-    RPN_FG_FRACTION: float = 0.5
-    RPN_BATCH_SIZE_PER_IM: int = 256
-    RPN_NMS_THRESH: float = 0.7
-    RPN_PRE_NMS_TOP_N: int = 12000
-    RPN_POST_NMS_TOP_N: int = 2000
-    RPN_STRADDLE_THRESH: float = 0
-    RPN_MIN_SIZE: float = 0
-    FREEZE_CONV_BODY: bool = False
-    FREEZE_AT: int = 2
-    AUTO_RESUME: bool = True
-    COPY_WEIGHTS: bool = False
-
-
-@dataclass
-class DataLoaderConfig:
-    """``DATA_LOADER``: Detectron's loader threads and queues (kept for compatibility)."""
-
-    NUM_THREADS: int = 4
-    MINIBATCH_QUEUE_SIZE: int = 64
-    BLOBS_QUEUE_CAPACITY: int = 8
-
-
-@dataclass
-class ModelConfig:
-    """``MODEL``: which blob family is built, class count, box regression weights."""
-
-    TYPE: str = ""
-    CONV_BODY: str = ""
-    NUM_CLASSES: int = -1
-    CLS_AGNOSTIC_BBOX_REG: bool = False
-    BBOX_REG_WEIGHTS: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0)
-    FASTER_RCNN: bool = False
-    MASK_ON: bool = False
-    KEYPOINTS_ON: bool = False
-    RPN_ONLY: bool = False
-    EXECUTION_TYPE: str = "Caffe2"
-
-
-@dataclass
-class RPNConfig:
-    """``RPN``: single-level anchors; ``RPN_ON`` is inferred from ``MODEL`` flags."""
-
-    RPN_ON: bool = False
-    SIZES: tuple[float, ...] = (64, 128, 256, 512)
-    STRIDE: int = 16
-    ASPECT_RATIOS: tuple[float, ...] = (0.5, 1.0, 2.0)
-
-
-@dataclass
-class FPNConfig:
-    """``FPN``: stride padding, multilevel RoIs and multilevel RPN anchors."""
-
-    FPN_ON: bool = False
-    DIM: int = 256
-    ZERO_INIT_LATERAL: bool = False
-    COARSEST_STRIDE: int = 32
-    MULTILEVEL_ROIS: bool = False
-    ROI_CANONICAL_SCALE: int = 224
-    ROI_CANONICAL_LEVEL: int = 4
-    ROI_MAX_LEVEL: int = 5
-    ROI_MIN_LEVEL: int = 2
-    MULTILEVEL_RPN: bool = False
-    RPN_MAX_LEVEL: int = 6
-    RPN_MIN_LEVEL: int = 2
-    RPN_ASPECT_RATIOS: tuple[float, ...] = (0.5, 1.0, 2.0)
-    RPN_ANCHOR_START_SIZE: int = 32
-    RPN_COLLECT_SCALE: int = 1
-    EXTRA_CONV_LEVELS: bool = False
-    USE_GN: bool = False
-
-
-@dataclass
-class MRCNNConfig:
-    """``MRCNN``: mask target resolution and class-specific masks."""
-
-    ROI_MASK_HEAD: str = ""
-    RESOLUTION: int = 14
-    ROI_XFORM_METHOD: str = "RoIAlign"
-    ROI_XFORM_RESOLUTION: int = 7
-    ROI_XFORM_SAMPLING_RATIO: int = 0
-    DIM_REDUCED: int = 256
-    DILATION: int = 2
-    UPSAMPLE_RATIO: int = 1
-    USE_FC_OUTPUT: bool = False
-    CONV_INIT: str = "GaussianFill"
-    CLS_SPECIFIC_MASK: bool = True
-    WEIGHT_LOSS_MASK: float = 1.0
-    THRESH_BINARIZE: float = 0.5
-
-
-@dataclass
-class KRCNNConfig:
-    """``KRCNN``: keypoint heatmap size, keypoint count, minibatch validity."""
-
-    ROI_KEYPOINTS_HEAD: str = ""
-    HEATMAP_SIZE: int = -1
-    UP_SCALE: int = -1
-    USE_DECONV: bool = False
-    DECONV_DIM: int = 256
-    USE_DECONV_OUTPUT: bool = False
-    DILATION: int = 1
-    DECONV_KERNEL: int = 4
-    NUM_KEYPOINTS: int = -1
-    NUM_STACKED_CONVS: int = 8
-    CONV_HEAD_DIM: int = 256
-    CONV_HEAD_KERNEL: int = 3
-    CONV_INIT: str = "GaussianFill"
-    NMS_OKS: bool = False
-    KEYPOINT_CONFIDENCE: str = "bbox"
-    ROI_XFORM_METHOD: str = "RoIAlign"
-    ROI_XFORM_RESOLUTION: int = 7
-    ROI_XFORM_SAMPLING_RATIO: int = 0
-    MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH: int = 20
-    INFERENCE_MIN_SIZE: int = 0
-    LOSS_WEIGHT: float = 1.0
-    NORMALIZE_BY_VISIBLE_KEYPOINTS: bool = True
-
-
-@dataclass
-class RetinaNetConfig:
-    """``RETINANET``: anchors per octave and aspect, label thresholds."""
-
-    RETINANET_ON: bool = False
-    NUM_CONVS: int = 4
-    ASPECT_RATIOS: tuple[float, ...] = (0.5, 1.0, 2.0)
-    SCALES_PER_OCTAVE: int = 3
-    ANCHOR_SCALE: float = 4
-    POSITIVE_OVERLAP: float = 0.5
-    NEGATIVE_OVERLAP: float = 0.4
-    LOSS_ALPHA: float = 0.25
-    LOSS_GAMMA: float = 2.0
-    LOSS_BBOX_WEIGHT: float = 1.0
-    BBOX_REG_WEIGHTS: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0)
-    BBOX_REG_BETA: float = 0.11
-    PRIOR_PROB: float = 0.01
-    SHARE_CLS_BBOX_TOWER: bool = False
-    CLASS_SPECIFIC_BBOX: bool = False
-    SOFTMAX: bool = False
-    INFERENCE_TH: float = 0.05
-    PRE_NMS_TOP_N: int = 1000
-
-
-# Sections the data pipeline never reads. They are kept (checked, untyped) so that
-# Detectron's YAML files load unchanged and round-trip.
-_PASSTHROUGH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "TEST": {
-        "WEIGHTS": "", "DATASETS": [], "SCALE": 600, "MAX_SIZE": 1000, "NMS": 0.3,
-        "BBOX_REG": True, "PROPOSAL_FILES": [], "PROPOSAL_LIMIT": 2000,
-        "RPN_NMS_THRESH": 0.7, "RPN_PRE_NMS_TOP_N": 12000, "RPN_POST_NMS_TOP_N": 2000,
-        "RPN_MIN_SIZE": 0, "DETECTIONS_PER_IM": 100, "SCORE_THRESH": 0.05,
-        "COMPETITION_MODE": True, "FORCE_JSON_DATASET_EVAL": False,
-        "PRECOMPUTED_PROPOSALS": True, "BBOX_AUG": {}, "MASK_AUG": {}, "KPS_AUG": {},
-        "SOFT_NMS": {}, "BBOX_VOTE": {},
-    },
-    "SOLVER": {
-        "BASE_LR": 0.001, "LR_POLICY": "step", "GAMMA": 0.1, "STEP_SIZE": 30000,
-        "STEPS": [], "LRS": [], "MAX_ITER": 40000, "MOMENTUM": 0.9,
-        "WEIGHT_DECAY": 0.0005, "WEIGHT_DECAY_GN": 0.0, "BIAS_DOUBLE_LR": True,
-        "BIAS_WEIGHT_DECAY": False, "WARM_UP_ITERS": 500, "WARM_UP_FACTOR": 1.0 / 3.0,
-        "WARM_UP_METHOD": "linear", "SCALE_MOMENTUM": True,
-        "SCALE_MOMENTUM_THRESHOLD": 1.1, "LOG_LR_CHANGE_THRESHOLD": 1.1,
-    },
-    "FAST_RCNN": {
-        "ROI_BOX_HEAD": "", "MLP_HEAD_DIM": 1024, "CONV_HEAD_DIM": 256,
-        "NUM_STACKED_CONVS": 4, "ROI_XFORM_METHOD": "RoIPoolF",
-        "ROI_XFORM_SAMPLING_RATIO": 0, "ROI_XFORM_RESOLUTION": 14,
-    },
-    "RFCN": {"PS_GRID_SIZE": 3},
-    "RESNETS": {
-        "NUM_GROUPS": 1, "WIDTH_PER_GROUP": 64, "STRIDE_1X1": True,
-        "TRANS_FUNC": "bottleneck_transformation", "STEM_FUNC": "basic_bn_stem",
-        "SHORTCUT_FUNC": "basic_bn_shortcut", "RES5_DILATION": 1,
-    },
-    "GROUP_NORM": {"DIM_PER_GP": -1, "NUM_GROUPS": 32, "EPSILON": 1e-5},
-    "CLUSTER": {"ON_CLUSTER": False},
-}
-
-_TOP_LEVEL_PASSTHROUGH: dict[str, Any] = {
-    "USE_NCCL": False, "BBOX_XFORM_CLIP": math.log(1000.0 / 16.0), "EPS": 1e-14,
-    "ROOT_DIR": os.getcwd(), "OUTPUT_DIR": "/tmp", "MATLAB": "matlab", "VIS": False,
-    "VIS_TH": 0.9, "EXPECTED_RESULTS": [], "EXPECTED_RESULTS_RTOL": 0.1,
-    "EXPECTED_RESULTS_ATOL": 0.005, "EXPECTED_RESULTS_EMAIL": "", "DATA_DIR": "",
-    "DEDUP_BOXES": 1.0 / 16.0, "DOWNLOAD_CACHE": "/tmp/detectron-download-cache",
-}
-
-
-def _section(cls: type) -> Any:
-    return field(default_factory=cls)
-
-
-def _passthrough(name: str) -> Any:
-    return field(default_factory=lambda: copy.deepcopy(_PASSTHROUGH_DEFAULTS[name]))
-
-
-@dataclass
-class DetectronConfig:
-    """Detectron's whole option tree, data-pipeline sections typed (Detectron semantics:
-    configuration).
-
-    Use :func:`get_cfg` for a fresh copy with Detectron's defaults, then
-    :meth:`merge_from_dict` / :meth:`merge_from_file` for overrides with dotted
-    Detectron keys. ``RPN.RPN_ON`` is inferred from ``MODEL.FASTER_RCNN`` /
-    ``MODEL.RPN_ONLY`` after every merge, as Detectron's ``assert_and_infer_cfg`` does.
+    Use :func:`get_cfg` for a mutable copy of the defaults and :func:`load_detectron_cfg`
+    for a built, inferred and frozen config. Merges (:meth:`merge_from_dict`,
+    :meth:`merge_from_file`, :meth:`merge_from_list`) check every key and value before
+    changing anything, then run :meth:`infer` (``RPN.RPN_ON`` from ``MODEL.FASTER_RCNN``
+    / ``MODEL.RPN_ONLY``, as Detectron's ``assert_and_infer_cfg``).
     """
 
-    TRAIN: TrainConfig = _section(TrainConfig)
-    DATA_LOADER: DataLoaderConfig = _section(DataLoaderConfig)
-    MODEL: ModelConfig = _section(ModelConfig)
-    RPN: RPNConfig = _section(RPNConfig)
-    FPN: FPNConfig = _section(FPNConfig)
-    MRCNN: MRCNNConfig = _section(MRCNNConfig)
-    KRCNN: KRCNNConfig = _section(KRCNNConfig)
-    RETINANET: RetinaNetConfig = _section(RetinaNetConfig)
-    NUM_GPUS: int = 1
-    #: BGR means, Detectron's shape (1, 1, 3) flattened to three numbers.
-    PIXEL_MEANS: tuple[float, float, float] = (102.9801, 115.9465, 122.7717)
-    RNG_SEED: int = 3
-    TEST: dict[str, Any] = _passthrough("TEST")
-    SOLVER: dict[str, Any] = _passthrough("SOLVER")
-    FAST_RCNN: dict[str, Any] = _passthrough("FAST_RCNN")
-    RFCN: dict[str, Any] = _passthrough("RFCN")
-    RESNETS: dict[str, Any] = _passthrough("RESNETS")
-    GROUP_NORM: dict[str, Any] = _passthrough("GROUP_NORM")
-    CLUSTER: dict[str, Any] = _passthrough("CLUSTER")
-    #: Detectron's other top-level keys (OUTPUT_DIR, EPS, ...), unused here.
-    OTHER: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(_TOP_LEVEL_PASSTHROUGH))
+    def __init__(self, init_dict: Optional[Mapping[str, Any]] = None,
+                 key_list: Optional[list[str]] = None, new_allowed: bool = False) -> None:
+        super().__init__(init_dict, key_list, new_allowed)
+        self.__dict__[_KEY_PATH] = ".".join(key_list or [])
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self:
+            return self[name]
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_unknown(self._full(name), name, self))
+
+    # ---------------------------------------------------------------- freezing
+    def _full(self, name: str) -> str:
+        path = self.__dict__.get(_KEY_PATH, "")
+        return f"{path}.{name}" if path else str(name)
+
+    def _refuse_if_frozen(self, name: str) -> None:
+        if self.__dict__.get(CfgNode.IMMUTABLE, False):
+            raise AttributeError(
+                f"cannot set '{self._full(name)}': the Detectron config is frozen once it is "
+                f"built. Set it in the Detectron YAML file or the data module's `overrides`, "
+                f"or build a changed copy: load_detectron_cfg(cfg, {{'{self._full(name)}': ...}})")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._refuse_if_frozen(name)
+        super().__setattr__(name, value)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._refuse_if_frozen(key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._refuse_if_frozen(key)
+        super().__delitem__(key)
+
+    def _immutable(self, is_immutable: bool) -> None:
+        # A frozen node also keeps its keys in its instance __dict__, so that attribute
+        # reads (cfg.TRAIN.SCALES, on every minibatch) take Python's fast path instead of
+        # a failed lookup and __getattr__ (~50x slower). Only frozen nodes are mirrored:
+        # they cannot change, so the mirror cannot go stale.
+        super()._immutable(is_immutable)
+        for key in dict.keys(self):
+            if is_immutable:
+                self.__dict__[key] = dict.__getitem__(self, key)
+            else:
+                self.__dict__.pop(key, None)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """As ``dict.update``; refused (``AttributeError``) while the config is frozen."""
+        self._refuse_if_frozen("(update)")
+        super().update(*args, **kwargs)
+
+    def pop(self, key: Any, *default: Any) -> Any:  # type: ignore[override]
+        """As ``dict.pop``; refused (``AttributeError``) while the config is frozen."""
+        self._refuse_if_frozen(key)
+        return super().pop(key, *default)
+
+    def popitem(self) -> Any:  # type: ignore[override]
+        """As ``dict.popitem``; refused (``AttributeError``) while the config is frozen."""
+        self._refuse_if_frozen("(popitem)")
+        return super().popitem()
+
+    def clear(self) -> None:  # type: ignore[override]
+        """As ``dict.clear``; refused (``AttributeError``) while the config is frozen."""
+        self._refuse_if_frozen("(clear)")
+        super().clear()
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+        """As ``dict.setdefault``; refused (``AttributeError``) while the config is frozen."""
+        if key not in self:
+            self._refuse_if_frozen(key)
+        return super().setdefault(key, default)
+
+    def __deepcopy__(self, memo: dict) -> "DetectronConfig":
+        # copy.deepcopy restores a dict subclass's __dict__ (the frozen flag) before its
+        # items, which the frozen check above would refuse.
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.items():
+            dict.__setitem__(new, k, copy.deepcopy(v, memo))
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     # ---------------------------------------------------------------- merging
-    def merge_from_dict(self, overrides: Mapping[str, Any]) -> None:
-        """Apply overrides given as dotted keys (``"TRAIN.SCALES"``) or nested dicts.
+    def merge_from_dict(self, overrides: Mapping[str, Any], *, source: str = "") -> None:
+        """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both.
+
+        String values are decoded with Detectron's ``literal_eval`` rule. Nothing changes
+        unless every key and value is accepted; :meth:`infer` runs afterwards.
 
         Raises:
-            ConfigError: for an unknown key (naming the nearest valid one) or a value
-                that cannot be converted to the option's type.
+            ConfigError: an unknown key (naming the nearest valid one), a renamed key, or
+                a value of the wrong type; prefixed with ``source`` (e.g. the file) if given.
+            AttributeError: the config is frozen.
         """
-        for key, value in _flatten(overrides):
-            self._set(key, value)
+        self._refuse_if_frozen("(merge)")
+        prefix = f"{source}: " if source else ""
+        try:
+            checked = _check_tree(_nest(overrides), self, [])
+            super().merge_from_other_cfg(type(self)(checked))
+        except ConfigError as exc:
+            raise ConfigError(prefix + str(exc)) from exc
+        except (KeyError, ValueError, AssertionError) as exc:  # yacs' own checks
+            raise ConfigError(f"{prefix}{exc.args[0] if exc.args else exc}") from exc
         self.infer()
 
-    def merge_from_file(self, path: str | os.PathLike) -> None:
-        """Merge a Detectron YAML config file (same keys as Detectron)."""
+    def merge_from_other_cfg(self, cfg_other: Mapping[str, Any]) -> None:
+        """Merge another (nested) config or dict; as :meth:`merge_from_dict`."""
+        self.merge_from_dict(cfg_other)
+
+    def merge_from_file(self, cfg_filename: Union[str, os.PathLike]) -> None:
+        """Merge a Detectron YAML config file (same keys as Detectron).
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            ConfigError: invalid YAML, or a bad key/value (the message names the file).
+        """
+        path = os.fspath(cfg_filename)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Detectron config file not found: {path}")
         with open(path, encoding="utf-8") as fh:
             try:
                 data = yaml.safe_load(fh) or {}
@@ -331,181 +217,170 @@ class DetectronConfig:
                 raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
         if not isinstance(data, Mapping):
             raise ConfigError(f"{path}: a Detectron config must be a mapping at the top level")
-        try:
-            self.merge_from_dict(data)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
+        self.merge_from_dict(data, source=path)
+
+    def merge_from_list(self, cfg_list: Sequence[Any]) -> None:
+        """Merge ``[key, value, key, value, ...]`` pairs, e.g. from a command line
+        (``["TRAIN.SCALES", "(800,)", "SOLVER.BASE_LR", "0.01"]``)."""
+        if len(cfg_list) % 2:
+            raise ConfigError(f"override list has odd length ({len(cfg_list)}): it must be "
+                              f"key, value pairs, e.g. ['TRAIN.SCALES', '(800,)']")
+        self.merge_from_dict(dict(zip(cfg_list[0::2], cfg_list[1::2])))
+
+    @classmethod
+    def _decode_cfg_value(cls, value: Any) -> Any:
+        # yacs' merge decodes each value again; _check_tree has already decoded them
+        # with the default's type in view, so only nested dicts are converted here.
+        return cls(value) if isinstance(value, dict) and not isinstance(value, CfgNode) \
+            else value
 
     def infer(self) -> None:
-        """Derive inferred options, as Detectron's ``assert_and_infer_cfg``."""
+        """Derive the inferred options, as Detectron's ``assert_and_infer_cfg`` does.
+
+        ``RPN.RPN_ON`` if ``MODEL.FASTER_RCNN`` or ``MODEL.RPN_ONLY``, and
+        ``TEST.PRECOMPUTED_PROPOSALS = False`` if RPN or RetinaNet is on."""
+        if "MODEL" not in self:  # a section merged on its own: nothing to infer here
+            return
         if self.MODEL.FASTER_RCNN or self.MODEL.RPN_ONLY:
             self.RPN.RPN_ON = True
         if self.RPN.RPN_ON or self.RETINANET.RETINANET_ON:
-            self.TEST["PRECOMPUTED_PROPOSALS"] = False
+            self.TEST.PRECOMPUTED_PROPOSALS = False
+
+    # ---------------------------------------------------------------- access
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """The value under ``key``, which may be dotted (``cfg.get("TRAIN.SCALES")``).
+
+        Without ``default`` an unknown key raises :class:`ConfigError` naming the
+        nearest valid one (unlike ``dict.get``); with it, ``default`` is returned.
+        """
+        node: Any = self
+        parts = str(key).split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, CfgNode) or part not in node:
+                if default is not _MISSING:
+                    return default
+                valid = list(node) if isinstance(node, CfgNode) else []
+                raise ConfigError(_unknown(self._full(".".join(parts[: i + 1])), part, valid))
+            node = dict.__getitem__(node, part)
+        return node
 
     def to_dict(self) -> dict[str, Any]:
-        """Nested plain dict with Detectron's layout (``OTHER`` flattened to the top)."""
-        out = dataclasses.asdict(self)
-        out.update(out.pop("OTHER"))
-        return out
+        """Nested plain dict with Detectron's layout (tuples kept)."""
+        return {k: v.to_dict() if isinstance(v, DetectronConfig) else v for k, v in self.items()}
 
-    def dump(self) -> str:
+    def dump(self, **kwargs: Any) -> str:
         """YAML text that :func:`load_detectron_cfg` reads back to an equal config."""
-        return yaml.safe_dump(_lists(self.to_dict()), sort_keys=False)
+        kwargs.setdefault("sort_keys", False)
+        return yaml.safe_dump(_lists(self.to_dict()), **kwargs)
 
     def clone(self) -> "DetectronConfig":
-        """A deep copy."""
+        """A deep copy (frozen if this config is)."""
+        import copy
+
         return copy.deepcopy(self)
 
-    def get(self, dotted: str) -> Any:
-        """The value under a dotted key, e.g. ``cfg.get("TRAIN.SCALES")``."""
-        obj, leaf = self._resolve(dotted)
-        return obj[leaf] if isinstance(obj, dict) else getattr(obj, leaf)
 
-    # ---------------------------------------------------------------- internals
-    def _resolve(self, dotted: str) -> tuple[Any, str]:
-        parts = dotted.split(".")
-        if len(parts) == 1:
-            if parts[0] in self.OTHER and not hasattr(self, parts[0]):
-                return self.OTHER, parts[0]
-            _check_key(parts[0], _top_level_keys(self), "")
-            return self, parts[0]
-        head, rest = parts[0], parts[1:]
-        _check_key(head, _top_level_keys(self), "")
-        obj: Any = getattr(self, head)
-        for i, part in enumerate(rest[:-1]):
-            prefix = ".".join(parts[: i + 2])
-            if isinstance(obj, dict) and isinstance(obj.get(part), dict):
-                obj = obj[part]
-                continue
-            raise ConfigError(f"config key '{prefix}' is not a section")
-        leaf = rest[-1]
-        valid = list(obj) if isinstance(obj, dict) else [f.name for f in dataclasses.fields(obj)]
-        if not (isinstance(obj, dict) and head == "TEST" and len(rest) > 1):
-            _check_key(leaf, valid, ".".join(parts[:-1]) + ".")
-        return obj, leaf
-
-    def _set(self, dotted: str, value: Any) -> None:
-        obj, leaf = self._resolve(dotted)
-        if isinstance(obj, dict):
-            obj[leaf] = _decode(value)
-            return
-        current = getattr(obj, leaf)
-        if not isinstance(current, str):
-            value = _decode(value)
-        setattr(obj, leaf, _coerce(dotted, value, current))
-
-
-def _decode(value: Any) -> Any:
-    """Detectron's ``_decode_cfg_value``: strings such as ``"(800,)"`` are literal-evaluated.
-
-    Detectron's YAML files write tuples as strings (``SCALES: (800,)``,
-    ``DATASETS: ('coco_2014_train',)``); a string that is not a Python literal stays a string.
-    """
-    if not isinstance(value, str):
-        return value
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return value
-
-
-def _top_level_keys(cfg: DetectronConfig) -> list[str]:
-    return [f.name for f in dataclasses.fields(cfg) if f.name != "OTHER"] + list(cfg.OTHER)
-
-
-def _check_key(key: str, valid: list[str], prefix: str) -> None:
-    if key in valid:
-        return
-    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    hint = f"; did you mean '{prefix}{near[0]}'?" if near else ""
-    raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    """Dotted (key, value) pairs; a nested dict under a typed section is descended into."""
-    items: list[tuple[str, Any]] = []
+# --------------------------------------------------------------------------------------
+# Checking before yacs merges: decode, widen, type-check, name the key.
+# --------------------------------------------------------------------------------------
+def _nest(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"A.B": 1, "A": {"C": 2}}`` -> ``{"A": {"B": 1, "C": 2}}``."""
+    out: dict[str, Any] = {}
     for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping) and "." not in str(key) and _is_section(dotted):
-            items.extend(_flatten(value, dotted + "."))
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"config key '{key}' is given both as a value and as a "
+                                  f"section")
+            node = nxt
+        leaf = parts[-1]
+        if isinstance(value, Mapping):
+            value = _nest(value)
+            if isinstance(node.get(leaf), dict):
+                node[leaf].update(value)
+                continue
+        node[leaf] = value
+    return out
+
+
+def _unknown(full_key: str, key: str, valid: Iterable[str]) -> str:
+    prefix = full_key[: len(full_key) - len(key)]
+    near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean '{prefix}{near[0]}'?" if near else ""
+    return f"unknown config key '{full_key}'{hint}"
+
+
+def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]
+                ) -> dict[str, Any]:
+    """Every key of ``tree`` checked against ``node``; values decoded and coerced."""
+    root = _DEFAULTS
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        full = ".".join(path + [key])
+        if key not in node:
+            if root.key_is_deprecated(full):  # logs a warning, as Detectron does
+                continue
+            if root.key_is_renamed(full):
+                try:
+                    root.raise_key_rename_error(full)
+                except KeyError as exc:
+                    raise ConfigError(exc.args[0]) from None
+            raise ConfigError(_unknown(full, key, node))
+        current = dict.__getitem__(node, key)
+        if isinstance(current, CfgNode):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config key '{full}' is a section ({', '.join(current)}); "
+                                  f"got {value!r}")
+            out[key] = _check_tree(value, current, path + [key])
         else:
-            items.append((dotted, value))
-    return items
+            out[key] = _coerce(full, value, current)
+    return out
 
 
-_SECTIONS = {f.name for f in dataclasses.fields(DetectronConfig)} - {
-    "NUM_GPUS", "PIXEL_MEANS", "RNG_SEED", "OTHER"}
-#: TEST.BBOX_AUG, TEST.MASK_AUG, ...: the nested sections of TEST.
-_TEST_SUBSECTIONS = {k for k, v in _PASSTHROUGH_DEFAULTS["TEST"].items() if isinstance(v, dict)}
+def _coerce(full: str, value: Any, current: Any) -> Any:
+    """Detectron's decoding and yacs' type check, with this module's widenings."""
+    if isinstance(value, Mapping):
+        raise ConfigError(f"config key '{full}' is a value, not a section; got {dict(value)!r}")
+    if not isinstance(current, str):
+        value = CfgNode._decode_cfg_value(value)  # Detectron's literal_eval rule
+    if _is_number(value) and isinstance(value, int) and isinstance(current, float):
+        value = float(value)
+    elif isinstance(current, tuple) and isinstance(value, str) \
+            and full.endswith(("DATASETS", "PROPOSAL_FILES")):
+        value = (value,)
+    elif full == "PIXEL_MEANS" and isinstance(value, (list, tuple)):
+        value = tuple(float(v) for v in _flat(value))
+        if len(value) != 3:
+            raise ConfigError(f"config key 'PIXEL_MEANS' expects three BGR means, e.g. "
+                              f"[[[102.98, 115.95, 122.77]]]; got {len(value)} numbers")
+    bad = value is None or (isinstance(value, bool) != isinstance(current, bool))
+    if not bad:
+        try:
+            value = _yacs_type_check(value, current, full.rsplit(".", 1)[-1], full)
+        except ValueError:
+            bad = True
+    if not bad and isinstance(value, (list, tuple)) and current \
+            and all(_is_number(v) for v in current):
+        bad = not all(_is_number(v) for v in value)
+        if not bad and any(isinstance(v, float) for v in current):
+            value = type(value)(float(v) for v in value)
+    if bad:
+        raise ConfigError(
+            f"config key '{full}' expects a value like {current!r} "
+            f"({type(current).__name__}), got {value!r} ({type(value).__name__})")
+    return value
 
 
-def _is_section(dotted: str) -> bool:
-    parts = dotted.split(".")
-    return parts[0] in _SECTIONS and (len(parts) == 1 or parts[0] == "TEST" and len(parts) == 2
-                                      and parts[1] in _TEST_SUBSECTIONS)
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _coerce(key: str, value: Any, current: Any) -> Any:
-    """Convert ``value`` to the type of the default ``current`` (Detectron's rules)."""
-    try:
-        if isinstance(current, bool):
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, (int,)) and value in (0, 1):
-                return bool(value)
-            if isinstance(value, str) and value.lower() in {"true", "false"}:
-                return value.lower() == "true"
-            raise TypeError
-        if isinstance(current, tuple):
-            if isinstance(value, (str, bytes)) and key.endswith(("DATASETS", "PROPOSAL_FILES")):
-                value = (value,)
-            seq = _flat_numbers(value) if key == "PIXEL_MEANS" else list(value)
-            elem = type(current[0]) if current else None
-            if elem in (int, float):
-                seq = [_number(v, elem) for v in seq]
-            elif elem is str:
-                seq = [str(v) for v in seq]
-            return tuple(seq)
-        if isinstance(current, int) and not isinstance(current, bool):
-            return _number(value, int)
-        if isinstance(current, float):
-            return _number(value, float)
-        if isinstance(current, str):
-            if not isinstance(value, str):
-                raise TypeError
-            return value
-    except (TypeError, ValueError):
-        pass
-    else:
-        return value
-    raise ConfigError(
-        f"config key '{key}' expects a value like {current!r} "
-        f"({type(current).__name__}), got {value!r}")
-
-
-def _number(value: Any, kind: type) -> Any:
-    if isinstance(value, bool):
-        raise TypeError
-    if kind is int:
-        if isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return int(value)
-    return float(value)
-
-
-def _flat_numbers(value: Any) -> list[float]:
-    """PIXEL_MEANS is ``[[[b, g, r]]]`` in Detectron files."""
-    out: list[float] = []
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, (list, tuple)):
-            stack.extend(reversed(v))
-        else:
-            out.append(float(v))
-    if len(out) != 3:
-        raise ValueError
+def _flat(value: Any) -> list[Any]:
+    out: list[Any] = []
+    for v in value:
+        out.extend(_flat(v) if isinstance(v, (list, tuple)) else [v])
     return out
 
 
@@ -517,34 +392,362 @@ def _lists(obj: Any) -> Any:
     return obj
 
 
+# --------------------------------------------------------------------------------------
+# Defaults: Detectron's, key for key (Detectron semantics: configuration). Keys marked
+# "lit_roidata" are not in Detectron.
+# --------------------------------------------------------------------------------------
+_C = DetectronConfig()
+
+_C.TRAIN = DetectronConfig()
+_C.TRAIN.WEIGHTS = ""
+_C.TRAIN.DATASETS = ()
+_C.TRAIN.SCALES = (600,)
+_C.TRAIN.MAX_SIZE = 1000
+_C.TRAIN.IMS_PER_BATCH = 2
+_C.TRAIN.BATCH_SIZE_PER_IM = 64
+_C.TRAIN.FG_FRACTION = 0.25
+_C.TRAIN.FG_THRESH = 0.5
+_C.TRAIN.BG_THRESH_HI = 0.5
+_C.TRAIN.BG_THRESH_LO = 0.0
+_C.TRAIN.USE_FLIPPED = True
+_C.TRAIN.BBOX_THRESH = 0.5
+_C.TRAIN.SNAPSHOT_ITERS = 20000
+_C.TRAIN.PROPOSAL_FILES = ()
+_C.TRAIN.ASPECT_GROUPING = True
+_C.TRAIN.RPN_POSITIVE_OVERLAP = 0.7
+_C.TRAIN.RPN_NEGATIVE_OVERLAP = 0.3
+_C.TRAIN.RPN_FG_FRACTION = 0.5
+_C.TRAIN.RPN_BATCH_SIZE_PER_IM = 256
+_C.TRAIN.RPN_NMS_THRESH = 0.7
+_C.TRAIN.RPN_PRE_NMS_TOP_N = 12000
+_C.TRAIN.RPN_POST_NMS_TOP_N = 2000
+_C.TRAIN.RPN_STRADDLE_THRESH = 0.0  # Detectron: int 0; a float here (pixels)
+_C.TRAIN.RPN_MIN_SIZE = 0.0  # Detectron: int 0; a float here (pixels)
+_C.TRAIN.CROWD_FILTER_THRESH = 0.7
+_C.TRAIN.GT_MIN_AREA = -1.0  # Detectron: int -1; a float here (square pixels)
+_C.TRAIN.FREEZE_CONV_BODY = False
+_C.TRAIN.FREEZE_AT = 2
+_C.TRAIN.AUTO_RESUME = True
+_C.TRAIN.COPY_WEIGHTS = False
+# lit_roidata: proposals kept per image when training from proposal files; -1 keeps
+# every proposal, as Detectron trains (its PROPOSAL_LIMIT is TEST-only).
+_C.TRAIN.PROPOSAL_LIMIT = -1
+
+_C.DATA_LOADER = DetectronConfig()
+_C.DATA_LOADER.NUM_THREADS = 4
+_C.DATA_LOADER.MINIBATCH_QUEUE_SIZE = 64
+_C.DATA_LOADER.BLOBS_QUEUE_CAPACITY = 8
+
+_C.TEST = DetectronConfig()
+_C.TEST.WEIGHTS = ""
+_C.TEST.DATASETS = ()
+_C.TEST.SCALE = 600
+_C.TEST.MAX_SIZE = 1000
+_C.TEST.NMS = 0.3
+_C.TEST.BBOX_REG = True
+_C.TEST.PROPOSAL_FILES = ()
+_C.TEST.PROPOSAL_LIMIT = 2000
+_C.TEST.RPN_NMS_THRESH = 0.7
+_C.TEST.RPN_PRE_NMS_TOP_N = 12000
+_C.TEST.RPN_POST_NMS_TOP_N = 2000
+_C.TEST.RPN_MIN_SIZE = 0
+_C.TEST.DETECTIONS_PER_IM = 100
+_C.TEST.SCORE_THRESH = 0.05
+_C.TEST.COMPETITION_MODE = True
+_C.TEST.FORCE_JSON_DATASET_EVAL = False
+_C.TEST.PRECOMPUTED_PROPOSALS = True  # inferred (see DetectronConfig.infer)
+
+_C.TEST.BBOX_AUG = DetectronConfig()
+_C.TEST.BBOX_AUG.ENABLED = False
+_C.TEST.BBOX_AUG.SCORE_HEUR = "UNION"
+_C.TEST.BBOX_AUG.COORD_HEUR = "UNION"
+_C.TEST.BBOX_AUG.H_FLIP = False
+_C.TEST.BBOX_AUG.SCALES = ()
+_C.TEST.BBOX_AUG.MAX_SIZE = 4000
+_C.TEST.BBOX_AUG.SCALE_H_FLIP = False
+_C.TEST.BBOX_AUG.SCALE_SIZE_DEP = False
+_C.TEST.BBOX_AUG.AREA_TH_LO = 50**2
+_C.TEST.BBOX_AUG.AREA_TH_HI = 180**2
+_C.TEST.BBOX_AUG.ASPECT_RATIOS = ()
+_C.TEST.BBOX_AUG.ASPECT_RATIO_H_FLIP = False
+
+_C.TEST.MASK_AUG = DetectronConfig()
+_C.TEST.MASK_AUG.ENABLED = False
+_C.TEST.MASK_AUG.HEUR = "SOFT_AVG"
+_C.TEST.MASK_AUG.H_FLIP = False
+_C.TEST.MASK_AUG.SCALES = ()
+_C.TEST.MASK_AUG.MAX_SIZE = 4000
+_C.TEST.MASK_AUG.SCALE_H_FLIP = False
+_C.TEST.MASK_AUG.SCALE_SIZE_DEP = False
+_C.TEST.MASK_AUG.AREA_TH = 180**2
+_C.TEST.MASK_AUG.ASPECT_RATIOS = ()
+_C.TEST.MASK_AUG.ASPECT_RATIO_H_FLIP = False
+
+_C.TEST.KPS_AUG = DetectronConfig()
+_C.TEST.KPS_AUG.ENABLED = False
+_C.TEST.KPS_AUG.HEUR = "HM_AVG"
+_C.TEST.KPS_AUG.H_FLIP = False
+_C.TEST.KPS_AUG.SCALES = ()
+_C.TEST.KPS_AUG.MAX_SIZE = 4000
+_C.TEST.KPS_AUG.SCALE_H_FLIP = False
+_C.TEST.KPS_AUG.SCALE_SIZE_DEP = False
+_C.TEST.KPS_AUG.AREA_TH = 180**2
+_C.TEST.KPS_AUG.ASPECT_RATIOS = ()
+_C.TEST.KPS_AUG.ASPECT_RATIO_H_FLIP = False
+
+_C.TEST.SOFT_NMS = DetectronConfig()
+_C.TEST.SOFT_NMS.ENABLED = False
+_C.TEST.SOFT_NMS.METHOD = "linear"
+_C.TEST.SOFT_NMS.SIGMA = 0.5
+
+_C.TEST.BBOX_VOTE = DetectronConfig()
+_C.TEST.BBOX_VOTE.ENABLED = False
+_C.TEST.BBOX_VOTE.VOTE_TH = 0.8
+_C.TEST.BBOX_VOTE.SCORING_METHOD = "ID"
+_C.TEST.BBOX_VOTE.SCORING_METHOD_BETA = 1.0
+
+_C.MODEL = DetectronConfig()
+_C.MODEL.TYPE = ""
+_C.MODEL.CONV_BODY = ""
+_C.MODEL.NUM_CLASSES = -1
+_C.MODEL.CLS_AGNOSTIC_BBOX_REG = False
+_C.MODEL.BBOX_REG_WEIGHTS = (10.0, 10.0, 5.0, 5.0)
+_C.MODEL.FASTER_RCNN = False
+_C.MODEL.MASK_ON = False
+_C.MODEL.KEYPOINTS_ON = False
+_C.MODEL.RPN_ONLY = False
+_C.MODEL.EXECUTION_TYPE = "dag"
+
+_C.RETINANET = DetectronConfig()
+_C.RETINANET.RETINANET_ON = False
+_C.RETINANET.ASPECT_RATIOS = (0.5, 1.0, 2.0)
+_C.RETINANET.SCALES_PER_OCTAVE = 3
+_C.RETINANET.ANCHOR_SCALE = 4.0  # Detectron: int 4; a float here, so 4.5 is accepted
+_C.RETINANET.NUM_CONVS = 4
+_C.RETINANET.BBOX_REG_WEIGHT = 1.0
+_C.RETINANET.BBOX_REG_BETA = 0.11
+_C.RETINANET.PRE_NMS_TOP_N = 1000
+_C.RETINANET.POSITIVE_OVERLAP = 0.5
+_C.RETINANET.NEGATIVE_OVERLAP = 0.4
+_C.RETINANET.LOSS_ALPHA = 0.25
+_C.RETINANET.LOSS_GAMMA = 2.0
+_C.RETINANET.PRIOR_PROB = 0.01
+_C.RETINANET.SHARE_CLS_BBOX_TOWER = False
+_C.RETINANET.CLASS_SPECIFIC_BBOX = False
+_C.RETINANET.SOFTMAX = False
+_C.RETINANET.INFERENCE_TH = 0.05
+# lit_roidata (later Detectron forks): the box loss weight and per-coordinate weights.
+_C.RETINANET.LOSS_BBOX_WEIGHT = 1.0
+_C.RETINANET.BBOX_REG_WEIGHTS = (1.0, 1.0, 1.0, 1.0)
+
+_C.SOLVER = DetectronConfig()
+_C.SOLVER.BASE_LR = 0.001
+_C.SOLVER.LR_POLICY = "step"
+_C.SOLVER.GAMMA = 0.1
+_C.SOLVER.STEP_SIZE = 30000
+_C.SOLVER.STEPS = []
+_C.SOLVER.LRS = []
+_C.SOLVER.MAX_ITER = 40000
+_C.SOLVER.MOMENTUM = 0.9
+_C.SOLVER.WEIGHT_DECAY = 0.0005
+_C.SOLVER.WEIGHT_DECAY_GN = 0.0
+_C.SOLVER.BIAS_DOUBLE_LR = True
+_C.SOLVER.BIAS_WEIGHT_DECAY = False
+_C.SOLVER.WARM_UP_ITERS = 500
+_C.SOLVER.WARM_UP_FACTOR = 1.0 / 3.0
+_C.SOLVER.WARM_UP_METHOD = "linear"
+_C.SOLVER.SCALE_MOMENTUM = True
+_C.SOLVER.SCALE_MOMENTUM_THRESHOLD = 1.1
+_C.SOLVER.LOG_LR_CHANGE_THRESHOLD = 1.1
+
+_C.FAST_RCNN = DetectronConfig()
+_C.FAST_RCNN.ROI_BOX_HEAD = ""
+_C.FAST_RCNN.MLP_HEAD_DIM = 1024
+_C.FAST_RCNN.CONV_HEAD_DIM = 256
+_C.FAST_RCNN.NUM_STACKED_CONVS = 4
+_C.FAST_RCNN.ROI_XFORM_METHOD = "RoIPoolF"
+_C.FAST_RCNN.ROI_XFORM_SAMPLING_RATIO = 0
+_C.FAST_RCNN.ROI_XFORM_RESOLUTION = 14
+
+_C.RPN = DetectronConfig()
+_C.RPN.RPN_ON = False  # inferred (see DetectronConfig.infer)
+_C.RPN.SIZES = (64, 128, 256, 512)
+_C.RPN.STRIDE = 16
+_C.RPN.ASPECT_RATIOS = (0.5, 1.0, 2.0)
+
+_C.FPN = DetectronConfig()
+_C.FPN.FPN_ON = False
+_C.FPN.DIM = 256
+_C.FPN.ZERO_INIT_LATERAL = False
+_C.FPN.COARSEST_STRIDE = 32
+_C.FPN.MULTILEVEL_ROIS = False
+_C.FPN.ROI_CANONICAL_SCALE = 224
+_C.FPN.ROI_CANONICAL_LEVEL = 4
+_C.FPN.ROI_MAX_LEVEL = 5
+_C.FPN.ROI_MIN_LEVEL = 2
+_C.FPN.MULTILEVEL_RPN = False
+_C.FPN.RPN_MAX_LEVEL = 6
+_C.FPN.RPN_MIN_LEVEL = 2
+_C.FPN.RPN_ASPECT_RATIOS = (0.5, 1.0, 2.0)
+_C.FPN.RPN_ANCHOR_START_SIZE = 32
+_C.FPN.RPN_COLLECT_SCALE = 1
+_C.FPN.EXTRA_CONV_LEVELS = False
+_C.FPN.USE_GN = False
+
+_C.MRCNN = DetectronConfig()
+_C.MRCNN.ROI_MASK_HEAD = ""
+_C.MRCNN.RESOLUTION = 14
+_C.MRCNN.ROI_XFORM_METHOD = "RoIAlign"
+_C.MRCNN.ROI_XFORM_RESOLUTION = 7
+_C.MRCNN.ROI_XFORM_SAMPLING_RATIO = 0
+_C.MRCNN.DIM_REDUCED = 256
+_C.MRCNN.DILATION = 2
+_C.MRCNN.UPSAMPLE_RATIO = 1
+_C.MRCNN.USE_FC_OUTPUT = False
+_C.MRCNN.CONV_INIT = "GaussianFill"
+_C.MRCNN.CLS_SPECIFIC_MASK = True
+_C.MRCNN.WEIGHT_LOSS_MASK = 1.0
+_C.MRCNN.THRESH_BINARIZE = 0.5
+
+_C.KRCNN = DetectronConfig()
+_C.KRCNN.ROI_KEYPOINTS_HEAD = ""
+_C.KRCNN.HEATMAP_SIZE = -1
+_C.KRCNN.UP_SCALE = -1
+_C.KRCNN.USE_DECONV = False
+_C.KRCNN.DECONV_DIM = 256
+_C.KRCNN.USE_DECONV_OUTPUT = False
+_C.KRCNN.DILATION = 1
+_C.KRCNN.DECONV_KERNEL = 4
+_C.KRCNN.NUM_KEYPOINTS = -1
+_C.KRCNN.NUM_STACKED_CONVS = 8
+_C.KRCNN.CONV_HEAD_DIM = 256
+_C.KRCNN.CONV_HEAD_KERNEL = 3
+_C.KRCNN.CONV_INIT = "GaussianFill"
+_C.KRCNN.NMS_OKS = False
+_C.KRCNN.KEYPOINT_CONFIDENCE = "bbox"
+_C.KRCNN.ROI_XFORM_METHOD = "RoIAlign"
+_C.KRCNN.ROI_XFORM_RESOLUTION = 7
+_C.KRCNN.ROI_XFORM_SAMPLING_RATIO = 0
+_C.KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH = 20
+_C.KRCNN.INFERENCE_MIN_SIZE = 0
+_C.KRCNN.LOSS_WEIGHT = 1.0
+_C.KRCNN.NORMALIZE_BY_VISIBLE_KEYPOINTS = True
+
+_C.RFCN = DetectronConfig()
+_C.RFCN.PS_GRID_SIZE = 3
+
+_C.RESNETS = DetectronConfig()
+_C.RESNETS.NUM_GROUPS = 1
+_C.RESNETS.WIDTH_PER_GROUP = 64
+_C.RESNETS.STRIDE_1X1 = True
+_C.RESNETS.TRANS_FUNC = "bottleneck_transformation"
+_C.RESNETS.STEM_FUNC = "basic_bn_stem"
+_C.RESNETS.SHORTCUT_FUNC = "basic_bn_shortcut"
+_C.RESNETS.RES5_DILATION = 1
+
+_C.GROUP_NORM = DetectronConfig()
+_C.GROUP_NORM.DIM_PER_GP = -1
+_C.GROUP_NORM.NUM_GROUPS = 32
+_C.GROUP_NORM.EPSILON = 1e-5
+
+_C.CLUSTER = DetectronConfig()
+_C.CLUSTER.ON_CLUSTER = False
+
+_C.NUM_GPUS = 1
+_C.USE_NCCL = False
+_C.DEDUP_BOXES = 1.0 / 16.0
+_C.BBOX_XFORM_CLIP = math.log(1000.0 / 16.0)
+# BGR means; Detectron's (1, 1, 3) array is stored flat as three floats.
+_C.PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
+_C.RNG_SEED = 3
+_C.EPS = 1e-14
+_C.ROOT_DIR = os.getcwd()
+_C.OUTPUT_DIR = "/tmp"
+_C.MATLAB = "matlab"
+_C.MEMONGER = True
+_C.MEMONGER_SHARE_ACTIVATIONS = False
+_C.VIS = False
+_C.VIS_TH = 0.9
+_C.EXPECTED_RESULTS = []
+_C.EXPECTED_RESULTS_RTOL = 0.1
+_C.EXPECTED_RESULTS_ATOL = 0.005
+_C.EXPECTED_RESULTS_EMAIL = ""
+_C.DATA_DIR = ""
+_C.DOWNLOAD_CACHE = "/tmp/detectron-download-cache"
+
+# Rebuilt so that every node knows its dotted path (for error messages).
+_C = DetectronConfig(_C)
+# Detectron's deprecated keys (ignored with a warning) and renamed keys (an error that
+# says what to write instead).
+for _key in ("FINAL_MSG", "MODEL.DILATION", "ROOT_GPU_ID", "RPN.ON",
+             "TRAIN.BBOX_NORMALIZE_TARGETS_PRECOMPUTED", "TRAIN.DROPOUT", "USE_GPU_NMS",
+             "TEST.NUM_TEST_IMAGES"):
+    _C.register_deprecated_key(_key)
+for _old, _new, _note in (
+        ("MODEL.PS_GRID_SIZE", "RFCN.PS_GRID_SIZE", None),
+        ("MODEL.ROI_HEAD", "FAST_RCNN.ROI_BOX_HEAD", None),
+        ("MRCNN.MASK_HEAD_NAME", "MRCNN.ROI_MASK_HEAD", None),
+        ("TRAIN.DATASET", "TRAIN.DATASETS",
+         "Also convert to a tuple, e.g. 'coco_2014_train' -> ('coco_2014_train',)"),
+        ("TRAIN.PROPOSAL_FILE", "TRAIN.PROPOSAL_FILES",
+         "Also convert to a tuple, e.g. 'path/to/file' -> ('path/to/file',)"),
+        ("TEST.SCALES", "TEST.SCALE", "Also convert from a tuple, e.g. (600,), to an int"),
+        ("TEST.DATASET", "TEST.DATASETS",
+         "Also convert to a tuple, e.g. 'coco_2014_minival' -> ('coco_2014_minival',)"),
+        ("TEST.PROPOSAL_FILE", "TEST.PROPOSAL_FILES",
+         "Also convert to a tuple, e.g. 'props.pkl' -> ('props.pkl',)")):
+    _C.register_renamed_key(_old, _new, _note)
+
+_DEFAULTS = _C
+_DEFAULTS.freeze()
+
+
 def get_cfg() -> DetectronConfig:
-    """A fresh config holding Detectron's defaults (Detectron semantics: configuration)."""
-    return DetectronConfig()
+    """A fresh, mutable config holding Detectron's defaults (Detectron semantics:
+    configuration). Use :func:`load_detectron_cfg` for the frozen config a run uses."""
+    cfg = _DEFAULTS.clone()
+    cfg.defrost()
+    return cfg
 
 
 def load_detectron_cfg(
     path_or_dict: Union[str, os.PathLike, Mapping[str, Any], DetectronConfig, None],
+    *overrides: Optional[Mapping[str, Any]],
+    freeze: bool = True,
 ) -> DetectronConfig:
-    """Read a Detectron YAML config (or a dict of the same shape) over the defaults.
+    """Build a config: defaults, then a Detectron YAML file (or a dict of the same shape,
+    or a copy of a config), then each mapping of ``overrides`` in order; infer; freeze.
 
     Example::
 
         cfg = load_detectron_cfg("configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml")
-        cfg = load_detectron_cfg({"TRAIN": {"SCALES": [800]}, "MODEL.MASK_ON": True})
+        cfg = load_detectron_cfg({"TRAIN": {"SCALES": [800]}}, {"MODEL.MASK_ON": True})
+        test_cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (cfg.TEST.SCALE,)})
+
+    Args:
+        path_or_dict: a YAML path, a nested/dotted mapping, a config (copied), or None.
+        overrides: mappings of dotted or nested keys, merged after ``path_or_dict``
+            (``None`` entries are skipped).
+        freeze: freeze the result (the default); ``False`` returns it mutable.
 
     Raises:
-        ConfigError: unknown key (with the nearest valid one) or a bad value.
+        ConfigError: unknown key (with the nearest valid one) or a bad value; the
+            message starts with the file's path when the problem is in the file.
         FileNotFoundError: the YAML path does not exist.
     """
     if isinstance(path_or_dict, DetectronConfig):
-        return path_or_dict.clone()
-    cfg = get_cfg()
-    if path_or_dict is None:
-        return cfg
-    if isinstance(path_or_dict, Mapping):
-        cfg.merge_from_dict(path_or_dict)
+        cfg = path_or_dict.clone()
+        cfg.defrost()
     else:
-        if not os.path.exists(path_or_dict):
-            raise FileNotFoundError(f"Detectron config file not found: {path_or_dict}")
-        cfg.merge_from_file(path_or_dict)
+        cfg = get_cfg()
+        if isinstance(path_or_dict, Mapping):
+            cfg.merge_from_dict(path_or_dict)
+        elif path_or_dict is not None:
+            cfg.merge_from_file(path_or_dict)
+    for extra in overrides:
+        if extra:
+            cfg.merge_from_dict(extra)
+    cfg.infer()
+    if freeze:
+        cfg.freeze()
     return cfg

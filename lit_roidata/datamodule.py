@@ -198,14 +198,13 @@ class RoIDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ config
     def _build_cfg(self) -> DetectronConfig:
         hp = self.hparams
-        cfg = load_detectron_cfg(hp.detectron_config)
+        flags = None
         if hp.model_type is not None:
             from lit_roidata.minibatch.model_type import flags_for_model_type
 
-            cfg.merge_from_dict(flags_for_model_type(hp.model_type))
-        if hp.overrides:
-            cfg.merge_from_dict(dict(hp.overrides))
-        return cfg
+            flags = flags_for_model_type(hp.model_type)
+        # merged in this order, inferred, then frozen
+        return load_detectron_cfg(hp.detectron_config, flags, dict(hp.overrides or {}))
 
     def _datasets(self, split: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Dataset names and proposal files of ``split`` after the fallbacks."""
@@ -219,8 +218,8 @@ class RoIDataModule(pl.LightningDataModule):
             if split == "train":
                 names, props = cfg.TRAIN.DATASETS, props or cfg.TRAIN.PROPOSAL_FILES
             else:
-                names = cfg.TEST.get("DATASETS") or ()
-                props = props or cfg.TEST.get("PROPOSAL_FILES") or ()
+                names = cfg.TEST.DATASETS
+                props = props or cfg.TEST.PROPOSAL_FILES
         if not names and self._demo is not None:
             demo = self._demo
             if split == "train":
@@ -702,10 +701,9 @@ class EvalDataset(torch.utils.data.Dataset):
         self.roidb = roidb
         self.with_rois = bool(with_rois)
         self.pixel_format = pixel_format
-        self.cfg = cfg.clone()
-        self.cfg.merge_from_dict({"TRAIN.SCALES": (int(cfg.TEST["SCALE"]),),
-                                  "TRAIN.MAX_SIZE": int(cfg.TEST["MAX_SIZE"])})
-        self.limit = int(cfg.TEST.get("PROPOSAL_LIMIT", -1))
+        self.cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (int(cfg.TEST.SCALE),),
+                                            "TRAIN.MAX_SIZE": int(cfg.TEST.MAX_SIZE)})
+        self.limit = int(cfg.TEST.PROPOSAL_LIMIT)
 
     def __len__(self) -> int:
         return len(self.roidb)

@@ -326,7 +326,7 @@ def test_readme_example_runs_as_written(root: Path, tmp_path: Path, monkeypatch:
                       'weights_backbone=None, backbone="resnet18", cpu_threads=1'),
                      ('strategy="ddp", devices=8', 'accelerator="cpu", devices=1, logger=False, '
                                                   'enable_checkpointing=False'),
-                     ('max_steps=dm.cfg.SOLVER["MAX_ITER"]', "max_steps=2")):
+                     ("max_steps=dm.cfg.SOLVER.MAX_ITER", "max_steps=2")):
         assert old in code, old
         code = code.replace(old, new)
     monkeypatch.setenv("LIT_ROIDATA_CACHE", str(tmp_path / "cache"))

@@ -12,6 +12,7 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
 from lit_roidata.minibatch.image import Allocator, ImageBatch, ImageLoader, build_image_blob
+from lit_roidata.minibatch.model_type import blob_family
 from lit_roidata.minibatch.names import get_minibatch_blob_names
 
 __all__ = ["Minibatch", "build_minibatch", "get_minibatch"]
@@ -59,7 +60,8 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
                              augment=augment, alloc=alloc)
     blobs["data"] = image.data
     entries = image.entries
-    if cfg.RPN.RPN_ON:
+    family = blob_family(cfg)
+    if family == "rpn":
         kwargs: dict[str, Any] = {"fix_rpn_quirks": True} if fix_rpn_quirks else {}
         if compact_targets:
             kwargs["compact"] = True
@@ -67,7 +69,7 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
             kwargs["alloc"] = alloc
         valid = _family_module("rpn").add_rpn_blobs(blobs, image.im_scales, entries, cfg, rng,
                                                     **kwargs)
-    elif cfg.RETINANET.RETINANET_ON:
+    elif family == "retinanet":
         kwargs = {"compact": True} if compact_targets else {}
         valid = _family_module("retinanet").add_retinanet_blobs(
             blobs, image.im_scales, entries, cfg, rng, **kwargs)
@@ -81,8 +83,8 @@ def get_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any,
                   rng: rng_mod.RNG) -> tuple[dict[str, np.ndarray], bool]:
     """Detectron's ``get_minibatch``: every training blob for one minibatch.
 
-    The family is chosen with Detectron's precedence (``RPN.RPN_ON``, else
-    ``RETINANET.RETINANET_ON``, else Fast R-CNN from precomputed proposals). With a
+    The family is :func:`~lit_roidata.minibatch.model_type.blob_family`'s (Detectron's
+    precedence: RPN, else RetinaNet, else Fast R-CNN from precomputed proposals). With a
     ``numpy.random.RandomState`` the draws follow Detectron's call order: the scale
     ``randint`` for all images, then per image the fg ``choice``, the bg ``choice``
     and (keypoints) the keypoint ``choice``.

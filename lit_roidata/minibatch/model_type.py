@@ -80,11 +80,18 @@ def flags_for_model_type(model_type: str) -> dict[str, Any]:
 
 
 def blob_family(cfg: Any) -> str:
-    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: Detectron's precedence (Detectron semantics:
-    configuration).
+    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: the one place the loader's blob
+    family is decided (Detectron semantics: configuration).
 
-    ``MODEL.FASTER_RCNN`` and ``MODEL.RPN_ONLY`` imply ``RPN.RPN_ON`` (Detectron's
-    ``assert_and_infer_cfg``) even on a config that was not re-inferred.
+    Detectron's precedence: RPN (``RPN.RPN_ON``, or ``MODEL.FASTER_RCNN`` /
+    ``MODEL.RPN_ONLY``, which imply it as Detectron's ``assert_and_infer_cfg`` does, so
+    a hand-edited config that was not re-inferred gives the same answer), else
+    RetinaNet (``RETINANET.RETINANET_ON``), else Fast R-CNN with precomputed proposals.
+    Mask and keypoint heads (``MODEL.MASK_ON`` / ``KEYPOINTS_ON``) and FPN change the
+    blobs inside a family, not the family. The minibatch builder
+    (:func:`lit_roidata.minibatch.get_minibatch`), the blob names
+    (:func:`lit_roidata.minibatch.get_minibatch_blob_names`) and the config check all
+    call this function.
 
     Raises:
         ValueError: RetinaNet without ``FPN.FPN_ON`` (Detectron asserts the same).

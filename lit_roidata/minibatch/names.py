@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_roidata.minibatch.model_type import blob_family
+
 __all__ = [
     "get_minibatch_blob_names",
     "get_fast_rcnn_blob_names",
@@ -90,9 +92,8 @@ def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
 def get_minibatch_blob_names(cfg: Any) -> list[str]:
     """All training blob names for the configured model family, in queue order.
 
-    ``data`` first, then the family chosen with Detectron's precedence (Detectron semantics:
-    configuration):
-    ``RPN.RPN_ON``, else ``RETINANET.RETINANET_ON``, else Fast R-CNN.
+    ``data`` first, then the blobs of the family
+    :func:`~lit_roidata.minibatch.model_type.blob_family` chooses.
 
     Args:
         cfg: a :class:`~lit_roidata.config.DetectronConfig`.
@@ -100,8 +101,9 @@ def get_minibatch_blob_names(cfg: Any) -> list[str]:
     Returns:
         The list of blob names (Detectron semantics: blob names).
     """
-    if cfg.RPN.RPN_ON:
+    family = blob_family(cfg)
+    if family == "rpn":
         return ["data"] + get_rpn_blob_names(cfg)
-    if cfg.RETINANET.RETINANET_ON:
+    if family == "retinanet":
         return ["data"] + get_retinanet_blob_names(cfg)
     return ["data"] + get_fast_rcnn_blob_names(cfg)
