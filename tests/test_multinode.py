@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule, RoIDataModule
 
 from test_datamodule_support import REPO, cli_env, dm_kwargs, read_records, tiny_config
 
@@ -59,7 +59,7 @@ def _fit_nodes(cfg: Path, tmp: Path, nodes: int, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_two_nodes_train_each_block_once_per_pass_and_resume_exactly(tmp_path: Path) -> None:
     kw = dm_kwargs(tmp_path / "probe", demo_size=dict(SIZE))
-    probe = RoIDataModule(**kw)
+    probe = DemoRoIDataModule(**kw)
     probe.prepare_data()
     probe.setup("fit")
     bpp = probe.make_sampler().blocks_per_pass

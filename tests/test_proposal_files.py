@@ -428,7 +428,8 @@ def test_pickle_needs_trust_and_names_both_fixes(tmp_path, caplog):
 
 
 def test_datamodule_trust_pickle_reaches_the_build(tmp_path):
-    """``RoIDataModule(trust_pickle=...)`` (``--data.trust_pickle``) decides."""
+    """``RoIDataModule(sources={"trust_pickle": ...})`` (``--data.sources.trust_pickle``)
+    decides."""
     from lit_roidata import RoIDataModule
     from lit_roidata._pickle_trust import UntrustedPickleError
 
@@ -438,11 +439,12 @@ def test_datamodule_trust_pickle_reaches_the_build(tmp_path):
     p = make_proposals(1, data, str(tmp_path / "p.pkl"))
     cat_file.write_text(f"datasets:\n  d:\n    image_dir: {tmp_path / 'd' / 'images'}\n"
                         f"    annotation_file: {tmp_path / 'd' / 'ann.json'}\n")
-    kw = dict(train_datasets=["d"], train_proposal_files=[p], dataset_catalog=str(cat_file),
-              cache_dir=str(tmp_path / "c"), model_type="fast_rcnn", num_workers=0)
+    kw = dict(datasets={"train": ["d"], "train_proposal_files": [p]},
+              model_type="fast_rcnn", loader={"num_workers": 0})
+    src = {"dataset_catalog": str(cat_file), "cache_dir": str(tmp_path / "c")}
     with pytest.raises(UntrustedPickleError, match="convert-proposals"):
-        RoIDataModule(**kw).prepare_data()
-    dm = RoIDataModule(**kw, trust_pickle=True)
+        RoIDataModule(**kw, sources=src).prepare_data()
+    dm = RoIDataModule(**kw, sources=dict(src, trust_pickle=True))
     dm.prepare_data()
     dm.setup("fit")
     assert len(dm.train_roidb) > 0
