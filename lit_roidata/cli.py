@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 from jsonargparse import DefaultHelpFormatter
 from pytorch_lightning import LightningDataModule, LightningModule
 from pytorch_lightning.callbacks import OnExceptionCheckpoint
-from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 __all__ = ["TOOLS", "RoIDataCLI", "main", "run_tool"]
 
@@ -81,6 +81,38 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
     """Keep the tools list in the epilog laid out as written."""
 
 
+class _RoIDataParser(LightningArgumentParser):
+    """LightningCLI's parser whose ``--help`` also lists the data module's options.
+
+    In subclass mode (``data: class_path: ...``) jsonargparse shows only ``--data`` and
+    ``--data.help CLASS``; a user reading ``lit-roidata fit --help`` would find none of
+    the data options. This parser appends :class:`~lit_roidata.RoIDataModule`'s
+    (``--data.loader.num_workers``, ...), which also apply to its subclasses.
+    """
+
+    def format_help(self) -> str:
+        """jsonargparse's help, plus the data module's options on a parser with ``--data``."""
+        text = super().format_help()
+        if not any(getattr(a, "dest", None) == "data" for a in self._actions):
+            return text
+        return text + "\n" + _data_options_help()
+
+
+def _data_options_help() -> str:
+    """The option groups of :class:`~lit_roidata.RoIDataModule` as jsonargparse prints them."""
+    from lit_roidata.datamodule import RoIDataModule
+
+    parser = LightningArgumentParser(prog="lit-roidata")
+    parser.add_class_arguments(RoIDataModule, "data", fail_untyped=False, sub_configs=True)
+    text = parser.format_help()
+    # Drop the usage line and the "options: -h" block: keep the option groups.
+    start = text.find("\n\n", text.find("-h, --help"))
+    groups = text[start:].strip("\n") if start >= 0 else text
+    return ("data module options (lit_roidata.RoIDataModule; lit_roidata.DemoRoIDataModule "
+            "adds --data.demo_root\nand --data.demo_size; `--data.help CLASS` shows another "
+            "data module's):\n\n" + groups + "\n")
+
+
 class RoIDataCLI(LightningCLI):
     """LightningCLI with the data module and the model selectable by class path.
 
@@ -92,6 +124,7 @@ class RoIDataCLI(LightningCLI):
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_class", _RoIDataParser)
         kwargs.setdefault("parser_kwargs", {"epilog": _tools_epilog(),
                                             "formatter_class": _HelpFormatter})
         super().__init__(LightningModule, LightningDataModule, subclass_mode_model=True,
