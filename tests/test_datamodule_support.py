@@ -53,6 +53,8 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
         if k in DEPRECATED_FLAT_ARGS:
             group, key = DEPRECATED_FLAT_ARGS[k]
             out.setdefault(group, {})[key] = v
+        elif isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides":
+            out[k].update(v)
         else:
             out[k] = v
     return out
