@@ -27,12 +27,14 @@ def test_print_config_parses_every_config(config: str, capsys: Any) -> None:
         main(["fit", "--config", str(REPO / "configs" / config), "--print_config"])
     assert exc.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["data"]["class_path"] == "lit_roidata.RoIDataModule"
+    demo = config.startswith("demo") or config.startswith("exchange_")
+    cls = "lit_roidata.DemoRoIDataModule" if demo else "lit_roidata.RoIDataModule"
+    assert printed["data"]["class_path"] == cls
     assert printed["model"]["class_path"]
     # The data module accepts the Detectron keys of the config (instantiating checks them).
-    from lit_roidata import RoIDataModule
+    import lit_roidata
 
-    dm = RoIDataModule(**printed["data"]["init_args"])
+    dm = getattr(lit_roidata, cls.rsplit(".", 1)[1])(**printed["data"]["init_args"])
     assert dm.cfg.TRAIN.IMS_PER_BATCH >= 1
 
 
@@ -107,9 +109,10 @@ def _exchange_teacher_config(root: Path, out: Path) -> Path:
                            "enable_model_summary": False, "callbacks": [
                                {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
                                 "init_args": {"dirpath": str(run / "checkpoints")}}]})
-    cfg["data"]["init_args"].update({"demo_root": str(root / "data"),
-                                     "demo_size": dict(SMALL_DEMO),
-                                     "cache_dir": str(root / "cache"), "num_workers": 0})
+    d = cfg["data"]["init_args"]
+    d.update({"demo_root": str(root / "data"), "demo_size": dict(SMALL_DEMO)})
+    d["sources"] = dict(d.get("sources") or {}, cache_dir=str(root / "cache"))
+    d["loader"] = dict(d.get("loader") or {}, num_workers=0)
     out.write_text(yaml.safe_dump(cfg))
     return out
 

@@ -251,10 +251,11 @@ def test_family_fits_validates_and_predicts(root: Path, tmp_path: Path, family: 
     # The loss goes down: the first training batches (the data module's own stream) have a
     # lower loss under the trained weights than under the initial ones. Per-step losses
     # of 2-image batches are too noisy to compare over a few steps.
-    from lit_roidata import RoIDataModule
+    import lit_roidata
 
     spec = yaml.safe_load(cfg.read_text())
-    dm = RoIDataModule(**spec["data"]["init_args"])
+    cls = getattr(lit_roidata, spec["data"]["class_path"].rsplit(".", 1)[1])
+    dm = cls(**spec["data"]["init_args"])
     dm.prepare_data()
     dm.setup("fit")
     loader = iter(dm.train_dataloader())
