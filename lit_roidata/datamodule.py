@@ -1,14 +1,15 @@
 """``RoIDataModule``: Detectron's training-data pipeline as a LightningDataModule.
 
 This is the only place that knows the config's shape (docs/architecture.md, "Configuration"): it
-turns its
-``__init__`` arguments (which LightningCLI exposes as ``--data.init_args.*``) into a
+turns its ``__init__`` arguments (grouped in :mod:`lit_roidata.options`, which
+LightningCLI exposes as nested options such as ``--data.loader.num_workers``) into a
 Detectron config, a dataset catalog, the cached combined roidb, Detectron's batch
 sampler and the workers' dataset, and hands Lightning the stateful train loader.
 
 Lifecycle (Lightning's contract, ``datamodule.rst``):
 
-* ``prepare_data`` (once per node): generate the demo data if asked, build the roidb
+* ``prepare_data`` (once per node): register the datasets (the demo subclass generates
+  its data here), build the roidb
   caches (train and evaluation). It sets no state; a shared filesystem cache is built
   once under the roidb builder's file lock.
 * ``setup`` (every process): open the caches read-only (memory-mapped, milliseconds).
