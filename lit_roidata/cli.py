@@ -97,6 +97,26 @@ class _RoIDataParser(LightningArgumentParser):
             return text
         return text + "\n" + _data_options_help()
 
+    def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
+        """jsonargparse's error, with the nested name of a data option given flat."""
+        return super().error(_renamed_hint(message), *args, **kwargs)
+
+
+def _renamed_hint(message: str) -> str:
+    """Append "data.<flat> is now data.<group>.<key>" for each flat option of earlier
+    releases named in ``message``."""
+    import re
+
+    from lit_roidata.options import DEPRECATED_FLAT_ARGS
+
+    found = re.findall(r"(?:Option|key) '(\w+)'", str(message))
+    hints = [f"data.{k} is now data.{'.'.join(DEPRECATED_FLAT_ARGS[k])}" for k in
+             dict.fromkeys(found) if k in DEPRECATED_FLAT_ARGS]
+    if not hints:
+        return message
+    return f"{message}\n  The data module's options are grouped: " + "; ".join(hints) + \
+        " (docs/getting_started.md, 'Data module options')"
+
 
 def _data_options_help() -> str:
     """The option groups of :class:`~lit_roidata.RoIDataModule` as jsonargparse prints them."""

@@ -226,3 +226,11 @@ def test_nested_options_on_the_command_line(capsys: Any) -> None:
     assert args["loader"]["num_workers"] == 0 and args["sources"]["check_images"] is False
     assert args["sampling"]["strict_resume"] is False
     assert args["sources"]["cache_dir"] == "demo_data/cache"  # the rest of the group stays
+
+
+def test_a_flat_option_on_the_command_line_names_its_nested_key(capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(REPO / "configs" / "demo.yaml"), "--data.num_workers", "0",
+              "--print_config"])
+    assert exc.value.code not in (0, None)
+    assert "data.num_workers is now data.loader.num_workers" in capsys.readouterr().err
