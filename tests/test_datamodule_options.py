@@ -70,6 +70,11 @@ def test_groups_take_dataclasses_or_dicts_and_hparams_stay_plain(tmp_path: Path)
     torch.save({"hp": dict(a.hparams)}, tmp_path / "hp.pt")
     back = torch.load(tmp_path / "hp.pt", weights_only=True)["hp"]
     assert back["sources"]["cache_dir"] == "/c" and back["augment"] is None
+    again = RoIDataModule(**back)  # what load_from_checkpoint does with them
+    assert (again.sources, again.loader) == (a.sources, a.loader)
+    demo = DemoRoIDataModule(demo_root="d", demo_size={"demo_val": 2}, loader={"num_workers": 0})
+    same = DemoRoIDataModule(**dict(demo.hparams))
+    assert (same.demo_root, same.demo_size, same.loader) == ("d", {"demo_val": 2}, demo.loader)
 
 
 # ------------------------------------------------------- None: from the Detectron config

@@ -37,7 +37,8 @@ class DemoRoIDataModule(RoIDataModule):
         super().__init__(**kwargs)
         self.demo_root = str(demo_root)
         self.demo_size = dict(demo_size) if demo_size else None
-        self.hparams.update(demo_root=self.demo_root, demo_size=self.demo_size)
+        self.save_hyperparameters(dict(self.hparams, demo_root=self.demo_root,
+                                       demo_size=self.demo_size))
 
     def register_datasets(self, catalog: Any) -> None:
         """Generate the demo data if missing and register its names in ``catalog``."""
