@@ -174,7 +174,7 @@ def test_full_configs_name_a_real_detector() -> None:
                  "fast_rcnn_R-50-FPN_1x"):
         cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
         assert cfg["model"]["class_path"] == "lit_roidata.models.TorchvisionDetector"
-        assert cfg["data"]["init_args"]["output_format"] == "torchvision"
+        assert cfg["data"]["init_args"]["output"]["output_format"] == "torchvision"
         args = {**cfg["model"]["init_args"], "weights_backbone": None}
         m = TorchvisionDetector(**args)
         assert m.hparams.num_classes == cfg["data"]["init_args"]["overrides"]["MODEL"][
@@ -202,8 +202,9 @@ def _small_config(root: Path, family: str, tmp: Path, steps: int) -> Path:
         if "dirpath" in cb.get("init_args", {}):
             cb["init_args"]["dirpath"] = str(tmp / cb["class_path"].rsplit(".", 1)[-1])
     d = cfg["data"]["init_args"]
-    d.update({"demo_root": str(root / "data"), "demo_size": dict(SMALL_DEMO),
-              "cache_dir": str(root / "cache"), "num_workers": 0})
+    d.update({"demo_root": str(root / "data"), "demo_size": dict(SMALL_DEMO)})
+    d["sources"] = dict(d.get("sources") or {}, cache_dir=str(root / "cache"))
+    d["loader"] = dict(d.get("loader") or {}, num_workers=0)
     d["overrides"].update({k: v for k, v in TINY_OVERRIDES.items()
                            if k.startswith(("TRAIN.SCALES", "TRAIN.MAX", "TEST."))})
     mi = cfg["model"]["init_args"]

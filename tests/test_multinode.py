@@ -37,7 +37,7 @@ def _fit_nodes(cfg: Path, tmp: Path, nodes: int, *extra: str) -> list[str]:
                 "--trainer.num_nodes", str(nodes), "--trainer.devices", "1",
                 # node-local disks: each node generates its data and builds its cache
                 "--data.init_args.demo_root", str(tmp / f"node{node}" / "data"),
-                "--data.init_args.cache_dir", str(tmp / f"node{node}" / "cache"), *extra]
+                "--data.init_args.sources.cache_dir", str(tmp / f"node{node}" / "cache"), *extra]
         if nodes > 1:
             args += ["--trainer.strategy", "ddp"]
         procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -451,13 +451,13 @@ def test_datamodule_trust_pickle_reaches_the_build(tmp_path):
 
 
 def test_cli_flag_data_trust_pickle(capsys):
-    """``--data.trust_pickle true`` falls out of the data module's signature."""
+    """``--data.sources.trust_pickle true`` falls out of the data module's signature."""
     import yaml
 
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
-    for argv, want in ((["--data.trust_pickle", "true"], True), ([], False)):
+    for argv, want in ((["--data.sources.trust_pickle", "true"], True), ([], False)):
         with pytest.raises(SystemExit) as exc:
             cli_main(["fit", "--config", config, *argv, "--print_config"])
         assert exc.value.code in (0, None)
         printed = yaml.safe_load(capsys.readouterr().out)
-        assert printed["data"]["init_args"]["trust_pickle"] is want
+        assert printed["data"]["init_args"]["sources"]["trust_pickle"] is want
