@@ -405,7 +405,7 @@ def test_pickle_needs_trust_and_names_both_fixes(tmp_path, caplog):
     d = dict(_good(data), cfg=_Boom(str(marker)))
     p = _dump(tmp_path / "p.pkl", d)
     fixes = (r"p\.pkl: the proposal file is a pickle.*lit-roidata convert-proposals "
-             r".*p\.pkl p\.npz.*trust_pickle=True.*--data\.trust_pickle true")
+             r".*p\.pkl p\.npz.*trust_pickle=True.*--data\.sources\.trust_pickle true")
     with pytest.raises(UntrustedPickleError, match=fixes):
         read_proposal_file(p)
     with pytest.raises(UntrustedPickleError, match=fixes):
