@@ -323,7 +323,7 @@ def test_readme_example_runs_as_written(root: Path, tmp_path: Path, monkeypatch:
     code = _readme_example()
     for old, new in (('"configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml"', repr(str(small))),
                      ('"/data"', repr(str(tmp_path / "data"))),
-                     ("num_workers=4", "num_workers=0"),
+                     ("{\"num_workers\": 4}", "{\"num_workers\": 0}"),
                      ('weights_backbone="IMAGENET1K_V1"',
                       'weights_backbone=None, backbone="resnet18", cpu_threads=1'),
                      ('strategy="ddp", devices=8', 'accelerator="cpu", devices=1, logger=False, '
