@@ -114,12 +114,14 @@ def main() -> int:
 
     # 4. demo fit on the GPU through the data module
     import pytorch_lightning as pl
-    from lit_roidata import RoIDataModule
+    from lit_roidata import DemoRoIDataModule
     from lit_roidata.demo import DemoFastRCNN
 
     run = os.path.join(root, "run")
-    dm = RoIDataModule(demo_root=os.path.join(root, "demo"), cache_dir=os.path.join(root, "c2"),
-                       model_type="fast_rcnn", num_workers=4, pin_memory=dev.type == "cuda", infinite=True,
+    dm = DemoRoIDataModule(demo_root=os.path.join(root, "demo"),
+                       sources={"cache_dir": os.path.join(root, "c2")}, model_type="fast_rcnn",
+                       loader={"num_workers": 4, "pin_memory": dev.type == "cuda"},
+                       sampling={"infinite": True},
                        overrides={"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": [224, 256, 288],
                                   "TRAIN.MAX_SIZE": 480, "TEST.SCALE": 256,
                                   "TEST.MAX_SIZE": 480})

@@ -16,7 +16,7 @@ from lit_roidata._optional import MissingOptionalDependency
 from lit_roidata._pickle_trust import UntrustedPickleError
 
 __version__ = "0.1.0"
-__all__ = ["MissingOptionalDependency", "RoIDataModule", "UntrustedPickleError", "__version__"]
+__all__ = ["DemoRoIDataModule", "MissingOptionalDependency", "RoIDataModule", "UntrustedPickleError", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,4 +25,8 @@ def __getattr__(name: str) -> Any:
         from lit_roidata.datamodule import RoIDataModule
 
         return RoIDataModule
+    if name == "DemoRoIDataModule":
+        from lit_roidata.demo.datamodule import DemoRoIDataModule
+
+        return DemoRoIDataModule
     raise AttributeError(f"module 'lit_roidata' has no attribute {name!r}")

@@ -32,7 +32,7 @@ import warnings
 from typing import Any, Callable, Optional, Sequence
 
 from jsonargparse import DefaultHelpFormatter
-from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from lit_roidata._lightning import PL, bind, lightning_attr
 
@@ -81,6 +81,72 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
     """Keep the tools list in the epilog laid out as written."""
 
 
+class _RoIDataParserMixin:
+    """LightningCLI's parser whose ``--help`` also lists the data module's options
+    (mixed into each namespace's ``LightningArgumentParser`` by :func:`_parser_class`).
+
+    In subclass mode (``data: class_path: ...``) jsonargparse shows only ``--data`` and
+    ``--data.help CLASS``; a user reading ``lit-roidata fit --help`` would find none of
+    the data options. This parser appends :class:`~lit_roidata.RoIDataModule`'s
+    (``--data.loader.num_workers``, ...), which also apply to its subclasses.
+    """
+
+    def format_help(self) -> str:
+        """jsonargparse's help, plus the data module's options on a parser with ``--data``."""
+        text = super().format_help()
+        if not any(getattr(a, "dest", None) == "data" for a in self._actions):
+            return text
+        return text + "\n" + _data_options_help()
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
+        """jsonargparse's error, with the nested name of a data option given flat."""
+        return super().error(_renamed_hint(message), *args, **kwargs)  # type: ignore[misc]
+
+
+_PARSER_CLASSES: dict[str, type] = {}
+
+
+def _parser_class(namespace: str) -> type:
+    """:class:`_RoIDataParserMixin` on ``namespace``'s ``LightningArgumentParser`` (its
+    checks of callbacks and modules are against that namespace's classes)."""
+    if namespace not in _PARSER_CLASSES:
+        base = lightning_attr(namespace, "cli.LightningArgumentParser")
+        _PARSER_CLASSES[namespace] = type("RoIDataParser", (_RoIDataParserMixin, base),
+                                          {"__module__": __name__})
+    return _PARSER_CLASSES[namespace]
+
+
+def _renamed_hint(message: str) -> str:
+    """Append "data.<flat> is now data.<group>.<key>" for each flat option of earlier
+    releases named in ``message``."""
+    import re
+
+    from lit_roidata.options import DEPRECATED_FLAT_ARGS
+
+    found = re.findall(r"(?:Option|key) '(\w+)'", str(message))
+    hints = [f"data.{k} is now data.{'.'.join(DEPRECATED_FLAT_ARGS[k])}" for k in
+             dict.fromkeys(found) if k in DEPRECATED_FLAT_ARGS]
+    if not hints:
+        return message
+    return f"{message}\n  The data module's options are grouped: " + "; ".join(hints) + \
+        " (docs/getting_started.md, 'Data module options')"
+
+
+def _data_options_help() -> str:
+    """The option groups of :class:`~lit_roidata.RoIDataModule` as jsonargparse prints them."""
+    from lit_roidata.datamodule import RoIDataModule
+
+    parser = LightningArgumentParser(prog="lit-roidata")
+    parser.add_class_arguments(RoIDataModule, "data", fail_untyped=False, sub_configs=True)
+    text = parser.format_help()
+    # Drop the usage line and the "options: -h" block: keep the option groups.
+    start = text.find("\n\n", text.find("-h, --help"))
+    groups = text[start:].strip("\n") if start >= 0 else text
+    return ("data module options (lit_roidata.RoIDataModule; lit_roidata.DemoRoIDataModule "
+            "adds --data.demo_root\nand --data.demo_size; `--data.help CLASS` shows another "
+            "data module's):\n\n" + groups + "\n")
+
+
 class RoIDataCLI(LightningCLI):
     """LightningCLI with the data module and the model selectable by class path.
 
@@ -93,6 +159,9 @@ class RoIDataCLI(LightningCLI):
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        from lit_roidata._lightning import namespace_of
+
+        kwargs.setdefault("parser_class", _parser_class(namespace_of(self) or PL))
         kwargs.setdefault("parser_kwargs", {"epilog": _tools_epilog(),
                                             "formatter_class": _HelpFormatter})
         super().__init__(lightning_attr(self, "LightningModule"),

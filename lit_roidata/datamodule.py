@@ -1,14 +1,15 @@
 """``RoIDataModule``: Detectron's training-data pipeline as a LightningDataModule.
 
 This is the only place that knows the config's shape (docs/architecture.md, "Configuration"): it
-turns its
-``__init__`` arguments (which LightningCLI exposes as ``--data.init_args.*``) into a
+turns its ``__init__`` arguments (grouped in :mod:`lit_roidata.options`, which
+LightningCLI exposes as nested options such as ``--data.loader.num_workers``) into a
 Detectron config, a dataset catalog, the cached combined roidb, Detectron's batch
 sampler and the workers' dataset, and hands Lightning the stateful train loader.
 
 Lifecycle (Lightning's contract, ``datamodule.rst``):
 
-* ``prepare_data`` (once per node): generate the demo data if asked, build the roidb
+* ``prepare_data`` (once per node): register the datasets (the demo subclass generates
+  its data here), build the roidb
   caches (train and evaluation). It sets no state; a shared filesystem cache is built
   once under the roidb builder's file lock.
 * ``setup`` (every process): open the caches read-only (memory-mapped, milliseconds).
@@ -38,6 +39,17 @@ from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.minibatch.device import finalize_on_device
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.model_type import MODEL_TYPES
+from lit_roidata.options import (
+    DEPRECATED_FLAT_ARGS,
+    AugmentOptions,
+    DatasetOptions,
+    LoaderOptions,
+    OutputOptions,
+    SamplingOptions,
+    SourceOptions,
+    as_options,
+    to_plain,
+)
 
 __all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader", "fork_safe_opencv"]
 
@@ -56,138 +68,96 @@ class RoIDataModule(pl.LightningDataModule):
 
     The config is assembled in this order, later entries winning: Detectron's
     defaults, the Detectron YAML file ``detectron_config``, the flags of
-    ``model_type``, then ``overrides``. Dataset lists left empty fall back to the
-    config's ``TRAIN.DATASETS`` / ``TEST.DATASETS`` (so a Detectron YAML file works
-    unchanged), and, with ``demo_root``, to the demo datasets.
+    ``model_type``, then ``overrides``, then the options below that name a Detectron
+    key (``loader.ims_per_batch``, ``sampling.aspect_grouping``), when set. Dataset
+    lists left empty fall back to the config's ``TRAIN.DATASETS`` / ``TEST.DATASETS``
+    (so a Detectron YAML file works unchanged).
+
+    The other arguments come in groups (:mod:`lit_roidata.options`), each a dataclass or
+    a dict of its fields; on the command line they are nested options
+    (``--data.loader.num_workers 4``). The flat names of earlier releases
+    (``num_workers=4``) still work for one release, with a ``DeprecationWarning``.
+    :class:`~lit_roidata.demo.DemoRoIDataModule` adds the generated demo data.
 
     Example::
 
-        dm = RoIDataModule(train_datasets=["coco_2014_train"],
-                           train_proposal_files=["rpn_proposals_train.npz"],
-                           detectron_config="fast_rcnn_R-50-FPN_1x.yaml",
-                           data_root="/data")
+        dm = RoIDataModule(detectron_config="fast_rcnn_R-50-FPN_1x.yaml",
+                           datasets={"train": ["coco_2014_train"],
+                                     "train_proposal_files": ["rpn_proposals_train.npz"]},
+                           sources={"data_root": "/data"}, loader={"num_workers": 4})
         trainer.fit(model, datamodule=dm)
 
     Args:
-        train_datasets: catalog names of the training datasets, concatenated in this
-            order (Detectron's ``TRAIN.DATASETS``).
-        train_proposal_files: one proposal file per training dataset (Fast R-CNN from
-            precomputed proposals), or empty (``TRAIN.PROPOSAL_FILES``).
-        val_datasets: datasets for ``val_dataloader`` (default ``TEST.DATASETS``).
-        val_proposal_files: their proposal files (default ``TEST.PROPOSAL_FILES``);
-            ``TEST.PROPOSAL_LIMIT`` proposals per image are kept.
-        test_datasets: datasets for ``test_dataloader``; default: the validation ones.
-        test_proposal_files: their proposal files; default: the validation ones.
         detectron_config: path of a Detectron YAML config (e.g.
             ``e2e_mask_rcnn_R-50-FPN_1x.yaml``) read over Detectron's defaults.
         overrides: Detectron keys to set, dotted or nested, e.g.
-            ``{"TRAIN.SCALES": [800], "TRAIN.IMS_PER_BATCH": 2}``.
+            ``{"TRAIN.SCALES": [800], "TRAIN.MAX_SIZE": 1333}``.
         model_type: shortcut for the MODEL/RPN/FPN/RETINANET flags that select the
             blob family; ``None`` keeps the config's flags.
-        num_workers: DataLoader worker processes building minibatches.
-        pixel_format: ``"uint8"`` keeps images uint8 (BGR, NCHW, zero padding) up to
-            the device and normalises there; ``"detectron"`` gives Detectron's float32
-            blob (BGR minus ``PIXEL_MEANS``) from the workers.
-        output_format: ``"detectron"`` (dict of Detectron's blobs) or
-            ``"torchvision"`` (list of images, list of target dicts).
-        seed: seed of the sampler stream and of every per-block draw; default
-            ``RNG_SEED`` of the config. Must be equal on every rank.
-        rng_mode: ``"block"`` (one generator per block: reproducible anywhere) or
-            ``"detectron"`` (NumPy RandomState in Detectron's call order).
-        on_bad_image: ``"raise"`` stops on an unreadable image naming it;
-            ``"skip"`` replaces only that image (its partners stay), deterministically,
-            from images the pass holds back; the bad file is never read again once
-            every rank knows it (exchanged at each epoch end, kept in checkpoints), and
-            every skipped file is reported with its reason at the end of each epoch.
-            Every good image of a pass is delivered exactly once (docs/minibatch.md).
-        bad_image_reserve: with ``on_bad_image="skip"``, the fraction of each pass's
-            blocks held back as replacements for bad images (at least 16 images, at
-            most a quarter of a pass; 0: none, every replacement a counted repeat).
-        cache_dir: folder for the roidb caches (default: the roidb builder's).
-        data_root: root under which the built-in COCO catalog names resolve
-            (``<data_root>/coco/...``).
-        dataset_catalog: YAML file registering your own datasets by name (see
-            :meth:`lit_roidata.catalog.Catalog.load_yaml`).
-        demo_root: folder of the synthetic demo data; when set, ``prepare_data``
-            generates it if missing and every process registers its datasets.
-        demo_size: images per demo dataset, e.g. ``{"demo_train_a": 40}`` (default
-            200 / 100 / 60 for ``demo_train_a`` / ``demo_train_b`` / ``demo_val``).
-        infinite: Detectron's endless block stream (train with ``max_steps``) instead
-            of epochs of ``len(loader)`` batches.
-        fix_rpn_quirks: correct Detectron's RPN label quirks Q2/Q3
-            (docs/detectron_quirks.md).
-        eval_ims_per_batch: images per validation/test batch (Detectron tests one).
-        pin_memory: pin host memory of batches (faster copies to a GPU).
-        mask_format: ``"compact"`` (default) ships one ``M x M`` mask per mask RoI from
-            the workers and expands it to Detectron's class-specific ``masks_int32`` on
-            the device in :meth:`on_after_batch_transfer` (identical blob, ~NUM_CLASSES
-            times less worker memory and copying); ``"detectron"`` builds the expanded
-            blob in the workers, as Detectron does.
-        target_format: ``"compact"`` (default) ships only the sampled RPN anchors
-            (their labels, regression targets and weights) and RetinaNet's non-zero
-            class labels from the workers, and expands them to Detectron's dense blobs
-            on the device in :meth:`on_after_batch_transfer` (identical blobs, a few KB
-            instead of ~45 MB per FPN batch); ``"detectron"`` builds the dense blobs in
-            the workers; ``"compact_raw"`` ships the compact form and leaves it
-            unexpanded, for a model whose loss reads the sampled anchors directly
-            (docs/rpn_retinanet.md describes the blobs).
-        trust_pickle: read proposal files that are pickles (``.pkl``). Unpickling runs
-            any code the file names, so they are refused unless this is set (with a
-            warning when used); ``lit-roidata convert-proposals in.pkl out.npz``
-            converts one once into the ``.npz`` format, which needs no trust.
+        datasets: the datasets and proposal files of each split
+            (:class:`~lit_roidata.options.DatasetOptions`).
+        sources: data root, catalog, roidb cache, image checks and the bad-image policy
+            (:class:`~lit_roidata.options.SourceOptions`).
+        loader: workers, images per batch, pinning and prefetching
+            (:class:`~lit_roidata.options.LoaderOptions`).
+        output: the batch format (:class:`~lit_roidata.options.OutputOptions`).
+        sampling: seed, RNG mode, aspect grouping, endless stream and resume checks
+            (:class:`~lit_roidata.options.SamplingOptions`).
+        augment: an albumentations pipeline for the training images, or ``None``
+            (Detectron's blobs exactly; :class:`~lit_roidata.options.AugmentOptions`).
+
+    Raises:
+        TypeError: an unknown keyword or option (naming the valid ones).
+        ValueError: an option out of range, or an option and ``overrides`` setting the
+            same Detectron key to different values.
     """
 
     def __init__(
         self,
-        train_datasets: Optional[list[str]] = None,
-        train_proposal_files: Optional[list[str]] = None,
-        val_datasets: Optional[list[str]] = None,
-        val_proposal_files: Optional[list[str]] = None,
-        test_datasets: Optional[list[str]] = None,
-        test_proposal_files: Optional[list[str]] = None,
         detectron_config: Optional[str] = None,
         overrides: Optional[dict[str, Any]] = None,
         model_type: Optional[ModelType] = None,
-        num_workers: int = 2,
-        pixel_format: Literal["uint8", "detectron"] = "uint8",
-        output_format: Literal["detectron", "torchvision"] = "detectron",
-        seed: Optional[int] = None,
-        rng_mode: Literal["block", "detectron"] = "block",
-        on_bad_image: Literal["raise", "skip"] = "raise",
-        cache_dir: Optional[str] = None,
-        data_root: Optional[str] = None,
-        dataset_catalog: Optional[str] = None,
-        demo_root: Optional[str] = None,
-        demo_size: Optional[dict[str, int]] = None,
-        infinite: bool = False,
-        fix_rpn_quirks: bool = False,
-        eval_ims_per_batch: int = 1,
-        pin_memory: bool = False,
-        mask_format: Literal["compact", "detectron"] = "compact",
-        target_format: Literal["compact", "detectron", "compact_raw"] = "compact",
-        bad_image_reserve: float = 0.01,
-        trust_pickle: bool = False,
+        datasets: DatasetOptions = DatasetOptions(),
+        sources: SourceOptions = SourceOptions(),
+        loader: LoaderOptions = LoaderOptions(),
+        output: OutputOptions = OutputOptions(),
+        sampling: SamplingOptions = SamplingOptions(),
+        augment: Optional[AugmentOptions] = None,
+        **deprecated: Any,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        if num_workers < 0:
-            raise ValueError(f"num_workers={num_workers}; use 0 (main process) or more")
-        if eval_ims_per_batch < 1:
-            raise ValueError(f"eval_ims_per_batch={eval_ims_per_batch}; need at least 1")
+        groups = _merge_deprecated(dict(datasets=datasets, sources=sources, loader=loader,
+                                        output=output, sampling=sampling), deprecated,
+                                   type(self).__name__)
+        self.datasets: DatasetOptions = as_options(DatasetOptions, groups["datasets"], "datasets")
+        self.sources: SourceOptions = as_options(SourceOptions, groups["sources"], "sources")
+        self.loader: LoaderOptions = as_options(LoaderOptions, groups["loader"], "loader")
+        self.output: OutputOptions = as_options(OutputOptions, groups["output"], "output")
+        self.sampling: SamplingOptions = as_options(SamplingOptions, groups["sampling"],
+                                                    "sampling")
+        self.augment: Optional[AugmentOptions] = (
+            None if augment is None else as_options(AugmentOptions, augment, "augment"))
+        self.detectron_config = detectron_config
+        self.overrides = dict(overrides) if overrides else None
+        self.model_type = model_type
+        self.save_hyperparameters(to_plain(dict(
+            detectron_config=detectron_config, overrides=self.overrides, model_type=model_type,
+            datasets=self.datasets, sources=self.sources, loader=self.loader,
+            output=self.output, sampling=self.sampling, augment=self.augment)))
+        self._check_options()
         self.cfg: DetectronConfig = self._build_cfg()
-        self.seed: int = int(self.cfg.RNG_SEED if seed is None else seed)
+        s = self.sampling.seed
+        self.seed: int = int(self.cfg.RNG_SEED if s is None else s)
         self.train_roidb: Any = None
         self.val_roidb: Any = None
         self.test_roidb: Any = None
         self._catalog: Any = None
         self._demo: Any = None
+        self._demo_options: Optional[dict[str, Any]] = groups.get("demo")
         self._train_loader: Any = None
         self._skipped: Counter[str] = Counter()
         self._restored_phase: dict[str, Any] = {}
         self._carry_from: Any = None
-        if not 0 <= bad_image_reserve < 1:
-            raise ValueError(f"bad_image_reserve={bad_image_reserve}; use a fraction of a "
-                             "pass in [0, 1), e.g. 0.01")
         self._skip_records: list[dict[str, Any]] = []  # bad files found, not yet reported
         self._run_skips: Counter[str] = Counter()
         self._run_skip_files: dict[str, dict[str, Any]] = {}
@@ -195,25 +165,63 @@ class RoIDataModule(pl.LightningDataModule):
         self._ledger: Any = None
         self._ledger_state: Optional[Mapping[str, Any]] = None
 
+    def _check_options(self) -> None:
+        """Range checks of the options (before anything is built)."""
+        ld, src = self.loader, self.sources
+        if ld.num_workers < 0:
+            raise ValueError(f"loader.num_workers={ld.num_workers}; use 0 (main process) "
+                             "or more")
+        if ld.eval_ims_per_batch < 1:
+            raise ValueError(f"loader.eval_ims_per_batch={ld.eval_ims_per_batch}; need at "
+                             "least 1")
+        if ld.ims_per_batch is not None and ld.ims_per_batch < 1:
+            raise ValueError(f"loader.ims_per_batch={ld.ims_per_batch}; need at least 1 "
+                             "(or null: TRAIN.IMS_PER_BATCH of the Detectron config)")
+        if ld.prefetch_factor is not None and ld.prefetch_factor < 1:
+            raise ValueError(f"loader.prefetch_factor={ld.prefetch_factor}; need at least 1 "
+                             "(or null: PyTorch's default)")
+        if ld.persistent_workers and src.on_bad_image == "skip":
+            raise ValueError("loader.persistent_workers=true with sources.on_bad_image=skip: "
+                             "each epoch's workers must be new to skip the bad images found "
+                             "in the previous epoch; drop one of the two")
+        if not 0 <= src.bad_image_reserve < 1:
+            raise ValueError(f"sources.bad_image_reserve={src.bad_image_reserve}; use a "
+                             "fraction of a pass in [0, 1), e.g. 0.01")
+
     # ------------------------------------------------------------------ config
     def _build_cfg(self) -> DetectronConfig:
-        hp = self.hparams
+        """Detectron's defaults, ``detectron_config``, ``model_type``, ``overrides``,
+        then the options that name a Detectron key (the one place they are resolved);
+        merged in this order, inferred, then frozen."""
         flags = None
-        if hp.model_type is not None:
+        if self.model_type is not None:
             from lit_roidata.minibatch.model_type import flags_for_model_type
 
-            flags = flags_for_model_type(hp.model_type)
-        # merged in this order, inferred, then frozen
-        return load_detectron_cfg(hp.detectron_config, flags, dict(hp.overrides or {}))
+            flags = flags_for_model_type(self.model_type)
+        given = _flat_keys(self.overrides or {})
+        keyed = {"TRAIN.IMS_PER_BATCH": ("loader.ims_per_batch", self.loader.ims_per_batch),
+                 "TRAIN.ASPECT_GROUPING": ("sampling.aspect_grouping",
+                                           self.sampling.aspect_grouping)}
+        merged: dict[str, Any] = {}
+        for key, (option, value) in keyed.items():
+            if value is None:
+                continue
+            if key in given and given[key] != value:
+                raise ValueError(f"{option}={value!r} and overrides {key}={given[key]!r} "
+                                 f"disagree; set one of them (null {option} takes "
+                                 f"{key} from the Detectron config)")
+            merged[key] = value
+        return load_detectron_cfg(self.detectron_config, flags, dict(self.overrides or {}),
+                                  merged or None)
 
     def _datasets(self, split: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Dataset names and proposal files of ``split`` after the fallbacks."""
         self.catalog()  # registers the demo datasets, if any
-        hp, cfg = self.hparams, self.cfg
-        if split == "test" and hp.test_datasets is None:
+        ds, cfg = self.datasets, self.cfg
+        if split == "test" and ds.test is None:
             split = "val"
-        names = getattr(hp, f"{split}_datasets")
-        props = getattr(hp, f"{split}_proposal_files")
+        names = getattr(ds, split)
+        props = getattr(ds, f"{split}_proposal_files")
         if not names:
             if split == "train":
                 names, props = cfg.TRAIN.DATASETS, props or cfg.TRAIN.PROPOSAL_FILES
@@ -229,8 +237,9 @@ class RoIDataModule(pl.LightningDataModule):
         names, props = tuple(names or ()), tuple(props or ())
         if props and len(props) != len(names):
             raise ValueError(
-                f"data.{split}_proposal_files has {len(props)} file(s) for {len(names)} "
-                f"dataset(s) {list(names)}; give one proposal file per dataset or none")
+                f"data.datasets.{split}_proposal_files has {len(props)} file(s) for "
+                f"{len(names)} dataset(s) {list(names)}; give one proposal file per dataset "
+                f"or none")
         return names, props
 
     def catalog(self) -> Any:
@@ -238,28 +247,41 @@ class RoIDataModule(pl.LightningDataModule):
 
         A copy of the process-wide :data:`lit_roidata.catalog.DatasetCatalog` (so
         datasets registered from Python are seen), with the built-in names resolved
-        under ``data_root``, the datasets of the ``dataset_catalog`` YAML file, and
-        the demo datasets when ``demo_root`` is set.
+        under ``sources.data_root``, the datasets of the ``sources.dataset_catalog`` YAML
+        file, and those :meth:`register_datasets` adds (the demo's, in
+        :class:`~lit_roidata.demo.DemoRoIDataModule`).
         """
         if self._catalog is None:
             from lit_roidata.catalog import DatasetCatalog
 
             cat = DatasetCatalog.copy()
-            if self.hparams.data_root is not None:
-                cat.set_data_root(self.hparams.data_root)
-            if self.hparams.dataset_catalog is not None:
-                cat.load_yaml(self.hparams.dataset_catalog, overwrite=True)
-            if self.hparams.demo_root is not None:
-                from lit_roidata.demo import register_demo_datasets
-
-                self._demo = register_demo_datasets(self.hparams.demo_root, cat,
-                                                    num_images=self.hparams.demo_size)
+            if self.sources.data_root is not None:
+                cat.set_data_root(self.sources.data_root)
+            if self.sources.dataset_catalog is not None:
+                cat.load_yaml(self.sources.dataset_catalog, overwrite=True)
+            self.register_datasets(cat)
             self._catalog = cat
         return self._catalog
 
+    def register_datasets(self, catalog: Any) -> None:
+        """Hook: register more datasets in this module's ``catalog`` (called once per
+        process, when the catalog is built; the base class adds none)."""
+        demo = self._demo_options  # the deprecated RoIDataModule(demo_root=...)
+        if demo is not None and demo.get("demo_root") is not None:
+            from lit_roidata.demo import register_demo_datasets
+
+            self._demo = register_demo_datasets(demo["demo_root"], catalog,
+                                                num_images=demo.get("demo_size"))
+
+    def _roidb_kwargs(self) -> dict[str, Any]:
+        src = self.sources
+        return dict(cache_dir=src.cache_dir, trust_pickle=src.trust_pickle,
+                    category_policy=src.category_policy, check_images=src.check_images)
+
     # --------------------------------------------------------------- lifecycle
     def prepare_data(self) -> None:
-        """Generate the demo data (if ``demo_root``) and build the roidb caches.
+        """Register the datasets (the demo subclass generates its data here) and build
+        the roidb caches.
 
         Runs once per node; sets no state (the roidbs are dropped, only the cache
         files stay). Every process opens them again in :meth:`setup`.
@@ -270,18 +292,17 @@ class RoIDataModule(pl.LightningDataModule):
         # Generates the demo data if asked (file-locked, idempotent); every process
         # builds the same catalog again in setup().
         catalog = self.catalog()
+        kw = self._roidb_kwargs()
         names, props = self._datasets("train")
         if names:
             check_training_config(self.cfg, list(props), list(names))  # before any build
-            combined_roidb_for_training(list(names), list(props), self.cfg,
-                                        cache_dir=self.hparams.cache_dir, catalog=catalog,
-                                        trust_pickle=self.hparams.trust_pickle)
+            combined_roidb_for_training(list(names), list(props), self.cfg, catalog=catalog,
+                                        **kw)
         for split in ("val", "test"):
             names, props = self._datasets(split)
             if names:
-                roidb_for_evaluation(list(names), self.cfg, cache_dir=self.hparams.cache_dir,
-                                     proposal_files=list(props), catalog=catalog,
-                                     trust_pickle=self.hparams.trust_pickle)
+                roidb_for_evaluation(list(names), self.cfg, proposal_files=list(props),
+                                     catalog=catalog, **kw)
 
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the cached roidbs read-only for ``stage`` (every process)."""
@@ -289,28 +310,26 @@ class RoIDataModule(pl.LightningDataModule):
         from lit_roidata.roidb.build import check_training_config
 
         catalog = self.catalog()
-        cache_dir = self.hparams.cache_dir
+        kw = self._roidb_kwargs()
         if stage in (None, "fit") and self.train_roidb is None:
             names, props = self._datasets("train")
             if not names:
-                raise ValueError("no training datasets: set data.train_datasets (or "
-                                 "TRAIN.DATASETS in the Detectron config, or demo_root)")
+                raise ValueError("no training datasets: set data.datasets.train (or "
+                                 "TRAIN.DATASETS in the Detectron config, or use "
+                                 "lit_roidata.DemoRoIDataModule for the demo data)")
             check_training_config(self.cfg, list(props), list(names))  # before any build
             self.train_roidb = combined_roidb_for_training(
-                list(names), list(props), self.cfg, cache_dir=cache_dir, catalog=catalog,
-                trust_pickle=self.hparams.trust_pickle)
+                list(names), list(props), self.cfg, catalog=catalog, **kw)
         if stage in (None, "fit", "validate") and self.val_roidb is None:
             names, props = self._datasets("val")
             if names:
                 self.val_roidb = roidb_for_evaluation(
-                    list(names), self.cfg, cache_dir=cache_dir, proposal_files=list(props),
-                    catalog=catalog, trust_pickle=self.hparams.trust_pickle)
+                    list(names), self.cfg, proposal_files=list(props), catalog=catalog, **kw)
         if stage in (None, "test") and self.test_roidb is None:
             names, props = self._datasets("test")
             if names:
                 self.test_roidb = roidb_for_evaluation(
-                    list(names), self.cfg, cache_dir=cache_dir, proposal_files=list(props),
-                    catalog=catalog, trust_pickle=self.hparams.trust_pickle)
+                    list(names), self.cfg, proposal_files=list(props), catalog=catalog, **kw)
 
     # ------------------------------------------------------------ dataloaders
     def _rank_world(self) -> tuple[int, int]:
@@ -336,15 +355,15 @@ class RoIDataModule(pl.LightningDataModule):
         kw = dict(aspect_grouping=bool(self.cfg.TRAIN.ASPECT_GROUPING) and shuffle,
                   shuffle=shuffle, seed=self.seed, rank=r if rank is None else rank,
                   world_size=w if world_size is None else world_size,
-                  infinite=bool(self.hparams.infinite))
+                  infinite=bool(self.sampling.infinite))
         mb = int(self.cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch)
         sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, **kw)
-        if self.hparams.on_bad_image == "skip":
+        if self.sources.on_bad_image == "skip":
             # Hold back the reserve that replaces bad images (lit_roidata.skip).
             from lit_roidata.skip import holdback_blocks
 
             hb = holdback_blocks(sampler.blocks_per_pass,
-                                 float(getattr(self.hparams, "bad_image_reserve", 0.01)),
+                                 float(self.sources.bad_image_reserve),
                                  1 if kw["infinite"] else int(kw["world_size"]), mb)
             if hb:
                 sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, holdback=hb, **kw)
@@ -363,23 +382,34 @@ class RoIDataModule(pl.LightningDataModule):
         """
         from lit_roidata.dataset import RoIBlockDataset
 
-        hp = self.hparams
+        out = self.output
         roidb = self.train_roidb if roidb is None else roidb
+        cfg = self.cfg if cfg is None else cfg
         ledger = None
-        if hp.on_bad_image == "skip" and sampler is not None:
+        if self.sources.on_bad_image == "skip" and sampler is not None:
             from lit_roidata.skip import BadImageLedger
 
             ledger = BadImageLedger(sampler, roidb)
         return RoIBlockDataset(
-            roidb, self.cfg if cfg is None else cfg, ledger=ledger,
-            output_format=hp.output_format,
-            pixel_format=hp.pixel_format if pixel_format is None else pixel_format,
-            rng_mode=hp.rng_mode, on_bad_image=hp.on_bad_image,
+            roidb, cfg, ledger=ledger,
+            output_format=out.output_format,
+            pixel_format=out.pixel_format if pixel_format is None else pixel_format,
+            rng_mode=self.sampling.rng_mode, on_bad_image=self.sources.on_bad_image,
             replacement=None if sampler is None else sampler.replacement_block,
-            fix_rpn_quirks=bool(hp.fix_rpn_quirks),
-            mask_format=str(getattr(hp, "mask_format", "compact")),
-            target_format="detectron" if getattr(hp, "target_format", "compact") == "detectron"
-            else "compact")
+            augment=self.make_augmentation(cfg),
+            fix_rpn_quirks=bool(out.fix_rpn_quirks), mask_format=out.mask_format,
+            target_format="detectron" if out.target_format == "detectron" else "compact")
+
+    def make_augmentation(self, cfg: Optional[DetectronConfig] = None) -> Any:
+        """The :class:`~lit_roidata.minibatch.augment.Augmentation` of ``augment``
+        (``None`` without one): YAML transform specs become albumentations transforms."""
+        if self.augment is None:
+            return None
+        from lit_roidata.minibatch.augment import Augmentation
+
+        transforms = [_albumentations_transform(t) for t in self.augment.transforms]
+        return Augmentation(transforms, self.cfg if cfg is None else cfg,
+                            min_visibility=float(self.augment.min_visibility))
 
     def train_dataloader(self) -> Any:
         """The checkpointable train loader (this rank's partial minibatches)."""
@@ -395,7 +425,8 @@ class RoIDataModule(pl.LightningDataModule):
         self._train_dataset = dataset
         dataset.defer_repair = True  # every repair in _on_train_batch, in stream order
         self._first_batch = True
-        nw = int(self.hparams.num_workers)
+        ld = self.loader
+        nw = int(ld.num_workers)
         if nw > 0:
             fork_safe_opencv()
         previous = self._train_loader
@@ -404,9 +435,10 @@ class RoIDataModule(pl.LightningDataModule):
         if combined is None or all(dl is not previous for dl in combined.flattened):
             previous = None  # not a reload of the loader the running fit uses
         self._train_loader = StatefulRoIDataLoader(
-            dataset, sampler, num_workers=nw, pin_memory=bool(self.hparams.pin_memory),
-            persistent_workers=False, prefetch_factor=None if nw == 0 else 2,
-            inflight=self._batches_in_flight, on_batch=self._on_train_batch,
+            dataset, sampler, num_workers=nw, pin_memory=bool(ld.pin_memory),
+            persistent_workers=bool(ld.persistent_workers) and nw > 0,
+            prefetch_factor=None if nw == 0 else ld.prefetch_factor,
+            strict_resume=bool(self.sampling.strict_resume), inflight=self._batches_in_flight, on_batch=self._on_train_batch,
             on_restore=self._align_loops)
         if previous is not None:
             # reload_dataloaders_every_n_epochs: the new loader continues the stream
@@ -416,8 +448,9 @@ class RoIDataModule(pl.LightningDataModule):
                 self._train_loader.load_state_dict(previous.state_dict(), strict=False)
             finally:
                 self._carry_from = None
-        # Workers are started anew every epoch (persistent_workers=False): each epoch's
-        # workers see the bad images exchanged at the end of the previous epoch.
+        # Workers are started anew every epoch unless loader.persistent_workers (refused
+        # with on_bad_image="skip"): each epoch's workers see the bad images exchanged at
+        # the end of the previous epoch.
         self._add_report_callback()
         return self._train_loader
 
@@ -525,7 +558,7 @@ class RoIDataModule(pl.LightningDataModule):
 
             log.warning("%s", summarize(report["files"], report["counts"],
                                         f"data: skip report of the epoch (on_bad_image="
-                                        f"{self.hparams.on_bad_image})"))
+                                        f"{self.sources.on_bad_image})"))
         return report
 
     def log_run_skips(self) -> dict[str, Any]:
@@ -569,13 +602,15 @@ class RoIDataModule(pl.LightningDataModule):
             return []
         rank, world = self._rank_world()
         with_rois = bool(self._datasets(split)[1])
-        if self.hparams.num_workers > 0:
+        ld = self.loader
+        if ld.num_workers > 0:
             fork_safe_opencv()
         return EvalLoader(roidb, self.cfg, rank=rank, world_size=world,
-                          ims_per_batch=int(self.hparams.eval_ims_per_batch),
-                          pixel_format=self.hparams.pixel_format, with_rois=with_rois,
-                          num_workers=int(self.hparams.num_workers),
-                          pin_memory=bool(self.hparams.pin_memory))
+                          ims_per_batch=int(ld.eval_ims_per_batch),
+                          pixel_format=self.output.pixel_format, with_rois=with_rois,
+                          num_workers=int(ld.num_workers), pin_memory=bool(ld.pin_memory),
+                          persistent_workers=bool(ld.persistent_workers),
+                          prefetch_factor=ld.prefetch_factor)
 
     def val_dataloader(self) -> Any:
         """Every validation image once, in roidb order, unflipped, sharded by rank."""
@@ -603,8 +638,7 @@ class RoIDataModule(pl.LightningDataModule):
             # -> Detectron's class-specific masks_int32.
             finalize_on_device(batch, self.cfg.PIXEL_MEANS, int(self.cfg.MODEL.NUM_CLASSES),
                                image_sizes=_image_sizes(batch) if "data" in batch else None,
-                               expand_compact_targets=getattr(self.hparams, "target_format",
-                                                              "compact") != "compact_raw")
+                               expand_compact_targets=self.output.target_format != "compact_raw")
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device,
@@ -655,6 +689,94 @@ class RoIDataModule(pl.LightningDataModule):
         self._ledger_state = state_dict.get("bad_images")
         if self._ledger is not None and self._ledger_state is not None:
             self._ledger.load_state_dict(self._ledger_state)
+
+
+def _merge_deprecated(groups: dict[str, Any], flat: Mapping[str, Any], owner: str
+                      ) -> dict[str, Any]:
+    """Fold the flat keywords of earlier releases into their groups, warning once each.
+
+    Returns the groups as dicts where a flat keyword changed them (``"demo"`` holds a
+    deprecated ``demo_root``/``demo_size``). Raises ``TypeError`` for an unknown keyword
+    and for a value given both flat and nested.
+    """
+    import dataclasses
+    import warnings
+
+    out = dict(groups)
+    for name, value in flat.items():
+        if name in ("demo_root", "demo_size"):
+            warnings.warn(f"{owner}({name}=...) is deprecated; use "
+                          f"lit_roidata.DemoRoIDataModule({name}=...)",
+                          DeprecationWarning, stacklevel=3)
+            out.setdefault("demo", {})[name] = value
+            continue
+        if name not in DEPRECATED_FLAT_ARGS:
+            valid = ["detectron_config", "overrides", "model_type", "datasets", "sources",
+                     "loader", "output", "sampling", "augment"]
+            raise TypeError(f"{owner}: unexpected keyword argument {name!r}; the arguments "
+                            f"are {valid} (options are grouped, e.g. loader.num_workers)")
+        group, key = DEPRECATED_FLAT_ARGS[name]
+        warnings.warn(f"{owner}({name}=...) is deprecated; use {group}.{key} "
+                      f"({group}={{{key!r}: ...}}, --data.{group}.{key} on the command line)",
+                      DeprecationWarning, stacklevel=3)
+        current = out[group]
+        fields = (dataclasses.asdict(current) if dataclasses.is_dataclass(current)
+                  else dict(current or {}))
+        default = getattr(as_options(_GROUP_TYPES[group], None, group), key)
+        if key in fields and fields[key] != default and fields[key] != value:
+            raise TypeError(f"{owner}: {name}={value!r} and {group}.{key}="
+                            f"{fields[key]!r} disagree; give only {group}.{key}")
+        fields[key] = value
+        out[group] = fields
+    return out
+
+
+_GROUP_TYPES: dict[str, type] = {"datasets": DatasetOptions, "sources": SourceOptions,
+                                 "loader": LoaderOptions, "output": OutputOptions,
+                                 "sampling": SamplingOptions}
+
+
+def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"TRAIN": {"SCALES": ...}, "TEST.SCALE": ...}`` -> dotted keys and values."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat_keys(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _albumentations_transform(spec: Any) -> Any:
+    """An albumentations transform from an instance or a ``{class_path, init_args}``
+    dict (a bare class name is looked up in ``albumentations``)."""
+    if not isinstance(spec, Mapping):
+        return spec
+    import importlib
+
+    from lit_roidata._optional import require
+
+    A = require("albumentations", "augment", "augmentation (augment.transforms)")
+    if "class_path" not in spec:
+        raise ValueError(f"augment.transforms: {dict(spec)!r} needs a class_path, e.g. "
+                         "{class_path: RandomBrightnessContrast, init_args: {p: 0.5}}")
+    path = str(spec["class_path"])
+    unknown = sorted(set(spec) - {"class_path", "init_args"})
+    if unknown:
+        raise ValueError(f"augment.transforms: {path}: unknown keys {unknown}; use "
+                         "class_path and init_args")
+    if "." in path:
+        module, name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name, None)
+    else:
+        cls = getattr(A, path, None)
+    if cls is None:
+        raise ValueError(f"augment.transforms: no albumentations transform {path!r}")
+    args = dict(spec.get("init_args") or {})
+    if "transforms" in args:  # OneOf, SomeOf, Sequential: nested specs
+        args["transforms"] = [_albumentations_transform(t) for t in args["transforms"]]
+    return cls(**args)
 
 
 def fork_safe_opencv() -> None:
@@ -762,7 +884,9 @@ class EvalLoader:
 
     def __init__(self, roidb: Any, cfg: DetectronConfig, *, rank: int = 0, world_size: int = 1,
                  ims_per_batch: int = 1, pixel_format: str = "uint8", num_workers: int = 0,
-                 pin_memory: bool = False, with_rois: bool = False) -> None:
+                 pin_memory: bool = False, with_rois: bool = False,
+                 persistent_workers: bool = False, prefetch_factor: Optional[int] = None
+                 ) -> None:
         from lit_roidata.loader import passthrough_collate
 
         shard = np.array_split(np.arange(len(roidb)), world_size)[rank]
@@ -776,6 +900,8 @@ class EvalLoader:
         self._loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=self.batches, collate_fn=passthrough_collate,
             num_workers=self.num_workers, pin_memory=pin_memory,
+            persistent_workers=bool(persistent_workers) and self.num_workers > 0,
+            prefetch_factor=prefetch_factor if self.num_workers > 0 else None,
             generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:

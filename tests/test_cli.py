@@ -33,13 +33,15 @@ def test_print_config_parses_every_config(config: str, namespace: str, capsys: A
              namespace=namespace)
     assert exc.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
-    from lit_roidata import RoIDataModule
+    import lit_roidata
     from lit_roidata._lightning import bind
 
-    data_class = bind(RoIDataModule, namespace)
-    assert printed["data"]["class_path"] == {"pytorch_lightning": "lit_roidata.RoIDataModule",
+    demo = config.startswith("demo") or config.startswith("exchange_")
+    name = "DemoRoIDataModule" if demo else "RoIDataModule"
+    data_class = bind(getattr(lit_roidata, name), namespace)
+    assert printed["data"]["class_path"] == {"pytorch_lightning": f"lit_roidata.{name}",
                                              "lightning.pytorch": "lit_roidata.lightning."
-                                             "RoIDataModule"}[namespace]
+                                             f"{name}"}[namespace]
     assert printed["model"]["class_path"]
     other = "lightning.pytorch" if namespace == "pytorch_lightning" else "pytorch_lightning"
     assert other + "." not in yaml.safe_dump(printed)
@@ -122,9 +124,10 @@ def _exchange_teacher_config(root: Path, out: Path) -> Path:
                            "enable_model_summary": False, "callbacks": [
                                {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
                                 "init_args": {"dirpath": str(run / "checkpoints")}}]})
-    cfg["data"]["init_args"].update({"demo_root": str(root / "data"),
-                                     "demo_size": dict(SMALL_DEMO),
-                                     "cache_dir": str(root / "cache"), "num_workers": 0})
+    d = cfg["data"]["init_args"]
+    d.update({"demo_root": str(root / "data"), "demo_size": dict(SMALL_DEMO)})
+    d["sources"] = dict(d.get("sources") or {}, cache_dir=str(root / "cache"))
+    d["loader"] = dict(d.get("loader") or {}, num_workers=0)
     out.write_text(yaml.safe_dump(cfg))
     return out
 

@@ -171,7 +171,7 @@ def test_make_demo_data_refuses_to_replace_other_data_without_force(tmp_path: Pa
 @pytest.mark.parametrize("bar", ["rich", "tqdm"])
 def test_progress_bar_counts_steps_out_of_max_steps_and_after_a_resume(
         root: Path, tmp_path: Path, bar: str) -> None:
-    from lit_roidata import RoIDataModule
+    from lit_roidata import DemoRoIDataModule
     from lit_roidata.progress import StepProgressBar, StepTQDMProgressBar
 
     from test_datamodule_support import dm_kwargs
@@ -195,7 +195,7 @@ def test_progress_bar_counts_steps_out_of_max_steps_and_after_a_resume(
         trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False,
                              enable_model_summary=False, default_root_dir=str(tmp_path),
                              limit_val_batches=0, callbacks=[cls(), Probe(), ck])
-        dm = RoIDataModule(**dm_kwargs(root, infinite=True))
+        dm = DemoRoIDataModule(**dm_kwargs(root, infinite=True))
         trainer.fit(_make_model(None), datamodule=dm, ckpt_path=ckpt)
 
     fit(3, None)

@@ -153,10 +153,11 @@ def test_expand_sparse_and_order():
 
 
 def test_datamodule_option_reaches_the_workers(tmp_path):
-    from lit_roidata import RoIDataModule
+    from lit_roidata import DemoRoIDataModule
 
-    dm = RoIDataModule(demo_root=str(tmp_path / "demo"), cache_dir=str(tmp_path / "c"),
-                       model_type="faster_rcnn_fpn", num_workers=0,
+    dm = DemoRoIDataModule(demo_root=str(tmp_path / "demo"),
+                       sources={"cache_dir": str(tmp_path / "c")},
+                       model_type="faster_rcnn_fpn", loader={"num_workers": 0},
                        demo_size={"demo_train_a": 4, "demo_train_b": 2, "demo_val": 1},
                        overrides={"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": [160],
                                   "TRAIN.MAX_SIZE": 256})
@@ -170,11 +171,13 @@ def test_datamodule_option_reaches_the_workers(tmp_path):
     assert list(out)[:-1] == get_minibatch_blob_names(dm.cfg)
     with pytest.raises(ValueError, match="target_format"):
         RoIBlockDataset([], dm.cfg, target_format="dense")
-    raw_dm = RoIDataModule(demo_root=str(tmp_path / "demo"), cache_dir=str(tmp_path / "c"),
-                           model_type="faster_rcnn_fpn", num_workers=0,
+    raw_dm = DemoRoIDataModule(demo_root=str(tmp_path / "demo"),
+                           sources={"cache_dir": str(tmp_path / "c")},
+                           model_type="faster_rcnn_fpn", loader={"num_workers": 0},
                            demo_size={"demo_train_a": 4, "demo_train_b": 2, "demo_val": 1},
                            overrides={"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": [160],
-                                      "TRAIN.MAX_SIZE": 256}, target_format="compact_raw")
+                                      "TRAIN.MAX_SIZE": 256},
+                           output={"target_format": "compact_raw"})
     raw_dm.setup("fit")
     ds = raw_dm.make_dataset()
     assert ds.target_format == "compact"

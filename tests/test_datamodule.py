@@ -11,7 +11,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata.datamodule import EvalLoader
 from lit_roidata.minibatch import get_minibatch_blob_names
 
@@ -25,7 +25,7 @@ def root(tmp_path_factory: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def dm(root: Path) -> RoIDataModule:
-    dm = RoIDataModule(**dm_kwargs(root))
+    dm = DemoRoIDataModule(**dm_kwargs(root))
     dm.prepare_data()
     dm.setup("fit")
     return dm
@@ -43,7 +43,7 @@ def test_config_precedence_yaml_then_model_type_then_overrides(tmp_path: Path) -
     assert not dm.cfg.RPN.RPN_ON and not dm.cfg.MODEL.FASTER_RCNN
     assert dm.cfg.TRAIN.SCALES == (600, 700) and dm.cfg.MODEL.NUM_CLASSES == 3
     assert dm.seed == dm.cfg.RNG_SEED == 3
-    assert RoIDataModule(seed=11).seed == 11
+    assert RoIDataModule(sampling={"seed": 11}).seed == 11
     # Dataset names fall back to the Detectron file; test falls back to val.
     assert dm._datasets("train") == (("coco_2014_train",), ())
     assert dm._datasets("val") == (("coco_2014_minival",), ())
@@ -53,12 +53,12 @@ def test_config_precedence_yaml_then_model_type_then_overrides(tmp_path: Path) -
 
 def test_bad_arguments_fail_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="num_workers"):
-        RoIDataModule(num_workers=-1)
+        RoIDataModule(loader={"num_workers": -1})
     with pytest.raises(ValueError, match="model_type"):
         RoIDataModule(model_type="yolo")  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="TRAIN.SCALE"):
         RoIDataModule(overrides={"TRAIN.SCALE": [800]})
-    dm = RoIDataModule(train_datasets=["a", "b"], train_proposal_files=["p.pkl"])
+    dm = RoIDataModule(datasets={"train": ["a", "b"], "train_proposal_files": ["p.pkl"]})
     with pytest.raises(ValueError, match="one proposal file per dataset"):
         dm._datasets("train")
     with pytest.raises(ValueError, match="no training datasets"):
@@ -172,7 +172,7 @@ def test_fit_without_warnings_and_resume_after_an_exception(
     ns = lightning_ns
     kw = dm_kwargs(root, num_workers=1, infinite=infinite)
     steps = 6
-    Recorder, DataModule = ns.callback(_RecorderHooks), ns.lit(RoIDataModule)
+    Recorder, DataModule = ns.callback(_RecorderHooks), ns.lit(DemoRoIDataModule)
     full = Recorder()
     ns.seed_everything(0)
     with warnings.catch_warnings(record=True) as caught:
@@ -199,7 +199,7 @@ def test_fit_without_warnings_and_resume_after_an_exception(
 
 @pytest.mark.parametrize("target_format", ["detectron", "compact"])
 def test_rpn_family_and_quirk_flag_reach_the_workers(root: Path, target_format: str) -> None:
-    dm = RoIDataModule(**dm_kwargs(root, model_type="faster_rcnn", fix_rpn_quirks=True,
+    dm = DemoRoIDataModule(**dm_kwargs(root, model_type="faster_rcnn", fix_rpn_quirks=True,
                                    train_proposal_files=[], target_format=target_format))
     dm.prepare_data()
     dm.setup("fit")
@@ -215,7 +215,7 @@ def test_rpn_family_and_quirk_flag_reach_the_workers(root: Path, target_format: 
 
 
 def test_torchvision_output_format(root: Path) -> None:
-    dm = RoIDataModule(**dm_kwargs(root, output_format="torchvision"))
+    dm = DemoRoIDataModule(**dm_kwargs(root, output_format="torchvision"))
     dm.prepare_data()
     dm.setup("fit")
     images, targets = next(iter(dm.train_dataloader()))
@@ -231,7 +231,7 @@ def test_skip_counts_are_reported_and_checkpointed(dm: RoIDataModule) -> None:
     out = dm.on_after_batch_transfer(batch, 0)
     assert out["data"].dtype == torch.float32
     assert dm.state_dict()["skipped"] == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
-    other = RoIDataModule(**dm_kwargs(Path("/nonexistent")))
+    other = DemoRoIDataModule(**dm_kwargs(Path("/nonexistent")))
     other.load_state_dict(dm.state_dict())
     assert other.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
     assert dm.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
@@ -243,7 +243,7 @@ def test_compact_masks_expand_on_device_to_detectron_blobs(root: Path, pixel_for
     """mask_format="compact" + on_after_batch_transfer == Detectron's blobs from the workers."""
     batches = {}
     for mask_format in ("compact", "detectron"):
-        dm = RoIDataModule(**dm_kwargs(root, model_type="mask_rcnn_proposals",
+        dm = DemoRoIDataModule(**dm_kwargs(root, model_type="mask_rcnn_proposals",
                                        mask_format=mask_format, pixel_format=pixel_format))
         dm.prepare_data()
         dm.setup("fit")

@@ -43,13 +43,40 @@ def shared_root(tmp_path_factory: Any) -> Path:
     return root
 
 
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Short option names (``num_workers=0``) as the data module's nested groups
+    (``loader={"num_workers": 0}``); other keys stay as they are."""
+    from lit_roidata.options import DEPRECATED_FLAT_ARGS
+
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        if k in DEPRECATED_FLAT_ARGS:
+            group, key = DEPRECATED_FLAT_ARGS[k]
+            out.setdefault(group, {})[key] = v
+        elif isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides":
+            out[k].update(v)
+        else:
+            out[k] = v
+    return out
+
+
 def dm_kwargs(root: Path, **changes: Any) -> dict[str, Any]:
-    """``RoIDataModule`` arguments for the tiny demo under ``root``."""
+    """``DemoRoIDataModule`` arguments for the tiny demo under ``root``; ``changes`` may
+    use the short option names (``num_workers=1``), nested here."""
     kw: dict[str, Any] = dict(demo_root=str(root / "data"), demo_size=dict(SMALL_DEMO),
                               cache_dir=str(root / "cache"), model_type="fast_rcnn",
                               overrides=dict(TINY_OVERRIDES), num_workers=0)
     kw.update(changes)
-    return kw
+    return nest(kw)
+
+
+def merge_data(init_args: dict[str, Any], changes: dict[str, Any]) -> None:
+    """Merge nested data-module arguments into ``init_args`` (groups merged key-wise)."""
+    for k, v in changes.items():
+        if isinstance(v, dict) and isinstance(init_args.get(k), dict) and k != "overrides":
+            init_args[k].update(v)
+        else:
+            init_args[k] = v
 
 
 def tiny_config(root: Path, out: Path, *, trainer: dict | None = None, data: dict | None = None,
@@ -84,8 +111,8 @@ def tiny_config(root: Path, out: Path, *, trainer: dict | None = None, data: dic
     t["callbacks"] = kept + list(callbacks or [])
     t.update(trainer or {})
     d = cfg["data"]["init_args"]
-    d.update(dm_kwargs(root))
-    d.update(data or {})
+    merge_data(d, dm_kwargs(root))
+    merge_data(d, nest(dict(data or {})))
     cfg["model"]["init_args"].update(TINY_MODEL)
     cfg["model"]["init_args"].update(model or {})
     out.write_text(yaml.safe_dump(cfg))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule
 from lit_roidata.datamodule import EvalLoader
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.sampler import RoIBatchSampler
@@ -53,7 +53,7 @@ def test_worker_global_rng_differs_by_rank_but_the_stream_does_not() -> None:
 
 
 def test_eval_loader_leaves_the_global_torch_rng_alone(root: Path) -> None:
-    dm = RoIDataModule(**dm_kwargs(root))
+    dm = DemoRoIDataModule(**dm_kwargs(root))
     dm.prepare_data()
     dm.setup("validate")
     loader = EvalLoader(dm.val_roidb, dm.cfg, ims_per_batch=4)

@@ -174,7 +174,7 @@ def test_full_configs_name_a_real_detector() -> None:
                  "fast_rcnn_R-50-FPN_1x"):
         cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
         assert cfg["model"]["class_path"] == "lit_roidata.models.TorchvisionDetector"
-        assert cfg["data"]["init_args"]["output_format"] == "torchvision"
+        assert cfg["data"]["init_args"]["output"]["output_format"] == "torchvision"
         args = {**cfg["model"]["init_args"], "weights_backbone": None}
         m = TorchvisionDetector(**args)
         assert m.hparams.num_classes == cfg["data"]["init_args"]["overrides"]["MODEL"][
@@ -202,8 +202,9 @@ def _small_config(root: Path, family: str, tmp: Path, steps: int) -> Path:
         if "dirpath" in cb.get("init_args", {}):
             cb["init_args"]["dirpath"] = str(tmp / cb["class_path"].rsplit(".", 1)[-1])
     d = cfg["data"]["init_args"]
-    d.update({"demo_root": str(root / "data"), "demo_size": dict(SMALL_DEMO),
-              "cache_dir": str(root / "cache"), "num_workers": 0})
+    d.update({"demo_root": str(root / "data"), "demo_size": dict(SMALL_DEMO)})
+    d["sources"] = dict(d.get("sources") or {}, cache_dir=str(root / "cache"))
+    d["loader"] = dict(d.get("loader") or {}, num_workers=0)
     d["overrides"].update({k: v for k, v in TINY_OVERRIDES.items()
                            if k.startswith(("TRAIN.SCALES", "TRAIN.MAX", "TEST."))})
     mi = cfg["model"]["init_args"]
@@ -251,10 +252,11 @@ def test_family_fits_validates_and_predicts(root: Path, tmp_path: Path, family: 
     # The loss goes down: the first training batches (the data module's own stream) have a
     # lower loss under the trained weights than under the initial ones. Per-step losses
     # of 2-image batches are too noisy to compare over a few steps.
-    from lit_roidata import RoIDataModule
+    import lit_roidata
 
     spec = yaml.safe_load(cfg.read_text())
-    dm = RoIDataModule(**spec["data"]["init_args"])
+    cls = getattr(lit_roidata, spec["data"]["class_path"].rsplit(".", 1)[1])
+    dm = cls(**spec["data"]["init_args"])
     dm.prepare_data()
     dm.setup("fit")
     loader = iter(dm.train_dataloader())
@@ -321,7 +323,7 @@ def test_readme_example_runs_as_written(root: Path, tmp_path: Path, monkeypatch:
     code = _readme_example()
     for old, new in (('"configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml"', repr(str(small))),
                      ('"/data"', repr(str(tmp_path / "data"))),
-                     ("num_workers=4", "num_workers=0"),
+                     ("{\"num_workers\": 4}", "{\"num_workers\": 0}"),
                      ('weights_backbone="IMAGENET1K_V1"',
                       'weights_backbone=None, backbone="resnet18", cpu_threads=1'),
                      ('strategy="ddp", devices=8', 'accelerator="cpu", devices=1, logger=False, '

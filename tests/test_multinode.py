@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule
 
 from test_datamodule_support import REPO, cli_env, dm_kwargs, read_records, tiny_config
 
@@ -37,7 +37,7 @@ def _fit_nodes(cfg: Path, tmp: Path, nodes: int, *extra: str) -> list[str]:
                 "--trainer.num_nodes", str(nodes), "--trainer.devices", "1",
                 # node-local disks: each node generates its data and builds its cache
                 "--data.init_args.demo_root", str(tmp / f"node{node}" / "data"),
-                "--data.init_args.cache_dir", str(tmp / f"node{node}" / "cache"), *extra]
+                "--data.init_args.sources.cache_dir", str(tmp / f"node{node}" / "cache"), *extra]
         if nodes > 1:
             args += ["--trainer.strategy", "ddp"]
         procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -59,7 +59,7 @@ def _fit_nodes(cfg: Path, tmp: Path, nodes: int, *extra: str) -> list[str]:
 @pytest.mark.slow
 def test_two_nodes_train_each_block_once_per_pass_and_resume_exactly(tmp_path: Path) -> None:
     kw = dm_kwargs(tmp_path / "probe", demo_size=dict(SIZE))
-    probe = RoIDataModule(**kw)
+    probe = DemoRoIDataModule(**kw)
     probe.prepare_data()
     probe.setup("fit")
     bpp = probe.make_sampler().blocks_per_pass

@@ -54,12 +54,12 @@ def test_core_works_without_the_extras(tmp_path: Path) -> None:
     """Import, roidb build (with proposals) and a minibatch work with no extra installed."""
     r = _run(tmp_path, f"""
         import lit_roidata
-        from lit_roidata import RoIDataModule
+        from lit_roidata import DemoRoIDataModule
         from lit_roidata.minibatch import get_minibatch_blob_names
 
-        dm = RoIDataModule(demo_root={str(tmp_path / 'demo')!r},
-                           cache_dir={str(tmp_path / 'c')!r}, model_type="fast_rcnn",
-                           num_workers=0,
+        dm = DemoRoIDataModule(demo_root={str(tmp_path / 'demo')!r},
+                           sources={{"cache_dir": {str(tmp_path / 'c')!r}}},
+                           model_type="fast_rcnn", loader={{"num_workers": 0}},
                            demo_size={{"demo_train_a": 3, "demo_train_b": 2, "demo_val": 1}},
                            overrides={{"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": [96],
                                       "TRAIN.MAX_SIZE": 128}})

@@ -405,7 +405,7 @@ def test_pickle_needs_trust_and_names_both_fixes(tmp_path, caplog):
     d = dict(_good(data), cfg=_Boom(str(marker)))
     p = _dump(tmp_path / "p.pkl", d)
     fixes = (r"p\.pkl: the proposal file is a pickle.*lit-roidata convert-proposals "
-             r".*p\.pkl p\.npz.*trust_pickle=True.*--data\.trust_pickle true")
+             r".*p\.pkl p\.npz.*trust_pickle=True.*--data\.sources\.trust_pickle true")
     with pytest.raises(UntrustedPickleError, match=fixes):
         read_proposal_file(p)
     with pytest.raises(UntrustedPickleError, match=fixes):
@@ -428,7 +428,8 @@ def test_pickle_needs_trust_and_names_both_fixes(tmp_path, caplog):
 
 
 def test_datamodule_trust_pickle_reaches_the_build(tmp_path):
-    """``RoIDataModule(trust_pickle=...)`` (``--data.trust_pickle``) decides."""
+    """``RoIDataModule(sources={"trust_pickle": ...})`` (``--data.sources.trust_pickle``)
+    decides."""
     from lit_roidata import RoIDataModule
     from lit_roidata._pickle_trust import UntrustedPickleError
 
@@ -438,24 +439,25 @@ def test_datamodule_trust_pickle_reaches_the_build(tmp_path):
     p = make_proposals(1, data, str(tmp_path / "p.pkl"))
     cat_file.write_text(f"datasets:\n  d:\n    image_dir: {tmp_path / 'd' / 'images'}\n"
                         f"    annotation_file: {tmp_path / 'd' / 'ann.json'}\n")
-    kw = dict(train_datasets=["d"], train_proposal_files=[p], dataset_catalog=str(cat_file),
-              cache_dir=str(tmp_path / "c"), model_type="fast_rcnn", num_workers=0)
+    kw = dict(datasets={"train": ["d"], "train_proposal_files": [p]},
+              model_type="fast_rcnn", loader={"num_workers": 0})
+    src = {"dataset_catalog": str(cat_file), "cache_dir": str(tmp_path / "c")}
     with pytest.raises(UntrustedPickleError, match="convert-proposals"):
-        RoIDataModule(**kw).prepare_data()
-    dm = RoIDataModule(**kw, trust_pickle=True)
+        RoIDataModule(**kw, sources=src).prepare_data()
+    dm = RoIDataModule(**kw, sources=dict(src, trust_pickle=True))
     dm.prepare_data()
     dm.setup("fit")
     assert len(dm.train_roidb) > 0
 
 
 def test_cli_flag_data_trust_pickle(capsys):
-    """``--data.trust_pickle true`` falls out of the data module's signature."""
+    """``--data.sources.trust_pickle true`` falls out of the data module's signature."""
     import yaml
 
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "demo.yaml")
-    for argv, want in ((["--data.trust_pickle", "true"], True), ([], False)):
+    for argv, want in ((["--data.sources.trust_pickle", "true"], True), ([], False)):
         with pytest.raises(SystemExit) as exc:
             cli_main(["fit", "--config", config, *argv, "--print_config"])
         assert exc.value.code in (0, None)
         printed = yaml.safe_load(capsys.readouterr().out)
-        assert printed["data"]["init_args"]["trust_pickle"] is want
+        assert printed["data"]["init_args"]["sources"]["trust_pickle"] is want

@@ -17,7 +17,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule
 
 from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
 
@@ -94,7 +94,7 @@ class Recorder(pl.Callback):
             self.vals.append((trainer.global_step, self._nval))
 
 
-class FailingData(RoIDataModule):
+class FailingData(DemoRoIDataModule):
     """Fails while the main process builds a block (``num_workers=0``: the fetch) or
     while the batch is finished on the device (the transfer)."""
 
@@ -193,7 +193,7 @@ def test_ctrl_c_at_an_epoch_start_resumes_exactly(root: Path, tmp_path: Path,
                                                   infinite: bool) -> None:
     """Interrupted in ``on_train_epoch_start`` of epoch 1: the next epoch is not skipped."""
     kw = dm_kwargs(root, infinite=infinite)
-    dm = RoIDataModule(**kw)
+    dm = DemoRoIDataModule(**kw)
     dm.prepare_data()
     dm.setup("fit")
     n = len(dm.train_dataloader())
@@ -226,7 +226,7 @@ def test_reload_dataloaders_in_infinite_mode_continues_the_stream(root: Path,
     """reload_dataloaders_every_n_epochs=1 builds a new loader each epoch; the stream must
     go on (not restart at pass 0, block 0)."""
     kw = dm_kwargs(root, infinite=True)
-    dm = RoIDataModule(**kw)
+    dm = DemoRoIDataModule(**kw)
     dm.prepare_data()
     dm.setup("fit")
     n = len(dm.train_dataloader())
@@ -261,7 +261,7 @@ def test_lightning_internals_we_rely_on(root: Path, tmp_path: Path) -> None:
                          enable_model_summary=False, enable_checkpointing=False,
                          default_root_dir=str(tmp_path), limit_val_batches=0,
                          callbacks=[Probe()])
-    trainer.fit(_make_model(None), datamodule=RoIDataModule(**kw))
+    trainer.fit(_make_model(None), datamodule=DemoRoIDataModule(**kw))
     ep = trainer.fit_loop.epoch_loop
     assert isinstance(ep.batch_progress, _BatchProgress)
     assert isinstance(ep.val_loop.batch_progress, _BatchProgress)
@@ -347,7 +347,7 @@ def test_epoch_mode_elastic_resume_keeps_epochs_and_passes_together(
     trained (every global block once, the tail shorter than a global minibatch left out)
     and Lightning's next epoch starts with the next pass, not earlier."""
     kw = dm_kwargs(root, infinite=False)
-    dm = RoIDataModule(**kw)
+    dm = DemoRoIDataModule(**kw)
     dm.prepare_data()
     dm.setup("fit")
     bpp = dm.make_sampler().blocks_per_pass

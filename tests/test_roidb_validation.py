@@ -265,8 +265,8 @@ def test_ims_per_batch_rejected_before_the_roidb_is_built(tmp_path, ims):
     spec = cat.get("ok")
     yaml.write_text(f"datasets:\n  ok:\n    image_dir: {spec.image_dir}\n    "
                     f"annotation_file: {spec.annotation_file}\n")
-    dm = RoIDataModule(train_datasets=["ok"], dataset_catalog=str(yaml),
-                       model_type="faster_rcnn", cache_dir=str(tmp_path / "c"),
+    dm = RoIDataModule(datasets={"train": ["ok"]}, model_type="faster_rcnn",
+                       sources={"dataset_catalog": str(yaml), "cache_dir": str(tmp_path / "c")},
                        overrides={"TRAIN.IMS_PER_BATCH": ims})
     for call in (dm.prepare_data, lambda: dm.setup("fit")):
         with pytest.raises(ValueError, match=rf"TRAIN.IMS_PER_BATCH={ims}.*integer >= 1"):
@@ -297,7 +297,7 @@ def test_fast_rcnn_without_proposals_is_refused_with_the_fix(tmp_path):
     check_training_config(cfg, ["p.pkl"], ["a"])  # with proposals: fine
     cfg.merge_from_dict(flags_for_model_type("mask_rcnn"))
     check_training_config(cfg, (), ["a"])  # e2e: proposals come from the RPN
-    dm = RoIDataModule(train_datasets=["x"], model_type="fast_rcnn",
-                       cache_dir=str(tmp_path / "c"))
+    dm = RoIDataModule(datasets={"train": ["x"]}, model_type="fast_rcnn",
+                       sources={"cache_dir": str(tmp_path / "c")})
     with pytest.raises(ValueError, match="no proposal file"):
         dm.setup("fit")

@@ -14,7 +14,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
 from test_datamodule_support import TINY_MODEL, dm_kwargs, read_records, run_cli, tiny_config
 
@@ -24,7 +24,7 @@ RESERVE = 0.2
 def _break_files(root: Path) -> dict[str, str]:
     """Truncate one JPEG, empty one, and move one away (the roidb cache is already
     built, so the loss is found only when the image is read)."""
-    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip"))
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip"))
     dm.prepare_data()
     dm.setup("fit")
     rdb = dm.train_roidb
@@ -70,7 +70,7 @@ def _check(metas: list[dict], bad: dict[str, str]) -> None:
 @pytest.mark.parametrize("nw", [0, 2])
 def test_datamodule_replaces_only_bad_images_and_reports_each_file(broken, nw: int) -> None:
     root, bad = broken
-    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
                                    bad_image_reserve=RESERVE))
     dm.setup("fit")
     metas, reports = _epochs(dm, 2)
@@ -90,7 +90,7 @@ def test_datamodule_replaces_only_bad_images_and_reports_each_file(broken, nw: i
     # the bad list is in the checkpoint state and restored
     state = dm.state_dict()
     assert {v["path"] for v in state["bad_images"]["known"].values()} >= set(files)
-    other = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
+    other = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
                                       bad_image_reserve=RESERVE))
     other.setup("fit")
     other.load_state_dict(state)
@@ -98,7 +98,7 @@ def test_datamodule_replaces_only_bad_images_and_reports_each_file(broken, nw: i
     assert other._ledger.known == dm._ledger.known
     assert other._ledger.frozen == dm._ledger.frozen
     if nw == 2:
-        ref = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=0,
+        ref = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=0,
                                         bad_image_reserve=RESERVE))
         ref.setup("fit")
         ref_metas, _ = _epochs(ref, 2)
@@ -110,7 +110,7 @@ def test_ims_per_batch_1_default_reserve_no_repeat(broken) -> None:
     """The issue's case: IMS_PER_BATCH=1, default reserve: no image twice in a pass."""
     root, bad = broken
     over = dict(dm_kwargs(root)["overrides"], **{"TRAIN.IMS_PER_BATCH": 1})
-    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", overrides=over))
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", overrides=over))
     dm.setup("fit")
     metas, reports = _epochs(dm, 2)
     for ms in metas:
@@ -139,7 +139,7 @@ def test_infinite_mode_passes_across_epochs(broken) -> None:
     root, bad = broken
     runs = []
     for nw in (0, 2):
-        dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
+        dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
                                        infinite=True, bad_image_reserve=RESERVE))
         dm.setup("fit")
         metas = _infinite_epochs(dm, 5)
@@ -154,7 +154,7 @@ def test_infinite_mode_passes_across_epochs(broken) -> None:
 
 def test_torchvision_format_counts_skips_and_keeps_meta_on_device(broken) -> None:
     root, bad = broken
-    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", output_format="torchvision",
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", output_format="torchvision",
                                    bad_image_reserve=RESERVE))
     dm.setup("fit")
     metas, reports = _epochs(dm, 1)
@@ -170,7 +170,7 @@ def test_no_collective_inside_batch_fetching(broken, monkeypatch) -> None:
     """The loader's fetch path never calls torch.distributed (a collective there can
     hang DDP when ranks differ); the exchange happens only in the epoch hook."""
     root, _ = broken
-    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
     dm.setup("fit")
     calls = []
 
@@ -219,7 +219,7 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
 
     root, bad = broken
     kw = dm_kwargs(root, on_bad_image="skip", num_workers=1, bad_image_reserve=RESERVE)
-    dm = RoIDataModule(**kw)
+    dm = DemoRoIDataModule(**kw)
     dm.setup("fit")
     steps = len(dm.train_dataloader()) + 3  # one epoch and a bit
     rec = _Recorder()
@@ -228,7 +228,7 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
     at_epoch_end = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ep"), every_n_epochs=1,
                                                 save_on_train_epoch_end=True, save_top_k=-1)
     pl.seed_everything(0)
-    dm = RoIDataModule(**kw)
+    dm = DemoRoIDataModule(**kw)
     with caplog.at_level(logging.WARNING, logger="lit_roidata"):
         _trainer(tmp_path / "a", steps, [rec, ckpt, at_epoch_end]).fit(DemoFastRCNN(**TINY_MODEL),
                                                          datamodule=dm)
@@ -249,7 +249,7 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
     assert {int(i) for i in frozen} == {int(k) for k in ep_state["known"]}
     # resume: the known files are never read again
     rec2 = _Recorder()
-    dm2 = RoIDataModule(**kw)
+    dm2 = DemoRoIDataModule(**kw)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lit_roidata"):
         _trainer(tmp_path / "b", steps + 4, [rec2]).fit(
@@ -320,7 +320,7 @@ def test_exchange_counts_each_file_once_across_ranks(broken, monkeypatch) -> Non
     """Two ranks that found the same file in one epoch (an image and its flipped copy):
     the merged report counts it once by its reason, the second find as read_again."""
     root, _ = broken
-    dm = RoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
     dm.setup("fit")
     dm.train_dataloader()
     rec = {"reason": "missing", "path": "/x/a.jpg", "image_id": 1, "dataset": "d",

@@ -2,6 +2,7 @@
 
 ``lit-roidata fit --config configs/demo.yaml`` uses :func:`ensure_demo_data` /
 :func:`register_demo_datasets` to create the data on first use and
+:class:`DemoRoIDataModule` (the data module on that data) and
 :class:`DemoFastRCNN` as the model (:class:`DemoFasterRCNN` trains end to end from the
 loader's RPN targets). The models are imported lazily so that the
 data part stays usable (and cheap to import) without touching torchvision.
@@ -26,6 +27,7 @@ __all__ = [
     "DEMO_VAL_DATASETS",
     "DemoDatasets",
     "DemoFastRCNN",
+    "DemoRoIDataModule",
     "DemoFasterRCNN",
     "ensure_demo_data",
     "register_demo_datasets",
@@ -37,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from lit_roidata.demo.model import DemoFastRCNN
 
         return DemoFastRCNN
+    if name == "DemoRoIDataModule":
+        from lit_roidata.demo.datamodule import DemoRoIDataModule
+
+        return DemoRoIDataModule
     if name == "DemoFasterRCNN":
         from lit_roidata.demo.faster import DemoFasterRCNN
 

@@ -7,10 +7,10 @@ LightningModule, data module and callbacks. :mod:`lit_roidata` (``lit_roidata.Ro
 the same classes bound to ``lightning.pytorch`` (same code, same arguments)::
 
     import lightning as L
-    from lit_roidata.lightning import DemoFastRCNN, RoIDataModule
+    from lit_roidata.lightning import DemoFastRCNN, DemoRoIDataModule
 
     L.Trainer(max_steps=100).fit(DemoFastRCNN(num_classes=4),
-                                 datamodule=RoIDataModule(demo_root="demo_data"))
+                                 datamodule=DemoRoIDataModule(demo_root="demo_data"))
 
 ``python -m lit_roidata.lightning fit --config cfg.yaml`` is ``lit-roidata`` with
 ``lightning.pytorch``'s LightningCLI (class paths in the YAML file then name
@@ -30,6 +30,7 @@ import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` i
 #: Lightning-derived class of lit_roidata: tests/test_lightning_namespaces.py checks it).
 CLASSES: dict[str, str] = {
     "RoIDataModule": "lit_roidata.datamodule:RoIDataModule",
+    "DemoRoIDataModule": "lit_roidata.demo.datamodule:DemoRoIDataModule",
     "BroadcastParameters": "lit_roidata.callbacks:BroadcastParameters",
     "BadImageReport": "lit_roidata.skip:BadImageReport",
     "COCOEvaluator": "lit_roidata.evaluation:COCOEvaluator",

@@ -153,7 +153,7 @@ class TorchvisionDetector(pl.LightningModule):
         lit-roidata fit --config configs/demo_faster_rcnn_mobilenet.yaml
         lit-roidata fit --model lit_roidata.models.TorchvisionDetector \\
             --model.arch fasterrcnn_mobilenet_v3_large_fpn --model.num_classes 5 \\
-            --data lit_roidata.RoIDataModule --data.output_format torchvision ...
+            --data lit_roidata.RoIDataModule --data.output.output_format torchvision ...
 
     ``validation_step`` / ``test_step`` return ``{"detections": [...]}`` for
     :class:`lit_roidata.evaluation.COCOEvaluator`; ``predict_step`` returns the same

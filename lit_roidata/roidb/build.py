@@ -186,7 +186,7 @@ def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
                 f"the model is a Fast R-CNN family model (no RPN, no RetinaNet), which trains "
                 f"on precomputed proposals, but no proposal file is given"
                 f"{' for ' + ', '.join(map(repr, missing)) if missing else ''}: it would train "
-                f"on the gt boxes alone. Add proposal files (data.train_proposal_files or "
+                f"on the gt boxes alone. Add proposal files (data.datasets.train_proposal_files or "
                 f"TRAIN.PROPOSAL_FILES, one per dataset) or choose an end-to-end model_type "
                 f"(faster_rcnn, mask_rcnn, keypoint_rcnn, retinanet, their _fpn variants)")
     if problems:

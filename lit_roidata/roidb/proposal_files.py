@@ -251,8 +251,9 @@ def untrusted_proposal_pickle(path: str) -> UntrustedPickleError:
     return UntrustedPickleError(
         path, "proposal file",
         f"Convert it once with `lit-roidata convert-proposals {path} {stem}.npz` and give "
-        f"the .npz instead, or, if you trust the file, pass trust_pickle=True (on the "
-        f"command line: --data.trust_pickle true).")
+        f"the .npz instead, or, if you trust the file, pass trust_pickle=True (the "
+        f"data module's sources.trust_pickle; on the command line: "
+        f"--data.sources.trust_pickle true).")
 
 
 def is_pickle(path: str) -> bool:

@@ -24,6 +24,9 @@ __all__ = ["MODULES", "render", "main"]
 MODULES: list[tuple[str, Optional[list[str]]]] = [
     ("lit_roidata.datamodule", ["RoIDataModule", "EvalLoader", "EvalDataset",
                                 "fork_safe_opencv"]),
+    ("lit_roidata.options", ["DatasetOptions", "SourceOptions", "LoaderOptions",
+                             "OutputOptions", "SamplingOptions", "AugmentOptions",
+                             "as_options"]),
     ("lit_roidata.cli", None),
     ("lit_roidata.lightning", ["cli_main", "main"]),
     ("lit_roidata.config", None),

@@ -66,7 +66,7 @@ def decode_resize_floor(dm: Any, num_images: int) -> float:
     t = time.perf_counter()
     for i in range(n):
         scale_image(load_image(roidb[i]), cfg.TRAIN.SCALES[i % len(cfg.TRAIN.SCALES)],
-                    cfg.TRAIN.MAX_SIZE, pixel_format=dm.hparams.pixel_format,
+                    cfg.TRAIN.MAX_SIZE, pixel_format=dm.output.pixel_format,
                     pixel_means=cfg.PIXEL_MEANS)
     return n / max(time.perf_counter() - t, 1e-9)
 
@@ -81,8 +81,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     res = bench_loader(dm, cfg.num_batches, cfg.warmup)
     from rich.table import Table
 
-    table = Table(title=f"train loader ({dm.hparams.num_workers} workers, "
-                        f"{dm.cfg.TRAIN.IMS_PER_BATCH} images/batch, {dm.hparams.pixel_format})")
+    table = Table(title=f"train loader ({dm.loader.num_workers} workers, "
+                        f"{dm.cfg.TRAIN.IMS_PER_BATCH} images/batch, {dm.output.pixel_format})")
     for col in ("images/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "batches"):
         table.add_column(col, justify="right")
     table.add_row(f"{res['images_per_s']:.1f}", f"{res['p50_ms']:.1f}", f"{res['p90_ms']:.1f}",

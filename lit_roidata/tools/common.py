@@ -16,7 +16,7 @@ _IGNORED: dict[str, Any] = {"trainer": Optional[dict], "model": Optional[dict],
 
 
 def tool_parser(prog: str, description: str) -> ArgumentParser:
-    """A parser with ``--config`` and ``--data`` (class path + ``--data.init_args.*``)."""
+    """A parser with ``--config`` and ``--data`` (class path + ``--data.*`` options)."""
     parser = ArgumentParser(prog=f"lit-roidata {prog}", description=description,
                             exit_on_error=True)
     parser.add_argument("-c", "--config", action=ActionConfigFile,

@@ -44,8 +44,8 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
     from lit_roidata.minibatch import get_minibatch_blob_names
     from lit_roidata.minibatch.device import expand_masks_on_device, expand_targets
 
-    if dm.hparams.output_format != "detectron":
-        raise ValueError("dump-blobs writes Detectron blobs; set data.init_args.output_format "
+    if dm.output.output_format != "detectron":
+        raise ValueError("dump-blobs writes Detectron blobs; set data.output.output_format "
                          "to 'detectron'")
     dm.prepare_data()
     dm.setup("fit")

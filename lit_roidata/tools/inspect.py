@@ -192,7 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(cfg.out, exist_ok=True)
     written = [os.path.join(cfg.out, "histograms.png")]
     plot_histograms(roidb, dm.cfg, stats, written[0])
-    if dm.hparams.output_format == "detectron":
+    if dm.output.output_format == "detectron":
         sampler = dm.make_sampler(rank=0, world_size=1)
         dataset = dm.make_dataset(sampler=sampler, pixel_format="uint8")
         for k, block in zip(range(cfg.num_batches), sampler):

@@ -1,0 +1,266 @@
+"""The grouped arguments of :class:`~lit_roidata.RoIDataModule`.
+
+Each group is a frozen dataclass; LightningCLI shows its fields as nested options
+(``--data.loader.num_workers 4``, or ``loader: {num_workers: 4}`` under the data
+module's ``init_args`` in a YAML file). In Python, pass an instance or a plain dict::
+
+    RoIDataModule(detectron_config="e2e_mask_rcnn_R-50-FPN_1x.yaml",
+                  sources=SourceOptions(data_root="/data"),
+                  loader={"num_workers": 4}, output={"output_format": "torchvision"})
+
+A field whose default is ``None`` and that names a Detectron key (``ims_per_batch``,
+``aspect_grouping``, ``seed``) means "take it from the Detectron config"; a value set
+here is written into the config once, when the data module builds it, so ``dm.cfg`` is
+the one place every part reads it from.
+
+The flat keyword names of earlier releases (``num_workers=4``, ``train_datasets=[...]``)
+still work for one release with a ``DeprecationWarning`` naming the nested key
+(:data:`DEPRECATED_FLAT_ARGS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Optional, TypeVar, Union
+
+__all__ = ["AugmentOptions", "DatasetOptions", "DEPRECATED_FLAT_ARGS", "LoaderOptions",
+           "OutputOptions", "SamplingOptions", "SourceOptions", "as_options"]
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """Which datasets each split reads (``--data.datasets.*``).
+
+    Lists left unset fall back to the Detectron config's ``TRAIN.DATASETS`` /
+    ``TEST.DATASETS`` (so a Detectron YAML file works unchanged).
+
+    Args:
+        train: catalog names of the training datasets, concatenated in this order
+            (Detectron's ``TRAIN.DATASETS``).
+        train_proposal_files: one proposal file per training dataset (Fast R-CNN from
+            precomputed proposals), or empty (``TRAIN.PROPOSAL_FILES``).
+        val: datasets for ``val_dataloader`` (default ``TEST.DATASETS``).
+        val_proposal_files: their proposal files (default ``TEST.PROPOSAL_FILES``);
+            ``TEST.PROPOSAL_LIMIT`` proposals per image are kept.
+        test: datasets for ``test_dataloader``; default: the validation ones.
+        test_proposal_files: their proposal files; default: the validation ones.
+    """
+
+    train: Optional[list[str]] = None
+    train_proposal_files: Optional[list[str]] = None
+    val: Optional[list[str]] = None
+    val_proposal_files: Optional[list[str]] = None
+    test: Optional[list[str]] = None
+    test_proposal_files: Optional[list[str]] = None
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """Where the data comes from and how it is checked (``--data.sources.*``).
+
+    Args:
+        data_root: root under which the built-in COCO catalog names resolve
+            (``<data_root>/coco/...``).
+        dataset_catalog: YAML file registering your own datasets by name (see
+            :meth:`lit_roidata.catalog.Catalog.load_yaml`).
+        cache_dir: folder for the roidb caches (default: ``$LIT_ROIDATA_CACHE`` or
+            ``~/.cache/lit_roidata``).
+        trust_pickle: read proposal files that are pickles (``.pkl``). Unpickling runs
+            any code the file names, so they are refused unless this is set (with a
+            warning when used); ``lit-roidata convert-proposals in.pkl out.npz``
+            converts one once into the ``.npz`` format, which needs no trust.
+        check_images: when building the roidb, check that every image file exists
+            (the error names the first missing files); ``False`` skips the check.
+        category_policy: how the category lists of several training datasets are
+            combined: ``"strict"`` (they must agree, else a diff is shown),
+            ``"by_name"`` (map every dataset's categories onto one class list by name)
+            or ``"detectron"`` (concatenate without reconciling, as Detectron does).
+        on_bad_image: ``"raise"`` stops on an unreadable image naming it; ``"skip"``
+            replaces only that image (its partners stay), deterministically, from images
+            the pass holds back; the bad file is never read again once every rank knows
+            it (exchanged at each epoch end, kept in checkpoints), and every skipped
+            file is reported with its reason at the end of each epoch.
+        bad_image_reserve: with ``on_bad_image="skip"``, the fraction of each pass's
+            blocks held back as replacements for bad images (at least 16 images, at most
+            a quarter of a pass; 0: none, every replacement a counted repeat).
+    """
+
+    data_root: Optional[str] = None
+    dataset_catalog: Optional[str] = None
+    cache_dir: Optional[str] = None
+    trust_pickle: bool = False
+    check_images: bool = True
+    category_policy: Literal["strict", "by_name", "detectron"] = "strict"
+    on_bad_image: Literal["raise", "skip"] = "raise"
+    bad_image_reserve: float = 0.01
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The DataLoaders (``--data.loader.*``).
+
+    Args:
+        num_workers: worker processes building minibatches (0: the main process).
+        ims_per_batch: images per training minibatch *per rank*; ``None``: the Detectron
+            config's ``TRAIN.IMS_PER_BATCH`` (Detectron's per-GPU minibatch).
+        eval_ims_per_batch: images per validation/test batch (Detectron tests one).
+        pin_memory: pin host memory of batches (faster copies to a GPU).
+        persistent_workers: keep the workers alive between epochs (and between
+            validation runs). Not with ``sources.on_bad_image="skip"``: each epoch's
+            workers must see the bad images found in the previous one.
+        prefetch_factor: batches each worker prepares ahead (``None``: PyTorch's 2).
+    """
+
+    num_workers: int = 2
+    ims_per_batch: Optional[int] = None
+    eval_ims_per_batch: int = 1
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    prefetch_factor: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """What a batch looks like (``--data.output.*``).
+
+    Args:
+        output_format: ``"detectron"`` (dict of Detectron's blobs) or ``"torchvision"``
+            (list of images, list of target dicts).
+        pixel_format: ``"uint8"`` keeps images uint8 (BGR, NCHW, zero padding) up to the
+            device and normalises there; ``"detectron"`` gives Detectron's float32 blob
+            (BGR minus ``PIXEL_MEANS``) from the workers.
+        mask_format: ``"compact"`` ships one ``M x M`` mask per mask RoI from the workers
+            and expands it to Detectron's class-specific ``masks_int32`` on the device
+            (identical blob, ~NUM_CLASSES times less worker memory and copying);
+            ``"detectron"`` builds the expanded blob in the workers, as Detectron does.
+        target_format: ``"compact"`` ships only the sampled RPN anchors and RetinaNet's
+            non-zero class labels from the workers and expands them to Detectron's dense
+            blobs on the device (identical blobs, a few KB instead of ~45 MB per FPN
+            batch); ``"detectron"`` builds the dense blobs in the workers;
+            ``"compact_raw"`` ships the compact form and leaves it unexpanded
+            (docs/rpn_retinanet.md describes the blobs).
+        fix_rpn_quirks: correct Detectron's RPN label quirks Q2/Q3
+            (docs/detectron_quirks.md); off: Detectron's labels exactly.
+    """
+
+    output_format: Literal["detectron", "torchvision"] = "detectron"
+    pixel_format: Literal["uint8", "detectron"] = "uint8"
+    mask_format: Literal["compact", "detectron"] = "compact"
+    target_format: Literal["compact", "detectron", "compact_raw"] = "compact"
+    fix_rpn_quirks: bool = False
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The order of the training stream and its resume (``--data.sampling.*``).
+
+    Args:
+        seed: seed of the sampler stream and of every per-block draw; ``None``: the
+            Detectron config's ``RNG_SEED``. Must be equal on every rank.
+        rng_mode: ``"block"`` (one generator per block: reproducible anywhere) or
+            ``"detectron"`` (NumPy RandomState in Detectron's call order).
+        aspect_grouping: pair images of the same orientation in a minibatch;
+            ``None``: the Detectron config's ``TRAIN.ASPECT_GROUPING``.
+        infinite: Detectron's endless block stream (train with ``max_steps``) instead of
+            epochs of ``len(loader)`` batches.
+        strict_resume: a checkpoint whose stream differs from this one (roidb length,
+            ``ims_per_batch``, seed, grouping) is refused with an error naming the
+            difference; ``False``: a warning, and the stream starts a fresh pass.
+    """
+
+    seed: Optional[int] = None
+    rng_mode: Literal["block", "detectron"] = "block"
+    aspect_grouping: Optional[bool] = None
+    infinite: bool = False
+    strict_resume: bool = True
+
+
+@dataclass(frozen=True)
+class AugmentOptions:
+    """An albumentations pipeline applied to each training image before Detectron's
+    scaling (``--data.augment``; needs the ``[augment]`` extra). Boxes, masks,
+    keypoints and proposal labels follow the image
+    (:class:`~lit_roidata.minibatch.augment.Augmentation`).
+
+    Args:
+        transforms: albumentations transforms, each an instance or, in YAML, a dict
+            ``{class_path: RandomBrightnessContrast, init_args: {p: 0.5}}`` (a bare
+            class name is looked up in ``albumentations``).
+        min_visibility: albumentations' box ``min_visibility``: boxes that keep less of
+            their area are dropped.
+    """
+
+    transforms: list[Any] = field(default_factory=list)
+    min_visibility: float = 0.0
+
+
+#: Flat keyword of earlier releases -> (group, field) of its nested replacement.
+DEPRECATED_FLAT_ARGS: dict[str, tuple[str, str]] = {
+    "train_datasets": ("datasets", "train"),
+    "train_proposal_files": ("datasets", "train_proposal_files"),
+    "val_datasets": ("datasets", "val"),
+    "val_proposal_files": ("datasets", "val_proposal_files"),
+    "test_datasets": ("datasets", "test"),
+    "test_proposal_files": ("datasets", "test_proposal_files"),
+    "data_root": ("sources", "data_root"),
+    "dataset_catalog": ("sources", "dataset_catalog"),
+    "cache_dir": ("sources", "cache_dir"),
+    "trust_pickle": ("sources", "trust_pickle"),
+    "on_bad_image": ("sources", "on_bad_image"),
+    "bad_image_reserve": ("sources", "bad_image_reserve"),
+    "num_workers": ("loader", "num_workers"),
+    "eval_ims_per_batch": ("loader", "eval_ims_per_batch"),
+    "pin_memory": ("loader", "pin_memory"),
+    "output_format": ("output", "output_format"),
+    "pixel_format": ("output", "pixel_format"),
+    "mask_format": ("output", "mask_format"),
+    "target_format": ("output", "target_format"),
+    "fix_rpn_quirks": ("output", "fix_rpn_quirks"),
+    "seed": ("sampling", "seed"),
+    "rng_mode": ("sampling", "rng_mode"),
+    "infinite": ("sampling", "infinite"),
+}
+
+#: Group name -> its dataclass.
+GROUPS: dict[str, type] = {"datasets": DatasetOptions, "sources": SourceOptions,
+                           "loader": LoaderOptions, "output": OutputOptions,
+                           "sampling": SamplingOptions, "augment": AugmentOptions}
+
+T = TypeVar("T")
+
+
+def as_options(cls: type[T], value: Union[None, T, Mapping[str, Any]], group: str) -> T:
+    """``value`` as a ``cls`` instance: ``None`` gives the defaults, a dict its fields.
+
+    Raises:
+        TypeError: a key that is not a field of ``cls`` (naming the valid ones), or a
+            value of another type.
+    """
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)  # e.g. the same fields from jsonargparse
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise TypeError(f"{group}: unknown option(s) {unknown}; valid: {sorted(names)}")
+        return cls(**dict(value))
+    raise TypeError(f"{group}: expected a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+def to_plain(value: Any) -> Any:
+    """Dataclasses and containers as plain dicts/lists/scalars (checkpoint-safe
+    hyperparameters: a checkpoint read with ``weights_only=True`` holds no classes)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)  # e.g. an albumentations transform instance
