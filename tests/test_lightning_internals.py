@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule
 
 from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
 
@@ -78,7 +78,7 @@ def test_loop_progress_and_restart_internals(root: Path, tmp_path: Path, lightni
                          enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=str(tmp_path), limit_val_batches=0,
                          callbacks=[probe, ckpt])
-    dm = ns.lit(RoIDataModule)(**dm_kwargs(root, infinite=True))
+    dm = ns.lit(DemoRoIDataModule)(**dm_kwargs(root, infinite=True))
     trainer.fit(_model(ns), datamodule=dm)
     seen, ep = probe.seen, trainer.fit_loop.epoch_loop
     progress = importlib.import_module(f"{ns.name}.loops.progress")
@@ -287,8 +287,8 @@ def test_mixing_namespaces_is_what_the_bindings_avoid(lightning_ns: Any) -> None
     pytest.importorskip("lightning")
     ns = lightning_ns
     mod = importlib.import_module(f"{ns.name}.utilities.model_helpers")
-    other = bind(RoIDataModule, LIGHTNING if ns.name == PL else PL)
+    other = bind(DemoRoIDataModule, LIGHTNING if ns.name == PL else PL)
     with pytest.raises(ValueError, match="Expected a parent"):
         mod.is_overridden("prepare_data", other(**dm_kwargs(Path("/nonexistent"))))
-    assert mod.is_overridden("prepare_data", ns.lit(RoIDataModule)(
+    assert mod.is_overridden("prepare_data", ns.lit(DemoRoIDataModule)(
         **dm_kwargs(Path("/nonexistent"))))

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lit_roidata import RoIDataModule
+from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata._lightning import (LIGHTNING, PL, bind, foreign_references, isinstance_any,
                                     namespace_of, source_class)
 
@@ -152,18 +152,18 @@ def test_fit_validate_resume_with_every_callback(root: Path, tmp_path: Path,
 
     kw = dm_kwargs(root, on_bad_image="skip", infinite=True)
     first = trainer(3)
-    first.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL), datamodule=ns.lit(RoIDataModule)(**kw))
+    first.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL), datamodule=ns.lit(DemoRoIDataModule)(**kw))
     assert first.global_step == 3 and "val/bbox_AP" in first.callback_metrics
     from lit_roidata.skip import BadImageReport
 
     reports = [c for c in seen.callbacks if isinstance_any(c, BadImageReport)]
     assert len(reports) == 1 and namespace_of(reports[0]) == ns.name, seen.callbacks
     assert all(namespace_of(c) == ns.name for c in seen.callbacks)
-    metrics = first.validate(datamodule=ns.lit(RoIDataModule)(**kw), ckpt_path="last",
+    metrics = first.validate(datamodule=ns.lit(DemoRoIDataModule)(**kw), ckpt_path="last",
                              verbose=False)
     assert "val/bbox_AP" in metrics[0]
     resumed = trainer(6)
-    resumed.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL), datamodule=ns.lit(RoIDataModule)(**kw),
+    resumed.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL), datamodule=ns.lit(DemoRoIDataModule)(**kw),
                 ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
     assert resumed.global_step == 6
     dm = resumed.datamodule
