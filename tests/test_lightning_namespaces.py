@@ -86,10 +86,10 @@ def test_every_binding_is_the_same_class_in_lightning_pytorch(name: str) -> None
 def test_super_and_save_hyperparameters_run_in_the_bound_class() -> None:
     """Zero-argument super() of the bound methods reaches lightning.pytorch's bases, and
     save_hyperparameters (which reads the __class__ of __init__'s frame) records them."""
-    dm = lit_l.RoIDataModule(**dm_kwargs(Path("/nonexistent"), seed=7))
-    assert isinstance(dm, L.LightningDataModule) and dm.hparams.seed == 7
-    assert dict(dm.hparams) == dict(RoIDataModule(**dm_kwargs(Path("/nonexistent"),
-                                                               seed=7)).hparams)
+    dm = lit_l.DemoRoIDataModule(**dm_kwargs(Path("/nonexistent"), seed=7))
+    assert isinstance(dm, L.LightningDataModule) and dm.hparams.sampling["seed"] == 7
+    assert dict(dm.hparams) == dict(DemoRoIDataModule(**dm_kwargs(Path("/nonexistent"),
+                                                                   seed=7)).hparams)
     model = lit_l.DemoFasterRCNN(**TINY_MODEL)  # a subclass: both levels bound
     assert isinstance(model, L.LightningModule) and isinstance(model, lit_l.DemoFastRCNN)
     assert model.hparams.num_classes == TINY_MODEL["num_classes"]
@@ -111,13 +111,13 @@ def test_subclassing_and_binding_errors() -> None:
         bind(RoIDataModule, "lightning")
     assert bind(pl.Callback, PL) is pl.Callback
 
-    class MyData(lit_l.RoIDataModule):  # users subclass the binding of their namespace
+    class MyData(lit_l.DemoRoIDataModule):  # users subclass the binding of their namespace
         def __init__(self, **kw: Any) -> None:
             super().__init__(**kw)
             self.mine = True
 
     dm = MyData(**dm_kwargs(Path("/nonexistent")))
-    assert dm.mine and isinstance(dm, L.LightningDataModule) and dm.hparams.num_workers == 0
+    assert dm.mine and isinstance(dm, L.LightningDataModule) and dm.hparams.loader["num_workers"] == 0
 
 
 class _Seen:
@@ -167,4 +167,4 @@ def test_fit_validate_resume_with_every_callback(root: Path, tmp_path: Path,
                 ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
     assert resumed.global_step == 6
     dm = resumed.datamodule
-    assert dm.hparams.on_bad_image == "skip"
+    assert dm.hparams.sources["on_bad_image"] == "skip"
