@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
+from hypothesis import settings
 
 from lit_roidata.exchange import BlobExchange
 
@@ -12,6 +14,18 @@ try:
     from memcached_server import memcached_server  # noqa: F401  (pytest fixture)
 except ImportError:  # tests/ imported as a package
     from tests.memcached_server import memcached_server  # noqa: F401
+
+# --- hypothesis profiles (test infrastructure) -------------------------------------------
+# "ci": the same examples on every run (derandomize), no per-example deadline on a loaded
+# runner, and the reproduction blob printed on failure. Chosen when CI=true (.ci/run sets
+# it) or explicitly with HYPOTHESIS_PROFILE=ci|dev; local runs default to "dev" (random
+# examples, Hypothesis' usual settings). Loaded here, before the test modules are imported,
+# so each test's own @settings(...) inherits the profile for what it does not set itself.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("dev")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
+                      or ("ci" if os.environ.get("CI", "").lower() in ("1", "true") else "dev"))
+# --- end hypothesis profiles ---------------------------------------------------------------
 
 
 @pytest.fixture(params=["embedded", "memcached"])
