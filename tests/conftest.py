@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hypothesis import settings
@@ -49,3 +51,24 @@ def make_exchange(request, tmp_path):
     yield make
     for ex in made:
         ex.close()
+
+
+# --- shared fixtures (test infrastructure) -------------------------------------------------
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo's folder (data and roidb caches), one per pytest session."""
+    from test_datamodule_support import shared_root
+
+    return shared_root(tmp_path_factory)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One torch intra-op thread for the test (tiny tensors: faster on a shared box)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+# --- end shared fixtures -------------------------------------------------------------------

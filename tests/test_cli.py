@@ -11,14 +11,9 @@ import yaml
 
 from lit_roidata.cli import TOOLS, main
 
-from test_datamodule_support import REPO, read_records, run_cli, shared_root, tiny_config
+from test_datamodule_support import REPO, read_records, run_cli, tiny_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
 
 
 @pytest.mark.parametrize("config", [c.name for c in CONFIGS if not c.name.startswith("exchange_")])

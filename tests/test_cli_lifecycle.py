@@ -15,14 +15,9 @@ import yaml
 
 from lit_roidata.cli import main
 
-from test_datamodule_support import REPO, read_records, shared_root, tiny_config
+from test_datamodule_support import REPO, read_records, tiny_config
 
 REC = "test_datamodule_support.IndexRecorder"
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
 
 
 def _paths(node: Any) -> list[str]:

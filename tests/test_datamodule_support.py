@@ -19,6 +19,8 @@ from typing import Any
 import pytorch_lightning as pl
 import yaml
 
+from ports import ddp_rendezvous_env
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
@@ -102,9 +104,15 @@ def cli_env() -> dict[str, str]:
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None
             ) -> subprocess.CompletedProcess:
-    """``lit-roidata ARGS`` in a subprocess (``python -m lit_roidata.cli``)."""
-    return subprocess.run([sys.executable, "-m", "lit_roidata.cli", *args], cwd=cwd or REPO,
-                          env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    """``lit-roidata ARGS`` in a subprocess (``python -m lit_roidata.cli``).
+
+    A DDP run's rendezvous store is hosted here (``ports.ddp_rendezvous_env``), so the
+    ranks never race other processes for a free ``MASTER_PORT``.
+    """
+    with ddp_rendezvous_env() as rendezvous:
+        return subprocess.run([sys.executable, "-m", "lit_roidata.cli", *args],
+                              cwd=cwd or REPO, env={**cli_env(), **rendezvous},
+                              capture_output=True, text=True, timeout=timeout)
 
 
 class IndexRecorder(pl.Callback):

@@ -13,13 +13,8 @@ from lit_roidata.demo.model import DemoFastRCNN, smooth_l1_loss
 C = 3  # background + 2 classes
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one intra-op thread is several times faster on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny tensors: one intra-op thread is several times faster on a shared 2-core box.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _synthetic_batch(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -19,12 +19,7 @@ import torch
 
 from lit_roidata import RoIDataModule
 
-from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
+from test_datamodule_support import TINY_MODEL, dm_kwargs
 
 
 class Interrupt(Exception):
