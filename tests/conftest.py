@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 from hypothesis import settings
@@ -47,7 +47,7 @@ def make_exchange(request, tmp_path):
         made.append(ex)
         return ex
 
-    make.backend, make.address = request.param, address
+    make.backend, make.address, make.run_id = request.param, address, run_id
     yield make
     for ex in made:
         ex.close()
@@ -71,4 +71,37 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+@pytest.fixture(scope="session")
+def demo_roidb(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict]:
+    """Factory: the demo datasets, registered in a private catalog, and their roidbs.
+
+    ``demo_roidb(num_images, overrides, proposals=True)`` generates the demo images under a
+    fresh folder, builds the Detectron config with ``overrides`` (dotted keys) and returns
+    ``{"cfg", "train", "val", "catalog", "demo"}``: the combined training roidb and the
+    evaluation roidb, with the demo's precomputed proposals unless ``proposals=False``.
+    """
+
+    def build(num_images: dict[str, int], overrides: dict[str, Any], *,
+              proposals: bool = True) -> dict:
+        from lit_roidata.catalog import Catalog
+        from lit_roidata.config import get_cfg
+        from lit_roidata.demo import register_demo_datasets
+        from lit_roidata.roidb import combined_roidb_for_training, roidb_for_evaluation
+
+        folder = tmp_path_factory.mktemp("demo")
+        cat = Catalog(builtins=False)
+        demo = register_demo_datasets(folder, cat, num_images=num_images)
+        cfg = get_cfg()
+        cfg.merge_from_dict(overrides)
+        cache = str(folder / "cache")
+        train = combined_roidb_for_training(
+            list(demo.train_datasets), list(demo.train_proposal_files) if proposals else [],
+            cfg, cache_dir=cache, catalog=cat)
+        val = roidb_for_evaluation(
+            list(demo.val_datasets), cfg, cache_dir=cache, catalog=cat,
+            proposal_files=list(demo.val_proposal_files) if proposals else ())
+        return {"cfg": cfg, "train": train, "val": val, "catalog": cat, "demo": demo}
+
+    return build
 # --- end shared fixtures -------------------------------------------------------------------

@@ -36,14 +36,7 @@ from lit_roidata.exchange import (
 )
 from lit_roidata.exchange.embedded import EmbeddedStore, rename_noreplace
 
-try:
-    from memcached_server import MemcachedServer, memcached_path, memcached_server  # noqa: F401
-except ImportError:  # tests/ imported as a package
-    from tests.memcached_server import (  # noqa: F401
-        MemcachedServer,
-        memcached_path,
-        memcached_server,
-    )
+from memcached_server import MemcachedServer, memcached_path
 
 REPO = Path(__file__).resolve().parents[1]
 needs_memcached = pytest.mark.skipif(memcached_path() is None, reason="memcached not installed")
