@@ -30,7 +30,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
 # --- end hypothesis profiles ---------------------------------------------------------------
 
 
-@pytest.fixture(params=["embedded", "memcached"])
+@pytest.fixture(params=["embedded", pytest.param("memcached", marks=pytest.mark.slow)])
 def make_exchange(request, tmp_path):
     """Factory of exchanges sharing one run id on the parametrised backend."""
     if request.param == "memcached":

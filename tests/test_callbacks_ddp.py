@@ -22,6 +22,8 @@ import pytest
 
 from ports import ddp_rendezvous_env
 
+pytestmark = pytest.mark.slow  # peer processes / DDP launches
+
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = (3, 5, 8, 13, 21)
 

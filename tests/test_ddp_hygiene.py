@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -98,6 +99,7 @@ def _gather_worker(rank: int, env: dict[str, str], out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_coco_detections_are_gathered_to_rank_0_only(tmp_path: Path) -> None:
     out = str(tmp_path / "res")
     with ddp_rendezvous_env() as env:

@@ -30,6 +30,8 @@ from lit_roidata.exchange import (
 
 from memcached_server import MemcachedServer, memcached_path
 
+pytestmark = pytest.mark.slow  # peer processes / DDP launches
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The peer process. argv[1] is a JSON dict of options; it prints "ready" when its channel

@@ -20,6 +20,8 @@ import pytest
 
 from ports import ddp_rendezvous_env
 
+pytestmark = pytest.mark.slow  # peer processes / DDP launches
+
 REPO = Path(__file__).resolve().parents[1]
 NUM_IMAGES, MB, EPOCHS = 29, 2, 2
 

@@ -85,6 +85,7 @@ def test_core_works_without_the_extras(tmp_path: Path) -> None:
     ("from lit_roidata.exchange import BlobExchange\n"
      "BlobExchange(backend='memcached', address='127.0.0.1:1', run_id='r')", "memcached"),
 ])
+@pytest.mark.slow
 def test_a_missing_extra_is_named(tmp_path: Path, use: str, extra: str) -> None:
     """Using the feature raises an ImportError subclass naming the extra to install."""
     r = _run(tmp_path, f"""
