@@ -16,6 +16,11 @@ import time
 
 import pytest
 
+try:
+    from ports import port_candidate
+except ImportError:  # tests/ imported as a package (benchmarks)
+    from tests.ports import port_candidate
+
 __all__ = ["MemcachedServer", "memcached_server", "memcached_path"]
 
 
@@ -25,14 +30,23 @@ def memcached_path() -> str | None:
                                          if os.path.exists("/usr/bin/memcached") else None)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _BindError(RuntimeError):
     pass
+
+
+def _server_pid(sock: socket.socket) -> int | None:
+    """The pid a memcached server reports in ``stats`` (``None`` if it does not answer)."""
+    sock.sendall(b"stats\r\n")
+    data = b""
+    while not data.endswith(b"END\r\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    for line in data.split(b"\r\n"):
+        if line.startswith(b"STAT pid "):
+            return int(line.split()[2])
+    return None
 
 
 class MemcachedServer:
@@ -51,7 +65,7 @@ class MemcachedServer:
             raise FileNotFoundError("memcached is not installed (apt-get install memcached)")
         self.binary, self.item_size, self.memory_mb = binary, item_size, memory_mb
         self._fixed_port = port is not None
-        self.port = port or _free_port()
+        self.port = port or port_candidate()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -62,16 +76,18 @@ class MemcachedServer:
     def start(self, timeout: float = 10.0) -> MemcachedServer:
         """Start the server and wait until it answers ``version``.
 
-        The free port is probed by binding and closing a socket, so another process can
-        take it before memcached binds it: if memcached fails to bind, a new free port is
-        tried (a fixed or restarted port is retried for a few seconds instead).
+        The port is only a candidate (``ports.port_candidate``): another process can take
+        it before memcached binds it. memcached then exits with "address in use", which is
+        detected here and a new candidate is tried (a fixed or restarted port is retried
+        for a few seconds instead). The server that answers must report this process's pid
+        (``stats``), so a foreign server that won the port is never taken for ours.
         """
         for attempt in range(20):
             try:
                 return self._start_once(timeout)
             except _BindError:
                 if not self._fixed_port and self.proc is None and attempt < 5:
-                    self.port = _free_port()
+                    self.port = port_candidate()
                 time.sleep(0.1 * (attempt + 1) if self._fixed_port else 0)
         raise RuntimeError(f"memcached could not bind a port (last tried {self.port})")
 
@@ -92,8 +108,7 @@ class MemcachedServer:
                 raise RuntimeError(f"memcached exited with {code}: {err}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                    s.sendall(b"version\r\n")
-                    if s.recv(64).startswith(b"VERSION"):
+                    if _server_pid(s) == self.proc.pid:
                         return self
             except OSError:
                 time.sleep(0.02)

@@ -214,6 +214,7 @@ def _worker(rank: int, world: int, init_file: str, out: str, weights: str) -> No
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_broadcast_two_processes_gloo(tmp_path: Path) -> None:
     weights = _write_pkl(tmp_path / "model.pkl", _detectron_blobs())
     # fork: the children need no fresh interpreter (no re-import of torch/Lightning)

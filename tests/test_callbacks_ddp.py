@@ -25,6 +25,10 @@ try:
 except ImportError:  # run as the DDP script (no pytest conftest on the path)
     LIGHTNING_NAMESPACES = []
 
+from ports import ddp_rendezvous_env
+
+pytestmark = pytest.mark.slow  # peer processes / DDP launches
+
 REPO = Path(__file__).resolve().parents[1]
 IMAGES = (3, 5, 8, 13, 21)
 
@@ -127,9 +131,10 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReq
         [str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out),
-                           request.param], cwd=out,
-                          env=env, capture_output=True, text=True, timeout=280)
+    with ddp_rendezvous_env() as rendezvous:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out),
+                               request.param], cwd=out, env={**env, **rendezvous},
+                              capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 

@@ -12,15 +12,9 @@ import yaml
 from lit_roidata.cli import TOOLS, main
 
 from conftest import LIGHTNING_NAMESPACES
-from test_datamodule_support import (REPO, index_recorder, read_records, run_cli, shared_root,
-                                     tiny_config)
+from test_datamodule_support import REPO, index_recorder, read_records, run_cli, tiny_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
 
 
 @pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)

@@ -15,14 +15,9 @@ import yaml
 
 from lit_roidata.cli import main
 
-from test_datamodule_support import REPO, read_records, shared_root, tiny_config
+from test_datamodule_support import REPO, read_records, tiny_config
 
 REC = "test_datamodule_support.IndexRecorder"
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
 
 
 def _paths(node: Any) -> list[str]:
@@ -59,6 +54,7 @@ class Boom(pl.Callback):
         raise RuntimeError("simulated crash in predict")
 
 
+@pytest.mark.slow
 def test_a_crash_in_predict_never_makes_fit_resume(root: Path, tmp_path: Path,
                                                    caplog: Any) -> None:
     cfg = tiny_config(root, tmp_path / "run.yaml", run="run",
@@ -112,6 +108,7 @@ def test_ckpt_path_last_resumes_from_the_newest_checkpoint(root: Path, tmp_path:
     assert [r["step"] for r in read_records(rec)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_rerun_after_an_interrupted_fit_names_the_step_and_fresh_starts_over(
         root: Path, tmp_path: Path, caplog: Any) -> None:
     rec = tmp_path / "rec"

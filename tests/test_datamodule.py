@@ -15,12 +15,7 @@ from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata.datamodule import EvalLoader
 from lit_roidata.minibatch import get_minibatch_blob_names
 
-from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
+from test_datamodule_support import TINY_MODEL, dm_kwargs
 
 
 @pytest.fixture(scope="module")

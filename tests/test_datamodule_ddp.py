@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from conftest import LIGHTNING_NAMESPACES
-from test_datamodule_support import (index_recorder, read_records, run_cli, shared_root,
-                                     tiny_config)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
+from test_datamodule_support import index_recorder, read_records, run_cli, tiny_config
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ from typing import Any
 import pytorch_lightning as pl
 import yaml
 
+from ports import ddp_rendezvous_env
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
@@ -130,10 +132,16 @@ def cli_env() -> dict[str, str]:
 def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None,
             namespace: str = "pytorch_lightning") -> subprocess.CompletedProcess:
     """``lit-roidata ARGS`` in a subprocess (``python -m lit_roidata.cli``; with
-    ``namespace="lightning.pytorch"``: ``python -m lit_roidata.lightning``)."""
+    ``namespace="lightning.pytorch"``: ``python -m lit_roidata.lightning``).
+
+    A DDP run's rendezvous store is hosted here (``ports.ddp_rendezvous_env``), so the
+    ranks never race other processes for a free ``MASTER_PORT``.
+    """
     module = "lit_roidata.cli" if namespace == "pytorch_lightning" else "lit_roidata.lightning"
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO,
-                          env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    with ddp_rendezvous_env() as rendezvous:
+        return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd or REPO,
+                              env={**cli_env(), **rendezvous}, capture_output=True, text=True,
+                              timeout=timeout)
 
 
 def index_recorder(namespace: str = "pytorch_lightning") -> str:

@@ -75,6 +75,7 @@ def test_same_block_same_tensors_other_block_differs(tmp_path):
     _same(d, e)
 
 
+@pytest.mark.slow
 def test_rebuild_in_another_process_is_identical(tmp_path):
     roidb = _roidb(tmp_path)
     cfg = small_cfg(**CFG)

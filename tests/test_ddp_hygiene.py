@@ -4,7 +4,6 @@ loader leaves the global RNG alone, COCO detections are gathered to rank 0 only.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,8 @@ from lit_roidata.datamodule import EvalLoader
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.sampler import RoIBatchSampler
 
-from test_datamodule_support import dm_kwargs, shared_root
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
+from ports import ddp_rendezvous_env
+from test_datamodule_support import dm_kwargs
 
 
 class _WorkerDraw:
@@ -64,12 +59,6 @@ def test_eval_loader_leaves_the_global_torch_rng_alone(root: Path) -> None:
     assert torch.equal(torch.get_rng_state(), before)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Trainer:
     def __init__(self, rank: int) -> None:
         self.global_rank = rank
@@ -84,8 +73,8 @@ class _Module:
         self.logged[key] = value
 
 
-def _gather_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _gather_worker(rank: int, env: dict[str, str], out: str) -> None:
+    os.environ.update(env)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         from lit_roidata.evaluation import COCOEvaluator
@@ -110,9 +99,11 @@ def _gather_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_coco_detections_are_gathered_to_rank_0_only(tmp_path: Path) -> None:
     out = str(tmp_path / "res")
-    mp.start_processes(_gather_worker, args=(_free_port(), out), nprocs=2, join=True,
-                       start_method="fork")
+    with ddp_rendezvous_env() as env:
+        mp.start_processes(_gather_worker, args=(env, out), nprocs=2, join=True,
+                           start_method="fork")
     assert Path(f"{out}.0").read_text() == "[0, 10, 11];{'val/n': 3.0}"
     assert Path(f"{out}.1").read_text() == "[];{'val/n': 3.0}"

@@ -13,13 +13,8 @@ from lit_roidata.demo.model import DemoFastRCNN, smooth_l1_loss
 C = 3  # background + 2 classes
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: one intra-op thread is several times faster on a shared 2-core box.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny tensors: one intra-op thread is several times faster on a shared 2-core box.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _synthetic_batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -135,25 +130,10 @@ def test_detect_by_hand() -> None:
 
 # ----------------------------------------------------------- real blobs from demo data
 @pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from lit_roidata.catalog import Catalog
-    from lit_roidata.config import get_cfg
-    from lit_roidata.demo import register_demo_datasets
-    from lit_roidata.roidb import combined_roidb_for_training, roidb_for_evaluation
-
-    root = tmp_path_factory.mktemp("demo")
-    cat = Catalog(builtins=False)
-    demo = register_demo_datasets(root, cat, num_images={"demo_train_a": 8, "demo_train_b": 4,
-                                                         "demo_val": 4})
-    cfg = get_cfg()
-    cfg.merge_from_dict({"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": (160,), "TRAIN.MAX_SIZE": 256,
-                         "TRAIN.BATCH_SIZE_PER_IM": 32})
-    cfg.TEST["SCALE"], cfg.TEST["MAX_SIZE"] = 160, 256
-    train = combined_roidb_for_training(list(demo.train_datasets), list(demo.train_proposal_files),
-                                        cfg, cache_dir=str(root / "cache"), catalog=cat)
-    val = roidb_for_evaluation(list(demo.val_datasets), cfg, cache_dir=str(root / "cache"),
-                               proposal_files=list(demo.val_proposal_files), catalog=cat)
-    return {"cfg": cfg, "train": train, "val": val, "catalog": cat, "demo": demo}
+def real(demo_roidb) -> dict:
+    return demo_roidb({"demo_train_a": 8, "demo_train_b": 4, "demo_val": 4},
+                      {"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": (160,), "TRAIN.MAX_SIZE": 256,
+                       "TRAIN.BATCH_SIZE_PER_IM": 32, "TEST.SCALE": 160, "TEST.MAX_SIZE": 256})
 
 
 def test_trains_on_real_minibatch_blobs(real: dict) -> None:

@@ -11,36 +11,18 @@ import torch
 from lit_roidata.demo.faster import DemoFasterRCNN
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny tensors: one intra-op thread is several times faster on a shared 2-core box.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def rpn_data(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from lit_roidata.catalog import Catalog
-    from lit_roidata.config import get_cfg
-    from lit_roidata.demo import register_demo_datasets
-    from lit_roidata.roidb import combined_roidb_for_training, roidb_for_evaluation
-
-    root = tmp_path_factory.mktemp("demo_rpn")
-    cat = Catalog(builtins=False)
-    demo = register_demo_datasets(root, cat, num_images={"demo_train_a": 6, "demo_train_b": 2,
-                                                         "demo_val": 3})
-    cfg = get_cfg()
-    cfg.merge_from_dict({"MODEL.NUM_CLASSES": 5, "MODEL.FASTER_RCNN": True,
-                         "TRAIN.SCALES": (160,), "TRAIN.MAX_SIZE": 256,
-                         "TRAIN.BATCH_SIZE_PER_IM": 32, "RPN.STRIDE": 8,
-                         "RPN.SIZES": (32, 64, 128), "RPN.ASPECT_RATIOS": (0.5, 1, 2)})
-    cfg.TEST["SCALE"], cfg.TEST["MAX_SIZE"] = 160, 256
-    train = combined_roidb_for_training(list(demo.train_datasets), [], cfg,
-                                        cache_dir=str(root / "cache"), catalog=cat)
-    val = roidb_for_evaluation(list(demo.val_datasets), cfg, cache_dir=str(root / "cache"),
-                               catalog=cat)
-    return {"cfg": cfg, "train": train, "val": val}
+def rpn_data(demo_roidb) -> dict:
+    return demo_roidb({"demo_train_a": 6, "demo_train_b": 2, "demo_val": 3},
+                      {"MODEL.NUM_CLASSES": 5, "MODEL.FASTER_RCNN": True,
+                       "TRAIN.SCALES": (160,), "TRAIN.MAX_SIZE": 256,
+                       "TRAIN.BATCH_SIZE_PER_IM": 32, "RPN.STRIDE": 8,
+                       "RPN.SIZES": (32, 64, 128), "RPN.ASPECT_RATIOS": (0.5, 1, 2),
+                       "TEST.SCALE": 160, "TEST.MAX_SIZE": 256}, proposals=False)
 
 
 def _model(cfg, **kw) -> DemoFasterRCNN:

@@ -197,6 +197,7 @@ def test_cross_wired_payload_is_a_sequence_error(make_exchange):
         cons.get(timeout=5)
 
 
+@pytest.mark.slow
 def test_dead_owner_lease_is_taken_over(make_exchange, caplog):
     ex = make_exchange()
     ch = ex.channel("c", "producer")

@@ -36,14 +36,7 @@ from lit_roidata.exchange import (
 )
 from lit_roidata.exchange.embedded import EmbeddedStore, rename_noreplace
 
-try:
-    from memcached_server import MemcachedServer, memcached_path, memcached_server  # noqa: F401
-except ImportError:  # tests/ imported as a package
-    from tests.memcached_server import (  # noqa: F401
-        MemcachedServer,
-        memcached_path,
-        memcached_server,
-    )
+from memcached_server import MemcachedServer, memcached_path
 
 REPO = Path(__file__).resolve().parents[1]
 needs_memcached = pytest.mark.skipif(memcached_path() is None, reason="memcached not installed")
@@ -104,6 +97,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_full_file_system_write_cleans_up_and_names_the_directory(tmp_path):
     root = tmp_path / "shm"
     proc = subprocess.run([sys.executable, "-c", FSIZE_CHILD, str(root)], env=_env(),
@@ -128,6 +122,7 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return res.returncode == 0
 
 
+@pytest.mark.slow
 def test_full_tmpfs_write_cleans_up(tmp_path):
     mnt = tmp_path / "small_shm"
     if not _mount_tmpfs(mnt, "2m"):
@@ -153,6 +148,7 @@ def _race_publish(root: str, key: str, who: int, start: float, out) -> None:
     out.put((who, store.put_payload(key, enc)))
 
 
+@pytest.mark.slow
 def test_no_hard_link_publish_is_exclusive_under_a_race(tmp_path):
     root = str(tmp_path / "nolink")
     ctx = mp.get_context("fork")
@@ -178,6 +174,7 @@ def test_no_hard_link_publish_is_exclusive_under_a_race(tmp_path):
 
 
 # -- memcached: exists keeps the TTL ------------------------------------------------------
+@pytest.mark.slow
 @needs_memcached
 def test_memcached_exists_keeps_the_expiry(memcached_server):
     from lit_roidata.exchange.memcached import MemcachedStore
@@ -231,6 +228,7 @@ except LeaseLostError as exc:
 """
 
 
+@pytest.mark.slow
 def test_sigstopped_producer_cannot_write_after_a_takeover(make_exchange):
     opts = {"backend": make_exchange.backend, "address": make_exchange.address,
             "run_id": make_exchange().run_id}
@@ -284,6 +282,7 @@ def test_close_during_get_leaves_the_message_pending(make_exchange):
 
 
 # -- memcached restart, consumer side -----------------------------------------------------
+@pytest.mark.slow
 @needs_memcached
 @pytest.mark.parametrize("when", ["before_ack", "while_waiting"])
 def test_memcached_restart_gives_the_consumer_the_documented_error(when):
@@ -337,6 +336,7 @@ time.sleep(60)  # idle: sends nothing more
 """
 
 
+@pytest.mark.slow
 def test_busy_peer_pauses_the_timeout_and_is_named_in_the_error(make_exchange):
     opts = {"backend": make_exchange.backend, "address": make_exchange.address,
             "run_id": make_exchange().run_id}
@@ -401,6 +401,7 @@ import time; time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_start_up_removes_runs_of_dead_owners(tmp_path):
     root = tmp_path / "exchange"
     dead = subprocess.Popen([sys.executable, "-c", KILLED_PRODUCER, str(root), "deadrun"],
@@ -424,6 +425,7 @@ def test_start_up_removes_runs_of_dead_owners(tmp_path):
             p.communicate()
 
 
+@pytest.mark.slow
 @needs_memcached
 def test_memcached_keys_expire(memcached_server):
     ex = BlobExchange("memcached", memcached_server.address, run_id=f"x{uuid.uuid4().hex[:8]}",
@@ -512,6 +514,7 @@ def test_secret_settings(make_exchange, tmp_path, monkeypatch):
         make_exchange(secret_file=secret_file)
 
 
+@pytest.mark.slow
 @needs_memcached
 def test_memcached_restart_with_recover_loses_and_duplicates_nothing():
     with MemcachedServer(item_size="1m") as server:

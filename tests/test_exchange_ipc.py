@@ -28,14 +28,9 @@ from lit_roidata.exchange import (
     PeerDeadError,
 )
 
-try:
-    from memcached_server import MemcachedServer, memcached_path, memcached_server  # noqa: F401
-except ImportError:  # tests/ imported as a package
-    from tests.memcached_server import (  # noqa: F401
-        MemcachedServer,
-        memcached_path,
-        memcached_server,
-    )
+from memcached_server import MemcachedServer, memcached_path
+
+pytestmark = pytest.mark.slow  # peer processes / DDP launches
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,21 +95,16 @@ def _finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
     return proc.returncode, err
 
 
-@pytest.fixture(params=["embedded", "memcached"])
-def setup(request, tmp_path):
-    if request.param == "memcached":
-        address = request.getfixturevalue("memcached_server").address
-    else:
-        address = str(tmp_path / "exchange")
-    run_id = f"ipc{uuid.uuid4().hex[:10]}"
-    opened: list = []
+@pytest.fixture
+def setup(make_exchange):
+    """(exchange factory, peer-process spawner) on make_exchange's backend and run id."""
 
     def exchange(**kw) -> BlobExchange:
-        ex = BlobExchange(request.param, address, run_id=run_id, **kw)
-        opened.append(ex)
-        return ex
+        kw.setdefault("lease_ttl", 10.0)  # BlobExchange's default (make_exchange uses 3 s)
+        return make_exchange(**kw)
 
-    base = {"backend": request.param, "address": address, "run_id": run_id}
+    base = {"backend": make_exchange.backend, "address": make_exchange.address,
+            "run_id": make_exchange.run_id}
     procs: list[subprocess.Popen] = []
 
     def spawn(**opts) -> subprocess.Popen:
@@ -123,8 +113,6 @@ def setup(request, tmp_path):
         return proc
 
     yield exchange, spawn
-    for ex in opened:
-        ex.close()
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
@@ -198,7 +186,7 @@ def test_5mb_payload_across_processes(setup):
 
 
 def test_aligned_processes_detect_a_misaligned_stream(setup, request):
-    if request.node.callspec.params["setup"] != "embedded":
+    if request.node.callspec.params["make_exchange"] != "embedded":
         pytest.skip("alignment is backend-independent (in-process tests cover memcached); "
                     "the peer imports torch, which is slow")
     from lit_roidata.exchange.demo import demo_alignment_stream as _demo_alignment_stream

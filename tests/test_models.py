@@ -19,7 +19,7 @@ from lit_roidata.config import get_cfg
 from lit_roidata.minibatch.torchvision_format import to_continuous_boxes
 from lit_roidata.models import ARCHS, TorchvisionDetector, detectron_solver_kwargs
 
-from test_datamodule_support import REPO, SMALL_DEMO, TINY_OVERRIDES, shared_root
+from test_datamodule_support import REPO, SMALL_DEMO, TINY_OVERRIDES
 
 SMALL_RCNN = {"rpn_pre_nms_top_n_train": 200, "rpn_post_nms_top_n_train": 100,
               "rpn_pre_nms_top_n_test": 200, "rpn_post_nms_top_n_test": 100,
@@ -183,11 +183,6 @@ def test_full_configs_name_a_real_detector() -> None:
 
 # -- end to end, per family ------------------------------------------------------------
 FAMILIES = ["faster_rcnn", "mask_rcnn", "keypoint_rcnn", "retinanet", "fast_rcnn"]
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
 
 
 def _small_config(root: Path, family: str, tmp: Path, steps: int) -> Path:

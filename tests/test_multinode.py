@@ -5,7 +5,6 @@ checkpoint continues exactly, on 2 nodes or on 1 process (elastic)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,24 +13,24 @@ import pytest
 
 from lit_roidata import DemoRoIDataModule
 
+from ports import ddp_rendezvous_env
 from test_datamodule_support import REPO, cli_env, dm_kwargs, read_records, tiny_config
 
 REC = "test_datamodule_support.IndexRecorder"
 SIZE = {"demo_train_a": 8, "demo_train_b": 4, "demo_val": 2}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _fit_nodes(cfg: Path, tmp: Path, nodes: int, *extra: str) -> list[str]:
-    port = _free_port()
+    with ddp_rendezvous_env() as rendezvous:
+        return _launch_nodes(cfg, tmp, nodes, rendezvous, *extra)
+
+
+def _launch_nodes(cfg: Path, tmp: Path, nodes: int, rendezvous: dict[str, str],
+                  *extra: str) -> list[str]:
     procs = []
     for node in range(nodes):
         env = cli_env()
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node))
+        env.update(rendezvous, NODE_RANK=str(node))
         env.pop("LOCAL_RANK", None)
         args = [sys.executable, "-m", "lit_roidata.cli", "fit", "--config", str(cfg),
                 "--trainer.num_nodes", str(nodes), "--trainer.devices", "1",

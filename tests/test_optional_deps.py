@@ -88,6 +88,7 @@ def test_core_works_without_the_extras(tmp_path: Path) -> None:
     ("from lit_roidata.cli import main\n"
      "main(['fit', '--help'], namespace='lightning.pytorch')", "lightning"),
 ])
+@pytest.mark.slow
 def test_a_missing_extra_is_named(tmp_path: Path, use: str, extra: str) -> None:
     """Using the feature raises an ImportError subclass naming the extra to install."""
     r = _run(tmp_path, f"""

@@ -19,12 +19,7 @@ import torch
 
 from lit_roidata import DemoRoIDataModule
 
-from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
+from test_datamodule_support import TINY_MODEL, dm_kwargs
 
 
 class Interrupt(Exception):
@@ -181,6 +176,7 @@ def _saved(run: Path) -> list[str]:
     return sorted(p.name.split("-")[-1] for p in (run / "steps").glob("*.ckpt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["fetch", "transfer", "step", "callback"])
 @pytest.mark.parametrize("infinite", [True, False])
 def test_ctrl_c_anywhere_in_a_training_step_resumes_exactly(root: Path, tmp_path: Path,
@@ -188,6 +184,7 @@ def test_ctrl_c_anywhere_in_a_training_step_resumes_exactly(root: Path, tmp_path
     _check_resume(root, tmp_path, where, infinite=infinite)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("infinite", [False, True])
 def test_ctrl_c_at_an_epoch_start_resumes_exactly(root: Path, tmp_path: Path,
                                                   infinite: bool) -> None:
@@ -221,6 +218,7 @@ def test_ctrl_c_in_the_transfer_with_two_workers(root: Path, tmp_path: Path) -> 
     _check_resume(root, tmp_path, "transfer", infinite=False, workers=2, step=5)
 
 
+@pytest.mark.slow
 def test_reload_dataloaders_in_infinite_mode_continues_the_stream(root: Path,
                                                                   tmp_path: Path) -> None:
     """reload_dataloaders_every_n_epochs=1 builds a new loader each epoch; the stream must
@@ -339,6 +337,7 @@ def _fit_world(tmp: Path, kw: dict, steps: int, world: int, *, fail: dict | None
     return rec
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
 @pytest.mark.parametrize("how", ["interrupt", "checkpoint"])
 def test_epoch_mode_elastic_resume_keeps_epochs_and_passes_together(

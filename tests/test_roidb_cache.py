@@ -181,6 +181,7 @@ class _Touch:
         return before, _anon_kb(), total
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux smaps")
 def test_forked_workers_do_not_grow_with_roidb_size(tmp_path):
     import torch.utils.data

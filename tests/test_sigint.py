@@ -8,19 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from test_datamodule_support import REPO, cli_env, read_records, run_cli, shared_root, tiny_config
+from test_datamodule_support import REPO, cli_env, read_records, run_cli, tiny_config
 
 REC = "test_datamodule_support.IndexRecorder"
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: Any) -> Path:
-    return shared_root(tmp_path_factory)
 
 
 def _config(root: Path, tmp_path: Path, name: str, rec: Path, run: str) -> Path:

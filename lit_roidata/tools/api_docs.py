@@ -69,8 +69,24 @@ class _Elided:
         return "..."
 
 
+def _inherited_init(cls: type) -> Optional[type]:
+    """The third-party class whose Python ``__init__`` ``cls`` inherits, if any."""
+    for base in cls.__mro__:
+        init = vars(base).get("__init__")
+        if init is not None:
+            inherited = inspect.isfunction(init) and not base.__module__.startswith("lit_roidata")
+            return base if inherited else None
+    return None
+
+
 def _signature(obj: Any) -> str:
-    """``inspect.signature`` text; long default values (third-party objects) shown as ``...``."""
+    """``inspect.signature`` text; long default values (third-party objects) shown as ``...``.
+
+    A class that inherits a third-party ``__init__`` shows ``(...)``: the arguments (and
+    their defaults) are the other library's and change with its installed version.
+    """
+    if inspect.isclass(obj) and _inherited_init(obj) is not None:
+        return "(...)"
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
@@ -99,6 +115,9 @@ def _entry(name: str, obj: Any) -> list[str]:
     para = _first_paragraph(obj)
     if para:
         lines += [para, ""]
+    base = _inherited_init(obj) if inspect.isclass(obj) else None
+    if base is not None:
+        lines += [f"Takes the arguments of `{base.__module__}.{base.__qualname__}`.", ""]
     if inspect.isclass(obj):
         for mname, meth in _methods(obj):
             first = _first_paragraph(meth).split("\n")[0]
