@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 
 from lit_roidata.exchange import AlignmentError
 from lit_roidata.exchange.callback import BlobExchangeCallback, batch_alignment_meta
-from lit_roidata.exchange.demo import demo_batches
-from lit_roidata.exchange.demo_model import RPNExchangeDemo
+from lit_roidata.demo.exchange_streams import demo_batches
+from lit_roidata.demo.rpn_exchange_model import RPNExchangeDemo
 
 K = 4
 RPN_KEYS = [f"rpn_{kind}_fpn{lvl}" for lvl in range(2, 7) for kind in ("cls_probs", "bbox_pred")]

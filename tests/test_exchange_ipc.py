@@ -44,7 +44,7 @@ o = json.loads(sys.argv[1])
 ex = BlobExchange(o["backend"], o["address"], run_id=o["run_id"], rank=o.get("rank", 0),
                   capacity=o.get("capacity", 1), lease_ttl=o.get("lease_ttl", 5.0))
 if o.get("aligned"):  # two channels: "good" follows the stream, "bad" slips one block
-    from lit_roidata.exchange.demo import demo_alignment_stream
+    from lit_roidata.demo.exchange_streams import demo_alignment_stream
     for name, skip_at in (("good", None), ("bad", o["skip_at"])):
         ch = ex.channel(name, "producer")
         stream = demo_alignment_stream(o["seed"])
@@ -189,7 +189,7 @@ def test_aligned_processes_detect_a_misaligned_stream(setup, request):
     if request.node.callspec.params["make_exchange"] != "embedded":
         pytest.skip("alignment is backend-independent (in-process tests cover memcached); "
                     "the peer imports torch, which is slow")
-    from lit_roidata.exchange.demo import demo_alignment_stream as _demo_alignment_stream
+    from lit_roidata.demo.exchange_streams import demo_alignment_stream as _demo_alignment_stream
 
     exchange, spawn = setup
     ex = exchange()

@@ -9,7 +9,7 @@ import torch
 
 from lit_roidata.config import get_cfg
 from lit_roidata.evaluation import detections_to_coco_results
-from lit_roidata.exchange.demo_model import RPNExchangeDemo
+from lit_roidata.demo.rpn_exchange_model import RPNExchangeDemo
 
 
 def _cfg(pre: int, post: int, nms: float = 0.7):

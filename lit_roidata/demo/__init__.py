@@ -4,7 +4,10 @@
 :func:`register_demo_datasets` to create the data on first use and
 :class:`DemoRoIDataModule` (the data module on that data) and
 :class:`DemoFastRCNN` as the model (:class:`DemoFasterRCNN` trains end to end from the
-loader's RPN targets). The models are imported lazily so that the
+loader's RPN targets). For the cross-process blob exchange
+(:mod:`lit_roidata.exchange`), :class:`RPNExchangeDemo` is a tiny FPN-RPN teacher/student
+(``configs/exchange_*.yaml``) and :func:`demo_alignment_stream` / :func:`demo_batches` are
+aligned synthetic streams. The models are imported lazily so that the
 data part stays usable (and cheap to import) without touching torchvision.
 """
 
@@ -29,6 +32,9 @@ __all__ = [
     "DemoFastRCNN",
     "DemoRoIDataModule",
     "DemoFasterRCNN",
+    "RPNExchangeDemo",
+    "demo_alignment_stream",
+    "demo_batches",
     "ensure_demo_data",
     "register_demo_datasets",
 ]
@@ -47,4 +53,12 @@ def __getattr__(name: str) -> Any:
         from lit_roidata.demo.faster import DemoFasterRCNN
 
         return DemoFasterRCNN
+    if name == "RPNExchangeDemo":
+        from lit_roidata.demo.rpn_exchange_model import RPNExchangeDemo
+
+        return RPNExchangeDemo
+    if name in ("demo_alignment_stream", "demo_batches"):
+        from lit_roidata.demo import exchange_streams
+
+        return getattr(exchange_streams, name)
     raise AttributeError(f"module 'lit_roidata.demo' has no attribute {name!r}")

@@ -41,7 +41,7 @@ CLASSES: dict[str, str] = {
     "TorchvisionDetector": "lit_roidata.models.detector:TorchvisionDetector",
     "DemoFastRCNN": "lit_roidata.demo.model:DemoFastRCNN",
     "DemoFasterRCNN": "lit_roidata.demo.faster:DemoFasterRCNN",
-    "RPNExchangeDemo": "lit_roidata.exchange.demo_model:RPNExchangeDemo",
+    "RPNExchangeDemo": "lit_roidata.demo.rpn_exchange_model:RPNExchangeDemo",
     "RoIDataCLI": "lit_roidata.cli:RoIDataCLI",
 }
 

@@ -1,0 +1,232 @@
+"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example (Detectron
+semantics: cross-process exchange).
+
+The fork exchanged per-level RPN outputs between two training processes; this module is
+the smallest model that produces and consumes them, so ``configs/exchange_*.yaml`` run on
+a laptop. It is a demonstration of the plumbing, not a detector.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+__all__ = ["RPNExchangeDemo"]
+
+
+class RPNExchangeDemo(pl.LightningModule):
+    """A tiny FPN-RPN that publishes / consumes per-level RPN outputs (the fork's use).
+
+    ``forward`` returns ``rpn_cls_probs_fpn<l>`` ``(N, A, H/2^l, W/2^l)`` and
+    ``rpn_bbox_pred_fpn<l>`` ``(N, 4A, H/2^l, W/2^l)`` for ``l`` in ``levels``, the names
+    Detectron's FPN RPN heads use. ``training_step`` returns them (detached) next to the
+    loss, so :class:`~lit_roidata.exchange.callback.BlobExchangeCallback` can publish them.
+
+    Loss: Detectron's RPN loss on the loader's ``rpn_*_wide_fpn<l>`` blobs when the batch
+    has them (sigmoid cross-entropy on labelled anchors, smooth-L1 with inside/outside
+    weights); for ``role="student"`` plus a distillation term against the peer's outputs
+    (``self.peer_outputs``) weighted like the fork's consumer op: inside weight 1, outside
+    weight ``1/(C·H·W)`` per image (Detectron semantics: cross-process exchange).
+
+    Args:
+        role: ``"teacher"`` (publishes) or ``"student"`` (also learns from the peer).
+        levels: first and last FPN level.
+        num_anchors: anchors per location (``len(FPN.RPN_ASPECT_RATIOS)``).
+        width: channels of the toy backbone.
+        lr: SGD learning rate.
+        distill_weight: weight of the distillation term.
+    """
+
+    def __init__(self, role: Literal["teacher", "student"] = "teacher",
+                 levels: tuple[int, int] = (2, 6), num_anchors: int = 3, width: int = 16,
+                 lr: float = 0.01, distill_weight: float = 1.0) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        lo, hi = levels
+        self.levels = list(range(lo, hi + 1))
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, stride=2, padding=1), nn.ReLU(),
+                                  nn.Conv2d(width, width, 3, stride=2, padding=1), nn.ReLU())
+        self.downs = nn.ModuleList(nn.Conv2d(width, width, 3, stride=2, padding=1)
+                                   for _ in range(lo, hi))
+        self.cls = nn.Conv2d(width, num_anchors, 1)
+        self.bbox = nn.Conv2d(width, 4 * num_anchors, 1)
+        self.peer_outputs: dict[str, torch.Tensor] | None = None
+
+    def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-level RPN probabilities and box deltas (logits kept for the loss)."""
+        x = images.float()
+        if images.dtype == torch.uint8:
+            x = x / 255.0
+        feat = self.stem(x)
+        for _ in range(2, self.levels[0]):
+            feat = nn.functional.max_pool2d(feat, 2, ceil_mode=True)
+        out: dict[str, torch.Tensor] = {}
+        for i, lvl in enumerate(self.levels):
+            if i:
+                feat = torch.relu(self.downs[i - 1](feat))
+            logits = self.cls(feat)
+            out[f"rpn_cls_logits_fpn{lvl}"] = logits
+            out[f"rpn_cls_probs_fpn{lvl}"] = torch.sigmoid(logits)
+            out[f"rpn_bbox_pred_fpn{lvl}"] = self.bbox(feat)
+        return out
+
+    def _rpn_loss(self, out: dict[str, torch.Tensor], batch: Mapping[str, Any]) -> torch.Tensor:
+        loss = out[f"rpn_cls_logits_fpn{self.levels[0]}"].sum() * 0.0
+        for lvl in self.levels:
+            key = f"rpn_labels_int32_wide_fpn{lvl}"
+            if key not in batch:
+                continue
+            logits, deltas = out[f"rpn_cls_logits_fpn{lvl}"], out[f"rpn_bbox_pred_fpn{lvl}"]
+            h, w = logits.shape[-2:]
+            labels = batch[key][..., :h, :w].to(logits.device)
+            logits, deltas = logits[..., :labels.shape[-2], :labels.shape[-1]], \
+                deltas[..., :labels.shape[-2], :labels.shape[-1]]
+            valid = labels >= 0
+            if valid.any():
+                loss = loss + nn.functional.binary_cross_entropy_with_logits(
+                    logits[valid], labels[valid].float())
+            hh, ww = labels.shape[-2:]
+            tgt, w_in, w_out = (batch[f"rpn_bbox_{k}_wide_fpn{lvl}"][..., :hh, :ww].to(deltas)
+                                for k in ("targets", "inside_weights", "outside_weights"))
+            diff = (w_in * (deltas - tgt)).abs()
+            huber = torch.where(diff < 1 / 9, 4.5 * diff * diff, diff - 1 / 18)
+            loss = loss + (w_out * huber).sum() / max(1, deltas.shape[0])
+        return loss
+
+    def _distill_loss(self, out: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        peer = self.peer_outputs
+        if not peer:
+            return None
+        loss = None
+        for name, target in peer.items():
+            pred = out[name]
+            if pred.shape != target.shape:
+                raise ValueError(f"peer blob {name!r} has shape {tuple(target.shape)}, this "
+                                 f"model's is {tuple(pred.shape)}: different images or models")
+            per_image = target[0].numel()  # the fork's outside weight 1/(C*H*W)
+            diff = (pred - target.to(pred)).abs()
+            term = torch.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).sum() / per_image
+            term = term / pred.shape[0]
+            loss = term if loss is None else loss + term
+        return loss
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
+        out = self(batch["data"])
+        loss = self._rpn_loss(out, batch)
+        if self.hparams.role == "student":
+            distill = self._distill_loss(out)
+            if distill is not None:
+                self.log("loss_distill", distill, prog_bar=True, batch_size=len(batch["data"]))
+                loss = loss + self.hparams.distill_weight * distill
+        self.log("loss", loss, prog_bar=True, batch_size=len(batch["data"]))
+        published = {k: v.detach() for k, v in out.items() if not k.startswith("rpn_cls_logits")}
+        return {"loss": loss, **published}
+
+    def _test_cfg(self) -> Any:
+        """The data module's Detectron config (anchors, ``TEST.RPN_*``), else defaults."""
+        from lit_roidata.config import get_cfg
+
+        trainer = getattr(self, "_trainer", None)
+        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+        if cfg is None:
+            cfg = get_cfg()
+            cfg.merge_from_dict({"FPN.FPN_ON": True, "FPN.MULTILEVEL_RPN": True,
+                                 "FPN.RPN_MIN_LEVEL": self.levels[0],
+                                 "FPN.RPN_MAX_LEVEL": self.levels[-1]})
+        return cfg
+
+    @torch.no_grad()
+    def proposals(self, out: Mapping[str, torch.Tensor], im_info: Any, cfg: Any
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Detectron's RPN-only test path per image: ``(boxes (R, 4), scores (R,))`` in
+        the scaled input frame.
+
+        Per FPN level (Detectron's ``GenerateProposals``): the top ``TEST.RPN_PRE_NMS_TOP_N``
+        anchors by objectness, decoded with the predicted deltas (``BBOX_XFORM_CLIP``),
+        clipped to the scaled image, boxes under ``TEST.RPN_MIN_SIZE`` (original pixels,
+        at least 1) or centred outside the image dropped, NMS at ``TEST.RPN_NMS_THRESH``,
+        the top ``TEST.RPN_POST_NMS_TOP_N`` kept; then over all levels (Detectron's
+        ``CollectAndDistributeFpnRpnProposals``) the top ``TEST.RPN_POST_NMS_TOP_N *
+        FPN.RPN_COLLECT_SCALE`` by score. Anchors are the loader's
+        (:func:`lit_roidata.minibatch.anchors.rpn_fields`' levels), cropped to the map.
+        """
+        from torchvision.ops import nms
+
+        from lit_roidata.boxes import bbox_transform_inv_torch
+        from lit_roidata.minibatch.anchors import get_field_of_anchors
+
+        test = cfg.TEST
+        pre, post = int(test["RPN_PRE_NMS_TOP_N"]), int(test["RPN_POST_NMS_TOP_N"])
+        thresh, min_size = float(test["RPN_NMS_THRESH"]), float(test["RPN_MIN_SIZE"])
+        collect = int(post * cfg.FPN.RPN_COLLECT_SCALE)
+        clip = float(getattr(cfg, "BBOX_XFORM_CLIP", math.log(1000.0 / 16.0)))
+        info = torch.as_tensor(im_info, dtype=torch.float32).reshape(-1, 3).tolist()
+        k_min = cfg.FPN.RPN_MIN_LEVEL
+        per_image: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in info]
+        for lvl in self.levels:
+            probs, deltas = out[f"rpn_cls_probs_fpn{lvl}"], out[f"rpn_bbox_pred_fpn{lvl}"]
+            n, a, hf, wf = probs.shape
+            field = get_field_of_anchors(
+                2.0 ** lvl, (cfg.FPN.RPN_ANCHOR_START_SIZE * 2.0 ** (lvl - k_min),),
+                cfg.FPN.RPN_ASPECT_RATIOS, coarsest_stride=cfg.FPN.COARSEST_STRIDE,
+                max_size=max(hf, wf) * 2 ** lvl)
+            if field.num_cell_anchors != a:
+                raise ValueError(f"FPN level {lvl}: the model predicts {a} anchors per "
+                                 f"location but FPN.RPN_ASPECT_RATIOS gives "
+                                 f"{field.num_cell_anchors}; set num_anchors accordingly")
+            f = field.field_size
+            crop = field.field_of_anchors.reshape(f, f, a, 4)[:hf, :wf]  # read-only, shared
+            anchors = torch.tensor(crop.reshape(-1, 4), device=probs.device)
+            scores = probs.permute(0, 2, 3, 1).reshape(n, -1).float()  # (y, x, a) order
+            d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4).float()
+            for i, (h, w, s) in enumerate(info):
+                order = scores[i].argsort(descending=True)[:pre]
+                boxes = bbox_transform_inv_torch(anchors[order], d[i, order], clip=clip)
+                boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
+                boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
+                bw, bh = boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1
+                ms = max(min_size * s, 1.0)
+                keep = ((bw >= ms) & (bh >= ms) & (boxes[:, 0] + bw / 2 < w)
+                        & (boxes[:, 1] + bh / 2 < h))
+                boxes, sc = boxes[keep], scores[i, order][keep]
+                # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
+                keep = nms(boxes + boxes.new_tensor([0, 0, 1, 1]), sc, thresh)[:post]
+                per_image[i].append((boxes[keep], sc[keep]))
+        result = []
+        for parts in per_image:
+            boxes = torch.cat([b for b, _ in parts])
+            scores = torch.cat([s for _, s in parts])
+            top = scores.argsort(descending=True)[:collect]
+            result.append((boxes[top], scores[top]))
+        return result
+
+    def predict_step(self, batch: Mapping[str, Any], batch_idx: int,
+                     dataloader_idx: int = 0) -> list[dict[str, Any]]:
+        """Class-agnostic RPN proposals per image, as Detectron tests an RPN-only model.
+
+        Returns the per-image dicts of :mod:`lit_roidata.evaluation` flagged
+        ``proposals: True`` (boxes in original-image pixels, scores = objectness, no
+        labels); :class:`~lit_roidata.models.COCOPredictionWriter` writes them with
+        ``category_id`` 1, to be evaluated as proposals (``useCats = 0``).
+        """
+        meta = batch["_meta"]
+        out = self(batch["data"])
+        found = self.proposals(out, batch["im_info"], self._test_cfg())
+        dets = []
+        for b, (boxes, scores) in enumerate(found):
+            boxes = boxes / float(meta["im_scales"][b])
+            h, w = int(meta["heights"][b]), int(meta["widths"][b])
+            boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
+            boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
+            dets.append({"image_id": int(meta["image_ids"][b]),
+                         "dataset": str(meta["datasets"][b]), "boxes": boxes.cpu().numpy(),
+                         "scores": scores.cpu().numpy(), "proposals": True})
+        return dets
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
