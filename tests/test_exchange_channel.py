@@ -292,7 +292,7 @@ def test_memcached_eviction_is_detected_not_waited_on(make_exchange):
 
 @pytest.mark.parametrize("drop", ["after_payload_write", "at_head_update"])
 def test_put_retries_a_dropped_connection_without_duplicates(make_exchange, monkeypatch, drop):
-    from lit_roidata.exchange.store import StoreUnavailable
+    from lit_roidata.exchange.backend import StoreUnavailable
 
     ex = make_exchange(capacity=2)
     prod, cons = ex.channel("c", "producer"), ex.channel("c", "consumer")

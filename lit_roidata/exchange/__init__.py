@@ -53,7 +53,7 @@ from lit_roidata.exchange.errors import (
     SequenceError,
     WireFormatError,
 )
-from lit_roidata.exchange.store import Store, StoreUnavailable
+from lit_roidata.exchange.backend import Store, StoreUnavailable
 
 __all__ = [
     "AlignmentError", "BlobExchange", "Channel", "ChannelBusyError", "ChannelClosedError",

@@ -60,7 +60,7 @@ from lit_roidata.exchange.errors import (
     WireFormatError,
 )
 from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
-from lit_roidata.exchange.store import Store, StoreUnavailable
+from lit_roidata.exchange.backend import Store, StoreUnavailable
 
 if TYPE_CHECKING:
     from lit_roidata.exchange import BlobExchange

@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from lit_roidata.exchange.errors import ExchangeError
-from lit_roidata.exchange.store import Store
+from lit_roidata.exchange.backend import Store
 from lit_roidata.exchange.wire import Encoded
 
 __all__ = ["EmbeddedStore", "default_root"]
@@ -143,7 +143,7 @@ def default_root() -> Path:
 
 
 class EmbeddedStore(Store):
-    """File-backed :class:`~lit_roidata.exchange.store.Store` under ``root``.
+    """File-backed :class:`~lit_roidata.exchange.backend.Store` under ``root``.
 
     Args:
         root: directory shared by the processes that exchange blobs (created if missing).

@@ -41,7 +41,7 @@ from pymemcache.exceptions import (
 )
 
 from lit_roidata.exchange.errors import ExchangeError, ExchangeStateLostError
-from lit_roidata.exchange.store import Store, StoreUnavailable
+from lit_roidata.exchange.backend import Store, StoreUnavailable
 from lit_roidata.exchange.wire import Encoded
 
 __all__ = ["MemcachedStore", "parse_address"]
@@ -82,7 +82,7 @@ def _chunk_key(key: str, writer: bytes, i: int) -> str:
 
 
 class MemcachedStore(Store):
-    """:class:`~lit_roidata.exchange.store.Store` on one memcached server.
+    """:class:`~lit_roidata.exchange.backend.Store` on one memcached server.
 
     Args:
         address: ``"host:port"``.

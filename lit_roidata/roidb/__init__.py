@@ -10,7 +10,7 @@ entry fields (docs/architecture.md, "A roidb entry").
 from lit_roidata.roidb.build import (CATEGORY_POLICIES, combined_roidb_for_training,
                                      roidb_for_evaluation)
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
-from lit_roidata.roidb.store import ENTRY_FIELDS, RoIDB, RoIEntry
+from lit_roidata.roidb.columnar import ENTRY_FIELDS, RoIDB, RoIEntry
 
 __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "RoIDB", "RoIEntry",
            "DatasetInfo", "RoIDBInputError", "ENTRY_FIELDS", "CATEGORY_POLICIES"]

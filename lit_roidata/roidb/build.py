@@ -9,7 +9,7 @@ originals (Detectron semantics: flipping); datasets concatenated in order; ``fil
 regression targets (Detectron semantics: bounding-box regression targets, computed on access, see
 :mod:`.targets`). The result is
 written once to a cache directory keyed by the inputs' content and every option, and
-opened memory-mapped (:mod:`.cache`, :mod:`.store`).
+opened memory-mapped (:mod:`.cache`, :mod:`.columnar`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickl
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.segms import SegmColumns, concat_offsets
-from lit_roidata.roidb.store import RoIDB
+from lit_roidata.roidb.columnar import RoIDB
 
 __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES",
            "check_training_config"]
