@@ -16,15 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from lit_roidata.callbacks import (
+from lit_roidata.broadcast import (
     BroadcastParameters,
     ReplicaMismatchError,
-    WeightsShapeError,
     broadcast_module,
-    load_weights_file,
-    load_weights_into,
     verify_replicas,
 )
+from lit_roidata.weights import WeightsShapeError, load_weights_file, load_weights_into
 
 
 class Net(nn.Module):
@@ -68,7 +66,7 @@ def test_detectron_pkl_with_mapping_hook(tmp_path: Path, bare: bool,
     blobs = _detectron_blobs()
     path = _write_pkl(tmp_path / "model_final.pkl", blobs, bare=bare)
     net = Net()
-    with caplog.at_level(logging.WARNING, logger="lit_roidata.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="lit_roidata.weights"):
         report = load_weights_into(net, load_weights_file(path, trust_pickle=True),
                                    name_map=detectron_name,
                                    source=str(path))
@@ -83,7 +81,7 @@ def test_missing_logged_and_strict(tmp_path: Path, caplog: pytest.LogCaptureFixt
     blobs = {k: v for k, v in _detectron_blobs().items() if k != "bn_s"}
     net = Net()
     before = net.bn.weight.detach().clone()
-    with caplog.at_level(logging.WARNING, logger="lit_roidata.callbacks"):
+    with caplog.at_level(logging.WARNING, logger="lit_roidata.weights"):
         report = load_weights_into(net, blobs, name_map=detectron_name)
     assert report.missing == ["bn.weight"] and "bn.weight" in caplog.text
     assert torch.equal(net.bn.weight, before)

@@ -59,3 +59,69 @@ def test_the_exchange_library_imports_no_demo_code() -> None:
             "bad = sorted(m for m in sys.modules if m.startswith('lit_roidata.demo'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+MOVED_FROM_CALLBACKS = {
+    "LoadReport": "lit_roidata.weights",
+    "WeightsShapeError": "lit_roidata.weights",
+    "load_weights_file": "lit_roidata.weights",
+    "load_weights_into": "lit_roidata.weights",
+    "ReplicaMismatchError": "lit_roidata.broadcast",
+    "broadcast_module": "lit_roidata.broadcast",
+    "verify_replicas": "lit_roidata.broadcast",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOVED_FROM_CALLBACKS))
+def test_weights_and_broadcast_helpers_via_callbacks_are_deprecated(name: str) -> None:
+    import lit_roidata.callbacks as cbs
+
+    new = getattr(importlib.import_module(MOVED_FROM_CALLBACKS[name]), name)
+    with pytest.warns(DeprecationWarning, match=rf"{MOVED_FROM_CALLBACKS[name]}\.{name}") as rec:
+        assert getattr(cbs, name) is new
+    assert rec[0].filename == __file__  # the warning points at the user's line
+    assert name not in cbs.__all__
+
+
+def test_callbacks_index_names_every_callback_of_the_package_without_warning() -> None:
+    """``lit_roidata.callbacks`` lists every Lightning callback the package defines (a new
+    one must be added there), each the very class of its defining module."""
+    import pkgutil
+
+    import pytorch_lightning as pl
+
+    import lit_roidata
+    import lit_roidata.callbacks as cbs
+
+    found = {}
+    for info in pkgutil.walk_packages(lit_roidata.__path__, "lit_roidata."):
+        if info.name.endswith("__main__") or info.name.startswith("lit_roidata.lightning"):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency (its extra is not installed)
+            continue
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and obj.__module__ == info.name
+                    and issubclass(obj, pl.Callback)):
+                found[obj.__name__] = info.name
+    assert found == cbs.CALLBACKS
+    assert set(cbs.__all__) == set(found)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name, module in found.items():
+            assert getattr(cbs, name) is getattr(importlib.import_module(module), name)
+        from lit_roidata.callbacks import BroadcastParameters  # users' YAML class path
+        from lit_roidata.broadcast import BroadcastParameters as defined
+    assert BroadcastParameters is defined
+
+
+def test_importing_the_callbacks_index_imports_no_callback_module() -> None:
+    code = ("import sys, lit_roidata.callbacks\n"
+            "heavy = [m for m in ('lit_roidata.broadcast', 'lit_roidata.evaluation', "
+            "'lit_roidata.models.predict', 'lit_roidata.exchange.callback', "
+            "'pytorch_lightning') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

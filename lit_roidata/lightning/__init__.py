@@ -31,7 +31,7 @@ import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` i
 CLASSES: dict[str, str] = {
     "RoIDataModule": "lit_roidata.datamodule:RoIDataModule",
     "DemoRoIDataModule": "lit_roidata.demo.datamodule:DemoRoIDataModule",
-    "BroadcastParameters": "lit_roidata.callbacks:BroadcastParameters",
+    "BroadcastParameters": "lit_roidata.broadcast:BroadcastParameters",
     "BadImageReport": "lit_roidata.skip:BadImageReport",
     "COCOEvaluator": "lit_roidata.evaluation:COCOEvaluator",
     "StepProgressBar": "lit_roidata.progress:StepProgressBar",

@@ -1,0 +1,233 @@
+"""Parameter broadcast from rank 0, a bit-exact replica check, and the
+:class:`BroadcastParameters` callback that loads weights on rank 0 and runs both.
+
+Detectron loads a weights file into GPU 0 only and then copies every parameter blob from
+GPU 0 to the other GPUs (``broadcast_parameters``, Detectron semantics: multi-gpu and weights); that
+copy also
+equalises the independent random initialisations. :class:`BroadcastParameters` does
+the same for a Lightning run: rank 0 loads the file with :mod:`lit_roidata.weights` (a
+Lightning/PyTorch checkpoint or state dict, or a Detectron ``.pkl`` of named blobs), every parameter and buffer is
+broadcast from rank 0, and then each rank's per-tensor checksums are gathered and
+compared, so a replica that differs by a single bit fails the run with the tensor's
+name. DDP broadcasts parameters when it wraps the module too (Detectron semantics: multi-gpu and
+weights); the explicit
+step makes the load rank-0-only, covers non-DDP strategies and checks the result.
+
+Works with any ``torch.distributed`` backend: tensors are moved to the current CUDA
+device for NCCL and communicated where they live otherwise (gloo).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lit_roidata.weights import LoadReport, NameMap, load_weights_file, load_weights_into
+
+__all__ = [
+    "BroadcastParameters",
+    "ReplicaMismatchError",
+    "broadcast_module",
+    "verify_replicas",
+]
+
+log = logging.getLogger(__name__)
+
+_BUCKET_BYTES = 32 << 20
+
+
+class ReplicaMismatchError(RuntimeError):
+    """Model replicas differ between ranks (after the broadcast, or in their structure)."""
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer (persistent or not) once, in model order."""
+    seen: set[int] = set()
+    out = []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _comm_device(t: torch.Tensor) -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
+
+
+def _check_structure(tensors: list[tuple[str, torch.Tensor]]) -> None:
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs != everyone[0]:
+            diff = next(((a, b) for a, b in zip(everyone[0], theirs) if a != b),
+                        (f"{len(everyone[0])} tensors", f"{len(theirs)} tensors"))
+            raise ReplicaMismatchError(
+                f"model structure differs between rank 0 and rank {rank}: rank 0 has {diff[0]}, "
+                f"rank {rank} has {diff[1]}; every rank must build the same model")
+
+
+def broadcast_module(module: nn.Module, src: int = 0) -> int:
+    """Broadcast every parameter and buffer of ``module`` from rank ``src`` in place.
+
+    Tensors are packed into buckets of one dtype (up to 32 MiB) to keep the number of
+    collectives small. A no-op without an initialised process group of size > 1.
+
+    Returns:
+        The number of tensors broadcast.
+
+    Raises:
+        ReplicaMismatchError: ranks hold differently shaped models (checked first, so a
+            broken set-up fails with a message instead of hanging or corrupting memory).
+    """
+    if not _distributed():
+        return 0
+    tensors = _tensors(module)
+    _check_structure(tensors)
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for _, t in tensors:
+        if (not buckets or buckets[-1][0].dtype != t.dtype or buckets[-1][0].device != t.device
+                or size + t.numel() * t.element_size() > _BUCKET_BYTES):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += t.numel() * t.element_size()
+    with torch.no_grad():
+        for bucket in buckets:
+            dev = _comm_device(bucket[0])
+            flat = torch.cat([t.detach().reshape(-1).to(dev) for t in bucket])
+            dist.broadcast(flat, src=src)
+            offset = 0
+            for t in bucket:
+                n = t.numel()
+                t.copy_(flat[offset:offset + n].view_as(t))
+                offset += n
+    return len(tensors)
+
+
+def _checksum(t: torch.Tensor) -> int:
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(memoryview(data)) ^ (zlib.adler32(memoryview(data)) << 32)
+
+
+def verify_replicas(module: nn.Module) -> int:
+    """Check that every parameter and buffer is bit-identical on all ranks.
+
+    Each rank computes a checksum (CRC-32 and Adler-32 of the raw bytes) per tensor;
+    the lists are gathered on every rank and compared with rank 0's, so every rank
+    raises the same error (no rank hangs waiting for the others).
+
+    Returns:
+        The number of tensors checked (0 when not distributed).
+
+    Raises:
+        ReplicaMismatchError: names the first differing tensor (model order) and the
+            ranks that differ from rank 0.
+    """
+    if not _distributed():
+        return 0
+    tensors = _tensors(module)
+    mine = [(n, _checksum(t)) for n, t in tensors]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    ref = everyone[0]
+    for i, (name, value) in enumerate(ref):
+        bad = [r for r, theirs in enumerate(everyone)
+               if i >= len(theirs) or theirs[i] != (name, value)]
+        if bad:
+            theirs = [everyone[r][i][1] if i < len(everyone[r]) else None for r in bad]
+            raise ReplicaMismatchError(
+                f"replicas differ: tensor {name!r} on rank(s) {bad} is not bit-identical to "
+                f"rank 0 (checksums {theirs} vs {value}); the parameter broadcast failed or a "
+                f"rank changed its weights")
+    if any(len(theirs) != len(ref) for theirs in everyone):
+        raise ReplicaMismatchError("replicas differ in their number of tensors: "
+                                   f"{[len(t) for t in everyone]}")
+    return len(ref)
+
+
+class BroadcastParameters(pl.Callback):
+    """Load weights on rank 0, broadcast all parameters and buffers, verify the replicas.
+
+    Runs in ``setup`` (before the strategy wraps the model and before the optimizer
+    exists): rank 0 loads ``weights`` once (see :func:`load_weights_into`: name mapping,
+    Detectron's ``_[xyz]_foo`` → ``foo`` fallback, missing tensors logged, shape
+    mismatch fatal), then every rank receives rank 0's tensors and the checksums are
+    compared. ``on_fit_start`` checks the replicas again once the model is on its device
+    (and, when resuming, after the checkpoint was restored). A checkpoint restored by
+    ``ckpt_path`` overrides the loaded weights, as resuming should.
+
+    Args:
+        weights: a Detectron ``.pkl``, a Lightning ``.ckpt`` or a PyTorch state dict
+            (``TRAIN.WEIGHTS``); ``None`` only equalises the random initialisation.
+        name_map: model tensor name → file blob name (callable or mapping; a callable
+            may return ``None`` to skip a tensor).
+        strict: fail if a model tensor has no blob in the file.
+        verify: gather per-tensor checksums and fail on any difference.
+        trust_pickle: read ``weights`` when it is a pickle (a Detectron ``.pkl``, or a
+            checkpoint that ``torch.load(weights_only=True)`` refuses). Unpickling runs
+            any code the file names, so without it such a file is refused with an error
+            that says how to proceed; with it a one-line warning is logged.
+
+    Example::
+
+        trainer = pl.Trainer(strategy="ddp", devices=2, callbacks=[
+            BroadcastParameters("R-50.pkl", name_map=my_detectron_names,
+                                trust_pickle=True)])
+    """
+
+    def __init__(self, weights: Optional[str] = None, name_map: Optional[NameMap] = None,
+                 strict: bool = False, verify: bool = True, trust_pickle: bool = False) -> None:
+        self.weights = weights
+        self.trust_pickle = trust_pickle
+        self.name_map = name_map
+        self.strict = strict
+        self.verify = verify
+        self.report: Optional[LoadReport] = None
+        self._loaded = False
+
+    def _load_on_rank0(self, trainer: pl.Trainer, module: nn.Module) -> None:
+        error: Optional[BaseException] = None
+        if trainer.global_rank == 0:
+            try:
+                blobs = load_weights_file(self.weights, trust_pickle=self.trust_pickle)
+                self.report = load_weights_into(module, blobs, name_map=self.name_map,
+                                                strict=self.strict, source=str(self.weights))
+            except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+                error = e
+        if _distributed():  # tell the other ranks, so they fail too instead of hanging
+            box = [None if error is None else (type(error).__name__, str(error))]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None and error is None:
+                raise RuntimeError(f"rank 0 failed to load weights: {box[0][0]}: {box[0][1]}")
+        if error is not None:
+            raise error
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.weights is not None and not self._loaded:
+            self._load_on_rank0(trainer, pl_module)
+            self._loaded = True
+        n = broadcast_module(pl_module, src=0)
+        if self.verify:
+            verify_replicas(pl_module)
+        if n and trainer.global_rank == 0:
+            log.info("broadcast %d parameter/buffer tensors from rank 0 to %d ranks%s", n,
+                     trainer.world_size, " and verified them" if self.verify else "")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.verify:
+            verify_replicas(pl_module)
