@@ -55,9 +55,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-KEYPOINTS = ["nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
-             "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist",
-             "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle"]
+from lit_roidata.roidb.info import COCO_KEYPOINT_NAMES  # noqa: E402
+
+KEYPOINTS = list(COCO_KEYPOINT_NAMES)
 
 
 # ----------------------------------------------------------------------------- data
