@@ -9,7 +9,7 @@ boxes per image, then measures, each phase in a fresh subprocess:
 * ours, worker: private memory a forked DataLoader worker adds while reading every entry;
 * ours, warm + verify: the warm open with ``verify=True`` (every cache array re-read and
   checksummed, what the first open after a reboot costs);
-* baseline: :mod:`lit_roidata.roidb.reference` (pycocotools ``COCO`` + Detectron's per-entry
+* baseline: :mod:`lit_roidata.testing.reference` (pycocotools ``COCO`` + Detectron's per-entry
   code, a list of dicts) - build time, peak memory and the same worker measurement;
 * Detectron2: ``detectron2.data.datasets.coco.load_coco_json`` on the same file, from a
   detectron2 source checkout given with ``--d2-src`` (imported from there, never copied;
@@ -55,9 +55,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-KEYPOINTS = ["nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
-             "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist",
-             "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle"]
+from lit_roidata.roidb.info import COCO_KEYPOINT_NAMES  # noqa: E402
+
+KEYPOINTS = list(COCO_KEYPOINT_NAMES)
 
 
 # ----------------------------------------------------------------------------- data
@@ -257,7 +257,7 @@ def phase_d2(args) -> dict:
 
 def phase_baseline(args) -> dict:
     from lit_roidata.config import get_cfg
-    from lit_roidata.roidb.reference import ReferenceDataset, reference_combined_roidb
+    from lit_roidata.testing.reference import ReferenceDataset, reference_combined_roidb
 
     t0 = time.perf_counter()
     ds = ReferenceDataset("bench", os.path.dirname(args.ann), args.ann)

@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # torch is imported lazily: the roidb builder needs NumPy onl
     import torch
 
 __all__ = [
+    "iou_kernel",
+    "iou_kernel_torch",
     "bbox_overlaps",
     "bbox_overlaps_pairs",
     "bbox_overlaps_torch",
@@ -35,17 +37,55 @@ def box_areas(boxes: np.ndarray) -> np.ndarray:
     return (boxes[..., 2] - boxes[..., 0] + 1) * (boxes[..., 3] - boxes[..., 1] + 1)
 
 
-def _iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of float64 boxes ``a[..., :4]`` and ``b[..., :4]``, broadcast (float32 result)."""
-    iw = np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]) + 1
-    ih = np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]) + 1
+def iou_kernel(
+    ax1: np.ndarray, ay1: np.ndarray, ax2: np.ndarray, ay2: np.ndarray, a_area: np.ndarray,
+    bx1: np.ndarray, by1: np.ndarray, bx2: np.ndarray, by2: np.ndarray, b_area: np.ndarray,
+    *, out: np.ndarray | None = None, work: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    positive_areas: bool = False,
+) -> np.ndarray:
+    """Detectron's per-pair IoU arithmetic, the one NumPy kernel every IoU site calls.
+
+    Coordinates and areas (:func:`box_areas`) are float64 arrays that broadcast to one
+    shape; the result is float32. The steps are those of Detectron's Cython
+    ``bbox_overlaps``: ``iw = min(x2) - max(x1) + 1`` and likewise ``ih`` (clamped at
+    0), ``inter = iw * ih``, ``union = a_area + b_area - inter``, IoU ``inter / union``
+    computed in float64 and rounded once to float32, and 0 wherever ``inter > 0`` fails
+    (including NaN). Blocked callers pass ``out`` (float32) and ``work`` (three float64
+    buffers of the broadcast shape, overwritten) so no temporaries are allocated, and
+    ``positive_areas=True`` when every area is known to be > 0 (then ``union > 0``, and
+    the division alone already gives the 0s).
+    """
+    if work is None:
+        shape = np.broadcast_shapes(np.shape(ax1), np.shape(bx1), np.shape(a_area),
+                                    np.shape(b_area))
+        work = (np.empty(shape), np.empty(shape), np.empty(shape))
+    iw, ih, tmp = work
+    if out is None:
+        out = np.empty(iw.shape, np.float32)
+    np.minimum(ax2, bx2, out=iw)
+    iw -= np.maximum(ax1, bx1, out=tmp)
+    iw += 1
     np.maximum(iw, 0, out=iw)
+    np.minimum(ay2, by2, out=ih)
+    ih -= np.maximum(ay1, by1, out=tmp)
+    ih += 1
     np.maximum(ih, 0, out=ih)
-    inter = iw * ih
-    union = box_areas(a) + box_areas(b) - inter
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(inter > 0, inter / union, 0.0)
-    return out.astype(np.float32)
+    iw *= ih  # intersection
+    np.add(a_area, b_area, out=tmp)
+    tmp -= iw  # union
+    if positive_areas:
+        np.divide(iw, tmp, out=out)  # computed in float64, rounded once to float32
+        return out
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        np.divide(iw, tmp, out=out)
+    out[~(iw > 0)] = 0.0  # Detectron writes 0 unless iw > 0 and ih > 0
+    return out
+
+
+def _iou_boxes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """:func:`iou_kernel` of float64 boxes ``a[..., :4]`` and ``b[..., :4]``, broadcast."""
+    return iou_kernel(a[..., 0], a[..., 1], a[..., 2], a[..., 3], box_areas(a),
+                      b[..., 0], b[..., 1], b[..., 2], b[..., 3], box_areas(b))
 
 
 def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
@@ -53,13 +93,13 @@ def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
 
     ``iw = min(x2) - max(x1) + 1`` and likewise ``ih``; pairs with ``iw <= 0`` or
     ``ih <= 0`` have IoU 0. Computed in float64 and returned as float32, like the
-    Cython original.
+    Cython original (the arithmetic is :func:`iou_kernel`'s).
     """
     a = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
     b = np.asarray(query, dtype=np.float64).reshape(-1, 4)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return np.zeros((a.shape[0], b.shape[0]), dtype=np.float32)
-    return _iou(a[:, None, :], b[None, :, :])
+    return _iou_boxes(a[:, None, :], b[None, :, :])
 
 
 def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -70,25 +110,33 @@ def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """
     a = np.asarray(a, dtype=np.float64).reshape(-1, 4)
     b = np.asarray(b, dtype=np.float64).reshape(-1, 4)
-    return _iou(a, b)
+    return _iou_boxes(a, b)
+
+
+def iou_kernel_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Torch twin of :func:`iou_kernel` on any device: IoU of boxes ``a[..., :4]`` and
+    ``b[..., :4]`` (broadcast), computed in float64 with Detectron's steps, float32 result."""
+    import torch
+
+    a = a.to(torch.float64)
+    b = b.to(torch.float64)
+    iw = (torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0]) + 1).clamp_(min=0)
+    ih = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1]) + 1).clamp_(min=0)
+    inter = iw * ih
+    union = box_areas(a) + box_areas(b) - inter
+    out = torch.where(inter > 0, inter / union, torch.zeros_like(inter))
+    return out.to(torch.float32)
 
 
 def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Torch twin of :func:`bbox_overlaps` on any device (float32 result)."""
     import torch
 
-    a = boxes.reshape(-1, 4).to(torch.float64)
-    b = query.reshape(-1, 4).to(torch.float64)
+    a = boxes.reshape(-1, 4)
+    b = query.reshape(-1, 4)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return a.new_zeros((a.shape[0], b.shape[0]), dtype=torch.float32)
-    iw = (torch.minimum(a[:, None, 2], b[None, :, 2])
-          - torch.maximum(a[:, None, 0], b[None, :, 0]) + 1).clamp_(min=0)
-    ih = (torch.minimum(a[:, None, 3], b[None, :, 3])
-          - torch.maximum(a[:, None, 1], b[None, :, 1]) + 1).clamp_(min=0)
-    inter = iw * ih
-    union = box_areas(a)[:, None] + box_areas(b)[None, :] - inter
-    out = torch.where(inter > 0, inter / union, torch.zeros_like(inter))
-    return out.to(torch.float32)
+    return iou_kernel_torch(a[:, None, :], b[None, :, :])
 
 
 def bbox_transform_targets(

@@ -112,7 +112,7 @@ def make_exchange(request, tmp_path):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny demo's folder (data and roidb caches), one per pytest session."""
-    from test_datamodule_support import shared_root
+    from datamodule_support import shared_root
 
     return shared_root(tmp_path_factory)
 

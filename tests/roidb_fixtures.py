@@ -10,10 +10,9 @@ from typing import Optional
 import numpy as np
 
 from lit_roidata.catalog import Catalog
+from lit_roidata.roidb.info import COCO_KEYPOINT_NAMES
 
-KEYPOINTS = ["nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
-             "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist",
-             "left_hip", "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle"]
+KEYPOINTS = list(COCO_KEYPOINT_NAMES)
 
 
 def rle_string(mask: np.ndarray) -> str:

@@ -12,7 +12,7 @@ import yaml
 from lit_roidata.cli import TOOLS, main
 
 from conftest import LIGHTNING_NAMESPACES
-from test_datamodule_support import REPO, index_recorder, read_records, run_cli, tiny_config
+from datamodule_support import REPO, index_recorder, read_records, run_cli, tiny_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -109,7 +109,7 @@ def test_fit_demo_then_resume_continues_the_data_stream_exactly(root: Path, tmp_
 def _exchange_teacher_config(root: Path, out: Path) -> Path:
     """configs/exchange_teacher.yaml on the tiny demo, alone (no peer: the exchange
     callback is dropped), checkpointing into ``out``'s folder."""
-    from test_datamodule_support import SMALL_DEMO
+    from datamodule_support import SMALL_DEMO
 
     cfg = yaml.safe_load((REPO / "configs" / "exchange_teacher.yaml").read_text())
     run = out.parent / "teacher"

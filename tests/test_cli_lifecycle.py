@@ -15,9 +15,9 @@ import yaml
 
 from lit_roidata.cli import main
 
-from test_datamodule_support import REPO, read_records, tiny_config
+from datamodule_support import REPO, read_records, tiny_config
 
-REC = "test_datamodule_support.IndexRecorder"
+REC = "datamodule_support.IndexRecorder"
 
 
 def _paths(node: Any) -> list[str]:
@@ -63,7 +63,7 @@ def test_a_crash_in_predict_never_makes_fit_resume(root: Path, tmp_path: Path,
                                  {"class_path": REC, "init_args": {"path": str(tmp_path / "rec")}}])
     with pytest.raises(RuntimeError, match="simulated crash in predict"):
         main(["predict", "--config", str(cfg), "--model.class_path",
-              "test_datamodule_support.PredictingFastRCNN"])
+              "datamodule_support.PredictingFastRCNN"])
     exc = _ckpt_dir(tmp_path, "run") / "on_exception.ckpt"
     assert not exc.exists(), "predict wrote an interrupted-run checkpoint"
     # A stale one (e.g. from an older version) is not resumed either: it is moved aside.
@@ -171,7 +171,7 @@ def test_progress_bar_counts_steps_out_of_max_steps_and_after_a_resume(
     from lit_roidata import DemoRoIDataModule
     from lit_roidata.progress import StepProgressBar, StepTQDMProgressBar
 
-    from test_datamodule_support import dm_kwargs
+    from datamodule_support import dm_kwargs
     from test_resume import _make_model
 
     seen: list[tuple[Any, Any, str]] = []

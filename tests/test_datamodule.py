@@ -15,7 +15,7 @@ from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata.datamodule import EvalLoader
 from lit_roidata.minibatch import get_minibatch_blob_names
 
-from test_datamodule_support import TINY_MODEL, dm_kwargs
+from datamodule_support import TINY_MODEL, dm_kwargs
 
 
 @pytest.fixture(scope="module")

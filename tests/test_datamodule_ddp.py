@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LIGHTNING_NAMESPACES
-from test_datamodule_support import index_recorder, read_records, run_cli, tiny_config
+from datamodule_support import index_recorder, read_records, run_cli, tiny_config
 
 
 @pytest.mark.slow

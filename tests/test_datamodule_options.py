@@ -23,7 +23,7 @@ from lit_roidata.options import (
 )
 
 from roidb_fixtures import make_coco, write_dataset
-from test_datamodule_support import REPO, dm_kwargs, shared_root
+from datamodule_support import REPO, dm_kwargs, shared_root
 
 
 @pytest.fixture(scope="module")

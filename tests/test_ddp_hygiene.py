@@ -19,7 +19,7 @@ from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.sampler import RoIBatchSampler
 
 from ports import ddp_rendezvous_env
-from test_datamodule_support import dm_kwargs
+from datamodule_support import dm_kwargs
 
 
 class _WorkerDraw:

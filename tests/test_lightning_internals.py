@@ -22,7 +22,7 @@ import torch
 
 from lit_roidata import DemoRoIDataModule
 
-from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
+from datamodule_support import TINY_MODEL, dm_kwargs, shared_root
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata._lightning import (LIGHTNING, PL, bind, foreign_references, isinstance_any,
                                     namespace_of, source_class)
 
-from test_datamodule_support import TINY_MODEL, dm_kwargs, shared_root
+from datamodule_support import TINY_MODEL, dm_kwargs, shared_root
 
 L = pytest.importorskip("lightning")
 import lit_roidata.lightning as lit_l  # noqa: E402  (needs `lightning`)

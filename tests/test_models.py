@@ -19,7 +19,7 @@ from lit_roidata.config import get_cfg
 from lit_roidata.minibatch.torchvision_format import to_continuous_boxes
 from lit_roidata.models import ARCHS, TorchvisionDetector, detectron_solver_kwargs
 
-from test_datamodule_support import REPO, SMALL_DEMO, TINY_OVERRIDES
+from datamodule_support import REPO, SMALL_DEMO, TINY_OVERRIDES
 
 SMALL_RCNN = {"rpn_pre_nms_top_n_train": 200, "rpn_post_nms_top_n_train": 100,
               "rpn_pre_nms_top_n_test": 200, "rpn_post_nms_top_n_test": 100,

@@ -14,9 +14,9 @@ import pytest
 from lit_roidata import DemoRoIDataModule
 
 from ports import ddp_rendezvous_env
-from test_datamodule_support import REPO, cli_env, dm_kwargs, read_records, tiny_config
+from datamodule_support import REPO, cli_env, dm_kwargs, read_records, tiny_config
 
-REC = "test_datamodule_support.IndexRecorder"
+REC = "datamodule_support.IndexRecorder"
 SIZE = {"demo_train_a": 8, "demo_train_b": 4, "demo_val": 2}
 
 

@@ -19,7 +19,7 @@ import torch
 
 from lit_roidata import DemoRoIDataModule
 
-from test_datamodule_support import TINY_MODEL, dm_kwargs
+from datamodule_support import TINY_MODEL, dm_kwargs
 
 
 class Interrupt(Exception):

@@ -12,9 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_datamodule_support import REPO, cli_env, read_records, run_cli, tiny_config
+from datamodule_support import REPO, cli_env, read_records, run_cli, tiny_config
 
-REC = "test_datamodule_support.IndexRecorder"
+REC = "datamodule_support.IndexRecorder"
 
 
 def _config(root: Path, tmp_path: Path, name: str, rec: Path, run: str) -> Path:

@@ -16,7 +16,7 @@ import torch
 
 from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
-from test_datamodule_support import TINY_MODEL, dm_kwargs, read_records, run_cli, tiny_config
+from datamodule_support import TINY_MODEL, dm_kwargs, read_records, run_cli, tiny_config
 
 RESERVE = 0.2
 

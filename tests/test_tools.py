@@ -11,7 +11,7 @@ import pytest
 
 from lit_roidata.cli import main
 
-from test_datamodule_support import shared_root, tiny_config
+from datamodule_support import shared_root, tiny_config
 
 
 @pytest.fixture(scope="module")

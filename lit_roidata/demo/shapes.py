@@ -13,13 +13,10 @@ import cv2
 import numpy as np
 from pycocotools import mask as mask_utils
 
+from lit_roidata.roidb.info import COCO_KEYPOINT_NAMES
+
 __all__ = ["COCO_KEYPOINT_NAMES", "DEMO_CATEGORIES", "draw_image", "rle_uncompressed"]
 
-COCO_KEYPOINT_NAMES: tuple[str, ...] = (
-    "nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
-    "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist", "left_hip",
-    "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle",
-)
 _SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
              [6, 8], [7, 9], [8, 10], [9, 11], [2, 3], [1, 2], [1, 3], [2, 4], [3, 5], [4, 6],
              [5, 7]]

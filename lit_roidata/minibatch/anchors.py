@@ -230,7 +230,7 @@ def anchor_gt_overlaps(
       ``min(area)/max(area)`` on its IoU is below ``below`` and below a lower bound of
       the gt's best IoU (from the inside anchor nearest to the gt's centre).
 
-    IoUs are computed with the float64 steps of :func:`lit_roidata.boxes.bbox_overlaps`,
+    IoUs come from :func:`lit_roidata.boxes.iou_kernel` (via ``bbox_overlaps_pairs``),
     so every kept entry equals the dense matrix's entry bit for bit, every maximum and
     every best-match tie is the dense one, and the row argmax may differ only where the
     row max is below ``below`` (callers recompute it where they need it).

@@ -11,23 +11,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-__all__ = ["DatasetInfo", "RoIDBInputError", "COCO_KEYPOINT_FLIP_MAP", "keypoint_flip_map"]
+__all__ = ["DatasetInfo", "RoIDBInputError", "COCO_KEYPOINT_NAMES", "COCO_KEYPOINT_FLIP_MAP",
+           "keypoint_flip_map"]
 
 
 class RoIDBInputError(ValueError):
     """Bad input to the roidb builder; the message names the file, image id and fix."""
 
 
-#: Detectron's hard-coded COCO person flip map (Detectron semantics: datasets and catalog).
+#: COCO's 17 person keypoint names, in the order of the ``person`` category's
+#: ``keypoints`` list (the single definition; the demo data and the tests import it).
+COCO_KEYPOINT_NAMES: tuple[str, ...] = (
+    "nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
+    "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist", "left_hip",
+    "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle",
+)
+
+#: Detectron's hard-coded COCO person flip map (Detectron semantics: datasets and catalog):
+#: every ``left_X`` of :data:`COCO_KEYPOINT_NAMES` to its ``right_X``, in list order.
 COCO_KEYPOINT_FLIP_MAP: dict[str, str] = {
-    "left_eye": "right_eye",
-    "left_ear": "right_ear",
-    "left_shoulder": "right_shoulder",
-    "left_elbow": "right_elbow",
-    "left_wrist": "right_wrist",
-    "left_hip": "right_hip",
-    "left_knee": "right_knee",
-    "left_ankle": "right_ankle",
+    name: "right_" + name[len("left_"):] for name in COCO_KEYPOINT_NAMES
+    if name.startswith("left_")
 }
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from lit_roidata.boxes import box_areas
+from lit_roidata.boxes import box_areas, iou_kernel
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.proposal_files import ProposalSource, convert_proposals
 from lit_roidata.roidb.proposal_files import read_proposal_file
@@ -312,8 +312,8 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     one ``G`` form small padded ``(images, P)`` blocks (a few 10k proposals, so the
     float64 temporaries stay in the CPU cache), and the IoU with gt slot ``j = 0..G-1``
     is one broadcast per slot, folded into a running maximum (strictly greater replaces,
-    so ties keep the lowest gt index, as ``argmax`` does). The arithmetic is that of
-    ``boxes.bbox_overlaps`` (float64, rounded once to float32). ``img`` must be
+    so ties keep the lowest gt index, as ``argmax`` does). The per-pair arithmetic is
+    :func:`lit_roidata.boxes.iou_kernel` (float64, rounded once to float32). ``img`` must be
     non-decreasing (proposals of one image contiguous), as :func:`_chunk` produces.
     Boxes of zero or negative area (possible only with ``min_proposal_size < 0`` or
     degenerate gt) go through :func:`_merge_blocks`, whose NaN handling matches
@@ -376,25 +376,15 @@ def _merge_block(sel, starts, pcount, p_max, g0, g, cols, gx1, gy1, gx2, gy2, ga
         return False
     rows = g0[sel]
     shape = idx.shape
-    iw, ih = np.empty(shape), np.empty(shape)
+    work = (np.empty(shape), np.empty(shape), tmp)  # iou_kernel's float64 scratch, reused
     ov = np.empty(shape, np.float32)
     best = np.zeros(shape, np.float32)
     arg = np.zeros(shape, np.int32)
     upd = np.empty(shape, bool)
     for j in range(g):
-        r = rows + j
-        np.minimum(px2, gx2[r][:, None], out=iw)
-        iw -= np.maximum(px1, gx1[r][:, None], out=tmp)
-        iw += 1
-        np.maximum(iw, 0, out=iw)
-        np.minimum(py2, gy2[r][:, None], out=ih)
-        ih -= np.maximum(py1, gy1[r][:, None], out=tmp)
-        ih += 1
-        np.maximum(ih, 0, out=ih)
-        iw *= ih  # intersection
-        np.add(pab, ga[r][:, None], out=tmp)
-        tmp -= iw  # union (> 0: both areas are)
-        np.divide(iw, tmp, out=ov)  # computed in float64, rounded once to float32
+        r = (rows + j)[:, None]
+        iou_kernel(px1, py1, px2, py2, pab, gx1[r], gy1[r], gx2[r], gy2[r], ga[r],
+                   out=ov, work=work, positive_areas=True)  # union > 0: both areas are
         if j == 0:
             best[...] = ov
             continue
@@ -446,39 +436,13 @@ def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
 
 def _block_iou(p: np.ndarray, g: np.ndarray) -> np.ndarray:
     """IoU ``(k, P, G)`` of float64 proposals ``(k, P, 4)`` with gt ``(k, G, 4)`` of the
-    same image, in ``bbox_overlaps``' arithmetic (float64, float32 result).
-
-    Written with explicit output buffers (three float64 blocks, reused) because the
-    blocks are large and fresh temporaries cost as much as the arithmetic.
+    same image: :func:`lit_roidata.boxes.iou_kernel` on the broadcast block.
     """
-    px1, py1, px2, py2 = (p[:, :, None, c] for c in range(4))
-    gx1, gy1, gx2, gy2 = (g[:, None, :, c] for c in range(4))
-    shape = (p.shape[0], p.shape[1], g.shape[1])
-    iw = np.empty(shape)
-    tmp = np.empty(shape)
-    np.minimum(px2, gx2, out=iw)
-    iw -= np.maximum(px1, gx1, out=tmp)
-    iw += 1
-    np.maximum(iw, 0, out=iw)
-    ih = np.minimum(py2, gy2)
-    ih -= np.maximum(py1, gy1, out=tmp)
-    ih += 1
-    np.maximum(ih, 0, out=ih)
-    inter = iw
-    inter *= ih
     pa, ga = box_areas(p), box_areas(g)
-    union = np.add(pa[:, :, None], ga[:, None, :], out=tmp)
-    union -= inter
-    out = np.empty(shape, np.float32)
-    if (pa > 0).all() and (ga > 0).all():
-        # union > 0 everywhere, so 0 / union is exactly the 0 Detectron writes
-        np.divide(inter, union, out=out)  # computed in float64, rounded once to float32
-    else:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            np.divide(inter, union, out=union)
-        union[inter <= 0] = 0.0
-        out[...] = union
-    return out
+    return iou_kernel(p[:, :, None, 0], p[:, :, None, 1], p[:, :, None, 2], p[:, :, None, 3],
+                      pa[:, :, None], g[:, None, :, 0], g[:, None, :, 1], g[:, None, :, 2],
+                      g[:, None, :, 3], ga[:, None, :],
+                      positive_areas=bool((pa > 0).all() and (ga > 0).all()))
 
 
 def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):

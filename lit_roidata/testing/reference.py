@@ -1,12 +1,13 @@
-"""A plain, per-entry port of Detectron's roidb code (list of dicts), used as a reference.
+"""A plain, per-entry port of Detectron's roidb code (list of dicts): a test oracle.
 
 This is Detectron's ``json_dataset.py`` / ``roidb.py`` logic line by line (pycocotools
-``COCO``, Python loops per image and per object), with two deliberate differences so that
-it can serve as a test oracle and as the benchmark baseline for the columnar builder:
-
-* RLE segms are flipped with the same fix as ours (Detectron crashes on compressed RLE
-  and wraps uncompressed ones in a list, Detectron quirk Q12 (docs/detectron_quirks.md));
-* box arithmetic uses the shared :mod:`lit_roidata.boxes` (IoU, target encoding).
+``COCO``, Python loops per image and per object). It serves as the oracle of the
+equivalence tests and as the benchmark baseline for the columnar builder, so it shares
+no code with what it checks: IoU, regression targets, proposal-file reading and RLE
+flipping are written here again, per entry, from Detectron's definitions. One deliberate
+difference from Detectron: RLE segms are flipped as the package flips them (Detectron
+crashes on compressed RLE and wraps uncompressed ones in a list, Detectron quirk Q12 in
+docs/detectron_quirks.md).
 
 It is slow and memory-hungry by design (that is what it measures); do not use it to
 train.
@@ -19,15 +20,13 @@ import copy
 import io
 import os
 import pickle
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
 import scipy.sparse
 
-from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.roidb.info import COCO_KEYPOINT_FLIP_MAP
-from lit_roidata.roidb.proposals import read_proposal_file
-from lit_roidata.roidb.segms import flip_rle
 
 __all__ = ["ReferenceDataset", "reference_combined_roidb"]
 
@@ -161,13 +160,7 @@ class ReferenceDataset:
             entry["has_visible_keypoints"] = vis
 
     def _add_proposals(self, roidb, proposal_file, min_size, top_k, crowd_thresh) -> None:
-        if proposal_file.endswith(".npz"):
-            src = read_proposal_file(proposal_file)
-            props = {"boxes": [np.array(src.boxes_of(i)) for i in range(src.ids.size)],
-                     "ids": list(src.ids)}
-        else:
-            with open(proposal_file, "rb") as fh:
-                props = pickle.load(fh, encoding="latin1")
+        props = _load_proposals(proposal_file)
         key = "indexes" if "indexes" in props else "ids"
         roidb_ids = {e["id"] for e in roidb}
         keep = [i for i, x in enumerate(props[key]) if x in roidb_ids]
@@ -196,6 +189,100 @@ class ReferenceDataset:
         if crowd_thresh > 0:
             for entry in roidb:
                 _filter_crowd(entry, crowd_thresh)
+
+
+def _load_proposals(path: str) -> dict:
+    """Detectron's ``pickle.load`` of a proposal file; a columnar ``.npz`` (``ids``,
+    ``counts``, ``boxes``) is split into the same per-image lists."""
+    if path.endswith(".npz"):
+        with np.load(path) as z:
+            ids, counts, boxes = z["ids"], z["counts"], z["boxes"]
+        ends = np.cumsum(counts)
+        return {"ids": [int(i) for i in ids],
+                "boxes": [boxes[e - c:e] for c, e in zip(counts, ends)]}
+    with open(path, "rb") as fh:
+        return pickle.load(fh, encoding="latin1")
+
+
+def bbox_overlaps(boxes: np.ndarray, query_boxes: np.ndarray) -> np.ndarray:
+    """Detectron's ``bbox_overlaps`` (IoU with the +1 pixel convention), ``(N, K)``.
+
+    For each pair: ``iw = min(x2) - max(x1) + 1``, ``ih = min(y2) - max(y1) + 1``; the
+    IoU is 0 unless both are > 0, else ``iw * ih / (area + query_area - iw * ih)``,
+    evaluated in double precision and stored as float32.
+    """
+    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 1, 4)
+    q = np.asarray(query_boxes, dtype=np.float64).reshape(1, -1, 4)
+    iw = np.minimum(b[..., 2], q[..., 2]) - np.maximum(b[..., 0], q[..., 0]) + 1
+    ih = np.minimum(b[..., 3], q[..., 3]) - np.maximum(b[..., 1], q[..., 1]) + 1
+    box_area = (b[..., 2] - b[..., 0] + 1) * (b[..., 3] - b[..., 1] + 1)
+    query_area = (q[..., 2] - q[..., 0] + 1) * (q[..., 3] - q[..., 1] + 1)
+    overlap = (iw > 0) & (ih > 0)
+    inter = np.where(overlap, iw * ih, 0.0)
+    union = np.where(overlap, box_area + query_area - inter, 1.0)
+    return np.where(overlap, inter / union, 0.0).astype(np.float32)
+
+
+def bbox_transform_targets(ex_rois: np.ndarray, gt_rois: np.ndarray,
+                           weights: Sequence[float]) -> np.ndarray:
+    """Detectron's ``bbox_transform_inv``: targets ``(dx, dy, dw, dh)`` that move each
+    ``ex_rois`` box onto its ``gt_rois`` box (``w = x2 - x1 + 1``, ``cx = x1 + 0.5 w``),
+    evaluated in double precision and stored as float32."""
+    ex = np.asarray(ex_rois, dtype=np.float64)
+    gt = np.asarray(gt_rois, dtype=np.float64)
+    wx, wy, ww, wh = weights
+    ex_widths = ex[:, 2] - ex[:, 0] + 1.0
+    ex_heights = ex[:, 3] - ex[:, 1] + 1.0
+    ex_ctr_x = ex[:, 0] + 0.5 * ex_widths
+    ex_ctr_y = ex[:, 1] + 0.5 * ex_heights
+    gt_widths = gt[:, 2] - gt[:, 0] + 1.0
+    gt_heights = gt[:, 3] - gt[:, 1] + 1.0
+    gt_ctr_x = gt[:, 0] + 0.5 * gt_widths
+    gt_ctr_y = gt[:, 1] + 0.5 * gt_heights
+    targets_dx = wx * (gt_ctr_x - ex_ctr_x) / ex_widths
+    targets_dy = wy * (gt_ctr_y - ex_ctr_y) / ex_heights
+    targets_dw = ww * np.log(gt_widths / ex_widths)
+    targets_dh = wh * np.log(gt_heights / ex_heights)
+    return np.vstack((targets_dx, targets_dy, targets_dw, targets_dh)).transpose().astype(
+        np.float32)
+
+
+def flip_rle(rle: dict) -> dict:
+    """An RLE segm mirrored left-right, in the representation it came in (uncompressed
+    counts list, compressed ``str`` or ``bytes``)."""
+    from pycocotools import mask as mask_util
+
+    h, w = (int(v) for v in rle["size"])
+    counts = rle["counts"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if isinstance(counts, list):
+            mask = mask_util.decode(mask_util.frPyObjects(rle, h, w))
+        else:
+            raw = counts.encode("ascii") if isinstance(counts, str) else counts
+            mask = mask_util.decode({"size": [h, w], "counts": raw})
+    mirrored = np.asfortranarray(mask[:, ::-1])
+    if isinstance(counts, list):
+        return {"size": [h, w], "counts": _uncompressed_counts(mirrored)}
+    enc = mask_util.encode(mirrored)["counts"]
+    return {"size": [h, w], "counts": enc.decode("ascii") if isinstance(counts, str) else enc}
+
+
+def _uncompressed_counts(mask: np.ndarray) -> list[int]:
+    """COCO's uncompressed RLE: run lengths of the column-major pixels, zeros first."""
+    pixels = mask.ravel(order="F")
+    runs: list[int] = []
+    value, length = 0, 0
+    starts = np.flatnonzero(np.r_[True, pixels[1:] != pixels[:-1]]) if pixels.size else []
+    for i, start in enumerate(starts):  # one step per run, not per pixel
+        end = starts[i + 1] if i + 1 < len(starts) else pixels.size
+        if pixels[start] != value:  # the first run is of zeros, possibly empty
+            runs.append(length)
+            value, length = pixels[start], 0
+        length += int(end - start)
+    if pixels.size:
+        runs.append(length)
+    return runs
 
 
 def _merge(entry: dict, boxes: np.ndarray) -> None:

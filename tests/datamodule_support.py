@@ -147,7 +147,7 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None,
 def index_recorder(namespace: str = "pytorch_lightning") -> str:
     """Class path of :class:`IndexRecorder` for ``namespace``."""
     name = "IndexRecorder" if namespace == "pytorch_lightning" else "LightningIndexRecorder"
-    return f"test_datamodule_support.{name}"
+    return f"datamodule_support.{name}"
 
 
 class _IndexRecorderHooks:
