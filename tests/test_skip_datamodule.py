@@ -239,12 +239,12 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
     for p in found:  # each file listed once per report, with its reason
         assert text.count(f"  {p} (") >= 1
     saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
-    state = next(v for k, v in saved.items() if k == "RoIDataModule")
+    state = next(v for k, v in saved.items() if k == type(dm).__qualname__)
     assert {r["path"] for r in state["bad_images"]["known"].values()} >= set(found)
     # the epoch-end checkpoint holds the state after the exchange (bad list frozen for
     # the next pass), so a resume from it replaces exactly as the uninterrupted run
     (ep,) = list((tmp_path / "ep").glob("epoch=0-*.ckpt"))
-    ep_state = torch.load(ep, weights_only=False)["RoIDataModule"]["bad_images"]
+    ep_state = torch.load(ep, weights_only=False)[type(dm).__qualname__]["bad_images"]
     (start, frozen), = [f for f in ep_state["frozen"] if f[0] == 1]
     assert {int(i) for i in frozen} == {int(k) for k in ep_state["known"]}
     # resume: the known files are never read again
