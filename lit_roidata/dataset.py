@@ -35,8 +35,9 @@ from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch.transport import packed, shared_empty, trim_heap
 from lit_roidata.rng import RNG, block_rng
+from lit_roidata.sampler import Block, draw_replacement
 
-__all__ = ["RoIBlockDataset", "rebuild_block", "make_block"]
+__all__ = ["RoIBlockDataset", "rebuild_block"]
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,15 @@ _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rn
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
 
 
-def make_block(indices: Sequence[int], *, seed: int, pass_index: int, block_index: int,
-               attempt: int = 0) -> Any:
-    """A ``lit_roidata.sampler.Block`` (indices + stream coordinates)."""
-    from lit_roidata.sampler import Block
+def __getattr__(name: str) -> Any:
+    if name == "make_block":  # deprecated: one constructor of blocks, Block itself
+        import warnings
 
-    return Block(indices, seed=seed, pass_index=pass_index, block_index=block_index,
-                 attempt=attempt)
+        warnings.warn("lit_roidata.dataset.make_block is deprecated; use "
+                      "lit_roidata.sampler.Block(indices, seed=..., pass_index=..., "
+                      "block_index=..., attempt=...)", DeprecationWarning, stacklevel=2)
+        return Block
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _coords(block: Any) -> tuple[int, int, int, int]:
@@ -202,17 +205,18 @@ class RoIBlockDataset(torch.utils.data.Dataset):
     def _replacement(self, block: Any, attempt: int) -> Any:
         if self.replacement is not None:
             return self.replacement(block, attempt)
-        seed, p, b, _ = _coords(block)
-        g = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-            [_REPLACE_DOMAIN, seed, p, b, attempt])))
-        pool = np.arange(len(self.roidb))
+        # No sampler: the same policy (lit_roidata.sampler.draw_replacement) from the
+        # block's orientation group (safe with or without aspect grouping), in a seed
+        # domain of its own.
+        _coords(block)
+        pool: Any = len(self.roidb)
         widths, heights = getattr(self.roidb, "widths", None), getattr(self.roidb, "heights", None)
         if widths is not None and heights is not None and len(block):
             horz = np.asarray(widths) >= np.asarray(heights)
             pool = np.flatnonzero(horz == horz[int(block[0])])
-        pick = g.choice(pool.size, size=min(len(block), pool.size), replace=False)
-        return make_block(pool[pick].tolist(), seed=seed, pass_index=p, block_index=b,
-                          attempt=attempt)
+        n = pool if isinstance(pool, int) else pool.size
+        return draw_replacement(block, attempt, pool, min(len(block), n),
+                                domain=_REPLACE_DOMAIN)
 
     # ------------------------------------------------------------------ building
     def _build_once(self, block: Any, reads: list | None = None
@@ -415,5 +419,5 @@ def rebuild_block(roidb: Sequence[Mapping[str, Any]], cfg: Any, indices: Sequenc
         **dataset_kwargs: the :class:`RoIBlockDataset` options used in training.
     """
     ds = RoIBlockDataset(roidb, cfg, **dataset_kwargs)
-    return ds.__getitems__(make_block(indices, seed=seed, pass_index=pass_index,
-                                      block_index=block_index, attempt=attempt))
+    return ds.__getitems__(Block(indices, seed=seed, pass_index=pass_index,
+                                 block_index=block_index, attempt=attempt))

@@ -288,7 +288,7 @@ class BadImageLedger:
                                          bad)
                 inds[slot] = new
                 subs.append({"slot": slot, "bad_index": int(i), "index": int(new), "why": why})
-        return _with_indices(block, inds), subs
+        return block.derive([int(i) for i in inds]), subs
 
     def substitute(self, block: Any, slot: int, attempt: int = 0) -> tuple[Any, dict]:
         """Replace ``block[slot]`` (found bad, already :meth:`mark_bad`) by this rank's next
@@ -321,8 +321,9 @@ class BadImageLedger:
             why = "reserve_exhausted"
         inds = list(block)
         inds[slot] = new
-        return _with_indices(block, inds), {"slot": int(slot), "bad_index": bad_index,
-                                             "index": int(new), "why": why}
+        return block.derive([int(i) for i in inds]), {"slot": int(slot),
+                                                      "bad_index": bad_index,
+                                                      "index": int(new), "why": why}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -355,13 +356,6 @@ class BadImageLedger:
         if self.restored_foreign and cursor > 0:
             self.reverse_pass = int(pass_index)
         self.restored_foreign = False
-
-
-def _with_indices(block: Any, inds: list[int]) -> Any:
-    from lit_roidata.sampler import Block
-
-    return Block([int(i) for i in inds], seed=block.seed, pass_index=block.pass_index,
-                 block_index=block.block_index, attempt=getattr(block, "attempt", 0))
 
 
 def _report_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
