@@ -522,21 +522,9 @@ class RoIDataModule(pl.LightningDataModule):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             parts = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(parts, mine)
-        counts: Counter[str] = Counter()
-        files: dict[str, dict[str, Any]] = {}
-        for part in parts:
-            counts.update(part["counts"])
-            for rec in part["files"]:  # one record per file (no path: kept apart)
-                key = rec.get("path")
-                files.setdefault(str(key) if key is not None else f"<no path {len(files)}>",
-                                 rec)
-        # One count per file: a file two ranks found in the same epoch (an image and its
-        # flipped copy) counts once by its reason, the second find as read_again.
-        found = Counter(str(r.get("reason")) for part in parts for r in part["files"])
-        counts.subtract(found)
-        counts.update(Counter(str(r.get("reason")) for r in files.values()))
-        counts["read_again"] += sum(found.values()) - len(files)
-        counts = Counter({k: v for k, v in counts.items() if v > 0})
+        from lit_roidata.skip import merge_skip_reports
+
+        counts, files = merge_skip_reports(parts)
         ledger = self._ledger
         if ledger is not None:
             for rec in (r for part in parts for r in part["files"]):

@@ -56,7 +56,7 @@ import numpy as np
 import pytorch_lightning as pl
 
 __all__ = ["BadImageLedger", "RepairRequest", "BadImageReport", "holdback_blocks",
-           "LEDGER_VERSION"]
+           "merge_skip_reports", "LEDGER_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -356,6 +356,30 @@ class BadImageLedger:
         if self.restored_foreign and cursor > 0:
             self.reverse_pass = int(pass_index)
         self.restored_foreign = False
+
+
+def merge_skip_reports(parts: Sequence[Mapping[str, Any]]
+                       ) -> tuple[Counter, dict[str, dict[str, Any]]]:
+    """Merge the ranks' skip reports (``{"counts": ..., "files": [record, ...]}`` each).
+
+    Returns:
+        ``(counts, files)``: the counts by kind, one count per file (a file two ranks
+        found in the same epoch counts once by its reason, each further find as
+        ``read_again``), and one record per file path (records without a path are kept
+        apart).
+    """
+    counts: Counter[str] = Counter()
+    files: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        counts.update(part["counts"])
+        for rec in part["files"]:
+            key = rec.get("path")
+            files.setdefault(str(key) if key is not None else f"<no path {len(files)}>", rec)
+    found = Counter(str(r.get("reason")) for part in parts for r in part["files"])
+    counts.subtract(found)
+    counts.update(Counter(str(r.get("reason")) for r in files.values()))
+    counts["read_again"] += sum(found.values()) - len(files)
+    return Counter({k: v for k, v in counts.items() if v > 0}), files
 
 
 def _report_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
