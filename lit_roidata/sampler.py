@@ -98,7 +98,7 @@ class Block(list):
 
 
 def draw_replacement(block: Block, attempt: int, pool: np.ndarray | int, size: int, *,
-                     seed: int | None = None, domain: int = _REPLACE_DOMAIN) -> Block:
+                     seed: int | None = None, domain: int | None = None) -> Block:
     """The replacement-block policy: a deterministic substitute for an invalid block.
 
     Every substitute block of the package is drawn here: ``size`` images without
@@ -115,14 +115,15 @@ def draw_replacement(block: Block, attempt: int, pool: np.ndarray | int, size: i
         pool: the candidate roidb indices, or their count.
         size: images in the substitute (at most the pool's size).
         seed: the stream seed (default: ``block.seed``).
-        domain: seed domain separating this draw from the package's other streams.
+        domain: seed domain separating this draw from the package's other streams
+            (default: the sampler's).
 
     Returns:
         the substitute: ``block``'s stream coordinates, ``attempt``, the drawn indices.
     """
     attempt = _check_int("attempt", attempt, 1)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-        [domain, block.seed if seed is None else seed, block.pass_index, block.block_index,
+        [_REPLACE_DOMAIN if domain is None else domain, block.seed if seed is None else seed, block.pass_index, block.block_index,
          attempt])))
     n = pool if isinstance(pool, (int, np.integer)) else pool.size
     pick = rng.choice(n, size=size, replace=False)
