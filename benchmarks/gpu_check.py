@@ -46,7 +46,7 @@ def main() -> int:
     from lit_roidata.config import get_cfg
     from lit_roidata.demo.data import ensure_demo_data, register_demo_datasets
     from lit_roidata.minibatch import get_image_blob, proposal_labels
-    from lit_roidata.minibatch.image import normalize_on_device
+    from lit_roidata.minibatch.device import normalize_on_device
     from lit_roidata.rng import block_rng
     from lit_roidata.roidb import combined_roidb_for_training
 

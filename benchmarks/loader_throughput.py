@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lit_roidata.boxes import bbox_overlaps  # noqa: E402
 from lit_roidata.config import get_cfg  # noqa: E402
-from lit_roidata.dataset import RoIBlockDataset, make_block  # noqa: E402
+from lit_roidata.dataset import RoIBlockDataset  # noqa: E402
+from lit_roidata.sampler import Block  # noqa: E402
 from lit_roidata.minibatch.decode import load_image  # noqa: E402
 from lit_roidata.minibatch.image import get_target_scale, im_list_to_blob  # noqa: E402
 from lit_roidata.roidb.targets import compute_bbox_targets  # noqa: E402
@@ -237,7 +238,7 @@ def main() -> None:
     print(f"data: {n} JPEGs at COCO sizes + 2000 proposals each "
           f"({time.perf_counter() - t0:.1f}s), torch threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} CPUs", flush=True)
-    blocks = [make_block([i, i + 1], seed=0, pass_index=0, block_index=i // 2)
+    blocks = [Block([i, i + 1], seed=0, pass_index=0, block_index=i // 2)
               for i in range(0, n - 1, 2)]
     res: list[Result] = []
     f0, _ = run_loader(FloorDataset(roidb, cfg), blocks, 0)

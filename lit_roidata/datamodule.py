@@ -19,25 +19,25 @@ Lifecycle (Lightning's contract, ``datamodule.rst``):
   (:class:`~lit_roidata.dataset.RoIBlockDataset`), wrapped in the checkpointable
   :class:`~lit_roidata.loader.StatefulRoIDataLoader`.
 * ``val_dataloader`` / ``test_dataloader``: every evaluation image exactly once, in
-  roidb order, unflipped, split across ranks without padding (:class:`EvalLoader`).
+  roidb order, unflipped, split across ranks without padding
+  (:class:`~lit_roidata.loader.EvalLoader`).
 * ``on_after_batch_transfer``: uint8 images become Detectron's float blob (BGR minus
-  ``PIXEL_MEANS``) on the device, 4× less host→device traffic than float32.
+  ``PIXEL_MEANS``) on the device, 4× less host→device traffic than float32
+  (:func:`~lit_roidata.minibatch.device.finish_batch`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.loader import StatefulRoIDataLoader
-from lit_roidata.minibatch.device import finalize_on_device
-from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
+from lit_roidata.minibatch.device import finish_batch
 from lit_roidata.minibatch.model_type import MODEL_TYPES
 from lit_roidata.options import (
     DEPRECATED_FLAT_ARGS,
@@ -51,7 +51,7 @@ from lit_roidata.options import (
     to_plain,
 )
 
-__all__ = ["RoIDataModule", "ModelType", "EvalDataset", "EvalLoader", "fork_safe_opencv"]
+__all__ = ["RoIDataModule", "ModelType"]
 
 log = logging.getLogger(__name__)
 
@@ -427,8 +427,6 @@ class RoIDataModule(pl.LightningDataModule):
         self._first_batch = True
         ld = self.loader
         nw = int(ld.num_workers)
-        if nw > 0:
-            fork_safe_opencv()
         previous = self._train_loader
         trainer = getattr(self, "trainer", None)
         combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
@@ -524,21 +522,9 @@ class RoIDataModule(pl.LightningDataModule):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             parts = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(parts, mine)
-        counts: Counter[str] = Counter()
-        files: dict[str, dict[str, Any]] = {}
-        for part in parts:
-            counts.update(part["counts"])
-            for rec in part["files"]:  # one record per file (no path: kept apart)
-                key = rec.get("path")
-                files.setdefault(str(key) if key is not None else f"<no path {len(files)}>",
-                                 rec)
-        # One count per file: a file two ranks found in the same epoch (an image and its
-        # flipped copy) counts once by its reason, the second find as read_again.
-        found = Counter(str(r.get("reason")) for part in parts for r in part["files"])
-        counts.subtract(found)
-        counts.update(Counter(str(r.get("reason")) for r in files.values()))
-        counts["read_again"] += sum(found.values()) - len(files)
-        counts = Counter({k: v for k, v in counts.items() if v > 0})
+        from lit_roidata.skip import merge_skip_reports
+
+        counts, files = merge_skip_reports(parts)
         ledger = self._ledger
         if ledger is not None:
             for rec in (r for part in parts for r in part["files"]):
@@ -598,13 +584,13 @@ class RoIDataModule(pl.LightningDataModule):
             align_fit_loop(trainer, loader, self._restored_phase)
 
     def _eval_loader(self, roidb: Any, split: str) -> Any:
+        from lit_roidata.loader import EvalLoader
+
         if roidb is None:
             return []
         rank, world = self._rank_world()
         with_rois = bool(self._datasets(split)[1])
         ld = self.loader
-        if ld.num_workers > 0:
-            fork_safe_opencv()
         return EvalLoader(roidb, self.cfg, rank=rank, world_size=world,
                           ims_per_batch=int(ld.eval_ims_per_batch),
                           pixel_format=self.output.pixel_format, with_rois=with_rois,
@@ -631,15 +617,11 @@ class RoIDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------- device
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Finish the worker's compact blobs on the device (uint8 ``data`` -> Detectron's
-        float blob, compact masks -> ``masks_int32``; :func:`finalize_on_device`). Skips
-        are counted before the transfer, when the loader hands the batch out."""
-        if isinstance(batch, dict):
-            # uint8 pixels -> Detectron's float blob; compact masks (mask_format="compact")
-            # -> Detectron's class-specific masks_int32.
-            finalize_on_device(batch, self.cfg.PIXEL_MEANS, int(self.cfg.MODEL.NUM_CLASSES),
-                               image_sizes=_image_sizes(batch) if "data" in batch else None,
-                               expand_compact_targets=self.output.target_format != "compact_raw")
-        return batch
+        float blob, compact targets and masks -> Detectron's blobs;
+        :func:`~lit_roidata.minibatch.device.finish_batch`). Skips are counted before the
+        transfer, when the loader hands the batch out."""
+        return finish_batch(batch, self.cfg,
+                            expand_compact_targets=self.output.target_format != "compact_raw")
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device,
                                  dataloader_idx: int) -> Any:
@@ -779,133 +761,17 @@ def _albumentations_transform(spec: Any) -> Any:
     return cls(**args)
 
 
-def fork_safe_opencv() -> None:
-    """Stop OpenCV's thread pool in this process before DataLoader workers fork.
-
-    A worker forked while the parent's pool exists inherits its locks but not its
-    threads, and its first call that uses the pool (or ``cv2.setNumThreads``) can wait
-    forever.
-    The parent's pool is started by any earlier multi-threaded OpenCV call (demo data
-    generation, ``num_workers=0`` loading, the tools), so it is shut down here; the main
-    process then runs OpenCV single-threaded, which costs nothing when workers decode.
-    """
-    import cv2
-
-    if cv2.getNumThreads() != 1:
-        cv2.setNumThreads(1)
+#: Names that moved out of this module (it holds only the DataModule), for one release.
+_MOVED = {"EvalDataset": "lit_roidata.dataset", "EvalLoader": "lit_roidata.loader",
+          "fork_safe_opencv": "lit_roidata.loader"}
 
 
-def _image_sizes(batch: Mapping[str, Any]) -> Any:
-    """``(n, 2)`` unpadded ``(h, w)`` of the images in ``batch["data"]``."""
-    meta = batch.get("_meta") or {}
-    if "image_sizes" in meta:
-        return meta["image_sizes"]
-    if "im_info" in batch:
-        return batch["im_info"]
-    n, _, h, w = batch["data"].shape
-    return [[h, w]] * n
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import importlib
+        import warnings
 
-
-class EvalDataset(torch.utils.data.Dataset):
-    """Evaluation batches: test-scale images, scaled proposals and what maps back to COCO.
-
-    Detectron tests one unflipped image at ``TEST.SCALE`` / ``TEST.MAX_SIZE`` and feeds
-    the first ``TEST.PROPOSAL_LIMIT`` proposals scaled to the input (its
-    ``_get_rois_blob``). ``__getitems__(indices)`` returns ``data``, ``im_info``
-    (``[round(H·s), round(W·s), s]``), ``rois`` (``(R, 5)``: batch index, scaled box;
-    only with proposal files), FPN ``rois_fpn<l>`` / ``rois_idx_restore_int32`` when
-    ``FPN.MULTILEVEL_ROIS`` is on, and ``_meta`` (``image_ids``, ``im_scales``,
-    ``datasets``, ``heights``, ``widths``, ``image_sizes``, ``indices``).
-    """
-
-    def __init__(self, roidb: Any, cfg: DetectronConfig, *, pixel_format: str = "uint8",
-                 with_rois: bool = False) -> None:
-        self.roidb = roidb
-        self.with_rois = bool(with_rois)
-        self.pixel_format = pixel_format
-        self.cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (int(cfg.TEST.SCALE),),
-                                            "TRAIN.MAX_SIZE": int(cfg.TEST.MAX_SIZE)})
-        self.limit = int(cfg.TEST.PROPOSAL_LIMIT)
-
-    def __len__(self) -> int:
-        return len(self.roidb)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.__getitems__([index])
-
-    def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
-        from lit_roidata.minibatch.image import build_image_blob
-
-        entries = [self.roidb[int(i)] for i in indices]
-        # One scale, so the generator draws nothing that matters.
-        ib = build_image_blob(entries, self.cfg, np.random.default_rng(0),
-                              pixel_format=self.pixel_format)
-        out: dict[str, Any] = {"data": torch.from_numpy(ib.data),
-                               "im_info": torch.from_numpy(ib.im_info)}
-        rois = self._rois(entries, ib.im_scales)
-        if rois is not None:
-            blobs: dict[str, Any] = {"rois": rois}
-            if self.cfg.FPN.FPN_ON and self.cfg.FPN.MULTILEVEL_ROIS:
-                add_multilevel_rois(blobs, self.cfg, prefixes=("rois",))
-            out.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in blobs.items()})
-        out["_meta"] = {
-            "image_ids": [int(e["id"]) for e in entries],
-            "im_scales": [float(s) for s in ib.im_scales],
-            "datasets": [self.roidb.dataset_of(int(i)) for i in indices],
-            "heights": [int(e["height"]) for e in entries],
-            "widths": [int(e["width"]) for e in entries],
-            "image_sizes": torch.from_numpy(ib.image_sizes),
-            "indices": [int(i) for i in indices],
-        }
-        return out
-
-    def _rois(self, entries: Sequence[Mapping[str, Any]], scales: Sequence[float]
-              ) -> Optional[np.ndarray]:
-        """Proposal rows (``gt_classes == 0``), first ``TEST.PROPOSAL_LIMIT``, scaled."""
-        if not self.with_rois:
-            return None
-        parts = [np.zeros((0, 5), np.float32)]
-        for b, (entry, s) in enumerate(zip(entries, scales)):
-            props = np.asarray(entry["boxes"], np.float32)[np.asarray(entry["gt_classes"]) == 0]
-            if self.limit > 0:
-                props = props[: self.limit]
-            parts.append(rois_blob(props * np.float32(s), b))
-        return np.concatenate(parts)
-
-
-class EvalLoader:
-    """This rank's evaluation batches: a contiguous shard of the roidb, in order.
-
-    Shards differ by at most one image (no padding, no duplicates: COCO AP counts every
-    image once). Like :class:`~lit_roidata.loader.StatefulRoIDataLoader` it wraps the
-    ``DataLoader`` so Lightning never swaps in a ``DistributedSampler``, which would
-    pad the shards with repeated images.
-    """
-
-    def __init__(self, roidb: Any, cfg: DetectronConfig, *, rank: int = 0, world_size: int = 1,
-                 ims_per_batch: int = 1, pixel_format: str = "uint8", num_workers: int = 0,
-                 pin_memory: bool = False, with_rois: bool = False,
-                 persistent_workers: bool = False, prefetch_factor: Optional[int] = None
-                 ) -> None:
-        from lit_roidata.loader import passthrough_collate
-
-        shard = np.array_split(np.arange(len(roidb)), world_size)[rank]
-        self.batches = [shard[i:i + ims_per_batch].tolist()
-                        for i in range(0, len(shard), ims_per_batch)]
-        self.dataset = EvalDataset(roidb, cfg, pixel_format=pixel_format, with_rois=with_rois)
-        self.num_workers = min(int(num_workers), len(self.batches))
-        # A private generator: creating the iterator draws the workers' base seed, which
-        # would otherwise come from (and advance) the global torch RNG, so a validation
-        # would change the training that follows it.
-        self._loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=self.batches, collate_fn=passthrough_collate,
-            num_workers=self.num_workers, pin_memory=pin_memory,
-            persistent_workers=bool(persistent_workers) and self.num_workers > 0,
-            prefetch_factor=prefetch_factor if self.num_workers > 0 else None,
-            generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __iter__(self) -> Any:
-        return iter(self._loader)
+        warnings.warn(f"lit_roidata.datamodule.{name} is deprecated; import it from "
+                      f"{_MOVED[name]}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

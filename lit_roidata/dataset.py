@@ -1,4 +1,5 @@
-"""``RoIBlockDataset``: a block of roidb indices in, one partial minibatch out.
+"""The workers' datasets: ``RoIBlockDataset`` (a block of roidb indices in, one partial
+training minibatch out) and ``EvalDataset`` (evaluation batches at the test scale).
 
 Runs inside DataLoader workers (docs/architecture.md, "Worker output"). Workers are stateless
 (design principle 6): every random draw of a block comes from
@@ -30,13 +31,16 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.minibatch.core import build_minibatch
 from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
+from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch.transport import packed, shared_empty, trim_heap
 from lit_roidata.rng import RNG, block_rng
+from lit_roidata.sampler import Block, draw_replacement
 
-__all__ = ["RoIBlockDataset", "rebuild_block", "make_block"]
+__all__ = ["RoIBlockDataset", "rebuild_block", "EvalDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +53,15 @@ _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rn
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
 
 
-def make_block(indices: Sequence[int], *, seed: int, pass_index: int, block_index: int,
-               attempt: int = 0) -> Any:
-    """A ``lit_roidata.sampler.Block`` (indices + stream coordinates)."""
-    from lit_roidata.sampler import Block
+def __getattr__(name: str) -> Any:
+    if name == "make_block":  # deprecated: one constructor of blocks, Block itself
+        import warnings
 
-    return Block(indices, seed=seed, pass_index=pass_index, block_index=block_index,
-                 attempt=attempt)
+        warnings.warn("lit_roidata.dataset.make_block is deprecated; use "
+                      "lit_roidata.sampler.Block(indices, seed=..., pass_index=..., "
+                      "block_index=..., attempt=...)", DeprecationWarning, stacklevel=2)
+        return Block
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _coords(block: Any) -> tuple[int, int, int, int]:
@@ -202,17 +208,18 @@ class RoIBlockDataset(torch.utils.data.Dataset):
     def _replacement(self, block: Any, attempt: int) -> Any:
         if self.replacement is not None:
             return self.replacement(block, attempt)
-        seed, p, b, _ = _coords(block)
-        g = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-            [_REPLACE_DOMAIN, seed, p, b, attempt])))
-        pool = np.arange(len(self.roidb))
+        # No sampler: the same policy (lit_roidata.sampler.draw_replacement) from the
+        # block's orientation group (safe with or without aspect grouping), in a seed
+        # domain of its own.
+        _coords(block)
+        pool: Any = len(self.roidb)
         widths, heights = getattr(self.roidb, "widths", None), getattr(self.roidb, "heights", None)
         if widths is not None and heights is not None and len(block):
             horz = np.asarray(widths) >= np.asarray(heights)
             pool = np.flatnonzero(horz == horz[int(block[0])])
-        pick = g.choice(pool.size, size=min(len(block), pool.size), replace=False)
-        return make_block(pool[pick].tolist(), seed=seed, pass_index=p, block_index=b,
-                          attempt=attempt)
+        n = pool if isinstance(pool, int) else pool.size
+        return draw_replacement(block, attempt, pool, min(len(block), n),
+                                domain=_REPLACE_DOMAIN)
 
     # ------------------------------------------------------------------ building
     def _build_once(self, block: Any, reads: list | None = None
@@ -415,5 +422,72 @@ def rebuild_block(roidb: Sequence[Mapping[str, Any]], cfg: Any, indices: Sequenc
         **dataset_kwargs: the :class:`RoIBlockDataset` options used in training.
     """
     ds = RoIBlockDataset(roidb, cfg, **dataset_kwargs)
-    return ds.__getitems__(make_block(indices, seed=seed, pass_index=pass_index,
-                                      block_index=block_index, attempt=attempt))
+    return ds.__getitems__(Block(indices, seed=seed, pass_index=pass_index,
+                                 block_index=block_index, attempt=attempt))
+
+
+class EvalDataset(torch.utils.data.Dataset):
+    """Evaluation batches: test-scale images, scaled proposals and what maps back to COCO.
+
+    Detectron tests one unflipped image at ``TEST.SCALE`` / ``TEST.MAX_SIZE`` and feeds
+    the first ``TEST.PROPOSAL_LIMIT`` proposals scaled to the input (its
+    ``_get_rois_blob``). ``__getitems__(indices)`` returns ``data``, ``im_info``
+    (``[round(H·s), round(W·s), s]``), ``rois`` (``(R, 5)``: batch index, scaled box;
+    only with proposal files), FPN ``rois_fpn<l>`` / ``rois_idx_restore_int32`` when
+    ``FPN.MULTILEVEL_ROIS`` is on, and ``_meta`` (``image_ids``, ``im_scales``,
+    ``datasets``, ``heights``, ``widths``, ``image_sizes``, ``indices``).
+    """
+
+    def __init__(self, roidb: Any, cfg: DetectronConfig, *, pixel_format: str = "uint8",
+                 with_rois: bool = False) -> None:
+        self.roidb = roidb
+        self.with_rois = bool(with_rois)
+        self.pixel_format = pixel_format
+        self.cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (int(cfg.TEST.SCALE),),
+                                            "TRAIN.MAX_SIZE": int(cfg.TEST.MAX_SIZE)})
+        self.limit = int(cfg.TEST.PROPOSAL_LIMIT)
+
+    def __len__(self) -> int:
+        return len(self.roidb)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: Sequence[int]) -> dict[str, Any]:
+        from lit_roidata.minibatch.image import build_image_blob
+
+        entries = [self.roidb[int(i)] for i in indices]
+        # One scale, so the generator draws nothing that matters.
+        ib = build_image_blob(entries, self.cfg, np.random.default_rng(0),
+                              pixel_format=self.pixel_format)
+        out: dict[str, Any] = {"data": torch.from_numpy(ib.data),
+                               "im_info": torch.from_numpy(ib.im_info)}
+        rois = self._rois(entries, ib.im_scales)
+        if rois is not None:
+            blobs: dict[str, Any] = {"rois": rois}
+            if self.cfg.FPN.FPN_ON and self.cfg.FPN.MULTILEVEL_ROIS:
+                add_multilevel_rois(blobs, self.cfg, prefixes=("rois",))
+            out.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in blobs.items()})
+        out["_meta"] = {
+            "image_ids": [int(e["id"]) for e in entries],
+            "im_scales": [float(s) for s in ib.im_scales],
+            "datasets": [self.roidb.dataset_of(int(i)) for i in indices],
+            "heights": [int(e["height"]) for e in entries],
+            "widths": [int(e["width"]) for e in entries],
+            "image_sizes": torch.from_numpy(ib.image_sizes),
+            "indices": [int(i) for i in indices],
+        }
+        return out
+
+    def _rois(self, entries: Sequence[Mapping[str, Any]], scales: Sequence[float]
+              ) -> np.ndarray | None:
+        """Proposal rows (``gt_classes == 0``), first ``TEST.PROPOSAL_LIMIT``, scaled."""
+        if not self.with_rois:
+            return None
+        parts = [np.zeros((0, 5), np.float32)]
+        for b, (entry, s) in enumerate(zip(entries, scales)):
+            props = np.asarray(entry["boxes"], np.float32)[np.asarray(entry["gt_classes"]) == 0]
+            if self.limit > 0:
+                props = props[: self.limit]
+            parts.append(rois_blob(props * np.float32(s), b))
+        return np.concatenate(parts)

@@ -1,4 +1,6 @@
-"""The train DataLoader that checkpoints the batches the training loop consumed.
+"""The loaders: the train DataLoader that checkpoints the batches the training loop
+consumed (:class:`StatefulRoIDataLoader`), this rank's evaluation loader
+(:class:`EvalLoader`), and the worker setup they share (:func:`fork_safe_opencv`).
 
 A plain ``DataLoader`` over :class:`~lit_roidata.sampler.RoIBatchSampler` would resume at
 the sampler's cursor, which runs ``num_workers * prefetch_factor`` blocks ahead of
@@ -37,9 +39,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_roidata.config import DetectronConfig
+from lit_roidata.dataset import EvalDataset
 from lit_roidata.sampler import RoIBatchSampler
 
-__all__ = ["StatefulRoIDataLoader", "passthrough_collate"]
+__all__ = ["StatefulRoIDataLoader", "EvalLoader", "passthrough_collate", "fork_safe_opencv"]
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +125,8 @@ class StatefulRoIDataLoader:
         self.dataset = dataset
         self.batch_sampler = batch_sampler
         self.strict_resume = bool(strict_resume)
+        if num_workers > 0:
+            fork_safe_opencv()
         # A private generator: the DataLoader draws the worker base seed from it, so the
         # global torch RNG is never touched (a resumed run would otherwise diverge).
         self._generator = torch.Generator()
@@ -265,3 +271,58 @@ class StatefulRoIDataLoader:
     def __repr__(self) -> str:
         return (f"StatefulRoIDataLoader(pass={self._pos[0]}, cursor={self._pos[1]}, "
                 f"len={len(self)}, num_workers={self.num_workers})")
+
+
+def fork_safe_opencv() -> None:
+    """Stop OpenCV's thread pool in this process before DataLoader workers fork.
+
+    A worker forked while the parent's pool exists inherits its locks but not its
+    threads, and its first call that uses the pool (or ``cv2.setNumThreads``) can wait
+    forever.
+    The parent's pool is started by any earlier multi-threaded OpenCV call (demo data
+    generation, ``num_workers=0`` loading, the tools), so it is shut down here; the main
+    process then runs OpenCV single-threaded, which costs nothing when workers decode.
+    Both loaders of this module call it when they start workers.
+    """
+    import cv2
+
+    if cv2.getNumThreads() != 1:
+        cv2.setNumThreads(1)
+
+
+class EvalLoader:
+    """This rank's evaluation batches: a contiguous shard of the roidb, in order.
+
+    Shards differ by at most one image (no padding, no duplicates: COCO AP counts every
+    image once). Like :class:`~lit_roidata.loader.StatefulRoIDataLoader` it wraps the
+    ``DataLoader`` so Lightning never swaps in a ``DistributedSampler``, which would
+    pad the shards with repeated images.
+    """
+
+    def __init__(self, roidb: Any, cfg: DetectronConfig, *, rank: int = 0, world_size: int = 1,
+                 ims_per_batch: int = 1, pixel_format: str = "uint8", num_workers: int = 0,
+                 pin_memory: bool = False, with_rois: bool = False,
+                 persistent_workers: bool = False, prefetch_factor: int | None = None
+                 ) -> None:
+        shard = np.array_split(np.arange(len(roidb)), world_size)[rank]
+        self.batches = [shard[i:i + ims_per_batch].tolist()
+                        for i in range(0, len(shard), ims_per_batch)]
+        self.dataset = EvalDataset(roidb, cfg, pixel_format=pixel_format, with_rois=with_rois)
+        self.num_workers = min(int(num_workers), len(self.batches))
+        if self.num_workers > 0:
+            fork_safe_opencv()
+        # A private generator: creating the iterator draws the workers' base seed, which
+        # would otherwise come from (and advance) the global torch RNG, so a validation
+        # would change the training that follows it.
+        self._loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=self.batches, collate_fn=passthrough_collate,
+            num_workers=self.num_workers, pin_memory=pin_memory,
+            persistent_workers=bool(persistent_workers) and self.num_workers > 0,
+            prefetch_factor=prefetch_factor if self.num_workers > 0 else None,
+            generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Any:
+        return iter(self._loader)

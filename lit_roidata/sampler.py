@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-__all__ = ["Block", "RoIBatchSampler", "STATE_VERSION"]
+__all__ = ["Block", "RoIBatchSampler", "STATE_VERSION", "draw_replacement"]
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,6 @@ _STREAM_KEYS = ("seed", "ims_per_batch", "num_images", "num_horizontal",
                 "aspect_grouping", "shuffle", "holdback")
 
 
-def _make_block(indices: list[int], seed: int, pass_index: int, block_index: int,
-                attempt: int) -> "Block":
-    return Block(indices, seed=seed, pass_index=pass_index, block_index=block_index,
-                 attempt=attempt)
-
-
 def _block_indices(perm: np.ndarray, block_index: int, mb: int) -> list[int]:
     """The ``mb`` roidb indices of block ``block_index`` of the permutation ``perm``."""
     start = block_index * mb
@@ -56,14 +50,6 @@ def _block_indices(perm: np.ndarray, block_index: int, mb: int) -> list[int]:
     # ungrouped last block wraps onto the head of the same permutation (Detectron semantics: sampler
     # and aspect grouping)
     return perm[(start + np.arange(mb)) % perm.size].tolist()
-
-
-def _fast_block(indices: list[int], seed: int, pass_index: int, block_index: int) -> "Block":
-    # Half the cost of Block(...) (no keyword parsing): this runs once per batch.
-    blk = list.__new__(Block)
-    list.__init__(blk, indices)
-    blk.seed, blk.pass_index, blk.block_index, blk.attempt = seed, pass_index, block_index, 0
-    return blk
 
 
 class Block(list):
@@ -84,23 +70,65 @@ class Block(list):
 
     __slots__ = ("seed", "pass_index", "block_index", "attempt")
 
-    def __init__(self, indices: Any = (), *, seed: int, pass_index: int, block_index: int,
+    def __init__(self, indices: Any, seed: int, pass_index: int, block_index: int,
                  attempt: int = 0) -> None:
-        # Callers inside this module pass lists of Python ints (ndarray.tolist()); other
-        # iterables (NumPy arrays, tensors) are converted so workers see plain ints.
+        # The only constructor of blocks (the sampler's hot path calls it positionally,
+        # once per batch). Callers inside the package pass lists of Python ints
+        # (ndarray.tolist()); other iterables (NumPy arrays, tensors) are converted so
+        # workers see plain ints.
         list.__init__(self, indices if type(indices) is list else [int(i) for i in indices])
         self.seed = seed
         self.pass_index = pass_index
         self.block_index = block_index
         self.attempt = attempt
 
+    def derive(self, indices: Any, attempt: int | None = None) -> "Block":
+        """A block at this block's place in the stream holding other ``indices`` (a
+        replaced image, a substitute block); ``attempt`` defaults to this block's."""
+        return Block(indices, self.seed, self.pass_index, self.block_index,
+                     self.attempt if attempt is None else attempt)
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_make_block, (list(self), self.seed, self.pass_index, self.block_index,
-                              self.attempt))
+        return (Block, (list(self), self.seed, self.pass_index, self.block_index,
+                        self.attempt))
 
     def __repr__(self) -> str:
         return (f"Block({list.__repr__(self)}, seed={self.seed}, pass_index={self.pass_index}, "
                 f"block_index={self.block_index}, attempt={self.attempt})")
+
+
+def draw_replacement(block: Block, attempt: int, pool: np.ndarray | int, size: int, *,
+                     seed: int | None = None, domain: int | None = None) -> Block:
+    """The replacement-block policy: a deterministic substitute for an invalid block.
+
+    Every substitute block of the package is drawn here: ``size`` images without
+    replacement from ``pool`` (roidb indices, or an int ``n`` for all of ``range(n)``) by
+    a generator seeded from ``(domain, seed, pass_index, block_index, attempt)``. A pure
+    function of its arguments, so any worker process draws the same block.
+    :meth:`RoIBatchSampler.replacement_block` passes the block's orientation group
+    (grouped sampler) or the whole roidb; :class:`~lit_roidata.dataset.RoIBlockDataset`
+    without a sampler passes the orientation group with its own seed ``domain``.
+
+    Args:
+        block: the invalid block (its stream coordinates are kept).
+        attempt: ``1, 2, ...`` for successive substitutes of the same block.
+        pool: the candidate roidb indices, or their count.
+        size: images in the substitute (at most the pool's size).
+        seed: the stream seed (default: ``block.seed``).
+        domain: seed domain separating this draw from the package's other streams
+            (default: the sampler's).
+
+    Returns:
+        the substitute: ``block``'s stream coordinates, ``attempt``, the drawn indices.
+    """
+    attempt = _check_int("attempt", attempt, 1)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+        [_REPLACE_DOMAIN if domain is None else domain, block.seed if seed is None else seed, block.pass_index, block.block_index,
+         attempt])))
+    n = pool if isinstance(pool, (int, np.integer)) else pool.size
+    pick = rng.choice(n, size=size, replace=False)
+    inds = pick if isinstance(pool, (int, np.integer)) else pool[pick]
+    return Block(inds.tolist(), block.seed, block.pass_index, block.block_index, attempt)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -263,7 +291,7 @@ class RoIBatchSampler(Sampler[Block]):
             raise IndexError(f"block_index {block_index} outside a pass of "
                              f"{self.blocks_per_pass} blocks")
         inds = _block_indices(self.permutation(pass_index), block_index, self.ims_per_batch)
-        return _fast_block(inds, self.seed, pass_index, block_index)
+        return Block(inds, self.seed, pass_index, block_index)
 
     # ------------------------------------------------------------------ positions
     def __len__(self) -> int:
@@ -323,7 +351,7 @@ class RoIBatchSampler(Sampler[Block]):
             extra, c = divmod(c, nb)
             p += extra
         self._pass, self._cursor = p, c
-        return _fast_block(inds, self.seed, q, b)
+        return Block(inds, self.seed, q, b)
 
     def draw(self) -> Block:
         """Take this rank's next block, atomically (Detectron's locked cursor, Detectron semantics:
@@ -433,19 +461,12 @@ class RoIBatchSampler(Sampler[Block]):
         ``(seed, pass_index, block_index, attempt)``: a pure function, safe to call in any
         worker process. The caller bounds ``attempt`` (a cap with a clear error).
         """
-        attempt = _check_int("attempt", attempt, 1)
         if not block:
             raise ValueError("RoIBatchSampler.replacement_block: empty block")
-        pool = None
+        pool: np.ndarray | int = self.num_images
         if self._grouped:
             pool = self._horz if self._is_horz[int(block[0])] else self._vert
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-            [_REPLACE_DOMAIN, self.seed, block.pass_index, block.block_index, attempt])))
-        size = self.num_images if pool is None else pool.size
-        pick = rng.choice(size, size=self.ims_per_batch, replace=False)
-        inds = pick if pool is None else pool[pick]
-        return Block(inds.tolist(), seed=block.seed, pass_index=block.pass_index,
-                     block_index=block.block_index, attempt=attempt)
+        return draw_replacement(block, attempt, pool, self.ims_per_batch, seed=self.seed)
 
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:

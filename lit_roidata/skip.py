@@ -56,7 +56,7 @@ import numpy as np
 import pytorch_lightning as pl
 
 __all__ = ["BadImageLedger", "RepairRequest", "BadImageReport", "holdback_blocks",
-           "LEDGER_VERSION"]
+           "merge_skip_reports", "LEDGER_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class BadImageLedger:
                                          bad)
                 inds[slot] = new
                 subs.append({"slot": slot, "bad_index": int(i), "index": int(new), "why": why})
-        return _with_indices(block, inds), subs
+        return block.derive([int(i) for i in inds]), subs
 
     def substitute(self, block: Any, slot: int, attempt: int = 0) -> tuple[Any, dict]:
         """Replace ``block[slot]`` (found bad, already :meth:`mark_bad`) by this rank's next
@@ -321,8 +321,9 @@ class BadImageLedger:
             why = "reserve_exhausted"
         inds = list(block)
         inds[slot] = new
-        return _with_indices(block, inds), {"slot": int(slot), "bad_index": bad_index,
-                                             "index": int(new), "why": why}
+        return block.derive([int(i) for i in inds]), {"slot": int(slot),
+                                                      "bad_index": bad_index,
+                                                      "index": int(new), "why": why}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -357,11 +358,28 @@ class BadImageLedger:
         self.restored_foreign = False
 
 
-def _with_indices(block: Any, inds: list[int]) -> Any:
-    from lit_roidata.sampler import Block
+def merge_skip_reports(parts: Sequence[Mapping[str, Any]]
+                       ) -> tuple[Counter, dict[str, dict[str, Any]]]:
+    """Merge the ranks' skip reports (``{"counts": ..., "files": [record, ...]}`` each).
 
-    return Block([int(i) for i in inds], seed=block.seed, pass_index=block.pass_index,
-                 block_index=block.block_index, attempt=getattr(block, "attempt", 0))
+    Returns:
+        ``(counts, files)``: the counts by kind, one count per file (a file two ranks
+        found in the same epoch counts once by its reason, each further find as
+        ``read_again``), and one record per file path (records without a path are kept
+        apart).
+    """
+    counts: Counter[str] = Counter()
+    files: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        counts.update(part["counts"])
+        for rec in part["files"]:
+            key = rec.get("path")
+            files.setdefault(str(key) if key is not None else f"<no path {len(files)}>", rec)
+    found = Counter(str(r.get("reason")) for part in parts for r in part["files"])
+    counts.subtract(found)
+    counts.update(Counter(str(r.get("reason")) for r in files.values()))
+    counts["read_again"] += sum(found.values()) - len(files)
+    return Counter({k: v for k, v in counts.items() if v > 0}), files
 
 
 def _report_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:

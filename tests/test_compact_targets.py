@@ -9,7 +9,8 @@ import torch
 
 from lit_roidata.catalog import Catalog
 from lit_roidata.config import get_cfg
-from lit_roidata.dataset import RoIBlockDataset, make_block
+from lit_roidata.dataset import RoIBlockDataset
+from lit_roidata.sampler import Block
 from lit_roidata.demo.data import register_demo_datasets
 from lit_roidata.minibatch import get_minibatch_blob_names
 from lit_roidata.minibatch.anchors import concat_fields, level_offsets, rpn_fields
@@ -66,7 +67,7 @@ def test_compact_expands_to_the_dense_blobs(demo, model_type, rng_mode):
     cfg = _cfg(model_type)
     roidb = _roidb(demo, cfg, model_type)
     n = len(roidb)
-    blocks = [make_block([i, (i + 3) % n], seed=7, pass_index=0, block_index=b)
+    blocks = [Block([i, (i + 3) % n], seed=7, pass_index=0, block_index=b)
               for b, i in enumerate(range(0, n, 3))]
     dense_ds = RoIBlockDataset(roidb, cfg, rng_mode=rng_mode, target_format="detectron",
                                mask_format="detectron")
@@ -91,7 +92,7 @@ def test_compact_raw_keeps_the_sampled_anchors(demo):
     """``expand_compact_targets=False`` (``target_format="compact_raw"``) leaves them."""
     cfg = _cfg("faster_rcnn_fpn")
     roidb = _roidb(demo, cfg, "faster_rcnn_fpn")
-    blk = make_block([0, 1], seed=1, pass_index=0, block_index=0)
+    blk = Block([0, 1], seed=1, pass_index=0, block_index=0)
     batch = RoIBlockDataset(roidb, cfg, target_format="compact").__getitems__(blk)
     finalize_on_device(batch, cfg.PIXEL_MEANS, 5, expand_compact_targets=False)
     assert all(k in batch for k in RPN_COMPACT_KEYS) and batch["data"].dtype == torch.float32
@@ -199,7 +200,7 @@ def test_worker_output_crosses_with_one_copy(demo, monkeypatch, target_format):
 
     cfg = _cfg("mask_rcnn_fpn")
     roidb = _roidb(demo, cfg, "mask_rcnn_fpn")
-    blk = make_block([0, 1], seed=3, pass_index=0, block_index=0)
+    blk = Block([0, 1], seed=3, pass_index=0, block_index=0)
     ref = RoIBlockDataset(roidb, cfg, target_format=target_format).__getitems__(blk)
     monkeypatch.setattr(dataset_mod, "_in_worker", lambda: True)
     out = RoIBlockDataset(roidb, cfg, target_format=target_format).__getitems__(blk)
@@ -228,7 +229,7 @@ def test_torchvision_output_built_in_shared_memory(demo, monkeypatch):
 
     cfg = _cfg("mask_rcnn_fpn")
     roidb = _roidb(demo, cfg, "mask_rcnn_fpn")
-    blk = make_block([0, 1], seed=3, pass_index=0, block_index=0)
+    blk = Block([0, 1], seed=3, pass_index=0, block_index=0)
     ref = RoIBlockDataset(roidb, cfg, output_format="torchvision").__getitems__(blk)
     monkeypatch.setattr(dataset_mod, "_in_worker", lambda: True)
     out = RoIBlockDataset(roidb, cfg, output_format="torchvision").__getitems__(blk)

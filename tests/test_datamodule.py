@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 
 from lit_roidata import DemoRoIDataModule, RoIDataModule
-from lit_roidata.datamodule import EvalLoader
+from lit_roidata.loader import EvalLoader
 from lit_roidata.minibatch import get_minibatch_blob_names
 
 from datamodule_support import TINY_MODEL, dm_kwargs
@@ -255,3 +255,36 @@ def test_compact_masks_expand_on_device_to_detectron_blobs(root: Path, pixel_for
         assert a.dtype == b.dtype and torch.equal(a, b), name
     masks = torch.as_tensor(detectron["masks_int32"])
     assert masks.shape[1] == dm.cfg.MODEL.NUM_CLASSES * dm.cfg.MRCNN.RESOLUTION ** 2
+
+
+@pytest.mark.parametrize("name, home", [("EvalLoader", "lit_roidata.loader"),
+                                        ("EvalDataset", "lit_roidata.dataset"),
+                                        ("fork_safe_opencv", "lit_roidata.loader")])
+def test_moved_names_stay_importable_from_datamodule_with_a_warning(name, home):
+    import importlib
+
+    import lit_roidata.datamodule as dm_module
+
+    with pytest.warns(DeprecationWarning, match=home.replace(".", r"\.")):
+        old = getattr(dm_module, name)
+    assert old is getattr(importlib.import_module(home), name)
+    assert name not in dm_module.__all__
+    with pytest.raises(AttributeError):
+        dm_module.no_such_name  # noqa: B018
+
+
+def test_finish_batch_is_the_device_hook():
+    from lit_roidata.config import load_detectron_cfg
+    from lit_roidata.minibatch.device import finish_batch, normalize_on_device
+
+    cfg = load_detectron_cfg(None)
+    data = torch.randint(0, 256, (2, 3, 8, 6), dtype=torch.uint8)
+    sizes = torch.tensor([[8, 6], [5, 4]])
+    out = finish_batch({"data": data.clone(), "_meta": {"image_sizes": sizes}}, cfg)
+    assert torch.equal(out["data"], normalize_on_device(data, sizes, cfg.PIXEL_MEANS))
+    assert out["data"][1, :, 5:].abs().sum() == 0  # the padding is zeroed
+    # no sizes in _meta: the whole padded blob counts as the image
+    full = finish_batch({"data": data.clone()}, cfg)["data"]
+    assert torch.equal(full, normalize_on_device(data, [[8, 6]] * 2, cfg.PIXEL_MEANS))
+    other = (data,)
+    assert finish_batch(other, cfg) is other  # not a dict batch: unchanged

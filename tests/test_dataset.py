@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lit_roidata.dataset import RoIBlockDataset, make_block, rebuild_block
+from lit_roidata.dataset import RoIBlockDataset, rebuild_block
+from lit_roidata.sampler import Block
 from lit_roidata.minibatch import BadImageError, get_minibatch_blob_names, normalize_on_device
 from test_minibatch_helpers import make_entry, small_cfg, write_image
 
@@ -44,7 +45,7 @@ def _same(a, b):
 def test_block_output_layout_and_meta(tmp_path):
     cfg = small_cfg(**CFG)
     ds = RoIBlockDataset(_roidb(tmp_path), cfg)
-    out = ds.__getitems__(make_block([0, 2], seed=5, pass_index=1, block_index=3))
+    out = ds.__getitems__(Block([0, 2], seed=5, pass_index=1, block_index=3))
     assert list(out)[:-1] == get_minibatch_blob_names(cfg) and list(out)[-1] == "_meta"
     assert out["data"].dtype == torch.uint8 and out["data"].shape[2] % 16 == 0
     meta = out["_meta"]
@@ -54,7 +55,7 @@ def test_block_output_layout_and_meta(tmp_path):
     assert meta["im_info"].shape == (2, 3) and meta["image_sizes"].dtype == torch.int32
     # the uint8 blob normalised on the device is Detectron's float blob (within 1 grey)
     ref = RoIBlockDataset(ds.roidb, cfg, pixel_format="detectron").__getitems__(
-        make_block([0, 2], seed=5, pass_index=1, block_index=3))
+        Block([0, 2], seed=5, pass_index=1, block_index=3))
     dev = normalize_on_device(out["data"], meta["image_sizes"], cfg.PIXEL_MEANS)
     assert dev.shape == ref["data"].shape and (dev - ref["data"]).abs().mean() < 0.5
     for k in out:
@@ -102,7 +103,7 @@ def test_dataloader_workers_match_in_process(tmp_path):
     roidb = _roidb(tmp_path)
     cfg = small_cfg(**CFG)
     ds = RoIBlockDataset(roidb, cfg)
-    blocks = [make_block([i, i + 2], seed=3, pass_index=0, block_index=i) for i in range(3)]
+    blocks = [Block([i, i + 2], seed=3, pass_index=0, block_index=i) for i in range(3)]
     dl = torch.utils.data.DataLoader(ds, batch_sampler=blocks, collate_fn=lambda b: b,
                                      num_workers=1, multiprocessing_context="fork")
     for blk, got in zip(blocks, dl):
@@ -114,7 +115,7 @@ def test_bad_image_raise_names_file(tmp_path):
     roidb[1]["image"] = str(tmp_path / "missing.jpg")
     ds = RoIBlockDataset(roidb, small_cfg())
     with pytest.raises(BadImageError, match=r"image id 101 of dataset 'test_ds'.*missing\.jpg"):
-        ds.__getitems__(make_block([0, 1], seed=0, pass_index=0, block_index=0))
+        ds.__getitems__(Block([0, 1], seed=0, pass_index=0, block_index=0))
 
 
 def test_bad_image_skip_replaces_deterministically_and_counts(tmp_path):
@@ -124,12 +125,10 @@ def test_bad_image_skip_replaces_deterministically_and_counts(tmp_path):
 
     def replacement(block, attempt):
         calls.append(attempt)
-        return make_block([2, 3] if attempt == 1 else [4, 5], seed=block.seed,
-                          pass_index=block.pass_index, block_index=block.block_index,
-                          attempt=attempt)
+        return block.derive([2, 3] if attempt == 1 else [4, 5], attempt=attempt)
 
     ds = RoIBlockDataset(roidb, small_cfg(), on_bad_image="skip", replacement=replacement)
-    blk = make_block([0, 1], seed=0, pass_index=0, block_index=4)
+    blk = Block([0, 1], seed=0, pass_index=0, block_index=4)
     out = ds.__getitems__(blk)
     meta = out["_meta"]
     assert calls == [1] and meta["indices"] == [2, 3] and meta["requested_indices"] == [0, 1]
@@ -155,22 +154,21 @@ def test_invalid_keypoint_minibatch_replaced_then_bounded(tmp_path):
     cfg = small_cfg(**{"MODEL.KEYPOINTS_ON": True, "KRCNN.NUM_KEYPOINTS": 4,
                        "KRCNN.HEATMAP_SIZE": 8,
                        "KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH": 0})
-    rep = lambda b, a: make_block([4, 5], seed=b.seed, pass_index=b.pass_index,  # noqa: E731
-                                  block_index=b.block_index, attempt=a)
+    rep = lambda b, a: b.derive([4, 5], attempt=a)  # noqa: E731
     ds = RoIBlockDataset(roidb, cfg, replacement=rep)
-    out = ds.__getitems__(make_block([0, 1], seed=0, pass_index=0, block_index=0))
+    out = ds.__getitems__(Block([0, 1], seed=0, pass_index=0, block_index=0))
     assert out["_meta"]["indices"] == [4, 5] and out["_meta"]["num_invalid_replaced"] == 1
     assert ds.skip_counts["invalid_minibatch"] == 1
     stuck = RoIBlockDataset(roidb, cfg, max_attempts=2, replacement=lambda b, a: b)
     with pytest.raises(RuntimeError, match="no usable minibatch after 2 replacements"):
-        stuck.__getitems__(make_block([0, 1], seed=0, pass_index=0, block_index=0))
+        stuck.__getitems__(Block([0, 1], seed=0, pass_index=0, block_index=0))
 
 
 def test_torchvision_output_and_pickling(tmp_path):
     roidb = _roidb(tmp_path)
     cfg = small_cfg(**{"MODEL.MASK_ON": True})
     ds = RoIBlockDataset(roidb, cfg, output_format="torchvision")
-    batch = ds.__getitems__(make_block([0, 1], seed=0, pass_index=0, block_index=0))
+    batch = ds.__getitems__(Block([0, 1], seed=0, pass_index=0, block_index=0))
     images, targets = batch
     assert batch.meta["indices"] == [0, 1]
     back = pickle.loads(pickle.dumps(batch))
@@ -186,7 +184,7 @@ def test_compact_masks_finalized_on_device_equal_detectron_blobs(tmp_path):
 
     roidb = _roidb(tmp_path)
     cfg = small_cfg(**CFG)
-    blk = make_block([0, 3], seed=4, pass_index=0, block_index=1)
+    blk = Block([0, 3], seed=4, pass_index=0, block_index=1)
     ref = RoIBlockDataset(roidb, cfg, pixel_format="detectron").__getitems__(blk)
     fast = RoIBlockDataset(roidb, cfg, mask_format="compact").__getitems__(blk)
     assert fast["masks_int32"].shape[1] == 36 and "mask_class_int32" in fast
@@ -221,7 +219,36 @@ def test_bad_image_in_worker_reraised_with_names(tmp_path):
     roidb[1]["image"] = str(tmp_path / "missing.jpg")
     ds = RoIBlockDataset(roidb, small_cfg())
     dl = torch.utils.data.DataLoader(
-        ds, batch_sampler=[make_block([0, 1], seed=0, pass_index=0, block_index=0)],
+        ds, batch_sampler=[Block([0, 1], seed=0, pass_index=0, block_index=0)],
         collate_fn=lambda b: b, num_workers=1, multiprocessing_context="fork")
     with pytest.raises(BadImageError, match=r"image id 101 of dataset 'test_ds'.*missing\.jpg"):
         next(iter(dl))
+
+
+class _SizedRoidb(list):
+    widths = np.array([4., 2, 4, 4, 2, 4, 2, 4, 4, 2, 4, 4])
+    heights = np.array([2., 4, 2, 2, 4, 2, 4, 2, 2, 4, 2, 2])
+
+
+def test_replacement_without_a_sampler_is_the_same_policy_in_its_own_domain():
+    # Values pinned before the two replacement policies became one (draw_replacement):
+    # without a sampler the substitute comes from the block's orientation group, drawn in
+    # the dataset's own seed domain (not the sampler's).
+    ds = RoIBlockDataset(_SizedRoidb([{}] * 12), small_cfg())
+    got = {first: [ds._replacement(Block([first, 3], seed=7, pass_index=1, block_index=3), a)
+                   for a in (1, 2)] for first in (0, 1)}
+    assert [list(b) for b in got[0]] == [[8, 2], [11, 2]]  # horizontal like entry 0
+    assert [list(b) for b in got[1]] == [[6, 1], [9, 1]]  # vertical like entry 1
+    assert [(b.seed, b.pass_index, b.block_index, b.attempt) for b in got[0]] == [
+        (7, 1, 3, 1), (7, 1, 3, 2)]
+    plain = RoIBlockDataset([{}] * 12, small_cfg())  # no sizes: the whole roidb
+    assert [list(plain._replacement(Block([0, 3], 7, 1, 3), a)) for a in (1, 2)] == [
+        [7, 1], [11, 2]]
+
+
+def test_make_block_is_deprecated_for_block():
+    import lit_roidata.dataset as dataset_module
+
+    with pytest.warns(DeprecationWarning, match="lit_roidata.sampler.Block"):
+        make_block = dataset_module.make_block
+    assert make_block is Block

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_roidata import DemoRoIDataModule
-from lit_roidata.datamodule import EvalLoader
+from lit_roidata.loader import EvalLoader
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.sampler import RoIBatchSampler
 

@@ -153,7 +153,7 @@ def test_trains_on_real_minibatch_blobs(real: dict) -> None:
 
 
 def test_validation_output_feeds_coco_evaluator(real: dict) -> None:
-    from lit_roidata.datamodule import EvalDataset
+    from lit_roidata.dataset import EvalDataset
     from lit_roidata.evaluation import COCOEvaluator
 
     cfg, val = real["cfg"], real["val"]

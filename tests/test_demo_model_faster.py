@@ -73,7 +73,7 @@ def test_proposals_by_hand(rpn_data: dict) -> None:
 
 
 def test_detect_contract_and_config_check(rpn_data: dict) -> None:
-    from lit_roidata.datamodule import EvalDataset
+    from lit_roidata.dataset import EvalDataset
 
     cfg, val = rpn_data["cfg"], rpn_data["val"]
     model = _model(cfg, score_thresh=0.0).eval()

@@ -231,3 +231,19 @@ def test_loader_resume_with_other_world_size():
     its = [iter(x) for x in three]
     got += [c for _ in range(5) for it in its for c in coords([next(it)])]
     assert got == want[:len(got)]  # the global stream goes on: no repeat, no skip
+
+
+def test_loaders_with_workers_stop_the_main_process_opencv_pool():
+    # fork_safe_opencv runs where workers are set up: a worker forked while the parent's
+    # OpenCV pool exists can hang on its first OpenCV call.
+    import cv2
+
+    before = cv2.getNumThreads()
+    try:
+        cv2.setNumThreads(4)
+        make_loader(num_workers=0)
+        assert cv2.getNumThreads() == 4  # no workers: left alone
+        make_loader(num_workers=1)
+        assert cv2.getNumThreads() == 1
+    finally:
+        cv2.setNumThreads(before)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torchvision import tv_tensors
 
-from lit_roidata.dataset import RoIBlockDataset, make_block
+from lit_roidata.dataset import RoIBlockDataset
+from lit_roidata.sampler import Block
 from lit_roidata.minibatch.augment import Augmentation
 from lit_roidata.minibatch.core import build_minibatch
 from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
@@ -115,7 +116,7 @@ def test_augmented_blocks_are_valid_and_reproducible(tmp_path):
     roidb = _entries(tmp_path, n=2)
     aug = Augmentation([A.Affine(scale=(0.8, 1.2), rotate=(-10, 10), p=1),
                         A.RandomBrightnessContrast(p=1)], cfg)
-    blk = make_block([0, 1], seed=2, pass_index=0, block_index=5)
+    blk = Block([0, 1], seed=2, pass_index=0, block_index=5)
     a = RoIBlockDataset(roidb, cfg, augment=aug).__getitems__(blk)
     b = RoIBlockDataset(roidb, cfg, augment=aug).__getitems__(blk)
     for k in a:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_roidata.sampler import Block, RoIBatchSampler
+from lit_roidata.sampler import Block, RoIBatchSampler, draw_replacement
 
 SETTINGS = settings(deadline=None, max_examples=40)
 
@@ -307,6 +307,37 @@ def test_block_pickles_with_coordinates():
     c = pickle.loads(pickle.dumps(b))
     assert type(c) is Block and c == [3, 1]
     assert (c.seed, c.pass_index, c.block_index, c.attempt) == (2, 5, 7, 1)
+
+
+def test_block_derive_keeps_the_stream_coordinates():
+    b = Block(np.array([3, 1]), seed=2, pass_index=5, block_index=7, attempt=1)
+    assert type(b[0]) is int  # arrays become plain ints
+    d = b.derive([4, 6])
+    assert type(d) is Block and d == [4, 6] and b == [3, 1]
+    assert (d.seed, d.pass_index, d.block_index, d.attempt) == (2, 5, 7, 1)
+    assert b.derive([0], attempt=3).attempt == 3
+
+
+_W = np.array([4., 2, 4, 4, 2, 4, 2, 4, 4, 2, 4, 4])
+_H = np.array([2., 4, 2, 2, 4, 2, 4, 2, 2, 4, 2, 2])
+
+
+@pytest.mark.parametrize("grouping", [True, False])
+def test_replacement_block_is_draw_replacement_and_pinned(grouping):
+    # Values pinned before the policy became one function (draw_replacement): a change of
+    # the draw would change every resumed run that replaced a block.
+    s = RoIBatchSampler(_W, _H, 2, aspect_grouping=grouping, seed=7)
+    b = s.block(1, 3)
+    assert list(b) == ([3, 7] if grouping else [9, 8])
+    got = [s.replacement_block(b, a) for a in (1, 2)]
+    assert [list(x) for x in got] == [[11, 7], [0, 3]]
+    assert [(x.pass_index, x.block_index, x.attempt) for x in got] == [(1, 3, 1), (1, 3, 2)]
+    pool = np.flatnonzero(_W >= _H) if grouping else len(_W)
+    assert got == [draw_replacement(b, a, pool, 2) for a in (1, 2)]
+    other = draw_replacement(b, 1, pool, 2, domain=1)  # the seed domain is a parameter
+    assert other.attempt == 1
+    with pytest.raises(ValueError, match="attempt"):
+        draw_replacement(b, 0, pool, 2)
 
 
 def test_too_few_images_for_a_block_is_an_error_q14():

@@ -276,3 +276,18 @@ def test_ddp_resume_from_rank0_state_repeats_no_replacement(n, mb, stop, seed):
     repeats = sum(c - 1 for c in delivered.values())
     if used_front + used_back <= share:  # the two ends of rank 1's share did not meet
         assert repeats <= exhausted
+
+
+def test_merge_skip_reports_counts_each_file_once():
+    from lit_roidata.skip import merge_skip_reports
+
+    a = {"path": "/d/a.jpg", "reason": "decode_error"}
+    parts = [{"counts": {"decode_error": 1, "known_bad": 2}, "files": [a]},
+             {"counts": {"decode_error": 2}, "files": [dict(a), {"path": "/d/b.jpg",
+                                                                  "reason": "decode_error"}]},
+             {"counts": {"missing": 1}, "files": [{"path": None, "reason": "missing"}]}]
+    counts, files = merge_skip_reports(parts)
+    # a.jpg found by two ranks: once by its reason, once as read_again
+    assert counts == {"decode_error": 2, "read_again": 1, "known_bad": 2, "missing": 1}
+    assert list(files)[:2] == ["/d/a.jpg", "/d/b.jpg"] and len(files) == 3
+    assert merge_skip_reports([]) == ({}, {})

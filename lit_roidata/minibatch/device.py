@@ -7,25 +7,114 @@ COCO settings), and the RPN "wide" targets, four ``(n, ·, F, F)`` maps per FPN 
 that hold at most ``RPN_BATCH_SIZE_PER_IM`` non-fill values per image (45 MB per batch
 at 800x1333). Workers can ship all of them compactly (``pixel_format="uint8"``,
 ``mask_format="compact"``, ``target_format="compact"``); :func:`finalize_on_device`
-restores Detectron's exact blobs on the device, where filling memory is nearly free.
-Every function here is plain torch on the input's device (CPU or CUDA).
+restores Detectron's exact blobs on the device, where filling memory is nearly free
+(:func:`normalize_on_device` for the pixels, the ``expand_*`` functions for the targets).
+Every function here runs on the input's device (CPU or CUDA; the exact CPU pixel path
+uses OpenCV's ``LUT``); :func:`finish_batch` is what
+``RoIDataModule.on_after_batch_transfer`` runs.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, MutableMapping, Sequence
 
+import cv2
+import numpy as np
 import torch
 
-from lit_roidata.minibatch.image import normalize_on_device
-
-__all__ = ["expand_masks_on_device", "expand_rpn_targets", "expand_sparse", "expand_targets",
-           "finalize_on_device"]
+__all__ = ["normalize_on_device", "expand_masks_on_device", "expand_rpn_targets",
+           "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch"]
 
 _RPN_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
               "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
 _RPN_COMPACT = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
                 "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
+
+
+_LUT_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _mean_lut(pixel_means: Sequence[float], device: torch.device) -> torch.Tensor:
+    key = (tuple(float(m) for m in pixel_means), str(device))
+    lut = _LUT_CACHE.get(key)
+    if lut is None:
+        values = np.arange(256, dtype=np.float64)[None, :] - np.asarray(key[0])[:, None]
+        lut = torch.from_numpy(values.astype(np.float32).reshape(-1)).to(device)
+        _LUT_CACHE[key] = lut
+    return lut
+
+
+def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
+                        pixel_means: Sequence[float], *, exact: bool = True) -> torch.Tensor:
+    """Turn a uint8 BGR NCHW blob into Detectron's float blob, on the tensor's device.
+
+    Subtracts ``PIXEL_MEANS`` and zeroes the padding, so the result has Detectron's
+    layout, dtype and padding. With ``exact=True`` each value is
+    ``float32(float64(v) - mean)``, bit-identical to Detectron's in-place subtraction
+    (a 768-entry lookup table); ``exact=False`` subtracts in float32 (may differ by
+    one ulp). Meant for ``LightningDataModule.on_after_batch_transfer``.
+
+    Args:
+        data_uint8: ``(n, 3, H, W)`` uint8 tensor (BGR).
+        image_sizes_or_im_info: ``(n, 2)`` ``(h, w)`` sizes, or ``(n, 3)`` ``im_info``
+            rows (their first two columns), as tensor, array or nested lists.
+        pixel_means: BGR means (``cfg.PIXEL_MEANS``).
+
+    Returns:
+        ``(n, 3, H, W)`` float32 tensor on the same device.
+    """
+    if data_uint8.dtype != torch.uint8 or data_uint8.dim() != 4 or data_uint8.shape[1] != 3:
+        raise ValueError("normalize_on_device expects a (n, 3, H, W) uint8 tensor, got "
+                         f"{tuple(data_uint8.shape)} {data_uint8.dtype}")
+    sizes = torch.as_tensor(np.asarray(
+        image_sizes_or_im_info.cpu() if torch.is_tensor(image_sizes_or_im_info)
+        else image_sizes_or_im_info, dtype=np.float64))
+    if sizes.dim() != 2 or sizes.shape[0] != data_uint8.shape[0] or sizes.shape[1] not in (2, 3):
+        raise ValueError(f"image sizes must be (n, 2) or (n, 3) with n={data_uint8.shape[0]}, "
+                         f"got {tuple(sizes.shape)}")
+    dev = data_uint8.device
+    rows = sizes[:, :2].round().to(torch.int64).tolist()
+    if exact and dev.type == "cpu":
+        return _normalize_cpu(data_uint8, rows, _mean_lut(pixel_means, dev))
+    if exact:
+        lut = _mean_lut(pixel_means, dev)
+        offsets = torch.arange(3, device=dev, dtype=torch.int64).view(1, 3, 1, 1) * 256
+        out = lut[data_uint8.to(torch.int64) + offsets]
+    else:
+        means = torch.tensor([float(m) for m in pixel_means], dtype=torch.float32, device=dev)
+        out = data_uint8.to(torch.float32) - means.view(1, 3, 1, 1)
+    H, W = out.shape[2], out.shape[3]
+    for i, (h, w) in enumerate(rows):
+        if h < H:
+            out[i, :, h:, :] = 0
+        if w < W:
+            out[i, :, :h, w:] = 0
+    return out
+
+
+def _normalize_cpu(data_uint8: torch.Tensor, rows: Sequence[Sequence[int]],
+                   lut: torch.Tensor) -> torch.Tensor:
+    """The exact CPU path of :func:`normalize_on_device`: one pass over the pixels.
+
+    OpenCV's ``LUT`` maps each plane's ``h x w`` image region through the channel's
+    256-entry float32 table straight into the output (no int64 index tensor, no
+    gather, no second pass), and only the padding is zeroed: ~14x faster than the
+    indexing path on the CPU, with the same values (a table lookup either way).
+    """
+    n, _, H, W = data_uint8.shape
+    out = torch.empty((n, 3, H, W), dtype=torch.float32)
+    src, dst, table = data_uint8.numpy(), out.numpy(), lut.numpy().reshape(3, 256)
+    for i, (h, w) in enumerate(rows):
+        h, w = max(0, min(int(h), H)), max(0, min(int(w), W))
+        for c in range(3):
+            if h and w:
+                region = dst[i, c, :h, :w]
+                res = cv2.LUT(src[i, c, :h, :w], table[c], dst=region)
+                if not np.shares_memory(res, region):  # OpenCV could not write in place
+                    region[...] = res
+        dst[i, :, h:, :] = 0
+        dst[i, :, :h, w:] = 0
+    return out
 
 
 def expand_masks_on_device(masks: torch.Tensor, classes: torch.Tensor,
@@ -171,3 +260,35 @@ def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[fl
     if expand_compact_targets:
         expand_targets(batch)
     return batch
+
+
+def finish_batch(batch: Any, cfg: Any, *, expand_compact_targets: bool = True) -> Any:
+    """Finish one transferred batch on its device (``on_after_batch_transfer``).
+
+    A dict batch (``output_format="detectron"``, evaluation batches) is finished in place
+    by :func:`finalize_on_device` with the config's ``PIXEL_MEANS`` and
+    ``MODEL.NUM_CLASSES`` and the unpadded image sizes of its ``_meta``; other batches
+    (``TorchvisionBatch``) are returned unchanged.
+
+    Args:
+        batch: the batch on its device.
+        cfg: the Detectron config the batch was built with.
+        expand_compact_targets: ``False`` keeps compact RPN / RetinaNet targets
+            (``target_format="compact_raw"``).
+    """
+    if isinstance(batch, dict):
+        finalize_on_device(batch, cfg.PIXEL_MEANS, int(cfg.MODEL.NUM_CLASSES),
+                           image_sizes=_image_sizes(batch) if "data" in batch else None,
+                           expand_compact_targets=expand_compact_targets)
+    return batch
+
+
+def _image_sizes(batch: Mapping[str, Any]) -> Any:
+    """``(n, 2)`` unpadded ``(h, w)`` of the images in ``batch["data"]``."""
+    meta = batch.get("_meta") or {}
+    if "image_sizes" in meta:
+        return meta["image_sizes"]
+    if "im_info" in batch:
+        return batch["im_info"]
+    n, _, h, w = batch["data"].shape
+    return [[h, w]] * n

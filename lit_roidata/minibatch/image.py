@@ -9,7 +9,8 @@ Two pixel formats share every geometric step (scale draw, ``MAX_SIZE`` cap, Open
 * ``"uint8"`` (the fast default of :class:`~lit_roidata.dataset.RoIBlockDataset`): BGR
   uint8 NCHW, padding 0. It is resized with OpenCV's uint8 kernel (within one grey level
   of the float kernel) and is 4x smaller through worker pipes and the host-to-device
-  copy; :func:`normalize_on_device` then produces the Detectron blob on the device.
+  copy; :func:`~lit_roidata.minibatch.device.normalize_on_device` then produces the
+  Detectron blob on the device.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import cv2
 import numpy as np
-import torch
 
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.decode import load_image
+from lit_roidata.minibatch.device import normalize_on_device  # noqa: F401  (re-export)
 
 __all__ = [
     "PIXEL_FORMATS",
@@ -233,89 +234,3 @@ def get_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any,
     """
     batch = build_image_blob(entries, cfg, rng, pixel_format="detectron")
     return batch.data, batch.im_scales
-
-
-_LUT_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def _mean_lut(pixel_means: Sequence[float], device: torch.device) -> torch.Tensor:
-    key = (tuple(float(m) for m in pixel_means), str(device))
-    lut = _LUT_CACHE.get(key)
-    if lut is None:
-        values = np.arange(256, dtype=np.float64)[None, :] - np.asarray(key[0])[:, None]
-        lut = torch.from_numpy(values.astype(np.float32).reshape(-1)).to(device)
-        _LUT_CACHE[key] = lut
-    return lut
-
-
-def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
-                        pixel_means: Sequence[float], *, exact: bool = True) -> torch.Tensor:
-    """Turn a uint8 BGR NCHW blob into Detectron's float blob, on the tensor's device.
-
-    Subtracts ``PIXEL_MEANS`` and zeroes the padding, so the result has Detectron's
-    layout, dtype and padding. With ``exact=True`` each value is
-    ``float32(float64(v) - mean)``, bit-identical to Detectron's in-place subtraction
-    (a 768-entry lookup table); ``exact=False`` subtracts in float32 (may differ by
-    one ulp). Meant for ``LightningDataModule.on_after_batch_transfer``.
-
-    Args:
-        data_uint8: ``(n, 3, H, W)`` uint8 tensor (BGR).
-        image_sizes_or_im_info: ``(n, 2)`` ``(h, w)`` sizes, or ``(n, 3)`` ``im_info``
-            rows (their first two columns), as tensor, array or nested lists.
-        pixel_means: BGR means (``cfg.PIXEL_MEANS``).
-
-    Returns:
-        ``(n, 3, H, W)`` float32 tensor on the same device.
-    """
-    if data_uint8.dtype != torch.uint8 or data_uint8.dim() != 4 or data_uint8.shape[1] != 3:
-        raise ValueError("normalize_on_device expects a (n, 3, H, W) uint8 tensor, got "
-                         f"{tuple(data_uint8.shape)} {data_uint8.dtype}")
-    sizes = torch.as_tensor(np.asarray(
-        image_sizes_or_im_info.cpu() if torch.is_tensor(image_sizes_or_im_info)
-        else image_sizes_or_im_info, dtype=np.float64))
-    if sizes.dim() != 2 or sizes.shape[0] != data_uint8.shape[0] or sizes.shape[1] not in (2, 3):
-        raise ValueError(f"image sizes must be (n, 2) or (n, 3) with n={data_uint8.shape[0]}, "
-                         f"got {tuple(sizes.shape)}")
-    dev = data_uint8.device
-    rows = sizes[:, :2].round().to(torch.int64).tolist()
-    if exact and dev.type == "cpu":
-        return _normalize_cpu(data_uint8, rows, _mean_lut(pixel_means, dev))
-    if exact:
-        lut = _mean_lut(pixel_means, dev)
-        offsets = torch.arange(3, device=dev, dtype=torch.int64).view(1, 3, 1, 1) * 256
-        out = lut[data_uint8.to(torch.int64) + offsets]
-    else:
-        means = torch.tensor([float(m) for m in pixel_means], dtype=torch.float32, device=dev)
-        out = data_uint8.to(torch.float32) - means.view(1, 3, 1, 1)
-    H, W = out.shape[2], out.shape[3]
-    for i, (h, w) in enumerate(rows):
-        if h < H:
-            out[i, :, h:, :] = 0
-        if w < W:
-            out[i, :, :h, w:] = 0
-    return out
-
-
-def _normalize_cpu(data_uint8: torch.Tensor, rows: Sequence[Sequence[int]],
-                   lut: torch.Tensor) -> torch.Tensor:
-    """The exact CPU path of :func:`normalize_on_device`: one pass over the pixels.
-
-    OpenCV's ``LUT`` maps each plane's ``h x w`` image region through the channel's
-    256-entry float32 table straight into the output (no int64 index tensor, no
-    gather, no second pass), and only the padding is zeroed: ~14x faster than the
-    indexing path on the CPU, with the same values (a table lookup either way).
-    """
-    n, _, H, W = data_uint8.shape
-    out = torch.empty((n, 3, H, W), dtype=torch.float32)
-    src, dst, table = data_uint8.numpy(), out.numpy(), lut.numpy().reshape(3, 256)
-    for i, (h, w) in enumerate(rows):
-        h, w = max(0, min(int(h), H)), max(0, min(int(w), W))
-        for c in range(3):
-            if h and w:
-                region = dst[i, c, :h, :w]
-                res = cv2.LUT(src[i, c, :h, :w], table[c], dst=region)
-                if not np.shares_memory(res, region):  # OpenCV could not write in place
-                    region[...] = res
-        dst[i, :, h:, :] = 0
-        dst[i, :, :h, w:] = 0
-    return out

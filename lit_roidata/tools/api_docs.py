@@ -22,8 +22,7 @@ __all__ = ["MODULES", "render", "main"]
 #: Modules documented, in page order, with their public names (``None``: the module's
 #: ``__all__``). Only classes and functions are listed.
 MODULES: list[tuple[str, Optional[list[str]]]] = [
-    ("lit_roidata.datamodule", ["RoIDataModule", "EvalLoader", "EvalDataset",
-                                "fork_safe_opencv"]),
+    ("lit_roidata.datamodule", ["RoIDataModule"]),
     ("lit_roidata.options", ["DatasetOptions", "SourceOptions", "LoaderOptions",
                              "OutputOptions", "SamplingOptions", "AugmentOptions",
                              "as_options"]),
@@ -37,6 +36,7 @@ MODULES: list[tuple[str, Optional[list[str]]]] = [
     ("lit_roidata.loader", None),
     ("lit_roidata.dataset", None),
     ("lit_roidata.minibatch", None),
+    ("lit_roidata.minibatch.device", None),
     ("lit_roidata.minibatch.model_type", ["flags_for_model_type", "blob_family"]),
     ("lit_roidata.skip", None),
     ("lit_roidata.progress", None),
