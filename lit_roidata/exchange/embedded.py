@@ -280,7 +280,12 @@ class EmbeddedStore(Store):
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def _replace(self, path: str, value: bytes, ttl: float) -> None:
-        tmp = self._write_tmp(path, [self._expiry(ttl), value])
+        self._replace_parts(path, [self._expiry(ttl), value])
+
+    def _replace_parts(self, path: str, parts: list[bytes]) -> None:
+        """Write ``parts`` to a temp file and rename it over ``path`` (no partial file
+        is ever visible; the temp file is removed on failure)."""
+        tmp = self._write_tmp(path, parts)
         try:
             os.replace(tmp, path)
         except BaseException:
@@ -336,14 +341,7 @@ class EmbeddedStore(Store):
         """Write a record (the caller holds the lock and passes what it read under it)."""
         expiry = time.time() + ttl if ttl else 0.0
         if rec is None or rec[0] < 0:  # create (or convert an earlier-format file) whole
-            data = _pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)
-            tmp = self._write_tmp(path, [data])
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            self._replace_parts(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
             return
         version = rec[0] + 1
         try:

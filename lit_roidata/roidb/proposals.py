@@ -320,14 +320,10 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     ``argmax``'s.
     """
     n = b.shape[0]
-    mo = np.zeros(n, np.float32)
-    mc = np.zeros(n, np.int32)
-    gmap = np.full(n, -1, np.int32)
+    mo, mc, gmap = _merge_outputs(n)
     if n == 0:
         return mo, mc, gmap
-    starts = np.flatnonzero(np.r_[True, img[1:] != img[:-1]])
-    pcount = np.diff(np.r_[starts, n])
-    uimg = img[starts]
+    starts, pcount, uimg = _image_runs(img)
     g0 = gt_off[uimg]
     ng = (gt_off[uimg + 1] - g0).astype(np.int64)
     if not ng.any():
@@ -400,18 +396,26 @@ def _merge_block(sel, starts, pcount, p_max, g0, g, cols, gx1, gy1, gx2, gy2, ga
     return True
 
 
+def _merge_outputs(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Zeroed ``max_overlaps``/``max_classes`` and an all ``-1`` ``box_to_gt_ind_map``."""
+    return np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
+
+
+def _image_runs(img: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Start row, row count and image index of each run of equal ``img`` (rows are
+    grouped by image)."""
+    starts = np.flatnonzero(np.r_[True, img[1:] != img[:-1]])
+    return starts, np.diff(np.r_[starts, img.shape[0]]), img[starts]
+
+
 def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
     """:func:`_merge` by whole ``(images, P_max, G)`` IoU blocks and ``argmax`` (any box
     areas, including zero or negative ones)."""
     n = b.shape[0]
-    mo = np.zeros(n, np.float32)
-    mc = np.zeros(n, np.int32)
-    gmap = np.full(n, -1, np.int32)
+    mo, mc, gmap = _merge_outputs(n)
     if n == 0:
         return mo, mc, gmap
-    starts = np.flatnonzero(np.r_[True, img[1:] != img[:-1]])
-    pcount = np.diff(np.r_[starts, n])
-    uimg = img[starts]
+    starts, pcount, uimg = _image_runs(img)
     ng = (gt_off[uimg + 1] - gt_off[uimg]).astype(np.int64)
     for g in np.unique(ng):
         if g == 0:
