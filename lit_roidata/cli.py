@@ -123,7 +123,8 @@ def _renamed_hint(message: str) -> str:
 
     from lit_roidata.options import DEPRECATED_FLAT_ARGS
 
-    found = re.findall(r"(?:Option|key) '(\w+)'", str(message))
+    # "Option 'x'" / "key 'x'" (newer jsonargparse), "NestedArg(key='x'" (4.39)
+    found = re.findall(r"(?:Option|key) ?=?'(\w+)'", str(message))
     hints = [f"data.{k} is now data.{'.'.join(DEPRECATED_FLAT_ARGS[k])}" for k in
              dict.fromkeys(found) if k in DEPRECATED_FLAT_ARGS]
     if not hints:
