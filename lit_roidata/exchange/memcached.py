@@ -11,9 +11,13 @@ What differs from the fork (Detectron semantics: cross-process exchange):
   descriptor (``LRXC``: chunk count, total length) is ``add``-ed under ``<key>``: the
   descriptor is the atomic publish. A missing chunk is reported as lost state, never
   assembled into a wrong payload (the wire CRC would catch a mix-up as well).
-* Leases use ``add`` with an expiry and ``gets``/``cas`` heart-beats (atomic). Reads use
-  ``gets`` and remember each key's CAS token, so a fenced ``cas`` right after a read
-  costs one round trip.
+* Leases use ``add`` with an expiry and compare-and-swap heart-beats (atomic). A
+  compare-and-swap is a meta set (``ms <key> <len> C<token> c``, memcached >= 1.6) that
+  returns the item's new CAS token; the handle remembers it with the value it wrote, so
+  the writer's next compare-and-swap of that key needs no read first: if anyone else
+  wrote the key meanwhile, the token no longer matches and the server refuses the write
+  (then the value is read again and compared). Reads use ``gets`` and remember each small
+  key's CAS token, so a compare-and-swap right after a read costs one round trip as well.
 * Chunk keys carry a random writer id stored in the descriptor, so two writers of the
   same payload key (a stale producer and its successor) never overwrite each other's
   chunks.
@@ -109,6 +113,7 @@ class MemcachedStore(Store):
         self.chunk_size = chunk_size
         self._chunks: dict[str, list[str]] = {}  # chunk keys of payloads read, for delete
         self._tokens: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value, cas token)
+        self._own: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value we cas-ed, token)
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
@@ -171,14 +176,46 @@ class MemcachedStore(Store):
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
         k = self._k(key)
+        ttl_s = self._ttl(ttl)
         cached = self._tokens.pop(k, None)
+        own = self._own.pop(k, None)
+        if own is not None and own[0] == expected:
+            # This handle wrote ``expected`` and got ``own[1]`` back: if the item still has
+            # that token, nobody has written it since, so it still holds ``expected``.
+            answer = self._cas_write(k, new, own[1], ttl_s)
+            if answer is not None:
+                return answer
+            cached = None  # written by someone else meanwhile: read it and compare
         if cached is not None and cached[0] == expected:
             token = cached[1]  # read moments ago by get_many: skip the extra gets
         else:
             value, token = self._call(self._client.gets, k)
             if value is None or value != expected:
                 return False
-        return bool(self._call(self._client.cas, k, new, token, self._ttl(ttl)))
+        return bool(self._cas_write(k, new, token, ttl_s))
+
+    def _cas_write(self, k: bytes, new: bytes, token: bytes, ttl: int) -> bool | None:
+        """Meta-set ``k`` to ``new`` iff its CAS token is ``token``; remember the new token.
+
+        Returns ``True`` if stored, ``False`` if the key is missing, ``None`` if its token
+        changed (someone wrote it since ``token`` was read).
+        """
+        line = self._call(self._client._misc_cmd,
+                          [b"ms %b %d T%d C%b c\r\n%b\r\n" % (k, len(new), ttl, token, new)],
+                          b"ms", False)[0]
+        if line.startswith(b"HD"):
+            for flag in line.split()[1:]:
+                if flag.startswith(b"c"):
+                    if len(self._own) > 4096:
+                        self._own.clear()
+                    self._own[k] = (new, flag[1:])
+            return True
+        if line.startswith(b"EX"):
+            return None
+        if line.startswith(b"NF"):
+            return False
+        raise ExchangeError(f"{self.describe} answered {line!r} to a meta set; the exchange "
+                            "needs memcached >= 1.6")
 
     def incr(self, key: str, ttl: float = 0) -> int:
         k = self._k(key)
