@@ -274,8 +274,8 @@ class Channel:
     def _check_or_recover(self, got: Mapping[str, bytes]) -> bool:
         """Check the incarnation; in ``on_state_lost="recover"`` mode rejoin instead of
         raising. Returns whether a recovery happened (the caller then polls again)."""
-        if not self._store.volatile:
-            return False  # polls do not read it; the heartbeat checks it
+        if not self._store.volatile or got.get(self._k_inc) == self._incarnation:
+            return False  # (not volatile: polls do not read it; the heartbeat checks it)
         try:
             self._check_incarnation(got)
             return False
@@ -350,7 +350,8 @@ class Channel:
                 self._check_incarnation(got)
                 self._int(got, key)
                 raw = got[key]
-            if _gen(raw) > self._gen:
+            if raw is not self._written.get(key) and _gen(raw) > self._gen:
+                # (a value this end wrote itself carries its own generation: no parse)
                 self._lost = (
                     f"{self.where}: this end (lease generation {self._gen}) was fenced out: "
                     f"generation {_gen(raw)} took the {self.role} lease over (this process "

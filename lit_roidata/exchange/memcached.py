@@ -175,9 +175,8 @@ class MemcachedStore(Store):
         return out
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
-        k = self._k(key)
+        k = _memcached_key(key)
         ttl_s = self._ttl(ttl)
-        cached = self._tokens.pop(k, None)
         own = self._own.pop(k, None)
         if own is not None and own[0] == expected:
             # This handle wrote ``expected`` and got ``own[1]`` back: if the item still has
@@ -185,7 +184,10 @@ class MemcachedStore(Store):
             answer = self._cas_write(k, new, own[1], ttl_s)
             if answer is not None:
                 return answer
+            self._tokens.pop(k, None)
             cached = None  # written by someone else meanwhile: read it and compare
+        else:
+            cached = self._tokens.pop(k, None)
         if cached is not None and cached[0] == expected:
             token = cached[1]  # read moments ago by get_many: skip the extra gets
         else:
@@ -204,10 +206,10 @@ class MemcachedStore(Store):
                           [b"ms %b %d T%d C%b c\r\n%b\r\n" % (k, len(new), ttl, token, new)],
                           b"ms", False)[0]
         if line.startswith(b"HD"):
+            if len(self._own) > 4096:
+                self._own.clear()
             for flag in line.split()[1:]:
                 if flag.startswith(b"c"):
-                    if len(self._own) > 4096:
-                        self._own.clear()
                     self._own[k] = (new, flag[1:])
             return True
         if line.startswith(b"EX"):
@@ -262,11 +264,25 @@ class MemcachedStore(Store):
                 raise ExchangeError(f"{self.describe} did not store {len(failed)} chunk(s) "
                                     f"of {key!r}; give it more memory (-m)")
             head = _DESCRIPTOR.pack(_DESC_MAGIC, n, len(data), writer)
-        if not self._call(self._client.add, k, head, self._ttl(ttl)):
+        if not self._add_item(k, head, self._ttl(ttl)):
             if len(data) > self.chunk_size:
                 self._call(self._client.delete_many, list(chunks), noreply=True)
             return False
         return True
+
+    def _add_item(self, k: bytes, value: bytes, ttl: int) -> bool:
+        """``add`` in its meta form (``ms ... ME``): one round trip like pymemcache's
+        ``add``, without its per-call key and argument checks (the key comes from
+        :func:`_memcached_key`, already checked)."""
+        line = self._call(self._client._misc_cmd,
+                          [b"".join((b"ms %b %d T%d ME\r\n" % (k, len(value), ttl), value,
+                                     b"\r\n"))], b"ms", False)[0]
+        if line.startswith(b"HD"):
+            return True
+        if line.startswith(b"NS"):
+            return False
+        raise ExchangeError(f"{self.describe} answered {line!r} to a meta set; the exchange "
+                            "needs memcached >= 1.6")
 
     def get_payload(self, key: str) -> bytearray | None:
         head = self.get_many([key]).get(key)
@@ -274,7 +290,12 @@ class MemcachedStore(Store):
 
     def read_message(self, small_keys: list[str],
                      payload_key: str) -> tuple[dict[str, bytes], bytearray | None]:
-        got = self.get_many([*small_keys, payload_key])  # one round trip, keys in order
+        # One round trip, keys in order. Plain ``get``: no CAS tokens to parse (the
+        # payload needs none, and the consumer's ack write uses its own last token).
+        keys = [*small_keys, payload_key]
+        mapped = {self._k(k): k for k in keys}
+        raw = self._call(self._client.get_many, list(mapped))
+        got = {mapped[k]: v for k, v in raw.items()}
         head = got.pop(payload_key, None)
         return got, None if head is None else self.resolve_payload(payload_key, head)
 
