@@ -509,14 +509,16 @@ class Channel:
         w, unreachable = self._waiter(timeout), None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
         keys = [self._k_inc, self._k_ack] if self._store.volatile else [self._k_ack]
+        read = self._store.peek_many  # no CAS tokens needed: head's is this end's own
         if not self._store.local_fence and self._k_head not in self._written:
             keys.append(self._k_head)  # its CAS token makes the fenced head write 1 RTT
+            read = self._store.get_many
         state = {"stored": False, "failed": False}  # survives retries of this message
         while True:
             try:
                 with self._io:
                     self._check_usable()
-                    got = self._store.get_many(keys)
+                    got = read(keys)
                 if self._check_or_recover(got):
                     state.update(stored=False, failed=False)  # written to the lost state
                     continue

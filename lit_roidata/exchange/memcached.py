@@ -174,6 +174,11 @@ class MemcachedStore(Store):
             out[mapped[k]] = value
         return out
 
+    def peek_many(self, keys: list[str]) -> dict[str, bytes]:
+        mapped = {_memcached_key(k): k for k in keys}
+        got = self._call(self._client.get_many, list(mapped))
+        return {mapped[k]: v for k, v in got.items()}
+
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
         k = _memcached_key(key)
         ttl_s = self._ttl(ttl)
@@ -292,10 +297,7 @@ class MemcachedStore(Store):
                      payload_key: str) -> tuple[dict[str, bytes], bytearray | None]:
         # One round trip, keys in order. Plain ``get``: no CAS tokens to parse (the
         # payload needs none, and the consumer's ack write uses its own last token).
-        keys = [*small_keys, payload_key]
-        mapped = {self._k(k): k for k in keys}
-        raw = self._call(self._client.get_many, list(mapped))
-        got = {mapped[k]: v for k, v in raw.items()}
+        got = self.peek_many([*small_keys, payload_key])
         head = got.pop(payload_key, None)
         return got, None if head is None else self.resolve_payload(payload_key, head)
 
