@@ -190,6 +190,41 @@ def test_memcached_exists_keeps_the_expiry(memcached_server):
     store.close()
 
 
+@pytest.mark.slow
+@needs_memcached
+def test_memcached_cas_with_its_own_token_sees_every_foreign_write(memcached_server):
+    """A compare-and-swap right after this handle's own write reuses the CAS token the
+    server returned (no read first); a write by another client in between, even of the
+    same value, a delete or an expiry must still be seen."""
+    from lit_roidata.exchange.memcached import MemcachedStore
+
+    mine, other = MemcachedStore(memcached_server.address), MemcachedStore(
+        memcached_server.address)
+    key = f"cas{uuid.uuid4().hex[:8]}"
+    mine.set(key, b"1 5")
+    assert mine.cas(key, b"1 5", b"2 5")  # token from a read, then its own token
+    assert mine.cas(key, b"2 5", b"3 5")
+    assert mine.cas(key, b"3 5", b"4 5")
+    other.set(key, b"4 9")  # a newer owner took over
+    assert not mine.cas(key, b"4 5", b"5 5")
+    assert mine.get(key) == b"4 9"
+    assert mine.cas(key, b"4 9", b"5 5")
+    other.set(key, b"5 5")  # rewritten with the very value this handle expects: allowed
+    assert mine.cas(key, b"5 5", b"6 5")
+    assert not mine.cas(key, b"5 5", b"7 5")  # stale expectation, own token is current
+    other.delete(key)
+    assert not mine.cas(key, b"6 5", b"7 5") and mine.get(key) is None
+    mine.set(key, b"1 1", ttl=1)
+    assert mine.cas(key, b"1 1", b"2 1", ttl=1)
+    time.sleep(3.2)
+    assert not mine.cas(key, b"2 1", b"3 1", ttl=1)  # expired
+    assert mine.add(key + "/a", b"x") and not mine.add(key + "/a", b"y")
+    assert mine.put_payload(key + "/p", wire.encode({"x": np.zeros(3)}))
+    assert not mine.put_payload(key + "/p", wire.encode({"x": np.ones(3)}))
+    mine.close()
+    other.close()
+
+
 # -- fencing tokens -----------------------------------------------------------------------
 def test_stalled_producer_is_fenced_out_after_a_takeover(make_exchange):
     ex_a = make_exchange(lease_ttl=1.0)

@@ -122,6 +122,11 @@ class Store(ABC):
         tell "not yet published" from "published, then lost"."""
         return self.get_many(small_keys), self.get_payload(payload_key)
 
+    def peek_many(self, keys: list[str]) -> dict[str, bytes]:
+        """Like :meth:`get_many`, for values that will not be compare-and-swapped next
+        (a backend may then skip fetching CAS tokens)."""
+        return self.get_many(keys)
+
     def get(self, key: str) -> bytes | None:
         """Value of one key, or ``None``."""
         return self.get_many([key]).get(key)

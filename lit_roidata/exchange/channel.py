@@ -140,6 +140,10 @@ class Channel:
         self._resend = False
         self._ns = ns
         self._committed = 0
+        #: head/ack value this end wrote last (the expected value of its next fenced
+        #: write, so a put/get need not read it: a write by anyone else in between makes
+        #: the compare-and-swap fail, and the key is then read again and checked).
+        self._written: dict[str, bytes] = {}
         self.where = (f"channel {name!r} ({role}; run {exchange.run_id!r}, rank "
                       f"{exchange.rank}, {self._store.describe})")
         with self._io:
@@ -270,8 +274,8 @@ class Channel:
     def _check_or_recover(self, got: Mapping[str, bytes]) -> bool:
         """Check the incarnation; in ``on_state_lost="recover"`` mode rejoin instead of
         raising. Returns whether a recovery happened (the caller then polls again)."""
-        if not self._store.volatile:
-            return False  # polls do not read it; the heartbeat checks it
+        if not self._store.volatile or got.get(self._k_inc) == self._incarnation:
+            return False  # (not volatile: polls do not read it; the heartbeat checks it)
         try:
             self._check_incarnation(got)
             return False
@@ -300,6 +304,7 @@ class Channel:
                                        f"{owner.describe()} holds this end's lease")
             s.set(key, mine, self._ex.lease_ttl)
         self._lease, self._gen, self._peer_seen = mine, gen, None
+        self._written.clear()
         s.add(self._k_head, b"0 0")
         if self.role == "consumer":
             if not s.add(self._k_ack, b"%d %d" % (self._next - 1, gen)):
@@ -345,7 +350,8 @@ class Channel:
                 self._check_incarnation(got)
                 self._int(got, key)
                 raw = got[key]
-            if _gen(raw) > self._gen:
+            if raw is not self._written.get(key) and _gen(raw) > self._gen:
+                # (a value this end wrote itself carries its own generation: no parse)
                 self._lost = (
                     f"{self.where}: this end (lease generation {self._gen}) was fenced out: "
                     f"generation {_gen(raw)} took the {self.role} lease over (this process "
@@ -354,7 +360,9 @@ class Channel:
                 self._lost_type = LeaseLostError
                 raise LeaseLostError(self._lost)
             if raw == new or self._store.cas(key, raw, new):
+                self._written[key] = new
                 return
+            self._written.pop(key, None)
             raw = None
         raise LeaseLostError(f"{self.where}: could not update {key!r} (contention)")
 
@@ -501,14 +509,16 @@ class Channel:
         w, unreachable = self._waiter(timeout), None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
         keys = [self._k_inc, self._k_ack] if self._store.volatile else [self._k_ack]
-        if not self._store.local_fence:
+        read = self._store.peek_many  # no CAS tokens needed: head's is this end's own
+        if not self._store.local_fence and self._k_head not in self._written:
             keys.append(self._k_head)  # its CAS token makes the fenced head write 1 RTT
+            read = self._store.get_many
         state = {"stored": False, "failed": False}  # survives retries of this message
         while True:
             try:
                 with self._io:
                     self._check_usable()
-                    got = self._store.get_many(keys)
+                    got = read(keys)
                 if self._check_or_recover(got):
                     state.update(stored=False, failed=False)  # written to the lost state
                     continue
@@ -528,7 +538,8 @@ class Channel:
                 if ack >= seq - self.capacity:
                     with self._io:
                         self._check_usable()
-                        self._publish(seq, encoded, state, got.get(self._k_head))
+                        self._publish(seq, encoded, state, got.get(
+                            self._k_head, self._written.get(self._k_head)))
                     if self._ex.recover:
                         self._pending[seq] = encoded
                     self._next = seq + 1
@@ -629,7 +640,7 @@ class Channel:
         w, unreachable = self._waiter(timeout), None
         what = f"message seq {seq} from the producer"
         small = [self._k_inc, self._k_head] if self._store.volatile else [self._k_head]
-        if not self._store.local_fence:
+        if not self._store.local_fence and self._k_ack not in self._written:
             small.append(self._k_ack)  # its CAS token makes the fenced ack write 1 RTT
         where = f"{self.where}, seq {seq}"
         rejected = sum(self.rejected.values())
@@ -659,7 +670,8 @@ class Channel:
             self._wait(w, what, timeout, unreachable)
         if expect is not None:
             check_alignment(msg.meta, expect, where=where, tensors=msg.tensors)
-        self._acknowledge(seq, got.get(self._k_ack), w, what, timeout)
+        self._acknowledge(seq, got.get(self._k_ack, self._written.get(self._k_ack)), w, what,
+                          timeout)
         return msg.tensors, msg.meta
 
     def _accept(self, buf: bytearray, seq: int, as_torch: bool,

@@ -11,9 +11,13 @@ What differs from the fork (Detectron semantics: cross-process exchange):
   descriptor (``LRXC``: chunk count, total length) is ``add``-ed under ``<key>``: the
   descriptor is the atomic publish. A missing chunk is reported as lost state, never
   assembled into a wrong payload (the wire CRC would catch a mix-up as well).
-* Leases use ``add`` with an expiry and ``gets``/``cas`` heart-beats (atomic). Reads use
-  ``gets`` and remember each key's CAS token, so a fenced ``cas`` right after a read
-  costs one round trip.
+* Leases use ``add`` with an expiry and compare-and-swap heart-beats (atomic). A
+  compare-and-swap is a meta set (``ms <key> <len> C<token> c``, memcached >= 1.6) that
+  returns the item's new CAS token; the handle remembers it with the value it wrote, so
+  the writer's next compare-and-swap of that key needs no read first: if anyone else
+  wrote the key meanwhile, the token no longer matches and the server refuses the write
+  (then the value is read again and compared). Reads use ``gets`` and remember each small
+  key's CAS token, so a compare-and-swap right after a read costs one round trip as well.
 * Chunk keys carry a random writer id stored in the descriptor, so two writers of the
   same payload key (a stale producer and its successor) never overwrite each other's
   chunks.
@@ -109,6 +113,7 @@ class MemcachedStore(Store):
         self.chunk_size = chunk_size
         self._chunks: dict[str, list[str]] = {}  # chunk keys of payloads read, for delete
         self._tokens: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value, cas token)
+        self._own: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value we cas-ed, token)
 
     # -- plumbing ------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
@@ -169,16 +174,55 @@ class MemcachedStore(Store):
             out[mapped[k]] = value
         return out
 
+    def peek_many(self, keys: list[str]) -> dict[str, bytes]:
+        mapped = {_memcached_key(k): k for k in keys}
+        got = self._call(self._client.get_many, list(mapped))
+        return {mapped[k]: v for k, v in got.items()}
+
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
-        k = self._k(key)
-        cached = self._tokens.pop(k, None)
+        k = _memcached_key(key)
+        ttl_s = self._ttl(ttl)
+        own = self._own.pop(k, None)
+        if own is not None and own[0] == expected:
+            # This handle wrote ``expected`` and got ``own[1]`` back: if the item still has
+            # that token, nobody has written it since, so it still holds ``expected``.
+            answer = self._cas_write(k, new, own[1], ttl_s)
+            if answer is not None:
+                return answer
+            self._tokens.pop(k, None)
+            cached = None  # written by someone else meanwhile: read it and compare
+        else:
+            cached = self._tokens.pop(k, None)
         if cached is not None and cached[0] == expected:
             token = cached[1]  # read moments ago by get_many: skip the extra gets
         else:
             value, token = self._call(self._client.gets, k)
             if value is None or value != expected:
                 return False
-        return bool(self._call(self._client.cas, k, new, token, self._ttl(ttl)))
+        return bool(self._cas_write(k, new, token, ttl_s))
+
+    def _cas_write(self, k: bytes, new: bytes, token: bytes, ttl: int) -> bool | None:
+        """Meta-set ``k`` to ``new`` iff its CAS token is ``token``; remember the new token.
+
+        Returns ``True`` if stored, ``False`` if the key is missing, ``None`` if its token
+        changed (someone wrote it since ``token`` was read).
+        """
+        line = self._call(self._client._misc_cmd,
+                          [b"ms %b %d T%d C%b c\r\n%b\r\n" % (k, len(new), ttl, token, new)],
+                          b"ms", False)[0]
+        if line.startswith(b"HD"):
+            if len(self._own) > 4096:
+                self._own.clear()
+            for flag in line.split()[1:]:
+                if flag.startswith(b"c"):
+                    self._own[k] = (new, flag[1:])
+            return True
+        if line.startswith(b"EX"):
+            return None
+        if line.startswith(b"NF"):
+            return False
+        raise ExchangeError(f"{self.describe} answered {line!r} to a meta set; the exchange "
+                            "needs memcached >= 1.6")
 
     def incr(self, key: str, ttl: float = 0) -> int:
         k = self._k(key)
@@ -225,11 +269,25 @@ class MemcachedStore(Store):
                 raise ExchangeError(f"{self.describe} did not store {len(failed)} chunk(s) "
                                     f"of {key!r}; give it more memory (-m)")
             head = _DESCRIPTOR.pack(_DESC_MAGIC, n, len(data), writer)
-        if not self._call(self._client.add, k, head, self._ttl(ttl)):
+        if not self._add_item(k, head, self._ttl(ttl)):
             if len(data) > self.chunk_size:
                 self._call(self._client.delete_many, list(chunks), noreply=True)
             return False
         return True
+
+    def _add_item(self, k: bytes, value: bytes, ttl: int) -> bool:
+        """``add`` in its meta form (``ms ... ME``): one round trip like pymemcache's
+        ``add``, without its per-call key and argument checks (the key comes from
+        :func:`_memcached_key`, already checked)."""
+        line = self._call(self._client._misc_cmd,
+                          [b"".join((b"ms %b %d T%d ME\r\n" % (k, len(value), ttl), value,
+                                     b"\r\n"))], b"ms", False)[0]
+        if line.startswith(b"HD"):
+            return True
+        if line.startswith(b"NS"):
+            return False
+        raise ExchangeError(f"{self.describe} answered {line!r} to a meta set; the exchange "
+                            "needs memcached >= 1.6")
 
     def get_payload(self, key: str) -> bytearray | None:
         head = self.get_many([key]).get(key)
@@ -237,7 +295,9 @@ class MemcachedStore(Store):
 
     def read_message(self, small_keys: list[str],
                      payload_key: str) -> tuple[dict[str, bytes], bytearray | None]:
-        got = self.get_many([*small_keys, payload_key])  # one round trip, keys in order
+        # One round trip, keys in order. Plain ``get``: no CAS tokens to parse (the
+        # payload needs none, and the consumer's ack write uses its own last token).
+        got = self.peek_many([*small_keys, payload_key])
         head = got.pop(payload_key, None)
         return got, None if head is None else self.resolve_payload(payload_key, head)
 
