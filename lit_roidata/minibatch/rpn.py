@@ -257,6 +257,15 @@ def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, ins
     bg_cand[cand[a2g >= neg_t]] = False
     if fix:
         bg_cand[positives] = False
+    bg_inds = _draw_negatives(bg_cand, num_bg, rng, fix)
+    labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
+    lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
+    return labelled, lab, fg_inds
+
+
+def _draw_negatives(bg_cand: np.ndarray, num_bg: int, rng: rng_mod.RNG,
+                    fix: bool) -> np.ndarray:
+    """At most ``num_bg`` of the candidate negatives (a boolean mask over the anchors)."""
     bg_inds = np.flatnonzero(bg_cand)
     if len(bg_inds) > num_bg:
         if fix:
@@ -265,9 +274,7 @@ def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, ins
         # positives
         else:
             bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
-    labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
-    lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
-    return labelled, lab, fg_inds
+    return bg_inds
 
 
 def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
@@ -315,14 +322,7 @@ def _sample(labels: np.ndarray, a2g_max: np.ndarray, inside: np.ndarray, train: 
     bg_cand = (a2g_max < train.RPN_NEGATIVE_OVERLAP) & inside
     if fix:
         bg_cand[positives] = False
-    bg_inds = np.flatnonzero(bg_cand)
-    if len(bg_inds) > num_bg:
-        if fix:
-            bg_inds = rng_mod.choice(rng, bg_inds, size=num_bg, replace=False)
-        # Detectron quirk Q3 (docs/detectron_quirks.md): with replacement, and may overwrite
-        # positives
-        else:
-            bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
+    bg_inds = _draw_negatives(bg_cand, num_bg, rng, fix)
     labels[bg_inds] = 0
     return fg_inds
 
