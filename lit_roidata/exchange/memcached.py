@@ -207,9 +207,7 @@ class MemcachedStore(Store):
         Returns ``True`` if stored, ``False`` if the key is missing, ``None`` if its token
         changed (someone wrote it since ``token`` was read).
         """
-        line = self._call(self._client._misc_cmd,
-                          [b"ms %b %d T%d C%b c\r\n%b\r\n" % (k, len(new), ttl, token, new)],
-                          b"ms", False)[0]
+        line = self._meta(b"ms", b"ms %b %d T%d C%b c\r\n%b\r\n" % (k, len(new), ttl, token, new))
         if line.startswith(b"HD"):
             if len(self._own) > 4096:
                 self._own.clear()
@@ -221,8 +219,7 @@ class MemcachedStore(Store):
             return None
         if line.startswith(b"NF"):
             return False
-        raise ExchangeError(f"{self.describe} answered {line!r} to a meta set; the exchange "
-                            "needs memcached >= 1.6")
+        raise self._meta_error(line, "set")
 
     def incr(self, key: str, ttl: float = 0) -> int:
         k = self._k(key)
@@ -240,14 +237,12 @@ class MemcachedStore(Store):
     def exists(self, key: str) -> bool:
         # Meta get without flags ("mg <key>"): "HD" if present, "EN" if not. Transfers no
         # data and, unlike ``touch``, leaves the key's expiry alone (memcached >= 1.6).
-        line = self._call(self._client._misc_cmd, [b"mg " + self._k(key) + b"\r\n"],
-                          b"mg", False)[0]
+        line = self._meta(b"mg", b"mg " + self._k(key) + b"\r\n")
         if line.startswith(b"HD"):
             return True
         if line.startswith(b"EN"):
             return False
-        raise ExchangeError(f"{self.describe} answered {line!r} to a meta get; the exchange "
-                            "needs memcached >= 1.6")
+        raise self._meta_error(line, "get")
 
     # -- payloads ------------------------------------------------------------------------
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
@@ -279,15 +274,21 @@ class MemcachedStore(Store):
         """``add`` in its meta form (``ms ... ME``): one round trip like pymemcache's
         ``add``, without its per-call key and argument checks (the key comes from
         :func:`_memcached_key`, already checked)."""
-        line = self._call(self._client._misc_cmd,
-                          [b"".join((b"ms %b %d T%d ME\r\n" % (k, len(value), ttl), value,
-                                     b"\r\n"))], b"ms", False)[0]
+        line = self._meta(b"ms", b"".join((b"ms %b %d T%d ME\r\n" % (k, len(value), ttl),
+                                           value, b"\r\n")))
         if line.startswith(b"HD"):
             return True
         if line.startswith(b"NS"):
             return False
-        raise ExchangeError(f"{self.describe} answered {line!r} to a meta set; the exchange "
-                            "needs memcached >= 1.6")
+        raise self._meta_error(line, "set")
+
+    def _meta(self, verb: bytes, request: bytes) -> bytes:
+        """Send one meta command (memcached >= 1.6); its reply line."""
+        return self._call(self._client._misc_cmd, [request], verb, False)[0]
+
+    def _meta_error(self, line: bytes, what: str) -> ExchangeError:
+        return ExchangeError(f"{self.describe} answered {line!r} to a meta {what}; the "
+                             "exchange needs memcached >= 1.6")
 
     def get_payload(self, key: str) -> bytearray | None:
         head = self.get_many([key]).get(key)
