@@ -22,7 +22,7 @@ import numpy as np
 from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, RawCoco, decode_coco
 from lit_roidata.roidb.decode import decode_generic, read_json
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError, keypoint_flip_map
-from lit_roidata.roidb.segms import POLY, RLE_LIST, RLE_STR, SegmColumns, rle_string_counts
+from lit_roidata.roidb.segms import POLY, SegmColumns, rle_columns, rle_string_counts
 from lit_roidata.roidb.segms import take_ranges
 
 __all__ = ["GtTable", "load_coco_json", "table_from_raw", "read_json",
@@ -412,29 +412,12 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
     seg_kind = raw.seg_kind[order]
     kind = np.full(g, POLY, np.int8)
     rle_idx = np.full(g, -1, np.int32)
-    sizes, ints, strs = [], [], []
-    for j in np.flatnonzero(seg_kind == SEG_RLE).tolist():
-        h, w, cnt = rles[int(order[j])]
-        rle_idx[j] = len(sizes)
-        sizes.append((h, w))
-        if isinstance(cnt, list):
-            kind[j] = RLE_LIST
-            ints.append(cnt)
-            strs.append(b"")
-        else:
-            kind[j] = RLE_STR
-            ints.append(())
-            strs.append(cnt)
+    rows = np.flatnonzero(seg_kind == SEG_RLE).tolist()
     missing = int((seg_kind == SEG_MISSING).sum())
-    flat_ints = [v for c in ints for v in c]
     cols = SegmColumns(
         kind=kind, poly_off=_offsets(poly_counts), coord_off=_offsets(coord_counts),
         coords=np.ascontiguousarray(coords, np.float64), rle_idx=rle_idx,
-        rle_size=np.asarray(sizes, np.int64).reshape(-1, 2),
-        rle_int_off=_offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
-        rle_ints=np.fromiter(flat_ints, np.int64, len(flat_ints)),
-        rle_str_off=_offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
-        rle_bytes=np.frombuffer(b"".join(strs), np.uint8).copy())
+        **rle_columns(rows, [rles[int(order[j])] for j in rows], kind, rle_idx))
     empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing
     return cols, {"polygon_lt_6_coords": int(short.sum()), "empty_segmentation": empty,
                   "missing_segmentation": missing}

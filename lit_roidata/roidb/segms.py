@@ -97,9 +97,8 @@ def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
     g = len(segms)
     kind = np.zeros(g, np.int8)
     rle_idx = np.full(g, -1, np.int32)
-    rle_sizes: list = []
-    rle_lists: list = []
-    rle_strs: list = []
+    rle_rows: list[int] = []
+    rles: list[tuple[int, int, Any]] = []
     # Polygon lists (the bulk) are handled with C-level map/chain, not a Python loop.
     per_obj = [s if type(s) is list else () for s in segms]
     others = [i for i, s in enumerate(segms) if type(s) is not list]
@@ -129,18 +128,12 @@ def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
         try:
             counts = s["counts"]
             h, w = s["size"]
-            rle_idx[i] = len(rle_sizes)
-            rle_sizes.append((int(h), int(w)))
-            if isinstance(counts, list):
-                kind[i] = RLE_LIST
-                rle_lists.append(counts)
-                rle_strs.append(b"")
-            else:
-                kind[i] = RLE_STR
-                rle_lists.append(())
+            if not isinstance(counts, list):
                 if not isinstance(counts, (str, bytes)):
                     raise TypeError(f"'counts' is {counts!r:.40}, not a list or a string")
-                rle_strs.append(counts.encode("ascii") if isinstance(counts, str) else counts)
+                counts = counts.encode("ascii") if isinstance(counts, str) else counts
+            rle_rows.append(i)
+            rles.append((int(h), int(w), counts))
         except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise RoIDBInputError(
                 f"{source}: annotation id {int(ann_ids[i])} (image id {int(image_ids[i])}) has "
@@ -155,22 +148,37 @@ def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
         raise RoIDBInputError(
             f"{source}: annotation id {int(ann_ids[bad])} (image id {int(image_ids[bad])}) has "
             f"a polygon with non-numeric coordinates ({exc}); fix or remove it.") from None
-    cols = SegmColumns(
-        kind=kind,
-        poly_off=_offsets(poly_counts),
-        coord_off=_offsets(coord_counts),
-        coords=coords,
-        rle_idx=rle_idx,
-        rle_size=np.asarray(rle_sizes, np.int64).reshape(-1, 2),
-        rle_int_off=_offsets(np.fromiter(map(len, rle_lists), np.int64, len(rle_lists))),
-        rle_ints=np.fromiter(chain.from_iterable(rle_lists), np.int64,
-                             sum(map(len, rle_lists))),
-        rle_str_off=_offsets(np.fromiter(map(len, rle_strs), np.int64, len(rle_strs))),
-        rle_bytes=np.frombuffer(b"".join(rle_strs), np.uint8).copy(),
-    )
+    cols = SegmColumns(kind=kind, poly_off=_offsets(poly_counts),
+                       coord_off=_offsets(coord_counts), coords=coords, rle_idx=rle_idx,
+                       **rle_columns(rle_rows, rles, kind, rle_idx))
     empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing
     return cols, {"polygon_lt_6_coords": dropped, "empty_segmentation": empty,
                   "missing_segmentation": missing}
+
+
+def rle_columns(rows: Sequence[int], rles: Sequence[tuple[int, int, Any]], kind: np.ndarray,
+                rle_idx: np.ndarray) -> dict[str, np.ndarray]:
+    """The ``rle_*`` columns of :class:`SegmColumns` for the RLE segmentations ``rles``
+    (``(h, w, counts)``, counts a list of ints or ASCII bytes) of gt rows ``rows``; marks
+    those rows in ``kind`` (``RLE_LIST`` / ``RLE_STR``) and ``rle_idx`` in place."""
+    ints: list = []
+    strs: list[bytes] = []
+    for r, (_, _, counts) in zip(rows, rles):
+        rle_idx[r] = len(ints)
+        if isinstance(counts, list):
+            kind[r] = RLE_LIST
+            ints.append(counts)
+            strs.append(b"")
+        else:
+            kind[r] = RLE_STR
+            ints.append(())
+            strs.append(counts)
+    return dict(
+        rle_size=np.asarray([(h, w) for h, w, _ in rles], np.int64).reshape(-1, 2),
+        rle_int_off=_offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
+        rle_ints=np.fromiter(chain.from_iterable(ints), np.int64, sum(map(len, ints))),
+        rle_str_off=_offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
+        rle_bytes=np.frombuffer(b"".join(strs), np.uint8).copy())
 
 
 def _first_bad_polygon_row(segms: Sequence[Any]) -> int:
