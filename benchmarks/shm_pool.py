@@ -2,7 +2,8 @@
 
 Runs lit_roidata's e2e Mask R-CNN FPN loader (and, with ``--variants``, its torchvision
 output) twice per repeat on the same images, ``shm_pool`` on and off, alternating, and
-prints images/s, CPU ms per image (main process + workers) and the ratio pool/no-pool
+prints images/s, CPU ms per image (main process + workers, and each apart) and the
+ratio pool/no-pool
 of each repeat, measured in the same run. With the pool on it also prints the pool's
 counters: blocks, arrays placed in a slot vs given a new segment, slot reuse.
 
@@ -20,6 +21,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,21 @@ def run_once(args: argparse.Namespace, variant: str, pool: bool) -> dict[str, An
     dm.loader = dataclasses.replace(dm.loader, shm_pool=pool)
     loader = dm.train_dataloader()
     it = iter(loader)
-    res = L.time_loader(it, args.warm, args.timed)
+    for _ in range(args.warm):
+        next(it)
+    procs = L._procs()
+    main0, all0, t0 = time.process_time(), L._cpu_seconds(), time.perf_counter()
+    n = 0
+    while n < args.timed:
+        n += L._count(next(it))
+    wall = time.perf_counter() - t0
+    main_cpu, all_cpu = time.process_time() - main0, L._cpu_seconds() - all0
     stats = loader.shm_pool.stats() if loader.shm_pool is not None else None
     del it
-    return {"images_per_s": res["images_per_s"], "cpu_ms_per_image": res["cpu_ms_per_image"],
-            "pool": stats}
+    assert len(procs) == args.workers + 1, "the workers changed during the run"
+    return {"images_per_s": n / wall, "cpu_ms_per_image": 1e3 * all_cpu / n,
+            "main_cpu_ms_per_image": 1e3 * main_cpu / n,
+            "worker_cpu_ms_per_image": 1e3 * (all_cpu - main_cpu) / n, "pool": stats}
 
 
 def main() -> None:
@@ -53,8 +65,10 @@ def main() -> None:
     ap.add_argument("--variants", default="e2e", help="comma list: e2e, torchvision")
     args = ap.parse_args()
     import cv2
+    import torch
 
     cv2.setNumThreads(1)
+    torch.set_num_threads(1)  # as loader_vs_peers.py's phases
     report: dict[str, Any] = {}
     for variant in args.variants.split(","):
         rows: dict[str, list] = {"off": [], "on": []}
@@ -68,6 +82,14 @@ def main() -> None:
         report[variant] = {
             "cpu_ms_per_image_off": [round(r["cpu_ms_per_image"], 2) for r in rows["off"]],
             "cpu_ms_per_image_on": [round(r["cpu_ms_per_image"], 2) for r in rows["on"]],
+            "main_cpu_ms_per_image_off": [round(r["main_cpu_ms_per_image"], 2)
+                                          for r in rows["off"]],
+            "main_cpu_ms_per_image_on": [round(r["main_cpu_ms_per_image"], 2)
+                                         for r in rows["on"]],
+            "worker_cpu_ms_per_image_off": [round(r["worker_cpu_ms_per_image"], 2)
+                                            for r in rows["off"]],
+            "worker_cpu_ms_per_image_on": [round(r["worker_cpu_ms_per_image"], 2)
+                                           for r in rows["on"]],
             "cpu_ratio_on_over_off": [round(x, 3) for x in ratios],
             "cpu_ratio_median": round(statistics.median(ratios), 3),
             "images_per_s_off": [round(r["images_per_s"], 1) for r in rows["off"]],

@@ -308,9 +308,11 @@ def test_lease_released_from_another_thread():
 def test_reduce_without_slot_tensors_gives_the_slot_back():
     pool = ShmPool(1, 1, 1 << 12)
     arena = pool.acquire(0)
-    rebuild, args = shm_pool.pooled_reduce(dict, ({"x": torch.ones(3)},), arena)
+    payload = {"x": torch.ones(3).share_memory_(), "big": torch.ones(2000)}  # too big
+    rebuild, args = shm_pool.pooled_reduce(dict, (payload,), arena)
     assert pool.flags[0, 0] == 0
-    assert torch.equal(rebuild(*args)["x"], torch.ones(3))
+    back = rebuild(*args)
+    assert torch.equal(back["x"], torch.ones(3)) and torch.equal(back["big"], torch.ones(2000))
     assert pool.acquire(0) is not None and pool.acquire(0) is None  # one slot, taken
 
 
@@ -323,3 +325,26 @@ def test_pool_reuse_zeroes_what_an_earlier_block_wrote():
     assert b.slot == a.slot
     assert torch.count_nonzero(pool._alloc(b, (200,), torch.int32)) == 0
 
+
+
+def test_private_tensors_are_copied_into_the_slot_with_their_metadata():
+    from torchvision import tv_tensors
+
+    pool = ShmPool(1, 1, 1 << 16)
+    arena = pool.acquire(0)
+    boxes = tv_tensors.BoundingBoxes(torch.arange(8.0).reshape(2, 4), format="XYXY",
+                                     canvas_size=(30, 40))
+    labels = torch.tensor([3, 1])
+    payload = {"boxes": boxes, "labels": labels, "again": labels, "t": torch.arange(6)[::2]}
+    rebuild, args = shm_pool.pooled_reduce(dict, (payload,), arena)
+    boxes.zero_()  # the worker may reuse its own tensors: the batch has its copy
+    back = rebuild(*args)
+    assert type(back["boxes"]) is tv_tensors.BoundingBoxes
+    assert back["boxes"].canvas_size == (30, 40) and back["boxes"].format.name == "XYXY"
+    assert torch.equal(back["boxes"].as_subclass(torch.Tensor), torch.arange(8.0).reshape(2, 4))
+    assert back["again"].data_ptr() == back["labels"].data_ptr()  # one copy, aliased
+    assert torch.equal(back["t"], torch.tensor([0, 2, 4]))
+    assert pool.stats()["pool_arrays"] == 3
+    del back
+    gc.collect()
+    assert pool.flags[0, 0] == 0

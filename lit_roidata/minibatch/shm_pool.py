@@ -23,7 +23,9 @@ Protocol (it never depends on timing or on a count):
   a pool, so correctness never depends on the number of slots.
 * **sending** (:func:`pooled_reduce`): the batch is pickled with a pickler that sends
   every tensor lying in the block's slot as a descriptor (slot, byte offset, dtype,
-  shape, strides) instead of a segment; everything else travels as before.
+  shape, strides) instead of a segment; a private tensor is first copied into the slot
+  when it fits (the one copy the pickler would otherwise make into a segment of its
+  own); everything else travels as before.
 * **main process** (:func:`_load_pooled`): the descriptors become views of the main
   process's own, permanent mapping of the slot, all held through one *lease* object
   per batch (each tensor's storage keeps it alive, and so do views, slices, ``.numpy()``
@@ -150,8 +152,8 @@ class ShmPool:
         self.counters[arena.worker, _S["given_back_in_worker"]] += 1
         self.flags[arena.worker, arena.slot] = 0
 
-    def _alloc(self, arena: _Arena, shape: tuple[int, ...], dtype: torch.dtype
-               ) -> torch.Tensor | None:
+    def _alloc(self, arena: _Arena, shape: tuple[int, ...], dtype: torch.dtype,
+               zero: bool = True) -> torch.Tensor | None:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
         off = arena.offset + (-arena.offset) % _ALIGN
@@ -164,7 +166,7 @@ class ShmPool:
             return None
         i = arena.index
         dirty = self._dirty[i]
-        if dirty > off:  # written by an earlier block: callers expect zeros
+        if zero and dirty > off:  # written by an earlier block: callers expect zeros
             self._np[i][off:min(end, dirty)] = 0
         self._dirty[i] = max(dirty, end)
         arena.offset = end
@@ -186,7 +188,8 @@ class ShmPool:
             raise RuntimeError("shared-memory pool: a batch refers to another block's slot "
                                f"({i} vs {arena.index}); this is a bug in lit_roidata")
         off = (t.data_ptr() - base) if t.numel() else 0
-        return (int(off), t.dtype, tuple(t.shape), tuple(t.stride()), type(t))
+        return (int(off), t.dtype, tuple(t.shape), tuple(t.stride()), type(t),
+                dict(getattr(t, "__dict__", None) or {}))
 
     # ------------------------------------------------------------------ main side
     def _lease(self, worker: int, slot: int) -> memoryview:
@@ -273,19 +276,43 @@ def arena_tensor(arena: _Arena | None, shape: tuple[int, ...], dtype: torch.dtyp
     return None if arena is None else arena.pool._alloc(arena, shape, dtype)
 
 
+def _copyable(t: torch.Tensor) -> bool:
+    """A private tensor the pool may copy into a slot: a plain tensor, or one of
+    torchvision's ``tv_tensors`` (their metadata is their ``__dict__``)."""
+    cls = type(t)
+    return ((cls is torch.Tensor or cls.__module__.startswith("torchvision.tv_tensors"))
+            and not t.requires_grad and not t.is_shared() and t.numel() > 0)
+
+
 class _PoolPickler(ForkingPickler):
+    """Sends tensors in the block's slot as descriptors. Private tensors are copied
+    into the slot first when they fit (one copy, as the pickler would make into a new
+    segment of their own), so a batch of many small tensors costs no segment at all."""
+
     def __init__(self, file: Any, arena: _Arena) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.arena = arena
         self.pool = arena.pool
+        self._copied: dict[int, tuple[torch.Tensor, tuple]] = {}  # id -> (tensor, desc)
 
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            desc = self.pool._descriptor(obj, self.arena)
-            if desc is not None:
-                self.arena.used = True
-                return desc
-        return None
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            return None
+        desc = self.pool._descriptor(obj, self.arena)
+        if desc is None and _copyable(obj):
+            seen = self._copied.get(id(obj))
+            if seen is not None:  # the same tensor twice: one copy, as pickle's memo
+                return seen[1]
+            t = self.pool._alloc(self.arena, tuple(obj.shape), obj.dtype, zero=False)
+            if t is None:
+                return None
+            t.copy_(obj)
+            desc = self.pool._descriptor(t, self.arena)[:-2] + (
+                type(obj), dict(getattr(obj, "__dict__", None) or {}))
+            self._copied[id(obj)] = (obj, desc)
+        if desc is not None:
+            self.arena.used = True
+        return desc
 
 
 def pooled_reduce(rebuild: Callable[..., Any], args: tuple, arena: _Arena) -> tuple:
@@ -307,7 +334,7 @@ class _PoolUnpickler(pickle.Unpickler):
         self.lease: memoryview | None = None
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
-        off, dtype, shape, stride, cls = pid
+        off, dtype, shape, stride, cls, state = pid
         numel = int(np.prod(shape, dtype=np.int64))
         if numel == 0:
             t = torch.empty(shape, dtype=dtype)
@@ -317,7 +344,11 @@ class _PoolUnpickler(pickle.Unpickler):
             span = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
             flat = torch.frombuffer(self.lease, dtype=dtype, count=span, offset=off)
             t = flat.as_strided(shape, stride)
-        return t if cls is torch.Tensor else t.as_subclass(cls)
+        if cls is not torch.Tensor:
+            t = t.as_subclass(cls)
+            if state:
+                t.__dict__.update(state)
+        return t
 
 
 def _load_pooled(token: int, worker: int, slot: int, data: bytes) -> Any:
