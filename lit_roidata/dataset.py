@@ -100,6 +100,12 @@ def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return arr
 
 
+def _is_torchvision_batch(value: Any) -> bool:
+    from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
+
+    return isinstance(value, TorchvisionBatch)
+
+
 def _as_tensor(value: np.ndarray) -> torch.Tensor:
     """``value`` as a tensor: its shared-memory tensor if ``_shared_alloc`` made it."""
     t = _SHARED.get(value.ctypes.data) if value.size else None
@@ -284,7 +290,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             arena.pool.give_back(arena)
             raise
         _pool.end_block()
-        if isinstance(out, PackedBlobs) or type(out).__name__ == "TorchvisionBatch":
+        if isinstance(out, PackedBlobs) or (self.output_format == "torchvision"
+                                            and _is_torchvision_batch(out)):
             out._shm_arena = arena  # sent with its slot tensors as descriptors
         else:  # e.g. a RepairRequest: nothing sent refers to the slot
             arena.pool.give_back(arena)

@@ -48,7 +48,6 @@ pages once written count (the largest batch each slot has held).
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import secrets
 import threading
@@ -124,7 +123,6 @@ class ShmPool:
         self.counters = counters.numpy()
         self._dirty = [0] * len(storages)  # bytes of each slot written by this process
         self._leases = [0, 0]  # made, released (main process)
-        self._pid = os.getpid()
         _POOLS[token] = self
 
     def __reduce__(self) -> tuple:
@@ -270,10 +268,11 @@ def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | No
     return arena.pool._alloc(arena, shape, dtype)
 
 
-def arena_tensor(arena: _Arena | None, shape: tuple[int, ...], dtype: torch.dtype
-                 ) -> torch.Tensor | None:
-    """As :func:`pool_tensor`, from a given arena (any thread)."""
-    return None if arena is None else arena.pool._alloc(arena, shape, dtype)
+def arena_tensor(arena: _Arena | None, shape: tuple[int, ...], dtype: torch.dtype,
+                 zero: bool = True) -> torch.Tensor | None:
+    """As :func:`pool_tensor`, from a given arena (any thread); ``zero=False`` for a
+    tensor the caller overwrites whole."""
+    return None if arena is None else arena.pool._alloc(arena, shape, dtype, zero)
 
 
 def _copyable(t: torch.Tensor) -> bool:

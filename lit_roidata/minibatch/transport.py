@@ -14,6 +14,10 @@ Every byte crosses the process boundary with at most one copy: arrays allocated 
 a handle, and the packed buffer is itself created in shared memory, so each small
 tensor is copied once, into it (not into a private buffer and again into shared memory
 by the pickler). :func:`transfer_report` counts both kinds for a worker's output.
+
+Under :class:`~lit_roidata.minibatch.shm_pool.ShmPool` (the train loader's workers),
+"shared memory" is a reusable slot of the worker instead of a new segment per array,
+and the tensors travel as descriptors into it (see that module).
 """
 
 from __future__ import annotations
@@ -170,7 +174,7 @@ def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
     # Created in shared memory: the pickler then sends a handle instead of copying it.
     # (This may run in the queue's feeder thread, while the worker builds the next
     # block: the pool slot is the one of this batch, passed explicitly.)
-    buf = shm_pool.arena_tensor(arena, (offset,), torch.uint8) if offset else None
+    buf = shm_pool.arena_tensor(arena, (offset,), torch.uint8, zero=False) if offset else None
     if buf is None:
         buf = (shared_empty((offset,), torch.uint8, pool=False) if offset
                else torch.zeros(0, dtype=torch.uint8))
