@@ -437,7 +437,7 @@ class RoIDataModule(pl.LightningDataModule):
             persistent_workers=bool(ld.persistent_workers) and nw > 0,
             prefetch_factor=None if nw == 0 else ld.prefetch_factor,
             strict_resume=bool(self.sampling.strict_resume), inflight=self._batches_in_flight, on_batch=self._on_train_batch,
-            on_restore=self._align_loops)
+            on_restore=self._align_loops, shm_pool=bool(getattr(ld, "shm_pool", True)))
         if previous is not None:
             # reload_dataloaders_every_n_epochs: the new loader continues the stream
             # where the old one stopped (in infinite mode it would restart at pass 0).

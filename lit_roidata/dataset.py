@@ -36,7 +36,8 @@ from lit_roidata.minibatch.core import build_minibatch
 from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
-from lit_roidata.minibatch.transport import packed, shared_empty, trim_heap
+from lit_roidata.minibatch import shm_pool as _pool
+from lit_roidata.minibatch.transport import PackedBlobs, packed, shared_empty, trim_heap
 from lit_roidata.rng import RNG, block_rng
 from lit_roidata.sampler import Block, draw_replacement
 
@@ -97,6 +98,12 @@ def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     if arr.size:
         _SHARED[arr.ctypes.data] = t
     return arr
+
+
+def _is_torchvision_batch(value: Any) -> bool:
+    from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
+
+    return isinstance(value, TorchvisionBatch)
 
 
 def _as_tensor(value: np.ndarray) -> torch.Tensor:
@@ -188,6 +195,9 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.defer_repair = False
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
+        #: Set by :class:`~lit_roidata.loader.StatefulRoIDataLoader` while it starts its
+        #: workers: their reusable shared-memory slots (``None``: a new segment per array).
+        self.shm_pool: _pool.ShmPool | None = None
 
     def __len__(self) -> int:
         return len(self.roidb)
@@ -227,6 +237,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
         _SHARED.clear()
+        _pool.rewind()  # an earlier attempt's arrays are dropped: reuse their space
         if _in_worker():  # earlier blocks' temporaries are freed: keep memory flat
             _TRIM_COUNTER[0] += 1
             if _TRIM_COUNTER[0] % _TRIM_EVERY == 1:
@@ -268,6 +279,25 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             BadImageError: with ``on_bad_image="raise"``.
             RuntimeError: no usable block within ``max_attempts`` replacements.
         """
+        pool = getattr(self, "shm_pool", None)
+        arena = _pool.begin_block(pool) if pool is not None and _in_worker() else None
+        if arena is None:
+            return self._getitems(block)
+        try:
+            out = self._getitems(block)
+        except BaseException:
+            _pool.end_block()
+            arena.pool.give_back(arena)
+            raise
+        _pool.end_block()
+        if isinstance(out, PackedBlobs) or (self.output_format == "torchvision"
+                                            and _is_torchvision_batch(out)):
+            out._shm_arena = arena  # sent with its slot tensors as descriptors
+        else:  # e.g. a RepairRequest: nothing sent refers to the slot
+            arena.pool.give_back(arena)
+        return out
+
+    def _getitems(self, block: Any) -> Any:
         if self.on_bad_image == "skip" and self.ledger is not None and _coords(block)[3] == 0:
             current, subs = self.ledger.apply_plan(block)
             return self._build_stream(block, current, subs, [])

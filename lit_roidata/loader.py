@@ -31,6 +31,7 @@ sampler's own DDP split away (peers.md P9). :class:`StatefulRoIDataLoader` solve
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -41,6 +42,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_roidata.config import DetectronConfig
 from lit_roidata.dataset import EvalDataset
+from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.sampler import RoIBatchSampler
 
 __all__ = ["StatefulRoIDataLoader", "EvalLoader", "passthrough_collate", "fork_safe_opencv"]
@@ -100,6 +102,13 @@ class StatefulRoIDataLoader:
         on_restore: optional ``(loader, state) -> None`` called at the end of
             :meth:`load_state_dict` (the data module aligns Lightning's loop counters with
             the restored position there).
+        shm_pool: with workers and a dataset that supports it (``RoIBlockDataset``),
+            give each worker set a :class:`~lit_roidata.minibatch.shm_pool.ShmPool`:
+            ``prefetch_factor + 3`` reusable shared-memory slots per worker, so batches
+            leave the workers without creating, faulting in and mapping new segments.
+            A slot is reused only once every tensor of the batch it held is gone.
+        shm_pool_slot_bytes: capacity of a slot (virtual: only written pages cost
+            memory); an array that does not fit gets a new segment.
 
     Raises:
         TypeError: an ``IterableDataset`` or a batch sampler that is not a
@@ -115,7 +124,8 @@ class StatefulRoIDataLoader:
                  on_pass_end: Callable[[], None] | None = None,
                  on_restore: Callable[["StatefulRoIDataLoader", Mapping[str, Any]], None]
                  | None = None,
-                 on_batch: Callable[[Any], Any] | None = None) -> None:
+                 on_batch: Callable[[Any], Any] | None = None, shm_pool: bool = True,
+                 shm_pool_slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
@@ -146,6 +156,9 @@ class StatefulRoIDataLoader:
         self._on_restore = on_restore
         self._on_batch = on_batch
         self.sampler = _EpochHook(self)
+        self._use_pool = bool(shm_pool) and num_workers > 0 and hasattr(dataset, "shm_pool")
+        self._slot_bytes = int(shm_pool_slot_bytes)
+        self._pool_ref: Callable[[], ShmPool | None] = lambda: None
 
     # ------------------------------------------------------------------ DataLoader face
     @property
@@ -198,7 +211,7 @@ class StatefulRoIDataLoader:
         seed = np.random.SeedSequence([sampler.seed, *self._pos, sampler.rank]
                                       ).generate_state(1)[0]
         self._generator.manual_seed(int(seed))
-        for batch in self._loader:
+        for batch in self._start_workers():
             if self._on_batch is not None:
                 batch = self._on_batch(batch)
             # Advance before yielding: a checkpoint written while the loop holds this
@@ -209,6 +222,28 @@ class StatefulRoIDataLoader:
             if self._on_pass_end is not None and self._pass_ended(self._recent[-1]):
                 self._on_pass_end()
             yield batch
+
+    def _start_workers(self) -> Iterator[Any]:
+        """``iter(DataLoader)``; a new set of workers gets a new shared-memory pool
+        (flags of earlier workers, alive or dead, are never seen by the new ones)."""
+        dl = self._loader
+        if not self._use_pool or (dl.persistent_workers and dl._iterator is not None):
+            return iter(dl)
+        pool = ShmPool(dl.num_workers, int(dl.prefetch_factor or 2) + 3, self._slot_bytes)
+        self.dataset.shm_pool = pool  # the workers take it with the dataset (fork or spawn)
+        try:
+            it = iter(dl)
+        finally:
+            self.dataset.shm_pool = None  # no other loader's workers may use it
+        it._lit_shm_pool = pool  # alive as long as the workers that write into it
+        self._pool_ref = weakref.ref(pool)
+        return it
+
+    @property
+    def shm_pool(self) -> ShmPool | None:
+        """The shared-memory pool of the current workers (None: none, or they are gone);
+        :meth:`ShmPool.stats` counts slot reuse and fallbacks."""
+        return self._pool_ref()
 
     def _pass_ended(self, before: tuple[int, int]) -> bool:
         if self.batch_sampler.infinite:

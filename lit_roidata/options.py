@@ -110,6 +110,10 @@ class LoaderOptions:
             validation runs). Not with ``sources.on_bad_image="skip"``: each epoch's
             workers must see the bad images found in the previous one.
         prefetch_factor: batches each worker prepares ahead (``None``: PyTorch's 2).
+        shm_pool: reuse per-worker shared-memory slots for the training batches instead
+            of a new segment per array (``prefetch_factor + 3`` slots per worker; a slot
+            is reused only when every tensor of its previous batch is gone). Memory:
+            about the largest batch, per slot, of ``/dev/shm``.
     """
 
     num_workers: int = 2
@@ -118,6 +122,7 @@ class LoaderOptions:
     pin_memory: bool = False
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None
+    shm_pool: bool = True
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from torchvision import tv_tensors
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.image import ImageLoader, load_and_scale
 from lit_roidata.minibatch.mask import segm_as_rle, segm_polygons
+from lit_roidata.minibatch.shm_pool import pooled_reduce
 from lit_roidata.minibatch.transport import shared_empty
 
 __all__ = ["TorchvisionBatch", "to_continuous_boxes", "build_torchvision_batch"]
@@ -48,6 +49,9 @@ class TorchvisionBatch(tuple):
         return obj
 
     def __reduce__(self) -> tuple:
+        arena = self.__dict__.get("_shm_arena")  # a worker's shared-memory pool slot
+        if arena is not None:
+            return pooled_reduce(TorchvisionBatch, (tuple(self), self.meta), arena)
         return (TorchvisionBatch, (tuple(self), self.meta))
 
 

@@ -14,6 +14,10 @@ Every byte crosses the process boundary with at most one copy: arrays allocated 
 a handle, and the packed buffer is itself created in shared memory, so each small
 tensor is copied once, into it (not into a private buffer and again into shared memory
 by the pickler). :func:`transfer_report` counts both kinds for a worker's output.
+
+Under :class:`~lit_roidata.minibatch.shm_pool.ShmPool` (the train loader's workers),
+"shared memory" is a reusable slot of the worker instead of a new segment per array,
+and the tensors travel as descriptors into it (see that module).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lit_roidata.minibatch import shm_pool
+
 __all__ = ["packed", "PackedBlobs", "shared_empty", "transfer_report", "trim_heap"]
 
 _ALIGN = 8
@@ -33,12 +39,21 @@ SMALL_LIMIT = 1 << 26  # everything not already in shared memory
 
 
 class PackedBlobs(dict):
-    """A dict that pickles its small tensors into one buffer (see module doc)."""
+    """A dict that pickles its small tensors into one buffer (see module doc).
+
+    With a shared-memory pool slot (``_shm_arena``, set by the worker's dataset), the
+    buffer is carved from the slot and every slot tensor travels as a descriptor
+    (:func:`~lit_roidata.minibatch.shm_pool.pooled_reduce`).
+    """
 
     limit: int = SMALL_LIMIT
+    _shm_arena: Any = None
 
     def __reduce__(self) -> tuple:
-        return _unpack, _pack(self, self.limit)
+        arena = self._shm_arena
+        if arena is None:
+            return _unpack, _pack(self, self.limit)
+        return shm_pool.pooled_reduce(_unpack, _pack(self, self.limit, arena), arena)
 
 
 def packed(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> PackedBlobs:
@@ -73,16 +88,24 @@ def trim_heap() -> bool:
     return True
 
 
-def shared_empty(shape: tuple[int, ...], dtype: Any) -> torch.Tensor:
-    """A CPU tensor allocated directly in a new shared-memory segment.
+def shared_empty(shape: tuple[int, ...], dtype: Any, *, pool: bool = True) -> torch.Tensor:
+    """A zero-filled CPU tensor in shared memory.
 
-    ``torch.empty(...).share_memory_()`` allocates privately, then allocates the shared
-    segment and copies into it; this allocates the segment only. A new segment is a
-    file extended with ``ftruncate``, so it reads as zeros until written (POSIX), at no
-    cost: pages are materialised when first written. ``dtype`` is a torch or NumPy dtype.
+    In a DataLoader worker building a block with a
+    :class:`~lit_roidata.minibatch.shm_pool.ShmPool` slot (and ``pool=True``), the tensor
+    is carved from that slot, a segment reused from batch to batch (zeroed where an
+    earlier batch wrote). Otherwise it is a new segment: ``torch.empty(...).share_memory_()``
+    allocates privately, then allocates the shared segment and copies into it; this
+    allocates the segment only. A new segment is a file extended with ``ftruncate``, so
+    it reads as zeros until written (POSIX), at no cost: pages are materialised when
+    first written. ``dtype`` is a torch or NumPy dtype.
     """
     if not isinstance(dtype, torch.dtype):
         dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
+    if pool:
+        t = shm_pool.pool_tensor(tuple(int(x) for x in shape), dtype)
+        if t is not None:
+            return t
     numel = math.prod(int(x) for x in shape)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
@@ -126,7 +149,7 @@ def _is_small(v: Any, limit: int) -> bool:
             and v.numel() * v.element_size() <= limit)
 
 
-def _pack(d: dict[str, Any], limit: int) -> tuple:
+def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
     chunks: list[tuple[int, torch.Tensor]] = []
     offset = 0
 
@@ -149,7 +172,12 @@ def _pack(d: dict[str, Any], limit: int) -> tuple:
 
     layout = walk(d)
     # Created in shared memory: the pickler then sends a handle instead of copying it.
-    buf = shared_empty((offset,), torch.uint8) if offset else torch.zeros(0, dtype=torch.uint8)
+    # (This may run in the queue's feeder thread, while the worker builds the next
+    # block: the pool slot is the one of this batch, passed explicitly.)
+    buf = shm_pool.arena_tensor(arena, (offset,), torch.uint8, zero=False) if offset else None
+    if buf is None:
+        buf = (shared_empty((offset,), torch.uint8, pool=False) if offset
+               else torch.zeros(0, dtype=torch.uint8))
     for off, raw in chunks:
         buf[off:off + raw.numel()].copy_(raw)
     return (layout, buf)

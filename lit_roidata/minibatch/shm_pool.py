@@ -1,0 +1,366 @@
+"""Reusable shared-memory arenas for DataLoader workers (:class:`ShmPool`).
+
+Without a pool, every large array a worker builds (the image blob, masks, the packed
+buffer of small tensors) lives in a *new* shared-memory segment: the worker creates it
+(a file descriptor, ``ftruncate``, ``mmap``), takes a page fault and a page zeroing for
+every 4 KiB it writes, sends the descriptor through a socket, and the main process maps
+the segment again and faults on every page it reads. For a 6 MB batch that is most of
+the cost of moving it out of the worker.
+
+A :class:`ShmPool` is made by the main process before the workers start: per worker
+``slots`` segments ("slots") of ``slot_bytes`` each, created once (sized with
+``ftruncate``: a page costs memory only once written) and mapped once by every process
+(inherited with ``fork``, passed as descriptors with ``spawn``), plus a shared ``uint8``
+flag per slot (0 free, 1 in use).
+
+Protocol (it never depends on timing or on a count):
+
+* **worker** (:func:`begin_block`): at the start of a block it takes one of *its own*
+  free slots (flag 0 -> 1; only worker ``w`` sets row ``w`` to 1) and bump-allocates the
+  block's shared arrays from it (:func:`~lit_roidata.minibatch.transport.shared_empty`
+  asks :func:`pool_tensor`); a region written before is zeroed again (every caller
+  expects zeros). No free slot, or a full slot: the array gets a new segment as without
+  a pool, so correctness never depends on the number of slots.
+* **sending** (:func:`pooled_reduce`): the batch is pickled with a pickler that sends
+  every tensor lying in the block's slot as a descriptor (slot, byte offset, dtype,
+  shape, strides) instead of a segment; a private tensor is first copied into the slot
+  when it fits (the one copy the pickler would otherwise make into a segment of its
+  own); everything else travels as before.
+* **main process** (:func:`_load_pooled`): the descriptors become views of the main
+  process's own, permanent mapping of the slot, all held through one *lease* object
+  per batch (each tensor's storage keeps it alive, and so do views, slices, ``.numpy()``
+  arrays of them). When the last of them is garbage-collected, the lease's finaliser
+  sets the slot's flag back to 0. A batch kept by the user, Lightning or the
+  pin-memory thread keeps its slot; the worker then uses another slot or new segments.
+* a block whose result carries no slot tensor (an error, a repair request, a full
+  slot) gives its slot back in the worker.
+
+Every new set of workers gets a new pool (:class:`~lit_roidata.loader.StatefulRoIDataLoader`
+makes one per worker start; persistent workers keep theirs), so flags left by workers
+that died or were shut down can never be seen by the next ones. The segments are
+created with PyTorch's file-descriptor strategy: they are unlinked at once and leave no
+file in ``/dev/shm`` whatever happens to the processes.
+
+Memory: at most ``num_workers * slots * slot_bytes`` of shared memory, of which only
+pages once written count (the largest batch each slot has held).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import secrets
+import threading
+import weakref
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+__all__ = ["ShmPool", "begin_block", "end_block", "rewind", "pool_tensor", "arena_tensor",
+           "pooled_reduce", "DEFAULT_SLOT_BYTES"]
+
+DEFAULT_SLOT_BYTES = 128 << 20  # virtual size: only written pages cost memory
+_ALIGN = 64
+
+#: Live pools of this process by token (the main process resolves descriptors here).
+_POOLS: "weakref.WeakValueDictionary[int, ShmPool]" = weakref.WeakValueDictionary()
+
+_STATS = ("blocks", "no_free_slot", "pool_arrays", "pool_bytes", "fallback_arrays",
+          "fallback_bytes", "given_back_in_worker")
+_S = {name: i for i, name in enumerate(_STATS)}
+
+_local = threading.local()  # the worker's arena for the block being built (main thread)
+
+
+class _Arena:
+    """One block's use of one slot (worker side)."""
+
+    __slots__ = ("pool", "worker", "slot", "offset", "used")
+
+    def __init__(self, pool: "ShmPool", worker: int, slot: int) -> None:
+        self.pool, self.worker, self.slot = pool, worker, slot
+        self.offset = 0
+        self.used = False  # some tensor of the sent batch lies in the slot
+
+    @property
+    def index(self) -> int:
+        return self.worker * self.pool.slots + self.slot
+
+
+class ShmPool:
+    """Per-worker reusable shared-memory slots (see the module documentation).
+
+    Args:
+        num_workers: DataLoader workers (rows of slots).
+        slots: slots per worker; at least the batches a worker can have in flight
+            (``prefetch_factor``) plus those the consumer holds, or workers fall back
+            to new segments more often.
+        slot_bytes: capacity of a slot (virtual; written pages only cost memory).
+    """
+
+    def __init__(self, num_workers: int, slots: int, slot_bytes: int = DEFAULT_SLOT_BYTES
+                 ) -> None:
+        if num_workers < 1 or slots < 1 or slot_bytes < _ALIGN:
+            raise ValueError(f"ShmPool needs num_workers >= 1, slots >= 1 and slot_bytes >= "
+                             f"{_ALIGN}; got {num_workers}, {slots}, {slot_bytes}")
+        n = num_workers * slots
+        self._setup(secrets.randbits(62), int(num_workers), int(slots), int(slot_bytes),
+                    [torch.UntypedStorage._new_shared(int(slot_bytes)) for _ in range(n)],
+                    torch.zeros((num_workers, slots), dtype=torch.uint8).share_memory_(),
+                    torch.zeros((num_workers, len(_STATS)), dtype=torch.int64).share_memory_())
+
+    def _setup(self, token: int, num_workers: int, slots: int, slot_bytes: int,
+               storages: list, flags: torch.Tensor, counters: torch.Tensor) -> None:
+        self.token, self.num_workers, self.slots, self.slot_bytes = (
+            token, num_workers, slots, slot_bytes)
+        self._storages, self._flags, self._counters = storages, flags, counters
+        self._u8 = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages]
+        self._np = [t.numpy() for t in self._u8]
+        self._base = {int(t.data_ptr()): i for i, t in enumerate(self._u8)}
+        self.flags = flags.numpy()
+        self.counters = counters.numpy()
+        self._dirty = [0] * len(storages)  # bytes of each slot written by this process
+        self._leases = [0, 0]  # made, released (main process)
+        _POOLS[token] = self
+
+    def __reduce__(self) -> tuple:
+        # Only ForkingPickler (spawned workers) can send the segments (as descriptors).
+        return (_rebuild_pool, (self.token, self.num_workers, self.slots, self.slot_bytes,
+                                self._storages, self._flags, self._counters))
+
+    # ------------------------------------------------------------------ worker side
+    def acquire(self, worker: int) -> _Arena | None:
+        """Take a free slot of ``worker`` for one block; None when all are in use."""
+        if not 0 <= worker < self.num_workers:
+            return None
+        row = self.flags[worker]
+        self.counters[worker, _S["blocks"]] += 1
+        free = np.flatnonzero(row == 0)
+        if free.size == 0:
+            self.counters[worker, _S["no_free_slot"]] += 1
+            return None
+        slot = int(free[0])
+        row[slot] = 1
+        return _Arena(self, worker, slot)
+
+    def give_back(self, arena: _Arena) -> None:
+        """Worker side: free a slot that nothing sent refers to."""
+        self.counters[arena.worker, _S["given_back_in_worker"]] += 1
+        self.flags[arena.worker, arena.slot] = 0
+
+    def _alloc(self, arena: _Arena, shape: tuple[int, ...], dtype: torch.dtype,
+               zero: bool = True) -> torch.Tensor | None:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        off = arena.offset + (-arena.offset) % _ALIGN
+        end = off + nbytes
+        w = arena.worker
+        if nbytes == 0 or end > self.slot_bytes:
+            if nbytes:
+                self.counters[w, _S["fallback_arrays"]] += 1
+                self.counters[w, _S["fallback_bytes"]] += nbytes
+            return None
+        i = arena.index
+        dirty = self._dirty[i]
+        if zero and dirty > off:  # written by an earlier block: callers expect zeros
+            self._np[i][off:min(end, dirty)] = 0
+        self._dirty[i] = max(dirty, end)
+        arena.offset = end
+        self.counters[w, _S["pool_arrays"]] += 1
+        self.counters[w, _S["pool_bytes"]] += nbytes
+        return self._u8[i][off:end].view(dtype).view(shape)
+
+    def _descriptor(self, t: torch.Tensor, arena: _Arena) -> tuple | None:
+        """``(offset, dtype, shape, stride, class)`` when ``t`` lies in a slot of this
+        pool (it must then be ``arena``'s)."""
+        try:
+            base = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return None
+        i = self._base.get(int(base))
+        if i is None:
+            return None
+        if i != arena.index:
+            raise RuntimeError("shared-memory pool: a batch refers to another block's slot "
+                               f"({i} vs {arena.index}); this is a bug in lit_roidata")
+        off = (t.data_ptr() - base) if t.numel() else 0
+        return (int(off), t.dtype, tuple(t.shape), tuple(t.stride()), type(t),
+                dict(getattr(t, "__dict__", None) or {}))
+
+    # ------------------------------------------------------------------ main side
+    def _lease(self, worker: int, slot: int) -> memoryview:
+        """A new object that holds slot ``(worker, slot)`` while it lives."""
+        mv = memoryview(self._np[worker * self.slots + slot])
+        self._leases[0] += 1
+        weakref.finalize(mv, _release, self.flags, self._leases, worker, slot)
+        return mv
+
+    def in_use(self) -> int:
+        """Slots in use now (being built, in flight, or held by the consumer)."""
+        return int(self.flags.sum())
+
+    def stats(self) -> dict[str, int]:
+        """Counters summed over the workers: ``blocks`` started, ``no_free_slot``
+        (blocks that found every slot in use), ``pool_arrays``/``pool_bytes`` placed in a
+        slot, ``fallback_arrays``/``fallback_bytes`` given a new segment (full slot),
+        ``given_back_in_worker``; and, in this process, ``leases`` made and
+        ``released``, ``in_use`` slots now, ``slots`` in all."""
+        out = {name: int(v) for name, v in zip(_STATS, self.counters.sum(axis=0))}
+        out.update(leases=self._leases[0], released=self._leases[1], in_use=self.in_use(),
+                   slots=self.num_workers * self.slots, slot_bytes=self.slot_bytes)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ShmPool(num_workers={self.num_workers}, slots={self.slots}, "
+                f"slot_bytes={self.slot_bytes}, in_use={self.in_use()})")
+
+
+def _rebuild_pool(token: int, num_workers: int, slots: int, slot_bytes: int, storages: list,
+                  flags: torch.Tensor, counters: torch.Tensor) -> ShmPool:
+    pool = _POOLS.get(token)
+    if pool is not None:  # sent back to the process that has it
+        return pool
+    pool = ShmPool.__new__(ShmPool)
+    pool._setup(token, num_workers, slots, slot_bytes, storages, flags, counters)
+    return pool
+
+
+def _release(flags: np.ndarray, leases: list, worker: int, slot: int) -> None:
+    leases[1] += 1
+    flags[worker, slot] = 0
+
+
+# ---------------------------------------------------------------------- worker API
+def begin_block(pool: ShmPool | None) -> _Arena | None:
+    """In a DataLoader worker: take a slot of ``pool`` for the block about to be built
+    and make it the target of :func:`pool_tensor` in this thread (None: no pool, no
+    worker, or no free slot; arrays then get new segments)."""
+    end_block()
+    if pool is None:
+        return None
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return None
+    arena = pool.acquire(int(info.id))
+    _local.arena = arena
+    return arena
+
+
+def rewind() -> None:
+    """Forget what the current block allocated so far (a failed attempt's arrays)."""
+    arena = getattr(_local, "arena", None)
+    if arena is not None:
+        arena.offset = 0
+
+
+def end_block() -> None:
+    """Stop allocating from the current block's slot in this thread."""
+    _local.arena = None
+
+
+def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A zeroed tensor in the current block's slot, or None (no slot, or it is full)."""
+    arena = getattr(_local, "arena", None)
+    if arena is None:
+        return None
+    return arena.pool._alloc(arena, shape, dtype)
+
+
+def arena_tensor(arena: _Arena | None, shape: tuple[int, ...], dtype: torch.dtype,
+                 zero: bool = True) -> torch.Tensor | None:
+    """As :func:`pool_tensor`, from a given arena (any thread); ``zero=False`` for a
+    tensor the caller overwrites whole."""
+    return None if arena is None else arena.pool._alloc(arena, shape, dtype, zero)
+
+
+def _copyable(t: torch.Tensor) -> bool:
+    """A private tensor the pool may copy into a slot: a plain tensor, or one of
+    torchvision's ``tv_tensors`` (their metadata is their ``__dict__``)."""
+    cls = type(t)
+    return ((cls is torch.Tensor or cls.__module__.startswith("torchvision.tv_tensors"))
+            and not t.requires_grad and not t.is_shared() and t.numel() > 0)
+
+
+class _PoolPickler(ForkingPickler):
+    """Sends tensors in the block's slot as descriptors. Private tensors are copied
+    into the slot first when they fit (one copy, as the pickler would make into a new
+    segment of their own), so a batch of many small tensors costs no segment at all."""
+
+    def __init__(self, file: Any, arena: _Arena) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self.arena = arena
+        self.pool = arena.pool
+        self._copied: dict[int, tuple[torch.Tensor, tuple]] = {}  # id -> (tensor, desc)
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            return None
+        desc = self.pool._descriptor(obj, self.arena)
+        if desc is None and _copyable(obj):
+            seen = self._copied.get(id(obj))
+            if seen is not None:  # the same tensor twice: one copy, as pickle's memo
+                return seen[1]
+            t = self.pool._alloc(self.arena, tuple(obj.shape), obj.dtype, zero=False)
+            if t is None:
+                return None
+            t.copy_(obj)
+            desc = self.pool._descriptor(t, self.arena)[:-2] + (
+                type(obj), dict(getattr(obj, "__dict__", None) or {}))
+            self._copied[id(obj)] = (obj, desc)
+        if desc is not None:
+            self.arena.used = True
+        return desc
+
+
+def pooled_reduce(rebuild: Callable[..., Any], args: tuple, arena: _Arena) -> tuple:
+    """``__reduce__`` value that sends ``rebuild(*args)`` with its slot tensors as
+    descriptors (worker side; see the module documentation)."""
+    buf = io.BytesIO()
+    _PoolPickler(buf, arena).dump((rebuild, args))
+    pool = arena.pool
+    if not arena.used:  # nothing sent lies in the slot: free it now
+        pool.give_back(arena)
+        return (_load_plain, (buf.getvalue(),))
+    return (_load_pooled, (pool.token, arena.worker, arena.slot, buf.getvalue()))
+
+
+class _PoolUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, pool: ShmPool, worker: int, slot: int) -> None:
+        super().__init__(file)
+        self.pool, self.worker, self.slot = pool, worker, slot
+        self.lease: memoryview | None = None
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        off, dtype, shape, stride, cls, state = pid
+        numel = int(np.prod(shape, dtype=np.int64))
+        if numel == 0:
+            t = torch.empty(shape, dtype=dtype)
+        else:
+            if self.lease is None:
+                self.lease = self.pool._lease(self.worker, self.slot)
+            span = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+            flat = torch.frombuffer(self.lease, dtype=dtype, count=span, offset=off)
+            t = flat.as_strided(shape, stride)
+        if cls is not torch.Tensor:
+            t = t.as_subclass(cls)
+            if state:
+                t.__dict__.update(state)
+        return t
+
+
+def _load_pooled(token: int, worker: int, slot: int, data: bytes) -> Any:
+    pool = _POOLS.get(token)
+    if pool is None:
+        raise RuntimeError("lit_roidata: a batch arrived from DataLoader workers whose "
+                           "shared-memory pool no longer exists in this process (was the "
+                           "loader deleted while its iterator was in use?)")
+    rebuild, args = _PoolUnpickler(io.BytesIO(data), pool, worker, slot).load()
+    return rebuild(*args)
+
+
+def _load_plain(data: bytes) -> Any:
+    rebuild, args = pickle.loads(data)
+    return rebuild(*args)
+
