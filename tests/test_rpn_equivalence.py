@@ -2,7 +2,8 @@
 main's implementation before the rewrite (``tests/oracle_rpn.py``), draw for draw.
 
 Every output of ``label_anchors`` and of ``add_rpn_blobs`` (wide and compact) must be
-bit-identical, and the generator must be left in the same state, on many random scenes:
+bit-identical (and to Detectron's dense IoU where main's pruning was not exact), and the
+generator must be left in the same state, on many random scenes:
 real-size FPN fields and tiny single-level ones, boxes on the image border, degenerate
 and huge boxes, flipped entries, crowd boxes, both generator kinds, both quirk modes,
 straddle margins (none, 0, positive) and unusual thresholds.
@@ -10,11 +11,12 @@ straddle margins (none, 0, positive) and unusual thresholds.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
-import oracle_anchors
 import oracle_rpn
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from lit_roidata.boxes import bbox_overlaps
@@ -93,9 +95,38 @@ def _rng(sc):
             else np.random.default_rng(sc["seed"]))
 
 
+def _dense_overlaps(fields, all_anchors, inside, gt, below=0.0):
+    """The dense IoU of every inside anchor (what Detectron computes)."""
+    cand = np.flatnonzero(inside)
+    return cand, bbox_overlaps(all_anchors[cand], gt)
+
+
+@contextlib.contextmanager
+def _dense_oracle():
+    """main's labelling with the dense IoU matrix: Detectron's semantics literally."""
+    saved = oracle_rpn.anchor_gt_overlaps
+    oracle_rpn.anchor_gt_overlaps = _dense_overlaps
+    try:
+        yield oracle_rpn
+    finally:
+        oracle_rpn.anchor_gt_overlaps = saved
+
+
+def _same(new, old, r_new, r_old):
+    for a, b in zip(new, old):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert r_new.random() == r_old.random()  # the same draws were made
+
+
 @settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(_scenes())
 def test_label_anchors_matches_main(sc):
+    """Bit-identical to main wherever main is exact (anchor coordinates that float32
+    holds exactly: every FPN and C4 default); the "odd" anchors (size 22.6) are
+    compared with the dense oracle below."""
+    assume(sc["kind"] != "odd")
     cfg = _train(sc)
     fields = rpn_fields(cfg)
     anchors = concat_fields(fields)
@@ -103,11 +134,40 @@ def test_label_anchors_matches_main(sc):
     args = (anchors, fields, sc["gt"], float(sc["h"]), float(sc["w"]), cfg.TRAIN)
     new = rpn.label_anchors(*args, r_new, fix_rpn_quirks=sc["fix"])
     old = oracle_rpn.label_anchors(*args, r_old, fix_rpn_quirks=sc["fix"])
-    for a, b in zip(new, old):
-        a, b = np.asarray(a), np.asarray(b)
-        assert a.dtype == b.dtype and a.shape == b.shape
+    _same(new, old, r_new, r_old)
+
+
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(_scenes())
+def test_label_anchors_matches_the_dense_iou(sc):
+    cfg = _train(sc)
+    fields = rpn_fields(cfg)
+    anchors = concat_fields(fields)
+    r_new, r_old = _rng(sc), _rng(sc)
+    args = (anchors, fields, sc["gt"], float(sc["h"]), float(sc["w"]), cfg.TRAIN)
+    new = rpn.label_anchors(*args, r_new, fix_rpn_quirks=sc["fix"])
+    with _dense_oracle() as dense:
+        old = dense.label_anchors(*args, r_old, fix_rpn_quirks=sc["fix"])
+    _same(new, old, r_new, r_old)
+
+
+def test_odd_anchor_sizes_main_missed_a_best_match():
+    """main's area-ratio bound (relative slack 1e-6) skipped the best anchor of a gt when
+    float32 anchor coordinates made its IoU exceed the cell's bound: Detectron's dense
+    IoU has a best match there, main saw none (and took the quirk-Q2 path)."""
+    cfg = _cfg("odd", 600)
+    cfg.merge_from_dict({"TRAIN.RPN_BATCH_SIZE_PER_IM": 4})
+    fields = rpn_fields(cfg)
+    anchors = concat_fields(fields)
+    gt = np.array([[10, 14, 10, 14], [0, 0, 10, 14], [0, 431, 37, 560]], np.float32)
+    args = (anchors, fields, gt, 561.0, 38.0, cfg.TRAIN)
+    new = rpn.label_anchors(*args, np.random.default_rng(0))
+    with _dense_oracle() as dense:
+        ref = dense.label_anchors(*args, np.random.default_rng(0))
+    main = oracle_rpn.label_anchors(*args, np.random.default_rng(0))
+    for a, b in zip(new[:4], ref[:4]):
         np.testing.assert_array_equal(a, b)
-    assert r_new.random() == r_old.random()  # the same draws were made
+    assert not np.array_equal(main[0], ref[0])
 
 
 @pytest.mark.parametrize("compact", [False, True])
@@ -158,26 +218,24 @@ def test_inside_rectangles_rank_and_select(sc, data):
 @settings(deadline=None, max_examples=80)
 @given(_scenes())
 def test_rpn_overlaps_keeps_every_entry_that_matters(sc):
-    """Against the old candidate set: the same IoU wherever it reaches ``below`` or is a
-    gt's best, and the same best IoU per gt."""
+    """Against the dense IoU of the inside anchors: every entry >= ``below`` and every
+    gt's best match (ties included) is computed, and every computed entry is exact."""
     cfg = _train(sc)
     fields = rpn_fields(cfg)
     anchors = concat_fields(fields)
     h, w, t = float(sc["h"]), float(sc["w"]), float(sc["straddle"])
     below = min(sc["pos"], sc["neg"])
     mask = inside_mask(fields, h, w, t)
-    c_old, o_old = oracle_anchors.anchor_gt_overlaps(fields, anchors, mask, sc["gt"], below)
-    c_new, o_new = rpn_overlaps(fields, anchors, inside_anchors(fields, h, w, t), sc["gt"], below)
-    assert mask[c_new].all()
-    if len(c_old):
-        np.testing.assert_array_equal(o_new.max(axis=0, initial=0), o_old.max(axis=0))
-    dense_old = dict(zip(c_old.tolist(), o_old))
-    dense_new = dict(zip(c_new.tolist(), o_new))
-    g2a = o_old.max(axis=0) if len(c_old) else np.zeros(len(sc["gt"]), np.float32)
-    for i, row in dense_old.items():
-        keep = (row >= np.float32(below)) | ((row == g2a) & (g2a > 0))
-        if keep.any():
-            np.testing.assert_array_equal(dense_new[i][keep], row[keep])
-    if len(c_new):  # every computed entry is the dense matrix's
-        nz = o_new > 0
-        np.testing.assert_array_equal(o_new[nz], bbox_overlaps(anchors[c_new], sc["gt"])[nz])
+    c_all, dense = _dense_overlaps(fields, anchors, mask, sc["gt"])
+    cand, got = rpn_overlaps(fields, anchors, inside_anchors(fields, h, w, t), sc["gt"], below)
+    assert mask[cand].all() and (np.diff(cand) > 0).all()
+    if not len(c_all):
+        assert not len(cand)
+        return
+    g2a = dense.max(axis=0)
+    need = (dense >= np.float32(below)) | ((dense == g2a) & (g2a > 0))
+    rows = np.searchsorted(c_all, cand)
+    full = np.zeros_like(dense)
+    full[rows] = got
+    np.testing.assert_array_equal(full[need], dense[need])
+    np.testing.assert_array_equal(got[got > 0], dense[rows][got > 0])

@@ -413,9 +413,9 @@ class InsideAnchors:
         x0, x1, y0, y1 = r[..., 0], r[..., 1], r[..., 2], r[..., 3]
         wx = x1 - x0
         yc, xc = y[:, None], x[:, None]
-        rows_before = (np.clip(yc - y0, 0, y1 - y0) * wx).sum(axis=1)
+        rows_before = (np.minimum(np.maximum(yc - y0, 0), y1 - y0) * wx).sum(axis=1)
         act = (y0 <= yc) & (yc < y1)
-        in_row = (np.clip(xc - x0, 0, wx) * act).sum(axis=1)
+        in_row = (np.minimum(np.maximum(xc - x0, 0), wx) * act).sum(axis=1)
         in_cell = (act & (x0 <= xc) & (xc < x1)
                    & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
         return self.field_counts[f] + rows_before + in_row + in_cell
@@ -437,19 +437,19 @@ class InsideAnchors:
         wx = x1 - x0
         act = (y0 <= y[:, None]) & (y[:, None] < y1)
         wx = wx * act  # shapes not in this row contribute nothing
-        # the column: the largest x with (anchors of the row left of x) <= off
-        lo, hi = np.zeros(len(pos), np.int64), rows["ff"][f]
-        while True:
-            open_ = hi - lo > 1
-            if not open_.any():
-                break
-            mid = (lo + hi) // 2
-            ok = np.clip(mid[:, None] - x0, 0, wx).sum(axis=1) <= off
-            lo = np.where(ok & open_, mid, lo)
-            hi = np.where(~ok & open_, mid, hi)
-        k = off - np.clip(lo[:, None] - x0, 0, wx).sum(axis=1)
-        in_cell = act & (x0 <= lo[:, None]) & (lo[:, None] < x1)
-        a = (np.cumsum(in_cell, axis=1) > k[:, None]).argmax(axis=1)
+        # (anchors of the row left of column x) = sum_a clip(x - x0_a, 0, wx_a): piecewise
+        # linear, the slope is the number of shapes whose run holds x. The column is
+        # found from the last breakpoint b (a run's start or end) with count(b) <= off.
+        bp = np.concatenate((x0, x0 + wx), axis=1)  # (Q, 2A)
+        left = np.minimum(np.maximum(bp[:, :, None] - x0[:, None, :], 0),
+                          wx[:, None, :]).sum(axis=2)
+        b = np.where(left <= off[:, None], bp, -1).max(axis=1)
+        in_run = (x0 <= b[:, None]) & (b[:, None] < x0 + wx)  # the same runs up to the column
+        rest = off - np.minimum(np.maximum(b[:, None] - x0, 0), wx).sum(axis=1)
+        n_run = in_run.sum(axis=1)
+        lo, k = np.divmod(rest, n_run)
+        lo += b
+        a = (np.cumsum(in_run, axis=1) > k[:, None]).argmax(axis=1)
         return rows["fstart"][f] + (y * rows["ff"][f] + lo) * rows["fa"][f] + a
 
 
@@ -464,22 +464,19 @@ def inside_anchors(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
 @functools.lru_cache(maxsize=256)
 def _inside_anchors(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
                     t: float) -> InsideAnchors:
-    rects = []
-    for k in keys:
-        field, n_a, n_f = _field_array(*k)
-        if t < 0:
-            rects.extend([(0, n_f, 0, n_f)] * n_a)
-            continue
-        grid = field.reshape(n_f, n_f, n_a, 4)
-        row, col = grid[0], grid[:, 0]  # (F, A, 4): x varies / y varies
-        # the same comparisons as _inside_mask; each is monotone in the column (row), so
-        # the kept columns (rows) of a shape are one run: its first index and its length
-        x_ok = (row[..., 0] >= -t) & (row[..., 2] < im_w + t)
-        y_ok = (col[..., 1] >= -t) & (col[..., 3] < im_h + t)
-        nx, ny = x_ok.sum(axis=0), y_ok.sum(axis=0)
-        x0, y0 = x_ok.argmax(axis=0), y_ok.argmax(axis=0)
-        rects.extend((x0[a], x0[a] + nx[a], y0[a], y0[a] + ny[a]) for a in range(n_a))
-    r = np.array(rects, np.int64).reshape(-1, 4)
+    edges = _grid_edges(keys)
+    if t < 0:
+        r = np.stack([np.zeros_like(edges["size"]), edges["size"]] * 2, axis=1)
+    else:
+        # the comparisons of _inside_mask, on one row (column) of every shape; each is
+        # monotone in the column (row), so the kept columns of a shape are one run: from
+        # the number failing the lower test to the number passing the upper test
+        seg = edges["seg"]
+        x0 = np.add.reduceat(~(edges["x1"] >= -t), seg, dtype=np.int64)
+        x1 = np.add.reduceat(edges["x2"] < im_w + t, seg, dtype=np.int64)
+        y0 = np.add.reduceat(~(edges["y1"] >= -t), seg, dtype=np.int64)
+        y1 = np.add.reduceat(edges["y2"] < im_h + t, seg, dtype=np.int64)
+        r = np.stack([x0, np.maximum(x1, x0), y0, np.maximum(y1, y0)], axis=1)
     count = int(((r[:, 1] - r[:, 0]) * (r[:, 3] - r[:, 2])).sum())
     tab, rows = _shape_table(keys), _row_table(keys)
     field_rects = np.zeros((len(keys), int(tab["n_a"].max(initial=1)), 4), np.int64)
@@ -498,6 +495,28 @@ def _inside_anchors(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
                         np.concatenate(([0], np.cumsum(per_row))))
     for arr in (r, out.field_rects, out.field_counts, out.row_starts):
         arr.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _grid_edges(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
+    """Per shape (in ``_shape_table`` order), its anchors' x1, x2 along the first grid row
+    and y1, y2 along the first grid column (float32, the field's values), concatenated,
+    with each shape's start and its F."""
+    parts: dict[str, list[np.ndarray]] = {"x1": [], "x2": [], "y1": [], "y2": []}
+    sizes = []
+    for k in keys:
+        field, n_a, n_f = _field_array(*k)
+        grid = field.reshape(n_f, n_f, n_a, 4)
+        for a in range(n_a):
+            parts["x1"].append(grid[0, :, a, 0])
+            parts["x2"].append(grid[0, :, a, 2])
+            parts["y1"].append(grid[:, 0, a, 1])
+            parts["y2"].append(grid[:, 0, a, 3])
+            sizes.append(n_f)
+    out = {k: np.concatenate(v) for k, v in parts.items()}
+    out["size"] = np.array(sizes, np.int64)
+    out["seg"] = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
     return out
 
 
@@ -533,8 +552,11 @@ def rpn_overlaps(
     IoU >= ``t_g`` has ``inter >= t_g / (1 + t_g) * (area_a + area_g)``, so its overlap
     width is at least that over ``min(h_a, h_g)`` (likewise the height): per shape the
     anchors that can reach ``t_g`` form a rectangle of cells (1-pixel margin, and
-    ``t_g`` lowered by a relative 1e-5 so float32 rounding cannot hide a pair),
-    intersected with the shape's inside rectangle. Every IoU >= ``t_g`` (so every
+    ``t_g`` lowered by a relative 1e-4 so float32 rounding cannot hide a pair),
+    intersected with the shape's inside rectangle. (``anchor_gt_overlaps``' relative
+    1e-6 was too little for anchor sizes that float32 does not represent: the IoU of an
+    anchor far from the origin could exceed its cell's area-ratio bound.) Every IoU >=
+    ``t_g`` (so every
     anchor whose max IoU reaches ``below``, and every best match of every gt with its
     ties) is computed with :func:`~lit_roidata.boxes.iou_kernel`, bit for bit the dense
     matrix's entry; the others are left 0.
@@ -550,15 +572,19 @@ def rpn_overlaps(
     cell, st = tab["cell"], tab["stride"][:, None]
     # lower bound of each gt's best IoU: the inside anchor of each shape nearest its centre
     nonempty = (rx1 > rx0) & (ry1 > ry0)  # (S, 1)
-    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
-                         / (2 * st)), rx0, np.maximum(rx1 - 1, rx0)).astype(np.int64)
-    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
-                         / (2 * st)), ry0, np.maximum(ry1 - 1, ry0)).astype(np.int64)
     n_a, size = tab["n_a"][:, None], tab["size"][:, None]
+    hx = np.minimum(np.maximum(rx1 - 1, rx0), size - 1)  # (an empty rectangle: any cell)
+    hy = np.minimum(np.maximum(ry1 - 1, ry0), size - 1)
+    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
+                         / (2 * st)), rx0, hx).astype(np.int64)
+    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
+                         / (2 * st)), ry0, hy).astype(np.int64)
     near = (tab["base"][:, None] + (y * size + x) * n_a).ravel()
     iou = bbox_overlaps_pairs(all_anchors[near], np.tile(gt, (len(cell), 1)))
     lower = (iou.reshape(len(cell), n_g) * nonempty).max(axis=0).astype(np.float64)
-    t = np.minimum(lower, below) / (1 + 1e-5)  # (G,)
+    # slack: float32 anchor coordinates make an anchor's area differ from its cell's by
+    # ~1e-7 of its coordinates, and the IoU is rounded to float32
+    t = np.minimum(lower, below) / (1 + 1e-4)  # (G,)
     g_w, g_h = g[:, 2] - g[:, 0] + 1.0, g[:, 3] - g[:, 1] + 1.0
     a_w, a_h = (cell[:, 2] - cell[:, 0] + 1.0)[:, None], (cell[:, 3] - cell[:, 1] + 1.0)[:, None]
     a_area, g_area = tab["area"][:, None], (g_w * g_h)[None]
