@@ -252,7 +252,9 @@ def anchor_gt_overlaps(
     g_area = (g[:, 2] - g[:, 0] + 1.0) * (g[:, 3] - g[:, 1] + 1.0)
     a_area = tab["area"][:, None]
     bound = np.minimum(a_area, g_area[None]) / np.maximum(a_area, g_area[None])
-    useful = bound >= np.minimum(lower, below) / (1 + 1e-6)  # (shapes, G)
+    # (relative slack: float32 anchor coordinates make an anchor's area differ from its
+    # cell's by ~1e-7 of its coordinates; 1e-6 missed best matches, see rpn_overlaps)
+    useful = bound >= np.minimum(lower, below) / (1 + 1e-4)  # (shapes, G)
     gidx, gid = _candidate_pairs(tab, g, useful)
     keep = inside[gidx]
     gidx, gid = gidx[keep], gid[keep]
@@ -584,7 +586,7 @@ def rpn_overlaps(
     lower = (iou.reshape(len(cell), n_g) * nonempty).max(axis=0).astype(np.float64)
     # slack: float32 anchor coordinates make an anchor's area differ from its cell's by
     # ~1e-7 of its coordinates, and the IoU is rounded to float32
-    t = np.minimum(lower, below) / (1 + 1e-4)  # (G,)
+    t = np.maximum(np.minimum(lower, below), 0.0) / (1 + 1e-4)  # (G,)
     g_w, g_h = g[:, 2] - g[:, 0] + 1.0, g[:, 3] - g[:, 1] + 1.0
     a_w, a_h = (cell[:, 2] - cell[:, 0] + 1.0)[:, None], (cell[:, 3] - cell[:, 1] + 1.0)[:, None]
     a_area, g_area = tab["area"][:, None], (g_w * g_h)[None]

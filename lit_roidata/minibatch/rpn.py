@@ -28,8 +28,8 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, InsideAnchors, anchor_gt_overlaps, concat_fields, inside_anchors, inside_mask,
-    level_offsets, rpn_fields, rpn_overlaps, scaled_noncrowd_gt)
+    FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, inside_mask, level_offsets,
+    rpn_fields, rpn_overlaps, scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
@@ -209,7 +209,8 @@ def label_anchors(
         # Labels live on all K anchors (outside ones stay -1): the draws pick by position
         # in the ascending index arrays, the same with or without the outside ones.
         mask = inside_mask(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-        labels, a2g_max = _positives(fields, all_anchors, mask, gt, train, fix_rpn_quirks)
+        labels, a2g_max = _positives(fields, all_anchors, mask, inside, gt, train,
+                                     fix_rpn_quirks)
         fg_inds = _sample(labels, a2g_max, mask, train, rng, fix_rpn_quirks)
         labelled = np.flatnonzero(labels >= 0)
         lab = labels[labelled]
@@ -299,10 +300,12 @@ def _draw_negatives(bg_cand: np.ndarray, num_bg: int, rng: rng_mod.RNG,
 
 
 def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
-               gt: np.ndarray, train: Any, fix: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor."""
+               rects: InsideAnchors, gt: np.ndarray, train: Any,
+               fix: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor
+    (``inside``: the straddle mask; ``rects``: the same set as rectangles)."""
     below = min(train.RPN_NEGATIVE_OVERLAP, train.RPN_POSITIVE_OVERLAP)
-    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
+    cand, overlaps = rpn_overlaps(fields, all_anchors, rects, gt, below=below)
     labels = np.full(all_anchors.shape[0], -1, dtype=np.int32)
     a2g_max = np.zeros(all_anchors.shape[0], dtype=np.float32)
     if not inside.any():  # Detectron crashes in argmax here; nothing to label
