@@ -33,7 +33,7 @@ import torch.utils.data
 
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.minibatch.core import build_minibatch
-from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
+from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image_rgb
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch import shm_pool as _pool
@@ -244,11 +244,12 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 trim_heap()
         loader = self.loader
         if reads is not None:  # count the images read, to know which slot failed
-            base = self.loader or load_image
+            base = self.loader or load_image_rgb
 
             def loader(entry: Mapping[str, Any]) -> np.ndarray:
                 reads.append(1)
                 return base(entry)
+            loader.channel_order = getattr(base, "channel_order", "bgr")  # type: ignore
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 

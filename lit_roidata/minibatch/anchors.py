@@ -29,6 +29,9 @@ __all__ = [
     "level_offsets",
     "anchor_gt_overlaps",
     "inside_mask",
+    "InsideAnchors",
+    "inside_anchors",
+    "rpn_overlaps",
 ]
 
 
@@ -249,7 +252,9 @@ def anchor_gt_overlaps(
     g_area = (g[:, 2] - g[:, 0] + 1.0) * (g[:, 3] - g[:, 1] + 1.0)
     a_area = tab["area"][:, None]
     bound = np.minimum(a_area, g_area[None]) / np.maximum(a_area, g_area[None])
-    useful = bound >= np.minimum(lower, below) / (1 + 1e-6)  # (shapes, G)
+    # (relative slack: float32 anchor coordinates make an anchor's area differ from its
+    # cell's by ~1e-7 of its coordinates; 1e-6 missed best matches, see rpn_overlaps)
+    useful = bound >= np.minimum(lower, below) / (1 + 1e-4)  # (shapes, G)
     gidx, gid = _candidate_pairs(tab, g, useful)
     keep = inside[gidx]
     gidx, gid = gidx[keep], gid[keep]
@@ -301,21 +306,26 @@ def _candidate_pairs(tab: dict[str, np.ndarray], g: np.ndarray,
 
 @functools.lru_cache(maxsize=16)
 def _shape_table(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
-    """Per cell-anchor shape of the fields: index base, stride, F, A, cell box, area."""
+    """Per cell-anchor shape of the fields: index base, stride, F, A, cell box, area, and
+    the shape's field (ordinal, first index) and cell-anchor index ``a``."""
     rows = []
     start = 0
-    for k in keys:
+    for fi, k in enumerate(keys):
         field, n_a, f = _field_array(*k)
         for a in range(n_a):
             c = field[a].astype(np.float64)
-            rows.append((start + a, k[0], f, n_a, c, (c[2] - c[0] + 1.0) * (c[3] - c[1] + 1.0)))
+            rows.append((start + a, k[0], f, n_a, c, (c[2] - c[0] + 1.0) * (c[3] - c[1] + 1.0),
+                         fi, start, a))
         start += field.shape[0]
     return {"base": np.array([r[0] for r in rows], np.int64),
             "stride": np.array([r[1] for r in rows], np.float64),
             "size": np.array([r[2] for r in rows], np.int64),
             "n_a": np.array([r[3] for r in rows], np.int64),
             "cell": np.array([r[4] for r in rows], np.float64).reshape(-1, 4),
-            "area": np.array([r[5] for r in rows], np.float64)}
+            "area": np.array([r[5] for r in rows], np.float64),
+            "field": np.array([r[6] for r in rows], np.int64),
+            "start": np.array([r[7] for r in rows], np.int64),
+            "a": np.array([r[8] for r in rows], np.int64)}
 
 
 def inside_mask(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
@@ -364,6 +374,256 @@ def _inside_mask(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
         start += n_f * n_f * a
     out.setflags(write=False)  # memoised: images of one size share it
     return out
+
+
+@dataclass(frozen=True)
+class InsideAnchors:
+    """The anchors kept by the straddle test, as one rectangle of grid cells per cell-anchor
+    shape: the set :func:`inside_mask` marks, without the K-long mask.
+
+    An anchor's x coordinates grow with its column and its y coordinates with its row, so
+    the straddle test keeps, per shape, the cells ``[x0, x1) x [y0, y1)``. Ranks and
+    selections in the set's ascending index order are computed from the rectangles.
+
+    Attributes:
+        rects: int64 ``(shapes, 4)`` ``(x0, x1, y0, y1)`` per shape of the fields (in
+            ``_shape_table`` order); empty when ``x1 == x0`` or ``y1 == y0``.
+        count: the number of inside anchors.
+        key: the fields' memoisation keys.
+        field_rects: ``rects`` by field and cell anchor ``(fields, max A, 4)``.
+        field_counts: inside anchors in the fields before each field.
+        row_starts: position of the first inside anchor of each grid row (the fields'
+            rows one after the other), plus the total at the end.
+    """
+
+    rects: np.ndarray
+    count: int
+    key: tuple[tuple[Any, ...], ...]
+    field_rects: np.ndarray
+    field_counts: np.ndarray
+    row_starts: np.ndarray
+
+    def rank(self, idx: np.ndarray) -> np.ndarray:
+        """Position of each inside anchor ``idx`` (indices into the concatenated fields) in
+        the ascending list of inside anchors."""
+        rows = _row_table(self.key)
+        idx = np.asarray(idx, np.int64)
+        f = np.searchsorted(rows["fstart"], idx, side="right") - 1
+        cell, a = np.divmod(idx - rows["fstart"][f], rows["fa"][f])
+        y, x = np.divmod(cell, rows["ff"][f])
+        r = self.field_rects[f]  # (Q, A, 4): the rectangles of the anchor's field
+        x0, x1, y0, y1 = r[..., 0], r[..., 1], r[..., 2], r[..., 3]
+        wx = x1 - x0
+        yc, xc = y[:, None], x[:, None]
+        rows_before = (np.minimum(np.maximum(yc - y0, 0), y1 - y0) * wx).sum(axis=1)
+        act = (y0 <= yc) & (yc < y1)
+        in_row = (np.minimum(np.maximum(xc - x0, 0), wx) * act).sum(axis=1)
+        in_cell = (act & (x0 <= xc) & (xc < x1)
+                   & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
+        return self.field_counts[f] + rows_before + in_row + in_cell
+
+    def select(self, pos: np.ndarray) -> np.ndarray:
+        """The inside anchors at positions ``pos`` of the ascending list (the inverse of
+        :meth:`rank`), in the order of ``pos``."""
+        rows = _row_table(self.key)
+        pos = np.asarray(pos, np.int64)
+        if not len(pos):
+            return np.zeros(0, np.int64)
+        row_start = self.row_starts
+        g = np.searchsorted(row_start, pos, side="right") - 1
+        f = rows["row_field"][g]
+        y = g - rows["row_off"][f]
+        off = pos - row_start[g]
+        r = self.field_rects[f]  # (Q, A, 4)
+        x0, x1, y0, y1 = r[..., 0], r[..., 1], r[..., 2], r[..., 3]
+        wx = x1 - x0
+        act = (y0 <= y[:, None]) & (y[:, None] < y1)
+        wx = wx * act  # shapes not in this row contribute nothing
+        # (anchors of the row left of column x) = sum_a clip(x - x0_a, 0, wx_a): piecewise
+        # linear, the slope is the number of shapes whose run holds x. The column is
+        # found from the last breakpoint b (a run's start or end) with count(b) <= off.
+        bp = np.concatenate((x0, x0 + wx), axis=1)  # (Q, 2A)
+        left = np.minimum(np.maximum(bp[:, :, None] - x0[:, None, :], 0),
+                          wx[:, None, :]).sum(axis=2)
+        b = np.where(left <= off[:, None], bp, -1).max(axis=1)
+        in_run = (x0 <= b[:, None]) & (b[:, None] < x0 + wx)  # the same runs up to the column
+        rest = off - np.minimum(np.maximum(b[:, None] - x0, 0), wx).sum(axis=1)
+        n_run = in_run.sum(axis=1)
+        lo, k = np.divmod(rest, n_run)
+        lo += b
+        a = (np.cumsum(in_run, axis=1) > k[:, None]).argmax(axis=1)
+        return rows["fstart"][f] + (y * rows["ff"][f] + lo) * rows["fa"][f] + a
+
+
+def inside_anchors(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
+                   straddle: float) -> InsideAnchors:
+    """The anchors kept by the straddle test as rectangles (see :class:`InsideAnchors`):
+    the same set as :func:`inside_mask`, computed on one row and one column per field."""
+    return _inside_anchors(tuple(f.key for f in fields), float(im_h), float(im_w),
+                           float(straddle))
+
+
+@functools.lru_cache(maxsize=256)
+def _inside_anchors(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
+                    t: float) -> InsideAnchors:
+    edges = _grid_edges(keys)
+    if t < 0:
+        r = np.stack([np.zeros_like(edges["size"]), edges["size"]] * 2, axis=1)
+    else:
+        # the comparisons of _inside_mask, on one row (column) of every shape; each is
+        # monotone in the column (row), so the kept columns of a shape are one run: from
+        # the number failing the lower test to the number passing the upper test
+        seg = edges["seg"]
+        x0 = np.add.reduceat(~(edges["x1"] >= -t), seg, dtype=np.int64)
+        x1 = np.add.reduceat(edges["x2"] < im_w + t, seg, dtype=np.int64)
+        y0 = np.add.reduceat(~(edges["y1"] >= -t), seg, dtype=np.int64)
+        y1 = np.add.reduceat(edges["y2"] < im_h + t, seg, dtype=np.int64)
+        r = np.stack([x0, np.maximum(x1, x0), y0, np.maximum(y1, y0)], axis=1)
+    count = int(((r[:, 1] - r[:, 0]) * (r[:, 3] - r[:, 2])).sum())
+    tab, rows = _shape_table(keys), _row_table(keys)
+    field_rects = np.zeros((len(keys), int(tab["n_a"].max(initial=1)), 4), np.int64)
+    field_rects[tab["field"], tab["a"]] = r
+    x0, x1, y0, y1 = r.T
+    area = (x1 - x0) * (y1 - y0)
+    per_field = np.bincount(tab["field"], weights=area, minlength=len(keys)).astype(np.int64)
+    n_rows = len(rows["row_field"])
+    base = rows["row_off"][tab["field"]]
+    wx = (x1 - x0).astype(np.float64)  # a shape's run adds wx anchors to rows y0 .. y1-1
+    diff = (np.bincount(base + y0, weights=wx, minlength=n_rows + 1)
+            - np.bincount(base + y1, weights=wx, minlength=n_rows + 1))
+    per_row = np.cumsum(diff[:n_rows]).astype(np.int64)
+    out = InsideAnchors(r, count, keys, field_rects,
+                        np.concatenate(([0], np.cumsum(per_field)[:-1])),
+                        np.concatenate(([0], np.cumsum(per_row))))
+    for arr in (r, out.field_rects, out.field_counts, out.row_starts):
+        arr.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _grid_edges(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
+    """Per shape (in ``_shape_table`` order), its anchors' x1, x2 along the first grid row
+    and y1, y2 along the first grid column (float32, the field's values), concatenated,
+    with each shape's start and its F."""
+    parts: dict[str, list[np.ndarray]] = {"x1": [], "x2": [], "y1": [], "y2": []}
+    sizes = []
+    for k in keys:
+        field, n_a, n_f = _field_array(*k)
+        grid = field.reshape(n_f, n_f, n_a, 4)
+        for a in range(n_a):
+            parts["x1"].append(grid[0, :, a, 0])
+            parts["x2"].append(grid[0, :, a, 2])
+            parts["y1"].append(grid[:, 0, a, 1])
+            parts["y2"].append(grid[:, 0, a, 3])
+            sizes.append(n_f)
+    out = {k: np.concatenate(v) for k, v in parts.items()}
+    out["size"] = np.array(sizes, np.int64)
+    out["seg"] = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _row_table(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
+    """Per field: first index, F, A, first global row; per global row (the fields' grid
+    rows one after the other): its field."""
+    fstart, ff, fa, row_off, row_field = [], [], [], [], []
+    start = rows = 0
+    for fi, k in enumerate(keys):
+        field, n_a, n_f = _field_array(*k)
+        fstart.append(start)
+        ff.append(n_f)
+        fa.append(n_a)
+        row_off.append(rows)
+        row_field.extend([fi] * n_f)
+        start += field.shape[0]
+        rows += n_f
+    return {"fstart": np.array(fstart, np.int64), "ff": np.array(ff, np.int64),
+            "fa": np.array(fa, np.int64), "row_off": np.array(row_off, np.int64),
+            "row_field": np.array(row_field, np.int64)}
+
+
+def rpn_overlaps(
+    fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
+    gt: np.ndarray, below: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`anchor_gt_overlaps` for RPN labelling: IoUs only where they can reach a
+    threshold or a gt's best match.
+
+    Per gt ``g`` let ``t_g = min(below, L_g)``, ``L_g`` a lower bound of its best IoU
+    (the inside anchor of each shape nearest the gt's centre). An anchor pair with
+    IoU >= ``t_g`` has ``inter >= t_g / (1 + t_g) * (area_a + area_g)``, so its overlap
+    width is at least that over ``min(h_a, h_g)`` (likewise the height): per shape the
+    anchors that can reach ``t_g`` form a rectangle of cells (1-pixel margin, and
+    ``t_g`` lowered by a relative 1e-4 so float32 rounding cannot hide a pair),
+    intersected with the shape's inside rectangle. (``anchor_gt_overlaps``' relative
+    1e-6 was too little for anchor sizes that float32 does not represent: the IoU of an
+    anchor far from the origin could exceed its cell's area-ratio bound.) Every IoU >=
+    ``t_g`` (so every
+    anchor whose max IoU reaches ``below``, and every best match of every gt with its
+    ties) is computed with :func:`~lit_roidata.boxes.iou_kernel`, bit for bit the dense
+    matrix's entry; the others are left 0.
+
+    Returns:
+        ``(cand, overlaps)``: ascending indices of the anchors with a computed IoU, and
+        their ``(len(cand), G)`` float32 IoUs.
+    """
+    tab = _shape_table(inside.key)
+    g = gt.astype(np.float64)
+    n_g = g.shape[0]
+    rx0, rx1, ry0, ry1 = (c[:, None] for c in inside.rects.T)
+    cell, st = tab["cell"], tab["stride"][:, None]
+    # lower bound of each gt's best IoU: the inside anchor of each shape nearest its centre
+    nonempty = (rx1 > rx0) & (ry1 > ry0)  # (S, 1)
+    n_a, size = tab["n_a"][:, None], tab["size"][:, None]
+    hx = np.minimum(np.maximum(rx1 - 1, rx0), size - 1)  # (an empty rectangle: any cell)
+    hy = np.minimum(np.maximum(ry1 - 1, ry0), size - 1)
+    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
+                         / (2 * st)), rx0, hx).astype(np.int64)
+    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
+                         / (2 * st)), ry0, hy).astype(np.int64)
+    near = (tab["base"][:, None] + (y * size + x) * n_a).ravel()
+    iou = bbox_overlaps_pairs(all_anchors[near], np.tile(gt, (len(cell), 1)))
+    lower = (iou.reshape(len(cell), n_g) * nonempty).max(axis=0).astype(np.float64)
+    # slack: float32 anchor coordinates make an anchor's area differ from its cell's by
+    # ~1e-7 of its coordinates, and the IoU is rounded to float32
+    t = np.maximum(np.minimum(lower, below), 0.0) / (1 + 1e-4)  # (G,)
+    g_w, g_h = g[:, 2] - g[:, 0] + 1.0, g[:, 3] - g[:, 1] + 1.0
+    a_w, a_h = (cell[:, 2] - cell[:, 0] + 1.0)[:, None], (cell[:, 3] - cell[:, 1] + 1.0)[:, None]
+    a_area, g_area = tab["area"][:, None], (g_w * g_h)[None]
+    useful = np.minimum(a_area, g_area) >= t * np.maximum(a_area, g_area)  # (S, G)
+    inter = t / (1 + t) * (a_area + g_area)
+    # (a degenerate gt, height or width <= 0, has IoU 0 with every anchor: huge bounds)
+    iw = inter / np.maximum(np.minimum(a_h, g_h[None]), 1e-6)
+    ih = inter / np.maximum(np.minimum(a_w, g_w[None]), 1e-6)
+    x0 = np.clip(np.ceil((g[None, :, 0] + iw - 2 - cell[:, 2:3]) / st), rx0, rx1)
+    x1 = np.clip(np.floor((g[None, :, 2] - iw + 2 - cell[:, 0:1]) / st) + 1, rx0, rx1)
+    y0 = np.clip(np.ceil((g[None, :, 1] + ih - 2 - cell[:, 3:4]) / st), ry0, ry1)
+    y1 = np.clip(np.floor((g[None, :, 3] - ih + 2 - cell[:, 1:2]) / st) + 1, ry0, ry1)
+    gidx, gid = _enumerate_rects(tab, x0, x1, y0, y1, useful)
+    iou = bbox_overlaps_pairs(all_anchors[gidx], gt[gid])
+    cand, row = np.unique(gidx, return_inverse=True)
+    overlaps = np.zeros((len(cand), n_g), dtype=np.float32)
+    overlaps[row, gid] = iou
+    return cand, overlaps
+
+
+def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray,
+                     y0: np.ndarray, y1: np.ndarray,
+                     useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(anchor index, gt index) of every cell of the ``(shape, gt)`` rectangles
+    ``[x0, x1) x [y0, y1)`` (float arrays ``(S, G)``) where ``useful``, enumerated with
+    ``repeat``/``divmod``, no loop over boxes."""
+    n_g = x0.shape[1]
+    x0 = x0.astype(np.int64).ravel()
+    y0 = y0.astype(np.int64).ravel()
+    wx = np.maximum(x1.astype(np.int64).ravel() - x0, 0)
+    counts = wx * np.maximum(y1.astype(np.int64).ravel() - y0, 0) * useful.ravel()
+    total = int(counts.sum())
+    sg = np.repeat(np.arange(counts.size), counts)  # which (shape, gt) each pair is from
+    dy, dx = np.divmod(np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
+    si = sg // n_g
+    gidx = tab["base"][si] + ((y0[sg] + dy) * tab["size"][si] + x0[sg] + dx) * tab["n_a"][si]
+    return gidx, sg % n_g
 
 
 def scaled_noncrowd_gt(entry: Any, scale: float, family: str,

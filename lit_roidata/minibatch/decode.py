@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image
 
-__all__ = ["BadImageError", "describe_entry", "decode_bgr", "load_image"]
+__all__ = ["BadImageError", "describe_entry", "decode_bgr", "decode_rgb", "load_image",
+           "load_image_rgb"]
 
 _TORCHVISION_MAGIC = (b"\xff\xd8", b"\x89PNG", b"GIF8", b"RIFF")
 
@@ -82,6 +83,27 @@ def decode_bgr(data: bytes) -> np.ndarray:
     Raises:
         ValueError: the bytes are not a decodable image (truncated JPEGs included).
     """
+    im, order = _decode(data)
+    if order == "rgb":
+        return cv2.cvtColor(im, cv2.COLOR_RGB2BGR)  # SIMD; 5x faster than [..., ::-1]
+    return im
+
+
+def decode_rgb(data: bytes) -> np.ndarray:
+    """:func:`decode_bgr` with the channels in RGB order (the same pixels).
+
+    Raises:
+        ValueError: the bytes are not a decodable image (truncated JPEGs included).
+    """
+    im, order = _decode(data)
+    if order == "bgr":
+        return cv2.cvtColor(im, cv2.COLOR_BGR2RGB)
+    return im
+
+
+def _decode(data: bytes) -> tuple[np.ndarray, str]:
+    """The decoded ``(H, W, 3)`` uint8 array, C-contiguous, and its channel order (the
+    decoder's own: RGB from torchvision, BGR from OpenCV)."""
     if not data:
         raise ValueError("the file is empty")
     if data[:4].startswith(_TORCHVISION_MAGIC):
@@ -95,11 +117,11 @@ def decode_bgr(data: bytes) -> np.ndarray:
         hwc = t.permute(1, 2, 0).numpy()  # a view unless EXIF rotated the image
         if not hwc.flags.c_contiguous:
             hwc = np.ascontiguousarray(hwc)
-        return cv2.cvtColor(hwc, cv2.COLOR_RGB2BGR)  # SIMD; 5x faster than [..., ::-1]
+        return hwc, "rgb"
     im = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
     if im is None:
         raise ValueError("not a known image format (or a corrupt file)")
-    return im
+    return im, "bgr"
 
 
 def load_image(entry: Mapping[str, Any]) -> np.ndarray:
@@ -119,6 +141,25 @@ def load_image(entry: Mapping[str, Any]) -> np.ndarray:
     Raises:
         BadImageError: missing/unreadable/undecodable file or size mismatch.
     """
+    return _load(entry, decode_bgr)
+
+
+def load_image_rgb(entry: Mapping[str, Any]) -> np.ndarray:
+    """:func:`load_image` with the channels in RGB order (the decoder's own, so no
+    conversion pass): the default loader of the image blob, which writes each channel
+    into its BGR plane (its ``channel_order`` attribute says so).
+
+    Raises:
+        BadImageError: missing/unreadable/undecodable file or size mismatch.
+    """
+    return _load(entry, decode_rgb)
+
+
+load_image_rgb.channel_order = "rgb"  # type: ignore[attr-defined]
+
+
+def _load(entry: Mapping[str, Any], decode: Any) -> np.ndarray:
+    """:func:`load_image` with the decoder ``decode`` (its channel order)."""
     path = entry["image"]
     try:
         with open(path, "rb") as fh:
@@ -128,7 +169,7 @@ def load_image(entry: Mapping[str, Any]) -> np.ndarray:
                      "check the dataset's image directory in the catalog and that the file "
                      "exists and is readable") from exc
     try:
-        im = decode_bgr(data)
+        im = decode(data)
     except ValueError as exc:
         raise _error(entry, "undecodable", f"cannot decode the image ({exc})",
                      "re-download or re-encode the file, or set on_bad_image='skip' to skip "

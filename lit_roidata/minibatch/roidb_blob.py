@@ -23,6 +23,7 @@ import struct
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import orjson
 import scipy.sparse
 
 __all__ = ["ROIDB_BLOB_KEYS", "EXTRA_KEYS", "serialize_roidb", "deserialize_roidb"]
@@ -72,7 +73,7 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
             else:
                 item[key] = put(np.asarray(value))
         header.append(item)
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    head = _dumps(header)
     payload = (_MAGIC + bytes([_VERSION]) + struct.pack("<I", len(head)) + head
                + b"".join(chunks))
     return np.frombuffer(payload, dtype=np.uint8).astype(np.float32)
@@ -118,6 +119,21 @@ def deserialize_roidb(blob: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _dumps(header: list[dict[str, Any]]) -> bytes:
+    """The header as compact JSON: orjson (several times faster than ``json`` on
+    polygon floats; floats in shortest round-trip form, so ``json.loads`` reads back
+    the same values), or ``json`` where orjson would change the content: it writes
+    NaN/Infinity as ``null`` (so any ``null`` falls back) and refuses integers beyond
+    64 bits and lone surrogates."""
+    try:
+        head = orjson.dumps(header)
+    except (TypeError, orjson.JSONEncodeError):
+        head = b"null"
+    if b"null" in head:
+        head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return head
+
+
 _PLAIN = frozenset((float, int, str, bool, type(None)))
 
 
@@ -125,8 +141,8 @@ def _to_json(value: Any) -> Any:
     kind = type(value)
     if kind in _PLAIN:  # fast paths: polygon coordinates are lists of Python floats
         return value
-    if (kind is list or kind is tuple) and all(type(v) in _PLAIN for v in value):
-        return list(value)
+    if (kind is list or kind is tuple) and _PLAIN.issuperset(map(type, value)):
+        return value if kind is list else list(value)
     if isinstance(value, bytes):
         return {"__bytes__": value.decode("latin1")}
     if isinstance(value, Mapping):

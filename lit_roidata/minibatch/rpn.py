@@ -28,8 +28,8 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, anchor_gt_overlaps, concat_fields, inside_mask, level_offsets, rpn_fields,
-    scaled_noncrowd_gt)
+    FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, inside_mask, level_offsets,
+    rpn_fields, rpn_overlaps, scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
@@ -201,15 +201,17 @@ def label_anchors(
         the anchors that get regression targets and the ``(len(fg), 4)`` targets;
         the number of examples (weights are ``1/num_examples``).
     """
-    inside = inside_mask(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
+    inside = inside_anchors(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
     sparse = _label_sparse(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
     if sparse is not None:
         labelled, lab, fg_inds = sparse
     else:
         # Labels live on all K anchors (outside ones stay -1): the draws pick by position
         # in the ascending index arrays, the same with or without the outside ones.
-        labels, a2g_max = _positives(fields, all_anchors, inside, gt, train, fix_rpn_quirks)
-        fg_inds = _sample(labels, a2g_max, inside, train, rng, fix_rpn_quirks)
+        mask = inside_mask(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
+        labels, a2g_max = _positives(fields, all_anchors, mask, inside, gt, train,
+                                     fix_rpn_quirks)
+        fg_inds = _sample(labels, a2g_max, mask, train, rng, fix_rpn_quirks)
         labelled = np.flatnonzero(labels >= 0)
         lab = labels[labelled]
     fg_anchors = all_anchors[fg_inds]
@@ -220,23 +222,24 @@ def label_anchors(
     return labelled, lab, fg_inds, targets, float(len(labelled))
 
 
-def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
-                  gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
+def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray,
+                  inside: InsideAnchors, gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """:func:`_positives` + :func:`_sample` on index sets instead of K-long label arrays.
 
     The same draws on the same ascending index arrays, so the same result; only the
     K-long passes that cannot matter are skipped (outside the IoU candidates every
-    anchor's max IoU is 0, below both thresholds). Returns None where the general path
-    is needed: no inside anchor, a non-positive threshold, or Detectron quirk Q2
-    (docs/detectron_quirks.md) (a gt
-    with zero IoU to every inside anchor makes all of them positive).
+    anchor's max IoU is below both thresholds, :func:`rpn_overlaps`), and the negatives
+    are picked by position in the inside anchors minus the excluded ones without listing
+    them (:meth:`InsideAnchors.select`). Returns None where the general path is needed:
+    no inside anchor, a non-positive threshold, or Detectron quirk Q2
+    (docs/detectron_quirks.md) (a gt with zero IoU to every inside anchor makes all of
+    them positive).
     """
     pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
-    if pos_t <= 0 or neg_t <= 0 or not inside.any():
+    if pos_t <= 0 or neg_t <= 0 or inside.count == 0:
         return None
-    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt,
-                                        below=min(neg_t, pos_t))
+    cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
     if len(cand) == 0:
         return None
     a2g = overlaps.max(axis=1)
@@ -246,42 +249,63 @@ def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, ins
     best = overlaps == g2a[None, :]
     if fix:
         best &= (g2a > 0)[None, :]
-    positives = cand[best.any(axis=1) | (a2g >= pos_t)]  # ascending, as flatnonzero
+    is_pos = best.any(axis=1) | (a2g >= pos_t)
+    positives = cand[is_pos]  # ascending, as flatnonzero
     num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
     fg_inds = positives
     if len(fg_inds) > num_fg:
         disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
         fg_inds = np.setdiff1d(fg_inds, disable, assume_unique=True)
     num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
-    bg_cand = inside.copy()
-    bg_cand[cand[a2g >= neg_t]] = False
-    if fix:
-        bg_cand[positives] = False
-    bg_inds = _draw_negatives(bg_cand, num_bg, rng, fix)
+    # negatives: the inside anchors minus `excluded` (ascending), by position
+    excluded = cand[(a2g >= neg_t) | is_pos] if fix else cand[a2g >= neg_t]
+    n_cand = inside.count - len(excluded)
+    pos = _negative_positions(n_cand, num_bg, rng, fix)
+    if pos is None:
+        pos = np.arange(n_cand)
+    # the p-th candidate is the q-th inside anchor, q = p + #excluded placed before it
+    shift = inside.rank(excluded) - np.arange(len(excluded))
+    bg_inds = inside.select(pos + np.searchsorted(shift, pos, side="right"))
     labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
-    lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
+    bg_sorted = np.unique(bg_inds)
+    at = np.minimum(np.searchsorted(bg_sorted, labelled), max(len(bg_sorted) - 1, 0))
+    is_bg = bg_sorted[at] == labelled if len(bg_sorted) else np.zeros(len(labelled), bool)
+    lab = np.where(is_bg, 0, 1).astype(np.int32)
     return labelled, lab, fg_inds
+
+
+def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
+                        fix: bool) -> np.ndarray | None:
+    """Positions of the negatives drawn among ``n_cand`` candidates (ascending order), or
+    None: all of them (there are at most ``num_bg``).
+
+    Detectron's draw: ``bg_inds[npr.randint(len(bg_inds), size=num_bg)]`` (Detectron quirk
+    Q3 (docs/detectron_quirks.md): with replacement, and may overwrite positives); fixed:
+    ``choice(bg_inds, size=num_bg, replace=False)``, whose draws depend only on the
+    number of candidates, so drawing positions consumes the generator identically.
+    """
+    if n_cand <= num_bg:
+        return None
+    if fix:
+        return np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False))
+    return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))
 
 
 def _draw_negatives(bg_cand: np.ndarray, num_bg: int, rng: rng_mod.RNG,
                     fix: bool) -> np.ndarray:
     """At most ``num_bg`` of the candidate negatives (a boolean mask over the anchors)."""
     bg_inds = np.flatnonzero(bg_cand)
-    if len(bg_inds) > num_bg:
-        if fix:
-            bg_inds = rng_mod.choice(rng, bg_inds, size=num_bg, replace=False)
-        # Detectron quirk Q3 (docs/detectron_quirks.md): with replacement, and may overwrite
-        # positives
-        else:
-            bg_inds = bg_inds[rng_mod.randint(rng, len(bg_inds), size=num_bg)]
-    return bg_inds
+    pos = _negative_positions(len(bg_inds), num_bg, rng, fix)
+    return bg_inds if pos is None else bg_inds[pos]
 
 
 def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
-               gt: np.ndarray, train: Any, fix: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor."""
+               rects: InsideAnchors, gt: np.ndarray, train: Any,
+               fix: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor
+    (``inside``: the straddle mask; ``rects``: the same set as rectangles)."""
     below = min(train.RPN_NEGATIVE_OVERLAP, train.RPN_POSITIVE_OVERLAP)
-    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
+    cand, overlaps = rpn_overlaps(fields, all_anchors, rects, gt, below=below)
     labels = np.full(all_anchors.shape[0], -1, dtype=np.int32)
     a2g_max = np.zeros(all_anchors.shape[0], dtype=np.float32)
     if not inside.any():  # Detectron crashes in argmax here; nothing to label

@@ -1,0 +1,150 @@
+"""The ``roidb`` blob: per-image gt dicts carried from the loader to the model (Detectron semantics:
+RPN targets; end-to-end training).
+
+Detectron pickles the minimal roidb into a float32 array of byte values. We keep the
+container (a 1-D float32 array of byte values, so the blob obeys the float32/int32 rule)
+but not pickle: the payload is an explicit, versioned format that any process can read
+without executing code:
+
+    b"LRDB" | version (1 byte) | header length (uint32 LE) | header (UTF-8 JSON) | arrays
+
+The header holds, per image, each key with either a JSON value (``segms``,
+``has_visible_keypoints``), an array descriptor ``{"t": "a", "dtype", "shape", "off"}``
+pointing into the raw array section, or a CSR descriptor for ``gt_overlaps``.
+``deserialize_roidb(serialize_roidb(x)) == x`` (Detectron semantics: tested invariants); polygons
+come back as
+lists of Python floats and compressed RLE ``counts`` keep their ``bytes``/``str`` type.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import scipy.sparse
+
+__all__ = ["ROIDB_BLOB_KEYS", "EXTRA_KEYS", "serialize_roidb", "deserialize_roidb"]
+
+ROIDB_BLOB_KEYS = ("has_visible_keypoints", "boxes", "segms", "seg_areas", "gt_classes",
+                   "gt_overlaps", "is_crowd", "box_to_gt_ind_map", "gt_keypoints")
+# Not in Detectron's minimal roidb; carried so that errors can name the image and RLE
+# segms can be decoded at their size in the second stage.
+EXTRA_KEYS = ("id", "image", "width", "height", "flipped")
+_JSON_KEYS = frozenset(("segms", "has_visible_keypoints") + EXTRA_KEYS)
+_MAGIC = b"LRDB"
+_VERSION = 1
+
+
+def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """Encode the keys of ``ROIDB_BLOB_KEYS`` and ``EXTRA_KEYS`` present in each entry (Detectron
+    semantics: RPN targets).
+
+    Returns:
+        A 1-D float32 array of byte values (Detectron's container for the blob).
+    """
+    header: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    offset = 0
+
+    def put(arr: Any) -> dict[str, Any]:
+        nonlocal offset
+        a = np.ascontiguousarray(arr)
+        raw = a.tobytes()
+        desc = {"t": "a", "dtype": a.dtype.str, "shape": list(a.shape), "off": offset}
+        chunks.append(raw)
+        offset += len(raw)
+        return desc
+
+    for entry in entries:
+        item: dict[str, Any] = {}
+        for key in ROIDB_BLOB_KEYS + EXTRA_KEYS:
+            if key not in entry:
+                continue
+            value = entry[key]
+            if key in _JSON_KEYS:
+                item[key] = {"t": "j", "v": _to_json(value)}
+            elif scipy.sparse.issparse(value):
+                csr = scipy.sparse.csr_matrix(value)
+                item[key] = {"t": "csr", "shape": list(csr.shape), "data": put(csr.data),
+                             "indices": put(csr.indices), "indptr": put(csr.indptr)}
+            else:
+                item[key] = put(np.asarray(value))
+        header.append(item)
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    payload = (_MAGIC + bytes([_VERSION]) + struct.pack("<I", len(head)) + head
+               + b"".join(chunks))
+    return np.frombuffer(payload, dtype=np.uint8).astype(np.float32)
+
+
+def deserialize_roidb(blob: Any) -> list[dict[str, Any]]:
+    """Decode a blob made by :func:`serialize_roidb` (NumPy array or torch tensor).
+
+    Raises:
+        ValueError: the blob is not a ``roidb`` blob of a known version.
+    """
+    if hasattr(blob, "detach"):
+        blob = blob.detach().cpu().numpy()
+    raw = np.asarray(blob).astype(np.uint8).tobytes()
+    if raw[:4] != _MAGIC or len(raw) < 9:
+        raise ValueError("not a lit_roidata roidb blob (bad magic); it must come from "
+                         "lit_roidata.minibatch.roidb_blob.serialize_roidb")
+    if raw[4] != _VERSION:
+        raise ValueError(f"roidb blob version {raw[4]} is not supported (expected {_VERSION})")
+    (hlen,) = struct.unpack("<I", raw[5:9])
+    header = json.loads(raw[9:9 + hlen].decode("utf-8"))
+    data = memoryview(raw)[9 + hlen:]
+
+    def get(desc: Mapping[str, Any]) -> np.ndarray:
+        dtype = np.dtype(desc["dtype"])
+        count = int(np.prod(desc["shape"], dtype=np.int64))
+        arr = np.frombuffer(data, dtype=dtype, count=count, offset=desc["off"])
+        return arr.reshape(desc["shape"]).copy()
+
+    out = []
+    for item in header:
+        entry: dict[str, Any] = {}
+        for key, desc in item.items():
+            if desc["t"] == "j":
+                entry[key] = _from_json(desc["v"])
+            elif desc["t"] == "csr":
+                entry[key] = scipy.sparse.csr_matrix(
+                    (get(desc["data"]), get(desc["indices"]), get(desc["indptr"])),
+                    shape=tuple(desc["shape"]))
+            else:
+                entry[key] = get(desc)
+        out.append(entry)
+    return out
+
+
+_PLAIN = frozenset((float, int, str, bool, type(None)))
+
+
+def _to_json(value: Any) -> Any:
+    kind = type(value)
+    if kind in _PLAIN:  # fast paths: polygon coordinates are lists of Python floats
+        return value
+    if (kind is list or kind is tuple) and all(type(v) in _PLAIN for v in value):
+        return list(value)
+    if isinstance(value, bytes):
+        return {"__bytes__": value.decode("latin1")}
+    if isinstance(value, Mapping):
+        return {"__dict__": [[k, _to_json(v)] for k, v in value.items()]}
+    if isinstance(value, np.ndarray):
+        return _to_json(value.tolist())
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, dict):
+        if "__bytes__" in value:
+            return value["__bytes__"].encode("latin1")
+        return {k: _from_json(v) for k, v in value["__dict__"]}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
