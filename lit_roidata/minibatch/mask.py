@@ -70,15 +70,15 @@ def rle_counts(counts: bytes | str) -> np.ndarray:
     starts = np.empty(n, dtype=np.intp)
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
-    lens = ends - starts + 1
-    groups = (a & 31).astype(np.int64)
-    vals = groups[starts]
-    for k in range(1, int(lens.max())):
-        more = lens > k
-        vals[more] |= groups[starts[more] + k] << (5 * k)
+    a = a[:ends[-1] + 1]
+    first = np.zeros(a.size, dtype=np.intp)  # each group's first position, at every group
+    first[starts] = starts
+    np.maximum.accumulate(first, out=first)
+    shift = (np.arange(a.size) - first) * 5
+    vals = np.add.reduceat((a & 31).astype(np.int64) << shift, starts)
     neg = (a[ends] & 16) != 0
-    if neg.any():
-        vals[neg] |= np.int64(-1) << (5 * lens[neg])
+    if neg.any():  # sign-extend from the last group
+        vals[neg] |= np.int64(-1) << (shift[ends[neg]] + 5)
     if n > 3:  # undo the differences: counts 3, 5, ... and 4, 6, ... are running sums
         vals[3::2] = np.cumsum(vals[1::2])[1:]
         vals[4::2] = np.cumsum(vals[2::2])[1:]
