@@ -24,7 +24,8 @@ __all__ = ["fg_rois_per_image", "sample_rois", "expand_bbox_targets", "add_fast_
 
 def fg_rois_per_image(cfg: Any) -> int:
     """Nominal fg quota ``round(FG_FRACTION * BATCH_SIZE_PER_IM)`` (16 for 64)."""
-    return int(np.round(cfg.TRAIN.FG_FRACTION * int(cfg.TRAIN.BATCH_SIZE_PER_IM)))
+    # round() on a float rounds half to even, as np.round does
+    return int(round(float(cfg.TRAIN.FG_FRACTION * int(cfg.TRAIN.BATCH_SIZE_PER_IM))))
 
 
 def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -79,21 +80,21 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
     """
     rois_per_image = int(cfg.TRAIN.BATCH_SIZE_PER_IM)
     fg_quota = fg_rois_per_image(cfg)
+    train = cfg.TRAIN
     max_overlaps = np.asarray(entry["max_overlaps"])
-    fg_inds = np.where(max_overlaps >= cfg.TRAIN.FG_THRESH)[0]
+    fg_inds = (max_overlaps >= train.FG_THRESH).nonzero()[0]
     n_fg = int(min(fg_quota, fg_inds.size))
     if fg_inds.size > 0:
         fg_inds = rng_mod.choice(rng, fg_inds, size=n_fg, replace=False)
-    bg_inds = np.where((max_overlaps < cfg.TRAIN.BG_THRESH_HI)
-                       & (max_overlaps >= cfg.TRAIN.BG_THRESH_LO))[0]
+    bg_inds = ((max_overlaps < train.BG_THRESH_HI) & (max_overlaps >= train.BG_THRESH_LO)).nonzero()[0]
     n_bg = int(min(rois_per_image - n_fg, bg_inds.size))
     if bg_inds.size > 0:
         bg_inds = rng_mod.choice(rng, bg_inds, size=n_bg, replace=False)
-    keep = np.append(fg_inds, bg_inds).astype(np.int64)
-    labels = np.asarray(entry["max_classes"])[keep].astype(np.int32)
+    keep = np.concatenate((fg_inds.ravel(), bg_inds.ravel())).astype(np.int64, copy=False)
+    labels = np.asarray(entry["max_classes"]).take(keep).astype(np.int32)
     labels[n_fg:] = 0
-    sampled_boxes = np.asarray(entry["boxes"], dtype=np.float32)[keep]
-    target_data = np.asarray(entry["bbox_targets"], dtype=np.float32)[keep]
+    sampled_boxes = np.asarray(entry["boxes"], dtype=np.float32).take(keep, axis=0)
+    target_data = np.asarray(entry["bbox_targets"], dtype=np.float32).take(keep, axis=0)
     scale = float(im_scale)
     blob = {"rois": rois_blob(sampled_boxes * scale, batch_idx), "labels_int32": labels}
     if expand_targets:

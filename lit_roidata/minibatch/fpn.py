@@ -15,8 +15,14 @@ __all__ = ["rois_blob", "map_rois_to_fpn_levels", "add_multilevel_roi_blobs",
 
 def rois_blob(boxes: np.ndarray, batch_idx: int) -> np.ndarray:
     """``(n, 5)`` float32 rows ``(batch_idx, x1, y1, x2, y2)`` for ``(n, 4)`` scaled boxes."""
-    batch_col = np.full((boxes.shape[0], 1), batch_idx, dtype=np.float32)
-    return np.hstack((batch_col, boxes)).astype(np.float32, copy=False)
+    boxes = np.asarray(boxes)
+    if boxes.dtype != np.float32:  # through the common dtype, as np.hstack would
+        batch_col = np.full((boxes.shape[0], 1), batch_idx, dtype=np.float32)
+        return np.hstack((batch_col, boxes)).astype(np.float32, copy=False)
+    out = np.empty((boxes.shape[0], 5), dtype=np.float32)
+    out[:, 0] = batch_idx
+    out[:, 1:] = boxes
+    return out
 
 
 def map_rois_to_fpn_levels(rois: np.ndarray, k_min: int, k_max: int, *,
@@ -46,14 +52,24 @@ def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str,
                              lvl_max: int) -> None:
     """Write ``<prefix>_fpn<l>`` (rows of level l, original order) and
     ``<prefix>_idx_restore_int32`` so that ``concat(levels)[restore] == rois``."""
-    order = []
-    for lvl in range(lvl_min, lvl_max + 1):
-        idx_lvl = np.where(target_lvls == lvl)[0]
-        blobs[f"{blob_prefix}_fpn{lvl}"] = rois[idx_lvl, :]
-        order.append(idx_lvl)
-    idx_order = np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
-    blobs[f"{blob_prefix}_idx_restore_int32"] = np.argsort(idx_order, kind="stable").astype(
-        np.int32, copy=False)
+    lvls = np.asarray(target_lvls).reshape(-1)
+    by_level = np.argsort(lvls, kind="stable")  # level order; original order within a level
+    sorted_lvls = lvls[by_level]
+    levels = np.arange(lvl_min, lvl_max + 1)
+    lo = np.searchsorted(sorted_lvls, levels, side="left")
+    hi = np.searchsorted(sorted_lvls, levels, side="right")
+    for lvl, a, b in zip(levels.tolist(), lo.tolist(), hi.tolist()):
+        blobs[f"{blob_prefix}_fpn{lvl}"] = rois[by_level[a:b], :]
+    n = lvls.size
+    if levels.size and lo[0] == 0 and hi[-1] == n and int((hi - lo).sum()) == n:
+        # every row has a level: the restore indices are the inverse permutation
+        restore = np.empty(n, dtype=np.int32)
+        restore[by_level] = np.arange(n, dtype=np.int32)
+    else:  # rows outside [lvl_min, lvl_max] (or not whole levels) are left out
+        idx_order = (np.concatenate([by_level[a:b] for a, b in zip(lo.tolist(), hi.tolist())])
+                     if levels.size else np.zeros(0, dtype=np.int64))
+        restore = np.argsort(idx_order, kind="stable").astype(np.int32, copy=False)
+    blobs[f"{blob_prefix}_idx_restore_int32"] = restore
 
 
 def add_multilevel_rois(blobs: MutableMapping[str, Any], cfg: Any,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, MutableMapping, Sequence
 
+import cv2
 import numpy as np
 import pycocotools.mask as mask_util
 
@@ -25,7 +26,8 @@ from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.minibatch.fpn import rois_blob
 
 __all__ = ["polys_to_boxes", "add_mask_rcnn_blobs", "expand_class_specific_masks",
-           "rasterize_segms_in_boxes", "segm_as_rle", "segm_polygons"]
+           "rasterize_segms_in_boxes", "segm_as_rle", "segm_polygons", "rle_counts",
+           "decode_rle_into"]
 
 
 def segm_as_rle(segm: Any, height: int, width: int) -> dict | None:
@@ -49,6 +51,68 @@ def segm_polygons(segm: Any) -> list[np.ndarray]:
     if not isinstance(segm, list) or (segm and isinstance(segm[0], Mapping)):
         return []
     return [np.asarray(p, dtype=np.float32) for p in segm if len(p) >= 6]
+
+
+def rle_counts(counts: bytes | str) -> np.ndarray:
+    """The run lengths (int64) of a pycocotools compressed RLE string.
+
+    Vectorised inverse of pycocotools' ``rleToString``: 5-bit groups (+48), bit 0x20
+    continues a count, bit 0x10 of its last group is the sign, and from the 4th count
+    on each count is stored as the difference to the count two before it.
+    """
+    if isinstance(counts, str):
+        counts = counts.encode("ascii")
+    a = np.frombuffer(counts, dtype=np.uint8) - np.uint8(48)
+    ends = np.flatnonzero(a < 32)  # the last group of each count (no continuation bit)
+    n = ends.size
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.empty(n, dtype=np.intp)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    a = a[:ends[-1] + 1]
+    first = np.zeros(a.size, dtype=np.intp)  # each group's first position, at every group
+    first[starts] = starts
+    np.maximum.accumulate(first, out=first)
+    shift = (np.arange(a.size) - first) * 5
+    vals = np.add.reduceat((a & 31).astype(np.int64) << shift, starts)
+    neg = (a[ends] & 16) != 0
+    if neg.any():  # sign-extend from the last group
+        vals[neg] |= np.int64(-1) << (shift[ends[neg]] + 5)
+    if n > 3:  # undo the differences: counts 3, 5, ... and 4, 6, ... are running sums
+        vals[3::2] = np.cumsum(vals[1::2])[1:]
+        vals[4::2] = np.cumsum(vals[2::2])[1:]
+    return vals
+
+
+def decode_rle_into(counts: bytes | str, out: np.ndarray) -> None:
+    """Write the mask of a compressed RLE into ``out`` (``(h, w)`` uint8, already zeros).
+
+    Same values as ``pycocotools.mask.decode`` without its full-image temporary and
+    transposed copy: only the image columns between the first and the last foreground
+    pixel are expanded (column-major, as RLE runs are) and transposed into ``out``.
+    """
+    h = out.shape[0]
+    ends = np.cumsum(rle_counts(counts))
+    n_fg = ends.size // 2
+    st, en = ends[0:2 * n_fg:2], ends[1::2]  # foreground runs [st, en) in column-major order
+    nz = en > st
+    if not nz.any():
+        return
+    st, en = st[nz], en[nz]
+    x0, x1 = int(st[0]) // h, (int(en[-1]) - 1) // h + 1
+    runs = np.empty(2 * st.size + 1, dtype=np.int64)  # bg, fg, bg, ..., fg, bg
+    runs[0] = st[0] - x0 * h
+    runs[1::2] = en - st
+    runs[2:-1:2] = st[1:] - en[:-1]
+    runs[-1] = x1 * h - en[-1]
+    values = np.zeros(runs.size, dtype=np.uint8)
+    values[1::2] = 1
+    cols = np.repeat(values, runs).reshape(x1 - x0, h)  # (columns, rows)
+    dst = out[:, x0:x1]
+    res = cv2.transpose(cols, dst)
+    if not np.shares_memory(res, dst):  # OpenCV could not write in place
+        dst[...] = res
 
 
 def polys_to_boxes(polys: Sequence[Sequence[Sequence[float]]]) -> np.ndarray:

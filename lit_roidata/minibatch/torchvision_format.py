@@ -30,7 +30,7 @@ from torchvision import tv_tensors
 
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.image import ImageLoader, load_and_scale
-from lit_roidata.minibatch.mask import segm_as_rle, segm_polygons
+from lit_roidata.minibatch.mask import decode_rle_into, segm_as_rle, segm_polygons
 from lit_roidata.minibatch.shm_pool import pooled_reduce
 from lit_roidata.minibatch.transport import shared_empty
 
@@ -68,17 +68,26 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
          else torch.zeros((rows.size, h, w), dtype=torch.uint8))
     out = t.numpy()
     height, width = int(entry["height"]), int(entry["width"])
+    segms = entry["segms"]
+    polys: list[np.ndarray] = []  # every polygon part of the image: one pycocotools call
+    spans: list[tuple[int, int, int]] = []  # (mask row, first part, part count)
     for j, r in enumerate(rows):
-        segm = entry["segms"][r]
+        segm = segms[r]
         parts = segm_polygons(segm)
         if parts:
-            rles = mask_util.frPyObjects([p.astype(np.float64) * scale for p in parts], h, w)
-            out[j] = mask_util.decode(mask_util.merge(rles))
+            spans.append((j, len(polys), len(parts)))
+            polys.extend(p.astype(np.float64) * scale for p in parts)
             continue
         rle = segm_as_rle(segm, height, width)
         if rle is not None:
             full = mask_util.decode(rle)
             out[j] = cv2.resize(full, (w, h), interpolation=cv2.INTER_NEAREST)
+    if polys:
+        rles = mask_util.frPyObjects(polys, h, w)
+        for j, first, n in spans:
+            # merge of one RLE returns it unchanged (pycocotools' rleMerge)
+            rle = rles[first] if n == 1 else mask_util.merge(rles[first:first + n])
+            decode_rle_into(rle["counts"], out[j])
     return t
 
 
@@ -93,12 +102,18 @@ def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.n
 
 
 def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv_tensors.Image:
-    src = im[:, :, ::-1] if pixel_format == "uint8" else im  # uint8: BGR -> RGB
+    h, w, c = im.shape
     if shared:  # built in shared memory: a DataLoader worker sends it without a copy
-        t = shared_empty((im.shape[2], im.shape[0], im.shape[1]), im.dtype)
-        t.numpy()[...] = src.transpose(2, 0, 1)
-        return tv_tensors.Image(t)
-    return tv_tensors.Image(torch.from_numpy(np.ascontiguousarray(src.transpose(2, 0, 1))))
+        t = shared_empty((c, h, w), im.dtype)
+    else:
+        t = torch.from_numpy(np.empty((c, h, w), dtype=im.dtype))
+    out = t.numpy()
+    # uint8: BGR -> RGB. cv2.split de-interleaves (SIMD) straight into the planes.
+    planes = [out[i] for i in (range(c - 1, -1, -1) if pixel_format == "uint8" else range(c))]
+    for plane, got in zip(planes, cv2.split(im, planes)):
+        if not np.shares_memory(plane, got):  # OpenCV could not write in place
+            plane[...] = got
+    return tv_tensors.Image(t)
 
 
 def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], cfg: Any, *,
