@@ -64,7 +64,8 @@ def to_continuous_boxes(boxes: np.ndarray, scale: float) -> np.ndarray:
 
 def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: int,
            shared: bool = False) -> torch.Tensor:
-    t = (shared_empty((rows.size, h, w), torch.uint8).zero_() if shared
+    # shared_empty is zero-filled already (a new segment, or a pool slot re-zeroed).
+    t = (shared_empty((rows.size, h, w), torch.uint8) if shared
          else torch.zeros((rows.size, h, w), dtype=torch.uint8))
     out = t.numpy()
     height, width = int(entry["height"]), int(entry["width"])
