@@ -132,8 +132,13 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         if rep.size == 0:
             return np.ones(boxes.shape[0], bool)
         rep = np.unique(rep)
-        at = np.minimum(np.searchsorted(rep, key), rep.size - 1)
-        cand = np.flatnonzero(rep[at] == key)
+        # boxes whose key may repeat: a 2**20-bit table of the repeated keys' low bits
+        # (cheap, in cache) narrows them down before the exact binary search
+        seen = np.zeros(1 << 20, bool)
+        seen[rep & 0xFFFFF] = True
+        cand = np.flatnonzero(seen[key & 0xFFFFF])
+        at = np.minimum(np.searchsorted(rep, key[cand]), rep.size - 1)
+        cand = cand[rep[at] == key[cand]]
         _, first = np.unique(key[cand], return_index=True)
         keep = np.ones(boxes.shape[0], bool)
         keep[cand] = False
@@ -326,13 +331,6 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
     return per_img, b, mo, mc, gmap
 
 
-def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Proposal × gt-row pairs of the same image: (proposal idx, gt row)."""
-    g0 = gt_off[img]
-    p, within = _segment_pairs(gt_off[img + 1] - g0)
-    return p, g0[p] + within
-
-
 _IOU_BLOCK = 1 << 16  # padded proposal slots per merge block (the temporaries stay in cache)
 _SAFE_COORD = 2.0**22  # below it, float32 thresholds +-2 around a gt edge are exact enough
 
@@ -517,9 +515,18 @@ def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
     crowd_img = np.searchsorted(gt_off, crowd_rows, side="right") - 1
     crowd_off = np.zeros(gt_off.size, np.int64)
     np.cumsum(np.bincount(crowd_img, minlength=gt_off.size - 1), out=crowd_off[1:])
-    p, c = _pairs_with_gt(img, crowd_off)
-    if p.size == 0:
+    # only the proposals of images with a crowd box: (proposal, crowd row) pairs
+    starts, pcount, uimg = _image_runs(img)
+    c0 = crowd_off[uimg]
+    cc = crowd_off[uimg + 1] - c0
+    sel = np.flatnonzero(cc > 0)
+    if sel.size == 0:
         return bad
+    run, within = _segment_pairs(pcount[sel])
+    props = starts[sel][run] + within
+    k, cw = _segment_pairs(cc[sel][run])
+    p = props[k]
+    c = c0[sel][run][k] + cw
     iof = iof_pairs(b[p], gt_boxes[crowd_rows[c]])
     bad[p[iof > thresh]] = True
     return bad
