@@ -102,9 +102,15 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     r = np.round(boxes)
     if r.size and float(np.abs(r).max()) < 2.0**53 / 1.002e9:
         # every partial sum is an integer below 2**53, hence exact in any summation
-        # order: a float64 BLAS product (np.dot of float32 rows by a float64 vector
-        # takes a slow generic loop) gives Detectron's values exactly
-        hf = r.astype(np.float64) @ np.array([1, 1e3, 1e6, 1e9])
+        # order: four float64 column products give Detectron's values exactly (np.dot
+        # of float32 rows by a float64 vector takes a slow generic loop, and a BLAS
+        # product spins its threads on a busy machine)
+        r64 = r.astype(np.float64)
+        hf = r64[:, 3] * 1e9
+        hf += r64[:, 2] * 1e6
+        hf += r64[:, 1] * 1e3
+        hf += r64[:, 0]
+        del r64
     else:
         hf = r.dot(np.array([1, 1e3, 1e6, 1e9]))  # Detectron's expression
     del r
@@ -313,7 +319,9 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
     counts["proposals_duplicate"] += int(b.shape[0] - np.count_nonzero(unique))
     keep = unique & big
     counts["proposals_min_size"] += int(np.count_nonzero(unique) - np.count_nonzero(keep))
-    b, img = b[keep], img[keep]
+    if not keep.all():
+        kept = np.flatnonzero(keep)
+        b, img = b.take(kept, axis=0), img.take(kept)
     # 4. optional limit (file order = descending score)
     if limit > 0 and img.size:
         _, rank = _segment_pairs(np.bincount(img - i0, minlength=i1 - i0))
