@@ -258,6 +258,8 @@ class _ColumnFiles:
     _SPEC = ((np.float32, (4,)), (np.float32, ()), (np.int32, ()), (np.int32, ()))
 
     def __init__(self, scratch_dir: Optional[str]) -> None:
+        if os.name == "nt":  # open files would block renaming the build directory
+            scratch_dir = None
         self.files = [tempfile.TemporaryFile(prefix="lit-roidata-proposal-rows-",
                                              dir=scratch_dir) for _ in self._SPEC]
 
