@@ -375,7 +375,8 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                     gt_off=table.gt_off, gt_boxes=table.boxes, gt_classes=table.classes,
                     gt_is_crowd=table.is_crowd, min_proposal_size=options["min_proposal_size"],
                     proposal_limit=options["proposal_limit"],
-                    crowd_filter_thresh=options["crowd_filter_thresh"], progress=step))
+                    crowd_filter_thresh=options["crowd_filter_thresh"], progress=step,
+                    scratch_dir=tmp))
                 del src
     if union is not None:
         for t in tables:

@@ -12,6 +12,8 @@ it in memory, or the columnar ``.npz`` that :func:`convert_proposals` writes).
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -28,7 +30,7 @@ __all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "convert_pro
 
 logger = logging.getLogger(__name__)
 
-_CHUNK_BOXES = 2_000_000  # proposals processed per vectorised chunk (bounds peak memory)
+_CHUNK_BOXES = 1 << 18  # proposals per vectorised chunk: small, reused temporaries
 
 
 @dataclass
@@ -100,9 +102,15 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     r = np.round(boxes)
     if r.size and float(np.abs(r).max()) < 2.0**53 / 1.002e9:
         # every partial sum is an integer below 2**53, hence exact in any summation
-        # order: a float64 BLAS product (np.dot of float32 rows by a float64 vector
-        # takes a slow generic loop) gives Detectron's values exactly
-        hf = r.astype(np.float64) @ np.array([1, 1e3, 1e6, 1e9])
+        # order: four float64 column products give Detectron's values exactly (np.dot
+        # of float32 rows by a float64 vector takes a slow generic loop, and a BLAS
+        # product spins its threads on a busy machine)
+        r64 = r.astype(np.float64)
+        hf = r64[:, 3] * 1e9
+        hf += r64[:, 2] * 1e6
+        hf += r64[:, 1] * 1e3
+        hf += r64[:, 0]
+        del r64
     else:
         hf = r.dot(np.array([1, 1e3, 1e6, 1e9]))  # Detectron's expression
     del r
@@ -130,8 +138,13 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         if rep.size == 0:
             return np.ones(boxes.shape[0], bool)
         rep = np.unique(rep)
-        at = np.minimum(np.searchsorted(rep, key), rep.size - 1)
-        cand = np.flatnonzero(rep[at] == key)
+        # boxes whose key may repeat: a 2**20-bit table of the repeated keys' low bits
+        # (cheap, in cache) narrows them down before the exact binary search
+        seen = np.zeros(1 << 20, bool)
+        seen[rep & 0xFFFFF] = True
+        cand = np.flatnonzero(seen[key & 0xFFFFF])
+        at = np.minimum(np.searchsorted(rep, key[cand]), rep.size - 1)
+        cand = cand[rep[at] == key[cand]]
         _, first = np.unique(key[cand], return_index=True)
         keep = np.ones(boxes.shape[0], bool)
         keep[cand] = False
@@ -181,7 +194,8 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
                          gt_classes: np.ndarray, gt_is_crowd: np.ndarray,
                          min_proposal_size: int = 2, proposal_limit: int = -1,
                          crowd_filter_thresh: float = 0.0,
-                         progress: Optional[Callable[[int], None]] = None) -> ProposalTable:
+                         progress: Optional[Callable[[int], None]] = None,
+                         scratch_dir: Optional[str] = None) -> ProposalTable:
     """Process a proposal file for one dataset exactly as Detectron does (Detectron semantics:
     proposals).
 
@@ -192,6 +206,8 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         proposal_limit: keep the first ``limit`` per image if ``> 0``.
         crowd_filter_thresh: IoF threshold of the crowd filter; ``0`` disables it.
         progress: called with the number of images done after each chunk.
+        scratch_dir: where the output columns are staged (unlinked files; default: the
+            system's temporary directory). The table's arrays map them.
 
     Raises:
         RoIDBInputError: missing/duplicate ids, NaN or infinite coordinates.
@@ -200,41 +216,70 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     rec = align_records(src, image_ids, counts)
     n = image_ids.size
     n_boxes = src.counts[rec]
-    # Outputs are allocated once for the file's box count and filled chunk by chunk: the
-    # untouched tail (what the rules remove) is never paged in, and no concatenation
-    # copies the columns (1000 proposals x 118k images is ~3 GiB of them).
-    cap = int(n_boxes.sum())
-    boxes = np.empty((cap, 4), np.float32)
-    mo_all = np.empty(cap, np.float32)
-    mc_all = np.empty(cap, np.int32)
-    gm_all = np.empty(cap, np.int32)
+    # Each chunk's rows are appended to four scratch files (one per column) and the table
+    # maps them at the end: nothing of the size of the file is held in anonymous memory
+    # (first-touching GBs of fresh pages costs several times more CPU than writing them
+    # into the page cache), and no concatenation copies the columns.
+    out = _ColumnFiles(scratch_dir)
     off = np.zeros(n + 1, np.int64)
     pos = 0
     start = 0
-    while start < n:
-        stop = start + 1
-        acc = int(n_boxes[start])
-        while stop < n and acc + int(n_boxes[stop]) <= _CHUNK_BOXES:
-            acc += int(n_boxes[stop])
-            stop += 1
-        per_img, b, mo, mc, gmap = _chunk(
-            src, rec, start, stop, image_ids, widths, heights, gt_off, gt_boxes, gt_classes,
-            gt_is_crowd, min_proposal_size, proposal_limit, crowd_filter_thresh, counts)
-        k = b.shape[0]
-        boxes[pos:pos + k] = b
-        mo_all[pos:pos + k] = mo
-        mc_all[pos:pos + k] = mc
-        gm_all[pos:pos + k] = gmap
-        np.cumsum(per_img, out=off[start + 1:stop + 1])
-        off[start + 1:stop + 1] += pos
-        pos += k
-        if progress is not None:
-            progress(stop - start)
-        start = stop
-    table = ProposalTable(off=off, boxes=boxes[:pos], max_overlaps=mo_all[:pos],
-                          max_classes=mc_all[:pos], gt_map=gm_all[:pos], counts=counts)
+    try:
+        while start < n:
+            stop = start + 1
+            acc = int(n_boxes[start])
+            while stop < n and acc + int(n_boxes[stop]) <= _CHUNK_BOXES:
+                acc += int(n_boxes[stop])
+                stop += 1
+            per_img, b, mo, mc, gmap = _chunk(
+                src, rec, start, stop, image_ids, widths, heights, gt_off, gt_boxes,
+                gt_classes, gt_is_crowd, min_proposal_size, proposal_limit,
+                crowd_filter_thresh, counts)
+            out.append(b, mo, mc, gmap)
+            np.cumsum(per_img, out=off[start + 1:stop + 1])
+            off[start + 1:stop + 1] += pos
+            pos += b.shape[0]
+            if progress is not None:
+                progress(stop - start)
+            start = stop
+        boxes, mo_all, mc_all, gm_all = out.arrays(pos)
+    finally:
+        out.close()
+    table = ProposalTable(off=off, boxes=boxes, max_overlaps=mo_all, max_classes=mc_all,
+                          gt_map=gm_all, counts=counts)
     counts["proposals_kept"] = int(off[-1])
     return table
+
+
+class _ColumnFiles:
+    """The four output columns of :func:`build_proposal_table`, appended chunk by chunk
+    to anonymous scratch files and read back as memory maps (read-only)."""
+
+    _SPEC = ((np.float32, (4,)), (np.float32, ()), (np.int32, ()), (np.int32, ()))
+
+    def __init__(self, scratch_dir: Optional[str]) -> None:
+        if os.name == "nt":  # open files would block renaming the build directory
+            scratch_dir = None
+        self.files = [tempfile.TemporaryFile(prefix="lit-roidata-proposal-rows-",
+                                             dir=scratch_dir) for _ in self._SPEC]
+
+    def append(self, *arrays: np.ndarray) -> None:
+        for fh, arr, (dtype, _) in zip(self.files, arrays, self._SPEC):
+            view = memoryview(np.ascontiguousarray(arr, dtype).reshape(-1)).cast("B")
+            fd = fh.fileno()
+            while view.nbytes:
+                view = view[os.write(fd, view):]
+
+    def arrays(self, n: int) -> list:
+        """The columns, ``n`` rows each (memory-mapped; empty ones in memory)."""
+        if n == 0:
+            return [np.zeros((0, *shape), dtype) for dtype, shape in self._SPEC]
+        return [np.memmap(fh, dtype, "r", shape=(n, *shape))
+                for fh, (dtype, shape) in zip(self.files, self._SPEC)]
+
+    def close(self) -> None:
+        for fh in self.files:  # the maps keep their pages; the files are unlinked
+            fh.close()
 
 
 def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_classes,
@@ -276,7 +321,9 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
     counts["proposals_duplicate"] += int(b.shape[0] - np.count_nonzero(unique))
     keep = unique & big
     counts["proposals_min_size"] += int(np.count_nonzero(unique) - np.count_nonzero(keep))
-    b, img = b[keep], img[keep]
+    if not keep.all():
+        kept = np.flatnonzero(keep)
+        b, img = b.take(kept, axis=0), img.take(kept)
     # 4. optional limit (file order = descending score)
     if limit > 0 and img.size:
         _, rank = _segment_pairs(np.bincount(img - i0, minlength=i1 - i0))
@@ -294,30 +341,27 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
     return per_img, b, mo, mc, gmap
 
 
-def _pairs_with_gt(img: np.ndarray, gt_off: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Proposal × gt-row pairs of the same image: (proposal idx, gt row)."""
-    g0 = gt_off[img]
-    p, within = _segment_pairs(gt_off[img + 1] - g0)
-    return p, g0[p] + within
-
-
-_IOU_BLOCK = 1 << 15  # proposals per IoU block: the float64 temporaries stay in cache
+_IOU_BLOCK = 1 << 16  # padded proposal slots per merge block (the temporaries stay in cache)
+_SAFE_COORD = 2.0**22  # below it, float32 thresholds +-2 around a gt edge are exact enough
 
 
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
     """IoU merge into overlaps (Detectron semantics: proposals): ``(max_overlaps, max_classes,
     gt_map)``.
 
-    Images are ordered by gt count ``G``, then by proposal count; consecutive images of
-    one ``G`` form small padded ``(images, P)`` blocks (a few 10k proposals, so the
-    float64 temporaries stay in the CPU cache), and the IoU with gt slot ``j = 0..G-1``
-    is one broadcast per slot, folded into a running maximum (strictly greater replaces,
-    so ties keep the lowest gt index, as ``argmax`` does). The per-pair arithmetic is
-    :func:`lit_roidata.boxes.iou_kernel` (float64, rounded once to float32). ``img`` must be
-    non-decreasing (proposals of one image contiguous), as :func:`_chunk` produces.
-    Boxes of zero or negative area (possible only with ``min_proposal_size < 0`` or
-    degenerate gt) go through :func:`_merge_blocks`, whose NaN handling matches
-    ``argmax``'s.
+    Only the proposal/gt pairs that can overlap are computed. Consecutive images form
+    small padded ``(images, P)`` blocks of float32 coordinates (about 64k slots, so the
+    temporaries stay in the CPU cache; pads are NaN). For gt slot ``j`` (the rows of
+    the images with ``G > j``) a float32 test against the gt box widened by 2 pixels
+    keeps the candidate pairs; every other pair has ``iw <= 0`` or ``ih <= 0``, hence
+    an IoU of exactly 0, which never changes the running maximum. The candidates' IoU
+    is Detectron's float64 arithmetic (:func:`lit_roidata.boxes.iou_kernel`, the same
+    per-pair operations as the dense matrix, rounded once to float32), folded into a
+    running maximum where a strictly greater value replaces (ties keep the lowest gt
+    index, as ``argmax`` does). ``img`` must be non-decreasing (proposals of one image
+    contiguous), as :func:`_chunk` produces. Zero or negative areas (possible only with
+    ``min_proposal_size < 0`` or degenerate gt) and coordinates of ``2**22`` or more go
+    through :func:`_merge_blocks` (dense blocks and ``argmax``, NaN handling included).
     """
     n = b.shape[0]
     mo, mc, gmap = _merge_outputs(n)
@@ -331,69 +375,92 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     r0, r1 = int(gt_off[uimg[0]]), int(gt_off[uimg[-1] + 1])
     gt64 = gt_boxes[r0:r1].astype(np.float64)  # the chunk's gt rows, from row r0
     ga = box_areas(gt64)
-    if not (ga > 0).all():
+    cols = [np.ascontiguousarray(b[:, c]) for c in range(4)]  # float32 x1, y1, x2, y2
+    wx = cols[2].astype(np.float64)
+    wx -= cols[0]
+    wx += 1
+    wy = cols[3].astype(np.float64)
+    wy -= cols[1]
+    wy += 1  # box_areas' factors: the area is > 0 iff both are (no underflow from float32)
+    big = max(float(np.abs(gt64).max()), float(np.abs(b).max()))
+    if not ((ga > 0).all() and (wx > 0).all() and (wy > 0).all() and big < _SAFE_COORD):
         return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
-    cols = b.T  # a view: each block gathers its own rows
+    del wx, wy
     gx1, gy1, gx2, gy2 = (np.ascontiguousarray(gt64[:, c]) for c in range(4))
-    order = np.lexsort((-pcount, ng))
-    order = order[ng[order] > 0]
-    ng_o = ng[order]
-    bounds = np.flatnonzero(np.r_[True, ng_o[1:] != ng_o[:-1], True])
-    for gs, ge in zip(bounds[:-1], bounds[1:]):
-        g = int(ng_o[gs])
-        k0 = gs
-        while k0 < ge:
-            p_max = int(pcount[order[k0]])
-            k1 = min(ge, k0 + max(1, _IOU_BLOCK // p_max))
-            sel = order[k0:k1]
-            k0 = k1
-            if not _merge_block(sel, starts, pcount, p_max, g0 - r0, g, cols, gx1, gy1, gx2,
-                                gy2, ga, gt_classes[r0:r1], mo, mc, gmap):
-                return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
+    # Candidate thresholds in float32: a pair with max(x1) > min(x2) + 1.75 (or the same
+    # in y) has iw <= 0 (ih <= 0); below 2**22 the rounding of g +- 2 is at most 0.25.
+    thr = ((gx2 + 2).astype(np.float32), (gx1 - 2).astype(np.float32),
+           (gy2 + 2).astype(np.float32), (gy1 - 2).astype(np.float32))
+    gt_rows = (gx1, gy1, gx2, gy2, ga)
+    best = mo  # zeros; only ever replaced by a strictly greater (positive) IoU
+    arg = np.zeros(n, np.int32)
+    pc = pcount.tolist()
+    k0, m = 0, len(pc)
+    while k0 < m:  # blocks of consecutive images, at most _IOU_BLOCK padded slots
+        k1, p_max = k0 + 1, pc[k0]
+        while k1 < m and max(p_max, pc[k1]) * (k1 + 1 - k0) <= _IOU_BLOCK:
+            p_max = max(p_max, pc[k1])
+            k1 += 1
+        _merge_block(k0, k1, p_max, starts, pcount, g0 - r0, ng, cols, thr, gt_rows, best,
+                     arg)
+        k0 = k1
+    hit = np.flatnonzero(best > 0)
+    a = arg[hit]
+    gmap[hit] = a
+    own = np.repeat(g0 - r0, pcount)  # each proposal's first gt row
+    mc[hit] = gt_classes[r0:r1][own[hit] + a]
     return mo, mc, gmap
 
 
-def _merge_block(sel, starts, pcount, p_max, g0, g, cols, gx1, gy1, gx2, gy2, ga,
-                 gt_classes, mo, mc, gmap) -> bool:
-    """One padded block of :func:`_merge`: images ``sel`` (``g`` gt each, at most
-    ``p_max`` proposals), written into ``mo``/``mc``/``gmap``. ``False`` (nothing
-    written) when a proposal's area is not positive."""
-    cnt = pcount[sel]
-    ar = np.arange(p_max)
-    valid = ar[None, :] < cnt[:, None]
-    idx = starts[sel][:, None] + np.minimum(ar[None, :], cnt[:, None] - 1)
-    px1, py1, px2, py2 = (c[idx].astype(np.float64) for c in cols)
-    pab = px2 - px1
-    pab += 1
-    tmp = py2 - py1
-    tmp += 1
-    pab *= tmp  # box_areas' arithmetic, in float64
-    if not (pab > 0).all():
-        return False
-    rows = g0[sel]
-    shape = idx.shape
-    work = (np.empty(shape), np.empty(shape), tmp)  # iou_kernel's float64 scratch, reused
-    ov = np.empty(shape, np.float32)
-    best = np.zeros(shape, np.float32)
-    arg = np.zeros(shape, np.int32)
-    upd = np.empty(shape, bool)
-    for j in range(g):
-        r = (rows + j)[:, None]
-        iou_kernel(px1, py1, px2, py2, pab, gx1[r], gy1[r], gx2[r], gy2[r], ga[r],
-                   out=ov, work=work, positive_areas=True)  # union > 0: both areas are
-        if j == 0:
-            best[...] = ov
+def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best,
+                 arg) -> None:
+    """One padded block of :func:`_merge`: images ``k0..k1`` (at most ``p_max`` proposals
+    each), folded into the running maximum ``best`` / ``arg`` (indexed by proposal)."""
+    gx1, gy1, gx2, gy2, ga = gt_rows
+    hi_x, lo_x, hi_y, lo_y = thr
+    k = k1 - k0
+    s, e = int(starts[k0]), int(starts[k1 - 1] + pcount[k1 - 1])
+    cnt = pcount[k0:k1]
+    if e - s == k * p_max:  # every image has p_max proposals: views, no copy
+        q = [c[s:e].reshape(k, p_max) for c in cols]
+    else:
+        valid = np.arange(p_max)[None, :] < cnt[:, None]
+        q = []
+        for c in cols:
+            t = np.full((k, p_max), np.nan, np.float32)  # NaN pads are never candidates
+            t[valid] = c[s:e]
+            q.append(t)
+    # rows by gt count, descending: the images with a gt slot j are a prefix
+    perm = np.argsort(-ng[k0:k1], kind="stable")
+    qx1, qy1, qx2, qy2 = (t[perm] for t in q)
+    rows = g0[k0:k1][perm]
+    gcount = ng[k0:k1][perm]
+    row_start = starts[k0:k1][perm]
+    for j in range(int(gcount[0])):
+        kj = int(np.count_nonzero(gcount > j))
+        r = rows[:kj] + j
+        cand = qx1[:kj] <= hi_x[r][:, None]
+        cand &= qx2[:kj] >= lo_x[r][:, None]
+        cand &= qy1[:kj] <= hi_y[r][:, None]
+        cand &= qy2[:kj] >= lo_y[r][:, None]
+        f = np.flatnonzero(cand)
+        if f.size == 0:
             continue
-        np.greater(ov, best, out=upd)
-        np.copyto(best, ov, where=upd)
-        np.copyto(arg, j, where=upd)
-    pos = valid & (best > 0)
-    hit = idx[pos]
-    a = arg[pos]
-    mo[hit] = best[pos]
-    gmap[hit] = a
-    mc[hit] = gt_classes[rows[:, None].repeat(p_max, 1)[pos] + a]
-    return True
+        row, col = np.divmod(f, p_max)
+        p = row_start[row] + col  # the candidates' proposal indices
+        rr = r[row]
+        px1, py1, px2, py2 = (c[p].astype(np.float64) for c in cols)
+        pab = px2 - px1
+        pab += 1
+        tmp = py2 - py1
+        tmp += 1
+        pab *= tmp  # box_areas' arithmetic, in float64
+        ov = iou_kernel(px1, py1, px2, py2, pab, gx1[rr], gy1[rr], gx2[rr], gy2[rr], ga[rr],
+                        positive_areas=True)  # union > 0: both areas are
+        upd = ov > best[p]  # pairs left out have IoU 0 and never replace
+        p = p[upd]
+        best[p] = ov[upd]
+        arg[p] = j
 
 
 def _merge_outputs(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -458,9 +525,18 @@ def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
     crowd_img = np.searchsorted(gt_off, crowd_rows, side="right") - 1
     crowd_off = np.zeros(gt_off.size, np.int64)
     np.cumsum(np.bincount(crowd_img, minlength=gt_off.size - 1), out=crowd_off[1:])
-    p, c = _pairs_with_gt(img, crowd_off)
-    if p.size == 0:
+    # only the proposals of images with a crowd box: (proposal, crowd row) pairs
+    starts, pcount, uimg = _image_runs(img)
+    c0 = crowd_off[uimg]
+    cc = crowd_off[uimg + 1] - c0
+    sel = np.flatnonzero(cc > 0)
+    if sel.size == 0:
         return bad
+    run, within = _segment_pairs(pcount[sel])
+    props = starts[sel][run] + within
+    k, cw = _segment_pairs(cc[sel][run])
+    p = props[k]
+    c = c0[sel][run][k] + cw
     iof = iof_pairs(b[p], gt_boxes[crowd_rows[c]])
     bad[p[iof > thresh]] = True
     return bad
