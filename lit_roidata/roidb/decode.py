@@ -28,6 +28,7 @@ import numpy as np
 import orjson
 
 from lit_roidata.roidb.info import RoIDBInputError
+from lit_roidata.roidb.numtext import parse_number_lists
 
 __all__ = ["RawCoco", "decode_coco", "decode_fast", "decode_generic", "read_json",
            "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
@@ -144,10 +145,10 @@ class _Ann(msgspec.Struct, kw_only=True, gc=False):
     area: float
     iscrowd: Union[int, bool] = 0
     ignore: float = 0.0
-    segmentation: Union[list[list[float]], _RLE, None] = None
-    # int | float: keypoints are mostly small integers (0 for unlabelled), which Python
-    # shares instead of allocating a float each
-    keypoints: Optional[list[Union[int, float]]] = None
+    # kept as JSON text (msgspec checks the syntax and skips the value without building
+    # objects): the numbers are parsed all at once by lit_roidata.roidb.numtext
+    segmentation: msgspec.Raw = _NULL
+    keypoints: msgspec.Raw = _NULL
 
 
 class _Top(msgspec.Struct):
@@ -165,13 +166,32 @@ KEEP_UNTIL_EXIT: list = []
 _KEEP = False
 
 
+#: the element types the typed decoder gives polygon coordinates and keypoint values:
+#: numbers the vectorised parser leaves to msgspec are decoded with them
+_POLY_NUMBER = list[float]
+_KP_NUMBER = list[Union[int, float]]
+_RLES = msgspec.json.Decoder(list[_RLE])
+
+
+def _first_bytes(raws: list) -> np.ndarray:
+    """The first byte of each JSON text (which kind of value it is)."""
+    if not raws:
+        return np.zeros(0, np.uint8)
+    lens = np.fromiter(map(len, raws), np.int64, len(raws))
+    starts = np.zeros(len(raws), np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    return np.frombuffer(b"".join(raws), np.uint8)[starts]
+
+
 def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     """The typed msgspec decode; ``None`` if the file is not strictly well-typed.
 
     Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
     like are skipped by msgspec without building objects, and annotations become
-    slotted structs instead of dicts); numbers go from the decoded lists into NumPy
-    arrays with C-level iteration.
+    slotted structs instead of dicts). Polygons and keypoints stay JSON text
+    (:class:`msgspec.Raw`) and their numbers go straight into arrays
+    (:func:`lit_roidata.roidb.numtext.parse_number_lists`), exactly the values msgspec
+    would give, without a Python object per number.
     """
     try:
         top = _DECODER.decode(raw)
@@ -192,20 +212,41 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
                        4 * na).reshape(-1, 4)
     segs = list(map(attrgetter("segmentation"), anns))
-    types = list(map(type, segs))
-    per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
-    poly_n = np.fromiter(map(len, per), np.int64, na)
-    polys = list(chain.from_iterable(per))
-    coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
-    coords = np.fromiter(chain.from_iterable(polys), np.float64, int(coord_n.sum()))
-    seg_kind = np.fromiter((SEG_POLY if t is list else SEG_MISSING if s_ is None else SEG_RLE
-                            for s_, t in zip(segs, types)), np.int8, na)
-    rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
-            for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
+    first = _first_bytes(segs)
+    seg_kind = np.full(na, SEG_MISSING, np.int8)
+    seg_kind[first == ord("[")] = SEG_POLY
+    seg_kind[first == ord("{")] = SEG_RLE
+    if ((seg_kind == SEG_MISSING) & (first != ord("n"))).any():
+        return None  # a number, string or boolean: the generic decoder names it
+    poly_rows = np.flatnonzero(seg_kind == SEG_POLY)
+    poly_n = np.zeros(na, np.int64)
+    parsed = parse_number_lists([segs[i] for i in poly_rows.tolist()], nested=True,
+                                slow_type=_POLY_NUMBER)
+    if parsed is None:
+        return None
+    poly_n[poly_rows], coord_n, coords = parsed
+    rle_rows = np.flatnonzero(seg_kind == SEG_RLE).tolist()
+    rles: dict = {}
+    if rle_rows:
+        try:
+            decoded = _RLES.decode(b"[" + b",".join([segs[i] for i in rle_rows]) + b"]")
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        rles = {i: {"size": r.size, "counts": r.counts} for i, r in zip(rle_rows, decoded)}
     kps = list(map(attrgetter("keypoints"), anns))
-    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, na)
-    kp_vals = np.fromiter(chain.from_iterable(k for k in kps if k is not None), np.float64,
-                          int(np.maximum(kp_len, 0).sum()))
+    first = _first_bytes(kps)
+    has_kp = first == ord("[")
+    if (~has_kp & (first != ord("n"))).any():
+        return None
+    kp_len = np.full(na, -1, np.int64)
+    kp_vals = np.zeros(0, np.float64)
+    if has_kp.any():
+        kp_rows = np.flatnonzero(has_kp)
+        parsed = parse_number_lists([kps[i] for i in kp_rows.tolist()], nested=False,
+                                    slow_type=_KP_NUMBER)
+        if parsed is None:
+            return None
+        kp_len[kp_rows], _, kp_vals = parsed
     return RawCoco(
         source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
         file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),
