@@ -74,7 +74,7 @@ def segmentation_text(draw, original: object) -> str:
     if kind == 1:
         return "null"
     if kind == 2:  # malformed: a flat list, a string, a nested list, true
-        return draw(st.sampled_from(["[1, 2, 3, 4, 5, 6]", '[[1, "2", 3, 4, 5, 6]]',
+        return draw(st.sampled_from(["[1, 2, 3, 4, 5, 6]", "[1.5,2.25,3.0,4.0,5.0,6.0]", '[[1, "2", 3, 4, 5, 6]]',
                                      "[[[1, 2, 3, 4, 5, 6]]]", "true", "[[1, 2, null]]",
                                      '"polygon"', "7", "[[1e400, 2, 3, 4, 5, 6]]"]))
     polys = draw(st.lists(number_list(), max_size=3))
@@ -169,51 +169,53 @@ def test_numbers_match_msgspec_bit_for_bit(nums, ints):
     try:
         ref = np.fromiter(msgspec.json.decode(text, type=slow), np.float64)
     except msgspec.ValidationError:  # out of range: both refuse
-        assert parse_number_lists([text], nested=False, slow_type=slow) is None
+        assert parse_number_lists([text], slow_type=slow) is None
         return
-    outer, inner, vals = parse_number_lists([text], nested=False, slow_type=slow)
-    assert inner is None and outer.tolist() == [len(nums)]
+    counts, vals = parse_number_lists([text], slow_type=slow)
+    assert counts.tolist() == [len(nums)]
     assert vals.dtype == np.float64 and vals.tobytes() == ref.tobytes()
 
 
 @pytest.mark.parametrize("block", [1, 3, 7, 16, 64])
 @settings(deadline=None, max_examples=40)
-@given(polys=st.lists(st.lists(number_list(), max_size=4), max_size=6))
-def test_block_boundaries_do_not_change_the_parse(block, polys):
+@given(lists=st.lists(number_list(), max_size=12))
+def test_block_boundaries_do_not_change_the_parse(block, lists):
     """Blocks of any size (a token never split) give the single-block parse."""
-    texts = [("[" + ",".join(p) + "]").encode() for p in polys]
-    whole = parse_number_lists(texts, nested=True, slow_type=list[float])
+    texts = [t.encode() for t in lists]
+    whole = parse_number_lists(texts, slow_type=list[float])
     old = numtext._BLOCK
     numtext._BLOCK = block
     try:
-        split = parse_number_lists(texts, nested=True, slow_type=list[float])
+        split = parse_number_lists(texts, slow_type=list[float])
     finally:
         numtext._BLOCK = old
     assert (whole is None) == (split is None)
     if whole is not None:
         for a, b in zip(whole, split):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
-        assert whole[0].tolist() == [len(p) for p in polys]
+        assert whole[0].tolist() == [len(json.loads(t)) for t in lists]
 
 
-@pytest.mark.parametrize("texts,nested,expect", [
-    ([b"[[1,2,3,4,5,6],[]]", b"[]", b"[[7]]"], True, ([2, 0, 1], [6, 0, 1])),
-    ([b"[ [ 1 ,\n2 ] ]"], True, ([1], [2])),
-    ([b"[1,2]", b"[]"], False, ([2, 0], None)),
-    ([b"[1,2]"], True, None),           # numbers where polygons belong
-    ([b"[[[1]]]"], True, None),         # too deep
-    ([b"[[1]]"], False, None),          # a list where numbers belong
-    ([b'["1"]'], False, None),          # a string
-    ([b"[true]"], False, None),
-    ([b"[1e400]"], False, None),        # msgspec refuses it: out of range
+@pytest.mark.parametrize("texts,expect", [
+    ([b"[1,2,3,4,5,6]", b"[]", b"[7]"], [6, 0, 1]),
+    ([b"[ 1 ,\n2 ]", b"[\t]"], [2, 0]),
+    ([], []),
+    ([b"[[1,2]]"], None),                # a list where numbers belong
+    ([b"[1]", b"2"], None),              # a number where a list belongs
+    ([b"3", b"[1]"], None),
+    ([b"1.5", b"2.5"], None),            # numbers, not lists (no two tokens merge)
+    ([b'["1"]'], None),                  # a string
+    ([b"[true]"], None),
+    ([b"null"], None),
+    ([b'{"a": [1]}'], None),
+    ([b"[1e400]"], None),                # msgspec refuses it: out of range
 ])
-def test_shapes_and_refusals(texts, nested, expect):
-    got = parse_number_lists(texts, nested=nested, slow_type=list[float])
+def test_shapes_and_refusals(texts, expect):
+    got = parse_number_lists(texts, slow_type=list[float])
     if expect is None:
         assert got is None
-        return
-    assert got[0].tolist() == expect[0]
-    assert (got[1] is None) if expect[1] is None else got[1].tolist() == expect[1]
+    else:
+        assert got[0].tolist() == expect
 
 
 def test_bad_polygon_values_still_name_the_record(tmp_path):

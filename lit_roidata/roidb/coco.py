@@ -288,7 +288,7 @@ def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
                   f"{int(h_img[i])} x {int(w_img[i])} (height x width); the mask would not "
                   f"line up with the image", _RLE_FIX)
         if type(cnt) is list:
-            if not (set(map(type, cnt)) <= {int} and all(c >= 0 for c in cnt)):
+            if not (set(map(type, cnt)) <= {int} and (not cnt or min(cnt) >= 0)):
                 _fail(raw, row, "has RLE counts that are not non-negative integers", _RLE_FIX)
             if sum(cnt) != h * w:
                 _fail(raw, row, f"has RLE counts summing to {sum(cnt)}, not height x width = "

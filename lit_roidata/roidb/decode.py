@@ -145,9 +145,9 @@ class _Ann(msgspec.Struct, kw_only=True, gc=False):
     area: float
     iscrowd: Union[int, bool] = 0
     ignore: float = 0.0
-    # kept as JSON text (msgspec checks the syntax and skips the value without building
-    # objects): the numbers are parsed all at once by lit_roidata.roidb.numtext
-    segmentation: msgspec.Raw = _NULL
+    # polygons and keypoints are kept as JSON text (msgspec checks the syntax and skips
+    # the value without building objects); lit_roidata.roidb.numtext parses the numbers
+    segmentation: Union[list[msgspec.Raw], _RLE, None] = None
     keypoints: msgspec.Raw = _NULL
 
 
@@ -166,21 +166,11 @@ KEEP_UNTIL_EXIT: list = []
 _KEEP = False
 
 
-#: the element types the typed decoder gives polygon coordinates and keypoint values:
+#: the element types the typed decoder gave polygon coordinates and keypoint values:
 #: numbers the vectorised parser leaves to msgspec are decoded with them
 _POLY_NUMBER = list[float]
 _KP_NUMBER = list[Union[int, float]]
-_RLES = msgspec.json.Decoder(list[_RLE])
-
-
-def _first_bytes(raws: list) -> np.ndarray:
-    """The first byte of each JSON text (which kind of value it is)."""
-    if not raws:
-        return np.zeros(0, np.uint8)
-    lens = np.fromiter(map(len, raws), np.int64, len(raws))
-    starts = np.zeros(len(raws), np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    return np.frombuffer(b"".join(raws), np.uint8)[starts]
+_SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
 
 
 def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
@@ -212,41 +202,29 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
                        4 * na).reshape(-1, 4)
     segs = list(map(attrgetter("segmentation"), anns))
-    first = _first_bytes(segs)
-    seg_kind = np.full(na, SEG_MISSING, np.int8)
-    seg_kind[first == ord("[")] = SEG_POLY
-    seg_kind[first == ord("{")] = SEG_RLE
-    if ((seg_kind == SEG_MISSING) & (first != ord("n"))).any():
-        return None  # a number, string or boolean: the generic decoder names it
-    poly_rows = np.flatnonzero(seg_kind == SEG_POLY)
-    poly_n = np.zeros(na, np.int64)
-    parsed = parse_number_lists([segs[i] for i in poly_rows.tolist()], nested=True,
-                                slow_type=_POLY_NUMBER)
+    types = list(map(type, segs))
+    per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
+    poly_n = np.fromiter(map(len, per), np.int64, na)
+    parsed = parse_number_lists(list(chain.from_iterable(per)), slow_type=_POLY_NUMBER)
     if parsed is None:
-        return None
-    poly_n[poly_rows], coord_n, coords = parsed
-    rle_rows = np.flatnonzero(seg_kind == SEG_RLE).tolist()
-    rles: dict = {}
-    if rle_rows:
-        try:
-            decoded = _RLES.decode(b"[" + b",".join([segs[i] for i in rle_rows]) + b"]")
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return None
-        rles = {i: {"size": r.size, "counts": r.counts} for i, r in zip(rle_rows, decoded)}
+        return None  # a polygon that is not a list of numbers: the generic decoder names it
+    coord_n, coords = parsed
+    seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
+    rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
+            for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
     kps = list(map(attrgetter("keypoints"), anns))
-    first = _first_bytes(kps)
-    has_kp = first == ord("[")
-    if (~has_kp & (first != ord("n"))).any():
-        return None
     kp_len = np.full(na, -1, np.int64)
     kp_vals = np.zeros(0, np.float64)
+    # null (or absent) keypoints: the 4-byte text "null"
+    short = np.flatnonzero(np.fromiter(map(len, kps), np.int64, na) == 4).tolist()
+    has_kp = np.ones(na, bool)
+    has_kp[[i for i in short if kps[i] is _NULL or bytes(kps[i]) == b"null"]] = False
     if has_kp.any():
         kp_rows = np.flatnonzero(has_kp)
-        parsed = parse_number_lists([kps[i] for i in kp_rows.tolist()], nested=False,
-                                    slow_type=_KP_NUMBER)
+        parsed = parse_number_lists([kps[i] for i in kp_rows.tolist()], slow_type=_KP_NUMBER)
         if parsed is None:
             return None
-        kp_len[kp_rows], _, kp_vals = parsed
+        kp_len[kp_rows], kp_vals = parsed
     return RawCoco(
         source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
         file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),

@@ -1,23 +1,23 @@
-"""JSON arrays of numbers, as raw text, → NumPy columns without a Python object per number.
+"""JSON lists of numbers, as raw text, → NumPy columns without a Python object per number.
 
-The typed decoder (:mod:`lit_roidata.roidb.decode`) keeps every annotation's
-``segmentation`` and ``keypoints`` as :class:`msgspec.Raw` (msgspec checks the JSON
-syntax and skips the value without building objects). :func:`parse_number_lists` then
-works on the concatenated text of all of them at once:
+The typed decoder (:mod:`lit_roidata.roidb.decode`) keeps every polygon and every
+annotation's ``keypoints`` as :class:`msgspec.Raw` (msgspec checks the JSON syntax and
+skips the value without building objects). :func:`parse_number_lists` then works on the
+concatenated text of all of them at once, block by block:
 
-* the structure (which list each number belongs to, how many numbers per list) comes
-  from the positions of brackets and number tokens, found with NumPy on the bytes;
+* which list each number belongs to comes from the positions of the brackets and of the
+  number tokens, found with NumPy on the bytes;
 * each number token of up to 8 characters (sign aside) made of digits and at most one
   ``.`` (COCO's ``239.97``, ``0``, ``-1.5``) is converted with SWAR arithmetic on one
   64-bit word per token: its digits give an integer mantissa ``m < 10**8`` and the value
   is ``m / 10**f`` (``f`` = digits after the point). Both are exactly representable
   doubles, so the one IEEE division is correctly rounded (Clinger's fast path): the
   same double as any correctly rounding parser, msgspec's included;
-* every other token (exponents, more digits) is decoded by msgspec itself, with the
+* every other token (an exponent, more digits) is decoded by msgspec itself, with the
   element type the typed decoder used before, so its value is msgspec's by construction.
 
-Anything that is not a well-formed list (of lists) of numbers returns ``None``: the
-caller then falls back to the generic decoder, which names the record and the fix.
+A text that is not a flat list of numbers returns ``None``: the caller then falls back
+to the generic decoder, which names the record and the fix.
 """
 
 from __future__ import annotations
@@ -29,15 +29,6 @@ import msgspec
 import numpy as np
 
 __all__ = ["parse_number_lists"]
-
-# byte classes (the texts are valid JSON: msgspec checked them, numbers included)
-_OTHER, _NUM, _EXP, _SEP, _OPEN, _CLOSE = 0, 1, 2, 3, 4, 5
-_CLASS = np.zeros(256, np.uint8)
-_CLASS[np.frombuffer(b"0123456789+-.", np.uint8)] = _NUM
-_CLASS[np.frombuffer(b"eE", np.uint8)] = _EXP
-_CLASS[np.frombuffer(b", \t\n\r", np.uint8)] = _SEP
-_CLASS[ord("[")] = _OPEN
-_CLASS[ord("]")] = _CLOSE
 
 _U = np.uint64
 _LEAD = 8  # zero bytes before the text: the 8 bytes ending at any token end are readable
@@ -64,115 +55,124 @@ _TEN = _U(10)
 
 
 def _fast_numbers(buf: np.ndarray, words: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                  check_digits: bool) -> tuple[np.ndarray, np.ndarray]:
+                  has_dot: bool, has_neg: bool, has_exp: bool
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Values of the tokens ``-?digits[.digits]`` of at most 8 characters (sign aside);
     ``(values, ok)``, ``ok`` False for the tokens left to msgspec.
 
-    ``words[i]`` is the little-endian word of ``buf[i:i + 8]``; ``check_digits``: the
-    tokens may hold an exponent (``e``/``E``), which sends them to msgspec.
+    ``words[i]`` is the little-endian word of ``buf[i:i + 8]``. ``has_dot``,
+    ``has_neg``, ``has_exp``: whether the block holds a ``.``, a ``-``, an ``e``/``E``
+    at all (the work for what is absent is skipped; an exponent sends its token to
+    msgspec).
     """
-    neg = buf.take(starts) == 45  # '-'
-    m = ends - starts - neg
+    m = ends - starts
+    if has_neg:
+        neg = buf.take(starts) == 45  # '-'
+        m -= neg
     ok = m <= 8
     np.minimum(m, 8, out=m)
-    w = (words[ends - 8] ^ _ASCII0) & _KEEP.take(m)  # (take() would copy words)
-    # the point (now 0x1E): SWAR zero-byte search on w ^ 0x1E.. (exact), byte q → r = q + 1
-    x = w ^ _DOTS
-    z = ~(((x & _LOW7) + _LOW7) | x) & _HIGH1
-    r = (((z >> _S7) * _R_OF_Q) >> _S56).astype(np.intp)
-    w = (w & _ABOVE.take(r)) | ((w << _S8) & _BELOW.take(r))
-    if check_digits:  # every byte a digit (0..9): no exponent, no second sign
+    w = (words[ends - 8] ^ _ASCII0) & _KEEP.take(m)
+    if has_dot:
+        # the point (now 0x1E): SWAR zero-byte search on w ^ 0x1E.. (exact), byte q → r
+        x = w ^ _DOTS
+        z = ~(((x & _LOW7) + _LOW7) | x) & _HIGH1
+        r = (((z >> _S7) * _R_OF_Q) >> _S56).astype(np.intp)
+        w = (w & _ABOVE.take(r)) | ((w << _S8) & _BELOW.take(r))
+    if has_exp:  # every byte a digit (0..9): no exponent, no second sign
         ok &= ((w | (w + _OVER9)) & _HIGH1) == 0
     # eight digits → integer (simdjson's parse_eight_digits_unrolled)
     w = (w * _TEN) + (w >> _S8)
     w = (((w & _MASK8) * _MUL1) + (((w >> _S16) & _MASK8) * _MUL2)) >> _S32
-    # msgspec (and orjson) read the integer token "-0" as the integer 0, i.e. +0.0
-    neg &= (r != 0) | (w != 0)
-    r += 9 * neg
+    if not (has_dot or has_neg):
+        return w.astype(np.float64), ok
+    if has_neg:
+        # msgspec (and orjson) read the integer token "-0" as the integer 0, i.e. +0.0
+        neg &= ((r != 0) | (w != 0)) if has_dot else (w != 0)
+        r = (r + 9 * neg) if has_dot else 9 * neg
     return w.astype(np.float64) / _DIV.take(r), ok
 
 
-def _block_end(cls_of: np.ndarray, buf: np.ndarray, end: int, size: int) -> int:
+def _block_end(buf: np.ndarray, end: int, size: int) -> int:
     """Move a block end forward until the byte before it is not part of a number."""
-    while end < size and cls_of[buf[_LEAD + end - 1]] <= _EXP:
+    while end < size and buf[_LEAD + end - 1] not in _SEPARATORS:
         end += 1
     return end
 
 
-def parse_number_lists(raws: Sequence[Any], *, nested: bool, slow_type: Any
-                       ) -> Optional[tuple[np.ndarray, Optional[np.ndarray], np.ndarray]]:
-    """Parse JSON texts that are each a list of numbers (or, ``nested``, of lists of numbers).
+#: bytes that end a number in valid JSON (outside strings)
+_SEPARATORS = frozenset(b",[]{}: \t\n\r\"")
+
+
+def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
+                       ) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Parse JSON texts that are each a list of numbers, all at once.
 
     Args:
-        raws: the JSON texts (bytes-like, e.g. :class:`msgspec.Raw`), each starting with
-            ``[`` and valid JSON (msgspec checked the syntax while decoding).
-        nested: ``[[x, ...], ...]`` (polygons) instead of ``[x, ...]`` (keypoints).
+        raws: the JSON texts (bytes-like, e.g. :class:`msgspec.Raw`), each valid JSON
+            (msgspec checked the syntax while decoding).
         slow_type: the msgspec type of a list of the tokens the fast path leaves
             (``list[float]``, or ``list[Union[int, float]]``): their values are exactly
             msgspec's for that type, converted with ``np.fromiter``.
 
     Returns:
-        ``(outer_n, inner_n, values)``: int64 number of elements per text (inner lists
-        when ``nested``, else numbers), int64 numbers per inner list (``None`` when not
-        nested), float64 values in text order; ``None`` if a text is not of that shape
-        or holds a number msgspec refuses.
+        ``(counts, values)``: int64 numbers per text, float64 values in text order;
+        ``None`` if a text is not a list of numbers or holds a number msgspec refuses.
     """
-    text = b"".join(chain((bytes(_LEAD),), raws, (bytes(8),)))  # one copy, zero-padded
+    # one copy: the texts separated by spaces (so no two tokens merge), between zero bytes
+    text = b" ".join(chain((bytes(_LEAD - 1),), raws, (bytes(7),)))
     size = len(text) - _LEAD - 8
     buf = np.frombuffer(text, np.uint8)
     words = np.ndarray((buf.size - 7,), _U, text, 0, (1,))
-    vals, br, before, slow = [], [], [], []
+    vals, brackets, before, slow = [], [], [], []
     ntok = 0
     pos = 0
     while pos < size:
-        end = _block_end(_CLASS, buf, min(pos + _BLOCK, size), size)
-        cls = _CLASS[buf[_LEAD + pos:_LEAD + end]]
-        if cls.min() == _OTHER:
-            return None  # strings, objects, true/false/null: not a list of numbers
-        isnum = np.zeros(cls.size + 2, bool)
-        np.less_equal(cls, _EXP, out=isnum[1:-1])
+        end = _block_end(buf, min(pos + _BLOCK, size), size)
+        c = buf[_LEAD + pos:_LEAD + end]
+        # outside strings valid JSON holds whitespace, , [ ] { } :, numbers (digits + - .
+        # e E) and the literals true/false/null: a '"', '{' or a lowercase letter other
+        # than 'e' means something else than numbers (uppercase: only 'E' is valid)
+        high = c >= 0x60
+        has_exp = bool(high.any())
+        if has_exp:
+            if (high & (c != 0x65)).any():
+                return None
+        else:
+            has_exp = bool((c == 0x45).any())
+        if (c == 0x22).any():
+            return None
+        isnum = np.zeros(c.size + 2, bool)
+        # + , - . / 0-9 (no '/' outside strings), not ','; and e/E
+        np.logical_and((c - np.uint8(0x2B)) <= 14, c != 0x2C, out=isnum[1:-1])
+        if has_exp:
+            isnum[1:-1] |= (c | np.uint8(0x20)) == 0x65
         edges = np.flatnonzero(isnum[1:] != isnum[:-1])
         starts = edges[0::2] + (_LEAD + pos)
         ends = edges[1::2] + (_LEAD + pos)
-        v, ok = _fast_numbers(buf, words, starts, ends, bool((cls == _EXP).any()))
+        v, ok = _fast_numbers(buf, words, starts, ends, bool((c == 0x2E).any()),
+                              bool((c == 0x2D).any()), has_exp)
         vals.append(v)
         if not ok.all():
             bad = np.flatnonzero(~ok)
             slow.append((bad + ntok, starts[bad] - _LEAD, ends[bad] - _LEAD))
-        b = np.flatnonzero(cls >= _OPEN)
-        br.append(cls[b] == _OPEN)
+        b = np.flatnonzero((c | np.uint8(6)) == 0x5F)  # '[' 0x5B, ']' 0x5D
+        brackets.append(c[b] == 0x5B)
         before.append(np.searchsorted(starts, b + (_LEAD + pos)) + ntok)
         ntok += starts.size
         pos = end
-    if not vals:
-        values = np.zeros(0, np.float64)
-        opening = np.zeros(0, bool)
-        before_all = np.zeros(0, np.int64)
-    else:
-        values = np.concatenate(vals) if len(vals) > 1 else vals[0]
-        opening = np.concatenate(br)
-        before_all = np.concatenate(before)
+    values = np.concatenate(vals) if vals else np.zeros(0, np.float64)
     if slow and not _slow_numbers(text, values, slow, slow_type):
         return None
-    depth = np.cumsum(np.where(opening, 1, -1))  # depth after each bracket
-    want = 2 if nested else 1
-    if depth.size and depth.max() > want:
+    opening = np.concatenate(brackets) if brackets else np.zeros(0, bool)
+    before_all = np.concatenate(before) if before else np.zeros(0, np.int64)
+    # each text one flat list: brackets alternate [ ] [ ] ..., one pair per text, and
+    # every number sits inside a pair
+    if opening.size != 2 * len(raws) or not opening[0::2].all() or opening[1::2].any():
         return None
-    # the tokens between bracket j and j + 1 sit at depth[j]: all at the wanted depth
-    between = np.diff(np.append(before_all, ntok))
-    if (between[depth != want] != 0).any():
+    first, last = before_all[0::2], before_all[1::2]
+    if (first[1:] != last[:-1]).any() or (ntok and (first[0] != 0 or last[-1] != ntok)):
         return None
-    top = opening & (depth == 1)
-    if int(top.sum()) != len(raws):
-        return None
-    if not nested:
-        return between[top].astype(np.int64), None, values
-    inner = opening & (depth == 2)
-    # inner lists per text: inner openings between consecutive top-level openings
-    n_inner = np.cumsum(inner)
-    at_top = n_inner[top] - inner[top]
-    outer_n = np.diff(np.append(at_top, n_inner[-1] if n_inner.size else 0))
-    return outer_n.astype(np.int64), between[inner].astype(np.int64), values
+    return (last - first).astype(np.int64), values
 
 
 def _slow_numbers(text: bytes, values: np.ndarray, slow: list, slow_type: Any) -> bool:
