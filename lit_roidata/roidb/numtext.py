@@ -123,7 +123,9 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
     size = len(text) - _LEAD - 8
     buf = np.frombuffer(text, np.uint8)
     words = np.ndarray((buf.size - 7,), _U, text, 0, (1,))
-    vals, brackets, before, slow = [], [], [], []
+    # at most one number per two bytes: the pages past the last number are never touched
+    values = np.empty(size // 2 + 1, np.float64)
+    brackets, before, slow = [], [], []
     ntok = 0
     pos = 0
     while pos < size:
@@ -149,9 +151,9 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
         edges = np.flatnonzero(isnum[1:] != isnum[:-1])
         starts = edges[0::2] + (_LEAD + pos)
         ends = edges[1::2] + (_LEAD + pos)
-        v, ok = _fast_numbers(buf, words, starts, ends, bool((c == 0x2E).any()),
-                              bool((c == 0x2D).any()), has_exp)
-        vals.append(v)
+        values[ntok:ntok + starts.size], ok = _fast_numbers(
+            buf, words, starts, ends, bool((c == 0x2E).any()), bool((c == 0x2D).any()),
+            has_exp)
         if not ok.all():
             bad = np.flatnonzero(~ok)
             slow.append((bad + ntok, starts[bad] - _LEAD, ends[bad] - _LEAD))
@@ -160,7 +162,7 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
         before.append(np.searchsorted(starts, b + (_LEAD + pos)) + ntok)
         ntok += starts.size
         pos = end
-    values = np.concatenate(vals) if vals else np.zeros(0, np.float64)
+    values = values[:ntok]
     if slow and not _slow_numbers(text, values, slow, slow_type):
         return None
     opening = np.concatenate(brackets) if brackets else np.zeros(0, bool)
