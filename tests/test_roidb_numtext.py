@@ -240,3 +240,21 @@ def test_bad_polygon_values_still_name_the_record(tmp_path):
     with pytest.raises(RoIDBInputError, match=rf"annotation id {a['id']} \(image id "
                                               rf"{a['image_id']}\)"):
         decode_coco(str(p))
+
+
+def test_build_asks_for_no_huge_pages_and_restores_numpy_setting():
+    """The builder turns NumPy's huge-page advice off for its arrays and back on after,
+    also when the build fails."""
+    mod = pytest.importorskip("numpy._core.multiarray")
+    from lit_roidata.roidb.build import _no_hugepages
+
+    before = mod._set_madvise_hugepage(True)
+    try:
+        with pytest.raises(RuntimeError):
+            with _no_hugepages():
+                inside = mod._set_madvise_hugepage(False)  # returns the current setting
+                raise RuntimeError("a failed build")
+        assert inside is False
+        assert mod._set_madvise_hugepage(True) is True  # restored
+    finally:
+        mod._set_madvise_hugepage(before)
