@@ -123,8 +123,8 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
     size = len(text) - _LEAD - 8
     buf = np.frombuffer(text, np.uint8)
     words = np.ndarray((buf.size - 7,), _U, text, 0, (1,))
-    # at most one number per two bytes: the pages past the last number are never touched
-    values = np.empty(size // 2 + 1, np.float64)
+    # at most one number more than commas per list (a wrong text is refused below)
+    values = np.empty(text.count(b",") + len(raws), np.float64)
     brackets, before, slow = [], [], []
     ntok = 0
     pos = 0
@@ -151,6 +151,8 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
         edges = np.flatnonzero(isnum[1:] != isnum[:-1])
         starts = edges[0::2] + (_LEAD + pos)
         ends = edges[1::2] + (_LEAD + pos)
+        if ntok + starts.size > values.size:
+            return None  # more numbers than lists of numbers can hold: not such lists
         values[ntok:ntok + starts.size], ok = _fast_numbers(
             buf, words, starts, ends, bool((c == 0x2E).any()), bool((c == 0x2D).any()),
             has_exp)
