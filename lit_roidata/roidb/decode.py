@@ -4,7 +4,8 @@ Two decoders produce the same :class:`RawCoco`:
 
 * **fast** (:func:`decode_fast`): ``msgspec`` with typed ``Struct`` schemas decodes only
   the fields the roidb reads (unknown fields are skipped without building objects) and
-  checks their types while decoding;
+  checks their types while decoding; polygons and keypoints stay raw JSON text whose
+  numbers :mod:`lit_roidata.roidb.numtext` converts all at once (the same doubles);
 * **generic** (:func:`decode_generic`): ``orjson`` into Python objects, field by field,
   with an error that names the file, the record and the fix for every malformed value.
 
