@@ -253,6 +253,10 @@ def _check_polygons(raw: RawCoco, known: np.ndarray) -> None:
     if odd.any():
         _fail(raw, owner[odd], f"has a polygon with an odd number of coordinates "
               f"({int(raw.coord_n[np.flatnonzero(odd)[0]])})", _SEG_FIX)
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = raw.coords.sum()
+    if np.isfinite(total):  # no NaN/inf anywhere (one pass, no temporary)
+        return
     fin = np.isfinite(raw.coords)
     if not fin.all():
         c_owner = np.repeat(owner, raw.coord_n)
@@ -288,7 +292,7 @@ def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
                   f"{int(h_img[i])} x {int(w_img[i])} (height x width); the mask would not "
                   f"line up with the image", _RLE_FIX)
         if type(cnt) is list:
-            if not (set(map(type, cnt)) <= {int} and all(c >= 0 for c in cnt)):
+            if not (set(map(type, cnt)) <= {int} and (not cnt or min(cnt) >= 0)):
                 _fail(raw, row, "has RLE counts that are not non-negative integers", _RLE_FIX)
             if sum(cnt) != h * w:
                 _fail(raw, row, f"has RLE counts summing to {sum(cnt)}, not height x width = "
@@ -348,9 +352,11 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
             f"3 x {k} = {3 * k} ({rows.size} such annotations). Fix the 'keypoints' lists.")
     off = _offsets(np.maximum(kp_len, 0))
     vals = raw.kp_vals
-    with np.errstate(invalid="ignore"):
-        bad_v = ~(np.abs(vals) < 2 ** 31)
-    if bad_v.any():
+    # all within (-2**31, 2**31) (NaN fails both): two reductions, no temporaries
+    in_range = vals.size == 0 or (vals.min() > -2 ** 31 and vals.max() < 2 ** 31)
+    if not in_range:
+        with np.errstate(invalid="ignore"):
+            bad_v = ~(np.abs(vals) < 2 ** 31)
         v_owner = np.repeat(np.arange(kp_len.size), np.maximum(kp_len, 0))
         rows = np.unique(v_owner[bad_v & known[v_owner]])
         if rows.size:
@@ -359,7 +365,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
                   "a keypoint that is not labelled.")
 
     def table(rows: np.ndarray) -> np.ndarray:
-        out = np.zeros((rows.size, 3 * k), np.int32)
+        out = np.zeros((rows.size, 3, k), np.int32)
         has = present[rows]
         sel = rows[has]
         if (kp_len[present] == 3 * k).all():  # the usual case: one (3K,) row per holder
@@ -367,9 +373,13 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
             picked = vals.reshape(-1, 3 * k)[rank[sel]]
         else:
             picked = vals[off[sel][:, None] + np.arange(3 * k)]
-        out[has] = picked.astype(np.int32)  # truncates toward zero, like Detectron
-        # (G, K, 3) -> (G, 3, K)
-        return np.ascontiguousarray(out.reshape(-1, k, 3).transpose(0, 2, 1))
+        # (S, K, 3) -> (S, 3, K), cast on assignment: truncates toward zero, like Detectron
+        picked = picked.reshape(-1, k, 3).transpose(0, 2, 1)
+        if has.all():
+            out[...] = picked
+        else:
+            out[has] = picked
+        return out
 
     return table
 
@@ -407,6 +417,10 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
     coord_counts = raw.coord_n[pidx]
     if pidx.size == raw.coord_n.size and (pidx == np.arange(pidx.size)).all():
         coords = raw.coords  # every polygon kept, in file order (one file per image order)
+    elif (order[1:] > order[:-1]).all():  # kept polygons in file order: a mask will do
+        keep = np.zeros(raw.coord_n.size, bool)
+        keep[pidx] = True
+        coords = raw.coords[np.repeat(keep, raw.coord_n)]
     else:
         coords = raw.coords[take_ranges(coord_off[pidx], coord_counts)]
     seg_kind = raw.seg_kind[order]

@@ -4,7 +4,8 @@ Two decoders produce the same :class:`RawCoco`:
 
 * **fast** (:func:`decode_fast`): ``msgspec`` with typed ``Struct`` schemas decodes only
   the fields the roidb reads (unknown fields are skipped without building objects) and
-  checks their types while decoding;
+  checks their types while decoding; polygons and keypoints stay raw JSON text whose
+  numbers :mod:`lit_roidata.roidb.numtext` converts all at once (the same doubles);
 * **generic** (:func:`decode_generic`): ``orjson`` into Python objects, field by field,
   with an error that names the file, the record and the fix for every malformed value.
 
@@ -28,6 +29,7 @@ import numpy as np
 import orjson
 
 from lit_roidata.roidb.info import RoIDBInputError
+from lit_roidata.roidb.numtext import parse_number_lists
 
 __all__ = ["RawCoco", "decode_coco", "decode_fast", "decode_generic", "read_json",
            "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
@@ -144,10 +146,10 @@ class _Ann(msgspec.Struct, kw_only=True, gc=False):
     area: float
     iscrowd: Union[int, bool] = 0
     ignore: float = 0.0
-    segmentation: Union[list[list[float]], _RLE, None] = None
-    # int | float: keypoints are mostly small integers (0 for unlabelled), which Python
-    # shares instead of allocating a float each
-    keypoints: Optional[list[Union[int, float]]] = None
+    # polygons and keypoints are kept as JSON text (msgspec checks the syntax and skips
+    # the value without building objects); lit_roidata.roidb.numtext parses the numbers
+    segmentation: Union[list[msgspec.Raw], _RLE, None] = None
+    keypoints: msgspec.Raw = _NULL
 
 
 class _Top(msgspec.Struct):
@@ -165,13 +167,22 @@ KEEP_UNTIL_EXIT: list = []
 _KEEP = False
 
 
+#: the element types the typed decoder gave polygon coordinates and keypoint values:
+#: numbers the vectorised parser leaves to msgspec are decoded with them
+_POLY_NUMBER = list[float]
+_KP_NUMBER = list[Union[int, float]]
+_SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
+
+
 def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     """The typed msgspec decode; ``None`` if the file is not strictly well-typed.
 
     Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
     like are skipped by msgspec without building objects, and annotations become
-    slotted structs instead of dicts); numbers go from the decoded lists into NumPy
-    arrays with C-level iteration.
+    slotted structs instead of dicts). Polygons and keypoints stay JSON text
+    (:class:`msgspec.Raw`) and their numbers go straight into arrays
+    (:func:`lit_roidata.roidb.numtext.parse_number_lists`), exactly the values msgspec
+    would give, without a Python object per number.
     """
     try:
         top = _DECODER.decode(raw)
@@ -195,17 +206,26 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     types = list(map(type, segs))
     per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
     poly_n = np.fromiter(map(len, per), np.int64, na)
-    polys = list(chain.from_iterable(per))
-    coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
-    coords = np.fromiter(chain.from_iterable(polys), np.float64, int(coord_n.sum()))
-    seg_kind = np.fromiter((SEG_POLY if t is list else SEG_MISSING if s_ is None else SEG_RLE
-                            for s_, t in zip(segs, types)), np.int8, na)
+    parsed = parse_number_lists(list(chain.from_iterable(per)), slow_type=_POLY_NUMBER)
+    if parsed is None:
+        return None  # a polygon that is not a list of numbers: the generic decoder names it
+    coord_n, coords = parsed
+    seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
     rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
             for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
     kps = list(map(attrgetter("keypoints"), anns))
-    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, na)
-    kp_vals = np.fromiter(chain.from_iterable(k for k in kps if k is not None), np.float64,
-                          int(np.maximum(kp_len, 0).sum()))
+    kp_len = np.full(na, -1, np.int64)
+    kp_vals = np.zeros(0, np.float64)
+    # null (or absent) keypoints: the 4-byte text "null"
+    short = np.flatnonzero(np.fromiter(map(len, kps), np.int64, na) == 4).tolist()
+    has_kp = np.ones(na, bool)
+    has_kp[[i for i in short if kps[i] is _NULL or bytes(kps[i]) == b"null"]] = False
+    if has_kp.any():
+        kp_rows = np.flatnonzero(has_kp)
+        parsed = parse_number_lists([kps[i] for i in kp_rows.tolist()], slow_type=_KP_NUMBER)
+        if parsed is None:
+            return None
+        kp_len[kp_rows], kp_vals = parsed
     return RawCoco(
         source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
         file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),

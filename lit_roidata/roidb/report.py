@@ -100,5 +100,6 @@ def summary_text(report: dict, *, width: int = 120, top_classes: int = 20) -> st
 
 
 def log_report(report: dict) -> None:
-    """Log the summary once (INFO)."""
-    logger.info("\n%s", summary_text(report))
+    """Log the summary once (INFO); not rendered at all when INFO is not logged."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info("\n%s", summary_text(report))
