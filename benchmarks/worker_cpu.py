@@ -1,13 +1,13 @@
 """Worker CPU per image of the e2e Mask R-CNN FPN path, per stage: this package vs the
-previous implementation, kept as test oracles in ``tests/`` (same run, CPU time).
+previous implementation, kept as test oracles in ``tests/oracles/`` (same run, CPU time).
 
 Stages (COCO-like synthetic data: image sizes 480x640 .. 640x427, ~7 boxes per image of
 COCO-like sizes, polygons with 10-40 points; shortest side drawn from 640-800, MAX_SIZE
 1333, 5 FPN levels):
 
 * ``rpn labels``: ``rpn.label_anchors`` (inside rectangles, tight IoU candidates,
-  negatives by rank/select) vs ``tests/oracle_rpn.label_anchors``, both generator kinds;
-* ``roidb blob``: ``serialize_roidb`` (orjson header) vs ``tests/oracle_roidb_blob``;
+  negatives by rank/select) vs ``tests/oracles/rpn.label_anchors``, both generator kinds;
+* ``roidb blob``: ``serialize_roidb`` (orjson header) vs ``tests/oracles/roidb_blob``;
 * ``uint8 blob``: decode + resize each RGB channel into its BGR plane vs decode + BGR
   conversion + 3-channel resize + ``cv2.split`` into the blob (in-memory JPEGs, a fresh
   zeroed blob per batch of 2).
@@ -36,8 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import oracle_roidb_blob  # noqa: E402
-import oracle_rpn  # noqa: E402
+from oracles import roidb_blob as oracle_roidb_blob  # noqa: E402
+from oracles import rpn as oracle_rpn  # noqa: E402
 
 from lit_roidata.config import get_cfg  # noqa: E402
 from lit_roidata.minibatch import rpn  # noqa: E402

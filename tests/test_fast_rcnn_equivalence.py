@@ -1,5 +1,5 @@
 """Fast R-CNN from proposals: the faster sampling / RoI blob / FPN code gives the same
-blobs bit for bit as the previous implementation (``tests/oracle_minibatch.py``).
+blobs bit for bit as the previous implementation (``tests/oracles/minibatch.py``).
 
 Whole minibatches are compared on random labelled entries (no proposals, no gt,
 crowd-only, all-fg, all-bg thresholds, masks, keypoints), on a real columnar roidb
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import oracle_minibatch as oracle
+from oracles import minibatch as oracle
 from lit_roidata.config import get_cfg
 from lit_roidata.minibatch import fast_rcnn, fpn, keypoints, mask
 from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs, fg_rois_per_image

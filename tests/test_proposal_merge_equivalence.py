@@ -1,5 +1,5 @@
 """The proposal table (filtered IoU merge, chunked processing) against the implementation
-it replaced (``tests/proposals_main_oracle.py``), bit for bit, on random proposal sets:
+it replaced (``tests/oracles/proposals.py``), bit for bit, on random proposal sets:
 ties, duplicates, boxes touching a gt edge within a pixel, zero and negative areas, huge
 coordinates, images without gt, crowd gt, several chunk and block sizes."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import proposals_main_oracle as OLD
+from oracles import proposals as OLD
 from lit_roidata.roidb import proposals as P
 from lit_roidata.roidb.proposal_files import ProposalSource
 

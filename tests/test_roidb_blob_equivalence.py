@@ -1,4 +1,4 @@
-"""``serialize_roidb`` (orjson header) against main's (``tests/oracle_roidb_blob.py``):
+"""``serialize_roidb`` (orjson header) against main's (``tests/oracles/roidb_blob.py``):
 the same array section byte for byte and the same decoded content, on entries with the
 awkward values too (NaN/Infinity, integers beyond 64 bits, NumPy scalars and arrays in
 JSON fields, tuples, bytes, non-ASCII text, nested mappings, None)."""
@@ -10,7 +10,7 @@ import math
 import struct
 
 import numpy as np
-import oracle_roidb_blob
+from oracles import roidb_blob as oracle_roidb_blob
 import scipy.sparse
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -3,7 +3,7 @@
 ``decode_fast`` keeps ``segmentation`` and ``keypoints`` as raw JSON text and parses their
 numbers with :func:`lit_roidata.roidb.numtext.parse_number_lists` (SWAR on the bytes,
 msgspec for the rare long or exponent tokens). The reference is the previous decoder
-(``tests/decode_oracle.py``), which built a Python number per value: on hypothesis-drawn
+(``tests/oracles/decode.py``), which built a Python number per value: on hypothesis-drawn
 COCO files with hand-written number texts (ints and floats, exponents, ``-0``, long
 mantissas, whitespace, empty lists, polygons under 6 coordinates, crowd RLEs of both
 kinds, malformed values) both must refuse the same files and give bit-identical columns,
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import coco_oracle
-import decode_oracle
+from oracles import coco as coco_oracle
+from oracles import decode as decode_oracle
 from lit_roidata.roidb import numtext
 from lit_roidata.roidb.coco import table_from_raw
 from lit_roidata.roidb.decode import decode_coco, decode_fast

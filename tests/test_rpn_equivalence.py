@@ -1,5 +1,5 @@
 """The RPN labelling (rectangles, tight IoU candidates, negatives by rank/select) against
-main's implementation before the rewrite (``tests/oracle_rpn.py``), draw for draw.
+main's implementation before the rewrite (``tests/oracles/rpn.py``), draw for draw.
 
 Every output of ``label_anchors`` and of ``add_rpn_blobs`` (wide and compact) must be
 bit-identical (and to Detectron's dense IoU where main's pruning was not exact), and the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-import oracle_rpn
+from oracles import rpn as oracle_rpn
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st

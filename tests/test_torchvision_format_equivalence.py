@@ -1,6 +1,6 @@
 """The torchvision output's fast paths equal the previous implementation bit for bit.
 
-Oracles: ``tests/oracle_minibatch.py`` (the code before the speed work) and
+Oracles: ``tests/oracles/minibatch.py`` (the code before the speed work) and
 ``pycocotools.mask.decode``.
 """
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import oracle_minibatch as oracle
+from oracles import minibatch as oracle
 from lit_roidata.minibatch import torchvision_format as tvf
 from lit_roidata.minibatch.core import build_minibatch  # noqa: F401  (import order as users)
 from lit_roidata.minibatch.mask import decode_rle_into, rle_counts

@@ -12,7 +12,7 @@ import numpy as np
 
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
-from oracle_anchors import (  # noqa: I001  (the oracle's own copy)
+from oracles.anchors import (  # noqa: I001  (the oracle's own copy)
     FieldOfAnchors, anchor_gt_overlaps, concat_fields, inside_mask, level_offsets, rpn_fields,
     scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
