@@ -300,7 +300,7 @@ def test_lease_released_from_another_thread():
     th.start()
     th.join()
     gc.collect()
-    assert pool.flags[0, arena.slot] == 0 and pool.stats()["released"] == 1
+    assert pool.stats()["released"] == 1 and pool.flags[0, arena.slot] == 0
     assert torch.equal(out["copy"]["x"], torch.arange(20.0).reshape(4, 5))
     assert torch.equal(out["copy"]["y"], torch.tensor([7.0, 12.0, 17.0]))
 
@@ -347,4 +347,32 @@ def test_private_tensors_are_copied_into_the_slot_with_their_metadata():
     assert pool.stats()["pool_arrays"] == 3
     del back
     gc.collect()
-    assert pool.flags[0, 0] == 0
+    assert pool.reclaim() == 1 and pool.flags[0, 0] == 0
+
+
+def test_freeing_a_batch_runs_no_python_code():
+    """A lease dies without running Python code (no finaliser, no ``__del__``): a
+    Ctrl-C that arrives while a batch is freed must reach the training loop, and
+    KeyboardInterrupt raised inside a finaliser is swallowed ("Exception ignored")."""
+    import sys
+
+    pool = ShmPool(1, 2, 1 << 16)
+    arena = pool.acquire(0)
+    t = pool._alloc(arena, (4, 5), torch.float32)
+    rebuild, args = shm_pool.pooled_reduce(dict, ({"x": t, "y": t[1:]},), arena)
+    batch = rebuild(*args)
+    view = batch["y"][0]
+    calls: list[str] = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        del batch, view
+    finally:
+        sys.setprofile(None)
+    assert not calls, calls
+    assert pool.flags[0, arena.slot] == 1  # freed lazily, by the next reclaim
+    assert pool.reclaim() == 1 and pool.flags[0, arena.slot] == 0

@@ -29,8 +29,9 @@ Protocol (it never depends on timing or on a count):
 * **main process** (:func:`_load_pooled`): the descriptors become views of the main
   process's own, permanent mapping of the slot, all held through one *lease* object
   per batch (each tensor's storage keeps it alive, and so do views, slices, ``.numpy()``
-  arrays of them). When the last of them is garbage-collected, the lease's finaliser
-  sets the slot's flag back to 0. A batch kept by the user, Lightning or the
+  arrays of them). Once the last of them is garbage-collected (seen through a weak
+  reference when the next batch arrives, :meth:`ShmPool.reclaim`; no finaliser, so a
+  Ctrl-C is never swallowed), the slot's flag goes back to 0. A batch kept by the user, Lightning or the
   pin-memory thread keeps its slot; the worker then uses another slot or new segments.
 * a block whose result carries no slot tensor (an error, a repair request, a full
   slot) gives its slot back in the worker.
@@ -123,6 +124,8 @@ class ShmPool:
         self.counters = counters.numpy()
         self._dirty = [0] * len(storages)  # bytes of each slot written by this process
         self._leases = [0, 0]  # made, released (main process)
+        self._outstanding: list[tuple[weakref.ref, int, int]] = []  # leases not yet freed
+        self._lock = threading.Lock()  # batches may be unpickled in the pin-memory thread
         _POOLS[token] = self
 
     def __reduce__(self) -> tuple:
@@ -193,12 +196,36 @@ class ShmPool:
     def _lease(self, worker: int, slot: int) -> memoryview:
         """A new object that holds slot ``(worker, slot)`` while it lives."""
         mv = memoryview(self._np[worker * self.slots + slot])
-        self._leases[0] += 1
-        weakref.finalize(mv, _release, self.flags, self._leases, worker, slot)
+        with self._lock:
+            self._leases[0] += 1
+            self._outstanding.append((weakref.ref(mv), worker, slot))
         return mv
+
+    def reclaim(self) -> int:
+        """Main process: free the slots of every batch whose tensors are all gone.
+
+        A lease's death runs no Python code (a plain weak reference, no callback or
+        ``__del__``): a Ctrl-C arriving while a batch is freed would be swallowed by a
+        finaliser ("Exception ignored in ...") and training would go on. Slots are
+        instead reclaimed here, each time a batch arrives (:func:`_load_pooled`) and
+        when stats are read; a worker that finds no free slot meanwhile uses new
+        segments. Returns the number of slots freed.
+        """
+        with self._lock:
+            live, freed = [], 0
+            for ref, worker, slot in self._outstanding:
+                if ref() is None:
+                    self.flags[worker, slot] = 0
+                    freed += 1
+                else:
+                    live.append((ref, worker, slot))
+            self._outstanding = live
+            self._leases[1] += freed
+        return freed
 
     def in_use(self) -> int:
         """Slots in use now (being built, in flight, or held by the consumer)."""
+        self.reclaim()
         return int(self.flags.sum())
 
     def stats(self) -> dict[str, int]:
@@ -207,6 +234,7 @@ class ShmPool:
         slot, ``fallback_arrays``/``fallback_bytes`` given a new segment (full slot),
         ``given_back_in_worker``; and, in this process, ``leases`` made and
         ``released``, ``in_use`` slots now, ``slots`` in all."""
+        self.reclaim()
         out = {name: int(v) for name, v in zip(_STATS, self.counters.sum(axis=0))}
         out.update(leases=self._leases[0], released=self._leases[1], in_use=self.in_use(),
                    slots=self.num_workers * self.slots, slot_bytes=self.slot_bytes)
@@ -225,11 +253,6 @@ def _rebuild_pool(token: int, num_workers: int, slots: int, slot_bytes: int, sto
     pool = ShmPool.__new__(ShmPool)
     pool._setup(token, num_workers, slots, slot_bytes, storages, flags, counters)
     return pool
-
-
-def _release(flags: np.ndarray, leases: list, worker: int, slot: int) -> None:
-    leases[1] += 1
-    flags[worker, slot] = 0
 
 
 # ---------------------------------------------------------------------- worker API
@@ -356,6 +379,7 @@ def _load_pooled(token: int, worker: int, slot: int, data: bytes) -> Any:
         raise RuntimeError("lit_roidata: a batch arrived from DataLoader workers whose "
                            "shared-memory pool no longer exists in this process (was the "
                            "loader deleted while its iterator was in use?)")
+    pool.reclaim()
     rebuild, args = _PoolUnpickler(io.BytesIO(data), pool, worker, slot).load()
     return rebuild(*args)
 
