@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,10 +152,16 @@ def index_recorder(namespace: str = "pytorch_lightning") -> str:
 
 
 class _IndexRecorderHooks:
-    """Append the roidb indices of every *trained* batch to ``<path>.rank<r>`` (jsonl)."""
+    """Append the roidb indices of every *trained* batch to ``<path>.rank<r>`` (jsonl).
 
-    def __init__(self, path: str) -> None:
+    ``delay`` (seconds) is slept after each record: a test that interrupts a run after
+    its first records keeps the rest of the run long enough that the interrupt lands
+    in training, not in the teardown of a run that already finished.
+    """
+
+    def __init__(self, path: str, delay: float = 0.0) -> None:
         self.path = path
+        self.delay = float(delay)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -164,6 +171,8 @@ class _IndexRecorderHooks:
         with open(f"{self.path}.rank{trainer.global_rank}", "a") as f:
             f.write(json.dumps(rec) + "\n")
             f.flush()
+        if self.delay:
+            time.sleep(self.delay)
 
 
 class IndexRecorder(_IndexRecorderHooks, pl.Callback):

@@ -17,10 +17,15 @@ from datamodule_support import REPO, cli_env, read_records, run_cli, tiny_config
 REC = "datamodule_support.IndexRecorder"
 
 
-def _config(root: Path, tmp_path: Path, name: str, rec: Path, run: str) -> Path:
+def _config(root: Path, tmp_path: Path, name: str, rec: Path, run: str,
+            delay: float = 0.0) -> Path:
+    # ``delay``: the interrupted run sleeps after each recorded step, so that the rest of
+    # the run (13 steps) outlasts the signal's way to the process: the loader got fast
+    # enough that an undelayed run could finish first, and the Ctrl-C land in teardown.
     return tiny_config(root, tmp_path / f"{name}.yaml", run=run,
                        trainer={"max_steps": 16, "limit_val_batches": 0},
-                       callbacks=[{"class_path": REC, "init_args": {"path": str(rec)}}],
+                       callbacks=[{"class_path": REC,
+                                   "init_args": {"path": str(rec), "delay": delay}}],
                        data={"num_workers": 2})
 
 
@@ -34,7 +39,7 @@ def test_sigint_stops_workers_and_the_rerun_resumes_exactly(root: Path, tmp_path
     assert len(reference) == 16
 
     rec = tmp_path / "run"
-    cfg = _config(root, tmp_path, "run", rec, "run")
+    cfg = _config(root, tmp_path, "run", rec, "run", delay=0.25)
     # A new session, like a shell job: Ctrl-C reaches the whole process group.
     proc = subprocess.Popen([sys.executable, "-m", "lit_roidata.cli", "fit", "--config", str(cfg)],
                             cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
@@ -51,7 +56,7 @@ def test_sigint_stops_workers_and_the_rerun_resumes_exactly(root: Path, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
+    assert proc.returncode != 0, out[-3000:]
     assert "KeyboardInterrupt" in out or "graceful shutdown" in out, out[-2000:]
     gone, alive = psutil.wait_procs(children, timeout=10)
     alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
