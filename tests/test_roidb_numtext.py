@@ -245,7 +245,10 @@ def test_bad_polygon_values_still_name_the_record(tmp_path):
 def test_build_asks_for_no_huge_pages_and_restores_numpy_setting():
     """The builder turns NumPy's huge-page advice off for its arrays and back on after,
     also when the build fails."""
-    mod = pytest.importorskip("numpy._core.multiarray")
+    try:
+        import numpy._core.multiarray as mod
+    except ImportError:  # NumPy 1.x
+        mod = pytest.importorskip("numpy.core.multiarray")
     from lit_roidata.roidb.build import _no_hugepages
 
     before = mod._set_madvise_hugepage(True)

@@ -341,9 +341,12 @@ def _no_hugepages():
     restored around the build only)."""
     try:
         from numpy._core.multiarray import _set_madvise_hugepage
-    except ImportError:  # another NumPy layout: keep its default
-        yield
-        return
+    except ImportError:
+        try:  # NumPy 1.x
+            from numpy.core.multiarray import _set_madvise_hugepage
+        except ImportError:  # another NumPy layout: keep its default
+            yield
+            return
     was = _set_madvise_hugepage(False)
     try:
         yield
