@@ -29,6 +29,13 @@ def _config(root: Path, tmp_path: Path, name: str, rec: Path, run: str,
                        data={"num_workers": 2})
 
 
+def _default_sigint() -> None:
+    # What a terminal gives the command. A test run started as a background job of a
+    # non-interactive shell (`bash .ci/run &`) ignores SIGINT, the child would inherit
+    # that, and Python installs its KeyboardInterrupt handler only over the default.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigint_stops_workers_and_the_rerun_resumes_exactly(root: Path, tmp_path: Path) -> None:
@@ -43,7 +50,8 @@ def test_sigint_stops_workers_and_the_rerun_resumes_exactly(root: Path, tmp_path
     # A new session, like a shell job: Ctrl-C reaches the whole process group.
     proc = subprocess.Popen([sys.executable, "-m", "lit_roidata.cli", "fit", "--config", str(cfg)],
                             cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
     try:
         deadline = time.time() + 240
         while len(read_records(rec)) < 3 and proc.poll() is None and time.time() < deadline:
