@@ -15,24 +15,14 @@ import torch
 from lit_roidata.dataset import RoIBlockDataset, rebuild_block
 from lit_roidata.sampler import Block
 from lit_roidata.minibatch import BadImageError, get_minibatch_blob_names, normalize_on_device
-from test_minibatch_helpers import make_entry, small_cfg, write_image
+from test_minibatch_helpers import image_roidb, make_entry, small_cfg
 
 TESTS = Path(__file__).resolve().parent
 CFG = {"MODEL.MASK_ON": True, "MRCNN.RESOLUTION": 6, "FPN.FPN_ON": True,
        "FPN.MULTILEVEL_ROIS": True, "FPN.COARSEST_STRIDE": 16}
 
 
-def _roidb(root: Path, n: int = 6, seed: int = 0):
-    r = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        w, h = (64, 48) if i % 2 == 0 else (48, 64)
-        p = root / f"im{i}.png"
-        if not p.exists():
-            write_image(p, w, h, seed=i)
-        out.append(make_entry(r, width=w, height=h, image=str(p), image_id=100 + i,
-                              flipped=bool(i % 3 == 2)))
-    return out
+_roidb = image_roidb  # (a subprocess test imports it by this name)
 
 
 def _same(a, b):

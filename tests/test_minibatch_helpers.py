@@ -109,6 +109,21 @@ def write_image(path: Path, width: int, height: int, seed: int = 0) -> np.ndarra
     return im
 
 
+def image_roidb(root: Path, n: int = 6, seed: int = 0) -> list[dict]:
+    """``n`` labelled entries backed by PNGs written under ``root`` (landscape and portrait
+    alternately, every third entry flipped); images already there are reused."""
+    r = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        w, h = (64, 48) if i % 2 == 0 else (48, 64)
+        p = root / f"im{i}.png"
+        if not p.exists():
+            write_image(p, w, h, seed=i)
+        out.append(make_entry(r, width=w, height=h, image=str(p), image_id=100 + i,
+                              flipped=bool(i % 3 == 2)))
+    return out
+
+
 def small_cfg(**overrides: Any):
     cfg = get_cfg()
     base = {"MODEL.NUM_CLASSES": 5, "TRAIN.SCALES": (40, 56), "TRAIN.MAX_SIZE": 90,

@@ -25,7 +25,7 @@ from lit_roidata.minibatch import shm_pool
 from lit_roidata.minibatch.model_type import flags_for_model_type
 from lit_roidata.minibatch.shm_pool import ShmPool
 from lit_roidata.sampler import RoIBatchSampler
-from test_minibatch_helpers import make_entry, small_cfg, write_image
+from test_minibatch_helpers import image_roidb, small_cfg
 
 CFG = {"MODEL.MASK_ON": True, "MRCNN.RESOLUTION": 6, "FPN.FPN_ON": True,
        "FPN.MULTILEVEL_ROIS": True, "FPN.COARSEST_STRIDE": 16}
@@ -33,21 +33,8 @@ RPN_CFG = {**flags_for_model_type("mask_rcnn_fpn"), "MRCNN.RESOLUTION": 6,
            "TRAIN.SCALES": (64,), "TRAIN.MAX_SIZE": 96}
 
 
-def _roidb(root: Path, n: int = 10):
-    r = np.random.default_rng(0)
-    out = []
-    for i in range(n):
-        w, h = (64, 48) if i % 2 == 0 else (48, 64)
-        p = root / f"im{i}.png"
-        if not p.exists():
-            write_image(p, w, h, seed=i)
-        out.append(make_entry(r, width=w, height=h, image=str(p), image_id=100 + i,
-                              flipped=bool(i % 3 == 2)))
-    return out
-
-
 def _loader(root: Path, *, num_workers: int = 2, cfg: dict = CFG, **kw) -> StatefulRoIDataLoader:
-    roidb = _roidb(root)
+    roidb = image_roidb(root, 10)
     ds_kw = {k: kw.pop(k) for k in ("output_format", "target_format", "mask_format")
              if k in kw}
     ds = RoIBlockDataset(roidb, small_cfg(**cfg), **ds_kw)
