@@ -9,17 +9,22 @@ works.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_only
 
 from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata._lightning import (LIGHTNING, PL, bind, foreign_references, isinstance_any,
-                                    namespace_of, source_class)
+                                    namespace_of, source_class, unbound_super_calls)
 
+from conftest import LIGHTNING_NAMESPACES
 from datamodule_support import TINY_MODEL, dm_kwargs, shared_root
 
 L = pytest.importorskip("lightning")
@@ -95,6 +100,87 @@ def test_super_and_save_hyperparameters_run_in_the_bound_class() -> None:
     assert model.hparams.num_classes == TINY_MODEL["num_classes"]
     assert isinstance_any(model, RoIDataModule) is False
     assert isinstance_any(dm, RoIDataModule) and isinstance_any(RoIDataModule(), lit_l.RoIDataModule)
+
+
+@pytest.mark.parametrize("name", sorted(lit_l.CLASSES))
+def test_zero_argument_super_of_every_bound_method_is_rebound(name: str) -> None:
+    """No method of a binding (nor of its bound bases) keeps a super() that starts from
+    the pytorch_lightning class: such a call fails only when it runs."""
+    bound = getattr(lit_l, name)
+    for k in bound.__mro__:
+        if k.__module__ == "lit_roidata.lightning":
+            assert unbound_super_calls(k) == []
+    # The check has teeth: the same class with the methods as written (cells unrewritten)
+    # is reported wherever the source calls super().
+    src = lit_l._source(name)
+    body = {k: v for k, v in vars(src).items() if k not in ("__dict__", "__weakref__")}
+    naive = types.new_class(src.__name__, bound.__bases__, exec_body=lambda ns: ns.update(body))
+    setattr(naive, "__lit_roidata_source__", src)
+    if any("__class__" in f.__code__.co_freevars for f in body.values() if inspect.isfunction(f)):
+        assert unbound_super_calls(naive)
+
+
+def _super_chain(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _SuperThroughWrappers(pl.Callback):
+    """Methods wrapped by ``functools.wraps`` decorators (``@rank_zero_only``) that call
+    super(): the wrapper's closure holds the function whose cell bind must rebind."""
+
+    @rank_zero_only
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rank zero": True}
+
+    @_super_chain
+    @rank_zero_only
+    def twice(self) -> dict[str, Any]:
+        return {**super().state_dict(), "twice": True}
+
+    @property
+    def state_key(self) -> str:
+        return "synthetic " + super().state_key
+
+    @classmethod
+    def start(cls) -> type:
+        return super().__thisclass__  # type: ignore[attr-defined]  # where super() starts
+
+
+@pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)
+def test_super_through_functools_wraps_decorators(namespace: str) -> None:
+    rank_zero_only.rank = getattr(rank_zero_only, "rank", 0)
+    cls = bind(_SuperThroughWrappers, namespace)
+    obj = cls()
+    assert namespace_of(obj) == namespace
+    assert obj.state_dict() == {"rank zero": True} and obj.twice() == {"twice": True}
+    assert obj.state_key == "synthetic _SuperThroughWrappers" and cls.start() is cls
+    assert unbound_super_calls(cls) == []
+    # The wrappers are made again, not shared: the source class keeps its own cells.
+    assert obj.state_dict.__wrapped__.__code__ is _SuperThroughWrappers.state_dict.__wrapped__.__code__
+    assert _SuperThroughWrappers().state_dict() == {"rank zero": True}
+    assert _SuperThroughWrappers.start() is _SuperThroughWrappers
+
+
+def test_bind_refuses_super_it_cannot_rebind() -> None:
+    """What holds a super() call bind cannot rewrite fails at bind time, naming it."""
+
+    class Cached(pl.Callback):
+        @functools.cached_property
+        def cached(self) -> dict[str, Any]:
+            return super().state_dict()
+
+    class Partial(pl.Callback):
+        def _save(self, extra: str) -> dict[str, Any]:
+            return {**super().state_dict(), extra: True}
+
+        save = functools.partialmethod(_save, "extra")
+
+    for cls, attr in ((Cached, "cached"), (Partial, "save")):
+        with pytest.raises(TypeError, match=rf"cannot bind .*{cls.__name__}.{attr} .*super\(\)"):
+            bind(cls, LIGHTNING)
 
 
 def test_subclassing_and_binding_errors() -> None:
