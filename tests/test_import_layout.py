@@ -1,0 +1,59 @@
+"""What importing a part of the package brings in: the exchange library no demo code, the
+callbacks index no callback module, and the index names every callback of the package."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+
+
+def test_the_exchange_library_imports_no_demo_code() -> None:
+    code = ("import sys, lit_roidata.exchange, lit_roidata.exchange.callback, "
+            "lit_roidata.exchange.embedded\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('lit_roidata.demo'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_callbacks_index_names_every_callback_of_the_package_without_warning() -> None:
+    """``lit_roidata.callbacks`` lists every Lightning callback the package defines (a new
+    one must be added there), each the very class of its defining module."""
+    import pkgutil
+
+    import pytorch_lightning as pl
+
+    import lit_roidata
+    import lit_roidata.callbacks as cbs
+
+    found = {}
+    for info in pkgutil.walk_packages(lit_roidata.__path__, "lit_roidata."):
+        if info.name.endswith("__main__") or info.name.startswith("lit_roidata.lightning"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional dependency (its extra is not installed)
+            continue
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and obj.__module__ == info.name
+                    and issubclass(obj, pl.Callback)):
+                found[obj.__name__] = info.name
+    assert found == cbs.CALLBACKS
+    assert set(cbs.__all__) == set(found)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name, module in found.items():
+            assert getattr(cbs, name) is getattr(importlib.import_module(module), name)
+        from lit_roidata.callbacks import BroadcastParameters  # users' YAML class path
+        from lit_roidata.broadcast import BroadcastParameters as defined
+    assert BroadcastParameters is defined
+
+
+def test_importing_the_callbacks_index_imports_no_callback_module() -> None:
+    code = ("import sys, lit_roidata.callbacks\n"
+            "heavy = [m for m in ('lit_roidata.broadcast', 'lit_roidata.evaluation', "
+            "'lit_roidata.models.predict', 'lit_roidata.exchange.callback', "
+            "'pytorch_lightning') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
