@@ -1,5 +1,4 @@
-"""The embedded backend: a directory of files on one machine, no server (Detectron semantics:
-cross-process exchange).
+"""The embedded backend: a directory of files on one machine, no server.
 
 Unrelated processes started separately meet in ``<root>/<run>/<rank>/<channel>/`` (the
 root defaults to ``/dev/shm`` when it exists, so payloads never touch a disk). Atomicity
