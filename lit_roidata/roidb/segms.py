@@ -148,8 +148,8 @@ def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
         raise RoIDBInputError(
             f"{source}: annotation id {int(ann_ids[bad])} (image id {int(image_ids[bad])}) has "
             f"a polygon with non-numeric coordinates ({exc}); fix or remove it.") from None
-    cols = SegmColumns(kind=kind, poly_off=_offsets(poly_counts),
-                       coord_off=_offsets(coord_counts), coords=coords, rle_idx=rle_idx,
+    cols = SegmColumns(kind=kind, poly_off=offsets(poly_counts),
+                       coord_off=offsets(coord_counts), coords=coords, rle_idx=rle_idx,
                        **rle_columns(rle_rows, rles, kind, rle_idx))
     empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing
     return cols, {"polygon_lt_6_coords": dropped, "empty_segmentation": empty,
@@ -175,9 +175,9 @@ def rle_columns(rows: Sequence[int], rles: Sequence[tuple[int, int, Any]], kind:
             strs.append(counts)
     return dict(
         rle_size=np.asarray([(h, w) for h, w, _ in rles], np.int64).reshape(-1, 2),
-        rle_int_off=_offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
+        rle_int_off=offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
         rle_ints=np.fromiter(chain.from_iterable(ints), np.int64, sum(map(len, ints))),
-        rle_str_off=_offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
+        rle_str_off=offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
         rle_bytes=np.frombuffer(b"".join(strs), np.uint8).copy())
 
 
@@ -192,7 +192,9 @@ def _first_bad_polygon_row(segms: Sequence[Any]) -> int:
     return 0
 
 
-def _offsets(counts: np.ndarray) -> np.ndarray:
+def offsets(counts: np.ndarray) -> np.ndarray:
+    """int64 ``(n+1,)`` start offsets of ``n`` consecutive runs of ``counts`` items (the
+    last one is the total)."""
     out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
@@ -312,8 +314,7 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
     """
     n = len(strs)
     lens = np.fromiter(map(len, strs), np.int64, n)
-    soff = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=soff[1:])
+    soff = offsets(lens)
     v = np.frombuffer(b"".join(strs), np.uint8).astype(np.int64) - 48
     owner = np.repeat(np.arange(n), lens)
     bad = np.zeros(n, bool)
@@ -326,8 +327,7 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
         c_ok, off_ok, bad_ok = rle_string_counts(ok)
         per = np.zeros(n, np.int64)
         per[~bad] = np.diff(off_ok)
-        off = np.zeros(n + 1, np.int64)
-        np.cumsum(per, out=off[1:])
+        off = offsets(per)
         bad[np.flatnonzero(~bad)[bad_ok]] = True
         return c_ok, off, bad
     if v.size == 0:
@@ -346,8 +346,7 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
     neg = (v[tok_end] & 0x10) != 0 if tok_end.size else np.zeros(0, bool)
     x = np.where(neg, x - (np.int64(1) << (5 * klen)), x)
     ntok = np.bincount(tok_str, minlength=n).astype(np.int64)
-    off = np.zeros(n + 1, np.int64)
-    np.cumsum(ntok, out=off[1:])
+    off = offsets(ntok)
     m = np.arange(x.size, dtype=np.int64) - off[:-1][tok_str]
     chain_ = np.where(m == 0, 0, np.where(m % 2 == 1, 1, 2))
     key = tok_str * 3 + chain_
