@@ -38,8 +38,7 @@ import types
 from typing import Any, Iterator, Optional, TypeVar
 
 __all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
-           "import_namespace", "available", "isinstance_any", "source_class", "foreign_references",
-           "unbound_super_calls"]
+           "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls"]
 
 #: The two namespaces, by the module name of their ``Trainer``'s package.
 PL = "pytorch_lightning"
@@ -277,56 +276,3 @@ def bind(cls: T, namespace: str) -> T:
                             "decorators; write the method as one of those")
         _cache[key] = new
         return new  # type: ignore[return-value]
-
-
-def foreign_references(cls: type, namespace: Optional[str] = None) -> list[str]:
-    """Names of another Lightning namespace that the code of ``cls`` (its own methods and
-    the lit_roidata functions they call, transitively) uses directly; empty when the class
-    works in ``namespace`` (default: its own). Used by the tests: shared code must look
-    Lightning classes up through :func:`lightning_attr`, never import them."""
-    namespace = namespace or namespace_of(cls)
-    found: list[str] = []
-    seen: set[int] = set()
-
-    def foreign(name: str) -> bool:
-        ns = _ns_of_module(name)
-        return ns is not None and ns != namespace
-
-    def walk_code(code: types.CodeType, glb: dict[str, Any], where: str) -> None:
-        for name in code.co_names:
-            if foreign(name):
-                found.append(f"{where}: imports {name}")
-            value = glb.get(name)
-            if value is None:
-                continue
-            if isinstance(value, types.ModuleType) and foreign(value.__name__):
-                found.append(f"{where}: uses module {value.__name__} as {name!r}")
-            elif isinstance(value, type) and foreign(value.__module__):
-                found.append(f"{where}: uses {value.__module__}.{value.__qualname__}")
-            elif (isinstance(value, types.FunctionType)
-                  and value.__module__.split(".")[0] == "lit_roidata"):
-                walk_function(value)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                walk_code(const, glb, where)
-
-    def walk_function(f: types.FunctionType) -> None:
-        if id(f) in seen:
-            return
-        seen.add(id(f))
-        walk_code(f.__code__, f.__globals__, f"{f.__module__}.{f.__qualname__}")
-
-    for k in cls.__mro__:
-        if source_class(k).__module__.split(".")[0] != "lit_roidata":
-            continue
-        for value in vars(k).values():
-            funcs = [value]
-            if isinstance(value, (staticmethod, classmethod)):
-                funcs = [value.__func__]
-            elif isinstance(value, property):
-                funcs = [value.fget, value.fset, value.fdel]
-            for f in funcs:
-                if isinstance(f, types.FunctionType):
-                    walk_function(f)
-    return found
-

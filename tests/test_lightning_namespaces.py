@@ -21,8 +21,9 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_only
 
 from lit_roidata import DemoRoIDataModule, RoIDataModule
-from lit_roidata._lightning import (LIGHTNING, PL, bind, foreign_references, isinstance_any,
-                                    namespace_of, source_class, unbound_super_calls)
+from lit_roidata._lightning import (LIGHTNING, PL, _functions, _ns_of_module, bind,
+                                    isinstance_any, namespace_of, source_class,
+                                    unbound_super_calls)
 
 from conftest import LIGHTNING_NAMESPACES
 from datamodule_support import TINY_MODEL, dm_kwargs, shared_root
@@ -34,6 +35,47 @@ import lit_roidata.lightning as lit_l  # noqa: E402  (needs `lightning`)
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: Any) -> Path:
     return shared_root(tmp_path_factory)
+
+
+def foreign_references(cls: type) -> list[str]:
+    """Names of the other Lightning namespace that the code of ``cls`` (its own methods,
+    what decorators wrap, and the lit_roidata functions they call, transitively) uses
+    directly. Shared code must look Lightning classes up through ``lightning_attr``,
+    never import them."""
+    namespace = namespace_of(cls)
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def foreign(name: str) -> bool:
+        ns = _ns_of_module(name)
+        return ns is not None and ns != namespace
+
+    def walk_code(code: types.CodeType, glb: dict[str, Any], where: str) -> None:
+        for name in code.co_names:
+            if foreign(name):
+                found.append(f"{where}: imports {name}")
+            value = glb.get(name)
+            if isinstance(value, types.ModuleType) and foreign(value.__name__):
+                found.append(f"{where}: uses module {value.__name__} as {name!r}")
+            elif isinstance(value, type) and foreign(value.__module__):
+                found.append(f"{where}: uses {value.__module__}.{value.__qualname__}")
+            elif isinstance(value, types.FunctionType):
+                walk_function(value)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                walk_code(const, glb, where)
+
+    def walk_function(f: types.FunctionType) -> None:
+        if id(f) not in seen and f.__module__.split(".")[0] == "lit_roidata":
+            seen.add(id(f))
+            walk_code(f.__code__, f.__globals__, f"{f.__module__}.{f.__qualname__}")
+
+    for k in cls.__mro__:
+        if source_class(k).__module__.split(".")[0] == "lit_roidata":
+            for value in vars(k).values():
+                for f in _functions(value):
+                    walk_function(f)
+    return found
 
 
 def test_every_lightning_class_of_the_package_has_a_binding() -> None:
