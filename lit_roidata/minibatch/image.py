@@ -158,8 +158,8 @@ def draw_scales(entries: Sequence[Any], cfg: Any,
 def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                    pixel_format: str = "detectron", loader: ImageLoader | None = None,
                    augment: Any = None) -> tuple[list[np.ndarray], list[float], list[Any]]:
-    """Decode, (augment,) and scale each image; the draws of Detectron semantics: image blob step 1
-    first.
+    """Decode, (augment,) and scale each image, the scale draws first (Detectron semantics:
+    image blob, step 1).
 
     Returns:
         ``(images, im_scales, entries)``: resized HWC BGR images, their scales, and the
