@@ -15,13 +15,13 @@ and looks the class up there (:func:`lightning_attr`).
 Zero-argument ``super()``. A method's ``super()`` starts from the class held in its
 ``__class__`` cell, the class as written; in the binding that class is not a base, so
 :func:`bind` gives each method a new function with the same code and that cell holding the
-bound class. This reaches every place Python keeps such a function: plain methods,
-``staticmethod``/``classmethod``/``property``, and the functions a ``functools.wraps``
-decorator (e.g. ``@rank_zero_only``) holds in its closure (and its ``__wrapped__``). Anything
-else that holds one (``functools.cached_property``, ``partialmethod``, ``lru_cache``, a
-callable object) cannot be rebound: :func:`bind` raises ``TypeError`` naming it, at bind
-time, instead of leaving a ``super()`` that fails when called
-(:func:`unbound_super_calls` is that check; the tests run it on every bound class).
+bound class. It reaches plain methods, ``staticmethod``/``classmethod``/``property``, and
+the functions a decorator's wrapper function holds in its closure or ``__dict__`` (a
+``functools.wraps`` decorator such as ``@rank_zero_only``: the wrapped function and
+``__wrapped__``). Anything else that holds one (``functools.cached_property``,
+``partialmethod``, ``lru_cache``, a callable object) cannot be rebound: :func:`bind` raises
+``TypeError`` naming it, at bind time, instead of leaving a ``super()`` that fails when
+called (:func:`unbound_super_calls` is that check; the tests run it on every bound class).
 The alternative, writing each class as a namespace-free mixin plus one thin class per
 namespace, needs no rewriting but doubles every class, its documentation and what users
 subclass; the classes stay plain Lightning subclasses instead, and the rewriting is

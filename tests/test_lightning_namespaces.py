@@ -220,7 +220,12 @@ def test_bind_refuses_super_it_cannot_rebind() -> None:
 
         save = functools.partialmethod(_save, "extra")
 
-    for cls, attr in ((Cached, "cached"), (Partial, "save")):
+    class Memo(pl.Callback):
+        @functools.lru_cache(maxsize=None)
+        def memo(self) -> dict[str, Any]:
+            return super().state_dict()
+
+    for cls, attr in ((Cached, "cached"), (Partial, "save"), (Memo, "memo")):
         with pytest.raises(TypeError, match=rf"cannot bind .*{cls.__name__}.{attr} .*super\(\)"):
             bind(cls, LIGHTNING)
 
