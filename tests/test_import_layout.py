@@ -8,6 +8,8 @@ import subprocess
 import sys
 import warnings
 
+from package_support import package_classes
+
 
 def test_the_exchange_library_imports_no_demo_code() -> None:
     code = ("import sys, lit_roidata.exchange, lit_roidata.exchange.callback, "
@@ -20,25 +22,11 @@ def test_the_exchange_library_imports_no_demo_code() -> None:
 def test_callbacks_index_names_every_callback_of_the_package_without_warning() -> None:
     """``lit_roidata.callbacks`` lists every Lightning callback the package defines (a new
     one must be added there), each the very class of its defining module."""
-    import pkgutil
-
     import pytorch_lightning as pl
 
-    import lit_roidata
     import lit_roidata.callbacks as cbs
 
-    found = {}
-    for info in pkgutil.walk_packages(lit_roidata.__path__, "lit_roidata."):
-        if info.name.endswith("__main__") or info.name.startswith("lit_roidata.lightning"):
-            continue
-        try:
-            module = importlib.import_module(info.name)
-        except ImportError:  # an optional dependency (its extra is not installed)
-            continue
-        for obj in vars(module).values():
-            if (isinstance(obj, type) and obj.__module__ == info.name
-                    and issubclass(obj, pl.Callback)):
-                found[obj.__name__] = info.name
+    found = package_classes(lambda cls: issubclass(cls, pl.Callback))
     assert found == cbs.CALLBACKS
     assert set(cbs.__all__) == set(found)
     with warnings.catch_warnings():

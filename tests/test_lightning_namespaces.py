@@ -27,6 +27,7 @@ from lit_roidata._lightning import (LIGHTNING, PL, _functions, _ns_of_module, bi
 
 from conftest import LIGHTNING_NAMESPACES
 from datamodule_support import TINY_MODEL, dm_kwargs, shared_root
+from package_support import package_classes
 
 L = pytest.importorskip("lightning")
 import lit_roidata.lightning as lit_l  # noqa: E402  (needs `lightning`)
@@ -81,23 +82,8 @@ def foreign_references(cls: type) -> list[str]:
 def test_every_lightning_class_of_the_package_has_a_binding() -> None:
     """A new Lightning-derived class in lit_roidata must be listed in
     lit_roidata.lightning.CLASSES (else ``import lightning as L`` users cannot name it)."""
-    import importlib
-    import pkgutil
-
-    import lit_roidata
-
-    found = {}
-    for info in pkgutil.walk_packages(lit_roidata.__path__, "lit_roidata."):
-        if info.name.endswith("__main__") or info.name.startswith("lit_roidata.lightning"):
-            continue
-        try:
-            module = importlib.import_module(info.name)
-        except ImportError:  # an optional dependency (its extra is not installed)
-            continue
-        for obj in vars(module).values():
-            if (isinstance(obj, type) and obj.__module__ == info.name
-                    and namespace_of(obj) == PL):
-                found[obj.__name__] = f"{info.name}:{obj.__name__}"
+    found = {name: f"{module}:{name}"
+             for name, module in package_classes(lambda cls: namespace_of(cls) == PL).items()}
     assert found and found == {k: lit_l.CLASSES[k] for k in found}, (
         "add these to lit_roidata.lightning.CLASSES: "
         f"{ {k: v for k, v in found.items() if lit_l.CLASSES.get(k) != v} }")
