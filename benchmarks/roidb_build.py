@@ -9,7 +9,7 @@ boxes per image, then measures, each phase in a fresh subprocess:
 * ours, worker: private memory a forked DataLoader worker adds while reading every entry;
 * ours, warm + verify: the warm open with ``verify=True`` (every cache array re-read and
   checksummed, what the first open after a reboot costs);
-* baseline: :mod:`lit_roidata.testing.reference` (pycocotools ``COCO`` + Detectron's per-entry
+* baseline: ``tests/oracles/reference.py`` (pycocotools ``COCO`` + Detectron's per-entry
   code, a list of dicts) - build time, peak memory and the same worker measurement;
 * Detectron2: ``detectron2.data.datasets.coco.load_coco_json`` on the same file, from a
   detectron2 source checkout given with ``--d2-src`` (imported from there, never copied;
@@ -257,7 +257,8 @@ def phase_d2(args) -> dict:
 
 def phase_baseline(args) -> dict:
     from lit_roidata.config import get_cfg
-    from lit_roidata.testing.reference import ReferenceDataset, reference_combined_roidb
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from oracles.reference import ReferenceDataset, reference_combined_roidb
 
     t0 = time.perf_counter()
     ds = ReferenceDataset("bench", os.path.dirname(args.ann), args.ann)

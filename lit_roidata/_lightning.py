@@ -7,22 +7,38 @@ classes do not mix: a ``lightning.pytorch.Trainer`` refuses a
 ``pytorch_lightning.LightningDataModule``. lit_roidata's classes are written once, against
 ``pytorch_lightning`` (the :mod:`lit_roidata` names), and :func:`bind` makes the same class
 for ``lightning.pytorch`` (the :mod:`lit_roidata.lightning` names): a new class whose
-Lightning bases are the other namespace's, whose methods are the very same code (only
-their zero-argument ``super()`` cell points at the new class), in the same order as
-written. Code shared by both bindings never names a Lightning namespace directly: it
-asks :func:`namespace_of` the object it works on (the trainer, the callback) and looks
-the class up there (:func:`lightning_attr`).
+Lightning bases are the other namespace's, whose methods are the very same code, in the
+same order as written. Code shared by both bindings never names a Lightning namespace
+directly: it asks :func:`namespace_of` the object it works on (the trainer, the callback)
+and looks the class up there (:func:`lightning_attr`).
+
+Zero-argument ``super()``. A method's ``super()`` starts from the class held in its
+``__class__`` cell, the class as written; in the binding that class is not a base, so
+:func:`bind` gives each method a new function with the same code and that cell holding the
+bound class. It reaches plain methods, ``staticmethod``/``classmethod``/``property``, and
+the functions a decorator's wrapper function holds in its closure or ``__dict__`` (a
+``functools.wraps`` decorator such as ``@rank_zero_only``: the wrapped function and
+``__wrapped__``). Anything else that holds one (``functools.cached_property``,
+``partialmethod``, ``lru_cache``, a callable object) cannot be rebound: :func:`bind` raises
+``TypeError`` naming it, at bind time, instead of leaving a ``super()`` that fails when
+called (:func:`unbound_super_calls` is that check; the tests run it on every bound class).
+The alternative, writing each class as a namespace-free mixin plus one thin class per
+namespace, needs no rewriting but doubles every class, its documentation and what users
+subclass; the classes stay plain Lightning subclasses instead, and the rewriting is
+complete or loud.
 """
 
 from __future__ import annotations
 
+import builtins
+import gc
 import importlib
 import threading
 import types
-from typing import Any, Optional, TypeVar
+from typing import Any, Iterator, Optional, TypeVar
 
 __all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
-           "import_namespace", "available", "isinstance_any", "source_class", "foreign_references"]
+           "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls"]
 
 #: The two namespaces, by the module name of their ``Trainer``'s package.
 PL = "pytorch_lightning"
@@ -123,30 +139,85 @@ def _translate(base: type, namespace: str) -> type:
     raise AssertionError(base)  # pragma: no cover - _ns_of_module matched a prefix
 
 
-def _rebind_function(f: types.FunctionType, old: type, new: type) -> types.FunctionType:
-    code = f.__code__
-    if "__class__" not in code.co_freevars:
-        return f
-    closure = tuple(
-        types.CellType(new) if name == "__class__" and cell.cell_contents is old else cell
-        for name, cell in zip(code.co_freevars, f.__closure__ or ()))
-    g = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, closure)
-    g.__kwdefaults__ = None if f.__kwdefaults__ is None else dict(f.__kwdefaults__)
-    g.__dict__.update(f.__dict__)
-    for attr in ("__qualname__", "__doc__", "__module__", "__annotations__"):
-        setattr(g, attr, getattr(f, attr))
-    return g
-
-
-def _rebind_value(value: Any, old: type, new: type) -> Any:
+def _rebind(value: Any, old: type, new: type, memo: dict[int, Any]) -> Any:
+    """``value`` (a class attribute) with every function whose ``__class__`` cell holds
+    ``old`` (zero-argument ``super()``) made again with that cell holding ``new``; the
+    same object when nothing in it changes. Reaches functions, the functions their
+    closures and ``__dict__`` hold (``functools.wraps`` decorators: the wrapped function and
+    ``__wrapped__``), staticmethod, classmethod and property."""
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = value  # a closure that reaches itself stays as it is
+    out = value
     if isinstance(value, types.FunctionType):
-        return _rebind_function(value, old, new)
-    if isinstance(value, (staticmethod, classmethod)):
-        return type(value)(_rebind_value(value.__func__, old, new))
-    if isinstance(value, property):
-        return type(value)(*(None if f is None else _rebind_value(f, old, new)
-                             for f in (value.fget, value.fset, value.fdel)), value.__doc__)
-    return value
+        cells = []
+        for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                cells.append(cell)
+                continue
+            content_new = (new if name == "__class__" and content is old
+                           else _rebind(content, old, new, memo))
+            cells.append(cell if content_new is content else types.CellType(content_new))
+        extra = {k: _rebind(v, old, new, memo) for k, v in value.__dict__.items()}
+        if any(a is not b for a, b in zip(cells, value.__closure__ or ())) or any(
+                extra[k] is not v for k, v in value.__dict__.items()):
+            out = types.FunctionType(value.__code__, value.__globals__, value.__name__,
+                                     value.__defaults__, tuple(cells))
+            out.__kwdefaults__ = None if value.__kwdefaults__ is None else dict(value.__kwdefaults__)
+            out.__dict__.update(extra)
+            for attr in ("__qualname__", "__doc__", "__module__", "__annotations__"):
+                setattr(out, attr, getattr(value, attr))
+    elif isinstance(value, (staticmethod, classmethod)):
+        func = _rebind(value.__func__, old, new, memo)
+        if func is not value.__func__:
+            out = type(value)(func)
+    elif isinstance(value, property):
+        funcs = [None if f is None else _rebind(f, old, new, memo)
+                 for f in (value.fget, value.fset, value.fdel)]
+        if any(a is not b for a, b in zip(funcs, (value.fget, value.fset, value.fdel))):
+            out = type(value)(*funcs, value.__doc__)
+    memo[id(value)] = out
+    return out
+
+
+def _functions(value: Any) -> Iterator[types.FunctionType]:
+    """Every function reachable from ``value`` through any object (closures, descriptors,
+    wrappers, their attributes), but not through a module, a class or a module's
+    globals."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        obj = stack.pop()
+        if (id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.CodeType))
+                or obj is vars(builtins)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, types.FunctionType):
+            yield obj
+            stack.extend([obj.__closure__, obj.__defaults__, obj.__kwdefaults__, obj.__dict__])
+        elif not (isinstance(obj, dict) and "__builtins__" in obj):  # not a module's globals
+            stack.extend(gc.get_referents(obj))
+
+
+def unbound_super_calls(cls: type) -> list[str]:
+    """The functions in ``cls``'s own attributes whose zero-argument ``super()`` starts
+    from a class that ``cls`` does not derive from, although :func:`source_class` does
+    (a binding whose ``super()`` fails when called); empty when there are none."""
+    src = source_class(cls)
+    found = []
+    for name, value in vars(cls).items():
+        for f in _functions(value):
+            cells = dict(zip(f.__code__.co_freevars, f.__closure__ or ()))
+            try:
+                owner = cells["__class__"].cell_contents
+            except (KeyError, ValueError):
+                continue
+            if isinstance(owner, type) and issubclass(src, owner) and not issubclass(cls, owner):
+                found.append(f"{cls.__qualname__}.{name} ({type(value).__name__}): super() in "
+                             f"{f.__qualname__} starts from {owner.__module__}.{owner.__qualname__}")
+    return found
 
 
 def _bind_base(base: type, namespace: str) -> type:
@@ -189,65 +260,19 @@ def bind(cls: T, namespace: str) -> T:
         for name in ([slots] if isinstance(slots, str) else slots):
             body.pop(name, None)  # member descriptors are made again from __slots__
         new = types.new_class(src.__name__, bases, exec_body=lambda ns: ns.update(body))
+        memo: dict[int, Any] = {}
         for k, v in list(new.__dict__.items()):
-            rebound = _rebind_value(v, src, new)
+            rebound = _rebind(v, src, new, memo)
             if rebound is not v:
                 setattr(new, k, rebound)
         new.__module__ = _BOUND_MODULE[namespace]
         new.__qualname__ = src.__qualname__
         setattr(new, _SOURCE_ATTR, src)
+        unbound = unbound_super_calls(new)
+        if unbound:
+            raise TypeError(f"cannot bind {src.__module__}.{src.__qualname__} to {namespace}: "
+                            + "; ".join(unbound) + ". bind rebinds plain functions, "
+                            "staticmethod, classmethod, property and functools.wraps "
+                            "decorators; write the method as one of those")
         _cache[key] = new
         return new  # type: ignore[return-value]
-
-
-def foreign_references(cls: type, namespace: Optional[str] = None) -> list[str]:
-    """Names of another Lightning namespace that the code of ``cls`` (its own methods and
-    the lit_roidata functions they call, transitively) uses directly; empty when the class
-    works in ``namespace`` (default: its own). Used by the tests: shared code must look
-    Lightning classes up through :func:`lightning_attr`, never import them."""
-    namespace = namespace or namespace_of(cls)
-    found: list[str] = []
-    seen: set[int] = set()
-
-    def foreign(name: str) -> bool:
-        ns = _ns_of_module(name)
-        return ns is not None and ns != namespace
-
-    def walk_code(code: types.CodeType, glb: dict[str, Any], where: str) -> None:
-        for name in code.co_names:
-            if foreign(name):
-                found.append(f"{where}: imports {name}")
-            value = glb.get(name)
-            if value is None:
-                continue
-            if isinstance(value, types.ModuleType) and foreign(value.__name__):
-                found.append(f"{where}: uses module {value.__name__} as {name!r}")
-            elif isinstance(value, type) and foreign(value.__module__):
-                found.append(f"{where}: uses {value.__module__}.{value.__qualname__}")
-            elif (isinstance(value, types.FunctionType)
-                  and value.__module__.split(".")[0] == "lit_roidata"):
-                walk_function(value)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                walk_code(const, glb, where)
-
-    def walk_function(f: types.FunctionType) -> None:
-        if id(f) in seen:
-            return
-        seen.add(id(f))
-        walk_code(f.__code__, f.__globals__, f"{f.__module__}.{f.__qualname__}")
-
-    for k in cls.__mro__:
-        if source_class(k).__module__.split(".")[0] != "lit_roidata":
-            continue
-        for value in vars(k).values():
-            funcs = [value]
-            if isinstance(value, (staticmethod, classmethod)):
-                funcs = [value.__func__]
-            elif isinstance(value, property):
-                funcs = [value.fget, value.fset, value.fdel]
-            for f in funcs:
-                if isinstance(f, types.FunctionType):
-                    walk_function(f)
-    return found
-

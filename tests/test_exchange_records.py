@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -71,21 +70,6 @@ def test_a_torn_slot_leaves_the_previous_value_in_force(tmp_path):
         f.write(b"\x00" * 20)
     with pytest.raises(Exception, match="damaged"):
         EmbeddedStore(tmp_path).get(KEY)
-    store.close()
-    reader.close()
-
-
-def test_earlier_format_positions_are_read_and_converted(tmp_path):
-    """A run directory left by the previous release (head = expiry + value, replaced on
-    every write) resumes: the value is read, and the next fenced write converts it."""
-    path = tmp_path / KEY
-    path.parent.mkdir(parents=True)
-    path.write_bytes(struct.pack("<d", 0.0) + b"7 3")
-    store, reader = EmbeddedStore(tmp_path), EmbeddedStore(tmp_path)
-    assert reader.get(KEY) == b"7 3"  # the reader keeps the old file open
-    assert store.fence(KEY, b"8 4", 4) == (True, b"7 3")
-    assert path.stat().st_size == _RECORD_SIZE
-    assert reader.get(KEY) == b"8 4"  # ... and notices that it was replaced
     store.close()
     reader.close()
 

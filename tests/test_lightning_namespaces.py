@@ -9,18 +9,25 @@ works.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_only
 
 from lit_roidata import DemoRoIDataModule, RoIDataModule
-from lit_roidata._lightning import (LIGHTNING, PL, bind, foreign_references, isinstance_any,
-                                    namespace_of, source_class)
+from lit_roidata._lightning import (LIGHTNING, PL, _functions, _ns_of_module, bind,
+                                    isinstance_any, namespace_of, source_class,
+                                    unbound_super_calls)
 
+from conftest import LIGHTNING_NAMESPACES
 from datamodule_support import TINY_MODEL, dm_kwargs, shared_root
+from package_support import package_classes
 
 L = pytest.importorskip("lightning")
 import lit_roidata.lightning as lit_l  # noqa: E402  (needs `lightning`)
@@ -31,26 +38,52 @@ def root(tmp_path_factory: Any) -> Path:
     return shared_root(tmp_path_factory)
 
 
+def foreign_references(cls: type) -> list[str]:
+    """Names of the other Lightning namespace that the code of ``cls`` (its own methods,
+    what decorators wrap, and the lit_roidata functions they call, transitively) uses
+    directly. Shared code must look Lightning classes up through ``lightning_attr``,
+    never import them."""
+    namespace = namespace_of(cls)
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def foreign(name: str) -> bool:
+        ns = _ns_of_module(name)
+        return ns is not None and ns != namespace
+
+    def walk_code(code: types.CodeType, glb: dict[str, Any], where: str) -> None:
+        for name in code.co_names:
+            if foreign(name):
+                found.append(f"{where}: imports {name}")
+            value = glb.get(name)
+            if isinstance(value, types.ModuleType) and foreign(value.__name__):
+                found.append(f"{where}: uses module {value.__name__} as {name!r}")
+            elif isinstance(value, type) and foreign(value.__module__):
+                found.append(f"{where}: uses {value.__module__}.{value.__qualname__}")
+            elif isinstance(value, types.FunctionType):
+                walk_function(value)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                walk_code(const, glb, where)
+
+    def walk_function(f: types.FunctionType) -> None:
+        if id(f) not in seen and f.__module__.split(".")[0] == "lit_roidata":
+            seen.add(id(f))
+            walk_code(f.__code__, f.__globals__, f"{f.__module__}.{f.__qualname__}")
+
+    for k in cls.__mro__:
+        if source_class(k).__module__.split(".")[0] == "lit_roidata":
+            for value in vars(k).values():
+                for f in _functions(value):
+                    walk_function(f)
+    return found
+
+
 def test_every_lightning_class_of_the_package_has_a_binding() -> None:
     """A new Lightning-derived class in lit_roidata must be listed in
     lit_roidata.lightning.CLASSES (else ``import lightning as L`` users cannot name it)."""
-    import importlib
-    import pkgutil
-
-    import lit_roidata
-
-    found = {}
-    for info in pkgutil.walk_packages(lit_roidata.__path__, "lit_roidata."):
-        if info.name.endswith("__main__") or info.name.startswith("lit_roidata.lightning"):
-            continue
-        try:
-            module = importlib.import_module(info.name)
-        except ImportError:  # an optional dependency (its extra is not installed)
-            continue
-        for obj in vars(module).values():
-            if (isinstance(obj, type) and obj.__module__ == info.name
-                    and namespace_of(obj) == PL):
-                found[obj.__name__] = f"{info.name}:{obj.__name__}"
+    found = {name: f"{module}:{name}"
+             for name, module in package_classes(lambda cls: namespace_of(cls) == PL).items()}
     assert found and found == {k: lit_l.CLASSES[k] for k in found}, (
         "add these to lit_roidata.lightning.CLASSES: "
         f"{ {k: v for k, v in found.items() if lit_l.CLASSES.get(k) != v} }")
@@ -95,6 +128,92 @@ def test_super_and_save_hyperparameters_run_in_the_bound_class() -> None:
     assert model.hparams.num_classes == TINY_MODEL["num_classes"]
     assert isinstance_any(model, RoIDataModule) is False
     assert isinstance_any(dm, RoIDataModule) and isinstance_any(RoIDataModule(), lit_l.RoIDataModule)
+
+
+@pytest.mark.parametrize("name", sorted(lit_l.CLASSES))
+def test_zero_argument_super_of_every_bound_method_is_rebound(name: str) -> None:
+    """No method of a binding (nor of its bound bases) keeps a super() that starts from
+    the pytorch_lightning class: such a call fails only when it runs."""
+    bound = getattr(lit_l, name)
+    for k in bound.__mro__:
+        if k.__module__ == "lit_roidata.lightning":
+            assert unbound_super_calls(k) == []
+    # The check has teeth: the same class with the methods as written (cells unrewritten)
+    # is reported wherever the source calls super().
+    src = lit_l._source(name)
+    body = {k: v for k, v in vars(src).items() if k not in ("__dict__", "__weakref__")}
+    naive = types.new_class(src.__name__, bound.__bases__, exec_body=lambda ns: ns.update(body))
+    setattr(naive, "__lit_roidata_source__", src)
+    if any("__class__" in f.__code__.co_freevars for f in body.values() if inspect.isfunction(f)):
+        assert unbound_super_calls(naive)
+
+
+def _super_chain(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _SuperThroughWrappers(pl.Callback):
+    """Methods wrapped by ``functools.wraps`` decorators (``@rank_zero_only``) that call
+    super(): the wrapper's closure holds the function whose cell bind must rebind."""
+
+    @rank_zero_only
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rank zero": True}
+
+    @_super_chain
+    @rank_zero_only
+    def twice(self) -> dict[str, Any]:
+        return {**super().state_dict(), "twice": True}
+
+    @property
+    def state_key(self) -> str:
+        return "synthetic " + super().state_key
+
+    @classmethod
+    def start(cls) -> type:
+        return super().__thisclass__  # type: ignore[attr-defined]  # where super() starts
+
+
+@pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)
+def test_super_through_functools_wraps_decorators(namespace: str) -> None:
+    rank_zero_only.rank = getattr(rank_zero_only, "rank", 0)
+    cls = bind(_SuperThroughWrappers, namespace)
+    obj = cls()
+    assert namespace_of(obj) == namespace
+    assert obj.state_dict() == {"rank zero": True} and obj.twice() == {"twice": True}
+    assert obj.state_key == "synthetic _SuperThroughWrappers" and cls.start() is cls
+    assert unbound_super_calls(cls) == []
+    # The wrappers are made again, not shared: the source class keeps its own cells.
+    assert obj.state_dict.__wrapped__.__code__ is _SuperThroughWrappers.state_dict.__wrapped__.__code__
+    assert _SuperThroughWrappers().state_dict() == {"rank zero": True}
+    assert _SuperThroughWrappers.start() is _SuperThroughWrappers
+
+
+def test_bind_refuses_super_it_cannot_rebind() -> None:
+    """What holds a super() call bind cannot rewrite fails at bind time, naming it."""
+
+    class Cached(pl.Callback):
+        @functools.cached_property
+        def cached(self) -> dict[str, Any]:
+            return super().state_dict()
+
+    class Partial(pl.Callback):
+        def _save(self, extra: str) -> dict[str, Any]:
+            return {**super().state_dict(), extra: True}
+
+        save = functools.partialmethod(_save, "extra")
+
+    class Memo(pl.Callback):
+        @functools.lru_cache(maxsize=None)
+        def memo(self) -> dict[str, Any]:
+            return super().state_dict()
+
+    for cls, attr in ((Cached, "cached"), (Partial, "save"), (Memo, "memo")):
+        with pytest.raises(TypeError, match=rf"cannot bind .*{cls.__name__}.{attr} .*super\(\)"):
+            bind(cls, LIGHTNING)
 
 
 def test_subclassing_and_binding_errors() -> None:

@@ -170,14 +170,15 @@ def test_fast_rcnn_invariants(seed, n_images, per_im, fg_frac, cls_agnostic, use
     assert not blobs["bbox_targets"][per_row == 0].any()
 
 
-def test_lazy_family_modules_and_callable_proposal_labels():
+def test_lazy_family_modules_and_the_proposal_labels_function():
     import importlib
+    import types
 
     import lit_roidata.minibatch as mb
+    from lit_roidata.minibatch.second_stage import proposal_labels
 
-    mod = importlib.import_module("lit_roidata.minibatch.proposal_labels")
-    assert callable(mb.proposal_labels) and mb.proposal_labels is mod
-    assert mb.proposal_labels.proposal_labels is mod.proposal_labels
+    assert isinstance(mb.proposal_labels, types.FunctionType) and mb.proposal_labels is proposal_labels
+    assert mb.rpn is importlib.import_module("lit_roidata.minibatch.rpn")
     with pytest.raises(AttributeError):
         mb.not_a_module  # noqa: B018
 

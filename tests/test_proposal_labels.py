@@ -1,6 +1,6 @@
-"""Second-stage labels (Detectron semantics: end-to-end training): merge semantics vs a literal
-Detectron port, and the
-same blobs as the loader's precomputed-proposal path for the same proposals and seed."""
+"""Second-stage labels (lit_roidata.minibatch.second_stage; Detectron semantics: end-to-end
+training): merge semantics vs a literal Detectron port, and the same blobs as the loader's
+precomputed-proposal path for the same proposals and seed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.config import get_cfg
 from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
 from lit_roidata.minibatch.model_type import flags_for_model_type
-from lit_roidata.minibatch.proposal_labels import merge_proposals, proposal_labels
+from lit_roidata.minibatch.second_stage import (collect_top_proposals, merge_proposals,
+                                                proposal_labels)
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 from lit_roidata.roidb.targets import compute_bbox_targets
 
@@ -211,7 +212,7 @@ def test_fpn_top_n_over_the_whole_minibatch_q26():
     entries = [_gt_entry([[10, 10, 60, 50]], [1], [False], image_id=i) for i in (1, 2)]
     rois = np.array([[i % 2, 5 + i, 5, 40 + i, 40] for i in range(10)], np.float32)
     scores = np.array([0.1, 0.9, 0.2, 0.8, 0.3, 0.7, 0.4, 0.95, 0.0, 0.5], np.float32)
-    merged = merge_proposals(minibatch.proposal_labels.collect_top_proposals(
+    merged = merge_proposals(collect_top_proposals(
         torch.from_numpy(rois), scores, 4), entries, [1.0, 1.0], cfg)
     # top 4: rows 7 (0.95), 1, 3, 5 (all image 1): image 0 gets none
     assert len(merged[0]["boxes"]) == 1 and len(merged[1]["boxes"]) == 5

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from lit_roidata.config import get_cfg
 from lit_roidata.roidb import RoIDBInputError, combined_roidb_for_training
-from lit_roidata.testing.reference import ReferenceDataset, reference_combined_roidb
+from oracles.reference import ReferenceDataset, reference_combined_roidb
 from roidb_fixtures import make_coco, make_proposals, write_dataset
 
 ARRAY_FIELDS = ("boxes", "gt_classes", "seg_areas", "is_crowd", "box_to_gt_ind_map",

@@ -10,7 +10,8 @@ from hypothesis.extra import numpy as hnp
 from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.roidb.filters import segment_any
 from lit_roidata.roidb.proposals import _block_iou, iof_pairs, unique_box_keep
-from lit_roidata.roidb.segms import encode_segms, decode_segms, mask_to_uncompressed_counts
+from lit_roidata.roidb.segms import (SegmColumns, decode_segms, mask_to_uncompressed_counts,
+                                     offsets, rle_columns)
 
 SET = settings(deadline=None, max_examples=50)
 
@@ -97,10 +98,13 @@ def test_segment_any(flags, cuts):
                                         max_size=10), max_size=3), max_size=5),
        width=st.integers(51, 100))
 def test_polygon_round_trip_and_flip(polys, width):
-    cols, counts = encode_segms(polys, source="x", ann_ids=np.zeros(len(polys)),
-                                image_ids=np.zeros(len(polys)))
     kept = [[p for p in s if len(p) >= 6] for s in polys]
-    assert counts["polygon_lt_6_coords"] == sum(len(s) - len(k) for s, k in zip(polys, kept))
+    flat = [p for s in kept for p in s]
+    kind, rle_idx = np.zeros(len(kept), np.int8), np.full(len(kept), -1, np.int32)
+    cols = SegmColumns(kind=kind, poly_off=offsets([len(s) for s in kept]),
+                       coord_off=offsets([len(p) for p in flat]),
+                       coords=np.array([c for p in flat for c in p], np.float64),
+                       rle_idx=rle_idx, **rle_columns([], [], kind, rle_idx))
     assert decode_segms(cols, 0, len(polys)) == kept
     flipped = decode_segms(cols, 0, len(polys), flipped=True, width=width)
     for fs, ks in zip(flipped, kept):

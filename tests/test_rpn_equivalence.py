@@ -120,6 +120,18 @@ def _same(new, old, r_new, r_old):
     assert r_new.random() == r_old.random()  # the same draws were made
 
 
+def _same_labels(sc, oracle):
+    """``label_anchors`` of the package and of ``oracle`` on the scene ``sc``."""
+    cfg = _train(sc)
+    fields = rpn_fields(cfg)
+    anchors = concat_fields(fields)
+    r_new, r_old = _rng(sc), _rng(sc)
+    args = (anchors, fields, sc["gt"], float(sc["h"]), float(sc["w"]), cfg.TRAIN)
+    new = rpn.label_anchors(*args, r_new, fix_rpn_quirks=sc["fix"])
+    old = oracle.label_anchors(*args, r_old, fix_rpn_quirks=sc["fix"])
+    _same(new, old, r_new, r_old)
+
+
 @settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 @given(_scenes())
 def test_label_anchors_matches_main(sc):
@@ -127,28 +139,14 @@ def test_label_anchors_matches_main(sc):
     holds exactly: every FPN and C4 default); the "odd" anchors (size 22.6) are
     compared with the dense oracle below."""
     assume(sc["kind"] != "odd")
-    cfg = _train(sc)
-    fields = rpn_fields(cfg)
-    anchors = concat_fields(fields)
-    r_new, r_old = _rng(sc), _rng(sc)
-    args = (anchors, fields, sc["gt"], float(sc["h"]), float(sc["w"]), cfg.TRAIN)
-    new = rpn.label_anchors(*args, r_new, fix_rpn_quirks=sc["fix"])
-    old = oracle_rpn.label_anchors(*args, r_old, fix_rpn_quirks=sc["fix"])
-    _same(new, old, r_new, r_old)
+    _same_labels(sc, oracle_rpn)
 
 
 @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(_scenes())
 def test_label_anchors_matches_the_dense_iou(sc):
-    cfg = _train(sc)
-    fields = rpn_fields(cfg)
-    anchors = concat_fields(fields)
-    r_new, r_old = _rng(sc), _rng(sc)
-    args = (anchors, fields, sc["gt"], float(sc["h"]), float(sc["w"]), cfg.TRAIN)
-    new = rpn.label_anchors(*args, r_new, fix_rpn_quirks=sc["fix"])
     with _dense_oracle() as dense:
-        old = dense.label_anchors(*args, r_old, fix_rpn_quirks=sc["fix"])
-    _same(new, old, r_new, r_old)
+        _same_labels(sc, dense)
 
 
 def test_odd_anchor_sizes_main_missed_a_best_match():

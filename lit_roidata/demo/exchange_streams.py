@@ -1,5 +1,4 @@
-"""Aligned synthetic streams for the exchange examples, tests and benchmark (Detectron semantics:
-cross-process exchange).
+"""Aligned synthetic streams for the exchange examples, tests and benchmark.
 
 Two processes that exchange per-step blobs must see the same images, flips and scales
 at every step. :func:`demo_alignment_stream` reproduces what two correctly configured
@@ -26,9 +25,8 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     """Yield ``{"image_ids", "flipped", "im_scales"}`` for each block of a fake roidb.
 
     The roidb has ``num_images // 2`` originals followed by their flipped copies
-    (Detectron's order, Detectron semantics: flipping); image sizes alternate landscape/portrait so
-    aspect
-    grouping matters. Scales are drawn per block from ``block_rng`` like a worker does.
+    (Detectron's order, Detectron semantics: flipping); image sizes alternate
+    landscape/portrait so aspect grouping matters. Scales are drawn per block from ``block_rng`` like a worker does.
 
     Args:
         seed: the stream seed, equal in both processes for aligned streams.

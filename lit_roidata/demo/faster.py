@@ -196,15 +196,6 @@ class DemoFasterRCNN(DemoFastRCNN):
                                             "loss_bbox"))
         return out
 
-    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        out = self.compute_losses(batch)
-        n = int(np.shape(batch["data"])[0])
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
-        self.log_dict({f"train/{k}": out[k] for k in ("loss_rpn_cls", "loss_rpn_bbox",
-                                                       "loss_cls", "loss_bbox", "accuracy_cls")},
-                      batch_size=n)
-        return out["loss"]
-
     @torch.no_grad()
     def detect(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         """RPN proposals (test settings), then :meth:`DemoFastRCNN.detections_for`."""

@@ -212,8 +212,7 @@ class DemoFastRCNN(pl.LightningModule):
         out = self.compute_losses(batch)
         n = int(np.shape(batch["data"])[0])
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
-        self.log_dict({f"train/{k}": out[k] for k in ("loss_cls", "loss_bbox", "accuracy_cls")},
-                      batch_size=n)
+        self.log_dict({f"train/{k}": v for k, v in out.items() if k != "loss"}, batch_size=n)
         return out["loss"]
 
     def configure_optimizers(self) -> Any:

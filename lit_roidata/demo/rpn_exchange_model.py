@@ -1,5 +1,5 @@
-"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example (Detectron
-semantics: cross-process exchange).
+"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example
+(docs/exchange.md).
 
 The fork exchanged per-level RPN outputs between two training processes; this module is
 the smallest model that produces and consumes them, so ``configs/exchange_*.yaml`` run on
@@ -31,7 +31,7 @@ class RPNExchangeDemo(pl.LightningModule):
     has them (sigmoid cross-entropy on labelled anchors, smooth-L1 with inside/outside
     weights); for ``role="student"`` plus a distillation term against the peer's outputs
     (``self.peer_outputs``) weighted like the fork's consumer op: inside weight 1, outside
-    weight ``1/(C·H·W)`` per image (Detectron semantics: cross-process exchange).
+    weight ``1/(C·H·W)`` per image.
 
     Args:
         role: ``"teacher"`` (publishes) or ``"student"`` (also learns from the peer).

@@ -1,13 +1,11 @@
-"""``BlobExchange``: an exactly-once mailbox between training processes (Detectron semantics:
-cross-process exchange).
+"""``BlobExchange``: an exactly-once mailbox between training processes.
 
 The Detectron fork swapped per-iteration blobs (RPN outputs per FPN level, sampled RoIs,
 second-stage labels) between two training processes through 13 global memcached keys
-with a "read/unread" status key each (Detectron semantics: cross-process exchange). That lost or
-duplicated messages,
-cross-wired GPUs and runs, reset pending messages, spun forever and pickled arrays
-(Detectron semantics: cross-process exchange). This package provides the same capability with the
-guarantees of Detectron semantics: cross-process exchange:
+with a "read/unread" status key each (Detectron semantics: cross-process exchange). That
+lost or duplicated messages, cross-wired GPUs and runs, reset pending messages, spun
+forever and pickled arrays. This package provides the same capability with exactly-once,
+in-order delivery per named channel:
 
 >>> ex = BlobExchange("embedded", run_id="distill-1", rank=0)      # doctest: +SKIP
 >>> out = ex.channel("teacher_rpn", role="producer")                # doctest: +SKIP
@@ -106,9 +104,8 @@ def _check_name(what: str, value: Any) -> str:
 class BlobExchange:
     """Named producer/consumer channels between processes that share a run id and rank.
 
-    Every channel is namespaced by ``(run_id, rank, name)`` (Detectron semantics: cross-process
-    exchange), so several
-    runs, DDP ranks and loaders never collide. Both processes pass the same ``run_id``
+    Every channel is namespaced by ``(run_id, rank, name)``, so several runs, DDP ranks
+    and loaders never collide. Both processes pass the same ``run_id``
     (e.g. the experiment name) and their DDP rank.
 
     Args:

@@ -1,11 +1,9 @@
-"""Alignment checks: is the peer's message about the same minibatch as mine? (Detectron semantics:
-cross-process exchange)
+"""Alignment checks: is the peer's message about the same minibatch as mine?
 
 Two processes exchanging RPN maps are only meaningful to each other when both are at the
-same step, on the same images, with the same flips and scales (Detectron semantics: cross-process
-exchange). Each message
-carries that metadata; the consumer compares it with its own and fails loudly, naming the
-first field that differs.
+same step, on the same images, with the same flips and scales. Each message carries that
+metadata; the consumer compares it with its own and fails loudly, naming the first field
+that differs.
 """
 
 from __future__ import annotations
@@ -99,4 +97,4 @@ def check_alignment(meta: Mapping[str, Any], expected: Mapping[str, Any], *,
                 f"{key}={got_all[key]!r}, this process expects {key}={exp!r}. Both "
                 "processes must use the same seed, sampler (identity or same permutation), "
                 "scales and ordered delivery so that step k is the same images, flips and "
-                "scales on both sides (Detectron semantics: cross-process exchange)")
+                "scales on both sides (docs/exchange.md)")

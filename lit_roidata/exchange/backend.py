@@ -1,5 +1,4 @@
-"""The key-value primitives a backend provides to the channel protocol (Detectron semantics:
-cross-process exchange).
+"""The key-value primitives a backend provides to the channel protocol.
 
 The exactly-once protocol in :mod:`lit_roidata.exchange.channel` is written once against
 this small interface; a backend only maps it onto its storage. Keys are logical paths
@@ -9,7 +8,7 @@ under a sequence-specific key and read back as a writable ``bytearray``.
 Every method either succeeds, returns the documented "absent"/"refused" value, or raises:
 :class:`StoreUnavailable` for a transient transport failure (the caller retries within its
 deadline) or an :class:`~lit_roidata.exchange.errors.ExchangeError` for anything else. No
-return value is ignored (the fork checked none, Detectron semantics: cross-process exchange).
+return value is ignored (the fork checked none).
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """``BlobExchangeCallback``: exchange named ``training_step`` outputs between two runs.
 
-The fork's use (Detectron semantics: cross-process exchange): one model's per-level RPN outputs
-(``rpn_cls_probs_fpnX``,
+The fork's use: one model's per-level RPN outputs (``rpn_cls_probs_fpnX``,
 ``rpn_bbox_pred_fpnX``) become the other model's targets, iteration by iteration. As a
 Lightning callback:
 
@@ -9,9 +8,8 @@ Lightning callback:
   ``training_step`` are sent on channel ``publish`` with alignment metadata (step, rank
   and the batch's ``image_ids``, ``flipped``, ``im_scales`` from ``batch["_meta"]``);
 * **subscribe**: before each training batch, the peer's message is taken from channel
-  ``subscribe``, checked against this process's own alignment metadata (Detectron semantics:
-  cross-process exchange) and
-  put on the module as ``pl_module.peer_outputs`` (tensors on the module's device) and
+  ``subscribe``, checked against this process's own alignment metadata and put on the
+  module as ``pl_module.peer_outputs`` (tensors on the module's device) and
   ``pl_module.peer_meta``.
 
 ``lag`` says which peer step a step sees. ``lag=1`` (default): at step ``t`` the peer's
@@ -71,8 +69,7 @@ def batch_alignment_meta(batch: Any, fields: Sequence[str] = DEFAULT_ALIGN_FIELD
 
 
 class BlobExchangeCallback(pl.Callback):
-    """Publish ``training_step`` outputs to a peer run and receive the peer's (Detectron semantics:
-    cross-process exchange).
+    """Publish ``training_step`` outputs to a peer run and receive the peer's.
 
     Args:
         run_id: shared by both runs (e.g. ``"distill-exp1"``).

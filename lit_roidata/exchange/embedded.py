@@ -1,5 +1,4 @@
-"""The embedded backend: a directory of files on one machine, no server (Detectron semantics:
-cross-process exchange).
+"""The embedded backend: a directory of files on one machine, no server.
 
 Unrelated processes started separately meet in ``<root>/<run>/<rank>/<channel>/`` (the
 root defaults to ``/dev/shm`` when it exists, so payloads never touch a disk). Atomicity
@@ -27,9 +26,7 @@ handle keeps the record files and the lock file open. A reader takes the valid s
 the highest version without locking: a slot being written fails its CRC and the other one
 holds the previous value, so a reader sees old or new, and a writer killed in the middle
 of its ``pwrite`` leaves the previous value in force. An open record whose file was removed
-(link count 0: the channel was deleted) is reopened by name. A position file in the
-earlier format (expiry + value, replaced on every write) is still read, and converted on
-its next write.
+(link count 0: the channel was deleted) is reopened by name.
 """
 
 from __future__ import annotations
@@ -299,7 +296,7 @@ class EmbeddedStore(Store):
         if fd is not None:
             if os.fstat(fd).st_nlink:
                 return fd
-            os.close(fd)  # removed (channel deleted, or an old-format file converted)
+            os.close(fd)  # removed (the channel was deleted)
             del self._recfds[path]
         try:
             fd = os.open(path, os.O_RDWR)
@@ -309,19 +306,14 @@ class EmbeddedStore(Store):
         return fd
 
     def _read_record(self, path: str, locked: bool = False) -> tuple[int, float, bytes] | None:
-        """``(version, expiry, value)`` of a record file, ``None`` if there is none. An
-        earlier-format file reads as version -1. Without the lock, a read that finds both
-        slots torn is retried, then repeated under the lock."""
+        """``(version, expiry, value)`` of a record file, ``None`` if there is none.
+        Without the lock, a read that finds both slots torn is retried, then repeated under
+        the lock."""
         for _ in range(1 if locked else _TORN_RETRIES):
             fd = self._record_fd(path)
             if fd is None:
                 return None
-            raw = os.pread(fd, 4096, 0)
-            if raw[:4] != _MAGIC:  # earlier format: expiry + value, replaced atomically
-                if len(raw) < _EXPIRY.size:
-                    return None
-                return -1, _EXPIRY.unpack_from(raw)[0], raw[_EXPIRY.size:]
-            rec = _parse_record(raw)
+            rec = _parse_record(os.pread(fd, _RECORD_SIZE, 0))
             if rec is not None:
                 return rec
         if not locked:
@@ -340,7 +332,7 @@ class EmbeddedStore(Store):
                       rec: tuple[int, float, bytes] | None) -> None:
         """Write a record (the caller holds the lock and passes what it read under it)."""
         expiry = time.time() + ttl if ttl else 0.0
-        if rec is None or rec[0] < 0:  # create (or convert an earlier-format file) whole
+        if rec is None:  # create it whole
             self._replace_parts(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
             return
         version = rec[0] + 1

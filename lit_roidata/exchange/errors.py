@@ -1,4 +1,4 @@
-"""Exceptions raised by :mod:`lit_roidata.exchange` (Detectron semantics: cross-process exchange).
+"""Exceptions raised by :mod:`lit_roidata.exchange`.
 
 Every error names the channel (run id, rank, channel name) and, where there is one, the
 peer, so a stuck or crashed pair of training processes can be diagnosed from one line.
@@ -39,18 +39,15 @@ class ExchangeTimeoutError(ExchangeError, TimeoutError):
 
 
 class PeerDeadError(ExchangeError):
-    """The peer's lease expired or its process no longer exists (Detectron semantics: cross-process
-    exchange)."""
+    """The peer's lease expired or its process no longer exists."""
 
 
 class ChannelClosedError(ExchangeError):
-    """The peer closed the channel cleanly, or this end was closed / stopped (Detectron semantics:
-    cross-process exchange)."""
+    """The peer closed the channel cleanly, or this end was closed / stopped."""
 
 
 class ChannelBusyError(ExchangeError):
-    """A second live producer (or consumer) tried to open the same channel (Detectron semantics:
-    cross-process exchange)."""
+    """A second live producer (or consumer) tried to open the same channel."""
 
 
 class LeaseLostError(ExchangeError):
@@ -58,15 +55,12 @@ class LeaseLostError(ExchangeError):
 
 
 class SequenceError(ExchangeError):
-    """A message arrived out of order, duplicated, or with a gap (Detectron semantics: cross-process
-    exchange)."""
+    """A message arrived out of order, duplicated, or with a gap."""
 
 
 class ExchangeStateLostError(ExchangeError):
-    """The backend lost this run's state (memcached restart or eviction, Detectron semantics:
-    cross-process exchange)."""
+    """The backend lost this run's state (memcached restart or eviction)."""
 
 
 class AlignmentError(ExchangeError, ValueError):
-    """A message's alignment metadata differs from the consumer's own (Detectron semantics:
-    cross-process exchange)."""
+    """A message's alignment metadata differs from the consumer's own."""

@@ -1,10 +1,9 @@
 """Ownership leases: one producer and one consumer per channel, dead owners detected.
 
 The fork had no notion of who owns a key, so a second producer silently overwrote the
-first one's message and a dead peer left the other side spinning forever (Detectron semantics:
-cross-process exchange). Here each end of a channel holds a lease record (JSON) stored with a TTL
-and
-refreshed by a heartbeat thread. A peer is
+first one's message and a dead peer left the other side spinning forever. Here each end of
+a channel holds a lease record (JSON) stored with a TTL and refreshed by a heartbeat
+thread. A peer is
 
 * **absent** when no record exists (never opened, closed, or expired after it died),
 * **dead** when a record exists but the process it names is gone — checked directly when

@@ -1,7 +1,6 @@
-"""The memcached backend (pymemcache), done the way Detectron semantics: cross-process exchange
-asks.
+"""The memcached backend (pymemcache).
 
-What differs from the fork (Detectron semantics: cross-process exchange):
+What differs from the fork's use of memcached:
 
 * Values are raw bytes in our wire format (no pickle), sent with ``noreply`` off so that
   every store returns a status that is checked.

@@ -1,8 +1,7 @@
-"""The exchange's wire format: named arrays plus JSON metadata, no pickle (Detectron semantics:
-cross-process exchange).
+"""The exchange's wire format: named arrays plus JSON metadata, no pickle.
 
 The fork pickled arrays through pylibmc, which ties both ends to one Python/NumPy version
-and runs arbitrary code on load (Detectron semantics: cross-process exchange). A message here is::
+and runs arbitrary code on load. A message here is::
 
     prefix (24 bytes, little-endian):
         magic b"LRXW" | version u16 | flags u16 | header_len u32 | crc32 u32 | data_len u64
@@ -16,8 +15,8 @@ Flags (prefix, u16): bit 0 (``FLAG_HMAC``) means a 32-byte HMAC-SHA256 tag follo
 data. It covers the whole prefix (flags included) and everything up to the tag, under a
 per-run key, and is checked with :func:`hmac.compare_digest` before anything else is
 parsed. The tag detects corruption as well, so with this flag the ``crc32`` field is 0
-and not computed (one pass over the payload instead of two). Any other flag bit is rejected, so a later format change sets a new bit or
-bumps ``version``.
+and not computed (one pass over the payload instead of two). Any other flag bit is
+rejected, so a later format change sets a new bit or bumps ``version``.
 
 ``dtype`` is a canonical name (``"float32"``, ``"bool"``, ``"bfloat16"``, ...),
 ``byteorder`` is ``"<"`` (little-endian) or ``"|"`` (one-byte types); encoders always

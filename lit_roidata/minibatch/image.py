@@ -143,16 +143,23 @@ def im_list_to_blob(ims: Sequence[np.ndarray], *, fpn_on: bool = False,
     return blob
 
 
-def draw_scale_inds(num_images: int, num_scales: int, rng: rng_mod.RNG) -> np.ndarray:
-    """One scale index per image, drawn first for the whole minibatch (Detectron order)."""
-    return np.asarray(rng_mod.randint(rng, 0, num_scales, size=num_images))
+def draw_scales(entries: Sequence[Any], cfg: Any,
+                rng: rng_mod.RNG) -> tuple[tuple[int, ...], np.ndarray]:
+    """``cfg.TRAIN.SCALES`` and one index into it per image, drawn first for the whole
+    minibatch (Detectron order)."""
+    if not entries:
+        raise ValueError("a minibatch needs at least one roidb entry")
+    scales = tuple(cfg.TRAIN.SCALES)
+    if not scales:
+        raise ValueError("TRAIN.SCALES is empty; set at least one target size")
+    return scales, np.asarray(rng_mod.randint(rng, 0, len(scales), size=len(entries)))
 
 
 def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                    pixel_format: str = "detectron", loader: ImageLoader | None = None,
                    augment: Any = None) -> tuple[list[np.ndarray], list[float], list[Any]]:
-    """Decode, (augment,) and scale each image; the draws of Detectron semantics: image blob step 1
-    first.
+    """Decode, (augment,) and scale each image, the scale draws first (Detectron semantics:
+    image blob, step 1).
 
     Returns:
         ``(images, im_scales, entries)``: resized HWC BGR images, their scales, and the
@@ -163,14 +170,9 @@ def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.
     """
     if pixel_format not in PIXEL_FORMATS:
         raise ValueError(f"pixel_format must be one of {PIXEL_FORMATS}, got {pixel_format!r}")
-    if not entries:
-        raise ValueError("a minibatch needs at least one roidb entry")
-    scales = tuple(cfg.TRAIN.SCALES)
-    if not scales:
-        raise ValueError("TRAIN.SCALES is empty; set at least one target size")
+    scales, scale_inds = draw_scales(entries, cfg, rng)
     load = loader or load_image
     rgb = _channel_order(load) == "rgb"
-    scale_inds = draw_scale_inds(len(entries), len(scales), rng)
     aug_seeds = augment.draw_seeds(len(entries), rng) if augment is not None else None
     ims, im_scales, out_entries = [], [], []
     for i, entry in enumerate(entries):
@@ -242,12 +244,7 @@ def _build_uint8_planes(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng
     own for ``fx = fy = scale`` (``round(w * scale)``, half to even), so passing the
     plane as ``dst`` makes OpenCV write into it (checked).
     """
-    if not entries:
-        raise ValueError("a minibatch needs at least one roidb entry")
-    scales = tuple(cfg.TRAIN.SCALES)
-    if not scales:
-        raise ValueError("TRAIN.SCALES is empty; set at least one target size")
-    scale_inds = draw_scale_inds(len(entries), len(scales), rng)
+    scales, scale_inds = draw_scales(entries, cfg, rng)
     srcs, im_scales, sizes = [], [], []
     for i, entry in enumerate(entries):
         im = load(entry)

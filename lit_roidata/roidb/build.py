@@ -40,7 +40,7 @@ from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_tab
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
-from lit_roidata.roidb.segms import SegmColumns, concat_offsets
+from lit_roidata.roidb.segms import SegmColumns, concat_offsets, offsets
 from lit_roidata.roidb.columnar import RoIDB
 
 __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES",
@@ -458,8 +458,7 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
     cat = _cat
     n_imgs = [t.ids.size for t in tables]
     paths = [p for s, t in zip(specs, tables) for p in _image_paths(s, t.file_names)]
-    path_off = np.zeros(len(paths) + 1, np.int64)
-    np.cumsum(np.fromiter(map(len, paths), np.int64, len(paths)), out=path_off[1:])
+    path_off = offsets(np.fromiter(map(len, paths), np.int64, len(paths)))
     k_max = max((t.info.num_keypoints for t in tables), default=0)
     kps = []
     for t in tables:

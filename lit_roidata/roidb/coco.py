@@ -23,7 +23,7 @@ from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, RawCoco, decode_coco
 from lit_roidata.roidb.decode import decode_generic, read_json
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError, keypoint_flip_map
 from lit_roidata.roidb.segms import POLY, SegmColumns, rle_columns, rle_string_counts
-from lit_roidata.roidb.segms import take_ranges
+from lit_roidata.roidb.segms import offsets, take_ranges
 
 __all__ = ["GtTable", "load_coco_json", "table_from_raw", "read_json",
            "dataset_info_from_categories", "keypoint_category_ids"]
@@ -141,12 +141,6 @@ def _fail(raw: RawCoco, rows: np.ndarray, problem: str, fix: str) -> None:
     raise RoIDBInputError(f"{raw.source}: {raw.ann_label(i)} {problem}{more}. {fix}")
 
 
-def _offsets(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts) + 1, np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
-
-
 def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
                    class_order: Optional[Sequence[str]] = None,
                    keypoints_required: bool = False) -> GtTable:
@@ -218,8 +212,7 @@ def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
 
     kept = np.flatnonzero(keep)
     order = kept[np.argsort(pos[kept], kind="stable")]
-    gt_off = np.zeros(n + 1, np.int64)
-    np.cumsum(np.bincount(pos[order], minlength=n), out=gt_off[1:])
+    gt_off = offsets(np.bincount(pos[order], minlength=n))
     classes = _classes(raw, order, info)
     segms, seg_counts = _segm_columns(raw, order, rle_rows)
     counts.update(seg_counts)
@@ -350,7 +343,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
         raise RoIDBInputError(
             f"{raw.source}: {raw.ann_label(i)} has {int(kp_len[i])} keypoint values, expected "
             f"3 x {k} = {3 * k} ({rows.size} such annotations). Fix the 'keypoints' lists.")
-    off = _offsets(np.maximum(kp_len, 0))
+    off = offsets(np.maximum(kp_len, 0))
     vals = raw.kp_vals
     # all within (-2**31, 2**31) (NaN fails both): two reductions, no temporaries
     in_range = vals.size == 0 or (vals.min() > -2 ** 31 and vals.max() < 2 ** 31)
@@ -407,8 +400,8 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
     """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
     Q24, docs/detectron_quirks.md)."""
     g = order.size
-    poly_off = _offsets(raw.poly_n)
-    coord_off = _offsets(raw.coord_n)
+    poly_off = offsets(raw.poly_n)
+    coord_off = offsets(raw.coord_n)
     pidx = take_ranges(poly_off[order], raw.poly_n[order])
     row_of = np.repeat(np.arange(g), raw.poly_n[order])
     short = raw.coord_n[pidx] < 6
@@ -429,7 +422,7 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
     rows = np.flatnonzero(seg_kind == SEG_RLE).tolist()
     missing = int((seg_kind == SEG_MISSING).sum())
     cols = SegmColumns(
-        kind=kind, poly_off=_offsets(poly_counts), coord_off=_offsets(coord_counts),
+        kind=kind, poly_off=offsets(poly_counts), coord_off=offsets(coord_counts),
         coords=np.ascontiguousarray(coords, np.float64), rle_idx=rle_idx,
         **rle_columns(rows, [rles[int(order[j])] for j in rows], kind, rle_idx))
     empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing

@@ -36,6 +36,7 @@ import numpy as np
 
 from lit_roidata._pickle_trust import UntrustedPickleError
 from lit_roidata.roidb.info import RoIDBInputError
+from lit_roidata.roidb.segms import offsets
 
 __all__ = ["ProposalSource", "read_proposal_file", "convert_proposals"]
 
@@ -489,15 +490,9 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None) -> Proposal
         weakref.finalize(src, keep_alive.close)  # the scratch file goes with the source
     flat = _contiguous(boxes, counts, 4)
     if flat is not None:
-        src.flat, src.flat_off = flat, _offsets(counts)
+        src.flat, src.flat_off = flat, offsets(counts)
     src.scores_flat = _contiguous(scores, counts, None)
     return src
-
-
-def _offsets(counts: np.ndarray) -> np.ndarray:
-    off = np.zeros(counts.size + 1, np.int64)
-    np.cumsum(counts, out=off[1:])
-    return off
 
 
 def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Optional[FileRows]:
@@ -587,7 +582,7 @@ def _read_npz(path: str) -> ProposalSource:
             raise bad(f"'boxes' has dtype {b_dtype}, expected numbers")
         if s_meta is not None and math.prod(s_meta[2]) != total:
             raise bad(f"'scores' has shape {tuple(s_meta[2])} but there are {total} boxes")
-        off = _offsets(counts)
+        off = offsets(counts)
         if b_stored and not b_fortran:
             flat: Any = FileRows(fh, b_off, b_dtype, total)
         else:  # compressed (savez_compressed): decompress once into memory

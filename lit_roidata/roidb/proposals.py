@@ -24,6 +24,7 @@ from lit_roidata.boxes import box_areas, iou_kernel
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.proposal_files import ProposalSource, convert_proposals
 from lit_roidata.roidb.proposal_files import read_proposal_file
+from lit_roidata.roidb.segms import offsets
 
 __all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "convert_proposals",
            "build_proposal_table", "unique_box_keep", "iof_pairs"]
@@ -523,8 +524,7 @@ def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
     if crowd_rows.size == 0 or b.shape[0] == 0:
         return bad
     crowd_img = np.searchsorted(gt_off, crowd_rows, side="right") - 1
-    crowd_off = np.zeros(gt_off.size, np.int64)
-    np.cumsum(np.bincount(crowd_img, minlength=gt_off.size - 1), out=crowd_off[1:])
+    crowd_off = offsets(np.bincount(crowd_img, minlength=gt_off.size - 1))
     # only the proposals of images with a crowd box: (proposal, crowd row) pairs
     starts, pcount, uimg = _image_runs(img)
     c0 = crowd_off[uimg]

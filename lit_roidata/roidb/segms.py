@@ -3,10 +3,9 @@
 Polygons are stored as one flat float64 coordinate array with two offset levels
 (object → polygons → coordinates); RLEs keep their JSON representation (uncompressed
 integer counts or the compressed string) so an entry returns exactly what the JSON held.
-Flipping happens on access (Detectron semantics: flipping): polygons ``x' = W - x - 1``; RLE masks
-are
-decoded with ``pycocotools.mask``, mirrored column-wise and re-encoded in the same
-representation. Detectron crashes on compressed RLE here (Detectron quirk Q12,
+Flipping happens on access (Detectron semantics: flipping): polygons ``x' = W - x - 1``;
+RLE masks are decoded with ``pycocotools.mask``, mirrored column-wise and re-encoded in
+the same representation. Detectron crashes on compressed RLE here (Detectron quirk Q12,
 docs/detectron_quirks.md); we do not.
 """
 
@@ -19,10 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lit_roidata.roidb.info import RoIDBInputError
-
-__all__ = ["SegmColumns", "encode_segms", "decode_segms", "POLY", "RLE_LIST", "RLE_STR",
-           "rle_string_counts", "take_ranges"]
+__all__ = ["SegmColumns", "decode_segms", "POLY", "RLE_LIST", "RLE_STR", "offsets",
+           "concat_offsets", "rle_columns", "rle_string_counts", "take_ranges"]
 
 POLY, RLE_LIST, RLE_STR = 0, 1, 2
 
@@ -73,89 +70,6 @@ class SegmColumns:
             cat([p.rle_bytes for p in parts]).astype(np.uint8))
 
 
-def encode_segms(segms: Sequence[Any], *, source: str, ann_ids: np.ndarray,
-                 image_ids: np.ndarray) -> tuple[SegmColumns, dict[str, int]]:
-    """Columnar encoding of JSON segmentations (Detectron semantics: ground-truth cleaning step 1).
-
-    Polygons with fewer than 6 coordinates are dropped; the object stays even when no
-    polygon remains (Detectron quirk Q24, docs/detectron_quirks.md). A missing ``segmentation`` is
-    kept as an empty polygon
-    list and counted.
-
-    Args:
-        segms: one JSON ``segmentation`` value per kept gt row, in row order.
-        source: the annotation file (for error messages).
-        ann_ids, image_ids: per row, for error messages.
-
-    Returns:
-        The columns and counts ``{"polygon_lt_6_coords": n, "empty_segmentation": n,
-        "missing_segmentation": n}``.
-
-    Raises:
-        RoIDBInputError: a segmentation that is neither a polygon list nor an RLE dict.
-    """
-    g = len(segms)
-    kind = np.zeros(g, np.int8)
-    rle_idx = np.full(g, -1, np.int32)
-    rle_rows: list[int] = []
-    rles: list[tuple[int, int, Any]] = []
-    # Polygon lists (the bulk) are handled with C-level map/chain, not a Python loop.
-    per_obj = [s if type(s) is list else () for s in segms]
-    others = [i for i, s in enumerate(segms) if type(s) is not list]
-    missing = 0
-    try:
-        obj_counts = np.fromiter(map(len, per_obj), np.int64, g)
-        polys = list(chain.from_iterable(per_obj))
-        plens = np.fromiter(map(len, polys), np.int64, len(polys))
-    except TypeError:
-        bad = next(i for i, s in enumerate(per_obj) if any(not hasattr(p, "__len__") for p in s))
-        raise RoIDBInputError(
-            f"{source}: annotation id {int(ann_ids[bad])} (image id {int(image_ids[bad])}) has "
-            f"a malformed polygon list; expected [[x1, y1, x2, y2, ...], ...]. Fix or remove "
-            f"that annotation.") from None
-    short = plens < 6
-    dropped = int(short.sum())
-    if dropped:
-        owner = np.repeat(np.arange(g), obj_counts)
-        obj_counts = obj_counts - np.bincount(owner[short], minlength=g)
-        polys = [p for p, s_ in zip(polys, short.tolist()) if not s_]
-    poly_counts = obj_counts
-    for i in others:
-        s = segms[i]
-        if s is None:
-            missing += 1
-            continue
-        try:
-            counts = s["counts"]
-            h, w = s["size"]
-            if not isinstance(counts, list):
-                if not isinstance(counts, (str, bytes)):
-                    raise TypeError(f"'counts' is {counts!r:.40}, not a list or a string")
-                counts = counts.encode("ascii") if isinstance(counts, str) else counts
-            rle_rows.append(i)
-            rles.append((int(h), int(w), counts))
-        except (TypeError, KeyError, ValueError, AttributeError) as exc:
-            raise RoIDBInputError(
-                f"{source}: annotation id {int(ann_ids[i])} (image id {int(image_ids[i])}) has "
-                f"a malformed 'segmentation' ({type(exc).__name__}: {exc}); expected a list of "
-                f"polygons [[x1, y1, x2, y2, ...], ...] or an RLE dict {{'size': [h, w], "
-                f"'counts': ...}}. Fix or remove that annotation.") from None
-    coord_counts = np.fromiter(map(len, polys), np.int64, len(polys))
-    try:
-        coords = np.fromiter(chain.from_iterable(polys), np.float64, int(coord_counts.sum()))
-    except (TypeError, ValueError) as exc:
-        bad = _first_bad_polygon_row(segms)
-        raise RoIDBInputError(
-            f"{source}: annotation id {int(ann_ids[bad])} (image id {int(image_ids[bad])}) has "
-            f"a polygon with non-numeric coordinates ({exc}); fix or remove it.") from None
-    cols = SegmColumns(kind=kind, poly_off=_offsets(poly_counts),
-                       coord_off=_offsets(coord_counts), coords=coords, rle_idx=rle_idx,
-                       **rle_columns(rle_rows, rles, kind, rle_idx))
-    empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing
-    return cols, {"polygon_lt_6_coords": dropped, "empty_segmentation": empty,
-                  "missing_segmentation": missing}
-
-
 def rle_columns(rows: Sequence[int], rles: Sequence[tuple[int, int, Any]], kind: np.ndarray,
                 rle_idx: np.ndarray) -> dict[str, np.ndarray]:
     """The ``rle_*`` columns of :class:`SegmColumns` for the RLE segmentations ``rles``
@@ -175,24 +89,15 @@ def rle_columns(rows: Sequence[int], rles: Sequence[tuple[int, int, Any]], kind:
             strs.append(counts)
     return dict(
         rle_size=np.asarray([(h, w) for h, w, _ in rles], np.int64).reshape(-1, 2),
-        rle_int_off=_offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
+        rle_int_off=offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
         rle_ints=np.fromiter(chain.from_iterable(ints), np.int64, sum(map(len, ints))),
-        rle_str_off=_offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
+        rle_str_off=offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
         rle_bytes=np.frombuffer(b"".join(strs), np.uint8).copy())
 
 
-def _first_bad_polygon_row(segms: Sequence[Any]) -> int:
-    for i, s in enumerate(segms):
-        if type(s) is list:
-            for p in s:
-                try:
-                    np.asarray(p, np.float64)
-                except (TypeError, ValueError):
-                    return i
-    return 0
-
-
-def _offsets(counts: np.ndarray) -> np.ndarray:
+def offsets(counts: np.ndarray) -> np.ndarray:
+    """int64 ``(n+1,)`` start offsets of ``n`` consecutive runs of ``counts`` items (the
+    last one is the total)."""
     out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
@@ -312,8 +217,7 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
     """
     n = len(strs)
     lens = np.fromiter(map(len, strs), np.int64, n)
-    soff = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=soff[1:])
+    soff = offsets(lens)
     v = np.frombuffer(b"".join(strs), np.uint8).astype(np.int64) - 48
     owner = np.repeat(np.arange(n), lens)
     bad = np.zeros(n, bool)
@@ -326,8 +230,7 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
         c_ok, off_ok, bad_ok = rle_string_counts(ok)
         per = np.zeros(n, np.int64)
         per[~bad] = np.diff(off_ok)
-        off = np.zeros(n + 1, np.int64)
-        np.cumsum(per, out=off[1:])
+        off = offsets(per)
         bad[np.flatnonzero(~bad)[bad_ok]] = True
         return c_ok, off, bad
     if v.size == 0:
@@ -346,8 +249,7 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
     neg = (v[tok_end] & 0x10) != 0 if tok_end.size else np.zeros(0, bool)
     x = np.where(neg, x - (np.int64(1) << (5 * klen)), x)
     ntok = np.bincount(tok_str, minlength=n).astype(np.int64)
-    off = np.zeros(n + 1, np.int64)
-    np.cumsum(ntok, out=off[1:])
+    off = offsets(ntok)
     m = np.arange(x.size, dtype=np.int64) - off[:-1][tok_str]
     chain_ = np.where(m == 0, 0, np.where(m % 2 == 1, 1, 2))
     key = tok_str * 3 + chain_

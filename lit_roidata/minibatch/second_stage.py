@@ -1,4 +1,4 @@
-"""Second-stage labels for end-to-end training, computed from the model's proposals (Detectron
+"""Second-stage labels for end-to-end training, from the model's own proposals (Detectron
 semantics: end-to-end training).
 
 In end-to-end Faster/Mask/Keypoint R-CNN the loader only delivers the RPN family
@@ -7,15 +7,13 @@ blobs depend on the proposals the network has just produced. Detectron computes 
 in a Python op (``GenerateProposalLabels`` / ``CollectAndDistributeFpnRpnProposals``):
 
 1. FPN: keep the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE`` proposals by score
-   over the whole per-GPU minibatch (not per image, Detectron quirk Q26 (docs/detectron_quirks.md));
-2. ``add_proposals`` (Detectron semantics: proposals): per image, proposals divided by the image
-scale are merged
-   into the entry (Detectron semantics: proposals, crowd gt rows included, **no** crowd filter) and
-   classes are
-   assigned (Detectron semantics: class assignment);
-3. bbox regression targets (Detectron semantics: bounding-box regression targets), then
-``add_fast_rcnn_blobs`` (Detectron semantics: Fast R-CNN targets; keypoint targets), whose
-   ``valid`` result is ignored (Detectron quirk Q7, docs/detectron_quirks.md).
+   over the whole per-GPU minibatch, not per image (Detectron quirk Q26,
+   docs/detectron_quirks.md);
+2. ``add_proposals``: per image, the proposals divided by the image scale are merged
+   into the entry (crowd gt rows included, **no** crowd filter) and classes are
+   assigned;
+3. bounding-box regression targets, then ``add_fast_rcnn_blobs``, whose ``valid``
+   result is ignored (Detectron quirk Q7, docs/detectron_quirks.md).
 
 :func:`proposal_labels` does exactly this. Steps 1-3's IoU and target computations run
 in torch on the proposals' device, vectorised over all images at once (a per-image
@@ -52,8 +50,7 @@ def proposal_labels(
     *,
     scores: Any = None,
 ) -> dict[str, Any]:
-    """The Fast R-CNN / Mask / Keypoint blobs for a minibatch's RPN proposals (Detectron semantics:
-    end-to-end training).
+    """The Fast R-CNN / Mask / Keypoint blobs for a minibatch's RPN proposals.
 
     Args:
         rois: ``(N, 5)`` proposals ``(batch_idx, x1, y1, x2, y2)`` in the scaled input
@@ -90,8 +87,7 @@ def proposal_labels(
         rois_t = collect_top_proposals(rois_t, scores, top_n)
     merged = merge_proposals(rois_t, entries, scales, cfg)
     blobs: dict[str, Any] = {}
-    # valid is ignored in e2e (Detectron quirk Q7,
-    # docs/detectron_quirks.md)
+    # valid is ignored end to end (Detectron quirk Q7, docs/detectron_quirks.md)
     add_fast_rcnn_blobs(blobs, scales, merged, cfg, rng)
     if as_numpy:
         return blobs
@@ -116,8 +112,8 @@ def collect_top_proposals(rois: torch.Tensor, scores: Any, top_n: int) -> torch.
 
 def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
                     im_scales: Sequence[float], cfg: Any) -> list[dict[str, Any]]:
-    """Detectron semantics: proposals ``add_proposals`` (crowd_thresh 0) plus Detectron semantics:
-    bounding-box regression targets targets, as new entry dicts.
+    """Detectron's ``add_proposals`` (crowd_thresh 0) plus the bounding-box regression
+    targets, as new entry dicts (Detectron semantics: proposals).
 
     Proposal rows of image ``i`` (in ``rois`` order) are multiplied by ``1 / scale_i``
     in float32, as Detectron does, and appended after the entry's rows. The results
@@ -209,8 +205,8 @@ def _masked_iou(a: torch.Tensor, a_img: torch.Tensor, b: torch.Tensor, b_img: to
 
 def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
             dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Detectron semantics: proposals: max IoU, its gt's class and roidb row per proposal (0, 0, -1
-    if none)."""
+    """Per proposal: max IoU, its gt's class and roidb row (0, 0, -1 if none; Detectron
+    semantics: class assignment)."""
     n = props.shape[0]
     if n == 0 or gt["boxes"].shape[0] == 0:
         return (torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.int64, device=dev),
@@ -250,8 +246,8 @@ def _merged_rows(cols: list[dict[str, Any]], props: torch.Tensor, p_max: torch.T
 
 def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: Any,
              dev: torch.device) -> torch.Tensor:
-    """Detectron semantics: bounding-box regression targets on the merged rows: regress towards the
-    best non-crowd gt of the same image."""
+    """Bounding-box regression targets of the merged rows: towards the best non-crowd gt
+    of the same image."""
     n = rows["boxes"].shape[0]
     targets = torch.zeros((n, 5), dtype=torch.float32, device=dev)
     ok = ~gt["crowd"].to(torch.bool) if gt["boxes"].shape[0] else None
@@ -259,8 +255,7 @@ def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: An
     if ok is None or not bool(ok.any()) or ex.numel() == 0:
         return targets
     iou = _masked_iou(rows["boxes"][ex], rows["img"][ex], gt["boxes"], gt["img"], ok)
-    # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8,
-    # docs/detectron_quirks.md)
+    # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8, docs/detectron_quirks.md)
     best, arg = iou.max(dim=1)
     ex = ex[best >= 0]  # images without a non-crowd gt keep all-zero targets
     arg = arg[best >= 0]
