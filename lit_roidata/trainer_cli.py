@@ -142,8 +142,10 @@ class RoIDataCLI(LightningCLI):
                          subclass_mode_data=True, args=args, run=run, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> Any:
-        """LightningCLI's parser (as its ``init_parser`` makes it), of the class whose help
-        lists the data module's options (:class:`_RoIDataParserMixin`)."""
+        """LightningCLI's parser, whose ``--help`` also lists the data module's options.
+
+        Made as LightningCLI's ``init_parser`` makes it, of :class:`_RoIDataParserMixin`'s
+        class for this namespace."""
         from jsonargparse import ActionConfigFile
 
         ns = namespace_of(self) or PL
@@ -155,9 +157,10 @@ class RoIDataCLI(LightningCLI):
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
                      subparser_kwargs: dict[str, Any]) -> None:
-        """LightningCLI's parser; for ``lightning.pytorch`` the YAML files' class paths of
-        the other namespace are translated (:func:`translate_class_path`), so the same
-        config files serve both."""
+        """LightningCLI's parser, reading the same YAML files in both namespaces.
+
+        For ``lightning.pytorch`` the files' class paths of the other namespace are
+        translated (:func:`translate_class_path`)."""
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         from lit_roidata._lightning import LIGHTNING
 
@@ -169,8 +172,9 @@ class RoIDataCLI(LightningCLI):
         return self.config_init[self.subcommand] if self.subcommand else self.config_init
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        """LightningCLI's Trainer, with lit_roidata's default callbacks where the config
-        has none of their kind:
+        """LightningCLI's Trainer, plus lit_roidata's default callbacks the config lacks.
+
+        Added where the config has none of their kind:
 
         * :class:`~lit_roidata.progress.StepTQDMProgressBar` when no progress bar is
           configured and bars are enabled (``enable_progress_bar`` not false);
@@ -197,9 +201,10 @@ class RoIDataCLI(LightningCLI):
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
 
     def before_fit(self) -> None:
-        """Choose the checkpoint to resume from (:func:`lit_roidata.resume.choose_fit_checkpoint`:
-        ``--ckpt_path PATH|last|fresh``, or the interrupted run's checkpoint) and pass it
-        to ``trainer.fit``, naming it and its step in the log.
+        """Resume from the checkpoint :func:`~lit_roidata.resume.choose_fit_checkpoint` picks.
+
+        That is ``--ckpt_path PATH|last|fresh``, or the interrupted run's checkpoint; it is
+        passed to ``trainer.fit`` and named in the log with its step.
 
         Under DDP the decision is made once (rank 0, before the other processes start)
         and handed to them through the environment (``LIT_ROIDATA_RESUME_FROM``).
@@ -224,9 +229,10 @@ class RoIDataCLI(LightningCLI):
         os.environ.pop(_RESUME_ENV, None)
 
     def _not_fit(self) -> None:
-        """``validate``/``test``/``predict`` run without ``OnExceptionCheckpoint``: their
-        crashes write no checkpoint a later ``fit`` could take for an interrupted run, and
-        its teardown does not delete the interrupted run's file."""
+        """Run without ``OnExceptionCheckpoint`` (``validate``, ``test``, ``predict``).
+
+        Their crashes write no checkpoint a later ``fit`` could take for an interrupted
+        run, and its teardown does not delete the interrupted run's file."""
         on_exc = lightning_attr(self.trainer, "callbacks.OnExceptionCheckpoint")
         self.trainer.callbacks = [cb for cb in self.trainer.callbacks
                                   if not isinstance(cb, on_exc)]
@@ -234,8 +240,9 @@ class RoIDataCLI(LightningCLI):
     before_validate = before_test = _not_fit
 
     def before_predict(self) -> None:
-        """As ``validate``/``test`` (no interrupted-run checkpoint), and write the
-        detections as COCO results json: add a
+        """As ``validate``/``test``, and write the detections as COCO results json.
+
+        Adds a
         :class:`~lit_roidata.models.COCOPredictionWriter` (``<default_root_dir>/predictions``)
         unless the config already has a prediction writer."""
         from lit_roidata.models.predict import COCOPredictionWriter
