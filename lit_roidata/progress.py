@@ -25,6 +25,14 @@ def _by_steps(trainer: Any) -> bool:
             and trainer.max_epochs in (None, -1))
 
 
+def _show_step(bar: Any, trainer: "pl.Trainer") -> None:
+    """Set the tqdm ``bar`` to ``Step global_step/max_steps`` (continues a resumed run)."""
+    bar.total = int(trainer.max_steps)
+    bar.set_description("Step", refresh=False)
+    bar.n = bar.initial = int(trainer.global_step)
+    bar.refresh()
+
+
 class StepTQDMProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar, counting ``global_step`` out of ``max_steps`` when training
     by steps (one bar for the whole run, not one per epoch)."""
@@ -36,24 +44,17 @@ class StepTQDMProgressBar(TQDMProgressBar):
             return int(self.trainer.max_steps)
         return super().total_train_batches
 
-    def _show_step(self, trainer: "pl.Trainer") -> None:
-        bar = self.train_progress_bar
-        bar.total = int(trainer.max_steps)
-        bar.set_description("Step", refresh=False)
-        bar.n = bar.initial = int(trainer.global_step)  # continues from a resumed step
-        bar.refresh()
-
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Lightning's bar; by steps it starts at the (resumed) global step."""
         super().on_train_start(trainer, pl_module)
         if _by_steps(trainer):
-            self._show_step(trainer)
+            _show_step(self.train_progress_bar, trainer)
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
         """Lightning's per-epoch bar; by steps the one bar of the run goes on."""
         if not _by_steps(trainer):
             return super().on_train_epoch_start(trainer, *args)
-        self._show_step(trainer)
+        _show_step(self.train_progress_bar, trainer)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:

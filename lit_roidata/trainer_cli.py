@@ -52,7 +52,7 @@ class _RoIDataParserMixin:
     def format_help(self) -> str:
         """jsonargparse's help, plus the data module's options on a parser with ``--data``."""
         text = super().format_help()  # type: ignore[misc]
-        if not any(getattr(a, "dest", None) == "data" for a in self._actions):  # type: ignore[attr-defined]
+        if "--data.help" not in text:  # not a parser with the data module (subclass mode)
             return text
         return text + "\n" + _data_options_help()
 
@@ -167,7 +167,7 @@ class RoIDataCLI(LightningCLI):
         if namespace_of(self) == LIGHTNING and self.parser.parser_mode == "yaml":
             self.parser.parser_mode = _lightning_parser_mode()  # reaches the subcommands
 
-    def _section(self) -> Any:
+    def subcommand_config(self) -> Any:
         """This subcommand's part of ``config_init`` (all of it without subcommands)."""
         return self.config_init[self.subcommand] if self.subcommand else self.config_init
 
@@ -185,7 +185,7 @@ class RoIDataCLI(LightningCLI):
         from lit_roidata.progress import StepTQDMProgressBar
 
         ns = namespace_of(self) or PL
-        config = {**(self._section().get("trainer") or {}), **kwargs}
+        config = {**(self.subcommand_config().get("trainer") or {}), **kwargs}
         callbacks = config.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(
             callbacks, (list, tuple)) else [callbacks]
@@ -216,20 +216,20 @@ class RoIDataCLI(LightningCLI):
         decided = os.environ.get(_RESUME_ENV)
         if decided is None:
             try:
-                decided = choose_fit_checkpoint(self.trainer, self._section().get("ckpt_path"))
+                decided = choose_fit_checkpoint(self.trainer, self.subcommand_config().get("ckpt_path"))
             except ResumeChoiceError as exc:
                 print(f"lit-roidata fit: error: {exc}", file=sys.stderr)
                 raise SystemExit(2) from None
             decided = decided or ""
             os.environ[_RESUME_ENV] = decided
-        self._section()["ckpt_path"] = decided or None
+        self.subcommand_config()["ckpt_path"] = decided or None
 
     def after_fit(self) -> None:
         """Forget the resume decision handed to the DDP processes."""
         os.environ.pop(_RESUME_ENV, None)
 
-    def _not_fit(self) -> None:
-        """Run without ``OnExceptionCheckpoint`` (``validate``, ``test``, ``predict``).
+    def before_validate(self) -> None:
+        """Run without ``OnExceptionCheckpoint`` (also ``test`` and ``predict``).
 
         Their crashes write no checkpoint a later ``fit`` could take for an interrupted
         run, and its teardown does not delete the interrupted run's file."""
@@ -237,7 +237,7 @@ class RoIDataCLI(LightningCLI):
         self.trainer.callbacks = [cb for cb in self.trainer.callbacks
                                   if not isinstance(cb, on_exc)]
 
-    before_validate = before_test = _not_fit
+    before_test = before_validate
 
     def before_predict(self) -> None:
         """As ``validate``/``test``, and write the detections as COCO results json.
@@ -247,7 +247,7 @@ class RoIDataCLI(LightningCLI):
         unless the config already has a prediction writer."""
         from lit_roidata.models.predict import COCOPredictionWriter
 
-        self._not_fit()
+        self.before_validate()
         writer = lightning_attr(self.trainer, "callbacks.BasePredictionWriter")
         if not any(isinstance(cb, writer) for cb in self.trainer.callbacks):
             self.trainer.callbacks.append(
