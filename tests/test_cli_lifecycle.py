@@ -153,6 +153,29 @@ def test_rerun_after_an_interrupted_fit_names_the_step_and_fresh_starts_over(
     assert not exc.exists()  # a finished fit: Lightning's OnExceptionCheckpoint removed it
 
 
+@pytest.mark.slow
+def test_ddp_rerun_resumes_every_rank_from_the_checkpoint_rank_0_chose(root: Path,
+                                                                       tmp_path: Path) -> None:
+    """Under DDP the re-run's choice is made once (rank 0) and every rank resumes from it."""
+    from datamodule_support import run_cli
+
+    rec = tmp_path / "rec"
+    trainer = {"max_steps": 4, "limit_val_batches": 0, "devices": 2, "strategy": "ddp"}
+    cbs = [{"class_path": REC, "init_args": {"path": str(rec)}}]
+    cfg = tiny_config(root, tmp_path / "run.yaml", run="run", trainer=trainer,
+                      callbacks=cbs + [{"class_path": "test_cli_lifecycle.StopAt",
+                                        "init_args": {"step": 2}}])
+    res = run_cli("fit", "--config", str(cfg), timeout=400)
+    assert res.returncode != 0 and "simulated failure" in res.stderr, res.stderr[-3000:]
+    assert (_ckpt_dir(tmp_path, "run") / "on_exception.ckpt").is_file(), res.stderr[-3000:]
+    plain = tiny_config(root, tmp_path / "plain.yaml", run="run", trainer=trainer, callbacks=cbs)
+    res = run_cli("fit", "--config", str(plain), timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "at global step 2" in res.stderr
+    for rank in (0, 1):
+        assert [r["step"] for r in read_records(rec, rank)] == [1, 2, 3, 4], rank
+
+
 def test_make_demo_data_refuses_to_replace_other_data_without_force(tmp_path: Path,
                                                                     capsys: Any) -> None:
     root = tmp_path / "demo_data"
