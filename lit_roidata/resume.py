@@ -5,7 +5,7 @@ before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``. It reads
 checkpoint files and public attributes: ``OnExceptionCheckpoint.ckpt_path``,
 ``ModelCheckpoint.dirpath`` / ``CHECKPOINT_NAME_LAST`` / ``FILE_EXTENSION``, the first
 logger's ``save_dir`` / ``name`` / ``version``, ``trainer.default_root_dir``, and
-:class:`~lit_roidata.callbacks.GracefulStop`'s ``ckpt_path``.
+:class:`~lit_roidata.callbacks.GracefulStop`'s ``resolve_ckpt_path``.
 
 Lightning's own rule: with ``OnExceptionCheckpoint`` configured, ``fit(ckpt_path=None)``
 means ``"last"`` (the newest of that callback's file and ``last*.ckpt`` in each
@@ -33,10 +33,6 @@ __all__ = ["ResumeChoiceError", "checkpoint_meta", "checkpoint_step", "is_interr
            "interrupted_checkpoints", "last_checkpoints", "choose_fit_checkpoint"]
 
 log = logging.getLogger(__name__)
-
-#: GracefulStop's file when neither it nor an ``OnExceptionCheckpoint`` names one.
-DEFAULT_INTERRUPTED = "interrupted.ckpt"
-
 
 class ResumeChoiceError(ValueError):
     """``fit`` was not told which checkpoint to use where Lightning would pick one itself."""
@@ -134,13 +130,11 @@ def _graceful_stops(trainer: Any) -> list[Any]:
 
 def interrupted_checkpoints(trainer: Any) -> list[str]:
     """Where an interrupted ``fit`` of ``trainer`` writes its checkpoint (existing or not):
-    each ``OnExceptionCheckpoint.ckpt_path``, and GracefulStop's file (its ``ckpt_path``,
-    else the first ``OnExceptionCheckpoint``'s, else ``<default_root_dir>/interrupted.ckpt``)."""
-    paths = [os.fspath(cb.ckpt_path) for cb in _callbacks(trainer, "callbacks.OnExceptionCheckpoint")]
-    for cb in _graceful_stops(trainer):
-        own = getattr(cb, "ckpt_path", None)
-        paths.append(os.fspath(own) if own else paths[0] if paths else
-                     os.path.join(str(trainer.default_root_dir), DEFAULT_INTERRUPTED))
+    each ``OnExceptionCheckpoint.ckpt_path`` (a crash, a second Ctrl-C) and each
+    GracefulStop's (``resolve_ckpt_path``: a first Ctrl-C or SIGTERM)."""
+    on_exc = _callbacks(trainer, "callbacks.OnExceptionCheckpoint")
+    paths = [os.fspath(cb.ckpt_path) for cb in on_exc]
+    paths += [os.fspath(cb.resolve_ckpt_path(trainer)) for cb in _graceful_stops(trainer)]
     return list(dict.fromkeys(paths))
 
 

@@ -216,7 +216,8 @@ class RoIDataCLI(LightningCLI):
         decided = os.environ.get(_RESUME_ENV)
         if decided is None:
             try:
-                decided = choose_fit_checkpoint(self.trainer, self.subcommand_config().get("ckpt_path"))
+                asked = self.subcommand_config().get("ckpt_path")
+                decided = choose_fit_checkpoint(self.trainer, asked)
             except ResumeChoiceError as exc:
                 print(f"lit-roidata fit: error: {exc}", file=sys.stderr)
                 raise SystemExit(2) from None

@@ -205,10 +205,10 @@ def test_make_demo_data_refuses_to_replace_other_data_without_force(tmp_path: Pa
 def test_progress_bar_counts_steps_out_of_max_steps_and_after_a_resume(
         root: Path, tmp_path: Path) -> None:
     from lit_roidata import DemoRoIDataModule
+    from lit_roidata.demo import DemoFastRCNN
     from lit_roidata.progress import StepTQDMProgressBar
 
-    from datamodule_support import dm_kwargs
-    from test_resume import _make_model
+    from datamodule_support import TINY_MODEL, dm_kwargs
 
     seen: list[tuple[Any, Any, str]] = []
 
@@ -223,7 +223,7 @@ def test_progress_bar_counts_steps_out_of_max_steps_and_after_a_resume(
                              enable_model_summary=False, default_root_dir=str(tmp_path),
                              limit_val_batches=0, callbacks=[StepTQDMProgressBar(), Probe(), ck])
         dm = DemoRoIDataModule(**dm_kwargs(root, infinite=True))
-        trainer.fit(_make_model(None), datamodule=dm, ckpt_path=ckpt)
+        trainer.fit(DemoFastRCNN(**TINY_MODEL), datamodule=dm, ckpt_path=ckpt)
 
     fit(3, None)
     fit(5, str(tmp_path / "ck" / "last.ckpt"))
@@ -365,11 +365,13 @@ def test_checkpoint_metadata_is_read_without_running_pickled_code(tmp_path: Path
         return str(tmp_path / name)
 
     fit = save("fit.ckpt", {"global_step": 7, "epoch": 0, "state_dict": {"w": torch.ones(3)},
-                            "hyper_parameters": {"x": Loud(), "fn": pl.trainer.states.TrainerFn.FITTING},
+                            "hyper_parameters": {"x": Loud(),
+                                                 "fn": pl.trainer.states.TrainerFn.FITTING},
                             "DemoRoIDataModule": {"trainer_fn": "fit", "seed": 0},
                             "loops": {"fit_loop": {}, "predict_loop": {}}})
     meta = checkpoint_meta(fit)
-    assert meta["global_step"] == 7 and meta["DemoRoIDataModule"] == {"trainer_fn": "fit", "seed": 0}
+    assert meta["global_step"] == 7
+    assert meta["DemoRoIDataModule"] == {"trainer_fn": "fit", "seed": 0}
     assert RAN == [] and checkpoint_step(fit) == 7 and is_interrupted_fit(fit)
     other = save("other.ckpt", {"global_step": 1, "M": {"trainer_fn": "predict"},
                                 "loops": {"fit_loop": {}}})
