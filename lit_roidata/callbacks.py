@@ -4,8 +4,8 @@ replica check), :class:`COCOEvaluator` (:mod:`lit_roidata.evaluation`: COCO AP),
 :class:`BadImageReport` (:mod:`lit_roidata.skip`: skipped-image report),
 :class:`BlobExchangeCallback` (:mod:`lit_roidata.exchange.callback`: cross-process blob
 exchange), :class:`COCOPredictionWriter` (:mod:`lit_roidata.models.predict`: ``predict``
-output) and :class:`StepProgressBar` / :class:`StepTQDMProgressBar`
-(:mod:`lit_roidata.progress`: step-based progress bars).
+output) and :class:`StepTQDMProgressBar` (:mod:`lit_roidata.progress`: the step-based
+progress bar).
 
 Each is imported on first use, so ``import lit_roidata.callbacks`` stays cheap and does not
 pull in optional dependencies. ``lit_roidata.callbacks.X`` and the defining module's
@@ -28,7 +28,6 @@ CALLBACKS: dict[str, str] = {
     "BadImageReport": "lit_roidata.skip",
     "BlobExchangeCallback": "lit_roidata.exchange.callback",
     "COCOPredictionWriter": "lit_roidata.models.predict",
-    "StepProgressBar": "lit_roidata.progress",
     "StepTQDMProgressBar": "lit_roidata.progress",
 }
 
