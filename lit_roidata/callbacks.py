@@ -91,7 +91,6 @@ class GracefulStop(pl.Callback):
         self._trainer: Any = None
         self._received: Optional[int] = None
         self._previous: dict[int, Any] = {}
-        self._armed = False
         self._signum = 0
         self._validated = False
         self._refused = 0
@@ -151,10 +150,10 @@ class GracefulStop(pl.Callback):
 
             mine = torch.tensor(signum, device=trainer.strategy.root_device)
             signum = int(trainer.strategy.reduce(mine, reduce_op="max"))
-        if not signum or self._armed:
+        if not signum or self.stopped_at is not None:
             return
-        self._armed, self._signum = True, signum
-        loader = trainer.train_dataloader
+        self._signum = signum
+        loader = trainer.train_dataloader  # (again every step: a reloaded loader is new)
         if callable(getattr(loader, "request_stop", None)):
             loader.request_stop(ready=self._ready, on_stop=lambda: self._stop(trainer))
         else:

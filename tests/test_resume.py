@@ -393,6 +393,27 @@ def test_reload_dataloaders_continues_the_stream(root: Path, tmp_path: Path,
 
 
 @pytest.mark.slow
+def test_graceful_stop_reaches_a_reloaded_loader(root: Path, tmp_path: Path,
+                                                 tmp_path_factory: Any) -> None:
+    """A signal at the last batch of an epoch with ``reload_dataloaders_every_n_epochs``:
+    the next epoch's new loader stops after its first batch; the resume is exact."""
+    from conftest import LightningNamespace
+
+    ns = LightningNamespace("pytorch_lightning")
+    n = _epoch_length(root)
+    kw = dm_kwargs(root, infinite=True)
+    ref = _reference(ns, tmp_path_factory, kw, n + 6, True, reload_dataloaders_every_n_epochs=1)
+    plan = {"where": "callback", "step": n, "sig": SIGINT}
+    first = _fit(ns, tmp_path, kw, n + 6, infinite=True, plan=plan,
+                 reload_dataloaders_every_n_epochs=1)
+    assert first.stop.stopped_by_signal == SIGINT and first.trainer.global_step == n + 1
+    second = _fit(ns, tmp_path, kw, n + 6, infinite=True, ckpt=first.stop.stopped_at,
+                  reload_dataloaders_every_n_epochs=1)
+    assert first.rec.trained + second.rec.trained == ref.rec.trained
+    assert first.rec.vals + second.rec.vals == ref.rec.vals
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
 @pytest.mark.parametrize("how", ["stop", "abort"])
 def test_elastic_resume_in_epoch_mode_is_exactly_once(root: Path, tmp_path: Path,
