@@ -40,7 +40,8 @@ def test_ddp_two_processes_fit_the_demo(root: Path, tmp_path: Path, namespace: s
 class SignalAt(IndexRecorder):
     """Records like IndexRecorder; rank ``rank`` sends itself ``sig`` at ``step``."""
 
-    def __init__(self, path: str, step: int, rank: int = 0, sig: int = signal.SIGTERM) -> None:
+    def __init__(self, path: str, step: int, rank: int = 0,
+                 sig: int = int(signal.SIGTERM)) -> None:
         super().__init__(path)
         self.step, self.rank, self.sig = int(step), int(rank), int(sig)
 
@@ -71,7 +72,6 @@ def test_ddp_graceful_stop_on_one_rank_stops_both_and_resumes_exactly(root: Path
                          "init_args": {"path": str(rec), "step": 3, "rank": 1}})
     res = run_cli("fit", "--config", str(cfg), timeout=400)
     out = res.stdout + res.stderr
-    assert "SIGTERM: stopping after this step" in out, out[-4000:]
     assert "stopped at global step 4" in out, out[-4000:]  # seen at the end of step 4
     ckpt = tmp_path / "run" / "interrupted" / "interrupted.ckpt"
     assert ckpt.is_file()
