@@ -270,7 +270,7 @@ class RoIDataModule(pl.LightningDataModule):
 
     def _check_callbacks(self, trainer: Any) -> None:
         from lit_roidata._lightning import isinstance_any
-        from lit_roidata.callbacks import BadImageReport
+        from lit_roidata.loader_callbacks import BadImageReport
 
         if trainer is not None and self.sources.on_bad_image == "skip" and not any(
                 isinstance_any(cb, BadImageReport) for cb in trainer.callbacks):

@@ -144,6 +144,11 @@ def _data_module(ns: Any, kw: dict, plan: Optional[dict], world: int = 1) -> Any
     return dm
 
 
+def _make_model(fail: Optional[dict] = None) -> Any:
+    """The tiny demo model (``fail`` is unused; kept for tests that import it)."""
+    return DemoFastRCNN(**TINY_MODEL)
+
+
 class Run:
     """What one ``fit`` did: the recorder, the trainer, its GracefulStop, its folder."""
 
