@@ -87,6 +87,32 @@ def test_demo_defaults_and_train_batches(dm: RoIDataModule) -> None:
     assert (mine - theirs).abs().max() <= 1.0 + 1e-4 and (mine - theirs).abs().mean() < 0.5
 
 
+def test_builders_make_the_data_modules_loaders_without_a_trainer(dm: RoIDataModule) -> None:
+    """build_train_loader / build_eval_loader (no Lightning needed) give the batches the
+    data module hands Lightning; a sampler or dataset of your own replaces that part."""
+    from lit_roidata.loader import build_eval_loader, build_train_loader, build_train_sampler
+
+    def indices(loader: Any, n: int) -> list[list[int]]:
+        it = iter(loader)
+        return [list(next(it)["_meta"]["indices"]) for _ in range(n)]
+
+    mine = build_train_loader(dm.cfg, dm.train_roidb, seed=dm.seed, num_workers=0)
+    dm.setup("fit")  # what a new fit does: its first loader starts the stream
+    assert indices(mine, 3) == indices(dm.train_dataloader(), 3)
+    other = build_train_sampler(dm.cfg, dm.train_roidb, seed=dm.seed + 1)
+    swapped = build_train_loader(dm.cfg, dm.train_roidb, sampler=other)
+    assert swapped.batch_sampler is other and indices(swapped, 3) != indices(mine, 3)
+    with pytest.raises(TypeError, match="pixel_format"):
+        build_train_loader(dm.cfg, dm.train_roidb, dataset=mine.dataset, pixel_format="uint8")
+    with pytest.raises(ValueError, match="persistent_workers"):
+        build_train_loader(dm.cfg, dm.train_roidb, on_bad_image="skip", num_workers=1,
+                           persistent_workers=True)
+    ev = build_eval_loader(dm.cfg, dm.val_roidb, with_rois=True)
+    assert [b["_meta"]["indices"] for b in ev] == [b["_meta"]["indices"]
+                                                   for b in dm.val_dataloader()]
+    assert build_eval_loader(dm.cfg, None) == []
+
+
 def test_rank_and_world_size_split_the_stream(dm: RoIDataModule) -> None:
     whole = [list(b) for b in dm.make_sampler(world_size=1, rank=0)]
     parts = [[list(b) for b in dm.make_sampler(world_size=2, rank=r)] for r in (0, 1)]
