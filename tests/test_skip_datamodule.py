@@ -277,7 +277,9 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
         trainer = _trainer(tmp_path / "b", steps + 4, [rec2, BadImageReport()])
         trainer.fit(DemoFastRCNN(**TINY_MODEL), datamodule=dm2,
                     ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
-    assert len(rec2.trained) == 5 and not set(rec2.images) & set(bad)
+    # (Lightning 2.4 also writes last.ckpt at the epoch-end hooks that max_steps runs)
+    saved_step = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)["global_step"]
+    assert len(rec2.trained) == steps + 4 - saved_step and not set(rec2.images) & set(bad)
     known = trainer.train_dataloader.skip_policy.ledger.known
     assert known.keys() >= {int(k) for k in state["known"]}
     assert not any("skipping image" in r.message and any(p in r.message for p in found)
