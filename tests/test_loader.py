@@ -243,13 +243,13 @@ def test_stop_request_ends_at_the_first_clean_boundary(request, accumulate, refu
     first_fetch = set()
     while not stopped and len(seen) < len(want) - 5:
         first_fetch.add(len(seen))
-        for batch in loader:  # one epoch (infinite: Lightning's len(loader) batches)
+        for batch in loader:  # one epoch: as Lightning, len(loader) batches, no more fetch
             seen.append(coords([batch])[0])
             if len(seen) % accumulate == 0:
                 steps[0] += 1
             if len(seen) == request + 1:
                 loader.request_stop(ready=ready, on_stop=on_stop)
-            if infinite and len(seen) % len(loader) == 0:
+            if len(seen) % len(loader) == 0:
                 break
     assert seen == want[:len(seen)]
     if not stopped:
