@@ -10,7 +10,6 @@ when a training subcommand runs (it imports Lightning).
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 import sys
@@ -81,8 +80,7 @@ def _renamed_hint(message: str) -> str:
 
     from lit_roidata import options
 
-    # TODO(merge): options.MOVED_OPTIONS only, once r20-core renames DEPRECATED_FLAT_ARGS.
-    moved = getattr(options, "MOVED_OPTIONS", None) or options.DEPRECATED_FLAT_ARGS
+    moved = options.MOVED_OPTIONS
     # "Option 'x'" / "key 'x'" (newer jsonargparse), "NestedArg(key='x'" (4.39)
     found = re.findall(r"(?:Option|key) ?=?'(\w+)'", str(message))
     hints = [f"data.{k} is now data.{'.'.join(moved[k])}" for k in dict.fromkeys(found)
@@ -106,18 +104,6 @@ def _data_options_help() -> str:
     return ("data module options (lit_roidata.RoIDataModule; lit_roidata.DemoRoIDataModule "
             "adds --data.demo_root\nand --data.demo_size; `--data.help CLASS` shows another "
             "data module's):\n\n" + groups + "\n")
-
-
-def _bad_image_report() -> Optional[type]:
-    """``lit_roidata.callbacks.BadImageReport`` when it is built with no arguments."""
-    # TODO(merge): a plain import once r20-core's BadImageReport() is in callbacks.py.
-    try:
-        from lit_roidata.callbacks import BadImageReport
-
-        inspect.signature(BadImageReport).bind()
-    except (ImportError, AttributeError, TypeError):
-        return None
-    return BadImageReport
 
 
 class RoIDataCLI(LightningCLI):
@@ -182,6 +168,7 @@ class RoIDataCLI(LightningCLI):
           (``sources.on_bad_image: skip``).
         """
         from lit_roidata._lightning import isinstance_any
+        from lit_roidata.loader_callbacks import BadImageReport
         from lit_roidata.progress import StepTQDMProgressBar
 
         ns = namespace_of(self) or PL
@@ -189,11 +176,10 @@ class RoIDataCLI(LightningCLI):
         callbacks = config.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(
             callbacks, (list, tuple)) else [callbacks]
-        report = _bad_image_report()
         sources = getattr(self.datamodule, "sources", None)
-        if (report is not None and getattr(sources, "on_bad_image", None) == "skip"
-                and not any(isinstance_any(cb, report) for cb in callbacks)):
-            callbacks.insert(0, bind(report, ns)())
+        if (getattr(sources, "on_bad_image", None) == "skip"
+                and not any(isinstance_any(cb, BadImageReport) for cb in callbacks)):
+            callbacks.insert(0, bind(BadImageReport, ns)())
         bar = lightning_attr(ns, "callbacks.ProgressBar")
         if (config.get("enable_progress_bar") is not False and not config.get("barebones")
                 and not any(isinstance(cb, bar) for cb in callbacks)):
