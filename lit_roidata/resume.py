@@ -100,15 +100,15 @@ def checkpoint_step(path: str) -> Optional[int]:
 
 def is_interrupted_fit(path: str) -> bool:
     """Whether ``path`` was written by an interrupted ``fit``: a top-level entry (the data
-    module's state) has ``trainer_fn == "fit"``; or, where no entry has ``trainer_fn``
-    (another data module), the file has ``loops.fit_loop``."""
+    module's state) has ``trainer_fn == "fit"``. A file without that entry (another data
+    module) counts as one: ``lit-roidata`` lets only ``fit`` write interrupted-run files
+    (``validate``/``test``/``predict`` run without ``OnExceptionCheckpoint``)."""
     meta = checkpoint_meta(path)
+    if not meta:  # unreadable
+        return False
     fns = [_plain(v["trainer_fn"]) for v in meta.values()
            if isinstance(v, dict) and "trainer_fn" in v]
-    if fns:
-        return any(str(getattr(f, "value", f)) == "fit" for f in fns)
-    loops = meta.get("loops")
-    return isinstance(loops, dict) and "fit_loop" in loops
+    return not fns or any(str(getattr(f, "value", f)) == "fit" for f in fns)
 
 
 def _callbacks(trainer: Any, dotted: str) -> list[Any]:
@@ -119,11 +119,8 @@ def _callbacks(trainer: Any, dotted: str) -> list[Any]:
 
 
 def _graceful_stops(trainer: Any) -> list[Any]:
-    try:  # lit_roidata.callbacks.GracefulStop (absent in older trees: none)
-        from lit_roidata.callbacks import GracefulStop
-    except (ImportError, AttributeError):
-        return []
     from lit_roidata._lightning import isinstance_any
+    from lit_roidata.loader_callbacks import GracefulStop
 
     return [cb for cb in trainer.callbacks if isinstance_any(cb, GracefulStop)]
 

@@ -67,8 +67,10 @@ def test_a_crash_in_predict_never_makes_fit_resume(root: Path, tmp_path: Path,
               "datamodule_support.PredictingFastRCNN"])
     exc = _ckpt_dir(tmp_path, "run") / "on_exception.ckpt"
     assert not exc.exists(), "predict wrote an interrupted-run checkpoint"
-    # A stale one (e.g. from an older version) is not resumed either: it is moved aside.
-    fake = {"loops": {"predict_loop": {}}, "global_step": 0, "state_dict": {}}
+    # One written by another subcommand (predict from Python with OnExceptionCheckpoint
+    # configured: the data module's state says so) is not resumed either: it is moved aside.
+    fake = {"DemoRoIDataModule": {"trainer_fn": "predict", "seed": 0}, "global_step": 0,
+            "state_dict": {}}
     exc.parent.mkdir(parents=True, exist_ok=True)
     torch.save(fake, exc)
     with caplog.at_level(logging.WARNING, logger="lit_roidata"):
@@ -372,9 +374,8 @@ def test_checkpoint_metadata_is_read_without_running_pickled_code(tmp_path: Path
     other = save("other.ckpt", {"global_step": 1, "M": {"trainer_fn": "predict"},
                                 "loops": {"fit_loop": {}}})
     assert not is_interrupted_fit(other)  # the data module says which subcommand wrote it
-    plain = save("plain.ckpt", {"global_step": 2, "loops": {"fit_loop": {}}})
-    assert is_interrupted_fit(plain)  # another data module: Lightning's fit loop state
-    assert not is_interrupted_fit(save("none.ckpt", {"loops": {"predict_loop": {}}}))
+    plain = save("plain.ckpt", {"global_step": 2, "loops": {}})
+    assert is_interrupted_fit(plain)  # another data module: only fit writes these files
     (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint")
     for path in (str(tmp_path / "bad.ckpt"), str(tmp_path / "missing.ckpt")):
         assert checkpoint_meta(path) == {} and checkpoint_step(path) is None
