@@ -290,7 +290,8 @@ ns, cfg = sys.argv[1], sys.argv[2]
 bar = lightning_attr(ns, "callbacks.ProgressBar")
 out = {}
 for name, extra in {"default": [], "no_bar": ["--trainer.enable_progress_bar=false"],
-                    "rich": ["--trainer.callbacks+=" + ns + ".callbacks.RichProgressBar"],
+                    "configured": ["--trainer.callbacks+=" + ns + ".callbacks.TQDMProgressBar",
+                                   "--trainer.callbacks.refresh_rate=3"],
                     "skip": ["--data.init_args.sources.on_bad_image=skip"]}.items():
     cbs = cli_main(["--config", cfg, *extra], run=False, namespace=ns).trainer.callbacks
     out[name] = {"bars": [type(cb).__name__ for cb in cbs if isinstance(cb, bar)],
@@ -321,7 +322,10 @@ def test_cli_adds_default_callbacks_only_where_the_config_has_none(
     out = json.loads(line[-1][len("DEFAULTS "):])
     assert out["default"] == {"bars": ["StepTQDMProgressBar"], "step_bar": [True], "reports": 0}
     assert out["no_bar"]["bars"] == []
-    assert out["rich"]["bars"] == ["RichProgressBar"]  # the configured bar, as it is
+    # The configured bar, as it is. (A plain TQDMProgressBar: LightningCLI 2.4 cannot parse
+    # RichProgressBar's theme with jsonargparse >= 4.39, docs/install.md.)
+    assert out["configured"] == {"bars": ["TQDMProgressBar"], "step_bar": [False],
+                                 "reports": 0}
     assert out["skip"]["reports"] == 1
 
 
