@@ -254,14 +254,14 @@ def _lit_module(args: argparse.Namespace, model_type: str, *, check_images: bool
     over = {"MODEL.NUM_CLASSES": 81, "TRAIN.SCALES": list(SCALES), "TRAIN.MAX_SIZE": MAX_SIZE,
             "TRAIN.IMS_PER_BATCH": 2, "TRAIN.ASPECT_GROUPING": True, "TRAIN.USE_FLIPPED": True}
     over.update(kw.pop("overrides", {}))
-    from lit_roidata.options import DEPRECATED_FLAT_ARGS
+    from lit_roidata.options import MOVED_OPTIONS
 
     groups: dict[str, dict[str, Any]] = {"datasets": {"train": ["bench_train"]},
                                          "loader": {"num_workers": args.workers},
                                          "sources": {"cache_dir": args.cache},
                                          "sampling": {"infinite": True}}
     for name, value in kw.items():  # short option names -> their groups
-        group, key = DEPRECATED_FLAT_ARGS[name]
+        group, key = MOVED_OPTIONS[name]
         groups.setdefault(group, {})[key] = value
     dm = RoIDataModule(model_type=model_type, overrides=over, **groups)
     if not check_images:  # the big set's images are read through fake_read

@@ -17,8 +17,7 @@ bad images before reading, a newly found one by the main process
 (:meth:`RoIBlockDataset.repair`). Detectron retries forever and silently (Detectron quirk Q21,
 docs/detectron_quirks.md) or dies on
 the first bad image (Detectron quirk Q33, docs/detectron_quirks.md); here every replacement is
-recorded in ``"_meta"`` so the data
-module can report skips at the end of the epoch.
+recorded in ``"_meta"`` so the skip policy can report skips at the end of the epoch.
 """
 
 from __future__ import annotations
@@ -52,17 +51,6 @@ MASK_FORMATS = ("detectron", "compact")
 TARGET_FORMATS = ("detectron", "compact")
 _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rng streams
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
-
-
-def __getattr__(name: str) -> Any:
-    if name == "make_block":  # deprecated: one constructor of blocks, Block itself
-        import warnings
-
-        warnings.warn("lit_roidata.dataset.make_block is deprecated; use "
-                      "lit_roidata.sampler.Block(indices, seed=..., pass_index=..., "
-                      "block_index=..., attempt=...)", DeprecationWarning, stacklevel=2)
-        return Block
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _coords(block: Any) -> tuple[int, int, int, int]:
@@ -140,7 +128,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             pass's reserve (every good image of a pass delivered exactly once). With
             DataLoader workers, a block with a newly found bad image comes back as a
             :class:`~lit_roidata.skip.RepairRequest`: pass every batch through
-            :meth:`repair` in the main process (``RoIDataModule`` does). Without a
+            :meth:`repair` in the main process (the loader's
+            :class:`~lit_roidata.skip.SkipPolicy` does). Without a
             ledger, a block with a bad image is replaced whole (``replacement``).
         augment: optional :class:`~lit_roidata.minibatch.augment.Augmentation`.
         max_attempts: replacements tried before giving up with an error.

@@ -1,38 +1,26 @@
-"""The loaders: the train DataLoader that checkpoints the batches the training loop
-consumed (:class:`StatefulRoIDataLoader`), this rank's evaluation loader
-(:class:`EvalLoader`), and the worker setup they share (:func:`fork_safe_opencv`).
+"""The loaders and their builders, usable with or without Lightning.
 
-A plain ``DataLoader`` over :class:`~lit_roidata.sampler.RoIBatchSampler` would resume at
-the sampler's cursor, which runs ``num_workers * prefetch_factor`` blocks ahead of
-training; and Lightning, seeing a ``DataLoader`` in a distributed run, would rebuild it
-around a ``DistributedSampler`` (``use_distributed_sampler=True``) and throw the batch
-sampler's own DDP split away (peers.md P9). :class:`StatefulRoIDataLoader` solves both:
+* :func:`build_train_loader` / :func:`build_eval_loader`: a config and a roidb in, a
+  loader out (Detectron2's injectable-builder spirit: pass your own ``dataset`` or
+  ``sampler`` to replace one part). :class:`~lit_roidata.RoIDataModule` only calls them.
+* :class:`StatefulRoIDataLoader`: the train loader that checkpoints the batches the model
+  trained on and can end its iteration at a clean step boundary (:meth:`request_stop`).
+* :class:`EvalLoader`: this rank's evaluation batches, every image once, in order.
 
-* it *wraps* a ``DataLoader`` instead of subclassing one. Lightning's
-  ``_DataConnector._prepare_dataloader`` (trainer/connectors/data_connector.py) returns
-  any object that is not a ``torch.utils.data.DataLoader`` unchanged, so the loader is
-  neither re-instantiated nor wrapped, whatever ``use_distributed_sampler`` says;
-* it implements ``state_dict``/``load_state_dict`` (Lightning's ``_Stateful`` protocol):
-  the fit loop stores the state under ``loops.fit_loop.state_dict.combined_loader`` in
-  every checkpoint (loops/fit_loop.py ``on_save_checkpoint``) and restores it before
-  creating the iterator; since every train loader is stateful, Lightning's mid-epoch
-  resume warning is not raised (loops/training_epoch_loop.py);
-* the position advances when a batch is *handed to the loop*, not when a worker is given
-  a block. Lightning does not prefetch from loaders that have a length
-  (loops/fetchers.py ``_PrefetchDataFetcher.__iter__``), and this loader always has one,
-  so at most the batch being moved to the device or trained on is handed out and not
-  yet trained; the ``inflight`` callback (the data module's) says so when a checkpoint
-  is written on an interrupt. Batches come out in sampler order (``in_order=True``), so
-  counting them is exact;
-* restoring is O(1): the saved ``(pass, cursor)`` is set on the sampler; nothing is
-  replayed (design principle 4).
+Both loaders *wrap* a ``torch.utils.data.DataLoader`` instead of subclassing one, so
+Lightning neither re-instantiates nor wraps them (it returns any object that is not a
+``DataLoader`` unchanged, whatever ``use_distributed_sampler`` says) and never throws
+the sampler's own DDP split away for a ``DistributedSampler`` (peers.md P9).
+
+Nothing here imports Lightning: DataLoader workers import this module.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import signal
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -41,11 +29,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_roidata.config import DetectronConfig
-from lit_roidata.dataset import EvalDataset
+from lit_roidata.dataset import EvalDataset, RoIBlockDataset
 from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.sampler import RoIBatchSampler
+from lit_roidata.skip import BadImageLedger, SkipPolicy, holdback_blocks
 
-__all__ = ["StatefulRoIDataLoader", "EvalLoader", "passthrough_collate", "fork_safe_opencv"]
+__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler",
+           "build_train_dataset", "build_train_loader", "build_eval_loader",
+           "passthrough_collate", "fork_safe_opencv"]
 
 log = logging.getLogger(__name__)
 
@@ -56,57 +47,61 @@ def passthrough_collate(batch: Any) -> Any:
     return batch
 
 
-class _EpochHook:
-    """What Lightning finds at ``loader.sampler``: it only calls ``set_epoch`` there
-    (lightning_fabric/utilities/data.py ``_set_sampler_epoch``), and the epoch must reach the
-    loader's consumed position, not only the sampler's draw position."""
-
-    __slots__ = ("_loader",)
-
-    def __init__(self, loader: "StatefulRoIDataLoader") -> None:
-        self._loader = loader
-
-    def set_epoch(self, epoch: int) -> None:
-        self._loader.set_epoch(epoch)
+def _init_worker(user_fn: Callable[[int], None] | None, worker_id: int) -> None:
+    # A terminal's Ctrl-C reaches every process of the group; a worker that died of it
+    # would break the graceful stop its main process makes (lit_roidata.callbacks.
+    # GracefulStop). SIGTERM keeps its default: it is how the main process (and
+    # multiprocessing at exit) ends a worker that does not stop by itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if user_fn is not None:
+        user_fn(worker_id)
 
 
 class StatefulRoIDataLoader:
     """A checkpointable train loader over a :class:`RoIBatchSampler` (design principle 4).
 
     Iterating yields one item per block of this rank (the dataset's ``__getitems__``
-    result, passed through ``collate_fn``). ``len()`` is the sampler's length, equal on
-    every rank. The state is the sampler's position after the last batch handed out,
-    counted in global blocks, so a checkpoint taken mid-epoch resumes with exactly the
-    batches an uninterrupted run would have produced, for any ``num_workers`` and even
-    with another ``world_size``.
+    result, passed through ``collate_fn``): the rest of the current pass (epoch mode) or
+    forever (infinite mode). ``len()`` is the sampler's length, equal on every rank.
+
+    **Position.** The loader keeps its own account of the stream: the position (pass,
+    cursor in global blocks) after the last batch handed out, and, for the batches
+    handed out since the optimizer last stepped, the position before each. When
+    ``optimizer_steps`` is given, :meth:`state_dict` leaves out the batches handed out
+    since the step count last advanced (the batch of a step that raised; a whole
+    unfinished gradient-accumulation window), so a checkpoint written on an exception
+    (``OnExceptionCheckpoint``) resumes with them; after the optimizer stepped (e.g. in
+    ``on_train_batch_end`` or validation) nothing is left out. Lightning does not
+    prefetch from loaders with a length, so at most the batches of one step are handed
+    out and not trained. Restoring is O(1), for any ``num_workers`` and even another
+    ``world_size``. The loader never follows Lightning's epoch number: ``set_epoch``
+    (on the loader or its sampler) has no effect, every iteration starts where the
+    previous one stopped.
+
+    **Stops.** :meth:`request_stop` makes the iteration end (``StopIteration``) at the
+    first clean step boundary: before handing out a batch, when this iterator has handed
+    out one already (never at an epoch's first fetch), the optimizer stepped since then
+    (never inside an accumulation window) and ``ready()`` agrees.
 
     Args:
         dataset: map-style dataset; ``__getitems__(block)`` (or ``__getitem__`` per index)
-            builds the blobs of one block in a worker.
+            builds the blobs of one block in a worker. With a
+            :class:`~lit_roidata.skip.BadImageLedger` (``on_bad_image="skip"``) the loader
+            owns the :class:`~lit_roidata.skip.SkipPolicy` (:attr:`skip_policy`).
         batch_sampler: this rank's :class:`RoIBatchSampler`.
         num_workers, pin_memory, timeout, worker_init_fn, multiprocessing_context,
-            prefetch_factor, persistent_workers: as for ``torch.utils.data.DataLoader``.
+            prefetch_factor, persistent_workers: as for ``torch.utils.data.DataLoader``
+            (workers ignore SIGINT: the main process stops them).
         collate_fn: defaults to :func:`passthrough_collate`.
         strict_resume: when a loaded state belongs to another stream (roidb length,
             orientation count, ``ims_per_batch``, seed, grouping or shuffle differ),
             ``True`` raises ``ValueError``; ``False`` logs a warning and starts a fresh pass.
-        inflight: optional ``() -> int``: batches handed to the loop but not trained on
-            when :meth:`state_dict` runs (e.g. 1 when ``training_step`` raised and
-            ``OnExceptionCheckpoint`` saves); the saved position is moved back before them
-            (up to 8).
-        on_pass_end: optional ``() -> None`` called when the batch that finishes a pass is
-            handed out (local work only: no collective inside batch fetching).
-        on_batch: optional ``batch -> batch`` applied in this process, in stream order, to
-            every batch before it is handed out (e.g. ``RoIBlockDataset.repair`` of the
-            skip policy, counting skips).
-        on_restore: optional ``(loader, state) -> None`` called at the end of
-            :meth:`load_state_dict` (the data module aligns Lightning's loop counters with
-            the restored position there).
+        optimizer_steps: ``() -> int``, the optimizer steps taken so far (e.g.
+            ``lambda: trainer.global_step``); without it every batch handed out counts
+            as trained.
         shm_pool: with workers and a dataset that supports it (``RoIBlockDataset``),
             give each worker set a :class:`~lit_roidata.minibatch.shm_pool.ShmPool`:
-            ``prefetch_factor + 3`` reusable shared-memory slots per worker, so batches
-            leave the workers without creating, faulting in and mapping new segments.
-            A slot is reused only once every tensor of the batch it held is gone.
+            ``prefetch_factor + 3`` reusable shared-memory slots per worker.
         shm_pool_slot_bytes: capacity of a slot (virtual: only written pages cost
             memory); an array that does not fit gets a new segment.
 
@@ -120,11 +115,7 @@ class StatefulRoIDataLoader:
                  timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, strict_resume: bool = True,
-                 inflight: Callable[[], int] | None = None,
-                 on_pass_end: Callable[[], None] | None = None,
-                 on_restore: Callable[["StatefulRoIDataLoader", Mapping[str, Any]], None]
-                 | None = None,
-                 on_batch: Callable[[Any], Any] | None = None, shm_pool: bool = True,
+                 optimizer_steps: Callable[[], int] | None = None, shm_pool: bool = True,
                  shm_pool_slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
@@ -143,19 +134,22 @@ class StatefulRoIDataLoader:
         self._loader = DataLoader(
             dataset, batch_sampler=batch_sampler, num_workers=num_workers,
             collate_fn=passthrough_collate if collate_fn is None else collate_fn,
-            pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
+            pin_memory=pin_memory, timeout=timeout,
+            worker_init_fn=functools.partial(_init_worker, worker_init_fn),
             multiprocessing_context=multiprocessing_context, generator=self._generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             in_order=True)
         state = batch_sampler.state_dict()
         self._pos: tuple[int, int] = (state["pass"], state["cursor"])
-        self._consumed = 0  # global minibatches handed out over the run (informational)
-        self._recent: deque[tuple[int, int]] = deque(maxlen=8)  # positions before them
-        self._inflight = inflight
-        self._on_pass_end = on_pass_end
-        self._on_restore = on_restore
-        self._on_batch = on_batch
-        self.sampler = _EpochHook(self)
+        self._consumed = 0  # global minibatches handed out over the run
+        self._optimizer_steps = optimizer_steps
+        # Positions before the batches handed out at step count _window_steps.
+        self._window: list[tuple[int, int]] = []
+        self._window_steps: int | None = None
+        self._stop: tuple[Callable[[], bool] | None, Callable[[], None] | None] | None = None
+        ledger = getattr(dataset, "ledger", None)
+        #: The :class:`~lit_roidata.skip.SkipPolicy` (``on_bad_image="skip"``), else None.
+        self.skip_policy = SkipPolicy(dataset) if isinstance(ledger, BadImageLedger) else None
         self._use_pool = bool(shm_pool) and num_workers > 0 and hasattr(dataset, "shm_pool")
         self._slot_bytes = int(shm_pool_slot_bytes)
         self._pool_ref: Callable[[], ShmPool | None] = lambda: None
@@ -182,46 +176,83 @@ class StatefulRoIDataLoader:
     def collate_fn(self) -> Callable[[Any], Any]:
         return self._loader.collate_fn
 
-    @property
-    def _iterator(self) -> Any:
-        # Lightning's CombinedLoader.reset() shuts persistent workers down through this.
-        return self._loader._iterator
-
-    @_iterator.setter
-    def _iterator(self, value: Any) -> None:
-        self._loader._iterator = value
-
     def __len__(self) -> int:
         """Batches per epoch on this rank (:meth:`RoIBatchSampler.__len__`)."""
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[Any]:
-        """Batches from the consumed position on: to the end of the pass (epoch mode) or
-        forever (infinite mode). Nothing runs until the first ``next()``, so Lightning can
-        create the iterator, then call ``set_epoch``, then fetch."""
+        """Batches from the loader's position on: to the end of the pass (epoch mode) or
+        forever (infinite mode). Nothing runs until the first ``next()``."""
         return self._generate()
 
     def _generate(self) -> Iterator[Any]:
         sampler = self.batch_sampler
         self._pos = sampler.normalize(*self._pos)
-        sampler.load_state_dict(sampler.state_at(*self._pos))
+        sampler.load_state_dict(sampler.state_at(*self._pos))  # whatever set_epoch did
         # Worker seeds depend on the position and the rank (global-RNG use inside workers,
         # e.g. a user's augmentation, differs between ranks); the blobs themselves are
         # seeded per block (lit_roidata.rng.block_rng) and do not depend on either.
         seed = np.random.SeedSequence([sampler.seed, *self._pos, sampler.rank]
                                       ).generate_state(1)[0]
         self._generator.manual_seed(int(seed))
-        for batch in self._start_workers():
-            if self._on_batch is not None:
-                batch = self._on_batch(batch)
-            # Advance before yielding: a checkpoint written while the loop holds this
-            # batch must resume after it.
-            self._recent.append(self._pos)
+        batches = self._start_workers()
+        handed_out = False
+        while True:
+            if handed_out and self._stop is not None and self._stop_now(*self._stop):
+                return
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            if self.skip_policy is not None:
+                batch = self.skip_policy.on_batch(batch)
+            steps = self._steps()
+            if steps != self._window_steps:
+                self._window, self._window_steps = [], steps
+            self._window.append(self._pos)
+            # Advance before yielding: a checkpoint written after this batch's step
+            # must resume after it.
             self._pos = sampler.advance(*self._pos, 1)
             self._consumed += 1
-            if self._on_pass_end is not None and self._pass_ended(self._recent[-1]):
-                self._on_pass_end()
+            handed_out = True
             yield batch
+
+    def _steps(self) -> int:
+        return -1 if self._optimizer_steps is None else int(self._optimizer_steps())
+
+    def _in_flight(self) -> int:
+        """Batches handed out since the optimizer last stepped (not trained)."""
+        if self._optimizer_steps is None or self._window_steps is None:
+            return 0
+        return len(self._window) if self._steps() <= self._window_steps else 0
+
+    def _stop_now(self, ready: Callable[[], bool] | None,
+                  on_stop: Callable[[], None] | None) -> bool:
+        if self._in_flight():  # inside a gradient-accumulation window
+            return False
+        if ready is not None and not ready():
+            return False
+        self._stop = None
+        log.debug("StatefulRoIDataLoader: stopping at pass %d, block %d", *self._pos)
+        if on_stop is not None:
+            on_stop()
+        return True
+
+    def request_stop(self, ready: Callable[[], bool] | None = None,
+                     on_stop: Callable[[], None] | None = None) -> None:
+        """End the current iteration at the next clean step boundary (class docstring).
+
+        Args:
+            ready: asked at each candidate boundary; ``False`` waits for the next one.
+            on_stop: called at the boundary, before the iteration ends (e.g. to write
+                a checkpoint: every batch handed out is trained, nothing is in flight).
+        """
+        self._stop = (ready, on_stop)
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether a :meth:`request_stop` is still waiting for its boundary."""
+        return self._stop is not None
 
     def _start_workers(self) -> Iterator[Any]:
         """``iter(DataLoader)``; a new set of workers gets a new shared-memory pool
@@ -239,29 +270,26 @@ class StatefulRoIDataLoader:
         self._pool_ref = weakref.ref(pool)
         return it
 
+    def close(self) -> None:
+        """Stop persistent workers now (other workers stop with their iterator)."""
+        it = self._loader._iterator
+        self._loader._iterator = None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
     @property
     def shm_pool(self) -> ShmPool | None:
         """The shared-memory pool of the current workers (None: none, or they are gone);
         :meth:`ShmPool.stats` counts slot reuse and fallbacks."""
         return self._pool_ref()
 
-    def _pass_ended(self, before: tuple[int, int]) -> bool:
-        if self.batch_sampler.infinite:
-            return self._pos[0] != before[0]
-        return self.batch_sampler.normalize(*self._pos)[0] != self._pos[0]
-
     def set_epoch(self, epoch: int) -> None:
-        """Epoch mode: start pass ``epoch`` unless it is the current one (a mid-epoch
-        resume keeps its cursor). Infinite mode: no effect. Lightning calls this through
-        ``loader.sampler.set_epoch`` at every epoch start."""
-        self.batch_sampler.set_epoch(epoch)
-        if not self.batch_sampler.infinite and epoch != self._pos[0]:
-            self._pos = (int(epoch), 0)
-            self._recent.clear()
+        """Accepted and ignored: the stream does not follow Lightning's epoch number
+        (an epoch is the rest of the current pass, or ``len()`` batches when infinite)."""
 
     @property
     def consumed_batches(self) -> int:
-        """Global minibatches handed to the loop over the run (restored on resume)."""
+        """Global minibatches handed out over the run (restored on resume)."""
         return self._consumed
 
     @property
@@ -271,16 +299,15 @@ class StatefulRoIDataLoader:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The consumed position (``sampler`` entry, :meth:`RoIBatchSampler.state_at`)."""
-        pos, consumed = self._pos, self._consumed
-        held = 0 if self._inflight is None else int(self._inflight())
-        if held > 0:
-            if held > len(self._recent):
-                raise RuntimeError(f"StatefulRoIDataLoader: {held} batches in flight but only "
-                                   f"{len(self._recent)} recent positions are known")
-            pos, consumed = self._recent[-held], consumed - held
-        return {"sampler": self.batch_sampler.state_at(*pos),
-                "consumed_batches": consumed, "num_workers": self.num_workers}
+        """The position after the batches trained (``sampler``:
+        :meth:`RoIBatchSampler.state_at`), and the skip policy's state."""
+        held = self._in_flight()
+        pos = self._window[-held] if held else self._pos
+        state = {"sampler": self.batch_sampler.state_at(*pos),
+                 "consumed_batches": self._consumed - held, "num_workers": self.num_workers}
+        if self.skip_policy is not None:
+            state["skip"] = self.skip_policy.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool | None = None) -> None:
         """Continue from a saved position in O(1); no batch is replayed.
@@ -293,19 +320,120 @@ class StatefulRoIDataLoader:
             ValueError: the state belongs to another stream and resuming is strict.
         """
         strict = self.strict_resume if strict is None else bool(strict)
-        sampler_state = state_dict.get("sampler", state_dict)
-        self._pos = self.batch_sampler.check_state(sampler_state, strict=strict)
+        sampler = self.batch_sampler
+        self._pos = sampler.check_state(state_dict.get("sampler", state_dict), strict=strict)
         self._consumed = int(state_dict.get("consumed_batches", 0))
-        self._recent.clear()
+        self._window, self._window_steps = [], None
         log.debug("StatefulRoIDataLoader: data stream resumes at pass %d, block %d",
                   *self._pos)
-        self.batch_sampler.load_state_dict(self.batch_sampler.state_at(*self._pos))
-        if self._on_restore is not None:
-            self._on_restore(self, state_dict)
+        sampler.load_state_dict(sampler.state_at(*self._pos))
+        if self.skip_policy is not None and state_dict.get("skip") is not None:
+            self.skip_policy.load_state_dict(state_dict["skip"], self._pos)
 
     def __repr__(self) -> str:
         return (f"StatefulRoIDataLoader(pass={self._pos[0]}, cursor={self._pos[1]}, "
                 f"len={len(self)}, num_workers={self.num_workers})")
+
+
+def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = None,
+                        rank: int = 0, world_size: int = 1, infinite: bool = False,
+                        shuffle: bool = True, ims_per_batch: int | None = None,
+                        bad_image_reserve: float = 0.0) -> RoIBatchSampler:
+    """Detectron's batch sampler over ``roidb`` for this rank.
+
+    Args:
+        cfg: ``TRAIN.IMS_PER_BATCH`` (per rank), ``TRAIN.ASPECT_GROUPING``, ``RNG_SEED``.
+        seed: the stream seed (default ``cfg.RNG_SEED``).
+        shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` identity order.
+        ims_per_batch: images per block (default ``TRAIN.IMS_PER_BATCH``).
+        bad_image_reserve: fraction of each pass held back as replacements for bad
+            images (``on_bad_image="skip"``; :func:`lit_roidata.skip.holdback_blocks`).
+    """
+    mb = int(cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch)
+    kw = dict(aspect_grouping=bool(cfg.TRAIN.ASPECT_GROUPING) and shuffle, shuffle=shuffle,
+              seed=int(cfg.RNG_SEED if seed is None else seed), rank=rank,
+              world_size=world_size, infinite=bool(infinite))
+    sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, **kw)
+    hb = holdback_blocks(sampler.blocks_per_pass, float(bad_image_reserve),
+                         1 if infinite else int(world_size), mb) if bad_image_reserve else 0
+    return RoIBatchSampler(roidb.widths, roidb.heights, mb, holdback=hb, **kw) if hb else sampler
+
+
+def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: RoIBatchSampler | None = None,
+                        *, on_bad_image: str = "raise", **options: Any) -> RoIBlockDataset:
+    """The workers' :class:`~lit_roidata.dataset.RoIBlockDataset` over ``roidb``.
+
+    Args:
+        sampler: replaces invalid minibatches (``replacement_block``); with
+            ``on_bad_image="skip"`` the dataset also gets a
+            :class:`~lit_roidata.skip.BadImageLedger` over it.
+        **options: :class:`~lit_roidata.dataset.RoIBlockDataset` keywords
+            (``output_format``, ``pixel_format``, ``rng_mode``, ``augment``, ...).
+    """
+    ledger = (BadImageLedger(sampler, roidb)
+              if on_bad_image == "skip" and sampler is not None else None)
+    return RoIBlockDataset(roidb, cfg, ledger=ledger, on_bad_image=on_bad_image,
+                           replacement=None if sampler is None else sampler.replacement_block,
+                           **options)
+
+
+_LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
+                "strict_resume", "optimizer_steps", "shm_pool", "worker_init_fn",
+                "multiprocessing_context", "timeout")
+_SAMPLER_KEYS = ("seed", "rank", "world_size", "infinite", "shuffle", "ims_per_batch",
+                 "bad_image_reserve")
+
+
+def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
+                       sampler: RoIBatchSampler | None = None, on_bad_image: str = "raise",
+                       **options: Any) -> StatefulRoIDataLoader:
+    """The checkpointable train loader of one rank, with or without Lightning.
+
+    Example::
+
+        loader = build_train_loader(cfg, combined_roidb_for_training(...), num_workers=4,
+                                    rank=rank, world_size=world_size, infinite=True)
+
+    Args:
+        cfg: the Detectron config (``TRAIN.*``, ``RNG_SEED``).
+        roidb: the training roidb (``widths``/``heights`` columns and entries).
+        dataset: your own map-style dataset (default :func:`build_train_dataset`).
+        sampler: your own :class:`RoIBatchSampler` (default :func:`build_train_sampler`).
+        on_bad_image: ``"raise"`` or ``"skip"`` (the reserve: ``bad_image_reserve``,
+            default 0.01 of a pass).
+        **options: sampler keywords (``seed``, ``rank``, ``world_size``, ``infinite``,
+            ``shuffle``, ``ims_per_batch``, ``bad_image_reserve``), loader keywords
+            (``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
+            ``strict_resume``, ``optimizer_steps``, ``shm_pool``, ...) and dataset
+            keywords (``output_format``, ``pixel_format``, ``rng_mode``, ``augment``,
+            ``mask_format``, ``target_format``, ``fix_rpn_quirks``).
+
+    Raises:
+        ValueError: ``persistent_workers`` with ``on_bad_image="skip"`` (each epoch's
+            workers must see the bad images found in the previous one).
+    """
+    ld = {k: options.pop(k) for k in _LOADER_KEYS if k in options}
+    sm = {k: options.pop(k) for k in _SAMPLER_KEYS if k in options}
+    if on_bad_image == "skip":
+        sm.setdefault("bad_image_reserve", 0.01)
+        if ld.get("persistent_workers") and ld.get("num_workers"):
+            raise ValueError("persistent_workers=True with on_bad_image='skip': each "
+                             "epoch's workers must be new to skip the bad images found in "
+                             "the previous epoch; drop one of the two")
+    else:
+        sm.pop("bad_image_reserve", None)
+    if sampler is None:
+        sampler = build_train_sampler(cfg, roidb, **sm)
+    if dataset is None:
+        dataset = build_train_dataset(cfg, roidb, sampler, on_bad_image=on_bad_image, **options)
+    elif options:
+        raise TypeError(f"build_train_loader: dataset options {sorted(options)} given with "
+                        "your own dataset; set them on the dataset")
+    nw = int(ld.pop("num_workers", 0))
+    if nw == 0:  # PyTorch refuses these without workers
+        ld.pop("prefetch_factor", None)
+        ld["persistent_workers"] = False
+    return StatefulRoIDataLoader(dataset, sampler, num_workers=nw, **ld)
 
 
 def fork_safe_opencv() -> None:
@@ -354,6 +482,7 @@ class EvalLoader:
             num_workers=self.num_workers, pin_memory=pin_memory,
             persistent_workers=bool(persistent_workers) and self.num_workers > 0,
             prefetch_factor=prefetch_factor if self.num_workers > 0 else None,
+            worker_init_fn=functools.partial(_init_worker, None),
             generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
@@ -361,3 +490,16 @@ class EvalLoader:
 
     def __iter__(self) -> Any:
         return iter(self._loader)
+
+
+def build_eval_loader(cfg: DetectronConfig, roidb: Any, *, rank: int = 0, world_size: int = 1,
+                      **options: Any) -> EvalLoader:
+    """This rank's :class:`EvalLoader` over an evaluation roidb (or ``[]`` for ``None``).
+
+    ``options``: ``ims_per_batch``, ``pixel_format``, ``with_rois`` (the split has
+    proposal files), ``num_workers``, ``pin_memory``, ``persistent_workers``,
+    ``prefetch_factor``.
+    """
+    if roidb is None:
+        return []  # type: ignore[return-value]
+    return EvalLoader(roidb, cfg, rank=rank, world_size=world_size, **options)

@@ -13,9 +13,8 @@ A field whose default is ``None`` and that names a Detectron key (``ims_per_batc
 here is written into the config once, when the data module builds it, so ``dm.cfg`` is
 the one place every part reads it from.
 
-The flat keyword names of earlier releases (``num_workers=4``, ``train_datasets=[...]``)
-still work for one release with a ``DeprecationWarning`` naming the nested key
-(:data:`DEPRECATED_FLAT_ARGS`).
+A flat name (``num_workers=4``) is refused with an error naming its nested key
+(:data:`MOVED_OPTIONS`). Each group checks its own ranges when it is built.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
 
-__all__ = ["AugmentOptions", "DatasetOptions", "DEPRECATED_FLAT_ARGS", "LoaderOptions",
-           "OutputOptions", "SamplingOptions", "SourceOptions", "as_options"]
+__all__ = ["AugmentOptions", "DatasetOptions", "MOVED_OPTIONS", "LoaderOptions",
+           "OutputOptions", "SamplingOptions", "SourceOptions", "as_options",
+           "albumentations_transform", "detectron_cfg", "refuse_unknown"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,11 @@ class SourceOptions:
     on_bad_image: Literal["raise", "skip"] = "raise"
     bad_image_reserve: float = 0.01
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.bad_image_reserve < 1:
+            raise ValueError(f"sources.bad_image_reserve={self.bad_image_reserve}; use a "
+                             "fraction of a pass in [0, 1), e.g. 0.01")
+
 
 @dataclass(frozen=True)
 class LoaderOptions:
@@ -123,6 +128,17 @@ class LoaderOptions:
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None
     shm_pool: bool = True
+
+    def __post_init__(self) -> None:
+        checks = (("num_workers", self.num_workers, 0, "0 (main process) or more"),
+                  ("eval_ims_per_batch", self.eval_ims_per_batch, 1, "at least 1"),
+                  ("ims_per_batch", self.ims_per_batch, 1,
+                   "at least 1 (or null: TRAIN.IMS_PER_BATCH of the Detectron config)"),
+                  ("prefetch_factor", self.prefetch_factor, 1,
+                   "at least 1 (or null: PyTorch's default)"))
+        for name, value, low, fix in checks:
+            if value is not None and value < low:
+                raise ValueError(f"loader.{name}={value}; use {fix}")
 
 
 @dataclass(frozen=True)
@@ -199,40 +215,46 @@ class AugmentOptions:
     transforms: list[Any] = field(default_factory=list)
     min_visibility: float = 0.0
 
+    def pipeline(self, cfg: Any) -> Any:
+        """The :class:`~lit_roidata.minibatch.augment.Augmentation` for the Detectron
+        config ``cfg`` (YAML specs become albumentations transforms)."""
+        from lit_roidata.minibatch.augment import Augmentation
 
-#: Flat keyword of earlier releases -> (group, field) of its nested replacement.
-DEPRECATED_FLAT_ARGS: dict[str, tuple[str, str]] = {
-    "train_datasets": ("datasets", "train"),
-    "train_proposal_files": ("datasets", "train_proposal_files"),
-    "val_datasets": ("datasets", "val"),
-    "val_proposal_files": ("datasets", "val_proposal_files"),
-    "test_datasets": ("datasets", "test"),
-    "test_proposal_files": ("datasets", "test_proposal_files"),
-    "data_root": ("sources", "data_root"),
-    "dataset_catalog": ("sources", "dataset_catalog"),
-    "cache_dir": ("sources", "cache_dir"),
-    "trust_pickle": ("sources", "trust_pickle"),
-    "on_bad_image": ("sources", "on_bad_image"),
-    "bad_image_reserve": ("sources", "bad_image_reserve"),
-    "num_workers": ("loader", "num_workers"),
-    "eval_ims_per_batch": ("loader", "eval_ims_per_batch"),
-    "pin_memory": ("loader", "pin_memory"),
-    "output_format": ("output", "output_format"),
-    "pixel_format": ("output", "pixel_format"),
-    "mask_format": ("output", "mask_format"),
-    "target_format": ("output", "target_format"),
-    "fix_rpn_quirks": ("output", "fix_rpn_quirks"),
-    "seed": ("sampling", "seed"),
-    "rng_mode": ("sampling", "rng_mode"),
-    "infinite": ("sampling", "infinite"),
-}
+        return Augmentation([albumentations_transform(t) for t in self.transforms], cfg,
+                            min_visibility=float(self.min_visibility))
+
 
 #: Group name -> its dataclass.
 GROUPS: dict[str, type] = {"datasets": DatasetOptions, "sources": SourceOptions,
                            "loader": LoaderOptions, "output": OutputOptions,
                            "sampling": SamplingOptions, "augment": AugmentOptions}
 
+#: Flat name -> (group, field) of the nested option it is (errors name the nested key):
+#: every field by its own name, the dataset lists also as ``<split>_datasets``.
+MOVED_OPTIONS: dict[str, tuple[str, str]] = {
+    **{f"{split}_datasets": ("datasets", split) for split in ("train", "val", "test")},
+    **{f.name: (group, f.name) for group, cls in GROUPS.items()
+       for f in dataclasses.fields(cls) if f.name not in ("train", "val", "test")},
+}
+
 T = TypeVar("T")
+
+
+def refuse_unknown(owner: str, names: Mapping[str, Any]) -> None:
+    """Raise ``TypeError`` for the first of ``names`` (keywords that are not arguments of
+    the data module ``owner``): a flat option name names its nested key."""
+    for name in names:
+        if name in ("demo_root", "demo_size"):
+            raise TypeError(f"{owner}: {name} is an argument of lit_roidata.DemoRoIDataModule "
+                            "(the generated demo data)")
+        if name in MOVED_OPTIONS:
+            group, key = MOVED_OPTIONS[name]
+            raise TypeError(f"{owner}: {name}=... is now {group}.{key}: pass "
+                            f"{group}={{{key!r}: ...}} (--data.{group}.{key} on the command "
+                            "line)")
+        raise TypeError(f"{owner}: unexpected keyword argument {name!r}; the arguments are "
+                        "detectron_config, overrides, model_type and the option groups "
+                        f"{list(GROUPS)} (options are grouped, e.g. loader.num_workers)")
 
 
 def as_options(cls: type[T], value: Union[None, T, Mapping[str, Any]], group: str) -> T:
@@ -269,3 +291,80 @@ def to_plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)  # e.g. an albumentations transform instance
+
+
+def albumentations_transform(spec: Any) -> Any:
+    """An albumentations transform from an instance or a ``{class_path, init_args}``
+    dict (a bare class name is looked up in ``albumentations``; ``augment.transforms``)."""
+    if not isinstance(spec, Mapping):
+        return spec
+    import importlib
+
+    from lit_roidata._optional import require
+
+    A = require("albumentations", "augment", "augmentation (augment.transforms)")
+    if "class_path" not in spec:
+        raise ValueError(f"augment.transforms: {dict(spec)!r} needs a class_path, e.g. "
+                         "{class_path: RandomBrightnessContrast, init_args: {p: 0.5}}")
+    path = str(spec["class_path"])
+    unknown = sorted(set(spec) - {"class_path", "init_args"})
+    if unknown:
+        raise ValueError(f"augment.transforms: {path}: unknown keys {unknown}; use "
+                         "class_path and init_args")
+    if "." in path:
+        module, name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name, None)
+    else:
+        cls = getattr(A, path, None)
+    if cls is None:
+        raise ValueError(f"augment.transforms: no albumentations transform {path!r}")
+    args = dict(spec.get("init_args") or {})
+    if "transforms" in args:  # OneOf, SomeOf, Sequential: nested specs
+        args["transforms"] = [albumentations_transform(t) for t in args["transforms"]]
+    return cls(**args)
+
+
+def detectron_cfg(detectron_config: Optional[str], model_type: Optional[str],
+                  overrides: Optional[Mapping[str, Any]], loader: LoaderOptions,
+                  sampling: SamplingOptions) -> Any:
+    """The data module's frozen Detectron config: Detectron's defaults, the YAML file
+    ``detectron_config``, the flags of ``model_type``, ``overrides``, then the options
+    that name a Detectron key (``loader.ims_per_batch`` -> ``TRAIN.IMS_PER_BATCH``,
+    ``sampling.aspect_grouping`` -> ``TRAIN.ASPECT_GROUPING``) when not None; merged in
+    this order, inferred as Detectron does, then frozen.
+
+    Raises:
+        ValueError: an option and ``overrides`` setting the same key to different values.
+    """
+    from lit_roidata.config import load_detectron_cfg
+
+    flags = None
+    if model_type is not None:
+        from lit_roidata.minibatch.model_type import flags_for_model_type
+
+        flags = flags_for_model_type(model_type)
+    given = _flat_keys(overrides or {})
+    keyed = {"TRAIN.IMS_PER_BATCH": ("loader.ims_per_batch", loader.ims_per_batch),
+             "TRAIN.ASPECT_GROUPING": ("sampling.aspect_grouping", sampling.aspect_grouping)}
+    merged: dict[str, Any] = {}
+    for key, (option, value) in keyed.items():
+        if value is None:
+            continue
+        if key in given and given[key] != value:
+            raise ValueError(f"{option}={value!r} and overrides {key}={given[key]!r} "
+                             f"disagree; set one of them (null {option} takes {key} from "
+                             "the Detectron config)")
+        merged[key] = value
+    return load_detectron_cfg(detectron_config, flags, dict(overrides or {}), merged or None)
+
+
+def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"TRAIN": {"SCALES": ...}, "TEST.SCALE": ...}`` -> dotted keys and values."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat_keys(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,12 +1,13 @@
-"""Progress bars that count optimizer steps out of ``max_steps`` when training by steps.
+"""A progress bar that counts optimizer steps out of ``max_steps`` when training by steps.
 
 Lightning's bars count batches of the current epoch. With Detectron's endless stream
 (``infinite=True``, training stops at ``max_steps``) that shows ``Epoch 0/-2`` and, after
-a resume, more batches than the epoch has (``300/241``). :class:`StepProgressBar` (Rich,
-Lightning's default when ``rich`` is installed) and :class:`StepTQDMProgressBar` show
-``step k/max_steps`` instead, continuing from the resumed step, whenever ``max_steps`` is
-set and ``max_epochs`` is not; otherwise they behave as Lightning's own bars.
-``lit-roidata`` uses :class:`StepProgressBar` unless the config names another bar.
+a resume, more batches than the epoch has (``300/241``). :class:`StepTQDMProgressBar`
+shows ``Step k/max_steps`` instead, continuing from the resumed step, whenever
+``max_steps`` is set and ``max_epochs`` is not; otherwise it is Lightning's tqdm bar.
+``lit-roidata`` adds it when the config names no progress bar. It uses only
+``TQDMProgressBar``'s public overrides (there is no Rich variant: Lightning's Rich bar
+sets its counts and description only through private members).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from __future__ import annotations
 from typing import Any, Union
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import RichProgressBar, TQDMProgressBar
+from pytorch_lightning.callbacks import TQDMProgressBar
 
-__all__ = ["StepProgressBar", "StepTQDMProgressBar"]
+__all__ = ["StepTQDMProgressBar"]
 
 
 def _by_steps(trainer: Any) -> bool:
@@ -24,44 +25,17 @@ def _by_steps(trainer: Any) -> bool:
             and trainer.max_epochs in (None, -1))
 
 
-class StepProgressBar(RichProgressBar):
-    """Lightning's Rich progress bar, counting ``global_step`` out of ``max_steps`` when
-    training by steps (one bar for the whole run, not one per epoch)."""
-
-    @property
-    def total_train_batches(self) -> Union[int, float]:
-        """``max_steps`` when training by steps, else Lightning's batches per epoch."""
-        if _by_steps(self.trainer):
-            return int(self.trainer.max_steps)
-        return super().total_train_batches
-
-    def _get_train_description(self, current_epoch: int) -> str:
-        if not _by_steps(self.trainer):
-            return super()._get_train_description(current_epoch)
-        text = "Step"
-        if len(self.validation_description) > len(text):
-            text = f"{text:{len(self.validation_description)}}"
-        return text
-
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        if _by_steps(trainer):
-            self._update(self.train_progress_bar_id, int(trainer.global_step))
-
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
-                           outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not _by_steps(trainer):
-            return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if not self.is_disabled and self.train_progress_bar_id is None:
-            self._initialize_train_progress_bar_id()
-        self._update(self.train_progress_bar_id, int(trainer.global_step))
-        self._update_metrics(trainer, pl_module)
-        self.refresh()
+def _show_step(bar: Any, trainer: "pl.Trainer") -> None:
+    """Set the tqdm ``bar`` to ``Step global_step/max_steps`` (continues a resumed run)."""
+    bar.total = int(trainer.max_steps)
+    bar.set_description("Step", refresh=False)
+    bar.n = bar.initial = int(trainer.global_step)
+    bar.refresh()
 
 
 class StepTQDMProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar, counting ``global_step`` out of ``max_steps`` when training
-    by steps."""
+    by steps (one bar for the whole run, not one per epoch)."""
 
     @property
     def total_train_batches(self) -> Union[int, float]:
@@ -70,30 +44,31 @@ class StepTQDMProgressBar(TQDMProgressBar):
             return int(self.trainer.max_steps)
         return super().total_train_batches
 
-    def _to_step(self, trainer: "pl.Trainer") -> None:
-        if _by_steps(trainer) and self._train_progress_bar is not None:
-            bar = self.train_progress_bar
-            bar.total = int(trainer.max_steps)
-            bar.set_description("Step")
-            bar.n = bar.initial = int(trainer.global_step)
-            bar.refresh()
-
-    def on_train_start(self, trainer: "pl.Trainer", *args: Any) -> None:
-        super().on_train_start(trainer, *args)
-        self._to_step(trainer)  # a mid-epoch resume gets no on_train_epoch_start
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Lightning's bar; by steps it starts at the (resumed) global step."""
+        super().on_train_start(trainer, pl_module)
+        if _by_steps(trainer):
+            _show_step(self.train_progress_bar, trainer)
 
     def on_train_epoch_start(self, trainer: "pl.Trainer", *args: Any) -> None:
-        super().on_train_epoch_start(trainer, *args)
-        self._to_step(trainer)
+        """Lightning's per-epoch bar; by steps the one bar of the run goes on."""
+        if not _by_steps(trainer):
+            return super().on_train_epoch_start(trainer, *args)
+        _show_step(self.train_progress_bar, trainer)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
                            outputs: Any, batch: Any, batch_idx: int) -> None:
+        """By steps: the bar shows ``global_step`` (every ``refresh_rate`` steps)."""
         if not _by_steps(trainer):
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        bar = self.train_progress_bar
-        n = int(trainer.global_step)
-        if bar is not None and self._should_update(n, bar.total):
-            if not bar.disable:
-                bar.n = n
-                bar.refresh()
-            bar.set_postfix(self.get_metrics(trainer, pl_module))
+        bar, n = self.train_progress_bar, int(trainer.global_step)
+        if self.is_enabled and (n % self.refresh_rate == 0 or n == bar.total):
+            bar.n = n
+            bar.set_postfix(self.get_metrics(trainer, pl_module))  # refreshes the bar
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """By steps the bar stays open across epochs (closed at the end of training)."""
+        if not _by_steps(trainer):
+            return super().on_train_epoch_end(trainer, pl_module)
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))

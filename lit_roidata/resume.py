@@ -1,166 +1,250 @@
-"""Make Lightning's loop progress agree with the restored data-stream position.
+"""Which checkpoint ``lit-roidata fit`` resumes from, decided from files and public attributes.
 
-:class:`~lit_roidata.loader.StatefulRoIDataLoader` saves the position after the batches
-the model has *trained on*. Lightning's own progress counters do not always say the
-same thing in a checkpoint written while something was interrupted (Ctrl-C, an
-exception, ``OnExceptionCheckpoint``):
+The CLI (:class:`~lit_roidata.trainer_cli.RoIDataCLI`) calls :func:`choose_fit_checkpoint`
+before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``. It reads only
+checkpoint files and public attributes: ``OnExceptionCheckpoint.ckpt_path``,
+``ModelCheckpoint.dirpath`` / ``CHECKPOINT_NAME_LAST`` / ``FILE_EXTENSION``, the first
+logger's ``save_dir`` / ``name`` / ``version``, ``trainer.default_root_dir``, and
+:class:`~lit_roidata.callbacks.GracefulStop`'s ``resolve_ckpt_path``.
 
-* interrupted between handing a batch out and counting it ``ready`` (moving it to the
-  device, ``on_after_batch_transfer``) the batch is neither counted nor trained;
-* interrupted inside the step, ``total.ready`` stays one ahead of the batches trained
-  (a restart only rewinds the ``current`` counters), so everything Lightning schedules
-  from ``total`` (validation with ``check_val_every_n_epoch=None``) moves one step;
-* interrupted during validation, Lightning resumes the validation from the batch it
-  reached, so callbacks that accumulate over the whole validation (COCO AP) see only
-  the rest of it;
-* resumed with another world size in epoch mode, the in-epoch counter was counted at
-  the old size and the epoch ends at the wrong batch.
+Lightning's own rule: with ``OnExceptionCheckpoint`` configured, ``fit(ckpt_path=None)``
+means ``"last"`` (the newest of that callback's file and ``last*.ckpt`` in each
+``ModelCheckpoint``'s directory). The decision here never leaves Lightning a choice: it
+names the checkpoint, or makes sure that lookup finds nothing (files moved aside to
+``<name>.stale`` for ``fresh``; a clear error when a fixed ``dirpath`` holds an earlier
+run's ``last.ckpt`` and the user has not said which they want).
 
-:func:`batches_in_flight` tells the loader, when a checkpoint is written, how many of
-the batches it handed out were not trained on; :func:`align_fit_loop` rewrites the
-restored counters (before the fit loop computes its restart stage) so that the resumed
-run sees exactly the state of an uninterrupted run after ``T`` trained batches, and
-reruns a validation that was interrupted (or not yet run) in full.
-
-Lightning internals used (Lightning 2.5+, either namespace; covered by
-``tests/test_lightning_internals.py``):
-``fit_loop.epoch_loop.batch_progress`` (``total``/``current`` ready, started,
-processed, completed; ``is_last_batch``), ``epoch_loop._batches_that_stepped``,
-``epoch_loop.val_loop.batch_progress`` and its *mid-evaluation* restart pattern
-(``started == ready``, ``processed == started - 1``, ``completed == processed``), and
-``trainer.state.stage``/``status`` at save time.
+Checkpoints are read without torch and without running pickled code
+(:func:`checkpoint_meta`): plain values (steps, strings, dicts) are kept, anything else is
+an opaque placeholder.
 """
 
 from __future__ import annotations
 
+import collections
+import glob
 import logging
-from typing import Any, Mapping, Optional
+import os
+import pickle
+import zipfile
+from typing import Any, Optional
+
+__all__ = ["ResumeChoiceError", "checkpoint_meta", "checkpoint_step", "is_interrupted_fit",
+           "interrupted_checkpoints", "last_checkpoints", "choose_fit_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-__all__ = ["batches_in_flight", "save_phase", "align_fit_loop"]
+class ResumeChoiceError(ValueError):
+    """``fit`` was not told which checkpoint to use where Lightning would pick one itself."""
 
 
-def _fitting(trainer: Any) -> bool:
-    fn = getattr(getattr(trainer, "state", None), "fn", None)
-    return fn is not None and str(getattr(fn, "value", fn)) == "fit"
+class _Opaque:
+    """Stands for any pickled object other than plain values (tensors, classes, ...)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_Opaque":
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Opaque":
+        return _Opaque(*args)
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
 
 
-def batches_in_flight(trainer: Any, consumed: int) -> int:
-    """Batches handed to the training loop (``consumed``, counted by the loader over the
-    run) but not trained on: ``consumed - batch_progress.total.processed``.
+class _MetaUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        return _Opaque  # nothing the file names is imported or run
 
-    0 outside ``fit``. 1 when the interrupt hit after the loader handed a batch out
-    (fetch, device transfer, ``on_*_batch_transfer``, ``on_train_batch_start``, the step)
-    and before Lightning counted it processed; 0 once the optimizer step is done
-    (``on_train_batch_end`` callbacks, validation, logging).
-    """
-    if trainer is None or not _fitting(trainer):
-        return 0
-    processed = int(trainer.fit_loop.epoch_loop.batch_progress.total.processed)
-    return max(0, int(consumed) - processed)
+    def persistent_load(self, pid: Any) -> Any:
+        return None  # tensor storages are not read
 
 
-def save_phase(trainer: Any) -> dict[str, Any]:
-    """What the trainer was doing when a checkpoint is written (stored with the data
-    module's state; :func:`align_fit_loop` reads it back)."""
-    if trainer is None:
+def checkpoint_meta(path: str) -> dict[str, Any]:
+    """The top-level dict of the checkpoint file ``path`` (torch's zip format) with its plain
+    values (``global_step``, ``epoch``, strings, nested dicts) and every other object as an
+    opaque placeholder; ``{}`` when the file is missing or not a readable checkpoint."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            name = next(n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            with zf.open(name) as fh:
+                meta = _MetaUnpickler(fh).load()
+    except (OSError, StopIteration, zipfile.BadZipFile, pickle.UnpicklingError, EOFError,
+            ValueError, TypeError, AttributeError, IndexError, KeyError):
         return {}
-    state = trainer.state
-    status = getattr(state.status, "value", state.status)
-    stage = getattr(state.stage, "value", state.stage)
-    return {"fn": getattr(state.fn, "value", state.fn), "stage": stage,
-            "interrupted": str(status) == "interrupted"}
+    return meta if isinstance(meta, dict) else {}
 
 
-def _set(tracker: Any, value: int) -> None:
-    for name in ("ready", "started", "processed", "completed"):
-        if hasattr(tracker, name):
-            setattr(tracker, name, int(value))
+def _plain(value: Any) -> Any:
+    return value.args[0] if isinstance(value, _Opaque) and value.args else value
 
 
-def _val_due(trainer: Any, total: int, current: int, n_batches: int) -> bool:
-    """Would the fit loop validate after training batch ``total`` (``current`` in its
-    epoch)? Lightning's ``_should_check_val_fx`` for batch-count schedules."""
-    if not trainer.enable_validation:
+def checkpoint_step(path: str) -> Optional[int]:
+    """The ``global_step`` saved in the checkpoint ``path``, or ``None`` if unreadable."""
+    step = _plain(checkpoint_meta(path).get("global_step"))
+    return int(step) if isinstance(step, int) else None
+
+
+def is_interrupted_fit(path: str) -> bool:
+    """Whether ``path`` was written by an interrupted ``fit``: a top-level entry (the data
+    module's state) has ``trainer_fn == "fit"``. A file without that entry (another data
+    module) counts as one: ``lit-roidata`` lets only ``fit`` write interrupted-run files
+    (``validate``/``test``/``predict`` run without ``OnExceptionCheckpoint``)."""
+    meta = checkpoint_meta(path)
+    if not meta:  # unreadable
         return False
-    every = trainer.check_val_every_n_epoch
-    if every is not None and (trainer.current_epoch + 1) % every != 0:
-        return False
-    interval = trainer.val_check_interval
-    if every is None:
-        return isinstance(interval, int) and interval > 0 and total % interval == 0
-    if current >= n_batches:
-        return True
-    step = interval if isinstance(interval, int) else max(1, int(n_batches * float(interval)))
-    return current > 0 and current % step == 0
+    fns = [_plain(v["trainer_fn"]) for v in meta.values()
+           if isinstance(v, dict) and "trainer_fn" in v]
+    return not fns or any(str(getattr(f, "value", f)) == "fit" for f in fns)
 
 
-def align_fit_loop(trainer: Any, loader: Any, phase: Optional[Mapping[str, Any]]) -> None:
-    """Rewrite the restored fit-loop counters to agree with ``loader``'s position.
+def _callbacks(trainer: Any, dotted: str) -> list[Any]:
+    from lit_roidata._lightning import lightning_attr
 
-    Called from :meth:`StatefulRoIDataLoader.load_state_dict` (Lightning restores the
-    loader after the loop progress and before the fit loop computes its restart stage).
+    cls = lightning_attr(trainer, dotted)
+    return [cb for cb in trainer.callbacks if isinstance(cb, cls)]
 
-    * every checkpoint: the in-epoch counter (``current``) is recomputed for this world
-      size from the stream position (epoch mode: batches of the pass already trained at
-      the new ``len(loader)``), so the epoch ends when the pass does;
-    * a checkpoint written on an interruption (``phase["interrupted"]``): all batch
-      counters are set to the ``T`` batches trained, ``_batches_that_stepped`` to ``T``,
-      and a validation that was due after batch ``T`` but interrupted (or not yet run)
-      is marked so Lightning reruns it from its first batch.
+
+def _graceful_stops(trainer: Any) -> list[Any]:
+    from lit_roidata._lightning import isinstance_any
+    from lit_roidata.loader_callbacks import GracefulStop
+
+    return [cb for cb in trainer.callbacks if isinstance_any(cb, GracefulStop)]
+
+
+def interrupted_checkpoints(trainer: Any) -> list[str]:
+    """Where an interrupted ``fit`` of ``trainer`` writes its checkpoint (existing or not):
+    each ``OnExceptionCheckpoint.ckpt_path`` (a crash, a second Ctrl-C) and each
+    GracefulStop's (``resolve_ckpt_path``: a first Ctrl-C or SIGTERM)."""
+    on_exc = _callbacks(trainer, "callbacks.OnExceptionCheckpoint")
+    paths = [os.fspath(cb.ckpt_path) for cb in on_exc]
+    paths += [os.fspath(cb.resolve_ckpt_path(trainer)) for cb in _graceful_stops(trainer)]
+    return list(dict.fromkeys(paths))
+
+
+def _last_dirs(trainer: Any, all_versions: bool) -> list[str]:
+    """The folders of the ``ModelCheckpoint``s' ``last*.ckpt``: ``dirpath``, else the first
+    logger's ``save_dir/name/version/checkpoints`` (Lightning's rule; ``all_versions``:
+    every version folder), else ``<default_root_dir>/checkpoints``."""
+    dirs: list[str] = []
+    for cb in _callbacks(trainer, "callbacks.ModelCheckpoint"):
+        if cb.dirpath is not None:
+            dirs.append(os.fspath(cb.dirpath))
+        elif trainer.loggers:
+            lg = trainer.loggers[0]
+            base = os.path.join(str(lg.save_dir or trainer.default_root_dir), str(lg.name))
+            if all_versions:
+                dirs += sorted(glob.glob(os.path.join(glob.escape(base), "*", "checkpoints")))
+            else:
+                v = lg.version
+                dirs.append(os.path.join(base, v if isinstance(v, str) else f"version_{v}",
+                                         "checkpoints"))
+        else:
+            dirs.append(os.path.join(str(trainer.default_root_dir), "checkpoints"))
+    return list(dict.fromkeys(dirs))
+
+
+def last_checkpoints(trainer: Any, all_versions: bool = False) -> list[str]:
+    """The ``last*.ckpt`` files (``CHECKPOINT_NAME_LAST``, ``FILE_EXTENSION``) of every
+    ``ModelCheckpoint`` of ``trainer``: those Lightning's ``"last"`` finds, or with
+    ``all_versions`` also those of the earlier logger versions."""
+    found = []
+    cbs = _callbacks(trainer, "callbacks.ModelCheckpoint")
+    if not cbs:
+        return []
+    name, ext = cbs[0].CHECKPOINT_NAME_LAST, cbs[0].FILE_EXTENSION
+    for d in _last_dirs(trainer, all_versions):
+        found += [p for p in glob.glob(os.path.join(glob.escape(d), f"{name}*{ext}"))
+                  if os.path.isfile(p)]
+    return sorted(set(found))
+
+
+def _step_text(path: str) -> str:
+    step = checkpoint_step(path)
+    return "?" if step is None else str(step)
+
+
+def _move_aside(path: str, why: str) -> None:
+    if os.path.lexists(path):
+        os.replace(path, path + ".stale")
+        log.warning("not resuming from %s (%s): moved it to %s", path, why, path + ".stale")
+
+
+def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
+    """The checkpoint ``fit`` resumes from (``None``: start fresh), logged with its step.
+
+    * ``PATH``: that file;
+    * ``"fresh"``: ``None``; the interrupted-run checkpoint and the ``last*.ckpt`` that
+      Lightning's ``"last"`` would find are moved aside to ``<name>.stale``;
+    * ``"last"``: the newest of the interrupted-run checkpoint and every ``last*.ckpt``,
+      also in earlier logger versions (where Lightning does not look);
+    * ``None``: the interrupted-run checkpoint when an interrupted ``fit`` wrote it (the
+      same command resumes), else ``None``.
+
+    For ``None`` and ``"last"``, an interrupted-run file written by anything but ``fit``
+    is moved aside, never resumed.
+
+    Raises:
+        ResumeChoiceError: ``ckpt_path`` is ``None``, there is no interrupted run, and
+            Lightning would still resume an earlier run's ``last*.ckpt`` (a fixed
+            ``ModelCheckpoint`` dirpath with ``OnExceptionCheckpoint`` configured); the
+            message names ``--ckpt_path last`` and ``--ckpt_path fresh``.
     """
-    if trainer is None or not _fitting(trainer):
-        return
-    ep = trainer.fit_loop.epoch_loop
-    bp = ep.batch_progress
-    tot, cur = bp.total, bp.current
-    n_new = len(loader)
-    sampler = loader.batch_sampler
-    trained = int(loader.consumed_batches)
-    phase = dict(phase or {})
-    offset = int(tot.processed) - int(cur.processed)  # batches of earlier epochs
-    if trainer.limit_train_batches not in (1.0, None):
-        c_new = None  # a user limit: leave Lightning's epoch length alone
-    elif sampler.infinite:
-        c_new = min(max(0, trained - offset), n_new)
-    else:
-        p, c = loader.position
-        q, c2 = sampler.normalize(p, c)
-        left = 0 if q != p else (sampler.blocks_per_pass - c2) // sampler.world_size
-        c_new = max(0, n_new - left)
-    if not phase.get("interrupted"):
-        if c_new is not None:
-            delta = c_new - (trained - offset)
-            if delta:
-                for name in ("ready", "started", "processed", "completed"):
-                    setattr(cur, name, int(getattr(cur, name)) + delta)
-                log.info("resume: in-epoch batch counter moved by %+d to match the data "
-                         "stream at world size %d", delta, sampler.world_size)
-        return
-    c_new = trained - offset if c_new is None else c_new
-    saved_bts = int(ep._batches_that_stepped)
-    in_validation = phase.get("stage") in ("validate", "validating")
-    # Interrupted between batch T's step and the end of its loop iteration
-    # (on_train_batch_end callbacks, or before its validation ran).
-    ended_iteration = saved_bts >= trained and not in_validation
-    pending = _val_due(trainer, trained, c_new, n_new) and (
-        in_validation or (trainer.accumulate_grad_batches == 1 and not ended_iteration))
-    _set(tot, trained)
-    _set(cur, c_new)
-    bp.is_last_batch = bool(c_new >= n_new and not sampler.infinite)
-    vp = ep.val_loop.batch_progress
-    k = int(vp.total.completed)
-    _set(vp.total, k)
-    _set(vp.current, 0)
-    if pending:
-        # Lightning's "restarted mid-evaluation" pattern with nothing evaluated: the
-        # resumed fit loop runs this validation again from its first batch.
-        vp.total.ready = vp.total.started = k + 1
-        ep._batches_that_stepped = trained - 1
-    else:
-        ep._batches_that_stepped = trained
-    log.info("resume: %d batches trained; %s", trained,
-             "the interrupted validation runs again in full" if pending
-             else "training continues with the next batch")
-
+    if ckpt_path not in (None, "last", "fresh"):
+        log.warning("resuming from %s (global step %s)", ckpt_path, _step_text(str(ckpt_path)))
+        return str(ckpt_path)
+    interrupted = [p for p in interrupted_checkpoints(trainer) if os.path.isfile(p)]
+    if ckpt_path == "fresh":
+        for p in interrupted + last_checkpoints(trainer):
+            _move_aside(p, "--ckpt_path fresh")
+        log.warning("starting a fresh run (--ckpt_path fresh)")
+        return None
+    resumable = []
+    for p in interrupted:
+        if is_interrupted_fit(p):
+            resumable.append(p)
+        else:
+            _move_aside(p, "it was not written by an interrupted `fit`")
+    if ckpt_path == "last":
+        found = resumable + last_checkpoints(trainer, all_versions=True)
+        if not found:  # Lightning's own "last" looks in fewer places: it finds nothing either
+            log.warning("--ckpt_path last: no checkpoint found (looked for %s and last*.ckpt "
+                        "of the ModelCheckpoints in %s); training starts from scratch",
+                        ", ".join(interrupted_checkpoints(trainer)) or "no interrupted run",
+                        ", ".join(_last_dirs(trainer, False)) or "no ModelCheckpoint")
+            return None
+        path = max(found, key=os.path.getmtime)
+        log.warning("resuming from %s (global step %s; --ckpt_path last)", path, _step_text(path))
+        return path
+    if resumable:
+        path = max(resumable, key=os.path.getmtime)
+        log.warning("resuming the interrupted run from %s at global step %s. To start fresh "
+                    "instead, pass --ckpt_path fresh; to choose a checkpoint, --ckpt_path PATH",
+                    path, _step_text(path))
+        return path
+    if _callbacks(trainer, "callbacks.OnExceptionCheckpoint"):
+        earlier = last_checkpoints(trainer)
+        if earlier:
+            raise ResumeChoiceError(
+                f"{earlier[0]} (global step {_step_text(earlier[0])}) is the last checkpoint "
+                "of an earlier run, and with OnExceptionCheckpoint configured Lightning resumes "
+                "from it when no checkpoint is given. Pass --ckpt_path last to continue that "
+                "run, or --ckpt_path fresh to start over (it is moved to "
+                f"{os.path.basename(earlier[0])}.stale), or give the ModelCheckpoint another "
+                "dirpath (trainer.callbacks in the config)")
+        log.info("no interrupted-run checkpoint at %s: starting fresh",
+                 ", ".join(interrupted_checkpoints(trainer)))
+    return None

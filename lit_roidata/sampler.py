@@ -208,6 +208,7 @@ class RoIBatchSampler(Sampler[Block]):
         horizontal = w >= h
         self.num_horizontal = int(horizontal.sum())
         self._is_horz = horizontal.astype(bool)
+        self._is_horz.setflags(write=False)
         # Orientation groups, used by the permutation and by replacement_block.
         self._horz = np.flatnonzero(horizontal).astype(np.int64)
         self._vert = np.flatnonzero(~horizontal).astype(np.int64)
@@ -252,6 +253,17 @@ class RoIBatchSampler(Sampler[Block]):
                 f"fewer than world_size={self.world_size}, so an epoch would have no global "
                 "minibatch. Use infinite=True (max_steps training), fewer ranks or a "
                 "smaller IMS_PER_BATCH")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether blocks are single-orientation (``aspect_grouping`` and ``shuffle``)."""
+        return self._grouped
+
+    @property
+    def is_horizontal(self) -> np.ndarray:
+        """Read-only ``width >= height`` per roidb entry (a block's orientation when
+        :attr:`grouped`)."""
+        return self._is_horz
 
     # ------------------------------------------------------------------ permutations
     def permutation(self, pass_index: int) -> np.ndarray:

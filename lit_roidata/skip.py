@@ -34,8 +34,9 @@ pass otherwise (the next pass reshuffles everything).
   Bad images are rare, so this costs one block build in the main process per bad image.
 
 **Exchange.** New discoveries are exchanged between ranks (one ``all_gather_object``)
-only in Lightning's ``on_train_epoch_end`` (:class:`BadImageReport`), never while a
-batch is fetched. The merged set becomes the frozen set for the passes that have not
+only at epoch ends (:meth:`SkipPolicy.exchange`, which
+:class:`lit_roidata.callbacks.BadImageReport` runs in ``on_train_epoch_end``), never while
+a batch is fetched. The merged set becomes the frozen set for the passes that have not
 started yet. Between two exchanges a rank does not know what another rank found; a file
 found bad on rank 1 can be read once more by rank 0 in a later pass before the next
 exchange (it is then replaced, and counted once).
@@ -53,10 +54,9 @@ from collections import Counter
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import pytorch_lightning as pl
 
-__all__ = ["BadImageLedger", "RepairRequest", "BadImageReport", "holdback_blocks",
-           "merge_skip_reports", "LEDGER_VERSION"]
+__all__ = ["BadImageLedger", "RepairRequest", "SkipPolicy", "holdback_blocks",
+           "merge_skip_reports", "summarize", "LEDGER_VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class BadImageLedger:
     # ------------------------------------------------------------------ reserve
     def _orient(self, index: int) -> Any:
         sm = self.sampler
-        return bool(sm._is_horz[int(index)]) if sm._grouped else None
+        return bool(sm.is_horizontal[int(index)]) if sm.grouped else None
 
     def delivered_blocks(self, pass_index: int) -> int:
         """How many blocks of pass ``pass_index`` the stream delivers (all ranks)."""
@@ -253,7 +253,7 @@ class BadImageLedger:
         bad = set(int(i) for i in bad)
         ok = ~np.isin(delivered, np.fromiter(bad, dtype=np.int64, count=len(bad)))
         o = self._orient(index)
-        cand = delivered[ok & (sm._is_horz[delivered] == o)] if o is not None else delivered[ok]
+        cand = delivered[ok & (sm.is_horizontal[delivered] == o)] if o is not None else delivered[ok]
         if cand.size == 0:  # nothing good of this orientation: any good image at all
             every = np.arange(sm.num_images, dtype=np.int64)
             cand = every[~np.isin(every, np.fromiter(bad, dtype=np.int64, count=len(bad)))]
@@ -388,27 +388,6 @@ def _report_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
             for r in records]
 
 
-class BadImageReport(pl.Callback):
-    """Exchange bad images between ranks and report skips at epoch ends.
-
-    Added by :class:`~lit_roidata.datamodule.RoIDataModule` when ``on_bad_image="skip"``.
-    ``on_train_epoch_end`` (every rank, same step) runs the only collective of the skip
-    policy: the bad images each rank found are merged, become known on every rank from
-    the next pass that has not started, and rank 0 logs every file skipped in the epoch
-    with its reason, plus the counts by kind. ``on_train_end`` logs the run's total (no
-    collective).
-    """
-
-    def __init__(self, datamodule: Any) -> None:
-        self.datamodule = datamodule
-
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self.datamodule.exchange_bad_images()
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.datamodule.log_run_skips()
-
-
 def summarize(records: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
               title: str = "data: skip report") -> str:
     """A readable multi-line skip report: the counts by kind, then one line per file."""
@@ -417,3 +396,113 @@ def summarize(records: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
         lines.append(f"bad images found ({len(records)}):")
         lines += _report_lines(records)
     return "\n".join(lines)
+
+
+class SkipPolicy:
+    """``on_bad_image="skip"`` for one train loader: the one object that applies it.
+
+    :class:`~lit_roidata.loader.StatefulRoIDataLoader` makes one when its dataset has a
+    :class:`BadImageLedger` (``loader.skip_policy``) and passes every batch through
+    :meth:`on_batch` in stream order, in its own process. :meth:`exchange` is the policy's
+    only collective: :class:`lit_roidata.callbacks.BadImageReport` runs it at every epoch
+    end, on every rank. The state (known bad images, reserve use, skips not reported yet)
+    is part of the loader's state, so it is in every checkpoint and follows a reloaded
+    loader.
+
+    Args:
+        dataset: the loader's :class:`~lit_roidata.dataset.RoIBlockDataset` with a ledger.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.ledger: BadImageLedger = dataset.ledger
+        dataset.defer_repair = True  # every repair in on_batch, in stream order
+        self.pending: Counter[str] = Counter()  # skips since the last exchange, by kind
+        self.records: list[dict[str, Any]] = []  # bad files found since then
+        self.run_counts: Counter[str] = Counter()
+        self.run_files: dict[str, dict[str, Any]] = {}
+        #: ``{"counts": ..., "files": [...]}`` of the last :meth:`exchange` (all ranks).
+        self.last_report: dict[str, Any] = {"counts": {}, "files": []}
+
+    def on_batch(self, batch: Any) -> Any:
+        """Finish a block with a newly found bad image and count every skip (main process,
+        stream order, before the device transfer; any ``output_format``)."""
+        batch = self.dataset.repair(batch)
+        meta = batch.get("_meta") if isinstance(batch, dict) else getattr(batch, "meta", None)
+        if not isinstance(meta, Mapping):
+            return batch
+        for item in meta.get("skipped") or ():
+            if item.get("again"):  # a file already reported (an original and its flip)
+                self.pending["read_again"] += 1
+                continue
+            self.pending[str(item.get("reason", "bad_image"))] += 1
+            rec = {k: item.get(k) for k in ("reason", "path", "image_id", "dataset",
+                                              "message", "index")}
+            rec.update(pass_index=meta.get("pass_index"), block_index=meta.get("block_index"))
+            self.records.append(rec)
+            if rec["index"] is not None:
+                self.ledger.mark_bad(int(rec["index"]), rec)
+        for sub in meta.get("substitutes") or ():
+            if sub.get("why") in ("known_bad", "reserve_exhausted"):
+                self.pending[str(sub["why"])] += 1
+        if meta.get("num_invalid_replaced"):
+            self.pending["invalid_minibatch"] += int(meta["num_invalid_replaced"])
+        return batch
+
+    def exchange(self, position: tuple[int, int]) -> dict[str, Any]:
+        """Merge the bad images every rank found since the last exchange and report them.
+
+        A collective under DDP (one ``all_gather_object``): call it on every rank at the
+        same step, never while a batch is fetched. The merged bad images are replaced
+        before reading from the first pass not started at ``position`` (the loader's
+        :attr:`~lit_roidata.loader.StatefulRoIDataLoader.position`). Rank 0 logs every
+        file with its reason.
+
+        Returns:
+            ``{"counts": {kind: n}, "files": [record, ...]}`` since the last exchange.
+        """
+        import torch.distributed as dist
+
+        mine = {"counts": dict(self.pending), "files": list(self.records)}
+        self.pending, self.records = Counter(), []
+        parts: list[Any] = [mine]
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+        counts, files = merge_skip_reports(parts)
+        for rec in (r for part in parts for r in part["files"]):
+            if rec.get("index") is not None:
+                self.ledger.mark_bad(int(rec["index"]), rec)
+        p, c = self.ledger.sampler.normalize(*position)
+        self.ledger.freeze(p if c == 0 else p + 1)
+        report = {"counts": dict(sorted(counts.items())), "files": list(files.values())}
+        self.last_report = report
+        self.run_counts.update(counts)
+        for path, rec in files.items():
+            self.run_files.setdefault(path, rec)
+        if counts and (not distributed or dist.get_rank() == 0):
+            log.warning("%s", summarize(report["files"], report["counts"],
+                                        "data: skip report of the epoch (on_bad_image=skip)"))
+        return report
+
+    def run_report(self, log_it: bool = True) -> dict[str, Any]:
+        """Every skip of the run so far (no collective); logged when ``log_it``."""
+        report = {"counts": dict(sorted(self.run_counts.items())),
+                  "files": list(self.run_files.values())}
+        if log_it and report["counts"]:
+            log.warning("%s", summarize(report["files"], report["counts"],
+                                        "data: skip report of the whole run"))
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger's state and the skips not exchanged yet."""
+        return {"ledger": self.ledger.state_dict(), "pending": dict(self.pending),
+                "records": [dict(r) for r in self.records]}
+
+    def load_state_dict(self, state: Mapping[str, Any], position: tuple[int, int]) -> None:
+        """Restore :meth:`state_dict` for a stream that continues at ``position``."""
+        self.ledger.load_state_dict(state["ledger"])
+        self.ledger.resumed_at(*self.ledger.sampler.normalize(*position))
+        self.pending = Counter(state.get("pending", {}))
+        self.records = [dict(r) for r in state.get("records", [])]

@@ -49,12 +49,12 @@ def shared_root(tmp_path_factory: Any) -> Path:
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
     """Short option names (``num_workers=0``) as the data module's nested groups
     (``loader={"num_workers": 0}``); other keys stay as they are."""
-    from lit_roidata.options import DEPRECATED_FLAT_ARGS
+    from lit_roidata.options import MOVED_OPTIONS
 
     out: dict[str, Any] = {}
     for k, v in flat.items():
-        if k in DEPRECATED_FLAT_ARGS:
-            group, key = DEPRECATED_FLAT_ARGS[k]
+        if k in MOVED_OPTIONS:
+            group, key = MOVED_OPTIONS[k]
             out.setdefault(group, {})[key] = v
         elif isinstance(v, dict) and isinstance(out.get(k), dict) and k != "overrides":
             out[k].update(v)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,32 @@ def test_demo_defaults_and_train_batches(dm: RoIDataModule) -> None:
     assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
     assert torch.equal(mine == 0, theirs == 0) or (mine - theirs).abs().max() <= 1.0 + 1e-4
     assert (mine - theirs).abs().max() <= 1.0 + 1e-4 and (mine - theirs).abs().mean() < 0.5
+
+
+def test_builders_make_the_data_modules_loaders_without_a_trainer(dm: RoIDataModule) -> None:
+    """build_train_loader / build_eval_loader (no Lightning needed) give the batches the
+    data module hands Lightning; a sampler or dataset of your own replaces that part."""
+    from lit_roidata.loader import build_eval_loader, build_train_loader, build_train_sampler
+
+    def indices(loader: Any, n: int) -> list[list[int]]:
+        it = iter(loader)
+        return [list(next(it)["_meta"]["indices"]) for _ in range(n)]
+
+    mine = build_train_loader(dm.cfg, dm.train_roidb, seed=dm.seed, num_workers=0)
+    dm.setup("fit")  # what a new fit does: its first loader starts the stream
+    assert indices(mine, 3) == indices(dm.train_dataloader(), 3)
+    other = build_train_sampler(dm.cfg, dm.train_roidb, seed=dm.seed + 1)
+    swapped = build_train_loader(dm.cfg, dm.train_roidb, sampler=other)
+    assert swapped.batch_sampler is other and indices(swapped, 3) != indices(mine, 3)
+    with pytest.raises(TypeError, match="pixel_format"):
+        build_train_loader(dm.cfg, dm.train_roidb, dataset=mine.dataset, pixel_format="uint8")
+    with pytest.raises(ValueError, match="persistent_workers"):
+        build_train_loader(dm.cfg, dm.train_roidb, on_bad_image="skip", num_workers=1,
+                           persistent_workers=True)
+    ev = build_eval_loader(dm.cfg, dm.val_roidb, with_rois=True)
+    assert [b["_meta"]["indices"] for b in ev] == [b["_meta"]["indices"]
+                                                   for b in dm.val_dataloader()]
+    assert build_eval_loader(dm.cfg, None) == []
 
 
 def test_rank_and_world_size_split_the_stream(dm: RoIDataModule) -> None:
@@ -218,19 +246,28 @@ def test_torchvision_output_format(root: Path) -> None:
     assert {"boxes", "labels", "image_id"} <= set(targets[0])
 
 
-def test_skip_counts_are_reported_and_checkpointed(dm: RoIDataModule) -> None:
+def test_skip_counts_are_counted_at_hand_out_reported_and_checkpointed(root: Path) -> None:
+    """The loader's skip policy counts what a batch's ``_meta`` says when the batch is
+    handed out; the counts travel in the loader's state and the epoch's exchange reports
+    and clears them."""
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip"))
+    dm.setup("fit")
+    loader = dm.train_dataloader()
     batch = {"data": torch.zeros(1, 3, 4, 4, dtype=torch.uint8),
              "_meta": {"skipped": [{"reason": "missing"}, {"reason": "undecodable"}],
                        "num_invalid_replaced": 2, "image_sizes": torch.tensor([[4, 4]])}}
-    batch = dm._on_train_batch(batch)  # counted when the loader hands the batch out
-    out = dm.on_after_batch_transfer(batch, 0)
-    assert out["data"].dtype == torch.float32
-    assert dm.state_dict()["skipped"] == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
-    other = DemoRoIDataModule(**dm_kwargs(Path("/nonexistent")))
-    other.load_state_dict(dm.state_dict())
-    assert other.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
-    assert dm.report_skips() == {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
-    assert dm.report_skips() == {}
+    assert loader.skip_policy.on_batch(batch) is batch
+    counts = {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
+    assert loader.state_dict()["skip"]["pending"] == counts
+    other = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip"))
+    other.setup("fit")
+    restored = other.train_dataloader()
+    restored.load_state_dict(loader.state_dict())
+    assert restored.skip_policy.exchange(restored.position)["counts"] == counts
+    assert loader.skip_policy.exchange(loader.position)["counts"] == counts
+    assert loader.skip_policy.exchange(loader.position)["counts"] == {}
+    assert loader.skip_policy.run_report(log_it=False)["counts"] == counts
+    assert DemoRoIDataModule(**dm_kwargs(root)).train_dataloader().skip_policy is None
 
 
 @pytest.mark.parametrize("pixel_format", ["uint8", "detectron"])
@@ -257,20 +294,22 @@ def test_compact_masks_expand_on_device_to_detectron_blobs(root: Path, pixel_for
     assert masks.shape[1] == dm.cfg.MODEL.NUM_CLASSES * dm.cfg.MRCNN.RESOLUTION ** 2
 
 
-@pytest.mark.parametrize("name, home", [("EvalLoader", "lit_roidata.loader"),
-                                        ("EvalDataset", "lit_roidata.dataset"),
-                                        ("fork_safe_opencv", "lit_roidata.loader")])
-def test_moved_names_stay_importable_from_datamodule_with_a_warning(name, home):
-    import importlib
-
+@pytest.mark.parametrize("name", ["EvalLoader", "EvalDataset", "fork_safe_opencv"])
+def test_the_data_module_re_exports_nothing(name: str) -> None:
     import lit_roidata.datamodule as dm_module
 
-    with pytest.warns(DeprecationWarning, match=home.replace(".", r"\.")):
-        old = getattr(dm_module, name)
-    assert old is getattr(importlib.import_module(home), name)
-    assert name not in dm_module.__all__
     with pytest.raises(AttributeError):
-        dm_module.no_such_name  # noqa: B018
+        getattr(dm_module, name)
+
+
+def test_worker_modules_import_no_lightning() -> None:
+    """DataLoader workers import the loader, dataset and skip modules: not Lightning
+    (seconds of import per worker; a fresh interpreter, as a spawned worker)."""
+    code = ("import sys, lit_roidata.loader, lit_roidata.dataset, lit_roidata.skip; "
+            "print(sorted(m for m in sys.modules if 'lightning' in m))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_finish_batch_is_the_device_hook():

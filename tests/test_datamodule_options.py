@@ -1,12 +1,11 @@
-"""RoIDataModule's grouped options: the flat names' deprecation, the options that
-resolve from the Detectron config, the options that reach the roidb build, the loader
+"""RoIDataModule's grouped options: flat names refused naming their nested key, the
+options that resolve from the Detectron config, the options that reach the roidb build, the loader
 and the augmentation, DemoRoIDataModule, and ``fit --help``."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,7 @@ import yaml
 
 from lit_roidata import DemoRoIDataModule, RoIDataModule
 from lit_roidata.cli import main
-from lit_roidata.options import (
-    DEPRECATED_FLAT_ARGS,
-    LoaderOptions,
-    SourceOptions,
-)
+from lit_roidata.options import GROUPS, MOVED_OPTIONS, LoaderOptions, SourceOptions
 
 from roidb_fixtures import make_coco, write_dataset
 from datamodule_support import REPO, dm_kwargs, shared_root
@@ -31,25 +26,13 @@ def root(tmp_path_factory: Any) -> Path:
     return shared_root(tmp_path_factory)
 
 
-# ----------------------------------------------------------------- flat names (deprecated)
-@pytest.mark.parametrize("flat", sorted(DEPRECATED_FLAT_ARGS))
-def test_every_flat_name_warns_and_lands_in_its_group(flat: str) -> None:
-    group, key = DEPRECATED_FLAT_ARGS[flat]
-    field_ = {f.name: f for f in dataclasses.fields(type(getattr(RoIDataModule(), group)))}[key]
-    value = {"seed": 5, "num_workers": 0, "eval_ims_per_batch": 3, "bad_image_reserve": 0.2,
-             "train_datasets": ["x"], "cache_dir": "/tmp/somewhere"}.get(flat, field_.default)
-    with pytest.warns(DeprecationWarning, match=rf"{group}\.{key}"):
-        dm = RoIDataModule(**{flat: value})
-    assert getattr(getattr(dm, group), key) == value
-
-
-def test_flat_and_nested_disagreeing_is_an_error() -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="loader.num_workers"):
-        RoIDataModule(num_workers=1, loader={"num_workers": 3})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        dm = RoIDataModule(num_workers=3, loader={"num_workers": 3, "pin_memory": True})
-    assert dm.loader == LoaderOptions(num_workers=3, pin_memory=True)
+# ------------------------------------------------------------------------- flat names
+@pytest.mark.parametrize("flat", sorted(MOVED_OPTIONS))
+def test_every_flat_name_is_refused_naming_its_nested_key(flat: str) -> None:
+    group, key = MOVED_OPTIONS[flat]
+    assert key in {f.name for f in dataclasses.fields(GROUPS[group])}
+    with pytest.raises(TypeError, match=rf"{flat}=\.\.\. is now {group}\.{key}"):
+        RoIDataModule(**{flat: None})
 
 
 def test_unknown_names_are_errors_that_list_the_valid_ones() -> None:
@@ -194,14 +177,13 @@ def test_augment_spec_builds_an_albumentations_pipeline(root: Path) -> None:
 
 
 # ---------------------------------------------------------------------- DemoRoIDataModule
-def test_demo_module_registers_the_demo_and_the_flat_demo_root_still_works(root: Path) -> None:
+def test_demo_module_registers_the_demo_and_demo_root_is_its_own(root: Path) -> None:
     dm = DemoRoIDataModule(**dm_kwargs(root))
     assert dm._datasets("train")[0] == ("demo_train_a", "demo_train_b")
+    assert dm._datasets("val")[0] == ("demo_val",) and len(dm._datasets("val")[1]) == 1
     assert dm.hparams["demo_root"] == str(root / "data")
-    kw = dm_kwargs(root)
-    with pytest.warns(DeprecationWarning, match="DemoRoIDataModule"):
-        old = RoIDataModule(**kw)
-    assert old._datasets("train") == dm._datasets("train")
+    with pytest.raises(TypeError, match="demo_root is an argument of .*DemoRoIDataModule"):
+        RoIDataModule(**dm_kwargs(root))
     with pytest.raises(ValueError, match="DemoRoIDataModule"):  # no datasets at all
         RoIDataModule().setup("fit")
 

@@ -234,11 +234,3 @@ def test_replacement_without_a_sampler_is_the_same_policy_in_its_own_domain():
     plain = RoIBlockDataset([{}] * 12, small_cfg())  # no sizes: the whole roidb
     assert [list(plain._replacement(Block([0, 3], 7, 1, 3), a)) for a in (1, 2)] == [
         [7, 1], [11, 2]]
-
-
-def test_make_block_is_deprecated_for_block():
-    import lit_roidata.dataset as dataset_module
-
-    with pytest.warns(DeprecationWarning, match="lit_roidata.sampler.Block"):
-        make_block = dataset_module.make_block
-    assert make_block is Block

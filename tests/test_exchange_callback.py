@@ -8,12 +8,22 @@ import uuid
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lit_roidata.exchange import AlignmentError
 from lit_roidata.exchange.callback import BlobExchangeCallback, batch_alignment_meta
 from lit_roidata.demo.exchange_streams import demo_batches
 from lit_roidata.demo.rpn_exchange_model import RPNExchangeDemo
+
+
+class _Unsized(IterableDataset):
+    """A list's items as a stream without ``__len__``."""
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
 
 K = 4
 RPN_KEYS = [f"rpn_{kind}_fpn{lvl}" for lvl in range(2, 7) for kind in ("cls_probs", "bbox_pred")]
@@ -140,8 +150,10 @@ def test_exactly_once_with_the_checkpoint(tmp_path, cb_args):
         "consumed_seq"] == 2
     second = CrashAt(role="student")
     # This list loader is not resumable: feed the restarted run the batches after the
-    # checkpoint (the alignment check would catch anything else).
-    rest = DataLoader(list(demo_batches(5, K))[2:], batch_size=None)
+    # checkpoint (the alignment check would catch anything else). Without a length, so
+    # that the restored position in the epoch cannot end the epoch early (Lightning 2.4
+    # counts the restored batches against the loader's length).
+    rest = DataLoader(_Unsized(list(demo_batches(5, K))[2:]), batch_size=None)
     student_trainer(BlobExchangeCallback(subscribe="teacher_rpn", lag=0,
                                          delivery="exactly_once", **cb_args)
                     ).fit(second, rest, ckpt_path=str(ckpt_dir / "last.ckpt"))

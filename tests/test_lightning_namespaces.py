@@ -249,11 +249,13 @@ class _Seen:
 
 def test_fit_validate_resume_with_every_callback(root: Path, tmp_path: Path,
                                                  lightning_ns: Any) -> None:
-    """A run in each namespace with its bindings: the data module (skip policy: it adds
-    its BadImageReport of the trainer's namespace), the demo model, COCOEvaluator, the
-    step progress bar, ModelCheckpoint; then validate; then resume from last.ckpt."""
+    """A run in each namespace with its bindings: the data module (skip policy, with the
+    BadImageReport and GracefulStop of the trainer's namespace), the demo model,
+    COCOEvaluator, the step progress bar, ModelCheckpoint; then validate; then resume from
+    last.ckpt."""
     from lit_roidata.demo import DemoFastRCNN
     from lit_roidata.evaluation import COCOEvaluator
+    from lit_roidata.loader_callbacks import BadImageReport, GracefulStop
     from lit_roidata.progress import StepTQDMProgressBar
 
     ns = lightning_ns
@@ -266,6 +268,7 @@ def test_fit_validate_resume_with_every_callback(root: Path, tmp_path: Path,
             limit_val_batches=3, val_check_interval=3, check_val_every_n_epoch=None,
             num_sanity_val_steps=0,
             callbacks=[ns.lit(COCOEvaluator)(), ns.lit(StepTQDMProgressBar)(), seen,
+                       ns.lit(BadImageReport)(), ns.lit(GracefulStop)(),
                        ns.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"),
                                                     save_last=True)])
 
@@ -273,8 +276,6 @@ def test_fit_validate_resume_with_every_callback(root: Path, tmp_path: Path,
     first = trainer(3)
     first.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL), datamodule=ns.lit(DemoRoIDataModule)(**kw))
     assert first.global_step == 3 and "val/bbox_AP" in first.callback_metrics
-    from lit_roidata.skip import BadImageReport
-
     reports = [c for c in seen.callbacks if isinstance_any(c, BadImageReport)]
     assert len(reports) == 1 and namespace_of(reports[0]) == ns.name, seen.callbacks
     assert all(namespace_of(c) == ns.name for c in seen.callbacks)

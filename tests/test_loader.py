@@ -1,4 +1,5 @@
-"""StatefulRoIDataLoader: consumed-batch state, O(1) resume, and resume through Trainer."""
+"""StatefulRoIDataLoader: its own account of the position (batches not stepped are left
+out of the state), stops at clean boundaries, O(1) resume, and resume through Trainer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.sampler import Block, RoIBatchSampler
@@ -74,9 +77,7 @@ def test_epoch_mode_iterates_passes_and_resumes_mid_epoch():
     state = b.state_dict()
     c = make_loader()
     c.load_state_dict(state)
-    c.set_epoch(0)
-    assert first + coords(c) == epochs[0]
-    c.set_epoch(1)
+    assert first + coords(c) == epochs[0]  # an iteration is the rest of the pass
     assert coords(c) == epochs[1]
 
 
@@ -183,24 +184,104 @@ def test_trainer_resume_infinite_stream_max_steps(tmp_path, num_workers):
     assert rest == full[15:]
 
 
-@pytest.mark.parametrize("infinite", [False, True])
-def test_inflight_and_pass_end_hooks(infinite):
-    ends: list[int] = []
-    held = [0]
-    a = make_loader(infinite=infinite, inflight=lambda: held[0],
-                    on_pass_end=lambda: ends.append(len(seen)))
-    seen = []
-    it = iter(a)
-    n = len(a) + 2 if infinite else len(a)
-    for _ in range(n):
-        seen.append(next(it))
-    assert ends == [len(a) - 1]  # called as the pass's last batch is handed out
-    held[0] = 1  # the last batch was handed out but training_step failed
-    state = a.state_dict()
-    b = make_loader(infinite=infinite)
-    b.load_state_dict(state)
-    b.set_epoch(0)
-    assert coords([next(iter(b))]) == coords(seen[-1:])
+def _train(loader, n, accumulate, steps, interrupt=None):
+    """What a training loop does: take ``n`` batches, step the optimizer after every
+    ``accumulate``-th; ``interrupt(i, stepped)`` may return a state (then stop there)."""
+    it = iter(loader)
+    for i in range(n):
+        batch = next(it)
+        if interrupt is not None and (state := interrupt(i, False)) is not None:
+            return batch, state
+        if (i + 1) % accumulate == 0:
+            steps[0] += 1
+        if interrupt is not None and (state := interrupt(i, True)) is not None:
+            return batch, state
+    return None, None
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 30), accumulate=st.integers(1, 3), stepped=st.booleans(),
+       infinite=st.booleans())
+def test_state_leaves_out_the_batches_not_stepped(n, accumulate, stepped, infinite):
+    """Interrupted after batch ``n`` (before or after its optimizer step, inside an
+    accumulation window or not): the state resumes at the first batch no optimizer step
+    covers, so that batch (or window) is trained again; nothing else repeats or is lost."""
+    want = coords(b for b, _ in zip(iter(make_loader(infinite=True)), range(60)))
+    steps = [0]
+    loader = make_loader(infinite=True, optimizer_steps=lambda: steps[0])
+    _, state = _train(loader, 60, accumulate, steps,
+                      lambda i, s: loader.state_dict() if i == n - 1 and s == stepped else None)
+    trained = steps[0] * accumulate  # batches covered by a finished optimizer step
+    assert state["consumed_batches"] == trained
+    again = make_loader(infinite=True)
+    again.load_state_dict(state)
+    it = iter(again)
+    assert coords(next(it) for _ in range(10)) == want[trained:trained + 10]
+
+
+@settings(max_examples=60, deadline=None)
+@given(request=st.integers(0, 20), accumulate=st.integers(1, 3),
+       refused=st.sets(st.integers(1, 30), max_size=6), infinite=st.booleans())
+def test_stop_request_ends_at_the_first_clean_boundary(request, accumulate, refused, infinite):
+    """``request_stop`` after batch ``request``: the iteration ends before the first batch
+    ``b > request`` such that batches ``< b`` are all stepped, ``b`` is not an
+    iterator's first fetch and ``ready()`` agrees; ``on_stop`` sees the position after
+    the stepped batches; a loader restored from it continues the stream."""
+    ref = make_loader(infinite=infinite)
+    want = [c for _ in range(3) for c in coords(ref)] if not infinite else coords(
+        b for b, _ in zip(iter(ref), range(60)))
+    steps, seen, asked, stopped = [0], [], [], []
+    loader = make_loader(infinite=infinite, optimizer_steps=lambda: steps[0])
+
+    def ready() -> bool:
+        asked.append(len(seen))
+        return len(seen) not in refused
+
+    def on_stop() -> None:
+        stopped.append((len(seen), loader.state_dict()))
+
+    first_fetch = set()
+    while not stopped and len(seen) < len(want) - 5:
+        first_fetch.add(len(seen))
+        for batch in loader:  # one epoch: as Lightning, len(loader) batches, no more fetch
+            seen.append(coords([batch])[0])
+            if len(seen) % accumulate == 0:
+                steps[0] += 1
+            if len(seen) == request + 1:
+                loader.request_stop(ready=ready, on_stop=on_stop)
+            if len(seen) % len(loader) == 0:
+                break
+    assert seen == want[:len(seen)]
+    if not stopped:
+        return
+    b, state = stopped[0]
+    assert b == len(seen) and b > request and b % accumulate == 0 and b not in first_fetch
+    assert b not in refused
+    clean = [k for k in range(request + 1, b) if k % accumulate == 0 and k not in first_fetch]
+    assert all(k in refused for k in clean)  # no earlier clean boundary was ready
+    assert asked == clean + [b]
+    assert state["consumed_batches"] == b
+    again = make_loader(infinite=infinite)
+    again.load_state_dict(state)
+    assert coords([next(iter(again))]) == want[b:b + 1]
+    assert not loader.stop_requested
+
+
+def test_set_epoch_is_ignored():
+    """The stream never follows Lightning's epoch number (set on the loader or, as
+    Lightning does, on its batch sampler): an iteration continues where the last ended."""
+    want = coords(make_loader())  # pass 0
+    a = make_loader()
+    a.set_epoch(5)
+    a.batch_sampler.set_epoch(7)
+    assert coords(a) == want
+    b = make_loader()
+    it = iter(b)
+    head = coords(next(it) for _ in range(3))
+    del it
+    b.set_epoch(4)
+    b.batch_sampler.set_epoch(4)
+    assert head + coords(b) == want
 
 
 def test_persistent_workers_reiteration_continues_stream():

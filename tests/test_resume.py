@@ -1,417 +1,448 @@
-"""Exact resume through a real Trainer, wherever the interrupt lands (issue: resume defects).
+"""Exact stops and resumes through a real Trainer, in both Lightning namespaces.
 
-Every test compares a run interrupted at some point (``KeyboardInterrupt`` as Ctrl-C
-raises it, or an exception) and resumed from ``OnExceptionCheckpoint``'s file with the
-uninterrupted run: the batches trained (roidb indices, step by step), the steps at
-which validation ran and how many batches it evaluated, and the learning rate at every
-step must be identical.
+Graceful stops: a SIGINT or SIGTERM (``os.kill`` of this process, or of the main process
+from a DataLoader worker) lands at every point of training and validation: while a batch
+is fetched, moved to the device, in the step, in a callback, during a validation, at an
+epoch start. ``GracefulStop`` stops at the next clean step boundary and writes its
+checkpoint; the run resumed from it gives, with the interrupted part, exactly the run
+that was never interrupted: the batches trained (roidb indices per step), the learning
+rate per step, the validations (at which step, how many batches, the COCO box AP and a
+checksum of the weights they saw) and the step checkpoints of a ``ModelCheckpoint``.
+
+Aborts (a second Ctrl-C) and exceptions write ``OnExceptionCheckpoint``'s file; the run
+resumed from it trains exactly the batches, with exactly the learning rates, of the
+uninterrupted run. (What Lightning's own counters do after such a resume, e.g. the
+validation schedule, is Lightning's behaviour: docs/ddp_and_resume.md.)
+
+The same tests run at the newest Lightning and at the lowest supported one (2.4).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
-import pytorch_lightning as pl
 import torch
+import torch.utils.data
 
 from lit_roidata import DemoRoIDataModule
+from lit_roidata.callbacks import GracefulStop
+from lit_roidata.demo import DemoFastRCNN
+from lit_roidata.evaluation import COCOEvaluator
 
 from datamodule_support import TINY_MODEL, dm_kwargs
 
-
-class Interrupt(Exception):
-    """Raised instead of KeyboardInterrupt where Lightning would sys.exit."""
+SIGINT, SIGTERM = signal.SIGINT, signal.SIGTERM
 
 
-def _make_model(fail: dict | None) -> pl.LightningModule:
-    from lit_roidata.demo import DemoFastRCNN
-
-    class M(DemoFastRCNN):
-        def _maybe_fail(self, where: str) -> None:
-            if fail and fail["where"] == where and self.trainer.global_step == fail["step"] \
-                    and not fail.get("done"):
-                if where.startswith("val") and fail.get("val_batches", 0) > 0:
-                    fail["val_batches"] -= 1
-                    return
-                fail["done"] = True
-                raise fail.get("exc", KeyboardInterrupt)("simulated interrupt at " + where)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            self._maybe_fail("step")
-            return super().training_step(batch, batch_idx)
-
-        def validation_step(self, batch: Any, batch_idx: int) -> Any:
-            self._maybe_fail("val")
-            return super().validation_step(batch, batch_idx)
-
-    return M(**TINY_MODEL)
+def _fire(plan: dict, where: str) -> None:
+    """Deliver ``plan``'s signal(s) to this process, or raise its exception, once."""
+    if plan["where"] != where or plan.get("fired"):
+        return
+    plan["fired"] = True
+    if "exc" in plan:
+        raise plan["exc"](f"simulated failure at {where}")
+    for _ in range(plan.get("times", 1)):  # 2: the second signal aborts
+        os.kill(os.getpid(), plan["sig"])
 
 
-class Recorder(pl.Callback):
-    """Trained batches, learning rates, validation runs; can fail in on_train_batch_end."""
+class _RecorderHooks:
+    """Records what the run trained and validated; delivers the plan's signal."""
 
-    def __init__(self, fail: dict | None = None) -> None:
+    def __init__(self, plan: Optional[dict] = None) -> None:
+        self.plan = plan or {"where": None}
         self.trained: list[tuple[int, list[int]]] = []
         self.lrs: list[tuple[int, float]] = []
-        self.vals: list[tuple[int, int]] = []
+        self.vals: list[tuple[int, int, float, float]] = []
+        self.positions: list[tuple[int, int]] = []
         self._nval = 0
-        self.fail = fail
+
+    def _at(self, where: str, trainer: Any) -> None:
+        if self.plan.get("step", trainer.global_step) == trainer.global_step:
+            _fire(self.plan, where)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.plan["where"] == "fetch":
+            _patch_fetch(trainer.train_dataloader.dataset, self.plan)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            _fire(self.plan, "epoch_start")
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._at("step", trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        self.trained.append((trainer.global_step, list(batch["_meta"]["indices"])))
+        meta = batch["_meta"]
+        self.trained.append((trainer.global_step, list(meta["indices"])))
+        self.positions.append((int(meta["pass_index"]), int(meta["block_index"])))
         self.lrs.append((trainer.global_step, trainer.optimizers[0].param_groups[0]["lr"]))
-        f = self.fail
-        if f and f["where"] == "callback" and trainer.global_step == f["step"] \
-                and not f.get("done"):
-            f["done"] = True
-            raise f.get("exc", KeyboardInterrupt)("simulated interrupt in a callback")
-
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        f = self.fail
-        if f and f["where"] == "epoch_start" and trainer.current_epoch == f["step"] \
-                and not f.get("done"):
-            f["done"] = True
-            raise f.get("exc", KeyboardInterrupt)("simulated interrupt at an epoch start")
+        self._at("callback", trainer)
 
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._nval = 0
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx == 1 and not trainer.sanity_checking:
+            self._at("validation", trainer)
 
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
         self._nval += 1
 
-    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.sanity_checking:
-            self.vals.append((trainer.global_step, self._nval))
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        ap = float(trainer.callback_metrics["val/bbox_AP"])
+        weights = float(sum(p.detach().double().sum() for p in pl_module.parameters()))
+        self.vals.append((trainer.global_step, self._nval, ap, weights))
 
 
-class FailingData(DemoRoIDataModule):
-    """Fails while the main process builds a block (``num_workers=0``: the fetch) or
-    while the batch is finished on the device (the transfer)."""
+def _patch_fetch(dataset: Any, plan: dict) -> None:
+    """Deliver the plan's signal (to the main process) or raise while block
+    ``plan["block"]`` of pass 0 is built: in the main process without workers, in a worker
+    otherwise (a file marks it done across processes)."""
+    build, marker = dataset.__getitems__, plan["marker"]
 
-    fail: dict | None = None
+    def getitems(block: Any) -> Any:
+        if block.pass_index == 0 and block.block_index == plan["block"]:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return build(block)
+            if "exc" in plan:
+                raise plan["exc"]("simulated failure while fetching")
+            worker = torch.utils.data.get_worker_info() is not None
+            for k in range(plan.get("times", 1)):
+                if k:  # signals sent back to back would merge into one
+                    time.sleep(0.3)
+                os.kill(os.getppid() if worker else os.getpid(), plan["sig"])
+        return build(block)
 
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        fail = self.fail
-        if fail and fail["where"] == "transfer" and self.trainer.training \
-                and self.trainer.global_step == fail["step"] and not fail.get("done"):
-            fail["done"] = True
-            raise fail.get("exc", KeyboardInterrupt)("simulated interrupt in the transfer")
-        return super().on_after_batch_transfer(batch, dataloader_idx)
-
-    def train_dataloader(self) -> Any:
-        loader = super().train_dataloader()
-        ds, fail = loader.dataset, self.fail
-        get = ds.__getitems__
-
-        def getitems(block: Any) -> Any:
-            if fail and fail["where"] == "fetch" and self.trainer.global_step == fail["step"] \
-                    and not fail.get("done"):
-                fail["done"] = True
-                raise fail.get("exc", KeyboardInterrupt)("simulated interrupt while fetching")
-            return get(block)
-
-        ds.__getitems__ = getitems
-        return loader
+    dataset.__getitems__ = getitems
 
 
-def _fit(tmp: Path, kw: dict, steps: int, *, fail: dict | None = None, ckpt: str | None = None,
-         val_every: int = 4, devices: int = 1, **trainer_kw: Any) -> Recorder:
-    rec = Recorder(fail)
-    dm = FailingData(**kw)
-    dm.fail = fail
-    on_exc = pl.callbacks.OnExceptionCheckpoint(dirpath=str(tmp / "exc"))
-    every = pl.callbacks.ModelCheckpoint(dirpath=str(tmp / "steps"), every_n_train_steps=3,
-                                         save_top_k=-1, save_weights_only=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps, logger=False,
+def _data_module(ns: Any, kw: dict, plan: Optional[dict], world: int = 1) -> Any:
+    dm = ns.lit(DemoRoIDataModule)(**kw)
+    if world > 1:  # rank 0 of `world` processes, in this one (what an elastic resume changes)
+        dm._rank_world = lambda: (0, world)
+    if plan and plan["where"] == "transfer":
+        finish = dm.on_after_batch_transfer
+
+        def transfer(batch: Any, dataloader_idx: int) -> Any:
+            if dm.trainer.training and dm.trainer.global_step == plan["step"]:
+                _fire(plan, "transfer")
+            return finish(batch, dataloader_idx)
+
+        dm.on_after_batch_transfer = transfer
+    return dm
+
+
+def _make_model(fail: Optional[dict] = None) -> Any:
+    """The tiny demo model (``fail`` is unused; kept for tests that import it)."""
+    return DemoFastRCNN(**TINY_MODEL)
+
+
+class Run:
+    """What one ``fit`` did: the recorder, the trainer, its GracefulStop, its folder."""
+
+    def __init__(self, rec: Any, trainer: Any, stop: Any, folder: Path) -> None:
+        self.rec, self.trainer, self.stop, self.folder = rec, trainer, stop, folder
+
+    def saved_steps(self) -> list[str]:
+        return sorted(p.name.split("-")[-1] for p in (self.folder / "steps").glob("*.ckpt"))
+
+
+def _fit(ns: Any, folder: Path, kw: dict, steps: int, *, infinite: bool,
+         plan: Optional[dict] = None, ckpt: Optional[str] = None, world: int = 1,
+         **trainer_kw: Any) -> Run:
+    rec = ns.callback(_RecorderHooks)(plan)
+    stop = ns.lit(GracefulStop)()
+    options = dict(check_val_every_n_epoch=None, val_check_interval=4) if infinite else dict(
+        check_val_every_n_epoch=1, val_check_interval=3)
+    options["limit_val_batches"] = 3
+    options.update(trainer_kw)
+    callbacks = [rec, ns.lit(COCOEvaluator)(print_summary=False), stop,
+                 ns.callbacks.OnExceptionCheckpoint(dirpath=str(folder / "exc")),
+                 ns.callbacks.ModelCheckpoint(dirpath=str(folder / "steps"),
+                                              every_n_train_steps=3, save_top_k=-1,
+                                              save_weights_only=True)]
+    trainer = ns.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(tmp),
-                         num_sanity_val_steps=0, check_val_every_n_epoch=None,
-                         val_check_interval=val_every, callbacks=[rec, on_exc, every],
-                         **trainer_kw)
-    pl.seed_everything(0)
-    old = signal.getsignal(signal.SIGINT)
+                         default_root_dir=str(folder), num_sanity_val_steps=0,
+                         callbacks=callbacks, **options)
+    ns.seed_everything(0)
+    handlers = {s: signal.getsignal(s) for s in (SIGINT, SIGTERM)}
     try:
-        trainer.fit(_make_model(fail), datamodule=dm, ckpt_path=ckpt)
+        trainer.fit(ns.lit(DemoFastRCNN)(**TINY_MODEL),
+                    datamodule=_data_module(ns, kw, plan, world), ckpt_path=ckpt)
     except SystemExit:  # Lightning's KeyboardInterrupt path exits with 1
         pass
     except RuntimeError as e:
-        assert "simulated" in str(e)
+        if "simulated" not in str(e):
+            raise
     finally:
-        signal.signal(signal.SIGINT, old)
-    return rec
+        for s, h in handlers.items():  # Lightning leaves SIGINT ignored after an abort
+            signal.signal(s, h)
+    return Run(rec, trainer, stop, folder)
 
 
-def _check_resume(root: Path, tmp_path: Path, where: str, *, infinite: bool, workers: int = 0,
-                  step: int = 4, exc: type = KeyboardInterrupt, steps: int = 9,
-                  val_batches: int = 0, val_every: int = 4) -> None:
+def _epoch_length(root: Path) -> int:
+    dm = DemoRoIDataModule(**dm_kwargs(root))
+    dm.setup("fit")
+    return len(dm.make_sampler())
+
+
+_REFERENCE: dict[tuple, Run] = {}
+
+
+def _reference(ns: Any, tmp_path_factory: Any, kw: dict, steps: int, infinite: bool,
+               **trainer_kw: Any) -> Run:
+    """The uninterrupted run (once per configuration and session)."""
+    key = (ns.name, repr(sorted(kw.items())), steps, infinite, repr(sorted(trainer_kw.items())))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _fit(ns, tmp_path_factory.mktemp("reference"), kw, steps,
+                               infinite=infinite, **trainer_kw)
+    return _REFERENCE[key]
+
+
+def _expected_stop(seen: int, ref: Run, n: int) -> int:
+    """The step a signal first seen at the end of step ``seen`` stops after: the first
+    boundary that is not right after a validation nor an epoch's first fetch."""
+    validated = {v[0] for v in ref.rec.vals}
+    return seen + 1 if seen in validated or seen % n == 0 else seen
+
+
+# Where the signal lands: (point, trainer.global_step when it lands, step whose end sees it).
+# Infinite mode validates after steps 4, 8, ...; epoch mode after batches 3, 6, ... of an
+# epoch: each point is placed so that a validation is due right after the step that sees it.
+_POINTS = {
+    True: {"fetch": 3, "transfer": 3, "step": 3, "callback": 4, "validation": 4},
+    False: {"fetch": 2, "transfer": 2, "step": 2, "callback": 3, "validation": 3},
+}
+
+
+def _check_graceful(ns: Any, root: Path, tmp_path: Path, tmp_path_factory: Any, where: str,
+                    sig: int, *, infinite: bool, workers: int) -> None:
+    n = _epoch_length(root)
+    steps = n + 6  # every run crosses an epoch boundary
     kw = dm_kwargs(root, num_workers=workers, infinite=infinite)
-    ref = _fit(tmp_path / "ref", kw, steps, val_every=val_every)
-    fail = {"where": where, "step": step, "exc": exc, "val_batches": val_batches}
-    first = _fit(tmp_path / "run", kw, steps, fail=fail, val_every=val_every)
-    assert fail.get("done"), "the interrupt was not reached"
-    ckpt = tmp_path / "run" / "exc" / "on_exception.ckpt"
-    assert ckpt.is_file()
+    ref = _reference(ns, tmp_path_factory, kw, steps, infinite)
+    at = _POINTS[infinite].get(where, n)
+    plan = {"where": where, "step": at, "sig": sig, "block": at,
+            "marker": str(tmp_path / "fired")}
+    first = _fit(ns, tmp_path / "run", kw, steps, infinite=infinite, plan=plan)
+    assert plan.get("fired") or os.path.exists(plan["marker"]), "the signal was not sent"
+    stop, trainer = first.stop, first.trainer
+    assert stop.stopped_by_signal == sig, "fit was not stopped by the signal"
+    assert trainer.global_step == len(first.rec.trained) < steps
+    seen = {"callback": at, "validation": at + 1, "epoch_start": n + 1}.get(where, at + 1)
+    if not (where == "fetch" and workers):  # a worker's fetch runs ahead of training
+        assert trainer.global_step == _expected_stop(seen, ref, n)
+    ckpt = Path(stop.stopped_at)
+    assert ckpt.name == "interrupted.ckpt" and ckpt.parent == tmp_path / "run" / "exc"
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     loader_state = state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
-    # The saved stream position is the batches the model trained on (its global step).
-    assert loader_state["consumed_batches"] == state["global_step"] == len(first.trained)
-    second = _fit(tmp_path / "run", kw, steps, ckpt=str(ckpt), val_every=val_every)
-    assert first.trained + second.trained == ref.trained
-    assert first.lrs + second.lrs == ref.lrs
-    # Validation at the same steps, each one complete (an interrupted one is rerun).
-    assert first.vals + second.vals == ref.vals, (first.vals, second.vals, ref.vals)
-    # Checkpoints by step at the same steps (except one whose on_train_batch_end was
-    # interrupted before ModelCheckpoint's turn: those hooks are not rerun).
-    assert _saved(tmp_path / "ref")
-    if where != "callback" or step % 3:
-        assert _saved(tmp_path / "run") == _saved(tmp_path / "ref")
+    assert loader_state["consumed_batches"] == state["global_step"] == trainer.global_step
+    assert next(v["trainer_fn"] for v in state.values()
+                if isinstance(v, dict) and "trainer_fn" in v) == "fit"
+
+    second = _fit(ns, tmp_path / "run", kw, steps, infinite=infinite, ckpt=str(ckpt))
+    assert second.stop.stopped_by_signal is None
+    assert not ckpt.exists()  # a fit that ended by itself removes the stale stop checkpoint
+    assert first.rec.trained + second.rec.trained == ref.rec.trained
+    assert first.rec.lrs + second.rec.lrs == ref.rec.lrs
+    assert first.rec.vals + second.rec.vals == ref.rec.vals, (first.rec.vals,
+                                                               second.rec.vals)
+    assert first.saved_steps() == ref.saved_steps()
 
 
-def _saved(run: Path) -> list[str]:
-    return sorted(p.name.split("-")[-1] for p in (run / "steps").glob("*.ckpt"))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["fetch", "transfer", "step", "callback"])
-@pytest.mark.parametrize("infinite", [True, False])
-def test_ctrl_c_anywhere_in_a_training_step_resumes_exactly(root: Path, tmp_path: Path,
-                                                             where: str, infinite: bool) -> None:
-    _check_resume(root, tmp_path, where, infinite=infinite)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("infinite", [False, True])
-def test_ctrl_c_at_an_epoch_start_resumes_exactly(root: Path, tmp_path: Path,
-                                                  infinite: bool) -> None:
-    """Interrupted in ``on_train_epoch_start`` of epoch 1: the next epoch is not skipped."""
-    kw = dm_kwargs(root, infinite=infinite)
-    dm = DemoRoIDataModule(**kw)
-    dm.prepare_data()
-    dm.setup("fit")
-    n = len(dm.train_dataloader())
-    dm._train_loader = None
-    _check_resume(root, tmp_path, "epoch_start", infinite=infinite, step=1, steps=n + 3,
-                  val_every=10_000)
-
-
-@pytest.mark.parametrize("step", [3, 4])
-def test_exception_in_the_callback_of_a_validation_step_resumes_exactly(
-        root: Path, tmp_path: Path, step: int) -> None:
-    """Interrupted in ``on_train_batch_end`` of the batch after which validation is due
-    (step 4) or not (3): validation still runs at 4 and 8, complete."""
-    _check_resume(root, tmp_path, "callback", infinite=True, step=step, exc=RuntimeError)
-
-
-@pytest.mark.parametrize("infinite,val_batches", [(True, 0), (True, 3), (False, 3)])
-def test_interrupted_validation_is_rerun_in_full(root: Path, tmp_path: Path, infinite: bool,
-                                                 val_batches: int) -> None:
-    _check_resume(root, tmp_path, "val", infinite=infinite, step=4, val_batches=val_batches)
+@pytest.mark.parametrize("where,sig,infinite", [
+    ("step", SIGINT, True),
+    ("validation", SIGTERM, False),
+])
+def test_graceful_stop_resumes_exactly(root: Path, tmp_path: Path, tmp_path_factory: Any,
+                                       lightning_ns: Any, where: str, sig: int,
+                                       infinite: bool) -> None:
+    _check_graceful(lightning_ns, root, tmp_path, tmp_path_factory, where, sig,
+                    infinite=infinite, workers=0)
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_the_transfer_with_two_workers(root: Path, tmp_path: Path) -> None:
-    _check_resume(root, tmp_path, "transfer", infinite=False, workers=2, step=5)
+@pytest.mark.parametrize("where", ["fetch", "transfer", "step", "callback", "validation",
+                                   "epoch_start"])
+@pytest.mark.parametrize("sig", [SIGINT, SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("infinite", [True, False], ids=["infinite", "epochs"])
+def test_graceful_stop_anywhere_resumes_exactly(root: Path, tmp_path: Path,
+                                                tmp_path_factory: Any, lightning_ns: Any,
+                                                where: str, sig: int, infinite: bool) -> None:
+    _check_graceful(lightning_ns, root, tmp_path, tmp_path_factory, where, sig,
+                    infinite=infinite, workers=0)
 
 
 @pytest.mark.slow
-def test_reload_dataloaders_in_infinite_mode_continues_the_stream(root: Path,
-                                                                  tmp_path: Path) -> None:
-    """reload_dataloaders_every_n_epochs=1 builds a new loader each epoch; the stream must
-    go on (not restart at pass 0, block 0)."""
+@pytest.mark.parametrize("where", ["fetch", "step", "validation", "epoch_start"])
+@pytest.mark.parametrize("infinite", [True, False], ids=["infinite", "epochs"])
+def test_graceful_stop_with_two_workers_resumes_exactly(root: Path, tmp_path: Path,
+                                                        tmp_path_factory: Any,
+                                                        lightning_ns: Any, where: str,
+                                                        infinite: bool) -> None:
+    """Workers ignore the signal (a terminal's Ctrl-C reaches them too); with "fetch" a
+    worker sends it to the main process while it builds a block."""
+    _check_graceful(lightning_ns, root, tmp_path, tmp_path_factory, where, SIGINT,
+                    infinite=infinite, workers=2)
+
+
+def test_graceful_stop_waits_for_the_end_of_an_accumulation_window(
+        root: Path, tmp_path: Path, tmp_path_factory: Any, lightning_ns: Any) -> None:
+    """``accumulate_grad_batches=2``: a signal after the first batch of a window stops
+    after the second (never with half-accumulated gradients), and resumes exactly."""
+    ns = lightning_ns
     kw = dm_kwargs(root, infinite=True)
-    dm = DemoRoIDataModule(**kw)
-    dm.prepare_data()
-    dm.setup("fit")
-    n = len(dm.train_dataloader())
-    dm._train_loader = None
-    steps = n + 3
-    ref = _fit(tmp_path / "ref", kw, steps, val_every=10_000)
-    reloaded = _fit(tmp_path / "reload", kw, steps, val_every=10_000,
+    ref = _reference(ns, tmp_path_factory, kw, 8, True, accumulate_grad_batches=2)
+    plan = {"where": "callback", "step": 2, "sig": SIGINT}
+    first = _fit(ns, tmp_path, kw, 8, infinite=True, plan=plan, accumulate_grad_batches=2)
+    # the signal at the end of batch 5 (global step 2): the window of batches 5-6 completes
+    assert first.stop.stopped_by_signal == SIGINT and len(first.rec.trained) == 6
+    assert first.trainer.global_step == 3
+    second = _fit(ns, tmp_path, kw, 8, infinite=True, ckpt=first.stop.stopped_at,
+                  accumulate_grad_batches=2)
+    assert first.rec.trained + second.rec.trained == ref.rec.trained
+    assert first.rec.lrs + second.rec.lrs == ref.rec.lrs
+    assert first.rec.vals + second.rec.vals == ref.rec.vals
+
+
+# ------------------------------------------------------------------ aborts and exceptions
+def _check_abort(ns: Any, root: Path, tmp_path: Path, tmp_path_factory: Any, plan: dict, *,
+                 infinite: bool, workers: int = 0) -> None:
+    n = _epoch_length(root)
+    steps = n + 6
+    kw = dm_kwargs(root, num_workers=workers, infinite=infinite)
+    ref = _reference(ns, tmp_path_factory, kw, steps, infinite)
+    plan.setdefault("marker", str(tmp_path / "fired"))
+    first = _fit(ns, tmp_path, kw, steps, infinite=infinite, plan=plan)
+    assert plan.get("fired") or os.path.exists(plan["marker"])
+    assert first.stop.stopped_by_signal is None  # aborted, not stopped
+    ckpt = tmp_path / "exc" / "on_exception.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    loader_state = state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
+    # The saved position is after the batches trained (own accounting), whatever
+    # Lightning's counters say.
+    assert loader_state["consumed_batches"] == state["global_step"] == len(first.rec.trained)
+    second = _fit(ns, tmp_path, kw, steps, infinite=infinite, ckpt=str(ckpt))
+    assert first.rec.trained + second.rec.trained == ref.rec.trained
+    assert first.rec.lrs + second.rec.lrs == ref.rec.lrs
+
+
+@pytest.mark.parametrize("where", ["step", "validation"])
+def test_second_ctrl_c_aborts_and_the_stream_resumes_exactly(
+        root: Path, tmp_path: Path, tmp_path_factory: Any, lightning_ns: Any,
+        where: str) -> None:
+    """Two Ctrl-C in a row: Lightning's KeyboardInterrupt path (OnExceptionCheckpoint);
+    inside a step the batch in flight is trained again after the resume."""
+    plan = {"where": where, "step": 4, "sig": SIGINT, "times": 2}
+    _check_abort(lightning_ns, root, tmp_path, tmp_path_factory, plan, infinite=True)
+
+
+@pytest.mark.parametrize("where,infinite", [
+    ("fetch", False), ("transfer", True), ("step", False), ("callback", True),
+    ("validation", False)])
+def test_exception_resumes_the_stream_exactly(root: Path, tmp_path: Path,
+                                              tmp_path_factory: Any, where: str,
+                                              infinite: bool) -> None:
+    from conftest import LightningNamespace
+
+    plan = {"where": where, "step": 3, "exc": RuntimeError, "block": 3}
+    _check_abort(LightningNamespace("pytorch_lightning"), root, tmp_path, tmp_path_factory,
+                 plan, infinite=infinite)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["fetch", "transfer", "step", "callback", "validation",
+                                   "epoch_start"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_abort_anywhere_resumes_the_stream_exactly(root: Path, tmp_path: Path,
+                                                   tmp_path_factory: Any, lightning_ns: Any,
+                                                   where: str, workers: int) -> None:
+    """KeyboardInterrupt at every point (with workers, "fetch" is a double Ctrl-C that a
+    worker sends to the main process waiting for its block); infinite mode without
+    workers, epoch mode with them."""
+    infinite = workers == 0
+    at = _POINTS[infinite].get(where, 0)
+    plan = {"where": where, "step": at, "exc": KeyboardInterrupt, "block": at}
+    if where == "fetch" and workers:  # while the main process waits for the first batch
+        plan = {"where": where, "sig": SIGINT, "times": 2, "block": 0}
+    _check_abort(lightning_ns, root, tmp_path, tmp_path_factory, plan, infinite=infinite,
+                 workers=workers)
+
+
+# --------------------------------------------------------------- reload and elastic resume
+@pytest.mark.slow
+def test_reload_dataloaders_continues_the_stream(root: Path, tmp_path: Path,
+                                                 tmp_path_factory: Any,
+                                                 lightning_ns: Any) -> None:
+    """``reload_dataloaders_every_n_epochs=1``: each epoch's new loader continues the
+    stream (in infinite mode a new loader would otherwise restart at pass 0)."""
+    steps = _epoch_length(root) + 3
+    kw = dm_kwargs(root, infinite=True)
+    ref = _reference(lightning_ns, tmp_path_factory, kw, steps, True)
+    reloaded = _fit(lightning_ns, tmp_path, kw, steps, infinite=True,
                     reload_dataloaders_every_n_epochs=1)
-    assert reloaded.trained == ref.trained
+    assert reloaded.rec.trained == ref.rec.trained
 
 
-def test_lightning_internals_we_rely_on(root: Path, tmp_path: Path) -> None:
-    """The progress counters and restart patterns lit_roidata.resume reads and writes
-    exist and mean what it assumes (fails loudly on a Lightning upgrade that changes them)."""
-    from pytorch_lightning.loops.progress import _BatchProgress, _Progress
+@pytest.mark.slow
+def test_graceful_stop_reaches_a_reloaded_loader(root: Path, tmp_path: Path,
+                                                 tmp_path_factory: Any) -> None:
+    """A signal at the last batch of an epoch with ``reload_dataloaders_every_n_epochs``:
+    the next epoch's new loader stops after its first batch; the resume is exact."""
+    from conftest import LightningNamespace
 
+    ns = LightningNamespace("pytorch_lightning")
+    n = _epoch_length(root)
     kw = dm_kwargs(root, infinite=True)
-    seen: dict[str, Any] = {}
-
-    class Probe(pl.Callback):
-        def on_train_batch_start(self, trainer: Any, *a: Any) -> None:
-            bp = trainer.fit_loop.epoch_loop.batch_progress
-            seen.setdefault("start", (bp.total.ready, bp.total.processed,
-                                      trainer.datamodule._train_loader.consumed_batches))
-
-        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
-            bp = trainer.fit_loop.epoch_loop.batch_progress
-            seen.setdefault("end", (bp.total.ready, bp.total.processed, bp.total.completed,
-                                    trainer.fit_loop.epoch_loop._batches_that_stepped))
-
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False,
-                         default_root_dir=str(tmp_path), limit_val_batches=0,
-                         callbacks=[Probe()])
-    trainer.fit(_make_model(None), datamodule=DemoRoIDataModule(**kw))
-    ep = trainer.fit_loop.epoch_loop
-    assert isinstance(ep.batch_progress, _BatchProgress)
-    assert isinstance(ep.val_loop.batch_progress, _BatchProgress)
-    assert isinstance(ep.batch_progress.total.processed, int)
-    assert hasattr(ep, "_batches_that_stepped")
-    # ready counted before the step, processed after it, loader counts at hand-out.
-    assert seen["start"] == (1, 0, 1)
-    assert seen["end"] == (1, 1, 0, 0)
-    assert ep._batches_that_stepped == 2
-    # The restart patterns resume.align_fit_loop produces.
-    vl = ep.val_loop
-    vl.restarting = True
-    for name, v in (("ready", 3), ("started", 3), ("processed", 2), ("completed", 2)):
-        setattr(vl.batch_progress.total, name, v)
-    vl.update_restart_stage()
-    assert vl.restarted_mid_evaluation
-    ep.restarting = True
-    for t in (ep.batch_progress.total, ep.batch_progress.current):
-        for name in ("ready", "started", "processed", "completed"):
-            setattr(t, name, 5)
-    ep.update_restart_stage()
-    assert ep.restarted_on_last
-    assert isinstance(_Progress().total.ready, int)
-    # The fit loop restores loader state after the loop counters, before reset().
-    import inspect
-
-    src = inspect.getsource(type(trainer.fit_loop).setup_data)
-    assert "_load_combined_loader_states" in src
-    # The CLI hides ModelCheckpoint's last.ckpt from Lightning's implicit "last" lookup.
-    assert callable(getattr(pl.callbacks.ModelCheckpoint, "_find_last_checkpoints", None))
-
-
-class FakeWorld(FailingData):
-    """Rank 0 of ``world`` processes, in one process: the loader and Lightning's epoch
-    length are those of that world size (what an elastic resume changes)."""
-
-    world = 1
-
-    def _rank_world(self) -> tuple[int, int]:
-        return 0, self.world
-
-
-class PosRecorder(Recorder):
-    def __init__(self, fail: dict | None = None) -> None:
-        super().__init__(fail)
-        self.positions: list[tuple[int, int]] = []
-        self.epochs: list[int] = []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        meta = batch["_meta"]
-        self.positions.append((int(meta["pass_index"]), int(meta["block_index"])))
-        self.epochs.append(trainer.current_epoch)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-
-def _fit_world(tmp: Path, kw: dict, steps: int, world: int, *, fail: dict | None = None,
-               ckpt: str | None = None, every: int | None = None) -> PosRecorder:
-    rec = PosRecorder(fail)
-    dm = FakeWorld(**kw)
-    dm.world, dm.fail = world, fail
-    cbs = [rec, pl.callbacks.OnExceptionCheckpoint(dirpath=str(tmp / "exc")),
-           pl.callbacks.ModelCheckpoint(dirpath=str(tmp / "ckpt"), every_n_train_steps=every,
-                                        save_top_k=-1)]
-    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(tmp), limit_val_batches=0, callbacks=cbs)
-    old = signal.getsignal(signal.SIGINT)
-    try:
-        trainer.fit(_make_model(fail), datamodule=dm, ckpt_path=ckpt)
-    except SystemExit:
-        pass
-    finally:
-        signal.signal(signal.SIGINT, old)
-    return rec
+    ref = _reference(ns, tmp_path_factory, kw, n + 6, True, reload_dataloaders_every_n_epochs=1)
+    plan = {"where": "callback", "step": n, "sig": SIGINT}
+    first = _fit(ns, tmp_path, kw, n + 6, infinite=True, plan=plan,
+                 reload_dataloaders_every_n_epochs=1)
+    assert first.stop.stopped_by_signal == SIGINT and first.trainer.global_step == n + 1
+    second = _fit(ns, tmp_path, kw, n + 6, infinite=True, ckpt=first.stop.stopped_at,
+                  reload_dataloaders_every_n_epochs=1)
+    assert first.rec.trained + second.rec.trained == ref.rec.trained
+    assert first.rec.vals + second.rec.vals == ref.rec.vals
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
-@pytest.mark.parametrize("how", ["interrupt", "checkpoint"])
-def test_epoch_mode_elastic_resume_keeps_epochs_and_passes_together(
-        root: Path, tmp_path: Path, before: int, after: int, how: str) -> None:
-    """Epoch mode, resumed with another world size mid-pass: the rest of the pass is
-    trained (every global block once, the tail shorter than a global minibatch left out)
-    and Lightning's next epoch starts with the next pass, not earlier."""
+@pytest.mark.parametrize("how", ["stop", "abort"])
+def test_elastic_resume_in_epoch_mode_is_exactly_once(root: Path, tmp_path: Path,
+                                                      before: int, after: int,
+                                                      how: str) -> None:
+    """Resumed with another world size mid-pass: the rest of the pass is trained (every
+    global block once, the tail shorter than a global minibatch left out), then the next
+    pass from its start. Rank 0 of the world, in this process."""
+    from conftest import LightningNamespace
+
+    ns = LightningNamespace("pytorch_lightning")
     kw = dm_kwargs(root, infinite=False)
-    dm = DemoRoIDataModule(**kw)
-    dm.prepare_data()
-    dm.setup("fit")
-    bpp = dm.make_sampler().blocks_per_pass
-    s1 = max(1, bpp // (3 * before))  # steps before the resume, early in the pass
-    if how == "interrupt":
-        fail = {"where": "step", "step": s1}
-        first = _fit_world(tmp_path, kw, 10_000, before, fail=fail)
-        ckpt = tmp_path / "exc" / "on_exception.ckpt"
-    else:
-        # A ModelCheckpoint written mid-epoch (on_train_batch_end of step s1).
-        first = _fit_world(tmp_path, kw, s1 + 1, before, every=s1)
-        ckpt = tmp_path / "ckpt" / f"epoch=0-step={s1}.ckpt"
-        first.positions = first.positions[:s1]
-    assert len(first.positions) == s1
-    cursor = s1 * before
+    bpp = _epoch_length(root)
+    s1 = max(1, bpp // (3 * before))
+    plan = ({"where": "callback", "step": s1, "sig": SIGINT} if how == "stop" else
+            {"where": "step", "step": s1, "exc": RuntimeError})
+    first = _fit(ns, tmp_path / "a", kw, 10_000, infinite=False, plan=plan, world=before,
+                 limit_val_batches=0)
+    done = len(first.rec.trained)
+    ckpt = first.stop.stopped_at if how == "stop" else str(tmp_path / "a" / "exc" /
+                                                         "on_exception.ckpt")
+    cursor = done * before
     left = (bpp - cursor) // after
-    extra = 3
-    second = _fit_world(tmp_path / "b", kw, s1 + left + extra, after, ckpt=str(ckpt))
-    expected = ([(0, cursor + k * after) for k in range(left)]
-                + [(1, k * after) for k in range(extra)])
-    assert second.positions == expected
-    assert second.epochs == [0] * left + [1] * extra
-
-
-@pytest.mark.parametrize("infinite", [False, True])
-def test_align_makes_epoch_length_and_progress_agree_at_every_resume_step(infinite: bool) -> None:
-    """For every step of a pass and every 1/2/3 -> 1/2/3 world-size change, the restored
-    in-epoch counter plus the batches the loader will still yield this pass is
-    ``len(loader)``: Lightning ends the epoch exactly when the pass ends."""
-    import numpy as np
-    from pytorch_lightning.trainer.states import TrainerFn
-
-    from lit_roidata.loader import StatefulRoIDataLoader
-    from lit_roidata.resume import align_fit_loop
-    from lit_roidata.sampler import RoIBatchSampler
-
-    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)
-    trainer.state.fn = TrainerFn.FITTING
-    bp = trainer.fit_loop.epoch_loop.batch_progress
-    w, h = np.full(23, 8), np.full(23, 6)  # 23 blocks of 1 image: odd, so tails exist
-    for before in (1, 2, 3):
-        old = RoIBatchSampler(w, h, 1, seed=1, world_size=before, infinite=infinite)
-        for step in range(len(old) + 1):
-            state = {"sampler": old.state_at(*old.advance(2, 0, step)),
-                     "consumed_batches": 50 + step}
-            for after in (1, 2, 3):
-                new = RoIBatchSampler(w, h, 1, seed=1, world_size=after, infinite=infinite)
-                loader = StatefulRoIDataLoader(_Plain(), new)
-                for t in (bp.total, bp.current):
-                    for name in ("ready", "started", "processed", "completed"):
-                        setattr(t, name, (50 if t is bp.total else 0) + step)
-                loader.load_state_dict(state)
-                align_fit_loop(trainer, loader, {"fn": "fit", "stage": "train"})
-                # blocks this rank still draws from the saved pass (the sampler rolls
-                # into the next pass when fewer than `after` blocks are left)
-                remaining = sum(1 for b in loader.batch_sampler if b.pass_index == 2) \
-                    if not infinite else None
-                if infinite:
-                    assert bp.current.ready == min(step, len(loader))
-                else:
-                    assert bp.current.ready + remaining == len(loader), (before, after, step)
-                    assert bp.total.ready == 50 + step  # the global step is untouched
-
-
-class _Plain:
-    def __getitems__(self, block: Any) -> Any:
-        return list(block)
+    second = _fit(ns, tmp_path / "b", kw, done + left + 3, infinite=False, ckpt=ckpt,
+                  world=after, limit_val_batches=0)
+    assert second.rec.positions == ([(0, cursor + k * after) for k in range(left)]
+                                    + [(1, k * after) for k in range(3)])

@@ -1,6 +1,7 @@
 """``on_bad_image="skip"`` through RoIDataModule (0 and 2 workers), a real Trainer.fit with
 a resume, and 2-process DDP (gloo): only bad images replaced, every file reported once,
-never read again once known on every rank, and kept in the checkpoint."""
+never read again once known on every rank, and kept in the checkpoint (the train
+loader's state: its skip policy is the one object that applies the policy)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytorch_lightning as pl
 import torch
 
 from lit_roidata import DemoRoIDataModule, RoIDataModule
+from lit_roidata.callbacks import BadImageReport
 from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
 from datamodule_support import TINY_MODEL, dm_kwargs, read_records, run_cli, tiny_config
 
@@ -44,13 +46,17 @@ def broken(tmp_path_factory: Any) -> tuple[Path, dict[str, str]]:
     return root, _break_files(root)
 
 
+def _exchange(loader: Any) -> dict:
+    """What BadImageReport.on_train_epoch_end runs."""
+    return loader.skip_policy.exchange(loader.position)
+
+
 def _epochs(dm: RoIDataModule, n: int) -> tuple[list[list[dict]], list[dict]]:
     loader = dm.train_dataloader()
     metas, reports = [], []
-    for epoch in range(n):
-        loader.set_epoch(epoch)
+    for _ in range(n):  # an iteration is the rest of the pass
         metas.append([(b["_meta"] if isinstance(b, dict) else b.meta) for b in loader])
-        reports.append(dm.exchange_bad_images())  # what on_train_epoch_end runs
+        reports.append(_exchange(loader))
     return metas, reports
 
 
@@ -87,16 +93,17 @@ def test_datamodule_replaces_only_bad_images_and_reports_each_file(broken, nw: i
     assert not again & set(files)
     read1 = {p for m in metas[1] for s in m["skipped"] for p in [s["path"]]}
     assert not read1 & set(files)
-    # the bad list is in the checkpoint state and restored
-    state = dm.state_dict()
-    assert {v["path"] for v in state["bad_images"]["known"].values()} >= set(files)
+    # the bad list is in the loader's (checkpoint) state and restored
+    loader = dm.train_dataloader()  # a second call continues the first loader
+    state = loader.state_dict()
+    assert {v["path"] for v in state["skip"]["ledger"]["known"].values()} >= set(files)
     other = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=nw,
                                       bad_image_reserve=RESERVE))
     other.setup("fit")
-    other.load_state_dict(state)
-    other.train_dataloader()
-    assert other._ledger.known == dm._ledger.known
-    assert other._ledger.frozen == dm._ledger.frozen
+    restored = other.train_dataloader()
+    restored.load_state_dict(state)
+    assert restored.skip_policy.ledger.known == loader.skip_policy.ledger.known
+    assert restored.skip_policy.ledger.frozen == loader.skip_policy.ledger.frozen
     if nw == 2:
         ref = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", num_workers=0,
                                         bad_image_reserve=RESERVE))
@@ -124,12 +131,11 @@ def _infinite_epochs(dm: RoIDataModule, n: int) -> list[dict]:
     align), then the epoch-end exchange."""
     loader = dm.train_dataloader()
     metas = []
-    for epoch in range(n):
-        loader.set_epoch(epoch)
+    for _ in range(n):
         it = iter(loader)
         metas += [next(it)["_meta"] for _ in range(len(loader) * 2 // 3)]
         it.close()
-        dm.exchange_bad_images()
+        _exchange(loader)
     return metas
 
 
@@ -186,11 +192,10 @@ def test_no_collective_inside_batch_fetching(broken, monkeypatch) -> None:
                  "barrier", "gather_object", "broadcast"):
         monkeypatch.setattr(torch.distributed, name, gather if name == "all_gather_object"
                             else lambda *a, **k: calls.append(name))
-    loader.set_epoch(0)
     for _ in loader:
         pass
     assert not calls
-    report = dm.exchange_bad_images()
+    report = _exchange(loader)
     assert len(calls) == 1 and report["files"]
 
 
@@ -212,6 +217,23 @@ def _trainer(tmp: Path, steps: int, callbacks: list, **kw: Any) -> pl.Trainer:
                       limit_val_batches=0, callbacks=callbacks, **kw)
 
 
+def _skip_state(ckpt: Path) -> dict:
+    """The skip policy's ledger in a checkpoint (the train loader's state)."""
+    saved = torch.load(ckpt, weights_only=False)
+    return saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["skip"]["ledger"]
+
+
+def test_skip_needs_the_report_callback(broken, tmp_path: Path) -> None:
+    """The data module adds no callback itself: without BadImageReport the fit stops
+    before training, naming the callback to add."""
+    from lit_roidata.demo import DemoFastRCNN
+
+    root, _ = broken
+    dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
+    with pytest.raises(RuntimeError, match="lit_roidata.callbacks.BadImageReport"):
+        _trainer(tmp_path, 2, []).fit(DemoFastRCNN(**TINY_MODEL), datamodule=dm)
+
+
 @pytest.mark.slow
 def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Path,
                                                             caplog) -> None:
@@ -230,21 +252,21 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
     pl.seed_everything(0)
     dm = DemoRoIDataModule(**kw)
     with caplog.at_level(logging.WARNING, logger="lit_roidata"):
-        _trainer(tmp_path / "a", steps, [rec, ckpt, at_epoch_end]).fit(DemoFastRCNN(**TINY_MODEL),
-                                                         datamodule=dm)
+        _trainer(tmp_path / "a", steps, [rec, ckpt, at_epoch_end, BadImageReport()]).fit(
+            DemoFastRCNN(**TINY_MODEL), datamodule=dm)
     assert not set(rec.images) & set(bad)
     text = caplog.text
     found = [p for p in bad if p in text]
     assert found and "skip report of the epoch" in text and "skip report of the whole run" in text
     for p in found:  # each file listed once per report, with its reason
         assert text.count(f"  {p} (") >= 1
-    saved = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
-    state = next(v for k, v in saved.items() if k == type(dm).__qualname__)
-    assert {r["path"] for r in state["bad_images"]["known"].values()} >= set(found)
+    state = _skip_state(tmp_path / "ck" / "last.ckpt")
+    assert {r["path"] for r in state["known"].values()} >= set(found)
     # the epoch-end checkpoint holds the state after the exchange (bad list frozen for
-    # the next pass), so a resume from it replaces exactly as the uninterrupted run
+    # the next pass; BadImageReport runs before checkpoint callbacks), so a resume from
+    # it replaces exactly as the uninterrupted run
     (ep,) = list((tmp_path / "ep").glob("epoch=0-*.ckpt"))
-    ep_state = torch.load(ep, weights_only=False)[type(dm).__qualname__]["bad_images"]
+    ep_state = _skip_state(ep)
     (start, frozen), = [f for f in ep_state["frozen"] if f[0] == 1]
     assert {int(i) for i in frozen} == {int(k) for k in ep_state["known"]}
     # resume: the known files are never read again
@@ -252,10 +274,14 @@ def test_trainer_fit_reports_and_resumes_with_the_bad_list(broken, tmp_path: Pat
     dm2 = DemoRoIDataModule(**kw)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="lit_roidata"):
-        _trainer(tmp_path / "b", steps + 4, [rec2]).fit(
-            DemoFastRCNN(**TINY_MODEL), datamodule=dm2, ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
-    assert len(rec2.trained) == 5 and not set(rec2.images) & set(bad)
-    assert dm2._ledger.known.keys() >= {int(k) for k in state["bad_images"]["known"]}
+        trainer = _trainer(tmp_path / "b", steps + 4, [rec2, BadImageReport()])
+        trainer.fit(DemoFastRCNN(**TINY_MODEL), datamodule=dm2,
+                    ckpt_path=str(tmp_path / "ck" / "last.ckpt"))
+    # (Lightning 2.4 also writes last.ckpt at the epoch-end hooks that max_steps runs)
+    saved_step = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)["global_step"]
+    assert len(rec2.trained) == steps + 4 - saved_step and not set(rec2.images) & set(bad)
+    known = trainer.train_dataloader.skip_policy.ledger.known
+    assert known.keys() >= {int(k) for k in state["known"]}
     assert not any("skipping image" in r.message and any(p in r.message for p in found)
                    for r in caplog.records)
 
@@ -271,7 +297,8 @@ def test_ddp_two_processes_exchange_bad_images(broken, tmp_path: Path) -> None:
                                "strategy": "ddp", "limit_val_batches": 0,
                                "num_sanity_val_steps": 0, "val_check_interval": None},
                       callbacks=[{"class_path": "test_skip_datamodule.SkipRecorder",
-                                  "init_args": {"path": str(rec)}}],
+                                  "init_args": {"path": str(rec)}},
+                                 {"class_path": "lit_roidata.callbacks.BadImageReport"}],
                       data={"num_workers": 1, "on_bad_image": "skip", "infinite": False,
                             "bad_image_reserve": RESERVE},
                       drop_callbacks=("ModelCheckpoint",))
@@ -322,11 +349,12 @@ def test_exchange_counts_each_file_once_across_ranks(broken, monkeypatch) -> Non
     root, _ = broken
     dm = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip", bad_image_reserve=RESERVE))
     dm.setup("fit")
-    dm.train_dataloader()
+    loader = dm.train_dataloader()
+    policy = loader.skip_policy
     rec = {"reason": "missing", "path": "/x/a.jpg", "image_id": 1, "dataset": "d",
            "message": "m", "index": 3}
-    dm._skipped.update({"missing": 1})
-    dm._skip_records.append(dict(rec))
+    policy.pending.update({"missing": 1})
+    policy.records.append(dict(rec))
     other = {"counts": {"missing": 1, "known_bad": 2}, "files": [dict(rec, index=40)]}
 
     def gather(out: list, obj: Any) -> None:
@@ -334,8 +362,10 @@ def test_exchange_counts_each_file_once_across_ranks(broken, monkeypatch) -> Non
 
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
     monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
-    report = dm.exchange_bad_images()
+    report = _exchange(loader)
     assert report["counts"] == {"known_bad": 2, "missing": 1, "read_again": 1}
     assert [f["path"] for f in report["files"]] == ["/x/a.jpg"]
-    assert {3, 40} <= set(dm._ledger.known)  # both ranks' finds are known everywhere
+    assert {3, 40} <= set(policy.ledger.known)  # both ranks' finds are known everywhere
+    assert policy.last_report == report and not policy.pending

@@ -116,13 +116,13 @@ def test_worker_hands_back_a_repair_request(tmp_path: Path) -> None:
 
 def _loader_metas(tmp_path: Path, nw: int, mb: int) -> list[dict]:
     roidb, bad, sampler, ledger, ds = _setup(tmp_path, mb)
-    loader = StatefulRoIDataLoader(ds, sampler, num_workers=nw, on_batch=ds.repair,
+    loader = StatefulRoIDataLoader(ds, sampler, num_workers=nw,
                                    multiprocessing_context="fork" if nw else None)
+    assert loader.skip_policy is not None and loader.skip_policy.ledger is ledger
     metas = []
-    for epoch in range(2):
-        loader.set_epoch(epoch)
+    for _ in range(2):  # one pass each
         metas.append([b["_meta"] for b in loader])
-        ledger.freeze(epoch + 1)  # what the epoch-end exchange does
+        loader.skip_policy.exchange(loader.position)  # what the epoch-end report runs
     for ms in metas:
         _check_pass(sampler, ms, bad)
     return [[(m["indices"], [s["index"] for s in m["skipped"]]) for m in ms] for ms in metas]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from lit_roidata.datamodule import RoIDataModule
 
@@ -46,3 +46,10 @@ class DemoRoIDataModule(RoIDataModule):
 
         self._demo = register_demo_datasets(self.demo_root, catalog,
                                             num_images=self.demo_size)
+
+    def default_datasets(self, split: str) -> tuple[Sequence[str], Sequence[str]]:
+        """The demo's datasets and proposal files (training or validation)."""
+        demo = self._demo
+        if split == "train":
+            return demo.train_datasets, demo.train_proposal_files
+        return demo.val_datasets, demo.val_proposal_files

@@ -32,9 +32,9 @@ CLASSES: dict[str, str] = {
     "RoIDataModule": "lit_roidata.datamodule:RoIDataModule",
     "DemoRoIDataModule": "lit_roidata.demo.datamodule:DemoRoIDataModule",
     "BroadcastParameters": "lit_roidata.broadcast:BroadcastParameters",
-    "BadImageReport": "lit_roidata.skip:BadImageReport",
+    "BadImageReport": "lit_roidata.loader_callbacks:BadImageReport",
+    "GracefulStop": "lit_roidata.loader_callbacks:GracefulStop",
     "COCOEvaluator": "lit_roidata.evaluation:COCOEvaluator",
-    "StepProgressBar": "lit_roidata.progress:StepProgressBar",
     "StepTQDMProgressBar": "lit_roidata.progress:StepTQDMProgressBar",
     "BlobExchangeCallback": "lit_roidata.exchange.callback:BlobExchangeCallback",
     "COCOPredictionWriter": "lit_roidata.models.predict:COCOPredictionWriter",
@@ -42,7 +42,7 @@ CLASSES: dict[str, str] = {
     "DemoFastRCNN": "lit_roidata.demo.model:DemoFastRCNN",
     "DemoFasterRCNN": "lit_roidata.demo.faster:DemoFasterRCNN",
     "RPNExchangeDemo": "lit_roidata.demo.rpn_exchange_model:RPNExchangeDemo",
-    "RoIDataCLI": "lit_roidata.cli:RoIDataCLI",
+    "RoIDataCLI": "lit_roidata.trainer_cli:RoIDataCLI",
 }
 
 __all__ = [*CLASSES, "cli_main", "main"]

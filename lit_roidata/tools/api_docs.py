@@ -27,6 +27,7 @@ MODULES: list[tuple[str, Optional[list[str]]]] = [
                              "OutputOptions", "SamplingOptions", "AugmentOptions",
                              "as_options"]),
     ("lit_roidata.cli", None),
+    ("lit_roidata.resume", None),
     ("lit_roidata.lightning", ["cli_main", "main"]),
     ("lit_roidata.config", None),
     ("lit_roidata.catalog", None),

@@ -1,0 +1,213 @@
+"""The Lightning callbacks that drive lit_roidata's train loader.
+
+:class:`GracefulStop`: the first Ctrl-C / SIGTERM stops ``fit`` at a clean step boundary
+(:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_stop`) with a checkpoint that
+resumes exactly. :class:`BadImageReport`: ``on_bad_image="skip"``'s epoch-end exchange
+of bad images between ranks (:class:`~lit_roidata.skip.SkipPolicy`) and its report.
+Both use only Lightning's public API; both are also ``lit_roidata.callbacks.X``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any, Optional, Sequence, Union
+
+import pytorch_lightning as pl
+
+__all__ = ["GracefulStop", "BadImageReport"]
+
+log = logging.getLogger(__name__)
+
+
+class GracefulStop(pl.Callback):
+    """Stop ``fit`` at a clean step boundary on the first Ctrl-C or SIGTERM.
+
+    The first signal during training is only noted (``"SIGINT: stopping after this step;
+    Ctrl-C again to abort"``, or "after this validation" while one runs). At the next
+    clean boundary the train loader
+    (:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_stop`) ends the epoch:
+    every rank at the same step, after an optimizer step, never inside a
+    gradient-accumulation window and never right after a validation (a running
+    validation completes, the next step trains, then it stops). There the trainer writes
+    a checkpoint (``trainer.save_checkpoint``) and ``trainer.should_stop`` ends ``fit``;
+    re-running from that checkpoint gives the same batches, learning rates and
+    validations as an uninterrupted run (docs/ddp_and_resume.md, "Stops").
+
+    A second Ctrl-C aborts at once (Lightning's ``KeyboardInterrupt`` path:
+    ``OnExceptionCheckpoint`` writes its checkpoint, whose data position is still exact);
+    a second SIGTERM goes to the handler that was there before (Lightning's, or the
+    default action). With a train loader that cannot stop at a boundary (not a
+    lit_roidata loader) the stop happens in ``on_train_batch_end`` instead: Lightning
+    then runs one more validation, and restores that checkpoint exactly only from 2.5 on.
+
+    Args:
+        ckpt_path: the checkpoint to write. ``None``: ``interrupted.ckpt`` in the
+            folder of the first ``OnExceptionCheckpoint`` in ``trainer.callbacks``,
+            else in ``trainer.default_root_dir`` (:meth:`resolve_ckpt_path`). It is
+            removed when a later ``fit`` ends without a stop, as ``OnExceptionCheckpoint``
+            does with its own.
+        signals: the signals that stop gracefully, by name or number (default SIGINT and
+            SIGTERM).
+
+    Attributes:
+        stopped_by_signal: the signal that stopped ``fit`` (``None``: it was not
+            stopped); a command line exits with ``128 + stopped_by_signal``.
+        stopped_at: the checkpoint written at the stop.
+    """
+
+    def __init__(self, ckpt_path: Optional[str] = None,
+                 signals: Sequence[Union[str, int]] = ("SIGINT", "SIGTERM")) -> None:
+        self.ckpt_path = None if ckpt_path is None else str(ckpt_path)
+        try:
+            self.signals = tuple(signal.Signals[s] if isinstance(s, str) else signal.Signals(s)
+                                 for s in signals)
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"GracefulStop(signals={list(signals)!r}): {exc} is not a signal; "
+                             "use names such as SIGINT, SIGTERM, SIGUSR1") from None
+        self.stopped_by_signal: Optional[int] = None
+        self.stopped_at: Optional[str] = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._trainer: Any = None
+        self._received: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+        self._signum = 0
+        self._validated = False
+        self._refused = 0
+
+    # ------------------------------------------------------------------ signals
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._received is not None:  # the second one: abort
+            self._restore_handlers()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            previous = signal.getsignal(signum)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        self._received = signum
+        trainer = self._trainer
+        what = "validation" if trainer is not None and trainer.validating else "step"
+        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        self._say(f"{signal.Signals(signum).name}: stopping after this {what}; {again} "
+                  "again to abort")
+
+    def _say(self, message: str) -> None:
+        bar = getattr(self._trainer, "progress_bar_callback", None)
+        if bar is not None and getattr(bar, "is_enabled", False):
+            bar.print(message)
+        else:
+            log.warning("%s", message)
+
+    def _restore_handlers(self) -> None:
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._handle:  # else someone replaced ours
+                signal.signal(signum, previous)
+        self._previous = {}
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._reset()
+        self.stopped_by_signal = self.stopped_at = None
+        self._trainer = trainer
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._validated = True
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._validated = False
+        signum = self._received or 0
+        if trainer.world_size > 1:  # every rank stops at the same step, for the same signal
+            import torch
+
+            mine = torch.tensor(signum, device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(mine, reduce_op="max"))
+        if not signum or self.stopped_at is not None:
+            return
+        self._signum = signum
+        loader = trainer.train_dataloader  # (again every step: a reloaded loader is new)
+        if callable(getattr(loader, "request_stop", None)):
+            loader.request_stop(ready=self._ready, on_stop=lambda: self._stop(trainer))
+        else:
+            self._stop(trainer)
+
+    def _ready(self) -> bool:
+        # Not right after a validation: Lightning 2.4 would run it again on the resume.
+        # A run that validates after every step stops at its second boundary anyway.
+        if self._validated and self._refused == 0:
+            self._refused += 1
+            return False
+        return True
+
+    def _stop(self, trainer: Any) -> None:
+        trainer.should_stop = True
+        path = self.resolve_ckpt_path(trainer)
+        trainer.save_checkpoint(path)
+        self.stopped_by_signal = self._signum
+        self.stopped_at = path
+        if trainer.is_global_zero:
+            log.warning("stopped at global step %d; the same command resumes (checkpoint %s)",
+                        trainer.global_step, path)
+
+    def resolve_ckpt_path(self, trainer: Any) -> str:
+        """The checkpoint a stop writes (and a resume reads) for ``trainer``."""
+        if self.ckpt_path is not None:
+            return self.ckpt_path
+        for cb in trainer.callbacks:
+            if any(k.__name__ == "OnExceptionCheckpoint" for k in type(cb).__mro__):
+                return os.path.join(str(cb.dirpath), "interrupted" + cb.FILE_EXTENSION)
+        return os.path.join(str(trainer.default_root_dir), "interrupted.ckpt")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._restore_handlers()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._restore_handlers()
+        self._trainer = None
+        if stage == "fit" and self.stopped_by_signal is None:
+            # A fit that ended by itself: an earlier stop's checkpoint is stale.
+            trainer.strategy.remove_checkpoint(self.resolve_ckpt_path(trainer))
+
+
+class BadImageReport(pl.Callback):
+    """``on_bad_image="skip"``: exchange bad images between ranks and report skips.
+
+    ``on_train_epoch_end`` (every rank, same step) runs the skip policy's only collective
+    (:meth:`lit_roidata.skip.SkipPolicy.exchange` of ``trainer.train_dataloader``): the
+    bad images each rank found become known on every rank from the next pass that has
+    not started, and rank 0 logs every file skipped in the epoch with its reason and the
+    counts by kind. ``on_train_end`` logs the run's total. Needed whenever the data module
+    has ``sources.on_bad_image="skip"`` (``lit-roidata`` adds it when the config has
+    none); a plain callback, so Lightning runs it before the checkpoint callbacks and an
+    epoch-end checkpoint holds the state after the exchange.
+    """
+
+    @staticmethod
+    def _loader(trainer: Any) -> Any:
+        loader = trainer.train_dataloader
+        return loader if getattr(loader, "skip_policy", None) is not None else None
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        loader = self._loader(trainer)
+        if loader is not None:
+            loader.skip_policy.exchange(loader.position)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        loader = self._loader(trainer)
+        if loader is not None:
+            loader.skip_policy.run_report(log_it=trainer.is_global_zero)
