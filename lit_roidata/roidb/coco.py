@@ -12,6 +12,7 @@ raise :class:`RoIDBInputError` naming the file, the annotation and image ids and
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -338,6 +339,7 @@ class _GtBuilder:
     def finish(self, info: DatasetInfo, categories: list) -> GtTable:
         """The table: kept rows ordered by image, class ids, segms and keypoints."""
         self.images_end()
+        _trim_heap()
         path, parts, ids, counts = self.path, self.parts, self.ids, self.counts
         n = len(ids)
         if counts["annotation_unknown_image"]:
@@ -379,6 +381,9 @@ class _GtBuilder:
             coord_n=col("coord_n", np.int64), coords=col("coords", np.float64),
             ann_pos=col("gpos", np.int64))
         classes = _classes(kept, order, info)
+        # only the segmentation columns are needed from here on
+        kept.ann_id = kept.ann_cat = kept.ann_pos = kept.ann_img = None  # type: ignore[assignment]
+        del pos
         boxes = np.empty((order.size, 4), np.float32)
         for j, k in enumerate(("x1", "y1", "x2", "y2")):
             boxes[:, j] = col(k, np.float32)[order]
@@ -391,7 +396,7 @@ class _GtBuilder:
             base += p["krow"].size
         segms, seg_counts = _segm_columns(kept, order, rles)
         counts.update(seg_counts)
-        del kept, rles, pos
+        del kept, rles
         keypoints, has_vis = None, np.zeros(n, bool)
         if kp_table is not None and krow is not None:
             kr = krow[order]
@@ -420,6 +425,16 @@ class _ImageOf:
 
     def __getitem__(self, i: int) -> Any:
         return self.ids[self.pos[i]]
+
+
+def _trim_heap() -> None:
+    """Give the heap pages the windows' freed objects left back to the system (glibc's
+    ``malloc_trim``; elsewhere nothing): the table's large arrays are mapped afresh, so
+    those pages would only count in the build's RSS."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:
@@ -604,10 +619,14 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
     """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
     Q24, docs/detectron_quirks.md)."""
     g = order.size
-    poly_off = offsets(raw.poly_n)
-    coord_off = offsets(raw.coord_n)
-    pidx = take_ranges(poly_off[order], raw.poly_n[order])
-    row_of = np.repeat(np.arange(g), raw.poly_n[order])
+    if not raw.coord_n.size:  # no polygon at all (box-only datasets): no index arrays
+        pidx = row_of = np.zeros(0, np.int64)
+        coord_off = offsets(raw.coord_n)
+    else:
+        poly_off = offsets(raw.poly_n)
+        coord_off = offsets(raw.coord_n)
+        pidx = take_ranges(poly_off[order], raw.poly_n[order])
+        row_of = np.repeat(np.arange(g), raw.poly_n[order])
     short = raw.coord_n[pidx] < 6
     pidx, row_of = pidx[~short], row_of[~short]
     poly_counts = np.bincount(row_of, minlength=g).astype(np.int64)
