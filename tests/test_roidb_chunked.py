@@ -189,3 +189,73 @@ def test_annotations_before_images_and_empty_arrays(tmp_path):
     p.write_text('{"images": [ ], "annotations": [\n], "categories": []}')
     t = load_coco_json(str(p), name="x")
     assert t.ids.size == 0 and t.boxes.shape == (0, 4)
+
+
+def _cache_files(root) -> dict:
+    """``{key dir/file: bytes}`` of every cache under ``root`` (manifest without timing)."""
+    out = {}
+    for d in sorted(os.listdir(root)):
+        if not d.startswith("roidb-") or d.endswith(".lock"):
+            continue
+        for f in sorted(os.listdir(os.path.join(root, d))):
+            if f in ("verified", "last_used"):
+                continue
+            with open(os.path.join(root, d, f), "rb") as fh:
+                data = fh.read()
+            if f == "manifest.json":
+                m = json.loads(data)
+                m["report"].pop("build_seconds")
+                data = json.dumps(m, sort_keys=True).encode()
+            out[f"{d}/{f}"] = data
+    return out
+
+
+def _whole_file_load(path, *, name, gt_min_area=-1, keypoints_required=False,
+                     categories_hook=None, **_):
+    """The previous build's gt path: the whole file decoded, then the reference table."""
+    raw = decode_generic(orjson.loads(open(path, "rb").read()), path)
+    order = categories_hook(raw.categories) if categories_hook else None
+    return coco_oracle.table_from_raw(raw, name=name, gt_min_area=gt_min_area,
+                                      class_order=order, keypoints_required=keypoints_required)
+
+
+@pytest.mark.parametrize("policy", ["strict", "by_name"])
+def test_cache_bytes_and_keys_identical_to_whole_file_build(tmp_path, monkeypatch, policy):
+    """Demo data (polygons, crowd RLEs, keypoints, two training sets) and a fixture with
+    keypoints: same content keys, same bytes in every cache file."""
+    from lit_roidata.config import get_cfg
+    from lit_roidata.demo import ensure_demo_data, register_demo_datasets
+    from lit_roidata.roidb import build as build_mod
+    from lit_roidata.roidb import combined_roidb_for_training, roidb_for_evaluation
+
+    monkeypatch.setenv("LIT_ROIDATA_BUILD_IN_PROCESS", "1")
+    monkeypatch.setattr(build_mod.load_coco_json, "__kwdefaults__",
+                        dict(build_mod.load_coco_json.__kwdefaults__, window_bytes=700))  # many windows
+    demo = tmp_path / "demo"
+    ensure_demo_data(demo, num_images={"demo_train_a": 12, "demo_train_b": 8, "demo_val": 5})
+    from lit_roidata.catalog import Catalog
+
+    cat = Catalog(builtins=False)
+    register_demo_datasets(demo, cat)
+    data = make_coco(11, n_images=30, keypoints=True)
+    kp = tmp_path / "kp.json"
+    kp.write_bytes(json.dumps(data, indent=2).encode())
+    cat.register("kp", str(tmp_path), str(kp))
+    cfg = get_cfg()
+
+    def build_all(root):
+        combined_roidb_for_training(["demo_train_a", "demo_train_b"], (), cfg, str(root),
+                                    catalog=cat, category_policy=policy, check_images=False,
+                                    progress=False)
+        roidb_for_evaluation("demo_val", cfg, str(root), catalog=cat, check_images=False,
+                             progress=False)
+        combined_roidb_for_training("kp", (), cfg, str(root), catalog=cat, check_images=False,
+                                    progress=False)
+
+    build_all(tmp_path / "new")
+    monkeypatch.setattr(build_mod, "load_coco_json", _whole_file_load)
+    build_all(tmp_path / "old")
+    new, old = _cache_files(tmp_path / "new"), _cache_files(tmp_path / "old")
+    assert len(new) > 30 and new.keys() == old.keys()
+    for k in new:
+        assert new[k] == old[k], k
