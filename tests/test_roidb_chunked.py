@@ -213,7 +213,8 @@ def _cache_files(root) -> dict:
 def _whole_file_load(path, *, name, gt_min_area=-1, keypoints_required=False,
                      categories_hook=None, **_):
     """The previous build's gt path: the whole file decoded, then the reference table."""
-    raw = decode_generic(orjson.loads(open(path, "rb").read()), path)
+    with open(path, "rb") as fh:
+        raw = decode_generic(orjson.loads(fh.read()), path)
     order = categories_hook(raw.categories) if categories_hook else None
     return coco_oracle.table_from_raw(raw, name=name, gt_min_area=gt_min_area,
                                       class_order=order, keypoints_required=keypoints_required)
