@@ -33,7 +33,6 @@ from lit_roidata.config import DetectronConfig, get_cfg
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import write_arrays
 from lit_roidata.roidb.coco import GtTable, load_coco_json
-from lit_roidata.roidb.decode import decode_coco
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
@@ -368,19 +367,23 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
     with BuildProgress(progress) as prog:
         for spec, pfile in zip(specs, files):
             with prog.task(f"{spec.name}: annotations", 3) as step:
-                raw = decode_coco(spec.annotation_file)
-                step()
-                c = [(int(x["id"]), str(x["name"])) for x in raw.categories
-                     if isinstance(x, dict) and "id" in x and "name" in x]
-                cats.append(c)
-                _check_categories(cats, [s.name for s in specs[:len(cats)]],
-                                  options["category_policy"])
-                if union is not None:
-                    union.extend(n for _, n in c if n not in union)
-                table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
-                                       gt_min_area=options["gt_min_area"], class_order=union,
+
+                def categories_seen(categories: list) -> Optional[list]:
+                    step()  # decoded; the categories are checked before the table is made
+                    c = [(int(x["id"]), str(x["name"])) for x in categories
+                         if isinstance(x, dict) and "id" in x and "name" in x]
+                    cats.append(c)
+                    _check_categories(cats, [s.name for s in specs[:len(cats)]],
+                                      options["category_policy"])
+                    if union is not None:
+                        union.extend(n for _, n in c if n not in union)
+                    return union
+
+                # decoded and cleaned window by window (bounded memory)
+                table = load_coco_json(spec.annotation_file, name=spec.name,
+                                       gt_min_area=options["gt_min_area"],
+                                       categories_hook=categories_seen,
                                        keypoints_required=bool(options.get("keypoints_on")))
-                del raw
                 step()
                 if options["check_images"]:
                     _check_images(spec, table.file_names)
