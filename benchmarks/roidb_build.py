@@ -360,7 +360,8 @@ def run_phase(name: str, **kw) -> dict:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"phase {name} failed:\n{res.stderr[-4000:]}")
+        raise RuntimeError(f"phase {name} failed (exit status {res.returncode}):\n"
+                           f"{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -500,15 +501,23 @@ def proposals_vs_d2(args) -> None:
     def run(name, phase, **kw):
         if phase == "ours":
             shutil.rmtree(cache, ignore_errors=True)
-        rows.setdefault(name, []).append(run_phase(phase, **kw))
-        if phase == "ours":
-            shutil.rmtree(cache, ignore_errors=True)  # GBs: do not leave them for the next
+        try:
+            r = run_phase(phase, **kw)
+        except RuntimeError as exc:  # e.g. killed for memory on a shared machine: go on
+            print(f"{name}: FAILED ({str(exc).strip()[-300:]})", flush=True)
+            return
+        finally:
+            if phase == "ours":
+                shutil.rmtree(cache, ignore_errors=True)  # GBs: do not leave them for the next
+        rows[name].append(r)
+        print(f"{name}: {json.dumps(r)}", flush=True)  # kept even if a later phase fails
 
     has_d2 = bool(args.d2_src) and os.path.isdir(os.path.join(args.d2_src, "detectron2"))
     d2_name = "detectron2: load + proposals + serialize"
-    rows["ours: cold build from .pkl"] = []
-    if has_d2:
-        rows[d2_name] = []
+    for k in ("ours: cold build from .pkl", d2_name, "ours: convert .pkl -> .npz",
+              "ours: cold build from .npz", "ours: cold build, gt only"):
+        if k != d2_name or has_d2:
+            rows[k] = []
     for _ in range(max(1, args.repeat)):  # interleaved, so both see the same load
         run("ours: cold build from .pkl", "ours", ann=ann, cache=cache, proposals=pkl)
         if has_d2:
@@ -517,6 +526,7 @@ def proposals_vs_d2(args) -> None:
         run("ours: convert .pkl -> .npz", "convert", proposals=pkl, out=npz)
         run("ours: cold build from .npz", "ours", ann=ann, cache=cache, proposals=npz)
         run("ours: cold build, gt only", "ours", ann=ann, cache=cache)
+    rows = {k: v for k, v in rows.items() if v}
     d2 = rows.get(d2_name)
     print(f"\n{args.images} images x {args.proposals_per_image} proposals "
           f"({os.path.getsize(pkl) / 2**20:.0f} MiB pickle), {max(1, args.repeat)} run(s) "
