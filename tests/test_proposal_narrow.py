@@ -348,3 +348,28 @@ def test_build_writes_each_proposal_column_once(tmp_path, monkeypatch):
     assert db.manifest["arrays"]["prop_boxes"]["shape"][0] > 250_000  # proposals dominate
     print(f"wrote {written} bytes for a {size}-byte cache ({written / size:.2f}x)")
     assert written <= 1.2 * size, f"wrote {written} bytes for a {size}-byte cache"
+
+
+def test_padded_header_loads_and_no_kept_proposal_gives_empty_narrow_columns(tmp_path):
+    from lit_roidata.roidb.proposals import _npy_header_for
+
+    for pad in (0, 128, 192, 256):
+        head = _npy_header_for(np.dtype("<i2"), (3,), pad_to=pad)
+        assert len(head) == max(pad, 128) and len(head) % 64 == 0
+        fn = tmp_path / f"h{pad}.npy"
+        fn.write_bytes(head + np.array([-1, 5, 300], "<i2").tobytes())
+        assert np.load(fn).tolist() == [-1, 5, 300]
+        assert np.load(fn, mmap_mode="r").dtype == np.dtype("<i2")
+    # every proposal is too small: the columns exist, empty, in their narrow dtypes
+    data = make_coco(2, 4)
+    cat = write_dataset(str(tmp_path), "t", data)
+    pfile = str(tmp_path / "t.pkl")
+    with open(pfile, "wb") as fh:
+        pickle.dump({"boxes": [np.array([[1, 1, 2, 2]], np.float32) for _ in data["images"]],
+                     "scores": [np.ones(1, np.float32) for _ in data["images"]],
+                     "ids": [im["id"] for im in data["images"]]}, fh)
+    db = combined_roidb_for_training("t", [pfile], get_cfg(), str(tmp_path / "c"), catalog=cat,
+                                     progress=False, trust_pickle=True, verify=True)
+    rec = db.manifest["arrays"]
+    assert rec["prop_boxes"]["shape"] == [0, 4] and rec["prop_max_classes"]["dtype"] == "|u1"
+    assert db.report["datasets"][0]["proposals"]["proposals_min_size"] == len(data["images"])
