@@ -10,7 +10,9 @@ page cache):
 * gt rows: ``gt_boxes``, ``gt_classes``, ``gt_seg_areas``, ``gt_is_crowd``,
   ``gt_keypoints`` and the ``segm_*`` columns (:mod:`lit_roidata.roidb.segms`);
 * proposal rows: ``prop_boxes``, ``prop_max_overlaps``, ``prop_max_classes``,
-  ``prop_gt_map``;
+  ``prop_gt_map`` (the last two in the narrowest integer dtype their values fit,
+  :func:`lit_roidata.roidb.proposals.proposal_dtypes`, or int32 in caches written before;
+  entries widen them to Detectron's int64 / int32 either way);
 * entries (after flipping and filtering): ``entry_img`` and ``entry_flipped``.
 
 A flipped entry is the index of its original plus a flag; boxes, segms and keypoints
