@@ -36,6 +36,7 @@ from lit_roidata.roidb.coco import GtTable, load_coco_json
 from lit_roidata.roidb.decode import decode_coco
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
+from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
 from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
@@ -242,6 +243,9 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
                "annotation": file_fingerprint(s.annotation_file, root),
                "proposals": None if f is None else file_fingerprint(f, root)}
               for s, f in zip(specs, files)]
+    for rec, s in zip(inputs, specs):  # COCO keys stay what they were
+        if s.format != "coco":
+            rec["format"] = s.format
     key = cache_key({"inputs": inputs, "options": options})
 
     def build(tmp: str) -> dict:
@@ -368,7 +372,8 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
     with BuildProgress(progress) as prog:
         for spec, pfile in zip(specs, files):
             with prog.task(f"{spec.name}: annotations", 3) as step:
-                raw = decode_coco(spec.annotation_file)
+                lvis = spec.format == "lvis"
+                raw = (decode_lvis if lvis else decode_coco)(spec.annotation_file)
                 step()
                 c = [(int(x["id"]), str(x["name"])) for x in raw.categories
                      if isinstance(x, dict) and "id" in x and "name" in x]
@@ -380,6 +385,8 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                 table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
                                        gt_min_area=options["gt_min_area"], class_order=union,
                                        keypoints_required=bool(options.get("keypoints_on")))
+                if lvis:
+                    table.image_lists = lvis_image_lists(raw, table.info)
                 del raw
                 step()
                 if options["check_images"]:
@@ -491,6 +498,8 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
         "prop_gt_map": cat([p.gt_map for p in props]).astype(np.int32, copy=False),
     }
     a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
+    if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
+        a.update(_image_list_columns(tables))
     starts = np.cumsum([0] + n_imgs)
     entry_img, entry_flip = [], []
     for k in range(len(tables)):
@@ -519,6 +528,24 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
         "filtered": bool(options["filter"])}, "warnings": warnings_}
     return a, report
+
+
+def _image_list_columns(tables) -> dict[str, np.ndarray]:
+    """The neg / not-exhaustive columns over all datasets (empty lists for COCO ones)."""
+    out = {}
+    for key, (off_col, cls_col) in IMAGE_LIST_COLUMNS.items():
+        offs, vals = [], []
+        for t in tables:
+            if t.image_lists is None:
+                offs.append(np.zeros(t.ids.size + 1, np.int64))
+                vals.append(np.zeros(0, np.int32))
+            else:
+                o, v = t.image_lists[key]
+                offs.append(o)
+                vals.append(v)
+        out[off_col] = concat_offsets(offs)
+        out[cls_col] = np.concatenate(vals).astype(np.int32)
+    return out
 
 
 def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:

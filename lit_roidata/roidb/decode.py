@@ -56,6 +56,11 @@ class RawCoco:
         rles: annotation index → the JSON RLE value (a dict, or whatever was there).
         kp_len: int64 keypoint values per annotation (-1: no ``keypoints`` field);
         kp_vals: float64, all keypoint values.
+        coco_urls: LVIS only (``decode_coco(..., lvis=True)``): per image, ``coco_url`` or
+            ``None``; ``file_names`` then holds ``None`` where ``file_name`` is absent.
+        neg_n, neg_ids / nexh_n, nexh_ids: LVIS only: int64 per image, the length of its
+            ``neg_category_ids`` / ``not_exhaustive_category_ids``, and all their values
+            (JSON category ids, images in JSON order).
     """
 
     source: str
@@ -79,6 +84,11 @@ class RawCoco:
     kp_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     kp_vals: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     decoder: str = "generic"
+    coco_urls: Optional[list] = None
+    neg_n: Optional[np.ndarray] = None
+    neg_ids: Optional[np.ndarray] = None
+    nexh_n: Optional[np.ndarray] = None
+    nexh_ids: Optional[np.ndarray] = None
 
     def ann_label(self, i: int) -> str:
         """``annotation id X (image id Y)`` of annotation ``i`` (JSON position)."""
@@ -105,8 +115,11 @@ def read_json(path: str, raw: Optional[bytes] = None) -> Any:
             f"cause.") from None
 
 
-def decode_coco(path: str, *, fast: bool = True) -> RawCoco:
+def decode_coco(path: str, *, fast: bool = True, lvis: bool = False) -> RawCoco:
     """Decode ``path`` with the fast typed decoder, or the generic one if it refuses.
+
+    ``lvis=True`` also reads LVIS's image fields (``coco_url``, ``neg_category_ids``,
+    ``not_exhaustive_category_ids``) and lets ``file_name`` be absent (LVIS v1).
 
     Raises:
         RoIDBInputError: a malformed file or record (named, with the fix).
@@ -114,10 +127,10 @@ def decode_coco(path: str, *, fast: bool = True) -> RawCoco:
     with open(path, "rb") as fh:
         raw = fh.read()
     if fast:
-        out = decode_fast(raw, path)
+        out = decode_fast(raw, path, lvis=lvis)
         if out is not None:
             return out
-    return decode_generic(read_json(path, raw), path)
+    return decode_generic(read_json(path, raw), path, lvis=lvis)
 
 
 # ------------------------------------------------------------------------------ fast
@@ -159,6 +172,27 @@ class _Top(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_Top)
+
+
+class _LvisImg(msgspec.Struct, kw_only=True, gc=False):
+    """An LVIS image: ``file_name`` may be absent (v1 names come from ``coco_url``)."""
+
+    id: int
+    width: int
+    height: int
+    file_name: Optional[str] = None
+    coco_url: Optional[str] = None
+    neg_category_ids: list[int] = msgspec.field(default_factory=list)
+    not_exhaustive_category_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class _LvisTop(msgspec.Struct):
+    images: list[_LvisImg]
+    annotations: Optional[list[_Ann]] = None
+    categories: msgspec.Raw = _NULL
+
+
+_LVIS_DECODER = msgspec.json.Decoder(_LvisTop)
 _EMPTY: tuple = ()
 
 #: Set in the forked builder process (:func:`lit_roidata.roidb.build._in_child`): the
@@ -174,7 +208,7 @@ _KP_NUMBER = list[Union[int, float]]
 _SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
 
 
-def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
+def decode_fast(raw: bytes, source: str, *, lvis: bool = False) -> Optional[RawCoco]:
     """The typed msgspec decode; ``None`` if the file is not strictly well-typed.
 
     Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
@@ -185,7 +219,7 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     would give, without a Python object per number.
     """
     try:
-        top = _DECODER.decode(raw)
+        top = (_LVIS_DECODER if lvis else _DECODER).decode(raw)
         cats = orjson.loads(bytes(top.categories)) or []
     except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError):
         return None
@@ -226,6 +260,7 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
         if parsed is None:
             return None
         kp_len[kp_rows], kp_vals = parsed
+    extra = _lvis_fast(images) if lvis else {}
     return RawCoco(
         source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
         file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),
@@ -235,7 +270,21 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
         ann_crowd=np.fromiter(map(attrgetter("iscrowd"), anns), np.int64, na),
         ann_ignore=np.fromiter(map(attrgetter("ignore"), anns), np.float64, na),
         seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords, rles=rles,
-        kp_len=kp_len, kp_vals=kp_vals, decoder="fast")
+        kp_len=kp_len, kp_vals=kp_vals, decoder="fast", **extra)
+
+
+def _id_lists(lists: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per-image lengths and the concatenated values of lists of integers."""
+    n = np.fromiter(map(len, lists), np.int64, len(lists))
+    return n, np.fromiter(chain.from_iterable(lists), np.int64, int(n.sum()))
+
+
+def _lvis_fast(images: list) -> dict:
+    """The LVIS image columns of :class:`RawCoco` from decoded ``_LvisImg`` structs."""
+    neg_n, neg_ids = _id_lists(list(map(attrgetter("neg_category_ids"), images)))
+    nexh_n, nexh_ids = _id_lists(list(map(attrgetter("not_exhaustive_category_ids"), images)))
+    return {"coco_urls": list(map(attrgetter("coco_url"), images)), "neg_n": neg_n,
+            "neg_ids": neg_ids, "nexh_n": nexh_n, "nexh_ids": nexh_ids}
 
 
 # --------------------------------------------------------------------------- generic
@@ -274,8 +323,10 @@ def _col(items: list, key: str, allowed: frozenset, dtype: Any, *, source: str, 
                               f"that record.") from None
 
 
-def decode_generic(data: Any, source: str) -> RawCoco:
+def decode_generic(data: Any, source: str, *, lvis: bool = False) -> RawCoco:
     """Decode parsed JSON (``orjson.loads`` output) into a :class:`RawCoco`.
+
+    ``lvis``: as for :func:`decode_coco`.
 
     Raises:
         RoIDBInputError: any field of a wrong type, naming the file, record and fix.
@@ -307,7 +358,8 @@ def decode_generic(data: Any, source: str) -> RawCoco:
     img_h = _col(images, "height", _NUM, np.float64, source=source, what="image",
                  label=img_label2, fix="set it to the image's height in pixels")
     names = [im.get("file_name") for im in images]
-    if not set(map(type, names)) <= {str}:
+    extra = _lvis_generic(images, img_id, source) if lvis else {}
+    if not set(map(type, names)) <= ({str, type(None)} if lvis else {str}):
         i = next(i for i, v in enumerate(names) if type(v) is not str)
         raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has file_name="
                               f"{names[i]!r:.80}; every image needs a 'file_name' string.")
@@ -338,7 +390,29 @@ def decode_generic(data: Any, source: str) -> RawCoco:
                    file_names=names, ann_id=ann_id, ann_img=ann_img, ann_cat=ann_cat,
                    ann_bbox=bbox, ann_area=area, ann_crowd=crowd, ann_ignore=ignore,
                    seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords,
-                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic")
+                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic", **extra)
+
+
+def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
+    """The LVIS image columns of :class:`RawCoco` from parsed JSON, with named errors."""
+    urls = [im.get("coco_url") for im in images]
+    if not set(map(type, urls)) <= {str, type(None)}:
+        i = next(i for i, v in enumerate(urls) if v is not None and type(v) is not str)
+        raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has coco_url="
+                              f"{urls[i]!r:.80}; expected a URL string such as "
+                              f"'http://images.cocodataset.org/train2017/000000000139.jpg'.")
+    out: dict = {"coco_urls": urls}
+    for key, short in (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh")):
+        lists = [im.get(key) or [] for im in images]
+        bad = [i for i, v in enumerate(lists) if type(v) is not list
+               or not set(map(type, v)) <= _INT]
+        if bad:
+            i = bad[0]
+            raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has {key}="
+                                  f"{lists[i]!r:.80}; expected a list of integer category ids "
+                                  f"({len(bad)} image(s) have this problem). Fix the lists.")
+        out[short + "_n"], out[short + "_ids"] = _id_lists(lists)
+    return out
 
 
 def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
