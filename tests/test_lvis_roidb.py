@@ -425,3 +425,33 @@ def test_equals_detectron2_load_lvis_json(lvis, tmp_path, split):
         assert not e["is_crowd"].any()
         n_boxes += len(anns)
     assert n_boxes > 0 and any(r["neg_category_ids"] for r in records)
+
+
+@pytest.mark.parametrize("output_format", ["torchvision", "detectron"])
+def test_lists_reach_the_batch_through_workers(lvis, tmp_path, output_format):
+    """One batch from the train loader (a worker process, shared-memory transport): the
+    torchvision targets, or the RPN family's ``roidb`` blob, carry the entries' lists."""
+    from lit_roidata.loader import build_train_loader
+
+    root, _ = lvis
+    cfg = get_cfg()
+    cfg.MODEL.FASTER_RCNN = True
+    cfg.TRAIN.SCALES = (160,)
+    cfg.TRAIN.MAX_SIZE = 320
+    db = combined_roidb_for_training("lvis_v1_train", (), cfg, str(tmp_path),
+                                     catalog=_catalog(root))
+    loader = build_train_loader(cfg, db, num_workers=1, ims_per_batch=2, seed=3,
+                                output_format=output_format)
+    by_id = {e["id"]: e for e in db}
+    nonempty = 0
+    for _, batch in zip(range(4), loader):
+        if output_format == "torchvision":
+            got = [{k: t[k].tolist() for k in LVIS_KEYS} for t in batch[1]]
+            ids = [t["image_id"] for t in batch[1]]
+        else:
+            entries = deserialize_roidb(batch["roidb"])
+            got = [{k: e[k].tolist() for k in LVIS_KEYS} for e in entries]
+            ids = [e["id"] for e in entries]
+        assert got == [{k: by_id[i][k].tolist() for k in LVIS_KEYS} for i in ids]
+        nonempty += sum(bool(v) for g in got for v in g.values())
+    assert nonempty > 0
