@@ -12,8 +12,9 @@ Each phase runs in a fresh subprocess, ``--repeat`` times:
   checkout given with ``--d2-src`` (its ``lvis.py`` without ``detectron2/data/__init__``;
   needs ``fvcore``, ``iopath`` and ``lvis``). The row is skipped with a note when absent.
 
-The output is wall seconds (min / median / max), CPU seconds, peak RSS, and the ratios
-``ours / Detectron2`` and ``lvis / coco``. The machine may be shared, so compare rows from
+The output is wall seconds (min / median / max), CPU seconds (median; ours includes the
+forked builder), peak RSS (Detectron2's includes the modules it imports, torch among
+them), and the ratios ``ours / Detectron2`` and ``lvis / coco``, of wall and CPU time. The machine may be shared, so compare rows from
 the same run. Usage::
 
     python benchmarks/lvis_roidb_build.py --images 20000 --d2-src ../d2src
@@ -157,18 +158,21 @@ def main() -> None:
             for name in rows:
                 ann = coco_path if name == "coco" else lvis_path
                 rows[name].append(run(name, ann, os.path.join(tmp, "cache"), args.d2_src))
-    med = {}
+    med, cpu = {}, {}
     label = {"lvis": "ours, LVIS file (format lvis)", "coco": "ours, same content as COCO",
              "d2": "Detectron2 load_lvis_json"}
     for name, rs in rows.items():
         s = sorted(r["seconds"] for r in rs)
         med[name] = statistics.median(s)
+        cpu[name] = statistics.median(r["cpu_s"] for r in rs)
         print(f"{label[name]:34s} wall {s[0]:7.2f} / {med[name]:7.2f} / {s[-1]:7.2f} s  "
-              f"cpu {statistics.median(r['cpu_s'] for r in rs):7.2f} s  "
+              f"cpu {cpu[name]:7.2f} s  "
               f"peak {max(r['maxrss_mb'] for r in rs):7.0f} MB")
-    print(f"ratio lvis / coco (median wall): {med['lvis'] / med['coco']:.2f}")
+    print(f"ratio lvis / coco (median wall): {med['lvis'] / med['coco']:.2f}, "
+          f"(median cpu): {cpu['lvis'] / cpu['coco']:.2f}")
     if d2_ok:
-        print(f"ratio ours (lvis) / Detectron2 (median wall): {med['lvis'] / med['d2']:.3f}")
+        print(f"ratio ours (lvis) / Detectron2 (median wall): {med['lvis'] / med['d2']:.3f}, "
+              f"(median cpu): {cpu['lvis'] / cpu['d2']:.3f}")
     else:
         print("note: no Detectron2 row (pass --d2-src <detectron2 source checkout>)")
 
