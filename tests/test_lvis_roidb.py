@@ -289,6 +289,8 @@ def _doc() -> dict:
      r"not_exhaustive_category_ids.*\(image id 5: 3\)"),
     (lambda d: d["images"][0].update(neg_category_ids=["a"]),
      r"image id 5 has neg_category_ids=\['a'\]; expected a list of integer category ids"),
+    (lambda d: d["images"][0].update(not_exhaustive_category_ids=[2 ** 64 - 1]),
+     r"image id 5 has not_exhaustive_category_ids=\[18446744073709551615\]; expected a list"),
 ])
 def test_named_errors(tmp_path, mutate, match):
     doc = _doc()

@@ -260,7 +260,10 @@ def decode_fast(raw: bytes, source: str, *, lvis: bool = False) -> Optional[RawC
         if parsed is None:
             return None
         kp_len[kp_rows], kp_vals = parsed
-    extra = _lvis_fast(images) if lvis else {}
+    try:
+        extra = _lvis_fast(images) if lvis else {}
+    except OverflowError:  # an id beyond int64: the generic decoder names it
+        return None
     return RawCoco(
         source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
         file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),
@@ -405,7 +408,7 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
     for key, short in (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh")):
         lists = [im.get(key) or [] for im in images]
         bad = [i for i, v in enumerate(lists) if type(v) is not list
-               or not set(map(type, v)) <= _INT]
+               or not set(map(type, v)) <= _INT or any(abs(x) >= 2 ** 63 for x in v)]
         if bad:
             i = bad[0]
             raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has {key}="
