@@ -60,8 +60,8 @@ class SourceOptions:
     """Where the data comes from and how it is checked (``--data.sources.*``).
 
     Args:
-        data_root: root under which the built-in COCO catalog names resolve
-            (``<data_root>/coco/...``).
+        data_root: root under which the built-in catalog names resolve
+            (``<data_root>/coco/...``, ``<data_root>/lvis/...``).
         dataset_catalog: YAML file registering your own datasets by name (see
             :meth:`lit_roidata.catalog.Catalog.load_yaml`).
         cache_dir: folder for the roidb caches (default: ``$LIT_ROIDATA_CACHE`` or

@@ -35,6 +35,7 @@ from lit_roidata.roidb.cache import write_arrays
 from lit_roidata.roidb.coco import GtTable, load_coco_json
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
+from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
 from lit_roidata.roidb.proposals import ProposalColumns, build_proposal_table
 from lit_roidata.roidb.proposals import empty_proposal_table
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
@@ -242,6 +243,9 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
                "annotation": file_fingerprint(s.annotation_file, root),
                "proposals": None if f is None else file_fingerprint(f, root)}
               for s, f in zip(specs, files)]
+    for rec, s in zip(inputs, specs):  # COCO keys stay what they were
+        if s.format != "coco":
+            rec["format"] = s.format
     key = cache_key({"inputs": inputs, "options": options})
 
     def build(tmp: str) -> dict:
@@ -380,11 +384,20 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                         union.extend(n for _, n in c if n not in union)
                     return union
 
-                # decoded and cleaned window by window (bounded memory)
-                table = load_coco_json(spec.annotation_file, name=spec.name,
-                                       gt_min_area=options["gt_min_area"],
-                                       categories_hook=categories_seen,
-                                       keypoints_required=bool(options.get("keypoints_on")))
+                if spec.format == "lvis":
+                    # LVIS: decoded whole (its per-image federated lists), then cleaned
+                    raw = decode_lvis(spec.annotation_file)
+                    table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
+                                           gt_min_area=options["gt_min_area"],
+                                           categories_hook=categories_seen,
+                                           keypoints_required=bool(options.get("keypoints_on")))
+                    table.image_lists = lvis_image_lists(raw, table.info)
+                    del raw
+                else:  # decoded and cleaned window by window (bounded memory)
+                    table = load_coco_json(spec.annotation_file, name=spec.name,
+                                           gt_min_area=options["gt_min_area"],
+                                           categories_hook=categories_seen,
+                                           keypoints_required=bool(options.get("keypoints_on")))
                 step()
                 if options["check_images"]:
                     _check_images(spec, table.file_names)
@@ -533,6 +546,8 @@ def _combine(specs, tables, props, options, written=None) -> tuple[dict, dict]:
         **_prop_arrays(props, written or {}),
     }
     a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
+    if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
+        a.update(_image_list_columns(tables))
     starts = np.cumsum([0] + n_imgs)
     entry_img, entry_flip = [], []
     for k in range(len(tables)):
@@ -561,6 +576,24 @@ def _combine(specs, tables, props, options, written=None) -> tuple[dict, dict]:
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
         "filtered": bool(options["filter"])}, "warnings": warnings_}
     return a, report
+
+
+def _image_list_columns(tables) -> dict[str, np.ndarray]:
+    """The neg / not-exhaustive columns over all datasets (empty lists for COCO ones)."""
+    out = {}
+    for key, (off_col, cls_col) in IMAGE_LIST_COLUMNS.items():
+        offs, vals = [], []
+        for t in tables:
+            if t.image_lists is None:
+                offs.append(np.zeros(t.ids.size + 1, np.int64))
+                vals.append(np.zeros(0, np.int32))
+            else:
+                o, v = t.image_lists[key]
+                offs.append(o)
+                vals.append(v)
+        out[off_col] = concat_offsets(offs)
+        out[cls_col] = np.concatenate(vals).astype(np.int32)
+    return out
 
 
 def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:

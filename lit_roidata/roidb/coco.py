@@ -46,6 +46,9 @@ class GtTable:
         segms: :class:`SegmColumns` per gt row.
         keypoints: int32 (G, 3, K) or ``None``; has_vis_kp: bool per image.
         counts: drop/keep counts by reason (for the build report).
+        image_lists: LVIS only (:func:`lit_roidata.roidb.lvis.lvis_image_lists`): per
+            image ``neg_category_ids`` / ``not_exhaustive_category_ids`` as (offsets,
+            contiguous classes); ``None`` for COCO.
     """
 
     info: DatasetInfo
@@ -62,6 +65,7 @@ class GtTable:
     keypoints: Optional[np.ndarray]
     has_vis_kp: np.ndarray
     counts: Counter
+    image_lists: Optional[dict] = None
 
 
 def dataset_info_from_categories(name: str, categories: Sequence[dict], *, source: str,

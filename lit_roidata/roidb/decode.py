@@ -60,6 +60,11 @@ class RawCoco:
         rles: annotation index → the JSON RLE value (a dict, or whatever was there).
         kp_len: int64 keypoint values per annotation (-1: no ``keypoints`` field);
         kp_vals: float64, all keypoint values.
+        coco_urls: LVIS only (``decode_coco(..., lvis=True)``): per image, ``coco_url`` or
+            ``None``; ``file_names`` then holds ``None`` where ``file_name`` is absent.
+        neg_n, neg_ids / nexh_n, nexh_ids: LVIS only: int64 per image, the length of its
+            ``neg_category_ids`` / ``not_exhaustive_category_ids``, and all their values
+            (JSON category ids, images in JSON order).
     """
 
     source: str
@@ -86,6 +91,11 @@ class RawCoco:
     #: JSON position of annotation 0 (a window of a file), or of each (``ann_pos``)
     ann_base: int = 0
     ann_pos: Optional[np.ndarray] = None
+    coco_urls: Optional[list] = None
+    neg_n: Optional[np.ndarray] = None
+    neg_ids: Optional[np.ndarray] = None
+    nexh_n: Optional[np.ndarray] = None
+    nexh_ids: Optional[np.ndarray] = None
 
     def ann_label(self, i: int) -> str:
         """``annotation id X (image id Y)`` of annotation ``i`` (JSON position)."""
@@ -152,6 +162,27 @@ class _Top(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_Top)
+
+
+class _LvisImg(msgspec.Struct, kw_only=True, gc=False):
+    """An LVIS image: ``file_name`` may be absent (v1 names come from ``coco_url``)."""
+
+    id: int
+    width: int
+    height: int
+    file_name: Optional[str] = None
+    coco_url: Optional[str] = None
+    neg_category_ids: list[int] = msgspec.field(default_factory=list)
+    not_exhaustive_category_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class _LvisTop(msgspec.Struct):
+    images: list[_LvisImg]
+    annotations: Optional[list[_Ann]] = None
+    categories: msgspec.Raw = _NULL
+
+
+_LVIS_DECODER = msgspec.json.Decoder(_LvisTop)
 _EMPTY: tuple = ()
 
 #: Set in the forked builder process (:func:`lit_roidata.roidb.build._in_child`): the
@@ -167,7 +198,7 @@ _KP_NUMBER = list[Union[int, float]]
 _SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
 
 
-def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
+def decode_fast(raw: bytes, source: str, *, lvis: bool = False) -> Optional[RawCoco]:
     """The typed msgspec decode of a whole file; ``None`` if it is not strictly well-typed.
 
     Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
@@ -179,7 +210,7 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     same way, window by window (:func:`decode_chunked`).
     """
     try:
-        top = _DECODER.decode(raw)
+        top = (_LVIS_DECODER if lvis else _DECODER).decode(raw)
         cats = orjson.loads(bytes(top.categories)) or []
     except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError):
         return None
@@ -191,7 +222,11 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     ann = _annotation_columns(top.annotations or [], 0)
     if ann is None:
         return None
-    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast")
+    try:
+        extra = _lvis_fast(top.images) if lvis else {}
+    except OverflowError:  # an id beyond int64: the generic decoder names it
+        return None
+    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast", **extra)
 
 
 def _image_columns(images: list) -> dict:
@@ -262,18 +297,27 @@ _IMG_WINDOW = msgspec.json.Decoder(list[_Img])
 _ANN_WINDOW = msgspec.json.Decoder(list[_Ann])
 
 
-def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTES) -> RawCoco:
+def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTES,
+                lvis: bool = False) -> RawCoco:
     """Decode ``path`` window by window (:func:`decode_chunked`), or, with ``fast=False``,
     whole with the generic decoder.
+
+    ``lvis=True`` also reads LVIS's image fields (``coco_url``, ``neg_category_ids``,
+    ``not_exhaustive_category_ids``) and lets ``file_name`` be absent (LVIS v1). An LVIS
+    file is decoded whole (typed, else generic), not in windows.
 
     Raises:
         RoIDBInputError: a malformed file or record (named, with the fix).
     """
-    if fast:
+    if fast and not lvis:
         return decode_chunked(path, window_bytes=window_bytes)
     with open(path, "rb") as fh:
         raw = fh.read()
-    return decode_generic(read_json(path, raw), path)
+    if fast:
+        out = decode_fast(raw, path, lvis=True)
+        if out is not None:
+            return out
+    return decode_generic(read_json(path, raw), path, lvis=lvis)
 
 
 def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
@@ -640,6 +684,20 @@ def _concat_columns(pieces: list, arrays: tuple, empty: dict) -> dict:
     return out
 
 
+def _id_lists(lists: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per-image lengths and the concatenated values of lists of integers."""
+    n = np.fromiter(map(len, lists), np.int64, len(lists))
+    return n, np.fromiter(chain.from_iterable(lists), np.int64, int(n.sum()))
+
+
+def _lvis_fast(images: list) -> dict:
+    """The LVIS image columns of :class:`RawCoco` from decoded ``_LvisImg`` structs."""
+    neg_n, neg_ids = _id_lists(list(map(attrgetter("neg_category_ids"), images)))
+    nexh_n, nexh_ids = _id_lists(list(map(attrgetter("not_exhaustive_category_ids"), images)))
+    return {"coco_urls": list(map(attrgetter("coco_url"), images)), "neg_n": neg_n,
+            "neg_ids": neg_ids, "nexh_n": nexh_n, "nexh_ids": nexh_ids}
+
+
 # --------------------------------------------------------------------------- generic
 _INT = frozenset({int})
 _NUM = frozenset({int, float})
@@ -678,11 +736,12 @@ def _col(items: list, key: str, allowed: frozenset, dtype: Any, *, source: str, 
 
 
 def decode_generic(data: Any, source: str, *, img_base: int = 0,
-                   ann_base: int = 0) -> RawCoco:
+                   ann_base: int = 0, lvis: bool = False) -> RawCoco:
     """Decode parsed JSON (``orjson.loads`` output) into a :class:`RawCoco`.
 
     ``img_base`` / ``ann_base``: the JSON position of the first image / annotation (a
     window of a larger file, :func:`decode_chunked`), for messages and ``rles`` keys.
+    ``lvis``: as for :func:`decode_coco`.
 
     Raises:
         RoIDBInputError: any field of a wrong type, naming the file, record and fix.
@@ -715,7 +774,8 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
     img_h = _col(images, "height", _NUM, np.float64, source=source, what="image",
                  label=img_label2, base=img_base, fix="set it to the image's height in pixels")
     names = [im.get("file_name") for im in images]
-    if not set(map(type, names)) <= {str}:
+    extra = _lvis_generic(images, img_id, source) if lvis else {}
+    if not set(map(type, names)) <= ({str, type(None)} if lvis else {str}):
         i = next(i for i, v in enumerate(names) if type(v) is not str)
         raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has file_name="
                               f"{names[i]!r:.80}; every image needs a 'file_name' string.")
@@ -748,7 +808,29 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
                    file_names=names, ann_id=ann_id, ann_img=ann_img, ann_cat=ann_cat,
                    ann_bbox=bbox, ann_area=area, ann_crowd=crowd, ann_ignore=ignore,
                    seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords,
-                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic")
+                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic", **extra)
+
+
+def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
+    """The LVIS image columns of :class:`RawCoco` from parsed JSON, with named errors."""
+    urls = [im.get("coco_url") for im in images]
+    if not set(map(type, urls)) <= {str, type(None)}:
+        i = next(i for i, v in enumerate(urls) if v is not None and type(v) is not str)
+        raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has coco_url="
+                              f"{urls[i]!r:.80}; expected a URL string such as "
+                              f"'http://images.cocodataset.org/train2017/000000000139.jpg'.")
+    out: dict = {"coco_urls": urls}
+    for key, short in (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh")):
+        lists = [im.get(key) or [] for im in images]
+        bad = [i for i, v in enumerate(lists) if type(v) is not list
+               or not set(map(type, v)) <= _INT or any(abs(x) >= 2 ** 63 for x in v)]
+        if bad:
+            i = bad[0]
+            raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has {key}="
+                                  f"{lists[i]!r:.80}; expected a list of integer category ids "
+                                  f"({len(bad)} image(s) have this problem). Fix the lists.")
+        out[short + "_n"], out[short + "_ids"] = _id_lists(lists)
+    return out
 
 
 def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
