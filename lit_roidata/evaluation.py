@@ -345,7 +345,7 @@ class COCOEvaluator(pl.Callback):
                 if iou != "bbox" and not any(d.get(field) is not None for d in dets):
                     continue
                 sel = [d for d in dets if d.get(field) is not None]
-                results = self._results(sel, info, iou, coco)
+                results = self._result_dicts(sel, info, iou, coco)
                 self._write(results, prefix, iou, name)
                 stats, text = self._score(coco, results, iou, image_ids)
                 texts.append(f"{name} {iou} ({len(image_ids)} images):\n{text}")
@@ -368,7 +368,7 @@ class COCOEvaluator(pl.Callback):
                      {k: round(v, 4) for k, v in metrics.items() if k.count("/") == 1})
         return metrics
 
-    def _results(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
+    def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
                  gt: Any) -> list[dict[str, Any]]:
         """The result dicts of ``detections`` for ``iou`` (the fields it does not use dropped)."""
         results = detections_to_coco_results(detections, info)

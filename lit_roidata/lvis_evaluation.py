@@ -164,9 +164,9 @@ class LVISEvaluator(COCOEvaluator):
             gt.createIndex()
         return gt
 
-    def _results(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
+    def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
                  gt: Any) -> list[dict[str, Any]]:
-        results = super()._results(detections, info, iou, gt)
+        results = super()._result_dicts(detections, info, iou, gt)
         return limit_dets_per_image(results, self.max_dets_per_image)
 
     def _score(self, gt: Any, results: list[dict[str, Any]], iou: str,
