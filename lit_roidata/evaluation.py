@@ -108,6 +108,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             dataset lacks), or inconsistent array lengths; the message names the image.
     """
     results: list[dict[str, Any]] = []
+    maps: dict[Any, tuple[Mapping[int, int], set[int]]] = {}  # per dataset: map, its keys
     for det in detections:
         image_id = int(det["image_id"])
         boxes = _numpy(det["boxes"]).astype(np.float64).reshape(-1, 4)
@@ -119,9 +120,16 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             raise ValueError(f"image {image_id}: {len(boxes)} boxes, {len(scores)} scores and "
                              f"{len(labels)} labels; they must have equal lengths")
         # Class-agnostic proposals: every box is category 1, as COCO's proposal results.
-        id_map = ({int(c): 1 for c in labels} if proposals
-                  else _id_map(dataset_info, det.get("dataset")))
-        unknown = sorted({int(c) for c in labels} - {int(k) for k in id_map})
+        if proposals:
+            id_map = {int(c): 1 for c in labels}
+            known = set(id_map)
+        else:
+            ds = det.get("dataset")
+            if ds not in maps:
+                m = _id_map(dataset_info, ds)
+                maps[ds] = (m, {int(k) for k in m})
+            id_map, known = maps[ds]
+        unknown = sorted({int(c) for c in labels} - known)
         if unknown:
             raise ValueError(f"image {image_id} (dataset {det.get('dataset')!r}): labels "
                              f"{unknown} have no json category id; known contiguous ids are "

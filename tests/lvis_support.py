@@ -13,7 +13,8 @@ import pytest
 
 
 def make_lvis_gt(rng: np.random.Generator, n_images: int = 8, n_cats: int = 9,
-                 max_anns: int = 5, size: tuple[int, int] = (60, 160)) -> dict[str, Any]:
+                 max_anns: int = 5, size: tuple[int, int] = (60, 160),
+                 neg_fraction: float = 0.5) -> dict[str, Any]:
     """An LVIS v1-style dataset dict: categories 1..n_cats with frequencies cycling r/c/f,
     image ids 100, 103, ... (not contiguous), rectangle polygons (area = w * h), each image's
     ``neg_category_ids`` drawn from the categories it lacks and
@@ -35,7 +36,7 @@ def make_lvis_gt(rng: np.random.Generator, n_images: int = 8, n_cats: int = 9,
                          "segmentation": [[x, y, x + bw, y, x + bw, y + bh, x, y + bh]]})
             present.add(c)
         absent = [c for c in range(1, n_cats + 1) if c not in present]
-        neg = sorted(int(c) for c in absent if rng.random() < 0.5)
+        neg = sorted(int(c) for c in absent if rng.random() < neg_fraction)
         nel = sorted(int(c) for c in present if rng.random() < 0.3)
         images.append({"id": image_id, "width": w, "height": h,
                        "coco_url": f"http://images.cocodataset.org/val2017/{image_id:012d}.jpg",
@@ -45,10 +46,13 @@ def make_lvis_gt(rng: np.random.Generator, n_images: int = 8, n_cats: int = 9,
 
 
 def make_detections(rng: np.random.Generator, gt: dict[str, Any], per_image: int = 12,
-                    masks: bool = False, ties: bool = False) -> list[dict[str, Any]]:
+                    masks: bool = False, ties: bool = False,
+                    known_bias: float = 0.0) -> list[dict[str, Any]]:
     """Per-image detections in lit_roidata's evaluation format (x1, y1, x2, y2 with the +1
     convention; labels = json ids, as LVIS ids are already contiguous): jittered copies of
-    the ground truth plus random boxes of any category (some federated, some not)."""
+    the ground truth plus random boxes of any category (some federated, some not; with
+    probability ``known_bias`` a random box takes one of the image's annotated or negative
+    categories, so that it is evaluated)."""
     n_cats = len(gt["categories"])
     by_image: dict[int, list[dict[str, Any]]] = {im["id"]: [] for im in gt["images"]}
     for a in gt["annotations"]:
@@ -64,10 +68,14 @@ def make_detections(rng: np.random.Generator, gt: dict[str, Any], per_image: int
                 boxes.append([x + j[0], y + j[1], x + bw - 1 + j[2], y + bh - 1 + j[3]])
                 labels.append(a["category_id"] if rng.random() < 0.8
                               else int(rng.integers(1, n_cats + 1)))
+        known = sorted({a["category_id"] for a in by_image[im["id"]]}
+                       | set(im["neg_category_ids"]))
         for _ in range(int(rng.integers(0, per_image + 1))):
             x1, y1 = rng.uniform(0, w - 8), rng.uniform(0, h - 8)
             boxes.append([x1, y1, rng.uniform(x1 + 3, w - 1), rng.uniform(y1 + 3, h - 1)])
-            labels.append(int(rng.integers(1, n_cats + 1)))
+            labels.append(int(rng.choice(known)) if known_bias > 0 and known
+                          and rng.random() < known_bias
+                          else int(rng.integers(1, n_cats + 1)))
         b = np.clip(np.asarray(boxes, np.float64).reshape(-1, 4), 0, [w - 1, h - 1, w - 1, h - 1])
         b[:, 2:] = np.maximum(b[:, 2:], b[:, :2])
         scores = (rng.choice([0.2, 0.5, 0.7, 0.9], len(b)) if ties
@@ -106,16 +114,25 @@ def official_lvis() -> Any:
     return lvis
 
 
-def official_lvis_eval(lvis: Any, gt: dict[str, Any], results: list[dict[str, Any]],
-                       iou: str, image_ids: Optional[list[int]] = None,
-                       max_dets: int = 300) -> dict[str, float]:
-    """The official ``LVISEval`` numbers (``get_results()``) of ``results``."""
+def official_gt(lvis: Any, gt: dict[str, Any]) -> Any:
+    """The official ``LVIS`` object of a dataset dict (a copy; no file)."""
     import copy
 
-    lvis_gt = lvis.LVIS.__new__(lvis.LVIS)  # from a dict, no file
+    lvis_gt = lvis.LVIS.__new__(lvis.LVIS)
     lvis_gt.logger = logging.getLogger("lvis.lvis")
     lvis_gt.dataset = copy.deepcopy(gt)
     lvis_gt._create_index()
+    return lvis_gt
+
+
+def official_lvis_eval(lvis: Any, gt: Any, results: list[dict[str, Any]],
+                       iou: str, image_ids: Optional[list[int]] = None,
+                       max_dets: int = 300) -> dict[str, float]:
+    """The official ``LVISEval`` numbers (``get_results()``) of ``results`` on ``gt`` (a
+    dataset dict or an :func:`official_gt` object)."""
+    import copy
+
+    lvis_gt = gt if isinstance(gt, lvis.LVIS) else official_gt(lvis, gt)
     with _np_float_alias():
         dt = lvis.LVISResults(lvis_gt, copy.deepcopy(results), max_dets=max_dets)
         ev = lvis.LVISEval(lvis_gt, dt, iou)
