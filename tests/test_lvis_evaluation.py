@@ -158,6 +158,10 @@ def test_federated_rules_by_hand(tmp_path: Path) -> None:
     m = _eval_hand(tmp_path / "unknown", _hand_gt([], [], False),
                    {1: [perfect], 2: [false_a]})
     assert m["val/lvis_bbox_AP"] == pytest.approx(1.0)
+    # nothing left after the federated filter (or no detection at all): AP 0, not an error
+    for case, dets in (("none_kept", {1: [], 2: [false_a]}), ("none", {1: [], 2: []})):
+        m = _eval_hand(tmp_path / case, _hand_gt([], [], False), dets)
+        assert m["val/lvis_bbox_AP"] == 0 and m["val/lvis_bbox_APr"] == -1, case
     hit2 = (*_hit([60, 60, 30, 30], 0.8), 1)
     m = _eval_hand(tmp_path / "nel", _hand_gt([], [1], True),
                    {1: [perfect], 2: [false_a, hit2]})
