@@ -42,6 +42,7 @@ MODULES: list[tuple[str, Optional[list[str]]]] = [
     ("lit_roidata.skip", None),
     ("lit_roidata.progress", None),
     ("lit_roidata.evaluation", None),
+    ("lit_roidata.lvis_evaluation", None),
     ("lit_roidata.callbacks", []),
     ("lit_roidata.broadcast", None),
     ("lit_roidata.weights", None),
