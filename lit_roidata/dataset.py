@@ -32,7 +32,7 @@ import torch.utils.data
 
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.minibatch.core import build_minibatch
-from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image_rgb
+from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch import shm_pool as _pool
@@ -233,7 +233,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 trim_heap()
         loader = self.loader
         if reads is not None:  # count the images read, to know which slot failed
-            base = self.loader or load_image_rgb
+            base = self.loader or load_image
 
             def loader(entry: Mapping[str, Any]) -> np.ndarray:
                 reads.append(1)
