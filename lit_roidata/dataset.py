@@ -188,6 +188,16 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         #: workers: their reusable shared-memory slots (``None``: a new segment per array).
         self.shm_pool: _pool.ShmPool | None = None
 
+    def before_fork(self) -> None:
+        """Build what every worker would build alike (the anchor arrays of RPN / RetinaNet
+        targets) in this process, so that workers forked from it share one read-only copy
+        instead of each holding its own (:class:`~lit_roidata.loader.StatefulRoIDataLoader`
+        calls it before it forks its workers)."""
+        if self.output_format != "torchvision":
+            from lit_roidata.minibatch.anchors import build_anchor_caches
+
+            build_anchor_caches(self.cfg)
+
     def __len__(self) -> int:
         return len(self.roidb)
 
