@@ -8,7 +8,8 @@ memory, as a loader worker does:
 * ``cv2.imdecode``: OpenCV's decoder on a buffer (``IMREAD_COLOR``, BGR);
 * ``torchvision.io.decode_image``: ``mode=RGB, apply_exif_orientation=True`` (deprecated
   since torchvision 0.29);
-* ``torchcodec.decoders.decode_image``: ``mode="RGB"`` (TorchCodec; it has no EXIF option).
+* ``torchcodec.decoders.decode_image``: ``mode="RGB"`` (TorchCodec; it has no EXIF
+  option and applies the orientation itself).
 
 Two sets of files:
 
