@@ -34,7 +34,7 @@ from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.sampler import RoIBatchSampler
 from lit_roidata.skip import BadImageLedger, SkipPolicy, holdback_blocks
 
-__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler",
+__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler", "train_repeat_factors",
            "build_train_dataset", "build_train_loader", "build_eval_loader",
            "passthrough_collate", "fork_safe_opencv"]
 

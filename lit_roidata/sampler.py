@@ -447,7 +447,8 @@ class RoIBatchSampler(Sampler[Block]):
         return pass_index, cursor
 
     def advance(self, pass_index: int, cursor: int, num_batches: int) -> tuple[int, int]:
-        """The position after ``num_batches`` more global minibatches (pure, O(1)).
+        """The position after ``num_batches`` more global minibatches (pure; O(1), with
+        repeat factors O(passes crossed)).
 
         Used by the stateful loader to count consumed batches, and to resume at any step
         without replaying the stream.
@@ -515,9 +516,16 @@ class RoIBatchSampler(Sampler[Block]):
             q, b = p, c + self.rank
             c += ws
         else:
-            p, c = self.normalize(p, c)
-            q, b = self.normalize(p, c + self.rank)
-            p, c = self.normalize(p, c + ws)
+            nb = self.pass_blocks(p)
+            if c >= nb:
+                p, c = self.normalize(p, c)
+                nb = self.pass_blocks(p)
+            q, b = p, c + self.rank
+            if b >= nb:  # this rank's block lies in a later pass
+                q, b = self.normalize(p, b)
+            c += ws
+            if c >= nb:
+                p, c = self.normalize(p, c)
         cache = self._cache
         perm = cache[1] if cache is not None and cache[0] == q else self.permutation(q)
         inds = _block_indices(perm, b, mb)

@@ -489,3 +489,88 @@ def test_loader_epochs_follow_pass_lengths_and_resume_exactly(infinite):
         c = loader()
         c.load_state_dict(b.state_dict())
         assert head + take(c, len(ref) - stop) == ref
+
+
+# ---------------------------------------------------------------- Lightning's epochs
+def test_lightning_epochs_are_passes_with_reloaded_loaders():
+    """With repeat factors each pass has its own length; with a loader per epoch
+    (``reload_dataloaders_every_n_epochs=1``) every Lightning epoch is exactly one pass
+    and ends with its validation."""
+    import pytorch_lightning as pl
+    import torch
+
+    from lit_roidata.loader import StatefulRoIDataLoader
+
+    w, h = _wh(45, 1)
+    r = _factors(45, 2)
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self):
+            return 45
+
+        def __getitems__(self, block):
+            return torch.tensor([block.pass_index, block.block_index])
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 1)
+            self.seen, self.vals = [], []
+
+        def training_step(self, batch, i):
+            self.seen.append((self.current_epoch, int(batch[0]), int(batch[1])))
+            return self.lin(torch.ones(1, 1)).sum()
+
+        def validation_step(self, batch, i):
+            pass
+
+        def on_validation_epoch_end(self):
+            self.vals.append(self.current_epoch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), 0.1)
+
+    class Data(pl.LightningDataModule):
+        prev = None
+
+        def train_dataloader(self):
+            ld = StatefulRoIDataLoader(Blocks(), RoIBatchSampler(w, h, 2, seed=6,
+                                                                 repeat_factors=r))
+            if self.prev is not None:
+                ld.load_state_dict(self.prev.state_dict())
+            self.prev = ld
+            return ld
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader([torch.zeros(1)])
+
+    model = Model()
+    trainer = pl.Trainer(max_epochs=5, reload_dataloaders_every_n_epochs=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         accelerator="cpu")
+    trainer.fit(model, datamodule=Data())
+    ref = RoIBatchSampler(w, h, 2, seed=6, repeat_factors=r)
+    lengths = [ref.pass_blocks(p) for p in range(5)]
+    assert len(set(lengths)) > 1
+    for e in range(5):
+        got = [(p, b) for ee, p, b in model.seen if ee == e]
+        assert got == [(e, b) for b in range(lengths[e])]
+    assert model.vals == list(range(5))
+
+
+def test_datamodule_refuses_epochs_without_reloading():
+    from types import SimpleNamespace
+
+    from lit_roidata.datamodule import RoIDataModule
+
+    w, h = _wh(20, 1)
+    s = RoIBatchSampler(w, h, 2, repeat_factors=_factors(20, 2))
+    with pytest.raises(ValueError, match="reload_dataloaders_every_n_epochs=1"):
+        RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=0), s)
+    RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=1), s)
+    RoIDataModule._check_epoch_lengths(None, s)
+    inf = RoIBatchSampler(w, h, 2, infinite=True, repeat_factors=_factors(20, 2))
+    RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=0), inf)
+    plain = RoIBatchSampler(w, h, 2)
+    RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=0), plain)
