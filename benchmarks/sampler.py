@@ -215,6 +215,7 @@ def repeat_factor_rows(args) -> None:
     for p in (1, 50, 5000):
         s._cache = None
         s._nb_cache.clear()
+        s._counts_cache = None
         t0 = time.perf_counter()
         s.load_state_dict(s.state_at(p, 7))
         s.draw()

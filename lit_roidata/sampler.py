@@ -248,6 +248,7 @@ class RoIBatchSampler(Sampler[Block]):
         self._lock = threading.Lock()
         self._cache: tuple[int, np.ndarray] | None = None
         self._nb_cache: dict[int, int] = {}  # pass -> natural blocks (repeat factors)
+        self._counts_cache: tuple[int, np.ndarray] | None = None
         self._pass = 0
         self._cursor = 0  # global blocks of the current pass already drawn
 
@@ -330,9 +331,15 @@ class RoIBatchSampler(Sampler[Block]):
         pass_index = _check_int("pass_index", pass_index, 0)
         if not self._rep_has_frac:
             return self._rep_int
+        hit = self._counts_cache
+        if hit is not None and hit[0] == pass_index:
+            return hit[1]
         rng = np.random.Generator(np.random.PCG64(
             np.random.SeedSequence([_REPEAT_DOMAIN, self.seed, pass_index])))
-        return self._rep_int + (rng.random(self.num_images) < self._rep_frac)
+        counts = self._rep_int + (rng.random(self.num_images) < self._rep_frac)
+        counts.setflags(write=False)
+        self._counts_cache = (pass_index, counts)  # the pass start needs it twice
+        return counts
 
     def natural_blocks(self, pass_index: int) -> int:
         """Blocks of the whole permutation of pass ``pass_index`` (holdback included)."""
@@ -657,6 +664,7 @@ class RoIBatchSampler(Sampler[Block]):
         state = self.__dict__.copy()
         state.pop("_lock", None)
         state["_cache"] = None
+        state["_counts_cache"] = None
         state.pop("_rep_int", None)  # derived from _repeat (workers get a copy)
         state.pop("_rep_frac", None)
         return state

@@ -104,9 +104,14 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     per_img = np.diff(off)
     idx_t = np.int32 if n_rows < 2**31 else np.int64
     row_img = np.repeat(np.arange(n_rows, dtype=idx_t), per_img)
-    keep = sel[row_img]
-    img = row_img[keep].astype(np.int64)
-    cls = cls_all[: row_img.size][keep].astype(np.int64)
+    if num_images == n_rows:  # every image row: no mask
+        img = row_img.astype(np.int64)
+        cls = cls_all[: row_img.size].astype(np.int64)
+    else:
+        keep = sel[row_img]
+        img = row_img[keep].astype(np.int64)
+        cls = cls_all[: row_img.size][keep].astype(np.int64)
+    del row_img
     if cls.size == 0:
         return out[images].astype(np.float32)
     lo = int(cls.min())
@@ -115,19 +120,23 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     # One (image, category) pair per category present in an image. The gt rows are
     # grouped by image, so the keys are nearly sorted; a stable (timsort/radix) sort of
     # short unsorted runs is cheap.
-    key = np.sort(img * k + cls, kind="stable")
+    img *= k
+    img += cls
+    key = np.sort(img, kind="stable")
+    del img, cls
     first = np.empty(key.size, dtype=bool)
     first[0] = True
     np.not_equal(key[1:], key[:-1], out=first[1:])
     key = key[first]
-    pair_img, pair_cls = np.divmod(key, k)
+    pair_img = key // k
+    pair_cls = key - pair_img * k
     freq = np.bincount(pair_cls, minlength=k) / num_images  # f(c), Detectron2's v / n
     present = freq > 0
     rep_c = np.ones(k, dtype=np.float64)
     ratio = t / freq[present]
     rep_c[present] = np.maximum(1.0, np.sqrt(ratio) if sqrt else ratio)
     vals = rep_c[pair_cls]
-    starts = np.flatnonzero(np.r_[True, pair_img[1:] != pair_img[:-1]])
+    starts = np.flatnonzero(np.diff(pair_img, prepend=-1))
     out[pair_img[starts]] = np.maximum.reduceat(vals, starts)
     return out[images].astype(np.float32)
 
