@@ -36,7 +36,7 @@ from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.sampler import RoIBatchSampler
 from lit_roidata.skip import BadImageLedger, SkipPolicy, holdback_blocks
 
-__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler",
+__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler", "train_repeat_factors",
            "build_train_dataset", "build_train_loader", "build_eval_loader",
            "passthrough_collate", "fork_safe_opencv"]
 
@@ -211,8 +211,9 @@ class StatefulRoIDataLoader:
         return self._loader.collate_fn
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (:meth:`RoIBatchSampler.__len__`)."""
-        return len(self.batch_sampler)
+        """Batches per epoch on this rank (:meth:`RoIBatchSampler.__len__`); with repeat
+        factors, the batches of the pass the loader's next batch comes from."""
+        return self.batch_sampler.length_at(*self._pos)
 
     def __iter__(self) -> Iterator[Any]:
         """Batches from the loader's position on: to the end of the pass (epoch mode) or
@@ -371,14 +372,34 @@ class StatefulRoIDataLoader:
                 f"len={len(self)}, num_workers={self.num_workers})")
 
 
+def train_repeat_factors(cfg: DetectronConfig, roidb: Any) -> Any:
+    """The roidb's per-entry repeat factors when the config asks for Detectron2's
+    ``RepeatFactorTrainingSampler``, else None (``TrainingSampler``)."""
+    from lit_roidata.config import check_sampler_train
+
+    if not check_sampler_train(cfg):
+        return None
+    from lit_roidata.roidb.repeat_factors import repeat_factors_for_roidb
+
+    return repeat_factors_for_roidb(roidb, cfg.DATALOADER.REPEAT_THRESHOLD,
+                                    sqrt=bool(cfg.DATALOADER.REPEAT_SQRT))
+
+
 def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = None,
                         rank: int = 0, world_size: int = 1, infinite: bool = False,
                         shuffle: bool = True, ims_per_batch: int | None = None,
                         bad_image_reserve: float = 0.0) -> RoIBatchSampler:
     """Detectron's batch sampler over ``roidb`` for this rank.
 
+    With ``DATALOADER.SAMPLER_TRAIN: RepeatFactorTrainingSampler`` (Detectron2's key; the
+    data module's ``sampling.repeat_factor_threshold`` sets it) the sampler gets the
+    roidb's repeat factors for ``DATALOADER.REPEAT_THRESHOLD``
+    (:func:`lit_roidata.roidb.repeat_factors.repeat_factors_for_roidb`, cached with the
+    roidb).
+
     Args:
-        cfg: ``TRAIN.IMS_PER_BATCH`` (per rank), ``TRAIN.ASPECT_GROUPING``, ``RNG_SEED``.
+        cfg: ``TRAIN.IMS_PER_BATCH`` (per rank), ``TRAIN.ASPECT_GROUPING``, ``RNG_SEED``,
+            ``DATALOADER.SAMPLER_TRAIN`` / ``REPEAT_THRESHOLD`` / ``REPEAT_SQRT``.
         seed: the stream seed (default ``cfg.RNG_SEED``).
         shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` identity order.
         ims_per_batch: images per block (default ``TRAIN.IMS_PER_BATCH``).
@@ -388,7 +409,8 @@ def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = 
     mb = int(cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch)
     kw = dict(aspect_grouping=bool(cfg.TRAIN.ASPECT_GROUPING) and shuffle, shuffle=shuffle,
               seed=int(cfg.RNG_SEED if seed is None else seed), rank=rank,
-              world_size=world_size, infinite=bool(infinite))
+              world_size=world_size, infinite=bool(infinite),
+              repeat_factors=train_repeat_factors(cfg, roidb))
     sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, **kw)
     hb = holdback_blocks(sampler.blocks_per_pass, float(bad_image_reserve),
                          1 if infinite else int(world_size), mb) if bad_image_reserve else 0

@@ -33,6 +33,7 @@ MODULES: list[tuple[str, Optional[list[str]]]] = [
     ("lit_roidata.catalog", None),
     ("lit_roidata.roidb", None),
     ("lit_roidata.roidb.proposal_files", None),
+    ("lit_roidata.roidb.repeat_factors", None),
     ("lit_roidata.sampler", None),
     ("lit_roidata.loader", None),
     ("lit_roidata.dataset", None),
