@@ -52,24 +52,8 @@ def _print_configs(namespace: str) -> dict[str, tuple[Any, str]]:
     return {Path(k).name: tuple(v) for k, v in json.loads(line[-1][len("PRINTED "):]).items()}
 
 
-def _config_param(path: Path) -> Any:
-    """A config that uses ``sampling.repeat_factor_threshold`` (the LVIS configs) is an
-    expected failure while the sampler lacks that option (#22: the LVIS evaluation and its
-    configs can land before repeat-factor sampling); once the option exists it is a plain
-    case again."""
-    import dataclasses
-
-    from lit_roidata.options import SamplingOptions
-
-    has = "repeat_factor_threshold" in {f.name for f in dataclasses.fields(SamplingOptions)}
-    needs = "repeat_factor_threshold" in path.read_text()
-    return pytest.param(path.name, marks=pytest.mark.xfail(
-        needs and not has, strict=True,
-        reason="needs sampling.repeat_factor_threshold (repeat-factor sampling, #22)"))
-
-
 @pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)
-@pytest.mark.parametrize("config", [_config_param(c) for c in CONFIGS
+@pytest.mark.parametrize("config", [c.name for c in CONFIGS
                                     if not c.name.startswith("exchange_")])
 def test_print_config_parses_every_config(config: str, namespace: str) -> None:
     """Every shipped config parses with ``lit-roidata`` and, unchanged, with
