@@ -4,6 +4,7 @@ clean step boundary), :class:`BadImageReport` (:mod:`lit_roidata.loader_callback
 ``on_bad_image="skip"``'s exchange and report),
 :class:`BroadcastParameters` (:mod:`lit_roidata.broadcast`: rank-0 weights, broadcast,
 replica check), :class:`COCOEvaluator` (:mod:`lit_roidata.evaluation`: COCO AP),
+:class:`LVISEvaluator` (:mod:`lit_roidata.lvis_evaluation`: LVIS AP, APr, APc, APf),
 :class:`BlobExchangeCallback` (:mod:`lit_roidata.exchange.callback`: cross-process blob
 exchange), :class:`COCOPredictionWriter` (:mod:`lit_roidata.models.predict`: ``predict``
 output) and :class:`StepTQDMProgressBar` (:mod:`lit_roidata.progress`: the step-based
@@ -23,6 +24,7 @@ from typing import Any
 CALLBACKS: dict[str, str] = {
     "BroadcastParameters": "lit_roidata.broadcast",
     "COCOEvaluator": "lit_roidata.evaluation",
+    "LVISEvaluator": "lit_roidata.lvis_evaluation",
     "GracefulStop": "lit_roidata.loader_callbacks",
     "BadImageReport": "lit_roidata.loader_callbacks",
     "BlobExchangeCallback": "lit_roidata.exchange.callback",

@@ -1,9 +1,9 @@
-"""Dataset catalog: name → image directory, COCO annotation file, image prefix.
+"""Dataset catalog: name → image directory, annotation file (COCO or LVIS format), image prefix.
 
 Detectron keeps a static dict rooted at ``detectron/datasets/data`` (Detectron semantics: datasets
 and catalog). We keep
-its names and layout for the built-in COCO (and VOC-as-COCO-json) datasets, resolved
-under a *data root* that is chosen at lookup time (explicit ``data_root=`` or the
+its names and layout for the built-in COCO (and VOC-as-COCO-json) datasets, plus
+Detectron2's LVIS v1 names and layout (``lvis_v1_train``, ...), resolved under a *data root* that is chosen at lookup time (explicit ``data_root=`` or the
 ``LIT_ROIDATA_DATA_ROOT`` environment variable), and let users add their own datasets
 from Python or from a YAML file.
 
@@ -29,7 +29,11 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import yaml
 
-__all__ = ["DatasetSpec", "Catalog", "DatasetCatalog", "builtin_datasets", "DATA_ROOT_ENV"]
+__all__ = ["DatasetSpec", "Catalog", "DatasetCatalog", "builtin_datasets", "DATA_ROOT_ENV",
+           "FORMATS"]
+
+#: Annotation formats a dataset can be registered with.
+FORMATS = ("coco", "lvis")
 
 #: Environment variable naming the directory built-in datasets live under.
 DATA_ROOT_ENV = "LIT_ROIDATA_DATA_ROOT"
@@ -46,9 +50,12 @@ class DatasetSpec:
     Attributes:
         name: catalog name.
         image_dir: directory holding the images.
-        annotation_file: COCO-format JSON file.
+        annotation_file: COCO- or LVIS-format JSON file.
         image_prefix: prepended to each ``file_name`` (Detectron's ``IM_PREFIX``).
         proposal_file: optional default proposal file for this dataset.
+        format: ``"coco"`` or ``"lvis"`` (file names from ``coco_url``, categories by
+            sorted id, per-image neg / not-exhaustive category lists; see
+            :mod:`lit_roidata.roidb.lvis`).
     """
 
     name: str
@@ -56,6 +63,7 @@ class DatasetSpec:
     annotation_file: str
     image_prefix: str = ""
     proposal_file: Optional[str] = None
+    format: str = "coco"
 
 
 def _coco(im_dir: str, ann: str, prefix: str = "") -> tuple[str, str, str]:
@@ -97,15 +105,36 @@ _BUILTIN: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: Detectron2's LVIS v1 names and layout (``detectron2/data/datasets/builtin.py``): the
+#: images are COCO's, under ``coco/``; each file name is ``train2017/<file>`` or
+#: ``val2017/<file>``, taken from the image's ``coco_url``.
+_BUILTIN_LVIS: dict[str, tuple[str, str, str]] = {
+    "lvis_v1_train": ("coco", "lvis/lvis_v1_train.json", ""),
+    "lvis_v1_val": ("coco", "lvis/lvis_v1_val.json", ""),
+    "lvis_v1_test_dev": ("coco", "lvis/lvis_v1_image_info_test_dev.json", ""),
+    "lvis_v1_test_challenge": ("coco", "lvis/lvis_v1_image_info_test_challenge.json", ""),
+}
+_BUILTIN.update(_BUILTIN_LVIS)
+
+
 def _builtin_spec(name: str, root: str) -> DatasetSpec:
     im, ann, prefix = _BUILTIN[name]
-    return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix)
+    return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix,
+                       format="lvis" if name in _BUILTIN_LVIS else "coco")
 
 
 def builtin_datasets(data_root: PathLike) -> dict[str, DatasetSpec]:
-    """Detectron's built-in dataset names resolved under ``data_root``."""
+    """The built-in dataset names (Detectron's, and Detectron2's LVIS v1) resolved under
+    ``data_root``."""
     root = os.fspath(data_root)
     return {name: _builtin_spec(name, root) for name in _BUILTIN}
+
+
+def _check_format(fmt: Any, where: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"{where}: format={fmt!r}; choose one of {list(FORMATS)} (an LVIS "
+                         f"json is 'lvis')")
+    return str(fmt)
 
 
 class Catalog:
@@ -142,28 +171,32 @@ class Catalog:
     # ------------------------------------------------------------------ registry
     def register(self, name: str, image_dir: PathLike, annotation_file: PathLike,
                  image_prefix: str = "", *, proposal_file: Optional[PathLike] = None,
-                 overwrite: bool = False) -> DatasetSpec:
+                 overwrite: bool = False, format: str = "coco") -> DatasetSpec:
         """Register a dataset under ``name``.
 
         Args:
             name: catalog name used in ``TRAIN.DATASETS``.
             image_dir: directory holding the images.
-            annotation_file: COCO-format JSON.
+            annotation_file: COCO- or LVIS-format JSON.
             image_prefix: prepended to every ``file_name``.
             proposal_file: optional default proposal file.
             overwrite: allow replacing an existing user registration.
+            format: ``"coco"`` (default) or ``"lvis"``. For LVIS v1 files, ``image_dir``
+                is the COCO folder holding ``train2017/`` and ``val2017/``.
 
         Returns:
             The registered :class:`DatasetSpec`.
 
         Raises:
-            ValueError: empty name, or ``name`` already registered and not ``overwrite``.
+            ValueError: empty name, unknown format, or ``name`` already registered and not
+                ``overwrite``.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"dataset name must be a non-empty string, got {name!r}")
         spec = DatasetSpec(name, os.fspath(image_dir), os.fspath(annotation_file),
                            str(image_prefix or ""),
-                           None if proposal_file is None else os.fspath(proposal_file))
+                           None if proposal_file is None else os.fspath(proposal_file),
+                           _check_format(format, f"dataset {name!r}"))
         with self._lock:
             old = self._user.get(name)
             if old is not None and old != spec and not overwrite:
@@ -233,6 +266,7 @@ class Catalog:
                 annotation_file: my/annotations/train.json
                 image_prefix: ""        # optional
                 proposal_file: null     # optional
+                format: coco            # optional: coco (default) or lvis
 
         A top-level ``data_root`` without ``datasets`` just sets this catalog's root
         for built-ins (``builtin_data_root: true`` does it alongside datasets too).
@@ -267,7 +301,7 @@ class Catalog:
         entries = data.get("datasets") or {}
         if not isinstance(entries, Mapping):
             raise ValueError(f"{source}: 'datasets' must map names to entries")
-        fields = {"image_dir", "annotation_file", "image_prefix", "proposal_file"}
+        fields = {"image_dir", "annotation_file", "image_prefix", "proposal_file", "format"}
         names = []
         for name, entry in entries.items():
             if not isinstance(entry, Mapping):
@@ -284,7 +318,9 @@ class Catalog:
 
             self.register(str(name), res(entry["image_dir"]), res(entry["annotation_file"]),
                           str(entry.get("image_prefix") or ""),
-                          proposal_file=res(entry.get("proposal_file")), overwrite=overwrite)
+                          proposal_file=res(entry.get("proposal_file")), overwrite=overwrite,
+                          format=_check_format(entry.get("format", "coco"),
+                                               f"{source}: dataset {name!r}"))
             names.append(str(name))
         return names
 

@@ -58,6 +58,7 @@ __all__ = [
     "ConfigError",
     "get_cfg",
     "load_detectron_cfg",
+    "check_sampler_train",
 ]
 
 
@@ -438,6 +439,15 @@ _C.DATA_LOADER.NUM_THREADS = 4
 _C.DATA_LOADER.MINIBATCH_QUEUE_SIZE = 64
 _C.DATA_LOADER.BLOBS_QUEUE_CAPACITY = 8
 
+# lit_roidata (Detectron2's names and defaults): the training sampler. "TrainingSampler"
+# is Detectron's stream; "RepeatFactorTrainingSampler" repeats images with rare
+# categories (LVIS), r(I) = max over c in I of max(1, sqrt(REPEAT_THRESHOLD / f(c)))
+# (REPEAT_SQRT False drops the sqrt). Detectron2's other DATALOADER keys are not read.
+_C.DATALOADER = DetectronConfig()
+_C.DATALOADER.SAMPLER_TRAIN = "TrainingSampler"
+_C.DATALOADER.REPEAT_THRESHOLD = 0.0
+_C.DATALOADER.REPEAT_SQRT = True
+
 _C.TEST = DetectronConfig()
 _C.TEST.WEIGHTS = ""
 _C.TEST.DATASETS = ()
@@ -702,6 +712,37 @@ _DEFAULTS = _C
 _DEFAULTS.freeze()
 
 
+#: ``DATALOADER.SAMPLER_TRAIN`` values lit_roidata implements.
+SAMPLERS_TRAIN = ("TrainingSampler", "RepeatFactorTrainingSampler")
+
+
+def check_sampler_train(cfg: Any) -> bool:
+    """Validate ``DATALOADER.SAMPLER_TRAIN`` / ``REPEAT_THRESHOLD``; ``True`` when the
+    config asks for repeat factors (``RepeatFactorTrainingSampler``).
+
+    Raises:
+        ConfigError: an unknown sampler name (Detectron2's other samplers are not
+            implemented), or a repeat-factor sampler with a threshold that is not a
+            finite number > 0.
+    """
+    name = cfg.DATALOADER.SAMPLER_TRAIN
+    if name not in SAMPLERS_TRAIN:
+        near = difflib.get_close_matches(str(name), SAMPLERS_TRAIN, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"DATALOADER.SAMPLER_TRAIN={name!r} is not a training sampler "
+                          f"lit_roidata implements{hint}; use one of {list(SAMPLERS_TRAIN)} "
+                          "(or sampling.repeat_factor_threshold in the data module)")
+    if name != "RepeatFactorTrainingSampler":
+        return False
+    t = cfg.DATALOADER.REPEAT_THRESHOLD
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+        raise ConfigError(f"DATALOADER.REPEAT_THRESHOLD={t!r} with SAMPLER_TRAIN="
+                          "RepeatFactorTrainingSampler: the threshold must be a finite number "
+                          "> 0 (LVIS uses 0.001); set it, or use SAMPLER_TRAIN: "
+                          "TrainingSampler to train without repeat factors")
+    return True
+
+
 def get_cfg() -> DetectronConfig:
     """A fresh, mutable config holding Detectron's defaults (Detectron semantics:
     configuration). Use :func:`load_detectron_cfg` for the frozen config a run uses."""
@@ -748,6 +789,7 @@ def load_detectron_cfg(
         if extra:
             cfg.merge_from_dict(extra)
     cfg.infer()
+    check_sampler_train(cfg)
     if freeze:
         cfg.freeze()
     return cfg

@@ -254,6 +254,7 @@ class RoIDataModule(pl.LightningDataModule):
         trainer = self.trainer
         self._check_callbacks(trainer)
         sampler = self.make_sampler()
+        self._check_epoch_lengths(trainer, sampler)
         ld = self.loader
         loader = build_train_loader(
             self.cfg, self.train_roidb, sampler=sampler, dataset=self.make_dataset(sampler=sampler),
@@ -267,6 +268,23 @@ class RoIDataModule(pl.LightningDataModule):
             loader.load_state_dict(previous.state_dict())
             previous.close()
         return loader
+
+    @staticmethod
+    def _check_epoch_lengths(trainer: Any, sampler: Any) -> None:
+        # With repeat factors a pass's length depends on the pass. Lightning reads an
+        # epoch's length once per loader, so epochs follow passes exactly only when it
+        # asks for a new loader every epoch (tested in tests/test_sampler_repeat.py).
+        if (trainer is None or sampler.infinite or sampler.repeat_digest is None
+                or getattr(trainer, "reload_dataloaders_every_n_epochs", 1) == 1):
+            return
+        raise ValueError(
+            "sampling.repeat_factor_threshold (DATALOADER.SAMPLER_TRAIN: "
+            "RepeatFactorTrainingSampler) with epochs: each pass has its own number of "
+            "batches, and Lightning keeps the first epoch's length unless it reloads the "
+            "train loader every epoch (a longer pass would be cut, a shorter one would skip "
+            "its epoch-end validation). Set trainer reload_dataloaders_every_n_epochs=1, or "
+            "train by steps with sampling.infinite=true and max_steps (as Detectron2 trains "
+            "LVIS)")
 
     def _check_callbacks(self, trainer: Any) -> None:
         from lit_roidata._lightning import isinstance_any

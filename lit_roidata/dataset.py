@@ -32,7 +32,7 @@ import torch.utils.data
 
 from lit_roidata.config import DetectronConfig, load_detectron_cfg
 from lit_roidata.minibatch.core import build_minibatch
-from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image_rgb
+from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch import shm_pool as _pool
@@ -188,6 +188,16 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         #: workers: their reusable shared-memory slots (``None``: a new segment per array).
         self.shm_pool: _pool.ShmPool | None = None
 
+    def before_fork(self) -> None:
+        """Build what every worker would build alike (the anchor arrays of RPN / RetinaNet
+        targets) in this process, so that workers forked from it share one read-only copy
+        instead of each holding its own (:class:`~lit_roidata.loader.StatefulRoIDataLoader`
+        calls it before it forks its workers)."""
+        if self.output_format != "torchvision":
+            from lit_roidata.minibatch.anchors import build_anchor_caches
+
+            build_anchor_caches(self.cfg)
+
     def __len__(self) -> int:
         return len(self.roidb)
 
@@ -233,7 +243,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 trim_heap()
         loader = self.loader
         if reads is not None:  # count the images read, to know which slot failed
-            base = self.loader or load_image_rgb
+            base = self.loader or load_image
 
             def loader(entry: Mapping[str, Any]) -> np.ndarray:
                 reads.append(1)

@@ -108,6 +108,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             dataset lacks), or inconsistent array lengths; the message names the image.
     """
     results: list[dict[str, Any]] = []
+    maps: dict[Any, tuple[Mapping[int, int], set[int]]] = {}  # per dataset: map, its keys
     for det in detections:
         image_id = int(det["image_id"])
         boxes = _numpy(det["boxes"]).astype(np.float64).reshape(-1, 4)
@@ -119,9 +120,16 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             raise ValueError(f"image {image_id}: {len(boxes)} boxes, {len(scores)} scores and "
                              f"{len(labels)} labels; they must have equal lengths")
         # Class-agnostic proposals: every box is category 1, as COCO's proposal results.
-        id_map = ({int(c): 1 for c in labels} if proposals
-                  else _id_map(dataset_info, det.get("dataset")))
-        unknown = sorted({int(c) for c in labels} - {int(k) for k in id_map})
+        if proposals:
+            id_map = {int(c): 1 for c in labels}
+            known = set(id_map)
+        else:
+            ds = det.get("dataset")
+            if ds not in maps:
+                m = _id_map(dataset_info, ds)
+                maps[ds] = (m, {int(k) for k in m})
+            id_map, known = maps[ds]
+        unknown = sorted({int(c) for c in labels} - known)
         if unknown:
             raise ValueError(f"image {image_id} (dataset {det.get('dataset')!r}): labels "
                              f"{unknown} have no json category id; known contiguous ids are "
@@ -236,6 +244,13 @@ class COCOEvaluator(pl.Callback):
         self._coco_cache: dict[str, Any] = {}
         self.last_metrics: dict[str, float] = {}
 
+    #: What the messages call this evaluation; the prefix of its metric names (after
+    #: ``val/``) and the table's columns. :class:`~lit_roidata.lvis_evaluation.LVISEvaluator`
+    #: overrides them with the hooks below (``_load_gt``, ``_results``, ``_score``).
+    _label = "COCO"
+    _key_prefix = ""
+    _table_stats: tuple[str, ...] = _STAT_NAMES
+
     # -- collection ----------------------------------------------------------------------
     def _collect(self, outputs: Any) -> None:
         dets = outputs.get("detections") if isinstance(outputs, Mapping) else None
@@ -282,10 +297,10 @@ class COCOEvaluator(pl.Callback):
         metrics: dict[str, float] = {}
         error: Optional[str] = None
         if not dets and trainer.global_rank == 0:
-            log.warning("COCOEvaluator: no detections were returned during %s; the model's "
+            log.warning("%s: no detections were returned during %s; the model's "
                         "%s_step must return {'detections': [per-image dict, ...]} (see "
-                        "lit_roidata.evaluation)", prefix, "validation" if prefix == "val"
-                        else "test")
+                        "lit_roidata.evaluation)", type(self).__name__, prefix,
+                        "validation" if prefix == "val" else "test")
         if trainer.global_rank == 0:
             try:
                 metrics = self.evaluate(dets, prefix=prefix, trainer=trainer)
@@ -296,7 +311,7 @@ class COCOEvaluator(pl.Callback):
             dist.broadcast_object_list(box, src=0)
             metrics, error = box[0]
         if error is not None:
-            raise RuntimeError(f"COCO evaluation failed on rank 0: {error}")
+            raise RuntimeError(f"{self._label} evaluation failed on rank 0: {error}")
         self.last_metrics = dict(metrics)
         for key, value in metrics.items():
             # equal on every rank (broadcast above); sync_dist keeps Lightning content
@@ -320,7 +335,8 @@ class COCOEvaluator(pl.Callback):
             seen.add(key)
             by_ds[key[0]].append(d)
         if repeats:
-            log.info("COCO evaluation: ignored %d repeated image(s) (padded shards)", repeats)
+            log.info("%s evaluation: ignored %d repeated image(s) (padded shards)",
+                     self._label, repeats)
         per_ds: dict[str, dict[str, float]] = {}
         texts = []
         for name in sorted(by_ds):
@@ -337,18 +353,12 @@ class COCOEvaluator(pl.Callback):
                 if iou != "bbox" and not any(d.get(field) is not None for d in dets):
                     continue
                 sel = [d for d in dets if d.get(field) is not None]
-                results = detections_to_coco_results(sel, info)
-                drop = {"bbox": ("segmentation", "keypoints"), "segm": ("keypoints",),
-                        "keypoints": ("segmentation",)}[iou]
-                results = [{k: v for k, v in r.items() if k not in drop} for r in results]
-                if iou == "keypoints":
-                    kp_cats = set(keypoint_category_ids(coco))
-                    results = [r for r in results if r["category_id"] in kp_cats]
+                results = self._result_dicts(sel, info, iou, coco)
                 self._write(results, prefix, iou, name)
-                stats, text = _evaluate(coco, results, iou, image_ids, self.kpt_oks_sigmas)
+                stats, text = self._score(coco, results, iou, image_ids)
                 texts.append(f"{name} {iou} ({len(image_ids)} images):\n{text}")
-                names = _KP_STAT_NAMES if iou == "keypoints" else _STAT_NAMES
-                per_ds[name].update({f"{iou}_{s}": float(v) for s, v in zip(names, stats)})
+                per_ds[name].update({f"{self._key_prefix}{iou}_{s}": float(v)
+                                     for s, v in stats.items()})
         metrics: dict[str, float] = {}
         keys = sorted({k for m in per_ds.values() for k in m})
         for k in keys:
@@ -357,19 +367,43 @@ class COCOEvaluator(pl.Callback):
         if len(per_ds) > 1:
             for name, m in per_ds.items():
                 metrics.update({f"{prefix}/{name}/{k}": v for k, v in m.items()})
-        for t in texts:  # COCO's full summary; the table below has the headline numbers
-            log.debug("COCO evaluation, %s", t)
+        for t in texts:  # the full summary; the table below has the headline numbers
+            log.debug("%s evaluation, %s", self._label, t)
         if self.print_summary and per_ds:
             self._print_table(per_ds, prefix)
         elif per_ds:
-            log.info("COCO evaluation (%s): %s", prefix, {k: round(v, 4) for k, v in
-                                                         metrics.items() if k.count("/") == 1})
+            log.info("%s evaluation (%s): %s", self._label, prefix,
+                     {k: round(v, 4) for k, v in metrics.items() if k.count("/") == 1})
         return metrics
 
-    def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
-        """(COCO ground truth, id map source) for dataset ``name``."""
+    def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
+                 gt: Any) -> list[dict[str, Any]]:
+        """The result dicts of ``detections`` for ``iou`` (the fields it does not use dropped)."""
+        results = detections_to_coco_results(detections, info)
+        drop = {"bbox": ("segmentation", "keypoints"), "segm": ("keypoints",),
+                "keypoints": ("segmentation",)}[iou]
+        results = [{k: v for k, v in r.items() if k not in drop} for r in results]
+        if iou == "keypoints":
+            kp_cats = set(keypoint_category_ids(gt))
+            results = [r for r in results if r["category_id"] in kp_cats]
+        return results
+
+    def _score(self, gt: Any, results: list[dict[str, Any]], iou: str,
+               image_ids: Sequence[int]) -> tuple[dict[str, float], str]:
+        """``{stat name: value}`` and the summary text of ``results`` on ``image_ids``."""
+        stats, text = _evaluate(gt, results, iou, image_ids, self.kpt_oks_sigmas)
+        names = _KP_STAT_NAMES if iou == "keypoints" else _STAT_NAMES
+        return {s: float(v) for s, v in zip(names, stats)}, text
+
+    def _load_gt(self, ann_file: str) -> Any:
+        """The ground-truth object of ``ann_file`` (pycocotools' ``COCO``)."""
         from pycocotools.coco import COCO
 
+        with contextlib.redirect_stdout(io.StringIO()):
+            return COCO(ann_file)
+
+    def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
+        """(ground truth, id map source) for dataset ``name``."""
         info = None
         ann_file = self.annotation_files.get(name)
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
@@ -390,8 +424,7 @@ class COCOEvaluator(pl.Callback):
                 raise FileNotFoundError(f"annotation file {ann_file} of dataset {name!r} does "
                                         f"not exist; fix the catalog entry or pass "
                                         f"annotation_files={{{name!r}: path}}")
-            with contextlib.redirect_stdout(io.StringIO()):
-                self._coco_cache[ann_file] = COCO(ann_file)
+            self._coco_cache[ann_file] = self._load_gt(ann_file)
         coco = self._coco_cache[ann_file]
         return coco, info if info is not None else coco_category_map(coco)
 
@@ -404,21 +437,23 @@ class COCOEvaluator(pl.Callback):
             json.dump(results, f)
         os.replace(path + ".tmp", path)
 
-    @staticmethod
-    def _print_table(per_ds: Mapping[str, Mapping[str, float]], prefix: str) -> None:
+    def _print_table(self, per_ds: Mapping[str, Mapping[str, float]], prefix: str) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"COCO evaluation ({prefix})")
+        table = Table(title=f"{self._label} evaluation ({prefix})")
         table.add_column("dataset")
         table.add_column("type")
-        for s in _STAT_NAMES:
+        for s in self._table_stats:
             table.add_column(s, justify="right")
         for name, m in per_ds.items():
             for iou in _IOU_TYPES:
-                if f"{iou}_AP" in m:
-                    table.add_row(name, iou, *(f"{100 * m[f'{iou}_{s}']:.1f}" if f"{iou}_{s}" in m
-                                               else "-" for s in _STAT_NAMES))
+                key = f"{self._key_prefix}{iou}_"
+                if f"{key}AP" in m:
+                    # -1: nothing to average (no ground truth in that area / group)
+                    table.add_row(name, iou, *(f"{100 * m[key + s]:.1f}"
+                                               if m.get(key + s, -1) >= 0 else "-"
+                                               for s in self._table_stats))
         Console().print(table)
 
 

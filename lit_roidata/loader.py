@@ -17,7 +17,9 @@ Nothing here imports Lightning: DataLoader workers import this module.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import logging
 import signal
 import weakref
@@ -34,7 +36,7 @@ from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.sampler import RoIBatchSampler
 from lit_roidata.skip import BadImageLedger, SkipPolicy, holdback_blocks
 
-__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler",
+__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler", "train_repeat_factors",
            "build_train_dataset", "build_train_loader", "build_eval_loader",
            "passthrough_collate", "fork_safe_opencv"]
 
@@ -55,6 +57,38 @@ def _init_worker(user_fn: Callable[[int], None] | None, worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if user_fn is not None:
         user_fn(worker_id)
+
+
+@contextlib.contextmanager
+def _frozen_heap(dl: DataLoader) -> Iterator[None]:
+    """Fork the workers with what they all use built once (the dataset's ``before_fork``)
+    and the parent's Python objects in the GC's permanent generation (``gc.freeze``),
+    thawed in the parent afterwards.
+
+    A forked worker shares the parent's heap copy-on-write. Its garbage collector would
+    otherwise walk every object inherited from the parent (the modules of torch, NumPy,
+    the dataset ...) and write to their headers on its first full collection, copying
+    those pages into the worker: private memory every worker pays again. Frozen objects
+    are never visited. Nothing is frozen for ``spawn``/``forkserver`` workers (they
+    inherit nothing) or without workers.
+    """
+    if dl.num_workers == 0 or gc.get_freeze_count():
+        yield  # nothing to fork, or the caller froze the heap itself
+        return
+    # The context the DataLoader is about to start its workers with (the default one,
+    # as it would take it, when none was given).
+    ctx = dl.multiprocessing_context or torch.multiprocessing.get_context()
+    if ctx.get_start_method() != "fork":
+        yield  # spawn / forkserver workers inherit no heap
+        return
+    before_fork = getattr(dl.dataset, "before_fork", None)
+    if callable(before_fork):
+        before_fork()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class StatefulRoIDataLoader:
@@ -177,8 +211,9 @@ class StatefulRoIDataLoader:
         return self._loader.collate_fn
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (:meth:`RoIBatchSampler.__len__`)."""
-        return len(self.batch_sampler)
+        """Batches per epoch on this rank (:meth:`RoIBatchSampler.__len__`); with repeat
+        factors, the batches of the pass the loader's next batch comes from."""
+        return self.batch_sampler.length_at(*self._pos)
 
     def __iter__(self) -> Iterator[Any]:
         """Batches from the loader's position on: to the end of the pass (epoch mode) or
@@ -259,11 +294,13 @@ class StatefulRoIDataLoader:
         (flags of earlier workers, alive or dead, are never seen by the new ones)."""
         dl = self._loader
         if not self._use_pool or (dl.persistent_workers and dl._iterator is not None):
-            return iter(dl)
+            with _frozen_heap(dl):
+                return iter(dl)
         pool = ShmPool(dl.num_workers, int(dl.prefetch_factor or 2) + 3, self._slot_bytes)
         self.dataset.shm_pool = pool  # the workers take it with the dataset (fork or spawn)
         try:
-            it = iter(dl)
+            with _frozen_heap(dl):
+                it = iter(dl)
         finally:
             self.dataset.shm_pool = None  # no other loader's workers may use it
         it._lit_shm_pool = pool  # alive as long as the workers that write into it
@@ -335,14 +372,34 @@ class StatefulRoIDataLoader:
                 f"len={len(self)}, num_workers={self.num_workers})")
 
 
+def train_repeat_factors(cfg: DetectronConfig, roidb: Any) -> Any:
+    """The roidb's per-entry repeat factors when the config asks for Detectron2's
+    ``RepeatFactorTrainingSampler``, else None (``TrainingSampler``)."""
+    from lit_roidata.config import check_sampler_train
+
+    if not check_sampler_train(cfg):
+        return None
+    from lit_roidata.roidb.repeat_factors import repeat_factors_for_roidb
+
+    return repeat_factors_for_roidb(roidb, cfg.DATALOADER.REPEAT_THRESHOLD,
+                                    sqrt=bool(cfg.DATALOADER.REPEAT_SQRT))
+
+
 def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = None,
                         rank: int = 0, world_size: int = 1, infinite: bool = False,
                         shuffle: bool = True, ims_per_batch: int | None = None,
                         bad_image_reserve: float = 0.0) -> RoIBatchSampler:
     """Detectron's batch sampler over ``roidb`` for this rank.
 
+    With ``DATALOADER.SAMPLER_TRAIN: RepeatFactorTrainingSampler`` (Detectron2's key; the
+    data module's ``sampling.repeat_factor_threshold`` sets it) the sampler gets the
+    roidb's repeat factors for ``DATALOADER.REPEAT_THRESHOLD``
+    (:func:`lit_roidata.roidb.repeat_factors.repeat_factors_for_roidb`, cached with the
+    roidb).
+
     Args:
-        cfg: ``TRAIN.IMS_PER_BATCH`` (per rank), ``TRAIN.ASPECT_GROUPING``, ``RNG_SEED``.
+        cfg: ``TRAIN.IMS_PER_BATCH`` (per rank), ``TRAIN.ASPECT_GROUPING``, ``RNG_SEED``,
+            ``DATALOADER.SAMPLER_TRAIN`` / ``REPEAT_THRESHOLD`` / ``REPEAT_SQRT``.
         seed: the stream seed (default ``cfg.RNG_SEED``).
         shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` identity order.
         ims_per_batch: images per block (default ``TRAIN.IMS_PER_BATCH``).
@@ -352,7 +409,8 @@ def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = 
     mb = int(cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch)
     kw = dict(aspect_grouping=bool(cfg.TRAIN.ASPECT_GROUPING) and shuffle, shuffle=shuffle,
               seed=int(cfg.RNG_SEED if seed is None else seed), rank=rank,
-              world_size=world_size, infinite=bool(infinite))
+              world_size=world_size, infinite=bool(infinite),
+              repeat_factors=train_repeat_factors(cfg, roidb))
     sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, **kw)
     hb = holdback_blocks(sampler.blocks_per_pass, float(bad_image_reserve),
                          1 if infinite else int(world_size), mb) if bad_image_reserve else 0

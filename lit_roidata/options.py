@@ -60,8 +60,8 @@ class SourceOptions:
     """Where the data comes from and how it is checked (``--data.sources.*``).
 
     Args:
-        data_root: root under which the built-in COCO catalog names resolve
-            (``<data_root>/coco/...``).
+        data_root: root under which the built-in catalog names resolve
+            (``<data_root>/coco/...``, ``<data_root>/lvis/...``).
         dataset_catalog: YAML file registering your own datasets by name (see
             :meth:`lit_roidata.catalog.Catalog.load_yaml`).
         cache_dir: folder for the roidb caches (default: ``$LIT_ROIDATA_CACHE`` or
@@ -186,8 +186,13 @@ class SamplingOptions:
         infinite: Detectron's endless block stream (train with ``max_steps``) instead of
             epochs of ``len(loader)`` batches.
         strict_resume: a checkpoint whose stream differs from this one (roidb length,
-            ``ims_per_batch``, seed, grouping) is refused with an error naming the
-            difference; ``False``: a warning, and the stream starts a fresh pass.
+            ``ims_per_batch``, seed, grouping, repeat factors) is refused with an error
+            naming the difference; ``False``: a warning, and the stream starts a fresh
+            pass.
+        repeat_factor_threshold: repeat images with rare categories (Detectron2's
+            ``RepeatFactorTrainingSampler``, for LVIS: ``0.001``); ``None``: the Detectron
+            config's ``DATALOADER.SAMPLER_TRAIN`` / ``REPEAT_THRESHOLD`` (default: off).
+            A value sets both keys.
     """
 
     seed: Optional[int] = None
@@ -195,6 +200,13 @@ class SamplingOptions:
     aspect_grouping: Optional[bool] = None
     infinite: bool = False
     strict_resume: bool = True
+    repeat_factor_threshold: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.repeat_factor_threshold is not None:
+            from lit_roidata.roidb.repeat_factors import check_repeat_threshold
+
+            check_repeat_threshold(self.repeat_factor_threshold)
 
 
 @dataclass(frozen=True)
@@ -346,6 +358,11 @@ def detectron_cfg(detectron_config: Optional[str], model_type: Optional[str],
     given = _flat_keys(overrides or {})
     keyed = {"TRAIN.IMS_PER_BATCH": ("loader.ims_per_batch", loader.ims_per_batch),
              "TRAIN.ASPECT_GROUPING": ("sampling.aspect_grouping", sampling.aspect_grouping)}
+    t = getattr(sampling, "repeat_factor_threshold", None)
+    if t is not None:
+        keyed["DATALOADER.SAMPLER_TRAIN"] = ("sampling.repeat_factor_threshold",
+                                             "RepeatFactorTrainingSampler")
+        keyed["DATALOADER.REPEAT_THRESHOLD"] = ("sampling.repeat_factor_threshold", float(t))
     merged: dict[str, Any] = {}
     for key, (option, value) in keyed.items():
         if value is None:

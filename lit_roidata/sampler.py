@@ -14,11 +14,16 @@ deterministic and resumable (Detectron semantics: multi-gpu and weights, design 
   takes block ``k * world_size + r``, so every rank yields the same number of batches;
 * the state is ``(seed, pass, cursor)`` with the cursor counted in *global* blocks, so a
   resume is O(1) (no replay) and may change ``world_size`` without repeating or skipping
-  a block.
+  a block;
+* optional repeat factors (Detectron2's ``RepeatFactorTrainingSampler``, for LVIS): the
+  multiset of entries of pass ``p`` (entry ``i`` ``floor(r_i)`` times, plus once more with
+  probability ``frac(r_i)``) is also a pure function of ``(seed, p)``, so the pass length
+  varies from pass to pass but every position stays recomputable in O(1) passes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -37,6 +42,7 @@ STATE_VERSION = 1
 # with each other or with lit_roidata.rng.block_rng for the same seed.
 _PERM_DOMAIN = 0x7065726D  # "perm"
 _REPLACE_DOMAIN = 0x7265706C  # "repl"
+_REPEAT_DOMAIN = 0x72657066  # "repf": the stochastic rounding of repeat factors
 # State keys that must match for a checkpointed position to mean the same blocks.
 _STREAM_KEYS = ("seed", "ims_per_batch", "num_images", "num_horizontal",
                 "aspect_grouping", "shuffle", "holdback")
@@ -177,6 +183,15 @@ class RoIBatchSampler(Sampler[Block]):
             ``on_bad_image="skip"`` they are the reserve that replaces bad images
             (:class:`lit_roidata.skip.BadImageLedger`). The delivered blocks are the
             first ``blocks_per_pass`` blocks of Detectron's permutation, unchanged.
+        repeat_factors: per-entry repeat factors (>= 1; e.g.
+            :func:`lit_roidata.roidb.repeat_factors.repeat_factors_for_roidb`), or None
+            (default: every entry once per pass, Detectron's stream bit for bit). Pass
+            ``p`` then permutes a multiset: entry ``i`` appears ``floor(r_i)`` times plus
+            once more with probability ``frac(r_i)`` (Detectron2's stochastic rounding),
+            drawn from ``(seed, p)``. Grouping, wrap-around, the DDP split, holdback and
+            resume act on that multiset; the number of blocks of pass ``p`` is
+            :meth:`pass_blocks` ``(p)`` and :attr:`blocks_per_pass` is only its lower
+            bound (every image once).
 
     Raises:
         ValueError: sizes that give no block at all (Detectron's ``IndexError``, Detectron quirk Q14
@@ -188,7 +203,7 @@ class RoIBatchSampler(Sampler[Block]):
     def __init__(self, widths: Any, heights: Any, ims_per_batch: int, *,
                  aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3,
                  rank: int = 0, world_size: int = 1, infinite: bool = False,
-                 holdback: int = 0) -> None:
+                 holdback: int = 0, repeat_factors: Any = None) -> None:
         w = np.asarray(widths).reshape(-1)
         h = np.asarray(heights).reshape(-1)
         if w.shape != h.shape:
@@ -214,6 +229,10 @@ class RoIBatchSampler(Sampler[Block]):
         self._vert = np.flatnonzero(~horizontal).astype(np.int64)
         self._grouped = self.aspect_grouping and self.shuffle
         mb = self.ims_per_batch
+        self._repeat: np.ndarray | None = None
+        self.repeat_digest: str | None = None
+        if repeat_factors is not None:
+            self._set_repeat_factors(repeat_factors)
         if self._grouped:
             self.blocks_per_pass = self._horz.size // mb + self._vert.size // mb
         else:
@@ -228,8 +247,29 @@ class RoIBatchSampler(Sampler[Block]):
         self._check_sizes()
         self._lock = threading.Lock()
         self._cache: tuple[int, np.ndarray] | None = None
+        self._nb_cache: dict[int, int] = {}  # pass -> natural blocks (repeat factors)
+        self._counts_cache: tuple[int, np.ndarray] | None = None
         self._pass = 0
         self._cursor = 0  # global blocks of the current pass already drawn
+
+    def _set_repeat_factors(self, repeat_factors: Any) -> None:
+        r = np.asarray(repeat_factors, dtype=np.float32).reshape(-1)
+        if r.size != self.num_images:
+            raise ValueError(f"RoIBatchSampler: repeat_factors has {r.size} entries but the "
+                             f"roidb has {self.num_images}; pass one factor per roidb entry "
+                             "(flipped entries included)")
+        bad = np.flatnonzero(~(np.isfinite(r) & (r >= 1)))
+        if bad.size:
+            raise ValueError(f"RoIBatchSampler: repeat factors must be finite and >= 1; entry "
+                             f"{int(bad[0])} has {r[bad[0]]!r} ({bad.size} such entries)")
+        r = r.copy()
+        r.setflags(write=False)
+        self._repeat = r
+        # Detectron2's split (float32 trunc, and r - trunc(r), exact in float32).
+        self._rep_int = np.trunc(r).astype(np.int64)
+        self._rep_frac = (r - np.trunc(r)).astype(np.float64)
+        self._rep_has_frac = bool((self._rep_frac > 0).any())
+        self.repeat_digest = hashlib.sha256(r.tobytes()).hexdigest()[:16]
 
     def _check_sizes(self) -> None:
         mb = self.ims_per_batch
@@ -282,7 +322,59 @@ class RoIBatchSampler(Sampler[Block]):
         self._cache = (pass_index, perm)
         return perm
 
+    def repeat_counts(self, pass_index: int) -> np.ndarray | None:
+        """How many times each entry appears in pass ``pass_index`` (repeat factors:
+        ``floor(r) + Bernoulli(frac(r))``, drawn from ``(seed, pass)``); None without
+        repeat factors (every entry once)."""
+        if self._repeat is None:
+            return None
+        pass_index = _check_int("pass_index", pass_index, 0)
+        if not self._rep_has_frac:
+            return self._rep_int
+        hit = self._counts_cache
+        if hit is not None and hit[0] == pass_index:
+            return hit[1]
+        rng = np.random.Generator(np.random.PCG64(
+            np.random.SeedSequence([_REPEAT_DOMAIN, self.seed, pass_index])))
+        counts = self._rep_int + (rng.random(self.num_images) < self._rep_frac)
+        counts.setflags(write=False)
+        self._counts_cache = (pass_index, counts)  # the pass start needs it twice
+        return counts
+
+    def natural_blocks(self, pass_index: int) -> int:
+        """Blocks of the whole permutation of pass ``pass_index`` (holdback included)."""
+        if self._repeat is None:
+            return self.natural_blocks_per_pass
+        nb = self._nb_cache.get(pass_index)
+        if nb is None:
+            counts = self.repeat_counts(pass_index)
+            nb = self._blocks_for(counts)
+            if len(self._nb_cache) > 4096:
+                self._nb_cache.clear()
+            self._nb_cache[pass_index] = nb
+        return nb
+
+    def _blocks_for(self, counts: np.ndarray) -> int:
+        mb = self.ims_per_batch
+        if self._grouped:
+            return int(counts[self._horz].sum()) // mb + int(counts[self._vert].sum()) // mb
+        return -(-int(counts.sum()) // mb)
+
+    def pass_blocks(self, pass_index: int) -> int:
+        """Blocks pass ``pass_index`` delivers (``blocks_per_pass`` without repeat
+        factors; with them it varies by pass)."""
+        if self._repeat is None:
+            return self.blocks_per_pass
+        return self.natural_blocks(pass_index) - self.holdback
+
+    def batches_in_pass(self, pass_index: int) -> int:
+        """This rank's batches in pass ``pass_index`` (epoch mode; at least 1)."""
+        return max(1, self.pass_blocks(pass_index) // self.world_size)
+
     def _compute_permutation(self, pass_index: int) -> np.ndarray:
+        counts = self.repeat_counts(pass_index)
+        if counts is not None:
+            return self._compute_repeat_permutation(pass_index, counts)
         if not self.shuffle:
             return np.arange(self.num_images, dtype=np.int64)
         rng = np.random.Generator(np.random.PCG64(
@@ -297,18 +389,44 @@ class RoIBatchSampler(Sampler[Block]):
         rows = np.concatenate([horz, vert]).reshape(-1, mb)
         return rows[rng.permutation(rows.shape[0])].reshape(-1)
 
+    def _compute_repeat_permutation(self, pass_index: int, counts: np.ndarray) -> np.ndarray:
+        # The same three steps over the pass's multiset instead of the set of entries.
+        if not self.shuffle:
+            return np.repeat(np.arange(self.num_images, dtype=np.int64), counts)
+        rng = np.random.Generator(np.random.PCG64(
+            np.random.SeedSequence([_PERM_DOMAIN, self.seed, pass_index])))
+        if not self._grouped:
+            return rng.permutation(np.repeat(np.arange(self.num_images, dtype=np.int64),
+                                             counts))
+        mb = self.ims_per_batch
+        horz = rng.permutation(np.repeat(self._horz, counts[self._horz]))
+        vert = rng.permutation(np.repeat(self._vert, counts[self._vert]))
+        horz = horz[: horz.size // mb * mb]
+        vert = vert[: vert.size // mb * mb]
+        rows = np.concatenate([horz, vert]).reshape(-1, mb)
+        return rows[rng.permutation(rows.shape[0])].reshape(-1)
+
     def block(self, pass_index: int, block_index: int) -> Block:
         """Block ``block_index`` of pass ``pass_index`` of the global stream (pure)."""
-        if not 0 <= block_index < self.blocks_per_pass:
-            raise IndexError(f"block_index {block_index} outside a pass of "
-                             f"{self.blocks_per_pass} blocks")
+        nb = self.pass_blocks(pass_index)
+        if not 0 <= block_index < nb:
+            raise IndexError(f"block_index {block_index} outside pass {pass_index} of "
+                             f"{nb} blocks")
         inds = _block_indices(self.permutation(pass_index), block_index, self.ims_per_batch)
         return Block(inds, self.seed, pass_index, block_index)
 
     # ------------------------------------------------------------------ positions
     def __len__(self) -> int:
-        """Batches per pass for this rank; equal on every rank, so DDP cannot hang."""
-        return max(1, self.blocks_per_pass // self.world_size)
+        """Batches per pass for this rank; equal on every rank, so DDP cannot hang. With
+        repeat factors: the batches of the pass the next draw comes from."""
+        if self._repeat is None:
+            return max(1, self.blocks_per_pass // self.world_size)
+        return self.length_at(self._pass, self._cursor)
+
+    def length_at(self, pass_index: int, cursor: int) -> int:
+        """``len()`` for a stream at position ``(pass_index, cursor)``: this rank's
+        batches of the pass the next draw comes from."""
+        return self.batches_in_pass(self.normalize(pass_index, cursor)[0])
 
     def normalize(self, pass_index: int, cursor: int) -> tuple[int, int]:
         """Where the next draw starts from position ``(pass_index, cursor)`` (pure).
@@ -317,6 +435,17 @@ class RoIBatchSampler(Sampler[Block]):
         next draw starts at ``(pass + 1, 0)``. Infinite mode: a cursor at or past the end of
         the pass carries into the next passes.
         """
+        if self._repeat is not None:
+            if self.infinite:
+                nb = self.pass_blocks(pass_index)
+                while cursor >= nb:
+                    cursor -= nb
+                    pass_index += 1
+                    nb = self.pass_blocks(pass_index)
+                return pass_index, cursor
+            if cursor + self.world_size > self.pass_blocks(pass_index):
+                return pass_index + 1, 0
+            return pass_index, cursor
         if self.infinite:
             extra, cursor = divmod(cursor, self.blocks_per_pass)
             return pass_index + extra, cursor
@@ -325,7 +454,8 @@ class RoIBatchSampler(Sampler[Block]):
         return pass_index, cursor
 
     def advance(self, pass_index: int, cursor: int, num_batches: int) -> tuple[int, int]:
-        """The position after ``num_batches`` more global minibatches (pure, O(1)).
+        """The position after ``num_batches`` more global minibatches (pure; O(1), with
+        repeat factors O(passes crossed)).
 
         Used by the stateful loader to count consumed batches, and to resume at any step
         without replaying the stream.
@@ -333,6 +463,20 @@ class RoIBatchSampler(Sampler[Block]):
         n, ws = int(num_batches), self.world_size
         if self.infinite:
             return self.normalize(pass_index, cursor + n * ws)
+        if self._repeat is not None:
+            # Pass lengths vary: walk the passes (O(1) per pass crossed, each pass's
+            # length from its (seed, pass) draw).
+            left = (self.pass_blocks(pass_index) - cursor) // ws
+            if n <= left:
+                return pass_index, cursor + n * ws
+            n -= left
+            q = pass_index + 1
+            per = self.pass_blocks(q) // ws
+            while n > per:
+                n -= per
+                q += 1
+                per = self.pass_blocks(q) // ws
+            return q, n * ws
         left = (self.blocks_per_pass - cursor) // ws  # minibatches left in this pass
         if n <= left:
             return pass_index, cursor + n * ws
@@ -345,6 +489,8 @@ class RoIBatchSampler(Sampler[Block]):
     def _draw_locked(self, stop_at_pass_end: bool) -> Block | None:
         # The per-batch hot path (caller holds the lock): normalize() and the permutation
         # cache lookup inlined.
+        if self._repeat is not None:
+            return self._draw_repeat_locked(stop_at_pass_end)
         ws, nb, mb = self.world_size, self.blocks_per_pass, self.ims_per_batch
         p, c = self._pass, self._cursor
         if not self.infinite and c + ws > nb:
@@ -362,6 +508,34 @@ class RoIBatchSampler(Sampler[Block]):
         if self.infinite and c >= nb:
             extra, c = divmod(c, nb)
             p += extra
+        self._pass, self._cursor = p, c
+        return Block(inds, self.seed, q, b)
+
+    def _draw_repeat_locked(self, stop_at_pass_end: bool) -> Block | None:
+        # _draw_locked with a pass length that depends on the pass.
+        ws, mb = self.world_size, self.ims_per_batch
+        p, c = self._pass, self._cursor
+        if not self.infinite:
+            if c + ws > self.pass_blocks(p):
+                if stop_at_pass_end:
+                    return None
+                p, c = p + 1, 0
+            q, b = p, c + self.rank
+            c += ws
+        else:
+            nb = self.pass_blocks(p)
+            if c >= nb:
+                p, c = self.normalize(p, c)
+                nb = self.pass_blocks(p)
+            q, b = p, c + self.rank
+            if b >= nb:  # this rank's block lies in a later pass
+                q, b = self.normalize(p, b)
+            c += ws
+            if c >= nb:
+                p, c = self.normalize(p, c)
+        cache = self._cache
+        perm = cache[1] if cache is not None and cache[0] == q else self.permutation(q)
+        inds = _block_indices(perm, b, mb)
         self._pass, self._cursor = p, c
         return Block(inds, self.seed, q, b)
 
@@ -401,13 +575,17 @@ class RoIBatchSampler(Sampler[Block]):
 
     # ------------------------------------------------------------------ state
     def state_at(self, pass_index: int, cursor: int) -> dict[str, Any]:
-        """The state dict describing position ``(pass_index, cursor)`` of this stream."""
-        return {"version": STATE_VERSION, "seed": self.seed, "pass": int(pass_index),
-                "cursor": int(cursor), "ims_per_batch": self.ims_per_batch,
-                "world_size": self.world_size, "num_images": self.num_images,
-                "num_horizontal": self.num_horizontal,
-                "aspect_grouping": self._grouped, "shuffle": self.shuffle,
-                "infinite": self.infinite, "holdback": self.holdback}
+        """The state dict describing position ``(pass_index, cursor)`` of this stream
+        (with repeat factors, ``repeat_factors`` holds a digest of them)."""
+        state = {"version": STATE_VERSION, "seed": self.seed, "pass": int(pass_index),
+                 "cursor": int(cursor), "ims_per_batch": self.ims_per_batch,
+                 "world_size": self.world_size, "num_images": self.num_images,
+                 "num_horizontal": self.num_horizontal,
+                 "aspect_grouping": self._grouped, "shuffle": self.shuffle,
+                 "infinite": self.infinite, "holdback": self.holdback}
+        if self.repeat_digest is not None:
+            state["repeat_factors"] = self.repeat_digest
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """Seed, pass and cursor (in global blocks of the pass) plus what they depend on."""
@@ -425,18 +603,19 @@ class RoIBatchSampler(Sampler[Block]):
         Raises:
             ValueError: a mismatch with ``strict=True``, or a malformed state.
         """
-        state = {"holdback": 0, **state}  # states written before holdback existed
+        # States written before holdback / repeat factors existed.
+        state = {"holdback": 0, "repeat_factors": None, **state}
         missing = [k for k in ("pass", "cursor", *_STREAM_KEYS) if k not in state]
         if missing:
             raise ValueError(f"RoIBatchSampler: sampler state lacks {missing}; it was not "
                              "written by RoIBatchSampler.state_dict()")
-        mine = self.state_at(0, 0)
-        diffs = [f"{k}: checkpoint {state[k]!r}, now {mine[k]!r}" for k in _STREAM_KEYS
-                 if state[k] != mine[k]]
+        mine = {"repeat_factors": None, **self.state_at(0, 0)}
+        diffs = [f"{k}: checkpoint {state[k]!r}, now {mine[k]!r}"
+                 for k in (*_STREAM_KEYS, "repeat_factors") if state[k] != mine[k]]
         p = _check_int("state['pass']", state["pass"], 0)
         c = _check_int("state['cursor']", state["cursor"], 0)
-        if not diffs and c > self.blocks_per_pass:
-            diffs.append(f"cursor {c} beyond a pass of {self.blocks_per_pass} blocks")
+        if not diffs and c > self.pass_blocks(p):
+            diffs.append(f"cursor {c} beyond pass {p} of {self.pass_blocks(p)} blocks")
         if diffs:
             msg = ("RoIBatchSampler: the saved data-stream position does not match this "
                    "roidb/sampler (" + "; ".join(diffs) + ")")
@@ -485,9 +664,16 @@ class RoIBatchSampler(Sampler[Block]):
         state = self.__dict__.copy()
         state.pop("_lock", None)
         state["_cache"] = None
+        state["_counts_cache"] = None
+        state.pop("_rep_int", None)  # derived from _repeat (workers get a copy)
+        state.pop("_rep_frac", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        if self.__dict__.get("_repeat") is not None:
+            r = self._repeat
+            self._rep_int = np.trunc(r).astype(np.int64)
+            self._rep_frac = (r - np.trunc(r)).astype(np.float64)
 

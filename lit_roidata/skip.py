@@ -189,9 +189,10 @@ class BadImageLedger:
     def delivered_blocks(self, pass_index: int) -> int:
         """How many blocks of pass ``pass_index`` the stream delivers (all ranks)."""
         sm = self.sampler
+        nb = sm.pass_blocks(pass_index)  # varies by pass with repeat factors
         if sm.infinite:
-            return sm.blocks_per_pass
-        return sm.blocks_per_pass // sm.world_size * sm.world_size
+            return nb
+        return nb // sm.world_size * sm.world_size
 
     def reserve(self, pass_index: int) -> np.ndarray:
         """The images pass ``pass_index`` does not deliver, in the pass's reserve order."""

@@ -1,11 +1,13 @@
-"""BroadcastParameters and COCOEvaluator in a real 2-process Trainer(strategy="ddp") (CPU).
+"""BroadcastParameters, COCOEvaluator and LVISEvaluator in a real 2-process
+Trainer(strategy="ddp") (CPU).
 
 The test runs this file as a script; Lightning's launcher starts rank 1 by running the
 same command again. Every rank starts from different random weights; rank 0 loads a
 Detectron-style pickle through a name-mapping hook; after ``setup`` all replicas must
 be identical. Each rank validates a different shard of a tiny COCO set and returns
 perfect detections: the evaluator must gather both shards (AP 1.0 over all images) and
-log the same value on both ranks.
+log the same value on both ranks. The tiny set is also valid LVIS (category frequencies,
+empty neg / not-exhaustive lists), so LVISEvaluator gathers the same way.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ IMAGES = (3, 5, 8, 13, 21)
 
 
 def _tiny_coco(out: Path) -> str:
-    images = [{"id": i, "file_name": f"{i}.jpg", "width": 64, "height": 48} for i in IMAGES]
+    images = [{"id": i, "file_name": f"{i}.jpg", "width": 64, "height": 48,
+               "neg_category_ids": [], "not_exhaustive_category_ids": []} for i in IMAGES]
     anns = [{"id": k + 1, "image_id": i, "category_id": 10 + k % 2,
              "bbox": [4.0 + k, 6.0, 20.0, 16.0 + k], "area": 320.0, "iscrowd": 0,
              "segmentation": [[4, 6, 24, 6, 24, 22, 4, 22]]} for k, i in enumerate(IMAGES)]
-    cats = [{"id": 10, "name": "a"}, {"id": 11, "name": "b"}]
+    cats = [{"id": 10, "name": "a", "frequency": "f"}, {"id": 11, "name": "b", "frequency": "r"}]
     path = out / "tiny.json"
     path.write_text(json.dumps({"images": images, "annotations": anns, "categories": cats}))
     return str(path)
@@ -52,12 +55,14 @@ def _main(out_dir: str, namespace: str = "pytorch_lightning") -> None:
     from lit_roidata._lightning import bind
     from lit_roidata.callbacks import BroadcastParameters
     from lit_roidata.evaluation import COCOEvaluator
+    from lit_roidata.lvis_evaluation import LVISEvaluator
 
     # pytorch_lightning with lit_roidata's classes, or lightning.pytorch with
     # lit_roidata.lightning's (the same classes bound to it).
     pl = importlib.import_module(namespace)
     BroadcastParameters = bind(BroadcastParameters, namespace)  # noqa: N806
     COCOEvaluator = bind(COCOEvaluator, namespace)  # noqa: N806
+    LVISEvaluator = bind(LVISEvaluator, namespace)  # noqa: N806
 
     out = Path(out_dir)
     rank_env = int(os.environ.get("LOCAL_RANK", 0))
@@ -97,9 +102,10 @@ def _main(out_dir: str, namespace: str = "pytorch_lightning") -> None:
             torch.save(self.state_dict(), out / f"fit_start{self.global_rank}.pt")
 
         def on_train_end(self) -> None:
-            ev = next(c for c in self.trainer.callbacks if isinstance(c, COCOEvaluator))
+            ev = next(c for c in self.trainer.callbacks if type(c) is COCOEvaluator)
+            lv = next(c for c in self.trainer.callbacks if isinstance(c, LVISEvaluator))
             Path(out, f"metrics{self.global_rank}.json").write_text(json.dumps(
-                {"last": ev.last_metrics, "logged": {
+                {"last": ev.last_metrics, "lvis_last": lv.last_metrics, "logged": {
                     k: float(v) for k, v in self.trainer.callback_metrics.items()
                     if k.startswith("val/")}}))
 
@@ -113,7 +119,9 @@ def _main(out_dir: str, namespace: str = "pytorch_lightning") -> None:
         enable_checkpointing=False,
         callbacks=[BroadcastParameters(str(out / "w.pkl"), name_map=name_map, trust_pickle=True),
                    COCOEvaluator(annotation_files={"tiny": str(out / "tiny.json")},
-                                 output_dir=str(out / "results"), print_summary=False)])
+                                 output_dir=str(out / "results"), print_summary=False),
+                   LVISEvaluator(annotation_files={"tiny": str(out / "tiny.json")},
+                                 print_summary=False)])
     trainer.fit(Model())
 
 
@@ -163,6 +171,12 @@ def test_ddp_evaluator_gathers_all_ranks(ddp_run: Path) -> None:
     assert m1["logged"]["val/bbox_AP50"] == pytest.approx(1.0)
     results = json.loads((ddp_run / "results" / "val_bbox_tiny_results.json").read_text())
     assert sorted(r["image_id"] for r in results) == list(IMAGES)  # both shards
+    # LVISEvaluator: the same gathering (perfect boxes on both shards: every AP is 1)
+    assert m0["lvis_last"] == m1["lvis_last"]
+    for s in ("AP", "APr", "APf"):
+        assert m0["lvis_last"][f"val/lvis_bbox_{s}"] == pytest.approx(1.0), s
+        assert m1["logged"][f"val/lvis_bbox_{s}"] == pytest.approx(1.0), s
+    assert m0["lvis_last"]["val/lvis_bbox_APc"] == -1  # no common category
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def _print_configs(namespace: str) -> dict[str, tuple[Any, str]]:
 
 
 @pytest.mark.parametrize("namespace", LIGHTNING_NAMESPACES)
-@pytest.mark.parametrize("config", [c.name for c in CONFIGS if not c.name.startswith("exchange_")])
+@pytest.mark.parametrize("config", [c.name for c in CONFIGS
+                                    if not c.name.startswith("exchange_")])
 def test_print_config_parses_every_config(config: str, namespace: str) -> None:
     """Every shipped config parses with ``lit-roidata`` and, unchanged, with
     ``python -m lit_roidata.lightning`` (its class paths translated to lightning.pytorch)."""

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image
 
 from lit_roidata.minibatch import BadImageError, get_image_blob, normalize_on_device
-from lit_roidata.minibatch.decode import load_image
+from lit_roidata.minibatch.decode import load_image, load_image_rgb
 from lit_roidata.minibatch.image import build_image_blob, get_target_scale
 from test_minibatch_helpers import small_cfg, write_image
 
@@ -39,7 +39,96 @@ def test_decode_jpeg_matches_opencv(tmp_path):
     got = load_image(_entry(p, 64, 48))
     ref = cv2.imread(str(p))
     assert got.dtype == np.uint8 and got.shape == (48, 64, 3) and got.flags.c_contiguous
-    assert np.abs(got.astype(int) - ref).mean() < 0.5  # both libjpeg-turbo (BGR)
+    assert np.array_equal(got, ref)  # Detectron's reader, bit for bit
+
+
+def _save_pil(rgb, fmt, **kw):
+    def save(p):
+        Image.fromarray(rgb).convert(fmt).save(p, **kw) if fmt else Image.fromarray(rgb).save(p, **kw)
+    return save
+
+
+def _exif(o):
+    def save(p):
+        im = Image.fromarray(np.ascontiguousarray(_rgb()[:, :, ::-1]))
+        ex = im.getexif()
+        ex[0x0112] = o
+        im.save(p, exif=ex, quality=95)
+    return save
+
+
+_RGB = np.ascontiguousarray(_rgb()[:, :, ::-1])
+_EDGE_CASES = {  # name -> writer: every way Detectron's cv2.imread converts to 3 BGR channels
+    "exif_6.jpg": _exif(6), "exif_3.jpg": _exif(3), "exif_8.jpg": _exif(8),
+    "exif_2.jpg": _exif(2),
+    "gray.jpg": _save_pil(_RGB, "L", quality=95), "gray.png": _save_pil(_RGB, "L"),
+    "gray_alpha.png": _save_pil(_RGB, "LA"),
+    "cmyk.jpg": _save_pil(_RGB, "CMYK", quality=95),
+    "palette.png": _save_pil(_RGB, "P"), "palette_t.png": _save_pil(_RGB, "P", transparency=0),
+    "palette.gif": _save_pil(_RGB, "P"),
+    "rgba.png": _save_pil(_RGB, "RGBA"),
+    "progressive.jpg": _save_pil(_RGB, None, quality=90, progressive=True),
+    "s444.jpg": _save_pil(_RGB, None, quality=90, subsampling=0),
+    "rgb.webp": _save_pil(_RGB, None, quality=80),
+    "rgb.tif": _save_pil(_RGB, None),
+    "gray16.png": lambda p: cv2.imwrite(str(p), _RGB[:, :, 0].astype(np.uint16) * 257 + 3),
+    "rgb16.png": lambda p: cv2.imwrite(str(p), _RGB.astype(np.uint16) * 257 + 5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_EDGE_CASES))
+def test_decode_edge_cases_equal_cv2_imread(tmp_path, name):
+    p = tmp_path / name
+    _EDGE_CASES[name](p)
+    ref = cv2.imread(str(p))  # Detectron: BGR, IMREAD_COLOR
+    if ref is None:
+        pytest.skip(f"this OpenCV build cannot read {name}")
+    h, w = ref.shape[:2]
+    got = load_image(_entry(p, w, h))
+    assert got.flags.c_contiguous and got.dtype == np.uint8
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(load_image_rgb(_entry(p, w, h)), ref[:, :, ::-1])
+    if name in ("exif_6.jpg", "exif_8.jpg"):  # the orientation is applied: a quarter turn
+        assert got.shape[:2] == _RGB.shape[1::-1]
+
+
+@settings(deadline=None, max_examples=40)
+@given(h=st.integers(1, 90), w=st.integers(1, 90), seed=st.integers(0, 2**16),
+       fmt=st.sampled_from(["jpg", "png", "bmp", "webp"]), quality=st.integers(30, 100),
+       flipped=st.booleans())
+def test_decode_equals_cv2_imread_property(tmp_path_factory, h, w, seed, fmt, quality, flipped):
+    im = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    p = tmp_path_factory.mktemp("d") / f"x.{fmt}"
+    params = {"jpg": [cv2.IMWRITE_JPEG_QUALITY, quality],
+              "webp": [cv2.IMWRITE_WEBP_QUALITY, quality]}.get(fmt, [])
+    assert cv2.imwrite(str(p), im, params)
+    ref = cv2.imread(str(p))
+    got = load_image(_entry(p, w, h, flipped=flipped))
+    np.testing.assert_array_equal(got, ref[:, ::-1] if flipped else ref)
+
+
+@settings(deadline=None, max_examples=30)
+@given(cut=st.floats(0.0, 0.999), seed=st.integers(0, 2**16),
+       progressive=st.booleans())
+def test_truncated_jpeg_is_an_error_property(tmp_path_factory, cut, seed, progressive):
+    p = tmp_path_factory.mktemp("t") / "x.jpg"
+    Image.fromarray(_rgb(48, 64, seed)).save(p, quality=90, progressive=progressive)
+    data = p.read_bytes()
+    p.write_bytes(data[:int(len(data) * cut)])
+    with pytest.raises(BadImageError) as info:
+        load_image(_entry(p, 64, 48))
+    assert info.value.reason in ("undecodable", "missing")
+
+
+def test_decoding_uses_no_deprecated_torchvision_decoder(tmp_path):
+    import warnings
+
+    p = tmp_path / "a.jpg"
+    cv2.imwrite(str(p), _rgb())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        load_image(_entry(p, 64, 48))
+        load_image_rgb(_entry(p, 64, 48))
 
 
 def test_decode_png_exact_and_alpha_dropped(tmp_path):
@@ -66,6 +155,7 @@ def test_decode_cmyk_jpeg(tmp_path):
     got = load_image(_entry(p, 64, 48))
     assert got.shape == (48, 64, 3)
     assert np.abs(got[:, :, ::-1].astype(int) - rgb).mean() < 4
+    np.testing.assert_array_equal(got, cv2.imread(str(p)))
 
 
 def test_decode_exif_rotation_applied(tmp_path):

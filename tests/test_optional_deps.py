@@ -20,7 +20,7 @@ _BLOCK = textwrap.dedent("""
     import sys
 
     class _Blocker:
-        hidden = ("albumentations", "matplotlib", "pymemcache", "lightning")
+        hidden = ("albumentations", "matplotlib", "pymemcache", "lightning", "faster_coco_eval")
 
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in self.hidden:
@@ -68,7 +68,7 @@ def test_core_works_without_the_extras(tmp_path: Path) -> None:
         blobs = dm.make_dataset().__getitems__(next(iter(dm.make_sampler())))
         assert "rois" in blobs and "labels_int32" in blobs, sorted(blobs)
         assert len(dm.train_roidb) > 0
-        for m in ("albumentations", "matplotlib", "pymemcache", "lightning"):
+        for m in ("albumentations", "matplotlib", "pymemcache", "lightning", "faster_coco_eval"):
             assert m not in sys.modules, m
         print("CORE-OK")
     """)
@@ -85,6 +85,8 @@ def test_core_works_without_the_extras(tmp_path: Path) -> None:
     ("from lit_roidata.exchange import BlobExchange\n"
      "BlobExchange(backend='memcached', address='127.0.0.1:1', run_id='r')", "memcached"),
     ("from lit_roidata.lightning import RoIDataModule", "lightning"),
+    ("from lit_roidata.callbacks import LVISEvaluator\n"
+     "LVISEvaluator()", "lvis"),
     ("from lit_roidata.cli import main\n"
      "main(['fit', '--help'], namespace='lightning.pytorch')", "lightning"),
 ])

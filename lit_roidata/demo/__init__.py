@@ -1,5 +1,8 @@
 """The demo: a synthetic COCO-style dataset and a small detector that trains on it.
 
+:func:`ensure_lvis_demo_data` / :func:`register_lvis_demo_datasets` make synthetic LVIS
+v1-format data (long-tailed categories, neg / not-exhaustive lists, ``coco_url`` names).
+
 ``lit-roidata fit --config configs/demo.yaml`` uses :func:`ensure_demo_data` /
 :func:`register_demo_datasets` to create the data on first use and
 :class:`DemoRoIDataModule` (the data module on that data) and
@@ -23,11 +26,17 @@ from lit_roidata.demo.data import (
     ensure_demo_data,
     register_demo_datasets,
 )
+from lit_roidata.demo.lvis_data import (
+    LVIS_DEMO_DATASETS,
+    ensure_lvis_demo_data,
+    register_lvis_demo_datasets,
+)
 
 __all__ = [
     "DEMO_CATEGORIES",
     "DEMO_TRAIN_DATASETS",
     "DEMO_VAL_DATASETS",
+    "LVIS_DEMO_DATASETS",
     "DemoDatasets",
     "DemoFastRCNN",
     "DemoRoIDataModule",
@@ -36,7 +45,9 @@ __all__ = [
     "demo_alignment_stream",
     "demo_batches",
     "ensure_demo_data",
+    "ensure_lvis_demo_data",
     "register_demo_datasets",
+    "register_lvis_demo_datasets",
 ]
 
 

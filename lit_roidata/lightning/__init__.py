@@ -35,6 +35,7 @@ CLASSES: dict[str, str] = {
     "BadImageReport": "lit_roidata.loader_callbacks:BadImageReport",
     "GracefulStop": "lit_roidata.loader_callbacks:GracefulStop",
     "COCOEvaluator": "lit_roidata.evaluation:COCOEvaluator",
+    "LVISEvaluator": "lit_roidata.lvis_evaluation:LVISEvaluator",
     "StepTQDMProgressBar": "lit_roidata.progress:StepTQDMProgressBar",
     "BlobExchangeCallback": "lit_roidata.exchange.callback:BlobExchangeCallback",
     "COCOPredictionWriter": "lit_roidata.models.predict:COCOPredictionWriter",

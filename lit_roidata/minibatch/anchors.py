@@ -32,6 +32,7 @@ __all__ = [
     "InsideAnchors",
     "inside_anchors",
     "rpn_overlaps",
+    "build_anchor_caches",
 ]
 
 
@@ -204,6 +205,27 @@ def _concat(keys: tuple[tuple[Any, ...], ...]) -> np.ndarray:
     out = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
     out.setflags(write=False)
     return out
+
+
+def build_anchor_caches(cfg: Any) -> None:
+    """Build now the memoised anchor arrays that ``cfg``'s RPN or RetinaNet targets use
+    (the fields, their concatenation and the per-shape tables: ~14 MB for FPN at
+    ``MAX_SIZE`` 1333); a no-op for Fast R-CNN.
+
+    Called in the main process before DataLoader workers fork, every worker shares one
+    read-only copy instead of building its own.
+    """
+    from lit_roidata.minibatch.model_type import blob_family
+
+    family = blob_family(cfg)
+    if family not in ("rpn", "retinanet"):
+        return
+    fields = rpn_fields(cfg) if family == "rpn" else retinanet_fields(cfg)
+    keys = tuple(f.key for f in fields)
+    _concat(keys)
+    _shape_table(keys)
+    _grid_edges(keys)
+    _row_table(keys)
 
 
 def concat_fields(fields: Sequence[FieldOfAnchors]) -> np.ndarray:

@@ -7,10 +7,12 @@ file stops training with no name attached. Here every failure raises
 :class:`BadImageError`, which names the file, the image id, the dataset and a fix, so
 the worker can either fail loudly or (``on_bad_image="skip"``) replace the block.
 
-JPEG, PNG, GIF and WebP go through ``torchvision.io.decode_image`` (libjpeg-turbo /
-libpng) in RGB mode with the EXIF orientation applied, which also converts grayscale,
-CMYK/YCCK, palette and alpha images to three channels. Anything else (BMP, TIFF ...)
-falls back to ``cv2.imdecode`` as Detectron would read it.
+Every format goes through ``cv2.imdecode(..., IMREAD_COLOR)``: the decoder behind
+Detectron's ``cv2.imread``, on the bytes already read, so the pixels are Detectron's bit for
+bit (``benchmarks/decode.py`` checks it on JPEGs and on the edge cases: EXIF orientation
+applied, grayscale / CMYK / palette / alpha converted to three BGR channels, 16-bit samples
+reduced to their high byte). It is also the fastest of the decoders measured there
+(torchvision's deprecated ``decode_image``, TorchCodec's ``decode_image``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,9 @@ from typing import Any, Mapping
 
 import cv2
 import numpy as np
-import torch
-from torchvision.io import ImageReadMode, decode_image
 
 __all__ = ["BadImageError", "describe_entry", "decode_bgr", "decode_rgb", "load_image",
            "load_image_rgb"]
-
-_TORCHVISION_MAGIC = (b"\xff\xd8", b"\x89PNG", b"GIF8", b"RIFF")
 
 
 class BadImageError(RuntimeError):
@@ -78,15 +76,30 @@ def _error(entry: Mapping[str, Any], reason: str, what: str, fix: str) -> BadIma
 
 
 def decode_bgr(data: bytes) -> np.ndarray:
-    """Decode encoded image bytes to a ``(H, W, 3)`` BGR uint8 array (EXIF applied).
+    """Decode encoded image bytes to a ``(H, W, 3)`` BGR uint8 array, C-contiguous: the
+    array ``cv2.imread`` returns for the same file (EXIF orientation applied).
 
     Raises:
         ValueError: the bytes are not a decodable image (truncated JPEGs included).
     """
-    im, order = _decode(data)
-    if order == "rgb":
-        return cv2.cvtColor(im, cv2.COLOR_RGB2BGR)  # SIMD; 5x faster than [..., ::-1]
+    if not data:
+        raise ValueError("the file is empty")
+    # A JPEG cut short has no end-of-image marker after its last scan. OpenCV 5 refuses
+    # it; older releases decode it with a grey bottom and only print a warning.
+    if data[:2] == b"\xff\xd8" and _jpeg_truncated(data):
+        raise ValueError("truncated JPEG (no end-of-image marker after the last scan)")
+    im = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
+    if im is None:
+        raise ValueError("not a known image format, or a corrupt or truncated file")
     return im
+
+
+def _jpeg_truncated(data: bytes) -> bool:
+    """No end-of-image marker (``FFD9``) after the last start-of-scan (``FFDA``). In
+    entropy-coded data ``FF`` is always followed by ``00`` or a restart marker, so both
+    markers are real; an EXIF thumbnail's own markers come before the main scan."""
+    eoi = data.rfind(b"\xff\xd9")  # near the end of a whole file: a short search
+    return eoi < 0 or data.find(b"\xff\xda", eoi) >= 0
 
 
 def decode_rgb(data: bytes) -> np.ndarray:
@@ -95,33 +108,7 @@ def decode_rgb(data: bytes) -> np.ndarray:
     Raises:
         ValueError: the bytes are not a decodable image (truncated JPEGs included).
     """
-    im, order = _decode(data)
-    if order == "bgr":
-        return cv2.cvtColor(im, cv2.COLOR_BGR2RGB)
-    return im
-
-
-def _decode(data: bytes) -> tuple[np.ndarray, str]:
-    """The decoded ``(H, W, 3)`` uint8 array, C-contiguous, and its channel order (the
-    decoder's own: RGB from torchvision, BGR from OpenCV)."""
-    if not data:
-        raise ValueError("the file is empty")
-    if data[:4].startswith(_TORCHVISION_MAGIC):
-        try:
-            t = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                             mode=ImageReadMode.RGB, apply_exif_orientation=True)
-        except RuntimeError as exc:
-            raise ValueError(str(exc).splitlines()[-1]) from exc
-        if t.dtype != torch.uint8:  # 16-bit PNG: keep the high byte, as OpenCV does
-            t = (t.to(torch.int32) >> 8).to(torch.uint8)
-        hwc = t.permute(1, 2, 0).numpy()  # a view unless EXIF rotated the image
-        if not hwc.flags.c_contiguous:
-            hwc = np.ascontiguousarray(hwc)
-        return hwc, "rgb"
-    im = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
-    if im is None:
-        raise ValueError("not a known image format (or a corrupt file)")
-    return im, "bgr"
+    return cv2.cvtColor(decode_bgr(data), cv2.COLOR_BGR2RGB)  # SIMD; faster than [..., ::-1]
 
 
 def load_image(entry: Mapping[str, Any]) -> np.ndarray:
@@ -145,9 +132,8 @@ def load_image(entry: Mapping[str, Any]) -> np.ndarray:
 
 
 def load_image_rgb(entry: Mapping[str, Any]) -> np.ndarray:
-    """:func:`load_image` with the channels in RGB order (the decoder's own, so no
-    conversion pass): the default loader of the image blob, which writes each channel
-    into its BGR plane (its ``channel_order`` attribute says so).
+    """:func:`load_image` with the channels in RGB order (its ``channel_order``
+    attribute says so, and the blob builders write each channel into its BGR plane).
 
     Raises:
         BadImageError: missing/unreadable/undecodable file or size mismatch.

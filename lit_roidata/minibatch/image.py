@@ -23,7 +23,7 @@ import cv2
 import numpy as np
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.minibatch.decode import load_image, load_image_rgb
+from lit_roidata.minibatch.decode import load_image
 from lit_roidata.minibatch.device import normalize_on_device  # noqa: F401  (re-export)
 
 __all__ = [
@@ -216,8 +216,8 @@ def build_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mo
     Raises:
         BadImageError: from the loader, naming the file, image id and dataset.
     """
-    load = loader or load_image_rgb
-    if pixel_format == "uint8" and augment is None and _channel_order(load) == "rgb":
+    load = loader or load_image
+    if pixel_format == "uint8" and augment is None:
         return _build_uint8_planes(entries, cfg, rng, load, alloc)
     ims, im_scales, out_entries = load_and_scale(entries, cfg, rng, pixel_format=pixel_format,
                                                  loader=loader, augment=augment)
@@ -236,8 +236,9 @@ def _channel_order(loader: ImageLoader) -> str:
 
 def _build_uint8_planes(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG,
                         load: ImageLoader, alloc: Allocator | None) -> ImageBatch:
-    """The ``"uint8"`` blob from RGB images: each channel resized straight into its BGR
-    plane of the blob (no BGR conversion, no resized HWC image, no de-interleaving pass).
+    """The ``"uint8"`` blob: each channel of the decoded image resized straight into its
+    BGR plane of the blob (no resized HWC image, no de-interleaving pass; an RGB loader's
+    channels go to planes 2, 1, 0, with no conversion pass).
 
     The same draws and pixels as :func:`load_and_scale` + :func:`im_list_to_blob`:
     ``INTER_LINEAR`` treats every channel alike, and the destination size is OpenCV's
@@ -245,6 +246,7 @@ def _build_uint8_planes(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng
     plane as ``dst`` makes OpenCV write into it (checked).
     """
     scales, scale_inds = draw_scales(entries, cfg, rng)
+    rgb = _channel_order(load) == "rgb"
     srcs, im_scales, sizes = [], [], []
     for i, entry in enumerate(entries):
         im = load(entry)
@@ -258,8 +260,8 @@ def _build_uint8_planes(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng
     shape = (len(srcs), 3, hmax, wmax)
     blob = alloc(shape, np.dtype(np.uint8)) if alloc is not None else np.zeros(shape, np.uint8)
     for i, (im, scale, (h, w)) in enumerate(zip(srcs, im_scales, sizes)):
-        for c, plane in enumerate(cv2.split(im)):  # R, G, B -> planes 2, 1, 0
-            dst = blob[i, 2 - c, :h, :w]
+        for c, plane in enumerate(cv2.split(im)):  # B, G, R (or R, G, B -> 2, 1, 0)
+            dst = blob[i, 2 - c if rgb else c, :h, :w]
             out = cv2.resize(plane, None, dst, fx=scale, fy=scale,
                              interpolation=cv2.INTER_LINEAR)
             if not np.shares_memory(out, dst):  # OpenCV allocated: copy (same size only)

@@ -26,20 +26,24 @@ import numpy as np
 import orjson
 import scipy.sparse
 
-__all__ = ["ROIDB_BLOB_KEYS", "EXTRA_KEYS", "serialize_roidb", "deserialize_roidb"]
+__all__ = ["ROIDB_BLOB_KEYS", "EXTRA_KEYS", "LVIS_KEYS", "serialize_roidb", "deserialize_roidb"]
 
 ROIDB_BLOB_KEYS = ("has_visible_keypoints", "boxes", "segms", "seg_areas", "gt_classes",
                    "gt_overlaps", "is_crowd", "box_to_gt_ind_map", "gt_keypoints")
 # Not in Detectron's minimal roidb; carried so that errors can name the image and RLE
 # segms can be decoded at their size in the second stage.
 EXTRA_KEYS = ("id", "image", "width", "height", "flipped")
+# LVIS roidbs only: each image's neg / not-exhaustive categories as contiguous class ids
+# (int32 arrays, like gt_classes), for federated losses in the model.
+LVIS_KEYS = ("neg_category_ids", "not_exhaustive_category_ids")
 _JSON_KEYS = frozenset(("segms", "has_visible_keypoints") + EXTRA_KEYS)
+_KEYS = ROIDB_BLOB_KEYS + EXTRA_KEYS + LVIS_KEYS
 _MAGIC = b"LRDB"
 _VERSION = 1
 
 
 def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    """Encode the keys of ``ROIDB_BLOB_KEYS`` and ``EXTRA_KEYS`` present in each entry (Detectron
+    """Encode the keys of ``ROIDB_BLOB_KEYS``, ``EXTRA_KEYS`` and ``LVIS_KEYS`` present in each entry (Detectron
     semantics: RPN targets).
 
     Returns:
@@ -60,7 +64,7 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
 
     for entry in entries:
         item: dict[str, Any] = {}
-        for key in ROIDB_BLOB_KEYS + EXTRA_KEYS:
+        for key in _KEYS:
             if key not in entry:
                 continue
             value = entry[key]

@@ -15,7 +15,9 @@ torchvision's conventions:
   int64 (contiguous ids), ``image_id``, non-crowd gt only; ``masks`` (``Mask`` uint8
   ``(N, h, w)``) with ``MODEL.MASK_ON``; ``keypoints`` float32 ``(N, K, 3)`` rows
   ``x, y, v`` with ``MODEL.KEYPOINTS_ON``; ``proposals`` (``BoundingBoxes``) when the
-  entry has proposal rows; ``crowd_boxes``; and ``scale``, ``orig_size``, ``flipped``.
+  entry has proposal rows; ``crowd_boxes``; and ``scale``, ``orig_size``, ``flipped``;
+  for LVIS roidbs also ``neg_category_ids`` and ``not_exhaustive_category_ids`` (int64,
+  contiguous class ids like ``labels``; :mod:`lit_roidata.roidb.lvis`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torchvision import tv_tensors
 from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.image import ImageLoader, load_and_scale
 from lit_roidata.minibatch.mask import decode_rle_into, segm_as_rle, segm_polygons
+from lit_roidata.minibatch.roidb_blob import LVIS_KEYS
 from lit_roidata.minibatch.shm_pool import pooled_reduce
 from lit_roidata.minibatch.transport import shared_empty
 
@@ -151,6 +154,9 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
         target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
     if prop_rows.size:
         target["proposals"] = bb(prop_rows)
+    for key in LVIS_KEYS:  # LVIS roidbs only
+        if key in entry:
+            target[key] = torch.from_numpy(np.asarray(entry[key]).astype(np.int64))
     return target
 
 

@@ -33,10 +33,11 @@ from lit_roidata.config import DetectronConfig, get_cfg
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import write_arrays
 from lit_roidata.roidb.coco import GtTable, load_coco_json
-from lit_roidata.roidb.decode import decode_coco
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
-from lit_roidata.roidb.proposals import build_proposal_table, empty_proposal_table
+from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
+from lit_roidata.roidb.proposals import ProposalColumns, build_proposal_table
+from lit_roidata.roidb.proposals import empty_proposal_table
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
@@ -242,6 +243,9 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
                "annotation": file_fingerprint(s.annotation_file, root),
                "proposals": None if f is None else file_fingerprint(f, root)}
               for s, f in zip(specs, files)]
+    for rec, s in zip(inputs, specs):  # COCO keys stay what they were
+        if s.format != "coco":
+            rec["format"] = s.format
     key = cache_key({"inputs": inputs, "options": options})
 
     def build(tmp: str) -> dict:
@@ -368,52 +372,92 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
     with BuildProgress(progress) as prog:
         for spec, pfile in zip(specs, files):
             with prog.task(f"{spec.name}: annotations", 3) as step:
-                raw = decode_coco(spec.annotation_file)
-                step()
-                c = [(int(x["id"]), str(x["name"])) for x in raw.categories
-                     if isinstance(x, dict) and "id" in x and "name" in x]
-                cats.append(c)
-                _check_categories(cats, [s.name for s in specs[:len(cats)]],
-                                  options["category_policy"])
-                if union is not None:
-                    union.extend(n for _, n in c if n not in union)
-                table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
-                                       gt_min_area=options["gt_min_area"], class_order=union,
-                                       keypoints_required=bool(options.get("keypoints_on")))
-                del raw
+
+                def categories_seen(categories: list) -> Optional[list]:
+                    step()  # decoded; the categories are checked before the table is made
+                    c = [(int(x["id"]), str(x["name"])) for x in categories
+                         if isinstance(x, dict) and "id" in x and "name" in x]
+                    cats.append(c)
+                    _check_categories(cats, [s.name for s in specs[:len(cats)]],
+                                      options["category_policy"])
+                    if union is not None:
+                        union.extend(n for _, n in c if n not in union)
+                    return union
+
+                if spec.format == "lvis":
+                    # LVIS: decoded whole (its per-image federated lists), then cleaned
+                    raw = decode_lvis(spec.annotation_file)
+                    table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
+                                           gt_min_area=options["gt_min_area"],
+                                           categories_hook=categories_seen,
+                                           keypoints_required=bool(options.get("keypoints_on")))
+                    table.image_lists = lvis_image_lists(raw, table.info)
+                    del raw
+                else:  # decoded and cleaned window by window (bounded memory)
+                    table = load_coco_json(spec.annotation_file, name=spec.name,
+                                           gt_min_area=options["gt_min_area"],
+                                           categories_hook=categories_seen,
+                                           keypoints_required=bool(options.get("keypoints_on")))
                 step()
                 if options["check_images"]:
                     _check_images(spec, table.file_names)
                 step()
             tables.append(table)
-            if pfile is None:
-                props.append(empty_proposal_table(table.ids.size))
-                continue
-            with prog.task(f"{spec.name}: proposals {os.path.basename(pfile)}",
-                           table.ids.size) as step:
-                src = read_proposal_file(pfile, trust_pickle=trust_pickle)
-                props.append(build_proposal_table(
-                    src, image_ids=table.ids, widths=table.widths, heights=table.heights,
-                    gt_off=table.gt_off, gt_boxes=table.boxes, gt_classes=table.classes,
-                    gt_is_crowd=table.is_crowd, min_proposal_size=options["min_proposal_size"],
-                    proposal_limit=options["proposal_limit"],
-                    crowd_filter_thresh=options["crowd_filter_thresh"], progress=step,
-                    scratch_dir=tmp))
-                del src
+        # proposals after every dataset's gt: the column dtypes depend on all of them
+        columns = _proposal_columns(tmp, tables, files, union)
+        try:
+            for spec, pfile, table in zip(specs, files, tables):
+                props.append(_dataset_proposals(prog, spec, pfile, table, options, columns,
+                                                trust_pickle))
+            written = columns.finish() if columns is not None else {}
+        except BaseException:
+            if columns is not None:
+                columns.close()
+            raise
     if union is not None:
         for t in tables:
             t.info = DatasetInfo(t.info.name, ("__background__", *union),
                                  t.info.json_category_id_to_contiguous_id,
                                  t.info.contiguous_category_id_to_json_id, t.info.keypoints,
                                  t.info.keypoint_flip_map)
-    arrays, report = _combine(specs, tables, props, options)
-    manifest_arrays = write_arrays(tmp, arrays)
+    arrays, report = _combine(specs, tables, props, options, written)
+    done = columns.records if columns is not None else {}
+    rest = write_arrays(tmp, {k: v for k, v in arrays.items() if k not in done})
+    manifest_arrays = {k: done[k] if k in done else rest[k] for k in arrays}
     report["build_seconds"] = round(time.perf_counter() - t0, 3)
     return {"arrays": manifest_arrays, "datasets": [t.info.to_json() for t in tables],
             "targets": {"bbox_thresh": options["bbox_thresh"],
                         "cls_agnostic": options["cls_agnostic"],
                         "weights": options["bbox_reg_weights"]},
             "options": options, "inputs": inputs, "report": report}
+
+
+def _proposal_columns(tmp: str, tables: list, files: Sequence, union: Optional[list]
+                      ) -> Optional[ProposalColumns]:
+    """The cache's proposal columns, written in place, with dtypes narrow enough for the
+    class count and the most gt boxes of an image over all datasets; ``None`` without
+    proposal files (the empty columns then stay int32, as in gt-only caches)."""
+    if all(f is None for f in files):
+        return None
+    num_classes = max([t.info.num_classes for t in tables] +
+                      ([len(union) + 1] if union is not None else []))
+    max_gt = max((int(np.diff(t.gt_off).max()) if t.ids.size else 0) for t in tables)
+    return ProposalColumns(tmp, num_classes=num_classes, max_gt=max_gt)
+
+
+def _dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle):
+    """One dataset's proposal rows, appended to ``columns`` (an empty table without a
+    proposal file)."""
+    if pfile is None:
+        return empty_proposal_table(table.ids.size)
+    with prog.task(f"{spec.name}: proposals {os.path.basename(pfile)}", table.ids.size) as step:
+        src = read_proposal_file(pfile, trust_pickle=trust_pickle, scores=False)
+        return build_proposal_table(
+            src, image_ids=table.ids, widths=table.widths, heights=table.heights,
+            gt_off=table.gt_off, gt_boxes=table.boxes, gt_classes=table.classes,
+            gt_is_crowd=table.is_crowd, min_proposal_size=options["min_proposal_size"],
+            proposal_limit=options["proposal_limit"],
+            crowd_filter_thresh=options["crowd_filter_thresh"], progress=step, out=columns)
 
 
 def _check_images(spec: DatasetSpec, file_names: list) -> None:
@@ -454,7 +498,22 @@ def _cat(arrays: list) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _combine(specs, tables, props, options) -> tuple[dict, dict]:
+def _prop_arrays(props: list, written: dict) -> dict:
+    """The four proposal columns: those written in place (``written``), else the tables'
+    arrays concatenated (int32 class / gt-index columns, as before narrow dtypes)."""
+    if written:
+        return dict(written)
+    return {
+        "prop_boxes": _cat([p.boxes for p in props]).reshape(-1, 4).astype(np.float32,
+                                                                          copy=False),
+        "prop_max_overlaps": _cat([p.max_overlaps for p in props]).astype(np.float32,
+                                                                         copy=False),
+        "prop_max_classes": _cat([p.max_classes for p in props]).astype(np.int32, copy=False),
+        "prop_gt_map": _cat([p.gt_map for p in props]).astype(np.int32, copy=False),
+    }
+
+
+def _combine(specs, tables, props, options, written=None) -> tuple[dict, dict]:
     cat = _cat
     n_imgs = [t.ids.size for t in tables]
     paths = [p for s, t in zip(specs, tables) for p in _image_paths(s, t.file_names)]
@@ -484,13 +543,11 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
         "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),
         "gt_is_crowd": cat([t.is_crowd for t in tables]).astype(bool),
         "gt_keypoints": cat(kps),
-        "prop_boxes": cat([p.boxes for p in props]).reshape(-1, 4).astype(np.float32,
-                                                                          copy=False),
-        "prop_max_overlaps": cat([p.max_overlaps for p in props]).astype(np.float32, copy=False),
-        "prop_max_classes": cat([p.max_classes for p in props]).astype(np.int32, copy=False),
-        "prop_gt_map": cat([p.gt_map for p in props]).astype(np.int32, copy=False),
+        **_prop_arrays(props, written or {}),
     }
     a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
+    if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
+        a.update(_image_list_columns(tables))
     starts = np.cumsum([0] + n_imgs)
     entry_img, entry_flip = [], []
     for k in range(len(tables)):
@@ -519,6 +576,24 @@ def _combine(specs, tables, props, options) -> tuple[dict, dict]:
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
         "filtered": bool(options["filter"])}, "warnings": warnings_}
     return a, report
+
+
+def _image_list_columns(tables) -> dict[str, np.ndarray]:
+    """The neg / not-exhaustive columns over all datasets (empty lists for COCO ones)."""
+    out = {}
+    for key, (off_col, cls_col) in IMAGE_LIST_COLUMNS.items():
+        offs, vals = [], []
+        for t in tables:
+            if t.image_lists is None:
+                offs.append(np.zeros(t.ids.size + 1, np.int64))
+                vals.append(np.zeros(0, np.int32))
+            else:
+                o, v = t.image_lists[key]
+                offs.append(o)
+                vals.append(v)
+        out[off_col] = concat_offsets(offs)
+        out[cls_col] = np.concatenate(vals).astype(np.int32)
+    return out
 
 
 def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:

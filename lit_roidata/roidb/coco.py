@@ -12,15 +12,16 @@ raise :class:`RoIDBInputError` naming the file, the annotation and image ids and
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, RawCoco, decode_coco
-from lit_roidata.roidb.decode import decode_generic, read_json
+from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, WINDOW_BYTES, RawCoco
+from lit_roidata.roidb.decode import decode_generic, iter_coco, read_json
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError, keypoint_flip_map
 from lit_roidata.roidb.segms import POLY, SegmColumns, rle_columns, rle_string_counts
 from lit_roidata.roidb.segms import offsets, take_ranges
@@ -45,6 +46,9 @@ class GtTable:
         segms: :class:`SegmColumns` per gt row.
         keypoints: int32 (G, 3, K) or ``None``; has_vis_kp: bool per image.
         counts: drop/keep counts by reason (for the build report).
+        image_lists: LVIS only (:func:`lit_roidata.roidb.lvis.lvis_image_lists`): per
+            image ``neg_category_ids`` / ``not_exhaustive_category_ids`` as (offsets,
+            contiguous classes); ``None`` for COCO.
     """
 
     info: DatasetInfo
@@ -61,6 +65,7 @@ class GtTable:
     keypoints: Optional[np.ndarray]
     has_vis_kp: np.ndarray
     counts: Counter
+    image_lists: Optional[dict] = None
 
 
 def dataset_info_from_categories(name: str, categories: Sequence[dict], *, source: str,
@@ -110,9 +115,16 @@ def keypoint_category_ids(categories: Sequence[Any]) -> list[int]:
 def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
                    class_order: Optional[Sequence[str]] = None,
                    data: Optional[dict] = None, raw: Optional[RawCoco] = None,
-                   keypoints_required: bool = False) -> GtTable:
+                   keypoints_required: bool = False,
+                   categories_hook: Optional[Callable[[list], Optional[Sequence[str]]]] = None,
+                   window_bytes: int = WINDOW_BYTES) -> GtTable:
     """Load one COCO annotation file into a :class:`GtTable` (Detectron semantics: datasets and
     catalog; ground-truth cleaning).
+
+    The file is decoded and cleaned window by window (:func:`lit_roidata.roidb.decode.iter_coco`):
+    memory holds one window's objects and the kept rows' output columns, never the
+    whole file's (when ``images`` precedes ``annotations`` in the file, as in COCO,
+    LVIS and Objects365; otherwise the annotation windows wait, decoded, for the images).
 
     Args:
         path: the annotation JSON.
@@ -123,15 +135,36 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
         raw: the already decoded columns (:func:`lit_roidata.roidb.decode.decode_coco`).
         keypoints_required: the model trains keypoints (``MODEL.KEYPOINTS_ON``): every
             annotation of the keypoint category must carry keypoints.
+        categories_hook: called with the JSON ``categories`` once they are read; returns
+            the ``class_order`` to use (the build checks and merges categories there).
+        window_bytes: JSON bytes decoded at a time.
 
     Raises:
         RoIDBInputError: malformed JSON, duplicate ids, bad sizes, unknown category ids,
             malformed bboxes/segmentations/keypoints (see ``docs/roidb.md``).
     """
-    if raw is None:
-        raw = decode_generic(data, path) if data is not None else decode_coco(path)
-    return table_from_raw(raw, name=name, gt_min_area=gt_min_area, class_order=class_order,
-                          keypoints_required=keypoints_required)
+    if raw is None and data is not None:
+        raw = decode_generic(data, path)
+    if raw is not None:
+        if categories_hook is not None:
+            class_order = categories_hook(raw.categories)
+        return table_from_raw(raw, name=name, gt_min_area=gt_min_area, class_order=class_order,
+                              keypoints_required=keypoints_required)
+    gb = _GtBuilder(path, gt_min_area, keypoints_required)
+    cats: list = []
+    for ev in iter_coco(path, window_bytes=window_bytes):
+        if ev[0] == "annotations":
+            gb.add_annotations(ev[1])
+        elif ev[0] == "images":
+            gb.add_images(ev[1])
+        elif ev[0] == "images_end":
+            gb.images_end()
+        else:
+            cats = ev[1]
+    if categories_hook is not None:
+        class_order = categories_hook(cats)
+    info = dataset_info_from_categories(name, cats, source=path, class_order=class_order)
+    return gb.finish(info, cats)
 
 
 def _fail(raw: RawCoco, rows: np.ndarray, problem: str, fix: str) -> None:
@@ -145,91 +178,281 @@ def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
                    class_order: Optional[Sequence[str]] = None,
                    keypoints_required: bool = False) -> GtTable:
     """Validate and clean decoded columns into a :class:`GtTable` (see :func:`load_coco_json`)."""
-    path = raw.source
-    info = dataset_info_from_categories(name, raw.categories, source=path,
+    info = dataset_info_from_categories(name, raw.categories, source=raw.source,
                                         class_order=class_order)
-    order_img = np.argsort(raw.img_id, kind="stable")
-    ids = raw.img_id[order_img]
-    dup = ids[1:][ids[1:] == ids[:-1]]
-    if dup.size:
-        raise RoIDBInputError(f"{path}: duplicate image ids {np.unique(dup)[:10].tolist()} "
-                              f"({dup.size} duplicates); image ids must be unique")
-    widths, heights = raw.img_w[order_img], raw.img_h[order_img]
-    with np.errstate(invalid="ignore"):
-        bad = np.flatnonzero(~((widths > 0) & (heights > 0) & (widths == np.floor(widths))
-                               & (heights == np.floor(heights)) & (widths < 2 ** 31)
-                               & (heights < 2 ** 31)))
-    if bad.size:
-        ex = ", ".join(f"id {int(ids[i])} ({widths[i]:g}x{heights[i]:g})" for i in bad[:5])
-        raise RoIDBInputError(
-            f"{path}: {bad.size} image(s) have a width or height that is not a positive "
-            f"integer: {ex}. Fix 'width'/'height' in the JSON (read them from the image files) "
-            f"or remove those images.")
-    names = [raw.file_names[i] for i in order_img.tolist()]
-    widths, heights = widths.astype(np.int32), heights.astype(np.int32)
-    n = len(ids)
-    counts: Counter = Counter()
-    a_img = raw.ann_img
-    pos = np.minimum(np.searchsorted(ids, a_img), max(n - 1, 0))
-    known = (ids[pos] == a_img) if n else np.zeros(len(a_img), bool)
-    counts["annotation_unknown_image"] = int((~known).sum())
-    if counts["annotation_unknown_image"]:
-        logger.warning("%s: %d annotation(s) refer to image ids not in 'images' (e.g. %s); "
-                       "ignored, as pycocotools does", path, counts["annotation_unknown_image"],
-                       np.unique(a_img[~known])[:5].tolist())
-    w_img = widths[pos].astype(np.float64)
-    h_img = heights[pos].astype(np.float64)
-    _check_polygons(raw, known)
-    rle_rows = _check_rles(raw, known, h_img, w_img)
-    kp_table = _check_keypoints(raw, known, info, keypoints_required)
+    gb = _GtBuilder(raw.source, gt_min_area, keypoints_required)
+    gb.add_images({"img_id": raw.img_id, "img_w": raw.img_w, "img_h": raw.img_h,
+                   "file_names": raw.file_names})
+    gb.images_end()
+    gb.add_annotations(raw)
+    return gb.finish(info, raw.categories)
 
-    area, crowd, ignore, bbox = raw.ann_area, raw.ann_crowd, raw.ann_ignore, raw.ann_bbox
-    keep = known.copy()
-    with np.errstate(invalid="ignore"):
-        small = keep & (area < gt_min_area)
-    counts["gt_min_area"] = int(small.sum())
-    keep &= ~small
-    ign = keep & (ignore == 1)
-    counts["ignore"] = int(ign.sum())
-    keep &= ~ign
-    x1, y1 = bbox[:, 0], bbox[:, 1]
-    with np.errstate(invalid="ignore"):
-        x2 = x1 + np.maximum(0.0, bbox[:, 2] - 1.0)
-        y2 = y1 + np.maximum(0.0, bbox[:, 3] - 1.0)
-        x1 = np.minimum(w_img - 1.0, np.maximum(0.0, x1))
-        y1 = np.minimum(h_img - 1.0, np.maximum(0.0, y1))
-        x2 = np.minimum(w_img - 1.0, np.maximum(0.0, x2))
-        y2 = np.minimum(h_img - 1.0, np.maximum(0.0, y2))
-    nonfinite = keep & ~np.isfinite(bbox).all(axis=1)
-    counts["non_finite_bbox"] = int(nonfinite.sum())
-    keep &= ~nonfinite
-    bad_area = keep & ~(area > 0)
-    counts["non_positive_area"] = int(bad_area.sum())
-    keep &= ~bad_area
-    degenerate = keep & ~((x2 > x1) & (y2 > y1))
-    counts["degenerate_box"] = int(degenerate.sum())
-    keep &= ~degenerate
 
-    kept = np.flatnonzero(keep)
-    order = kept[np.argsort(pos[kept], kind="stable")]
-    gt_off = offsets(np.bincount(pos[order], minlength=n))
-    classes = _classes(raw, order, info)
-    segms, seg_counts = _segm_columns(raw, order, rle_rows)
-    counts.update(seg_counts)
-    keypoints, has_vis = None, np.zeros(n, bool)
-    if kp_table is not None:
-        keypoints = kp_table(order)
-        vis = keypoints[:, 2, :].sum(axis=1) > 0
-        has_vis = np.bincount(pos[order], weights=vis, minlength=n) > 0
-    counts["images"] = n
-    counts["gt_boxes"] = int(order.size)
-    counts["gt_crowd"] = int((crowd[order] != 0).sum())
-    return GtTable(
-        info=info, ids=ids, widths=widths, heights=heights, file_names=names, gt_off=gt_off,
-        boxes=np.stack([x1, y1, x2, y2], axis=1)[order].astype(np.float32),
-        classes=classes, seg_areas=area[order].astype(np.float32),
-        is_crowd=crowd[order] != 0, segms=segms, keypoints=keypoints, has_vis_kp=has_vis,
-        counts=counts)
+#: counts every table reports, in report order
+_COUNT_KEYS = ("annotation_unknown_image", "gt_min_area", "ignore", "non_finite_bbox",
+               "non_positive_area", "degenerate_box")
+
+
+class _GtBuilder:
+    """Images, then annotation windows, cleaned into kept-row columns; then the table.
+
+    Every rule is per annotation, so cleaning window by window gives the whole file's
+    rows; only the kept rows (file order) are held, in their output dtypes. Checks that
+    need the categories (class ids, keypoints) run in :meth:`finish`.
+    """
+
+    def __init__(self, path: str, gt_min_area: float, keypoints_required: bool) -> None:
+        self.path, self.gt_min_area, self.required = path, gt_min_area, keypoints_required
+        self.img_parts: list = []
+        self.pending: list = []
+        self.parts: list = []
+        self.ids: Optional[np.ndarray] = None
+        self.counts: Counter = Counter({k: 0 for k in _COUNT_KEYS})
+        self.unknown_ids = np.zeros(0, np.int64)
+
+    def add_images(self, cols: dict) -> None:
+        """One window of image columns (``img_id``, ``img_w``, ``img_h``, ``file_names``)."""
+        self.img_parts.append(cols)
+
+    def images_end(self) -> None:
+        """Validate and sort the images; clean the annotation windows that waited."""
+        if self.ids is not None:
+            return
+        path, parts = self.path, self.img_parts
+        img_id = _cat([p["img_id"] for p in parts], np.int64)
+        img_w = _cat([p["img_w"] for p in parts], np.float64)
+        img_h = _cat([p["img_h"] for p in parts], np.float64)
+        file_names = [f for p in parts for f in p["file_names"]]
+        self.img_parts = []
+        order_img = np.argsort(img_id, kind="stable")
+        ids = img_id[order_img]
+        dup = ids[1:][ids[1:] == ids[:-1]]
+        if dup.size:
+            raise RoIDBInputError(f"{path}: duplicate image ids {np.unique(dup)[:10].tolist()} "
+                                  f"({dup.size} duplicates); image ids must be unique")
+        widths, heights = img_w[order_img], img_h[order_img]
+        with np.errstate(invalid="ignore"):
+            bad = np.flatnonzero(~((widths > 0) & (heights > 0) & (widths == np.floor(widths))
+                                   & (heights == np.floor(heights)) & (widths < 2 ** 31)
+                                   & (heights < 2 ** 31)))
+        if bad.size:
+            ex = ", ".join(f"id {int(ids[i])} ({widths[i]:g}x{heights[i]:g})" for i in bad[:5])
+            raise RoIDBInputError(
+                f"{path}: {bad.size} image(s) have a width or height that is not a positive "
+                f"integer: {ex}. Fix 'width'/'height' in the JSON (read them from the image "
+                f"files) or remove those images.")
+        self.names = [file_names[i] for i in order_img.tolist()]
+        del file_names
+        self.ids = ids
+        self.widths, self.heights = widths.astype(np.int32), heights.astype(np.int32)
+        for w in self.pending:
+            self.parts.append(self._window(w))
+        self.pending = []
+
+    def add_annotations(self, w: RawCoco) -> None:
+        """Clean one window of annotations (a :class:`RawCoco` with ``ann_base`` set)."""
+        if self.ids is None:
+            self.pending.append(w)
+        else:
+            self.parts.append(self._window(w))
+
+    def _window(self, raw: RawCoco) -> dict:
+        ids, widths, heights, counts = self.ids, self.widths, self.heights, self.counts
+        n = len(ids)
+        a_img = raw.ann_img
+        pos = np.minimum(np.searchsorted(ids, a_img), max(n - 1, 0))
+        known = (ids[pos] == a_img) if n else np.zeros(len(a_img), bool)
+        unknown = int((~known).sum())
+        if unknown:
+            counts["annotation_unknown_image"] += unknown
+            self.unknown_ids = np.unique(np.concatenate([self.unknown_ids,
+                                                         np.unique(a_img[~known])[:5]]))[:5]
+        w_img = widths[pos].astype(np.float64)
+        h_img = heights[pos].astype(np.float64)
+        _check_polygons(raw, known)
+        rle_rows = _check_rles(raw, known, h_img, w_img)
+        kp_rows = np.flatnonzero(known & ((raw.kp_len > 0) | self.required))
+
+        area, crowd, ignore, bbox = raw.ann_area, raw.ann_crowd, raw.ann_ignore, raw.ann_bbox
+        keep = known.copy()
+        with np.errstate(invalid="ignore"):
+            small = keep & (area < self.gt_min_area)
+        counts["gt_min_area"] += int(small.sum())
+        keep &= ~small
+        ign = keep & (ignore == 1)
+        counts["ignore"] += int(ign.sum())
+        keep &= ~ign
+        x1, y1 = bbox[:, 0], bbox[:, 1]
+        with np.errstate(invalid="ignore"):
+            x2 = x1 + np.maximum(0.0, bbox[:, 2] - 1.0)
+            y2 = y1 + np.maximum(0.0, bbox[:, 3] - 1.0)
+            x1 = np.minimum(w_img - 1.0, np.maximum(0.0, x1))
+            y1 = np.minimum(h_img - 1.0, np.maximum(0.0, y1))
+            x2 = np.minimum(w_img - 1.0, np.maximum(0.0, x2))
+            y2 = np.minimum(h_img - 1.0, np.maximum(0.0, y2))
+        nonfinite = keep & ~np.isfinite(bbox).all(axis=1)
+        counts["non_finite_bbox"] += int(nonfinite.sum())
+        keep &= ~nonfinite
+        bad_area = keep & ~(area > 0)
+        counts["non_positive_area"] += int(bad_area.sum())
+        keep &= ~bad_area
+        degenerate = keep & ~((x2 > x1) & (y2 > y1))
+        counts["degenerate_box"] += int(degenerate.sum())
+        keep &= ~degenerate
+        kept = np.flatnonzero(keep)
+
+        poly_n = raw.poly_n[kept]
+        if raw.coord_n.size:
+            pidx = take_ranges(offsets(raw.poly_n)[kept], poly_n)
+            coord_n = raw.coord_n[pidx]
+            if pidx.size == raw.coord_n.size:
+                coords = raw.coords
+            else:
+                keep_p = np.zeros(raw.coord_n.size, bool)
+                keep_p[pidx] = True
+                coords = raw.coords[np.repeat(keep_p, raw.coord_n)]
+        else:
+            coord_n, coords = raw.coord_n[:0], raw.coords[:0]
+        seg_kind = raw.seg_kind[kept]
+        rle_kept = np.flatnonzero(seg_kind == SEG_RLE).tolist()
+        krow = np.full(kept.size, -1, np.int32)
+        if kp_rows.size:
+            krow[np.isin(kept, kp_rows)] = np.searchsorted(kp_rows, kept[np.isin(kept, kp_rows)])
+        kp_off = offsets(np.maximum(raw.kp_len, 0))
+        # kept rows in their output dtypes (a float32 cast before or after the gather is
+        # the same), integers narrowed where they fit: only these live to the end
+        f32 = np.float32
+        return {
+            "pos": _narrow(pos[kept]), "x1": x1[kept].astype(f32), "y1": y1[kept].astype(f32),
+            "x2": x2[kept].astype(f32), "y2": y2[kept].astype(f32),
+            "area": area[kept].astype(f32), "crowd": crowd[kept] != 0,
+            "cat": _narrow(raw.ann_cat[kept]), "ann_id": _narrow(raw.ann_id[kept]),
+            "gpos": _narrow(raw.ann_pos[kept] if raw.ann_pos is not None
+                            else raw.ann_base + kept),
+            "seg_kind": seg_kind, "poly_n": _narrow(poly_n), "coord_n": coord_n, "coords": coords,
+            "rles": [rle_rows[int(kept[j])] for j in rle_kept], "rle_kept": rle_kept,
+            "krow": krow,
+            "k_id": raw.ann_id[kp_rows], "k_img": a_img[kp_rows], "k_cat": raw.ann_cat[kp_rows],
+            "k_len": raw.kp_len[kp_rows],
+            "k_vals": raw.kp_vals[take_ranges(kp_off[kp_rows],
+                                              np.maximum(raw.kp_len[kp_rows], 0))],
+            "k_pos": (raw.ann_pos[kp_rows] if raw.ann_pos is not None
+                      else raw.ann_base + kp_rows),
+        }
+
+    def finish(self, info: DatasetInfo, categories: list) -> GtTable:
+        """The table: kept rows ordered by image, class ids, segms and keypoints."""
+        self.images_end()
+        _trim_heap()
+        path, parts, ids, counts = self.path, self.parts, self.ids, self.counts
+        n = len(ids)
+        if counts["annotation_unknown_image"]:
+            logger.warning("%s: %d annotation(s) refer to image ids not in 'images' (e.g. %s); "
+                           "ignored, as pycocotools does", path,
+                           counts["annotation_unknown_image"], self.unknown_ids.tolist())
+
+        def col(k: str, dtype: Any) -> np.ndarray:
+            return _cat([p.pop(k) for p in parts], dtype)
+
+        kp_table = krow = None
+        if info.keypoints is not None:  # checked first, as Detectron's order of checks
+            kbase = np.cumsum([0] + [p["k_id"].size for p in parts])[:-1]
+            krow = _cat([np.where(p["krow"] >= 0, p["krow"] + b, -1)
+                         for p, b in zip(parts, kbase)], np.int64)
+            kraw = RawCoco(
+                source=path, categories=categories, img_id=ids[:0], img_w=np.zeros(0),
+                img_h=np.zeros(0), file_names=[], ann_id=col("k_id", np.int64),
+                ann_img=col("k_img", np.int64), ann_cat=col("k_cat", np.int64),
+                ann_bbox=np.zeros((0, 4)), ann_area=np.zeros(0),
+                ann_crowd=np.zeros(0, np.int64), ann_ignore=np.zeros(0),
+                seg_kind=np.zeros(0, np.int8), poly_n=np.zeros(0, np.int64),
+                coord_n=np.zeros(0, np.int64), coords=np.zeros(0),
+                kp_len=col("k_len", np.int64), kp_vals=col("k_vals", np.float64),
+                ann_pos=col("k_pos", np.int64))
+            kp_table = _check_keypoints(kraw, np.ones(kraw.ann_id.size, bool), info,
+                                        self.required)
+        pos = col("pos", np.int64)
+        order = np.argsort(pos, kind="stable")
+        pos_o = pos[order]
+        gt_off = offsets(np.bincount(pos_o, minlength=n))
+        kept = RawCoco(
+            source=path, categories=categories, img_id=ids[:0], img_w=np.zeros(0),
+            img_h=np.zeros(0), file_names=[], ann_id=col("ann_id", np.int64),
+            ann_img=_ImageOf(ids, pos), ann_cat=col("cat", np.int64),  # type: ignore[arg-type]
+            ann_bbox=np.zeros((0, 4)), ann_area=np.zeros(0),
+            ann_crowd=np.zeros(0, np.int64), ann_ignore=np.zeros(0),
+            seg_kind=col("seg_kind", np.int8), poly_n=col("poly_n", np.int64),
+            coord_n=col("coord_n", np.int64), coords=col("coords", np.float64),
+            ann_pos=col("gpos", np.int64))
+        classes = _classes(kept, order, info)
+        # only the segmentation columns are needed from here on
+        kept.ann_id = kept.ann_cat = kept.ann_pos = kept.ann_img = None  # type: ignore[assignment]
+        del pos
+        boxes = np.empty((order.size, 4), np.float32)
+        for j, k in enumerate(("x1", "y1", "x2", "y2")):
+            boxes[:, j] = col(k, np.float32)[order]
+        seg_areas = col("area", np.float32)[order]
+        is_crowd = col("crowd", bool)[order]
+        rles: dict = {}
+        base = 0
+        for p in parts:
+            rles.update(zip((base + j for j in p.pop("rle_kept")), p.pop("rles")))
+            base += p["krow"].size
+        segms, seg_counts = _segm_columns(kept, order, rles)
+        counts.update(seg_counts)
+        del kept, rles
+        keypoints, has_vis = None, np.zeros(n, bool)
+        if kp_table is not None and krow is not None:
+            kr = krow[order]
+            keypoints = np.zeros((order.size, 3, info.num_keypoints), np.int32)
+            sel = kr >= 0
+            if sel.any():
+                keypoints[sel] = kp_table(kr[sel])
+            vis = keypoints[:, 2, :].sum(axis=1) > 0
+            has_vis = np.bincount(pos_o, weights=vis, minlength=n) > 0
+        counts["images"] = n
+        counts["gt_boxes"] = int(order.size)
+        counts["gt_crowd"] = int(is_crowd.sum())
+        self.parts = []
+        return GtTable(
+            info=info, ids=ids, widths=self.widths, heights=self.heights,
+            file_names=self.names, gt_off=gt_off, boxes=boxes, classes=classes,
+            seg_areas=seg_areas, is_crowd=is_crowd, segms=segms, keypoints=keypoints,
+            has_vis_kp=has_vis, counts=counts)
+
+
+class _ImageOf:
+    """``ids[pos[i]]`` on demand: the image id of kept row ``i`` (for error messages)."""
+
+    def __init__(self, ids: np.ndarray, pos: np.ndarray) -> None:
+        self.ids, self.pos = ids, pos
+
+    def __getitem__(self, i: int) -> Any:
+        return self.ids[self.pos[i]]
+
+
+def _trim_heap() -> None:
+    """Give the heap pages the windows' freed objects left back to the system (glibc's
+    ``malloc_trim``; elsewhere nothing): the table's large arrays are mapped afresh, so
+    those pages would only count in the build's RSS."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _narrow(a: np.ndarray) -> np.ndarray:
+    """``a`` as int32 when its values fit (window columns held to the end)."""
+    if a.size and (a.min() < -2 ** 31 or a.max() >= 2 ** 31):
+        return a
+    return a.astype(np.int32)
+
+
+def _cat(arrays: list, dtype: Any) -> np.ndarray:
+    """Concatenate window columns (an empty one of ``dtype`` for none)."""
+    if not arrays:
+        return np.zeros(0, dtype)
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 _SEG_FIX = ("A polygon is a list of numbers [x1, y1, x2, y2, ...] (at least 3 points); "
@@ -400,10 +623,14 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
     """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
     Q24, docs/detectron_quirks.md)."""
     g = order.size
-    poly_off = offsets(raw.poly_n)
-    coord_off = offsets(raw.coord_n)
-    pidx = take_ranges(poly_off[order], raw.poly_n[order])
-    row_of = np.repeat(np.arange(g), raw.poly_n[order])
+    if not raw.coord_n.size:  # no polygon at all (box-only datasets): no index arrays
+        pidx = row_of = np.zeros(0, np.int64)
+        coord_off = offsets(raw.coord_n)
+    else:
+        poly_off = offsets(raw.poly_n)
+        coord_off = offsets(raw.coord_n)
+        pidx = take_ranges(poly_off[order], raw.poly_n[order])
+        row_of = np.repeat(np.arange(g), raw.poly_n[order])
     short = raw.coord_n[pidx] < 6
     pidx, row_of = pidx[~short], row_of[~short]
     poly_counts = np.bincount(row_of, minlength=g).astype(np.int64)

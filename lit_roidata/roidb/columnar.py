@@ -10,8 +10,13 @@ page cache):
 * gt rows: ``gt_boxes``, ``gt_classes``, ``gt_seg_areas``, ``gt_is_crowd``,
   ``gt_keypoints`` and the ``segm_*`` columns (:mod:`lit_roidata.roidb.segms`);
 * proposal rows: ``prop_boxes``, ``prop_max_overlaps``, ``prop_max_classes``,
-  ``prop_gt_map``;
-* entries (after flipping and filtering): ``entry_img`` and ``entry_flipped``.
+  ``prop_gt_map`` (the last two in the narrowest integer dtype their values fit,
+  :func:`lit_roidata.roidb.proposals.proposal_dtypes`, or int32 in caches written before;
+  entries widen them to Detectron's int64 / int32 either way);
+* entries (after flipping and filtering): ``entry_img`` and ``entry_flipped``;
+* LVIS only (a roidb with an LVIS dataset): ``img_neg_off`` + ``neg_classes`` and
+  ``img_nexh_off`` + ``nexh_classes``, each image's ``neg_category_ids`` /
+  ``not_exhaustive_category_ids`` as contiguous class ids (:mod:`lit_roidata.roidb.lvis`).
 
 A flipped entry is the index of its original plus a flag; boxes, segms and keypoints
 are mirrored when read (Detectron semantics: flipping). ``gt_overlaps`` is rebuilt from
@@ -31,10 +36,11 @@ import scipy.sparse
 from lit_roidata.boxes import flip_boxes
 from lit_roidata.roidb.cache import CacheError, hold_in_use, validate_cache
 from lit_roidata.roidb.info import DatasetInfo
+from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS
 from lit_roidata.roidb.segms import SegmColumns, decode_segms
 from lit_roidata.roidb.targets import compute_bbox_targets
 
-__all__ = ["RoIDB", "RoIEntry", "ENTRY_FIELDS", "flip_keypoints"]
+__all__ = ["RoIDB", "RoIEntry", "ENTRY_FIELDS", "LVIS_ENTRY_FIELDS", "flip_keypoints"]
 
 #: The fields of every entry (``gt_keypoints`` only for datasets with keypoints).
 ENTRY_FIELDS = ("image", "id", "width", "height", "flipped", "boxes", "gt_classes",
@@ -42,6 +48,9 @@ ENTRY_FIELDS = ("image", "id", "width", "height", "flipped", "boxes", "gt_classe
                 "max_overlaps", "bbox_targets", "segms", "gt_keypoints",
                 "has_visible_keypoints", "dataset")
 _FIELDS_NO_KEYPOINTS = tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
+#: Fields added to every entry of a roidb with an LVIS dataset: int32 contiguous class
+#: ids (like ``gt_classes``), JSON order; empty for images of COCO datasets.
+LVIS_ENTRY_FIELDS = tuple(IMAGE_LIST_COLUMNS)
 
 
 def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray:
@@ -109,6 +118,10 @@ class RoIDB:
         self._entry_dataset = np.asarray(a["img_dataset"])[self._entry_img]
         self._segms = SegmColumns.from_arrays(a)
         self._has_props = a["prop_boxes"].shape[0] > 0
+        self._image_lists = {key: (a[o], a[c]) for key, (o, c) in IMAGE_LIST_COLUMNS.items()
+                             if o in a}
+        extra = tuple(self._image_lists)
+        self._fields = (ENTRY_FIELDS + extra, _FIELDS_NO_KEYPOINTS + extra)
 
     # ------------------------------------------------------------------ sequence
     def __len__(self) -> int:
@@ -182,7 +195,7 @@ class RoIEntry(Mapping):
         self._cache: dict[str, Any] = {}
 
     def _keys(self) -> tuple[str, ...]:
-        return _FIELDS_NO_KEYPOINTS if self._info.keypoints is None else ENTRY_FIELDS
+        return self._db._fields[self._info.keypoints is None]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys())
@@ -319,3 +332,13 @@ class RoIEntry(Mapping):
 
     def _f_dataset(self) -> DatasetInfo:
         return self._info
+
+    def _image_list(self, key: str) -> np.ndarray:
+        off, classes = self._db._image_lists[key]
+        return np.array(classes[int(off[self._img]):int(off[self._img + 1])], np.int32)
+
+    def _f_neg_category_ids(self) -> np.ndarray:
+        return self._image_list("neg_category_ids")
+
+    def _f_not_exhaustive_category_ids(self) -> np.ndarray:
+        return self._image_list("not_exhaustive_category_ids")

@@ -19,6 +19,9 @@ RLE sizes, keypoint ranges, ...) are checked afterwards on the columns, by
 
 from __future__ import annotations
 
+import mmap
+import os
+import re
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter, methodcaller
@@ -31,7 +34,8 @@ import orjson
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.numtext import parse_number_lists
 
-__all__ = ["RawCoco", "decode_coco", "decode_fast", "decode_generic", "read_json",
+__all__ = ["RawCoco", "decode_coco", "decode_chunked", "decode_fast", "decode_generic",
+           "read_json", "WINDOW_BYTES", "iter_coco",
            "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
 
 #: ``RawCoco.seg_kind`` values.
@@ -56,6 +60,11 @@ class RawCoco:
         rles: annotation index → the JSON RLE value (a dict, or whatever was there).
         kp_len: int64 keypoint values per annotation (-1: no ``keypoints`` field);
         kp_vals: float64, all keypoint values.
+        coco_urls: LVIS only (``decode_coco(..., lvis=True)``): per image, ``coco_url`` or
+            ``None``; ``file_names`` then holds ``None`` where ``file_name`` is absent.
+        neg_n, neg_ids / nexh_n, nexh_ids: LVIS only: int64 per image, the length of its
+            ``neg_category_ids`` / ``not_exhaustive_category_ids``, and all their values
+            (JSON category ids, images in JSON order).
     """
 
     source: str
@@ -79,11 +88,20 @@ class RawCoco:
     kp_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     kp_vals: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     decoder: str = "generic"
+    #: JSON position of annotation 0 (a window of a file), or of each (``ann_pos``)
+    ann_base: int = 0
+    ann_pos: Optional[np.ndarray] = None
+    coco_urls: Optional[list] = None
+    neg_n: Optional[np.ndarray] = None
+    neg_ids: Optional[np.ndarray] = None
+    nexh_n: Optional[np.ndarray] = None
+    nexh_ids: Optional[np.ndarray] = None
 
     def ann_label(self, i: int) -> str:
         """``annotation id X (image id Y)`` of annotation ``i`` (JSON position)."""
         aid = int(self.ann_id[i])
-        who = f"annotation id {aid}" if aid != -1 else f"annotation #{i} (no 'id')"
+        at = int(self.ann_pos[i]) if self.ann_pos is not None else self.ann_base + i
+        who = f"annotation id {aid}" if aid != -1 else f"annotation #{at} (no 'id')"
         return f"{who} (image id {int(self.ann_img[i])})"
 
 
@@ -103,21 +121,6 @@ def read_json(path: str, raw: Optional[bytes] = None) -> Any:
             f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno} (byte {exc.pos}): "
             f"{exc.msg}. Re-export or repair the file; a truncated download is a common "
             f"cause.") from None
-
-
-def decode_coco(path: str, *, fast: bool = True) -> RawCoco:
-    """Decode ``path`` with the fast typed decoder, or the generic one if it refuses.
-
-    Raises:
-        RoIDBInputError: a malformed file or record (named, with the fix).
-    """
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    if fast:
-        out = decode_fast(raw, path)
-        if out is not None:
-            return out
-    return decode_generic(read_json(path, raw), path)
 
 
 # ------------------------------------------------------------------------------ fast
@@ -159,6 +162,27 @@ class _Top(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_Top)
+
+
+class _LvisImg(msgspec.Struct, kw_only=True, gc=False):
+    """An LVIS image: ``file_name`` may be absent (v1 names come from ``coco_url``)."""
+
+    id: int
+    width: int
+    height: int
+    file_name: Optional[str] = None
+    coco_url: Optional[str] = None
+    neg_category_ids: list[int] = msgspec.field(default_factory=list)
+    not_exhaustive_category_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class _LvisTop(msgspec.Struct):
+    images: list[_LvisImg]
+    annotations: Optional[list[_Ann]] = None
+    categories: msgspec.Raw = _NULL
+
+
+_LVIS_DECODER = msgspec.json.Decoder(_LvisTop)
 _EMPTY: tuple = ()
 
 #: Set in the forked builder process (:func:`lit_roidata.roidb.build._in_child`): the
@@ -174,18 +198,19 @@ _KP_NUMBER = list[Union[int, float]]
 _SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
 
 
-def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
-    """The typed msgspec decode; ``None`` if the file is not strictly well-typed.
+def decode_fast(raw: bytes, source: str, *, lvis: bool = False) -> Optional[RawCoco]:
+    """The typed msgspec decode of a whole file; ``None`` if it is not strictly well-typed.
 
     Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
     like are skipped by msgspec without building objects, and annotations become
     slotted structs instead of dicts). Polygons and keypoints stay JSON text
     (:class:`msgspec.Raw`) and their numbers go straight into arrays
     (:func:`lit_roidata.roidb.numtext.parse_number_lists`), exactly the values msgspec
-    would give, without a Python object per number.
+    would give, without a Python object per number. :func:`decode_coco` decodes the
+    same way, window by window (:func:`decode_chunked`).
     """
     try:
-        top = _DECODER.decode(raw)
+        top = (_LVIS_DECODER if lvis else _DECODER).decode(raw)
         cats = orjson.loads(bytes(top.categories)) or []
     except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError):
         return None
@@ -193,13 +218,30 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
         return None
     if _KEEP:
         KEEP_UNTIL_EXIT.append(top)
-    images = top.images
-    anns = top.annotations or []
-    n, na = len(images), len(anns)
-    img_id = np.fromiter(map(attrgetter("id"), images), np.int64, n)
-    img_w = np.fromiter(map(attrgetter("width"), images), np.float64, n)
-    img_h = np.fromiter(map(attrgetter("height"), images), np.float64, n)
-    names = list(map(attrgetter("file_name"), images))
+    img = _image_columns(top.images)
+    ann = _annotation_columns(top.annotations or [], 0)
+    if ann is None:
+        return None
+    try:
+        extra = _lvis_fast(top.images) if lvis else {}
+    except OverflowError:  # an id beyond int64: the generic decoder names it
+        return None
+    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast", **extra)
+
+
+def _image_columns(images: list) -> dict:
+    """:data:`IMAGE_FIELDS` columns of typed ``_Img`` structs."""
+    n = len(images)
+    return {"img_id": np.fromiter(map(attrgetter("id"), images), np.int64, n),
+            "img_w": np.fromiter(map(attrgetter("width"), images), np.float64, n),
+            "img_h": np.fromiter(map(attrgetter("height"), images), np.float64, n),
+            "file_names": list(map(attrgetter("file_name"), images))}
+
+
+def _annotation_columns(anns: list, base: int) -> Optional[dict]:
+    """Annotation columns of typed ``_Ann`` structs (``base``: the JSON position of the
+    first, for the ``rles`` keys); ``None`` if a polygon or keypoint list is not numbers."""
+    na = len(anns)
     bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
                        4 * na).reshape(-1, 4)
     segs = list(map(attrgetter("segmentation"), anns))
@@ -211,7 +253,7 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
         return None  # a polygon that is not a list of numbers: the generic decoder names it
     coord_n, coords = parsed
     seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
-    rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
+    rles = {base + i: {"size": segs[i].size, "counts": segs[i].counts}
             for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
     kps = list(map(attrgetter("keypoints"), anns))
     kp_len = np.full(na, -1, np.int64)
@@ -226,16 +268,434 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
         if parsed is None:
             return None
         kp_len[kp_rows], kp_vals = parsed
-    return RawCoco(
-        source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
-        file_names=names, ann_id=np.fromiter(map(attrgetter("id"), anns), np.int64, na),
-        ann_img=np.fromiter(map(attrgetter("image_id"), anns), np.int64, na),
-        ann_cat=np.fromiter(map(attrgetter("category_id"), anns), np.int64, na),
-        ann_bbox=bbox, ann_area=np.fromiter(map(attrgetter("area"), anns), np.float64, na),
-        ann_crowd=np.fromiter(map(attrgetter("iscrowd"), anns), np.int64, na),
-        ann_ignore=np.fromiter(map(attrgetter("ignore"), anns), np.float64, na),
-        seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords, rles=rles,
-        kp_len=kp_len, kp_vals=kp_vals, decoder="fast")
+    return {"ann_id": np.fromiter(map(attrgetter("id"), anns), np.int64, na),
+            "ann_img": np.fromiter(map(attrgetter("image_id"), anns), np.int64, na),
+            "ann_cat": np.fromiter(map(attrgetter("category_id"), anns), np.int64, na),
+            "ann_bbox": bbox,
+            "ann_area": np.fromiter(map(attrgetter("area"), anns), np.float64, na),
+            "ann_crowd": np.fromiter(map(attrgetter("iscrowd"), anns), np.int64, na),
+            "ann_ignore": np.fromiter(map(attrgetter("ignore"), anns), np.float64, na),
+            "seg_kind": seg_kind, "poly_n": poly_n, "coord_n": coord_n, "coords": coords,
+            "rles": rles, "kp_len": kp_len, "kp_vals": kp_vals}
+
+
+# --------------------------------------------------------------------------- chunked
+#: bytes of JSON text decoded at a time (a window of whole ``images`` / ``annotations``
+#: elements); the decoded Python objects of one window are all that exists at once
+WINDOW_BYTES = 16 << 20
+_SCAN_BLOCK = 32 << 20
+_WS = frozenset(b" \t\r\n")
+_STRUCT = np.zeros(256, bool)
+_STRUCT[list(b"[]{},")] = True
+_DELTA = np.zeros(256, np.int64)
+_DELTA[list(b"[{")] = 1
+_DELTA[list(b"]}")] = -1
+_CANDIDATE = re.compile(rb"\}[ \t\r\n]*,")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_SCALAR = re.compile(rb"[^,\]}\s]*")
+_IMG_WINDOW = msgspec.json.Decoder(list[_Img])
+_ANN_WINDOW = msgspec.json.Decoder(list[_Ann])
+
+
+def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTES,
+                lvis: bool = False) -> RawCoco:
+    """Decode ``path`` window by window (:func:`decode_chunked`), or, with ``fast=False``,
+    whole with the generic decoder.
+
+    ``lvis=True`` also reads LVIS's image fields (``coco_url``, ``neg_category_ids``,
+    ``not_exhaustive_category_ids``) and lets ``file_name`` be absent (LVIS v1). An LVIS
+    file is decoded whole (typed, else generic), not in windows.
+
+    Raises:
+        RoIDBInputError: a malformed file or record (named, with the fix).
+    """
+    if fast and not lvis:
+        return decode_chunked(path, window_bytes=window_bytes)
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    if fast:
+        out = decode_fast(raw, path, lvis=True)
+        if out is not None:
+            return out
+    return decode_generic(read_json(path, raw), path, lvis=lvis)
+
+
+def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
+    """The columns of ``path``, decoded in bounded windows of its ``images`` and
+    ``annotations`` arrays; identical to the whole-file decoders' for any window size.
+
+    The file is memory-mapped, never read whole. The top-level object is walked key by
+    key; each array is cut into runs of whole elements of about ``window_bytes``: a cut
+    is proposed after a ``}`` followed by ``,`` and accepted when the typed decoder
+    decodes the run as a list (a run that starts at an element and decodes completely
+    must end at an element boundary: JSON tokenizes the same from any value's start). A
+    run that does not decode (a wrong cut, a value of the wrong type, a syntax error) is
+    cut exactly by a structural scan (strings, escapes and nesting tracked with NumPy)
+    and decoded again, falling back to the generic decoder, whose error names the file
+    and the record (its position counted from the start of the file). Memory: one
+    window's Python objects plus the output columns.
+
+    Raises:
+        RoIDBInputError: malformed JSON (file, line, column, byte) or a malformed record.
+    """
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            read_json(path, b"")
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    dec = _Chunked(path, mm, max(1, int(window_bytes)))
+    try:
+        return dec.collect()
+    finally:
+        dec.close()
+
+
+def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES) -> Any:
+    """The events of a chunked decode of ``path``, in file order (see
+    :func:`decode_chunked`): ``("images", columns, first)``, ``("images_end", count)``,
+    ``("annotations", window, first)`` (``window``: a :class:`RawCoco` of the window's
+    annotations, no images, ``ann_base=first``) and last ``("end", categories)``.
+
+    Raises:
+        RoIDBInputError: malformed JSON or a malformed record, when reached.
+    """
+    with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            read_json(path, b"")
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    dec = _Chunked(path, mm, max(1, int(window_bytes)))
+    try:
+        yield from dec.events()
+    finally:
+        dec.close()
+
+
+class _Chunked:
+    """One :func:`decode_chunked` pass over a memory-mapped file."""
+
+    def __init__(self, path: str, mm: mmap.mmap, window: int) -> None:
+        self.path, self.mm, self.window, self.n = path, mm, window, len(mm)
+        self.view = memoryview(mm)
+        self.generic = False
+        self.released = 0
+
+    def close(self) -> None:
+        """Unmap the file (left to the GC while an error's traceback still views it)."""
+        try:
+            self.view.release()
+            self.mm.close()
+        except BufferError:
+            pass
+
+    def _release(self, upto: int) -> None:
+        """Drop the mapping's pages before ``upto`` (they stay in the page cache, out of
+        this process's RSS): decoded windows are never read again."""
+        end = upto - upto % mmap.PAGESIZE
+        if end > self.released and hasattr(self.mm, "madvise"):
+            self.mm.madvise(mmap.MADV_DONTNEED, self.released, end - self.released)
+            self.released = end
+
+    # ------------------------------------------------------------------ top level
+    def events(self) -> Any:
+        """Walk the top-level object; yield the events of :func:`iter_coco`."""
+        mm, pos = self.mm, self._ws(0)
+        if pos >= self.n or mm[pos] != 0x7B:  # not an object: the generic decoder says so
+            if pos < self.n and mm[pos] in b'["0123456789-tfn':
+                self._value_end(pos, "the top level")
+                raise RoIDBInputError(f"{self.path}: expected a JSON object at the top level")
+            self._syntax_error(pos, "expected a JSON value")
+        values: dict = {}
+        seen: set = set()
+        pos = self._ws(pos + 1)
+        if pos < self.n and mm[pos] == 0x7D:
+            pos = self._ws(pos + 1)
+        else:
+            while True:
+                m = _STRING.match(mm, pos)
+                if m is None:
+                    self._syntax_error(pos, "expected a key string")
+                key = orjson.loads(m.group())
+                pos = self._ws(m.end())
+                if pos >= self.n or mm[pos] != 0x3A:
+                    self._syntax_error(pos, "expected ':'")
+                pos = self._ws(pos + 1)
+                if pos >= self.n:
+                    self._syntax_error(pos, "unexpected end of data")
+                if key in ("images", "annotations"):
+                    if key in seen:
+                        raise RoIDBInputError(f"{self.path}: the key {key!r} appears twice at "
+                                              f"the top level; keep one")
+                    seen.add(key)
+                if key in ("images", "annotations") and mm[pos] == 0x5B:
+                    count, pos = 0, self._ws(pos + 1) - 1  # pos: the '['
+                    for cols, base, end in self._array(pos, key):
+                        count = base + _rows(cols)
+                        if key == "images":
+                            yield "images", cols, base
+                        else:
+                            yield "annotations", RawCoco(
+                                source=self.path, categories=[], **_IMG_NONE, **cols,
+                                decoder="generic" if self.generic else "fast",
+                                ann_base=base), base
+                        pos = end
+                    if count == 0:  # an empty array
+                        pos = self._ws(pos + 1) + 1
+                    if key == "images":
+                        yield "images_end", count
+                else:
+                    end = self._value_end(pos, repr(key))
+                    if key in ("images", "annotations", "categories"):
+                        values[key] = (pos, end)
+                    pos = end
+                pos = self._ws(pos)
+                if pos < self.n and mm[pos] == 0x2C:
+                    pos = self._ws(pos + 1)
+                    continue
+                if pos < self.n and mm[pos] == 0x7D:
+                    pos = self._ws(pos + 1)
+                    break
+                self._syntax_error(pos, "expected ',' or '}'")
+        if pos < self.n:
+            self._syntax_error(pos, "trailing characters")
+        path = self.path
+        small = {k: orjson.loads(self.view[a:b]) for k, (a, b) in values.items()}
+        if "images" not in seen or "images" in small:
+            if not isinstance(small.get("images"), list):
+                raise RoIDBInputError(f"{path}: no 'images' list at the top level; is this a "
+                                      f"COCO-format annotation file?")
+            yield "images_end", 0  # an empty list
+        cats = small.get("categories") or []
+        if not isinstance(cats, list):
+            raise RoIDBInputError(f"{path}: 'categories' must be a list of objects")
+        if small.get("annotations"):
+            raise RoIDBInputError(f"{path}: 'annotations' must be a list of objects")
+        yield "end", cats
+
+    def collect(self) -> RawCoco:
+        """All events as one :class:`RawCoco` (the file's columns)."""
+        imgs: list = []
+        anns: list = []
+        cats: list = []
+        for ev in self.events():
+            if ev[0] == "images":
+                imgs.append(ev[1])
+            elif ev[0] == "annotations":
+                w = ev[1]
+                d = {k: getattr(w, k) for k in _ANN_ARRAYS}
+                d["rles"] = {w.ann_base + i: v for i, v in w.rles.items()}
+                anns.append(d)
+            elif ev[0] == "end":
+                cats = ev[1]
+        img = _concat_columns(imgs, ("img_id", "img_w", "img_h"), _IMG_EMPTY)
+        ann = _concat_columns(anns, _ANN_ARRAYS, _ANN_EMPTY)
+        return RawCoco(source=self.path, categories=cats, **img, **ann,
+                       decoder="generic" if self.generic else "fast")
+
+    # ------------------------------------------------------------------ arrays
+    def _array(self, open_pos: int, key: str) -> Any:
+        """Decode the array at ``open_pos`` (its ``[``) window by window; yields
+        ``(columns, position of the first element, end of the array or of the window)``."""
+        mm, n = self.mm, self.n
+        count = 0
+        pos = self._ws(open_pos + 1)
+        if pos < n and mm[pos] == 0x5D:
+            return
+        while True:
+            m = _CANDIDATE.search(mm, min(n, pos + self.window),
+                                  min(n, pos + 2 * self.window + (1 << 20)))
+            if m is not None:
+                cols = self._decode(key, pos, m.start() + 1, count, typed_only=True)
+                if cols is not None:
+                    nxt = self._ws(m.end())
+                    yield cols, count, nxt
+                    count += _rows(cols)
+                    pos = nxt
+                    continue
+            cut, last = self._cut(pos, key)
+            cols = self._decode(key, pos, cut, count, typed_only=False)
+            nxt = cut + 1 if last else self._ws(cut + 1)
+            yield cols, count, nxt
+            count += _rows(cols)
+            if last:
+                return
+            pos = nxt
+
+    def _decode(self, key: str, start: int, end: int, base: int, *,
+                typed_only: bool) -> Optional[dict]:
+        """Columns of the elements in ``[start, end)``; ``None`` if ``typed_only`` and the
+        typed decoder refuses them."""
+        buf = bytearray(end - start + 2)
+        buf[0], buf[-1] = 0x5B, 0x5D
+        buf[1:-1] = self.view[start:end]
+        self._release(start)
+        try:
+            if key == "images":
+                return _image_columns(_IMG_WINDOW.decode(buf))
+            cols = _annotation_columns(_ANN_WINDOW.decode(buf), 0)
+            if cols is not None:
+                return cols
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+        if typed_only:
+            return None
+        try:
+            items = orjson.loads(buf)
+        except orjson.JSONDecodeError as exc:
+            self._syntax_error(start + max(exc.pos - 1, 0), exc.msg)
+        self.generic = True
+        if key == "images":
+            r = decode_generic({"images": items}, self.path, img_base=base)
+            return {"img_id": r.img_id, "img_w": r.img_w, "img_h": r.img_h,
+                    "file_names": r.file_names}
+        r = decode_generic({"images": [], "annotations": items}, self.path, ann_base=base)
+        cols = {k: getattr(r, k) for k in _ANN_ARRAYS}
+        cols["rles"] = {i - base: v for i, v in r.rles.items()}
+        return cols
+
+    # ------------------------------------------------------------------ scanning
+    def _ws(self, pos: int) -> int:
+        mm, n = self.mm, self.n
+        while pos < n and mm[pos] in _WS:
+            pos += 1
+        return pos
+
+    def _structure(self, start: int) -> Any:
+        """Yield ``(positions, bytes, depth after each)`` of the structural bytes ``[]{},``
+        outside strings, from ``start`` (outside a string, depth 0), block by block."""
+        n, p, in_str, depth, bs_carry = self.n, start, 0, 0, 0
+        while p < n:
+            m = min(_SCAN_BLOCK, n - p)
+            a = np.frombuffer(self.mm, np.uint8, m, p)
+            q = np.flatnonzero(a == 0x22)
+            if q.size:
+                esc = np.zeros(q.size, bool)
+                inner = q > 0
+                esc[inner] = a[q[inner] - 1] == 0x5C
+                if q[0] == 0 and bs_carry:
+                    esc[0] = True
+                if esc.any():  # a quote after backslashes: escaped if their run is odd
+                    keep = np.ones(q.size, bool)
+                    for j in np.flatnonzero(esc).tolist():
+                        x, run = int(q[j]) - 1, 0
+                        while x >= 0 and a[x] == 0x5C:
+                            run, x = run + 1, x - 1
+                        if x < 0:
+                            run += bs_carry
+                        keep[j] = run % 2 == 0
+                    q = q[keep]
+            s = np.flatnonzero(_STRUCT[a])
+            s = s[(np.searchsorted(q, s) + in_str) % 2 == 0]
+            c = a[s]
+            d = depth + np.cumsum(_DELTA[c])
+            yield p + s, c, d
+            if d.size:
+                depth = int(d[-1])
+            in_str = (in_str + q.size) % 2
+            run = 0
+            while run < m and a[m - 1 - run] == 0x5C:
+                run += 1
+            bs_carry = run + (bs_carry if run == m else 0)
+            p += m
+
+    def _cut(self, pos: int, key: str) -> tuple[int, bool]:
+        """The exact end of a window starting at element start ``pos``: the first
+        element-separating ``,`` at or after ``pos + window``, or the array's ``]``."""
+        target = pos + self.window
+        for where, chars, depth in self._structure(pos):
+            stop = np.flatnonzero((depth < 0) | ((depth == 0) & (chars == 0x2C)
+                                                 & (where >= target)))
+            if stop.size:
+                j = int(stop[0])
+                at = int(where[j])
+                if depth[j] < 0:
+                    if chars[j] != 0x5D:
+                        self._syntax_error(at, "unbalanced brackets")
+                    return at, True
+                return at, False
+        self._syntax_error(self.n, f"unexpected end of data: the {key!r} array is not "
+                           f"closed")
+        raise AssertionError  # unreachable
+
+    def _value_end(self, pos: int, what: str) -> int:
+        """The end of the JSON value starting at ``pos`` (exclusive)."""
+        c = self.mm[pos]
+        if c in b"[{":
+            for where, _, depth in self._structure(pos):
+                z = np.flatnonzero(depth <= 0)
+                if z.size:
+                    return int(where[z[0]]) + 1
+            self._syntax_error(self.n, f"unexpected end of data in {what}")
+        m = (_STRING if c == 0x22 else _SCALAR).match(self.mm, pos)
+        if m is None or m.end() == pos:
+            self._syntax_error(pos, f"malformed value for {what}")
+        return m.end()
+
+    def _syntax_error(self, pos: int, msg: str) -> None:
+        """Raise the malformed-JSON error for absolute byte ``pos``."""
+        pos = min(max(pos, 0), self.n)
+        line, last_nl, p = 1, -1, 0
+        while p < pos:
+            m = min(_SCAN_BLOCK, pos - p)
+            a = np.frombuffer(self.mm, np.uint8, m, p)
+            nl = np.flatnonzero(a == 0x0A)
+            if nl.size:
+                line += int(nl.size)
+                last_nl = p + int(nl[-1])
+            p += m
+        col = pos - last_nl
+        raise RoIDBInputError(
+            f"{self.path}: malformed JSON at line {line}, column {col} (byte {pos}): {msg}. "
+            f"Re-export or repair the file; a truncated download is a common cause.")
+
+
+_ANN_ARRAYS = ("ann_id", "ann_img", "ann_cat", "ann_bbox", "ann_area", "ann_crowd",
+               "ann_ignore", "seg_kind", "poly_n", "coord_n", "coords", "kp_len", "kp_vals")
+_IMG_NONE = {"img_id": np.zeros(0, np.int64), "img_w": np.zeros(0), "img_h": np.zeros(0),
+             "file_names": []}
+_IMG_EMPTY = {"img_id": np.int64, "img_w": np.float64, "img_h": np.float64}
+_ANN_EMPTY = {"ann_id": np.int64, "ann_img": np.int64, "ann_cat": np.int64,
+              "ann_bbox": np.float64, "ann_area": np.float64, "ann_crowd": np.int64,
+              "ann_ignore": np.float64, "seg_kind": np.int8, "poly_n": np.int64,
+              "coord_n": np.int64, "coords": np.float64, "kp_len": np.int64,
+              "kp_vals": np.float64}
+
+
+def _rows(cols: dict) -> int:
+    return len(cols["img_id"] if "img_id" in cols else cols["ann_id"])
+
+
+def _concat_columns(pieces: list, arrays: tuple, empty: dict) -> dict:
+    """Concatenate window columns one at a time, freeing each window's as it goes."""
+    out: dict = {}
+    for k in arrays:
+        parts = [p.pop(k) for p in pieces]
+        if not parts:
+            out[k] = np.zeros((0, 4) if k == "ann_bbox" else 0, empty[k])
+        else:
+            out[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        del parts
+    if "img_id" in arrays:
+        out["file_names"] = list(chain.from_iterable(p.pop("file_names") for p in pieces))
+    else:
+        rles: dict = {}
+        for p in pieces:
+            rles.update(p.pop("rles"))
+        out["rles"] = rles
+    pieces.clear()
+    return out
+
+
+def _id_lists(lists: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per-image lengths and the concatenated values of lists of integers."""
+    n = np.fromiter(map(len, lists), np.int64, len(lists))
+    return n, np.fromiter(chain.from_iterable(lists), np.int64, int(n.sum()))
+
+
+def _lvis_fast(images: list) -> dict:
+    """The LVIS image columns of :class:`RawCoco` from decoded ``_LvisImg`` structs."""
+    neg_n, neg_ids = _id_lists(list(map(attrgetter("neg_category_ids"), images)))
+    nexh_n, nexh_ids = _id_lists(list(map(attrgetter("not_exhaustive_category_ids"), images)))
+    return {"coco_urls": list(map(attrgetter("coco_url"), images)), "neg_n": neg_n,
+            "neg_ids": neg_ids, "nexh_n": nexh_n, "nexh_ids": nexh_ids}
 
 
 # --------------------------------------------------------------------------- generic
@@ -246,7 +706,8 @@ _NUM_OR_BOOL = frozenset({int, float, bool})
 
 
 def _col(items: list, key: str, allowed: frozenset, dtype: Any, *, source: str, what: str,
-         label: Callable[[int], str], default: Any = _REQUIRED, fix: str = "") -> np.ndarray:
+         label: Callable[[int], str], default: Any = _REQUIRED, fix: str = "",
+         base: int = 0) -> np.ndarray:
     """One typed column of ``items``; an error naming the record for a bad value."""
     get: Callable[[Any], Any] = (itemgetter(key) if default is _REQUIRED
                                  else methodcaller("get", key, default))
@@ -255,7 +716,7 @@ def _col(items: list, key: str, allowed: frozenset, dtype: Any, *, source: str, 
     except (KeyError, TypeError, AttributeError):
         for i, it in enumerate(items):
             if not isinstance(it, dict):
-                raise RoIDBInputError(f"{source}: {what} #{i} is not a JSON object (got "
+                raise RoIDBInputError(f"{source}: {what} #{base + i} is not a JSON object (got "
                                       f"{it!r:.80}); fix or remove it.") from None
             if key not in it:
                 raise RoIDBInputError(f"{source}: {label(i)} has no {key!r}; {fix or 'add it'}"
@@ -274,8 +735,13 @@ def _col(items: list, key: str, allowed: frozenset, dtype: Any, *, source: str, 
                               f"that record.") from None
 
 
-def decode_generic(data: Any, source: str) -> RawCoco:
+def decode_generic(data: Any, source: str, *, img_base: int = 0,
+                   ann_base: int = 0, lvis: bool = False) -> RawCoco:
     """Decode parsed JSON (``orjson.loads`` output) into a :class:`RawCoco`.
+
+    ``img_base`` / ``ann_base``: the JSON position of the first image / annotation (a
+    window of a larger file, :func:`decode_chunked`), for messages and ``rles`` keys.
+    ``lvis``: as for :func:`decode_coco`.
 
     Raises:
         RoIDBInputError: any field of a wrong type, naming the file, record and fix.
@@ -295,50 +761,76 @@ def decode_generic(data: Any, source: str) -> RawCoco:
 
     def img_label(i: int) -> str:
         iid = images[i].get("id") if isinstance(images[i], dict) else None
-        return f"image #{i} (id {iid})"
+        return f"image #{img_base + i} (id {iid})"
 
-    img_id = _col(images, "id", _INT, np.int64, source=source, what="image", label=img_label)
+    img_id = _col(images, "id", _INT, np.int64, source=source, what="image", label=img_label,
+                  base=img_base)
 
     def img_label2(i: int) -> str:
         return f"image id {int(img_id[i])}"
 
     img_w = _col(images, "width", _NUM, np.float64, source=source, what="image",
-                 label=img_label2, fix="set it to the image's width in pixels")
+                 label=img_label2, base=img_base, fix="set it to the image's width in pixels")
     img_h = _col(images, "height", _NUM, np.float64, source=source, what="image",
-                 label=img_label2, fix="set it to the image's height in pixels")
+                 label=img_label2, base=img_base, fix="set it to the image's height in pixels")
     names = [im.get("file_name") for im in images]
-    if not set(map(type, names)) <= {str}:
+    extra = _lvis_generic(images, img_id, source) if lvis else {}
+    if not set(map(type, names)) <= ({str, type(None)} if lvis else {str}):
         i = next(i for i, v in enumerate(names) if type(v) is not str)
         raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has file_name="
                               f"{names[i]!r:.80}; every image needs a 'file_name' string.")
     ann_id = _col(anns, "id", _INT, np.int64, source=source, what="annotation",
-                  label=lambda i: f"annotation #{i}", default=-1)
+                  label=lambda i: f"annotation #{ann_base + i}", default=-1, base=ann_base)
     img_raw = [a.get("image_id") if isinstance(a, dict) else None for a in anns]
 
     def lab(i: int) -> str:
         aid = int(ann_id[i])
-        who = f"annotation id {aid}" if aid != -1 else f"annotation #{i} (no 'id')"
+        who = f"annotation id {aid}" if aid != -1 else f"annotation #{ann_base + i} (no 'id')"
         return f"{who} (image id {img_raw[i]})"
 
     ann_img = _col(anns, "image_id", _INT, np.int64, source=source, what="annotation",
-                   label=lab, fix="every annotation needs the integer id of its image")
+                   label=lab, base=ann_base, fix="every annotation needs the integer id of its image")
     ann_cat = _col(anns, "category_id", _INT, np.int64, source=source, what="annotation",
-                   label=lab, fix="every annotation needs the integer id of one of "
+                   label=lab, base=ann_base, fix="every annotation needs the integer id of one of "
                    "'categories'")
-    area = _col(anns, "area", _NUM, np.float64, source=source, what="annotation", label=lab,
+    area = _col(anns, "area", _NUM, np.float64, source=source, what="annotation", label=lab, base=ann_base,
                 fix="give the object's area in pixels (the mask area for COCO)")
     crowd = _col(anns, "iscrowd", _INT_OR_BOOL, np.int64, source=source, what="annotation",
-                 label=lab, default=0, fix="use 0 or 1")
+                 label=lab, base=ann_base, default=0, fix="use 0 or 1")
     ignore = _col(anns, "ignore", _NUM_OR_BOOL, np.float64, source=source,
-                  what="annotation", label=lab, default=0, fix="use 0 or 1")
+                  what="annotation", label=lab, base=ann_base, default=0, fix="use 0 or 1")
     bbox = _bboxes(anns, source, lab)
     seg_kind, poly_n, coord_n, coords, rles = _segms(anns, source, lab)
+    if ann_base:
+        rles = {ann_base + i: v for i, v in rles.items()}
     kp_len, kp_vals = _keypoints(anns, source, lab)
     return RawCoco(source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
                    file_names=names, ann_id=ann_id, ann_img=ann_img, ann_cat=ann_cat,
                    ann_bbox=bbox, ann_area=area, ann_crowd=crowd, ann_ignore=ignore,
                    seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords,
-                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic")
+                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic", **extra)
+
+
+def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
+    """The LVIS image columns of :class:`RawCoco` from parsed JSON, with named errors."""
+    urls = [im.get("coco_url") for im in images]
+    if not set(map(type, urls)) <= {str, type(None)}:
+        i = next(i for i, v in enumerate(urls) if v is not None and type(v) is not str)
+        raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has coco_url="
+                              f"{urls[i]!r:.80}; expected a URL string such as "
+                              f"'http://images.cocodataset.org/train2017/000000000139.jpg'.")
+    out: dict = {"coco_urls": urls}
+    for key, short in (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh")):
+        lists = [im.get(key) or [] for im in images]
+        bad = [i for i, v in enumerate(lists) if type(v) is not list
+               or not set(map(type, v)) <= _INT or any(abs(x) >= 2 ** 63 for x in v)]
+        if bad:
+            i = bad[0]
+            raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has {key}="
+                                  f"{lists[i]!r:.80}; expected a list of integer category ids "
+                                  f"({len(bad)} image(s) have this problem). Fix the lists.")
+        out[short + "_n"], out[short + "_ids"] = _id_lists(lists)
+    return out
 
 
 def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:

@@ -10,11 +10,15 @@ Two formats are read:
   boxes per image, ``boxes (sum(counts), 4)`` and optionally ``scores (sum(counts),)``.
 
 The pickle is *streamed*: a :class:`pickle.Unpickler` subclass intercepts NumPy's array
-reconstruction, so each array's raw bytes are appended to an anonymous scratch file as
-soon as the unpickler has read them and are then freed; what stays in memory is a small
-record (offset, dtype, shape) per array. The processing then reads the boxes back in
-chunks. Peak memory is a chunk, not the file, and no per-image NumPy array is kept.
-The ``.npz`` is read the same way (``pread`` of the stored member, no unpickling).
+reconstruction, so each array's raw bytes are appended to one flat staging area as soon
+as the unpickler has read them and are then freed; what stays besides is a small record
+(offset, dtype, shape) per array, and no per-image NumPy array is kept. The staging area
+is memory up to a budget (:func:`staging_budget`; nothing is written to disk), and an
+anonymous scratch file beyond it (peak memory is then a chunk, not the file). A roidb
+build asks for no scores (``scores=False``): their bytes are dropped as they arrive, only
+their shapes are kept for validation. The processing then reads the boxes back in
+chunks. The ``.npz`` is read the same way (``pread`` of the stored member, no
+unpickling).
 
 The unpickler is created in exactly one place (:func:`_unpickler`), which holds the
 trust policy: unpickling runs code, so a pickle is read only with ``trust_pickle=True``
@@ -141,9 +145,13 @@ class _Stored:
         self.sink.put(self, raw, dtype, shape)
 
     def load(self) -> np.ndarray:
-        """The array (read back from the scratch file)."""
+        """The array (read back from the staging area)."""
         if self.array is not None:
             return self.array
+        if self.off == _DROPPED:
+            if self.size == 0:
+                return np.zeros(self.shape, self.dtype)
+            raise _NeedDropped()
         return self.sink.read(self.off, self.dtype, self.shape)
 
     @property
@@ -155,20 +163,63 @@ def _real_reconstruct() -> np.ndarray:
     return np.ndarray.__new__(np.ndarray, (0,), np.uint8)
 
 
-class _Sink:
-    """Anonymous scratch file the arrays' bytes are appended to, in unpickling order.
+_DROPPED = -2  # offset of an array whose bytes were not kept (scores of a build)
 
-    Writes are gathered and issued with ``os.writev`` (a few MiB per call): one
-    ``write`` per 16 KiB array costs three times as much CPU in the kernel.
+
+class _NeedDropped(Exception):
+    """A dropped array's bytes were needed after all (the file is read again, keeping all)."""
+
+
+#: Environment variable: bytes of memory a proposal pickle may be staged in before the
+#: rest goes to an anonymous scratch file (default: a quarter of the available memory).
+STAGING_ENV = "LIT_ROIDATA_PROPOSAL_STAGING_BYTES"
+
+
+def staging_budget() -> int:
+    """Bytes of memory a proposal pickle's arrays may be staged in (then a scratch file).
+
+    ``$LIT_ROIDATA_PROPOSAL_STAGING_BYTES`` if set, else a quarter of ``MemAvailable``
+    (Linux) and 1 GiB elsewhere. Staging in memory writes nothing to disk; a scratch file
+    writes the staged bytes once more (the page cache absorbs them when memory allows).
+    """
+    env = os.environ.get(STAGING_ENV)
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise ValueError(f"{STAGING_ENV}={env!r}: give a number of bytes, e.g. "
+                             f"4000000000") from None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 4
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 30
+
+
+class _Sink:
+    """Where the arrays' bytes go, in unpickling order: one growing ``bytearray`` up to
+    ``budget`` bytes, then (everything staged so far, and what follows) an anonymous
+    scratch file.
+
+    File writes are gathered and issued with ``os.writev`` (a few MiB per call): one
+    ``write`` per 16 KiB array costs three times as much CPU in the kernel. Arrays that
+    ``drop`` accepts (``(dtype, shape)``) keep only their shape and dtype.
     """
 
     _BATCH_BYTES = 8 << 20
     _BATCH_BUFFERS = 512
 
-    def __init__(self) -> None:
-        self.fh = tempfile.TemporaryFile(prefix="lit-roidata-proposals-")
-        self.fd = self.fh.fileno()
-        self.pos = 0          # logical end (written + pending)
+    def __init__(self, budget: Optional[int] = None,
+                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> None:
+        self.budget = staging_budget() if budget is None else int(budget)
+        self.drop = drop
+        self.mem: Optional[bytearray] = bytearray()
+        self.fh: Optional[BinaryIO] = None
+        self.fd = -1
+        self.pos = 0          # logical end (staged + pending)
         self._pending: list = []
         self._pending_bytes = 0
 
@@ -191,6 +242,9 @@ class _Sink:
         return st
 
     def put(self, st: _Stored, raw: Any, dtype: np.dtype, shape: tuple) -> None:
+        if self.drop is not None and self.drop(dtype, shape):
+            st.off, st.dtype, st.shape = _DROPPED, dtype, shape
+            return
         pad = (-self.pos) % max(1, dtype.alignment)
         if pad:
             self._append(b"\0" * pad)
@@ -203,11 +257,28 @@ class _Sink:
         n = len(raw) if isinstance(raw, (bytes, bytearray)) else raw.nbytes
         if not n:
             return
+        if self.mem is not None:
+            if self.pos + n <= self.budget:
+                self.mem += memoryview(raw).cast("B")  # amortised growth (remapped, not copied)
+                self.pos += n
+                return
+            self._spill()
         self._pending.append(raw)
         self._pending_bytes += n
         self.pos += n
         if self._pending_bytes >= self._BATCH_BYTES or len(self._pending) >= self._BATCH_BUFFERS:
             self._flush()
+
+    def _spill(self) -> None:
+        """Move what is staged in memory to a new scratch file; later arrays go there."""
+        self.fh = tempfile.TemporaryFile(prefix="lit-roidata-proposals-")
+        self.fd = self.fh.fileno()
+        mem, self.mem = self.mem, None
+        if mem:
+            self._pending.append(mem)
+            self._pending_bytes += len(mem)
+            self._flush()
+        del mem
 
     def _flush(self) -> None:
         bufs = [memoryview(b).cast("B") for b in self._pending]
@@ -222,13 +293,25 @@ class _Sink:
 
     def read(self, off: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
         n = math.prod(shape)
-        return FileRows(self.fh, off, dtype, n, ())[0:n].reshape(shape)
+        return self.rows(off, dtype, n, ())[0:n].reshape(shape)
 
-    def rows(self, off: int, dtype: np.dtype, n: int, row_shape: tuple) -> FileRows:
+    def rows(self, off: int, dtype: np.dtype, n: int, row_shape: tuple) -> Any:
+        if self.mem is not None:  # read-only rows of the memory staging area (no copy)
+            count = n * math.prod(row_shape)
+            a = np.frombuffer(self.mem, dtype, count, off).reshape(n, *row_shape)
+            a.flags.writeable = False
+            return a
         return FileRows(self.fh, off, dtype, n, row_shape)
 
     def finish(self) -> None:
-        self._flush()
+        if self.mem is None:
+            self._flush()
+
+    def close(self) -> None:
+        """Free the staging memory and close the scratch file."""
+        self.mem = None
+        if self.fh is not None:
+            self.fh.close()
 
 
 class _ProposalUnpickler(pickle.Unpickler):
@@ -273,10 +356,14 @@ def _unpickler(fh: BinaryIO, sink: _Sink, *, trust_pickle: bool) -> pickle.Unpic
 
 
 # ----------------------------------------------------------------------------- reading
-def read_proposal_file(path: str, *, trust_pickle: bool = False) -> ProposalSource:
+def read_proposal_file(path: str, *, trust_pickle: bool = False,
+                       scores: bool = True) -> ProposalSource:
     """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated).
 
-    A pickle is read only with ``trust_pickle=True`` (unpickling runs code).
+    A pickle is read only with ``trust_pickle=True`` (unpickling runs code). With
+    ``scores=False`` (what a roidb build needs) a pickle's score arrays are validated
+    (one score per box) but their bytes are not kept, and the source has no
+    ``scores_flat`` / ``scores_of``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -296,26 +383,38 @@ def read_proposal_file(path: str, *, trust_pickle: bool = False) -> ProposalSour
         magic = fh.read(4)
     if path.endswith(".npz") or magic == b"PK\x03\x04":
         return _read_npz(path)
-    return _read_pickle(path, trust_pickle)
+    return _read_pickle(path, trust_pickle, scores)
 
 
-def _read_pickle(path: str, trust_pickle: bool) -> ProposalSource:
-    data, sink = _load_pickle(path, trust_pickle)
-    return source_from_object(path, data, keep_alive=sink.fh)
+def _drop_scores(dtype: np.dtype, shape: tuple) -> bool:
+    """The arrays a build does not keep: 1-D floats (per-image scores)."""
+    return len(shape) == 1 and dtype.kind == "f"
 
 
-def _load_pickle(path: str, trust_pickle: bool) -> tuple[Any, "_Sink"]:
-    """Unpickle a proposal file, its arrays streamed into a scratch file (the sink)."""
+def _read_pickle(path: str, trust_pickle: bool, scores: bool = True) -> ProposalSource:
+    data, sink = _load_pickle(path, trust_pickle, None if scores else _drop_scores)
+    try:
+        return source_from_object(path, data, keep_alive=sink, scores=scores)
+    except _NeedDropped:  # e.g. float ids in a 1-D array: read again, keeping everything
+        sink.close()
+        del data
+        return _read_pickle(path, trust_pickle, True)
+
+
+def _load_pickle(path: str, trust_pickle: bool,
+                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None
+                 ) -> tuple[Any, "_Sink"]:
+    """Unpickle a proposal file, its arrays streamed into the staging area (the sink)."""
     if not trust_pickle:
         raise untrusted_proposal_pickle(path)
-    sink = _Sink()
+    sink = _Sink(drop=drop)
     try:
         with open(path, "rb") as fh:
             data = _unpickler(fh, sink, trust_pickle=trust_pickle).load()
     except RoIDBInputError:
         raise
     except Exception as exc:  # pickle raises many types for a damaged file
-        sink.fh.close()
+        sink.close()
         hint = ("the file is truncated (copy or write it again)"
                 if isinstance(exc, EOFError) or "truncated" in str(exc)
                 else "is it a Detectron proposal pickle?")
@@ -435,8 +534,10 @@ def _load(item: Any) -> np.ndarray:
     return np.asarray(item)
 
 
-def source_from_object(path: str, data: Any, keep_alive: Any = None) -> ProposalSource:
-    """Validate an unpickled proposal dict (streamed or plain) and index its records."""
+def source_from_object(path: str, data: Any, keep_alive: Any = None,
+                       scores: bool = True) -> ProposalSource:
+    """Validate an unpickled proposal dict (streamed or plain) and index its records
+    (``scores=False``: no score accessors; the scores' shapes are still checked)."""
     if not isinstance(data, dict):
         raise RoIDBInputError(f"{path}: expected a dict with keys 'boxes', 'scores' and 'ids' "
                               f"(or 'indexes'), got {_type_name(data)}. Save the proposals "
@@ -449,6 +550,7 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None) -> Proposal
         raise RoIDBInputError(f"{path}: missing key(s) {missing} (found {sorted(map(str, data))}"
                               f"); a Detectron proposal file is a dict with 'boxes', 'scores' "
                               f"and 'ids', one entry per image")
+    scores_wanted = scores
     boxes = _as_records(path, "boxes", data["boxes"])
     scores = _as_records(path, score_key, data[score_key])
     id_list = [x.load() if isinstance(x, (_Stored, _SubArray)) else x  # e.g. 0-d arrays
@@ -491,13 +593,16 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None) -> Proposal
     flat = _contiguous(boxes, counts, 4)
     if flat is not None:
         src.flat, src.flat_off = flat, offsets(counts)
+    if not scores_wanted:
+        src.scores_of = None
+        return src
     src.scores_flat = _contiguous(scores, counts, None)
     return src
 
 
-def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Optional[FileRows]:
-    """The records as one :class:`FileRows` when they lie back to back in the scratch file
-    in one dtype (the usual layout of a Detectron pickle), else ``None``."""
+def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Any:
+    """The records as one block of rows (:class:`FileRows` or a read-only array) when
+    they lie back to back in the staging area in one dtype (the usual layout of a Detectron pickle), else ``None``."""
     stored = [it for it in items if isinstance(it, (_Stored, _SubArray))
               and not (isinstance(it, _Stored) and it.array is not None)]
     if len(stored) != len(items) or not items:
@@ -728,4 +833,4 @@ def _read_with_name_map(path: str, annotations: str, trust_pickle: bool) -> Prop
                 mapped.append(v)
             data = dict(data)
             data[key] = mapped
-    return source_from_object(path, data, keep_alive=sink.fh)
+    return source_from_object(path, data, keep_alive=sink)

@@ -12,11 +12,12 @@ it in memory, or the columnar ``.npz`` that :func:`convert_proposals` writes).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -27,7 +28,8 @@ from lit_roidata.roidb.proposal_files import read_proposal_file
 from lit_roidata.roidb.segms import offsets
 
 __all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "convert_proposals",
-           "build_proposal_table", "unique_box_keep", "iof_pairs"]
+           "build_proposal_table", "unique_box_keep", "iof_pairs", "ProposalColumns",
+           "proposal_dtypes", "PROPOSAL_COLUMNS"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +42,22 @@ class ProposalTable:
 
     Attributes:
         off: int64 (n+1,) proposal row range per image.
-        boxes: float32 (P, 4); max_overlaps float32; max_classes int32;
-        gt_map: int32 ``box_to_gt_ind_map`` (-1 where no gt overlaps).
+        boxes: float32 (P, 4); max_overlaps float32; max_classes (int32, or the narrow
+            dtype of the :class:`ProposalColumns` it was written to);
+        gt_map: ``box_to_gt_ind_map`` (-1 where no gt overlaps), int32 or narrow.
         counts: what the processing removed, by reason.
+        columns: the shared :class:`ProposalColumns` the rows went to (``None``: the
+            arrays above hold them). Until that writer is finished, the four arrays are
+            ``None``; its finished columns hold every dataset's rows in order.
     """
 
     off: np.ndarray
-    boxes: np.ndarray
-    max_overlaps: np.ndarray
-    max_classes: np.ndarray
-    gt_map: np.ndarray
+    boxes: Optional[np.ndarray]
+    max_overlaps: Optional[np.ndarray]
+    max_classes: Optional[np.ndarray]
+    gt_map: Optional[np.ndarray]
     counts: Counter
+    columns: Optional["ProposalColumns"] = None
 
 
 def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -> np.ndarray:
@@ -196,7 +203,8 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
                          min_proposal_size: int = 2, proposal_limit: int = -1,
                          crowd_filter_thresh: float = 0.0,
                          progress: Optional[Callable[[int], None]] = None,
-                         scratch_dir: Optional[str] = None) -> ProposalTable:
+                         scratch_dir: Optional[str] = None,
+                         out: Optional["ProposalColumns"] = None) -> ProposalTable:
     """Process a proposal file for one dataset exactly as Detectron does (Detectron semantics:
     proposals).
 
@@ -207,8 +215,12 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         proposal_limit: keep the first ``limit`` per image if ``> 0``.
         crowd_filter_thresh: IoF threshold of the crowd filter; ``0`` disables it.
         progress: called with the number of images done after each chunk.
-        scratch_dir: where the output columns are staged (unlinked files; default: the
-            system's temporary directory). The table's arrays map them.
+        scratch_dir: where the output columns are staged when ``out`` is not given
+            (unlinked files; default: the system's temporary directory). The table's
+            arrays map them (int32 ``max_classes`` / ``gt_map``).
+        out: a :class:`ProposalColumns` the rows are appended to instead (several
+            datasets in turn, each row written once into the cache's final files); the
+            table's arrays are then ``None`` and :meth:`ProposalColumns.finish` gives them.
 
     Raises:
         RoIDBInputError: missing/duplicate ids, NaN or infinite coordinates.
@@ -217,11 +229,14 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     rec = align_records(src, image_ids, counts)
     n = image_ids.size
     n_boxes = src.counts[rec]
-    # Each chunk's rows are appended to four scratch files (one per column) and the table
-    # maps them at the end: nothing of the size of the file is held in anonymous memory
-    # (first-touching GBs of fresh pages costs several times more CPU than writing them
-    # into the page cache), and no concatenation copies the columns.
-    out = _ColumnFiles(scratch_dir)
+    # Each chunk's rows are appended to four files (one per column: the cache's final
+    # files when ``out`` is given, else scratch files the table maps at the end): nothing
+    # of the size of the file is held in anonymous memory (first-touching GBs of fresh
+    # pages costs several times more CPU than writing them into the page cache), and no
+    # concatenation or copy writes the columns a second time.
+    own = out is None
+    if own:
+        out = ProposalColumns(scratch_dir, persistent=False)
     off = np.zeros(n + 1, np.int64)
     pos = 0
     start = 0
@@ -243,44 +258,184 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
             if progress is not None:
                 progress(stop - start)
             start = stop
-        boxes, mo_all, mc_all, gm_all = out.arrays(pos)
-    finally:
+        if own:
+            arrays = out.finish()
+    except BaseException:
         out.close()
-    table = ProposalTable(off=off, boxes=boxes, max_overlaps=mo_all, max_classes=mc_all,
-                          gt_map=gm_all, counts=counts)
+        raise
     counts["proposals_kept"] = int(off[-1])
-    return table
+    if not own:
+        return ProposalTable(off, None, None, None, None, counts, columns=out)
+    return ProposalTable(off=off, boxes=arrays["prop_boxes"],
+                         max_overlaps=arrays["prop_max_overlaps"],
+                         max_classes=arrays["prop_max_classes"], gt_map=arrays["prop_gt_map"],
+                         counts=counts)
 
 
-class _ColumnFiles:
-    """The four output columns of :func:`build_proposal_table`, appended chunk by chunk
-    to anonymous scratch files and read back as memory maps (read-only)."""
+#: The cache's proposal columns, in order: name, row shape.
+PROPOSAL_COLUMNS = (("prop_boxes", (4,)), ("prop_max_overlaps", ()), ("prop_max_classes", ()),
+                    ("prop_gt_map", ()))
 
-    _SPEC = ((np.float32, (4,)), (np.float32, ()), (np.int32, ()), (np.int32, ()))
 
-    def __init__(self, scratch_dir: Optional[str]) -> None:
-        if os.name == "nt":  # open files would block renaming the build directory
-            scratch_dir = None
-        self.files = [tempfile.TemporaryFile(prefix="lit-roidata-proposal-rows-",
-                                             dir=scratch_dir) for _ in self._SPEC]
+def proposal_dtypes(num_classes: int, max_gt: int) -> tuple[np.dtype, np.dtype]:
+    """The narrowest dtypes of ``(prop_max_classes, prop_gt_map)``.
 
-    def append(self, *arrays: np.ndarray) -> None:
-        for fh, arr, (dtype, _) in zip(self.files, arrays, self._SPEC):
+    ``max_classes`` holds contiguous class ids ``< num_classes``: ``uint8`` up to 256
+    classes (COCO's 81), ``int16`` up to 32768 (LVIS's 1204), else ``int32``.
+    ``gt_map`` holds a gt index ``< max_gt`` (the most gt boxes of one image) or the
+    sentinel ``-1``: ``int8`` up to 128 gt boxes, ``int16`` up to 32768, else ``int32``.
+    The roidb widens both to Detectron's dtypes (int64 ``max_classes``, int32
+    ``box_to_gt_ind_map``) when an entry is read, so blobs do not depend on them.
+    """
+    nc, g = int(num_classes), int(max_gt)
+    mc = np.uint8 if nc <= 1 << 8 else np.int16 if nc <= 1 << 15 else np.int32
+    gm = np.int8 if g <= 1 << 7 else np.int16 if g <= 1 << 15 else np.int32
+    return np.dtype(mc), np.dtype(gm)
+
+
+class ProposalColumns:
+    """The four proposal columns of a roidb, each written once, chunk by chunk.
+
+    With ``persistent=True`` they are the cache's final ``prop_*.npy`` files in
+    ``directory`` (the build directory): a ``.npy`` header sized for any row count is
+    reserved first, rows are appended behind it, and :meth:`finish` writes the real
+    header in place, checksums each file (reading it back from the page cache) and
+    fsyncs it. Nothing is copied or concatenated afterwards. With
+    ``persistent=False`` they are unlinked scratch files (the arrays map them).
+
+    Args:
+        directory: where the files go (``None``: the temporary directory; scratch only).
+        num_classes, max_gt: bounds of ``max_classes`` / ``gt_map`` values, which choose
+            their dtypes (:func:`proposal_dtypes`); both ``None``: int32 (the wide dtypes).
+        persistent: named ``.npy`` files (kept) or unlinked scratch files.
+    """
+
+    def __init__(self, directory: Optional[str], *, num_classes: Optional[int] = None,
+                 max_gt: Optional[int] = None, persistent: bool = True) -> None:
+        if num_classes is None and max_gt is None:
+            mc, gm = np.dtype(np.int32), np.dtype(np.int32)
+        else:
+            mc, gm = proposal_dtypes(num_classes if num_classes is not None else 2**31,
+                                     max_gt if max_gt is not None else 2**31)
+        self.spec = tuple(zip((n for n, _ in PROPOSAL_COLUMNS),
+                              (np.dtype(np.float32), np.dtype(np.float32), mc, gm),
+                              (sh for _, sh in PROPOSAL_COLUMNS)))
+        self.bounds = (np.iinfo(mc).max if num_classes is None else int(num_classes) - 1,
+                       np.iinfo(gm).max if max_gt is None else int(max_gt) - 1)
+        self.persistent = persistent
+        self.rows = 0
+        self.files: list = []
+        self._reserved = 0
+        if persistent:
+            if directory is None:
+                raise ValueError("persistent proposal columns need a directory")
+            # every header this writer can need fits; .npy headers are padded to 64 bytes
+            self._reserved = max(len(_npy_header_for(dt, (np.iinfo(np.int64).max, *sh)))
+                                 for _, dt, sh in self.spec)
+            for name, _, _ in self.spec:
+                fh = open(os.path.join(directory, name + ".npy"), "w+b")  # read to hash
+                self.files.append(fh)
+                fh.seek(self._reserved)
+        else:
+            if os.name == "nt":  # open files would block renaming the build directory
+                directory = None
+            self.files = [tempfile.TemporaryFile(prefix="lit-roidata-proposal-rows-",
+                                                 dir=directory) for _ in self.spec]
+
+    @property
+    def dtypes(self) -> dict:
+        """``{column name: dtype}``."""
+        return {name: dt for name, dt, _ in self.spec}
+
+    def append(self, boxes: np.ndarray, max_overlaps: np.ndarray, max_classes: np.ndarray,
+               gt_map: np.ndarray) -> None:
+        """Append one chunk's rows to every column (values checked against the bounds)."""
+        if max_classes.size:
+            if int(max_classes.max()) > self.bounds[0] or int(max_classes.min()) < 0:
+                raise RuntimeError(f"max_classes values outside [0, {self.bounds[0]}]: the "
+                                   f"class count given to ProposalColumns is too small")
+            if int(gt_map.max()) > self.bounds[1] or int(gt_map.min()) < -1:
+                raise RuntimeError(f"gt_map values outside [-1, {self.bounds[1]}]: the gt "
+                                   f"count given to ProposalColumns is too small")
+        for fh, arr, (_, dtype, _) in zip(self.files, (boxes, max_overlaps, max_classes,
+                                                       gt_map), self.spec):
             view = memoryview(np.ascontiguousarray(arr, dtype).reshape(-1)).cast("B")
             fd = fh.fileno()
             while view.nbytes:
                 view = view[os.write(fd, view):]
+        self.rows += int(boxes.shape[0])
 
-    def arrays(self, n: int) -> list:
-        """The columns, ``n`` rows each (memory-mapped; empty ones in memory)."""
-        if n == 0:
-            return [np.zeros((0, *shape), dtype) for dtype, shape in self._SPEC]
-        return [np.memmap(fh, dtype, "r", shape=(n, *shape))
-                for fh, (dtype, shape) in zip(self.files, self._SPEC)]
+    def finish(self) -> dict:
+        """Close the columns: ``{name: read-only array}`` (memory maps of the files).
+
+        Persistent columns also get their header, checksum and fsync; :attr:`records`
+        then holds their manifest entries (as :func:`..cache.write_arrays` returns).
+        """
+        from lit_roidata.roidb.cache import _default_algo, _hasher
+
+        n = self.rows
+        out: dict = {}
+        self.records: dict = {}
+        try:
+            for fh, (name, dtype, shape) in zip(self.files, self.spec):
+                if not self.persistent:
+                    out[name] = (np.zeros((0, *shape), dtype) if n == 0 else
+                                 np.memmap(fh, dtype, "r", shape=(n, *shape)))
+                    continue
+                header = _npy_header_for(dtype, (n, *shape), pad_to=self._reserved)
+                fd = fh.fileno()
+                os.pwrite(fd, header, 0)
+                algo = _default_algo()
+                h = _hasher(algo)
+                size = self._reserved + n * dtype.itemsize * math.prod(shape)
+                _hash_file(fd, size, h)
+                self.records[name] = {"file": name + ".npy", "bytes": size, "dtype": dtype.str,
+                                      "shape": [n, *shape], "checksum": f"{algo}:{h.hexdigest()}"}
+            for fh in self.files:
+                if self.persistent:
+                    fh.flush()
+                    os.fsync(fh.fileno())  # durable before the rename that publishes the cache
+        finally:
+            self.close()
+        if self.persistent:
+            for fh, (name, dtype, shape) in zip(self.files, self.spec):
+                out[name] = np.asarray(np.load(fh.name, mmap_mode="r", allow_pickle=False))
+        return out
 
     def close(self) -> None:
-        for fh in self.files:  # the maps keep their pages; the files are unlinked
+        """Close the files (the maps keep their pages; scratch files are unlinked)."""
+        for fh in self.files:
             fh.close()
+
+
+def _npy_header_for(dtype: np.dtype, shape: tuple, pad_to: int = 0) -> bytes:
+    """The ``.npy`` (1.0) header ``np.save`` writes for ``dtype``/``shape``, padded with
+    spaces to ``pad_to`` bytes when that is longer (still a valid header)."""
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                               "fortran_order": False,
+                                               "shape": tuple(int(s) for s in shape)})
+    head = buf.getvalue()
+    if pad_to > len(head):
+        body = head[10:-1] + b" " * (pad_to - len(head)) + b"\n"
+        head = head[:8] + len(body).to_bytes(2, "little") + body
+    return head
+
+
+def _hash_file(fd: int, size: int, h: Any) -> None:
+    """Feed the first ``size`` bytes of ``fd`` to the hasher ``h`` (4 MiB reads)."""
+    buf = bytearray(1 << 22)
+    view = memoryview(buf)
+    pos = 0
+    while pos < size:
+        got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
+        if got <= 0:
+            raise OSError(f"short read while checksumming a proposal column ({pos} of {size} "
+                          f"bytes)")
+        h.update(view[:got])
+        pos += got
 
 
 def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_classes,

@@ -57,6 +57,7 @@ class GtTable:
     keypoints: Optional[np.ndarray]
     has_vis_kp: np.ndarray
     counts: Counter
+    image_lists: Optional[dict] = None  # LVIS only; COCO files have none
 
 
 def dataset_info_from_categories(name: str, categories: Sequence[dict], *, source: str,

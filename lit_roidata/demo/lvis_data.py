@@ -1,0 +1,337 @@
+"""Synthetic LVIS v1-format data: long-tailed categories, federated image labels, real JPEGs.
+
+:func:`ensure_lvis_demo_data` writes, once, a train and a val split laid out as
+Detectron2 lays out LVIS v1 under a data root::
+
+    root/lvis/lvis_v1_train.json   root/coco/train2017/<id>.jpg
+    root/lvis/lvis_v1_val.json     root/coco/val2017/<id>.jpg
+
+so the built-in names ``lvis_v1_train`` / ``lvis_v1_val`` resolve with ``data_root=root``,
+and :func:`register_lvis_demo_datasets` registers ``lvis_demo_train`` / ``lvis_demo_val``
+(``format="lvis"``). What it exercises:
+
+* **LVIS v1 records**: images carry ``coco_url`` and no ``file_name``; categories carry
+  ``synonyms``, ``def``, ``synset``, ``frequency`` (``"r"`` / ``"c"`` / ``"f"``),
+  ``image_count`` and ``instance_count`` (counted on the train split, and the same list
+  in both files, as in LVIS); annotations are polygons with no ``iscrowd``.
+* **A long tail**: each category is planned into a number of train images by its group:
+  frequent ones in more than ``common_max`` images, common ones in ``rare_max + 1`` to
+  ``common_max``, rare ones in 1 to ``rare_max``. ``frequency`` is then LVIS's rule on
+  the *actual* train image count with these thresholds, which are LVIS's (10, 100) from
+  300 train images up and shrink with smaller splits (recorded in ``info``).
+* **Federated labels**: every image lists ``neg_category_ids`` (categories verified
+  absent: drawn from those not in the image) and ``not_exhaustive_category_ids``
+  (categories of the image one of whose drawn instances is left unannotated).
+
+Each category is one shape (rectangle, ellipse, triangle: the COCO demo's drawing code,
+:mod:`lit_roidata.demo.shapes`) in one colour, so a small detector can learn them. The
+output is a function of the arguments (the seed included); a manifest written last marks
+a complete folder, which is reused, and a file lock serialises concurrent callers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import cv2
+import numpy as np
+from filelock import FileLock, Timeout
+
+from lit_roidata.demo.shapes import _annotation, _draw_shape, _place
+
+__all__ = ["LVIS_DEMO_DATASETS", "ensure_lvis_demo_data", "lvis_thresholds",
+           "register_lvis_demo_datasets"]
+
+log = logging.getLogger(__name__)
+
+#: Names :func:`register_lvis_demo_datasets` registers (train, val).
+LVIS_DEMO_DATASETS: tuple[str, str] = ("lvis_demo_train", "lvis_demo_val")
+_SPLITS = {"lvis_demo_train": ("train2017", "lvis_v1_train.json", 1000),
+           "lvis_demo_val": ("val2017", "lvis_v1_val.json", 500000)}
+_VERSION = 1  # bump when the generated content changes
+_MANIFEST = "lvis_demo_manifest.json"
+_LOCK_TIMEOUT_S = 600.0
+#: shapes.py's drawers: rectangle, ellipse, triangle
+_SHAPES = ((3, "rectangle"), (7, "ellipse"), (12, "triangle"))
+#: named hues (degrees) for the category colours
+_COLOURS = (("red", 0), ("orange", 30), ("yellow", 60), ("green", 120), ("cyan", 180),
+            ("blue", 240), ("violet", 270), ("magenta", 310))
+
+
+def lvis_thresholds(num_train: int) -> tuple[int, int]:
+    """``(rare_max, common_max)`` train image counts for ``num_train`` train images:
+    LVIS's (10, 100) from 300 images up, proportionally smaller below."""
+    rare_max = int(min(10, max(1, num_train // 30)))
+    common_max = int(min(100, max(rare_max + 1, num_train // 3)))
+    return rare_max, common_max
+
+
+def _categories(num_categories: int) -> list[dict[str, Any]]:
+    """Category records (ids 1..K) with their drawing parameters (``_shape``, ``_bgr``)."""
+    n_col = -(-num_categories // len(_SHAPES))
+    out = []
+    for k in range(num_categories):
+        shape, shape_name = _SHAPES[k % len(_SHAPES)]
+        col = k // len(_SHAPES)
+        if n_col <= len(_COLOURS):
+            cname, deg = _COLOURS[col * len(_COLOURS) // n_col]
+        else:
+            deg = int(round(360 * col / n_col))
+            cname = f"hue{deg}"
+        bgr = cv2.cvtColor(np.uint8([[[deg // 2, 230, 210]]]), cv2.COLOR_HSV2BGR)[0, 0]
+        name = f"{cname}_{shape_name}"
+        out.append({"id": k + 1, "name": name, "synonyms": [name],
+                    "def": f"a {cname} {shape_name} (synthetic)", "synset": f"{name}.n.01",
+                    "_shape": shape, "_bgr": tuple(int(v) for v in bgr)})
+    return out
+
+
+def _targets(rng: np.random.Generator, n_img: int, n_cat: int, rare_max: int,
+             common_max: int) -> list[int]:
+    """Planned train image count per category: frequent, common, rare groups by index."""
+    n_f = max(1, round(0.25 * n_cat))
+    n_r = max(1, round(0.35 * n_cat)) if n_cat > 2 else 0
+    n_c = n_cat - n_f - n_r
+    targets = []
+    for k in range(n_cat):
+        if k < n_f:
+            lo, hi = common_max + 1, max(common_max + 2, int(0.55 * n_img))
+        elif k < n_f + n_c:
+            lo, hi = rare_max + 2, max(rare_max + 3, common_max - 1)
+        else:
+            lo, hi = 1, rare_max + 1
+        targets.append(int(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
+    return targets
+
+
+def _plan(rng: np.random.Generator, n_img: int, targets: list[int],
+          scale: float) -> list[list[int]]:
+    """Per image, the category indices planned into it (``targets`` scaled to the split)."""
+    targets = [max(1, min(n_img, int(round(t * scale)))) for t in targets]
+    per_image: list[list[int]] = [[] for _ in range(n_img)]
+    for k, t in enumerate(targets):
+        for i in rng.choice(n_img, size=t, replace=False).tolist():
+            per_image[i].append(k)
+    return per_image
+
+
+def _draw(rng: np.random.Generator, cats: list[dict], planned: list[int],
+          size_range: tuple[int, int]) -> tuple[np.ndarray, list[dict], set]:
+    """One image: its planned categories (1-3 instances each), non-overlapping polygons.
+
+    Returns the BGR image, the annotations, and the categories left not exhaustive (one
+    drawn instance unannotated)."""
+    lo, hi = size_range
+    a, b = int(rng.integers(lo, (lo + hi) // 2 + 1)), int(rng.integers((lo + hi) // 2, hi + 1))
+    W, H = (a, b) if rng.random() < 0.2 else (b, a)
+    base = rng.integers(165, 245, size=3)
+    img = (base[None, None, :] + rng.normal(0, 6, size=(H, W, 3))).clip(0, 255).astype(np.uint8)
+    taken: list[tuple[int, int, int, int]] = []
+    anns: list[dict] = []
+    by_cat: dict[int, list[int]] = {}
+    for k in planned:
+        cat = cats[k]
+        for _ in range(1 + int(rng.random() < 0.35) + int(rng.random() < 0.1)):
+            s = int(rng.integers(18, min(64, min(W, H) - 4) + 1))
+            w, h = s, int(np.clip(round(s * rng.uniform(0.7, 1.4)), 14, H - 4))
+            pos = _place(rng, taken, W, H, w, h)
+            if pos is None:
+                continue
+            mask = np.zeros((H, W), np.uint8)
+            _draw_shape(mask, cat["_shape"], pos[0], pos[1], w, h)
+            ann = _annotation(mask, cat["_shape"], crowd=False)
+            if ann is None:
+                continue
+            ann.pop("iscrowd")  # LVIS has no crowd annotations
+            ann["category_id"] = cat["id"]
+            taken.append((pos[0], pos[1], w, h))
+            shade = np.array(cat["_bgr"]) + rng.integers(-12, 13, size=3)
+            img[mask > 0] = shade.clip(0, 255).astype(np.uint8)
+            by_cat.setdefault(cat["id"], []).append(len(anns))
+            anns.append(ann)
+    drop, not_exhaustive = set(), set()
+    for cid, rows in by_cat.items():
+        if len(rows) >= 2 and rng.random() < 0.3:
+            drop.add(rows[int(rng.integers(len(rows)))])
+            not_exhaustive.add(cid)
+    return img, [a for j, a in enumerate(anns) if j not in drop], not_exhaustive
+
+
+def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
+                targets: list[int], scale: float, size_range: tuple[int, int]
+                ) -> tuple[list, list]:
+    folder, _, id_base = _SPLITS[name]
+    split_index = list(_SPLITS).index(name)
+    img_dir = root / "coco" / folder
+    img_dir.mkdir(parents=True, exist_ok=True)
+    plan_rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 0]))
+    plan = _plan(plan_rng, n_img, targets, scale)
+    images, annotations = [], []
+    ann_id = id_base * 10
+    all_ids = np.arange(1, len(cats) + 1)
+    for i in range(n_img):
+        rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 1, i]))
+        image_id = id_base + 7 * i + 1
+        img, anns, not_exh = _draw(rng, cats, plan[i], size_range)
+        H, W = img.shape[:2]
+        fn = f"{image_id:012d}.jpg"
+        if not cv2.imwrite(str(img_dir / fn), img, [cv2.IMWRITE_JPEG_QUALITY, 92]):
+            raise OSError(f"could not write demo image {img_dir / fn}")
+        present = {a["category_id"] for a in anns} | not_exh
+        absent = np.setdiff1d(all_ids, sorted(present))
+        n_neg = int(min(absent.size, rng.integers(0, 4)))
+        neg = sorted(rng.choice(absent, size=n_neg, replace=False).tolist()) if n_neg else []
+        images.append({
+            "id": image_id, "width": W, "height": H, "license": 1,
+            "coco_url": f"http://images.cocodataset.org/{folder}/{fn}",
+            "flickr_url": f"http://farm1.staticflickr.com/demo/{fn}",
+            "date_captured": "2013-11-14 16:28:13",
+            "neg_category_ids": neg, "not_exhaustive_category_ids": sorted(not_exh)})
+        for a in anns:
+            ann_id += 1
+            annotations.append({"id": ann_id, "image_id": image_id, **a})
+    return images, annotations
+
+
+def _category_records(cats: list[dict], train_images: list, train_anns: list,
+                      thresholds: tuple[int, int]) -> list[dict]:
+    rare_max, common_max = thresholds
+    img_sets: dict[int, set] = {c["id"]: set() for c in cats}
+    inst = dict.fromkeys(img_sets, 0)
+    for a in train_anns:
+        img_sets[a["category_id"]].add(a["image_id"])
+        inst[a["category_id"]] += 1
+    out = []
+    for c in cats:
+        n = len(img_sets[c["id"]])
+        freq = "r" if n <= rare_max else "c" if n <= common_max else "f"
+        rec = {k: v for k, v in c.items() if not k.startswith("_")}
+        rec.update(frequency=freq, image_count=n, instance_count=inst[c["id"]])
+        out.append(rec)
+    return out
+
+
+def _layout(root: Path, counts: dict[str, int]) -> dict[str, dict[str, Any]]:
+    return {name: {"image_dir": str(root / "coco"),
+                   "annotation_file": str(root / "lvis" / _SPLITS[name][1]),
+                   "num_images": int(counts[name]), "format": "lvis"} for name in _SPLITS}
+
+
+def _is_complete(root: Path, wanted: dict[str, Any]) -> bool:
+    try:
+        manifest = json.loads((root / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest != wanted:
+        return False
+    for name, info in _layout(root, wanted["num_images"]).items():
+        folder = Path(info["image_dir"]) / _SPLITS[name][0]
+        if not (Path(info["annotation_file"]).is_file() and folder.is_dir()):
+            return False
+        if sum(1 for e in os.scandir(folder) if e.name.endswith(".jpg")) != info["num_images"]:
+            return False
+    return True
+
+
+def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: int = 300,
+                          num_val: int = 60, num_categories: int = 12,
+                          size_range: tuple[int, int] = (160, 320)) -> dict[str, dict[str, Any]]:
+    """Create the synthetic LVIS v1-format data under ``root`` unless it is already there.
+
+    Safe to call from every DDP rank at once (file lock, build in a temporary folder,
+    manifest written last); a complete folder made with the same arguments is reused.
+    The defaults take a few seconds and give 12 categories: 3 frequent, 5 common, 4 rare.
+
+    Args:
+        root: data root (created if needed); the files follow Detectron2's LVIS layout.
+        seed: generation seed; equal arguments give identical files.
+        num_train, num_val: images per split (at least 1 each).
+        num_categories: categories (ids 1..``num_categories``), at least 1.
+        size_range: (short side, long side) bounds of the images in pixels.
+
+    Returns:
+        ``{"lvis_demo_train": {...}, "lvis_demo_val": {...}}``, each with ``image_dir``
+        (``root/coco``), ``annotation_file``, ``num_images`` and ``format`` (``"lvis"``).
+
+    Raises:
+        ValueError: a count below 1. TimeoutError: the lock was held for 10 minutes.
+    """
+    for what, v in (("num_train", num_train), ("num_val", num_val),
+                    ("num_categories", num_categories)):
+        if int(v) < 1:
+            raise ValueError(f"{what}={v}; need at least 1")
+    root = Path(root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    counts = {"lvis_demo_train": int(num_train), "lvis_demo_val": int(num_val)}
+    wanted = {"version": _VERSION, "seed": int(seed), "num_images": counts,
+              "num_categories": int(num_categories), "size_range": [int(v) for v in size_range]}
+    layout = _layout(root, counts)
+    if _is_complete(root, wanted):
+        return layout
+    try:
+        with FileLock(str(root / ".lvis_demo_data.lock"), timeout=_LOCK_TIMEOUT_S):
+            if not _is_complete(root, wanted):
+                _build(root, wanted)
+    except Timeout as e:
+        raise TimeoutError(f"waited {_LOCK_TIMEOUT_S:.0f} s for the demo-data lock "
+                           f"{root / '.lvis_demo_data.lock'}; if no other process is "
+                           f"generating the data, delete that file and retry") from e
+    return layout
+
+
+def _build(root: Path, wanted: dict[str, Any]) -> None:
+    log.info("generating synthetic LVIS demo data in %s (%s)", root, wanted["num_images"])
+    (root / _MANIFEST).unlink(missing_ok=True)
+    tmp = root / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        n_train, n_val = wanted["num_images"]["lvis_demo_train"], \
+            wanted["num_images"]["lvis_demo_val"]
+        cats = _categories(wanted["num_categories"])
+        thresholds = lvis_thresholds(n_train)
+        size_range = tuple(wanted["size_range"])
+        seed = wanted["seed"]
+        targets = _targets(np.random.default_rng(np.random.SeedSequence([seed, 99])), n_train,
+                           len(cats), *thresholds)
+        splits = {"lvis_demo_train": _make_split(tmp, "lvis_demo_train", n_train, seed, cats,
+                                                 targets, 1.0, size_range),
+                  "lvis_demo_val": _make_split(tmp, "lvis_demo_val", n_val, seed, cats,
+                                               targets, n_val / n_train, size_range)}
+        records = _category_records(cats, *splits["lvis_demo_train"], thresholds)
+        (tmp / "lvis").mkdir()
+        for name, (images, anns) in splits.items():
+            doc = {"info": {"description": f"lit_roidata synthetic LVIS v1-format data ({name})",
+                            "version": "1.0", "year": 2026,
+                            "frequency_thresholds": {"rare_max_images": thresholds[0],
+                                                     "common_max_images": thresholds[1]}},
+                   "licenses": [{"id": 1, "name": "CC BY 4.0", "url": ""}],
+                   "images": images, "annotations": anns, "categories": records}
+            (tmp / "lvis" / _SPLITS[name][1]).write_text(json.dumps(doc))
+        for sub in ("lvis", "coco/train2017", "coco/val2017"):
+            shutil.rmtree(root / sub, ignore_errors=True)
+            (root / sub).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp / sub, root / sub)
+        part = root / f"{_MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
+        part.write_text(json.dumps(wanted, indent=1))
+        os.replace(part, root / _MANIFEST)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def register_lvis_demo_datasets(root: str | os.PathLike, catalog: Optional[Any] = None,
+                                **kwargs: Any) -> tuple[str, str]:
+    """Ensure the LVIS demo data under ``root`` and register ``lvis_demo_train`` /
+    ``lvis_demo_val`` (``format="lvis"``) in ``catalog`` (default
+    :data:`lit_roidata.catalog.DatasetCatalog`); ``kwargs`` go to
+    :func:`ensure_lvis_demo_data`. Returns the two names."""
+    if catalog is None:
+        from lit_roidata.catalog import DatasetCatalog as catalog
+    for name, info in ensure_lvis_demo_data(root, **kwargs).items():
+        catalog.register(name, info["image_dir"], info["annotation_file"], format="lvis",
+                         overwrite=True)
+    return LVIS_DEMO_DATASETS

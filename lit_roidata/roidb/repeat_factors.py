@@ -1,0 +1,226 @@
+"""Repeat factors for long-tailed datasets (LVIS): Detectron2's category-frequency rule.
+
+For each image ``I`` of the training set, ``r(I) = max over the categories c in I of
+max(1, sqrt(t / f(c)))`` where ``f(c)`` is the fraction of training images that contain
+``c`` and ``t`` is the threshold (0.001 for LVIS; ``sqrt=False`` drops the square root,
+Detectron2's ``DATALOADER.REPEAT_SQRT``). An image without annotations gets 1.
+
+**The dataset the frequencies count.** Detectron2 applies
+``RepeatFactorTrainingSampler.repeat_factors_from_category_frequency`` to its training
+dataset dicts after its own filtering (``filter_images_with_only_crowd_annotations``),
+one dict per image, every annotation of the dict counted, crowd ones included. Here the
+same rule runs over the *training roidb*: its distinct images (rows of the image table
+reached by an entry, after Detectron's cleaning and ``filter_for_training``), each with
+the gt rows Detectron's cleaning kept, crowd rows included. A flipped entry is the same
+image, so it is counted once and gets its original's factor; duplicating the roidb with
+flipped copies does not change ``f(c)``. The factors therefore equal Detectron2's
+function applied to dataset dicts holding the roidb's images and kept annotations (tested
+against Detectron2's own function). Where the two pipelines keep different annotations
+(Detectron drops degenerate boxes that Detectron2 keeps until its mapper) the factors
+follow the annotations this roidb trains on.
+
+The arithmetic is Detectron2's, in the same order and in float64 (``count / num_images``,
+``t / f``, ``sqrt``, ``max``), rounded once to float32 as Detectron2's tensor is, so the
+factors are bit-identical and so are the expected repeat counts.
+
+Computed once per roidb with whole-column NumPy (no per-image Python), and kept next to
+the roidb cache as ``repeat_factors-<key>.npy``, keyed by the roidb's content key, the
+threshold and ``sqrt``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["repeat_factors_from_category_frequency", "repeat_factors_for_roidb",
+           "check_repeat_threshold"]
+
+log = logging.getLogger(__name__)
+
+_SIDE_VERSION = 1
+
+
+def check_repeat_threshold(value: Any, name: str = "sampling.repeat_factor_threshold") -> float:
+    """``value`` as a valid repeat-factor threshold (a finite float > 0), else ``ValueError``
+    naming ``name`` and the fix."""
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        t = float("nan")
+    if isinstance(value, bool) or not math.isfinite(t) or t <= 0:
+        raise ValueError(f"{name}={value!r}: the repeat-factor threshold must be a finite "
+                         "number > 0 (LVIS uses 0.001; images whose rarest category is in "
+                         "fewer than that fraction of images are repeated). To turn repeat "
+                         "factors off, leave it unset (null)")
+    return t
+
+
+def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
+                                           repeat_thresh: float, *, images: Any = None,
+                                           sqrt: bool = True) -> np.ndarray:
+    """Per-image repeat factors from category frequency, vectorised (module doc).
+
+    Args:
+        img_gt_off: ``n + 1`` offsets: the gt rows of image row ``i`` are
+            ``gt_classes[img_gt_off[i]:img_gt_off[i + 1]]`` (the roidb's columns).
+        gt_classes: category of every gt row (any integer labelling).
+        repeat_thresh: the threshold ``t`` (> 0).
+        images: the distinct image rows forming the dataset (default: all ``n``); the
+            frequencies count only these.
+        sqrt: ``r(c) = max(1, sqrt(t / f(c)))``; ``False``: ``max(1, t / f(c))``.
+
+    Returns:
+        float32 factors, one per element of ``images`` (in its order).
+
+    Raises:
+        ValueError: a bad threshold, or ``images`` with repeats or out of range.
+    """
+    t = check_repeat_threshold(repeat_thresh, "repeat_thresh")
+    off = np.asarray(img_gt_off, dtype=np.int64).reshape(-1)
+    n_rows = off.size - 1
+    if images is None:
+        images = np.arange(n_rows, dtype=np.int64)
+    images = np.asarray(images, dtype=np.int64).reshape(-1)
+    if images.size and (images.min() < 0 or images.max() >= n_rows):
+        raise ValueError(f"images: rows must lie in [0, {n_rows})")
+    sel = np.zeros(n_rows, dtype=bool)
+    sel[images] = True
+    if int(sel.sum()) != images.size:
+        raise ValueError("images: each image row may be given once (a flipped entry is the "
+                         "same image: pass distinct rows)")
+    num_images = images.size
+    out = np.ones(n_rows, dtype=np.float64)
+    cls_all = np.asarray(gt_classes).reshape(-1)
+    if num_images == 0 or cls_all.size == 0:
+        return out[images].astype(np.float32)
+    per_img = np.diff(off)
+    idx_t = np.int32 if n_rows < 2**31 else np.int64
+    row_img = np.repeat(np.arange(n_rows, dtype=idx_t), per_img)
+    if num_images == n_rows:  # every image row: no mask
+        img = row_img.astype(np.int64)
+        cls = cls_all[: row_img.size].astype(np.int64)
+    else:
+        keep = sel[row_img]
+        img = row_img[keep].astype(np.int64)
+        cls = cls_all[: row_img.size][keep].astype(np.int64)
+    del row_img
+    if cls.size == 0:
+        return out[images].astype(np.float32)
+    lo = int(cls.min())
+    cls -= lo
+    k = int(cls.max()) + 1
+    # One (image, category) pair per category present in an image. The gt rows are
+    # grouped by image, so the keys are nearly sorted; a stable (timsort/radix) sort of
+    # short unsorted runs is cheap.
+    img *= k
+    img += cls
+    key = np.sort(img, kind="stable")
+    del img, cls
+    first = np.empty(key.size, dtype=bool)
+    first[0] = True
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    key = key[first]
+    pair_img = key // k
+    pair_cls = key - pair_img * k
+    freq = np.bincount(pair_cls, minlength=k) / num_images  # f(c), Detectron2's v / n
+    present = freq > 0
+    rep_c = np.ones(k, dtype=np.float64)
+    ratio = t / freq[present]
+    rep_c[present] = np.maximum(1.0, np.sqrt(ratio) if sqrt else ratio)
+    vals = rep_c[pair_cls]
+    starts = np.flatnonzero(np.diff(pair_img, prepend=-1))
+    out[pair_img[starts]] = np.maximum.reduceat(vals, starts)
+    return out[images].astype(np.float32)
+
+
+def _side_name(key: str, t: float, sqrt: bool) -> str:
+    doc = json.dumps({"v": _SIDE_VERSION, "roidb": key, "t": repr(float(t)), "sqrt": bool(sqrt)},
+                     sort_keys=True)
+    return f"repeat_factors-{hashlib.sha256(doc.encode()).hexdigest()[:20]}.npy"
+
+
+def _compute_for_roidb(roidb: Any, t: float, sqrt: bool) -> np.ndarray:
+    a = roidb._a
+    entry_img = np.asarray(roidb._entry_img, dtype=np.int64)
+    images = np.unique(entry_img)
+    per_image = repeat_factors_from_category_frequency(a["img_gt_off"], a["gt_classes"], t,
+                                                       images=images, sqrt=sqrt)
+    return per_image[np.searchsorted(images, entry_img)]
+
+
+def repeat_factors_for_roidb(roidb: Any, repeat_thresh: float, *, sqrt: bool = True,
+                             cache: bool = True) -> np.ndarray:
+    """Per-entry repeat factors of a training :class:`~lit_roidata.roidb.columnar.RoIDB`
+    (a flipped entry gets its original's factor), read from or written to the side file
+    in the roidb's cache directory.
+
+    Args:
+        roidb: the training roidb.
+        repeat_thresh: the threshold ``t`` (``sampling.repeat_factor_threshold``,
+            Detectron2's ``DATALOADER.REPEAT_THRESHOLD``).
+        sqrt: Detectron2's ``DATALOADER.REPEAT_SQRT``.
+        cache: read/write the side file (a read-only cache directory only logs).
+
+    Returns:
+        read-only float32 array of ``len(roidb)`` factors, each >= 1.
+
+    Raises:
+        ValueError: a bad threshold. TypeError: ``roidb`` is not a columnar roidb.
+    """
+    t = check_repeat_threshold(repeat_thresh)
+    if not hasattr(roidb, "_a") or not hasattr(roidb, "_entry_img"):
+        raise TypeError("repeat factors need a lit_roidata RoIDB (the columnar training "
+                        f"roidb), got {type(roidb).__name__}; for other data compute them "
+                        "with repeat_factors_from_category_frequency and pass "
+                        "RoIBatchSampler(repeat_factors=...)")
+    key = (getattr(roidb, "manifest", None) or {}).get("key")
+    path = None
+    if cache and key and getattr(roidb, "path", None):
+        path = os.path.join(roidb.path, _side_name(str(key), t, sqrt))
+        try:
+            arr = np.load(path, mmap_mode=None, allow_pickle=False)
+            if arr.dtype == np.float32 and arr.shape == (len(roidb),):
+                arr.setflags(write=False)
+                return arr
+            log.warning("%s: unexpected shape/dtype %s %s; recomputing", path, arr.shape,
+                        arr.dtype)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            log.warning("%s: unreadable (%s); recomputing", path, exc)
+    out = _compute_for_roidb(roidb, t, sqrt)
+    if path is not None:
+        _atomic_save(path, out)
+    out.setflags(write=False)
+    return out
+
+
+def _atomic_save(path: str, arr: np.ndarray) -> Optional[str]:
+    """``np.save`` into a temporary file in the same folder, fsync, rename; a failure
+    (read-only cache) is logged and ignored: the factors are recomputed next time."""
+    d = os.path.dirname(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-repeat-", suffix=".npy")
+    except OSError as exc:
+        log.info("repeat factors not cached in %s (%s)", d, exc)
+        return None
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, arr, allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        return path
+    except OSError as exc:
+        log.info("repeat factors not cached in %s (%s)", d, exc)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        return None
