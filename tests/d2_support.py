@@ -7,7 +7,9 @@ need only torch. :func:`import_d2_module` imports one such module with empty sta
 for the parent packages, then removes every ``detectron2`` entry it added to
 ``sys.modules`` again, so a full import elsewhere is not affected.
 
-The checkout is ``$LIT_ROIDATA_D2_SRC`` or ``/work/d2src``; tests skip without it.
+The checkout is ``$DETECTRON2_SRC`` (or ``$LIT_ROIDATA_D2_SRC``), else a ``d2src`` folder
+beside the repository or beside its parent (what tests/test_lvis_roidb.py also looks for);
+tests skip without it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import pytest
 
 def d2_src() -> Optional[str]:
     """The Detectron2 checkout, or None when there is none."""
-    for cand in (os.environ.get("LIT_ROIDATA_D2_SRC"), "/work/d2src"):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for cand in (os.environ.get("DETECTRON2_SRC"), os.environ.get("LIT_ROIDATA_D2_SRC"),
+                 os.path.join(os.path.dirname(repo), "d2src"),
+                 os.path.join(os.path.dirname(os.path.dirname(repo)), "d2src")):
         if cand and os.path.isfile(os.path.join(cand, "detectron2", "__init__.py")):
             return cand
     return None
@@ -33,7 +38,7 @@ def import_d2_module(name: str) -> Any:
     """``detectron2.<name>`` from the checkout (``pytest.skip`` without one)."""
     src = d2_src()
     if src is None:
-        pytest.skip("no Detectron2 source checkout (set LIT_ROIDATA_D2_SRC)")
+        pytest.skip("no Detectron2 source checkout (set DETECTRON2_SRC)")
     before = {k: v for k, v in sys.modules.items() if k == "detectron2" or k.startswith("detectron2.")}
     parts = ["detectron2", *name.split(".")[:-1]]
     try:
