@@ -338,11 +338,7 @@ def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
     Raises:
         RoIDBInputError: malformed JSON (file, line, column, byte) or a malformed record.
     """
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            read_json(path, b"")
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    dec = _Chunked(path, mm, max(1, int(window_bytes)))
+    dec = _Chunked.open(path, window_bytes)
     try:
         return dec.collect()
     finally:
@@ -358,11 +354,7 @@ def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES) -> Any:
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
     """
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            read_json(path, b"")
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    dec = _Chunked(path, mm, max(1, int(window_bytes)))
+    dec = _Chunked.open(path, window_bytes)
     try:
         yield from dec.events()
     finally:
@@ -371,6 +363,15 @@ def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES) -> Any:
 
 class _Chunked:
     """One :func:`decode_chunked` pass over a memory-mapped file."""
+
+    @classmethod
+    def open(cls, path: str, window_bytes: int) -> "_Chunked":
+        """Map ``path`` (an empty file raises the malformed-JSON error)."""
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size == 0:
+                read_json(path, b"")
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        return cls(path, mm, max(1, int(window_bytes)))
 
     def __init__(self, path: str, mm: mmap.mmap, window: int) -> None:
         self.path, self.mm, self.window, self.n = path, mm, window, len(mm)
