@@ -24,7 +24,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import cv2
 import numpy as np
@@ -210,18 +210,29 @@ def ensure_demo_data(root: str | os.PathLike, *, seed: int = 0,
     root.mkdir(parents=True, exist_ok=True)
     wanted = {"version": _VERSION, "seed": int(seed), "num_images": counts}
     layout = _layout(root, counts)
-    if _is_complete(root, wanted):
-        return layout
+    build_once(root, ".demo_data.lock", lambda: _is_complete(root, wanted),
+               lambda: _build(root, wanted))
+    return layout
+
+
+def build_once(root: Path, lock_name: str, is_complete: Callable[[], bool],
+               build: Callable[[], None]) -> None:
+    """Run ``build`` unless ``is_complete()``, once across processes: under a file lock in
+    ``root``, checked again after the wait (another rank may have built it meanwhile).
+
+    Raises:
+        TimeoutError: the lock was held for 10 minutes (names the lock file to delete).
+    """
+    if is_complete():
+        return
     try:
-        with FileLock(str(root / ".demo_data.lock"), timeout=_LOCK_TIMEOUT_S):
-            if _is_complete(root, wanted):  # another rank built it while we waited
-                return layout
-            _build(root, wanted)
+        with FileLock(str(root / lock_name), timeout=_LOCK_TIMEOUT_S):
+            if not is_complete():
+                build()
     except Timeout as e:
         raise TimeoutError(f"waited {_LOCK_TIMEOUT_S:.0f} s for the demo-data lock "
-                           f"{root / '.demo_data.lock'}; if no other process is generating "
+                           f"{root / lock_name}; if no other process is generating "
                            f"the data, delete that file and retry") from e
-    return layout
 
 
 def _build(root: Path, wanted: dict[str, Any]) -> None:

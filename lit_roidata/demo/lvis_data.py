@@ -41,8 +41,8 @@ from typing import Any, Optional
 
 import cv2
 import numpy as np
-from filelock import FileLock, Timeout
 
+from lit_roidata.demo.data import build_once
 from lit_roidata.demo.shapes import _annotation, _draw_shape, _place
 
 __all__ = ["LVIS_DEMO_DATASETS", "ensure_lvis_demo_data", "lvis_thresholds",
@@ -56,7 +56,6 @@ _SPLITS = {"lvis_demo_train": ("train2017", "lvis_v1_train.json", 1000),
            "lvis_demo_val": ("val2017", "lvis_v1_val.json", 500000)}
 _VERSION = 1  # bump when the generated content changes
 _MANIFEST = "lvis_demo_manifest.json"
-_LOCK_TIMEOUT_S = 600.0
 #: shapes.py's drawers: rectangle, ellipse, triangle
 _SHAPES = ((3, "rectangle"), (7, "ellipse"), (12, "triangle"))
 #: named hues (degrees) for the category colours
@@ -272,16 +271,8 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
     wanted = {"version": _VERSION, "seed": int(seed), "num_images": counts,
               "num_categories": int(num_categories), "size_range": [int(v) for v in size_range]}
     layout = _layout(root, counts)
-    if _is_complete(root, wanted):
-        return layout
-    try:
-        with FileLock(str(root / ".lvis_demo_data.lock"), timeout=_LOCK_TIMEOUT_S):
-            if not _is_complete(root, wanted):
-                _build(root, wanted)
-    except Timeout as e:
-        raise TimeoutError(f"waited {_LOCK_TIMEOUT_S:.0f} s for the demo-data lock "
-                           f"{root / '.lvis_demo_data.lock'}; if no other process is "
-                           f"generating the data, delete that file and retry") from e
+    build_once(root, ".lvis_demo_data.lock", lambda: _is_complete(root, wanted),
+               lambda: _build(root, wanted))
     return layout
 
 
