@@ -26,6 +26,8 @@ import numpy as np
 import orjson
 import scipy.sparse
 
+from lit_roidata.roidb.columnar import LVIS_ENTRY_FIELDS
+
 __all__ = ["ROIDB_BLOB_KEYS", "EXTRA_KEYS", "LVIS_KEYS", "serialize_roidb", "deserialize_roidb"]
 
 ROIDB_BLOB_KEYS = ("has_visible_keypoints", "boxes", "segms", "seg_areas", "gt_classes",
@@ -34,8 +36,8 @@ ROIDB_BLOB_KEYS = ("has_visible_keypoints", "boxes", "segms", "seg_areas", "gt_c
 # segms can be decoded at their size in the second stage.
 EXTRA_KEYS = ("id", "image", "width", "height", "flipped")
 # LVIS roidbs only: each image's neg / not-exhaustive categories as contiguous class ids
-# (int32 arrays, like gt_classes), for federated losses in the model.
-LVIS_KEYS = ("neg_category_ids", "not_exhaustive_category_ids")
+# (int32 arrays, like gt_classes), for federated losses in the model: the entry fields.
+LVIS_KEYS = LVIS_ENTRY_FIELDS
 _JSON_KEYS = frozenset(("segms", "has_visible_keypoints") + EXTRA_KEYS)
 _KEYS = ROIDB_BLOB_KEYS + EXTRA_KEYS + LVIS_KEYS
 _MAGIC = b"LRDB"
