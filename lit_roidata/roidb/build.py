@@ -256,7 +256,7 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
         log_report(manifest["report"])
         for w in manifest["report"].get("warnings", []):
             logger.warning("%s", w)
-    db = RoIDB(path)
+    db = RoIDB(path, manifest)
     logger.info("roidb %s: %d entries (%s)", "built" if built else "opened from cache",
                 len(db), path)
     return db
