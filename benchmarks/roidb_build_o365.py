@@ -46,6 +46,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roidb_build import warm_page_cache  # noqa: E402
 
 O365_IMAGES = 1_742_292
 O365_ANNS_PER_IMAGE = 25_400_000 / O365_IMAGES
@@ -154,17 +156,6 @@ def phase_d2(args) -> dict:
                 "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     return {"seconds": time.perf_counter() - t0, "entries": len(dicts),
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def warm_page_cache(*paths: str) -> None:
-    """Read ``paths`` once (untimed), so that every timed phase starts with its input in
-    the page cache: on a machine with proactive memory reclaim an input left idle for a
-    minute is partly evicted, and the phase would time the disk instead."""
-    buf = bytearray(1 << 24)
-    for path in paths:
-        with open(path, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
 
 
 def run_phase(name: str, **kw) -> dict:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["OrderedWorkers", "WorkerDied", "WorkerFailed", "build_workers", "run_ordered"]
+__all__ = ["OrderedWorkers", "WorkerDied", "WorkerFailed", "build_workers", "map_ordered"]
 
 _MAX_WORKERS = 8
 
@@ -199,24 +199,39 @@ class OrderedWorkers:
         self.close()
 
 
-def run_ordered(fn: Callable[[Any, dict], Any], tasks: Any, n: int, *,
-                depth: Optional[int] = None) -> Any:
-    """Yield ``fn(task, {})`` for each of ``tasks``, computed by ``n`` forked workers
-    (at most ``depth``, default ``2 * n``, in flight), in order.
+def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int, *,
+                depth: Optional[int] = None) -> Iterator[Any]:
+    """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
+    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here.
 
-    Raises:
-        WorkerFailed: as :meth:`OrderedWorkers.result`.
+    A task that raises in a worker raises the same exception here (run again in this
+    process when it could not be sent back); if a worker dies, the remaining tasks run
+    in this process. So the results, and the first error, are those of the plain loop.
     """
+    if n <= 1:
+        for t in tasks:
+            yield fn(t, {})
+        return
     depth = depth or 2 * n
-    it = iter(tasks)
+    done = 0
     with OrderedWorkers(fn, n) as w:
-        more = True
-        while True:
-            while more and w.pending < depth:
+        sent = 0
+        try:
+            while done < len(tasks):
+                while sent < len(tasks) and w.pending < depth:
+                    w.submit(tasks[sent])
+                    sent += 1
                 try:
-                    w.submit(next(it))
-                except StopIteration:
-                    more = False
-            if not w.pending:
-                return
-            yield w.result()
+                    out = w.result()
+                except WorkerDied:
+                    raise
+                except WorkerFailed as exc:
+                    if exc.__cause__ is not None:
+                        raise exc.__cause__ from None
+                    out = fn(tasks[done], {})  # the error, as this process raises it
+                yield out
+                done += 1
+        except WorkerDied:
+            pass
+    for t in tasks[done:]:  # a worker died: the rest here
+        yield fn(t, {})
