@@ -13,8 +13,9 @@ process:
   printed next to it as a cross-check (it is the largest single process, not a sum).
 * **ours, warm**: the same call with the cache present.
 * **loader PSS** (``--loader-pss``): total PSS of the main process + 2 workers of the e2e
-  loader (``benchmarks/loader_vs_peers.py``'s ``pss_lit`` phase) over this roidb, after
-  100 timed images.
+  loader (Faster R-CNN FPN targets; images synthesised at each entry's size) over this
+  roidb after 100 timed images, and each worker's private anonymous memory, measured
+  as ``benchmarks/loader_vs_peers.py`` measures them.
 * **Detectron2**: ``detectron2.data.datasets.coco.load_coco_json`` on the same file, from
   a source checkout (``--d2-src``), under an address-space limit (``RLIMIT_AS``,
   ``--d2-limit-gib``, default 8) set in its child process so it fails cleanly instead of
@@ -165,7 +166,7 @@ def phase_loader(args) -> dict:
     pool = [rng.integers(0, 256, (480, 640, 3), np.uint8) for _ in range(8)]
 
     def fake_read(entry):
-        return cv2.resize(pool[hash(bytes(entry["image"])) % 8],
+        return cv2.resize(pool[hash(entry["image"]) % 8],
                           (int(entry["width"]), int(entry["height"])))
 
     loader = build_train_loader(cfg, db, num_workers=2, prefetch_factor=2, infinite=True)

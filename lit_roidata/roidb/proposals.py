@@ -252,6 +252,8 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     # chunks are independent (every rule is per image): forked workers compute them from
     # the staged file they inherit, in order; this process writes the rows meanwhile
     workers = build_workers() if len(chunks) >= 4 else 0
+    if workers:
+        out.quiesce()  # no writer threads while forking (a previous dataset's)
     try:
         for (start, stop), (res, c) in zip(chunks, map_ordered(one_chunk, chunks, workers)):
             per_img, b, mo, mc, gmap = res
@@ -393,6 +395,15 @@ class ProposalColumns:
         self.rows += int(boxes.shape[0])
         while len(self._writes) > _MAX_PENDING_WRITES:  # bounded memory if the disk lags
             self._writes.popleft().result()
+
+    def quiesce(self) -> None:
+        """Wait for the rows handed over so far to be written and stop the writer threads
+        (they start again with the next :meth:`append`), e.g. before forking."""
+        while self._writes:
+            self._writes.popleft().result()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def finish(self) -> dict:
         """Close the columns: ``{name: read-only array}`` (memory maps of the files).

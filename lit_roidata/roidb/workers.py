@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -57,6 +58,8 @@ def build_workers() -> int:
 def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
     """A worker's loop: ``("set", dict)`` updates its state, ``("task", x)`` answers
     ``fn(x, state)``, ``None`` ends it."""
+    # Ctrl-C is the caller's: it stops the build and ends the workers (no traceback here)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     state: dict = {}
     while True:
         try:
