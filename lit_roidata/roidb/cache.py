@@ -38,7 +38,8 @@ import numpy as np
 from filelock import FileLock, Timeout
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "default_cache_dir", "file_fingerprint", "cache_key",
-           "write_arrays", "validate_cache", "verify_checksums", "get_or_build", "CacheError",
+           "write_arrays", "ArrayWriter", "npy_data_offset", "start_writeback",
+           "validate_cache", "verify_checksums", "get_or_build", "CacheError",
            "hold_in_use", "in_use", "LAST_USED"]
 
 logger = logging.getLogger(__name__)

@@ -365,7 +365,7 @@ def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES,
     With a ``mapper`` (:class:`WindowMapper`), windows of the arrays it handles are
     decoded by it (in worker processes) several at a time; their events come in the
     same order, ``("images", columns, first)`` or ``("annotations_mapped", payload,
-    first)``. A window the mapper refuses, and every one after it, is decoded here.
+    first)``. A window the mapper refuses, and the rest of its array, are decoded here.
 
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
@@ -415,7 +415,7 @@ class WindowMapper:
 
     def result(self) -> tuple[int, Any]:
         """``(elements, payload)`` of the oldest window; raises any exception to refuse
-        it (the window is then decoded in-process, as is every later one)."""
+        it (the window and the rest of its array are then decoded in-process)."""
         raise NotImplementedError
 
     def reset(self) -> bool:
