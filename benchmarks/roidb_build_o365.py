@@ -8,13 +8,14 @@ process:
 
 * **ours, cold**: ``combined_roidb_for_training`` with an empty cache (decode in windows,
   clean, write). Peak memory is the *whole process tree's*: the benchmark process and
-  the forked builder are sampled together every 50 ms (sum of RSS over the tree, via
+  the forked builder are sampled together every 200 ms (sum of RSS over the tree, via
   ``psutil``), and the maximum of the sums is reported; ``ru_maxrss`` of the children is
   printed next to it as a cross-check (it is the largest single process, not a sum).
 * **ours, warm**: the same call with the cache present.
 * **loader PSS** (``--loader-pss``): total PSS of the main process + 2 workers of the e2e
-  loader (``benchmarks/loader_vs_peers.py``'s ``pss_lit`` phase) over this roidb, after
-  100 timed images.
+  loader (Faster R-CNN FPN targets; images synthesised at each entry's size) over this
+  roidb after 100 timed images, and each worker's private anonymous memory, measured
+  as ``benchmarks/loader_vs_peers.py`` measures them.
 * **Detectron2**: ``detectron2.data.datasets.coco.load_coco_json`` on the same file, from
   a source checkout (``--d2-src``), under an address-space limit (``RLIMIT_AS``,
   ``--d2-limit-gib``, default 8) set in its child process so it fails cleanly instead of
@@ -46,6 +47,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roidb_build import warm_page_cache  # noqa: E402
 
 O365_IMAGES = 1_742_292
 O365_ANNS_PER_IMAGE = 25_400_000 / O365_IMAGES
@@ -136,6 +139,43 @@ def phase_ours(args) -> dict:
             "children_user_s": ch.ru_utime, "children_sys_s": ch.ru_stime}
 
 
+def phase_loader(args) -> dict:
+    """The e2e loader (Faster R-CNN FPN targets, 2 workers, aspect grouping, flips) over
+    the built roidb: images/s, and after 100 timed images the total PSS of the main
+    process and its workers and each worker's private anonymous memory
+    (``loader_vs_peers.py``'s measures). Images are not read from disk (the file has no
+    images): each entry gets one of 8 noise images resized to its size, as a decoder
+    would return it."""
+    import cv2
+
+    from loader_vs_peers import time_loader
+    from lit_roidata.config import get_cfg
+    from lit_roidata.loader import build_train_loader
+    from lit_roidata.minibatch.model_type import flags_for_model_type
+    from lit_roidata.roidb import combined_roidb_for_training
+
+    catalog = _catalog(args.ann)
+    db = combined_roidb_for_training("o365", (), get_cfg(), args.cache, catalog=catalog,
+                                     check_images=False, progress=False)
+    cfg = get_cfg()
+    cfg.merge_from_dict({**flags_for_model_type("faster_rcnn_fpn"),
+                         "MODEL.NUM_CLASSES": O365_CATEGORIES + 1, "TRAIN.IMS_PER_BATCH": 2,
+                         "TRAIN.SCALES": [640, 672, 704, 736, 768, 800], "TRAIN.MAX_SIZE": 1333})
+    cfg.infer()
+    rng = np.random.default_rng(0)
+    pool = [rng.integers(0, 256, (480, 640, 3), np.uint8) for _ in range(8)]
+
+    def fake_read(entry):
+        return cv2.resize(pool[hash(entry["image"]) % 8],
+                          (int(entry["width"]), int(entry["height"])))
+
+    loader = build_train_loader(cfg, db, num_workers=2, prefetch_factor=2, infinite=True)
+    loader.dataset.loader = fake_read
+    res = time_loader(iter(loader), 4, 100, mem_at=())
+    res["entries"] = len(db)
+    return res
+
+
 def phase_d2(args) -> dict:
     """Detectron2's ``load_coco_json`` under ``RLIMIT_AS`` (set here, in the child)."""
     import logging
@@ -157,8 +197,12 @@ def phase_d2(args) -> dict:
 
 
 def run_phase(name: str, **kw) -> dict:
-    """Run a phase in a fresh process; sample the RSS of its whole process tree."""
+    """Run a phase in a fresh process (its input read into the page cache first); sample
+    the RSS of its whole process tree."""
     import psutil
+
+    if kw.get("ann"):
+        warm_page_cache(kw["ann"])
 
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", name]
     for k, v in kw.items():
@@ -186,7 +230,7 @@ def run_phase(name: str, **kw) -> dict:
                 break
             if total > peak[0]:
                 peak[:] = [total, n]
-            time.sleep(0.05)
+            time.sleep(0.2)
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
@@ -210,12 +254,15 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the generated file")
     p.add_argument("--d2-src", default=None, help="a detectron2 source checkout")
     p.add_argument("--d2-limit-gib", type=float, default=8.0)
+    p.add_argument("--loader-pss", action="store_true",
+                   help="also measure the e2e loader's memory (2 workers) over the roidb")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ann", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.phase:
-        print(json.dumps({"ours": phase_ours, "d2": phase_d2}[args.phase](args)))
+        print(json.dumps({"ours": phase_ours, "d2": phase_d2,
+                          "loader": phase_loader}[args.phase](args)))
         return
     os.makedirs(args.workdir, exist_ok=True)
     ann = os.path.join(args.workdir, f"o365_{args.images}.json")
@@ -245,6 +292,15 @@ def main() -> None:
         size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(cache)
                    for f in fs)
         print(f"cache size: {size / 2**30:.2f} GiB")
+        if args.loader_pss:
+            r = run_phase("loader", ann=ann, cache=cache)
+            m = r["memory"]
+            ws = ", ".join(f"USS {w['uss']:.0f} / private anonymous {w['private_anon']:.0f}"
+                           for w in m["workers"])
+            print(f"loader (e2e Faster R-CNN FPN targets, 2 workers, after {r['images']} "
+                  f"timed images): {r['images_per_s']:.0f} img/s; total PSS "
+                  f"{m['total_pss']:.0f} MiB (main {m['main_pss']:.0f} MiB); workers MiB: "
+                  f"{ws}", flush=True)
         if args.d2_src:
             try:
                 d = run_phase("d2", ann=ann, d2_src=args.d2_src, d2_limit_gib=args.d2_limit_gib)

@@ -330,3 +330,61 @@ def test_write_arrays_checksums_the_written_bytes(tmp_path, monkeypatch, algo):
         rec = manifest[name]
         assert rec["bytes"] == fn.stat().st_size
         assert rec["checksum"] == f"{algo}:{cache_mod.file_digest(str(fn), algo)}"
+
+
+def test_write_arrays_leaves_zero_blocks_as_holes(tmp_path, monkeypatch):
+    """All-zero blocks are not written (holes read back as zeros); the file's bytes and
+    checksum are those of the array."""
+    from lit_roidata.roidb import cache as cache_mod
+
+    block = cache_mod._WRITE_BLOCK
+    arr = np.zeros(3 * block + 100, np.uint8)
+    arr[block + 5] = 7  # only the second block (and the header) hold non-zero bytes
+    written = []
+    real = cache_mod._pwrite_all
+
+    def spy(fd, offset, data):
+        written.append((offset, memoryview(data).nbytes))
+        real(fd, offset, data)
+
+    monkeypatch.setattr(cache_mod, "_pwrite_all", spy)
+    rec = cache_mod.write_arrays(str(tmp_path), {"z": arr})["z"]
+    np.save(tmp_path / "ref.npy", arr)
+    assert (tmp_path / "z.npy").read_bytes() == (tmp_path / "ref.npy").read_bytes()
+    header = rec["bytes"] - arr.nbytes
+    assert sorted(written) == [(0, header), (header + block, block)]
+    assert rec["checksum"].split(":")[1] == cache_mod.file_digest(
+        str(tmp_path / "z.npy"), rec["checksum"].split(":")[0])
+
+
+def test_open_maps_without_parsing_and_accepts_other_header_layouts(ds):
+    """Files whose header says exactly the manifest's dtype and shape are mapped at once
+    (NumPy's 1.0 and 2.0 layouts alike); a header written differently (keys in another
+    order) still opens, through NumPy's parser; the per-entry columns are gathered on
+    first use."""
+    from lit_roidata.roidb.cache import npy_data_offset
+
+    cat, _, tmp = ds
+    a = _build(cat, tmp)
+    recs = a.manifest["arrays"]
+    assert all(npy_data_offset(os.path.join(a.path, r["file"]), r) for r in recs.values())
+    ref = [a[i].to_dict() for i in range(len(a))]
+    fn = os.path.join(a.path, "gt_boxes.npy")
+    boxes = np.load(fn)
+    with open(fn, "wb") as fh:
+        np.lib.format.write_array(fh, boxes, version=(2, 0))
+    assert npy_data_offset(fn, recs["gt_boxes"]) == 128
+    text = f"{{'shape': {boxes.shape}, 'fortran_order': False, 'descr': '<f4'}}".encode()
+    text += b" " * (-(len(text) + 11) % 64) + b"\n"
+    with open(fn, "wb") as fh:
+        fh.write(b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text)
+        fh.write(boxes.tobytes())
+    assert npy_data_offset(fn, recs["gt_boxes"]) is None
+    rec = dict(recs["gt_boxes"], bytes=os.path.getsize(fn))
+    a.manifest["arrays"]["gt_boxes"] = rec
+    b = RoIDB(a.path, a.manifest)
+    assert "widths" not in vars(b) and "ids" not in vars(b)
+    np.testing.assert_array_equal(b.widths, np.asarray(b._a["img_width"])[b._entry_img])
+    for i, e in enumerate(ref):
+        np.testing.assert_array_equal(b[i]["boxes"], e["boxes"])
+        assert b[i]["dataset"] == e["dataset"] and b.dataset_of(i) == "d"

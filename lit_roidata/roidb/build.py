@@ -23,7 +23,7 @@ import pickle
 import time
 from collections import Counter
 from operator import methodcaller
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
 from lit_roidata.config import DetectronConfig, get_cfg
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
-from lit_roidata.roidb.cache import write_arrays
+from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
@@ -256,7 +256,7 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
         log_report(manifest["report"])
         for w in manifest["report"].get("warnings", []):
             logger.warning("%s", w)
-    db = RoIDB(path)
+    db = RoIDB(path, manifest)
     logger.info("roidb %s: %d entries (%s)", "built" if built else "opened from cache",
                 len(db), path)
     return db
@@ -420,9 +420,19 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                                  t.info.json_category_id_to_contiguous_id,
                                  t.info.contiguous_category_id_to_json_id, t.info.keypoints,
                                  t.info.keypoint_flip_map)
-    arrays, report = _combine(specs, tables, props, options, written)
     done = columns.records if columns is not None else {}
-    rest = write_arrays(tmp, {k: v for k, v in arrays.items() if k not in done})
+    writer = ArrayWriter(tmp)  # each array is written while the next is computed
+
+    def emit(name: str, array: np.ndarray) -> None:
+        if name not in done:  # proposal columns: already written in place
+            writer.add(name, array)
+
+    try:
+        arrays, report = _combine(specs, tables, props, options, written, emit=emit)
+    except BaseException:
+        writer.close()
+        raise
+    rest = writer.finish()
     manifest_arrays = {k: done[k] if k in done else rest[k] for k in arrays}
     report["build_seconds"] = round(time.perf_counter() - t0, 3)
     return {"arrays": manifest_arrays, "datasets": [t.info.to_json() for t in tables],
@@ -513,9 +523,24 @@ def _prop_arrays(props: list, written: dict) -> dict:
     }
 
 
-def _combine(specs, tables, props, options, written=None) -> tuple[dict, dict]:
+def _combine(specs, tables, props, options, written=None,
+             emit: Callable[[str, np.ndarray], Any] = lambda k, v: None
+             ) -> tuple[dict, dict]:
+    """The cache's arrays and the build report; ``emit(name, array)`` is called for each
+    array once it is final (the caller writes it meanwhile)."""
     cat = _cat
     n_imgs = [t.ids.size for t in tables]
+    a: dict[str, np.ndarray] = {
+        "gt_boxes": cat([t.boxes for t in tables]).reshape(-1, 4),
+        "gt_classes": cat([t.classes for t in tables]).astype(np.int32),
+        "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),
+        "gt_is_crowd": cat([t.is_crowd for t in tables]).astype(bool),
+    }
+    for k, v in a.items():
+        emit(k, v)
+    a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
+    for k in set(a) - _GT_COLUMNS:
+        emit(k, a[k])
     paths = [p for s, t in zip(specs, tables) for p in _image_paths(s, t.file_names)]
     path_off = offsets(np.fromiter(map(len, paths), np.int64, len(paths)))
     k_max = max((t.info.num_keypoints for t in tables), default=0)
@@ -528,7 +553,7 @@ def _combine(specs, tables, props, options, written=None) -> tuple[dict, dict]:
         if t.keypoints is not None:
             k[:, :, :t.keypoints.shape[2]] = t.keypoints
         kps.append(k)
-    a: dict[str, np.ndarray] = {
+    rest: dict[str, np.ndarray] = {
         "img_id": cat([t.ids for t in tables]),
         "img_width": cat([t.widths for t in tables]).astype(np.int32),
         "img_height": cat([t.heights for t in tables]).astype(np.int32),
@@ -538,16 +563,14 @@ def _combine(specs, tables, props, options, written=None) -> tuple[dict, dict]:
         "img_has_vis_kp": cat([t.has_vis_kp for t in tables]),
         "img_gt_off": concat_offsets([t.gt_off for t in tables]),
         "img_prop_off": concat_offsets([p.off for p in props]),
-        "gt_boxes": cat([t.boxes for t in tables]).reshape(-1, 4),
-        "gt_classes": cat([t.classes for t in tables]).astype(np.int32),
-        "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),
-        "gt_is_crowd": cat([t.is_crowd for t in tables]).astype(bool),
         "gt_keypoints": cat(kps),
         **_prop_arrays(props, written or {}),
     }
-    a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
     if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
-        a.update(_image_list_columns(tables))
+        rest.update(_image_list_columns(tables))
+    for k, v in rest.items():
+        emit(k, v)
+    a.update(rest)
     starts = np.cumsum([0] + n_imgs)
     entry_img, entry_flip = [], []
     for k in range(len(tables)):
@@ -572,10 +595,31 @@ def _combine(specs, tables, props, options, written=None) -> tuple[dict, dict]:
         e_img, e_flip = e_img[keep], e_flip[keep]
     a["entry_img"] = e_img
     a["entry_flipped"] = e_flip
+    emit("entry_img", e_img)
+    emit("entry_flipped", e_flip)
+    a = {k: a[k] for k in sorted(a, key=_manifest_rank)}  # the manifest's usual order
     report = {"datasets": _dataset_reports(tables, props, a), "entries": {
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
         "filtered": bool(options["filter"])}, "warnings": warnings_}
     return a, report
+
+
+_GT_COLUMNS = frozenset({"gt_boxes", "gt_classes", "gt_seg_areas", "gt_is_crowd"})
+_ORDER = ("img_id", "img_width", "img_height", "img_dataset", "img_path_bytes",
+          "img_path_off", "img_has_vis_kp", "img_gt_off", "img_prop_off", "gt_boxes",
+          "gt_classes", "gt_seg_areas", "gt_is_crowd", "gt_keypoints", "prop_boxes",
+          "prop_max_overlaps", "prop_max_classes", "prop_gt_map")
+_TAIL = ("entry_img", "entry_flipped")
+
+
+def _manifest_rank(name: str) -> tuple:
+    """Arrays in the order the manifest has always listed them: image and gt columns,
+    proposal columns, segmentation (and LVIS list) columns, entries last."""
+    if name in _ORDER:
+        return (0, _ORDER.index(name))
+    if name in _TAIL:
+        return (2, _TAIL.index(name))
+    return (1, 0)  # segm / image-list columns: stable sort keeps their own order
 
 
 def _image_list_columns(tables) -> dict[str, np.ndarray]:
@@ -645,13 +689,20 @@ _GT_KEYS = ("gt_min_area", "ignore", "non_finite_bbox", "non_positive_area", "de
 
 def _dataset_reports(tables, props, a) -> list[dict]:
     n_total = a["img_id"].size
-    weight = np.bincount(a["entry_img"], minlength=n_total)
-    rows_img = np.repeat(np.arange(n_total), np.diff(a["img_gt_off"]))
-    w_rows = np.where(a["gt_is_crowd"], 0, weight[rows_img])
+    weight = np.bincount(a["entry_img"], minlength=n_total)  # entries per image (0-2)
+    w_max = int(weight.max()) if weight.size else 0
+    w_rows = np.repeat(weight.astype(np.uint8 if w_max < 256 else np.int64),
+                       np.diff(a["img_gt_off"]))
+    w_rows[a["gt_is_crowd"]] = 0
     out, g0 = [], 0
     for t, p in zip(tables, props):
         g1 = g0 + t.classes.size
-        hist = np.bincount(t.classes, weights=w_rows[g0:g1], minlength=t.info.num_classes)
+        # per class, the sum of its non-crowd boxes' entry counts: one integer bincount
+        # of (class, weight) pairs (the weights are a handful of small integers)
+        wide = np.int32 if t.info.num_classes * (w_max + 1) < 2 ** 31 else np.int64
+        pair = t.classes.astype(wide) * (w_max + 1) + w_rows[g0:g1]
+        hist = (np.bincount(pair, minlength=t.info.num_classes * (w_max + 1))
+                .reshape(-1, w_max + 1) @ np.arange(w_max + 1))
         out.append({
             "name": t.info.name, "images": int(t.ids.size), "gt_boxes": int(t.classes.size),
             "gt_crowd": int(t.is_crowd.sum()),

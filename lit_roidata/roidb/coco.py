@@ -13,7 +13,9 @@ raise :class:`RoIDBInputError` naming the file, the annotation and image ids and
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -21,10 +23,12 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, WINDOW_BYTES, RawCoco
-from lit_roidata.roidb.decode import decode_generic, iter_coco, read_json
+from lit_roidata.roidb.decode import WindowMapper, decode_generic, decode_window, iter_coco
+from lit_roidata.roidb.decode import read_json
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError, keypoint_flip_map
 from lit_roidata.roidb.segms import POLY, SegmColumns, rle_columns, rle_string_counts
 from lit_roidata.roidb.segms import offsets, take_ranges
+from lit_roidata.roidb.workers import OrderedWorkers, build_workers
 
 __all__ = ["GtTable", "load_coco_json", "table_from_raw", "read_json",
            "dataset_info_from_categories", "keypoint_category_ids"]
@@ -152,15 +156,26 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
                               keypoints_required=keypoints_required)
     gb = _GtBuilder(path, gt_min_area, keypoints_required)
     cats: list = []
-    for ev in iter_coco(path, window_bytes=window_bytes):
-        if ev[0] == "annotations":
-            gb.add_annotations(ev[1])
-        elif ev[0] == "images":
-            gb.add_images(ev[1])
-        elif ev[0] == "images_end":
-            gb.images_end()
-        else:
-            cats = ev[1]
+    n_workers = build_workers() if os.path.getsize(path) >= _PARALLEL_BYTES * window_bytes else 0
+    mapper = (ParallelWindows(path, n_workers, gt_min_area, keypoints_required)
+              if n_workers else None)
+    try:
+        for ev in iter_coco(path, window_bytes=window_bytes, mapper=mapper):
+            if ev[0] == "annotations_mapped":
+                gb.add_cleaned(ev[1], ev[2])
+            elif ev[0] == "annotations":
+                gb.add_annotations(ev[1])
+            elif ev[0] == "images":
+                gb.add_images(ev[1])
+            elif ev[0] == "images_end":
+                gb.images_end()
+                if mapper is not None:
+                    mapper.set_index(gb.ids, gb.widths, gb.heights)
+            else:
+                cats = ev[1]
+    finally:
+        if mapper is not None:
+            mapper.close()
     if categories_hook is not None:
         class_order = categories_hook(cats)
     info = dataset_info_from_categories(name, cats, source=path, class_order=class_order)
@@ -245,100 +260,33 @@ class _GtBuilder:
         del file_names
         self.ids = ids
         self.widths, self.heights = widths.astype(np.int32), heights.astype(np.int32)
-        for w in self.pending:
-            self.parts.append(self._window(w))
-        self.pending = []
+        pending, self.pending = self.pending, []
+        for w in pending:
+            self.add_annotations(w)
 
     def add_annotations(self, w: RawCoco) -> None:
         """Clean one window of annotations (a :class:`RawCoco` with ``ann_base`` set)."""
         if self.ids is None:
             self.pending.append(w)
         else:
-            self.parts.append(self._window(w))
+            self._add(*clean_window(w, self.ids, self.widths, self.heights,
+                                    self.gt_min_area, self.required))
 
-    def _window(self, raw: RawCoco) -> dict:
-        ids, widths, heights, counts = self.ids, self.widths, self.heights, self.counts
-        n = len(ids)
-        a_img = raw.ann_img
-        pos = np.minimum(np.searchsorted(ids, a_img), max(n - 1, 0))
-        known = (ids[pos] == a_img) if n else np.zeros(len(a_img), bool)
-        unknown = int((~known).sum())
-        if unknown:
-            counts["annotation_unknown_image"] += unknown
-            self.unknown_ids = np.unique(np.concatenate([self.unknown_ids,
-                                                         np.unique(a_img[~known])[:5]]))[:5]
-        w_img = widths[pos].astype(np.float64)
-        h_img = heights[pos].astype(np.float64)
-        _check_polygons(raw, known)
-        rle_rows = _check_rles(raw, known, h_img, w_img)
-        kp_rows = np.flatnonzero(known & ((raw.kp_len > 0) | self.required))
+    def add_cleaned(self, cleaned: tuple, base: int) -> None:
+        """One window cleaned elsewhere (:func:`clean_window` of a window whose first
+        annotation is the file's ``base``-th, decoded with ``ann_base=0``)."""
+        part, counts, unknown = cleaned
+        if base:
+            part["gpos"] = _narrow(part["gpos"].astype(np.int64) + base)
+            part["k_pos"] = part["k_pos"] + base
+        self._add(part, counts, unknown)
 
-        area, crowd, ignore, bbox = raw.ann_area, raw.ann_crowd, raw.ann_ignore, raw.ann_bbox
-        keep = known.copy()
-        with np.errstate(invalid="ignore"):
-            small = keep & (area < self.gt_min_area)
-        counts["gt_min_area"] += int(small.sum())
-        keep &= ~small
-        ign = keep & (ignore == 1)
-        counts["ignore"] += int(ign.sum())
-        keep &= ~ign
-        x1, y1 = bbox[:, 0], bbox[:, 1]
-        with np.errstate(invalid="ignore"):
-            x2 = x1 + np.maximum(0.0, bbox[:, 2] - 1.0)
-            y2 = y1 + np.maximum(0.0, bbox[:, 3] - 1.0)
-            x1 = np.minimum(w_img - 1.0, np.maximum(0.0, x1))
-            y1 = np.minimum(h_img - 1.0, np.maximum(0.0, y1))
-            x2 = np.minimum(w_img - 1.0, np.maximum(0.0, x2))
-            y2 = np.minimum(h_img - 1.0, np.maximum(0.0, y2))
-        nonfinite = keep & ~np.isfinite(bbox).all(axis=1)
-        counts["non_finite_bbox"] += int(nonfinite.sum())
-        keep &= ~nonfinite
-        bad_area = keep & ~(area > 0)
-        counts["non_positive_area"] += int(bad_area.sum())
-        keep &= ~bad_area
-        degenerate = keep & ~((x2 > x1) & (y2 > y1))
-        counts["degenerate_box"] += int(degenerate.sum())
-        keep &= ~degenerate
-        kept = np.flatnonzero(keep)
+    def _add(self, part: dict, counts: dict, unknown: np.ndarray) -> None:
+        self.parts.append(part)
+        self.counts.update(counts)
+        if unknown.size:
+            self.unknown_ids = np.unique(np.concatenate([self.unknown_ids, unknown]))[:5]
 
-        poly_n = raw.poly_n[kept]
-        if raw.coord_n.size:
-            pidx = take_ranges(offsets(raw.poly_n)[kept], poly_n)
-            coord_n = raw.coord_n[pidx]
-            if pidx.size == raw.coord_n.size:
-                coords = raw.coords
-            else:
-                keep_p = np.zeros(raw.coord_n.size, bool)
-                keep_p[pidx] = True
-                coords = raw.coords[np.repeat(keep_p, raw.coord_n)]
-        else:
-            coord_n, coords = raw.coord_n[:0], raw.coords[:0]
-        seg_kind = raw.seg_kind[kept]
-        rle_kept = np.flatnonzero(seg_kind == SEG_RLE).tolist()
-        krow = np.full(kept.size, -1, np.int32)
-        if kp_rows.size:
-            krow[np.isin(kept, kp_rows)] = np.searchsorted(kp_rows, kept[np.isin(kept, kp_rows)])
-        kp_off = offsets(np.maximum(raw.kp_len, 0))
-        # kept rows in their output dtypes (a float32 cast before or after the gather is
-        # the same), integers narrowed where they fit: only these live to the end
-        f32 = np.float32
-        return {
-            "pos": _narrow(pos[kept]), "x1": x1[kept].astype(f32), "y1": y1[kept].astype(f32),
-            "x2": x2[kept].astype(f32), "y2": y2[kept].astype(f32),
-            "area": area[kept].astype(f32), "crowd": crowd[kept] != 0,
-            "cat": _narrow(raw.ann_cat[kept]), "ann_id": _narrow(raw.ann_id[kept]),
-            "gpos": _narrow(raw.ann_pos[kept] if raw.ann_pos is not None
-                            else raw.ann_base + kept),
-            "seg_kind": seg_kind, "poly_n": _narrow(poly_n), "coord_n": coord_n, "coords": coords,
-            "rles": [rle_rows[int(kept[j])] for j in rle_kept], "rle_kept": rle_kept,
-            "krow": krow,
-            "k_id": raw.ann_id[kp_rows], "k_img": a_img[kp_rows], "k_cat": raw.ann_cat[kp_rows],
-            "k_len": raw.kp_len[kp_rows],
-            "k_vals": raw.kp_vals[take_ranges(kp_off[kp_rows],
-                                              np.maximum(raw.kp_len[kp_rows], 0))],
-            "k_pos": (raw.ann_pos[kp_rows] if raw.ann_pos is not None
-                      else raw.ann_base + kp_rows),
-        }
 
     def finish(self, info: DatasetInfo, categories: list) -> GtTable:
         """The table: kept rows ordered by image, class ids, segms and keypoints."""
@@ -372,8 +320,18 @@ class _GtBuilder:
             kp_table = _check_keypoints(kraw, np.ones(kraw.ann_id.size, bool), info,
                                         self.required)
         pos = col("pos", np.int64)
-        order = np.argsort(pos, kind="stable")
-        pos_o = pos[order]
+        if pos.size < 2 or bool((pos[1:] >= pos[:-1]).all()):
+            # annotations grouped by image in image order (many exports): no reordering
+            order, pos_o = np.arange(pos.size), pos
+
+            def by_image(a: np.ndarray) -> np.ndarray:
+                return a
+        else:
+            order = np.argsort(pos, kind="stable")
+            pos_o = pos[order]
+
+            def by_image(a: np.ndarray) -> np.ndarray:
+                return a[order]
         gt_off = offsets(np.bincount(pos_o, minlength=n))
         kept = RawCoco(
             source=path, categories=categories, img_id=ids[:0], img_w=np.zeros(0),
@@ -390,9 +348,9 @@ class _GtBuilder:
         del pos
         boxes = np.empty((order.size, 4), np.float32)
         for j, k in enumerate(("x1", "y1", "x2", "y2")):
-            boxes[:, j] = col(k, np.float32)[order]
-        seg_areas = col("area", np.float32)[order]
-        is_crowd = col("crowd", bool)[order]
+            boxes[:, j] = by_image(col(k, np.float32))
+        seg_areas = by_image(col("area", np.float32))
+        is_crowd = by_image(col("crowd", bool))
         rles: dict = {}
         base = 0
         for p in parts:
@@ -403,7 +361,7 @@ class _GtBuilder:
         del kept, rles
         keypoints, has_vis = None, np.zeros(n, bool)
         if kp_table is not None and krow is not None:
-            kr = krow[order]
+            kr = by_image(krow)
             keypoints = np.zeros((order.size, 3, info.num_keypoints), np.int32)
             sel = kr >= 0
             if sel.any():
@@ -419,6 +377,175 @@ class _GtBuilder:
             file_names=self.names, gt_off=gt_off, boxes=boxes, classes=classes,
             seg_areas=seg_areas, is_crowd=is_crowd, segms=segms, keypoints=keypoints,
             has_vis_kp=has_vis, counts=counts)
+
+
+def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.ndarray,
+                 gt_min_area: float, required: bool) -> tuple[dict, dict, np.ndarray]:
+    """Detectron's cleaning of one window of annotations against the sorted image ids
+    (and their int32 sizes): ``(kept rows' columns, counts by reason, up to 5 unknown
+    image ids)``. Every rule is per annotation, so windows clean independently.
+
+    Raises:
+        RoIDBInputError: a malformed polygon or RLE of an annotation of a known image.
+    """
+    counts: Counter = Counter()
+    n = len(ids)
+    a_img = raw.ann_img
+    pos = np.minimum(np.searchsorted(ids, a_img), max(n - 1, 0))
+    known = (ids[pos] == a_img) if n else np.zeros(len(a_img), bool)
+    unknown = int((~known).sum())
+    unknown_ids = np.zeros(0, np.int64)
+    if unknown:
+        counts["annotation_unknown_image"] += unknown
+        unknown_ids = np.unique(a_img[~known])[:5]
+    w_img = widths[pos].astype(np.float64)
+    h_img = heights[pos].astype(np.float64)
+    _check_polygons(raw, known)
+    rle_rows = _check_rles(raw, known, h_img, w_img)
+    kp_rows = np.flatnonzero(known & ((raw.kp_len > 0) | required))
+
+    area, crowd, ignore, bbox = raw.ann_area, raw.ann_crowd, raw.ann_ignore, raw.ann_bbox
+    keep = known.copy()
+    with np.errstate(invalid="ignore"):
+        small = keep & (area < gt_min_area)
+    counts["gt_min_area"] += int(small.sum())
+    keep &= ~small
+    ign = keep & (ignore == 1)
+    counts["ignore"] += int(ign.sum())
+    keep &= ~ign
+    x1, y1 = bbox[:, 0], bbox[:, 1]
+    with np.errstate(invalid="ignore"):
+        x2 = x1 + np.maximum(0.0, bbox[:, 2] - 1.0)
+        y2 = y1 + np.maximum(0.0, bbox[:, 3] - 1.0)
+        x1 = np.minimum(w_img - 1.0, np.maximum(0.0, x1))
+        y1 = np.minimum(h_img - 1.0, np.maximum(0.0, y1))
+        x2 = np.minimum(w_img - 1.0, np.maximum(0.0, x2))
+        y2 = np.minimum(h_img - 1.0, np.maximum(0.0, y2))
+    nonfinite = keep & ~np.isfinite(bbox).all(axis=1)
+    counts["non_finite_bbox"] += int(nonfinite.sum())
+    keep &= ~nonfinite
+    bad_area = keep & ~(area > 0)
+    counts["non_positive_area"] += int(bad_area.sum())
+    keep &= ~bad_area
+    degenerate = keep & ~((x2 > x1) & (y2 > y1))
+    counts["degenerate_box"] += int(degenerate.sum())
+    keep &= ~degenerate
+    kept = np.flatnonzero(keep)
+
+    poly_n = raw.poly_n[kept]
+    if raw.coord_n.size:
+        pidx = take_ranges(offsets(raw.poly_n)[kept], poly_n)
+        coord_n = raw.coord_n[pidx]
+        if pidx.size == raw.coord_n.size:
+            coords = raw.coords
+        else:
+            keep_p = np.zeros(raw.coord_n.size, bool)
+            keep_p[pidx] = True
+            coords = raw.coords[np.repeat(keep_p, raw.coord_n)]
+    else:
+        coord_n, coords = raw.coord_n[:0], raw.coords[:0]
+    seg_kind = raw.seg_kind[kept]
+    rle_kept = np.flatnonzero(seg_kind == SEG_RLE).tolist()
+    krow = np.full(kept.size, -1, np.int32)
+    if kp_rows.size:
+        krow[np.isin(kept, kp_rows)] = np.searchsorted(kp_rows, kept[np.isin(kept, kp_rows)])
+    kp_off = offsets(np.maximum(raw.kp_len, 0))
+    # kept rows in their output dtypes (a float32 cast before or after the gather is
+    # the same), integers narrowed where they fit: only these live to the end
+    f32 = np.float32
+    part = {
+        "pos": _narrow(pos[kept]), "x1": x1[kept].astype(f32), "y1": y1[kept].astype(f32),
+        "x2": x2[kept].astype(f32), "y2": y2[kept].astype(f32),
+        "area": area[kept].astype(f32), "crowd": crowd[kept] != 0,
+        "cat": _narrow(raw.ann_cat[kept]), "ann_id": _narrow(raw.ann_id[kept]),
+        "gpos": _narrow(raw.ann_pos[kept] if raw.ann_pos is not None
+                        else raw.ann_base + kept),
+        "seg_kind": seg_kind, "poly_n": _narrow(poly_n), "coord_n": coord_n, "coords": coords,
+        "rles": [rle_rows[int(kept[j])] for j in rle_kept], "rle_kept": rle_kept,
+        "krow": krow,
+        "k_id": raw.ann_id[kp_rows], "k_img": a_img[kp_rows], "k_cat": raw.ann_cat[kp_rows],
+        "k_len": raw.kp_len[kp_rows],
+        "k_vals": raw.kp_vals[take_ranges(kp_off[kp_rows],
+                                          np.maximum(raw.kp_len[kp_rows], 0))],
+        "k_pos": (raw.ann_pos[kp_rows] if raw.ann_pos is not None
+                  else raw.ann_base + kp_rows),
+    }
+    return part, dict(counts), unknown_ids
+
+
+#: files of fewer windows than this are decoded in one process (forking costs more)
+_PARALLEL_BYTES = 4
+
+
+class ParallelWindows(WindowMapper):
+    """Decodes and cleans windows of a COCO file in forked worker processes
+    (:class:`lit_roidata.roidb.workers.OrderedWorkers`), for :func:`iter_coco`.
+
+    ``images`` windows come back as image columns; ``annotations`` windows, once
+    :meth:`set_index` has given the workers the sorted image ids and sizes, come back
+    cleaned (:func:`clean_window`). Any window a worker cannot do cleanly (the typed
+    decoder refuses it, a malformed record) is refused, and the in-process decode then
+    takes over with its exact errors.
+
+    Args:
+        path: the annotation file (each worker maps it).
+        n: worker processes.
+        gt_min_area, keypoints_required: as for :func:`load_coco_json`.
+    """
+
+    def __init__(self, path: str, n: int, gt_min_area: float, keypoints_required: bool
+                 ) -> None:
+        self.depth = 2 * n
+        self._indexed = self._closed = False
+        self._workers = OrderedWorkers(functools.partial(
+            _window_task, path, gt_min_area, keypoints_required), n)
+
+    def handles(self, key: str) -> bool:
+        """Images always; annotations once the image index is known."""
+        return key == "images" or self._indexed
+
+    def set_index(self, ids: np.ndarray, widths: np.ndarray, heights: np.ndarray) -> None:
+        """Give the workers the images (sorted ids, int32 widths and heights)."""
+        if not self._closed:
+            self._workers.broadcast({"ids": ids, "widths": widths, "heights": heights})
+            self._indexed = True
+
+    def submit(self, key: str, start: int, end: int) -> None:
+        """Queue the window ``[start, end)`` of the ``key`` array."""
+        self._workers.submit((key, start, end))
+
+    def result(self) -> tuple[int, Any]:
+        """``(elements, columns or cleaned window)``; raises ``WorkerFailed`` to refuse."""
+        return self._workers.result()
+
+    def reset(self) -> bool:
+        """Drop the windows in flight; ``False`` if a worker died (then closed)."""
+        if self._closed or not self._workers.discard():
+            self._closed = True
+            return False
+        return True
+
+    def close(self) -> None:
+        """End the workers."""
+        self._closed = True
+        self._workers.close()
+
+
+class _Refused(Exception):
+    """The typed decoder did not accept a window (the in-process decode redoes it)."""
+
+
+def _window_task(path: str, gt_min_area: float, required: bool, task: tuple,
+                 state: dict) -> tuple[int, Any]:
+    """A worker's window: decoded, and for annotations cleaned against the index."""
+    key, start, end = task
+    cols = decode_window(path, key, start, end)
+    if cols is None:
+        raise _Refused(f"{path}: bytes {start}-{end}")
+    if key == "images":
+        return len(cols["img_id"]), cols
+    return len(cols.ann_id), clean_window(cols, state["ids"], state["widths"],
+                                          state["heights"], gt_min_area, required)
 
 
 class _ImageOf:
@@ -600,11 +727,21 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
     return table
 
 
+_LUT_MAX = 1 << 20
+
+
 def _classes(raw: RawCoco, order: np.ndarray, info: DatasetInfo) -> np.ndarray:
     cat = raw.ann_cat[order]
     j2c = info.json_category_id_to_contiguous_id
     keys = np.array(sorted(j2c), dtype=np.int64)
     vals = np.array([j2c[k] for k in keys.tolist()], dtype=np.int32)
+    if len(keys) and 0 <= keys[0] and keys[-1] < _LUT_MAX and cat.size > 16 * keys[-1]:
+        # small non-negative ids (every COCO-style set): one gather through a table
+        lut = np.full(int(keys[-1]) + 2, -1, np.int32)
+        lut[keys] = vals
+        c = lut[np.clip(cat, -1, int(keys[-1]) + 1)]
+        if (c >= 0).all():
+            return c
     p = np.minimum(np.searchsorted(keys, cat), max(len(keys) - 1, 0))
     ok = (keys[p] == cat) if len(keys) else np.zeros(cat.size, bool)
     if not ok.all():

@@ -27,6 +27,7 @@ cleaning; proposals).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Iterator, Mapping, Optional
 
@@ -34,7 +35,7 @@ import numpy as np
 import scipy.sparse
 
 from lit_roidata.boxes import flip_boxes
-from lit_roidata.roidb.cache import CacheError, hold_in_use, validate_cache
+from lit_roidata.roidb.cache import CacheError, hold_in_use, npy_data_offset, validate_cache
 from lit_roidata.roidb.info import DatasetInfo
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS
 from lit_roidata.roidb.segms import SegmColumns, decode_segms
@@ -68,10 +69,18 @@ def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray
     return out
 
 
-def _load(path: str, file: str) -> np.ndarray:
-    """Memory-map one array file of a cache (never unpickles); errors name the file."""
-    fn = os.path.join(path, file)
+def _load(path: str, rec: dict) -> np.ndarray:
+    """Memory-map one array file of a cache (never unpickles); errors name the file.
+
+    ``rec`` is its manifest entry: a file whose header says exactly its dtype and shape
+    (:func:`lit_roidata.roidb.cache.npy_data_offset`, every file this version writes) is
+    mapped at its data without parsing the header."""
+    fn = os.path.join(path, rec["file"])
     try:
+        offset = npy_data_offset(fn, rec)
+        if offset is not None:
+            return np.asarray(np.memmap(fn, np.dtype(rec["dtype"]), "r", offset,
+                                        tuple(rec["shape"])))
         return np.asarray(np.load(fn, mmap_mode="r", allow_pickle=False))
     except (OSError, ValueError) as exc:
         raise CacheError(f"{fn}: cannot be opened as a roidb array ({exc}); the cache is "
@@ -96,13 +105,14 @@ class RoIDB:
         path: a cache directory written by the builder.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, manifest: Optional[dict] = None) -> None:
         self.path = os.path.abspath(path)
-        manifest = validate_cache(self.path)
+        if manifest is None:
+            manifest = validate_cache(self.path)
         self.manifest = manifest
         # Plain ndarray views of the memory maps: slicing an np.memmap costs Python-level
         # __getitem__/__array_finalize__ calls on every access.
-        self._a = {name: _load(self.path, rec["file"]) for name, rec in manifest["arrays"].items()}
+        self._a = {name: _load(self.path, rec) for name, rec in manifest["arrays"].items()}
         self._in_use = hold_in_use(self.path)  # `lit-roidata cache clean` skips it
         self.datasets: tuple[DatasetInfo, ...] = tuple(
             DatasetInfo.from_json(d) for d in manifest["datasets"])
@@ -112,16 +122,29 @@ class RoIDB:
         a = self._a
         self._entry_img = np.asarray(a["entry_img"], np.int64)
         self.flipped: np.ndarray = _ro(np.asarray(a["entry_flipped"], bool))
-        self.widths: np.ndarray = _ro(np.asarray(a["img_width"])[self._entry_img])
-        self.heights: np.ndarray = _ro(np.asarray(a["img_height"])[self._entry_img])
-        self.ids: np.ndarray = _ro(np.asarray(a["img_id"])[self._entry_img])
-        self._entry_dataset = np.asarray(a["img_dataset"])[self._entry_img]
         self._segms = SegmColumns.from_arrays(a)
         self._has_props = a["prop_boxes"].shape[0] > 0
         self._image_lists = {key: (a[o], a[c]) for key, (o, c) in IMAGE_LIST_COLUMNS.items()
                              if o in a}
         extra = tuple(self._image_lists)
         self._fields = (ENTRY_FIELDS + extra, _FIELDS_NO_KEYPOINTS + extra)
+
+    # Per-entry image columns, gathered on first use (aspect grouping needs them; opening
+    # the roidb, and a worker reading entries, do not).
+    @functools.cached_property
+    def widths(self) -> np.ndarray:
+        """Image width of every entry (read-only)."""
+        return _ro(np.asarray(self._a["img_width"])[self._entry_img])
+
+    @functools.cached_property
+    def heights(self) -> np.ndarray:
+        """Image height of every entry (read-only)."""
+        return _ro(np.asarray(self._a["img_height"])[self._entry_img])
+
+    @functools.cached_property
+    def ids(self) -> np.ndarray:
+        """Image id of every entry (read-only)."""
+        return _ro(np.asarray(self._a["img_id"])[self._entry_img])
 
     # ------------------------------------------------------------------ sequence
     def __len__(self) -> int:
@@ -141,11 +164,11 @@ class RoIDB:
 
     def dataset_of(self, i: int) -> str:
         """Catalog name of the dataset entry ``i`` comes from."""
-        return self.datasets[int(self._entry_dataset[i])].name
+        return self.datasets[self.dataset_index(i)].name
 
     def dataset_index(self, i: int) -> int:
         """Position in :attr:`datasets` of entry ``i``'s dataset."""
-        return int(self._entry_dataset[i])
+        return int(self._a["img_dataset"][self._entry_img[i]])
 
     def image_index(self, i: int) -> int:
         """Row of entry ``i`` in the image table (originals and flips share it)."""
@@ -191,7 +214,7 @@ class RoIEntry(Mapping):
         self._db = db
         self._i = i
         self._img = int(db._entry_img[i])
-        self._info = db.datasets[int(db._entry_dataset[i])]
+        self._info = db.datasets[int(db._a["img_dataset"][self._img])]
         self._cache: dict[str, Any] = {}
 
     def _keys(self) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter, methodcaller
@@ -35,7 +36,7 @@ from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.numtext import parse_number_lists
 
 __all__ = ["RawCoco", "decode_coco", "decode_chunked", "decode_fast", "decode_generic",
-           "read_json", "WINDOW_BYTES", "iter_coco",
+           "read_json", "WINDOW_BYTES", "iter_coco", "WindowMapper", "decode_window",
            "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
 
 #: ``RawCoco.seg_kind`` values.
@@ -245,23 +246,32 @@ def _annotation_columns(anns: list, base: int) -> Optional[dict]:
     bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
                        4 * na).reshape(-1, 4)
     segs = list(map(attrgetter("segmentation"), anns))
-    types = list(map(type, segs))
-    per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
-    poly_n = np.fromiter(map(len, per), np.int64, na)
-    parsed = parse_number_lists(list(chain.from_iterable(per)), slow_type=_POLY_NUMBER)
-    if parsed is None:
-        return None  # a polygon that is not a list of numbers: the generic decoder names it
-    coord_n, coords = parsed
-    seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
-    rles = {base + i: {"size": segs[i].size, "counts": segs[i].counts}
-            for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
+    rles: dict = {}
+    if segs.count(None) == na:  # box-only files (Objects365): no per-row segm work
+        poly_n = np.zeros(na, np.int64)
+        coord_n, coords = np.zeros(0, np.int64), np.zeros(0, np.float64)
+        seg_kind = np.full(na, SEG_MISSING, np.int8)
+    else:
+        types = list(map(type, segs))
+        per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
+        poly_n = np.fromiter(map(len, per), np.int64, na)
+        parsed = parse_number_lists(list(chain.from_iterable(per)), slow_type=_POLY_NUMBER)
+        if parsed is None:
+            return None  # a polygon that is not a list of numbers: the generic decoder names it
+        coord_n, coords = parsed
+        seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
+        rles = {base + i: {"size": segs[i].size, "counts": segs[i].counts}
+                for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
     kps = list(map(attrgetter("keypoints"), anns))
     kp_len = np.full(na, -1, np.int64)
     kp_vals = np.zeros(0, np.float64)
-    # null (or absent) keypoints: the 4-byte text "null"
-    short = np.flatnonzero(np.fromiter(map(len, kps), np.int64, na) == 4).tolist()
     has_kp = np.ones(na, bool)
-    has_kp[[i for i in short if kps[i] is _NULL or bytes(kps[i]) == b"null"]] = False
+    if kps.count(_NULL) == na:  # (identity first) no annotation has a keypoints field
+        has_kp[:] = False
+    else:
+        # null (or absent) keypoints: the 4-byte text "null"
+        short = np.flatnonzero(np.fromiter(map(len, kps), np.int64, na) == 4).tolist()
+        has_kp[[i for i in short if kps[i] is _NULL or bytes(kps[i]) == b"null"]] = False
     if has_kp.any():
         kp_rows = np.flatnonzero(has_kp)
         parsed = parse_number_lists([kps[i] for i in kp_rows.tolist()], slow_type=_KP_NUMBER)
@@ -345,20 +355,76 @@ def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
         dec.close()
 
 
-def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES) -> Any:
+def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES,
+              mapper: Optional["WindowMapper"] = None) -> Any:
     """The events of a chunked decode of ``path``, in file order (see
     :func:`decode_chunked`): ``("images", columns, first)``, ``("images_end", count)``,
     ``("annotations", window, first)`` (``window``: a :class:`RawCoco` of the window's
     annotations, no images, ``ann_base=first``) and last ``("end", categories)``.
 
+    With a ``mapper`` (:class:`WindowMapper`), windows of the arrays it handles are
+    decoded by it (in worker processes) several at a time; their events come in the
+    same order, ``("images", columns, first)`` or ``("annotations_mapped", payload,
+    first)``. A window the mapper refuses, and the rest of its array, are decoded here.
+
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
     """
     dec = _Chunked.open(path, window_bytes)
+    dec.mapper = mapper
     try:
         yield from dec.events()
     finally:
         dec.close()
+
+
+_OPEN: dict = {}
+
+
+def decode_window(path: str, key: str, start: int, end: int) -> Any:
+    """The typed decode of one window of ``path``'s ``key`` array, bytes ``[start,
+    end)`` from an element start to an element end (a mapper's work, in a worker
+    process; the file stays mapped there): image columns, or a :class:`RawCoco` of the
+    annotations (``ann_base=0``); ``None`` if the typed decoder refuses the window."""
+    dec = _OPEN.get(path)
+    if dec is None:
+        dec = _OPEN[path] = _Chunked.open(path, 1)
+    cols = dec.decode_window(key, start, end)
+    if cols is None or key == "images":
+        return cols
+    return RawCoco(source=path, categories=[], **_IMG_NONE, **cols, decoder="fast")
+
+
+class WindowMapper:
+    """What :func:`iter_coco` needs of a mapper (the interface; the build's is
+    :class:`lit_roidata.roidb.coco.ParallelWindows`).
+
+    Windows are submitted in file order and their results read back in the same order.
+    """
+
+    #: windows to keep in flight
+    depth: int = 2
+
+    def handles(self, key: str) -> bool:
+        """Whether windows of the ``key`` array (``images``/``annotations``) go to it now."""
+        return False
+
+    def submit(self, key: str, start: int, end: int) -> None:
+        """Decode the elements in bytes ``[start, end)`` of the file's ``key`` array."""
+        raise NotImplementedError
+
+    def result(self) -> tuple[int, Any]:
+        """``(elements, payload)`` of the oldest window; raises any exception to refuse
+        it (the window and the rest of its array are then decoded in-process)."""
+        raise NotImplementedError
+
+    def reset(self) -> bool:
+        """Drop the windows in flight (after a refusal); ``False`` if the mapper cannot
+        take more windows."""
+        return False
+
+    def close(self) -> None:
+        """Stop (windows in flight are dropped)."""
 
 
 class _Chunked:
@@ -378,6 +444,7 @@ class _Chunked:
         self.view = memoryview(mm)
         self.generic = False
         self.released = 0
+        self.mapper: Optional[WindowMapper] = None
 
     def close(self) -> None:
         """Unmap the file (left to the GC while an error's traceback still views it)."""
@@ -428,10 +495,12 @@ class _Chunked:
                     seen.add(key)
                 if key in ("images", "annotations") and mm[pos] == 0x5B:
                     count, pos = 0, self._ws(pos + 1) - 1  # pos: the '['
-                    for cols, base, end in self._array(pos, key):
-                        count = base + _rows(cols)
+                    for cols, base, end, rows, mapped in self._array(pos, key):
+                        count = base + rows
                         if key == "images":
                             yield "images", cols, base
+                        elif mapped:
+                            yield "annotations_mapped", cols, base
                         else:
                             yield "annotations", RawCoco(
                                 source=self.path, categories=[], **_IMG_NONE, **cols,
@@ -494,50 +563,106 @@ class _Chunked:
     # ------------------------------------------------------------------ arrays
     def _array(self, open_pos: int, key: str) -> Any:
         """Decode the array at ``open_pos`` (its ``[``) window by window; yields
-        ``(columns, position of the first element, end of the array or of the window)``."""
+        ``(columns, position of the first element, end of the array or of the window,
+        elements, whether the mapper decoded it)``."""
         mm, n = self.mm, self.n
         count = 0
         pos = self._ws(open_pos + 1)
         if pos < n and mm[pos] == 0x5D:
             return
+        if self.mapper is not None and self.mapper.handles(key):
+            pos, count = yield from self._mapped(pos, key)
         while True:
-            m = _CANDIDATE.search(mm, min(n, pos + self.window),
-                                  min(n, pos + 2 * self.window + (1 << 20)))
+            m = self._candidate(pos)
             if m is not None:
                 cols = self._decode(key, pos, m.start() + 1, count, typed_only=True)
                 if cols is not None:
                     nxt = self._ws(m.end())
-                    yield cols, count, nxt
+                    yield cols, count, nxt, _rows(cols), False
                     count += _rows(cols)
                     pos = nxt
                     continue
             cut, last = self._cut(pos, key)
             cols = self._decode(key, pos, cut, count, typed_only=False)
             nxt = cut + 1 if last else self._ws(cut + 1)
-            yield cols, count, nxt
+            yield cols, count, nxt, _rows(cols), False
             count += _rows(cols)
             if last:
                 return
             pos = nxt
 
+    def _candidate(self, pos: int) -> Any:
+        """The first proposed cut (``},``) at least a window after element start ``pos``."""
+        n = self.n
+        return _CANDIDATE.search(self.mm, min(n, pos + self.window),
+                                 min(n, pos + 2 * self.window + (1 << 20)))
+
+    def _mapped(self, pos: int, key: str) -> Any:
+        """Windows from element start ``pos`` decoded by the mapper, several in flight;
+        yields as :meth:`_array` and returns ``(position, elements so far)`` where the
+        in-process decode goes on: the array's last (short) window, or the first window
+        the mapper refused (the array's last window usually is: its proposed cut lies
+        past the array's end). Windows in flight behind a refused one are dropped; if
+        the mapper cannot go on (:meth:`WindowMapper.reset`), it is not used again.
+
+        Each window runs from an element start to a proposed cut; the mapper decodes it
+        completely only if the cut is an element boundary (see :meth:`_array`), so each
+        accepted window proves that the next one starts at an element.
+        """
+        mapper = self.mapper
+        assert mapper is not None
+        count = 0
+        flight: deque = deque()  # (start, next element start) of submitted windows
+        nxt_start, more = pos, True
+        while True:
+            try:
+                while more and len(flight) < mapper.depth:
+                    m = self._candidate(nxt_start)
+                    if m is None:
+                        more = False
+                        break
+                    nxt = self._ws(m.end())
+                    mapper.submit(key, nxt_start, m.start() + 1)
+                    flight.append((nxt_start, nxt))
+                    nxt_start = nxt
+                if not flight:
+                    return pos, count
+                rows, payload = mapper.result()
+            except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
+                if not mapper.reset():
+                    self.mapper = None
+                return (flight[0][0] if flight else nxt_start), count
+            start, nxt = flight.popleft()
+            yield payload, count, nxt, rows, True
+            count += rows
+            pos = nxt
+
+    def decode_window(self, key: str, start: int, end: int) -> Optional[dict]:
+        """The typed decode of the elements in ``[start, end)`` (a mapper's work, in a
+        worker process): their columns, or ``None`` if the typed decoder refuses them.
+        The window's pages are dropped from this process afterwards."""
+        buf = self._window_text(start, end)
+        lo, hi = start - start % mmap.PAGESIZE, end - end % mmap.PAGESIZE
+        if hi > lo and hasattr(self.mm, "madvise"):
+            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        return _typed_columns(key, buf)
+
+    def _window_text(self, start: int, end: int) -> bytearray:
+        """``[`` + the elements in ``[start, end)`` + ``]``: a JSON list to decode."""
+        buf = bytearray(end - start + 2)
+        buf[0], buf[-1] = 0x5B, 0x5D
+        buf[1:-1] = self.view[start:end]
+        return buf
+
     def _decode(self, key: str, start: int, end: int, base: int, *,
                 typed_only: bool) -> Optional[dict]:
         """Columns of the elements in ``[start, end)``; ``None`` if ``typed_only`` and the
         typed decoder refuses them."""
-        buf = bytearray(end - start + 2)
-        buf[0], buf[-1] = 0x5B, 0x5D
-        buf[1:-1] = self.view[start:end]
+        buf = self._window_text(start, end)
         self._release(start)
-        try:
-            if key == "images":
-                return _image_columns(_IMG_WINDOW.decode(buf))
-            cols = _annotation_columns(_ANN_WINDOW.decode(buf), 0)
-            if cols is not None:
-                return cols
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            pass
-        if typed_only:
-            return None
+        cols = _typed_columns(key, buf)
+        if cols is not None or typed_only:
+            return cols
         try:
             items = orjson.loads(buf)
         except orjson.JSONDecodeError as exc:
@@ -658,6 +783,16 @@ _ANN_EMPTY = {"ann_id": np.int64, "ann_img": np.int64, "ann_cat": np.int64,
               "ann_ignore": np.float64, "seg_kind": np.int8, "poly_n": np.int64,
               "coord_n": np.int64, "coords": np.float64, "kp_len": np.int64,
               "kp_vals": np.float64}
+
+
+def _typed_columns(key: str, buf: bytearray) -> Optional[dict]:
+    """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
+    try:
+        if key == "images":
+            return _image_columns(_IMG_WINDOW.decode(buf))
+        return _annotation_columns(_ANN_WINDOW.decode(buf), 0)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
 
 
 def _rows(cols: dict) -> int:

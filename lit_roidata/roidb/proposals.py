@@ -15,7 +15,8 @@ import logging
 import math
 import os
 import tempfile
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -26,6 +27,7 @@ from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.proposal_files import ProposalSource, convert_proposals
 from lit_roidata.roidb.proposal_files import read_proposal_file
 from lit_roidata.roidb.segms import offsets
+from lit_roidata.roidb.workers import build_workers, map_ordered
 
 __all__ = ["ProposalTable", "ProposalSource", "read_proposal_file", "convert_proposals",
            "build_proposal_table", "unique_box_keep", "iof_pairs", "ProposalColumns",
@@ -239,25 +241,29 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         out = ProposalColumns(scratch_dir, persistent=False)
     off = np.zeros(n + 1, np.int64)
     pos = 0
-    start = 0
+    chunks = _chunk_ranges(n_boxes)
+
+    def one_chunk(task: tuple, state: dict) -> tuple:
+        c: Counter = Counter()
+        return _chunk(src, rec, task[0], task[1], image_ids, widths, heights, gt_off,
+                      gt_boxes, gt_classes, gt_is_crowd, min_proposal_size, proposal_limit,
+                      crowd_filter_thresh, c), c
+
+    # chunks are independent (every rule is per image): forked workers compute them from
+    # the staged file they inherit, in order; this process writes the rows meanwhile
+    workers = build_workers() if len(chunks) >= 4 else 0
+    if workers:
+        out.quiesce()  # no writer threads while forking (a previous dataset's)
     try:
-        while start < n:
-            stop = start + 1
-            acc = int(n_boxes[start])
-            while stop < n and acc + int(n_boxes[stop]) <= _CHUNK_BOXES:
-                acc += int(n_boxes[stop])
-                stop += 1
-            per_img, b, mo, mc, gmap = _chunk(
-                src, rec, start, stop, image_ids, widths, heights, gt_off, gt_boxes,
-                gt_classes, gt_is_crowd, min_proposal_size, proposal_limit,
-                crowd_filter_thresh, counts)
+        for (start, stop), (res, c) in zip(chunks, map_ordered(one_chunk, chunks, workers)):
+            per_img, b, mo, mc, gmap = res
+            counts.update(c)
             out.append(b, mo, mc, gmap)
             np.cumsum(per_img, out=off[start + 1:stop + 1])
             off[start + 1:stop + 1] += pos
             pos += b.shape[0]
             if progress is not None:
                 progress(stop - start)
-            start = stop
         if own:
             arrays = out.finish()
     except BaseException:
@@ -270,6 +276,21 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
                          max_overlaps=arrays["prop_max_overlaps"],
                          max_classes=arrays["prop_max_classes"], gt_map=arrays["prop_gt_map"],
                          counts=counts)
+
+
+def _chunk_ranges(n_boxes: np.ndarray) -> list[tuple[int, int]]:
+    """Consecutive image ranges of about :data:`_CHUNK_BOXES` boxes (at least one image)."""
+    n = n_boxes.size
+    out = []
+    start = 0
+    cum = np.cumsum(n_boxes)
+    while start < n:
+        base = int(cum[start - 1]) if start else 0
+        # the last image whose running total from ``start`` stays within the chunk
+        stop = max(start + 1, int(np.searchsorted(cum, base + _CHUNK_BOXES, side="right")))
+        out.append((start, min(stop, n)))
+        start = min(stop, n)
+    return out
 
 
 #: The cache's proposal columns, in order: name, row shape.
@@ -298,9 +319,10 @@ class ProposalColumns:
 
     With ``persistent=True`` they are the cache's final ``prop_*.npy`` files in
     ``directory`` (the build directory): a ``.npy`` header sized for any row count is
-    reserved first, rows are appended behind it, and :meth:`finish` writes the real
-    header in place, checksums each file (reading it back from the page cache) and
-    fsyncs it. Nothing is copied or concatenated afterwards. With
+    reserved first, rows are written behind it at their offsets by a few threads (the
+    kernel is asked to start writing them to disk as they come), and :meth:`finish`
+    writes the real header in place, checksums each file (reading it back from the page
+    cache) and fsyncs it. Nothing is copied or concatenated afterwards. With
     ``persistent=False`` they are unlinked scratch files (the arrays map them).
 
     Args:
@@ -326,6 +348,9 @@ class ProposalColumns:
         self.rows = 0
         self.files: list = []
         self._reserved = 0
+        # rows are written at their offsets by a few threads (pwrite), in any order
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._writes: deque = deque()
         if persistent:
             if directory is None:
                 raise ValueError("persistent proposal columns need a directory")
@@ -335,7 +360,6 @@ class ProposalColumns:
             for name, _, _ in self.spec:
                 fh = open(os.path.join(directory, name + ".npy"), "w+b")  # read to hash
                 self.files.append(fh)
-                fh.seek(self._reserved)
         else:
             if os.name == "nt":  # open files would block renaming the build directory
                 directory = None
@@ -357,13 +381,29 @@ class ProposalColumns:
             if int(gt_map.max()) > self.bounds[1] or int(gt_map.min()) < -1:
                 raise RuntimeError(f"gt_map values outside [-1, {self.bounds[1]}]: the gt "
                                    f"count given to ProposalColumns is too small")
-        for fh, arr, (_, dtype, _) in zip(self.files, (boxes, max_overlaps, max_classes,
-                                                       gt_map), self.spec):
-            view = memoryview(np.ascontiguousarray(arr, dtype).reshape(-1)).cast("B")
-            fd = fh.fileno()
-            while view.nbytes:
-                view = view[os.write(fd, view):]
+        from lit_roidata.roidb.cache import _pwrite_all
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_WRITE_THREADS,
+                                            thread_name_prefix="lit-roidata-proposals")
+        for fh, arr, (_, dtype, shape) in zip(self.files, (boxes, max_overlaps, max_classes,
+                                                           gt_map), self.spec):
+            data = np.ascontiguousarray(arr, dtype).reshape(-1)
+            at = self._reserved + self.rows * dtype.itemsize * math.prod(shape)
+            self._writes.append(self._pool.submit(_pwrite_all, fh.fileno(), at, data,
+                                                  self.persistent))
         self.rows += int(boxes.shape[0])
+        while len(self._writes) > _MAX_PENDING_WRITES:  # bounded memory if the disk lags
+            self._writes.popleft().result()
+
+    def quiesce(self) -> None:
+        """Wait for the rows handed over so far to be written and stop the writer threads
+        (they start again with the next :meth:`append`), e.g. before forking."""
+        while self._writes:
+            self._writes.popleft().result()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def finish(self) -> dict:
         """Close the columns: ``{name: read-only array}`` (memory maps of the files).
@@ -377,6 +417,8 @@ class ProposalColumns:
         out: dict = {}
         self.records: dict = {}
         try:
+            while self._writes:
+                self._writes.popleft().result()
             for fh, (name, dtype, shape) in zip(self.files, self.spec):
                 if not self.persistent:
                     out[name] = (np.zeros((0, *shape), dtype) if n == 0 else
@@ -403,9 +445,20 @@ class ProposalColumns:
         return out
 
     def close(self) -> None:
-        """Close the files (the maps keep their pages; scratch files are unlinked)."""
+        """Close the files (the maps keep their pages; scratch files are unlinked), after
+        the writes in progress (those not started are dropped)."""
+        for f in self._writes:
+            f.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._writes.clear()
         for fh in self.files:
             fh.close()
+
+
+_WRITE_THREADS = 3
+_MAX_PENDING_WRITES = 64  # column writes (16 chunks) queued before append waits
 
 
 def _npy_header_for(dtype: np.dtype, shape: tuple, pad_to: int = 0) -> bytes:

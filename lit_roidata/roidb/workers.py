@@ -1,0 +1,240 @@
+"""Forked worker processes for the cold build: one function over many tasks, results in order.
+
+A cold build spends most of its time in work that splits into independent windows
+(decoding ``annotations`` JSON, merging proposals with the gt). :class:`OrderedWorkers`
+forks a few processes that run one function over such tasks; results come back in the
+order the tasks were given, so the build keeps the file's order and its exact errors.
+The processes inherit the caller's memory (the memory-mapped file, a staged proposal
+file) copy-on-write, and only tasks and results travel through pipes.
+
+:func:`build_workers` says how many to use: ``LIT_ROIDATA_BUILD_WORKERS`` when set
+(``0`` or ``1``: build in one process), else one per CPU this process may run on, at
+most 8. Without ``fork`` (Windows, macOS' default spawn is not used) the build stays in
+one process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections import deque
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+__all__ = ["OrderedWorkers", "WorkerDied", "WorkerFailed", "build_workers", "map_ordered"]
+
+_MAX_WORKERS = 8
+
+
+class WorkerFailed(Exception):
+    """A task raised in its worker (``__cause__`` is its exception when it could be sent
+    back), or a worker died (:class:`WorkerDied`); the caller redoes the work
+    in-process."""
+
+
+class WorkerDied(WorkerFailed):
+    """A worker process ended (killed, out of memory): the workers are unusable."""
+
+
+def build_workers() -> int:
+    """The number of build worker processes to use (``0``: build in this process)."""
+    env = os.environ.get("LIT_ROIDATA_BUILD_WORKERS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"LIT_ROIDATA_BUILD_WORKERS={env!r}: expected a number of "
+                             f"processes (0 or 1: build in one process)") from None
+    else:
+        try:
+            n = min(len(os.sched_getaffinity(0)), _MAX_WORKERS)
+        except AttributeError:  # not Linux
+            n = min(os.cpu_count() or 1, _MAX_WORKERS)
+    if n <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return 0
+    return n
+
+
+def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
+    """A worker's loop: ``("set", dict)`` updates its state, ``("task", x)`` answers
+    ``fn(x, state)``, ``None`` ends it."""
+    # Ctrl-C is the caller's: it stops the build and ends the workers (no traceback here)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    state: dict = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        kind, payload = msg
+        if kind == "set":
+            state.update(payload)
+            continue
+        try:
+            out: tuple = ("ok", fn(payload, state))
+        except BaseException as exc:  # noqa: BLE001 - the caller decides what it means
+            out = ("err", exc)
+        try:
+            conn.send(out)
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            conn.send(("err", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
+
+
+class OrderedWorkers:
+    """``n`` forked processes running ``fn(task, state)``; results in submission order.
+
+    Task ``k`` goes to worker ``k % n`` and each worker answers its own tasks in order,
+    so :meth:`result` reads them back in the order of :meth:`submit`. :meth:`broadcast`
+    updates every worker's ``state`` (e.g. an index the tasks need), in order with the
+    tasks. Use as a context manager: the processes end on exit, errors included.
+
+    Args:
+        fn: a function of ``(task, state)``; it runs in the forked processes, where
+            everything the caller had at construction is visible.
+        n: the number of processes (>= 1).
+    """
+
+    def __init__(self, fn: Callable[[Any, dict], Any], n: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.n = max(1, int(n))
+        self._conns: list = []
+        self._procs: list = []
+        self._owner: deque = deque()  # worker index of each task not yet read back
+        self._next = 0
+        try:
+            for _ in range(self.n):
+                mine, theirs = ctx.Pipe()
+                p = ctx.Process(target=_serve, args=(fn, theirs), daemon=True,
+                                name="lit-roidata-build")
+                p.start()
+                theirs.close()
+                self._conns.append(mine)
+                self._procs.append(p)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pending(self) -> int:
+        """Tasks submitted whose result has not been read."""
+        return len(self._owner)
+
+    def submit(self, task: Any) -> None:
+        """Send ``task`` to the next worker (round-robin)."""
+        k = self._next
+        self._next = (k + 1) % self.n
+        self._send(k, ("task", task))
+        self._owner.append(k)
+
+    def broadcast(self, state: dict) -> None:
+        """Update every worker's ``state`` with ``state`` (after the tasks already sent)."""
+        for k in range(self.n):
+            self._send(k, ("set", state))
+
+    def result(self) -> Any:
+        """The result of the oldest unread task.
+
+        Raises:
+            WorkerFailed: the task raised (its exception is the ``__cause__``), or its
+                worker died.
+        """
+        k = self._owner.popleft()
+        try:
+            kind, value = self._conns[k].recv()
+        except (EOFError, OSError) as exc:
+            code = self._procs[k].exitcode
+            raise WorkerDied(f"a build worker process ended (exit code {code}); "
+                             f"is the machine out of memory?") from exc
+        if kind == "err":
+            raise WorkerFailed(f"{type(value).__name__}: {value}") from value
+        return value
+
+    def discard(self) -> bool:
+        """Read and drop every pending result; ``False`` (and closed) if a worker died."""
+        try:
+            while self._owner:
+                try:
+                    self.result()
+                except WorkerDied:
+                    raise
+                except WorkerFailed:
+                    pass
+        except WorkerDied:
+            self.close()
+            return False
+        return True
+
+    def _send(self, k: int, msg: Any) -> None:
+        if not self._conns:
+            raise WorkerDied("the build workers were closed")
+        try:
+            self._conns[k].send(msg)
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerDied(f"a build worker process ended (exit code "
+                             f"{self._procs[k].exitcode})") from exc
+
+    def close(self) -> None:
+        """End the processes (those busy with a task are terminated)."""
+        busy = set(self._owner)
+        for k, conn in enumerate(self._conns):
+            if k not in busy:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for k, p in enumerate(self._procs):
+            if k in busy:
+                p.terminate()
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs, self._owner = [], [], deque()
+
+    def __enter__(self) -> "OrderedWorkers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int, *,
+                depth: Optional[int] = None) -> Iterator[Any]:
+    """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
+    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here.
+
+    A task that raises in a worker raises the same exception here (run again in this
+    process when it could not be sent back); if a worker dies, the remaining tasks run
+    in this process. So the results, and the first error, are those of the plain loop.
+    """
+    if n <= 1:
+        for t in tasks:
+            yield fn(t, {})
+        return
+    depth = depth or 2 * n
+    done = 0
+    with OrderedWorkers(fn, n) as w:
+        sent = 0
+        try:
+            while done < len(tasks):
+                while sent < len(tasks) and w.pending < depth:
+                    w.submit(tasks[sent])
+                    sent += 1
+                try:
+                    out = w.result()
+                except WorkerDied:
+                    raise
+                except WorkerFailed as exc:
+                    if exc.__cause__ is not None:
+                        raise exc.__cause__ from None
+                    out = fn(tasks[done], {})  # the error, as this process raises it
+                yield out
+                done += 1
+        except WorkerDied:
+            pass
+    for t in tasks[done:]:  # a worker died: the rest here
+        yield fn(t, {})
