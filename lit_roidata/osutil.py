@@ -1,0 +1,67 @@
+"""Small operating-system helpers every part of the package shares (one of each).
+
+* :func:`atomic_write`: write a file under a temporary name in the same folder and rename
+  it into place, so a reader sees the old file or the whole new one, never a part.
+* :func:`malloc_trim`: give the C heap's free pages back to the system (glibc).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import IO, Any
+
+__all__ = ["atomic_write", "malloc_trim"]
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb", *, fsync: bool = True,
+                 encoding: str | None = None) -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path`` for writing; rename it to ``path`` on success.
+
+    On any exception the temporary file is removed and ``path`` is untouched. With
+    ``fsync`` the data reach the disk before the rename (a crash leaves the old file or
+    the new one).
+    """
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path) + "-")
+    try:
+        with os.fdopen(fd, mode, encoding=encoding if "b" not in mode else None) as fh:
+            yield fh
+            fh.flush()
+            if fsync:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+_MALLOC_TRIM: Any = None
+
+
+def malloc_trim() -> bool:
+    """Return the C heap's free memory to the OS (glibc ``malloc_trim(0)``).
+
+    glibc keeps freed heap memory (and raises its mmap threshold after large frees), which
+    shows as private memory that grows with the work done: decode temporaries in a loader
+    worker, decoded windows in a build. Costs well under a millisecond. Returns False where
+    there is no glibc (nothing is done).
+    """
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            _MALLOC_TRIM.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM is False:
+        return False
+    _MALLOC_TRIM(0)
+    return True
