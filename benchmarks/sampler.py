@@ -84,7 +84,7 @@ def resume_time(sampler: RoIBatchSampler, step: int, repeats: int) -> float:
     """Seconds to restore the position after ``step`` global minibatches and draw one."""
     times = []
     for r in range(repeats):
-        sampler._cache = None  # a fresh process has no cached permutation
+        sampler._memo.clear()  # a fresh process has no cached permutation
         t0 = time.perf_counter()
         sampler.load_state_dict(sampler.state_at(*sampler.advance(0, 0, step + r)))
         sampler.draw()
@@ -181,12 +181,12 @@ def repeat_factor_rows(args) -> None:
 
     def ours_pass(p=[0]):
         p[0] += 1
-        s._cache = None
+        s._memo.clear()
         s.permutation(p[0])
 
     def plain_pass(p=[0]):
         p[0] += 1
-        plain._cache = None
+        plain._memo.clear()
         plain.permutation(p[0])
 
     op_t, op_all = _best(ours_pass, reps)
@@ -213,9 +213,8 @@ def repeat_factor_rows(args) -> None:
           f"ratio {t_rep / t_plain:.2f}x)")
     times = []
     for p in (1, 50, 5000):
-        s._cache = None
-        s._nb_cache.clear()
-        s._counts_cache = None
+        s._memo.clear()
+        s._pass_blocks.clear()
         t0 = time.perf_counter()
         s.load_state_dict(s.state_at(p, 7))
         s.draw()

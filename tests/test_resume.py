@@ -338,6 +338,7 @@ def _check_abort(ns: Any, root: Path, tmp_path: Path, tmp_path_factory: Any, pla
     second = _fit(ns, tmp_path, kw, steps, infinite=infinite, ckpt=str(ckpt))
     assert first.rec.trained + second.rec.trained == ref.rec.trained
     assert first.rec.lrs + second.rec.lrs == ref.rec.lrs
+    assert first.rec.vals + second.rec.vals == ref.rec.vals, (first.rec.vals, second.rec.vals, ref.rec.vals)
 
 
 @pytest.mark.parametrize("where", ["step", "validation"])

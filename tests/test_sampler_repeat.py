@@ -434,7 +434,7 @@ def test_build_train_sampler_reads_the_config(coco_roidb):
     cfg = load_detectron_cfg({"DATALOADER.SAMPLER_TRAIN": "RepeatFactorTrainingSampler",
                               "DATALOADER.REPEAT_THRESHOLD": 0.2, "TRAIN.IMS_PER_BATCH": 1})
     s = build_train_sampler(cfg, coco_roidb, infinite=True)
-    np.testing.assert_array_equal(s._repeat, repeat_factors_for_roidb(coco_roidb, 0.2))
+    np.testing.assert_array_equal(s.repeat_factors, repeat_factors_for_roidb(coco_roidb, 0.2))
     plain = build_train_sampler(load_detectron_cfg({"TRAIN.IMS_PER_BATCH": 1}), coco_roidb)
     assert plain.repeat_digest is None
     s = build_train_sampler(cfg, coco_roidb, bad_image_reserve=0.1, world_size=2)
