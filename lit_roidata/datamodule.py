@@ -104,10 +104,6 @@ class RoIDataModule(pl.LightningDataModule):
         self.sampling: SamplingOptions = as_options(SamplingOptions, sampling, "sampling")
         self.augment: Optional[AugmentOptions] = (
             None if augment is None else as_options(AugmentOptions, augment, "augment"))
-        if self.loader.persistent_workers and self.sources.on_bad_image == "skip":
-            raise ValueError("loader.persistent_workers=true with sources.on_bad_image=skip: "
-                             "each epoch's workers must be new to skip the bad images found "
-                             "in the previous epoch; drop one of the two")
         self.detectron_config = detectron_config
         self.overrides = dict(overrides) if overrides else None
         self.model_type = model_type
@@ -124,6 +120,7 @@ class RoIDataModule(pl.LightningDataModule):
         self.test_roidb: Any = None
         self._catalog: Any = None
         self._train_loader: Any = None  # the loader of the running fit (a reload continues it)
+        self._restored_stream: Any = None  # the train loader's state from a checkpoint
 
     # ------------------------------------------------------------------ datasets
     def _datasets(self, split: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -199,6 +196,7 @@ class RoIDataModule(pl.LightningDataModule):
         """Open the cached roidbs read-only for ``stage`` (every process)."""
         if stage in (None, "fit"):
             self._train_loader = None  # a new fit: its first loader starts afresh
+            self._restored_stream = None  # (a checkpoint's is restored after setup)
             if self.train_roidb is None:
                 self.train_roidb = self._open("train")
                 if self.train_roidb is None:
@@ -267,7 +265,25 @@ class RoIDataModule(pl.LightningDataModule):
         if previous is not None:
             loader.load_state_dict(previous.state_dict())
             previous.close()
+        elif self._restored_stream is not None:  # before Lightning asks for len()
+            loader.load_state_dict(self._restored_stream)
+            self._restored_stream = None
+            self._reload_after_a_short_epoch(trainer, loader)
         return loader
+
+    @staticmethod
+    def _reload_after_a_short_epoch(trainer: Any, loader: Any) -> None:
+        # Resumed mid-pass with another world size in epoch mode: this epoch has another
+        # length than the next ones, and Lightning reads an epoch's length once per loader.
+        plan = loader.batch_sampler
+        natural = plan.batches_in_pass(plan.normalize(*loader.position)[0])
+        if (trainer is None or plan.infinite or len(loader) == natural
+                or trainer.reload_dataloaders_every_n_epochs):
+            return
+        log.info("data: the resumed epoch has %d batches, the next ones %d: the train loader "
+                 "is reloaded every epoch (reload_dataloaders_every_n_epochs=1)",
+                 len(loader), natural)
+        trainer.reload_dataloaders_every_n_epochs = 1
 
     @staticmethod
     def _check_epoch_lengths(trainer: Any, sampler: Any) -> None:
@@ -349,15 +365,20 @@ class RoIDataModule(pl.LightningDataModule):
 
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The stream seed and ``trainer_fn`` (``"fit"``, ...: what was running when the
-        checkpoint was written). The stream position and the skip policy's state are the
-        train loader's (Lightning saves them with the loops)."""
+        """The stream seed, ``trainer_fn`` (``"fit"``, ...: what was running) and the train
+        loader's state (position, skip policy), so that a resumed train loader is at its
+        position before Lightning asks for its length."""
         fn = None if self.trainer is None else self.trainer.state.fn
-        return {"seed": self.seed, "trainer_fn": getattr(fn, "value", fn)}
+        state = {"seed": self.seed, "trainer_fn": getattr(fn, "value", fn)}
+        if self._train_loader is not None:
+            state["train_loader"] = self._train_loader.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Warn when the checkpoint's seed differs (the loader refuses its position)."""
+        """Keep the train loader's state for the next train loader; warn when the
+        checkpoint's seed differs (the loader refuses its position)."""
         if state_dict.get("seed", self.seed) != self.seed:
             log.warning("data: the checkpoint's stream seed is %s, this module's %s",
                         state_dict["seed"], self.seed)
+        self._restored_stream = state_dict.get("train_loader")
 

@@ -8,16 +8,16 @@ Runs inside DataLoader workers (docs/architecture.md, "Worker output"). Workers 
 drawn in Detectron's call order), so :func:`rebuild_block` reproduces a block bit for
 bit in any process.
 
-An invalid minibatch (keypoint rule, Detectron semantics: minibatch validity) is replaced by
-``replacement(block, attempt)`` for ``attempt = 1, 2, ...`` (the sampler's
-``RoIBatchSampler.replacement_block``), at most ``max_attempts`` times, then a clear
-error. With ``on_bad_image="skip"`` and a :class:`~lit_roidata.skip.BadImageLedger`,
-only a bad image is replaced, never its partners (see :mod:`lit_roidata.skip`): known
-bad images before reading, a newly found one by the main process
-(:meth:`RoIBlockDataset.repair`). Detectron retries forever and silently (Detectron quirk Q21,
-docs/detectron_quirks.md) or dies on
-the first bad image (Detectron quirk Q33, docs/detectron_quirks.md); here every replacement is
-recorded in ``"_meta"`` so the skip policy can report skips at the end of the epoch.
+The dataset only builds: it knows nothing of the sampler, the stream position or the skip
+policy. An invalid minibatch (keypoint rule, Detectron semantics: minibatch validity) is
+replaced by ``replacement(block, attempt)`` for ``attempt = 1, 2, ...`` (a pure function,
+the plan's ``StreamPlan.replacement_block``), at most ``max_attempts`` times, then a clear
+error. An unreadable image either raises (``on_bad_image="raise"``), replaces the whole
+block (``"skip"``), or, with ``hand_back_bad_images``, comes back as a typed result
+(:class:`BadImageFound`) that the train loader finishes in stream order, replacing only
+the bad image (see :mod:`lit_roidata.skip`). Detectron retries forever and silently
+(Detectron quirk Q21, docs/detectron_quirks.md) or dies on the first bad image (Detectron
+quirk Q33, docs/detectron_quirks.md); here every replacement is recorded in ``"_meta"``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch import shm_pool as _pool
 from lit_roidata.minibatch.transport import PackedBlobs, packed, shared_empty, trim_heap
 from lit_roidata.rng import RNG, block_rng
-from lit_roidata.sampler import Block, draw_replacement
+from lit_roidata.plan import Block, draw_replacement
 
-__all__ = ["RoIBlockDataset", "rebuild_block", "EvalDataset"]
+__all__ = ["RoIBlockDataset", "BadImageFound", "rebuild_block", "EvalDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,30 @@ def _coords(block: Any) -> tuple[int, int, int, int]:
                         "indices with seed, pass_index and block_index); got "
                         f"{type(block).__name__}. Use RoIBatchSampler as the DataLoader's "
                         "batch_sampler, or rebuild_block() for a one-off") from exc
+
+
+class BadImageFound:
+    """A block whose build hit an unreadable image (``hand_back_bad_images``): the typed
+    result the train loader finishes in the main process, in stream order.
+
+    Attributes:
+        block: the block as it was tried (its planned replacements in ``block.substitutes``).
+        slot: position in ``block`` of the bad image.
+        record: what was wrong (reason, path, image id, dataset, message, index).
+        skipped: bad images found earlier in this block (records).
+    """
+
+    __slots__ = ("block", "slot", "record", "skipped")
+
+    def __init__(self, block: Block, slot: int, record: dict, skipped: list) -> None:
+        self.block, self.slot, self.record, self.skipped = block, int(slot), record, skipped
+
+    def __reduce__(self) -> tuple:
+        return (BadImageFound, (self.block, self.slot, self.record, self.skipped))
+
+    def __repr__(self) -> str:
+        return (f"BadImageFound(block={self.block!r}, slot={self.slot}, "
+                f"reason={self.record.get('reason')})")
 
 
 def _in_worker() -> bool:
@@ -121,16 +145,12 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         rng_mode: ``"block"`` (PCG64 per block) or ``"detectron"`` (legacy
             ``RandomState`` per block, Detectron's call order).
         on_bad_image: ``"raise"`` or ``"skip"`` (replace the bad image, count the skip).
-        replacement: ``(block, attempt) -> Block`` for invalid minibatches; default: a
-            deterministic draw of the same number of images with the same orientation.
-        ledger: a :class:`~lit_roidata.skip.BadImageLedger` over the sampler: with
-            ``on_bad_image="skip"`` only the bad image of a block is replaced, from the
-            pass's reserve (every good image of a pass delivered exactly once). With
-            DataLoader workers, a block with a newly found bad image comes back as a
-            :class:`~lit_roidata.skip.RepairRequest`: pass every batch through
-            :meth:`repair` in the main process (the loader's
-            :class:`~lit_roidata.skip.SkipPolicy` does). Without a
-            ledger, a block with a bad image is replaced whole (``replacement``).
+        replacement: ``(block, attempt) -> Block`` for invalid minibatches, a pure function
+            (e.g. ``StreamPlan.replacement_block``); default: a deterministic draw of the
+            same number of images with the same orientation.
+        hand_back_bad_images: with ``on_bad_image="skip"``, return a stream block with an
+            unreadable image as :class:`BadImageFound` (the train loader replaces only that
+            image) instead of replacing the whole block.
         augment: optional :class:`~lit_roidata.minibatch.augment.Augmentation`.
         max_attempts: replacements tried before giving up with an error.
         loader: optional ``entry -> BGR uint8 HWC`` image reader (tests, caches).
@@ -153,8 +173,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
                  max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
                  mask_format: str = "detectron", fix_rpn_quirks: bool = False,
-                 target_format: str = "detectron",
-                 ledger: Any = None) -> None:
+                 target_format: str = "detectron", hand_back_bad_images: bool = False) -> None:
         for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
                                    ("pixel_format", pixel_format, PIXEL_FORMATS),
                                    ("rng_mode", rng_mode, RNG_MODES),
@@ -178,10 +197,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         self.mask_format = mask_format
         self.fix_rpn_quirks = bool(fix_rpn_quirks)
         self.target_format = target_format
-        self.ledger = ledger
-        #: ``True``: hand a block with a newly found bad image back as a RepairRequest
-        #: even in the main process (the caller repairs every batch in stream order).
-        self.defer_repair = False
+        self.hand_back_bad_images = bool(hand_back_bad_images) and on_bad_image == "skip"
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
         #: Set by :class:`~lit_roidata.loader.StatefulRoIDataLoader` while it starts its
@@ -272,8 +288,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             ``output_format="detectron"``: dict blob name -> tensor in
             ``get_minibatch_blob_names`` order, plus ``"_meta"``;
             ``"torchvision"``: a :class:`TorchvisionBatch` ``(images, targets)``;
-            in a worker with a ledger, a :class:`~lit_roidata.skip.RepairRequest` for a
-            block with a newly found bad image (finish it with :meth:`repair`).
+            with ``hand_back_bad_images``, a :class:`BadImageFound` for a stream block
+            with an unreadable image.
 
         Raises:
             BadImageError: with ``on_bad_image="raise"``.
@@ -293,15 +309,14 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         if isinstance(out, PackedBlobs) or (self.output_format == "torchvision"
                                             and _is_torchvision_batch(out)):
             out._shm_arena = arena  # sent with its slot tensors as descriptors
-        else:  # e.g. a RepairRequest: nothing sent refers to the slot
+        else:  # e.g. a BadImageFound: nothing sent refers to the slot
             arena.pool.give_back(arena)
         return out
 
     def _getitems(self, block: Any) -> Any:
-        if self.on_bad_image == "skip" and self.ledger is not None and _coords(block)[3] == 0:
-            current, subs = self.ledger.apply_plan(block)
-            return self._build_stream(block, current, subs, [])
-        return self._attempts(block, block, 0, [], 0, [])
+        if self.hand_back_bad_images and _coords(block)[3] == 0:
+            return self.build_stream_block(block)
+        return self._attempts(block, block, 0, [], 0)
 
     def _record(self, exc: BadImageError, block: Any, reads: list) -> dict[str, Any]:
         slot = max(0, len(reads) - 1)
@@ -309,75 +324,32 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 "dataset": exc.dataset, "message": str(exc),
                 "index": int(block[slot]) if slot < len(block) else None, "slot": slot}
 
-    def _build_stream(self, requested: Any, current: Any, subs: list, skipped: list) -> Any:
-        """A stream block with only its bad images replaced (skip policy with a ledger)."""
-        from lit_roidata.skip import RepairRequest
-
+    def build_stream_block(self, block: Block, skipped: Sequence[Mapping[str, Any]] = ()
+                           ) -> Any:
+        """Build a stream block as it is, or return :class:`BadImageFound` at its first
+        unreadable image (``skipped``: bad images found in it before). An invalid
+        minibatch is still replaced whole (``replacement``)."""
         reads: list = []
+        skipped = [dict(r) for r in skipped]
         try:
-            out, valid, entries = self._build_once(current, reads)
+            out, valid, entries = self._build_once(block, reads)
         except BadImageError as exc:
-            rec = self._record(exc, current, reads)
-            req = RepairRequest(current, rec["slot"], rec, subs, skipped, requested)
-            return req if _in_worker() or self.defer_repair else self.repair(req)
+            if self.on_bad_image == "raise":
+                raise
+            rec = self._record(exc, block, reads)
+            return BadImageFound(block, rec["slot"], rec, skipped)
         if valid:
-            return self._package(out, entries, requested, current, skipped, 0, subs)
+            return self._package(out, entries, block, block, skipped, 0)
         self.skip_counts["invalid_minibatch"] += 1
-        return self._attempts(requested, current, 1, skipped, 1, subs)
+        return self._attempts(block, block, 1, skipped, 1)
 
-    def repair(self, item: Any) -> Any:
-        """Finish a :class:`~lit_roidata.skip.RepairRequest` in the main process (any
-        other item is returned unchanged).
-
-        The bad image becomes known to the ledger and its slot is refilled with this
-        rank's next reserve image; the block is rebuilt here (bad images are rare). Call
-        it on every batch, in the order the loader yields them.
-
-        Raises:
-            RuntimeError: more than ``max_attempts`` bad images in a row for one block.
-        """
-        from lit_roidata.skip import RepairRequest
-
-        tries = 0
-        while isinstance(item, RepairRequest):
-            if tries >= self.max_attempts + 1 or self.ledger is None:
-                raise RuntimeError(
-                    f"block {list(item.requested)} (pass {item.block.pass_index}, block "
-                    f"{item.block.block_index}): {tries} bad images replaced in a row and the "
-                    f"last one is bad too ({item.record.get('message')}). Check the image "
-                    "files (the skip report lists them)")
-            tries += 1
-            # A file already known here (e.g. the flipped copy of an image found bad
-            # earlier in this pass, read by a worker that could not know) is not a new skip.
-            new = self.ledger.mark_bad(int(item.block[item.slot]), item.record)
-            rec = dict(item.record, again=not new)
-            if new:
-                self.skip_counts[str(rec.get("reason", "bad_image"))] += 1
-                log.warning("skipping %s (replacing only this image of its block)",
-                            rec.get("message"))
-            else:
-                self.skip_counts["read_again"] += 1
-            block, sub = self.ledger.substitute(item.block, item.slot, attempt=tries - 1)
-            defer, self.defer_repair = self.defer_repair, True  # loop here, not recurse
-            try:
-                item = self._build_stream(item.requested, block, item.substitutes + [sub],
-                                          item.skipped + [rec])
-            finally:
-                self.defer_repair = defer
-        return item
-
-    def _attempts(self, block: Any, current: Any, first: int, skipped: list, invalid: int,
-                  subs: list) -> Any:
+    def _attempts(self, block: Any, current: Any, first: int, skipped: list,
+                  invalid: int) -> Any:
         """Whole-block replacements ``first, first + 1, ...`` (invalid minibatches; bad
-        images when there is no ledger)."""
-        known = frozenset()
-        if self.ledger is not None:  # the frozen set only: the same in every worker
-            known = self.ledger.frozen_for(_coords(block)[1])
+        images without ``hand_back_bad_images``)."""
         for attempt in range(first, self.max_attempts + 1):
             if attempt > first or first > 0:
                 current = self._replacement(block, attempt)
-                if known and any(int(i) in known for i in current):
-                    continue  # never read an image known to be bad
             reads: list = []
             try:
                 out, valid, entries = self._build_once(current, reads)
@@ -389,7 +361,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 log.warning("skipping block %s: %s", list(current), exc)
             else:
                 if valid:
-                    return self._package(out, entries, block, current, skipped, invalid, subs)
+                    return self._package(out, entries, block, current, skipped, invalid)
                 invalid += 1
                 self.skip_counts["invalid_minibatch"] += 1
         raise RuntimeError(
@@ -399,10 +371,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             f"{[s['message'] for s in skipped[:3]]}). Check the images, or lower "
             "KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH for keypoint models")
 
-    def _meta(self, entries: Sequence[Mapping[str, Any]], requested: Any, used: Any,
-              skipped: list, invalid: int, scales: Sequence[float],
-              substitutes: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any]:
+    def _meta(self, entries: Sequence[Mapping[str, Any]], stream: Any, used: Any,
+              skipped: list, invalid: int, scales: Sequence[float]) -> dict[str, Any]:
         seed, p, b, attempt = _coords(used)
+        requested = getattr(stream, "requested", stream)
         return {
             "image_ids": torch.tensor([int(e["id"]) for e in entries], dtype=torch.int64),
             "flipped": torch.tensor([bool(e.get("flipped", False)) for e in entries]),
@@ -413,25 +385,25 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             "requested_indices": [int(i) for i in requested],
             "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
             "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
-            "substitutes": [dict(x) for x in substitutes],
+            "substitutes": [dict(x) for x in getattr(stream, "substitutes", ())],
             "pixel_format": self.pixel_format, "mask_format": self.mask_format,
             "target_format": self.target_format,
         }
 
-    def _package(self, out: Any, entries: list, requested: Any, used: Any, skipped: list,
-                 invalid: int, substitutes: Sequence[Mapping[str, Any]] = ()) -> Any:
+    def _package(self, out: Any, entries: list, stream: Any, used: Any, skipped: list,
+                 invalid: int) -> Any:
+        """The batch of ``used`` (built) for the stream block ``stream``."""
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
 
             images, targets = out
-            meta = self._meta(entries, requested, used, skipped, invalid,
-                              [t["scale"] for t in targets], substitutes)
+            meta = self._meta(entries, stream, used, skipped, invalid,
+                              [t["scale"] for t in targets])
             return TorchvisionBatch((images, targets), meta)
         blobs: dict[str, Any] = {}
         for name, value in out.blobs.items():
             blobs[name] = _as_tensor(value) if isinstance(value, np.ndarray) else value
-        meta = self._meta(entries, requested, used, skipped, invalid, out.image.im_scales,
-                          substitutes)
+        meta = self._meta(entries, stream, used, skipped, invalid, out.image.im_scales)
         meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
         meta["im_info"] = torch.from_numpy(out.image.im_info)
         blobs["_meta"] = meta

@@ -3,14 +3,16 @@
 * :func:`build_train_loader` / :func:`build_eval_loader`: a config and a roidb in, a
   loader out (Detectron2's injectable-builder spirit: pass your own ``dataset`` or
   ``sampler`` to replace one part). :class:`~lit_roidata.RoIDataModule` only calls them.
-* :class:`StatefulRoIDataLoader`: the train loader that checkpoints the batches the model
-  trained on and can end its iteration at a clean step boundary (:meth:`request_stop`).
+* :class:`StatefulRoIDataLoader`: the train loader. It alone owns the training stream's
+  position: it asks the plan (:class:`~lit_roidata.plan.StreamPlan`) for the blocks after
+  it, finishes blocks with a bad image (:mod:`lit_roidata.skip`), counts what was trained,
+  stops at clean step boundaries and saves what a resume needs.
 * :class:`EvalLoader`: this rank's evaluation batches, every image once, in order.
 
-Both loaders *wrap* a ``torch.utils.data.DataLoader`` instead of subclassing one, so
-Lightning neither re-instantiates nor wraps them (it returns any object that is not a
-``DataLoader`` unchanged, whatever ``use_distributed_sampler`` says) and never throws
-the sampler's own DDP split away for a ``DistributedSampler`` (peers.md P9).
+The stream runs one way: plan -> blocks -> dataset (workers build) -> loader. Nothing
+downstream calls back upstream. Both loaders *wrap* a ``torch.utils.data.DataLoader``
+instead of subclassing one, so Lightning neither re-instantiates nor wraps them and never
+swaps in a ``DistributedSampler`` (peers.md P9).
 
 Nothing here imports Lightning: DataLoader workers import this module.
 """
@@ -21,7 +23,10 @@ import contextlib
 import functools
 import gc
 import logging
+import os
+import re
 import signal
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -31,55 +36,103 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_roidata.config import DetectronConfig
-from lit_roidata.dataset import EvalDataset, RoIBlockDataset
+from lit_roidata.dataset import BadImageFound, EvalDataset, RoIBlockDataset
 from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
+from lit_roidata.plan import StreamPlan
 from lit_roidata.sampler import RoIBatchSampler
 from lit_roidata.skip import BadImageLedger, SkipPolicy, holdback_blocks
 
-__all__ = ["StatefulRoIDataLoader", "EvalLoader", "build_train_sampler", "train_repeat_factors",
-           "build_train_dataset", "build_train_loader", "build_eval_loader",
-           "passthrough_collate", "fork_safe_opencv"]
+__all__ = ["StatefulRoIDataLoader", "EvalLoader", "WorkerDiedError", "build_train_sampler",
+           "train_repeat_factors", "build_train_dataset", "build_train_loader",
+           "build_eval_loader", "passthrough_collate", "fork_safe_opencv"]
 
 log = logging.getLogger(__name__)
 
 
 def passthrough_collate(batch: Any) -> Any:
-    """Return the dataset's result for one block unchanged: batching is the sampler's job
+    """Return the dataset's result for one block unchanged: batching is the plan's job
     (docs/architecture.md, "Worker output")."""
     return batch
 
 
 def _init_worker(user_fn: Callable[[int], None] | None, worker_id: int) -> None:
-    # A terminal's Ctrl-C reaches every process of the group; a worker that died of it
-    # would break the graceful stop its main process makes (lit_roidata.callbacks.
-    # GracefulStop). SIGTERM keeps its default: it is how the main process (and
-    # multiprocessing at exit) ends a worker that does not stop by itself.
+    # A terminal's Ctrl-C and a scheduler's SIGTERM reach every process of the group; a
+    # worker that died of them would turn the main process's graceful stop into an abort.
+    # Workers end when the main process shuts them down (or exits: DataLoader workers
+    # watch their parent).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if user_fn is not None:
         user_fn(worker_id)
+
+
+class WorkerDiedError(RuntimeError):
+    """A DataLoader worker of the train loader died (killed by a signal or exited)."""
+
+
+_DEATHS: dict[int, int] = {}  # worker pid -> the signal that killed it (SIGCHLD record)
+
+
+def _record_child_death(signum: int, frame: Any) -> None:
+    # Note which child died of which signal, without reaping it (its owner waits for it).
+    with contextlib.suppress(ChildProcessError, OSError):
+        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            _DEATHS[info.si_pid] = info.si_status
+
+
+def _detect_deaths_at_fetch() -> None:
+    """Make a worker's death an error at the next fetch, not at any bytecode.
+
+    PyTorch's own SIGCHLD handler raises in the main thread wherever it happens to be: in
+    the middle of a step (Lightning then counts a batch it never trained), or inside the
+    checkpoint an earlier error is writing. Replaced by one that only records the signal;
+    the DataLoader still reports the death when the next batch is fetched (it checks its
+    workers whenever it waits), and the train loader names it (:class:`WorkerDiedError`).
+    """
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCHLD"):
+        signal.signal(signal.SIGCHLD, _record_child_death)
+
+
+def _worker_death(message: str, where: tuple[int, int]) -> str | None:
+    """The named error for a DataLoader message about a dead worker, else None."""
+    if "DataLoader worker" not in message or not re.search(
+            r"killed by signal|exited unexpectedly", message):
+        return None
+    pids = [int(p) for p in re.findall(r"\d+", message.split(")")[0])]
+    parts = []
+    for pid in pids or [0]:
+        signum = _DEATHS.pop(pid, None)
+        if signum is None:
+            m = re.search(r"killed by signal: (\w+)", message)
+            name = f"SIG{m.group(1).upper()}" if m else "an unknown cause"
+            name = {"SIGKILLED": "SIGKILL", "SIGTERMINATED": "SIGTERM"}.get(name, name)
+        else:
+            name = signal.Signals(signum).name
+        parts.append(f"pid {pid}, {name}")
+    hint = ("SIGKILL is most often the kernel's out-of-memory killer (see `dmesg`): lower "
+            "loader.num_workers, loader.prefetch_factor or TRAIN.IMS_PER_BATCH, or give the "
+            "job more memory" if "SIGKILL" in " ".join(parts) else
+            "check the worker's log above for its own error")
+    return (f"a DataLoader worker of the train loader died ({'; '.join(parts)}) while the "
+            f"stream was at pass {where[0]}, block {where[1]}. {hint}. Nothing is lost: a "
+            "checkpoint written now (OnExceptionCheckpoint) resumes the stream exactly. "
+            f"(PyTorch: {message.strip()})")
 
 
 @contextlib.contextmanager
 def _frozen_heap(dl: DataLoader) -> Iterator[None]:
     """Fork the workers with what they all use built once (the dataset's ``before_fork``)
-    and the parent's Python objects in the GC's permanent generation (``gc.freeze``),
-    thawed in the parent afterwards.
-
-    A forked worker shares the parent's heap copy-on-write. Its garbage collector would
-    otherwise walk every object inherited from the parent (the modules of torch, NumPy,
-    the dataset ...) and write to their headers on its first full collection, copying
-    those pages into the worker: private memory every worker pays again. Frozen objects
-    are never visited. Nothing is frozen for ``spawn``/``forkserver`` workers (they
-    inherit nothing) or without workers.
+    and the parent's objects in the GC's permanent generation (``gc.freeze``), thawed in
+    the parent afterwards, so a worker's collector never copies inherited pages. Nothing
+    is done for ``spawn``/``forkserver`` workers (they inherit nothing) or without workers.
     """
     if dl.num_workers == 0 or gc.get_freeze_count():
         yield  # nothing to fork, or the caller froze the heap itself
         return
-    # The context the DataLoader is about to start its workers with (the default one,
-    # as it would take it, when none was given).
     ctx = dl.multiprocessing_context or torch.multiprocessing.get_context()
     if ctx.get_start_method() != "fork":
-        yield  # spawn / forkserver workers inherit no heap
+        yield
         return
     before_fork = getattr(dl.dataset, "before_fork", None)
     if callable(before_fork):
@@ -91,60 +144,79 @@ def _frozen_heap(dl: DataLoader) -> Iterator[None]:
         gc.unfreeze()
 
 
-class StatefulRoIDataLoader:
-    """A checkpointable train loader over a :class:`RoIBatchSampler` (design principle 4).
+class _BlockSource:
+    """The DataLoader's batch sampler: this rank's final blocks from the loader's position.
 
-    Iterating yields one item per block of this rank (the dataset's ``__getitems__``
-    result, passed through ``collate_fn``): the rest of the current pass (epoch mode) or
-    forever (infinite mode). ``len()`` is the sampler's length, equal on every rank.
-
-    **Position.** The loader keeps its own account of the stream: the position (pass,
-    cursor in global blocks) after the last batch handed out, and, for the batches
-    handed out since the optimizer last stepped, the position before each. When
-    ``optimizer_steps`` is given, :meth:`state_dict` leaves out the batches handed out
-    since the step count last advanced (the batch of a step that raised; a whole
-    unfinished gradient-accumulation window), so a checkpoint written on an exception
-    (``OnExceptionCheckpoint``) resumes with them; after the optimizer stepped (e.g. in
-    ``on_train_batch_end`` or validation) nothing is left out. Lightning does not
-    prefetch from loaders with a length, so at most the batches of one step are handed
-    out and not trained. Restoring is O(1), for any ``num_workers`` and even another
-    ``world_size``. The loader never follows Lightning's epoch number: ``set_epoch``
-    (on the loader or its sampler) has no effect, every iteration starts where the
-    previous one stopped.
-
-    **Stops.** :meth:`request_stop` makes the iteration end (``StopIteration``) at the
-    first clean step boundary: before handing out a batch, when this iterator has handed
-    out one already (never at an epoch's first fetch), the optimizer stepped since then
-    (never inside an accumulation window) and ``ready()`` agrees.
-
-    Args:
-        dataset: map-style dataset; ``__getitems__(block)`` (or ``__getitem__`` per index)
-            builds the blobs of one block in a worker. With a
-            :class:`~lit_roidata.skip.BadImageLedger` (``on_bad_image="skip"``) the loader
-            owns the :class:`~lit_roidata.skip.SkipPolicy` (:attr:`skip_policy`).
-        batch_sampler: this rank's :class:`RoIBatchSampler`.
-        num_workers, pin_memory, timeout, worker_init_fn, multiprocessing_context,
-            prefetch_factor, persistent_workers: as for ``torch.utils.data.DataLoader``
-            (workers ignore SIGINT: the main process stops them).
-        collate_fn: defaults to :func:`passthrough_collate`.
-        strict_resume: when a loaded state belongs to another stream (roidb length,
-            orientation count, ``ims_per_batch``, seed, grouping or shuffle differ),
-            ``True`` raises ``ValueError``; ``False`` logs a warning and starts a fresh pass.
-        optimizer_steps: ``() -> int``, the optimizer steps taken so far (e.g.
-            ``lambda: trainer.global_step``); without it every batch handed out counts
-            as trained.
-        shm_pool: with workers and a dataset that supports it (``RoIBlockDataset``),
-            give each worker set a :class:`~lit_roidata.minibatch.shm_pool.ShmPool`:
-            ``prefetch_factor + 3`` reusable shared-memory slots per worker.
-        shm_pool_slot_bytes: capacity of a slot (virtual: only written pages cost
-            memory); an array that does not fit gets a new segment.
-
-    Raises:
-        TypeError: an ``IterableDataset`` or a batch sampler that is not a
-            ``RoIBatchSampler``.
+    Each iteration starts at :attr:`start` (set by the loader) and asks the plan for the
+    next blocks, with the images known to be bad replaced before anything is read.
     """
 
-    def __init__(self, dataset: Any, batch_sampler: RoIBatchSampler, *, num_workers: int = 0,
+    def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None) -> None:
+        self.plan, self.ledger = plan, ledger
+        self.start = (0, 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        plan, ledger, pos = self.plan, self.ledger, self.start
+        while True:
+            blk, pos = plan.next_block(*pos, stop_at_pass_end=not plan.infinite)
+            if blk is None:
+                return
+            yield blk if ledger is None else plan.final_block(
+                blk, ledger.frozen_for(blk.pass_index))
+
+    def __len__(self) -> int:
+        return self.plan.length_at(*self.start)
+
+
+class StatefulRoIDataLoader:
+    """The checkpointable train loader of one rank (design principles 4 and 11).
+
+    Iterating yields one item per block of this rank (the dataset's ``__getitems__``
+    result): the rest of the current pass (epoch mode) or forever (infinite mode).
+
+    **Position.** The loader keeps the only account of the stream: the position (pass,
+    cursor in global blocks) after the last batch handed out, the positions before the
+    batches handed out since the optimizer last stepped (``optimizer_steps``), and how many
+    batches of the current epoch were trained. :meth:`state_dict` is the position after
+    the batches *trained*: a checkpoint written on an exception (``OnExceptionCheckpoint``)
+    resumes with the batch of the failed step, a whole unfinished gradient-accumulation
+    window included. Restoring is O(1), for any ``num_workers`` and another ``world_size``.
+    Lightning's counters are never read to decide what data comes next; ``set_epoch`` is
+    ignored. In epoch mode ``len()`` is the number of batches of the current epoch: after a
+    resume with another world size mid-pass, the batches trained before plus this rank's
+    share of the rest of the pass, so the epoch ends exactly at the end of the pass.
+
+    **Stops and aborts.** :meth:`request_stop` ends the iteration (``StopIteration``) at the
+    first clean step boundary: before handing out a batch, once this iterator has handed
+    out one, the optimizer stepped since, and ``ready()`` agrees. :meth:`request_abort`
+    raises ``KeyboardInterrupt`` before the next batch is handed out, so an abort never
+    lands inside a step.
+
+    **Bad images** (``on_bad_image="skip"``, a dataset with ``hand_back_bad_images``): the
+    loader owns the :class:`~lit_roidata.skip.SkipPolicy` (:attr:`skip_policy`); a block
+    whose worker found an unreadable image is finished here, in stream order, with only
+    that image replaced. **Workers** ignore SIGINT and SIGTERM (the main process stops
+    them); a worker killed otherwise raises :class:`WorkerDiedError` at the next fetch.
+
+    Args:
+        dataset: map-style dataset; ``__getitems__(block)`` builds one block in a worker.
+        batch_sampler: this rank's stream: a :class:`~lit_roidata.plan.StreamPlan` (a
+            :class:`RoIBatchSampler` also gives the starting position).
+        num_workers, pin_memory, timeout, worker_init_fn, multiprocessing_context,
+            prefetch_factor, persistent_workers: as for ``torch.utils.data.DataLoader``.
+        collate_fn: defaults to :func:`passthrough_collate`.
+        strict_resume: a loaded state of another stream raises ``ValueError`` (``True``) or
+            logs a warning and starts a fresh pass (``False``).
+        optimizer_steps: ``() -> int``, the optimizer steps so far (``lambda:
+            trainer.global_step``); without it every batch handed out counts as trained.
+        shm_pool, shm_pool_slot_bytes: reusable shared-memory slots per worker
+            (``prefetch_factor + 3`` each, virtual capacity ``shm_pool_slot_bytes``).
+
+    Raises:
+        TypeError: an ``IterableDataset`` or a sampler that is not a ``StreamPlan``.
+    """
+
+    def __init__(self, dataset: Any, batch_sampler: StreamPlan, *, num_workers: int = 0,
                  collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
                  timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, prefetch_factor: int | None = None,
@@ -154,36 +226,45 @@ class StatefulRoIDataLoader:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
-        if not isinstance(batch_sampler, RoIBatchSampler):
-            raise TypeError("StatefulRoIDataLoader: batch_sampler must be a RoIBatchSampler, "
-                            f"got {type(batch_sampler).__name__}")
+        if not isinstance(batch_sampler, StreamPlan):
+            raise TypeError("StatefulRoIDataLoader: batch_sampler must be a RoIBatchSampler "
+                            f"(or a StreamPlan), got {type(batch_sampler).__name__}")
         self.dataset = dataset
         self.batch_sampler = batch_sampler
         self.strict_resume = bool(strict_resume)
+        #: The :class:`~lit_roidata.skip.SkipPolicy` (``on_bad_image="skip"``), else None.
+        self.skip_policy: SkipPolicy | None = None
+        if getattr(dataset, "hand_back_bad_images", False):
+            self.skip_policy = SkipPolicy(BadImageLedger(batch_sampler, dataset.roidb))
+        self._source = _BlockSource(batch_sampler, self.skip_policy and self.skip_policy.ledger)
         if num_workers > 0:
             fork_safe_opencv()
         # A private generator: the DataLoader draws the worker base seed from it, so the
         # global torch RNG is never touched (a resumed run would otherwise diverge).
         self._generator = torch.Generator()
-        self._loader = DataLoader(
-            dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+        self._make_loader = functools.partial(
+            DataLoader, dataset, batch_sampler=self._source, num_workers=num_workers,
             collate_fn=passthrough_collate if collate_fn is None else collate_fn,
             pin_memory=pin_memory, timeout=timeout,
             worker_init_fn=functools.partial(_init_worker, worker_init_fn),
             multiprocessing_context=multiprocessing_context, generator=self._generator,
             prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
             in_order=True)
-        state = batch_sampler.state_dict()
+        self._loader = self._make_loader()
+        self._persistent_started = False
+        get_state = getattr(batch_sampler, "state_dict", None)
+        state = get_state() if callable(get_state) else {"pass": 0, "cursor": 0}
         self._pos: tuple[int, int] = (state["pass"], state["cursor"])
         self._consumed = 0  # global minibatches handed out over the run
+        self._epoch_base = 0  # batches of the current epoch trained before a restore
+        self._iter_base = 0  # the restored count the running epoch started with
+        self._epoch_count = 0  # batches handed out by the current iteration
+        self._epoch_start: tuple[int, int] | None = None  # where the current epoch began
         self._optimizer_steps = optimizer_steps
-        # Positions before the batches handed out at step count _window_steps.
-        self._window: list[tuple[int, int]] = []
+        self._window: list[tuple[int, int]] = []  # positions before the untrained batches
         self._window_steps: int | None = None
         self._stop: tuple[Callable[[], bool] | None, Callable[[], None] | None] | None = None
-        ledger = getattr(dataset, "ledger", None)
-        #: The :class:`~lit_roidata.skip.SkipPolicy` (``on_bad_image="skip"``), else None.
-        self.skip_policy = SkipPolicy(dataset) if isinstance(ledger, BadImageLedger) else None
+        self._abort = False
         self._use_pool = bool(shm_pool) and num_workers > 0 and hasattr(dataset, "shm_pool")
         self._slot_bytes = int(shm_pool_slot_bytes)
         self._pool_ref: Callable[[], ShmPool | None] = lambda: None
@@ -211,46 +292,96 @@ class StatefulRoIDataLoader:
         return self._loader.collate_fn
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank (:meth:`RoIBatchSampler.__len__`); with repeat
-        factors, the batches of the pass the loader's next batch comes from."""
-        return self.batch_sampler.length_at(*self._pos)
+        """Batches of the current epoch on this rank, equal on every rank (class docstring).
+        Infinite mode: the batches of a pass (Lightning's epoch length)."""
+        if self._epoch_start is None:
+            base, start = self._epoch_base, self._pos
+        else:
+            base, start = self._iter_base, self._epoch_start
+        if self.batch_sampler.infinite:
+            return self.batch_sampler.length_at(*start)
+        return base + self.batch_sampler.remaining_at(*start)
 
     def __iter__(self) -> Iterator[Any]:
         """Batches from the loader's position on: to the end of the pass (epoch mode) or
-        forever (infinite mode). Nothing runs until the first ``next()``."""
+        forever (infinite mode). A new epoch begins here; the workers start at the first
+        ``next()``."""
+        self._pos = self.batch_sampler.normalize(*self._pos)
+        # A restored mid-epoch count belongs to the first epoch after the restore only.
+        self._iter_base, self._epoch_base = self._epoch_base, 0
+        self._epoch_start, self._epoch_count = self._pos, 0
         return self._generate()
 
     def _generate(self) -> Iterator[Any]:
-        sampler = self.batch_sampler
-        self._pos = sampler.normalize(*self._pos)
-        sampler.load_state_dict(sampler.state_at(*self._pos))  # whatever set_epoch did
-        # Worker seeds depend on the position and the rank (global-RNG use inside workers,
-        # e.g. a user's augmentation, differs between ranks); the blobs themselves are
-        # seeded per block (lit_roidata.rng.block_rng) and do not depend on either.
-        seed = np.random.SeedSequence([sampler.seed, *self._pos, sampler.rank]
-                                      ).generate_state(1)[0]
+        plan = self.batch_sampler
+        # Worker seeds depend on the position and the rank (global-RNG use inside workers
+        # differs between ranks); the blobs are seeded per block and depend on neither.
+        seed = np.random.SeedSequence([plan.seed, *self._pos, plan.rank]).generate_state(1)[0]
         self._generator.manual_seed(int(seed))
-        batches = self._start_workers()
+        self._source.start = self._pos
+        batches: Iterator[Any] | None = self._start_workers()
         handed_out = False
-        while True:
-            if handed_out and self._stop is not None and self._stop_now(*self._stop):
-                return
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            if self.skip_policy is not None:
-                batch = self.skip_policy.on_batch(batch)
-            steps = self._steps()
-            if steps != self._window_steps:
-                self._window, self._window_steps = [], steps
-            self._window.append(self._pos)
-            # Advance before yielding: a checkpoint written after this batch's step
-            # must resume after it.
-            self._pos = sampler.advance(*self._pos, 1)
-            self._consumed += 1
-            handed_out = True
-            yield batch
+        try:
+            while True:
+                if self._abort:
+                    self._abort = False
+                    raise KeyboardInterrupt("aborted at a step boundary (second signal)")
+                if handed_out and self._stop is not None and self._stop_now(*self._stop):
+                    return
+                died = None
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    self._epoch_start = None  # the epoch is complete
+                    return
+                except RuntimeError as exc:
+                    died = _worker_death(str(exc), self._pos)
+                    if died is None:
+                        raise
+                if died is not None:  # outside the handler: no traceback keeps the workers
+                    batches = None
+                    self.close()
+                    raise WorkerDiedError(died)
+                batch = self._finish(batch)
+                steps = self._steps()
+                if steps != self._window_steps:
+                    self._window, self._window_steps = [], steps
+                self._window.append(self._pos)
+                # Advance before yielding: a checkpoint written after this batch's step
+                # must resume after it.
+                self._pos = plan.advance(*self._pos, 1)
+                self._consumed += 1
+                self._epoch_count += 1
+                handed_out = True
+                yield batch
+        finally:
+            batches = None  # dropping the iterator shuts its (non-persistent) workers down
+
+    def _finish(self, item: Any) -> Any:
+        """Finish a block whose worker found a bad image (main process, stream order) and
+        count the batch's skips."""
+        policy = self.skip_policy
+        tries = 0
+        while isinstance(item, BadImageFound):
+            if policy is None or tries > self.dataset.max_attempts:
+                raise RuntimeError(
+                    f"block {item.block.requested} (pass {item.block.pass_index}, block "
+                    f"{item.block.block_index}): {tries} bad images replaced in a row and the "
+                    f"last one is bad too ({item.record.get('message')}). Check the image "
+                    "files (the skip report lists them)")
+            tries += 1
+            new = policy.ledger.mark_bad(int(item.block[item.slot]), item.record)
+            if new:
+                log.warning("skipping %s (replacing only this image of its block)",
+                            item.record.get("message"))
+            block, _ = policy.ledger.substitute(item.block, item.slot, attempt=tries - 1)
+            item = self.dataset.build_stream_block(
+                block, item.skipped + [dict(item.record, again=not new)])
+        if policy is not None:
+            meta = item.get("_meta") if isinstance(item, dict) else getattr(item, "meta", None)
+            if isinstance(meta, Mapping):
+                policy.count(meta)
+        return item
 
     def _steps(self) -> int:
         return -1 if self._optimizer_steps is None else int(self._optimizer_steps())
@@ -284,6 +415,11 @@ class StatefulRoIDataLoader:
         """
         self._stop = (ready, on_stop)
 
+    def request_abort(self) -> None:
+        """Raise ``KeyboardInterrupt`` before the next batch is handed out (an abort
+        between two steps, where every count agrees with the batches trained)."""
+        self._abort = True
+
     @property
     def stop_requested(self) -> bool:
         """Whether a :meth:`request_stop` is still waiting for its boundary."""
@@ -293,26 +429,31 @@ class StatefulRoIDataLoader:
         """``iter(DataLoader)``; a new set of workers gets a new shared-memory pool
         (flags of earlier workers, alive or dead, are never seen by the new ones)."""
         dl = self._loader
-        if not self._use_pool or (dl.persistent_workers and dl._iterator is not None):
-            with _frozen_heap(dl):
-                return iter(dl)
-        pool = ShmPool(dl.num_workers, int(dl.prefetch_factor or 2) + 3, self._slot_bytes)
-        self.dataset.shm_pool = pool  # the workers take it with the dataset (fork or spawn)
-        try:
+        reuse = dl.persistent_workers and self._persistent_started
+        self._persistent_started = dl.persistent_workers
+        if not self._use_pool or reuse:
             with _frozen_heap(dl):
                 it = iter(dl)
-        finally:
-            self.dataset.shm_pool = None  # no other loader's workers may use it
-        it._lit_shm_pool = pool  # alive as long as the workers that write into it
-        self._pool_ref = weakref.ref(pool)
+        else:
+            pool = ShmPool(dl.num_workers, int(dl.prefetch_factor or 2) + 3, self._slot_bytes)
+            self.dataset.shm_pool = pool  # the workers take it with the dataset
+            try:
+                with _frozen_heap(dl):
+                    it = iter(dl)
+            finally:
+                self.dataset.shm_pool = None  # no other loader's workers may use it
+            it.lit_shm_pool = pool  # alive as long as the workers that write into it
+            self._pool_ref = weakref.ref(pool)
+        if dl.num_workers:
+            _detect_deaths_at_fetch()
         return it
 
     def close(self) -> None:
-        """Stop persistent workers now (other workers stop with their iterator)."""
-        it = self._loader._iterator
-        self._loader._iterator = None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        """Stop persistent workers now: the DataLoader holding them is dropped (its
+        iterator shuts them down) and a fresh one takes its place."""
+        self._loader = self._make_loader()
+        self._persistent_started = False
+        gc.collect()  # the iterator's own reference cycles, if any
 
     @property
     def shm_pool(self) -> ShmPool | None:
@@ -321,8 +462,7 @@ class StatefulRoIDataLoader:
         return self._pool_ref()
 
     def set_epoch(self, epoch: int) -> None:
-        """Accepted and ignored: the stream does not follow Lightning's epoch number
-        (an epoch is the rest of the current pass, or ``len()`` batches when infinite)."""
+        """Accepted and ignored: the stream does not follow Lightning's epoch number."""
 
     @property
     def consumed_batches(self) -> int:
@@ -336,34 +476,36 @@ class StatefulRoIDataLoader:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The position after the batches trained (``sampler``:
-        :meth:`RoIBatchSampler.state_at`), and the skip policy's state."""
+        """The position after the batches trained, the batches of the current epoch
+        trained, and the skip policy's state."""
         held = self._in_flight()
         pos = self._window[-held] if held else self._pos
+        epoch = (self._epoch_base if self._epoch_start is None
+                 else self._iter_base + self._epoch_count - held)
         state = {"sampler": self.batch_sampler.state_at(*pos),
-                 "consumed_batches": self._consumed - held, "num_workers": self.num_workers}
+                 "consumed_batches": self._consumed - held, "epoch_batches": epoch,
+                 "num_workers": self.num_workers}
         if self.skip_policy is not None:
             state["skip"] = self.skip_policy.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool | None = None) -> None:
-        """Continue from a saved position in O(1); no batch is replayed.
-
-        Args:
-            state_dict: from :meth:`state_dict` (or a bare sampler state).
-            strict: overrides ``strict_resume`` for this call.
+        """Continue from a saved position in O(1); no batch is replayed. Loading the same
+        state twice is harmless.
 
         Raises:
             ValueError: the state belongs to another stream and resuming is strict.
         """
         strict = self.strict_resume if strict is None else bool(strict)
-        sampler = self.batch_sampler
-        self._pos = sampler.check_state(state_dict.get("sampler", state_dict), strict=strict)
+        plan = self.batch_sampler
+        self._pos = plan.check_state(state_dict.get("sampler", state_dict), strict=strict)
         self._consumed = int(state_dict.get("consumed_batches", 0))
+        self._epoch_base = int(state_dict.get("epoch_batches", 0))
+        if plan.infinite or plan.normalize(*self._pos) != self._pos:
+            self._epoch_base = 0  # the saved epoch had ended
+        self._epoch_start, self._epoch_count = None, 0
         self._window, self._window_steps = [], None
-        log.debug("StatefulRoIDataLoader: data stream resumes at pass %d, block %d",
-                  *self._pos)
-        sampler.load_state_dict(sampler.state_at(*self._pos))
+        log.debug("StatefulRoIDataLoader: data stream resumes at pass %d, block %d", *self._pos)
         if self.skip_policy is not None and state_dict.get("skip") is not None:
             self.skip_policy.load_state_dict(state_dict["skip"], self._pos)
 
@@ -389,17 +531,13 @@ def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = 
                         rank: int = 0, world_size: int = 1, infinite: bool = False,
                         shuffle: bool = True, ims_per_batch: int | None = None,
                         bad_image_reserve: float = 0.0) -> RoIBatchSampler:
-    """Detectron's batch sampler over ``roidb`` for this rank.
-
-    With ``DATALOADER.SAMPLER_TRAIN: RepeatFactorTrainingSampler`` (Detectron2's key; the
-    data module's ``sampling.repeat_factor_threshold`` sets it) the sampler gets the
-    roidb's repeat factors for ``DATALOADER.REPEAT_THRESHOLD``
-    (:func:`lit_roidata.roidb.repeat_factors.repeat_factors_for_roidb`, cached with the
-    roidb).
+    """This rank's stream over ``roidb`` (a :class:`RoIBatchSampler`: the plan with a
+    starting position).
 
     Args:
         cfg: ``TRAIN.IMS_PER_BATCH`` (per rank), ``TRAIN.ASPECT_GROUPING``, ``RNG_SEED``,
-            ``DATALOADER.SAMPLER_TRAIN`` / ``REPEAT_THRESHOLD`` / ``REPEAT_SQRT``.
+            ``DATALOADER.SAMPLER_TRAIN`` / ``REPEAT_THRESHOLD`` / ``REPEAT_SQRT`` (repeat
+            factors, cached with the roidb).
         seed: the stream seed (default ``cfg.RNG_SEED``).
         shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` identity order.
         ims_per_batch: images per block (default ``TRAIN.IMS_PER_BATCH``).
@@ -407,44 +545,56 @@ def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = 
             images (``on_bad_image="skip"``; :func:`lit_roidata.skip.holdback_blocks`).
     """
     mb = int(cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch)
-    kw = dict(aspect_grouping=bool(cfg.TRAIN.ASPECT_GROUPING) and shuffle, shuffle=shuffle,
-              seed=int(cfg.RNG_SEED if seed is None else seed), rank=rank,
-              world_size=world_size, infinite=bool(infinite),
-              repeat_factors=train_repeat_factors(cfg, roidb))
-    sampler = RoIBatchSampler(roidb.widths, roidb.heights, mb, **kw)
-    hb = holdback_blocks(sampler.blocks_per_pass, float(bad_image_reserve),
-                         1 if infinite else int(world_size), mb) if bad_image_reserve else 0
-    return RoIBatchSampler(roidb.widths, roidb.heights, mb, holdback=hb, **kw) if hb else sampler
+    grouping = bool(cfg.TRAIN.ASPECT_GROUPING) and shuffle
+    horz = np.asarray(roidb.widths) >= np.asarray(roidb.heights)
+    natural = (int(horz.sum()) // mb + int((~horz).sum()) // mb if grouping
+               else -(-horz.size // mb))
+    hb = holdback_blocks(natural, float(bad_image_reserve), 1 if infinite else int(world_size),
+                         mb) if bad_image_reserve else 0
+    return RoIBatchSampler(roidb.widths, roidb.heights, mb, aspect_grouping=grouping,
+                           shuffle=shuffle, seed=int(cfg.RNG_SEED if seed is None else seed),
+                           rank=rank, world_size=world_size, infinite=bool(infinite),
+                           holdback=hb, repeat_factors=train_repeat_factors(cfg, roidb))
 
 
-def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: RoIBatchSampler | None = None,
-                        *, on_bad_image: str = "raise", **options: Any) -> RoIBlockDataset:
+def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | None = None,
+                        *, on_bad_image: str = "raise", output_format: str = "detectron",
+                        pixel_format: str = "uint8", rng_mode: str = "block",
+                        augment: Any = None, mask_format: str = "detectron",
+                        target_format: str = "detectron", fix_rpn_quirks: bool = False
+                        ) -> RoIBlockDataset:
     """The workers' :class:`~lit_roidata.dataset.RoIBlockDataset` over ``roidb``.
 
     Args:
-        sampler: replaces invalid minibatches (``replacement_block``); with
-            ``on_bad_image="skip"`` the dataset also gets a
-            :class:`~lit_roidata.skip.BadImageLedger` over it.
-        **options: :class:`~lit_roidata.dataset.RoIBlockDataset` keywords
-            (``output_format``, ``pixel_format``, ``rng_mode``, ``augment``, ...).
+        sampler: the rank's plan: invalid minibatches are replaced by its pure
+            ``replacement_block``; with ``on_bad_image="skip"`` a block with an unreadable
+            image is handed back to the train loader, which replaces only that image.
+        on_bad_image, output_format, pixel_format, rng_mode, augment, mask_format,
+            target_format, fix_rpn_quirks: :class:`~lit_roidata.dataset.RoIBlockDataset`'s.
     """
-    ledger = (BadImageLedger(sampler, roidb)
-              if on_bad_image == "skip" and sampler is not None else None)
-    return RoIBlockDataset(roidb, cfg, ledger=ledger, on_bad_image=on_bad_image,
+    return RoIBlockDataset(roidb, cfg, on_bad_image=on_bad_image, output_format=output_format,
+                           pixel_format=pixel_format, rng_mode=rng_mode, augment=augment,
+                           mask_format=mask_format, target_format=target_format,
+                           fix_rpn_quirks=fix_rpn_quirks,
                            replacement=None if sampler is None else sampler.replacement_block,
-                           **options)
-
-
-_LOADER_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
-                "strict_resume", "optimizer_steps", "shm_pool", "worker_init_fn",
-                "multiprocessing_context", "timeout")
-_SAMPLER_KEYS = ("seed", "rank", "world_size", "infinite", "shuffle", "ims_per_batch",
-                 "bad_image_reserve")
+                           hand_back_bad_images=sampler is not None and on_bad_image == "skip")
 
 
 def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
-                       sampler: RoIBatchSampler | None = None, on_bad_image: str = "raise",
-                       **options: Any) -> StatefulRoIDataLoader:
+                       sampler: StreamPlan | None = None, seed: int | None = None,
+                       rank: int = 0, world_size: int = 1, infinite: bool = False,
+                       shuffle: bool = True, ims_per_batch: int | None = None,
+                       on_bad_image: str = "raise", bad_image_reserve: float = 0.01,
+                       num_workers: int = 0, pin_memory: bool = False,
+                       persistent_workers: bool = False, prefetch_factor: int | None = None,
+                       strict_resume: bool = True,
+                       optimizer_steps: Callable[[], int] | None = None, shm_pool: bool = True,
+                       worker_init_fn: Callable[[int], None] | None = None,
+                       multiprocessing_context: Any = None, timeout: float = 0,
+                       output_format: str = "detectron", pixel_format: str = "uint8",
+                       rng_mode: str = "block", augment: Any = None,
+                       mask_format: str = "detectron", target_format: str = "detectron",
+                       fix_rpn_quirks: bool = False) -> StatefulRoIDataLoader:
     """The checkpointable train loader of one rank, with or without Lightning.
 
     Example::
@@ -455,43 +605,36 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
     Args:
         cfg: the Detectron config (``TRAIN.*``, ``RNG_SEED``).
         roidb: the training roidb (``widths``/``heights`` columns and entries).
-        dataset: your own map-style dataset (default :func:`build_train_dataset`).
-        sampler: your own :class:`RoIBatchSampler` (default :func:`build_train_sampler`).
-        on_bad_image: ``"raise"`` or ``"skip"`` (the reserve: ``bad_image_reserve``,
-            default 0.01 of a pass).
-        **options: sampler keywords (``seed``, ``rank``, ``world_size``, ``infinite``,
-            ``shuffle``, ``ims_per_batch``, ``bad_image_reserve``), loader keywords
-            (``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
-            ``strict_resume``, ``optimizer_steps``, ``shm_pool``, ...) and dataset
-            keywords (``output_format``, ``pixel_format``, ``rng_mode``, ``augment``,
-            ``mask_format``, ``target_format``, ``fix_rpn_quirks``).
-
-    Raises:
-        ValueError: ``persistent_workers`` with ``on_bad_image="skip"`` (each epoch's
-            workers must see the bad images found in the previous one).
+        dataset: your own map-style dataset (default :func:`build_train_dataset`; the
+            dataset options below then do not apply).
+        sampler: your own plan/sampler (default :func:`build_train_sampler` with ``seed``,
+            ``rank``, ``world_size``, ``infinite``, ``shuffle``, ``ims_per_batch`` and, with
+            ``on_bad_image="skip"``, ``bad_image_reserve``).
+        on_bad_image: ``"raise"`` or ``"skip"`` (only the bad image of a block is replaced,
+            from a reserve of ``bad_image_reserve`` of each pass).
+        num_workers, pin_memory, persistent_workers, prefetch_factor, worker_init_fn,
+            multiprocessing_context, timeout, strict_resume, optimizer_steps, shm_pool:
+            :class:`StatefulRoIDataLoader`'s.
+        output_format, pixel_format, rng_mode, augment, mask_format, target_format,
+            fix_rpn_quirks: the dataset's (:class:`~lit_roidata.dataset.RoIBlockDataset`).
     """
-    ld = {k: options.pop(k) for k in _LOADER_KEYS if k in options}
-    sm = {k: options.pop(k) for k in _SAMPLER_KEYS if k in options}
-    if on_bad_image == "skip":
-        sm.setdefault("bad_image_reserve", 0.01)
-        if ld.get("persistent_workers") and ld.get("num_workers"):
-            raise ValueError("persistent_workers=True with on_bad_image='skip': each "
-                             "epoch's workers must be new to skip the bad images found in "
-                             "the previous epoch; drop one of the two")
-    else:
-        sm.pop("bad_image_reserve", None)
     if sampler is None:
-        sampler = build_train_sampler(cfg, roidb, **sm)
+        sampler = build_train_sampler(
+            cfg, roidb, seed=seed, rank=rank, world_size=world_size, infinite=infinite,
+            shuffle=shuffle, ims_per_batch=ims_per_batch,
+            bad_image_reserve=bad_image_reserve if on_bad_image == "skip" else 0.0)
     if dataset is None:
-        dataset = build_train_dataset(cfg, roidb, sampler, on_bad_image=on_bad_image, **options)
-    elif options:
-        raise TypeError(f"build_train_loader: dataset options {sorted(options)} given with "
-                        "your own dataset; set them on the dataset")
-    nw = int(ld.pop("num_workers", 0))
-    if nw == 0:  # PyTorch refuses these without workers
-        ld.pop("prefetch_factor", None)
-        ld["persistent_workers"] = False
-    return StatefulRoIDataLoader(dataset, sampler, num_workers=nw, **ld)
+        dataset = build_train_dataset(
+            cfg, roidb, sampler, on_bad_image=on_bad_image, output_format=output_format,
+            pixel_format=pixel_format, rng_mode=rng_mode, augment=augment,
+            mask_format=mask_format, target_format=target_format, fix_rpn_quirks=fix_rpn_quirks)
+    return StatefulRoIDataLoader(
+        dataset, sampler, num_workers=num_workers, pin_memory=pin_memory,
+        persistent_workers=persistent_workers and num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        strict_resume=strict_resume, optimizer_steps=optimizer_steps, shm_pool=shm_pool,
+        worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+        timeout=timeout)
 
 
 def fork_safe_opencv() -> None:

@@ -28,10 +28,11 @@ pass otherwise (the next pass reshuffles everything).
   order, take the reserve's good images in order. Any worker computes it.
 * A *newly found* bad image (not in ``F``) is found by the worker that reads it. The
   worker cannot know what other workers or ranks found at the same moment, so it hands
-  the block back unbuilt (:class:`RepairRequest`); the rank's main process, which sees its
-  batches in stream order, takes the next image of **its own share** of the rest of the
-  reserve (share ``r`` of ``world_size``: disjoint between ranks) and rebuilds the block.
-  Bad images are rare, so this costs one block build in the main process per bad image.
+  the block back unbuilt (a :class:`~lit_roidata.dataset.BadImageFound` result); the train
+  loader, which sees its batches in stream order, takes the next image of **its own share**
+  of the rest of the reserve (share ``r`` of ``world_size``: disjoint between ranks,
+  :meth:`BadImageLedger.substitute`) and rebuilds the block in the main process. Bad images
+  are rare, so this costs one block build in the main process per bad image.
 
 **Exchange.** New discoveries are exchanged between ranks (one ``all_gather_object``)
 only at epoch ends (:meth:`SkipPolicy.exchange`, which
@@ -51,31 +52,30 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["BadImageLedger", "RepairRequest", "SkipPolicy", "holdback_blocks",
-           "merge_skip_reports", "summarize", "LEDGER_VERSION"]
+from lit_roidata.plan import Block, StreamPlan
+
+__all__ = ["BadImageLedger", "SkipPolicy", "holdback_blocks", "merge_skip_reports",
+           "summarize", "LEDGER_VERSION", "MIN_RESERVE_IMAGES"]
 
 log = logging.getLogger(__name__)
 
 LEDGER_VERSION = 1
-_RESERVE_DOMAIN = 0x72737276  # "rsrv": reserve order of a pass
-_FALLBACK_DOMAIN = 0x66616c6c  # "fall": the draw when the reserve is exhausted
-
-
 MIN_RESERVE_IMAGES = 16
+#: What the report counts, by the ``why`` of a replacement made before reading.
+PLANNED_REPLACEMENTS = ("known_bad", "reserve_exhausted")
 
 
 def holdback_blocks(natural_blocks: int, fraction: float, world_size: int = 1,
                     ims_per_batch: int = 1) -> int:
     """Blocks to hold back per pass for a reserve of ``fraction`` of a pass.
 
-    At least :data:`MIN_RESERVE_IMAGES` images (a small dataset still has a reserve of
-    each orientation: an image and its flipped copy are two entries), at most a quarter
-    of the pass and never so many that fewer than ``world_size`` blocks are left. 0 when
-    ``fraction`` is 0 (no reserve: every replacement is a counted repeat).
+    At least :data:`MIN_RESERVE_IMAGES` images (an image and its flipped copy are two
+    entries), at most a quarter of the pass and never so many that fewer than
+    ``world_size`` blocks are left. 0 when ``fraction`` is 0 (every replacement a repeat).
     """
     if fraction < 0 or fraction >= 1:
         raise ValueError(f"bad_image_reserve={fraction}: use a fraction of a pass in [0, 1)")
@@ -87,37 +87,9 @@ def holdback_blocks(natural_blocks: int, fraction: float, world_size: int = 1,
     return max(0, min(want, natural_blocks - max(1, world_size)))
 
 
-class RepairRequest:
-    """A block whose worker found a bad image not yet known (handed to the main process).
-
-    Attributes:
-        block: the block as the worker tried it (known-bad images already replaced).
-        slot: position in ``block`` of the bad image.
-        record: what was wrong (reason, path, image id, dataset, message, index).
-        substitutes: replacements made so far in this block (dicts, see ``_meta``).
-        skipped: bad images found so far in this block (records).
-        requested: the stream block as the sampler gave it.
-    """
-
-    __slots__ = ("block", "slot", "record", "substitutes", "skipped", "requested")
-
-    def __init__(self, block: Any, slot: int, record: dict, substitutes: list, skipped: list,
-                 requested: Any = None) -> None:
-        self.block, self.slot, self.record = block, int(slot), record
-        self.substitutes, self.skipped = substitutes, skipped
-        self.requested = block if requested is None else requested
-
-    def __reduce__(self) -> tuple:
-        return (RepairRequest, (self.block, self.slot, self.record, self.substitutes,
-                                self.skipped, self.requested))
-
-    def __repr__(self) -> str:
-        return f"RepairRequest(block={self.block!r}, slot={self.slot}, reason={self.record.get('reason')})"
-
-
 def _file_keys(roidb: Any) -> Any:
     """One key per roidb entry naming its file (originals and flips share it), or None."""
-    rows = getattr(roidb, "_entry_img", None)
+    rows = getattr(roidb, "entry_image_rows", None)
     if rows is not None:
         return np.asarray(rows)
     if isinstance(roidb, Sequence) and len(roidb) and hasattr(roidb[0], "get"):
@@ -126,34 +98,32 @@ def _file_keys(roidb: Any) -> Any:
 
 
 class BadImageLedger:
-    """The run's bad images, each pass's reserve and the replacement rules (module doc).
+    """The run's bad images and this rank's use of each pass's reserve (module doc).
 
-    One ledger per process; workers get a copy (frozen for their lifetime) with the
-    dataset. Its state (known bad images with what was wrong, the frozen snapshots and
-    this rank's use of the reserve) is saved with the data module's checkpoint state.
+    State only: which reserve image replaces which slot is the plan's
+    (:meth:`~lit_roidata.plan.StreamPlan.final_block` for the frozen set of a pass,
+    :meth:`substitute` for a newly found one). Owned by the train loader, in its process;
+    its state is part of the loader's.
 
     Args:
-        sampler: the :class:`~lit_roidata.sampler.RoIBatchSampler` of this rank (its
-            ``holdback`` sets the reserve).
-        roidb: the training roidb (to treat an original and its flipped copy, one file,
-            as one bad image).
+        plan: this rank's :class:`~lit_roidata.plan.StreamPlan` (its ``holdback`` sets the
+            reserve); a :class:`~lit_roidata.sampler.RoIBatchSampler` is one.
+        roidb: the training roidb (an original and its flipped copy, one file, are one bad
+            image).
     """
 
-    def __init__(self, sampler: Any, roidb: Any = None) -> None:
-        self.sampler = sampler
+    def __init__(self, plan: StreamPlan, roidb: Any = None) -> None:
+        self.plan = plan
         self._files = _file_keys(roidb) if roidb is not None else None
         self.known: dict[int, dict] = {}  # roidb index -> record (what was wrong)
         #: ``[(from_pass, frozenset)]``: the known set each pass uses (sorted by pass).
         self.frozen: list[tuple[int, frozenset]] = [(0, frozenset())]
         self.used: dict[tuple[int, Any], int] = {}  # (pass, orientation) -> share used
         #: A pass whose share this rank takes from the end: set after restoring a state
-        #: saved by another rank mid-pass (this rank's use of its share before the
-        #: interruption is unknown; it took from the front).
+        #: saved by another rank mid-pass (that rank took from the front).
         self.reverse_pass: int | None = None
         self.restored_foreign = False
-        self._cache: dict[int, tuple[frozenset, dict, dict]] = {}
 
-    # ------------------------------------------------------------------ sets
     def frozen_for(self, pass_index: int) -> frozenset:
         """The known-bad set replaced before reading in pass ``pass_index``."""
         out = frozenset()
@@ -173,143 +143,36 @@ class BadImageLedger:
 
     def freeze(self, from_pass: int) -> None:
         """Make every known bad image part of the frozen set from pass ``from_pass`` on
-        (call with the same arguments on every rank: after an exchange)."""
-        s = frozenset(self.known)
-        # Only the snapshot in force just before ``from_pass`` can still be asked for (the
-        # stream never goes back), so older ones are dropped.
-        older = [(p, f) for p, f in self.frozen if p < from_pass][-1:]
-        self.frozen = older + [(int(from_pass), s)]
-        self._cache = {p: v for p, v in self._cache.items() if p < from_pass}
-
-    # ------------------------------------------------------------------ reserve
-    def _orient(self, index: int) -> Any:
-        sm = self.sampler
-        return bool(sm.is_horizontal[int(index)]) if sm.grouped else None
+        (the same call on every rank: after an exchange)."""
+        older = [(p, f) for p, f in self.frozen if p < from_pass][-1:]  # the stream never
+        self.frozen = older + [(int(from_pass), frozenset(self.known))]  # goes back
 
     def delivered_blocks(self, pass_index: int) -> int:
         """How many blocks of pass ``pass_index`` the stream delivers (all ranks)."""
-        sm = self.sampler
-        nb = sm.pass_blocks(pass_index)  # varies by pass with repeat factors
-        if sm.infinite:
-            return nb
-        return nb // sm.world_size * sm.world_size
+        return self.plan.delivered_blocks(pass_index)
 
     def reserve(self, pass_index: int) -> np.ndarray:
         """The images pass ``pass_index`` does not deliver, in the pass's reserve order."""
-        sm = self.sampler
-        perm = sm.permutation(pass_index)
-        delivered = perm[: self.delivered_blocks(pass_index) * sm.ims_per_batch]
-        rest = np.setdiff1d(np.arange(sm.num_images, dtype=np.int64), delivered)
-        g = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-            [_RESERVE_DOMAIN, sm.seed, int(pass_index)])))
-        return rest[g.permutation(rest.size)]
+        return self.plan.reserve(pass_index)
 
-    def _pass_plan(self, pass_index: int) -> tuple[frozenset, dict, dict]:
-        """``(F, {(block, slot): (replacement, why)}, {orientation: free reserve images})``."""
-        hit = self._cache.get(pass_index)
-        bad = self.frozen_for(pass_index)
-        if hit is not None and hit[0] is bad:
-            return hit
-        sm = self.sampler
-        mb = sm.ims_per_batch
-        perm = sm.permutation(pass_index)
-        nd = self.delivered_blocks(pass_index)
-        delivered = perm[: nd * mb]
-        res = self.reserve(pass_index)
-        bad_arr = np.fromiter(bad, dtype=np.int64, count=len(bad))
-        res = res[~np.isin(res, bad_arr)]
-        pools: dict[Any, list[int]] = {}
-        for i in res.tolist():
-            pools.setdefault(self._orient(i), []).append(i)
-        plan: dict[tuple[int, int], int] = {}
-        if bad_arr.size:
-            for pos in np.flatnonzero(np.isin(delivered, bad_arr)).tolist():
-                b, slot = divmod(pos, mb)
-                idx = int(delivered[pos])
-                pool = pools.get(self._orient(idx))
-                plan[(b, slot)] = ((pool.pop(0), "known_bad") if pool else
-                                   (self._fallback(pass_index, b, slot, 0, idx, bad),
-                                    "reserve_exhausted"))
-        out = (bad, plan, pools)
-        self._cache[pass_index] = out
-        return out
+    def apply_plan(self, block: Block) -> tuple[Block, list[dict]]:
+        """``block`` with its frozen known-bad images replaced before reading, and one dict
+        per replaced slot."""
+        out = self.plan.final_block(block, self.frozen_for(block.pass_index))
+        return out, [dict(s) for s in out.substitutes[len(block.substitutes):]]
 
-    def _fallback(self, pass_index: int, block_index: int, slot: int, attempt: int,
-                  index: int, bad: Iterable[int], own_rank: bool = False) -> int:
-        """A good image the pass delivers anyway (a repeat): the reserve is exhausted.
-
-        Drawn from the blocks before ``block_index`` (all read already: with
-        ``own_rank``, only this rank's, so none of them can be an unknown bad image),
-        else from the whole delivered pass.
-        """
-        sm = self.sampler
-        mb = sm.ims_per_batch
-        perm = sm.permutation(pass_index)
-        blocks = np.arange(min(int(block_index), self.delivered_blocks(pass_index)))
-        if own_rank:
-            blocks = blocks[blocks % sm.world_size == sm.rank]
-        delivered = perm[(blocks[:, None] * mb + np.arange(mb)).reshape(-1)]
-        if delivered.size == 0:
-            delivered = perm[: self.delivered_blocks(pass_index) * mb]
-        bad = set(int(i) for i in bad)
-        ok = ~np.isin(delivered, np.fromiter(bad, dtype=np.int64, count=len(bad)))
-        o = self._orient(index)
-        cand = delivered[ok & (sm.is_horizontal[delivered] == o)] if o is not None else delivered[ok]
-        if cand.size == 0:  # nothing good of this orientation: any good image at all
-            every = np.arange(sm.num_images, dtype=np.int64)
-            cand = every[~np.isin(every, np.fromiter(bad, dtype=np.int64, count=len(bad)))]
-        if cand.size == 0:
-            raise RuntimeError(
-                f"on_bad_image='skip': no good image is left to replace roidb entry {index} "
-                f"in pass {pass_index}: every image is known to be bad. Fix or remove the "
-                "bad images (the skip report lists them)")
-        g = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
-            [_FALLBACK_DOMAIN, sm.seed, int(pass_index), int(block_index), int(slot),
-             int(attempt)])))
-        return int(cand[int(g.integers(cand.size))])
-
-    # ------------------------------------------------------------------ replacing
-    def apply_plan(self, block: Any) -> tuple[Any, list[dict]]:
-        """Replace the known-bad images of a stream block before anything is read.
-
-        Returns:
-            ``(block, substitutes)``: the block to build (``block`` itself when nothing
-            is known bad in it) and one dict per replaced slot.
-        """
-        bad = self.frozen_for(block.pass_index)
-        if not bad or not any(int(i) in bad for i in block):
-            return block, []
-        _, plan, _ = self._pass_plan(block.pass_index)
-        inds, subs = list(block), []
-        for slot, i in enumerate(block):
-            if int(i) in bad:
-                new, why = plan.get((block.block_index, slot), (None, "reserve_exhausted"))
-                if new is None:  # a block outside the delivered pass (not expected)
-                    new = self._fallback(block.pass_index, block.block_index, slot, 0, int(i),
-                                         bad)
-                inds[slot] = new
-                subs.append({"slot": slot, "bad_index": int(i), "index": int(new), "why": why})
-        return block.derive([int(i) for i in inds]), subs
-
-    def substitute(self, block: Any, slot: int, attempt: int = 0) -> tuple[Any, dict]:
+    def substitute(self, block: Block, slot: int, attempt: int = 0) -> tuple[Block, dict]:
         """Replace ``block[slot]`` (found bad, already :meth:`mark_bad`) by this rank's next
-        reserve image (main process, stream order).
-
-        Returns:
-            ``(block, substitute)``: the block with the slot refilled and a dict
-            describing the replacement.
-        """
-        sm = self.sampler
-        p = int(block.pass_index)
-        bad_index = int(block[slot])
-        o = self._orient(bad_index)
-        _, _, pools = self._pass_plan(p)
-        share = pools.get(o, [])[sm.rank::sm.world_size]
+        reserve image (main process, stream order); returns the new block and a dict
+        describing the replacement."""
+        plan = self.plan
+        p, bad_index = int(block.pass_index), int(block[slot])
+        o = plan.orientation(bad_index)
+        _, pools = plan.known_bad_plan(p, self.frozen_for(p))
+        share = pools.get(o, [])[plan.rank::plan.world_size]
         if p == self.reverse_pass:
             share = share[::-1]
-        key = (p, o)
-        new = None
-        why = "new_bad"
+        key, new, why = (p, o), None, "new_bad"
         while self.used.get(key, 0) < len(share):
             cand = share[self.used.get(key, 0)]
             self.used[key] = self.used.get(key, 0) + 1
@@ -317,25 +180,23 @@ class BadImageLedger:
                 new = cand
                 break
         if new is None:
-            new = self._fallback(p, block.block_index, slot, attempt + 1, bad_index,
-                                 self.frozen_for(p) | frozenset(self.known), own_rank=True)
+            new = plan.fallback(p, block.block_index, slot, attempt + 1, bad_index,
+                                self.frozen_for(p) | frozenset(self.known), own_rank=True)
             why = "reserve_exhausted"
+        sub = {"slot": int(slot), "bad_index": bad_index, "index": int(new), "why": why}
         inds = list(block)
-        inds[slot] = new
-        return block.derive([int(i) for i in inds]), {"slot": int(slot),
-                                                      "bad_index": bad_index,
-                                                      "index": int(new), "why": why}
+        inds[slot] = int(new)
+        return block.derive(inds, substitutes=[sub]), sub
 
-    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Known bad images (with what was wrong), frozen snapshots, this rank's use of
-        the reserve."""
+        """Known bad images (with what was wrong), frozen snapshots, this rank's use of the
+        reserve."""
         return {"version": LEDGER_VERSION,
                 "known": {str(k): dict(v) for k, v in sorted(self.known.items())},
                 "frozen": [[int(p), sorted(int(i) for i in s)] for p, s in self.frozen],
                 "used": [[int(p), o, int(n)] for (p, o), n in sorted(
                     self.used.items(), key=lambda kv: (kv[0][0], str(kv[0][1])))],
-                "rank": int(self.sampler.rank), "world_size": int(self.sampler.world_size)}
+                "rank": int(self.plan.rank), "world_size": int(self.plan.world_size)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`. The reserve use is restored only for the rank and
@@ -343,17 +204,15 @@ class BadImageLedger:
         self.known = {int(k): dict(v) for k, v in dict(state.get("known", {})).items()}
         self.frozen = [(int(p), frozenset(int(i) for i in s))
                        for p, s in state.get("frozen", [[0, []]])] or [(0, frozenset())]
-        same = (int(state.get("rank", -1)) == self.sampler.rank
-                and int(state.get("world_size", -1)) == self.sampler.world_size)
+        same = (int(state.get("rank", -1)) == self.plan.rank
+                and int(state.get("world_size", -1)) == self.plan.world_size)
         self.used = {(int(p), o): int(n) for p, o, n in state.get("used", [])} if same else {}
         self.restored_foreign = not same
-        self._cache = {}
 
     def resumed_at(self, pass_index: int, cursor: int) -> None:
-        """Tell the ledger where a resumed stream starts. If the state came from another
-        rank (or world size) and the resume is mid-pass, this rank takes its share of that
-        pass's reserve from the end, so it does not repeat a replacement it delivered
-        before the interruption (it took those from the front)."""
+        """Where a resumed stream starts: with a state from another rank (or world size) and
+        a mid-pass resume, this rank takes its share of that pass's reserve from the end, so
+        it repeats no replacement delivered before the interruption."""
         if self.restored_foreign and cursor > 0:
             self.reverse_pass = int(pass_index)
         self.restored_foreign = False
@@ -400,24 +259,18 @@ def summarize(records: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
 
 
 class SkipPolicy:
-    """``on_bad_image="skip"`` for one train loader: the one object that applies it.
+    """``on_bad_image="skip"``'s bookkeeping for one train loader: the ledger, the counts
+    and the reports.
 
-    :class:`~lit_roidata.loader.StatefulRoIDataLoader` makes one when its dataset has a
-    :class:`BadImageLedger` (``loader.skip_policy``) and passes every batch through
-    :meth:`on_batch` in stream order, in its own process. :meth:`exchange` is the policy's
-    only collective: :class:`lit_roidata.callbacks.BadImageReport` runs it at every epoch
-    end, on every rank. The state (known bad images, reserve use, skips not reported yet)
-    is part of the loader's state, so it is in every checkpoint and follows a reloaded
-    loader.
-
-    Args:
-        dataset: the loader's :class:`~lit_roidata.dataset.RoIBlockDataset` with a ledger.
+    :class:`~lit_roidata.loader.StatefulRoIDataLoader` owns it (``loader.skip_policy``),
+    replaces bad images through :attr:`ledger` and passes every batch through :meth:`count`
+    in stream order. :meth:`exchange` is its only collective:
+    :class:`lit_roidata.callbacks.BadImageReport` runs it at every epoch end, on every rank.
+    Its state is part of the loader's state.
     """
 
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-        self.ledger: BadImageLedger = dataset.ledger
-        dataset.defer_repair = True  # every repair in on_batch, in stream order
+    def __init__(self, ledger: BadImageLedger) -> None:
+        self.ledger = ledger
         self.pending: Counter[str] = Counter()  # skips since the last exchange, by kind
         self.records: list[dict[str, Any]] = []  # bad files found since then
         self.run_counts: Counter[str] = Counter()
@@ -425,13 +278,8 @@ class SkipPolicy:
         #: ``{"counts": ..., "files": [...]}`` of the last :meth:`exchange` (all ranks).
         self.last_report: dict[str, Any] = {"counts": {}, "files": []}
 
-    def on_batch(self, batch: Any) -> Any:
-        """Finish a block with a newly found bad image and count every skip (main process,
-        stream order, before the device transfer; any ``output_format``)."""
-        batch = self.dataset.repair(batch)
-        meta = batch.get("_meta") if isinstance(batch, dict) else getattr(batch, "meta", None)
-        if not isinstance(meta, Mapping):
-            return batch
+    def count(self, meta: Mapping[str, Any]) -> None:
+        """Count the skips and replacements of one delivered batch (its ``_meta``)."""
         for item in meta.get("skipped") or ():
             if item.get("again"):  # a file already reported (an original and its flip)
                 self.pending["read_again"] += 1
@@ -444,11 +292,10 @@ class SkipPolicy:
             if rec["index"] is not None:
                 self.ledger.mark_bad(int(rec["index"]), rec)
         for sub in meta.get("substitutes") or ():
-            if sub.get("why") in ("known_bad", "reserve_exhausted"):
+            if sub.get("why") in PLANNED_REPLACEMENTS:
                 self.pending[str(sub["why"])] += 1
         if meta.get("num_invalid_replaced"):
             self.pending["invalid_minibatch"] += int(meta["num_invalid_replaced"])
-        return batch
 
     def exchange(self, position: tuple[int, int]) -> dict[str, Any]:
         """Merge the bad images every rank found since the last exchange and report them.
@@ -475,7 +322,7 @@ class SkipPolicy:
         for rec in (r for part in parts for r in part["files"]):
             if rec.get("index") is not None:
                 self.ledger.mark_bad(int(rec["index"]), rec)
-        p, c = self.ledger.sampler.normalize(*position)
+        p, c = self.ledger.plan.normalize(*position)
         self.ledger.freeze(p if c == 0 else p + 1)
         report = {"counts": dict(sorted(counts.items())), "files": list(files.values())}
         self.last_report = report
@@ -504,6 +351,6 @@ class SkipPolicy:
     def load_state_dict(self, state: Mapping[str, Any], position: tuple[int, int]) -> None:
         """Restore :meth:`state_dict` for a stream that continues at ``position``."""
         self.ledger.load_state_dict(state["ledger"])
-        self.ledger.resumed_at(*self.ledger.sampler.normalize(*position))
+        self.ledger.resumed_at(*self.ledger.plan.normalize(*position))
         self.pending = Counter(state.get("pending", {}))
         self.records = [dict(r) for r in state.get("records", [])]

@@ -10,10 +10,9 @@ import cv2
 import numpy as np
 import pytest
 
-from lit_roidata.dataset import RoIBlockDataset
+from lit_roidata.dataset import BadImageFound, RoIBlockDataset
 from lit_roidata.loader import StatefulRoIDataLoader
 from lit_roidata.sampler import RoIBatchSampler
-from lit_roidata.skip import BadImageLedger, RepairRequest
 from test_minibatch_helpers import make_entry, small_cfg, write_image
 
 
@@ -47,16 +46,25 @@ def _roidb(root: Path, n: int = 16) -> tuple[list[dict], dict[int, str]]:
     return out, bad
 
 
-def _setup(root: Path, mb: int, *, holdback: int | None = None, rank: int = 0, ws: int = 1):
+def _setup(root: Path, mb: int, *, holdback: int | None = None, rank: int = 0, ws: int = 1,
+           nw: int = 0, **options):
+    """The roidb, its bad files, the plan, a hand-back dataset and the loader owning the
+    skip policy (its ledger)."""
     roidb, bad = _roidb(root)
     w = np.array([e["width"] for e in roidb])
     h = np.array([e["height"] for e in roidb])
     holdback = 6 // mb if holdback is None else holdback  # enough reserve of each orientation
     sampler = RoIBatchSampler(w, h, mb, seed=4, holdback=holdback, rank=rank, world_size=ws)
-    ledger = BadImageLedger(sampler, roidb)
     ds = RoIBlockDataset(roidb, small_cfg(**{"TRAIN.IMS_PER_BATCH": mb}), on_bad_image="skip",
-                         replacement=sampler.replacement_block, ledger=ledger)
-    return roidb, bad, sampler, ledger, ds
+                         replacement=sampler.replacement_block, hand_back_bad_images=True,
+                         **options)
+    loader = StatefulRoIDataLoader(ds, sampler, num_workers=nw,
+                                   multiprocessing_context="fork" if nw else None)
+    return roidb, bad, sampler, loader, ds
+
+
+def _meta(batch):
+    return batch["_meta"] if isinstance(batch, dict) else batch.meta
 
 
 def _check_pass(sampler, metas, bad):
@@ -75,8 +83,9 @@ def _check_pass(sampler, metas, bad):
 
 @pytest.mark.parametrize("mb", [1, 2])
 def test_real_bad_files_replaced_alone_and_reported(tmp_path: Path, mb: int) -> None:
-    roidb, bad, sampler, ledger, ds = _setup(tmp_path, mb)
-    metas = [ds.__getitems__(blk)["_meta"] for blk in sampler]
+    roidb, bad, sampler, loader, ds = _setup(tmp_path, mb)
+    ledger = loader.skip_policy.ledger
+    metas = [_meta(b) for b in loader]
     _check_pass(sampler, metas, bad)
     found = {s["index"]: s for m in metas for s in m["skipped"]}
     in_pass = {i for b in range(len(sampler)) for i in sampler.block(0, b)} & set(bad)
@@ -87,9 +96,8 @@ def test_real_bad_files_replaced_alone_and_reported(tmp_path: Path, mb: int) -> 
         assert rec["image_id"] == 100 + i and str(roidb[i]["image"]) in rec["message"]
     assert set(ledger.known) == in_pass
     # next pass: the known files are replaced before reading (no new skip)
-    ledger.freeze(1)
-    sampler.set_epoch(1)
-    metas1 = [ds.__getitems__(blk)["_meta"] for blk in sampler]
+    loader.skip_policy.exchange(loader.position)
+    metas1 = [_meta(b) for b in loader]
     _check_pass(sampler, metas1, bad)
     assert not {s["index"] for m in metas1 for s in m["skipped"]} & in_pass
     known_subs = [s for m in metas1 for s in m["substitutes"] if s["bad_index"] in in_pass]
@@ -98,27 +106,25 @@ def test_real_bad_files_replaced_alone_and_reported(tmp_path: Path, mb: int) -> 
     assert all(s["why"] == "known_bad" for s in known_subs)
 
 
-def test_worker_hands_back_a_repair_request(tmp_path: Path) -> None:
-    roidb, bad, sampler, ledger, ds = _setup(tmp_path, 2)
-    blk = next(b for b in sampler if set(b) & set(bad))
-    import lit_roidata.dataset as dsmod
-
-    orig = dsmod._in_worker
-    dsmod._in_worker = lambda: True
-    try:
-        req = ds.__getitems__(blk)
-    finally:
-        dsmod._in_worker = orig
-    assert isinstance(req, RepairRequest) and req.block[req.slot] in bad
-    out = ds.repair(req)
-    assert not set(out["_meta"]["indices"]) & set(bad)
+def test_dataset_hands_back_a_bad_image_as_a_typed_result(tmp_path: Path) -> None:
+    """The dataset only builds: a stream block with an unreadable image comes back as
+    BadImageFound; the ledger (the loader's) replaces that image and the block builds."""
+    roidb, bad, sampler, loader, ds = _setup(tmp_path, 2)
+    ledger = loader.skip_policy.ledger
+    res = ds.__getitems__(next(b for b in sampler if set(b) & set(bad)))
+    assert isinstance(res, BadImageFound) and res.block[res.slot] in bad
+    assert res.record["path"] == roidb[res.block[res.slot]]["image"]
+    while isinstance(res, BadImageFound):
+        ledger.mark_bad(res.block[res.slot], res.record)
+        blk, sub = ledger.substitute(res.block, res.slot)
+        assert sub["bad_index"] in bad and blk.requested == res.block.requested
+        res = ds.build_stream_block(blk, res.skipped + [res.record])
+    assert not set(res["_meta"]["indices"]) & set(bad)
 
 
 def _loader_metas(tmp_path: Path, nw: int, mb: int) -> list[dict]:
-    roidb, bad, sampler, ledger, ds = _setup(tmp_path, mb)
-    loader = StatefulRoIDataLoader(ds, sampler, num_workers=nw,
-                                   multiprocessing_context="fork" if nw else None)
-    assert loader.skip_policy is not None and loader.skip_policy.ledger is ledger
+    roidb, bad, sampler, loader, ds = _setup(tmp_path, mb, nw=nw)
+    assert loader.skip_policy is not None
     metas = []
     for _ in range(2):  # one pass each
         metas.append([b["_meta"] for b in loader])
@@ -136,10 +142,7 @@ def test_same_stream_with_0_and_2_workers(tmp_path: Path, mb: int) -> None:
 
 
 def test_torchvision_output_counts_and_keeps_meta(tmp_path: Path) -> None:
-    roidb, bad, sampler, ledger, _ = _setup(tmp_path, 2)
-    ds = RoIBlockDataset(roidb, small_cfg(), on_bad_image="skip", output_format="torchvision",
-                         replacement=sampler.replacement_block, ledger=ledger)
-    outs = [ds.__getitems__(blk) for blk in sampler]
-    metas = [o.meta for o in outs]
+    roidb, bad, sampler, loader, _ = _setup(tmp_path, 2, output_format="torchvision")
+    metas = [o.meta for o in loader]
     _check_pass(sampler, metas, bad)
-    assert sum(m["num_skipped"] for m in metas) == len(ledger.known)
+    assert sum(m["num_skipped"] for m in metas) == len(loader.skip_policy.ledger.known)

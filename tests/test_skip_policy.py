@@ -266,7 +266,7 @@ def test_ddp_resume_from_rank0_state_repeats_no_replacement(n, mb, stop, seed):
             orig = samplers[r].block(0, k * 2 + r)
             blk, subs = _deliver(samplers[r], ledgers[r], orig, bad, Counter())
             out.append((r, list(orig), list(blk), subs))
-    share = len(ledgers[1]._pass_plan(0)[2].get(True, [])[1::2])
+    share = len(samplers[1].known_bad_plan(0, ledgers[1].frozen_for(0))[1].get(True, [])[1::2])
     used_front, used_back = before[1].used.get((0, True), 0), ledgers[1].used.get((0, True), 0)
     delivered = Counter(i for _, _, blk, _ in out for i in blk)
     assert not set(delivered) & bad
