@@ -211,6 +211,8 @@ class StatefulRoIDataLoader:
             trainer.global_step``); without it every batch handed out counts as trained.
         shm_pool, shm_pool_slot_bytes: reusable shared-memory slots per worker
             (``prefetch_factor + 3`` each, virtual capacity ``shm_pool_slot_bytes``).
+        epoch_length: infinite mode: ``len()``, the batches of a Lightning epoch (default:
+            those of a pass).
 
     Raises:
         TypeError: an ``IterableDataset`` or a sampler that is not a ``StreamPlan``.
@@ -222,7 +224,8 @@ class StatefulRoIDataLoader:
                  multiprocessing_context: Any = None, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, strict_resume: bool = True,
                  optimizer_steps: Callable[[], int] | None = None, shm_pool: bool = True,
-                 shm_pool_slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
+                 shm_pool_slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 epoch_length: int | None = None) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
@@ -232,6 +235,7 @@ class StatefulRoIDataLoader:
         self.dataset = dataset
         self.batch_sampler = batch_sampler
         self.strict_resume = bool(strict_resume)
+        self.epoch_length = None if epoch_length is None else int(epoch_length)
         #: The :class:`~lit_roidata.skip.SkipPolicy` (``on_bad_image="skip"``), else None.
         self.skip_policy: SkipPolicy | None = None
         if getattr(dataset, "hand_back_bad_images", False):
@@ -299,7 +303,7 @@ class StatefulRoIDataLoader:
         else:
             base, start = self._iter_base, self._epoch_start
         if self.batch_sampler.infinite:
-            return self.batch_sampler.length_at(*start)
+            return self.epoch_length or self.batch_sampler.length_at(*start)
         return base + self.batch_sampler.remaining_at(*start)
 
     def __iter__(self) -> Iterator[Any]:
@@ -594,7 +598,8 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
                        output_format: str = "detectron", pixel_format: str = "uint8",
                        rng_mode: str = "block", augment: Any = None,
                        mask_format: str = "detectron", target_format: str = "detectron",
-                       fix_rpn_quirks: bool = False) -> StatefulRoIDataLoader:
+                       fix_rpn_quirks: bool = False, epoch_length: int | None = None
+                       ) -> StatefulRoIDataLoader:
     """The checkpointable train loader of one rank, with or without Lightning.
 
     Example::
@@ -613,8 +618,8 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
         on_bad_image: ``"raise"`` or ``"skip"`` (only the bad image of a block is replaced,
             from a reserve of ``bad_image_reserve`` of each pass).
         num_workers, pin_memory, persistent_workers, prefetch_factor, worker_init_fn,
-            multiprocessing_context, timeout, strict_resume, optimizer_steps, shm_pool:
-            :class:`StatefulRoIDataLoader`'s.
+            multiprocessing_context, timeout, strict_resume, optimizer_steps, shm_pool,
+            epoch_length: :class:`StatefulRoIDataLoader`'s.
         output_format, pixel_format, rng_mode, augment, mask_format, target_format,
             fix_rpn_quirks: the dataset's (:class:`~lit_roidata.dataset.RoIBlockDataset`).
     """
@@ -634,7 +639,7 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         strict_resume=strict_resume, optimizer_steps=optimizer_steps, shm_pool=shm_pool,
         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-        timeout=timeout)
+        timeout=timeout, epoch_length=epoch_length)
 
 
 def fork_safe_opencv() -> None:

@@ -36,12 +36,15 @@ class GracefulStop(pl.Callback):
     re-running from that checkpoint gives the same batches, learning rates and
     validations as an uninterrupted run (docs/ddp_and_resume.md, "Stops").
 
-    A second Ctrl-C aborts at once (Lightning's ``KeyboardInterrupt`` path:
-    ``OnExceptionCheckpoint`` writes its checkpoint, whose data position is still exact);
-    a second SIGTERM goes to the handler that was there before (Lightning's, or the
-    default action). With a train loader that cannot stop at a boundary (not a
-    lit_roidata loader) the stop happens in ``on_train_batch_end`` instead: Lightning
-    then runs one more validation, and restores that checkpoint exactly only from 2.5 on.
+    A second signal aborts before the next batch is handed out
+    (:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_abort`): Lightning's
+    ``KeyboardInterrupt`` path, where ``OnExceptionCheckpoint`` writes its checkpoint between
+    two steps, so the re-run trains the same batches and validates at the same steps as an
+    uninterrupted run (a running validation completes first). A third aborts at once
+    (SIGINT: ``KeyboardInterrupt`` wherever the process is; SIGTERM: the handler that was
+    there before, or the default action). With a train loader that cannot stop at a boundary
+    (not a lit_roidata loader) the stop happens in ``on_train_batch_end`` instead and the
+    second signal aborts at once.
 
     Args:
         ckpt_path: the checkpoint to write. ``None``: ``interrupted.ckpt`` in the
@@ -78,10 +81,19 @@ class GracefulStop(pl.Callback):
         self._signum = 0
         self._validated = False
         self._refused = 0
+        self._aborting = False
 
     # ------------------------------------------------------------------ signals
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._received is not None:  # the second one: abort
+        if self._received is not None and not self._aborting:  # the second: abort between steps
+            loader = None if self._trainer is None else self._trainer.train_dataloader
+            if callable(getattr(loader, "request_abort", None)):
+                self._aborting = True
+                loader.request_abort()
+                self._say(f"{signal.Signals(signum).name}: aborting before the next batch "
+                          "(again to abort at once)")
+                return
+        if self._received is not None:  # the third one (or no lit_roidata loader): at once
             self._restore_handlers()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt

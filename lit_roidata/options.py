@@ -185,6 +185,10 @@ class SamplingOptions:
             ``None``: the Detectron config's ``TRAIN.ASPECT_GROUPING``.
         infinite: Detectron's endless block stream (train with ``max_steps``) instead of
             epochs of ``len(loader)`` batches.
+        epoch_length: infinite mode: batches per Lightning epoch (default: one pass). With
+            ``check_val_every_n_epoch: 1`` this is a validation period (Detectron2's
+            ``TEST.EVAL_PERIOD``) that stays exact after any abort
+            (docs/ddp_and_resume.md).
         strict_resume: a checkpoint whose stream differs from this one (roidb length,
             ``ims_per_batch``, seed, grouping, repeat factors) is refused with an error
             naming the difference; ``False``: a warning, and the stream starts a fresh
@@ -199,10 +203,15 @@ class SamplingOptions:
     rng_mode: Literal["block", "detectron"] = "block"
     aspect_grouping: Optional[bool] = None
     infinite: bool = False
+    epoch_length: Optional[int] = None
     strict_resume: bool = True
     repeat_factor_threshold: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if self.epoch_length is not None and (not self.infinite or self.epoch_length < 1):
+            raise ValueError(f"sampling.epoch_length={self.epoch_length}: give a number of "
+                             "batches >= 1 with sampling.infinite=true (in epoch mode an "
+                             "epoch is a pass)")
         if self.repeat_factor_threshold is not None:
             from lit_roidata.roidb.repeat_factors import check_repeat_threshold
 
