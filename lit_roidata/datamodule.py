@@ -1,14 +1,9 @@
 """``RoIDataModule``: Detectron's training-data pipeline as a LightningDataModule.
 
-Only the Lightning face: its grouped options (:mod:`lit_roidata.options`;
-``--data.loader.num_workers`` on the command line) become a frozen Detectron config and a
-dataset catalog; ``prepare_data`` builds the roidb caches (once per node, no state),
-``setup`` opens them read-only in every process, and the loaders come from
-:func:`~lit_roidata.loader.build_train_loader` / :func:`~lit_roidata.loader.build_eval_loader`
-(usable without Lightning). The train loader holds the data-stream position
-(:class:`~lit_roidata.loader.StatefulRoIDataLoader`); ``on_after_batch_transfer``
-finishes the workers' compact blobs on the device (uint8 images: 4x less host-to-device
-traffic).
+Only the Lightning face: grouped options (:mod:`lit_roidata.options`) become a frozen
+Detectron config and a catalog; ``prepare_data`` builds the roidb caches, ``setup`` opens
+them, the loaders come from :mod:`lit_roidata.loader` (the train loader owns the stream
+position) and ``on_after_batch_transfer`` finishes compact blobs on the device.
 """
 
 from __future__ import annotations
@@ -249,10 +244,11 @@ class RoIDataModule(pl.LightningDataModule):
         where the previous one is (with its skip state)."""
         if self.train_roidb is None:
             self.setup("fit")
+        from lit_roidata.loader_callbacks import check_trainer_for_loader, fit_epochs_to_passes
+
         trainer = self.trainer
-        self._check_callbacks(trainer)
         sampler = self.make_sampler()
-        self._check_epoch_lengths(trainer, sampler)
+        check_trainer_for_loader(trainer, sampler, self.sources.on_bad_image == "skip")
         ld = self.loader
         loader = build_train_loader(
             self.cfg, self.train_roidb, sampler=sampler, dataset=self.make_dataset(sampler=sampler),
@@ -269,50 +265,8 @@ class RoIDataModule(pl.LightningDataModule):
         elif self._restored_stream is not None:  # before Lightning asks for len()
             loader.load_state_dict(self._restored_stream)
             self._restored_stream = None
-            self._reload_after_a_short_epoch(trainer, loader)
+            fit_epochs_to_passes(trainer, loader)
         return loader
-
-    @staticmethod
-    def _reload_after_a_short_epoch(trainer: Any, loader: Any) -> None:
-        # Resumed mid-pass with another world size in epoch mode: this epoch has another
-        # length than the next ones, and Lightning reads an epoch's length once per loader.
-        plan = loader.batch_sampler
-        natural = plan.batches_in_pass(plan.normalize(*loader.position)[0])
-        if (trainer is None or plan.infinite or len(loader) == natural
-                or trainer.reload_dataloaders_every_n_epochs):
-            return
-        log.info("data: the resumed epoch has %d batches, the next ones %d: the train loader "
-                 "is reloaded every epoch (reload_dataloaders_every_n_epochs=1)",
-                 len(loader), natural)
-        trainer.reload_dataloaders_every_n_epochs = 1
-
-    @staticmethod
-    def _check_epoch_lengths(trainer: Any, sampler: Any) -> None:
-        # With repeat factors a pass's length depends on the pass. Lightning reads an
-        # epoch's length once per loader, so epochs follow passes exactly only when it
-        # asks for a new loader every epoch (tested in tests/test_sampler_repeat.py).
-        if (trainer is None or sampler.infinite or sampler.repeat_digest is None
-                or getattr(trainer, "reload_dataloaders_every_n_epochs", 1) == 1):
-            return
-        raise ValueError(
-            "sampling.repeat_factor_threshold (DATALOADER.SAMPLER_TRAIN: "
-            "RepeatFactorTrainingSampler) with epochs: each pass has its own number of "
-            "batches, and Lightning keeps the first epoch's length unless it reloads the "
-            "train loader every epoch (a longer pass would be cut, a shorter one would skip "
-            "its epoch-end validation). Set trainer reload_dataloaders_every_n_epochs=1, or "
-            "train by steps with sampling.infinite=true and max_steps (as Detectron2 trains "
-            "LVIS)")
-
-    def _check_callbacks(self, trainer: Any) -> None:
-        from lit_roidata._lightning import isinstance_any
-        from lit_roidata.loader_callbacks import BadImageReport
-
-        if trainer is not None and self.sources.on_bad_image == "skip" and not any(
-                isinstance_any(cb, BadImageReport) for cb in trainer.callbacks):
-            raise RuntimeError("sources.on_bad_image='skip' needs the BadImageReport callback "
-                               "(the epoch-end exchange and report of bad images): add "
-                               "lit_roidata.callbacks.BadImageReport to trainer.callbacks "
-                               "(lit-roidata adds it when the config names none)")
 
     def _eval_loader(self, roidb: Any, split: str) -> Any:
         rank, world = self._rank_world()

@@ -99,7 +99,8 @@ def _worker_death(message: str, where: tuple[int, int]) -> str | None:
     if "DataLoader worker" not in message or not re.search(
             r"killed by signal|exited unexpectedly", message):
         return None
-    pids = [int(p) for p in re.findall(r"\d+", message.split(")")[0])]
+    found = re.search(r"pid(?:\(s\))? ([\d, ]+)", message)
+    pids = [int(p) for p in re.findall(r"\d+", found.group(1))] if found else []
     parts = []
     for pid in pids or [0]:
         signum = _DEATHS.pop(pid, None)
@@ -113,7 +114,7 @@ def _worker_death(message: str, where: tuple[int, int]) -> str | None:
     hint = ("SIGKILL is most often the kernel's out-of-memory killer (see `dmesg`): lower "
             "loader.num_workers, loader.prefetch_factor or TRAIN.IMS_PER_BATCH, or give the "
             "job more memory" if "SIGKILL" in " ".join(parts) else
-            "check the worker's log above for its own error")
+            "Check the worker's log above for its own error")
     return (f"a DataLoader worker of the train loader died ({'; '.join(parts)}) while the "
             f"stream was at pass {where[0]}, block {where[1]}. {hint}. Nothing is lost: a "
             "checkpoint written now (OnExceptionCheckpoint) resumes the stream exactly. "

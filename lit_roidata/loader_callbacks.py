@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 
 import pytorch_lightning as pl
 
-__all__ = ["GracefulStop", "BadImageReport"]
+__all__ = ["GracefulStop", "BadImageReport", "check_trainer_for_loader", "fit_epochs_to_passes"]
 
 log = logging.getLogger(__name__)
 
@@ -223,3 +223,48 @@ class BadImageReport(pl.Callback):
         loader = self._loader(trainer)
         if loader is not None:
             loader.skip_policy.run_report(log_it=trainer.is_global_zero)
+
+
+def check_trainer_for_loader(trainer: Any, plan: Any, skip: bool) -> None:
+    """Refuse a trainer the train loader cannot work with, naming the fix.
+
+    Raises:
+        RuntimeError: ``on_bad_image="skip"`` without :class:`BadImageReport`.
+        ValueError: repeat factors in epoch mode without a new loader every epoch
+            (Lightning reads an epoch's length once per loader, and pass lengths vary).
+    """
+    if trainer is None:
+        return
+    from lit_roidata._lightning import isinstance_any
+
+    if skip and not any(isinstance_any(cb, BadImageReport) for cb in trainer.callbacks):
+        raise RuntimeError("sources.on_bad_image='skip' needs the BadImageReport callback "
+                           "(the epoch-end exchange and report of bad images): add "
+                           "lit_roidata.callbacks.BadImageReport to trainer.callbacks "
+                           "(lit-roidata adds it when the config names none)")
+    if (plan.infinite or plan.repeat_digest is None
+            or getattr(trainer, "reload_dataloaders_every_n_epochs", 1) == 1):
+        return
+    raise ValueError(
+        "sampling.repeat_factor_threshold (DATALOADER.SAMPLER_TRAIN: "
+        "RepeatFactorTrainingSampler) with epochs: each pass has its own number of "
+        "batches, and Lightning keeps the first epoch's length unless it reloads the "
+        "train loader every epoch (a longer pass would be cut, a shorter one would skip "
+        "its epoch-end validation). Set trainer reload_dataloaders_every_n_epochs=1, or "
+        "train by steps with sampling.infinite=true and max_steps (as Detectron2 trains "
+        "LVIS)")
+
+
+def fit_epochs_to_passes(trainer: Any, loader: Any) -> None:
+    """After a resume in epoch mode whose epoch has another length than the next ones (mid-
+    pass, with another world size): have Lightning ask for a new loader every epoch
+    (``trainer.reload_dataloaders_every_n_epochs = 1``), since it reads an epoch's length
+    once per loader and each epoch must end with its pass."""
+    plan = loader.batch_sampler
+    natural = plan.batches_in_pass(plan.normalize(*loader.position)[0])
+    if (trainer is None or plan.infinite or len(loader) == natural
+            or trainer.reload_dataloaders_every_n_epochs):
+        return
+    log.info("data: the resumed epoch has %d batches, the next ones %d: the train loader is "
+             "reloaded every epoch (reload_dataloaders_every_n_epochs=1)", len(loader), natural)
+    trainer.reload_dataloaders_every_n_epochs = 1

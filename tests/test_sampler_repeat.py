@@ -562,15 +562,18 @@ def test_lightning_epochs_are_passes_with_reloaded_loaders():
 def test_datamodule_refuses_epochs_without_reloading():
     from types import SimpleNamespace
 
-    from lit_roidata.datamodule import RoIDataModule
+    from lit_roidata.loader_callbacks import check_trainer_for_loader
+
+    def check(trainer, sampler):
+        check_trainer_for_loader(trainer, sampler, skip=False)
 
     w, h = _wh(20, 1)
     s = RoIBatchSampler(w, h, 2, repeat_factors=_factors(20, 2))
     with pytest.raises(ValueError, match="reload_dataloaders_every_n_epochs=1"):
-        RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=0), s)
-    RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=1), s)
-    RoIDataModule._check_epoch_lengths(None, s)
+        check(SimpleNamespace(reload_dataloaders_every_n_epochs=0), s)
+    check(SimpleNamespace(reload_dataloaders_every_n_epochs=1), s)
+    check(None, s)
     inf = RoIBatchSampler(w, h, 2, infinite=True, repeat_factors=_factors(20, 2))
-    RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=0), inf)
+    check(SimpleNamespace(reload_dataloaders_every_n_epochs=0), inf)
     plain = RoIBatchSampler(w, h, 2)
-    RoIDataModule._check_epoch_lengths(SimpleNamespace(reload_dataloaders_every_n_epochs=0), plain)
+    check(SimpleNamespace(reload_dataloaders_every_n_epochs=0), plain)

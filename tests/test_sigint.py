@@ -53,9 +53,11 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _interrupt(cfg: Path, rec: Path, presses: int) -> tuple[int, str, list]:
-    """Run ``fit`` in a new session, press Ctrl-C ``presses`` times after 3 steps; return
-    its exit status, its output and its worker processes."""
+def _interrupt(cfg: Path, rec: Path, presses: int, sig: int = signal.SIGINT
+               ) -> tuple[int, str, list]:
+    """Run ``fit`` in a new session, send ``sig`` to the whole process group ``presses``
+    times after 3 steps (Ctrl-C, or a scheduler's SIGTERM); return its exit status, its
+    output and its worker processes."""
     proc = subprocess.Popen([sys.executable, "-m", "lit_roidata.cli", "fit", "--config",
                              str(cfg)], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -67,10 +69,12 @@ def _interrupt(cfg: Path, rec: Path, presses: int) -> tuple[int, str, list]:
         assert proc.poll() is None, "training ended before Ctrl-C: " + proc.stdout.read()[-2000:]
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children, "expected DataLoader worker processes"
+        sent = time.time()
         for _ in range(presses):
-            os.killpg(proc.pid, signal.SIGINT)  # the whole group: the workers too
+            os.killpg(proc.pid, sig)  # the whole group: the workers too
             time.sleep(0.1)
         out, _ = proc.communicate(timeout=120)
+        out += f"\n[exited {time.time() - sent:.1f} s after the signal]"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -120,3 +124,26 @@ def test_second_ctrl_c_aborts_and_the_rerun_resumes_the_stream(root: Path,
     res = run_cli("fit", "--config", str(cfg))
     assert res.returncode == 0, res.stderr[-3000:]
     assert [r["indices"] for r in read_records(rec)] == reference  # exactly once
+
+
+def test_sigterm_to_the_process_group_stops_gracefully(root: Path, tmp_path: Path) -> None:
+    """What SLURM and Kubernetes do on preemption: SIGTERM to every process of the job. The
+    workers ignore it, the run stops at the next step boundary with a checkpoint and exits
+    with 128 + SIGTERM within seconds; the same command resumes exactly."""
+    reference = _reference(root, tmp_path)
+    rec = tmp_path / "run"
+    cfg = _config(root, tmp_path, "run", rec, delay=0.25)
+    status, out, children = _interrupt(cfg, rec, presses=1, sig=signal.SIGTERM)
+    assert "SIGTERM: stopping after this step" in out, out[-3000:]
+    assert "killed by signal" not in out and "Traceback" not in out, out[-3000:]
+    assert status == 128 + signal.SIGTERM, (status, out[-3000:])
+    waited = float(out.rsplit("[exited ", 1)[1].split(" s")[0])
+    assert waited < 15, out[-500:]
+    _no_orphans(children)
+    ckpt = tmp_path / "run" / "interrupted" / "interrupted.ckpt"
+    assert ckpt.is_file(), out[-2000:]
+    done = [r["indices"] for r in read_records(rec)]
+    assert 3 <= len(done) < STEPS and done == reference[:len(done)]
+    res = run_cli("fit", "--config", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["indices"] for r in read_records(rec)] == reference
