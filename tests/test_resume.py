@@ -472,3 +472,30 @@ def test_elastic_resume_in_epoch_mode_is_exactly_once(root: Path, tmp_path: Path
     assert second.rec.positions == ([(0, cursor + k * after) for k in range(left)]
                                     + [(1, k * after) for k in range(3)])
     assert second.rec.epochs == [0] * left + [1] * 3  # Lightning's epoch ends with the pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before,after", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_elastic_resume_in_infinite_mode_is_exactly_once(root: Path, tmp_path: Path,
+                                                         before: int, after: int,
+                                                         workers: int) -> None:
+    """Infinite mode, resumed with another world size: the global block stream goes on
+    from where it stopped, across the pass end (rank 0's blocks, in this process)."""
+    from conftest import LightningNamespace
+
+    ns = LightningNamespace("pytorch_lightning")
+    kw = dm_kwargs(root, infinite=True, num_workers=workers)
+    dm = DemoRoIDataModule(**kw)
+    dm.setup("fit")
+    bpp = dm.make_sampler().blocks_per_pass
+    s1 = max(1, bpp // (3 * before))
+    plan = {"where": "callback", "step": s1, "sig": SIGINT}
+    first = _fit(ns, tmp_path / "a", kw, 10_000, infinite=True, plan=plan, world=before,
+                 limit_val_batches=0)
+    done = len(first.rec.trained)
+    steps = bpp // after + 2  # crosses the end of pass 0
+    second = _fit(ns, tmp_path / "b", kw, done + steps, infinite=True,
+                  ckpt=first.stop.stopped_at, world=after, limit_val_batches=0)
+    cursor = done * before
+    assert second.rec.positions == [divmod(cursor + k * after, bpp) for k in range(steps)]
