@@ -585,6 +585,11 @@ def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | 
                            hand_back_bad_images=sampler is not None and on_bad_image == "skip")
 
 
+_DATASET_DEFAULTS = dict(output_format="detectron", pixel_format="uint8", rng_mode="block",
+                         augment=None, mask_format="detectron", target_format="detectron",
+                         fix_rpn_quirks=False)
+
+
 def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
                        sampler: StreamPlan | None = None, seed: int | None = None,
                        rank: int = 0, world_size: int = 1, infinite: bool = False,
@@ -629,6 +634,14 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
             cfg, roidb, seed=seed, rank=rank, world_size=world_size, infinite=infinite,
             shuffle=shuffle, ims_per_batch=ims_per_batch,
             bad_image_reserve=bad_image_reserve if on_bad_image == "skip" else 0.0)
+    options = dict(output_format=output_format, pixel_format=pixel_format, rng_mode=rng_mode,
+                   augment=augment, mask_format=mask_format, target_format=target_format,
+                   fix_rpn_quirks=fix_rpn_quirks)
+    if dataset is not None:
+        given = sorted(k for k, v in options.items() if v != _DATASET_DEFAULTS[k])
+        if given:
+            raise TypeError(f"build_train_loader: dataset options {given} given with your own "
+                            "dataset; set them on the dataset")
     if dataset is None:
         dataset = build_train_dataset(
             cfg, roidb, sampler, on_bad_image=on_bad_image, output_format=output_format,

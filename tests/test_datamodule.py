@@ -103,10 +103,13 @@ def test_builders_make_the_data_modules_loaders_without_a_trainer(dm: RoIDataMod
     swapped = build_train_loader(dm.cfg, dm.train_roidb, sampler=other)
     assert swapped.batch_sampler is other and indices(swapped, 3) != indices(mine, 3)
     with pytest.raises(TypeError, match="pixel_format"):
-        build_train_loader(dm.cfg, dm.train_roidb, dataset=mine.dataset, pixel_format="uint8")
-    with pytest.raises(ValueError, match="persistent_workers"):
-        build_train_loader(dm.cfg, dm.train_roidb, on_bad_image="skip", num_workers=1,
-                           persistent_workers=True)
+        build_train_loader(dm.cfg, dm.train_roidb, dataset=mine.dataset,
+                           pixel_format="detectron")
+    # persistent workers with the skip policy: known bad images are replaced before a
+    # block reaches a worker (tests/test_skip_files.py)
+    kept = build_train_loader(dm.cfg, dm.train_roidb, on_bad_image="skip", num_workers=1,
+                              persistent_workers=True)
+    assert kept.persistent_workers and kept.skip_policy is not None
     ev = build_eval_loader(dm.cfg, dm.val_roidb, with_rois=True)
     assert [b["_meta"]["indices"] for b in ev] == [b["_meta"]["indices"]
                                                    for b in dm.val_dataloader()]
@@ -256,7 +259,7 @@ def test_skip_counts_are_counted_at_hand_out_reported_and_checkpointed(root: Pat
     batch = {"data": torch.zeros(1, 3, 4, 4, dtype=torch.uint8),
              "_meta": {"skipped": [{"reason": "missing"}, {"reason": "undecodable"}],
                        "num_invalid_replaced": 2, "image_sizes": torch.tensor([[4, 4]])}}
-    assert loader.skip_policy.on_batch(batch) is batch
+    loader.skip_policy.count(batch["_meta"])
     counts = {"missing": 1, "undecodable": 1, "invalid_minibatch": 2}
     assert loader.state_dict()["skip"]["pending"] == counts
     other = DemoRoIDataModule(**dm_kwargs(root, on_bad_image="skip"))

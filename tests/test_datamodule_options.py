@@ -86,8 +86,11 @@ def test_sampler_uses_the_resolved_batch_size(root: Path) -> None:
 
 
 def test_option_range_errors() -> None:
-    with pytest.raises(ValueError, match="persistent_workers.*on_bad_image"):
-        RoIDataModule(loader={"persistent_workers": True}, sources={"on_bad_image": "skip"})
+    RoIDataModule(loader={"persistent_workers": True}, sources={"on_bad_image": "skip"})
+    with pytest.raises(ValueError, match="epoch_length"):
+        RoIDataModule(sampling={"epoch_length": 10})  # only with infinite=true
+    with pytest.raises(ValueError, match="epoch_length"):
+        RoIDataModule(sampling={"infinite": True, "epoch_length": 0})
     with pytest.raises(ValueError, match="prefetch_factor"):
         RoIDataModule(loader={"prefetch_factor": 0})
     with pytest.raises(ValueError, match="ims_per_batch"):

@@ -47,7 +47,7 @@ def _roidb(root: Path, n: int = 16) -> tuple[list[dict], dict[int, str]]:
 
 
 def _setup(root: Path, mb: int, *, holdback: int | None = None, rank: int = 0, ws: int = 1,
-           nw: int = 0, **options):
+           nw: int = 0, persistent: bool = False, **options):
     """The roidb, its bad files, the plan, a hand-back dataset and the loader owning the
     skip policy (its ledger)."""
     roidb, bad = _roidb(root)
@@ -58,7 +58,7 @@ def _setup(root: Path, mb: int, *, holdback: int | None = None, rank: int = 0, w
     ds = RoIBlockDataset(roidb, small_cfg(**{"TRAIN.IMS_PER_BATCH": mb}), on_bad_image="skip",
                          replacement=sampler.replacement_block, hand_back_bad_images=True,
                          **options)
-    loader = StatefulRoIDataLoader(ds, sampler, num_workers=nw,
+    loader = StatefulRoIDataLoader(ds, sampler, num_workers=nw, persistent_workers=persistent,
                                    multiprocessing_context="fork" if nw else None)
     return roidb, bad, sampler, loader, ds
 
@@ -122,8 +122,8 @@ def test_dataset_hands_back_a_bad_image_as_a_typed_result(tmp_path: Path) -> Non
     assert not set(res["_meta"]["indices"]) & set(bad)
 
 
-def _loader_metas(tmp_path: Path, nw: int, mb: int) -> list[dict]:
-    roidb, bad, sampler, loader, ds = _setup(tmp_path, mb, nw=nw)
+def _loader_metas(tmp_path: Path, nw: int, mb: int, persistent: bool = False) -> list[dict]:
+    roidb, bad, sampler, loader, ds = _setup(tmp_path, mb, nw=nw, persistent=persistent)
     assert loader.skip_policy is not None
     metas = []
     for _ in range(2):  # one pass each
@@ -139,6 +139,16 @@ def test_same_stream_with_0_and_2_workers(tmp_path: Path, mb: int) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     assert _loader_metas(tmp_path / "a", 0, mb) == _loader_metas(tmp_path / "b", 2, mb)
+
+
+def test_persistent_workers_skip_the_images_found_in_the_previous_pass(tmp_path: Path) -> None:
+    """Known bad images are replaced in the main process, before a block reaches a worker:
+    workers that live across passes need to learn nothing."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    want = _loader_metas(tmp_path / "a", 0, 2)
+    assert _loader_metas(tmp_path / "b", 2, 2, persistent=True) == want
+    assert not [s for _, skipped in want[1] for s in skipped]  # pass 1 reads no bad file
 
 
 def test_torchvision_output_counts_and_keeps_meta(tmp_path: Path) -> None:
