@@ -29,10 +29,12 @@ import numpy as np
 
 from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
-from lit_roidata.config import DetectronConfig, get_cfg
+from lit_roidata.config import DetectronConfig, blob_family, get_cfg
+from lit_roidata.osutil import no_transparent_hugepages
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
+from lit_roidata.roidb.decode import keep_decoded_until_exit
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
@@ -144,8 +146,6 @@ def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
     Raises:
         ValueError: every problem found, each with the setting to change.
     """
-    from lit_roidata.minibatch.model_type import blob_family
-
     t, problems = cfg.TRAIN, []
 
     def pos_int(v: Any) -> bool:
@@ -292,9 +292,7 @@ def _in_child(fn, *args):
     pid = os.fork()
     if pid == 0:  # child
         code = 0
-        from lit_roidata.roidb import decode
-
-        decode._KEEP = True  # freed by os._exit, not object by object
+        keep_decoded_until_exit()
         try:
             os.close(r)
             try:
@@ -336,30 +334,8 @@ def _gc_paused():
             gc.enable()
 
 
-@contextlib.contextmanager
-def _no_hugepages():
-    """NumPy asks the kernel for transparent huge pages on every large array; on a
-    loaded machine with fragmented memory each such fault may wait for compaction (about
-    a third of a cold build's CPU time in our measurements). The build's arrays are
-    short-lived, so it asks for none (NumPy's ``NUMPY_MADVISE_HUGEPAGE=0`` switch, set and
-    restored around the build only)."""
-    try:
-        from numpy._core.multiarray import _set_madvise_hugepage
-    except ImportError:
-        try:  # NumPy 1.x
-            from numpy.core.multiarray import _set_madvise_hugepage
-        except ImportError:  # another NumPy layout: keep its default
-            yield
-            return
-    was = _set_madvise_hugepage(False)
-    try:
-        yield
-    finally:
-        _set_madvise_hugepage(was)
-
-
 def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
-    with _gc_paused(), _no_hugepages():
+    with _gc_paused(), no_transparent_hugepages():
         return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
 
 

@@ -12,7 +12,6 @@ raise :class:`RoIDBInputError` naming the file, the annotation and image ids and
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from lit_roidata.osutil import malloc_trim
 from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, WINDOW_BYTES, RawCoco
 from lit_roidata.roidb.decode import WindowMapper, decode_generic, decode_window, iter_coco
 from lit_roidata.roidb.decode import read_json
@@ -291,7 +291,7 @@ class _GtBuilder:
     def finish(self, info: DatasetInfo, categories: list) -> GtTable:
         """The table: kept rows ordered by image, class ids, segms and keypoints."""
         self.images_end()
-        _trim_heap()
+        malloc_trim()  # the windows' freed objects: their heap pages back to the system
         path, parts, ids, counts = self.path, self.parts, self.ids, self.counts
         n = len(ids)
         if counts["annotation_unknown_image"]:
@@ -556,16 +556,6 @@ class _ImageOf:
 
     def __getitem__(self, i: int) -> Any:
         return self.ids[self.pos[i]]
-
-
-def _trim_heap() -> None:
-    """Give the heap pages the windows' freed objects left back to the system (glibc's
-    ``malloc_trim``; elsewhere nothing): the table's large arrays are mapped afresh, so
-    those pages would only count in the build's RSS."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:

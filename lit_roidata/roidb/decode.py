@@ -186,10 +186,16 @@ class _LvisTop(msgspec.Struct):
 _LVIS_DECODER = msgspec.json.Decoder(_LvisTop)
 _EMPTY: tuple = ()
 
-#: Set in the forked builder process (:func:`lit_roidata.roidb.build._in_child`): the
-#: decoded objects are kept until ``os._exit`` instead of being freed one by one.
+#: Decoded objects kept until ``os._exit`` (:func:`keep_decoded_until_exit`).
 KEEP_UNTIL_EXIT: list = []
 _KEEP = False
+
+
+def keep_decoded_until_exit() -> None:
+    """Keep decoded objects until the process ends instead of freeing them one by one
+    (the forked builder process, which ends with ``os._exit``)."""
+    global _KEEP
+    _KEEP = True
 
 
 #: the element types the typed decoder gave polygon coordinates and keypoint values:

@@ -39,6 +39,8 @@ from typing import Any, BinaryIO, Callable, Optional
 import numpy as np
 
 from lit_roidata._pickle_trust import UntrustedPickleError
+from lit_roidata.osutil import atomic_write
+from lit_roidata.roidb.cache import npy_header, read_npy_header
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.segms import offsets
 
@@ -637,11 +639,7 @@ def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple[int, np.d
     start = info.header_offset + 30 + n_name + n_extra
     stored = info.compress_type == zipfile.ZIP_STORED
     with zf.open(info) as member:
-        version = np.lib.format.read_magic(member)
-        reader = {(1, 0): np.lib.format.read_array_header_1_0,
-                  (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-        shape, fortran, dtype = (reader(member) if reader is not None
-                                 else np.lib.format._read_array_header(member, version))
+        shape, fortran, dtype = read_npy_header(member)
         header_len = member.tell() if stored else 0
     return start + header_len, dtype, shape, fortran, stored
 
@@ -719,9 +717,7 @@ def _write_member(zf: zipfile.ZipFile, name: str, dtype: np.dtype, shape: tuple,
                   chunks: Any) -> None:
     """Stream ``chunks`` (arrays in row order) into ``name.npy`` of an open npz."""
     with zf.open(name + ".npy", "w", force_zip64=True) as f:
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                  "fortran_order": False, "shape": tuple(int(s) for s in shape)}
-        np.lib.format.write_array_header_2_0(f, header)
+        f.write(npy_header(dtype, shape))
         for c in chunks:
             c = np.ascontiguousarray(c, dtype=dtype)
             if c.size:
@@ -777,9 +773,8 @@ def convert_proposals(in_path: str, out_path: str, *,
         dtype = np.result_type(*dts) if dts else np.dtype(np.float32)
     if dtype.kind not in "f":
         dtype = np.dtype(np.float32) if dtype.kind in "iu" else dtype
-    tmp = f"{out_path}.tmp-{os.getpid()}"
-    try:
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with atomic_write(out_path, fsync=False) as out_fh:
+        with zipfile.ZipFile(out_fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
             _write_member(zf, "ids", np.int64, src.ids.shape, [src.ids])
             _write_member(zf, "counts", np.int64, counts.shape, [counts])
             _write_member(zf, "boxes", dtype, (total, 4),
@@ -791,11 +786,6 @@ def convert_proposals(in_path: str, out_path: str, *,
                                      or {np.dtype(np.float32)}))
                 _write_member(zf, "scores", sdt, (total,),
                               _chunks_of(src.scores_flat, src.scores_of, counts))
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return {"images": int(counts.size), "boxes": total, "dtype": dtype.str,
             "seconds_read": round(t1 - t0, 3),
             "seconds_write": round(time.perf_counter() - t1, 3)}
