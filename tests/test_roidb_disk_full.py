@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from lit_roidata.config import get_cfg
 from lit_roidata.roidb import combined_roidb_for_training
 from lit_roidata.roidb.cache import DiskFullError, write_arrays
-from lit_roidata.roidb.proposals import ProposalColumns
+from lit_roidata.roidb.proposals import ProposalColumns, read_proposal_file
 from roidb_fixtures import make_coco, make_proposals, write_dataset
 
 
@@ -90,3 +91,15 @@ def test_proposal_columns_on_a_full_disk(small_disk):
                 cols.close()
         for f in os.listdir(small_disk):
             os.unlink(os.path.join(small_disk, f))
+
+
+def test_proposal_staging_on_a_full_scratch_disk(tmp_path, small_disk, monkeypatch):
+    """A proposal pickle staged beyond its memory budget goes to a scratch file in the
+    temporary folder: a full one is named as such (with TMPDIR as the fix)."""
+    data = make_coco(5, n_images=150, max_anns=4)
+    pfile = make_proposals(1, data, str(tmp_path / "p.pkl"), per_image=1500)
+    monkeypatch.setattr(tempfile, "tempdir", small_disk)
+    monkeypatch.setenv("LIT_ROIDATA_PROPOSAL_STAGING_BYTES", "0")
+    with pytest.raises(DiskFullError, match="TMPDIR") as info:
+        read_proposal_file(pfile, trust_pickle=True)
+    assert f"scratch folder {small_disk}" in str(info.value)

@@ -1,25 +1,4 @@
-"""The on-disk roidb cache: content keys, atomic writes, validation, one builder at a time.
-
-* **Key.** ``sha256`` of the input fingerprints (path, size, mtime, xxh3 or BLAKE2b of
-  the content, as ``"<algo>:<hex>"``) and every option that changes the result. Content hashes are memoised per
-  ``(path, size, mtime_ns, ctime_ns, inode)`` in ``<cache>/.fingerprints`` so a warm open
-  does not re-read multi-GB files; ``ctime`` cannot be set by users, so a file replaced
-  with a preserved mtime is still re-hashed.
-* **Atomic and durable.** A cache is built in ``<cache>/.tmp-*``, every file is fsynced,
-  and the directory is renamed to ``roidb-<key>`` only when complete; ``manifest.json``
-  (written last) records every array's size. (Fsync also means freshly built pages are
-  clean in the page cache, so workers mapping them share them instead of showing them
-  as private dirty memory.)
-* **Validated.** Opening checks the manifest, each file's size and its ``.npy`` header
-  (dtype and shape as recorded); a damaged or truncated cache is removed (with a warning
-  naming the file) and rebuilt, never used.
-* **Checksummed.** The manifest keeps a 128-bit digest of every array file (xxh3 when
-  ``xxhash`` is installed, else BLAKE2b), computed at build. The digests are verified (a full read) on the first open after each boot, which
-  is when a power loss shows, on request (``verify=True``, ``lit-roidata cache verify``),
-  never on the other opens, which stay cheap. A ``verified`` stamp holds the boot id.
-* **One builder.** A ``filelock`` per key: the first process builds, the others wait and
-  then open the result (DDP ranks, several nodes on a shared filesystem).
-"""
+"""The on-disk roidb cache: content keys, atomic writes, validation, one builder at a time."""
 
 from __future__ import annotations
 
@@ -73,9 +52,6 @@ def default_cache_dir() -> str:
 def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     """``{path, size, mtime_ns, digest}`` of ``path``, with the hash memoised by stat.
 
-    The digest is ``"<algo>:<hex>"`` (xxh3_128 when ``xxhash`` is installed, several GB/s,
-    else BLAKE2b): a cold build hashes every input file once, proposal files are GBs.
-
     Raises:
         FileNotFoundError: ``path`` does not exist.
     """
@@ -127,18 +103,22 @@ class DiskFullError(OSError, CacheError):
     the message names the folder, the bytes needed and the bytes free."""
 
 
-def disk_full_error(folder: str, needed: int, exc: OSError) -> DiskFullError:
-    """The :class:`DiskFullError` for ``exc`` while writing about ``needed`` bytes."""
+def disk_full_error(folder: str, needed: int, exc: OSError, *,
+                    scratch: bool = False) -> DiskFullError:
+    """The :class:`DiskFullError` for ``exc`` while writing about ``needed`` bytes in
+    ``folder`` (``scratch``: a temporary folder, not the cache)."""
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         free = -1
+    fix = ("set TMPDIR to a folder on a larger disk" if scratch else "point the cache "
+           "elsewhere (sources.cache_dir of the data module, cache_dir= of the roidb "
+           "functions, or $LIT_ROIDATA_CACHE)")
     err = DiskFullError(exc.errno, (
         f"{'quota exceeded' if exc.errno == errno.EDQUOT else 'no space left'} on the disk "
-        f"of the roidb cache folder {folder}: the build needs at least {needed} bytes "
-        f"({needed / 2**20:.1f} MiB) and {free} bytes ({free / 2**20:.1f} MiB) are free "
-        f"there. Free space on that disk, or point the cache elsewhere (sources.cache_dir "
-        f"of the data module, cache_dir= of the roidb functions, or $LIT_ROIDATA_CACHE)."))
+        f"of the {'scratch' if scratch else 'roidb cache'} folder {folder}: the build needs "
+        f"at least {needed} bytes ({needed / 2**20:.1f} MiB) and {free} bytes "
+        f"({free / 2**20:.1f} MiB) are free there. Free space on that disk, or {fix}."))
     err.folder, err.needed, err.free = folder, needed, free
     return err
 
@@ -150,16 +130,7 @@ def _disk_full(exc: BaseException) -> bool:
 
 class ArrayWriter:
     """Writes ``.npy`` files of a folder in the background: the one writer of the cache's
-    arrays and of the proposal columns.
-
-    :meth:`add` writes a whole array: its checksum is computed from memory (header, then
-    bytes) and its bytes are queued for a few threads, in blocks; all-zero blocks are left
-    as holes of the file (they read back as zeros). :meth:`write` queues raw bytes at an
-    offset of an open file (the proposal columns' rows); :meth:`seal` writes a column's
-    header in place and checksums it by reading it back. :meth:`finish` waits, fsyncs the
-    files and returns the manifest entries. A full disk raises :class:`DiskFullError`.
-    With ``durable=False`` (scratch files) nothing is flushed to disk early or fsynced.
-    """
+    arrays and of the proposal columns."""
 
     def __init__(self, directory: Optional[str], threads: int = 0, *, durable: bool = True,
                  max_pending: int = 0) -> None:
@@ -230,7 +201,8 @@ class ArrayWriter:
             return fn(*args)
         except OSError as exc:
             if _disk_full(exc):
-                raise disk_full_error(self.directory, self.needed, exc) from None
+                raise disk_full_error(self.directory, self.needed, exc,
+                                      scratch=not self.durable) from None
             raise
 
     def wait(self) -> None:
@@ -603,6 +575,8 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
         except BaseException as exc:
             needed = _logical_size(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, DiskFullError) and getattr(exc, "folder", tmp) != tmp:
+                raise  # another disk (a scratch folder) filled up
             if isinstance(exc, DiskFullError) or _disk_full(exc):  # named, after the cleanup
                 raise disk_full_error(cache_root, max(needed, getattr(exc, "needed", 0)),
                                       exc) from None  # type: ignore[arg-type]

@@ -70,11 +70,7 @@ def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray
 
 
 def _load(path: str, rec: dict) -> np.ndarray:
-    """Memory-map one array file of a cache (never unpickles); errors name the file.
-
-    ``rec`` is its manifest entry: a file whose header says exactly its dtype and shape
-    (:func:`lit_roidata.roidb.cache.npy_data_offset`, every file this version writes) is
-    mapped at its data without parsing the header."""
+    """Memory-map one array file of a cache (never unpickles); errors name the file."""
     fn = os.path.join(path, rec["file"])
     try:
         offset = npy_data_offset(fn, rec)

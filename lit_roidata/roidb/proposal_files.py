@@ -1,32 +1,8 @@
-"""Reading and converting proposal files without holding them in memory.
-
-Two formats are read:
-
-* **Detectron's pickle** (``.pkl``): a dict with ``boxes`` (one ``(P_i, 4)`` array per
-  image, descending score), ``scores`` (one ``(P_i,)`` array per image; ``objectness_logits``
-  as Detectron2 names it is accepted too) and ``ids`` (or legacy ``indexes``, which
-  wins). Python 2 pickles (protocol 2) are read with ``encoding="latin1"``.
-* **Columnar** ``.npz`` (written by :func:`convert_proposals`): ``ids (n,)``, ``counts (n,)``
-  boxes per image, ``boxes (sum(counts), 4)`` and optionally ``scores (sum(counts),)``.
-
-The pickle is *streamed*: a :class:`pickle.Unpickler` subclass intercepts NumPy's array
-reconstruction, so each array's raw bytes are appended to one flat staging area as soon
-as the unpickler has read them and are then freed; what stays besides is a small record
-(offset, dtype, shape) per array, and no per-image NumPy array is kept. The staging area
-is memory up to a budget (:func:`staging_budget`; nothing is written to disk), and an
-anonymous scratch file beyond it (peak memory is then a chunk, not the file). A roidb
-build asks for no scores (``scores=False``): their bytes are dropped as they arrive, only
-their shapes are kept for validation. The processing then reads the boxes back in
-chunks. The ``.npz`` is read the same way (``pread`` of the stored member, no
-unpickling).
-
-The unpickler is created in exactly one place (:func:`_unpickler`), which holds the
-trust policy: unpickling runs code, so a pickle is read only with ``trust_pickle=True``
-(any class the file names is then importable, as with ``pickle.load``).
-"""
+"""Reading and converting proposal files without holding them in memory."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import pickle
@@ -40,7 +16,8 @@ import numpy as np
 
 from lit_roidata._pickle_trust import UntrustedPickleError
 from lit_roidata.osutil import atomic_write
-from lit_roidata.roidb.cache import npy_header, read_npy_header
+from lit_roidata.roidb.cache import DiskFullError, disk_full_error, npy_header
+from lit_roidata.roidb.cache import read_npy_header
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.segms import offsets
 
@@ -54,11 +31,7 @@ _SCORE_KEYS = ("scores", "objectness_logits")
 
 @dataclass
 class ProposalSource:
-    """A proposal file's records: ``boxes_of(i)`` is the box array of record ``i``.
-
-    ``flat`` (with ``flat_off``) is set when the records' boxes lie one after the other
-    in one dtype: ``flat[a:b]`` returns rows ``a..b`` as an in-memory array.
-    """
+    """A proposal file's records: ``boxes_of(i)`` is the box array of record ``i``."""
 
     path: str
     ids: np.ndarray                      # int64 (m,)
@@ -72,12 +45,7 @@ class ProposalSource:
 
 
 class FileRows:
-    """Rows ``(N, *row_shape)`` of ``dtype`` stored at ``offset`` in an open file.
-
-    Slicing with a step-1 ``slice`` reads those rows with ``os.pread`` into a new,
-    writable array (nothing is memory-mapped, so reading a 2 GiB file in chunks does
-    not grow the resident set).
-    """
+    """Rows ``(N, *row_shape)`` of ``dtype`` stored at ``offset`` in an open file."""
 
     def __init__(self, fh: BinaryIO, offset: int, dtype: np.dtype, n: int,
                  row_shape: tuple = (4,)) -> None:
@@ -178,12 +146,7 @@ STAGING_ENV = "LIT_ROIDATA_PROPOSAL_STAGING_BYTES"
 
 
 def staging_budget() -> int:
-    """Bytes of memory a proposal pickle's arrays may be staged in (then a scratch file).
-
-    ``$LIT_ROIDATA_PROPOSAL_STAGING_BYTES`` if set, else a quarter of ``MemAvailable``
-    (Linux) and 1 GiB elsewhere. Staging in memory writes nothing to disk; a scratch file
-    writes the staged bytes once more (the page cache absorbs them when memory allows).
-    """
+    """Bytes of memory a proposal pickle's arrays may be staged in (then a scratch file)."""
     env = os.environ.get(STAGING_ENV)
     if env:
         try:
@@ -204,12 +167,7 @@ def staging_budget() -> int:
 class _Sink:
     """Where the arrays' bytes go, in unpickling order: one growing ``bytearray`` up to
     ``budget`` bytes, then (everything staged so far, and what follows) an anonymous
-    scratch file.
-
-    File writes are gathered and issued with ``os.writev`` (a few MiB per call): one
-    ``write`` per 16 KiB array costs three times as much CPU in the kernel. Arrays that
-    ``drop`` accepts (``(dtype, shape)``) keep only their shape and dtype.
-    """
+    scratch file."""
 
     _BATCH_BYTES = 8 << 20
     _BATCH_BUFFERS = 512
@@ -285,7 +243,13 @@ class _Sink:
     def _flush(self) -> None:
         bufs = [memoryview(b).cast("B") for b in self._pending]
         while bufs:
-            n = os.writev(self.fd, bufs)
+            try:
+                n = os.writev(self.fd, bufs)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise disk_full_error(tempfile.gettempdir(), self.pos, exc,
+                                      scratch=True) from None
             while bufs and n >= len(bufs[0]):
                 n -= len(bufs[0])
                 bufs.pop(0)
@@ -362,11 +326,6 @@ def read_proposal_file(path: str, *, trust_pickle: bool = False,
                        scores: bool = True) -> ProposalSource:
     """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated).
 
-    A pickle is read only with ``trust_pickle=True`` (unpickling runs code). With
-    ``scores=False`` (what a roidb build needs) a pickle's score arrays are validated
-    (one score per box) but their bytes are not kept, and the source has no
-    ``scores_flat`` / ``scores_of``.
-
     Raises:
         FileNotFoundError: no such file.
         UntrustedPickleError: a pickle without ``trust_pickle=True``.
@@ -381,11 +340,7 @@ def read_proposal_file(path: str, *, trust_pickle: bool = False,
     if os.path.getsize(path) == 0:
         raise RoIDBInputError(f"{path}: the proposal file is empty (0 bytes); it was probably "
                               f"not written completely. Regenerate or copy it again.")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if path.endswith(".npz") or magic == b"PK\x03\x04":
-        return _read_npz(path)
-    return _read_pickle(path, trust_pickle, scores)
+    return _read_pickle(path, trust_pickle, scores) if is_pickle(path) else _read_npz(path)
 
 
 def _drop_scores(dtype: np.dtype, shape: tuple) -> bool:
@@ -417,6 +372,8 @@ def _load_pickle(path: str, trust_pickle: bool,
         raise
     except Exception as exc:  # pickle raises many types for a damaged file
         sink.close()
+        if isinstance(exc, DiskFullError):
+            raise
         hint = ("the file is truncated (copy or write it again)"
                 if isinstance(exc, EOFError) or "truncated" in str(exc)
                 else "is it a Detectron proposal pickle?")
@@ -735,12 +692,17 @@ def _chunks_of(flat: Any, of: Callable[[int], np.ndarray], counts: np.ndarray,
         yield of(i)
 
 
+def _column_dtype(flat: Any, of: Any, counts: np.ndarray) -> np.dtype:
+    """The dtype of a column of the records (their common type; float32 for none)."""
+    if flat is not None:
+        return np.dtype(flat.dtype)
+    dts = {np.asarray(of(i)).dtype for i in range(counts.size) if counts[i]}
+    return np.result_type(*dts) if dts else np.dtype(np.float32)
+
+
 def convert_proposals(in_path: str, out_path: str, *,
                       annotations: Optional[str] = None, trust_pickle: bool = False) -> dict:
     """Convert a proposal pickle into the columnar ``.npz`` (reads it once, streamed).
-
-    The ``.npz`` keeps the file's record order, box dtype and scores, so a roidb built
-    from it is identical to one built from the pickle, and it loads without unpickling.
 
     Args:
         in_path: Detectron proposal pickle (or an ``.npz``, rewritten).
@@ -766,11 +728,7 @@ def convert_proposals(in_path: str, out_path: str, *,
     t1 = time.perf_counter()
     counts = src.counts
     total = int(counts.sum())
-    if src.flat is not None:
-        dtype = np.dtype(src.flat.dtype)
-    else:
-        dts = {np.asarray(src.boxes_of(i)).dtype for i in range(counts.size) if counts[i]}
-        dtype = np.result_type(*dts) if dts else np.dtype(np.float32)
+    dtype = _column_dtype(src.flat, src.boxes_of, counts)
     if dtype.kind not in "f":
         dtype = np.dtype(np.float32) if dtype.kind in "iu" else dtype
     with atomic_write(out_path, fsync=False) as out_fh:
@@ -780,10 +738,7 @@ def convert_proposals(in_path: str, out_path: str, *,
             _write_member(zf, "boxes", dtype, (total, 4),
                           _chunks_of(src.flat, src.boxes_of, counts))
             if src.scores_flat is not None or src.scores_of is not None:
-                sdt = np.dtype(src.scores_flat.dtype) if src.scores_flat is not None else \
-                    np.result_type(*({np.asarray(src.scores_of(i)).dtype
-                                      for i in range(counts.size) if counts[i]}
-                                     or {np.dtype(np.float32)}))
+                sdt = _column_dtype(src.scores_flat, src.scores_of, counts)
                 _write_member(zf, "scores", sdt, (total,),
                               _chunks_of(src.scores_flat, src.scores_of, counts))
     return {"images": int(counts.size), "boxes": total, "dtype": dtype.str,

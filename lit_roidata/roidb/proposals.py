@@ -1,12 +1,4 @@
 """Proposal files → per-image proposal rows merged into the roidb (Detectron semantics: proposals).
-
-A proposal file is read once at build time, processed in vectorised chunks of images
-(clip, de-duplicate, min size, optional limit, IoU merge against the gt rows, crowd
-filter) and written into the cache as flat float32 arrays with per-image offsets.
-Workers slice those arrays from the memory map; nothing is ever unpickled there.
-
-Files are read by :mod:`.proposal_files` (Detectron's pickle, streamed without holding
-it in memory, or the columnar ``.npz`` that :func:`convert_proposals` writes).
 """
 
 from __future__ import annotations
@@ -65,9 +57,6 @@ class ProposalTable:
 def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -> np.ndarray:
     """Record index for each image (sorted ids), as Detectron aligns them (Detectron semantics:
     proposals).
-
-    Records for ids not in the dataset are removed (counted); a missing or duplicated
-    id is an error naming the ids.
     """
     ids = src.ids
     uniq, cnt = np.unique(ids, return_counts=True)
@@ -126,19 +115,13 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     del r
     g = group - group.min()
     lo, hi = float(hf.min()), float(hf.max())
-    if not (-2.0**53 < lo and hi < 2.0**53):  # huge coordinates: compare the floats
-        order = np.lexsort((hf, g))
-        new = np.ones(order.size, bool)
-        new[1:] = (hf[order][1:] != hf[order][:-1]) | (g[order][1:] != g[order][:-1])
-        keep = np.zeros(boxes.shape[0], bool)
-        keep[order[new]] = True
-        return keep
-    h = hf.astype(np.int64)  # exact: integral values below 2**53
-    h -= int(lo)
-    del hf
-    g = group - group.min()
-    span = int(h.max()) + 1
-    if span * (int(g.max()) + 1) < 2**62:
+    exact = -2.0**53 < lo and hi < 2.0**53  # else (huge coordinates) compare the floats
+    if exact:
+        h = hf.astype(np.int64)  # exact: integral values below 2**53
+        h -= int(lo)
+        del hf
+        span = int(h.max()) + 1
+    if exact and span * (int(g.max()) + 1) < 2**62:
         # Duplicates are rare: sort the keys' values (a SIMD sort, ~4x cheaper than an
         # argsort) to find the repeated ones, then settle first occurrences among the
         # boxes carrying a repeated key only (np.unique's stable return_index).
@@ -160,22 +143,18 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         keep[cand] = False
         keep[cand[first]] = True
         return keep
-    else:
-        order = np.lexsort((h, g))
-        new = np.ones(order.size, bool)
-        new[1:] = (h[order][1:] != h[order][:-1]) | (g[order][1:] != g[order][:-1])
-        first = order[new]
+    v = h if exact else hf
+    order = np.lexsort((v, g))
+    new = np.ones(order.size, bool)
+    new[1:] = (v[order][1:] != v[order][:-1]) | (g[order][1:] != g[order][:-1])
     keep = np.zeros(boxes.shape[0], bool)
-    keep[first] = True
+    keep[order[new]] = True
     return keep
 
 
 def iof_pairs(props: np.ndarray, crowd: np.ndarray) -> np.ndarray:
     """Row-wise ``pycocotools.mask.iou(.., iscrowd=1)`` of float32 xyxy boxes (Detectron semantics:
     proposals).
-
-    Detectron converts to xywh in float32 (``w = x2 - x1 + 1``), then the COCO API
-    computes ``intersection / area(proposal)`` in double.
     """
     pw = (props[:, 2] - props[:, 0] + 1).astype(np.float64)
     ph = (props[:, 3] - props[:, 1] + 1).astype(np.float64)
@@ -299,15 +278,7 @@ PROPOSAL_COLUMNS = (("prop_boxes", (4,)), ("prop_max_overlaps", ()), ("prop_max_
 
 
 def proposal_dtypes(num_classes: int, max_gt: int) -> tuple[np.dtype, np.dtype]:
-    """The narrowest dtypes of ``(prop_max_classes, prop_gt_map)``.
-
-    ``max_classes`` holds contiguous class ids ``< num_classes``: ``uint8`` up to 256
-    classes (COCO's 81), ``int16`` up to 32768 (LVIS's 1204), else ``int32``.
-    ``gt_map`` holds a gt index ``< max_gt`` (the most gt boxes of one image) or the
-    sentinel ``-1``: ``int8`` up to 128 gt boxes, ``int16`` up to 32768, else ``int32``.
-    The roidb widens both to Detectron's dtypes (int64 ``max_classes``, int32
-    ``box_to_gt_ind_map``) when an entry is read, so blobs do not depend on them.
-    """
+    """The narrowest dtypes of ``(prop_max_classes, prop_gt_map)``."""
     nc, g = int(num_classes), int(max_gt)
     mc = np.uint8 if nc <= 1 << 8 else np.int16 if nc <= 1 << 15 else np.int32
     gm = np.int8 if g <= 1 << 7 else np.int16 if g <= 1 << 15 else np.int32
@@ -316,12 +287,6 @@ def proposal_dtypes(num_classes: int, max_gt: int) -> tuple[np.dtype, np.dtype]:
 
 class ProposalColumns:
     """The four proposal columns of a roidb, each written once, chunk by chunk.
-
-    With ``persistent=True`` they are the cache's final ``prop_*.npy`` files in
-    ``directory``: a header sized for any row count is reserved, rows are written behind
-    it by the cache's :class:`~lit_roidata.roidb.cache.ArrayWriter` threads, and
-    :meth:`finish` writes the real header, checksums and fsyncs each file. With
-    ``persistent=False`` they are unlinked scratch files (the arrays map them).
 
     Args:
         directory: where the files go (``None``: the temporary directory; scratch only).
@@ -390,11 +355,7 @@ class ProposalColumns:
         self.writer.wait()
 
     def finish(self) -> dict:
-        """Close the columns: ``{name: read-only array}`` (memory maps of the files).
-
-        Persistent columns also get their header, checksum and fsync; :attr:`records`
-        then holds their manifest entries (as :func:`..cache.write_arrays` returns).
-        """
+        """Close the columns: ``{name: read-only array}`` (memory maps of the files)."""
         n, out = self.rows, {}
         try:
             if self.persistent:
