@@ -297,18 +297,13 @@ class _GtBuilder:
             kp_table = _check_keypoints(kraw, np.ones(kraw.ann_id.size, bool), info,
                                         self.required)
         pos = col("pos", np.int64)
-        if pos.size < 2 or bool((pos[1:] >= pos[:-1]).all()):
-            # annotations grouped by image in image order (many exports): no reordering
-            order, pos_o = np.arange(pos.size), pos
+        # annotations grouped by image in image order (many exports): no reordering
+        grouped = pos.size < 2 or bool((pos[1:] >= pos[:-1]).all())
+        order = np.arange(pos.size) if grouped else np.argsort(pos, kind="stable")
+        pos_o = pos if grouped else pos[order]
 
-            def by_image(a: np.ndarray) -> np.ndarray:
-                return a
-        else:
-            order = np.argsort(pos, kind="stable")
-            pos_o = pos[order]
-
-            def by_image(a: np.ndarray) -> np.ndarray:
-                return a[order]
+        def by_image(a: np.ndarray) -> np.ndarray:
+            return a if grouped else a[order]
         gt_off = offsets(np.bincount(pos_o, minlength=n))
         kept = RawCoco(
             source=path, categories=categories, ann_id=col("ann_id", np.int64),

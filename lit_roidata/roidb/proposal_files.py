@@ -396,9 +396,7 @@ def _as_records(path: str, key: str, value: Any) -> list:
         n, per = value.shape[0], math.prod(value.shape[1:])
         step = per * value.dtype.itemsize
         return [_SubArray(value, i * step, value.shape[1:]) for i in range(n)]
-    if isinstance(value, np.ndarray):
-        return list(value)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (np.ndarray, list, tuple)):
         return list(value)
     raise RoIDBInputError(f"{path}: {key!r} is a {type(value).__name__}; expected a list with "
                           f"one entry per image")
@@ -519,9 +517,7 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
                               f"({len(scores)}) and {id_key!r} ({len(id_list)}) must have one "
                               f"record per image")
     ids = _ids_array(path, id_key, id_list)
-    m = ids.size
-    counts = np.zeros(m, np.int64)
-    dtypes = set()
+    counts = np.zeros(ids.size, np.int64)
     for i, b in enumerate(boxes):
         shape, dt = _shape_dtype(b)
         size = math.prod(shape) if dt is not None else -1
@@ -535,7 +531,6 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
                                   f"(an empty (0, 4) array for no proposals). Regenerate the "
                                   f"file or fix that record.")
         counts[i] = size // 4
-        dtypes.add(dt)
     for i, s in enumerate(scores):
         shape, dt = _shape_dtype(s)
         n = math.prod(shape) if dt is not None else -1
@@ -560,13 +555,12 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
 
 
 def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Any:
-    """The records as one block of rows (:class:`FileRows` or a read-only array) when
-    they lie back to back in the staging area in one dtype (the usual layout of a Detectron pickle), else ``None``."""
-    stored = [it for it in items if isinstance(it, (_Stored, _SubArray))
-              and not (isinstance(it, _Stored) and it.array is not None)]
-    if len(stored) != len(items) or not items:
+    """The records as one block of rows (:class:`FileRows` or a read-only array) when they
+    lie back to back in the staging area in one dtype (as in Detectron's pickles), else
+    ``None``."""
+    if not all(isinstance(it, _SubArray) or isinstance(it, _Stored) and it.array is None
+               for it in items):
         return None
-    dtype = None
     nonempty = [it for it, c in zip(items, counts) if c]
     if not nonempty:
         return None
