@@ -24,8 +24,8 @@ from lit_roidata.osutil import atomic_write
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "default_cache_dir", "file_fingerprint", "cache_key",
            "write_arrays", "ArrayWriter", "npy_data_offset", "npy_header", "read_npy_header",
            "pwrite_all", "hasher", "default_algo", "file_digest", "validate_cache",
-           "verify_checksums", "get_or_build", "CacheError", "DiskFullError", "hold_in_use",
-           "in_use", "LAST_USED"]
+           "verify_checksums", "get_or_build", "remove_cache", "CacheError", "DiskFullError",
+           "hold_in_use", "in_use", "LAST_USED"]
 
 logger = logging.getLogger(__name__)
 
@@ -560,7 +560,7 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
             return final, manifest, False
         if os.path.exists(final):
             logger.warning("removing damaged or outdated roidb cache %s", final)
-            _remove(final)
+            remove_cache(final)
         tmp = tempfile.mkdtemp(dir=cache_root, prefix=f".tmp-roidb-{key}-")
         try:
             manifest = dict(build(tmp), format=FORMAT_VERSION, key=key)
@@ -620,8 +620,9 @@ def _try_open(path: str, verify: Optional[bool] = None) -> Optional[dict]:
         return None
 
 
-def _remove(path: str) -> None:
-    # Rename first so that a reader never sees a half-deleted directory.
+def remove_cache(path: str) -> None:
+    """Remove the cache folder ``path``, renamed away first so that a reader never sees a
+    half-deleted folder."""
     trash = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=".trash-")
     os.rename(path, os.path.join(trash, "old"))
     shutil.rmtree(trash, ignore_errors=True)
