@@ -793,3 +793,26 @@ def load_detectron_cfg(
     if freeze:
         cfg.freeze()
     return cfg
+
+
+def blob_family(cfg: Any) -> str:
+    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: the one place the loader's blob
+    family is decided (Detectron semantics: configuration).
+
+    Detectron's precedence: RPN (``RPN.RPN_ON``, or ``MODEL.FASTER_RCNN`` /
+    ``MODEL.RPN_ONLY``, which imply it as ``assert_and_infer_cfg`` does), else RetinaNet
+    (``RETINANET.RETINANET_ON``), else Fast R-CNN with precomputed proposals. Mask and
+    keypoint heads and FPN change the blobs inside a family, not the family. Re-exported
+    by :mod:`lit_roidata.minibatch.model_type`.
+
+    Raises:
+        ValueError: RetinaNet without ``FPN.FPN_ON`` (Detectron asserts the same).
+    """
+    if cfg.RPN.RPN_ON or cfg.MODEL.FASTER_RCNN or cfg.MODEL.RPN_ONLY:
+        return "rpn"
+    if cfg.RETINANET.RETINANET_ON:
+        if not cfg.FPN.FPN_ON:
+            raise ValueError("RETINANET.RETINANET_ON needs FPN.FPN_ON: True (Detectron's "
+                             "RetinaNet is always built on FPN)")
+        return "retinanet"
+    return "fast_rcnn"

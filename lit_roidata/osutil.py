@@ -3,6 +3,7 @@
 * :func:`atomic_write`: write a file under a temporary name in the same folder and rename
   it into place, so a reader sees the old file or the whole new one, never a part.
 * :func:`malloc_trim`: give the C heap's free pages back to the system (glibc).
+* :func:`no_transparent_hugepages`: no transparent huge pages while a block runs (Linux).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_write", "malloc_trim"]
+__all__ = ["atomic_write", "malloc_trim", "no_transparent_hugepages"]
 
 
 @contextlib.contextmanager
@@ -31,6 +32,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, fsync: bool = Tru
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path) + "-")
     try:
+        if hasattr(os, "fchmod"):  # the permissions open() would give (mkstemp: 0600)
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, mode, encoding=encoding if "b" not in mode else None) as fh:
             yield fh
             fh.flush()
@@ -43,6 +46,44 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, fsync: bool = Tru
         raise
 
 
+def _umask() -> int:
+    """The process's umask (read without changing it where Linux allows)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def no_transparent_hugepages() -> Iterator[bool]:
+    """Turn transparent huge pages off for this process while the block runs (Linux
+    ``prctl(PR_SET_THP_DISABLE)``, inherited by forked children); yields whether it could.
+
+    A fault on a huge-page-backed array may wait for memory compaction on a loaded
+    machine; short-lived build arrays gain nothing from huge pages.
+    """
+    prctl = None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+        was = prctl(_PR_GET_THP_DISABLE, 0, 0, 0, 0)
+        if was < 0 or prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+            prctl = None
+    except (OSError, AttributeError):
+        prctl = None
+    try:
+        yield prctl is not None
+    finally:
+        if prctl is not None:
+            prctl(_PR_SET_THP_DISABLE, was, 0, 0, 0)
+
+
+_PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42
 _MALLOC_TRIM: Any = None
 
 

@@ -351,10 +351,10 @@ def test_build_writes_each_proposal_column_once(tmp_path, monkeypatch):
 
 
 def test_padded_header_loads_and_no_kept_proposal_gives_empty_narrow_columns(tmp_path):
-    from lit_roidata.roidb.proposals import _npy_header_for
+    from lit_roidata.roidb.cache import npy_header
 
     for pad in (0, 128, 192, 256):
-        head = _npy_header_for(np.dtype("<i2"), (3,), pad_to=pad)
+        head = npy_header(np.dtype("<i2"), (3,), pad_to=pad)
         assert len(head) == max(pad, 128) and len(head) % 64 == 0
         fn = tmp_path / f"h{pad}.npy"
         fn.write_bytes(head + np.array([-1, 5, 300], "<i2").tobytes())

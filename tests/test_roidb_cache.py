@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -155,7 +158,15 @@ def test_waits_for_lock_holder(tmp_path):
     assert built and os.path.basename(path) == key_dir and n == len(probe)
 
 
-def _anon_kb() -> int:
+_FORKED_WORKER_PROBE = r"""
+import gc, json, sys
+import torch.utils.data
+from lit_roidata.config import get_cfg
+from lit_roidata.roidb import combined_roidb_for_training
+from roidb_fixtures import make_coco, make_proposals, write_dataset
+
+
+def anon_kb():
     with open("/proc/self/smaps_rollup") as fh:
         for line in fh:
             if line.startswith("Private_Dirty:"):
@@ -163,9 +174,7 @@ def _anon_kb() -> int:
     return 0
 
 
-class _Touch:
-    """A dataset whose single item reads every entry of the roidb in the worker."""
-
+class Touch:  # one item that reads every entry of the roidb in the worker
     def __init__(self, db):
         self.db = db
 
@@ -173,37 +182,46 @@ class _Touch:
         return 1
 
     def __getitem__(self, _):
-        before = _anon_kb()
-        total = 0.0
+        before, total = anon_kb(), 0.0
         for i in range(len(self.db)):
             e = self.db[i]
             total += float(e["boxes"].sum()) + len(e["segms"]) + float(e["max_overlaps"].sum())
-        return before, _anon_kb(), total
+        return before, anon_kb(), total
+
+
+tmp, deltas = sys.argv[1], {}
+for n in (200, 1600):
+    data = make_coco(n, n_images=n, max_anns=6)
+    cat = write_dataset(tmp, f"d{n}", data, images=False)
+    make_proposals(2, data, f"{tmp}/p{n}.pkl", per_image=60)
+    db = combined_roidb_for_training(f"d{n}", [f"{tmp}/p{n}.pkl"], get_cfg(), f"{tmp}/c",
+                                     catalog=cat, check_images=False, trust_pickle=True)
+    gc.collect()
+    gc.freeze()  # keep the parent's GC from touching (copying) every object in the child
+    loader = torch.utils.data.DataLoader(Touch(db), batch_size=None, num_workers=1,
+                                         multiprocessing_context="fork")
+    (before, after, total), = list(loader)
+    gc.unfreeze()
+    assert total > 0
+    deltas[n] = after - before
+print(json.dumps(deltas))
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux smaps")
 def test_forked_workers_do_not_grow_with_roidb_size(tmp_path):
-    import torch.utils.data
-
-    deltas = {}
-    for n in (200, 1600):
-        data = make_coco(n, n_images=n, max_anns=6)
-        cat = write_dataset(str(tmp_path), f"d{n}", data, images=False)
-        make_proposals(2, data, str(tmp_path / f"p{n}.pkl"), per_image=60)
-        db = combined_roidb_for_training(f"d{n}", [str(tmp_path / f"p{n}.pkl")], get_cfg(),
-                                         str(tmp_path / "c"), catalog=cat, check_images=False,
-                                         trust_pickle=True)
-        gc.collect()
-        gc.freeze()  # keep the parent's GC from touching (copying) every object in the child
-        loader = torch.utils.data.DataLoader(_Touch(db), batch_size=None, num_workers=1,
-                                             multiprocessing_context="fork")
-        (before, after, total), = list(loader)
-        gc.unfreeze()
-        assert total > 0
-        deltas[n] = after - before
-    # Private dirty memory (copy-on-write + new allocations) a worker adds by reading every entry: small, and not
-    # proportional to the roidb (8x more entries).
+    """Measured in a fresh interpreter started for this test, so what earlier tests left
+    in this process (heap, imported modules, GC state) cannot change the result."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _FORKED_WORKER_PROBE, str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    deltas = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    # Private dirty memory (copy-on-write + new allocations) a worker adds by reading every
+    # entry: small, and not proportional to the roidb (8x more entries).
     assert deltas[1600] < 16 * 1024, deltas
     assert deltas[1600] - deltas[200] < 8 * 1024, deltas
 
@@ -298,7 +316,7 @@ def test_checksum_algorithms(ds, monkeypatch, algo):
 
     if algo == "xxh3_128":
         pytest.importorskip("xxhash")
-    monkeypatch.setattr(cache_mod, "_default_algo", lambda: algo)
+    monkeypatch.setattr(cache_mod, "default_algo", lambda: algo)
     cat, _, tmp = ds
     a = _build(cat, tmp, cache=f"c-{algo}")
     recs = a.manifest["arrays"].values()
@@ -317,7 +335,7 @@ def test_write_arrays_checksums_the_written_bytes(tmp_path, monkeypatch, algo):
 
     if algo == "xxh3_128":
         pytest.importorskip("xxhash")
-    monkeypatch.setattr(cache_mod, "_default_algo", lambda: algo)
+    monkeypatch.setattr(cache_mod, "default_algo", lambda: algo)
     arrays = {"i": np.arange(10, dtype=np.int64), "empty": np.zeros((0, 4), np.float32),
               "b": np.array([True, False, True]), "strided": np.arange(12, dtype=np.int16)
               .reshape(3, 4)[:, ::2], "u8": np.frombuffer(b"abc", np.uint8),
@@ -341,13 +359,13 @@ def test_write_arrays_leaves_zero_blocks_as_holes(tmp_path, monkeypatch):
     arr = np.zeros(3 * block + 100, np.uint8)
     arr[block + 5] = 7  # only the second block (and the header) hold non-zero bytes
     written = []
-    real = cache_mod._pwrite_all
+    real = cache_mod.pwrite_all
 
-    def spy(fd, offset, data):
+    def spy(fd, offset, data, *args):
         written.append((offset, memoryview(data).nbytes))
-        real(fd, offset, data)
+        real(fd, offset, data, *args)
 
-    monkeypatch.setattr(cache_mod, "_pwrite_all", spy)
+    monkeypatch.setattr(cache_mod, "pwrite_all", spy)
     rec = cache_mod.write_arrays(str(tmp_path), {"z": arr})["z"]
     np.save(tmp_path / "ref.npy", arr)
     assert (tmp_path / "z.npy").read_bytes() == (tmp_path / "ref.npy").read_bytes()
@@ -384,7 +402,7 @@ def test_open_maps_without_parsing_and_accepts_other_header_layouts(ds):
     a.manifest["arrays"]["gt_boxes"] = rec
     b = RoIDB(a.path, a.manifest)
     assert "widths" not in vars(b) and "ids" not in vars(b)
-    np.testing.assert_array_equal(b.widths, np.asarray(b._a["img_width"])[b._entry_img])
+    np.testing.assert_array_equal(b.widths, np.asarray(b.column("img_width"))[b.entry_image_rows])
     for i, e in enumerate(ref):
         np.testing.assert_array_equal(b[i]["boxes"], e["boxes"])
         assert b[i]["dataset"] == e["dataset"] and b.dataset_of(i) == "d"

@@ -242,22 +242,23 @@ def test_bad_polygon_values_still_name_the_record(tmp_path):
         decode_coco(str(p))
 
 
-def test_build_asks_for_no_huge_pages_and_restores_numpy_setting():
-    """The builder turns NumPy's huge-page advice off for its arrays and back on after,
-    also when the build fails."""
-    try:
-        import numpy._core.multiarray as mod
-    except ImportError:  # NumPy 1.x
-        mod = pytest.importorskip("numpy.core.multiarray")
-    from lit_roidata.roidb.build import _no_hugepages
+def test_build_asks_for_no_huge_pages_and_restores_the_setting():
+    """The builder turns transparent huge pages off for its process (a public Linux
+    prctl, no NumPy internals) and restores the setting after, also when the build fails."""
+    import ctypes
 
-    before = mod._set_madvise_hugepage(True)
+    from lit_roidata.osutil import no_transparent_hugepages
+
     try:
-        with pytest.raises(RuntimeError):
-            with _no_hugepages():
-                inside = mod._set_madvise_hugepage(False)  # returns the current setting
-                raise RuntimeError("a failed build")
-        assert inside is False
-        assert mod._set_madvise_hugepage(True) is True  # restored
-    finally:
-        mod._set_madvise_hugepage(before)
+        prctl = ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):
+        pytest.skip("no prctl here (not Linux)")
+    before = prctl(42, 0, 0, 0, 0)  # PR_GET_THP_DISABLE
+    if before < 0:
+        pytest.skip("this kernel has no PR_GET_THP_DISABLE")
+    with pytest.raises(RuntimeError):
+        with no_transparent_hugepages() as ok:
+            inside = prctl(42, 0, 0, 0, 0)
+            raise RuntimeError("a failed build")
+    assert ok and inside == 1
+    assert prctl(42, 0, 0, 0, 0) == before

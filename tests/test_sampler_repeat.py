@@ -114,7 +114,7 @@ def test_roidb_factors_cached_and_flips_share_them(coco_roidb, d2_rfs):
     r = repeat_factors_for_roidb(roidb, 0.2)
     side = [f for f in os.listdir(roidb.path) if f.startswith("repeat_factors-")]
     assert len(side) == 1
-    rows = np.asarray(roidb._entry_img)
+    rows = np.asarray(roidb.entry_image_rows)
     for i in range(len(roidb)):  # a flipped entry has its original's factor
         assert r[i] == r[np.flatnonzero(rows == rows[i])].max()
     # Detectron2's function on dataset dicts of the roidb's images and kept annotations

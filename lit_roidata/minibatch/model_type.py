@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_roidata.config import blob_family  # noqa: F401 - re-exported (it lives below roidb)
+
 __all__ = ["MODEL_TYPES", "flags_for_model_type", "blob_family"]
 
 _OFF = {"MODEL.FASTER_RCNN": False, "MODEL.RPN_ONLY": False, "MODEL.MASK_ON": False,
@@ -77,30 +79,3 @@ def flags_for_model_type(model_type: str) -> dict[str, Any]:
     if name.endswith("_fpn"):
         flags.update(_fpn(base))
     return flags
-
-
-def blob_family(cfg: Any) -> str:
-    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: the one place the loader's blob
-    family is decided (Detectron semantics: configuration).
-
-    Detectron's precedence: RPN (``RPN.RPN_ON``, or ``MODEL.FASTER_RCNN`` /
-    ``MODEL.RPN_ONLY``, which imply it as Detectron's ``assert_and_infer_cfg`` does, so
-    a hand-edited config that was not re-inferred gives the same answer), else
-    RetinaNet (``RETINANET.RETINANET_ON``), else Fast R-CNN with precomputed proposals.
-    Mask and keypoint heads (``MODEL.MASK_ON`` / ``KEYPOINTS_ON``) and FPN change the
-    blobs inside a family, not the family. The minibatch builder
-    (:func:`lit_roidata.minibatch.get_minibatch`), the blob names
-    (:func:`lit_roidata.minibatch.get_minibatch_blob_names`) and the config check all
-    call this function.
-
-    Raises:
-        ValueError: RetinaNet without ``FPN.FPN_ON`` (Detectron asserts the same).
-    """
-    if cfg.RPN.RPN_ON or cfg.MODEL.FASTER_RCNN or cfg.MODEL.RPN_ONLY:
-        return "rpn"
-    if cfg.RETINANET.RETINANET_ON:
-        if not cfg.FPN.FPN_ON:
-            raise ValueError("RETINANET.RETINANET_ON needs FPN.FPN_ON: True (Detectron's "
-                             "RetinaNet is always built on FPN)")
-        return "retinanet"
-    return "fast_rcnn"

@@ -1,11 +1,4 @@
-"""The combined roidb: COCO / LVIS datasets + proposal files → a columnar, cached ``RoIDB``.
-
-Entry points: :func:`combined_roidb_for_training` (Detectron's training roidb, Detectron semantics:
-roidb building)
-and :func:`roidb_for_evaluation` (originals only, for validation/test). Both return a
-memory-mapped :class:`RoIDB` whose ``roidb[i]`` is a read-only mapping with Detectron's
-entry fields (docs/architecture.md, "A roidb entry").
-"""
+"""The combined roidb: COCO / LVIS datasets + proposal files → a columnar, cached ``RoIDB``."""
 
 from lit_roidata.roidb.build import (CATEGORY_POLICIES, combined_roidb_for_training,
                                      roidb_for_evaluation)

@@ -1,16 +1,4 @@
-"""``combined_roidb_for_training`` and ``roidb_for_evaluation``: inputs → cached ``RoIDB``.
-
-Order of operations is Detectron's (Detectron semantics: roidb building): per dataset, load + clean
-gt (Detectron semantics: ground-truth cleaning),
-merge proposals (Detectron semantics: proposals), class assignment (Detectron semantics: class
-assignment), flipped copies appended after the
-originals (Detectron semantics: flipping); datasets concatenated in order; ``filter_for_training``
-(Detectron semantics: filtering);
-regression targets (Detectron semantics: bounding-box regression targets, computed on access, see
-:mod:`.targets`). The result is
-written once to a cache directory keyed by the inputs' content and every option, and
-opened memory-mapped (:mod:`.cache`, :mod:`.columnar`).
-"""
+"""``combined_roidb_for_training`` and ``roidb_for_evaluation``: inputs → cached ``RoIDB``."""
 
 from __future__ import annotations
 
@@ -29,10 +17,12 @@ import numpy as np
 
 from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
-from lit_roidata.config import DetectronConfig, get_cfg
+from lit_roidata.config import DetectronConfig, blob_family, get_cfg
+from lit_roidata.osutil import no_transparent_hugepages
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
+from lit_roidata.roidb.decode import keep_decoded_until_exit
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
@@ -144,8 +134,6 @@ def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
     Raises:
         ValueError: every problem found, each with the setting to change.
     """
-    from lit_roidata.minibatch.model_type import blob_family
-
     t, problems = cfg.TRAIN, []
 
     def pos_int(v: Any) -> bool:
@@ -292,9 +280,7 @@ def _in_child(fn, *args):
     pid = os.fork()
     if pid == 0:  # child
         code = 0
-        from lit_roidata.roidb import decode
-
-        decode._KEEP = True  # freed by os._exit, not object by object
+        keep_decoded_until_exit()
         try:
             os.close(r)
             try:
@@ -336,30 +322,8 @@ def _gc_paused():
             gc.enable()
 
 
-@contextlib.contextmanager
-def _no_hugepages():
-    """NumPy asks the kernel for transparent huge pages on every large array; on a
-    loaded machine with fragmented memory each such fault may wait for compaction (about
-    a third of a cold build's CPU time in our measurements). The build's arrays are
-    short-lived, so it asks for none (NumPy's ``NUMPY_MADVISE_HUGEPAGE=0`` switch, set and
-    restored around the build only)."""
-    try:
-        from numpy._core.multiarray import _set_madvise_hugepage
-    except ImportError:
-        try:  # NumPy 1.x
-            from numpy.core.multiarray import _set_madvise_hugepage
-        except ImportError:  # another NumPy layout: keep its default
-            yield
-            return
-    was = _set_madvise_hugepage(False)
-    try:
-        yield
-    finally:
-        _set_madvise_hugepage(was)
-
-
 def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
-    with _gc_paused(), _no_hugepages():
+    with _gc_paused(), no_transparent_hugepages():
         return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
 
 
@@ -508,19 +472,9 @@ def _cat(arrays: list) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
-def _prop_arrays(props: list, written: dict) -> dict:
-    """The four proposal columns: those written in place (``written``), else the tables'
-    arrays concatenated (int32 class / gt-index columns, as before narrow dtypes)."""
-    if written:
-        return dict(written)
-    return {
-        "prop_boxes": _cat([p.boxes for p in props]).reshape(-1, 4).astype(np.float32,
-                                                                          copy=False),
-        "prop_max_overlaps": _cat([p.max_overlaps for p in props]).astype(np.float32,
-                                                                         copy=False),
-        "prop_max_classes": _cat([p.max_classes for p in props]).astype(np.int32, copy=False),
-        "prop_gt_map": _cat([p.gt_map for p in props]).astype(np.int32, copy=False),
-    }
+#: the proposal columns of a roidb without proposal files (int32, as before narrow dtypes)
+_NO_PROPOSALS = {"prop_boxes": ((0, 4), np.float32), "prop_max_overlaps": (0, np.float32),
+                 "prop_max_classes": (0, np.int32), "prop_gt_map": (0, np.int32)}
 
 
 def _combine(specs, tables, props, options, written=None,
@@ -564,7 +518,7 @@ def _combine(specs, tables, props, options, written=None,
         "img_gt_off": concat_offsets([t.gt_off for t in tables]),
         "img_prop_off": concat_offsets([p.off for p in props]),
         "gt_keypoints": cat(kps),
-        **_prop_arrays(props, written or {}),
+        **(written or {k: np.zeros(*v) for k, v in _NO_PROPOSALS.items()}),
     }
     if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
         rest.update(_image_list_columns(tables))
@@ -641,11 +595,7 @@ def _image_list_columns(tables) -> dict[str, np.ndarray]:
 
 
 def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:
-    """No trainable entry left: a named error at build, by dataset and reason.
-
-    A dataset emptied while others still have entries is returned as a warning (kept in
-    the report and logged by the caller; the roidb remains trainable, as in Detectron).
-    """
+    """No trainable entry left: a named error at build, by dataset and reason."""
     ds = a["img_dataset"][e_img]
     msgs = []
     for k, (spec, t) in enumerate(zip(specs, tables)):

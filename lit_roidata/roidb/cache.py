@@ -1,45 +1,30 @@
-"""The on-disk roidb cache: content keys, atomic writes, validation, one builder at a time.
-
-* **Key.** ``sha256`` of the input fingerprints (path, size, mtime, xxh3 or BLAKE2b of
-  the content, as ``"<algo>:<hex>"``) and every option that changes the result. Content hashes are memoised per
-  ``(path, size, mtime_ns, ctime_ns, inode)`` in ``<cache>/.fingerprints`` so a warm open
-  does not re-read multi-GB files; ``ctime`` cannot be set by users, so a file replaced
-  with a preserved mtime is still re-hashed.
-* **Atomic and durable.** A cache is built in ``<cache>/.tmp-*``, every file is fsynced,
-  and the directory is renamed to ``roidb-<key>`` only when complete; ``manifest.json``
-  (written last) records every array's size. (Fsync also means freshly built pages are
-  clean in the page cache, so workers mapping them share them instead of showing them
-  as private dirty memory.)
-* **Validated.** Opening checks the manifest, each file's size and its ``.npy`` header
-  (dtype and shape as recorded); a damaged or truncated cache is removed (with a warning
-  naming the file) and rebuilt, never used.
-* **Checksummed.** The manifest keeps a 128-bit digest of every array file (xxh3 when
-  ``xxhash`` is installed, else BLAKE2b), computed at build. The digests are verified (a full read) on the first open after each boot, which
-  is when a power loss shows, on request (``verify=True``, ``lit-roidata cache verify``),
-  never on the other opens, which stay cheap. A ``verified`` stamp holds the boot id.
-* **One builder.** A ``filelock`` per key: the first process builds, the others wait and
-  then open the result (DDP ranks, several nodes on a shared filesystem).
-"""
+"""The on-disk roidb cache: content keys, atomic writes, validation, one builder at a time."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
+import math
 import io
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 from filelock import FileLock, Timeout
 
+from lit_roidata.osutil import atomic_write
+
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "default_cache_dir", "file_fingerprint", "cache_key",
-           "write_arrays", "ArrayWriter", "npy_data_offset", "start_writeback",
-           "validate_cache", "verify_checksums", "get_or_build", "CacheError",
+           "write_arrays", "ArrayWriter", "npy_data_offset", "npy_header", "read_npy_header",
+           "pwrite_all", "hasher", "default_algo", "file_digest", "validate_cache",
+           "verify_checksums", "get_or_build", "remove_cache", "CacheError", "DiskFullError",
            "hold_in_use", "in_use", "LAST_USED"]
 
 logger = logging.getLogger(__name__)
@@ -67,16 +52,13 @@ def default_cache_dir() -> str:
 def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     """``{path, size, mtime_ns, digest}`` of ``path``, with the hash memoised by stat.
 
-    The digest is ``"<algo>:<hex>"`` (xxh3_128 when ``xxhash`` is installed, several GB/s,
-    else BLAKE2b): a cold build hashes every input file once, proposal files are GBs.
-
     Raises:
         FileNotFoundError: ``path`` does not exist.
     """
     path = os.path.abspath(path)
     st = os.stat(path)
     stat_key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-    algo = _default_algo()
+    algo = default_algo()
     memo_dir = os.path.join(cache_root, ".fingerprints")
     memo = os.path.join(memo_dir, hashlib.sha1(path.encode()).hexdigest() + ".json")
     try:
@@ -91,7 +73,8 @@ def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     digest = f"{algo}:{file_digest(path, algo)}"
     try:  # best effort: a read-only cache directory just means re-hashing next time
         os.makedirs(memo_dir, exist_ok=True)
-        _atomic_write_text(memo, json.dumps({"path": path, "stat": stat_key, "digest": digest}))
+        with atomic_write(memo, "w", encoding="utf-8") as fh:
+            json.dump({"path": path, "stat": stat_key, "digest": digest}, fh)
     except OSError as exc:
         logger.debug("cannot memoise the hash of %s: %s", path, exc)
     return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
@@ -103,25 +86,8 @@ def cache_key(doc: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, dict]:
-    """Save each array as ``<name>.npy``; returns the manifest entries (sizes, shapes).
-
-    See :class:`ArrayWriter`, which this uses.
-    """
+    """Save each array as ``<name>.npy`` (:class:`ArrayWriter`); the manifest entries."""
     writer = ArrayWriter(directory)
     try:
         for name, arr in arrays.items():
@@ -132,26 +98,51 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
     return writer.finish()
 
 
+class DiskFullError(OSError, CacheError):
+    """A cache build or proposal column write ran out of disk space (``ENOSPC``/``EDQUOT``);
+    the message names the folder, the bytes needed and the bytes free."""
+
+
+def disk_full_error(folder: str, needed: int, exc: OSError, *,
+                    scratch: bool = False) -> DiskFullError:
+    """The :class:`DiskFullError` for ``exc`` while writing about ``needed`` bytes in
+    ``folder`` (``scratch``: a temporary folder, not the cache)."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = -1
+    fix = ("set TMPDIR to a folder on a larger disk" if scratch else "point the cache "
+           "elsewhere (sources.cache_dir of the data module, cache_dir= of the roidb "
+           "functions, or $LIT_ROIDATA_CACHE)")
+    err = DiskFullError(exc.errno, (
+        f"{'quota exceeded' if exc.errno == errno.EDQUOT else 'no space left'} on the disk "
+        f"of the {'scratch' if scratch else 'roidb cache'} folder {folder}: the build needs "
+        f"at least {needed} bytes ({needed / 2**20:.1f} MiB) and {free} bytes "
+        f"({free / 2**20:.1f} MiB) are free there. Free space on that disk, or {fix}."))
+    err.folder, err.needed, err.free = folder, needed, free
+    return err
+
+
+def _disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and not isinstance(exc, DiskFullError) and \
+        exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 class ArrayWriter:
-    """Writes arrays as ``<name>.npy`` files of a cache directory, in the background.
+    """Writes ``.npy`` files of a folder in the background: the one writer of the cache's
+    arrays and of the proposal columns."""
 
-    :meth:`add` computes the file's checksum from the array in memory (the ``.npy``
-    header, then the array's bytes; nothing is read back) and queues its bytes, which a
-    few threads write in blocks while the caller goes on (the kernel's page-cache work,
-    which dominates writing on some machines, then runs beside the build on other
-    CPUs). Blocks that are all zeros are not written but left as holes of the file,
-    which read back as zeros (e.g. the polygon offsets of a box-only dataset).
-    :meth:`finish` waits, fsyncs every file and returns the manifest entries.
-    """
-
-    def __init__(self, directory: str, threads: int = 0) -> None:
-        self.directory = directory
-        self.algo = _default_algo()
+    def __init__(self, directory: Optional[str], threads: int = 0, *, durable: bool = True,
+                 max_pending: int = 0) -> None:
+        self.directory = directory if directory is not None else tempfile.gettempdir()
+        self.durable, self.max_pending = durable, max_pending
+        self.threads = threads or _WRITE_THREADS
+        self.algo = default_algo()
         self.records: dict[str, dict] = {}
+        self.needed = 0  # bytes handed over so far (the disk-full error's estimate)
         self._fds: list = []
-        self._pool = ThreadPoolExecutor(threads or _WRITE_THREADS,
-                                        thread_name_prefix="lit-roidata-write")
-        self._futures: list = []
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._futures: deque = deque()
 
     def add(self, name: str, arr: np.ndarray) -> None:
         """Queue ``arr`` for ``<name>.npy`` (it must not change until :meth:`finish`)."""
@@ -159,42 +150,92 @@ class ArrayWriter:
         fd = os.open(os.path.join(self.directory, name + ".npy"),
                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._fds.append(fd)
-        header = _npy_header(arr)
+        header = npy_header(arr.dtype, arr.shape)
         body = memoryview(arr.reshape(-1)).cast("B")
-        h = _hasher(self.algo)
+        h = hasher(self.algo)
         h.update(header)
         h.update(body)
         size = len(header) + body.nbytes
-        os.ftruncate(fd, size)
-        blocks = [(fd, 0, header)]
+        self._guard(os.ftruncate, fd, size)
+        self.write(fd, 0, header)
         for off in range(0, body.nbytes, _WRITE_BLOCK):
             blk = body[off:off + _WRITE_BLOCK]
             if np.frombuffer(blk, np.uint8).any():
-                blocks.append((fd, len(header) + off, blk))
-        self._futures += [self._pool.submit(_pwrite_all, *b) for b in blocks]
-        self.records[name] = {"file": name + ".npy", "bytes": size, "dtype": arr.dtype.str,
-                              "shape": list(arr.shape),
-                              "checksum": f"{self.algo}:{h.hexdigest()}"}
+                self.write(fd, len(header) + off, blk)
+        self._record(name, size, arr.dtype, list(arr.shape), h)
 
-    def finish(self) -> dict[str, dict]:
-        """Wait for every write, fsync the files; the manifest entries by name."""
+    def write(self, fd: int, offset: int, data: Any) -> None:
+        """Queue ``data`` for ``offset`` of ``fd`` (waits while ``max_pending`` are queued)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lit-roidata-write")
+        self.needed += memoryview(data).nbytes
+        self._futures.append(self._pool.submit(pwrite_all, fd, offset, data, self.durable))
+        while self.max_pending and len(self._futures) > self.max_pending:
+            self._guard(self._futures.popleft().result)
+
+    def seal(self, name: str, fd: int, dtype: np.dtype, shape: tuple, pad_to: int) -> None:
+        """Write the header of the column in ``fd`` (``pad_to`` bytes reserved) and
+        checksum the file by reading it back (after the queued writes)."""
+        self.wait()
+        header = npy_header(dtype, shape, pad_to=pad_to)
+        self._guard(pwrite_all, fd, 0, header, False)
+        size = len(header) + np.dtype(dtype).itemsize * math.prod(shape)
+        h = hasher(self.algo)
+        buf = bytearray(_HASH_BLOCK)
+        view, pos = memoryview(buf), 0
+        while pos < size:
+            got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
+            if got <= 0:
+                raise OSError(f"short read while checksumming {name}.npy ({pos} of {size})")
+            h.update(view[:got])
+            pos += got
+        self._record(name, size, np.dtype(dtype), list(shape), h)
+
+    def _record(self, name: str, size: int, dtype: np.dtype, shape: list, h: Any) -> None:
+        self.records[name] = {"file": name + ".npy", "bytes": size, "dtype": dtype.str,
+                              "shape": shape, "checksum": f"{self.algo}:{h.hexdigest()}"}
+
+    def _guard(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)``, a full disk raised as :class:`DiskFullError`."""
         try:
-            for f in self._futures:
-                f.result()
-            for fd in self._fds:
-                os.fsync(fd)  # durable before the rename that publishes the cache
+            return fn(*args)
+        except OSError as exc:
+            if _disk_full(exc):
+                raise disk_full_error(self.directory, self.needed, exc,
+                                      scratch=not self.durable) from None
+            raise
+
+    def wait(self) -> None:
+        """Wait for the queued writes and stop the threads (they start again with the
+        next write), e.g. before forking."""
+        while self._futures:
+            self._guard(self._futures.popleft().result)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def finish(self, fds: Sequence[int] = ()) -> dict[str, dict]:
+        """Wait for every write, fsync the files (also ``fds``); the manifest entries."""
+        try:
+            self.wait()
+            if self.durable:
+                for fd in (*self._fds, *fds):
+                    self._guard(os.fsync, fd)  # durable before the rename that publishes
         finally:
             self.close()
         return self.records
 
     def close(self) -> None:
-        """Stop (writes not started are dropped) and close the files."""
+        """Stop (writes not started are dropped) and close the files :meth:`add` opened."""
         for f in self._futures:
             f.cancel()
-        self._pool.shutdown(wait=True)
+        self._futures.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for fd in self._fds:
             os.close(fd)
-        self._fds, self._futures = [], []
+        self._fds = []
 
 
 #: bytes per write (and per all-zero check); threads writing them
@@ -202,45 +243,52 @@ _WRITE_BLOCK = 8 << 20
 _WRITE_THREADS = 4
 
 
-def _pwrite_all(fd: int, offset: int, data: Any, writeback: bool = True) -> None:
-    """Write all of ``data`` at ``offset`` of ``fd``, and (``writeback``) have the kernel
-    start writing it to disk (the final fsync then has little left to wait for)."""
+def pwrite_all(fd: int, offset: int, data: Any, writeback: bool = True) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd``; with ``writeback`` have the kernel
+    start writing it to disk (``sync_file_range``; the final fsync then waits less)."""
     view = memoryview(data).cast("B")
     start, size = offset, view.nbytes
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-    if writeback:
-        start_writeback(fd, start, size)
-
-
-def start_writeback(fd: int, offset: int, size: int) -> None:
-    """Ask the kernel to start writing ``[offset, offset + size)`` of ``fd`` to disk now
-    (``sync_file_range``; nothing where it is not available). Durability still comes
-    from the fsync; this only overlaps the disk's work with the build's."""
-    if _SYNC_FILE_RANGE and size:
+    if writeback and size and hasattr(os, "sync_file_range"):
         try:
-            os.sync_file_range(fd, offset, size, os.SYNC_FILE_RANGE_WRITE)
+            os.sync_file_range(fd, start, size, os.SYNC_FILE_RANGE_WRITE)
         except OSError:
             pass
 
 
-_SYNC_FILE_RANGE = hasattr(os, "sync_file_range")
-
-
-def _npy_header(arr: np.ndarray) -> bytes:
-    """The ``.npy`` header ``np.save`` would write before ``arr``'s bytes."""
+def npy_header(dtype: Any, shape: tuple, pad_to: int = 0) -> bytes:
+    """The ``.npy`` header ``np.save`` writes for a C-order ``dtype``/``shape`` array
+    (version 1.0, else 2.0), padded with spaces to ``pad_to`` bytes (1.0 only)."""
     buf = io.BytesIO()
-    meta = np.lib.format.header_data_from_array_1_0(arr)
+    meta = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+            "shape": tuple(int(s) for s in shape)}
     try:
         np.lib.format.write_array_header_1_0(buf, meta)
     except ValueError:  # a header over 64 KiB
         buf = io.BytesIO()
         np.lib.format.write_array_header_2_0(buf, meta)
-    return buf.getvalue()
+    head = buf.getvalue()
+    if pad_to > len(head) and head[6] == 1:
+        body = head[10:-1] + b" " * (pad_to - len(head)) + b"\n"
+        head = head[:8] + len(body).to_bytes(2, "little") + body
+    return head
 
 
-def _hasher(algo: str) -> Any:
+def read_npy_header(fh: BinaryIO) -> tuple[tuple, bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` of the ``.npy`` header at ``fh``'s position
+    (NumPy's public readers; a 3.0 header is read as 2.0, the same layout)."""
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(fh)
+    if version in ((2, 0), (3, 0)):
+        return np.lib.format.read_array_header_2_0(fh)
+    raise ValueError(f"unsupported .npy format version {version}")
+
+
+def hasher(algo: str) -> Any:
+    """A new 128-bit hasher for ``algo`` (``xxh3_128`` or ``blake2b``)."""
     if algo == "xxh3_128":
         import xxhash
 
@@ -250,7 +298,7 @@ def _hasher(algo: str) -> Any:
     raise CacheError(f"unknown checksum algorithm {algo!r}")
 
 
-def _default_algo() -> str:
+def default_algo() -> str:
     """``xxh3_128`` (several GB/s) when ``xxhash`` is installed, else BLAKE2b."""
     try:
         import xxhash  # noqa: F401
@@ -262,7 +310,7 @@ def _default_algo() -> str:
 
 def file_digest(path: str, algo: str = "blake2b") -> str:
     """128-bit digest (``xxh3_128`` or ``blake2b``) of a file's bytes, in 4 MiB blocks."""
-    h = _hasher(algo)
+    h = hasher(algo)
     with open(path, "rb", buffering=0) as fh:
         buf = bytearray(_HASH_BLOCK)
         view = memoryview(buf)
@@ -313,11 +361,7 @@ _HEADER_PEEK = 4096
 @functools.lru_cache(maxsize=256)
 def _header_text(dtype: str, shape: tuple) -> bytes:
     """The header dictionary NumPy writes for ``dtype``/``shape`` (no padding)."""
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {
-        "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
-        "shape": tuple(int(x) for x in shape)})
-    return buf.getvalue()[10:].rstrip(b" \n")
+    return npy_header(dtype, shape)[10:].rstrip(b" \n")
 
 
 def _check_header(path: str, rec: dict) -> None:
@@ -327,14 +371,7 @@ def _check_header(path: str, rec: dict) -> None:
         return
     try:
         with open(fn, "rb") as fh:
-            version = np.lib.format.read_magic(fh)
-            if version == (1, 0):
-                shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
-            elif version == (2, 0):
-                shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
-            else:
-                arr = np.load(fn, mmap_mode="r", allow_pickle=False)
-                shape, dtype = arr.shape, arr.dtype
+            shape, _, dtype = read_npy_header(fh)
     except (OSError, ValueError) as exc:
         raise CacheError(f"{path}: array file {rec['file']} has a damaged header ({exc})") \
             from None
@@ -367,7 +404,8 @@ def verify_checksums(path: str, manifest: Optional[dict] = None) -> None:
                              f"differs from the manifest's; e.g. zero-filled by a power loss)")
     for stamp in _stamps(path):  # in the cache, or (read-only cache) in the temp dir
         try:
-            _atomic_write_text(stamp, _boot_id())
+            with atomic_write(stamp, "w", encoding="ascii") as fh:
+                fh.write(_boot_id())
             break
         except OSError:
             continue
@@ -522,25 +560,38 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
             return final, manifest, False
         if os.path.exists(final):
             logger.warning("removing damaged or outdated roidb cache %s", final)
-            _remove(final)
+            remove_cache(final)
         tmp = tempfile.mkdtemp(dir=cache_root, prefix=f".tmp-roidb-{key}-")
         try:
-            manifest = dict(build(tmp))
-            manifest["format"] = FORMAT_VERSION
-            manifest["key"] = key
-            _atomic_write_text(os.path.join(tmp, MANIFEST),
-                               json.dumps(manifest, indent=1, default=str))
-            _atomic_write_text(os.path.join(tmp, VERIFIED), _boot_id())  # digests of this build
+            manifest = dict(build(tmp), format=FORMAT_VERSION, key=key)
+            with atomic_write(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as fh:
+                json.dump(manifest, fh, indent=1, default=str)
+            with atomic_write(os.path.join(tmp, VERIFIED), "w", encoding="ascii") as fh:
+                fh.write(_boot_id())  # the digests are this build's
             touch_last_used(tmp)
             _fsync_dir(tmp)
             os.rename(tmp, final)
             _fsync_dir(cache_root)
-        except BaseException:
+        except BaseException as exc:
+            needed = _logical_size(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, DiskFullError) and getattr(exc, "folder", tmp) != tmp:
+                raise  # another disk (a scratch folder) filled up
+            if isinstance(exc, DiskFullError) or _disk_full(exc):  # named, after the cleanup
+                raise disk_full_error(cache_root, max(needed, getattr(exc, "needed", 0)),
+                                      exc) from None  # type: ignore[arg-type]
             raise
         return final, validate_cache(final), True
     finally:
         lock.release()
+
+
+def _logical_size(folder: str) -> int:
+    """Bytes of the files in ``folder`` (holes included: what a build had sized)."""
+    try:
+        return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+    except OSError:
+        return 0
 
 
 def _fsync_dir(path: str) -> None:
@@ -569,8 +620,9 @@ def _try_open(path: str, verify: Optional[bool] = None) -> Optional[dict]:
         return None
 
 
-def _remove(path: str) -> None:
-    # Rename first so that a reader never sees a half-deleted directory.
+def remove_cache(path: str) -> None:
+    """Remove the cache folder ``path``, renamed away first so that a reader never sees a
+    half-deleted folder."""
     trash = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=".trash-")
     os.rename(path, os.path.join(trash, "old"))
     shutil.rmtree(trash, ignore_errors=True)

@@ -1,18 +1,9 @@
 """COCO JSON → columnar ground-truth table, with Detectron's cleaning rules (Detectron semantics:
 datasets and catalog; ground-truth cleaning).
-
-The file is decoded by :mod:`lit_roidata.roidb.decode` (a typed msgspec decoder that
-reads only the fields the roidb needs, with an orjson fallback that names any malformed
-record); every per-annotation rule below is a vectorised NumPy expression over whole
-columns. Values Detectron would drop are dropped and counted by reason; malformed values
-raise :class:`RoIDBInputError` naming the file, the annotation and image ids and the fix
-(the field policy is tabled in ``docs/roidb.md``). Detectron goes through
-``pycocotools.COCO``, whose index building alone costs more than our whole build.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -22,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from lit_roidata.osutil import malloc_trim
 from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, WINDOW_BYTES, RawCoco
 from lit_roidata.roidb.decode import WindowMapper, decode_generic, decode_window, iter_coco
 from lit_roidata.roidb.decode import read_json
@@ -125,11 +117,6 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
     """Load one COCO annotation file into a :class:`GtTable` (Detectron semantics: datasets and
     catalog; ground-truth cleaning).
 
-    The file is decoded and cleaned window by window (:func:`lit_roidata.roidb.decode.iter_coco`):
-    memory holds one window's objects and the kept rows' output columns, never the
-    whole file's (when ``images`` precedes ``annotations`` in the file, as in COCO,
-    LVIS and Objects365; otherwise the annotation windows wait, decoded, for the images).
-
     Args:
         path: the annotation JSON.
         name: the dataset's catalog name.
@@ -209,12 +196,7 @@ _COUNT_KEYS = ("annotation_unknown_image", "gt_min_area", "ignore", "non_finite_
 
 
 class _GtBuilder:
-    """Images, then annotation windows, cleaned into kept-row columns; then the table.
-
-    Every rule is per annotation, so cleaning window by window gives the whole file's
-    rows; only the kept rows (file order) are held, in their output dtypes. Checks that
-    need the categories (class ids, keypoints) run in :meth:`finish`.
-    """
+    """Images, then annotation windows, cleaned into kept-row columns; then the table."""
 
     def __init__(self, path: str, gt_min_area: float, keypoints_required: bool) -> None:
         self.path, self.gt_min_area, self.required = path, gt_min_area, keypoints_required
@@ -291,7 +273,7 @@ class _GtBuilder:
     def finish(self, info: DatasetInfo, categories: list) -> GtTable:
         """The table: kept rows ordered by image, class ids, segms and keypoints."""
         self.images_end()
-        _trim_heap()
+        malloc_trim()  # the windows' freed objects: their heap pages back to the system
         path, parts, ids, counts = self.path, self.parts, self.ids, self.counts
         n = len(ids)
         if counts["annotation_unknown_image"]:
@@ -308,37 +290,24 @@ class _GtBuilder:
             krow = _cat([np.where(p["krow"] >= 0, p["krow"] + b, -1)
                          for p, b in zip(parts, kbase)], np.int64)
             kraw = RawCoco(
-                source=path, categories=categories, img_id=ids[:0], img_w=np.zeros(0),
-                img_h=np.zeros(0), file_names=[], ann_id=col("k_id", np.int64),
+                source=path, categories=categories, ann_id=col("k_id", np.int64),
                 ann_img=col("k_img", np.int64), ann_cat=col("k_cat", np.int64),
-                ann_bbox=np.zeros((0, 4)), ann_area=np.zeros(0),
-                ann_crowd=np.zeros(0, np.int64), ann_ignore=np.zeros(0),
-                seg_kind=np.zeros(0, np.int8), poly_n=np.zeros(0, np.int64),
-                coord_n=np.zeros(0, np.int64), coords=np.zeros(0),
                 kp_len=col("k_len", np.int64), kp_vals=col("k_vals", np.float64),
                 ann_pos=col("k_pos", np.int64))
             kp_table = _check_keypoints(kraw, np.ones(kraw.ann_id.size, bool), info,
                                         self.required)
         pos = col("pos", np.int64)
-        if pos.size < 2 or bool((pos[1:] >= pos[:-1]).all()):
-            # annotations grouped by image in image order (many exports): no reordering
-            order, pos_o = np.arange(pos.size), pos
+        # annotations grouped by image in image order (many exports): no reordering
+        grouped = pos.size < 2 or bool((pos[1:] >= pos[:-1]).all())
+        order = np.arange(pos.size) if grouped else np.argsort(pos, kind="stable")
+        pos_o = pos if grouped else pos[order]
 
-            def by_image(a: np.ndarray) -> np.ndarray:
-                return a
-        else:
-            order = np.argsort(pos, kind="stable")
-            pos_o = pos[order]
-
-            def by_image(a: np.ndarray) -> np.ndarray:
-                return a[order]
+        def by_image(a: np.ndarray) -> np.ndarray:
+            return a if grouped else a[order]
         gt_off = offsets(np.bincount(pos_o, minlength=n))
         kept = RawCoco(
-            source=path, categories=categories, img_id=ids[:0], img_w=np.zeros(0),
-            img_h=np.zeros(0), file_names=[], ann_id=col("ann_id", np.int64),
+            source=path, categories=categories, ann_id=col("ann_id", np.int64),
             ann_img=_ImageOf(ids, pos), ann_cat=col("cat", np.int64),  # type: ignore[arg-type]
-            ann_bbox=np.zeros((0, 4)), ann_area=np.zeros(0),
-            ann_crowd=np.zeros(0, np.int64), ann_ignore=np.zeros(0),
             seg_kind=col("seg_kind", np.int8), poly_n=col("poly_n", np.int64),
             coord_n=col("coord_n", np.int64), coords=col("coords", np.float64),
             ann_pos=col("gpos", np.int64))
@@ -481,12 +450,6 @@ class ParallelWindows(WindowMapper):
     """Decodes and cleans windows of a COCO file in forked worker processes
     (:class:`lit_roidata.roidb.workers.OrderedWorkers`), for :func:`iter_coco`.
 
-    ``images`` windows come back as image columns; ``annotations`` windows, once
-    :meth:`set_index` has given the workers the sorted image ids and sizes, come back
-    cleaned (:func:`clean_window`). Any window a worker cannot do cleanly (the typed
-    decoder refuses it, a malformed record) is refused, and the in-process decode then
-    takes over with its exact errors.
-
     Args:
         path: the annotation file (each worker maps it).
         n: worker processes.
@@ -556,16 +519,6 @@ class _ImageOf:
 
     def __getitem__(self, i: int) -> Any:
         return self.ids[self.pos[i]]
-
-
-def _trim_heap() -> None:
-    """Give the heap pages the windows' freed objects left back to the system (glibc's
-    ``malloc_trim``; elsewhere nothing): the table's large arrays are mapped afresh, so
-    those pages would only count in the build's RSS."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _narrow(a: np.ndarray) -> np.ndarray:

@@ -70,11 +70,7 @@ def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray
 
 
 def _load(path: str, rec: dict) -> np.ndarray:
-    """Memory-map one array file of a cache (never unpickles); errors name the file.
-
-    ``rec`` is its manifest entry: a file whose header says exactly its dtype and shape
-    (:func:`lit_roidata.roidb.cache.npy_data_offset`, every file this version writes) is
-    mapped at its data without parsing the header."""
+    """Memory-map one array file of a cache (never unpickles); errors name the file."""
     fn = os.path.join(path, rec["file"])
     try:
         offset = npy_data_offset(fn, rec)
@@ -120,7 +116,7 @@ class RoIDB:
         self._targets_cfg = (float(t["bbox_thresh"]), bool(t["cls_agnostic"]),
                              tuple(float(w) for w in t["weights"]))
         a = self._a
-        self._entry_img = np.asarray(a["entry_img"], np.int64)
+        self._entry_img = _ro(np.asarray(a["entry_img"], np.int64))
         self.flipped: np.ndarray = _ro(np.asarray(a["entry_flipped"], bool))
         self._segms = SegmColumns.from_arrays(a)
         self._has_props = a["prop_boxes"].shape[0] > 0
@@ -145,6 +141,24 @@ class RoIDB:
     def ids(self) -> np.ndarray:
         """Image id of every entry (read-only)."""
         return _ro(np.asarray(self._a["img_id"])[self._entry_img])
+
+    @property
+    def entry_image_rows(self) -> np.ndarray:
+        """The image-table row of every entry (read-only int64, ``len(self)``); an
+        original and its flipped copy share it."""
+        return self._entry_img
+
+    def column(self, name: str) -> np.ndarray:
+        """The cache column ``name`` (read-only), e.g. ``img_gt_off`` or ``gt_classes``
+        (the layout is in the module doc).
+
+        Raises:
+            KeyError: no such column (the message lists them).
+        """
+        try:
+            return self._a[name]
+        except KeyError:
+            raise KeyError(f"no roidb column {name!r}; columns: {sorted(self._a)}") from None
 
     # ------------------------------------------------------------------ sequence
     def __len__(self) -> int:

@@ -19,6 +19,7 @@ RLE sizes, keypoint ranges, ...) are checked afterwards on the columns, by
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import re
@@ -45,6 +46,10 @@ SEG_MISSING, SEG_POLY, SEG_RLE = 0, 1, 2
 _REQUIRED = object()
 
 
+def _empty(dtype: Any, shape: tuple = (0,)) -> Any:
+    return field(default_factory=lambda: np.zeros(shape, dtype))
+
+
 @dataclass
 class RawCoco:
     """One COCO file's roidb fields as columns, images and annotations in JSON order.
@@ -69,25 +74,25 @@ class RawCoco:
     """
 
     source: str
-    categories: list
-    img_id: np.ndarray
-    img_w: np.ndarray
-    img_h: np.ndarray
-    file_names: list
-    ann_id: np.ndarray
-    ann_img: np.ndarray
-    ann_cat: np.ndarray
-    ann_bbox: np.ndarray
-    ann_area: np.ndarray
-    ann_crowd: np.ndarray
-    ann_ignore: np.ndarray
-    seg_kind: np.ndarray
-    poly_n: np.ndarray
-    coord_n: np.ndarray
-    coords: np.ndarray
+    categories: list = field(default_factory=list)
+    img_id: np.ndarray = _empty(np.int64)
+    img_w: np.ndarray = _empty(np.float64)
+    img_h: np.ndarray = _empty(np.float64)
+    file_names: list = field(default_factory=list)
+    ann_id: np.ndarray = _empty(np.int64)
+    ann_img: np.ndarray = _empty(np.int64)
+    ann_cat: np.ndarray = _empty(np.int64)
+    ann_bbox: np.ndarray = _empty(np.float64, (0, 4))
+    ann_area: np.ndarray = _empty(np.float64)
+    ann_crowd: np.ndarray = _empty(np.int64)
+    ann_ignore: np.ndarray = _empty(np.float64)
+    seg_kind: np.ndarray = _empty(np.int8)
+    poly_n: np.ndarray = _empty(np.int64)
+    coord_n: np.ndarray = _empty(np.int64)
+    coords: np.ndarray = _empty(np.float64)
     rles: dict = field(default_factory=dict)
-    kp_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    kp_vals: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    kp_len: np.ndarray = _empty(np.int64)
+    kp_vals: np.ndarray = _empty(np.float64)
     decoder: str = "generic"
     #: JSON position of annotation 0 (a window of a file), or of each (``ann_pos``)
     ann_base: int = 0
@@ -186,10 +191,16 @@ class _LvisTop(msgspec.Struct):
 _LVIS_DECODER = msgspec.json.Decoder(_LvisTop)
 _EMPTY: tuple = ()
 
-#: Set in the forked builder process (:func:`lit_roidata.roidb.build._in_child`): the
-#: decoded objects are kept until ``os._exit`` instead of being freed one by one.
+#: Decoded objects kept until ``os._exit`` (:func:`keep_decoded_until_exit`).
 KEEP_UNTIL_EXIT: list = []
 _KEEP = False
+
+
+def keep_decoded_until_exit() -> None:
+    """Keep decoded objects until the process ends instead of freeing them one by one
+    (the forked builder process, which ends with ``os._exit``)."""
+    global _KEEP
+    _KEEP = True
 
 
 #: the element types the typed decoder gave polygon coordinates and keypoint values:
@@ -200,16 +211,7 @@ _SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
 
 
 def decode_fast(raw: bytes, source: str, *, lvis: bool = False) -> Optional[RawCoco]:
-    """The typed msgspec decode of a whole file; ``None`` if it is not strictly well-typed.
-
-    Only the fields the roidb reads are decoded (``coco_url``, ``num_keypoints`` and the
-    like are skipped by msgspec without building objects, and annotations become
-    slotted structs instead of dicts). Polygons and keypoints stay JSON text
-    (:class:`msgspec.Raw`) and their numbers go straight into arrays
-    (:func:`lit_roidata.roidb.numtext.parse_number_lists`), exactly the values msgspec
-    would give, without a Python object per number. :func:`decode_coco` decodes the
-    same way, window by window (:func:`decode_chunked`).
-    """
+    """The typed msgspec decode of a whole file; ``None`` if it is not strictly well-typed."""
     try:
         top = (_LVIS_DECODER if lvis else _DECODER).decode(raw)
         cats = orjson.loads(bytes(top.categories)) or []
@@ -312,10 +314,6 @@ def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTE
     """Decode ``path`` window by window (:func:`decode_chunked`), or, with ``fast=False``,
     whole with the generic decoder.
 
-    ``lvis=True`` also reads LVIS's image fields (``coco_url``, ``neg_category_ids``,
-    ``not_exhaustive_category_ids``) and lets ``file_name`` be absent (LVIS v1). An LVIS
-    file is decoded whole (typed, else generic), not in windows.
-
     Raises:
         RoIDBInputError: a malformed file or record (named, with the fix).
     """
@@ -334,17 +332,6 @@ def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
     """The columns of ``path``, decoded in bounded windows of its ``images`` and
     ``annotations`` arrays; identical to the whole-file decoders' for any window size.
 
-    The file is memory-mapped, never read whole. The top-level object is walked key by
-    key; each array is cut into runs of whole elements of about ``window_bytes``: a cut
-    is proposed after a ``}`` followed by ``,`` and accepted when the typed decoder
-    decodes the run as a list (a run that starts at an element and decodes completely
-    must end at an element boundary: JSON tokenizes the same from any value's start). A
-    run that does not decode (a wrong cut, a value of the wrong type, a syntax error) is
-    cut exactly by a structural scan (strings, escapes and nesting tracked with NumPy)
-    and decoded again, falling back to the generic decoder, whose error names the file
-    and the record (its position counted from the start of the file). Memory: one
-    window's Python objects plus the output columns.
-
     Raises:
         RoIDBInputError: malformed JSON (file, line, column, byte) or a malformed record.
     """
@@ -361,11 +348,6 @@ def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES,
     :func:`decode_chunked`): ``("images", columns, first)``, ``("images_end", count)``,
     ``("annotations", window, first)`` (``window``: a :class:`RawCoco` of the window's
     annotations, no images, ``ann_base=first``) and last ``("end", categories)``.
-
-    With a ``mapper`` (:class:`WindowMapper`), windows of the arrays it handles are
-    decoded by it (in worker processes) several at a time; their events come in the
-    same order, ``("images", columns, first)`` or ``("annotations_mapped", payload,
-    first)``. A window the mapper refuses, and the rest of its array, are decoded here.
 
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
@@ -392,15 +374,12 @@ def decode_window(path: str, key: str, start: int, end: int) -> Any:
     cols = dec.decode_window(key, start, end)
     if cols is None or key == "images":
         return cols
-    return RawCoco(source=path, categories=[], **_IMG_NONE, **cols, decoder="fast")
+    return RawCoco(source=path, **cols, decoder="fast")
 
 
 class WindowMapper:
     """What :func:`iter_coco` needs of a mapper (the interface; the build's is
-    :class:`lit_roidata.roidb.coco.ParallelWindows`).
-
-    Windows are submitted in file order and their results read back in the same order.
-    """
+    :class:`lit_roidata.roidb.coco.ParallelWindows`)."""
 
     #: windows to keep in flight
     depth: int = 2
@@ -503,7 +482,7 @@ class _Chunked:
                             yield "annotations_mapped", cols, base
                         else:
                             yield "annotations", RawCoco(
-                                source=self.path, categories=[], **_IMG_NONE, **cols,
+                                source=self.path, **cols,
                                 decoder="generic" if self.generic else "fast",
                                 ann_base=base), base
                         pos = end
@@ -555,8 +534,8 @@ class _Chunked:
                 anns.append(d)
             elif ev[0] == "end":
                 cats = ev[1]
-        img = _concat_columns(imgs, ("img_id", "img_w", "img_h"), _IMG_EMPTY)
-        ann = _concat_columns(anns, _ANN_ARRAYS, _ANN_EMPTY)
+        img = _concat_columns(imgs, ("img_id", "img_w", "img_h"))
+        ann = _concat_columns(anns, _ANN_ARRAYS)
         return RawCoco(source=self.path, categories=cats, **img, **ann,
                        decoder="generic" if self.generic else "fast")
 
@@ -603,12 +582,7 @@ class _Chunked:
         in-process decode goes on: the array's last (short) window, or the first window
         the mapper refused (the array's last window usually is: its proposed cut lies
         past the array's end). Windows in flight behind a refused one are dropped; if
-        the mapper cannot go on (:meth:`WindowMapper.reset`), it is not used again.
-
-        Each window runs from an element start to a proposed cut; the mapper decodes it
-        completely only if the cut is an element boundary (see :meth:`_array`), so each
-        accepted window proves that the next one starts at an element.
-        """
+        the mapper cannot go on (:meth:`WindowMapper.reset`), it is not used again."""
         mapper = self.mapper
         assert mapper is not None
         count = 0
@@ -775,14 +749,6 @@ class _Chunked:
 
 _ANN_ARRAYS = ("ann_id", "ann_img", "ann_cat", "ann_bbox", "ann_area", "ann_crowd",
                "ann_ignore", "seg_kind", "poly_n", "coord_n", "coords", "kp_len", "kp_vals")
-_IMG_NONE = {"img_id": np.zeros(0, np.int64), "img_w": np.zeros(0), "img_h": np.zeros(0),
-             "file_names": []}
-_IMG_EMPTY = {"img_id": np.int64, "img_w": np.float64, "img_h": np.float64}
-_ANN_EMPTY = {"ann_id": np.int64, "ann_img": np.int64, "ann_cat": np.int64,
-              "ann_bbox": np.float64, "ann_area": np.float64, "ann_crowd": np.int64,
-              "ann_ignore": np.float64, "seg_kind": np.int8, "poly_n": np.int64,
-              "coord_n": np.int64, "coords": np.float64, "kp_len": np.int64,
-              "kp_vals": np.float64}
 
 
 def _typed_columns(key: str, buf: bytearray) -> Optional[dict]:
@@ -799,15 +765,13 @@ def _rows(cols: dict) -> int:
     return len(cols["img_id"] if "img_id" in cols else cols["ann_id"])
 
 
-def _concat_columns(pieces: list, arrays: tuple, empty: dict) -> dict:
-    """Concatenate window columns one at a time, freeing each window's as it goes."""
+def _concat_columns(pieces: list, arrays: tuple) -> dict:
+    """Concatenate window columns one at a time, freeing each window's as it goes (none:
+    :class:`RawCoco`'s empty defaults)."""
     out: dict = {}
-    for k in arrays:
+    for k in arrays if pieces else ():
         parts = [p.pop(k) for p in pieces]
-        if not parts:
-            out[k] = np.zeros((0, 4) if k == "ann_bbox" else 0, empty[k])
-        else:
-            out[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        out[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)
         del parts
     if "img_id" in arrays:
         out["file_names"] = list(chain.from_iterable(p.pop("file_names") for p in pieces))
@@ -875,10 +839,6 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
                    ann_base: int = 0, lvis: bool = False) -> RawCoco:
     """Decode parsed JSON (``orjson.loads`` output) into a :class:`RawCoco`.
 
-    ``img_base`` / ``ann_base``: the JSON position of the first image / annotation (a
-    window of a larger file, :func:`decode_chunked`), for messages and ``rles`` keys.
-    ``lvis``: as for :func:`decode_coco`.
-
     Raises:
         RoIDBInputError: any field of a wrong type, naming the file, record and fix.
     """
@@ -901,14 +861,10 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
 
     img_id = _col(images, "id", _INT, np.int64, source=source, what="image", label=img_label,
                   base=img_base)
-
-    def img_label2(i: int) -> str:
-        return f"image id {int(img_id[i])}"
-
-    img_w = _col(images, "width", _NUM, np.float64, source=source, what="image",
-                 label=img_label2, base=img_base, fix="set it to the image's width in pixels")
-    img_h = _col(images, "height", _NUM, np.float64, source=source, what="image",
-                 label=img_label2, base=img_base, fix="set it to the image's height in pixels")
+    icol = functools.partial(_col, images, source=source, what="image", base=img_base,
+                             label=lambda i: f"image id {int(img_id[i])}")
+    img_w = icol("width", _NUM, np.float64, fix="set it to the image's width in pixels")
+    img_h = icol("height", _NUM, np.float64, fix="set it to the image's height in pixels")
     names = [im.get("file_name") for im in images]
     extra = _lvis_generic(images, img_id, source) if lvis else {}
     if not set(map(type, names)) <= ({str, type(None)} if lvis else {str}):
@@ -924,17 +880,16 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
         who = f"annotation id {aid}" if aid != -1 else f"annotation #{ann_base + i} (no 'id')"
         return f"{who} (image id {img_raw[i]})"
 
-    ann_img = _col(anns, "image_id", _INT, np.int64, source=source, what="annotation",
-                   label=lab, base=ann_base, fix="every annotation needs the integer id of its image")
-    ann_cat = _col(anns, "category_id", _INT, np.int64, source=source, what="annotation",
-                   label=lab, base=ann_base, fix="every annotation needs the integer id of one of "
-                   "'categories'")
-    area = _col(anns, "area", _NUM, np.float64, source=source, what="annotation", label=lab, base=ann_base,
+    acol = functools.partial(_col, anns, source=source, what="annotation", label=lab,
+                             base=ann_base)
+    ann_img = acol("image_id", _INT, np.int64,
+                   fix="every annotation needs the integer id of its image")
+    ann_cat = acol("category_id", _INT, np.int64,
+                   fix="every annotation needs the integer id of one of 'categories'")
+    area = acol("area", _NUM, np.float64,
                 fix="give the object's area in pixels (the mask area for COCO)")
-    crowd = _col(anns, "iscrowd", _INT_OR_BOOL, np.int64, source=source, what="annotation",
-                 label=lab, base=ann_base, default=0, fix="use 0 or 1")
-    ignore = _col(anns, "ignore", _NUM_OR_BOOL, np.float64, source=source,
-                  what="annotation", label=lab, base=ann_base, default=0, fix="use 0 or 1")
+    crowd = acol("iscrowd", _INT_OR_BOOL, np.int64, default=0, fix="use 0 or 1")
+    ignore = acol("ignore", _NUM_OR_BOOL, np.float64, default=0, fix="use 0 or 1")
     bbox = _bboxes(anns, source, lab)
     seg_kind, poly_n, coord_n, coords, rles = _segms(anns, source, lab)
     if ann_base:

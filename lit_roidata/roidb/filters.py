@@ -31,11 +31,7 @@ def _candidate(mo: np.ndarray, fg_thresh: float, bg_hi: float, bg_lo: float) -> 
 def trainable_images(*, gt_off: np.ndarray, gt_is_crowd: np.ndarray, prop_off: np.ndarray,
                      prop_max_overlaps: np.ndarray, fg_thresh: float, bg_thresh_hi: float,
                      bg_thresh_lo: float) -> np.ndarray:
-    """Per image: has at least one fg or bg candidate row (Detectron semantics: filtering).
-
-    Gt rows have ``max_overlaps`` 1 (non-crowd) or -1 (crowd); proposal rows their own.
-    Flipped copies share ``max_overlaps``, so the answer holds for them too.
-    """
+    """Per image: has at least one fg or bg candidate row (Detectron semantics: filtering)."""
     gt_mo = np.where(np.asarray(gt_is_crowd, bool), np.float32(-1), np.float32(1))
     ok = segment_any(_candidate(gt_mo, fg_thresh, bg_thresh_hi, bg_thresh_lo), gt_off)
     if prop_max_overlaps.size:

@@ -1,10 +1,4 @@
-"""Per-dataset metadata carried by every roidb entry (the ``dataset`` field).
-
-Detectron stores a back-reference to the whole ``JsonDataset`` (and with it the COCO
-API object) in each entry. We keep only what the data pipeline and evaluation read,
-in a small frozen value that pickles in microseconds into DataLoader workers
-(Detectron semantics: datasets and catalog).
-"""
+"""Per-dataset metadata carried by every roidb entry (the ``dataset`` field)."""
 
 from __future__ import annotations
 
@@ -36,12 +30,7 @@ COCO_KEYPOINT_FLIP_MAP: dict[str, str] = {
 
 
 def keypoint_flip_map(keypoints: tuple[str, ...]) -> dict[str, str]:
-    """The left→right flip map for ``keypoints``.
-
-    For COCO's 17 person keypoints this is exactly Detectron's hard-coded map. Other
-    keypoint sets get every ``left_X``/``right_X`` pair present in the list (Detectron
-    would crash on them with a ``ValueError`` from ``list.index``).
-    """
+    """The left→right flip map for ``keypoints``."""
     names = set(keypoints)
     out = {l: r for l, r in COCO_KEYPOINT_FLIP_MAP.items() if l in names and r in names}
     for name in keypoints:

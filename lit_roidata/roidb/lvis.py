@@ -1,22 +1,4 @@
-"""LVIS-format annotation files (``format: lvis`` in the catalog).
-
-An LVIS json is a COCO json with three differences the roidb cares about:
-
-* images of LVIS v1 have no ``file_name``; it is the last two parts of ``coco_url``
-  (``http://images.cocodataset.org/train2017/000000155379.jpg`` →
-  ``train2017/000000155379.jpg``), resolved under the dataset's image directory (the
-  COCO folder), as Detectron2's ``load_lvis_json`` does. An image that has a
-  ``file_name`` keeps it;
-* categories map to contiguous class ids **by sorted id** (LVIS ids run 1..1203, so the
-  contiguous class id of a category equals its LVIS id; Detectron2 uses ``id - 1``
-  because it has no background class);
-* every image lists ``neg_category_ids`` (categories verified absent) and
-  ``not_exhaustive_category_ids`` (categories whose instances may be missing). They are
-  kept per image, mapped to contiguous class ids like ``gt_classes``.
-
-Everything else (Detectron's gt cleaning: crowd, ``TRAIN.GT_MIN_AREA``, polygons,
-flipping) is the COCO path unchanged; LVIS has no crowd annotations.
-"""
+"""LVIS-format annotation files (``format: lvis`` in the catalog)."""
 
 from __future__ import annotations
 

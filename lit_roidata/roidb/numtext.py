@@ -1,24 +1,4 @@
-"""JSON lists of numbers, as raw text, → NumPy columns without a Python object per number.
-
-The typed decoder (:mod:`lit_roidata.roidb.decode`) keeps every polygon and every
-annotation's ``keypoints`` as :class:`msgspec.Raw` (msgspec checks the JSON syntax and
-skips the value without building objects). :func:`parse_number_lists` then works on the
-concatenated text of all of them at once, block by block:
-
-* which list each number belongs to comes from the positions of the brackets and of the
-  number tokens, found with NumPy on the bytes;
-* each number token of up to 8 characters (sign aside) made of digits and at most one
-  ``.`` (COCO's ``239.97``, ``0``, ``-1.5``) is converted with SWAR arithmetic on one
-  64-bit word per token: its digits give an integer mantissa ``m < 10**8`` and the value
-  is ``m / 10**f`` (``f`` = digits after the point). Both are exactly representable
-  doubles, so the one IEEE division is correctly rounded (Clinger's fast path): the
-  same double as any correctly rounding parser, msgspec's included;
-* every other token (an exponent, more digits) is decoded by msgspec itself, with the
-  element type the typed decoder used before, so its value is msgspec's by construction.
-
-A text that is not a flat list of numbers returns ``None``: the caller then falls back
-to the generic decoder, which names the record and the fix.
-"""
+"""JSON lists of numbers, as raw text, → NumPy columns without a Python object per number."""
 
 from __future__ import annotations
 
@@ -58,13 +38,7 @@ def _fast_numbers(buf: np.ndarray, words: np.ndarray, starts: np.ndarray, ends: 
                   has_dot: bool, has_neg: bool, has_exp: bool
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Values of the tokens ``-?digits[.digits]`` of at most 8 characters (sign aside);
-    ``(values, ok)``, ``ok`` False for the tokens left to msgspec.
-
-    ``words[i]`` is the little-endian word of ``buf[i:i + 8]``. ``has_dot``,
-    ``has_neg``, ``has_exp``: whether the block holds a ``.``, a ``-``, an ``e``/``E``
-    at all (the work for what is absent is skipped; an exponent sends its token to
-    msgspec).
-    """
+    ``(values, ok)``, ``ok`` False for the tokens left to msgspec."""
     m = ends - starts
     if has_neg:
         neg = buf.take(starts) == 45  # '-'

@@ -1,32 +1,8 @@
-"""Reading and converting proposal files without holding them in memory.
-
-Two formats are read:
-
-* **Detectron's pickle** (``.pkl``): a dict with ``boxes`` (one ``(P_i, 4)`` array per
-  image, descending score), ``scores`` (one ``(P_i,)`` array per image; ``objectness_logits``
-  as Detectron2 names it is accepted too) and ``ids`` (or legacy ``indexes``, which
-  wins). Python 2 pickles (protocol 2) are read with ``encoding="latin1"``.
-* **Columnar** ``.npz`` (written by :func:`convert_proposals`): ``ids (n,)``, ``counts (n,)``
-  boxes per image, ``boxes (sum(counts), 4)`` and optionally ``scores (sum(counts),)``.
-
-The pickle is *streamed*: a :class:`pickle.Unpickler` subclass intercepts NumPy's array
-reconstruction, so each array's raw bytes are appended to one flat staging area as soon
-as the unpickler has read them and are then freed; what stays besides is a small record
-(offset, dtype, shape) per array, and no per-image NumPy array is kept. The staging area
-is memory up to a budget (:func:`staging_budget`; nothing is written to disk), and an
-anonymous scratch file beyond it (peak memory is then a chunk, not the file). A roidb
-build asks for no scores (``scores=False``): their bytes are dropped as they arrive, only
-their shapes are kept for validation. The processing then reads the boxes back in
-chunks. The ``.npz`` is read the same way (``pread`` of the stored member, no
-unpickling).
-
-The unpickler is created in exactly one place (:func:`_unpickler`), which holds the
-trust policy: unpickling runs code, so a pickle is read only with ``trust_pickle=True``
-(any class the file names is then importable, as with ``pickle.load``).
-"""
+"""Reading and converting proposal files without holding them in memory."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import pickle
@@ -39,6 +15,9 @@ from typing import Any, BinaryIO, Callable, Optional
 import numpy as np
 
 from lit_roidata._pickle_trust import UntrustedPickleError
+from lit_roidata.osutil import atomic_write
+from lit_roidata.roidb.cache import DiskFullError, disk_full_error, npy_header
+from lit_roidata.roidb.cache import read_npy_header
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.segms import offsets
 
@@ -52,11 +31,7 @@ _SCORE_KEYS = ("scores", "objectness_logits")
 
 @dataclass
 class ProposalSource:
-    """A proposal file's records: ``boxes_of(i)`` is the box array of record ``i``.
-
-    ``flat`` (with ``flat_off``) is set when the records' boxes lie one after the other
-    in one dtype: ``flat[a:b]`` returns rows ``a..b`` as an in-memory array.
-    """
+    """A proposal file's records: ``boxes_of(i)`` is the box array of record ``i``."""
 
     path: str
     ids: np.ndarray                      # int64 (m,)
@@ -70,12 +45,7 @@ class ProposalSource:
 
 
 class FileRows:
-    """Rows ``(N, *row_shape)`` of ``dtype`` stored at ``offset`` in an open file.
-
-    Slicing with a step-1 ``slice`` reads those rows with ``os.pread`` into a new,
-    writable array (nothing is memory-mapped, so reading a 2 GiB file in chunks does
-    not grow the resident set).
-    """
+    """Rows ``(N, *row_shape)`` of ``dtype`` stored at ``offset`` in an open file."""
 
     def __init__(self, fh: BinaryIO, offset: int, dtype: np.dtype, n: int,
                  row_shape: tuple = (4,)) -> None:
@@ -176,12 +146,7 @@ STAGING_ENV = "LIT_ROIDATA_PROPOSAL_STAGING_BYTES"
 
 
 def staging_budget() -> int:
-    """Bytes of memory a proposal pickle's arrays may be staged in (then a scratch file).
-
-    ``$LIT_ROIDATA_PROPOSAL_STAGING_BYTES`` if set, else a quarter of ``MemAvailable``
-    (Linux) and 1 GiB elsewhere. Staging in memory writes nothing to disk; a scratch file
-    writes the staged bytes once more (the page cache absorbs them when memory allows).
-    """
+    """Bytes of memory a proposal pickle's arrays may be staged in (then a scratch file)."""
     env = os.environ.get(STAGING_ENV)
     if env:
         try:
@@ -202,12 +167,7 @@ def staging_budget() -> int:
 class _Sink:
     """Where the arrays' bytes go, in unpickling order: one growing ``bytearray`` up to
     ``budget`` bytes, then (everything staged so far, and what follows) an anonymous
-    scratch file.
-
-    File writes are gathered and issued with ``os.writev`` (a few MiB per call): one
-    ``write`` per 16 KiB array costs three times as much CPU in the kernel. Arrays that
-    ``drop`` accepts (``(dtype, shape)``) keep only their shape and dtype.
-    """
+    scratch file."""
 
     _BATCH_BYTES = 8 << 20
     _BATCH_BUFFERS = 512
@@ -283,7 +243,13 @@ class _Sink:
     def _flush(self) -> None:
         bufs = [memoryview(b).cast("B") for b in self._pending]
         while bufs:
-            n = os.writev(self.fd, bufs)
+            try:
+                n = os.writev(self.fd, bufs)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                raise disk_full_error(tempfile.gettempdir(), self.pos, exc,
+                                      scratch=True) from None
             while bufs and n >= len(bufs[0]):
                 n -= len(bufs[0])
                 bufs.pop(0)
@@ -360,11 +326,6 @@ def read_proposal_file(path: str, *, trust_pickle: bool = False,
                        scores: bool = True) -> ProposalSource:
     """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated).
 
-    A pickle is read only with ``trust_pickle=True`` (unpickling runs code). With
-    ``scores=False`` (what a roidb build needs) a pickle's score arrays are validated
-    (one score per box) but their bytes are not kept, and the source has no
-    ``scores_flat`` / ``scores_of``.
-
     Raises:
         FileNotFoundError: no such file.
         UntrustedPickleError: a pickle without ``trust_pickle=True``.
@@ -379,11 +340,7 @@ def read_proposal_file(path: str, *, trust_pickle: bool = False,
     if os.path.getsize(path) == 0:
         raise RoIDBInputError(f"{path}: the proposal file is empty (0 bytes); it was probably "
                               f"not written completely. Regenerate or copy it again.")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if path.endswith(".npz") or magic == b"PK\x03\x04":
-        return _read_npz(path)
-    return _read_pickle(path, trust_pickle, scores)
+    return _read_pickle(path, trust_pickle, scores) if is_pickle(path) else _read_npz(path)
 
 
 def _drop_scores(dtype: np.dtype, shape: tuple) -> bool:
@@ -415,6 +372,8 @@ def _load_pickle(path: str, trust_pickle: bool,
         raise
     except Exception as exc:  # pickle raises many types for a damaged file
         sink.close()
+        if isinstance(exc, DiskFullError):
+            raise
         hint = ("the file is truncated (copy or write it again)"
                 if isinstance(exc, EOFError) or "truncated" in str(exc)
                 else "is it a Detectron proposal pickle?")
@@ -437,9 +396,7 @@ def _as_records(path: str, key: str, value: Any) -> list:
         n, per = value.shape[0], math.prod(value.shape[1:])
         step = per * value.dtype.itemsize
         return [_SubArray(value, i * step, value.shape[1:]) for i in range(n)]
-    if isinstance(value, np.ndarray):
-        return list(value)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (np.ndarray, list, tuple)):
         return list(value)
     raise RoIDBInputError(f"{path}: {key!r} is a {type(value).__name__}; expected a list with "
                           f"one entry per image")
@@ -560,9 +517,7 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
                               f"({len(scores)}) and {id_key!r} ({len(id_list)}) must have one "
                               f"record per image")
     ids = _ids_array(path, id_key, id_list)
-    m = ids.size
-    counts = np.zeros(m, np.int64)
-    dtypes = set()
+    counts = np.zeros(ids.size, np.int64)
     for i, b in enumerate(boxes):
         shape, dt = _shape_dtype(b)
         size = math.prod(shape) if dt is not None else -1
@@ -576,7 +531,6 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
                                   f"(an empty (0, 4) array for no proposals). Regenerate the "
                                   f"file or fix that record.")
         counts[i] = size // 4
-        dtypes.add(dt)
     for i, s in enumerate(scores):
         shape, dt = _shape_dtype(s)
         n = math.prod(shape) if dt is not None else -1
@@ -601,13 +555,12 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
 
 
 def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Any:
-    """The records as one block of rows (:class:`FileRows` or a read-only array) when
-    they lie back to back in the staging area in one dtype (the usual layout of a Detectron pickle), else ``None``."""
-    stored = [it for it in items if isinstance(it, (_Stored, _SubArray))
-              and not (isinstance(it, _Stored) and it.array is not None)]
-    if len(stored) != len(items) or not items:
+    """The records as one block of rows (:class:`FileRows` or a read-only array) when they
+    lie back to back in the staging area in one dtype (as in Detectron's pickles), else
+    ``None``."""
+    if not all(isinstance(it, _SubArray) or isinstance(it, _Stored) and it.array is None
+               for it in items):
         return None
-    dtype = None
     nonempty = [it for it, c in zip(items, counts) if c]
     if not nonempty:
         return None
@@ -637,11 +590,7 @@ def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple[int, np.d
     start = info.header_offset + 30 + n_name + n_extra
     stored = info.compress_type == zipfile.ZIP_STORED
     with zf.open(info) as member:
-        version = np.lib.format.read_magic(member)
-        reader = {(1, 0): np.lib.format.read_array_header_1_0,
-                  (2, 0): np.lib.format.read_array_header_2_0}.get(version)
-        shape, fortran, dtype = (reader(member) if reader is not None
-                                 else np.lib.format._read_array_header(member, version))
+        shape, fortran, dtype = read_npy_header(member)
         header_len = member.tell() if stored else 0
     return start + header_len, dtype, shape, fortran, stored
 
@@ -719,9 +668,7 @@ def _write_member(zf: zipfile.ZipFile, name: str, dtype: np.dtype, shape: tuple,
                   chunks: Any) -> None:
     """Stream ``chunks`` (arrays in row order) into ``name.npy`` of an open npz."""
     with zf.open(name + ".npy", "w", force_zip64=True) as f:
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                  "fortran_order": False, "shape": tuple(int(s) for s in shape)}
-        np.lib.format.write_array_header_2_0(f, header)
+        f.write(npy_header(dtype, shape))
         for c in chunks:
             c = np.ascontiguousarray(c, dtype=dtype)
             if c.size:
@@ -739,12 +686,17 @@ def _chunks_of(flat: Any, of: Callable[[int], np.ndarray], counts: np.ndarray,
         yield of(i)
 
 
+def _column_dtype(flat: Any, of: Any, counts: np.ndarray) -> np.dtype:
+    """The dtype of a column of the records (their common type; float32 for none)."""
+    if flat is not None:
+        return np.dtype(flat.dtype)
+    dts = {np.asarray(of(i)).dtype for i in range(counts.size) if counts[i]}
+    return np.result_type(*dts) if dts else np.dtype(np.float32)
+
+
 def convert_proposals(in_path: str, out_path: str, *,
                       annotations: Optional[str] = None, trust_pickle: bool = False) -> dict:
     """Convert a proposal pickle into the columnar ``.npz`` (reads it once, streamed).
-
-    The ``.npz`` keeps the file's record order, box dtype and scores, so a roidb built
-    from it is identical to one built from the pickle, and it loads without unpickling.
 
     Args:
         in_path: Detectron proposal pickle (or an ``.npz``, rewritten).
@@ -770,32 +722,19 @@ def convert_proposals(in_path: str, out_path: str, *,
     t1 = time.perf_counter()
     counts = src.counts
     total = int(counts.sum())
-    if src.flat is not None:
-        dtype = np.dtype(src.flat.dtype)
-    else:
-        dts = {np.asarray(src.boxes_of(i)).dtype for i in range(counts.size) if counts[i]}
-        dtype = np.result_type(*dts) if dts else np.dtype(np.float32)
+    dtype = _column_dtype(src.flat, src.boxes_of, counts)
     if dtype.kind not in "f":
         dtype = np.dtype(np.float32) if dtype.kind in "iu" else dtype
-    tmp = f"{out_path}.tmp-{os.getpid()}"
-    try:
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    with atomic_write(out_path, fsync=False) as out_fh:
+        with zipfile.ZipFile(out_fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
             _write_member(zf, "ids", np.int64, src.ids.shape, [src.ids])
             _write_member(zf, "counts", np.int64, counts.shape, [counts])
             _write_member(zf, "boxes", dtype, (total, 4),
                           _chunks_of(src.flat, src.boxes_of, counts))
             if src.scores_flat is not None or src.scores_of is not None:
-                sdt = np.dtype(src.scores_flat.dtype) if src.scores_flat is not None else \
-                    np.result_type(*({np.asarray(src.scores_of(i)).dtype
-                                      for i in range(counts.size) if counts[i]}
-                                     or {np.dtype(np.float32)}))
+                sdt = _column_dtype(src.scores_flat, src.scores_of, counts)
                 _write_member(zf, "scores", sdt, (total,),
                               _chunks_of(src.scores_flat, src.scores_of, counts))
-        os.replace(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return {"images": int(counts.size), "boxes": total, "dtype": dtype.str,
             "seconds_read": round(t1 - t0, 3),
             "seconds_write": round(time.perf_counter() - t1, 3)}

@@ -1,12 +1,4 @@
 """Proposal files → per-image proposal rows merged into the roidb (Detectron semantics: proposals).
-
-A proposal file is read once at build time, processed in vectorised chunks of images
-(clip, de-duplicate, min size, optional limit, IoU merge against the gt rows, crowd
-filter) and written into the cache as flat float32 arrays with per-image offsets.
-Workers slice those arrays from the memory map; nothing is ever unpickled there.
-
-Files are read by :mod:`.proposal_files` (Detectron's pickle, streamed without holding
-it in memory, or the columnar ``.npz`` that :func:`convert_proposals` writes).
 """
 
 from __future__ import annotations
@@ -15,14 +7,14 @@ import logging
 import math
 import os
 import tempfile
-from collections import Counter, deque
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from lit_roidata.boxes import box_areas, iou_kernel
+from lit_roidata.roidb.cache import ArrayWriter, npy_header
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.proposal_files import ProposalSource, convert_proposals
 from lit_roidata.roidb.proposal_files import read_proposal_file
@@ -65,9 +57,6 @@ class ProposalTable:
 def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -> np.ndarray:
     """Record index for each image (sorted ids), as Detectron aligns them (Detectron semantics:
     proposals).
-
-    Records for ids not in the dataset are removed (counted); a missing or duplicated
-    id is an error naming the ids.
     """
     ids = src.ids
     uniq, cnt = np.unique(ids, return_counts=True)
@@ -126,19 +115,13 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
     del r
     g = group - group.min()
     lo, hi = float(hf.min()), float(hf.max())
-    if not (-2.0**53 < lo and hi < 2.0**53):  # huge coordinates: compare the floats
-        order = np.lexsort((hf, g))
-        new = np.ones(order.size, bool)
-        new[1:] = (hf[order][1:] != hf[order][:-1]) | (g[order][1:] != g[order][:-1])
-        keep = np.zeros(boxes.shape[0], bool)
-        keep[order[new]] = True
-        return keep
-    h = hf.astype(np.int64)  # exact: integral values below 2**53
-    h -= int(lo)
-    del hf
-    g = group - group.min()
-    span = int(h.max()) + 1
-    if span * (int(g.max()) + 1) < 2**62:
+    exact = -2.0**53 < lo and hi < 2.0**53  # else (huge coordinates) compare the floats
+    if exact:
+        h = hf.astype(np.int64)  # exact: integral values below 2**53
+        h -= int(lo)
+        del hf
+        span = int(h.max()) + 1
+    if exact and span * (int(g.max()) + 1) < 2**62:
         # Duplicates are rare: sort the keys' values (a SIMD sort, ~4x cheaper than an
         # argsort) to find the repeated ones, then settle first occurrences among the
         # boxes carrying a repeated key only (np.unique's stable return_index).
@@ -160,22 +143,18 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         keep[cand] = False
         keep[cand[first]] = True
         return keep
-    else:
-        order = np.lexsort((h, g))
-        new = np.ones(order.size, bool)
-        new[1:] = (h[order][1:] != h[order][:-1]) | (g[order][1:] != g[order][:-1])
-        first = order[new]
+    v = h if exact else hf
+    order = np.lexsort((v, g))
+    new = np.ones(order.size, bool)
+    new[1:] = (v[order][1:] != v[order][:-1]) | (g[order][1:] != g[order][:-1])
     keep = np.zeros(boxes.shape[0], bool)
-    keep[first] = True
+    keep[order[new]] = True
     return keep
 
 
 def iof_pairs(props: np.ndarray, crowd: np.ndarray) -> np.ndarray:
     """Row-wise ``pycocotools.mask.iou(.., iscrowd=1)`` of float32 xyxy boxes (Detectron semantics:
     proposals).
-
-    Detectron converts to xywh in float32 (``w = x2 - x1 + 1``), then the COCO API
-    computes ``intersection / area(proposal)`` in double.
     """
     pw = (props[:, 2] - props[:, 0] + 1).astype(np.float64)
     ph = (props[:, 3] - props[:, 1] + 1).astype(np.float64)
@@ -299,15 +278,7 @@ PROPOSAL_COLUMNS = (("prop_boxes", (4,)), ("prop_max_overlaps", ()), ("prop_max_
 
 
 def proposal_dtypes(num_classes: int, max_gt: int) -> tuple[np.dtype, np.dtype]:
-    """The narrowest dtypes of ``(prop_max_classes, prop_gt_map)``.
-
-    ``max_classes`` holds contiguous class ids ``< num_classes``: ``uint8`` up to 256
-    classes (COCO's 81), ``int16`` up to 32768 (LVIS's 1204), else ``int32``.
-    ``gt_map`` holds a gt index ``< max_gt`` (the most gt boxes of one image) or the
-    sentinel ``-1``: ``int8`` up to 128 gt boxes, ``int16`` up to 32768, else ``int32``.
-    The roidb widens both to Detectron's dtypes (int64 ``max_classes``, int32
-    ``box_to_gt_ind_map``) when an entry is read, so blobs do not depend on them.
-    """
+    """The narrowest dtypes of ``(prop_max_classes, prop_gt_map)``."""
     nc, g = int(num_classes), int(max_gt)
     mc = np.uint8 if nc <= 1 << 8 else np.int16 if nc <= 1 << 15 else np.int32
     gm = np.int8 if g <= 1 << 7 else np.int16 if g <= 1 << 15 else np.int32
@@ -316,14 +287,6 @@ def proposal_dtypes(num_classes: int, max_gt: int) -> tuple[np.dtype, np.dtype]:
 
 class ProposalColumns:
     """The four proposal columns of a roidb, each written once, chunk by chunk.
-
-    With ``persistent=True`` they are the cache's final ``prop_*.npy`` files in
-    ``directory`` (the build directory): a ``.npy`` header sized for any row count is
-    reserved first, rows are written behind it at their offsets by a few threads (the
-    kernel is asked to start writing them to disk as they come), and :meth:`finish`
-    writes the real header in place, checksums each file (reading it back from the page
-    cache) and fsyncs it. Nothing is copied or concatenated afterwards. With
-    ``persistent=False`` they are unlinked scratch files (the arrays map them).
 
     Args:
         directory: where the files go (``None``: the temporary directory; scratch only).
@@ -346,25 +309,24 @@ class ProposalColumns:
                        np.iinfo(gm).max if max_gt is None else int(max_gt) - 1)
         self.persistent = persistent
         self.rows = 0
+        self.records: dict = {}
         self.files: list = []
         self._reserved = 0
-        # rows are written at their offsets by a few threads (pwrite), in any order
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._writes: deque = deque()
         if persistent:
             if directory is None:
                 raise ValueError("persistent proposal columns need a directory")
             # every header this writer can need fits; .npy headers are padded to 64 bytes
-            self._reserved = max(len(_npy_header_for(dt, (np.iinfo(np.int64).max, *sh)))
+            self._reserved = max(len(npy_header(dt, (np.iinfo(np.int64).max, *sh)))
                                  for _, dt, sh in self.spec)
             for name, _, _ in self.spec:
-                fh = open(os.path.join(directory, name + ".npy"), "w+b")  # read to hash
-                self.files.append(fh)
+                self.files.append(open(os.path.join(directory, name + ".npy"), "w+b"))
         else:
             if os.name == "nt":  # open files would block renaming the build directory
                 directory = None
             self.files = [tempfile.TemporaryFile(prefix="lit-roidata-proposal-rows-",
                                                  dir=directory) for _ in self.spec]
+        self.writer = ArrayWriter(directory, _WRITE_THREADS, durable=persistent,
+                                  max_pending=_MAX_PENDING_WRITES)
 
     @property
     def dtypes(self) -> dict:
@@ -381,114 +343,47 @@ class ProposalColumns:
             if int(gt_map.max()) > self.bounds[1] or int(gt_map.min()) < -1:
                 raise RuntimeError(f"gt_map values outside [-1, {self.bounds[1]}]: the gt "
                                    f"count given to ProposalColumns is too small")
-        from lit_roidata.roidb.cache import _pwrite_all
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_WRITE_THREADS,
-                                            thread_name_prefix="lit-roidata-proposals")
         for fh, arr, (_, dtype, shape) in zip(self.files, (boxes, max_overlaps, max_classes,
                                                            gt_map), self.spec):
-            data = np.ascontiguousarray(arr, dtype).reshape(-1)
             at = self._reserved + self.rows * dtype.itemsize * math.prod(shape)
-            self._writes.append(self._pool.submit(_pwrite_all, fh.fileno(), at, data,
-                                                  self.persistent))
+            self.writer.write(fh.fileno(), at, np.ascontiguousarray(arr, dtype).reshape(-1))
         self.rows += int(boxes.shape[0])
-        while len(self._writes) > _MAX_PENDING_WRITES:  # bounded memory if the disk lags
-            self._writes.popleft().result()
 
     def quiesce(self) -> None:
-        """Wait for the rows handed over so far to be written and stop the writer threads
-        (they start again with the next :meth:`append`), e.g. before forking."""
-        while self._writes:
-            self._writes.popleft().result()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Wait for the rows handed over so far and stop the writer threads (e.g. before
+        forking; they start again with the next :meth:`append`)."""
+        self.writer.wait()
 
     def finish(self) -> dict:
-        """Close the columns: ``{name: read-only array}`` (memory maps of the files).
-
-        Persistent columns also get their header, checksum and fsync; :attr:`records`
-        then holds their manifest entries (as :func:`..cache.write_arrays` returns).
-        """
-        from lit_roidata.roidb.cache import _default_algo, _hasher
-
-        n = self.rows
-        out: dict = {}
-        self.records: dict = {}
+        """Close the columns: ``{name: read-only array}`` (memory maps of the files)."""
+        n, out = self.rows, {}
         try:
-            while self._writes:
-                self._writes.popleft().result()
-            for fh, (name, dtype, shape) in zip(self.files, self.spec):
-                if not self.persistent:
+            if self.persistent:
+                for fh, (name, dtype, shape) in zip(self.files, self.spec):
+                    self.writer.seal(name, fh.fileno(), dtype, (n, *shape), self._reserved)
+                self.records = self.writer.finish([fh.fileno() for fh in self.files])
+            else:
+                self.writer.finish()
+                for fh, (name, dtype, shape) in zip(self.files, self.spec):
                     out[name] = (np.zeros((0, *shape), dtype) if n == 0 else
                                  np.memmap(fh, dtype, "r", shape=(n, *shape)))
-                    continue
-                header = _npy_header_for(dtype, (n, *shape), pad_to=self._reserved)
-                fd = fh.fileno()
-                os.pwrite(fd, header, 0)
-                algo = _default_algo()
-                h = _hasher(algo)
-                size = self._reserved + n * dtype.itemsize * math.prod(shape)
-                _hash_file(fd, size, h)
-                self.records[name] = {"file": name + ".npy", "bytes": size, "dtype": dtype.str,
-                                      "shape": [n, *shape], "checksum": f"{algo}:{h.hexdigest()}"}
-            for fh in self.files:
-                if self.persistent:
-                    fh.flush()
-                    os.fsync(fh.fileno())  # durable before the rename that publishes the cache
         finally:
             self.close()
         if self.persistent:
-            for fh, (name, dtype, shape) in zip(self.files, self.spec):
+            for fh, (name, _, _) in zip(self.files, self.spec):
                 out[name] = np.asarray(np.load(fh.name, mmap_mode="r", allow_pickle=False))
         return out
 
     def close(self) -> None:
         """Close the files (the maps keep their pages; scratch files are unlinked), after
         the writes in progress (those not started are dropped)."""
-        for f in self._writes:
-            f.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self._writes.clear()
+        self.writer.close()
         for fh in self.files:
             fh.close()
 
 
 _WRITE_THREADS = 3
 _MAX_PENDING_WRITES = 64  # column writes (16 chunks) queued before append waits
-
-
-def _npy_header_for(dtype: np.dtype, shape: tuple, pad_to: int = 0) -> bytes:
-    """The ``.npy`` (1.0) header ``np.save`` writes for ``dtype``/``shape``, padded with
-    spaces to ``pad_to`` bytes when that is longer (still a valid header)."""
-    import io
-
-    buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                               "fortran_order": False,
-                                               "shape": tuple(int(s) for s in shape)})
-    head = buf.getvalue()
-    if pad_to > len(head):
-        body = head[10:-1] + b" " * (pad_to - len(head)) + b"\n"
-        head = head[:8] + len(body).to_bytes(2, "little") + body
-    return head
-
-
-def _hash_file(fd: int, size: int, h: Any) -> None:
-    """Feed the first ``size`` bytes of ``fd`` to the hasher ``h`` (4 MiB reads)."""
-    buf = bytearray(1 << 22)
-    view = memoryview(buf)
-    pos = 0
-    while pos < size:
-        got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
-        if got <= 0:
-            raise OSError(f"short read while checksumming a proposal column ({pos} of {size} "
-                          f"bytes)")
-        h.update(view[:got])
-        pos += got
 
 
 def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_classes,

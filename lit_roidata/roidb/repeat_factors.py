@@ -35,10 +35,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 from typing import Any, Optional
 
 import numpy as np
+
+from lit_roidata.osutil import atomic_write
 
 __all__ = ["repeat_factors_from_category_frequency", "repeat_factors_for_roidb",
            "check_repeat_threshold"]
@@ -148,11 +149,10 @@ def _side_name(key: str, t: float, sqrt: bool) -> str:
 
 
 def _compute_for_roidb(roidb: Any, t: float, sqrt: bool) -> np.ndarray:
-    a = roidb._a
-    entry_img = np.asarray(roidb._entry_img, dtype=np.int64)
+    entry_img = roidb.entry_image_rows
     images = np.unique(entry_img)
-    per_image = repeat_factors_from_category_frequency(a["img_gt_off"], a["gt_classes"], t,
-                                                       images=images, sqrt=sqrt)
+    per_image = repeat_factors_from_category_frequency(
+        roidb.column("img_gt_off"), roidb.column("gt_classes"), t, images=images, sqrt=sqrt)
     return per_image[np.searchsorted(images, entry_img)]
 
 
@@ -176,7 +176,7 @@ def repeat_factors_for_roidb(roidb: Any, repeat_thresh: float, *, sqrt: bool = T
         ValueError: a bad threshold. TypeError: ``roidb`` is not a columnar roidb.
     """
     t = check_repeat_threshold(repeat_thresh)
-    if not hasattr(roidb, "_a") or not hasattr(roidb, "_entry_img"):
+    if not hasattr(roidb, "entry_image_rows") or not hasattr(roidb, "column"):
         raise TypeError("repeat factors need a lit_roidata RoIDB (the columnar training "
                         f"roidb), got {type(roidb).__name__}; for other data compute them "
                         "with repeat_factors_from_category_frequency and pass "
@@ -204,23 +204,12 @@ def repeat_factors_for_roidb(roidb: Any, repeat_thresh: float, *, sqrt: bool = T
 
 
 def _atomic_save(path: str, arr: np.ndarray) -> Optional[str]:
-    """``np.save`` into a temporary file in the same folder, fsync, rename; a failure
-    (read-only cache) is logged and ignored: the factors are recomputed next time."""
-    d = os.path.dirname(path)
+    """``np.save`` to ``path`` atomically; a failure (read-only cache) is logged and
+    ignored: the factors are recomputed next time."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-repeat-", suffix=".npy")
-    except OSError as exc:
-        log.info("repeat factors not cached in %s (%s)", d, exc)
-        return None
-    try:
-        with os.fdopen(fd, "wb") as fh:
+        with atomic_write(path) as fh:
             np.save(fh, arr, allow_pickle=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
         return path
     except OSError as exc:
-        log.info("repeat factors not cached in %s (%s)", d, exc)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        log.info("repeat factors not cached in %s (%s)", os.path.dirname(path), exc)
         return None

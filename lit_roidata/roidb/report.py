@@ -1,10 +1,4 @@
-"""Build report (what was kept and dropped, by reason) and rich progress/summary output.
-
-The report is a plain dict stored in the cache manifest (``RoIDB.report``) and logged
-once as a rich table when a cache is built (Detectron semantics: roidb building step 6 logs a class
-histogram;
-we also log every drop reason, design principle 7).
-"""
+"""Build report (what was kept and dropped, by reason) and rich progress/summary output."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Bounding-box regression targets of one roidb entry (Detectron semantics: bounding-box regression
-targets).
-
-Computed when an entry's ``bbox_targets`` is read rather than stored: it costs one
-small IoU matrix per entry, and it keeps flipped entries true views (Detectron computes
-the targets of a flipped entry from its mirrored float32 boxes, which we reproduce by
-computing them from the same mirrored boxes).
-"""
+targets)."""
 
 from __future__ import annotations
 
@@ -21,12 +15,6 @@ def compute_bbox_targets(boxes: np.ndarray, max_overlaps: np.ndarray, max_classe
                          cls_agnostic: bool,
                          weights: tuple[float, float, float, float]) -> np.ndarray:
     """Detectron's ``_compute_targets``: ``(R, 5)`` float32 ``(class, tx, ty, tw, th)``.
-
-    Rows with ``max_overlaps >= bbox_thresh`` are regressed towards the non-crowd gt
-    with the highest IoU, recomputed here (not ``box_to_gt_ind_map``; ties and all-zero
-    rows go to the lowest gt index, Detectron quirk Q8 (docs/detectron_quirks.md)). Class column:
-    ``max_classes`` or 1 if
-    class-agnostic.
 
     Args:
         boxes: ``(R, 4)`` float32 entry boxes (gt rows first).

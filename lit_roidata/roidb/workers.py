@@ -1,17 +1,4 @@
-"""Forked worker processes for the cold build: one function over many tasks, results in order.
-
-A cold build spends most of its time in work that splits into independent windows
-(decoding ``annotations`` JSON, merging proposals with the gt). :class:`OrderedWorkers`
-forks a few processes that run one function over such tasks; results come back in the
-order the tasks were given, so the build keeps the file's order and its exact errors.
-The processes inherit the caller's memory (the memory-mapped file, a staged proposal
-file) copy-on-write, and only tasks and results travel through pipes.
-
-:func:`build_workers` says how many to use: ``LIT_ROIDATA_BUILD_WORKERS`` when set
-(``0`` or ``1``: build in one process), else one per CPU this process may run on, at
-most 8. Without ``fork`` (Windows, macOS' default spawn is not used) the build stays in
-one process.
-"""
+"""Forked worker processes for the cold build: one function over many tasks, results in order."""
 
 from __future__ import annotations
 
@@ -85,11 +72,6 @@ def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
 class OrderedWorkers:
     """``n`` forked processes running ``fn(task, state)``; results in submission order.
 
-    Task ``k`` goes to worker ``k % n`` and each worker answers its own tasks in order,
-    so :meth:`result` reads them back in the order of :meth:`submit`. :meth:`broadcast`
-    updates every worker's ``state`` (e.g. an index the tasks need), in order with the
-    tasks. Use as a context manager: the processes end on exit, errors included.
-
     Args:
         fn: a function of ``(task, state)``; it runs in the forked processes, where
             everything the caller had at construction is visible.
@@ -153,17 +135,14 @@ class OrderedWorkers:
 
     def discard(self) -> bool:
         """Read and drop every pending result; ``False`` (and closed) if a worker died."""
-        try:
-            while self._owner:
-                try:
-                    self.result()
-                except WorkerDied:
-                    raise
-                except WorkerFailed:
-                    pass
-        except WorkerDied:
-            self.close()
-            return False
+        while self._owner:
+            try:
+                self.result()
+            except WorkerDied:
+                self.close()
+                return False
+            except WorkerFailed:
+                pass
         return True
 
     def _send(self, k: int, msg: Any) -> None:
@@ -205,12 +184,7 @@ class OrderedWorkers:
 def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int, *,
                 depth: Optional[int] = None) -> Iterator[Any]:
     """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
-    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here.
-
-    A task that raises in a worker raises the same exception here (run again in this
-    process when it could not be sent back); if a worker dies, the remaining tasks run
-    in this process. So the results, and the first error, are those of the plain loop.
-    """
+    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here."""
     if n <= 1:
         for t in tasks:
             yield fn(t, {})

@@ -20,12 +20,11 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import time
 from typing import Any, Optional, Sequence
 
 from lit_roidata.roidb.cache import LAST_USED, MANIFEST, CacheError, default_cache_dir, in_use
-from lit_roidata.roidb.cache import validate_cache, verify_checksums
+from lit_roidata.roidb.cache import remove_cache, validate_cache, verify_checksums
 
 __all__ = ["main", "list_caches", "clean_caches"]
 
@@ -111,9 +110,7 @@ def clean_caches(root: str, *, all_: bool = False, older_than_days: Optional[flo
             kept.append((rec["key"], "in use" if rec["state"] == "in use" else "being built"))
             continue
         if not dry_run:
-            trash = tempfile.mkdtemp(dir=root, prefix=".trash-")
-            os.rename(rec["path"], os.path.join(trash, "old"))
-            shutil.rmtree(trash, ignore_errors=True)
+            remove_cache(rec["path"])
             try:
                 os.unlink(rec["path"] + ".lock")
             except OSError:
