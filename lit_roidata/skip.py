@@ -1,51 +1,16 @@
 """The bad-image skip policy (``on_bad_image="skip"``): replace only the bad image.
 
-A block (one rank's partial minibatch) that holds an unreadable image keeps its good
-images in their slots; only the bad image's slot is refilled, with an image that
-
-* is of the block's orientation when the sampler groups by aspect ratio,
-* is not delivered anywhere else in the same pass (so every good image of a pass is
-  delivered exactly once), and
-* is not known to be bad (a file found bad is never read again once every rank knows it),
-
-chosen deterministically: the same on every rank, after a resume, and whatever the
-number of workers or their timing.
-
-**The reserve.** With the skip policy the sampler holds back the last few blocks of every
-pass (``RoIBatchSampler(holdback=...)``): the first ``blocks_per_pass`` blocks of
-Detectron's permutation are delivered unchanged; the held-back images, together with the
-images a pass leaves out anyway (aspect-grouping tails, the last blocks of an epoch that
-do not fill a global minibatch), form the pass's *reserve*, ordered by a generator
-seeded from ``(seed, pass)``. Replacements come only from the reserve, each reserve
-image at most once per pass; the images of the reserve are simply not delivered in that
-pass otherwise (the next pass reshuffles everything).
-
-**Two kinds of bad images.**
-
-* *Known* bad images (the frozen set ``F``: everything known on every rank at the last
-  exchange) are replaced before they are read. Which reserve image replaces which slot is
-  a pure function of ``(seed, pass, F)``: the slots holding known-bad images, in stream
-  order, take the reserve's good images in order. Any worker computes it.
-* A *newly found* bad image (not in ``F``) is found by the worker that reads it. The
-  worker cannot know what other workers or ranks found at the same moment, so it hands
-  the block back unbuilt (a :class:`~lit_roidata.dataset.BadImageFound` result); the train
-  loader, which sees its batches in stream order, takes the next image of **its own share**
-  of the rest of the reserve (share ``r`` of ``world_size``: disjoint between ranks,
-  :meth:`BadImageLedger.substitute`) and rebuilds the block in the main process. Bad images
-  are rare, so this costs one block build in the main process per bad image.
-
-**Exchange.** New discoveries are exchanged between ranks (one ``all_gather_object``)
-only at epoch ends (:meth:`SkipPolicy.exchange`, which
-:class:`lit_roidata.callbacks.BadImageReport` runs in ``on_train_epoch_end``), never while
-a batch is fetched. The merged set becomes the frozen set for the passes that have not
-started yet. Between two exchanges a rank does not know what another rank found; a file
-found bad on rank 1 can be read once more by rank 0 in a later pass before the next
-exchange (it is then replaced, and counted once).
-
-**Exhausted reserve.** When a pass has more bad images of one orientation than reserve
-images, the extra slots are filled with a deterministic draw of a good image of that
-orientation that the pass delivers anyway: that image is delivered twice in the pass. It
-is counted (``reserve_exhausted``) and reported; raise ``bad_image_reserve``.
+A block with an unreadable image keeps its good images in their slots; only the bad
+image's slot is refilled, with an image of the block's orientation that the pass does not
+deliver otherwise (its *reserve*: the blocks held back at the end of every pass plus what
+a pass leaves out anyway) and that is not known to be bad, chosen deterministically.
+Images known to be bad on every rank (the frozen set, from the last epoch-end exchange)
+are replaced before reading by the plan (:meth:`lit_roidata.plan.StreamPlan.final_block`);
+a newly found one comes back from the worker as
+:class:`~lit_roidata.dataset.BadImageFound` and the train loader gives its slot the next
+image of this rank's own share of the reserve (:meth:`BadImageLedger.substitute`). An
+exhausted reserve repeats a delivered image (counted, ``reserve_exhausted``). The
+guarantees and the reasons are in docs/minibatch.md, "Bad images".
 """
 
 from __future__ import annotations
