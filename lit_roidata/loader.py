@@ -657,16 +657,9 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
 
 
 def fork_safe_opencv() -> None:
-    """Stop OpenCV's thread pool in this process before DataLoader workers fork.
-
-    A worker forked while the parent's pool exists inherits its locks but not its
-    threads, and its first call that uses the pool (or ``cv2.setNumThreads``) can wait
-    forever.
-    The parent's pool is started by any earlier multi-threaded OpenCV call (demo data
-    generation, ``num_workers=0`` loading, the tools), so it is shut down here; the main
-    process then runs OpenCV single-threaded, which costs nothing when workers decode.
-    Both loaders of this module call it when they start workers.
-    """
+    """Stop OpenCV's thread pool in this process before DataLoader workers fork: a worker
+    forked while it exists inherits its locks but not its threads and can wait forever.
+    The main process then runs OpenCV single-threaded (free when workers decode)."""
     import cv2
 
     if cv2.getNumThreads() != 1:
@@ -713,13 +706,15 @@ class EvalLoader:
 
 
 def build_eval_loader(cfg: DetectronConfig, roidb: Any, *, rank: int = 0, world_size: int = 1,
-                      **options: Any) -> EvalLoader:
-    """This rank's :class:`EvalLoader` over an evaluation roidb (or ``[]`` for ``None``).
-
-    ``options``: ``ims_per_batch``, ``pixel_format``, ``with_rois`` (the split has
-    proposal files), ``num_workers``, ``pin_memory``, ``persistent_workers``,
-    ``prefetch_factor``.
-    """
+                      ims_per_batch: int = 1, pixel_format: str = "uint8",
+                      with_rois: bool = False, num_workers: int = 0, pin_memory: bool = False,
+                      persistent_workers: bool = False, prefetch_factor: int | None = None
+                      ) -> EvalLoader:
+    """This rank's :class:`EvalLoader` over an evaluation roidb (or ``[]`` for ``None``);
+    ``with_rois``: the split has proposal files."""
     if roidb is None:
         return []  # type: ignore[return-value]
-    return EvalLoader(roidb, cfg, rank=rank, world_size=world_size, **options)
+    return EvalLoader(roidb, cfg, rank=rank, world_size=world_size, ims_per_batch=ims_per_batch,
+                      pixel_format=pixel_format, with_rois=with_rois, num_workers=num_workers,
+                      pin_memory=pin_memory, persistent_workers=persistent_workers,
+                      prefetch_factor=prefetch_factor)
