@@ -147,10 +147,16 @@ def test_epoch_length_after_a_world_size_change_ends_with_the_pass():
     assert b.state_dict()["epoch_batches"] == 0
 
 
-def _workers(timeout: float = 10.0) -> list[psutil.Process]:
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _workers(before: set[int], timeout: float = 10.0) -> list[psutil.Process]:
+    """The loader's worker processes: the children started since ``before`` (a test
+    session may have other children, e.g. a memcached server)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        kids = psutil.Process().children()
+        kids = [p for p in psutil.Process().children() if p.pid not in before]
         if len(kids) >= 2:
             return kids
         time.sleep(0.05)
@@ -159,10 +165,11 @@ def _workers(timeout: float = 10.0) -> list[psutil.Process]:
 
 @pytest.mark.slow
 def test_workers_ignore_sigterm_and_the_stream_goes_on():
+    before = _children()
     loader = _loader(workers=2, infinite=True, slow=0.05)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
-    for p in _workers():
+    for p in _workers(before):
         os.kill(p.pid, signal.SIGTERM)
     more = [next(it) for _ in range(10)]
     assert [x["block"] for x in first + more] == list(range(13))
@@ -172,11 +179,13 @@ def test_workers_ignore_sigterm_and_the_stream_goes_on():
 
 @pytest.mark.slow
 def test_a_killed_worker_is_named_at_the_next_fetch_and_the_state_is_exact():
+    before = _children()
     loader = _loader(workers=2, infinite=True, slow=0.05)
     it = iter(loader)
     for _ in range(4):
         next(it)
-    victim = _workers()[0]
+    workers = _workers(before)
+    victim = workers[0]
     os.kill(victim.pid, signal.SIGKILL)
     t0 = time.time()
     while time.time() - t0 < 1.0:  # no asynchronous raise outside a fetch
@@ -192,5 +201,5 @@ def test_a_killed_worker_is_named_at_the_next_fetch_and_the_state_is_exact():
     resumed.load_state_dict(state)
     nxt = next(iter(resumed))
     assert nxt["block"] == state["sampler"]["cursor"]  # nothing lost, nothing repeated
-    time.sleep(0.5)
-    assert not [p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
