@@ -34,7 +34,7 @@ from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.image import ImageLoader, load_and_scale
 from lit_roidata.minibatch.mask import decode_rle_into, segm_as_rle, segm_polygons
 from lit_roidata.minibatch.roidb_blob import LVIS_KEYS
-from lit_roidata.minibatch.shm_pool import pooled_reduce
+from lit_roidata.minibatch.shm_pool import ARENA_ALIAS, pooled_reduce
 from lit_roidata.minibatch.transport import shared_empty
 
 __all__ = ["TorchvisionBatch", "to_continuous_boxes", "build_torchvision_batch"]
@@ -45,6 +45,8 @@ class TorchvisionBatch(tuple):
     device transfer: Lightning rebuilds tuples and drops the attribute)."""
 
     meta: dict[str, Any] | None = None
+    shm_arena: Any = None  # a worker's shared-memory pool slot
+    _shm_arena = ARENA_ALIAS
 
     def __new__(cls, items: Any = (), meta: dict[str, Any] | None = None) -> "TorchvisionBatch":
         obj = super().__new__(cls, items)
@@ -52,9 +54,8 @@ class TorchvisionBatch(tuple):
         return obj
 
     def __reduce__(self) -> tuple:
-        arena = self.__dict__.get("_shm_arena")  # a worker's shared-memory pool slot
-        if arena is not None:
-            return pooled_reduce(TorchvisionBatch, (tuple(self), self.meta), arena)
+        if self.shm_arena is not None:
+            return pooled_reduce(TorchvisionBatch, (tuple(self), self.meta), self.shm_arena)
         return (TorchvisionBatch, (tuple(self), self.meta))
 
 

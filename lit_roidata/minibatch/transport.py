@@ -22,8 +22,6 @@ and the tensors travel as descriptors into it (see that module).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from typing import Any
 
@@ -31,6 +29,7 @@ import numpy as np
 import torch
 
 from lit_roidata.minibatch import shm_pool
+from lit_roidata.osutil import malloc_trim
 
 __all__ = ["packed", "PackedBlobs", "shared_empty", "transfer_report", "trim_heap"]
 
@@ -41,16 +40,17 @@ SMALL_LIMIT = 1 << 26  # everything not already in shared memory
 class PackedBlobs(dict):
     """A dict that pickles its small tensors into one buffer (see module doc).
 
-    With a shared-memory pool slot (``_shm_arena``, set by the worker's dataset), the
+    With a shared-memory pool slot (``shm_arena``, set by the worker's dataset), the
     buffer is carved from the slot and every slot tensor travels as a descriptor
     (:func:`~lit_roidata.minibatch.shm_pool.pooled_reduce`).
     """
 
     limit: int = SMALL_LIMIT
-    _shm_arena: Any = None
+    shm_arena: Any = None
+    _shm_arena = shm_pool.ARENA_ALIAS
 
     def __reduce__(self) -> tuple:
-        arena = self._shm_arena
+        arena = self.shm_arena
         if arena is None:
             return _unpack, _pack(self, self.limit)
         return shm_pool.pooled_reduce(_unpack, _pack(self, self.limit, arena), arena)
@@ -63,29 +63,8 @@ def packed(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> PackedBlobs:
     return out
 
 
-_MALLOC_TRIM: Any = None
-
-
-def trim_heap() -> bool:
-    """Return the C heap's free memory to the OS (glibc ``malloc_trim(0)``).
-
-    A worker frees a few MB of decode/resize temporaries per image; glibc keeps freed
-    heap memory (and raises its mmap threshold after large frees, so later large
-    buffers come from the heap too), which shows as private memory growing with the
-    number of batches. Trimming once per block keeps it flat; it costs well under a
-    millisecond. Returns False where there is no glibc (nothing is done).
-    """
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-            _MALLOC_TRIM.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM is False:
-        return False
-    _MALLOC_TRIM(0)
-    return True
+#: Former name of :func:`lit_roidata.osutil.malloc_trim` (the loader's workers call it).
+trim_heap = malloc_trim
 
 
 def shared_empty(shape: tuple[int, ...], dtype: Any, *, pool: bool = True) -> torch.Tensor:
@@ -108,7 +87,7 @@ def shared_empty(shape: tuple[int, ...], dtype: Any, *, pool: bool = True) -> to
             return t
     numel = math.prod(int(x) for x in shape)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    storage = shm_pool.new_shared_storage(max(nbytes, 1))
     return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(int(x) for x in shape))
 
 
