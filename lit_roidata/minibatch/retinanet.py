@@ -20,7 +20,7 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, anchor_gt_overlaps, concat_fields, level_offsets, retinanet_fields,
+    FieldOfAnchors, concat_fields, inside_anchors, level_offsets, retinanet_fields, rpn_overlaps,
     scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import get_retinanet_blob_names
@@ -104,9 +104,9 @@ def label_retinanet_anchors(
         ``NEGATIVE_OVERLAP``.
     """
     n = all_anchors.shape[0]
-    inside = np.ones(n, dtype=bool)
+    every = inside_anchors(fields, 0, 0, -1.0)  # no straddle filter
     below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
-    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
+    cand, overlaps = rpn_overlaps(fields, all_anchors, every, gt, below)
     a2g_max = np.zeros(n, dtype=np.float32)
     g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
     if len(cand):
