@@ -16,7 +16,7 @@ uses OpenCV's ``LUT``); :func:`finish_batch` is what
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import cv2
 import numpy as np
@@ -138,13 +138,17 @@ def expand_masks_on_device(masks: torch.Tensor, classes: torch.Tensor,
     return out.view(n, num_classes * m2)
 
 
-def expand_rpn_targets(compact: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def expand_rpn_targets(compact: Mapping[str, torch.Tensor], *,
+                       new: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
     """Detectron's RPN wide blobs from the compact ones (``target_format="compact"``).
 
     Args:
         compact: the five ``rpn_compact_*`` tensors of
             :func:`lit_roidata.minibatch.rpn.add_rpn_blobs` (``compact=True``), all on
             one device.
+        new: ``(shape, dtype) -> zeroed tensor`` for the blobs (default ``torch.zeros``
+            on that device), e.g. shared memory in a DataLoader worker.
 
     Returns:
         ``rpn_labels_int32_wide``, ``rpn_bbox_targets_wide``,
@@ -159,14 +163,16 @@ def expand_rpn_targets(compact: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     targets = compact["rpn_compact_bbox_targets"]
     weights = compact["rpn_compact_outside_weights"]
     n, dev = int(weights.shape[0]), weights.device
+    if new is None:
+        def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=dev)
     out: dict[str, torch.Tensor] = {}
     lo = 0
     for lvl, a, f in layout:
         hi = lo + f * f * a
         names = [k if lvl < 0 else f"{k}_fpn{lvl}" for k in _RPN_KINDS]
-        labels = torch.full((n, a, f, f), -1, dtype=torch.int32, device=dev)
-        tgt, inw, outw = (torch.zeros((n, 4 * a, f, f), dtype=torch.float32, device=dev)
-                          for _ in range(3))
+        labels = new((n, a, f, f), torch.int32).fill_(-1)
+        tgt, inw, outw = (new((n, 4 * a, f, f), torch.float32) for _ in range(3))
         sel = rows[(rows[:, 1] >= lo) & (rows[:, 1] < hi)]
         img, cell, anc = _split(sel[:, 0], sel[:, 1] - lo, a)
         lab = sel[:, 2].to(torch.int32)
