@@ -410,9 +410,8 @@ def _inside_anchors(keys: Keys, im_h: float, im_w: float, t: float) -> InsideAnc
     return out
 
 
-def rpn_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray,
-                 inside: InsideAnchors, gt: np.ndarray, below: float
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def rpn_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
+                 gt: np.ndarray, below: float) -> tuple[np.ndarray, np.ndarray]:
     """IoUs of inside anchors against gt boxes, only where they can reach a threshold or
     a gt's best match (RPN and RetinaNet labelling).
 
@@ -470,9 +469,8 @@ def rpn_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray,
     return cand, overlaps
 
 
-def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray,
-                     y0: np.ndarray, y1: np.ndarray,
-                     useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray, y0: np.ndarray,
+                     y1: np.ndarray, useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(anchor index, gt index) of every cell of the ``(shape, gt)`` rectangles
     ``[x0, x1) x [y0, y1)`` (float arrays ``(S, G)``) where ``useful``, enumerated with
     ``repeat``/``divmod``, no loop over boxes."""

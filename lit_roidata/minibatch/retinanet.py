@@ -30,15 +30,9 @@ __all__ = ["add_retinanet_blobs", "label_retinanet_anchors", "get_retinanet_blob
 _ONES4 = (1.0, 1.0, 1.0, 1.0)
 
 
-def add_retinanet_blobs(
-    blobs: MutableMapping[str, Any],
-    im_scales: Sequence[float],
-    entries: Sequence[Mapping[str, Any]],
-    cfg: Any,
-    rng: rng_mod.RNG | None = None,
-    *,
-    compact: bool = False,
-) -> bool:
+def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
+                        entries: Sequence[Mapping[str, Any]], cfg: Any,
+                        rng: rng_mod.RNG | None = None, *, compact: bool = False) -> bool:
     """Add ``im_info``, ``retnet_fg_num``, ``retnet_bg_num`` and the per-level blobs (Detectron
     semantics: RetinaNet targets).
 
@@ -51,13 +45,10 @@ def add_retinanet_blobs(
         im_scales: the scale of each image.
         entries: roidb entries (Detectron field names).
         cfg: a ``DetectronConfig`` with ``FPN.FPN_ON``.
-        compact: ship each level's class labels (mostly 0, background) sparsely: in
-            place of ``retnet_cls_labels_fpn<l>`` the blobs ``..._fpn<l>_sparse`` (int32
-            ``(K, 2)`` rows ``(flat index, label)`` of the non-zero labels, the flat
-            index into the C-ordered ``(n, A, h, w)`` blob) and ``..._fpn<l>_shape``
-            (int64 ``(4,)``, that shape);
-            :func:`lit_roidata.minibatch.device.expand_sparse` restores the blob bit
-            for bit. The other blobs are unchanged (they already list positives only).
+        compact: ship each level's class labels (mostly 0, background) sparsely, as
+            ``retnet_cls_labels_fpn<l>_sparse`` and ``..._shape`` in place of
+            ``retnet_cls_labels_fpn<l>`` (docs/rpn_retinanet.md, "What crosses from a
+            worker"); :func:`lit_roidata.minibatch.device.expand_sparse` restores it.
 
     Returns:
         True: RetinaNet minibatches are always valid.
@@ -90,10 +81,9 @@ def add_retinanet_blobs(
     return True
 
 
-def label_retinanet_anchors(
-    all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
-    gt_classes: np.ndarray, retina: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors],
+                            gt: np.ndarray, gt_classes: np.ndarray, retina: Any
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Label all anchors of one image (Detectron semantics: RetinaNet targets steps 1-3).
 
     Returns:
@@ -140,7 +130,11 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
     num_aspects = len(retina.ASPECT_RATIOS)
     offsets = level_offsets(fields)
     field_ids = np.arange(len(fields))
-    for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1):
+    levels = range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)
+    if compact:  # written again below in blob order, the sparse pair in the labels' place
+        for k in [k for k in blobs if k.startswith("retnet_") and "_fpn" in k]:
+            del blobs[k]
+    for lvl in levels:
         ids = field_ids[[int(round(np.log2(f.stride))) == lvl for f in fields]]
         f0 = fields[ids[0]]
         size, stride = f0.field_size, f0.stride
@@ -180,20 +174,6 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
             blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
         blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = _rows(tgt_rows)
         blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = _rows(loc_rows)
-    if compact:  # the sparse pair takes the place of the dense labels (blob order)
-        items = dict(blobs)
-        blobs.clear()
-        done: set[str] = set()
-        for k, v in items.items():
-            if k in done:
-                continue
-            base = k.removesuffix("_sparse").removesuffix("_shape")
-            if base.startswith("retnet_cls_labels_fpn") and f"{base}_sparse" in items:
-                for part in (f"{base}_sparse", f"{base}_shape"):
-                    blobs[part] = items[part]
-                done.update((base, f"{base}_sparse", f"{base}_shape"))
-            else:
-                blobs[k] = v
 
 
 def _sparse_rows(level_labels: np.ndarray, i: int, shape: tuple[int, ...],

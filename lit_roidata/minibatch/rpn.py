@@ -250,8 +250,7 @@ def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
     return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))
 
 
-def _draw_negatives(bg_cand: np.ndarray, num_bg: int, rng: rng_mod.RNG,
-                    fix: bool) -> np.ndarray:
+def _draw_negatives(bg_cand: np.ndarray, num_bg: int, rng: rng_mod.RNG, fix: bool) -> np.ndarray:
     """At most ``num_bg`` of the candidate negatives (a boolean mask over the anchors)."""
     bg_inds = np.flatnonzero(bg_cand)
     pos = _negative_positions(len(bg_inds), num_bg, rng, fix)

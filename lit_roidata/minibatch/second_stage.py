@@ -41,15 +41,8 @@ _PASS_THROUGH = ("segms", "gt_keypoints", "has_visible_keypoints", "id", "image"
                  "height", "flipped", "dataset")
 
 
-def proposal_labels(
-    rois: Any,
-    entries: Any,
-    im_scales: Any,
-    cfg: Any,
-    rng: rng_mod.RNG,
-    *,
-    scores: Any = None,
-) -> dict[str, Any]:
+def proposal_labels(rois: Any, entries: Any, im_scales: Any, cfg: Any, rng: rng_mod.RNG, *,
+                    scores: Any = None) -> dict[str, Any]:
     """The Fast R-CNN / Mask / Keypoint blobs for a minibatch's RPN proposals.
 
     Args:

@@ -94,8 +94,7 @@ class ShmPool:
         slot_bytes: capacity of a slot (virtual; written pages only cost memory).
     """
 
-    def __init__(self, num_workers: int, slots: int, slot_bytes: int = DEFAULT_SLOT_BYTES
-                 ) -> None:
+    def __init__(self, num_workers: int, slots: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         if num_workers < 1 or slots < 1 or slot_bytes < _ALIGN:
             raise ValueError(f"ShmPool needs num_workers >= 1, slots >= 1 and slot_bytes >= "
                              f"{_ALIGN}; got {num_workers}, {slots}, {slot_bytes}")
