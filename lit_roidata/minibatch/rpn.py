@@ -29,8 +29,8 @@ import torch
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, inside_mask, rpn_fields,
-    rpn_overlaps, scaled_noncrowd_gt)
+    FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, rpn_fields, rpn_overlaps,
+    scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
@@ -161,18 +161,7 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
         the number of examples (weights are ``1/num_examples``).
     """
     inside = inside_anchors(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-    sparse = _label_sparse(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
-    if sparse is not None:
-        labelled, lab, fg_inds = sparse
-    else:
-        # Labels live on all K anchors (outside ones stay -1): the draws pick by position
-        # in the ascending index arrays, the same with or without the outside ones.
-        mask = inside_mask(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-        labels, a2g_max = _positives(fields, all_anchors, mask, inside, gt, train,
-                                     fix_rpn_quirks)
-        fg_inds = _sample(labels, a2g_max, mask, train, rng, fix_rpn_quirks)
-        labelled = np.flatnonzero(labels >= 0)
-        lab = labels[labelled]
+    labelled, lab, fg_inds = _label(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
     fg_anchors = all_anchors[fg_inds]
     # The exact dense argmax (ties -> lowest gt), only for the <= 128 anchors that need it.
     assigned = (bbox_overlaps(fg_anchors, gt).argmax(axis=1) if len(fg_inds)
@@ -181,30 +170,31 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
     return labelled, lab, fg_inds, targets, float(len(labelled))
 
 
-def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray,
-                  inside: InsideAnchors, gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """:func:`_positives` + :func:`_sample` on index sets instead of K-long label arrays.
+def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
+           gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Detectron's positives, positive subsampling and negatives on index sets, not on
+    K-long label arrays: ``(labelled, labels, fg)``.
 
-    The same draws on the same ascending index arrays, so the same result; only the
-    K-long passes that cannot matter are skipped (outside the IoU candidates every
-    anchor's max IoU is below both thresholds, :func:`rpn_overlaps`), and the negatives
-    are picked by position in the inside anchors minus the excluded ones without listing
-    them (:meth:`InsideAnchors.select`). Returns None where the general path is needed:
-    no inside anchor, a non-positive threshold, or Detectron quirk Q2
-    (docs/detectron_quirks.md) (a gt with zero IoU to every inside anchor makes all of
-    them positive).
+    The same draws on the same ascending index arrays as Detectron. Only anchors with an
+    IoU that can matter are visited (outside the candidates of :func:`rpn_overlaps` every
+    anchor's max IoU is below both thresholds), and the negatives are picked by position
+    in the inside anchors minus the excluded ones without listing them
+    (:meth:`InsideAnchors.select`). Where that does not hold (a non-positive threshold,
+    or Detectron quirk Q2: a gt with zero IoU to every inside anchor makes all of them
+    positive) every inside anchor is a candidate.
     """
     pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
-    if pos_t <= 0 or neg_t <= 0 or inside.count == 0:
-        return None
-    cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
-    if len(cand) == 0:
-        return None
+    if inside.count == 0:  # Detectron crashes in argmax here; nothing to label
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64)
+    cand = np.zeros(0, np.int64)
+    if pos_t > 0 and neg_t > 0:
+        cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
+    if not len(cand) or not (fix or overlaps.max(axis=0).all()):
+        cand = inside.select(np.arange(inside.count))
+        overlaps = bbox_overlaps(all_anchors[cand], gt)
     a2g = overlaps.max(axis=1)
     g2a = overlaps.max(axis=0)
-    if not fix and (g2a == 0).any():
-        return None
     best = overlaps == g2a[None, :]
     if fix:
         best &= (g2a > 0)[None, :]
@@ -248,62 +238,3 @@ def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
     if fix:
         return np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False))
     return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))
-
-
-def _draw_negatives(bg_cand: np.ndarray, num_bg: int, rng: rng_mod.RNG, fix: bool) -> np.ndarray:
-    """At most ``num_bg`` of the candidate negatives (a boolean mask over the anchors)."""
-    bg_inds = np.flatnonzero(bg_cand)
-    pos = _negative_positions(len(bg_inds), num_bg, rng, fix)
-    return bg_inds if pos is None else bg_inds[pos]
-
-
-def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
-               rects: InsideAnchors, gt: np.ndarray, train: Any,
-               fix: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor
-    (``inside``: the straddle mask; ``rects``: the same set as rectangles)."""
-    below = min(train.RPN_NEGATIVE_OVERLAP, train.RPN_POSITIVE_OVERLAP)
-    cand, overlaps = rpn_overlaps(fields, all_anchors, rects, gt, below=below)
-    labels = np.full(all_anchors.shape[0], -1, dtype=np.int32)
-    a2g_max = np.zeros(all_anchors.shape[0], dtype=np.float32)
-    if not inside.any():  # Detectron crashes in argmax here; nothing to label
-        return labels, a2g_max
-    g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
-    if len(cand):
-        a2g_max[cand] = overlaps.max(axis=1)
-        g2a_max = overlaps.max(axis=0)
-    best = overlaps == g2a_max[None, :]
-    if fix:
-        best &= (g2a_max > 0)[None, :]
-    labels[cand[best.any(axis=1)]] = 1
-    if not fix and (g2a_max == 0).any():
-        zero = inside.copy()
-        zero[cand] = False
-        # Detectron quirk Q2 (docs/detectron_quirks.md): zero IoU to that gt equals its (zero) best
-        # overlap
-        labels[zero] = 1
-    if train.RPN_POSITIVE_OVERLAP <= 0:
-        labels[inside] = 1
-    else:
-        labels[a2g_max >= train.RPN_POSITIVE_OVERLAP] = 1
-    return labels, a2g_max
-
-
-def _sample(labels: np.ndarray, a2g_max: np.ndarray, inside: np.ndarray, train: Any,
-            rng: rng_mod.RNG, fix: bool) -> np.ndarray:
-    """Subsample positives, then draw negatives (in place); returns the positives."""
-    num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
-    fg_inds = positives = np.flatnonzero(labels == 1)
-    if len(fg_inds) > num_fg:
-        disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
-        labels[disable] = -1
-        fg_inds = np.flatnonzero(labels == 1)
-    if not inside.any():
-        return fg_inds
-    num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
-    bg_cand = (a2g_max < train.RPN_NEGATIVE_OVERLAP) & inside
-    if fix:
-        bg_cand[positives] = False
-    bg_inds = _draw_negatives(bg_cand, num_bg, rng, fix)
-    labels[bg_inds] = 0
-    return fg_inds
