@@ -240,22 +240,19 @@ def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[fl
                        expand_compact_targets: bool = True) -> MutableMapping[str, Any]:
     """Turn a worker's compact blobs into Detectron's, in place, on their device.
 
-    Normalises a uint8 ``data`` blob (:func:`normalize_on_device`, using
-    ``_meta["image_sizes"]``) and expands compact masks (``mask_class_int32`` present)
-    with :func:`expand_masks_on_device`; ``mask_class_int32`` is removed; and expands
-    compact RPN / RetinaNet targets with :func:`expand_targets` (unless
-    ``expand_compact_targets=False``: a model that computes its loss on the sampled
-    anchors keeps them). A batch that is already in Detectron's format is returned
-    unchanged. Meant for ``LightningDataModule.on_after_batch_transfer``.
-    ``image_sizes`` (``(n, 2)`` unpadded ``(h, w)``), when given, is used instead of the
-    ``_meta`` lookup.
+    Normalises a uint8 ``data`` blob (:func:`normalize_on_device` with ``image_sizes``,
+    ``(n, 2)`` unpadded ``(h, w)``, by default ``_meta["image_sizes"]`` or
+    ``_meta["im_info"]``), expands compact masks (``mask_class_int32``, then removed) with
+    :func:`expand_masks_on_device`, and compact RPN / RetinaNet targets with
+    :func:`expand_targets` (unless ``expand_compact_targets=False``: a model that computes
+    its loss on the sampled anchors keeps them). A batch already in Detectron's format is
+    returned unchanged. Meant for ``LightningDataModule.on_after_batch_transfer``.
     """
     data = batch.get("data")
     if isinstance(data, torch.Tensor) and data.dtype == torch.uint8:
         meta = batch.get("_meta") or {}
-        sizes = meta.get("image_sizes") if image_sizes is None else image_sizes
-        if sizes is None:
-            sizes = meta.get("im_info")
+        sizes = next((x for x in (image_sizes, meta.get("image_sizes"), meta.get("im_info"))
+                      if x is not None), None)
         if sizes is None:
             raise ValueError("finalize_on_device: a uint8 'data' blob needs _meta['image_sizes'] "
                              "(or 'im_info') to zero the padding")
@@ -273,28 +270,16 @@ def finish_batch(batch: Any, cfg: Any, *, expand_compact_targets: bool = True) -
 
     A dict batch (``output_format="detectron"``, evaluation batches) is finished in place
     by :func:`finalize_on_device` with the config's ``PIXEL_MEANS`` and
-    ``MODEL.NUM_CLASSES`` and the unpadded image sizes of its ``_meta``; other batches
-    (``TorchvisionBatch``) are returned unchanged.
-
-    Args:
-        batch: the batch on its device.
-        cfg: the Detectron config the batch was built with.
-        expand_compact_targets: ``False`` keeps compact RPN / RetinaNet targets
-            (``target_format="compact_raw"``).
+    ``MODEL.NUM_CLASSES`` (image sizes: ``_meta``, else ``im_info``, else the whole
+    blob); other batches (``TorchvisionBatch``) are returned unchanged.
+    ``expand_compact_targets=False`` keeps compact RPN / RetinaNet targets
+    (``target_format="compact_raw"``).
     """
-    if isinstance(batch, dict):
-        finalize_on_device(batch, cfg.PIXEL_MEANS, int(cfg.MODEL.NUM_CLASSES),
-                           image_sizes=_image_sizes(batch) if "data" in batch else None,
-                           expand_compact_targets=expand_compact_targets)
-    return batch
-
-
-def _image_sizes(batch: Mapping[str, Any]) -> Any:
-    """``(n, 2)`` unpadded ``(h, w)`` of the images in ``batch["data"]``."""
-    meta = batch.get("_meta") or {}
-    if "image_sizes" in meta:
-        return meta["image_sizes"]
-    if "im_info" in batch:
-        return batch["im_info"]
-    n, _, h, w = batch["data"].shape
-    return [[h, w]] * n
+    if not isinstance(batch, dict):
+        return batch
+    data, sizes = batch.get("data"), None
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 4:
+        n, _, h, w = data.shape
+        sizes = (batch.get("_meta") or {}).get("image_sizes", batch.get("im_info", [[h, w]] * n))
+    return finalize_on_device(batch, cfg.PIXEL_MEANS, int(cfg.MODEL.NUM_CLASSES),
+                              image_sizes=sizes, expand_compact_targets=expand_compact_targets)

@@ -174,15 +174,11 @@ def _entry_columns(e: Mapping[str, Any], dev: torch.device) -> dict[str, Any]:
 
 def _cat_gt(cols: list[dict[str, Any]], dev: torch.device) -> dict[str, torch.Tensor]:
     """Every image's gt rows (``gt_classes > 0``, crowd included), with image and row ids."""
-    parts: dict[str, list[torch.Tensor]] = {"boxes": [], "cls": [], "crowd": [], "row": [],
-                                            "img": []}
-    for i, c in enumerate(cols):
-        rows = torch.nonzero(c["gt_classes"] > 0).reshape(-1)
-        parts["boxes"].append(c["boxes"][rows])
-        parts["cls"].append(c["gt_classes"][rows].to(torch.int64))
-        parts["crowd"].append(c["is_crowd"][rows])
-        parts["row"].append(rows)
-        parts["img"].append(torch.full_like(rows, i))
+    rows = [torch.nonzero(c["gt_classes"] > 0).reshape(-1) for c in cols]
+    parts = {"boxes": [c["boxes"][r] for c, r in zip(cols, rows)],
+             "cls": [c["gt_classes"][r].to(torch.int64) for c, r in zip(cols, rows)],
+             "crowd": [c["is_crowd"][r] for c, r in zip(cols, rows)], "row": rows,
+             "img": [torch.full_like(r, i) for i, r in enumerate(rows)]}
     return {k: torch.cat(v) if v else torch.zeros(0, device=dev) for k, v in parts.items()}
 
 
@@ -207,33 +203,28 @@ def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
     iou = _masked_iou(props, img, gt["boxes"], gt["img"])
     best, arg = iou.max(dim=1)  # first maximal gt on ties
     hit = best > 0
-    zero = torch.zeros_like(best)
-    return (torch.where(hit, best, zero),
+    return (torch.where(hit, best, torch.zeros_like(best)),
             torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
-            torch.where(hit, gt["row"][arg].to(torch.int32), torch.full_like(arg, -1).to(torch.int32)))
+            torch.where(hit, gt["row"][arg], torch.full_like(arg, -1)).to(torch.int32))
 
 
 def _merged_rows(cols: list[dict[str, Any]], props: torch.Tensor, p_max: torch.Tensor,
                  p_cls: torch.Tensor, p_map: torch.Tensor, counts: list[int],
                  dev: torch.device) -> dict[str, torch.Tensor]:
     """Concatenate, image by image, the entry's rows and then its proposal rows."""
+    new = {"boxes": props, "box_to_gt_ind_map": p_map, "max_overlaps": p_max,
+           "max_classes": p_cls}  # the proposal rows' own values; the others are zero
     out: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
         "max_overlaps", "max_classes")}
     start = 0
     for i, (c, p) in enumerate(zip(cols, counts)):
-        sl = slice(start, start + p)
-        start += p
         out["img"].append(torch.full((c["n"] + p,), i, dtype=torch.int64, device=dev))
-        out["boxes"].append(torch.cat([c["boxes"], props[sl]]))
-        out["gt_classes"].append(torch.cat([c["gt_classes"],
-                                            torch.zeros(p, dtype=torch.int32, device=dev)]))
-        out["is_crowd"].append(torch.cat([c["is_crowd"],
-                                          torch.zeros(p, dtype=torch.bool, device=dev)]))
-        out["seg_areas"].append(torch.cat([c["seg_areas"], torch.zeros(p, device=dev)]))
-        out["box_to_gt_ind_map"].append(torch.cat([c["box_to_gt_ind_map"], p_map[sl]]))
-        out["max_overlaps"].append(torch.cat([c["max_overlaps"], p_max[sl]]))
-        out["max_classes"].append(torch.cat([c["max_classes"], p_cls[sl]]))
+        for k in list(out)[1:]:
+            tail = (new[k][start:start + p] if k in new
+                    else torch.zeros(p, dtype=c[k].dtype, device=dev))
+            out[k].append(torch.cat([c[k], tail]))
+        start += p
     return {k: torch.cat(v) for k, v in out.items()}
 
 
