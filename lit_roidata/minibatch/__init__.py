@@ -26,21 +26,11 @@ from lit_roidata.minibatch.image import PIXEL_FORMATS, get_image_blob, normalize
 from lit_roidata.minibatch.names import get_minibatch_blob_names
 from lit_roidata.minibatch.second_stage import proposal_labels
 
-__all__ = [
-    "BadImageError",
-    "PIXEL_FORMATS",
-    "build_minibatch",
-    "get_image_blob",
-    "get_minibatch",
-    "get_minibatch_blob_names",
-    "normalize_on_device",
-    "proposal_labels",
-]
-
-_LAZY_MODULES = ("rpn", "retinanet", "anchors", "torchvision_format", "augment")
+__all__ = ["BadImageError", "PIXEL_FORMATS", "build_minibatch", "get_image_blob", "get_minibatch",
+           "get_minibatch_blob_names", "normalize_on_device", "proposal_labels"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_MODULES:
+    if name in ("rpn", "retinanet", "anchors", "torchvision_format", "augment"):
         return importlib.import_module(f"lit_roidata.minibatch.{name}")
     raise AttributeError(f"module 'lit_roidata.minibatch' has no attribute {name!r}")

@@ -111,41 +111,18 @@ def decode_rgb(data: bytes) -> np.ndarray:
     return cv2.cvtColor(decode_bgr(data), cv2.COLOR_BGR2RGB)  # SIMD; faster than [..., ::-1]
 
 
-def load_image(entry: Mapping[str, Any]) -> np.ndarray:
-    """Read, decode, size-check and (for flipped entries) mirror one roidb image.
+def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
+    """Read, decode (``decode``, default :func:`decode_bgr`), size-check and (for flipped
+    entries) mirror one roidb image: ``(height, width, 3)`` uint8, C-contiguous.
 
     The decoded size must equal the roidb's ``height``/``width``: Detectron computes
     the scale from the decoded image but places every target with the JSON size
-    (Detectron quirk Q10, docs/detectron_quirks.md), so a mismatch silently misaligns targets there;
-    here it is an error.
-
-    Args:
-        entry: a roidb entry (``image``, ``id``, ``width``, ``height``, ``flipped``).
-
-    Returns:
-        ``(height, width, 3)`` BGR uint8 array, C-contiguous.
+    (Detectron quirk Q10, docs/detectron_quirks.md), so a mismatch silently misaligns
+    targets there; here it is an error.
 
     Raises:
         BadImageError: missing/unreadable/undecodable file or size mismatch.
     """
-    return _load(entry, decode_bgr)
-
-
-def load_image_rgb(entry: Mapping[str, Any]) -> np.ndarray:
-    """:func:`load_image` with the channels in RGB order (its ``channel_order``
-    attribute says so, and the blob builders write each channel into its BGR plane).
-
-    Raises:
-        BadImageError: missing/unreadable/undecodable file or size mismatch.
-    """
-    return _load(entry, decode_rgb)
-
-
-load_image_rgb.channel_order = "rgb"  # type: ignore[attr-defined]
-
-
-def _load(entry: Mapping[str, Any], decode: Any) -> np.ndarray:
-    """:func:`load_image` with the decoder ``decode`` (its channel order)."""
     path = entry["image"]
     try:
         with open(path, "rb") as fh:
@@ -155,7 +132,7 @@ def _load(entry: Mapping[str, Any], decode: Any) -> np.ndarray:
                      "check the dataset's image directory in the catalog and that the file "
                      "exists and is readable") from exc
     try:
-        im = decode(data)
+        im = (decode or decode_bgr)(data)
     except ValueError as exc:
         raise _error(entry, "undecodable", f"cannot decode the image ({exc})",
                      "re-download or re-encode the file, or set on_bad_image='skip' to skip "
@@ -175,3 +152,16 @@ def _load(entry: Mapping[str, Any], decode: Any) -> np.ndarray:
     if entry.get("flipped", False):
         im = cv2.flip(im, 1)  # == im[:, ::-1], contiguous
     return im
+
+
+def load_image_rgb(entry: Mapping[str, Any]) -> np.ndarray:
+    """:func:`load_image` with the channels in RGB order (its ``channel_order``
+    attribute says so, and the blob builders write each channel into its BGR plane).
+
+    Raises:
+        BadImageError: missing/unreadable/undecodable file or size mismatch.
+    """
+    return load_image(entry, decode_rgb)
+
+
+load_image_rgb.channel_order = "rgb"  # type: ignore[attr-defined]

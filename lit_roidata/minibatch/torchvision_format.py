@@ -31,7 +31,7 @@ import torch
 from torchvision import tv_tensors
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.minibatch.image import ImageLoader, load_and_scale
+from lit_roidata.minibatch.image import ImageLoader, load_and_scale, split_into
 from lit_roidata.minibatch.mask import decode_rle_into, segm_as_rle, segm_polygons
 from lit_roidata.minibatch.roidb_blob import LVIS_KEYS
 from lit_roidata.minibatch.shm_pool import ARENA_ALIAS, pooled_reduce
@@ -112,12 +112,9 @@ def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv
         t = shared_empty((c, h, w), im.dtype)
     else:
         t = torch.from_numpy(np.empty((c, h, w), dtype=im.dtype))
-    out = t.numpy()
-    # uint8: BGR -> RGB. cv2.split de-interleaves (SIMD) straight into the planes.
-    planes = [out[i] for i in (range(c - 1, -1, -1) if pixel_format == "uint8" else range(c))]
-    for plane, got in zip(planes, cv2.split(im, planes)):
-        if not np.shares_memory(plane, got):  # OpenCV could not write in place
-            plane[...] = got
+    out = t.numpy()  # uint8: BGR -> RGB
+    split_into(im, [out[i] for i in (range(c - 1, -1, -1) if pixel_format == "uint8"
+                                     else range(c))])
     return tv_tensors.Image(t)
 
 
