@@ -22,13 +22,11 @@ import cv2
 import numpy as np
 import torch
 
+from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS
+
 __all__ = ["normalize_on_device", "expand_masks_on_device", "expand_rpn_targets",
            "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch"]
 
-_RPN_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
-              "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
-_RPN_COMPACT = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
-                "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 
 _LUT_CACHE: dict[tuple, torch.Tensor] = {}
@@ -170,7 +168,7 @@ def expand_rpn_targets(compact: Mapping[str, torch.Tensor], *,
     lo = 0
     for lvl, a, f in layout:
         hi = lo + f * f * a
-        names = [k if lvl < 0 else f"{k}_fpn{lvl}" for k in _RPN_KINDS]
+        names = [k if lvl < 0 else f"{k}_fpn{lvl}" for k in RPN_BLOB_KINDS]
         labels = new((n, a, f, f), torch.int32).fill_(-1)
         tgt, inw, outw = (new((n, 4 * a, f, f), torch.float32) for _ in range(3))
         sel = rows[(rows[:, 1] >= lo) & (rows[:, 1] < hi)]
@@ -217,15 +215,15 @@ def expand_targets(batch: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     blob order again (:func:`~lit_roidata.minibatch.get_minibatch_blob_names`). A batch
     without compact targets is returned unchanged.
     """
-    has_rpn = _RPN_COMPACT[0] in batch
+    has_rpn = RPN_COMPACT_KEYS[0] in batch
     if not has_rpn and not any(k.endswith("_sparse") for k in batch):
         return batch
-    rpn = expand_rpn_targets({k: batch[k] for k in _RPN_COMPACT}) if has_rpn else {}
+    rpn = expand_rpn_targets({k: batch[k] for k in RPN_COMPACT_KEYS}) if has_rpn else {}
     items = dict(batch)
     batch.clear()
     for k, v in items.items():
-        if k in _RPN_COMPACT:
-            if k == _RPN_COMPACT[0]:
+        if k in RPN_COMPACT_KEYS:
+            if k == RPN_COMPACT_KEYS[0]:
                 batch.update(rpn)
         elif k.endswith("_sparse") and torch.is_tensor(v):
             base = k[: -len("_sparse")]

@@ -49,11 +49,6 @@ def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
     """
     HM = heatmap_size
     rois = np.asarray(rois, dtype=np.float32).reshape(-1, 4)
-    n, K = rois.shape[0], keypoints.shape[2]
-    heatmaps = np.zeros((n, K), dtype=np.float32)
-    weights = np.zeros((n, K), dtype=np.float32)
-    if n == 0:
-        return heatmaps, weights
     dx = rois[:, 2] - rois[:, 0]
     dy = rois[:, 3] - rois[:, 1]
     # Detectron quirk Q25 (docs/detectron_quirks.md) guard, a no-op for real
@@ -71,11 +66,8 @@ def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
     y = np.floor((y - rois[:, 1:2]) * scale_y)
     x[x_boundary] = HM - 1
     y[y_boundary] = HM - 1
-    valid = (x >= 0) & (y >= 0) & (x < HM) & (y < HM) & vis
-    valid = valid.astype(np.int32)
-    heatmaps[:] = (y * HM + x) * valid
-    weights[:] = valid
-    return heatmaps, weights
+    valid = ((x >= 0) & (y >= 0) & (x < HM) & (y < HM) & vis).astype(np.int32)
+    return ((y * HM + x) * valid).astype(np.float32), valid.astype(np.float32)
 
 
 def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str, Any],

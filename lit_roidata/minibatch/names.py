@@ -23,6 +23,10 @@ def _levels(lo: int, hi: int) -> range:
 #: The four "wide" RPN target blobs of one level (suffixed ``_fpn<l>`` with FPN).
 RPN_BLOB_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
                   "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
+#: The compact RPN targets a worker ships with ``target_format="compact"`` instead of the
+#: wide blobs (:func:`lit_roidata.minibatch.rpn.add_rpn_blobs`), in this order.
+RPN_COMPACT_KEYS = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
+                    "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 
 def get_rpn_blob_names(cfg: Any) -> list[str]:

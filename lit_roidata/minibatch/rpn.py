@@ -32,16 +32,11 @@ from lit_roidata.minibatch.anchors import (
     FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, rpn_fields, rpn_overlaps,
     scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
-from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
+from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
 __all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS",
            "RPN_COMPACT_KEYS"]
-
-#: The compact RPN targets a worker ships with ``target_format="compact"`` instead of
-#: the wide blobs (see :func:`add_rpn_blobs`), in this order.
-RPN_COMPACT_KEYS = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
-                    "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 _ONES4 = (1.0, 1.0, 1.0, 1.0)
 

@@ -71,16 +71,11 @@ ARENA_ALIAS = property(lambda self: self.shm_arena,
 class _Arena:
     """One block's use of one slot (worker side)."""
 
-    __slots__ = ("pool", "worker", "slot", "offset", "used")
+    __slots__ = ("pool", "worker", "slot", "index", "offset", "used")
 
     def __init__(self, pool: "ShmPool", worker: int, slot: int) -> None:
-        self.pool, self.worker, self.slot = pool, worker, slot
-        self.offset = 0
-        self.used = False  # some tensor of the sent batch lies in the slot
-
-    @property
-    def index(self) -> int:
-        return self.worker * self.pool.slots + self.slot
+        self.pool, self.worker, self.slot, self.index = pool, worker, slot, worker * pool.slots + slot
+        self.offset, self.used = 0, False  # used: some tensor of the sent batch lies in the slot
 
 
 class ShmPool:
@@ -112,8 +107,7 @@ class ShmPool:
         self._u8 = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages]
         self._np = [t.numpy() for t in self._u8]
         self._base = {int(t.data_ptr()): i for i, t in enumerate(self._u8)}
-        self.flags = flags.numpy()
-        self.counters = counters.numpy()
+        self.flags, self.counters = flags.numpy(), counters.numpy()
         self._dirty = [0] * len(storages)  # bytes of each slot written by this process
         self._leases = [0, 0]  # made, released (main process)
         self._outstanding: list[tuple[weakref.ref, int, int]] = []  # leases not yet freed
@@ -277,10 +271,7 @@ def end_block() -> None:
 
 def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A zeroed tensor in the current block's slot, or None (no slot, or it is full)."""
-    arena = getattr(_local, "arena", None)
-    if arena is None:
-        return None
-    return arena.pool._alloc(arena, shape, dtype)
+    return arena_tensor(getattr(_local, "arena", None), shape, dtype)
 
 
 def arena_tensor(arena: _Arena | None, shape: tuple[int, ...], dtype: torch.dtype,

@@ -123,11 +123,6 @@ def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str
     return out
 
 
-def _is_small(v: Any, limit: int) -> bool:
-    return (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_shared()
-            and v.numel() * v.element_size() <= limit)
-
-
 def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
     chunks: list[tuple[int, torch.Tensor]] = []
     offset = 0
@@ -138,7 +133,8 @@ def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
         for k, v in mapping.items():
             if isinstance(v, dict) and not isinstance(v, PackedBlobs):
                 items.append((k, "dict", walk(v)))
-            elif _is_small(v, limit):
+            elif (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_shared()
+                  and v.numel() * v.element_size() <= limit):
                 t = v.contiguous().reshape(-1)
                 raw = t.view(torch.uint8)
                 offset += (-offset) % _ALIGN
