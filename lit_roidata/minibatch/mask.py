@@ -210,11 +210,8 @@ def expand_class_specific_masks(masks: np.ndarray, class_labels: np.ndarray, num
         raise ValueError(f"mask target class {int(cls.max())} is >= MODEL.NUM_CLASSES "
                          f"({num_classes}); set MODEL.NUM_CLASSES to the dataset's class "
                          "count plus one (background)")
-    if alloc is None:
-        out = np.full((n, num_classes, m2), -1, dtype=np.int32)
-    else:
-        out = alloc((n, num_classes, m2), np.dtype(np.int32))
-        out.fill(-1)
+    out = (alloc or np.empty)((n, num_classes, m2), np.dtype(np.int32))
+    out.fill(-1)
     rows = np.flatnonzero(cls > 0)
     out[rows, cls[rows]] = masks[rows]
     return out.reshape(n, num_classes * m2)

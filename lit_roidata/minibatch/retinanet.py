@@ -140,17 +140,13 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
         size, stride = f0.field_size, f0.stride
         h, w = int(pad_h / stride), int(pad_w / stride)
         shape = (len(per_image), len(ids), min(h, size), min(w, size))
-        cls = None if compact else np.empty(shape, np.int32)
-        sparse = []
+        cls = np.empty(shape, np.int32)
         lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
         field_anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
                                      for j in ids], np.int64)
         tgt_rows, loc_rows = [], []
         for i, (labels, fg, targets) in enumerate(per_image):
-            if cls is None:
-                sparse.append(_sparse_rows(labels[lo:hi], i, shape, size))
-            else:
-                cls[i] = labels[lo:hi].reshape(len(ids), size, size)[:, :h, :w]
+            cls[i] = labels[lo:hi].reshape(len(ids), size, size)[:, :h, :w]
             sel = (fg >= lo) & (fg < hi)
             sel[sel] = labels[fg[sel]] > 0  # positives overwritten by negatives drop out
             local = fg[sel] - lo
@@ -166,26 +162,15 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
             locs = np.stack([np.full_like(y, i), 4 * l_cls + loc_stride * anchor_ind, y, x], 1)
             tgt_rows.append(targets[sel])
             loc_rows.append(locs.astype(np.float32))
-        if cls is None:
-            blobs[f"retnet_cls_labels_fpn{lvl}_sparse"] = (
-                np.concatenate(sparse) if sparse else np.zeros((0, 2), np.int32))
+        if compact:  # (flat index, label) of the non-zero labels, and the blob's shape
+            nz = np.flatnonzero(cls)
+            blobs[f"retnet_cls_labels_fpn{lvl}_sparse"] = np.stack(
+                [nz, cls.reshape(-1)[nz]], 1).astype(np.int32).reshape(-1, 2)
             blobs[f"retnet_cls_labels_fpn{lvl}_shape"] = np.array(shape, np.int64)
         else:
             blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
         blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = _rows(tgt_rows)
         blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = _rows(loc_rows)
-
-
-def _sparse_rows(level_labels: np.ndarray, i: int, shape: tuple[int, ...],
-                 size: int) -> np.ndarray:
-    """``(flat index, label)`` of image ``i``'s non-zero labels inside the crop."""
-    _, n_fields, h, w = shape
-    nz = np.flatnonzero(level_labels)
-    field, cell = np.divmod(nz, size * size)
-    y, x = np.divmod(cell, size)
-    keep = (y < h) & (x < w)
-    flat = ((i * n_fields + field[keep]) * h + y[keep]) * w + x[keep]
-    return np.stack([flat, level_labels[nz[keep]].astype(np.int32)], 1).astype(np.int32)
 
 
 def _rows(parts: list[np.ndarray]) -> np.ndarray:
