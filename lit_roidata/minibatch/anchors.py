@@ -47,7 +47,10 @@ def generate_anchors(stride: float = 16, sizes: Sequence[float] = (32, 64, 128, 
     ws = np.round(np.sqrt(w * h / ratios))
     hs = np.round(ws * ratios)
     ratio_anchors = _mkanchors(ws, hs, cx, cy)
-    out = [_mkanchors(*_scaled(ratio_anchors[i], scales)) for i in range(len(ratios))]
+    out = []
+    for anchor in ratio_anchors:  # each ratio's window scaled about its centre
+        w, h, cx, cy = _whctrs(anchor)
+        out.append(_mkanchors(w * scales, h * scales, cx, cy))
     return np.vstack(out) if out else np.zeros((0, 4), dtype=np.float64)
 
 
@@ -55,11 +58,6 @@ def _whctrs(anchor: np.ndarray) -> tuple[Any, Any, Any, Any]:
     w = anchor[2] - anchor[0] + 1
     h = anchor[3] - anchor[1] + 1
     return w, h, anchor[0] + 0.5 * (w - 1), anchor[1] + 0.5 * (h - 1)
-
-
-def _scaled(anchor: np.ndarray, scales: np.ndarray) -> tuple[Any, Any, Any, Any]:
-    w, h, cx, cy = _whctrs(anchor)
-    return w * scales, h * scales, cx, cy
 
 
 def _mkanchors(ws: np.ndarray, hs: np.ndarray, cx: float, cy: float) -> np.ndarray:

@@ -59,9 +59,7 @@ def _rebuild_bad_image(message: str, path: str, image_id: Any, dataset: str,
 def dataset_name(entry: Mapping[str, Any]) -> str:
     """The dataset name of an entry (``entry['dataset'].name``, or a plain string)."""
     ds = entry.get("dataset") if hasattr(entry, "get") else None
-    if ds is None:
-        return "<unknown dataset>"
-    return str(getattr(ds, "name", ds))
+    return "<unknown dataset>" if ds is None else str(getattr(ds, "name", ds))
 
 
 def describe_entry(entry: Mapping[str, Any]) -> str:

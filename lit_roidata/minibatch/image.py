@@ -96,12 +96,10 @@ def scale_image(im: np.ndarray, target_size: int, max_size: int, *, pixel_format
 def padded_shape(sizes: Sequence[tuple[int, int]], fpn_on: bool,
                  coarsest_stride: int) -> tuple[int, int]:
     """Batch canvas ``(Hmax, Wmax)``, rounded up to the stride when FPN is on."""
-    hmax = max(s[0] for s in sizes)
-    wmax = max(s[1] for s in sizes)
+    stride = float(coarsest_stride)
+    hmax, wmax = (max(s[k] for s in sizes) for k in (0, 1))
     if fpn_on:
-        stride = float(coarsest_stride)
-        hmax = int(math.ceil(hmax / stride) * stride)
-        wmax = int(math.ceil(wmax / stride) * stride)
+        hmax, wmax = (int(math.ceil(v / stride) * stride) for v in (hmax, wmax))
     return hmax, wmax
 
 

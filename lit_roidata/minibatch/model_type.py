@@ -37,15 +37,6 @@ _BASE: dict[str, dict[str, Any]] = {
 }
 
 
-def _fpn(name: str) -> dict[str, Any]:
-    flags = {"FPN.FPN_ON": True}
-    if name != "rpn_only":
-        flags["FPN.MULTILEVEL_ROIS"] = True  # second stage on P2..P5
-    if _BASE[name].get("RPN.RPN_ON"):
-        flags["FPN.MULTILEVEL_RPN"] = True  # anchors on P2..P6
-    return flags
-
-
 MODEL_TYPES: tuple[str, ...] = tuple(_BASE) + tuple(
     f"{name}_fpn" for name in _BASE if name != "retinanet")
 
@@ -72,10 +63,13 @@ def flags_for_model_type(model_type: str) -> dict[str, Any]:
         raise ValueError(f"unknown model_type {model_type!r}; choose one of "
                          f"{', '.join(MODEL_TYPES)} (or leave it unset and use Detectron's "
                          "MODEL/RPN/RETINANET/FPN flags)")
-    flags = dict(_OFF)
-    flags.update(_BASE[base])
+    flags = {**_OFF, **_BASE[base]}
     if name.endswith("_fpn"):
-        flags.update(_fpn(base))
+        flags["FPN.FPN_ON"] = True
+        if base != "rpn_only":
+            flags["FPN.MULTILEVEL_ROIS"] = True  # second stage on P2..P5
+        if _BASE[base].get("RPN.RPN_ON"):
+            flags["FPN.MULTILEVEL_RPN"] = True  # anchors on P2..P6
     return flags
 
 

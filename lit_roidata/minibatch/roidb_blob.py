@@ -58,10 +58,9 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
     def put(arr: Any) -> dict[str, Any]:
         nonlocal offset
         a = np.ascontiguousarray(arr)
-        raw = a.tobytes()
+        chunks.append(a.tobytes())
         desc = {"t": "a", "dtype": a.dtype.str, "shape": list(a.shape), "off": offset}
-        chunks.append(raw)
-        offset += len(raw)
+        offset += len(chunks[-1])
         return desc
 
     for entry in entries:

@@ -241,8 +241,7 @@ def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: An
     iou = _masked_iou(rows["boxes"][ex], rows["img"][ex], gt["boxes"], gt["img"], ok)
     # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8, docs/detectron_quirks.md)
     best, arg = iou.max(dim=1)
-    ex = ex[best >= 0]  # images without a non-crowd gt keep all-zero targets
-    arg = arg[best >= 0]
+    ex, arg = ex[best >= 0], arg[best >= 0]  # images without a non-crowd gt: all-zero targets
     cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG
            else rows["max_classes"][ex])
     targets[ex, 0] = cls.to(torch.float32)

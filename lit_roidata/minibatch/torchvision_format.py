@@ -100,8 +100,7 @@ def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.n
     kps = np.asarray(entry["gt_keypoints"])[rows].astype(np.float32)  # (N, 3, K)
     out = np.zeros((rows.size, kps.shape[2], 3), dtype=np.float32)
     vis = kps[:, 2, :] > 0
-    out[:, :, 0] = np.where(vis, (kps[:, 0, :] + 0.5) * scale, 0)
-    out[:, :, 1] = np.where(vis, (kps[:, 1, :] + 0.5) * scale, 0)
+    out[:, :, :2] = np.where(vis[..., None], (kps[:, :2, :].transpose(0, 2, 1) + 0.5) * scale, 0)
     out[:, :, 2] = kps[:, 2, :]
     return out
 

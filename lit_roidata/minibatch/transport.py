@@ -165,8 +165,7 @@ def _unpack(layout: list[tuple], buf: torch.Tensor) -> dict[str, Any]:
             out[k] = _unpack(payload, buf)
         elif kind == "view":
             off, n, dtype, shape = payload
-            raw = buf[off:off + n]
-            out[k] = raw.view(dtype).view(shape)
+            out[k] = buf[off:off + n].view(dtype).view(shape)
         else:
             out[k] = payload
     return out
