@@ -1,18 +1,9 @@
-"""Minibatch blobs: image blob and per-family training targets (Detectron semantics: minibatch
-primitives).
+"""Minibatch blobs: image blob and per-family training targets (docs/minibatch.md).
 
-Public API (a contract with the rest of ``lit_roidata``):
-
-* :func:`get_minibatch_blob_names` — blob names for the configured family (Detectron
-  semantics: blob names);
-* :func:`get_minibatch` — ``(blobs, valid)`` for a list of roidb entries;
-* :func:`get_image_blob` — Detectron's ``data`` blob and ``im_scales``;
-* :func:`normalize_on_device` — uint8 blob to Detectron's float blob on the device;
-* :func:`proposal_labels` — second-stage blobs from the model's own proposals (end to
-  end).
-
-``rpn``, ``retinanet``, ``anchors``, ``torchvision_format`` and ``augment`` are separate
-modules, imported on first use.
+Public API: :func:`get_minibatch_blob_names`, :func:`get_minibatch` (``(blobs, valid)``),
+:func:`build_minibatch`, :func:`get_image_blob`, :func:`normalize_on_device` and
+:func:`proposal_labels` (second stage, end to end). ``rpn``, ``retinanet``, ``anchors``,
+``torchvision_format`` and ``augment`` are imported on first use.
 """
 
 from __future__ import annotations

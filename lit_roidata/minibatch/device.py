@@ -1,17 +1,10 @@
 """Finish a worker's compact blobs on the training device (after the host-to-device copy).
 
-A few blobs dominate a worker's output when built as Detectron builds them: the image
-(``data``), for Mask R-CNN the class-specific ``masks_int32`` of shape
-``(n, NUM_CLASSES * M * M)`` that is -1 except one slot per row (65 MB per batch at
-COCO settings), and the RPN "wide" targets, four ``(n, ·, F, F)`` maps per FPN level
-that hold at most ``RPN_BATCH_SIZE_PER_IM`` non-fill values per image (45 MB per batch
-at 800x1333). Workers can ship all of them compactly (``pixel_format="uint8"``,
-``mask_format="compact"``, ``target_format="compact"``); :func:`finalize_on_device`
-restores Detectron's exact blobs on the device, where filling memory is nearly free
-(:func:`normalize_on_device` for the pixels, the ``expand_*`` functions for the targets).
-Every function here runs on the input's device (CPU or CUDA; the exact CPU pixel path
-uses OpenCV's ``LUT``); :func:`finish_batch` is what
-``RoIDataModule.on_after_batch_transfer`` runs.
+Workers can ship the large blobs compactly (``pixel_format="uint8"``,
+``mask_format="compact"``, ``target_format="compact"``: docs/minibatch.md and
+docs/rpn_retinanet.md); :func:`finalize_on_device` restores Detectron's exact blobs on the
+device, where filling memory is nearly free. Every function runs on the input's device
+(CPU or CUDA); :func:`finish_batch` is what ``RoIDataModule.on_after_batch_transfer`` runs.
 """
 
 from __future__ import annotations

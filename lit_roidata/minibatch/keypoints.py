@@ -1,16 +1,11 @@
-"""Keypoint R-CNN targets and minibatch validity (Detectron semantics: keypoint targets; minibatch
-validity).
+"""Keypoint R-CNN targets and minibatch validity (Detectron semantics: keypoint targets;
+minibatch validity).
 
-Kept from Detectron on purpose: keypoint RoIs are sampled independently of the box
-head's fg RoIs (Detectron quirk Q5, docs/detectron_quirks.md), rows without a gt wrap to the last gt
-like NumPy's ``-1`` index
-(Detectron quirk Q6, docs/detectron_quirks.md, harmless: such rows are never fg), and the loss
-normaliser uses nominal counts
-(Detectron quirk Q34, docs/detectron_quirks.md). Fixed: a zero-width (or zero-height) RoI, possible
-for end-to-end RPN
-proposals, divides by zero in Detectron (Detectron quirk Q25, docs/detectron_quirks.md); here its
-extent is taken as 1 pixel,
-the same guard the mask rasteriser uses, and every non-degenerate RoI is unchanged.
+Kept from Detectron on purpose (docs/detectron_quirks.md): keypoint RoIs are sampled
+independently of the box head's fg RoIs (Q5), rows without a gt wrap to the last gt like
+NumPy's ``-1`` index (Q6, harmless: such rows are never fg), and the loss normaliser uses
+nominal counts (Q34). Fixed: a zero-width (or zero-height) RoI divides by zero in
+Detectron (Q25); here its extent is taken as 1 pixel, as in the mask rasteriser.
 """
 
 from __future__ import annotations

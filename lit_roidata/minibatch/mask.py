@@ -1,17 +1,10 @@
 """Mask R-CNN targets for the sampled RoIs of one image (Detectron semantics: mask targets).
 
-Faithful to Detectron for polygon segmentations: each fg RoI takes the gt whose
-polygon *bounding box* has the highest IoU (+1 IoU, ties to the first), and the
-polygon is rasterised by pycocotools at ``M x M`` relative to the RoI with
-``w = max(x2 - x1, 1)`` (no +1, Detectron quirk Q25 (docs/detectron_quirks.md)). Detectron crashes
-in two cases that we
-handle instead (Detectron quirk Q24, docs/detectron_quirks.md):
-
-* a non-crowd gt whose polygons were all dropped (each had < 6 coordinates): it is
-  matched through its gt box and its RoIs get an all ``-1`` target (ignored by the
-  sigmoid loss) instead of a crash;
-* a non-crowd RLE segmentation: rasterised by sampling the decoded mask at the
-  centres of the ``M x M`` grid over the RoI (same geometry as the polygon path).
+Faithful to Detectron for polygons: each fg RoI takes the gt whose polygon *bounding box*
+has the highest IoU (ties to the first), rasterised by pycocotools at ``M x M`` relative to
+the RoI with ``w = max(x2 - x1, 1)`` (no +1, Detectron quirk Q25). Where Detectron crashes
+(Q24) a non-crowd gt with no usable polygon is matched through its gt box and gets an all
+``-1`` target, and a non-crowd RLE is sampled at the centres of the ``M x M`` grid.
 """
 
 from __future__ import annotations

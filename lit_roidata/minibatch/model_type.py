@@ -1,18 +1,13 @@
-"""``model_type`` names and the blob family they select (Detectron semantics: configuration; blob
-names).
+"""``model_type`` names and the blob family they select (Detectron semantics: configuration;
+blob names).
 
-Detectron chooses the loader's blob family from its own flags with a fixed
-precedence: ``RPN.RPN_ON`` (inferred from ``MODEL.FASTER_RCNN`` / ``MODEL.RPN_ONLY``)
-first, then ``RETINANET.RETINANET_ON``, else Fast R-CNN with precomputed proposals.
-``RoIDataModule(model_type=...)`` is a shorthand for those flags: it merges
-:func:`flags_for_model_type` into the config and :func:`blob_family` reads the result,
-so a Detectron YAML with the flags set and no ``model_type`` behaves the same.
-
-End-to-end names (``faster_rcnn``, ``mask_rcnn``, ``keypoint_rcnn``) build the RPN
-family in the loader; their second stage is labelled in the model by
-:func:`lit_roidata.minibatch.proposal_labels` (Detectron semantics: end-to-end training). The
-``*_proposals`` names
-are Detectron's two-stage configs that read precomputed proposal files.
+Detectron's precedence: ``RPN.RPN_ON`` (inferred from ``MODEL.FASTER_RCNN`` /
+``MODEL.RPN_ONLY``), then ``RETINANET.RETINANET_ON``, else Fast R-CNN with precomputed
+proposals. ``RoIDataModule(model_type=...)`` merges :func:`flags_for_model_type` into the
+config and :func:`blob_family` reads the result, so a Detectron YAML with the flags set
+behaves the same. End-to-end names build the RPN family in the loader (second stage:
+:func:`lit_roidata.minibatch.proposal_labels`); ``*_proposals`` names read precomputed
+proposal files.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
-"""RPN training targets in the loader: the "wide" anchor blobs, ``im_info`` and ``roidb`` (Detectron
-semantics: RPN targets).
+"""RPN training targets in the loader: the "wide" anchor blobs, ``im_info`` and ``roidb``
+(Detectron semantics: RPN targets; docs/rpn_retinanet.md, "RPN targets").
 
 Anchors of all levels are labelled and sampled jointly per image, exactly as Detectron's
-``roi_data/rpn.py``: straddle filtering, best-match and threshold positives, positive
-subsampling, negatives, regression targets and loss weights. The IoU is computed only
-for anchors near some gt box (the others have IoU 0 with every gt by construction), and
-the wide blobs are written by scattering the at most ``RPN_BATCH_SIZE_PER_IM`` labelled
-anchors into pre-filled arrays, so five FPN levels at 800x1333 cost milliseconds.
+``roi_data/rpn.py``, on index sets: IoUs only where they can matter, and the wide blobs
+written by scattering the at most ``RPN_BATCH_SIZE_PER_IM`` labelled anchors.
 
-``fix_rpn_quirks=True`` corrects two Detectron quirks (docs/detectron_quirks.md) and changes nothing
-else:
-
-* Detectron quirk Q2 (docs/detectron_quirks.md): a gt box with zero IoU to every inside anchor no
-longer makes every anchor with
-  zero overlap to it a best match (so no longer "all anchors positive");
-* Detectron quirk Q3 (docs/detectron_quirks.md): negatives are drawn *without* replacement and only
-from anchors that were not
-  positive before subsampling, so they never overwrite positives.
+``fix_rpn_quirks=True`` corrects two Detectron quirks (docs/detectron_quirks.md) and
+changes nothing else: Q2, a gt box with zero IoU to every inside anchor no longer makes
+every anchor with zero overlap to it a best match; Q3, negatives are drawn *without*
+replacement and only from anchors that were not positive before subsampling.
 """
 
 from __future__ import annotations

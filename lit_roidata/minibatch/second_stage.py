@@ -1,25 +1,16 @@
 """Second-stage labels for end-to-end training, from the model's own proposals (Detectron
-semantics: end-to-end training).
+semantics: end-to-end training; docs/rpn_retinanet.md, "Second-stage labels at training
+time").
 
-In end-to-end Faster/Mask/Keypoint R-CNN the loader only delivers the RPN family
-(``data``, ``im_info``, ``roidb``, RPN targets); the Fast R-CNN, mask and keypoint
-blobs depend on the proposals the network has just produced. Detectron computes them
-in a Python op (``GenerateProposalLabels`` / ``CollectAndDistributeFpnRpnProposals``):
-
-1. FPN: keep the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE`` proposals by score
-   over the whole per-GPU minibatch, not per image (Detectron quirk Q26,
-   docs/detectron_quirks.md);
-2. ``add_proposals``: per image, the proposals divided by the image scale are merged
-   into the entry (crowd gt rows included, **no** crowd filter) and classes are
-   assigned;
-3. bounding-box regression targets, then ``add_fast_rcnn_blobs``, whose ``valid``
-   result is ignored (Detectron quirk Q7, docs/detectron_quirks.md).
-
-:func:`proposal_labels` does exactly this. Steps 1-3's IoU and target computations run
-in torch on the proposals' device, vectorised over all images at once (a per-image
-mask on one ``N x G`` matrix); the sampling and the mask/keypoint targets are the
-loader's own :func:`lit_roidata.minibatch.fast_rcnn.add_fast_rcnn_blobs`, so both paths
-share one implementation and give the same blobs for the same proposals and seed.
+Detectron's ``GenerateProposalLabels`` / ``CollectAndDistributeFpnRpnProposals``: (1) with
+FPN, the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE`` proposals by score over the whole
+minibatch (Detectron quirk Q26); (2) ``add_proposals``: per image, the proposals divided by
+the image scale are merged into the entry (crowd rows included, **no** crowd filter) and
+classes assigned; (3) regression targets, then ``add_fast_rcnn_blobs``, whose ``valid`` is
+ignored (Detectron quirk Q7). Steps 1-3 run in torch on the proposals' device, vectorised
+over all images; the sampling and mask/keypoint targets are the loader's own
+:func:`~lit_roidata.minibatch.fast_rcnn.add_fast_rcnn_blobs`, so both paths give the same
+blobs for the same proposals and seed.
 """
 
 from __future__ import annotations

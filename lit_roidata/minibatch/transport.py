@@ -1,23 +1,14 @@
-"""Cheap worker-to-main transport of a blob dict: small tensors travel as one buffer.
-
-A DataLoader worker sends every CPU tensor through its own shared-memory segment (a
-file descriptor, an ``mmap`` and a socket message each). A Fast R-CNN FPN batch holds
-~30 small blobs, which costs more than the image itself. :func:`packed` wraps the
-dict so that, when pickled, every tensor not already in shared memory (up to
-``limit`` bytes) is copied into one byte tensor; unpickling (in the main process)
-returns a plain dict whose tensors are views into that buffer, in the original key
-order. Tensors the worker allocated in shared memory (the image and mask blobs) are
-sent as they are.
+"""Cheap worker-to-main transport of a blob dict (docs/minibatch.md, "Worker side").
 
 Every byte crosses the process boundary with at most one copy: arrays allocated with
-:func:`shared_empty` (the image blob, Detectron-format masks and RPN blobs) are sent as
-a handle, and the packed buffer is itself created in shared memory, so each small
-tensor is copied once, into it (not into a private buffer and again into shared memory
-by the pickler). :func:`transfer_report` counts both kinds for a worker's output.
-
-Under :class:`~lit_roidata.minibatch.shm_pool.ShmPool` (the train loader's workers),
-"shared memory" is a reusable slot of the worker instead of a new segment per array,
-and the tensors travel as descriptors into it (see that module).
+:func:`shared_empty` (image, Detectron-format masks, RPN blobs) are sent as a handle, and
+:func:`packed` wraps the dict so that, when pickled, every other CPU tensor (up to
+``limit`` bytes) is copied once into one buffer that is itself in shared memory (a
+Fast R-CNN FPN batch holds ~30 small blobs: one segment each would cost more than the
+image); the main process gets a plain dict of views into it, in the original key order.
+Under :class:`~lit_roidata.minibatch.shm_pool.ShmPool`, "shared memory" is a reusable slot
+of the worker, and tensors travel as descriptors into it. :func:`transfer_report` counts
+the bytes of each kind.
 """
 
 from __future__ import annotations
