@@ -328,8 +328,7 @@ class InsideAnchors:
         rows_before = (np.minimum(np.maximum(yc - y0, 0), y1 - y0) * wx).sum(axis=1)
         act = (y0 <= yc) & (yc < y1)
         in_row = (np.minimum(np.maximum(xc - x0, 0), wx) * act).sum(axis=1)
-        in_cell = (act & (x0 <= xc) & (xc < x1)
-                   & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
+        in_cell = (act & (x0 <= xc) & (xc < x1) & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
         return self.field_counts[f] + rows_before + in_row + in_cell
 
     def select(self, pos: np.ndarray) -> np.ndarray:
@@ -369,8 +368,7 @@ def inside_anchors(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
                    straddle: float) -> InsideAnchors:
     """The anchors kept by the straddle test as rectangles (see :class:`InsideAnchors`):
     the same set as :func:`inside_mask`, computed on one row and one column per field."""
-    return _inside_anchors(tuple(f.key for f in fields), float(im_h), float(im_w),
-                           float(straddle))
+    return _inside_anchors(tuple(f.key for f in fields), float(im_h), float(im_w), float(straddle))
 
 
 @functools.lru_cache(maxsize=256)

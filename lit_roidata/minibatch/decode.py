@@ -1,18 +1,13 @@
-"""Read and decode one roidb image, checked against the roidb (Detectron semantics: image blob steps
-1-2).
+"""Read and decode one roidb image, checked against the roidb (Detectron semantics: image
+blob steps 1-2).
 
-Detectron calls ``cv2.imread`` and asserts the result is not ``None`` (Detectron quirk Q33,
-docs/detectron_quirks.md): a bad
-file stops training with no name attached. Here every failure raises
-:class:`BadImageError`, which names the file, the image id, the dataset and a fix, so
-the worker can either fail loudly or (``on_bad_image="skip"``) replace the block.
-
-Every format goes through ``cv2.imdecode(..., IMREAD_COLOR)``: the decoder behind
-Detectron's ``cv2.imread``, on the bytes already read, so the pixels are Detectron's bit for
-bit (``benchmarks/decode.py`` checks it on JPEGs and on the edge cases: EXIF orientation
-applied, grayscale / CMYK / palette / alpha converted to three BGR channels, 16-bit samples
-reduced to their high byte). It is also the fastest of the decoders measured there
-(torchvision's deprecated ``decode_image``, TorchCodec's ``decode_image``).
+Where Detectron asserts ``cv2.imread(...) is not None`` (quirk Q33), every failure here
+raises :class:`BadImageError`, naming the file, the image id, the dataset and a fix, so
+the worker can fail loudly or (``on_bad_image="skip"``) replace the block. Every format
+goes through ``cv2.imdecode(..., IMREAD_COLOR)``, the decoder behind ``cv2.imread``: the
+pixels are Detectron's bit for bit (EXIF orientation applied; grayscale, CMYK, palette and
+alpha to BGR; 16-bit to the high byte: ``benchmarks/decode.py`` checks them), and it is
+the fastest decoder measured there.
 """
 
 from __future__ import annotations
@@ -69,7 +64,8 @@ def describe_entry(entry: Mapping[str, Any]) -> str:
 
 
 def _error(entry: Mapping[str, Any], reason: str, what: str, fix: str) -> BadImageError:
-    return BadImageError(f"{describe_entry(entry)}: {what}. Fix: {fix}", path=str(entry.get("image")),
+    return BadImageError(f"{describe_entry(entry)}: {what}. Fix: {fix}",
+                         path=str(entry.get("image")),
                          image_id=entry.get("id"), dataset=dataset_name(entry), reason=reason)
 
 

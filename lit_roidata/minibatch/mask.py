@@ -270,8 +270,7 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
         else:
             masks = np.full((fg_inds.shape[0], M * M), -1, dtype=np.int32)
     else:
-        bg_inds = np.where(labels == 0)[0]
-        take = bg_inds[:1]
+        take = np.where(labels == 0)[0][:1]  # one bg RoI with an all -1 target
         rois_fg = sampled_boxes[take].reshape((-1, 4)).astype(np.float32, copy=False)
         masks = np.full((take.size, M * M), -1, dtype=np.int32)
         class_labels = np.zeros((take.size,), dtype=np.int32)

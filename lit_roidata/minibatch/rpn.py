@@ -118,8 +118,7 @@ def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
         weights[i] = np.float32(1.0 / num_examples) if num_examples else np.float32(0)
 
     def rows(parts: list[np.ndarray], width: int, dtype: Any) -> np.ndarray:
-        return (np.concatenate(parts).astype(dtype) if parts
-                else np.zeros((0, width), dtype))
+        return (np.concatenate(parts).astype(dtype) if parts else np.zeros((0, width), dtype))
 
     return {"rpn_compact_layout": layout,
             "rpn_compact_labels_int32": rows(labels, 3, np.int32),

@@ -106,7 +106,8 @@ def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
     ``gt_overlaps`` is not rebuilt (``max_overlaps``/``max_classes`` hold its content).
     """
     if rois.ndim != 2 or rois.shape[1] != 5:
-        raise ValueError(f"rois must be (N, 5) (batch_idx, x1, y1, x2, y2), got {tuple(rois.shape)}")
+        raise ValueError("rois must be (N, 5) (batch_idx, x1, y1, x2, y2), got "
+                         f"{tuple(rois.shape)}")
     if len(im_scales) != len(entries):
         raise ValueError(f"{len(entries)} entries but {len(im_scales)} image scales")
     dev = rois.device
@@ -233,8 +234,7 @@ def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: An
     # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8, docs/detectron_quirks.md)
     best, arg = iou.max(dim=1)
     ex, arg = ex[best >= 0], arg[best >= 0]  # images without a non-crowd gt: all-zero targets
-    cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG
-           else rows["max_classes"][ex])
+    cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG else rows["max_classes"][ex])
     targets[ex, 0] = cls.to(torch.float32)
     targets[ex, 1:] = bbox_transform_targets_torch(
         rows["boxes"][ex], gt["boxes"][arg], tuple(cfg.MODEL.BBOX_REG_WEIGHTS))

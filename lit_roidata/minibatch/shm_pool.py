@@ -74,8 +74,9 @@ class _Arena:
     __slots__ = ("pool", "worker", "slot", "index", "offset", "used")
 
     def __init__(self, pool: "ShmPool", worker: int, slot: int) -> None:
-        self.pool, self.worker, self.slot, self.index = pool, worker, slot, worker * pool.slots + slot
-        self.offset, self.used = 0, False  # used: some tensor of the sent batch lies in the slot
+        self.pool, self.worker, self.slot = pool, worker, slot
+        self.index, self.offset, self.used = worker * pool.slots + slot, 0, False
+        # used: some tensor of the sent batch lies in the slot
 
 
 class ShmPool:

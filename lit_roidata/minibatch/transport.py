@@ -95,8 +95,7 @@ def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str
     out = {"shared_bytes": 0, "packed_bytes": 0, "moved_bytes": 0, "tensors": 0}
 
     def walk(mapping: Any) -> None:
-        items = mapping.items() if isinstance(mapping, dict) else enumerate(mapping)
-        for _, v in items:
+        for v in (mapping.values() if isinstance(mapping, dict) else mapping):
             if isinstance(v, (dict, list, tuple)):
                 walk(v)
             elif isinstance(v, torch.Tensor) and v.device.type == "cpu":
