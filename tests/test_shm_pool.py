@@ -379,15 +379,22 @@ def _child_writes(t: torch.Tensor) -> None:
     t.fill_(7)
 
 
-@pytest.mark.parametrize("public", ["1", "0"])
-def test_new_shared_storage_both_paths_are_zeroed_shared_segments(monkeypatch, public):
+def _never(*args, **kwargs):
+    raise AssertionError("the public path must not call UntypedStorage._new_shared")
+
+
+@pytest.mark.parametrize("path", ["env", "missing", "private"])
+def test_new_shared_storage_both_paths_are_zeroed_shared_segments(monkeypatch, path):
+    """``LIT_ROIDATA_PUBLIC_SHM=1`` or a torch without the private call: the public path;
+    either way a zero-filled storage in a segment another process writes into."""
     import multiprocessing as mp
 
     from lit_roidata.minibatch.transport import shared_empty
 
-    monkeypatch.setenv(shm_pool.PUBLIC_SHM_ENV, public)
-    if public == "1":  # the private call must not be made on the public path
-        monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None, raising=False)
+    monkeypatch.setenv(shm_pool.PUBLIC_SHM_ENV, "1" if path == "env" else "0")
+    if path != "private":
+        monkeypatch.setattr(torch.UntypedStorage, "_new_shared",
+                            classmethod(_never) if path == "env" else None, raising=False)
     for nbytes in (1, 4097, 3 << 20):
         st = shm_pool.new_shared_storage(nbytes)
         t = torch.empty(0, dtype=torch.uint8).set_(st)
