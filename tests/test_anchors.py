@@ -138,3 +138,23 @@ def test_inside_mask_equals_the_straddle_test_on_every_anchor(im_h, im_w, t, fpn
     want = (np.ones(len(a), bool) if t < 0 else
             (a[:, 0] >= -t) & (a[:, 1] >= -t) & (a[:, 2] < im_w + t) & (a[:, 3] < im_h + t))
     assert got.dtype == bool and np.array_equal(got, want)
+
+
+@settings(deadline=None, max_examples=15)
+@given(st.integers(20, 300), st.integers(20, 300), st.sampled_from([-1.0, 0.0, 8.0]),
+       st.lists(st.tuples(st.floats(0, 250), st.floats(0, 250), st.floats(1, 120),
+                          st.floats(1, 120)), min_size=1, max_size=4))
+def test_anchor_gt_overlaps_keeps_every_nonzero_iou(im_h, im_w, t, boxes):
+    from lit_roidata.boxes import bbox_overlaps
+    from lit_roidata.minibatch.anchors import anchor_gt_overlaps, inside_mask
+
+    fields = rpn_fields(get_cfg())
+    a = concat_fields(fields)
+    gt = np.array([[x, y, x + w, y + h] for x, y, w, h in boxes], np.float32)
+    inside = inside_mask(fields, im_h, im_w, t)
+    cand, got = anchor_gt_overlaps(fields, a, inside, gt)
+    dense = bbox_overlaps(a, gt)
+    dense[~inside] = 0
+    want = np.flatnonzero(dense.max(axis=1) > 0)
+    assert set(want) <= set(cand) and inside[cand].all()
+    assert np.array_equal(got, dense[cand])

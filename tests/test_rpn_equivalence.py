@@ -75,8 +75,8 @@ def _scenes(draw):
     return dict(kind=kind, max_size=max_size, w=w, h=h, gt=gt,
                 straddle=draw(st.sampled_from([0, -1, 8, 0.5])),
                 batch=draw(st.sampled_from([4, 64, 256, 512])),
-                pos=draw(st.sampled_from([0.7, 0.7, 0.5, 0.3, 0.9999])),
-                neg=draw(st.sampled_from([0.3, 0.3, 0.1, 0.5, 0.7])),
+                pos=draw(st.sampled_from([0.7, 0.7, 0.5, 0.3, 0.9999, 0.0])),
+                neg=draw(st.sampled_from([0.3, 0.3, 0.1, 0.5, 0.7, 0.0])),
                 fix=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)),
                 legacy=draw(st.booleans()))
 

@@ -363,3 +363,60 @@ def test_freeing_a_batch_runs_no_python_code():
     assert not calls, calls
     assert pool.flags[0, arena.slot] == 1  # freed lazily, by the next reclaim
     assert pool.reclaim() == 1 and pool.flags[0, arena.slot] == 0
+
+
+# ---------------------------------------------------------------------- private torch API
+def test_torch_still_has_untyped_storage_new_shared():
+    """The one private torch call (``UntypedStorage._new_shared``). Failing here means a
+    torch release dropped it: the package still works (public fallback, tested below) but
+    every shared-memory page is now written once; find the new call or accept the cost."""
+    assert callable(getattr(torch.UntypedStorage, "_new_shared", None)), (
+        f"torch {torch.__version__} has no UntypedStorage._new_shared: "
+        "lit_roidata.minibatch.shm_pool.new_shared_storage now takes its public path")
+
+
+def _child_writes(t: torch.Tensor) -> None:
+    t.fill_(7)
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("the public path must not call UntypedStorage._new_shared")
+
+
+@pytest.mark.parametrize("path", ["env", "missing", "private"])
+def test_new_shared_storage_both_paths_are_zeroed_shared_segments(monkeypatch, path):
+    """``LIT_ROIDATA_PUBLIC_SHM=1`` or a torch without the private call: the public path;
+    either way a zero-filled storage in a segment another process writes into."""
+    import multiprocessing as mp
+
+    from lit_roidata.minibatch.transport import shared_empty
+
+    monkeypatch.setenv(shm_pool.PUBLIC_SHM_ENV, "1" if path == "env" else "0")
+    if path != "private":
+        monkeypatch.setattr(torch.UntypedStorage, "_new_shared",
+                            classmethod(_never) if path == "env" else None, raising=False)
+    for nbytes in (1, 4097, 3 << 20):
+        st = shm_pool.new_shared_storage(nbytes)
+        t = torch.empty(0, dtype=torch.uint8).set_(st)
+        assert st.is_shared() and st.nbytes() == nbytes and not t.any()
+    t = shared_empty((5, 7), np.float32, pool=False)
+    assert t.is_shared() and t.dtype == torch.float32 and not t.any()
+    child = mp.get_context("fork").Process(target=_child_writes, args=(t,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0 and bool((t == 7).all())  # the child wrote our pages
+
+
+def test_pool_on_the_public_shm_path_gives_identical_batches(tmp_path, monkeypatch):
+    monkeypatch.setenv(shm_pool.PUBLIC_SHM_ENV, "1")
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", None, raising=False)
+    ref = [_snapshot(b) for b, _ in zip(_loader(tmp_path, num_workers=0), range(4))]
+    loader = _loader(tmp_path, shm_pool_slot_bytes=8 << 20)  # the public path writes it all
+    it = iter(loader)
+    got = [_snapshot(next(it)) for _ in range(4)]
+    assert loader.shm_pool.stats()["pool_arrays"] > 0
+    del it
+    for a, b in zip(got, ref, strict=True):
+        assert [k for k, _ in a] == [k for k, _ in b]
+        for (k, x), (_, y) in zip(a, b):
+            assert torch.equal(x, y), k

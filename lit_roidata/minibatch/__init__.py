@@ -1,18 +1,9 @@
-"""Minibatch blobs: image blob and per-family training targets (Detectron semantics: minibatch
-primitives).
+"""Minibatch blobs: image blob and per-family training targets (docs/minibatch.md).
 
-Public API (a contract with the rest of ``lit_roidata``):
-
-* :func:`get_minibatch_blob_names` — blob names for the configured family (Detectron
-  semantics: blob names);
-* :func:`get_minibatch` — ``(blobs, valid)`` for a list of roidb entries;
-* :func:`get_image_blob` — Detectron's ``data`` blob and ``im_scales``;
-* :func:`normalize_on_device` — uint8 blob to Detectron's float blob on the device;
-* :func:`proposal_labels` — second-stage blobs from the model's own proposals (end to
-  end).
-
-``rpn``, ``retinanet``, ``anchors``, ``torchvision_format`` and ``augment`` are separate
-modules, imported on first use.
+Public API: :func:`get_minibatch_blob_names`, :func:`get_minibatch` (``(blobs, valid)``),
+:func:`build_minibatch`, :func:`get_image_blob`, :func:`normalize_on_device` and
+:func:`proposal_labels` (second stage, end to end). ``rpn``, ``retinanet``, ``anchors``,
+``torchvision_format`` and ``augment`` are imported on first use.
 """
 
 from __future__ import annotations
@@ -26,21 +17,11 @@ from lit_roidata.minibatch.image import PIXEL_FORMATS, get_image_blob, normalize
 from lit_roidata.minibatch.names import get_minibatch_blob_names
 from lit_roidata.minibatch.second_stage import proposal_labels
 
-__all__ = [
-    "BadImageError",
-    "PIXEL_FORMATS",
-    "build_minibatch",
-    "get_image_blob",
-    "get_minibatch",
-    "get_minibatch_blob_names",
-    "normalize_on_device",
-    "proposal_labels",
-]
-
-_LAZY_MODULES = ("rpn", "retinanet", "anchors", "torchvision_format", "augment")
+__all__ = ["BadImageError", "PIXEL_FORMATS", "build_minibatch", "get_image_blob", "get_minibatch",
+           "get_minibatch_blob_names", "normalize_on_device", "proposal_labels"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_MODULES:
+    if name in ("rpn", "retinanet", "anchors", "torchvision_format", "augment"):
         return importlib.import_module(f"lit_roidata.minibatch.{name}")
     raise AttributeError(f"module 'lit_roidata.minibatch' has no attribute {name!r}")

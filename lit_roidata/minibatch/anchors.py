@@ -17,30 +17,16 @@ import numpy as np
 
 from lit_roidata.boxes import bbox_overlaps_pairs
 
-__all__ = [
-    "scaled_noncrowd_gt",
-    "FieldOfAnchors",
-    "generate_anchors",
-    "field_size",
-    "get_field_of_anchors",
-    "rpn_fields",
-    "retinanet_fields",
-    "concat_fields",
-    "level_offsets",
-    "anchor_gt_overlaps",
-    "inside_mask",
-    "InsideAnchors",
-    "inside_anchors",
-    "rpn_overlaps",
-    "build_anchor_caches",
-]
+__all__ = ["scaled_noncrowd_gt", "FieldOfAnchors", "generate_anchors", "field_size",
+           "get_field_of_anchors", "rpn_fields", "retinanet_fields", "concat_fields",
+           "level_offsets", "anchor_gt_overlaps", "inside_mask", "InsideAnchors",
+           "inside_anchors", "rpn_overlaps", "build_anchor_caches"]
+
+Keys = tuple[tuple[Any, ...], ...]  # the memoisation keys of a list of fields
 
 
-def generate_anchors(
-    stride: float = 16,
-    sizes: Sequence[float] = (32, 64, 128, 256, 512),
-    aspect_ratios: Sequence[float] = (0.5, 1, 2),
-) -> np.ndarray:
+def generate_anchors(stride: float = 16, sizes: Sequence[float] = (32, 64, 128, 256, 512),
+                     aspect_ratios: Sequence[float] = (0.5, 1, 2)) -> np.ndarray:
     """Cell anchors ``(len(ratios) * len(sizes), 4)`` float64, ratio-major (Detectron semantics:
     minibatch primitives).
 
@@ -61,7 +47,10 @@ def generate_anchors(
     ws = np.round(np.sqrt(w * h / ratios))
     hs = np.round(ws * ratios)
     ratio_anchors = _mkanchors(ws, hs, cx, cy)
-    out = [_mkanchors(*_scaled(ratio_anchors[i], scales)) for i in range(len(ratios))]
+    out = []
+    for anchor in ratio_anchors:  # each ratio's window scaled about its centre
+        w, h, cx, cy = _whctrs(anchor)
+        out.append(_mkanchors(w * scales, h * scales, cx, cy))
     return np.vstack(out) if out else np.zeros((0, 4), dtype=np.float64)
 
 
@@ -69,11 +58,6 @@ def _whctrs(anchor: np.ndarray) -> tuple[Any, Any, Any, Any]:
     w = anchor[2] - anchor[0] + 1
     h = anchor[3] - anchor[1] + 1
     return w, h, anchor[0] + 0.5 * (w - 1), anchor[1] + 0.5 * (h - 1)
-
-
-def _scaled(anchor: np.ndarray, scales: np.ndarray) -> tuple[Any, Any, Any, Any]:
-    w, h, cx, cy = _whctrs(anchor)
-    return w * scales, h * scales, cx, cy
 
 
 def _mkanchors(ws: np.ndarray, hs: np.ndarray, cx: float, cy: float) -> np.ndarray:
@@ -132,16 +116,9 @@ def _field_array(stride: float, sizes: tuple[float, ...], ratios: tuple[float, .
     return field, num_a, f
 
 
-def get_field_of_anchors(
-    stride: float,
-    sizes: Sequence[float],
-    aspect_ratios: Sequence[float],
-    *,
-    coarsest_stride: int,
-    max_size: int,
-    octave: int | None = None,
-    aspect: int | None = None,
-) -> FieldOfAnchors:
+def get_field_of_anchors(stride: float, sizes: Sequence[float], aspect_ratios: Sequence[float],
+                         *, coarsest_stride: int, max_size: int, octave: int | None = None,
+                         aspect: int | None = None) -> FieldOfAnchors:
     """The memoised field of anchors for one stride (Detectron semantics: minibatch primitives).
 
     ``anchor[(y*F + x)*A + a] = cell[a] + (x*s, y*s, x*s, y*s)``. Memoised per process
@@ -200,7 +177,7 @@ def retinanet_fields(cfg: Any) -> list[FieldOfAnchors]:
 
 
 @functools.lru_cache(maxsize=16)
-def _concat(keys: tuple[tuple[Any, ...], ...]) -> np.ndarray:
+def _concat(keys: Keys) -> np.ndarray:
     arrays = [_field_array(*k)[0] for k in keys]
     out = np.concatenate(arrays) if arrays else np.zeros((0, 4), np.float32)
     out.setflags(write=False)
@@ -223,9 +200,7 @@ def build_anchor_caches(cfg: Any) -> None:
     fields = rpn_fields(cfg) if family == "rpn" else retinanet_fields(cfg)
     keys = tuple(f.key for f in fields)
     _concat(keys)
-    _shape_table(keys)
-    _grid_edges(keys)
-    _row_table(keys)
+    _table(keys)
 
 
 def concat_fields(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
@@ -239,161 +214,74 @@ def level_offsets(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
 
 
-def anchor_gt_overlaps(
-    fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
-    gt: np.ndarray, below: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """IoU of inside anchors against gt boxes, without the dense ``K x G`` product.
-
-    Labelling needs, per anchor, whether its max IoU reaches the thresholds, and per gt
-    its best anchors; IoUs that are provably below both ``below`` and the gt's best
-    IoU cannot change either, so they are skipped (left 0):
-
-    * per field and cell anchor shape, the grid cells whose anchor can touch gt ``g``
-      form a rectangle (2-pixel margin), enumerated without a loop over boxes;
-    * a whole (shape, gt) rectangle is skipped when the area-ratio bound
-      ``min(area)/max(area)`` on its IoU is below ``below`` and below a lower bound of
-      the gt's best IoU (from the inside anchor nearest to the gt's centre).
-
-    IoUs come from :func:`lit_roidata.boxes.iou_kernel` (via ``bbox_overlaps_pairs``),
-    so every kept entry equals the dense matrix's entry bit for bit, every maximum and
-    every best-match tie is the dense one, and the row argmax may differ only where the
-    row max is below ``below`` (callers recompute it where they need it).
-
-    Args:
-        inside: bool mask over ``all_anchors`` of the anchors that take part.
-        below: ``min(RPN_NEGATIVE_OVERLAP, RPN_POSITIVE_OVERLAP)``; 0 disables skipping.
-
-    Returns:
-        ``(cand, overlaps)``: ascending indices into ``all_anchors`` of the inside
-        anchors whose IoU was computed, and their ``(len(cand), G)`` IoUs.
+def anchor_gt_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray,
+                       inside: np.ndarray, gt: np.ndarray, below: float = 0.0
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """IoU of the anchors of the bool mask ``inside`` (over ``all_anchors``) against ``gt``,
+    without the dense ``K x G`` product: ``(cand, overlaps)``, the ascending indices of
+    the anchors with a computed IoU and their ``(len(cand), G)`` float32 IoUs. Every
+    non-zero IoU is computed (with :func:`~lit_roidata.boxes.iou_kernel`, bit for bit the
+    dense matrix's entry); ``below`` is accepted for compatibility. The target builders
+    use the tighter :func:`rpn_overlaps`.
     """
-    tab = _shape_table(tuple(f.key for f in fields))
-    g = gt.astype(np.float64)
-    lower = _best_iou_lower_bound(tab, all_anchors, inside, gt)
-    g_area = (g[:, 2] - g[:, 0] + 1.0) * (g[:, 3] - g[:, 1] + 1.0)
-    a_area = tab["area"][:, None]
-    bound = np.minimum(a_area, g_area[None]) / np.maximum(a_area, g_area[None])
-    # (relative slack: float32 anchor coordinates make an anchor's area differ from its
-    # cell's by ~1e-7 of its coordinates; 1e-6 missed best matches, see rpn_overlaps)
-    useful = bound >= np.minimum(lower, below) / (1 + 1e-4)  # (shapes, G)
-    gidx, gid = _candidate_pairs(tab, g, useful)
-    keep = inside[gidx]
-    gidx, gid = gidx[keep], gid[keep]
-    iou = bbox_overlaps_pairs(all_anchors[gidx], gt[gid])
-    is_cand = np.zeros(all_anchors.shape[0], dtype=bool)
-    is_cand[gidx] = True
-    cand = np.flatnonzero(is_cand)
-    row = np.empty(all_anchors.shape[0], dtype=np.int64)  # only read at cand
-    row[cand] = np.arange(len(cand))
-    overlaps = np.zeros((len(cand), len(gt)), dtype=np.float32)
-    overlaps[row[gidx], gid] = iou
-    return cand, overlaps
-
-
-def _best_iou_lower_bound(tab: dict[str, np.ndarray], all_anchors: np.ndarray,
-                          inside: np.ndarray, gt: np.ndarray) -> np.ndarray:
-    """Per gt, the best IoU among the inside anchors of each shape nearest its centre."""
-    base, stride, size, n_a, cell = tab["base"], tab["stride"], tab["size"], tab["n_a"], tab["cell"]
-    g = gt.astype(np.float64)
-    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
-                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
-    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
-                         / (2 * stride[:, None])), 0, size[:, None] - 1).astype(np.int64)
-    near = (base[:, None] + (y * size[:, None] + x) * n_a[:, None]).ravel()
-    iou = bbox_overlaps_pairs(all_anchors[near], np.tile(gt, (len(base), 1))) * inside[near]
-    return iou.reshape(len(base), len(gt)).max(axis=0).astype(np.float64)
-
-
-def _candidate_pairs(tab: dict[str, np.ndarray], g: np.ndarray,
-                     useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(anchor index, gt index) of every anchor of shape ``s`` that can touch gt ``j``,
-    for the ``useful[s, j]`` combinations: the cells ``[x0, x1) x [y0, y1)`` of each
-    rectangle (2-pixel margin) enumerated with ``repeat``/``divmod``, no loop over boxes."""
-    base, stride, size, n_a, cell = tab["base"], tab["stride"], tab["size"], tab["n_a"], tab["cell"]
-    hi, st = size[:, None], stride[:, None]
-    x0 = np.clip(np.ceil((g[None, :, 0] - 2 - cell[:, 2:3]) / st), 0, hi).astype(np.int64)
-    x1 = np.clip(np.floor((g[None, :, 2] + 2 - cell[:, 0:1]) / st) + 1, 0, hi).astype(np.int64)
-    y0 = np.clip(np.ceil((g[None, :, 1] - 2 - cell[:, 3:4]) / st), 0, hi).astype(np.int64)
-    y1 = np.clip(np.floor((g[None, :, 3] + 2 - cell[:, 1:2]) / st) + 1, 0, hi).astype(np.int64)
-    wx = np.maximum(x1 - x0, 0).ravel()
-    counts = wx * np.maximum(y1 - y0, 0).ravel() * useful.ravel()
-    total = int(counts.sum())
-    sg = np.repeat(np.arange(counts.size), counts)  # which (shape, gt) each pair is from
-    dy, dx = np.divmod(np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
-    si, n_g = sg // g.shape[0], g.shape[0]
-    gidx = base[si] + ((y0.ravel()[sg] + dy) * size[si] + x0.ravel()[sg] + dx) * n_a[si]
-    return gidx, sg % n_g
+    del below
+    cand, overlaps = rpn_overlaps(fields, all_anchors, inside_anchors(fields, 0, 0, -1.0), gt, 0.0)
+    keep = np.asarray(inside, bool)[cand]
+    return cand[keep], overlaps[keep]
 
 
 @functools.lru_cache(maxsize=16)
-def _shape_table(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
-    """Per cell-anchor shape of the fields: index base, stride, F, A, cell box, area, and
-    the shape's field (ordinal, first index) and cell-anchor index ``a``."""
-    rows = []
-    start = 0
+def _table(keys: Keys) -> dict[str, np.ndarray]:
+    """Per cell-anchor shape (field by field, ``a`` fastest): first index ``base``,
+    ``stride``, F ``size``, A ``n_a``, ``field`` ordinal, the field's first index
+    ``start``, ``a``, ``cell`` box and ``area``; its anchors' x1, x2 along the first grid
+    row and y1, y2 down the first column (float32, concatenated, shape ``s`` from
+    ``seg[s]``). Per field: ``fstart``, ``ff`` (F), ``fa`` (A), first global grid row
+    ``row_off`` (the fields' rows one after the other); per global row: ``row_field``."""
+    shapes, cells, per_field = [], [], []
+    edges: dict[str, list[np.ndarray]] = {"x1": [], "x2": [], "y1": [], "y2": []}
+    start = row = 0
     for fi, k in enumerate(keys):
         field, n_a, f = _field_array(*k)
+        grid = field.reshape(f, f, n_a, 4)
         for a in range(n_a):
-            c = field[a].astype(np.float64)
-            rows.append((start + a, k[0], f, n_a, c, (c[2] - c[0] + 1.0) * (c[3] - c[1] + 1.0),
-                         fi, start, a))
+            shapes.append((start + a, f, n_a, fi, start, a))
+            cells.append(field[a])
+            for name, col in (("x1", 0), ("x2", 2)):
+                edges[name].append(grid[0, :, a, col])
+            for name, col in (("y1", 1), ("y2", 3)):
+                edges[name].append(grid[:, 0, a, col])
+        per_field.append((start, f, n_a, row))
         start += field.shape[0]
-    return {"base": np.array([r[0] for r in rows], np.int64),
-            "stride": np.array([r[1] for r in rows], np.float64),
-            "size": np.array([r[2] for r in rows], np.int64),
-            "n_a": np.array([r[3] for r in rows], np.int64),
-            "cell": np.array([r[4] for r in rows], np.float64).reshape(-1, 4),
-            "area": np.array([r[5] for r in rows], np.float64),
-            "field": np.array([r[6] for r in rows], np.int64),
-            "start": np.array([r[7] for r in rows], np.int64),
-            "a": np.array([r[8] for r in rows], np.int64)}
+        row += f
+    out = dict(zip(("base", "size", "n_a", "field", "start", "a"),
+                   np.array(shapes, np.int64).reshape(-1, 6).T))
+    out.update(zip(("fstart", "ff", "fa", "row_off"), np.array(per_field, np.int64).T))
+    out.update({k: np.concatenate(v) for k, v in edges.items()})
+    c = np.array(cells, np.float64).reshape(-1, 4)
+    out.update(cell=c, area=(c[:, 2] - c[:, 0] + 1.0) * (c[:, 3] - c[:, 1] + 1.0),
+               stride=np.array([keys[fi][0] for fi in out["field"]], np.float64),
+               seg=np.concatenate(([0], np.cumsum(out["size"])[:-1])).astype(np.int64),
+               row_field=np.repeat(np.arange(len(keys)), out["ff"]))
+    return out
 
 
 def inside_mask(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
                 straddle: float) -> np.ndarray:
-    """Bool mask over the concatenated fields of the anchors kept by the straddle test.
-
-    ``x1 >= -t, y1 >= -t, x2 < W + t, y2 < H + t`` (Detectron semantics: RPN targets step 3; all
-    anchors if
-    ``t < 0``). An anchor's x coordinates depend only on its column and shape, its y
-    coordinates only on its row, so the test is run on one row and one column of each
-    field (the same float32 values) and combined as an outer product.
-    """
+    """Bool mask over the concatenated fields of the anchors kept by the straddle test
+    ``x1 >= -t, y1 >= -t, x2 < W + t, y2 < H + t`` (Detectron semantics: RPN targets
+    step 3; all anchors if ``t < 0``): the rectangles of :func:`inside_anchors`, written
+    out (read-only, memoised)."""
     return _inside_mask(tuple(f.key for f in fields), float(im_h), float(im_w), float(straddle))
 
 
 @functools.lru_cache(maxsize=32)
-def _inside_mask(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
-                 t: float) -> np.ndarray:
-    fields = [get_field_of_anchors(k[0], k[1], k[2], coarsest_stride=k[3], max_size=k[4])
-              for k in keys]
-    if t < 0:
-        out = np.ones(sum(f.field_of_anchors.shape[0] for f in fields), dtype=bool)
-        out.setflags(write=False)
-        return out
-    out = np.empty(sum(f.field_of_anchors.shape[0] for f in fields), dtype=bool)
-    start = 0
-    for f in fields:
-        n_f, a = f.field_size, f.num_cell_anchors
-        grid = f.field_of_anchors.reshape(n_f, n_f, a, 4)
-        row, col = grid[0], grid[:, 0]  # (F, A, 4): x varies / y varies
-        x_ok = (row[..., 0] >= -t) & (row[..., 2] < im_w + t)
-        y_ok = (col[..., 1] >= -t) & (col[..., 3] < im_h + t)
-        # out[y, x, a] = y_ok[y, a] & x_ok[x, a]. Coordinates grow with the index, so each
-        # shape's kept columns (rows) are one contiguous run: the mask is a rectangle per
-        # cell anchor, written as one slice on a cleared field.
-        part = out[start:start + n_f * n_f * a].reshape(n_f, n_f, a)
-        part.fill(False)
-        for k in range(a):
-            xs, ys = np.flatnonzero(x_ok[:, k]), np.flatnonzero(y_ok[:, k])
-            if not (len(xs) and len(ys)):
-                continue
-            if xs[-1] - xs[0] + 1 == len(xs) and ys[-1] - ys[0] + 1 == len(ys):
-                part[ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1, k] = True
-            else:  # not a rectangle (cannot happen for a regular grid): the outer product
-                part[:, :, k] = y_ok[:, k, None] & x_ok[None, :, k]
-        start += n_f * n_f * a
+def _inside_mask(keys: Keys, im_h: float, im_w: float, t: float) -> np.ndarray:
+    tab = _table(keys)
+    out = np.zeros(len(_concat(keys)), dtype=bool)
+    for (x0, x1, y0, y1), start, f, n_a, a in zip(_inside_anchors(keys, im_h, im_w, t).rects,
+                                                 tab["start"], tab["size"], tab["n_a"], tab["a"]):
+        out[start:start + f * f * n_a].reshape(f, f, n_a)[y0:y1, x0:x1, a] = True
     out.setflags(write=False)  # memoised: images of one size share it
     return out
 
@@ -408,8 +296,8 @@ class InsideAnchors:
     selections in the set's ascending index order are computed from the rectangles.
 
     Attributes:
-        rects: int64 ``(shapes, 4)`` ``(x0, x1, y0, y1)`` per shape of the fields (in
-            ``_shape_table`` order); empty when ``x1 == x0`` or ``y1 == y0``.
+        rects: int64 ``(shapes, 4)`` ``(x0, x1, y0, y1)`` per cell-anchor shape of the
+            fields (field by field, ``a`` fastest); empty when ``x1 == x0`` or ``y1 == y0``.
         count: the number of inside anchors.
         key: the fields' memoisation keys.
         field_rects: ``rects`` by field and cell anchor ``(fields, max A, 4)``.
@@ -420,7 +308,7 @@ class InsideAnchors:
 
     rects: np.ndarray
     count: int
-    key: tuple[tuple[Any, ...], ...]
+    key: Keys
     field_rects: np.ndarray
     field_counts: np.ndarray
     row_starts: np.ndarray
@@ -428,7 +316,7 @@ class InsideAnchors:
     def rank(self, idx: np.ndarray) -> np.ndarray:
         """Position of each inside anchor ``idx`` (indices into the concatenated fields) in
         the ascending list of inside anchors."""
-        rows = _row_table(self.key)
+        rows = _table(self.key)
         idx = np.asarray(idx, np.int64)
         f = np.searchsorted(rows["fstart"], idx, side="right") - 1
         cell, a = np.divmod(idx - rows["fstart"][f], rows["fa"][f])
@@ -440,14 +328,13 @@ class InsideAnchors:
         rows_before = (np.minimum(np.maximum(yc - y0, 0), y1 - y0) * wx).sum(axis=1)
         act = (y0 <= yc) & (yc < y1)
         in_row = (np.minimum(np.maximum(xc - x0, 0), wx) * act).sum(axis=1)
-        in_cell = (act & (x0 <= xc) & (xc < x1)
-                   & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
+        in_cell = (act & (x0 <= xc) & (xc < x1) & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
         return self.field_counts[f] + rows_before + in_row + in_cell
 
     def select(self, pos: np.ndarray) -> np.ndarray:
         """The inside anchors at positions ``pos`` of the ascending list (the inverse of
         :meth:`rank`), in the order of ``pos``."""
-        rows = _row_table(self.key)
+        rows = _table(self.key)
         pos = np.asarray(pos, np.int64)
         if not len(pos):
             return np.zeros(0, np.int64)
@@ -481,14 +368,12 @@ def inside_anchors(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
                    straddle: float) -> InsideAnchors:
     """The anchors kept by the straddle test as rectangles (see :class:`InsideAnchors`):
     the same set as :func:`inside_mask`, computed on one row and one column per field."""
-    return _inside_anchors(tuple(f.key for f in fields), float(im_h), float(im_w),
-                           float(straddle))
+    return _inside_anchors(tuple(f.key for f in fields), float(im_h), float(im_w), float(straddle))
 
 
 @functools.lru_cache(maxsize=256)
-def _inside_anchors(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
-                    t: float) -> InsideAnchors:
-    edges = _grid_edges(keys)
+def _inside_anchors(keys: Keys, im_h: float, im_w: float, t: float) -> InsideAnchors:
+    tab = edges = rows = _table(keys)
     if t < 0:
         r = np.stack([np.zeros_like(edges["size"]), edges["size"]] * 2, axis=1)
     else:
@@ -502,7 +387,6 @@ def _inside_anchors(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
         y1 = np.add.reduceat(edges["y2"] < im_h + t, seg, dtype=np.int64)
         r = np.stack([x0, np.maximum(x1, x0), y0, np.maximum(y1, y0)], axis=1)
     count = int(((r[:, 1] - r[:, 0]) * (r[:, 3] - r[:, 2])).sum())
-    tab, rows = _shape_table(keys), _row_table(keys)
     field_rects = np.zeros((len(keys), int(tab["n_a"].max(initial=1)), 4), np.int64)
     field_rects[tab["field"], tab["a"]] = r
     x0, x1, y0, y1 = r.T
@@ -522,74 +406,26 @@ def _inside_anchors(keys: tuple[tuple[Any, ...], ...], im_h: float, im_w: float,
     return out
 
 
-@functools.lru_cache(maxsize=16)
-def _grid_edges(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
-    """Per shape (in ``_shape_table`` order), its anchors' x1, x2 along the first grid row
-    and y1, y2 along the first grid column (float32, the field's values), concatenated,
-    with each shape's start and its F."""
-    parts: dict[str, list[np.ndarray]] = {"x1": [], "x2": [], "y1": [], "y2": []}
-    sizes = []
-    for k in keys:
-        field, n_a, n_f = _field_array(*k)
-        grid = field.reshape(n_f, n_f, n_a, 4)
-        for a in range(n_a):
-            parts["x1"].append(grid[0, :, a, 0])
-            parts["x2"].append(grid[0, :, a, 2])
-            parts["y1"].append(grid[:, 0, a, 1])
-            parts["y2"].append(grid[:, 0, a, 3])
-            sizes.append(n_f)
-    out = {k: np.concatenate(v) for k, v in parts.items()}
-    out["size"] = np.array(sizes, np.int64)
-    out["seg"] = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _row_table(keys: tuple[tuple[Any, ...], ...]) -> dict[str, np.ndarray]:
-    """Per field: first index, F, A, first global row; per global row (the fields' grid
-    rows one after the other): its field."""
-    fstart, ff, fa, row_off, row_field = [], [], [], [], []
-    start = rows = 0
-    for fi, k in enumerate(keys):
-        field, n_a, n_f = _field_array(*k)
-        fstart.append(start)
-        ff.append(n_f)
-        fa.append(n_a)
-        row_off.append(rows)
-        row_field.extend([fi] * n_f)
-        start += field.shape[0]
-        rows += n_f
-    return {"fstart": np.array(fstart, np.int64), "ff": np.array(ff, np.int64),
-            "fa": np.array(fa, np.int64), "row_off": np.array(row_off, np.int64),
-            "row_field": np.array(row_field, np.int64)}
-
-
-def rpn_overlaps(
-    fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
-    gt: np.ndarray, below: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`anchor_gt_overlaps` for RPN labelling: IoUs only where they can reach a
-    threshold or a gt's best match.
+def rpn_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
+                 gt: np.ndarray, below: float) -> tuple[np.ndarray, np.ndarray]:
+    """IoUs of inside anchors against gt boxes, only where they can reach a threshold or
+    a gt's best match (RPN and RetinaNet labelling).
 
     Per gt ``g`` let ``t_g = min(below, L_g)``, ``L_g`` a lower bound of its best IoU
-    (the inside anchor of each shape nearest the gt's centre). An anchor pair with
-    IoU >= ``t_g`` has ``inter >= t_g / (1 + t_g) * (area_a + area_g)``, so its overlap
-    width is at least that over ``min(h_a, h_g)`` (likewise the height): per shape the
-    anchors that can reach ``t_g`` form a rectangle of cells (1-pixel margin, and
-    ``t_g`` lowered by a relative 1e-4 so float32 rounding cannot hide a pair),
-    intersected with the shape's inside rectangle. (``anchor_gt_overlaps``' relative
-    1e-6 was too little for anchor sizes that float32 does not represent: the IoU of an
-    anchor far from the origin could exceed its cell's area-ratio bound.) Every IoU >=
-    ``t_g`` (so every
-    anchor whose max IoU reaches ``below``, and every best match of every gt with its
-    ties) is computed with :func:`~lit_roidata.boxes.iou_kernel`, bit for bit the dense
-    matrix's entry; the others are left 0.
+    (the inside anchor of each shape nearest the gt's centre). A pair with IoU >= ``t_g``
+    has ``inter >= t_g / (1 + t_g) * (area_a + area_g)``, so per shape the anchors that
+    can reach ``t_g`` form a rectangle of cells (1-pixel margin; ``t_g`` lowered by a
+    relative 1e-4 against float32 rounding), intersected with the shape's inside
+    rectangle. Every IoU >= ``t_g`` (so every anchor whose max IoU reaches ``below``, and
+    every best match of every gt with its ties) is computed with
+    :func:`~lit_roidata.boxes.iou_kernel`, bit for bit the dense matrix's entry; the
+    others are left 0.
 
     Returns:
         ``(cand, overlaps)``: ascending indices of the anchors with a computed IoU, and
         their ``(len(cand), G)`` float32 IoUs.
     """
-    tab = _shape_table(inside.key)
+    tab = _table(inside.key)
     g = gt.astype(np.float64)
     n_g = g.shape[0]
     rx0, rx1, ry0, ry1 = (c[:, None] for c in inside.rects.T)
@@ -629,9 +465,8 @@ def rpn_overlaps(
     return cand, overlaps
 
 
-def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray,
-                     y0: np.ndarray, y1: np.ndarray,
-                     useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray, y0: np.ndarray,
+                     y1: np.ndarray, useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(anchor index, gt index) of every cell of the ``(shape, gt)`` rectangles
     ``[x0, x1) x [y0, y1)`` (float arrays ``(S, G)``) where ``useful``, enumerated with
     ``repeat``/``divmod``, no loop over boxes."""

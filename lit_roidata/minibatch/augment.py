@@ -22,7 +22,7 @@ reproducible.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import pycocotools.mask as mask_util
@@ -101,7 +101,7 @@ class Augmentation:
         vo[:, 1::2] = np.clip(vo[:, 1::2], 0, h)
         ok = (vo[:, 2] > vo[:, 0]) & (vo[:, 3] > vo[:, 1])
         n_gt = len(entry["segms"])
-        points, ids, polys = self._points(entry, n_gt)
+        points, polys = self._points(entry, n_gt)
         rle_rows = [r for r in range(n_gt) if not segm_polygons(entry["segms"][r])
                     and segm_as_rle(entry["segms"][r], h, w) is not None]
         masks = [mask_util.decode(segm_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
@@ -121,31 +121,26 @@ class Augmentation:
         new_boxes[:, 2:] = np.maximum(new_boxes[:, 2:] - 1, new_boxes[:, :2])
         new_pts = np.asarray(out["keypoints"], dtype=np.float32).reshape(-1, 2)
         rle_masks = dict(zip(rle_rows, out.get("masks", [])))
-        return new_im, self._rebuild(entry, kept, new_boxes, new_pts, ids, polys, rle_masks,
-                                     n_gt, nh, nw)
+        return new_im, self._rebuild(entry, kept, new_boxes, new_pts, polys, rle_masks, n_gt,
+                                     nh, nw)
 
     @staticmethod
-    def _points(entry: Mapping[str, Any], n_gt: int) -> tuple[np.ndarray, list, list]:
+    def _points(entry: Mapping[str, Any], n_gt: int) -> tuple[np.ndarray, list]:
         pts: list[np.ndarray] = []
-        ids: list[tuple] = []
         polys: list[list[int]] = []  # per gt row: number of vertices of each part
         for r in range(n_gt):
             parts = segm_polygons(entry["segms"][r])
             polys.append([len(p) // 2 for p in parts])
-            for j, p in enumerate(parts):
-                pts.append(p.reshape(-1, 2))
-                ids.extend(("poly", r, j) for _ in range(len(p) // 2))
+            pts.extend(p.reshape(-1, 2) for p in parts)
         if "gt_keypoints" in entry:
             kps = np.asarray(entry["gt_keypoints"])
-            for r in range(kps.shape[0]):
-                pts.append(kps[r, :2, :].T.astype(np.float32) + 0.5)
-                ids.extend(("kp", r, k) for k in range(kps.shape[2]))
+            pts.extend(kps[r, :2, :].T.astype(np.float32) + 0.5 for r in range(kps.shape[0]))
         arr = np.concatenate(pts).astype(np.float32) if pts else np.zeros((0, 2), np.float32)
-        return arr, ids, polys
+        return arr, polys
 
     def _rebuild(self, entry: Mapping[str, Any], kept: np.ndarray, boxes: np.ndarray,
-                 pts: np.ndarray, ids: Sequence[tuple], polys: list, rle_masks: dict,
-                 n_gt: int, h: int, w: int) -> dict[str, Any]:
+                 pts: np.ndarray, polys: list, rle_masks: dict, n_gt: int, h: int,
+                 w: int) -> dict[str, Any]:
         gt_classes = np.asarray(entry["gt_classes"])
         is_crowd = np.asarray(entry["is_crowd"]).astype(bool)
         old_mo = np.asarray(entry["max_overlaps"])
@@ -172,16 +167,11 @@ class Augmentation:
             out["seg_areas"] = np.asarray(entry["seg_areas"])[kept]
         if "gt_keypoints" in entry:
             kps = np.asarray(entry["gt_keypoints"]).copy()
-            kp_pts = pts[cursor:].reshape(kps.shape[0], kps.shape[2], 2) - 0.5 \
-                if kps.size else np.zeros((0, 0, 2), np.float32)
-            if kps.size:
-                inside = ((kp_pts[..., 0] >= 0) & (kp_pts[..., 0] <= w - 1)
-                          & (kp_pts[..., 1] >= 0) & (kp_pts[..., 1] <= h - 1))
-                kps[:, 0, :] = np.round(kp_pts[..., 0])
-                kps[:, 1, :] = np.round(kp_pts[..., 1])
+            if kps.size:  # (x, y) back to pixel indices; outside the image: invisible, 0
+                kp = (pts[cursor:].reshape(kps.shape[0], kps.shape[2], 2) - 0.5).transpose(0, 2, 1)
+                inside = (kp >= 0).all(axis=1) & (kp[:, 0] <= w - 1) & (kp[:, 1] <= h - 1)
                 kps[:, 2, :] = np.where(inside, kps[:, 2, :], 0)
-                kps[:, 0, :][kps[:, 2, :] == 0] = 0
-                kps[:, 1, :][kps[:, 2, :] == 0] = 0
+                kps[:, :2, :] = np.where(kps[:, 2:, :] == 0, 0, np.round(kp))
             kps = kps[gt_old]
             out["gt_keypoints"] = kps
             out["has_visible_keypoints"] = bool((kps[:, 2, :] > 0).any()) if kps.size else False

@@ -27,12 +27,6 @@ class Minibatch:
     image: ImageBatch
 
 
-def _family_module(name: str) -> Any:
-    # Lazy: these modules belong to the RPN/RetinaNet builders and are only needed
-    # when their family is configured.
-    return importlib.import_module(f"lit_roidata.minibatch.{name}")
-
-
 def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                     pixel_format: str = "detectron", loader: ImageLoader | None = None,
                     augment: Any = None, alloc: Allocator | None = None,
@@ -47,13 +41,10 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
         augment: optional per-image augmentation applied before scaling.
         alloc: optional allocator for the large blobs (``data``, ``masks_int32``, the
             RPN wide blobs), e.g. shared memory, so a worker sends them without a copy.
-        compact_masks: ship class-specific masks compactly (see
-            :func:`~lit_roidata.minibatch.device.finalize_on_device`).
-        fix_rpn_quirks: passed to the RPN target builder (Detectron quirk Q2/Q3
-            (docs/detectron_quirks.md) fix).
+        compact_masks: ship class-specific masks compactly (``mask_format="compact"``).
+        fix_rpn_quirks: passed to the RPN target builder (Detectron quirks Q2/Q3 fixed).
         compact_targets: ship RPN / RetinaNet targets compactly (``target_format=
-            "compact"``; see :func:`~lit_roidata.minibatch.rpn.add_rpn_blobs` and
-            :func:`~lit_roidata.minibatch.device.expand_targets`).
+            "compact"``; docs/rpn_retinanet.md).
     """
     blobs: dict[str, Any] = {k: [] for k in get_minibatch_blob_names(cfg)}
     image = build_image_blob(entries, cfg, rng, pixel_format=pixel_format, loader=loader,
@@ -61,18 +52,12 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
     blobs["data"] = image.data
     entries = image.entries
     family = blob_family(cfg)
-    if family == "rpn":
-        kwargs: dict[str, Any] = {"fix_rpn_quirks": True} if fix_rpn_quirks else {}
-        if compact_targets:
-            kwargs["compact"] = True
-        elif alloc is not None:
-            kwargs["alloc"] = alloc
-        valid = _family_module("rpn").add_rpn_blobs(blobs, image.im_scales, entries, cfg, rng,
-                                                    **kwargs)
-    elif family == "retinanet":
-        kwargs = {"compact": True} if compact_targets else {}
-        valid = _family_module("retinanet").add_retinanet_blobs(
-            blobs, image.im_scales, entries, cfg, rng, **kwargs)
+    if family in ("rpn", "retinanet"):  # imported on first use: only their family needs them
+        kwargs: dict[str, Any] = {"compact": compact_targets}
+        if family == "rpn":
+            kwargs.update(fix_rpn_quirks=fix_rpn_quirks, alloc=alloc)
+        valid = getattr(importlib.import_module(f"lit_roidata.minibatch.{family}"),
+                        f"add_{family}_blobs")(blobs, image.im_scales, entries, cfg, rng, **kwargs)
     else:
         valid = add_fast_rcnn_blobs(blobs, image.im_scales, entries, cfg, rng, alloc=alloc,
                                     compact_masks=compact_masks)

@@ -1,18 +1,13 @@
-"""Read and decode one roidb image, checked against the roidb (Detectron semantics: image blob steps
-1-2).
+"""Read and decode one roidb image, checked against the roidb (Detectron semantics: image
+blob steps 1-2).
 
-Detectron calls ``cv2.imread`` and asserts the result is not ``None`` (Detectron quirk Q33,
-docs/detectron_quirks.md): a bad
-file stops training with no name attached. Here every failure raises
-:class:`BadImageError`, which names the file, the image id, the dataset and a fix, so
-the worker can either fail loudly or (``on_bad_image="skip"``) replace the block.
-
-Every format goes through ``cv2.imdecode(..., IMREAD_COLOR)``: the decoder behind
-Detectron's ``cv2.imread``, on the bytes already read, so the pixels are Detectron's bit for
-bit (``benchmarks/decode.py`` checks it on JPEGs and on the edge cases: EXIF orientation
-applied, grayscale / CMYK / palette / alpha converted to three BGR channels, 16-bit samples
-reduced to their high byte). It is also the fastest of the decoders measured there
-(torchvision's deprecated ``decode_image``, TorchCodec's ``decode_image``).
+Where Detectron asserts ``cv2.imread(...) is not None`` (quirk Q33), every failure here
+raises :class:`BadImageError`, naming the file, the image id, the dataset and a fix, so
+the worker can fail loudly or (``on_bad_image="skip"``) replace the block. Every format
+goes through ``cv2.imdecode(..., IMREAD_COLOR)``, the decoder behind ``cv2.imread``: the
+pixels are Detectron's bit for bit (EXIF orientation applied; grayscale, CMYK, palette and
+alpha to BGR; 16-bit to the high byte: ``benchmarks/decode.py`` checks them), and it is
+the fastest decoder measured there.
 """
 
 from __future__ import annotations
@@ -59,9 +54,7 @@ def _rebuild_bad_image(message: str, path: str, image_id: Any, dataset: str,
 def dataset_name(entry: Mapping[str, Any]) -> str:
     """The dataset name of an entry (``entry['dataset'].name``, or a plain string)."""
     ds = entry.get("dataset") if hasattr(entry, "get") else None
-    if ds is None:
-        return "<unknown dataset>"
-    return str(getattr(ds, "name", ds))
+    return "<unknown dataset>" if ds is None else str(getattr(ds, "name", ds))
 
 
 def describe_entry(entry: Mapping[str, Any]) -> str:
@@ -71,7 +64,8 @@ def describe_entry(entry: Mapping[str, Any]) -> str:
 
 
 def _error(entry: Mapping[str, Any], reason: str, what: str, fix: str) -> BadImageError:
-    return BadImageError(f"{describe_entry(entry)}: {what}. Fix: {fix}", path=str(entry.get("image")),
+    return BadImageError(f"{describe_entry(entry)}: {what}. Fix: {fix}",
+                         path=str(entry.get("image")),
                          image_id=entry.get("id"), dataset=dataset_name(entry), reason=reason)
 
 
@@ -111,41 +105,18 @@ def decode_rgb(data: bytes) -> np.ndarray:
     return cv2.cvtColor(decode_bgr(data), cv2.COLOR_BGR2RGB)  # SIMD; faster than [..., ::-1]
 
 
-def load_image(entry: Mapping[str, Any]) -> np.ndarray:
-    """Read, decode, size-check and (for flipped entries) mirror one roidb image.
+def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
+    """Read, decode (``decode``, default :func:`decode_bgr`), size-check and (for flipped
+    entries) mirror one roidb image: ``(height, width, 3)`` uint8, C-contiguous.
 
     The decoded size must equal the roidb's ``height``/``width``: Detectron computes
     the scale from the decoded image but places every target with the JSON size
-    (Detectron quirk Q10, docs/detectron_quirks.md), so a mismatch silently misaligns targets there;
-    here it is an error.
-
-    Args:
-        entry: a roidb entry (``image``, ``id``, ``width``, ``height``, ``flipped``).
-
-    Returns:
-        ``(height, width, 3)`` BGR uint8 array, C-contiguous.
+    (Detectron quirk Q10, docs/detectron_quirks.md), so a mismatch silently misaligns
+    targets there; here it is an error.
 
     Raises:
         BadImageError: missing/unreadable/undecodable file or size mismatch.
     """
-    return _load(entry, decode_bgr)
-
-
-def load_image_rgb(entry: Mapping[str, Any]) -> np.ndarray:
-    """:func:`load_image` with the channels in RGB order (its ``channel_order``
-    attribute says so, and the blob builders write each channel into its BGR plane).
-
-    Raises:
-        BadImageError: missing/unreadable/undecodable file or size mismatch.
-    """
-    return _load(entry, decode_rgb)
-
-
-load_image_rgb.channel_order = "rgb"  # type: ignore[attr-defined]
-
-
-def _load(entry: Mapping[str, Any], decode: Any) -> np.ndarray:
-    """:func:`load_image` with the decoder ``decode`` (its channel order)."""
     path = entry["image"]
     try:
         with open(path, "rb") as fh:
@@ -155,7 +126,7 @@ def _load(entry: Mapping[str, Any], decode: Any) -> np.ndarray:
                      "check the dataset's image directory in the catalog and that the file "
                      "exists and is readable") from exc
     try:
-        im = decode(data)
+        im = (decode or decode_bgr)(data)
     except ValueError as exc:
         raise _error(entry, "undecodable", f"cannot decode the image ({exc})",
                      "re-download or re-encode the file, or set on_bad_image='skip' to skip "
@@ -175,3 +146,16 @@ def _load(entry: Mapping[str, Any], decode: Any) -> np.ndarray:
     if entry.get("flipped", False):
         im = cv2.flip(im, 1)  # == im[:, ::-1], contiguous
     return im
+
+
+def load_image_rgb(entry: Mapping[str, Any]) -> np.ndarray:
+    """:func:`load_image` with the channels in RGB order (its ``channel_order``
+    attribute says so, and the blob builders write each channel into its BGR plane).
+
+    Raises:
+        BadImageError: missing/unreadable/undecodable file or size mismatch.
+    """
+    return load_image(entry, decode_rgb)
+
+
+load_image_rgb.channel_order = "rgb"  # type: ignore[attr-defined]

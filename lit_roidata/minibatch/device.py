@@ -1,34 +1,25 @@
 """Finish a worker's compact blobs on the training device (after the host-to-device copy).
 
-A few blobs dominate a worker's output when built as Detectron builds them: the image
-(``data``), for Mask R-CNN the class-specific ``masks_int32`` of shape
-``(n, NUM_CLASSES * M * M)`` that is -1 except one slot per row (65 MB per batch at
-COCO settings), and the RPN "wide" targets, four ``(n, ·, F, F)`` maps per FPN level
-that hold at most ``RPN_BATCH_SIZE_PER_IM`` non-fill values per image (45 MB per batch
-at 800x1333). Workers can ship all of them compactly (``pixel_format="uint8"``,
-``mask_format="compact"``, ``target_format="compact"``); :func:`finalize_on_device`
-restores Detectron's exact blobs on the device, where filling memory is nearly free
-(:func:`normalize_on_device` for the pixels, the ``expand_*`` functions for the targets).
-Every function here runs on the input's device (CPU or CUDA; the exact CPU pixel path
-uses OpenCV's ``LUT``); :func:`finish_batch` is what
-``RoIDataModule.on_after_batch_transfer`` runs.
+Workers can ship the large blobs compactly (``pixel_format="uint8"``,
+``mask_format="compact"``, ``target_format="compact"``: docs/minibatch.md and
+docs/rpn_retinanet.md); :func:`finalize_on_device` restores Detectron's exact blobs on the
+device, where filling memory is nearly free. Every function runs on the input's device
+(CPU or CUDA); :func:`finish_batch` is what ``RoIDataModule.on_after_batch_transfer`` runs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import cv2
 import numpy as np
 import torch
 
+from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS
+
 __all__ = ["normalize_on_device", "expand_masks_on_device", "expand_rpn_targets",
            "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch"]
 
-_RPN_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
-              "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
-_RPN_COMPACT = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
-                "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 
 _LUT_CACHE: dict[tuple, torch.Tensor] = {}
@@ -138,13 +129,17 @@ def expand_masks_on_device(masks: torch.Tensor, classes: torch.Tensor,
     return out.view(n, num_classes * m2)
 
 
-def expand_rpn_targets(compact: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def expand_rpn_targets(compact: Mapping[str, torch.Tensor], *,
+                       new: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
+                       ) -> dict[str, torch.Tensor]:
     """Detectron's RPN wide blobs from the compact ones (``target_format="compact"``).
 
     Args:
         compact: the five ``rpn_compact_*`` tensors of
             :func:`lit_roidata.minibatch.rpn.add_rpn_blobs` (``compact=True``), all on
             one device.
+        new: ``(shape, dtype) -> zeroed tensor`` for the blobs (default ``torch.zeros``
+            on that device), e.g. shared memory in a DataLoader worker.
 
     Returns:
         ``rpn_labels_int32_wide``, ``rpn_bbox_targets_wide``,
@@ -159,36 +154,35 @@ def expand_rpn_targets(compact: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     targets = compact["rpn_compact_bbox_targets"]
     weights = compact["rpn_compact_outside_weights"]
     n, dev = int(weights.shape[0]), weights.device
+    if new is None:
+        def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=dev)
     out: dict[str, torch.Tensor] = {}
     lo = 0
     for lvl, a, f in layout:
         hi = lo + f * f * a
-        names = [k if lvl < 0 else f"{k}_fpn{lvl}" for k in _RPN_KINDS]
-        labels = torch.full((n, a, f, f), -1, dtype=torch.int32, device=dev)
-        tgt, inw, outw = (torch.zeros((n, 4 * a, f, f), dtype=torch.float32, device=dev)
-                          for _ in range(3))
+        names = [k if lvl < 0 else f"{k}_fpn{lvl}" for k in RPN_BLOB_KINDS]
+        labels = new((n, a, f, f), torch.int32).fill_(-1)
+        tgt, inw, outw = (new((n, 4 * a, f, f), torch.float32) for _ in range(3))
+        def at(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            """(image, cell, anchor, its 4 channels) of level-local rows (``a`` fastest)."""
+            cell, anc = torch.div(r[:, 1] - lo, a, rounding_mode="floor"), (r[:, 1] - lo) % a
+            return r[:, 0], cell, anc, (4 * anc).unsqueeze(1) + torch.arange(4, device=dev)
+
         sel = rows[(rows[:, 1] >= lo) & (rows[:, 1] < hi)]
-        img, cell, anc = _split(sel[:, 0], sel[:, 1] - lo, a)
+        img, cell, anc, ch = at(sel)
         lab = sel[:, 2].to(torch.int32)
         labels.view(n, a, f * f)[img, anc, cell] = lab
         w = weights[img].unsqueeze(1).expand(-1, 4)
-        ch = (4 * anc).unsqueeze(1) + torch.arange(4, device=dev)  # (m, 4) channels
         outw.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = w
         pos = lab == 1
         inw.view(n, 4 * a, f * f)[img[pos].unsqueeze(1), ch[pos], cell[pos].unsqueeze(1)] = 1.0
         sel_fg = (fg[:, 1] >= lo) & (fg[:, 1] < hi)
-        img, cell, anc = _split(fg[sel_fg, 0], fg[sel_fg, 1] - lo, a)
-        ch = (4 * anc).unsqueeze(1) + torch.arange(4, device=dev)
+        img, cell, _, ch = at(fg[sel_fg])
         tgt.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = targets[sel_fg]
         out.update(zip(names, (labels, tgt, inw, outw)))
         lo = hi
     return out
-
-
-def _split(img: torch.Tensor, local: torch.Tensor, a: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(image, cell, cell anchor)`` of level-local anchor indices (``a`` fastest)."""
-    return img, torch.div(local, a, rounding_mode="floor"), torch.remainder(local, a)
 
 
 def expand_sparse(rows: torch.Tensor, shape: Any, fill: int = 0) -> torch.Tensor:
@@ -211,15 +205,15 @@ def expand_targets(batch: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     blob order again (:func:`~lit_roidata.minibatch.get_minibatch_blob_names`). A batch
     without compact targets is returned unchanged.
     """
-    has_rpn = _RPN_COMPACT[0] in batch
+    has_rpn = RPN_COMPACT_KEYS[0] in batch
     if not has_rpn and not any(k.endswith("_sparse") for k in batch):
         return batch
-    rpn = expand_rpn_targets({k: batch[k] for k in _RPN_COMPACT}) if has_rpn else {}
+    rpn = expand_rpn_targets({k: batch[k] for k in RPN_COMPACT_KEYS}) if has_rpn else {}
     items = dict(batch)
     batch.clear()
     for k, v in items.items():
-        if k in _RPN_COMPACT:
-            if k == _RPN_COMPACT[0]:
+        if k in RPN_COMPACT_KEYS:
+            if k == RPN_COMPACT_KEYS[0]:
                 batch.update(rpn)
         elif k.endswith("_sparse") and torch.is_tensor(v):
             base = k[: -len("_sparse")]
@@ -234,22 +228,19 @@ def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[fl
                        expand_compact_targets: bool = True) -> MutableMapping[str, Any]:
     """Turn a worker's compact blobs into Detectron's, in place, on their device.
 
-    Normalises a uint8 ``data`` blob (:func:`normalize_on_device`, using
-    ``_meta["image_sizes"]``) and expands compact masks (``mask_class_int32`` present)
-    with :func:`expand_masks_on_device`; ``mask_class_int32`` is removed; and expands
-    compact RPN / RetinaNet targets with :func:`expand_targets` (unless
-    ``expand_compact_targets=False``: a model that computes its loss on the sampled
-    anchors keeps them). A batch that is already in Detectron's format is returned
-    unchanged. Meant for ``LightningDataModule.on_after_batch_transfer``.
-    ``image_sizes`` (``(n, 2)`` unpadded ``(h, w)``), when given, is used instead of the
-    ``_meta`` lookup.
+    Normalises a uint8 ``data`` blob (:func:`normalize_on_device` with ``image_sizes``,
+    ``(n, 2)`` unpadded ``(h, w)``, by default ``_meta["image_sizes"]`` or
+    ``_meta["im_info"]``), expands compact masks (``mask_class_int32``, then removed) with
+    :func:`expand_masks_on_device`, and compact RPN / RetinaNet targets with
+    :func:`expand_targets` (unless ``expand_compact_targets=False``: a model that computes
+    its loss on the sampled anchors keeps them). A batch already in Detectron's format is
+    returned unchanged. Meant for ``LightningDataModule.on_after_batch_transfer``.
     """
     data = batch.get("data")
     if isinstance(data, torch.Tensor) and data.dtype == torch.uint8:
         meta = batch.get("_meta") or {}
-        sizes = meta.get("image_sizes") if image_sizes is None else image_sizes
-        if sizes is None:
-            sizes = meta.get("im_info")
+        sizes = next((x for x in (image_sizes, meta.get("image_sizes"), meta.get("im_info"))
+                      if x is not None), None)
         if sizes is None:
             raise ValueError("finalize_on_device: a uint8 'data' blob needs _meta['image_sizes'] "
                              "(or 'im_info') to zero the padding")
@@ -267,28 +258,16 @@ def finish_batch(batch: Any, cfg: Any, *, expand_compact_targets: bool = True) -
 
     A dict batch (``output_format="detectron"``, evaluation batches) is finished in place
     by :func:`finalize_on_device` with the config's ``PIXEL_MEANS`` and
-    ``MODEL.NUM_CLASSES`` and the unpadded image sizes of its ``_meta``; other batches
-    (``TorchvisionBatch``) are returned unchanged.
-
-    Args:
-        batch: the batch on its device.
-        cfg: the Detectron config the batch was built with.
-        expand_compact_targets: ``False`` keeps compact RPN / RetinaNet targets
-            (``target_format="compact_raw"``).
+    ``MODEL.NUM_CLASSES`` (image sizes: ``_meta``, else ``im_info``, else the whole
+    blob); other batches (``TorchvisionBatch``) are returned unchanged.
+    ``expand_compact_targets=False`` keeps compact RPN / RetinaNet targets
+    (``target_format="compact_raw"``).
     """
-    if isinstance(batch, dict):
-        finalize_on_device(batch, cfg.PIXEL_MEANS, int(cfg.MODEL.NUM_CLASSES),
-                           image_sizes=_image_sizes(batch) if "data" in batch else None,
-                           expand_compact_targets=expand_compact_targets)
-    return batch
-
-
-def _image_sizes(batch: Mapping[str, Any]) -> Any:
-    """``(n, 2)`` unpadded ``(h, w)`` of the images in ``batch["data"]``."""
-    meta = batch.get("_meta") or {}
-    if "image_sizes" in meta:
-        return meta["image_sizes"]
-    if "im_info" in batch:
-        return batch["im_info"]
-    n, _, h, w = batch["data"].shape
-    return [[h, w]] * n
+    if not isinstance(batch, dict):
+        return batch
+    data, sizes = batch.get("data"), None
+    if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 4:
+        n, _, h, w = data.shape
+        sizes = (batch.get("_meta") or {}).get("image_sizes", batch.get("im_info", [[h, w]] * n))
+    return finalize_on_device(batch, cfg.PIXEL_MEANS, int(cfg.MODEL.NUM_CLASSES),
+                              image_sizes=sizes, expand_compact_targets=expand_compact_targets)

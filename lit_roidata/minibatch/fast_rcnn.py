@@ -1,10 +1,6 @@
-"""Fast R-CNN blobs from a roidb with proposals: RoI sampling and targets (Detectron semantics: Fast
-R-CNN targets).
-
-:func:`add_fast_rcnn_blobs` does no image I/O: the data loader calls it for
-precomputed proposals, and end-to-end training (Detectron semantics: end-to-end training) calls it
-at run time with
-entries whose proposals came from the RPN.
+"""Fast R-CNN blobs from a roidb with proposals: RoI sampling and targets (Detectron
+semantics: Fast R-CNN targets). No image I/O: the loader calls :func:`add_fast_rcnn_blobs`
+for precomputed proposals, end-to-end training at run time with the RPN's proposals.
 """
 
 from __future__ import annotations
@@ -86,7 +82,8 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
     n_fg = int(min(fg_quota, fg_inds.size))
     if fg_inds.size > 0:
         fg_inds = rng_mod.choice(rng, fg_inds, size=n_fg, replace=False)
-    bg_inds = ((max_overlaps < train.BG_THRESH_HI) & (max_overlaps >= train.BG_THRESH_LO)).nonzero()[0]
+    bg_inds = np.flatnonzero((max_overlaps < train.BG_THRESH_HI)
+                             & (max_overlaps >= train.BG_THRESH_LO))
     n_bg = int(min(rois_per_image - n_fg, bg_inds.size))
     if bg_inds.size > 0:
         bg_inds = rng_mod.choice(rng, bg_inds, size=n_bg, replace=False)
@@ -111,33 +108,31 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
 def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
                         entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                         alloc: Any = None, compact_masks: bool = False) -> bool:
-    """Add the Fast R-CNN blob family of Detectron semantics: blob names to ``blobs``; return
+    """Add the Fast R-CNN blob family (Detectron semantics: blob names) to ``blobs``; return
     validity.
 
     Per image :func:`sample_rois` (``batch_idx`` = position in ``entries``), then
     concatenation in image order, FPN distribution (Detectron semantics: FPN RoI levels) and
-    keypoint finalisation
-    (Detectron semantics: keypoint targets). Keys are written in :func:`get_fast_rcnn_blob_names`
-    order (existing keys,
-    e.g. pre-created by ``get_minibatch``, keep their place).
+    keypoint finalisation. Keys are written in :func:`get_fast_rcnn_blob_names` order
+    (existing keys, e.g. pre-created by ``get_minibatch``, keep their place).
 
     Args:
         blobs: dict to fill (may already hold ``data``).
         im_scales: one scale per entry.
         entries: roidb-style entries with ``boxes``, ``max_overlaps``, ``max_classes``,
-            ``bbox_targets``, ``box_to_gt_ind_map``, ``gt_classes``, ``is_crowd`` and,
-            when enabled, ``segms`` / ``gt_keypoints``.
+            ``bbox_targets``, ``box_to_gt_ind_map``, ``gt_classes``, ``is_crowd`` and, when
+            enabled, ``segms`` / ``gt_keypoints``.
         cfg: the Detectron config.
         rng: generator for the RoI (and keypoint) draws.
         alloc: optional ``(shape, dtype) -> array`` for the largest blob (class-specific
             ``masks_int32``), e.g. shared memory in a DataLoader worker.
         compact_masks: keep class-specific ``masks_int32`` as ``(n, M*M)`` and add
-            ``mask_class_int32`` (n,); :func:`lit_roidata.minibatch.device.
-            expand_masks_on_device` restores Detectron's blob on the device.
+            ``mask_class_int32`` (n,); :func:`lit_roidata.minibatch.device.expand_masks_on_device`
+            restores Detectron's blob on the device.
 
     Returns:
-        ``False`` only for a keypoint minibatch that fails the validity rule (Detectron semantics:
-        minibatch validity).
+        ``False`` only for a keypoint minibatch that fails the validity rule (Detectron
+        semantics: minibatch validity).
     """
     if len(im_scales) != len(entries):
         raise ValueError(f"{len(entries)} entries but {len(im_scales)} scales")

@@ -47,9 +47,8 @@ def map_rois_to_fpn_levels(rois: np.ndarray, k_min: int, k_max: int, *,
     return np.clip(target, k_min, k_max)
 
 
-def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str,
-                             rois: np.ndarray, target_lvls: np.ndarray, lvl_min: int,
-                             lvl_max: int) -> None:
+def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str, rois: np.ndarray,
+                             target_lvls: np.ndarray, lvl_min: int, lvl_max: int) -> None:
     """Write ``<prefix>_fpn<l>`` (rows of level l, original order) and
     ``<prefix>_idx_restore_int32`` so that ``concat(levels)[restore] == rois``."""
     lvls = np.asarray(target_lvls).reshape(-1)

@@ -1,16 +1,11 @@
-"""Keypoint R-CNN targets and minibatch validity (Detectron semantics: keypoint targets; minibatch
-validity).
+"""Keypoint R-CNN targets and minibatch validity (Detectron semantics: keypoint targets;
+minibatch validity).
 
-Kept from Detectron on purpose: keypoint RoIs are sampled independently of the box
-head's fg RoIs (Detectron quirk Q5, docs/detectron_quirks.md), rows without a gt wrap to the last gt
-like NumPy's ``-1`` index
-(Detectron quirk Q6, docs/detectron_quirks.md, harmless: such rows are never fg), and the loss
-normaliser uses nominal counts
-(Detectron quirk Q34, docs/detectron_quirks.md). Fixed: a zero-width (or zero-height) RoI, possible
-for end-to-end RPN
-proposals, divides by zero in Detectron (Detectron quirk Q25, docs/detectron_quirks.md); here its
-extent is taken as 1 pixel,
-the same guard the mask rasteriser uses, and every non-degenerate RoI is unchanged.
+Kept from Detectron on purpose (docs/detectron_quirks.md): keypoint RoIs are sampled
+independently of the box head's fg RoIs (Q5), rows without a gt wrap to the last gt like
+NumPy's ``-1`` index (Q6, harmless: such rows are never fg), and the loss normaliser uses
+nominal counts (Q34). Fixed: a zero-width (or zero-height) RoI divides by zero in
+Detectron (Q25); here its extent is taken as 1 pixel, as in the mask rasteriser.
 """
 
 from __future__ import annotations
@@ -49,11 +44,6 @@ def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
     """
     HM = heatmap_size
     rois = np.asarray(rois, dtype=np.float32).reshape(-1, 4)
-    n, K = rois.shape[0], keypoints.shape[2]
-    heatmaps = np.zeros((n, K), dtype=np.float32)
-    weights = np.zeros((n, K), dtype=np.float32)
-    if n == 0:
-        return heatmaps, weights
     dx = rois[:, 2] - rois[:, 0]
     dy = rois[:, 3] - rois[:, 1]
     # Detectron quirk Q25 (docs/detectron_quirks.md) guard, a no-op for real
@@ -71,11 +61,8 @@ def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
     y = np.floor((y - rois[:, 1:2]) * scale_y)
     x[x_boundary] = HM - 1
     y[y_boundary] = HM - 1
-    valid = (x >= 0) & (y >= 0) & (x < HM) & (y < HM) & vis
-    valid = valid.astype(np.int32)
-    heatmaps[:] = (y * HM + x) * valid
-    weights[:] = valid
-    return heatmaps, weights
+    valid = ((x >= 0) & (y >= 0) & (x < HM) & (y < HM) & vis).astype(np.int32)
+    return ((y * HM + x) * valid).astype(np.float32), valid.astype(np.float32)
 
 
 def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str, Any],

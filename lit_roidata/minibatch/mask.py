@@ -1,17 +1,10 @@
 """Mask R-CNN targets for the sampled RoIs of one image (Detectron semantics: mask targets).
 
-Faithful to Detectron for polygon segmentations: each fg RoI takes the gt whose
-polygon *bounding box* has the highest IoU (+1 IoU, ties to the first), and the
-polygon is rasterised by pycocotools at ``M x M`` relative to the RoI with
-``w = max(x2 - x1, 1)`` (no +1, Detectron quirk Q25 (docs/detectron_quirks.md)). Detectron crashes
-in two cases that we
-handle instead (Detectron quirk Q24, docs/detectron_quirks.md):
-
-* a non-crowd gt whose polygons were all dropped (each had < 6 coordinates): it is
-  matched through its gt box and its RoIs get an all ``-1`` target (ignored by the
-  sigmoid loss) instead of a crash;
-* a non-crowd RLE segmentation: rasterised by sampling the decoded mask at the
-  centres of the ``M x M`` grid over the RoI (same geometry as the polygon path).
+Faithful to Detectron for polygons: each fg RoI takes the gt whose polygon *bounding box*
+has the highest IoU (ties to the first), rasterised by pycocotools at ``M x M`` relative to
+the RoI with ``w = max(x2 - x1, 1)`` (no +1, Detectron quirk Q25). Where Detectron crashes
+(Q24) a non-crowd gt with no usable polygon is matched through its gt box and gets an all
+``-1`` target, and a non-crowd RLE is sampled at the centres of the ``M x M`` grid.
 """
 
 from __future__ import annotations
@@ -210,11 +203,8 @@ def expand_class_specific_masks(masks: np.ndarray, class_labels: np.ndarray, num
         raise ValueError(f"mask target class {int(cls.max())} is >= MODEL.NUM_CLASSES "
                          f"({num_classes}); set MODEL.NUM_CLASSES to the dataset's class "
                          "count plus one (background)")
-    if alloc is None:
-        out = np.full((n, num_classes, m2), -1, dtype=np.int32)
-    else:
-        out = alloc((n, num_classes, m2), np.dtype(np.int32))
-        out.fill(-1)
+    out = (alloc or np.empty)((n, num_classes, m2), np.dtype(np.int32))
+    out.fill(-1)
     rows = np.flatnonzero(cls > 0)
     out[rows, cls[rows]] = masks[rows]
     return out.reshape(n, num_classes * m2)
@@ -280,8 +270,7 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
         else:
             masks = np.full((fg_inds.shape[0], M * M), -1, dtype=np.int32)
     else:
-        bg_inds = np.where(labels == 0)[0]
-        take = bg_inds[:1]
+        take = np.where(labels == 0)[0][:1]  # one bg RoI with an all -1 target
         rois_fg = sampled_boxes[take].reshape((-1, 4)).astype(np.float32, copy=False)
         masks = np.full((take.size, M * M), -1, dtype=np.int32)
         class_labels = np.zeros((take.size,), dtype=np.int32)

@@ -1,18 +1,13 @@
-"""``model_type`` names and the blob family they select (Detectron semantics: configuration; blob
-names).
+"""``model_type`` names and the blob family they select (Detectron semantics: configuration;
+blob names).
 
-Detectron chooses the loader's blob family from its own flags with a fixed
-precedence: ``RPN.RPN_ON`` (inferred from ``MODEL.FASTER_RCNN`` / ``MODEL.RPN_ONLY``)
-first, then ``RETINANET.RETINANET_ON``, else Fast R-CNN with precomputed proposals.
-``RoIDataModule(model_type=...)`` is a shorthand for those flags: it merges
-:func:`flags_for_model_type` into the config and :func:`blob_family` reads the result,
-so a Detectron YAML with the flags set and no ``model_type`` behaves the same.
-
-End-to-end names (``faster_rcnn``, ``mask_rcnn``, ``keypoint_rcnn``) build the RPN
-family in the loader; their second stage is labelled in the model by
-:func:`lit_roidata.minibatch.proposal_labels` (Detectron semantics: end-to-end training). The
-``*_proposals`` names
-are Detectron's two-stage configs that read precomputed proposal files.
+Detectron's precedence: ``RPN.RPN_ON`` (inferred from ``MODEL.FASTER_RCNN`` /
+``MODEL.RPN_ONLY``), then ``RETINANET.RETINANET_ON``, else Fast R-CNN with precomputed
+proposals. ``RoIDataModule(model_type=...)`` merges :func:`flags_for_model_type` into the
+config and :func:`blob_family` reads the result, so a Detectron YAML with the flags set
+behaves the same. End-to-end names build the RPN family in the loader (second stage:
+:func:`lit_roidata.minibatch.proposal_labels`); ``*_proposals`` names read precomputed
+proposal files.
 """
 
 from __future__ import annotations
@@ -37,15 +32,6 @@ _BASE: dict[str, dict[str, Any]] = {
     "rpn_only": {"MODEL.RPN_ONLY": True, "RPN.RPN_ON": True},
     "retinanet": {"RETINANET.RETINANET_ON": True, "FPN.FPN_ON": True},
 }
-
-
-def _fpn(name: str) -> dict[str, Any]:
-    flags = {"FPN.FPN_ON": True}
-    if name != "rpn_only":
-        flags["FPN.MULTILEVEL_ROIS"] = True  # second stage on P2..P5
-    if _BASE[name].get("RPN.RPN_ON"):
-        flags["FPN.MULTILEVEL_RPN"] = True  # anchors on P2..P6
-    return flags
 
 
 MODEL_TYPES: tuple[str, ...] = tuple(_BASE) + tuple(
@@ -74,8 +60,11 @@ def flags_for_model_type(model_type: str) -> dict[str, Any]:
         raise ValueError(f"unknown model_type {model_type!r}; choose one of "
                          f"{', '.join(MODEL_TYPES)} (or leave it unset and use Detectron's "
                          "MODEL/RPN/RETINANET/FPN flags)")
-    flags = dict(_OFF)
-    flags.update(_BASE[base])
+    flags = {**_OFF, **_BASE[base]}
     if name.endswith("_fpn"):
-        flags.update(_fpn(base))
+        flags["FPN.FPN_ON"] = True
+        if base != "rpn_only":
+            flags["FPN.MULTILEVEL_ROIS"] = True  # second stage on P2..P5
+        if _BASE[base].get("RPN.RPN_ON"):
+            flags["FPN.MULTILEVEL_RPN"] = True  # anchors on P2..P6
     return flags

@@ -12,13 +12,8 @@ from typing import Any
 
 from lit_roidata.minibatch.model_type import blob_family
 
-__all__ = [
-    "get_minibatch_blob_names",
-    "get_fast_rcnn_blob_names",
-    "get_rpn_blob_names",
-    "get_retinanet_blob_names",
-    "multilevel_roi_prefixes",
-]
+__all__ = ["get_minibatch_blob_names", "get_fast_rcnn_blob_names", "get_rpn_blob_names",
+           "get_retinanet_blob_names", "multilevel_roi_prefixes"]
 
 
 def _levels(lo: int, hi: int) -> range:
@@ -28,6 +23,10 @@ def _levels(lo: int, hi: int) -> range:
 #: The four "wide" RPN target blobs of one level (suffixed ``_fpn<l>`` with FPN).
 RPN_BLOB_KINDS = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
                   "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
+#: The compact RPN targets a worker ships with ``target_format="compact"`` instead of the
+#: wide blobs (:func:`lit_roidata.minibatch.rpn.add_rpn_blobs`), in this order.
+RPN_COMPACT_KEYS = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
+                    "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 
 def get_rpn_blob_names(cfg: Any) -> list[str]:
@@ -52,11 +51,8 @@ def get_retinanet_blob_names(cfg: Any) -> list[str]:
                          "is always built on FPN); set FPN.FPN_ON in the config")
     names = ["im_info", "retnet_fg_num", "retnet_bg_num"]
     for lvl in _levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL):
-        names += [
-            f"retnet_cls_labels_fpn{lvl}",
-            f"retnet_roi_bbox_targets_fpn{lvl}",
-            f"retnet_roi_fg_bbox_locs_fpn{lvl}",
-        ]
+        names += [f"retnet_{k}_fpn{lvl}" for k in ("cls_labels", "roi_bbox_targets",
+                                                    "roi_fg_bbox_locs")]
     return names
 
 
@@ -74,8 +70,7 @@ def multilevel_roi_prefixes(cfg: Any) -> list[str]:
 def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
     """Fast R-CNN family (precomputed proposals, or the output of Detectron semantics: end-to-end
     training's label op)."""
-    names = ["rois", "labels_int32", "bbox_targets", "bbox_inside_weights",
-             "bbox_outside_weights"]
+    names = ["rois", "labels_int32", "bbox_targets", "bbox_inside_weights", "bbox_outside_weights"]
     if cfg.MODEL.MASK_ON:
         names += ["mask_rois", "roi_has_mask_int32", "masks_int32"]
     if cfg.MODEL.KEYPOINTS_ON:
@@ -102,8 +97,5 @@ def get_minibatch_blob_names(cfg: Any) -> list[str]:
         The list of blob names (Detectron semantics: blob names).
     """
     family = blob_family(cfg)
-    if family == "rpn":
-        return ["data"] + get_rpn_blob_names(cfg)
-    if family == "retinanet":
-        return ["data"] + get_retinanet_blob_names(cfg)
-    return ["data"] + get_fast_rcnn_blob_names(cfg)
+    return ["data"] + {"rpn": get_rpn_blob_names, "retinanet": get_retinanet_blob_names,
+                       "fast_rcnn": get_fast_rcnn_blob_names}[family](cfg)

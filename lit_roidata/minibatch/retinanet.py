@@ -20,7 +20,7 @@ import numpy as np
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, anchor_gt_overlaps, concat_fields, level_offsets, retinanet_fields,
+    FieldOfAnchors, concat_fields, inside_anchors, level_offsets, retinanet_fields, rpn_overlaps,
     scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import get_retinanet_blob_names
@@ -30,15 +30,9 @@ __all__ = ["add_retinanet_blobs", "label_retinanet_anchors", "get_retinanet_blob
 _ONES4 = (1.0, 1.0, 1.0, 1.0)
 
 
-def add_retinanet_blobs(
-    blobs: MutableMapping[str, Any],
-    im_scales: Sequence[float],
-    entries: Sequence[Mapping[str, Any]],
-    cfg: Any,
-    rng: rng_mod.RNG | None = None,
-    *,
-    compact: bool = False,
-) -> bool:
+def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
+                        entries: Sequence[Mapping[str, Any]], cfg: Any,
+                        rng: rng_mod.RNG | None = None, *, compact: bool = False) -> bool:
     """Add ``im_info``, ``retnet_fg_num``, ``retnet_bg_num`` and the per-level blobs (Detectron
     semantics: RetinaNet targets).
 
@@ -51,13 +45,10 @@ def add_retinanet_blobs(
         im_scales: the scale of each image.
         entries: roidb entries (Detectron field names).
         cfg: a ``DetectronConfig`` with ``FPN.FPN_ON``.
-        compact: ship each level's class labels (mostly 0, background) sparsely: in
-            place of ``retnet_cls_labels_fpn<l>`` the blobs ``..._fpn<l>_sparse`` (int32
-            ``(K, 2)`` rows ``(flat index, label)`` of the non-zero labels, the flat
-            index into the C-ordered ``(n, A, h, w)`` blob) and ``..._fpn<l>_shape``
-            (int64 ``(4,)``, that shape);
-            :func:`lit_roidata.minibatch.device.expand_sparse` restores the blob bit
-            for bit. The other blobs are unchanged (they already list positives only).
+        compact: ship each level's class labels (mostly 0, background) sparsely, as
+            ``retnet_cls_labels_fpn<l>_sparse`` and ``..._shape`` in place of
+            ``retnet_cls_labels_fpn<l>`` (docs/rpn_retinanet.md, "What crosses from a
+            worker"); :func:`lit_roidata.minibatch.device.expand_sparse` restores it.
 
     Returns:
         True: RetinaNet minibatches are always valid.
@@ -90,10 +81,9 @@ def add_retinanet_blobs(
     return True
 
 
-def label_retinanet_anchors(
-    all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
-    gt_classes: np.ndarray, retina: Any,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors],
+                            gt: np.ndarray, gt_classes: np.ndarray, retina: Any
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """Label all anchors of one image (Detectron semantics: RetinaNet targets steps 1-3).
 
     Returns:
@@ -104,9 +94,9 @@ def label_retinanet_anchors(
         ``NEGATIVE_OVERLAP``.
     """
     n = all_anchors.shape[0]
-    inside = np.ones(n, dtype=bool)
+    every = inside_anchors(fields, 0, 0, -1.0)  # no straddle filter
     below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
-    cand, overlaps = anchor_gt_overlaps(fields, all_anchors, inside, gt, below=below)
+    cand, overlaps = rpn_overlaps(fields, all_anchors, every, gt, below)
     a2g_max = np.zeros(n, dtype=np.float32)
     g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
     if len(cand):
@@ -140,23 +130,23 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
     num_aspects = len(retina.ASPECT_RATIOS)
     offsets = level_offsets(fields)
     field_ids = np.arange(len(fields))
-    for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1):
+    levels = range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)
+    if compact:  # written again below in blob order, the sparse pair in the labels' place
+        for k in [k for k in blobs if k.startswith("retnet_") and "_fpn" in k]:
+            del blobs[k]
+    for lvl in levels:
         ids = field_ids[[int(round(np.log2(f.stride))) == lvl for f in fields]]
         f0 = fields[ids[0]]
         size, stride = f0.field_size, f0.stride
         h, w = int(pad_h / stride), int(pad_w / stride)
         shape = (len(per_image), len(ids), min(h, size), min(w, size))
-        cls = None if compact else np.empty(shape, np.int32)
-        sparse = []
+        cls = np.empty(shape, np.int32)
         lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
         field_anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
                                      for j in ids], np.int64)
         tgt_rows, loc_rows = [], []
         for i, (labels, fg, targets) in enumerate(per_image):
-            if cls is None:
-                sparse.append(_sparse_rows(labels[lo:hi], i, shape, size))
-            else:
-                cls[i] = labels[lo:hi].reshape(len(ids), size, size)[:, :h, :w]
+            cls[i] = labels[lo:hi].reshape(len(ids), size, size)[:, :h, :w]
             sel = (fg >= lo) & (fg < hi)
             sel[sel] = labels[fg[sel]] > 0  # positives overwritten by negatives drop out
             local = fg[sel] - lo
@@ -172,40 +162,15 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
             locs = np.stack([np.full_like(y, i), 4 * l_cls + loc_stride * anchor_ind, y, x], 1)
             tgt_rows.append(targets[sel])
             loc_rows.append(locs.astype(np.float32))
-        if cls is None:
-            blobs[f"retnet_cls_labels_fpn{lvl}_sparse"] = (
-                np.concatenate(sparse) if sparse else np.zeros((0, 2), np.int32))
+        if compact:  # (flat index, label) of the non-zero labels, and the blob's shape
+            nz = np.flatnonzero(cls)
+            blobs[f"retnet_cls_labels_fpn{lvl}_sparse"] = np.stack(
+                [nz, cls.reshape(-1)[nz]], 1).astype(np.int32).reshape(-1, 2)
             blobs[f"retnet_cls_labels_fpn{lvl}_shape"] = np.array(shape, np.int64)
         else:
             blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
         blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = _rows(tgt_rows)
         blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = _rows(loc_rows)
-    if compact:  # the sparse pair takes the place of the dense labels (blob order)
-        items = dict(blobs)
-        blobs.clear()
-        done: set[str] = set()
-        for k, v in items.items():
-            if k in done:
-                continue
-            base = k.removesuffix("_sparse").removesuffix("_shape")
-            if base.startswith("retnet_cls_labels_fpn") and f"{base}_sparse" in items:
-                for part in (f"{base}_sparse", f"{base}_shape"):
-                    blobs[part] = items[part]
-                done.update((base, f"{base}_sparse", f"{base}_shape"))
-            else:
-                blobs[k] = v
-
-
-def _sparse_rows(level_labels: np.ndarray, i: int, shape: tuple[int, ...],
-                 size: int) -> np.ndarray:
-    """``(flat index, label)`` of image ``i``'s non-zero labels inside the crop."""
-    _, n_fields, h, w = shape
-    nz = np.flatnonzero(level_labels)
-    field, cell = np.divmod(nz, size * size)
-    y, x = np.divmod(cell, size)
-    keep = (y < h) & (x < w)
-    flat = ((i * n_fields + field[keep]) * h + y[keep]) * w + x[keep]
-    return np.stack([flat, level_labels[nz[keep]].astype(np.int32)], 1).astype(np.int32)
 
 
 def _rows(parts: list[np.ndarray]) -> np.ndarray:

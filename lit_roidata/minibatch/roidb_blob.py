@@ -1,19 +1,16 @@
-"""The ``roidb`` blob: per-image gt dicts carried from the loader to the model (Detectron semantics:
-RPN targets; end-to-end training).
+"""The ``roidb`` blob: per-image gt dicts carried from the loader to the model (Detectron
+semantics: RPN targets; end-to-end training).
 
-Detectron pickles the minimal roidb into a float32 array of byte values. We keep the
-container (a 1-D float32 array of byte values, so the blob obeys the float32/int32 rule)
-but not pickle: the payload is an explicit, versioned format that any process can read
-without executing code:
+Detectron pickles the minimal roidb into a float32 array of byte values. The container is
+kept (a 1-D float32 array of byte values), not pickle: an explicit, versioned format any
+process can read without executing code:
 
     b"LRDB" | version (1 byte) | header length (uint32 LE) | header (UTF-8 JSON) | arrays
 
-The header holds, per image, each key with either a JSON value (``segms``,
-``has_visible_keypoints``), an array descriptor ``{"t": "a", "dtype", "shape", "off"}``
-pointing into the raw array section, or a CSR descriptor for ``gt_overlaps``.
-``deserialize_roidb(serialize_roidb(x)) == x`` (Detectron semantics: tested invariants); polygons
-come back as
-lists of Python floats and compressed RLE ``counts`` keep their ``bytes``/``str`` type.
+Per image, the header maps each key to a JSON value (``segms``, ``has_visible_keypoints``),
+an array ``{"t": "a", "dtype", "shape", "off"}`` into the array section, or a CSR
+descriptor (``gt_overlaps``). ``deserialize_roidb(serialize_roidb(x)) == x``; polygons come
+back as lists of floats and RLE ``counts`` keep their ``bytes``/``str`` type.
 """
 
 from __future__ import annotations
@@ -45,8 +42,8 @@ _VERSION = 1
 
 
 def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    """Encode the keys of ``ROIDB_BLOB_KEYS``, ``EXTRA_KEYS`` and ``LVIS_KEYS`` present in each entry (Detectron
-    semantics: RPN targets).
+    """Encode the keys of ``ROIDB_BLOB_KEYS``, ``EXTRA_KEYS`` and ``LVIS_KEYS`` present in
+    each entry (Detectron semantics: RPN targets).
 
     Returns:
         A 1-D float32 array of byte values (Detectron's container for the blob).
@@ -58,10 +55,9 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
     def put(arr: Any) -> dict[str, Any]:
         nonlocal offset
         a = np.ascontiguousarray(arr)
-        raw = a.tobytes()
+        chunks.append(a.tobytes())
         desc = {"t": "a", "dtype": a.dtype.str, "shape": list(a.shape), "off": offset}
-        chunks.append(raw)
-        offset += len(raw)
+        offset += len(chunks[-1])
         return desc
 
     for entry in entries:
@@ -80,8 +76,7 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
                 item[key] = put(np.asarray(value))
         header.append(item)
     head = _dumps(header)
-    payload = (_MAGIC + bytes([_VERSION]) + struct.pack("<I", len(head)) + head
-               + b"".join(chunks))
+    payload = (_MAGIC + bytes([_VERSION]) + struct.pack("<I", len(head)) + head + b"".join(chunks))
     return np.frombuffer(payload, dtype=np.uint8).astype(np.float32)
 
 

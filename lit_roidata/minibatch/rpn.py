@@ -1,22 +1,14 @@
-"""RPN training targets in the loader: the "wide" anchor blobs, ``im_info`` and ``roidb`` (Detectron
-semantics: RPN targets).
+"""RPN training targets in the loader: the "wide" anchor blobs, ``im_info`` and ``roidb``
+(Detectron semantics: RPN targets; docs/rpn_retinanet.md, "RPN targets").
 
 Anchors of all levels are labelled and sampled jointly per image, exactly as Detectron's
-``roi_data/rpn.py``: straddle filtering, best-match and threshold positives, positive
-subsampling, negatives, regression targets and loss weights. The IoU is computed only
-for anchors near some gt box (the others have IoU 0 with every gt by construction), and
-the wide blobs are written by scattering the at most ``RPN_BATCH_SIZE_PER_IM`` labelled
-anchors into pre-filled arrays, so five FPN levels at 800x1333 cost milliseconds.
+``roi_data/rpn.py``, on index sets: IoUs only where they can matter, and the wide blobs
+written by scattering the at most ``RPN_BATCH_SIZE_PER_IM`` labelled anchors.
 
-``fix_rpn_quirks=True`` corrects two Detectron quirks (docs/detectron_quirks.md) and changes nothing
-else:
-
-* Detectron quirk Q2 (docs/detectron_quirks.md): a gt box with zero IoU to every inside anchor no
-longer makes every anchor with
-  zero overlap to it a best match (so no longer "all anchors positive");
-* Detectron quirk Q3 (docs/detectron_quirks.md): negatives are drawn *without* replacement and only
-from anchors that were not
-  positive before subsampling, so they never overwrite positives.
+``fix_rpn_quirks=True`` corrects two Detectron quirks (docs/detectron_quirks.md) and
+changes nothing else: Q2, a gt box with zero IoU to every inside anchor no longer makes
+every anchor with zero overlap to it a best match; Q3, negatives are drawn *without*
+replacement and only from anchors that were not positive before subsampling.
 """
 
 from __future__ import annotations
@@ -24,114 +16,92 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
+import torch
 
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, inside_mask, level_offsets,
-    rpn_fields, rpn_overlaps, scaled_noncrowd_gt)
+    FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, rpn_fields, rpn_overlaps,
+    scaled_noncrowd_gt)
 from lit_roidata.minibatch.image import im_info_rows
-from lit_roidata.minibatch.names import RPN_BLOB_KINDS, get_rpn_blob_names
+from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS, get_rpn_blob_names
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
 __all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS",
            "RPN_COMPACT_KEYS"]
 
-#: The compact RPN targets a worker ships with ``target_format="compact"`` instead of
-#: the wide blobs (see :func:`add_rpn_blobs`), in this order.
-RPN_COMPACT_KEYS = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compact_fg_int32",
-                    "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
-
 _ONES4 = (1.0, 1.0, 1.0, 1.0)
 
 
-def add_rpn_blobs(
-    blobs: MutableMapping[str, Any],
-    im_scales: Sequence[float],
-    entries: Sequence[Mapping[str, Any]],
-    cfg: Any,
-    rng: rng_mod.RNG,
-    *,
-    fix_rpn_quirks: bool = False,
-    alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
-    compact: bool = False,
-) -> bool:
-    """Add ``im_info``, ``roidb`` and the RPN wide blobs of one minibatch (Detectron semantics: RPN
-    targets).
+def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
+                  entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
+                  fix_rpn_quirks: bool = False,
+                  alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+                  compact: bool = False) -> bool:
+    """Add ``im_info``, ``roidb`` and the RPN wide blobs of one minibatch (Detectron
+    semantics: RPN targets).
 
     Draws happen per image in image order (positive subsampling, then negatives), with
     the calls Detectron makes, so a ``RandomState`` seeded like Detectron reproduces it.
-    ``RoIDataModule`` passes ``fix_rpn_quirks`` from its own option of that name.
 
     Args:
         blobs: the minibatch dict (already holding ``data``); updated in place.
         im_scales: the scale of each image, as drawn for the image blob.
-        entries: the roidb entries (Detectron field names, docs/architecture.md, "A roidb entry").
+        entries: the roidb entries (Detectron field names, docs/architecture.md, "A roidb
+            entry").
         cfg: a ``DetectronConfig``.
         rng: generator for all draws (``lit_roidata.rng``).
-        fix_rpn_quirks: correct Detectron quirk Q2/Q3 (docs/detectron_quirks.md) (see the module
-            docstring).
+        fix_rpn_quirks: correct Detectron quirks Q2/Q3 (see the module docstring).
         alloc: optional ``(shape, dtype) -> zeroed array`` for the wide blobs (about
             35 MB for 2 images at FPN level 2 with MAX_SIZE 1333), e.g. shared memory
             in a DataLoader worker so they are sent without a copy.
-        compact: instead of the wide blobs, add only what is not a fill value
-            (``RPN_COMPACT_KEYS``; the same draws, so expanding them with
-            :func:`lit_roidata.minibatch.device.expand_rpn_targets` gives the wide
-            blobs bit for bit):
-
-            * ``rpn_compact_layout`` int64 ``(levels, 3)``: ``(FPN level or -1, A, F)``
-              of each field, in blob order;
-            * ``rpn_compact_labels_int32`` ``(L, 3)``: ``(image, anchor, label)`` of every
-              anchor with label 0 or 1, ``anchor`` indexing the fields concatenated in
-              order (:func:`~lit_roidata.minibatch.anchors.concat_fields`), each field
-              enumerated ``(y, x, a)`` with ``a`` fastest;
-            * ``rpn_compact_fg_int32`` ``(P, 2)`` ``(image, anchor)`` and
-              ``rpn_compact_bbox_targets`` float32 ``(P, 4)``: the regression targets
-              (the positives after subsampling; a positive later drawn as a negative,
-              Detectron quirk Q3 (docs/detectron_quirks.md), keeps its target, as in Detectron);
-            * ``rpn_compact_outside_weights`` float32 ``(n,)``: each image's outside
-              weight ``1 / #labelled``. Inside weights are 1 where the label is 1.
+        compact: instead of the wide blobs, add only what is not a fill value, the
+            ``RPN_COMPACT_KEYS`` (docs/rpn_retinanet.md, "What crosses from a worker"); the same
+            draws, and :func:`lit_roidata.minibatch.device.expand_rpn_targets` turns them
+            into the wide blobs bit for bit (which is how the wide blobs are made here).
 
     Returns:
         True: RPN minibatches are always valid.
 
     Raises:
-        ValueError: an entry has no non-crowd gt box (Detectron crashes there, Detectron quirk Q27
-            (docs/detectron_quirks.md);
-            ``filter_for_training`` normally removes such images).
+        ValueError: an entry has no non-crowd gt box (Detectron crashes there, Detectron
+            quirk Q27; ``filter_for_training`` normally removes such images).
     """
     fields = rpn_fields(cfg)
     all_anchors = concat_fields(fields)
-    n = len(entries)
-    out = None if compact else _alloc_wide(fields, n, alloc)
     im_info = im_info_rows(entries, im_scales)
     per_image = []
     for i, entry in enumerate(entries):
-        scale = im_scales[i]
-        im_h, im_w = im_info[i, 0], im_info[i, 1]
-        gt, _ = scaled_noncrowd_gt(entry, scale, "RPN", "Detectron crashes here (Detectron "
-                                   "quirk Q27, see docs/detectron_quirks.md)")
-        res = label_anchors(all_anchors, fields, gt, im_h, im_w, cfg.TRAIN, rng,
-                            fix_rpn_quirks=fix_rpn_quirks)
-        if out is None:
-            per_image.append(res)
-        else:
-            _scatter(out, i, fields, *res)
+        gt, _ = scaled_noncrowd_gt(entry, im_scales[i], "RPN", "Detectron crashes here "
+                                   "(Detectron quirk Q27, see docs/detectron_quirks.md)")
+        per_image.append(label_anchors(all_anchors, fields, gt, im_info[i, 0], im_info[i, 1],
+                                       cfg.TRAIN, rng, fix_rpn_quirks=fix_rpn_quirks))
     blobs["im_info"] = im_info
     blobs["roidb"] = serialize_roidb(entries)
     multilevel = cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN
     levels = (list(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)) if multilevel
               else [None])
-    if out is None:
-        for lvl in levels:  # the wide names were pre-created by get_minibatch: drop them
-            for k in RPN_BLOB_KINDS:
-                blobs.pop(k if lvl is None else f"{k}_fpn{lvl}", None)
-        blobs.update(_compact(per_image, fields, levels))
+    rows = _compact(per_image, fields, levels)
+    if not compact:
+        blobs.update(_wide(rows, alloc))
         return True
-    for li, lvl in enumerate(levels):
-        for k, arr in zip(RPN_BLOB_KINDS, out[li]):
-            blobs[k if lvl is None else f"{k}_fpn{lvl}"] = arr
+    for lvl in levels:  # the wide names were pre-created by get_minibatch: drop them
+        for k in RPN_BLOB_KINDS:
+            blobs.pop(k if lvl is None else f"{k}_fpn{lvl}", None)
+    blobs.update(rows)
     return True
+
+
+def _wide(rows: dict[str, np.ndarray], alloc: Callable | None) -> dict[str, np.ndarray]:
+    """Detectron's wide blobs from the compact ones, in ``alloc``'s arrays when given."""
+    from lit_roidata.minibatch.device import expand_rpn_targets
+
+    def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(alloc(shape, np.dtype(str(dtype).removeprefix("torch."))))
+
+    wide = expand_rpn_targets({k: torch.from_numpy(v) for k, v in rows.items()},
+                              new=None if alloc is None else new)
+    return {k: v.numpy() for k, v in wide.items()}
 
 
 def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
@@ -148,8 +118,7 @@ def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
         weights[i] = np.float32(1.0 / num_examples) if num_examples else np.float32(0)
 
     def rows(parts: list[np.ndarray], width: int, dtype: Any) -> np.ndarray:
-        return (np.concatenate(parts).astype(dtype) if parts
-                else np.zeros((0, width), dtype))
+        return (np.concatenate(parts).astype(dtype) if parts else np.zeros((0, width), dtype))
 
     return {"rpn_compact_layout": layout,
             "rpn_compact_labels_int32": rows(labels, 3, np.int32),
@@ -158,34 +127,10 @@ def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
             "rpn_compact_outside_weights": weights}
 
 
-def _alloc_wide(fields: Sequence[FieldOfAnchors], n: int,
-                alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None,
-                ) -> list[tuple[np.ndarray, ...]]:
-    """Per level: labels filled with -1, targets and weights zeroed."""
-    def zeros(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        return alloc(shape, np.dtype(dtype)) if alloc is not None else np.zeros(shape, dtype)
-
-    out = []
-    for f in fields:
-        a, s = f.num_cell_anchors, f.field_size
-        labels = zeros((n, a, s, s), np.int32)
-        labels.fill(-1)
-        out.append((labels, zeros((n, 4 * a, s, s), np.float32),
-                    zeros((n, 4 * a, s, s), np.float32), zeros((n, 4 * a, s, s), np.float32)))
-    return out
-
-
-def label_anchors(
-    all_anchors: np.ndarray,
-    fields: Sequence[FieldOfAnchors],
-    gt: np.ndarray,
-    im_h: float,
-    im_w: float,
-    train: Any,
-    rng: rng_mod.RNG,
-    *,
-    fix_rpn_quirks: bool = False,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
+                  im_h: float, im_w: float, train: Any, rng: rng_mod.RNG, *,
+                  fix_rpn_quirks: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
     """Label one image's anchors (Detectron semantics: RPN targets steps 3-8), in Detectron's draw
     order.
 
@@ -202,18 +147,7 @@ def label_anchors(
         the number of examples (weights are ``1/num_examples``).
     """
     inside = inside_anchors(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-    sparse = _label_sparse(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
-    if sparse is not None:
-        labelled, lab, fg_inds = sparse
-    else:
-        # Labels live on all K anchors (outside ones stay -1): the draws pick by position
-        # in the ascending index arrays, the same with or without the outside ones.
-        mask = inside_mask(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-        labels, a2g_max = _positives(fields, all_anchors, mask, inside, gt, train,
-                                     fix_rpn_quirks)
-        fg_inds = _sample(labels, a2g_max, mask, train, rng, fix_rpn_quirks)
-        labelled = np.flatnonzero(labels >= 0)
-        lab = labels[labelled]
+    labelled, lab, fg_inds = _label(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
     fg_anchors = all_anchors[fg_inds]
     # The exact dense argmax (ties -> lowest gt), only for the <= 128 anchors that need it.
     assigned = (bbox_overlaps(fg_anchors, gt).argmax(axis=1) if len(fg_inds)
@@ -222,30 +156,31 @@ def label_anchors(
     return labelled, lab, fg_inds, targets, float(len(labelled))
 
 
-def _label_sparse(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray,
-                  inside: InsideAnchors, gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """:func:`_positives` + :func:`_sample` on index sets instead of K-long label arrays.
+def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
+           gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Detectron's positives, positive subsampling and negatives on index sets, not on
+    K-long label arrays: ``(labelled, labels, fg)``.
 
-    The same draws on the same ascending index arrays, so the same result; only the
-    K-long passes that cannot matter are skipped (outside the IoU candidates every
-    anchor's max IoU is below both thresholds, :func:`rpn_overlaps`), and the negatives
-    are picked by position in the inside anchors minus the excluded ones without listing
-    them (:meth:`InsideAnchors.select`). Returns None where the general path is needed:
-    no inside anchor, a non-positive threshold, or Detectron quirk Q2
-    (docs/detectron_quirks.md) (a gt with zero IoU to every inside anchor makes all of
-    them positive).
+    The same draws on the same ascending index arrays as Detectron. Only anchors with an
+    IoU that can matter are visited (outside the candidates of :func:`rpn_overlaps` every
+    anchor's max IoU is below both thresholds), and the negatives are picked by position
+    in the inside anchors minus the excluded ones without listing them
+    (:meth:`InsideAnchors.select`). Where that does not hold (a non-positive threshold,
+    or Detectron quirk Q2: a gt with zero IoU to every inside anchor makes all of them
+    positive) every inside anchor is a candidate.
     """
     pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
-    if pos_t <= 0 or neg_t <= 0 or inside.count == 0:
-        return None
-    cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
-    if len(cand) == 0:
-        return None
+    if inside.count == 0:  # Detectron crashes in argmax here; nothing to label
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64)
+    cand = np.zeros(0, np.int64)
+    if pos_t > 0 and neg_t > 0:
+        cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
+    if not len(cand) or not (fix or overlaps.max(axis=0).all()):
+        cand = inside.select(np.arange(inside.count))
+        overlaps = bbox_overlaps(all_anchors[cand], gt)
     a2g = overlaps.max(axis=1)
     g2a = overlaps.max(axis=0)
-    if not fix and (g2a == 0).any():
-        return None
     best = overlaps == g2a[None, :]
     if fix:
         best &= (g2a > 0)[None, :]
@@ -289,94 +224,3 @@ def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
     if fix:
         return np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False))
     return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))
-
-
-def _draw_negatives(bg_cand: np.ndarray, num_bg: int, rng: rng_mod.RNG,
-                    fix: bool) -> np.ndarray:
-    """At most ``num_bg`` of the candidate negatives (a boolean mask over the anchors)."""
-    bg_inds = np.flatnonzero(bg_cand)
-    pos = _negative_positions(len(bg_inds), num_bg, rng, fix)
-    return bg_inds if pos is None else bg_inds[pos]
-
-
-def _positives(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: np.ndarray,
-               rects: InsideAnchors, gt: np.ndarray, train: Any,
-               fix: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Labels (1 for best-match and threshold positives, else -1) and max IoU per anchor
-    (``inside``: the straddle mask; ``rects``: the same set as rectangles)."""
-    below = min(train.RPN_NEGATIVE_OVERLAP, train.RPN_POSITIVE_OVERLAP)
-    cand, overlaps = rpn_overlaps(fields, all_anchors, rects, gt, below=below)
-    labels = np.full(all_anchors.shape[0], -1, dtype=np.int32)
-    a2g_max = np.zeros(all_anchors.shape[0], dtype=np.float32)
-    if not inside.any():  # Detectron crashes in argmax here; nothing to label
-        return labels, a2g_max
-    g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
-    if len(cand):
-        a2g_max[cand] = overlaps.max(axis=1)
-        g2a_max = overlaps.max(axis=0)
-    best = overlaps == g2a_max[None, :]
-    if fix:
-        best &= (g2a_max > 0)[None, :]
-    labels[cand[best.any(axis=1)]] = 1
-    if not fix and (g2a_max == 0).any():
-        zero = inside.copy()
-        zero[cand] = False
-        # Detectron quirk Q2 (docs/detectron_quirks.md): zero IoU to that gt equals its (zero) best
-        # overlap
-        labels[zero] = 1
-    if train.RPN_POSITIVE_OVERLAP <= 0:
-        labels[inside] = 1
-    else:
-        labels[a2g_max >= train.RPN_POSITIVE_OVERLAP] = 1
-    return labels, a2g_max
-
-
-def _sample(labels: np.ndarray, a2g_max: np.ndarray, inside: np.ndarray, train: Any,
-            rng: rng_mod.RNG, fix: bool) -> np.ndarray:
-    """Subsample positives, then draw negatives (in place); returns the positives."""
-    num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
-    fg_inds = positives = np.flatnonzero(labels == 1)
-    if len(fg_inds) > num_fg:
-        disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
-        labels[disable] = -1
-        fg_inds = np.flatnonzero(labels == 1)
-    if not inside.any():
-        return fg_inds
-    num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
-    bg_cand = (a2g_max < train.RPN_NEGATIVE_OVERLAP) & inside
-    if fix:
-        bg_cand[positives] = False
-    bg_inds = _draw_negatives(bg_cand, num_bg, rng, fix)
-    labels[bg_inds] = 0
-    return fg_inds
-
-
-def _scatter(out: list[tuple[np.ndarray, ...]], i: int, fields: Sequence[FieldOfAnchors],
-             labelled: np.ndarray, labels: np.ndarray, fg: np.ndarray,
-             targets: np.ndarray, num_examples: float) -> None:
-    """Write one image's labels, targets and weights into the level blobs (Detectron semantics: RPN
-    targets step 9)."""
-    offsets = level_offsets(fields)
-    pos = labelled[labels == 1]
-    w_out = np.float32(1.0 / num_examples) if num_examples else np.float32(0)
-    for li, f in enumerate(fields):
-        lab_b, tgt_b, in_b, out_b = out[li]
-        lo, hi = offsets[li], offsets[li + 1]
-        sel = (labelled >= lo) & (labelled < hi)
-        a, y, x = _unravel(labelled[sel] - lo, f)
-        lab_b[i, a, y, x] = labels[sel]
-        for c in range(4):
-            out_b[i, 4 * a + c, y, x] = w_out
-        sel = (fg >= lo) & (fg < hi)
-        a, y, x = _unravel(fg[sel] - lo, f)
-        for c in range(4):
-            tgt_b[i, 4 * a + c, y, x] = targets[sel, c]
-        a, y, x = _unravel(pos[(pos >= lo) & (pos < hi)] - lo, f)
-        for c in range(4):
-            in_b[i, 4 * a + c, y, x] = 1.0
-
-
-def _unravel(local: np.ndarray, f: FieldOfAnchors) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    cell, a = np.divmod(local, f.num_cell_anchors)
-    y, x = np.divmod(cell, f.field_size)
-    return a, y, x

@@ -1,25 +1,16 @@
 """Second-stage labels for end-to-end training, from the model's own proposals (Detectron
-semantics: end-to-end training).
+semantics: end-to-end training; docs/rpn_retinanet.md, "Second-stage labels at training
+time").
 
-In end-to-end Faster/Mask/Keypoint R-CNN the loader only delivers the RPN family
-(``data``, ``im_info``, ``roidb``, RPN targets); the Fast R-CNN, mask and keypoint
-blobs depend on the proposals the network has just produced. Detectron computes them
-in a Python op (``GenerateProposalLabels`` / ``CollectAndDistributeFpnRpnProposals``):
-
-1. FPN: keep the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE`` proposals by score
-   over the whole per-GPU minibatch, not per image (Detectron quirk Q26,
-   docs/detectron_quirks.md);
-2. ``add_proposals``: per image, the proposals divided by the image scale are merged
-   into the entry (crowd gt rows included, **no** crowd filter) and classes are
-   assigned;
-3. bounding-box regression targets, then ``add_fast_rcnn_blobs``, whose ``valid``
-   result is ignored (Detectron quirk Q7, docs/detectron_quirks.md).
-
-:func:`proposal_labels` does exactly this. Steps 1-3's IoU and target computations run
-in torch on the proposals' device, vectorised over all images at once (a per-image
-mask on one ``N x G`` matrix); the sampling and the mask/keypoint targets are the
-loader's own :func:`lit_roidata.minibatch.fast_rcnn.add_fast_rcnn_blobs`, so both paths
-share one implementation and give the same blobs for the same proposals and seed.
+Detectron's ``GenerateProposalLabels`` / ``CollectAndDistributeFpnRpnProposals``: (1) with
+FPN, the top ``RPN_POST_NMS_TOP_N * RPN_COLLECT_SCALE`` proposals by score over the whole
+minibatch (Detectron quirk Q26); (2) ``add_proposals``: per image, the proposals divided by
+the image scale are merged into the entry (crowd rows included, **no** crowd filter) and
+classes assigned; (3) regression targets, then ``add_fast_rcnn_blobs``, whose ``valid`` is
+ignored (Detectron quirk Q7). Steps 1-3 run in torch on the proposals' device, vectorised
+over all images; the sampling and mask/keypoint targets are the loader's own
+:func:`~lit_roidata.minibatch.fast_rcnn.add_fast_rcnn_blobs`, so both paths give the same
+blobs for the same proposals and seed.
 """
 
 from __future__ import annotations
@@ -41,15 +32,8 @@ _PASS_THROUGH = ("segms", "gt_keypoints", "has_visible_keypoints", "id", "image"
                  "height", "flipped", "dataset")
 
 
-def proposal_labels(
-    rois: Any,
-    entries: Any,
-    im_scales: Any,
-    cfg: Any,
-    rng: rng_mod.RNG,
-    *,
-    scores: Any = None,
-) -> dict[str, Any]:
+def proposal_labels(rois: Any, entries: Any, im_scales: Any, cfg: Any, rng: rng_mod.RNG, *,
+                    scores: Any = None) -> dict[str, Any]:
     """The Fast R-CNN / Mask / Keypoint blobs for a minibatch's RPN proposals.
 
     Args:
@@ -122,7 +106,8 @@ def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
     ``gt_overlaps`` is not rebuilt (``max_overlaps``/``max_classes`` hold its content).
     """
     if rois.ndim != 2 or rois.shape[1] != 5:
-        raise ValueError(f"rois must be (N, 5) (batch_idx, x1, y1, x2, y2), got {tuple(rois.shape)}")
+        raise ValueError("rois must be (N, 5) (batch_idx, x1, y1, x2, y2), got "
+                         f"{tuple(rois.shape)}")
     if len(im_scales) != len(entries):
         raise ValueError(f"{len(entries)} entries but {len(im_scales)} image scales")
     dev = rois.device
@@ -181,15 +166,11 @@ def _entry_columns(e: Mapping[str, Any], dev: torch.device) -> dict[str, Any]:
 
 def _cat_gt(cols: list[dict[str, Any]], dev: torch.device) -> dict[str, torch.Tensor]:
     """Every image's gt rows (``gt_classes > 0``, crowd included), with image and row ids."""
-    parts: dict[str, list[torch.Tensor]] = {"boxes": [], "cls": [], "crowd": [], "row": [],
-                                            "img": []}
-    for i, c in enumerate(cols):
-        rows = torch.nonzero(c["gt_classes"] > 0).reshape(-1)
-        parts["boxes"].append(c["boxes"][rows])
-        parts["cls"].append(c["gt_classes"][rows].to(torch.int64))
-        parts["crowd"].append(c["is_crowd"][rows])
-        parts["row"].append(rows)
-        parts["img"].append(torch.full_like(rows, i))
+    rows = [torch.nonzero(c["gt_classes"] > 0).reshape(-1) for c in cols]
+    parts = {"boxes": [c["boxes"][r] for c, r in zip(cols, rows)],
+             "cls": [c["gt_classes"][r].to(torch.int64) for c, r in zip(cols, rows)],
+             "crowd": [c["is_crowd"][r] for c, r in zip(cols, rows)], "row": rows,
+             "img": [torch.full_like(r, i) for i, r in enumerate(rows)]}
     return {k: torch.cat(v) if v else torch.zeros(0, device=dev) for k, v in parts.items()}
 
 
@@ -214,33 +195,28 @@ def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
     iou = _masked_iou(props, img, gt["boxes"], gt["img"])
     best, arg = iou.max(dim=1)  # first maximal gt on ties
     hit = best > 0
-    zero = torch.zeros_like(best)
-    return (torch.where(hit, best, zero),
+    return (torch.where(hit, best, torch.zeros_like(best)),
             torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
-            torch.where(hit, gt["row"][arg].to(torch.int32), torch.full_like(arg, -1).to(torch.int32)))
+            torch.where(hit, gt["row"][arg], torch.full_like(arg, -1)).to(torch.int32))
 
 
 def _merged_rows(cols: list[dict[str, Any]], props: torch.Tensor, p_max: torch.Tensor,
                  p_cls: torch.Tensor, p_map: torch.Tensor, counts: list[int],
                  dev: torch.device) -> dict[str, torch.Tensor]:
     """Concatenate, image by image, the entry's rows and then its proposal rows."""
+    new = {"boxes": props, "box_to_gt_ind_map": p_map, "max_overlaps": p_max,
+           "max_classes": p_cls}  # the proposal rows' own values; the others are zero
     out: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
         "max_overlaps", "max_classes")}
     start = 0
     for i, (c, p) in enumerate(zip(cols, counts)):
-        sl = slice(start, start + p)
-        start += p
         out["img"].append(torch.full((c["n"] + p,), i, dtype=torch.int64, device=dev))
-        out["boxes"].append(torch.cat([c["boxes"], props[sl]]))
-        out["gt_classes"].append(torch.cat([c["gt_classes"],
-                                            torch.zeros(p, dtype=torch.int32, device=dev)]))
-        out["is_crowd"].append(torch.cat([c["is_crowd"],
-                                          torch.zeros(p, dtype=torch.bool, device=dev)]))
-        out["seg_areas"].append(torch.cat([c["seg_areas"], torch.zeros(p, device=dev)]))
-        out["box_to_gt_ind_map"].append(torch.cat([c["box_to_gt_ind_map"], p_map[sl]]))
-        out["max_overlaps"].append(torch.cat([c["max_overlaps"], p_max[sl]]))
-        out["max_classes"].append(torch.cat([c["max_classes"], p_cls[sl]]))
+        for k in list(out)[1:]:
+            tail = (new[k][start:start + p] if k in new
+                    else torch.zeros(p, dtype=c[k].dtype, device=dev))
+            out[k].append(torch.cat([c[k], tail]))
+        start += p
     return {k: torch.cat(v) for k, v in out.items()}
 
 
@@ -257,10 +233,8 @@ def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: An
     iou = _masked_iou(rows["boxes"][ex], rows["img"][ex], gt["boxes"], gt["img"], ok)
     # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8, docs/detectron_quirks.md)
     best, arg = iou.max(dim=1)
-    ex = ex[best >= 0]  # images without a non-crowd gt keep all-zero targets
-    arg = arg[best >= 0]
-    cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG
-           else rows["max_classes"][ex])
+    ex, arg = ex[best >= 0], arg[best >= 0]  # images without a non-crowd gt: all-zero targets
+    cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG else rows["max_classes"][ex])
     targets[ex, 0] = cls.to(torch.float32)
     targets[ex, 1:] = bbox_transform_targets_torch(
         rows["boxes"][ex], gt["boxes"][arg], tuple(cfg.MODEL.BBOX_REG_WEIGHTS))

@@ -1,54 +1,24 @@
 """Reusable shared-memory arenas for DataLoader workers (:class:`ShmPool`).
 
-Without a pool, every large array a worker builds (the image blob, masks, the packed
-buffer of small tensors) lives in a *new* shared-memory segment: the worker creates it
-(a file descriptor, ``ftruncate``, ``mmap``), takes a page fault and a page zeroing for
-every 4 KiB it writes, sends the descriptor through a socket, and the main process maps
-the segment again and faults on every page it reads. For a 6 MB batch that is most of
-the cost of moving it out of the worker.
+Per worker, ``slots`` shared-memory segments of ``slot_bytes`` each are made once by the
+main process (only written pages cost memory) with a shared ``uint8`` flag per slot (0
+free, 1 in use). A worker takes one of its own free slots per block (:func:`begin_block`)
+and bump-allocates the block's shared arrays from it (:func:`pool_tensor`; a region
+written before is zeroed again); the batch is pickled with its slot tensors as
+descriptors (:func:`pooled_reduce`); the main process turns them into views of its own
+mapping, all held by one lease per batch, and frees the slot once every view is gone
+(:meth:`ShmPool.reclaim`). No free slot, or a full one: arrays get new segments, so
+correctness never depends on the number of slots. docs/minibatch.md ("Reusable
+shared-memory slots") has the whole protocol.
 
-A :class:`ShmPool` is made by the main process before the workers start: per worker
-``slots`` segments ("slots") of ``slot_bytes`` each, created once (sized with
-``ftruncate``: a page costs memory only once written) and mapped once by every process
-(inherited with ``fork``, passed as descriptors with ``spawn``), plus a shared ``uint8``
-flag per slot (0 free, 1 in use).
-
-Protocol (it never depends on timing or on a count):
-
-* **worker** (:func:`begin_block`): at the start of a block it takes one of *its own*
-  free slots (flag 0 -> 1; only worker ``w`` sets row ``w`` to 1) and bump-allocates the
-  block's shared arrays from it (:func:`~lit_roidata.minibatch.transport.shared_empty`
-  asks :func:`pool_tensor`); a region written before is zeroed again (every caller
-  expects zeros). No free slot, or a full slot: the array gets a new segment as without
-  a pool, so correctness never depends on the number of slots.
-* **sending** (:func:`pooled_reduce`): the batch is pickled with a pickler that sends
-  every tensor lying in the block's slot as a descriptor (slot, byte offset, dtype,
-  shape, strides) instead of a segment; a private tensor is first copied into the slot
-  when it fits (the one copy the pickler would otherwise make into a segment of its
-  own); everything else travels as before.
-* **main process** (:func:`_load_pooled`): the descriptors become views of the main
-  process's own, permanent mapping of the slot, all held through one *lease* object
-  per batch (each tensor's storage keeps it alive, and so do views, slices, ``.numpy()``
-  arrays of them). Once the last of them is garbage-collected (seen through a weak
-  reference when the next batch arrives, :meth:`ShmPool.reclaim`; no finaliser, so a
-  Ctrl-C is never swallowed), the slot's flag goes back to 0. A batch kept by the user, Lightning or the
-  pin-memory thread keeps its slot; the worker then uses another slot or new segments.
-* a block whose result carries no slot tensor (an error, a repair request, a full
-  slot) gives its slot back in the worker.
-
-Every new set of workers gets a new pool (:class:`~lit_roidata.loader.StatefulRoIDataLoader`
-makes one per worker start; persistent workers keep theirs), so flags left by workers
-that died or were shut down can never be seen by the next ones. The segments are
-created with PyTorch's file-descriptor strategy: they are unlinked at once and leave no
-file in ``/dev/shm`` whatever happens to the processes.
-
-Memory: at most ``num_workers * slots * slot_bytes`` of shared memory, of which only
-pages once written count (the largest batch each slot has held).
+:func:`new_shared_storage` is the package's one use of a private torch API
+(``UntypedStorage._new_shared``), with a public fallback.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import secrets
 import threading
@@ -60,7 +30,7 @@ import numpy as np
 import torch
 
 __all__ = ["ShmPool", "begin_block", "end_block", "rewind", "pool_tensor", "arena_tensor",
-           "pooled_reduce", "DEFAULT_SLOT_BYTES"]
+           "pooled_reduce", "new_shared_storage", "DEFAULT_SLOT_BYTES", "PUBLIC_SHM_ENV"]
 
 DEFAULT_SLOT_BYTES = 128 << 20  # virtual size: only written pages cost memory
 _ALIGN = 64
@@ -74,20 +44,39 @@ _S = {name: i for i, name in enumerate(_STATS)}
 
 _local = threading.local()  # the worker's arena for the block being built (main thread)
 
+#: Set to 1 to make :func:`new_shared_storage` take its public path (CI tests it).
+PUBLIC_SHM_ENV = "LIT_ROIDATA_PUBLIC_SHM"
+
+
+def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
+    """A zero-filled CPU storage of ``nbytes`` in a new shared-memory segment.
+
+    ``UntypedStorage._new_shared`` (private, no public equivalent) only creates the
+    segment: its pages read as zeros and cost memory once written. Where it is missing,
+    or with ``LIT_ROIDATA_PUBLIC_SHM=1``, the public path zero-fills a private buffer and
+    copies it into a new segment with ``share_memory_()``: the same result, but every
+    page is written (slower, and a pool slot then costs its whole size).
+    """
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None and os.environ.get(PUBLIC_SHM_ENV, "") in ("", "0"):
+        return new_shared(nbytes)
+    return torch.zeros(nbytes, dtype=torch.uint8).share_memory_().untyped_storage()
+
+
+#: ``_shm_arena``, the former name of a batch class's ``shm_arena`` (until callers switch).
+ARENA_ALIAS = property(lambda self: self.shm_arena,
+                       lambda self, arena: setattr(self, "shm_arena", arena))
+
 
 class _Arena:
     """One block's use of one slot (worker side)."""
 
-    __slots__ = ("pool", "worker", "slot", "offset", "used")
+    __slots__ = ("pool", "worker", "slot", "index", "offset", "used")
 
     def __init__(self, pool: "ShmPool", worker: int, slot: int) -> None:
         self.pool, self.worker, self.slot = pool, worker, slot
-        self.offset = 0
-        self.used = False  # some tensor of the sent batch lies in the slot
-
-    @property
-    def index(self) -> int:
-        return self.worker * self.pool.slots + self.slot
+        self.index, self.offset, self.used = worker * pool.slots + slot, 0, False
+        # used: some tensor of the sent batch lies in the slot
 
 
 class ShmPool:
@@ -101,14 +90,13 @@ class ShmPool:
         slot_bytes: capacity of a slot (virtual; written pages only cost memory).
     """
 
-    def __init__(self, num_workers: int, slots: int, slot_bytes: int = DEFAULT_SLOT_BYTES
-                 ) -> None:
+    def __init__(self, num_workers: int, slots: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         if num_workers < 1 or slots < 1 or slot_bytes < _ALIGN:
             raise ValueError(f"ShmPool needs num_workers >= 1, slots >= 1 and slot_bytes >= "
                              f"{_ALIGN}; got {num_workers}, {slots}, {slot_bytes}")
         n = num_workers * slots
         self._setup(secrets.randbits(62), int(num_workers), int(slots), int(slot_bytes),
-                    [torch.UntypedStorage._new_shared(int(slot_bytes)) for _ in range(n)],
+                    [new_shared_storage(int(slot_bytes)) for _ in range(n)],
                     torch.zeros((num_workers, slots), dtype=torch.uint8).share_memory_(),
                     torch.zeros((num_workers, len(_STATS)), dtype=torch.int64).share_memory_())
 
@@ -120,8 +108,7 @@ class ShmPool:
         self._u8 = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages]
         self._np = [t.numpy() for t in self._u8]
         self._base = {int(t.data_ptr()): i for i, t in enumerate(self._u8)}
-        self.flags = flags.numpy()
-        self.counters = counters.numpy()
+        self.flags, self.counters = flags.numpy(), counters.numpy()
         self._dirty = [0] * len(storages)  # bytes of each slot written by this process
         self._leases = [0, 0]  # made, released (main process)
         self._outstanding: list[tuple[weakref.ref, int, int]] = []  # leases not yet freed
@@ -285,10 +272,7 @@ def end_block() -> None:
 
 def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """A zeroed tensor in the current block's slot, or None (no slot, or it is full)."""
-    arena = getattr(_local, "arena", None)
-    if arena is None:
-        return None
-    return arena.pool._alloc(arena, shape, dtype)
+    return arena_tensor(getattr(_local, "arena", None), shape, dtype)
 
 
 def arena_tensor(arena: _Arena | None, shape: tuple[int, ...], dtype: torch.dtype,

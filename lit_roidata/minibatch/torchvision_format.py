@@ -31,10 +31,10 @@ import torch
 from torchvision import tv_tensors
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.minibatch.image import ImageLoader, load_and_scale
+from lit_roidata.minibatch.image import ImageLoader, load_and_scale, split_into
 from lit_roidata.minibatch.mask import decode_rle_into, segm_as_rle, segm_polygons
 from lit_roidata.minibatch.roidb_blob import LVIS_KEYS
-from lit_roidata.minibatch.shm_pool import pooled_reduce
+from lit_roidata.minibatch.shm_pool import ARENA_ALIAS, pooled_reduce
 from lit_roidata.minibatch.transport import shared_empty
 
 __all__ = ["TorchvisionBatch", "to_continuous_boxes", "build_torchvision_batch"]
@@ -45,6 +45,8 @@ class TorchvisionBatch(tuple):
     device transfer: Lightning rebuilds tuples and drops the attribute)."""
 
     meta: dict[str, Any] | None = None
+    shm_arena: Any = None  # a worker's shared-memory pool slot
+    _shm_arena = ARENA_ALIAS
 
     def __new__(cls, items: Any = (), meta: dict[str, Any] | None = None) -> "TorchvisionBatch":
         obj = super().__new__(cls, items)
@@ -52,9 +54,8 @@ class TorchvisionBatch(tuple):
         return obj
 
     def __reduce__(self) -> tuple:
-        arena = self.__dict__.get("_shm_arena")  # a worker's shared-memory pool slot
-        if arena is not None:
-            return pooled_reduce(TorchvisionBatch, (tuple(self), self.meta), arena)
+        if self.shm_arena is not None:
+            return pooled_reduce(TorchvisionBatch, (tuple(self), self.meta), self.shm_arena)
         return (TorchvisionBatch, (tuple(self), self.meta))
 
 
@@ -99,8 +100,7 @@ def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.n
     kps = np.asarray(entry["gt_keypoints"])[rows].astype(np.float32)  # (N, 3, K)
     out = np.zeros((rows.size, kps.shape[2], 3), dtype=np.float32)
     vis = kps[:, 2, :] > 0
-    out[:, :, 0] = np.where(vis, (kps[:, 0, :] + 0.5) * scale, 0)
-    out[:, :, 1] = np.where(vis, (kps[:, 1, :] + 0.5) * scale, 0)
+    out[:, :, :2] = np.where(vis[..., None], (kps[:, :2, :].transpose(0, 2, 1) + 0.5) * scale, 0)
     out[:, :, 2] = kps[:, 2, :]
     return out
 
@@ -111,12 +111,9 @@ def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv
         t = shared_empty((c, h, w), im.dtype)
     else:
         t = torch.from_numpy(np.empty((c, h, w), dtype=im.dtype))
-    out = t.numpy()
-    # uint8: BGR -> RGB. cv2.split de-interleaves (SIMD) straight into the planes.
-    planes = [out[i] for i in (range(c - 1, -1, -1) if pixel_format == "uint8" else range(c))]
-    for plane, got in zip(planes, cv2.split(im, planes)):
-        if not np.shares_memory(plane, got):  # OpenCV could not write in place
-            plane[...] = got
+    out = t.numpy()  # uint8: BGR -> RGB
+    split_into(im, [out[i] for i in (range(c - 1, -1, -1) if pixel_format == "uint8"
+                                     else range(c))])
     return tv_tensors.Image(t)
 
 

@@ -1,29 +1,18 @@
-"""Cheap worker-to-main transport of a blob dict: small tensors travel as one buffer.
-
-A DataLoader worker sends every CPU tensor through its own shared-memory segment (a
-file descriptor, an ``mmap`` and a socket message each). A Fast R-CNN FPN batch holds
-~30 small blobs, which costs more than the image itself. :func:`packed` wraps the
-dict so that, when pickled, every tensor not already in shared memory (up to
-``limit`` bytes) is copied into one byte tensor; unpickling (in the main process)
-returns a plain dict whose tensors are views into that buffer, in the original key
-order. Tensors the worker allocated in shared memory (the image and mask blobs) are
-sent as they are.
+"""Cheap worker-to-main transport of a blob dict (docs/minibatch.md, "Worker side").
 
 Every byte crosses the process boundary with at most one copy: arrays allocated with
-:func:`shared_empty` (the image blob, Detectron-format masks and RPN blobs) are sent as
-a handle, and the packed buffer is itself created in shared memory, so each small
-tensor is copied once, into it (not into a private buffer and again into shared memory
-by the pickler). :func:`transfer_report` counts both kinds for a worker's output.
-
-Under :class:`~lit_roidata.minibatch.shm_pool.ShmPool` (the train loader's workers),
-"shared memory" is a reusable slot of the worker instead of a new segment per array,
-and the tensors travel as descriptors into it (see that module).
+:func:`shared_empty` (image, Detectron-format masks, RPN blobs) are sent as a handle, and
+:func:`packed` wraps the dict so that, when pickled, every other CPU tensor (up to
+``limit`` bytes) is copied once into one buffer that is itself in shared memory (a
+Fast R-CNN FPN batch holds ~30 small blobs: one segment each would cost more than the
+image); the main process gets a plain dict of views into it, in the original key order.
+Under :class:`~lit_roidata.minibatch.shm_pool.ShmPool`, "shared memory" is a reusable slot
+of the worker, and tensors travel as descriptors into it. :func:`transfer_report` counts
+the bytes of each kind.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from typing import Any
 
@@ -31,6 +20,7 @@ import numpy as np
 import torch
 
 from lit_roidata.minibatch import shm_pool
+from lit_roidata.osutil import malloc_trim
 
 __all__ = ["packed", "PackedBlobs", "shared_empty", "transfer_report", "trim_heap"]
 
@@ -41,16 +31,17 @@ SMALL_LIMIT = 1 << 26  # everything not already in shared memory
 class PackedBlobs(dict):
     """A dict that pickles its small tensors into one buffer (see module doc).
 
-    With a shared-memory pool slot (``_shm_arena``, set by the worker's dataset), the
+    With a shared-memory pool slot (``shm_arena``, set by the worker's dataset), the
     buffer is carved from the slot and every slot tensor travels as a descriptor
     (:func:`~lit_roidata.minibatch.shm_pool.pooled_reduce`).
     """
 
     limit: int = SMALL_LIMIT
-    _shm_arena: Any = None
+    shm_arena: Any = None
+    _shm_arena = shm_pool.ARENA_ALIAS
 
     def __reduce__(self) -> tuple:
-        arena = self._shm_arena
+        arena = self.shm_arena
         if arena is None:
             return _unpack, _pack(self, self.limit)
         return shm_pool.pooled_reduce(_unpack, _pack(self, self.limit, arena), arena)
@@ -63,29 +54,8 @@ def packed(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> PackedBlobs:
     return out
 
 
-_MALLOC_TRIM: Any = None
-
-
-def trim_heap() -> bool:
-    """Return the C heap's free memory to the OS (glibc ``malloc_trim(0)``).
-
-    A worker frees a few MB of decode/resize temporaries per image; glibc keeps freed
-    heap memory (and raises its mmap threshold after large frees, so later large
-    buffers come from the heap too), which shows as private memory growing with the
-    number of batches. Trimming once per block keeps it flat; it costs well under a
-    millisecond. Returns False where there is no glibc (nothing is done).
-    """
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-            _MALLOC_TRIM.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM is False:
-        return False
-    _MALLOC_TRIM(0)
-    return True
+#: Former name of :func:`lit_roidata.osutil.malloc_trim` (the loader's workers call it).
+trim_heap = malloc_trim
 
 
 def shared_empty(shape: tuple[int, ...], dtype: Any, *, pool: bool = True) -> torch.Tensor:
@@ -108,7 +78,7 @@ def shared_empty(shape: tuple[int, ...], dtype: Any, *, pool: bool = True) -> to
             return t
     numel = math.prod(int(x) for x in shape)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+    storage = shm_pool.new_shared_storage(max(nbytes, 1))
     return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(int(x) for x in shape))
 
 
@@ -125,8 +95,7 @@ def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str
     out = {"shared_bytes": 0, "packed_bytes": 0, "moved_bytes": 0, "tensors": 0}
 
     def walk(mapping: Any) -> None:
-        items = mapping.items() if isinstance(mapping, dict) else enumerate(mapping)
-        for _, v in items:
+        for v in (mapping.values() if isinstance(mapping, dict) else mapping):
             if isinstance(v, (dict, list, tuple)):
                 walk(v)
             elif isinstance(v, torch.Tensor) and v.device.type == "cpu":
@@ -144,11 +113,6 @@ def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str
     return out
 
 
-def _is_small(v: Any, limit: int) -> bool:
-    return (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_shared()
-            and v.numel() * v.element_size() <= limit)
-
-
 def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
     chunks: list[tuple[int, torch.Tensor]] = []
     offset = 0
@@ -159,7 +123,8 @@ def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
         for k, v in mapping.items():
             if isinstance(v, dict) and not isinstance(v, PackedBlobs):
                 items.append((k, "dict", walk(v)))
-            elif _is_small(v, limit):
+            elif (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_shared()
+                  and v.numel() * v.element_size() <= limit):
                 t = v.contiguous().reshape(-1)
                 raw = t.view(torch.uint8)
                 offset += (-offset) % _ALIGN
@@ -190,8 +155,7 @@ def _unpack(layout: list[tuple], buf: torch.Tensor) -> dict[str, Any]:
             out[k] = _unpack(payload, buf)
         elif kind == "view":
             off, n, dtype, shape = payload
-            raw = buf[off:off + n]
-            out[k] = raw.view(dtype).view(shape)
+            out[k] = buf[off:off + n].view(dtype).view(shape)
         else:
             out[k] = payload
     return out
