@@ -308,7 +308,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         _pool.end_block()
         if isinstance(out, PackedBlobs) or (self.output_format == "torchvision"
                                             and _is_torchvision_batch(out)):
-            out._shm_arena = arena  # sent with its slot tensors as descriptors
+            out.shm_arena = arena  # sent with its slot tensors as descriptors
         else:  # e.g. a BadImageFound: nothing sent refers to the slot
             arena.pool.give_back(arena)
         return out

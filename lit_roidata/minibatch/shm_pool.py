@@ -63,11 +63,6 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
     return torch.zeros(nbytes, dtype=torch.uint8).share_memory_().untyped_storage()
 
 
-#: ``_shm_arena``, the former name of a batch class's ``shm_arena`` (until callers switch).
-ARENA_ALIAS = property(lambda self: self.shm_arena,
-                       lambda self, arena: setattr(self, "shm_arena", arena))
-
-
 class _Arena:
     """One block's use of one slot (worker side)."""
 

@@ -34,7 +34,7 @@ from lit_roidata import rng as rng_mod
 from lit_roidata.minibatch.image import ImageLoader, load_and_scale, split_into
 from lit_roidata.minibatch.mask import decode_rle_into, segm_as_rle, segm_polygons
 from lit_roidata.minibatch.roidb_blob import LVIS_KEYS
-from lit_roidata.minibatch.shm_pool import ARENA_ALIAS, pooled_reduce
+from lit_roidata.minibatch.shm_pool import pooled_reduce
 from lit_roidata.minibatch.transport import shared_empty
 
 __all__ = ["TorchvisionBatch", "to_continuous_boxes", "build_torchvision_batch"]
@@ -46,7 +46,6 @@ class TorchvisionBatch(tuple):
 
     meta: dict[str, Any] | None = None
     shm_arena: Any = None  # a worker's shared-memory pool slot
-    _shm_arena = ARENA_ALIAS
 
     def __new__(cls, items: Any = (), meta: dict[str, Any] | None = None) -> "TorchvisionBatch":
         obj = super().__new__(cls, items)

@@ -38,7 +38,6 @@ class PackedBlobs(dict):
 
     limit: int = SMALL_LIMIT
     shm_arena: Any = None
-    _shm_arena = shm_pool.ARENA_ALIAS
 
     def __reduce__(self) -> tuple:
         arena = self.shm_arena
