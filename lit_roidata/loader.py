@@ -170,50 +170,36 @@ class _BlockSource:
 
 
 class StatefulRoIDataLoader:
-    """The checkpointable train loader of one rank (design principles 4 and 11).
+    """The checkpointable train loader of one rank, the one owner of the stream position.
 
     Iterating yields one item per block of this rank (the dataset's ``__getitems__``
-    result): the rest of the current pass (epoch mode) or forever (infinite mode).
-
-    **Position.** The loader keeps the only account of the stream: the position (pass,
-    cursor in global blocks) after the last batch handed out, the positions before the
-    batches handed out since the optimizer last stepped (``optimizer_steps``), and how many
-    batches of the current epoch were trained. :meth:`state_dict` is the position after
-    the batches *trained*: a checkpoint written on an exception (``OnExceptionCheckpoint``)
-    resumes with the batch of the failed step, a whole unfinished gradient-accumulation
-    window included. Restoring is O(1), for any ``num_workers`` and another ``world_size``.
-    Lightning's counters are never read to decide what data comes next; ``set_epoch`` is
-    ignored. In epoch mode ``len()`` is the number of batches of the current epoch: after a
-    resume with another world size mid-pass, the batches trained before plus this rank's
-    share of the rest of the pass, so the epoch ends exactly at the end of the pass.
-
-    **Stops and aborts.** :meth:`request_stop` ends the iteration (``StopIteration``) at the
-    first clean step boundary: before handing out a batch, once this iterator has handed
-    out one, the optimizer stepped since, and ``ready()`` agrees. :meth:`request_abort`
-    raises ``KeyboardInterrupt`` before the next batch is handed out, so an abort never
-    lands inside a step.
-
-    **Bad images** (``on_bad_image="skip"``, a dataset with ``hand_back_bad_images``): the
-    loader owns the :class:`~lit_roidata.skip.SkipPolicy` (:attr:`skip_policy`); a block
-    whose worker found an unreadable image is finished here, in stream order, with only
-    that image replaced. **Workers** ignore SIGINT and SIGTERM (the main process stops
-    them); a worker killed otherwise raises :class:`WorkerDiedError` at the next fetch.
+    result): the rest of the current pass (epoch mode) or forever (infinite mode). It asks
+    the plan for the blocks after its position (images known to be bad already replaced),
+    finishes blocks whose worker found a bad image (:attr:`skip_policy`), counts what was
+    trained and saves the position after the batches *trained* (:meth:`state_dict`: a
+    batch whose step failed is trained again after a resume). Restoring is O(1), for any
+    ``num_workers`` and another ``world_size``; Lightning's counters never decide what data
+    comes next and ``set_epoch`` is ignored. In epoch mode ``len()`` is the current epoch's
+    batches, so after a resume with another world size mid-pass the epoch ends with the
+    pass. :meth:`request_stop` ends the iteration at the next clean step boundary,
+    :meth:`request_abort` raises ``KeyboardInterrupt`` before the next batch. Workers ignore
+    SIGINT and SIGTERM; a worker killed otherwise raises :class:`WorkerDiedError` at the
+    next fetch (docs/sampler.md, docs/ddp_and_resume.md).
 
     Args:
-        dataset: map-style dataset; ``__getitems__(block)`` builds one block in a worker.
-        batch_sampler: this rank's stream: a :class:`~lit_roidata.plan.StreamPlan` (a
+        dataset: map-style dataset; ``__getitems__(block)`` builds one block in a worker
+            (with ``hand_back_bad_images``, the loader owns the skip policy).
+        batch_sampler: this rank's :class:`~lit_roidata.plan.StreamPlan` (a
             :class:`RoIBatchSampler` also gives the starting position).
         num_workers, pin_memory, timeout, worker_init_fn, multiprocessing_context,
-            prefetch_factor, persistent_workers: as for ``torch.utils.data.DataLoader``.
-        collate_fn: defaults to :func:`passthrough_collate`.
+            prefetch_factor, persistent_workers, collate_fn: as for ``DataLoader``
+            (``collate_fn`` defaults to :func:`passthrough_collate`).
         strict_resume: a loaded state of another stream raises ``ValueError`` (``True``) or
             logs a warning and starts a fresh pass (``False``).
         optimizer_steps: ``() -> int``, the optimizer steps so far (``lambda:
             trainer.global_step``); without it every batch handed out counts as trained.
-        shm_pool, shm_pool_slot_bytes: reusable shared-memory slots per worker
-            (``prefetch_factor + 3`` each, virtual capacity ``shm_pool_slot_bytes``).
-        epoch_length: infinite mode: ``len()``, the batches of a Lightning epoch (default:
-            those of a pass).
+        shm_pool, shm_pool_slot_bytes: reusable shared-memory slots per worker.
+        epoch_length: infinite mode: the batches of a Lightning epoch (default: a pass).
 
     Raises:
         TypeError: an ``IterableDataset`` or a sampler that is not a ``StreamPlan``.
