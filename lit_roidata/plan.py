@@ -394,17 +394,30 @@ class StreamPlan:
                    ) -> tuple[Block | None, tuple[int, int]]:
         """This rank's next block from position ``(pass_index, cursor)`` and the position
         after it. Epoch mode with ``stop_at_pass_end``: ``(None, position)`` at a pass end."""
-        p, c = int(pass_index), int(cursor)
-        if not self.infinite and c + self.world_size > self.pass_blocks(p):
-            if stop_at_pass_end:
-                return None, (p, c)
-            p, c = p + 1, 0
-        p, c = self.normalize(p, c) if self.infinite else (p, c)
-        q, b = self.normalize(p, c + self.rank) if self.infinite else (p, c + self.rank)
-        inds = _block_indices(self.permutation(q), b, self.ims_per_batch)
-        c += self.world_size
-        return (Block(inds, self.seed, q, b),
-                self.normalize(p, c) if self.infinite else (p, c))
+        p, c, ws = int(pass_index), int(cursor), self.world_size
+        if self.repeat_factors is None:  # the per-batch hot path: normalize() inlined
+            nb = self.blocks_per_pass
+            if not self.infinite:
+                if c + ws > nb:
+                    if stop_at_pass_end:
+                        return None, (p, c)
+                    p, c = p + 1, 0
+                q, b = p, c + self.rank
+                c += ws
+            else:
+                q, b = p + (c + self.rank) // nb, (c + self.rank) % nb
+                p, c = p + (c + ws) // nb, (c + ws) % nb
+        else:
+            if not self.infinite and c + ws > self.pass_blocks(p):
+                if stop_at_pass_end:
+                    return None, (p, c)
+                p, c = p + 1, 0
+            q, b = self.normalize(p, c + self.rank) if self.infinite else (p, c + self.rank)
+            c += ws
+            p, c = self.normalize(p, c) if self.infinite else (p, c)
+        memo = self._memo.get("perm")
+        perm = memo[1] if memo is not None and memo[0] == q else self.permutation(q)
+        return Block(_block_indices(perm, b, self.ims_per_batch), self.seed, q, b), (p, c)
 
     # ------------------------------------------------------------------ state
     def state_at(self, pass_index: int, cursor: int) -> dict[str, Any]:
