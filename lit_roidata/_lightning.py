@@ -38,7 +38,8 @@ import types
 from typing import Any, Iterator, Optional, TypeVar
 
 __all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
-           "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls"]
+           "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls",
+           "bound_classes"]
 
 #: The two namespaces, by the module name of their ``Trainer``'s package.
 PL = "pytorch_lightning"
@@ -54,6 +55,12 @@ _cache: dict[tuple[type, str], type] = {}
 _lock = threading.RLock()
 
 T = TypeVar("T", bound=type)
+
+
+def bound_classes(namespace: str) -> list[type]:
+    """The classes :func:`bind` has made for ``namespace`` so far."""
+    with _lock:
+        return [cls for (_, ns), cls in _cache.items() if ns == namespace]
 
 
 def _ns_of_module(module: str) -> Optional[str]:

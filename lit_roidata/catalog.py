@@ -24,7 +24,7 @@ from __future__ import annotations
 import difflib
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Mapping, Optional, Union
 
 import yaml
@@ -249,7 +249,8 @@ class Catalog:
     def copy(self) -> "Catalog":
         """An independent catalog with the same registrations and data root."""
         out = Catalog(self._data_root, builtins=self._builtins)
-        out._user = dict(self._user)
+        for spec in self._user.values():
+            out.register(**asdict(spec))
         return out
 
     # ------------------------------------------------------------------ YAML

@@ -98,14 +98,10 @@ def _check_lvis_gt(dataset: Mapping[str, Any], ann_file: str) -> None:
 
 def _federated_pairs(gt: Any) -> set[tuple[int, int]]:
     """``(image id, category id)`` pairs a detection may be evaluated on: the image has
-    that category annotated or lists it in ``neg_category_ids`` (cached on ``gt``)."""
-    pairs = getattr(gt, "_lit_roidata_federated", None)
-    if pairs is None:
-        pairs = {(int(a["image_id"]), int(a["category_id"]))
-                 for a in gt.dataset["annotations"]}
-        pairs.update((int(im["id"]), int(c)) for im in gt.dataset["images"]
-                     for c in im["neg_category_ids"])
-        gt._lit_roidata_federated = pairs
+    that category annotated or lists it in ``neg_category_ids``."""
+    pairs = {(int(a["image_id"]), int(a["category_id"])) for a in gt.dataset["annotations"]}
+    pairs.update((int(im["id"]), int(c)) for im in gt.dataset["images"]
+                 for c in im["neg_category_ids"])
     return pairs
 
 
@@ -160,6 +156,7 @@ class LVISEvaluator(COCOEvaluator):
         super().__init__(iou_types=iou_types, annotation_files=annotation_files,
                          output_dir=output_dir, print_summary=print_summary)
         self.max_dets_per_image = int(max_dets_per_image)
+        self._federated: dict[int, tuple[Any, set[tuple[int, int]]]] = {}  # id(gt): gt, pairs
 
     def _load_gt(self, ann_file: str) -> Any:
         """``faster-coco-eval``'s ``COCO`` of an LVIS json, checked for the federated fields."""
@@ -173,10 +170,8 @@ class LVISEvaluator(COCOEvaluator):
             gt.createIndex()
         return gt
 
-    def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
-                      gt: Any) -> list[dict[str, Any]]:
-        results = super()._result_dicts(detections, info, iou, gt)
-        return limit_dets_per_image(results, self.max_dets_per_image)
+    def _limit(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return limit_dets_per_image(results, self.max_dets_per_image)  # type: ignore
 
     def _score(self, gt: Any, results: list[dict[str, Any]], iou: str,
                image_ids: Sequence[int]) -> tuple[dict[str, float], str]:
@@ -187,7 +182,9 @@ class LVISEvaluator(COCOEvaluator):
         # "unordered_map::at") on a dropped mask in an image with no kept detection and no
         # ground truth. Filtering first changes no number (the tests hold the results to
         # the official LVISEval's, boxes and masks).
-        known = _federated_pairs(gt)
+        if id(gt) not in self._federated:  # the entry holds gt: its id is not reused
+            self._federated[id(gt)] = (gt, _federated_pairs(gt))
+        known = self._federated[id(gt)][1]
         kept = [r for r in results if (int(r["image_id"]), int(r["category_id"])) in known]
         lines: list[str] = []
         with contextlib.redirect_stdout(io.StringIO()):

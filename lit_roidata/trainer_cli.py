@@ -20,7 +20,7 @@ from jsonargparse import DefaultHelpFormatter
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from lit_roidata._lightning import PL, bind, lightning_attr, namespace_of
-from lit_roidata.cli import EXIT_STATUS, tools_help
+from lit_roidata.commands import EXIT_STATUS, tools_help
 
 __all__ = ["RoIDataCLI", "cli_main", "translate_class_path"]
 

@@ -35,11 +35,11 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from lit_roidata.exchange import wire
+import lit_roidata.exchange.wire as wire
 from lit_roidata.exchange.alignment import check_alignment
 from lit_roidata.exchange.errors import (
     ChannelBusyError,
@@ -55,9 +55,6 @@ from lit_roidata.exchange.errors import (
 )
 from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
 from lit_roidata.exchange.backend import Store, StoreUnavailable
-
-if TYPE_CHECKING:
-    from lit_roidata.exchange import BlobExchange
 
 __all__ = ["Channel"]
 
@@ -98,7 +95,7 @@ class Channel:
             was not opened with ``resume=True``.
     """
 
-    def __init__(self, exchange: BlobExchange, name: str, role: str, *, capacity: int,
+    def __init__(self, exchange: Any, name: str, role: str, *, capacity: int,
                  timeout: float, start_seq: int | None = None,
                  delivery: str = "at_most_once") -> None:
         if delivery not in DELIVERY:
@@ -110,7 +107,7 @@ class Channel:
         self.capacity, self.timeout = capacity, timeout
         self.delivery = delivery
         self._ex = exchange
-        self._store: Store = exchange._store.clone()
+        self._store: Store = exchange.store.clone()
         self._io = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
@@ -128,7 +125,7 @@ class Channel:
         self._k_lease = {r: f"{ns}/lease.{r}" for r in ROLES}
         self._k_closed = {r: f"{ns}/closed.{r}" for r in ROLES}
         self._k_activity = {r: f"{ns}/activity.{r}" for r in ROLES}
-        self._k_inc = exchange._incarnation_key
+        self._k_inc = exchange.incarnation_key
         self._incarnation = exchange.incarnation  # the one this end last joined
         self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
         self._resend = False
@@ -286,7 +283,7 @@ class Channel:
         incarnation and lease; the consumer re-states its position (``ack``), the producer
         re-publishes what the consumer has not acknowledged before its next message."""
         s = self._store
-        self._incarnation = self._ex._rejoin(s)
+        self._incarnation = self._ex.rejoin(s)
         gen = s.incr(self._k_gen)
         mine = LeaseRecord.mine(self.role, gen).dumps()
         key = self._k_lease[self.role]
@@ -761,13 +758,24 @@ class Channel:
         return None if raw is None else orjson.loads(raw)
 
     def _write_activity(self, store: Store) -> None:
-        activity, busy, since = self._ex._activity
+        activity, busy, since = self._ex.activity
         store.set(self._k_activity[self.role], orjson.dumps(
             {"activity": activity, "busy": busy, "since": since, "pid": os.getpid()}),
             ttl=self._ex.lease_ttl)
 
-    def _beat(self, store: Store) -> None:
-        """Refresh this end's lease (called by the exchange's heartbeat thread)."""
+    def publish_activity(self) -> None:
+        """Write the exchange's activity for the peer now (the heartbeat repeats it)."""
+        with self._io:
+            if self._closing or self._lost:
+                return
+            try:
+                self._write_activity(self._store)
+            except Exception as exc:  # the heartbeat retries
+                log.warning("%s: could not publish the activity: %s", self.where, exc)
+
+    def heartbeat(self, store: Store) -> None:
+        """Refresh this end's lease and activity through ``store`` (the exchange's
+        heartbeat thread's connection)."""
         if self._closing or self._lost:
             return
         key = self._k_lease[self.role]
@@ -820,7 +828,7 @@ class Channel:
             return
         self._closing = True
         self._wake.set()
-        self._ex._forget(self)
+        self._ex.forget(self)
         with self._io:
             try:
                 if not self._lost:

@@ -41,6 +41,7 @@ from pymemcache.exceptions import (
     MemcacheError,
     MemcacheServerError,
     MemcacheUnexpectedCloseError,
+    MemcacheUnknownCommandError,
 )
 
 from lit_roidata.exchange.errors import ExchangeError, ExchangeStateLostError
@@ -282,8 +283,13 @@ class MemcachedStore(Store):
         raise self._meta_error(line, "set")
 
     def _meta(self, verb: bytes, request: bytes) -> bytes:
-        """Send one meta command (memcached >= 1.6); its reply line."""
-        return self._call(self._client._misc_cmd, [request], verb, False)[0]
+        """Send one meta command (memcached >= 1.6; ``request`` ends with CRLF); its reply."""
+        try:
+            return self._call(self._client.raw_command, request[:-2])
+        except ExchangeError as exc:  # "ERROR": a server without meta commands
+            if isinstance(exc.__cause__, MemcacheUnknownCommandError):
+                raise self._meta_error(b"ERROR", verb.decode()) from None
+            raise
 
     def _meta_error(self, line: bytes, what: str) -> ExchangeError:
         return ExchangeError(f"{self.describe} answered {line!r} to a meta {what}; the "

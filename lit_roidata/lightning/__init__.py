@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lit_roidata._lightning import LIGHTNING, bind, import_namespace
+from lit_roidata._lightning import LIGHTNING, bind, bound_classes, import_namespace
 
 import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` is missing
 
@@ -62,10 +62,8 @@ def __getattr__(name: str) -> Any:
         cls = bind(_source(name), LIGHTNING)
         globals()[name] = cls
         return cls
-    from lit_roidata._lightning import _cache
-
-    for (_, ns), cls in list(_cache.items()):  # bound on the fly (lit_roidata.lightning.bind)
-        if ns == LIGHTNING and cls.__qualname__ == name:
+    for cls in bound_classes(LIGHTNING):  # bound on the fly (lit_roidata.lightning.bind)
+        if cls.__qualname__ == name:
             return cls
     raise AttributeError(f"module 'lit_roidata.lightning' has no attribute {name!r}")
 
