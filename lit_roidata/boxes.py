@@ -16,20 +16,10 @@ import numpy as np
 if TYPE_CHECKING:  # torch is imported lazily: the roidb builder needs NumPy only.
     import torch
 
-__all__ = [
-    "iou_kernel",
-    "iou_kernel_torch",
-    "bbox_overlaps",
-    "bbox_overlaps_pairs",
-    "bbox_overlaps_torch",
-    "bbox_transform_targets",
-    "bbox_transform_targets_torch",
-    "bbox_transform_inv",
-    "bbox_transform_inv_torch",
-    "clip_boxes",
-    "flip_boxes",
-    "box_areas",
-]
+__all__ = ["iou_kernel", "iou_kernel_torch", "bbox_overlaps", "bbox_overlaps_pairs",
+           "bbox_overlaps_torch", "bbox_transform_targets", "bbox_transform_targets_torch",
+           "bbox_transform_inv", "bbox_transform_inv_torch", "clip_boxes", "flip_boxes",
+           "box_areas"]
 
 
 def box_areas(boxes: np.ndarray) -> np.ndarray:

@@ -30,12 +30,7 @@ from torch import nn
 
 from lit_roidata.weights import LoadReport, NameMap, load_weights_file, load_weights_into
 
-__all__ = [
-    "BroadcastParameters",
-    "ReplicaMismatchError",
-    "broadcast_module",
-    "verify_replicas",
-]
+__all__ = ["BroadcastParameters", "ReplicaMismatchError", "broadcast_module", "verify_replicas"]
 
 log = logging.getLogger(__name__)
 

@@ -53,13 +53,7 @@ import yaml
 from yacs.config import CfgNode
 from yacs.config import _check_and_coerce_cfg_value_type as _yacs_type_check
 
-__all__ = [
-    "DetectronConfig",
-    "ConfigError",
-    "get_cfg",
-    "load_detectron_cfg",
-    "check_sampler_train",
-]
+__all__ = ["DetectronConfig", "ConfigError", "get_cfg", "load_detectron_cfg", "check_sampler_train"]
 
 
 class _Missing:

@@ -23,13 +23,7 @@ from torch import nn
 
 from lit_roidata._pickle_trust import UntrustedPickleError, warn_trusted
 
-__all__ = [
-    "LoadReport",
-    "NameMap",
-    "WeightsShapeError",
-    "load_weights_file",
-    "load_weights_into",
-]
+__all__ = ["LoadReport", "NameMap", "WeightsShapeError", "load_weights_file", "load_weights_into"]
 
 log = logging.getLogger(__name__)
 

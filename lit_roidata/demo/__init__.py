@@ -18,37 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from lit_roidata.demo.data import (
-    DEMO_CATEGORIES,
-    DEMO_TRAIN_DATASETS,
-    DEMO_VAL_DATASETS,
-    DemoDatasets,
-    ensure_demo_data,
-    register_demo_datasets,
-)
-from lit_roidata.demo.lvis_data import (
-    LVIS_DEMO_DATASETS,
-    ensure_lvis_demo_data,
-    register_lvis_demo_datasets,
-)
+from lit_roidata.demo.data import (DEMO_CATEGORIES, DEMO_TRAIN_DATASETS, DEMO_VAL_DATASETS,
+                                   DemoDatasets, ensure_demo_data, register_demo_datasets)
+from lit_roidata.demo.lvis_data import (LVIS_DEMO_DATASETS, ensure_lvis_demo_data,
+                                        register_lvis_demo_datasets)
 
-__all__ = [
-    "DEMO_CATEGORIES",
-    "DEMO_TRAIN_DATASETS",
-    "DEMO_VAL_DATASETS",
-    "LVIS_DEMO_DATASETS",
-    "DemoDatasets",
-    "DemoFastRCNN",
-    "DemoRoIDataModule",
-    "DemoFasterRCNN",
-    "RPNExchangeDemo",
-    "demo_alignment_stream",
-    "demo_batches",
-    "ensure_demo_data",
-    "ensure_lvis_demo_data",
-    "register_demo_datasets",
-    "register_lvis_demo_datasets",
-]
+__all__ = ["DEMO_CATEGORIES", "DEMO_TRAIN_DATASETS", "DEMO_VAL_DATASETS", "LVIS_DEMO_DATASETS",
+           "DemoDatasets", "DemoFastRCNN", "DemoRoIDataModule", "DemoFasterRCNN", "RPNExchangeDemo",
+           "demo_alignment_stream", "demo_batches", "ensure_demo_data", "ensure_lvis_demo_data",
+           "register_demo_datasets", "register_lvis_demo_datasets"]
 
 
 def __getattr__(name: str) -> Any:

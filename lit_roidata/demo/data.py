@@ -34,16 +34,8 @@ from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.demo.shapes import DEMO_CATEGORIES, draw_image
 from lit_roidata.osutil import atomic_write
 
-__all__ = [
-    "DEMO_CATEGORIES",
-    "DEMO_NUM_IMAGES",
-    "DEMO_TRAIN_DATASETS",
-    "DEMO_VAL_DATASETS",
-    "DemoDatasets",
-    "ensure_demo_data",
-    "is_demo_data",
-    "register_demo_datasets",
-]
+__all__ = ["DEMO_CATEGORIES", "DEMO_NUM_IMAGES", "DEMO_TRAIN_DATASETS", "DEMO_VAL_DATASETS",
+           "DemoDatasets", "ensure_demo_data", "is_demo_data", "register_demo_datasets"]
 
 log = logging.getLogger(__name__)
 

@@ -38,19 +38,10 @@ from typing import Any
 from lit_roidata._optional import require
 from lit_roidata.exchange.alignment import check_alignment
 from lit_roidata.exchange.channel import ROLES, Channel
-from lit_roidata.exchange.errors import (
-    AlignmentError,
-    ChannelBusyError,
-    ChannelClosedError,
-    ExchangeError,
-    ExchangeStateLostError,
-    ExchangeTimeoutError,
-    LeaseLostError,
-    MessageAuthError,
-    PeerDeadError,
-    SequenceError,
-    WireFormatError,
-)
+from lit_roidata.exchange.errors import (AlignmentError, ChannelBusyError, ChannelClosedError,
+                                         ExchangeError, ExchangeStateLostError,
+                                         ExchangeTimeoutError, LeaseLostError, MessageAuthError,
+                                         PeerDeadError, SequenceError, WireFormatError)
 from lit_roidata.exchange.backend import Store, StoreUnavailable
 
 __all__ = [

@@ -41,18 +41,10 @@ import orjson
 
 import lit_roidata.exchange.wire as wire
 from lit_roidata.exchange.alignment import check_alignment
-from lit_roidata.exchange.errors import (
-    ChannelBusyError,
-    ChannelClosedError,
-    ExchangeError,
-    ExchangeStateLostError,
-    ExchangeTimeoutError,
-    LeaseLostError,
-    MessageAuthError,
-    PeerDeadError,
-    SequenceError,
-    WireFormatError,
-)
+from lit_roidata.exchange.errors import (ChannelBusyError, ChannelClosedError, ExchangeError,
+                                         ExchangeStateLostError, ExchangeTimeoutError,
+                                         LeaseLostError, MessageAuthError, PeerDeadError,
+                                         SequenceError, WireFormatError)
 from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
 from lit_roidata.exchange.backend import Store, StoreUnavailable
 

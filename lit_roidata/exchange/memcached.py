@@ -37,12 +37,8 @@ import struct
 import time
 
 from pymemcache.client.base import Client
-from pymemcache.exceptions import (
-    MemcacheError,
-    MemcacheServerError,
-    MemcacheUnexpectedCloseError,
-    MemcacheUnknownCommandError,
-)
+from pymemcache.exceptions import (MemcacheError, MemcacheServerError, MemcacheUnexpectedCloseError,
+                                   MemcacheUnknownCommandError)
 
 from lit_roidata.exchange.errors import ExchangeError, ExchangeStateLostError
 from lit_roidata.exchange.backend import Store, StoreUnavailable

@@ -22,13 +22,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
 
-from lit_roidata.evaluation import (
-    annotation_file,
-    coco_category_map,
-    dataset_info,
-    detections_to_coco_results,
-    gather_to_rank0,
-)
+from lit_roidata.evaluation import (annotation_file, coco_category_map, dataset_info,
+                                    detections_to_coco_results, gather_to_rank0)
 from lit_roidata.osutil import atomic_write
 
 __all__ = ["COCOPredictionWriter"]
