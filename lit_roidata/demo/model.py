@@ -108,28 +108,16 @@ class DemoFastRCNN(pl.LightningModule):
             the demo trains about 3x faster on 2 cores than with two.
     """
 
-    def __init__(
-        self,
-        num_classes: int = 5,
-        lr: float = 0.01,
-        optimizer: Literal["sgd", "adamw"] = "sgd",
-        weight_decay: float = 1e-4,
-        warmup_iters: int = 50,
-        warmup_factor: float = 1.0 / 3.0,
-        lr_steps: Sequence[int] = (),
-        gamma: float = 0.1,
-        backbone_width: int = 16,
-        head_dim: int = 256,
-        roi_resolution: int = 7,
-        sampling_ratio: int = 2,
-        bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0),
-        cls_agnostic_bbox_reg: bool = False,
-        score_thresh: float = 0.05,
-        nms_thresh: float = 0.5,
-        detections_per_im: int = 100,
-        pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
-        cpu_threads: Optional[int] = 1,
-    ) -> None:
+    def __init__(self, num_classes: int = 5, lr: float = 0.01,
+                 optimizer: Literal["sgd", "adamw"] = "sgd", weight_decay: float = 1e-4,
+                 warmup_iters: int = 50, warmup_factor: float = 1.0 / 3.0,
+                 lr_steps: Sequence[int] = (), gamma: float = 0.1, backbone_width: int = 16,
+                 head_dim: int = 256, roi_resolution: int = 7, sampling_ratio: int = 2,
+                 bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0),
+                 cls_agnostic_bbox_reg: bool = False, score_thresh: float = 0.05,
+                 nms_thresh: float = 0.5, detections_per_im: int = 100,
+                 pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+                 cpu_threads: Optional[int] = 1) -> None:
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes={num_classes}: need background plus >= 1 class "

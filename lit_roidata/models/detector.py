@@ -194,35 +194,22 @@ class TorchvisionDetector(pl.LightningModule):
             PyTorch's choice.
     """
 
-    def __init__(
-        self,
-        arch: str = "fasterrcnn_resnet50_fpn",
-        num_classes: int = 81,
-        weights: Optional[str] = None,
-        weights_backbone: Optional[str] = None,
-        backbone: Optional[str] = None,
-        trainable_backbone_layers: Optional[int] = None,
-        num_keypoints: int = 17,
-        normalize: Literal["auto", "detectron", "torchvision"] = "auto",
-        pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
-        lr: float = 0.02,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
-        lr_steps: Sequence[int] = (),
-        gamma: float = 0.1,
-        warmup_iters: int = 500,
-        warmup_factor: float = 1.0 / 3.0,
-        warmup_method: Literal["linear", "constant"] = "linear",
-        bias_lr_factor: float = 2.0,
-        bias_weight_decay: bool = False,
-        score_thresh: float = 0.05,
-        nms_thresh: float = 0.5,
-        detections_per_img: int = 100,
-        mask_thresh: float = 0.5,
-        anchor_sizes: Optional[Sequence[float]] = None,
-        detector_kwargs: Optional[dict[str, Any]] = None,
-        cpu_threads: Optional[int] = None,
-    ) -> None:
+    def __init__(self, arch: str = "fasterrcnn_resnet50_fpn", num_classes: int = 81,
+                 weights: Optional[str] = None, weights_backbone: Optional[str] = None,
+                 backbone: Optional[str] = None, trainable_backbone_layers: Optional[int] = None,
+                 num_keypoints: int = 17,
+                 normalize: Literal["auto", "detectron", "torchvision"] = "auto",
+                 pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+                 lr: float = 0.02, momentum: float = 0.9, weight_decay: float = 1e-4,
+                 lr_steps: Sequence[int] = (), gamma: float = 0.1, warmup_iters: int = 500,
+                 warmup_factor: float = 1.0 / 3.0,
+                 warmup_method: Literal["linear", "constant"] = "linear",
+                 bias_lr_factor: float = 2.0, bias_weight_decay: bool = False,
+                 score_thresh: float = 0.05, nms_thresh: float = 0.5,
+                 detections_per_img: int = 100, mask_thresh: float = 0.5,
+                 anchor_sizes: Optional[Sequence[float]] = None,
+                 detector_kwargs: Optional[dict[str, Any]] = None,
+                 cpu_threads: Optional[int] = None) -> None:
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"arch={arch!r} is not supported; choose one of {sorted(ARCHS)}")
