@@ -1,20 +1,10 @@
 """Parameter broadcast from rank 0, a bit-exact replica check, and the
 :class:`BroadcastParameters` callback that loads weights on rank 0 and runs both.
 
-Detectron loads a weights file into GPU 0 only and then copies every parameter blob from
-GPU 0 to the other GPUs (``broadcast_parameters``, Detectron semantics: multi-gpu and weights); that
-copy also
-equalises the independent random initialisations. :class:`BroadcastParameters` does
-the same for a Lightning run: rank 0 loads the file with :mod:`lit_roidata.weights` (a
-Lightning/PyTorch checkpoint or state dict, or a Detectron ``.pkl`` of named blobs), every parameter and buffer is
-broadcast from rank 0, and then each rank's per-tensor checksums are gathered and
-compared, so a replica that differs by a single bit fails the run with the tensor's
-name. DDP broadcasts parameters when it wraps the module too (Detectron semantics: multi-gpu and
-weights); the explicit
-step makes the load rank-0-only, covers non-DDP strategies and checks the result.
-
-Works with any ``torch.distributed`` backend: tensors are moved to the current CUDA
-device for NCCL and communicated where they live otherwise (gloo).
+As Detectron's ``broadcast_parameters``: rank 0 loads the file (:mod:`lit_roidata.weights`),
+every parameter and buffer is broadcast from rank 0, then per-tensor checksums are
+compared so that a replica differing by one bit fails the run with the tensor's name.
+Works with NCCL (tensors on the current CUDA device) and gloo.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Dataset catalog: name → image directory, annotation file (COCO or LVIS format), image prefix.
 
-Detectron keeps a static dict rooted at ``detectron/datasets/data`` (Detectron semantics: datasets
-and catalog). We keep
-its names and layout for the built-in COCO (and VOC-as-COCO-json) datasets, plus
-Detectron2's LVIS v1 names and layout (``lvis_v1_train``, ...), resolved under a *data root* that is chosen at lookup time (explicit ``data_root=`` or the
-``LIT_ROIDATA_DATA_ROOT`` environment variable), and let users add their own datasets
-from Python or from a YAML file.
-
-``DatasetCatalog`` is the process-wide default; code that wants isolation (tests,
-several experiments in one process) builds its own :class:`Catalog` and passes it
-explicitly (``combined_roidb_for_training(..., catalog=my_catalog)``).
-
-Example::
-
-    from lit_roidata.catalog import DatasetCatalog
-    DatasetCatalog.register("my_train", "/data/my/images", "/data/my/train.json")
-    DatasetCatalog.load_yaml("configs/datasets.yaml")
-    spec = DatasetCatalog.get("coco_2017_train")   # resolved under the data root
+Detectron's built-in COCO (and VOC-as-COCO-json) names and Detectron2's LVIS v1 names,
+resolved under a data root chosen at lookup time (``data_root=`` or
+``LIT_ROIDATA_DATA_ROOT``), plus the user's own datasets from Python or a YAML file (see
+docs/catalog.md). ``DatasetCatalog`` is the process-wide default; build a
+:class:`Catalog` for isolation.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """``lit-roidata``: LightningCLI for training, plus the data tools.
 
-Two kinds of subcommand share one entry point:
-
-* ``fit``, ``validate``, ``test``, ``predict``: Lightning's own CLI
-  (:class:`~lit_roidata.trainer_cli.RoIDataCLI`, a ``LightningCLI``) with the model and
-  the data module both selectable by class path, so ``--config configs/demo.yaml`` and
-  ``--print_config`` work as in any Lightning project;
-* ``inspect``, ``dump-blobs``, ``bench``, ``make-demo-data``, ``convert-proposals``,
-  ``cache``: tools that read the same YAML file (its ``data:`` section) or the caches.
-
-This module imports neither torch nor Lightning: ``lit-roidata --help``, ``cache`` and
-``convert-proposals`` start at once, and the training subcommands import Lightning
-(:mod:`lit_roidata.trainer_cli`) only when they run. The tools are dispatched before
-LightningCLI builds its parser (its subcommands are Trainer methods).
-
-Example::
+``fit``, ``validate``, ``test``, ``predict`` are Lightning's CLI
+(:class:`~lit_roidata.trainer_cli.RoIDataCLI`); ``inspect``, ``dump-blobs``, ``bench``,
+``make-demo-data``, ``convert-proposals`` and ``cache`` are dispatched before it. This
+module imports neither torch nor Lightning, so ``--help`` and the cache tools start at
+once (docs/cli.md)::
 
     lit-roidata fit --config configs/demo.yaml
-    lit-roidata fit --config configs/demo.yaml --trainer.devices 2 --trainer.strategy ddp
-    lit-roidata inspect --config configs/demo.yaml --out inspect_out
     lit-roidata cache ls
 """
 

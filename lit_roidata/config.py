@@ -1,42 +1,16 @@
 """Detectron's option tree, with Detectron's defaults, on yacs' ``CfgNode``.
 
-The data pipeline reads the same keys Detectron reads (docs/detectron_semantics.md,
-"Configuration"), so a Detectron user recognises every name: ``cfg.TRAIN.SCALES``,
-``cfg.FPN.COARSEST_STRIDE``, ``cfg.TEST.SCALE``, ``cfg.SOLVER.BASE_LR`` ... Every section,
-including ``TEST``, ``SOLVER`` and the test-time augmentation sections under ``TEST``
-(``TEST.BBOX_AUG`` ...), is a :class:`DetectronConfig` node with attribute access.
-
-The tree is a `yacs <https://github.com/rbgirshick/yacs>`_ ``CfgNode`` (yacs is
-Detectron's own config code, extracted into a library): values from YAML files and
-override dicts are decoded with Detectron's ``literal_eval`` rule (``SCALES: (800,)``
-written as a string becomes a tuple) and type-checked against the default by yacs.
-On top of yacs, this module
-
-* names the file and the key in every error, and the nearest valid key for a typo,
-  at every depth (``TEST.BBOX_AUG.ENABLD`` is an error, as in Detectron);
-* accepts an int where the default is a float (``SOLVER.BASE_LR: 1``,
-  ``RETINANET.ANCHOR_SCALE: 4``), which Detectron and yacs reject;
-  ``RETINANET.ANCHOR_SCALE`` and a few pixel thresholds default to floats here so that
-  ``ANCHOR_SCALE: 4.5`` works (Detectron's default is the int ``4`` and it would
-  reject ``4.5``);
-* accepts a single name for ``*.DATASETS`` / ``*.PROPOSAL_FILES`` and Detectron's
-  ``PIXEL_MEANS: [[[b, g, r]]]`` (stored flat as three floats);
-* re-derives Detectron's inferred options after every merge (:meth:`DetectronConfig.infer`).
-
-:func:`get_cfg` returns a mutable copy of the defaults (for scripts and tests);
-:func:`load_detectron_cfg` merges a file or dict and any overrides, infers, and returns
-a **frozen** config: assigning to it raises ``AttributeError``. The data module builds
-its config with :func:`load_detectron_cfg`; on the command line the config is reached
-through the data module's ``detectron_config`` (a Detectron YAML file) and ``overrides``
-(dotted or nested keys), e.g. ``--data.init_args.overrides '{"TRAIN.SCALES": [800]}'`` or,
-in a YAML config, ``overrides: {TRAIN.SCALES: [800]}``.
+The data pipeline reads the keys Detectron reads (docs/detectron_semantics.md,
+"Configuration"): ``cfg.TRAIN.SCALES``, ``cfg.TEST.SCALE``, ... Values are decoded with
+Detectron's ``literal_eval`` rule and type-checked by yacs. On top of yacs, errors name
+the file, the key and the nearest valid key at every depth; an int is accepted where the
+default is a float; a single name is accepted for ``*.DATASETS`` / ``*.PROPOSAL_FILES``
+and Detectron's nested ``PIXEL_MEANS``; and Detectron's inferred options are re-derived
+after every merge. :func:`load_detectron_cfg` returns a **frozen** config.
 
 Example::
 
     >>> from lit_roidata.config import get_cfg, load_detectron_cfg
-    >>> cfg = get_cfg()
-    >>> cfg.TRAIN.SCALES
-    (600,)
     >>> cfg = load_detectron_cfg(None, {"TRAIN.SCALES": (800,), "MODEL.FASTER_RCNN": True})
     >>> cfg.TRAIN.SCALES, cfg.RPN.RPN_ON, cfg.is_frozen()
     ((800,), True, True)

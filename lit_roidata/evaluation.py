@@ -1,27 +1,11 @@
 """COCO evaluation: predictions to COCO results, and a Lightning callback for box/mask AP.
 
-The model's ``validation_step`` (and ``test_step``) returns
-``{"detections": [per-image dict, ...]}`` with, for every image of the batch (also those
-without detections, so an image with missed objects still counts):
-
-* ``image_id`` (int, the JSON id), ``dataset`` (catalog name),
-* ``boxes`` ``(k, 4)`` float, original-image ``x1, y1, x2, y2`` with Detectron's +1
-  convention, ``scores`` ``(k,)``, ``labels`` ``(k,)`` contiguous class ids (1-based),
-* optionally ``masks``: ``k`` RLE dicts or a ``(k, H, W)`` binary array,
-* optionally ``keypoints``: ``(k, K, 3)`` rows ``x, y, score`` in original-image pixel
-  coordinates (COCO's keypoint coordinates).
-* optionally ``proposals: True``: the boxes are class-agnostic object proposals (an
-  RPN-only model); ``labels`` may be left out and every result gets ``category_id`` 1,
-  the form COCO's proposal evaluation (``COCOeval`` with ``params.useCats = 0``) reads.
-
-:func:`detections_to_coco_results` restores the JSON category ids (Detectron's
-``contiguous_category_id_to_json_id``, Detectron semantics: datasets and catalog) and converts boxes
-to COCO's
-``[x, y, w, h]`` with ``w = x2 - x1 + 1``, as Detectron's ``_coco_bbox_results_one_category``;
-keypoints become COCO's flat ``[x1, y1, v1, ...]`` with ``v = 1`` and the box score as the
-instance score (Detectron's ``KRCNN.KEYPOINT_CONFIDENCE: bbox``).
-:class:`COCOEvaluator` gathers the detections of all ranks, evaluates on rank 0 with
-pycocotools' ``COCOeval`` and logs the same numbers on every rank.
+The model's ``validation_step`` / ``test_step`` returns ``{"detections": [per-image dict,
+...]}`` for every image of the batch: ``image_id``, ``dataset``, ``boxes`` ``(k, 4)``
+(original-image ``x1, y1, x2, y2``, Detectron's +1 convention), ``scores``, ``labels``
+(contiguous ids), optionally ``masks`` (RLE dicts or ``(k, H, W)``), ``keypoints``
+``(k, K, 3)`` and ``proposals: True`` (class-agnostic boxes, category 1). The format and
+the conversion to COCO results are described in docs/evaluation.md.
 """
 
 from __future__ import annotations

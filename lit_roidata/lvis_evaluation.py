@@ -1,25 +1,8 @@
 """LVIS evaluation: federated box and mask AP (AP, APr, APc, APf) as a Lightning callback.
 
-:class:`LVISEvaluator` is :class:`~lit_roidata.evaluation.COCOEvaluator` with LVIS's rules.
-It takes the same ``{"detections": [...]}`` from the model's ``validation_step`` /
-``test_step`` (see :mod:`lit_roidata.evaluation`), gathers them to rank 0 the same way and
-logs the same way, under ``val/lvis_bbox_AP``, ``val/lvis_bbox_APr``, ... What differs:
-
-* **Federated rules.** A detection of category ``c`` in image ``I`` is evaluated only if
-  ``c`` is annotated in ``I`` or listed in ``I``'s ``neg_category_ids`` (verified absent);
-  other detections are dropped, as nobody checked whether ``c`` is there. An unmatched
-  detection of a category in ``I``'s ``not_exhaustive_category_ids`` is ignored rather
-  than counted as a false positive.
-* **At most 300 detections per image** over all categories (the highest-scoring ones,
-  LVIS's ``max_dets``), applied before the federated filter, as the official
-  ``LVISResults`` does.
-* **APr / APc / APf**: the AP over the rare, common and frequent categories (each
-  category's ``frequency`` in the annotation file: fewer than 10, 10-99, 100 or more
-  training images).
-
-The numbers are computed by ``faster-coco-eval``'s LVIS mode (the ``lvis`` extra:
-``pip install "lit_roidata[lvis]"``), which agrees with the official ``lvis`` API's
-``LVISEval`` to 1e-6 on the same detections (tests/test_lvis_evaluation.py).
+:class:`LVISEvaluator` is :class:`~lit_roidata.evaluation.COCOEvaluator` with LVIS's rules
+(federated filtering, 300 detections per image, APr/APc/APf), computed with
+``faster-coco-eval``'s LVIS mode (the ``lvis`` extra); see docs/lvis.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The demo: a synthetic COCO-style dataset and a small detector that trains on it.
+"""The demo: synthetic COCO- and LVIS-format data and small detectors that train on it.
 
-:func:`ensure_lvis_demo_data` / :func:`register_lvis_demo_datasets` make synthetic LVIS
-v1-format data (long-tailed categories, neg / not-exhaustive lists, ``coco_url`` names).
-
-``lit-roidata fit --config configs/demo.yaml`` uses :func:`ensure_demo_data` /
-:func:`register_demo_datasets` to create the data on first use and
-:class:`DemoRoIDataModule` (the data module on that data) and
-:class:`DemoFastRCNN` as the model (:class:`DemoFasterRCNN` trains end to end from the
-loader's RPN targets). For the cross-process blob exchange
-(:mod:`lit_roidata.exchange`), :class:`RPNExchangeDemo` is a tiny FPN-RPN teacher/student
-(``configs/exchange_*.yaml``) and :func:`demo_alignment_stream` / :func:`demo_batches` are
-aligned synthetic streams. The models are imported lazily so that the
-data part stays usable (and cheap to import) without touching torchvision.
+``configs/demo.yaml`` uses :class:`DemoRoIDataModule` and :class:`DemoFastRCNN`
+(:class:`DemoFasterRCNN` trains end to end from the RPN targets); :class:`RPNExchangeDemo`
+and :func:`demo_alignment_stream` / :func:`demo_batches` serve the exchange demo. The
+models are imported lazily (the data part needs no torchvision). See docs/demo.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """``DemoFasterRCNN``: the demo detector trained end to end from the loader's RPN targets.
 
-The loader delivers Detectron's RPN family (Detectron semantics: blob names; RPN targets): ``data``,
-``im_info``,
-``roidb`` and the single-level wide blobs ``rpn_labels_int32_wide``,
-``rpn_bbox_targets_wide``, ``rpn_bbox_inside_weights_wide``,
-``rpn_bbox_outside_weights_wide`` (``(N, A, F, F)`` / ``(N, 4A, F, F)`` over the fixed
-field of anchors). As in Detectron, the wide blobs are cropped to the feature map
-(``SpatialNarrowAs``), the RPN proposals are generated in the network
-(``GenerateProposals``: top-k, decode, clip, min size, NMS, top-k per image), and the
-second-stage Fast R-CNN blobs come from :func:`lit_roidata.minibatch.proposal_labels`
-(Detectron semantics: end-to-end training). Body, RoI head, losses and inference are
+As in Detectron, the loader's wide RPN blobs are cropped to the feature map, proposals are
+generated in the network and the second-stage blobs come from
+:func:`lit_roidata.minibatch.proposal_labels`; body, RoI head, losses and inference are
 :class:`DemoFastRCNN`'s.
 """
 

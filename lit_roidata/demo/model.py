@@ -1,14 +1,9 @@
 """``DemoFastRCNN``: a small Fast R-CNN that consumes this package's Detectron blobs.
 
-Built from torchvision parts (``roi_align``, ``batched_nms``) and a few convolutions, it
-exists to show the data pipeline end to end: it reads exactly the blobs Detectron's
-Fast R-CNN reads (Detectron semantics: blob names "Fast R-CNN with precomputed proposals", Detectron
-semantics: Fast R-CNN targets) and applies
-Detectron's losses: softmax cross-entropy over the sampled RoIs and smooth-L1 box
-regression masked by ``bbox_inside_weights`` / ``bbox_outside_weights``, both
-normalised by the number of RoIs. Inference follows Detectron's ``im_detect_bbox`` +
-``box_results_with_nms_and_limit``: decode with ``MODEL.BBOX_REG_WEIGHTS`` in original
-image coordinates, clip, per-class score threshold and NMS, keep the top detections.
+A few convolutions, ``roi_align`` and a 2-layer head that read exactly the Fast R-CNN
+blobs Detectron reads, with Detectron's losses (softmax cross-entropy, smooth L1 masked by
+the inside/outside weights) and test path (decode, clip, per-class threshold and NMS);
+see docs/demo.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,8 @@
 """One producer → one consumer channel with exactly-once, in-order delivery.
 
-Keys of a channel live under ``<run_id>/<rank>/<name>/``:
-
-===================  ============================================================
-``head``             ``"<seq> <gen>"``: last sequence number the producer published
-``ack``              ``"<seq> <gen>"``: last sequence number the consumer took
-``msg.<seq>``        the payload of message ``seq``, written once
-``lease.<role>``     the owner of each end, with a TTL refreshed by a heartbeat
-``gen``              counter handing out lease generations (fencing tokens)
-``closed.<role>``    tombstone left by a clean ``close()``
-``activity.<role>``  what the owner says it is doing (busy pauses the peer's timeout)
-``commit``           exactly-once consumers: payloads up to here may be deleted
-===================  ============================================================
-
-Protocol: the producer writes ``msg.<s>`` only when ``ack >= s - capacity`` (capacity 1 by
-default: the fork's one-slot mailbox), then sets ``head``. The consumer
-reads ``head`` and then ``msg.<ack+1>`` (a payload counts only once ``head`` reaches it),
-checks the sequence number inside the payload, sets ``ack`` and deletes the payload.
-
-Fencing: each lease acquisition draws a new generation from ``gen``; ``head`` and
-``ack`` carry the generation of their last writer and are only ever changed by
-compare-and-swap from a value whose generation is not newer than the writer's own. A
-new owner stamps its generation at once, so an owner that stalled past its lease and
-was taken over can no longer move the stream (its write raises ``LeaseLostError``).
-Opening a channel creates ``head``/``ack`` with ``add`` (never overwrites), so a restarted
-end resumes where the stream is and a pending message is never discarded. Waiting backs
-off exponentially, is bounded by a timeout, and wakes on ``close()`` or a stop event.
+Keys live under ``<run_id>/<rank>/<name>/`` (``head``, ``ack``, ``msg.<seq>``,
+``lease.<role>``, ``gen``, ``closed.<role>``, ``activity.<role>``, ``commit``). The
+protocol, the lease fencing and the recovery are described in docs/exchange.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """The memcached backend (pymemcache).
 
-What differs from the fork's use of memcached:
-
-* Values are raw bytes in our wire format (no pickle), sent with ``noreply`` off so that
-  every store returns a status that is checked.
-* A payload is written once under a sequence-specific key with ``add``. Payloads larger
-  than the server's item limit (``stats settings`` → ``item_size_max``, set with
-  ``memcached -I``) are split into chunk items ``<key>#<i>`` stored first, then a small
-  descriptor (``LRXC``: chunk count, total length) is ``add``-ed under ``<key>``: the
-  descriptor is the atomic publish. A missing chunk is reported as lost state, never
-  assembled into a wrong payload (the wire CRC would catch a mix-up as well).
-* Leases use ``add`` with an expiry and compare-and-swap heart-beats (atomic). A
-  compare-and-swap is a meta set (``ms <key> <len> C<token> c``, memcached >= 1.6) that
-  returns the item's new CAS token; the handle remembers it with the value it wrote, so
-  the writer's next compare-and-swap of that key needs no read first: if anyone else
-  wrote the key meanwhile, the token no longer matches and the server refuses the write
-  (then the value is read again and compared). Reads use ``gets`` and remember each small
-  key's CAS token, so a compare-and-swap right after a read costs one round trip as well.
-* Chunk keys carry a random writer id stored in the descriptor, so two writers of the
-  same payload key (a stale producer and its successor) never overwrite each other's
-  chunks.
-* Every key is stored with an expiry (``key_ttl``), so an abandoned run's keys vanish.
-* Connection failures raise :class:`StoreUnavailable` so callers retry within their
-  deadline; a server restart is detected one level up, by the run's incarnation key.
+Raw wire-format bytes (no pickle), every status checked; payloads written once with
+``add``, split into chunk items ``<key>#<writer>#<i>`` above the server's item size and
+published by an ``LRXC`` descriptor; leases and positions by meta compare-and-swap
+(memcached >= 1.6) with remembered CAS tokens; every key expires after ``key_ttl``.
+Connection failures raise :class:`StoreUnavailable`. See docs/exchange.md ("Backends").
 """
 
 from __future__ import annotations

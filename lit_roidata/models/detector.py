@@ -1,32 +1,9 @@
 """``TorchvisionDetector``: torchvision's detection models trained on this package's batches.
 
-Training batches are the data module's ``output_format="torchvision"`` batches
-(:mod:`lit_roidata.minibatch.torchvision_format`): images already scaled (one of
-``TRAIN.SCALES``, ``TRAIN.MAX_SIZE`` cap) and flipped Detectron's way, targets in that
-scaled frame. Evaluation and predict batches are the data module's evaluation blobs
-(``data`` at ``TEST.SCALE``, ``_meta`` with ``im_scales``, image ids and sizes).
-
-What differs from calling a torchvision model directly:
-
-* **No second resize.** torchvision's ``GeneralizedRCNNTransform`` would rescale every
-  image to ``min_size=800``; here its resize (and its postprocess) are the identity, so
-  the network sees exactly the pixels the loader produced. It still pads the batch to a
-  multiple of 32.
-* **Detectron's normalisation.** ``normalize="detectron"``: BGR minus ``PIXEL_MEANS``,
-  std 1, as Detectron's (and the data module's uint8 → float on the device) blob.
-  ``"torchvision"``: RGB in ``[0, 1]`` with ImageNet mean/std, what torchvision's
-  pretrained weights expect. ``"auto"`` picks ``"torchvision"`` when a torchvision
-  weight name is given, else ``"detectron"``. uint8 images in a list (the torchvision
-  format) are RGB; float images, and the evaluation ``data`` blob, are Detectron's
-  (BGR minus ``PIXEL_MEANS``).
-* **Original coordinates.** Detections are mapped back with the scale the loader
-  applied (``box / scale``, Detectron's ``im_detect``), boxes returned with Detectron's
-  inclusive ``+1`` convention that :mod:`lit_roidata.evaluation` expects, masks pasted
-  at the original image size and RLE-encoded, keypoints at original pixel indices.
-* **Detectron's solver.** SGD with momentum, weight decay (none on biases unless
-  ``bias_weight_decay``), biases at ``bias_lr_factor`` × lr (``SOLVER.BIAS_DOUBLE_LR``),
-  and a per-iteration ``LambdaLR``: linear or constant warm-up, then
-  ``lr · gamma^k`` after the k-th of ``lr_steps`` (``SOLVER.STEPS``).
+Trains on the data module's ``output_format="torchvision"`` batches and evaluates on its
+evaluation blobs, with no second resize, Detectron's (or torchvision's) normalisation,
+detections mapped back to original-image coordinates (Detectron's ``+1`` boxes) and
+Detectron's solver; docs/models.md describes each point.
 """
 
 from __future__ import annotations
