@@ -235,8 +235,7 @@ class BlobExchange:
         return value
 
     def rejoin(self, store: Store) -> bytes:
-        """After a state loss: create (or adopt) the run's new incarnation key (a
-        channel's recovery calls it)."""
+        """Create (or adopt) the run's new incarnation key after a state loss."""
         with self._join_lock:
             value = store.get(self.incarnation_key)
             if value is None:

@@ -743,8 +743,7 @@ class Channel:
                 log.warning("%s: could not publish the activity: %s", self.where, exc)
 
     def heartbeat(self, store: Store) -> None:
-        """Refresh this end's lease and activity through ``store`` (the exchange's
-        heartbeat thread's connection)."""
+        """Refresh this end's lease and activity (the exchange's heartbeat thread)."""
         if self._closing or self._lost:
             return
         key = self._k_lease[self.role]
