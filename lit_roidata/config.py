@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import difflib
 import math
 import os
@@ -312,8 +314,9 @@ def _coerce(full: str, value: Any, current: Any) -> Any:
     """Detectron's decoding and yacs' type check, with this module's widenings."""
     if isinstance(value, Mapping):
         raise ConfigError(f"config key '{full}' is a value, not a section; got {dict(value)!r}")
-    if not isinstance(current, str):
-        value = CfgNode._decode_cfg_value(value)  # Detectron's literal_eval rule
+    if not isinstance(current, str) and isinstance(value, str):
+        with contextlib.suppress(ValueError, SyntaxError):  # Detectron's literal_eval rule
+            value = ast.literal_eval(value)
     if _is_number(value) and isinstance(value, int) and isinstance(current, float):
         value = float(value)
     elif isinstance(current, tuple) and isinstance(value, str) \

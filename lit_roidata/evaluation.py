@@ -238,29 +238,19 @@ class COCOEvaluator(pl.Callback):
     _table_stats: tuple[str, ...] = _STAT_NAMES
 
     # -- collection ----------------------------------------------------------------------
-    def _collect(self, outputs: Any) -> None:
-        dets = outputs.get("detections") if isinstance(outputs, Mapping) else None
-        if dets is None:
-            return
-        for d in dets:
-            item = {k: (_numpy(v) if torch.is_tensor(v) else v) for k, v in d.items()}
-            self._dets.append(item)
-
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._dets = []
 
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._dets = []
+    on_test_epoch_start = on_validation_epoch_start
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
-        self._collect(outputs)
+        dets = outputs.get("detections") if isinstance(outputs, Mapping) else None
+        self._dets += [{k: (_numpy(v) if torch.is_tensor(v) else v) for k, v in d.items()}
+                       for d in dets or ()]
 
-    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                          outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
-        self._collect(outputs)
+    on_test_batch_end = on_validation_batch_end
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:

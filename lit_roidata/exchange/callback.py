@@ -52,8 +52,8 @@ class BlobExchangeCallback(pl.Callback):
         publish: channel to send on, or ``None``.
         publish_keys: names in ``training_step``'s returned dict to send.
         subscribe: channel to receive from, or ``None``.
-        lag: 1: step ``t`` sees the peer's step ``t-1``; 0: the peer's step ``t`` (see
-            the module doc).
+        lag: 1: step ``t`` sees the peer's step ``t-1``; 0: the peer's step ``t``
+            (docs/exchange.md).
         align_fields: ``batch["_meta"]`` fields sent and checked; ``step`` and ``rank``
             are always included. Empty to check only the step.
         timeout: seconds to wait for the peer per step.
