@@ -144,7 +144,6 @@ class Catalog:
         self._user: dict[str, DatasetSpec] = {}
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ data root
     @property
     def data_root(self) -> str:
         """The directory built-in datasets are resolved under."""
@@ -156,7 +155,6 @@ class Catalog:
         """Set (or with ``None`` reset to the environment default) the data root."""
         self._data_root = None if data_root is None else os.fspath(data_root)
 
-    # ------------------------------------------------------------------ registry
     def register(self, name: str, image_dir: PathLike, annotation_file: PathLike,
                  image_prefix: str = "", *, proposal_file: Optional[PathLike] = None,
                  overwrite: bool = False, format: str = "coco") -> DatasetSpec:
@@ -241,7 +239,6 @@ class Catalog:
             out.register(**asdict(spec))
         return out
 
-    # ------------------------------------------------------------------ YAML
     def load_yaml(self, path: PathLike, *, overwrite: bool = False) -> list[str]:
         """Register the datasets listed in a YAML file; returns their names.
 

@@ -70,7 +70,6 @@ class DetectronConfig(CfgNode):
             raise AttributeError(name)
         raise AttributeError(_unknown(self._full(name), name, self))
 
-    # ---------------------------------------------------------------- freezing
     def _full(self, name: str) -> str:
         path = self.__dict__.get(_KEY_PATH, "")
         return f"{path}.{name}" if path else str(name)
@@ -144,7 +143,6 @@ class DetectronConfig(CfgNode):
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
-    # ---------------------------------------------------------------- merging
     def merge_from_dict(self, overrides: Mapping[str, Any], *, source: str = "") -> None:
         """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both.
 
@@ -217,7 +215,6 @@ class DetectronConfig(CfgNode):
         if self.RPN.RPN_ON or self.RETINANET.RETINANET_ON:
             self.TEST.PRECOMPUTED_PROPOSALS = False
 
-    # ---------------------------------------------------------------- access
     def get(self, key: str, default: Any = _MISSING) -> Any:
         """The value under ``key``, which may be dotted (``cfg.get("TRAIN.SCALES")``).
 
@@ -251,9 +248,7 @@ class DetectronConfig(CfgNode):
         return copy.deepcopy(self)
 
 
-# --------------------------------------------------------------------------------------
 # Checking before yacs merges: decode, widen, type-check, name the key.
-# --------------------------------------------------------------------------------------
 def _nest(tree: Mapping[str, Any]) -> dict[str, Any]:
     """``{"A.B": 1, "A": {"C": 2}}`` -> ``{"A": {"B": 1, "C": 2}}``."""
     out: dict[str, Any] = {}
@@ -364,10 +359,8 @@ def _lists(obj: Any) -> Any:
     return obj
 
 
-# --------------------------------------------------------------------------------------
 # Defaults: Detectron's, key for key (Detectron semantics: configuration). Keys marked
 # "lit_roidata" are not in Detectron.
-# --------------------------------------------------------------------------------------
 def _node(**values: Any) -> DetectronConfig:
     return DetectronConfig(values)
 

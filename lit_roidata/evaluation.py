@@ -237,7 +237,6 @@ class COCOEvaluator(pl.Callback):
     _key_prefix = ""
     _table_stats: tuple[str, ...] = _STAT_NAMES
 
-    # -- collection ----------------------------------------------------------------------
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._dets = []
 
@@ -259,7 +258,6 @@ class COCOEvaluator(pl.Callback):
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish(trainer, pl_module, "test")
 
-    # -- evaluation ----------------------------------------------------------------------
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
         dets = self._dets
         self._dets = []

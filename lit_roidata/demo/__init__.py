@@ -8,6 +8,7 @@ models are imported lazily (the data part needs no torchvision). See docs/demo.m
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from lit_roidata.demo.data import (DEMO_CATEGORIES, DEMO_TRAIN_DATASETS, DEMO_VAL_DATASETS,
@@ -21,25 +22,13 @@ __all__ = ["DEMO_CATEGORIES", "DEMO_TRAIN_DATASETS", "DEMO_VAL_DATASETS", "LVIS_
            "register_demo_datasets", "register_lvis_demo_datasets"]
 
 
+#: Names imported on first use (the models import torchvision) -> their module.
+_LAZY = {"DemoFastRCNN": "model", "DemoRoIDataModule": "datamodule", "DemoFasterRCNN": "faster",
+         "RPNExchangeDemo": "rpn_exchange_model", "demo_alignment_stream": "exchange_streams",
+         "demo_batches": "exchange_streams"}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "DemoFastRCNN":
-        from lit_roidata.demo.model import DemoFastRCNN
-
-        return DemoFastRCNN
-    if name == "DemoRoIDataModule":
-        from lit_roidata.demo.datamodule import DemoRoIDataModule
-
-        return DemoRoIDataModule
-    if name == "DemoFasterRCNN":
-        from lit_roidata.demo.faster import DemoFasterRCNN
-
-        return DemoFasterRCNN
-    if name == "RPNExchangeDemo":
-        from lit_roidata.demo.rpn_exchange_model import RPNExchangeDemo
-
-        return RPNExchangeDemo
-    if name in ("demo_alignment_stream", "demo_batches"):
-        from lit_roidata.demo import exchange_streams
-
-        return getattr(exchange_streams, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"lit_roidata.demo.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'lit_roidata.demo' has no attribute {name!r}")

@@ -1,17 +1,9 @@
 """Synthetic COCO-style demo data: images, annotation JSON and Detectron proposal files.
 
-``ensure_demo_data(root)`` writes, once, a small dataset family that exercises every part
-of the pipeline: two training datasets with the same categories (``combined_roidb`` over
-several datasets), a validation set, a proposal file per dataset (Detectron's proposals,
-in the columnar ``.npz`` format that is read without unpickling; Detectron semantics:
-proposals), crowd regions as uncompressed RLE (``iscrowd=1``), polygons, a ``person``
-category with COCO's 17 keypoints (so Detectron's flip map applies, Detectron semantics:
-datasets and catalog), a few portrait images (aspect grouping, Detectron semantics: sampler
-and aspect grouping) and a few images without objects.
-
-The data is generated into a temporary folder and moved into place under a file lock;
-a manifest written last marks it complete. So concurrent DDP ranks do not race, an
-interrupted run is rebuilt, and a complete folder is reused (idempotent).
+:func:`ensure_demo_data` writes, once, two training sets and a validation set that
+exercise every part of the pipeline (columnar proposal files, crowd RLE, polygons, person
+keypoints, portrait and empty images); built in a temporary folder under a file lock, a
+manifest written last marks it complete (docs/demo.md).
 """
 
 from __future__ import annotations

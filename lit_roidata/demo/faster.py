@@ -73,7 +73,6 @@ class DemoFasterRCNN(DemoFastRCNN):
             nn.init.zeros_(m.bias)
         self._cfg: Any = None
 
-    # -- config ------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self._cfg = self._data_cfg()
@@ -101,7 +100,6 @@ class DemoFasterRCNN(DemoFastRCNN):
                 for k, (h, w) in bad.items()) + "; set data.overrides accordingly")
         return cfg
 
-    # -- RPN ---------------------------------------------------------------------------
     def rpn(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Objectness logits ``(N, A, H, W)`` and deltas ``(N, 4A, H, W)``."""
         h = F.relu(self.rpn_conv(feats))
@@ -167,7 +165,6 @@ class DemoFasterRCNN(DemoFastRCNN):
                                    normalizer=n)
         return {"loss_rpn_cls": loss_cls, "loss_rpn_bbox": loss_bbox}
 
-    # -- steps -------------------------------------------------------------------------
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """RPN losses, in-network proposals, second-stage labels and Fast R-CNN losses."""
         from lit_roidata.minibatch import proposal_labels

@@ -1,32 +1,11 @@
 """Synthetic LVIS v1-format data: long-tailed categories, federated image labels, real JPEGs.
 
-:func:`ensure_lvis_demo_data` writes, once, a train and a val split laid out as
-Detectron2 lays out LVIS v1 under a data root::
-
-    root/lvis/lvis_v1_train.json   root/coco/train2017/<id>.jpg
-    root/lvis/lvis_v1_val.json     root/coco/val2017/<id>.jpg
-
-so the built-in names ``lvis_v1_train`` / ``lvis_v1_val`` resolve with ``data_root=root``,
-and :func:`register_lvis_demo_datasets` registers ``lvis_demo_train`` / ``lvis_demo_val``
-(``format="lvis"``). What it exercises:
-
-* **LVIS v1 records**: images carry ``coco_url`` and no ``file_name``; categories carry
-  ``synonyms``, ``def``, ``synset``, ``frequency`` (``"r"`` / ``"c"`` / ``"f"``),
-  ``image_count`` and ``instance_count`` (counted on the train split, and the same list
-  in both files, as in LVIS); annotations are polygons with no ``iscrowd``.
-* **A long tail**: each category is planned into a number of train images by its group:
-  frequent ones in more than ``common_max`` images, common ones in ``rare_max + 1`` to
-  ``common_max``, rare ones in 1 to ``rare_max``. ``frequency`` is then LVIS's rule on
-  the *actual* train image count with these thresholds, which are LVIS's (10, 100) from
-  300 train images up and shrink with smaller splits (recorded in ``info``).
-* **Federated labels**: every image lists ``neg_category_ids`` (categories verified
-  absent: drawn from those not in the image) and ``not_exhaustive_category_ids``
-  (categories of the image one of whose drawn instances is left unannotated).
-
-Each category is one shape (rectangle, ellipse, triangle: the COCO demo's drawing code,
-:mod:`lit_roidata.demo.shapes`) in one colour, so a small detector can learn them. The
-output is a function of the arguments (the seed included); a manifest written last marks
-a complete folder, which is reused, and a file lock serialises concurrent callers.
+:func:`ensure_lvis_demo_data` writes, once, train and val splits in Detectron2's LVIS v1
+layout under a data root (``lvis/lvis_v1_{train,val}.json``, ``coco/{train,val}2017/``),
+with LVIS category records (frequency groups from the actual train counts), federated
+``neg_category_ids`` / ``not_exhaustive_category_ids`` and one shape and colour per
+category; :func:`register_lvis_demo_datasets` registers ``lvis_demo_train`` /
+``lvis_demo_val``. See docs/lvis_datasets.md.
 """
 
 from __future__ import annotations

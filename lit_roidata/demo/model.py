@@ -140,7 +140,6 @@ class DemoFastRCNN(pl.LightningModule):
         if threads is not None and self.trainer.strategy.root_device.type == "cpu":
             torch.set_num_threads(max(1, int(threads)))
 
-    # -- forward -------------------------------------------------------------------------
     def _image_blob(self, data: Any) -> torch.Tensor:
         x = torch.as_tensor(data, device=self.device)
         if x.dtype == torch.uint8:  # NCHW BGR uint8: normalise as Detectron does
@@ -167,7 +166,6 @@ class DemoFastRCNN(pl.LightningModule):
         h = F.relu(self.fc7(h))
         return self.cls_score(h), self.bbox_pred(h)
 
-    # -- training ------------------------------------------------------------------------
     def _tensor(self, x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.as_tensor(x, device=self.device).to(dtype)
 
@@ -217,7 +215,6 @@ class DemoFastRCNN(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    # -- inference -----------------------------------------------------------------------
     @torch.no_grad()
     def detect(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Detections per image in original-image coordinates (Detectron's test path).

@@ -112,7 +112,6 @@ class BlobExchangeCallback(pl.Callback):
         self._restored: dict[str, Any] | None = None
         self._checkpointed_seq = 0  # consumed seq at the previous state_dict()
 
-    # -- lifecycle -----------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Callback state is restored before on_fit_start, so a resumed run knows its seqs.
         self._previous_align = self._pending_align = None
@@ -189,7 +188,6 @@ class BlobExchangeCallback(pl.Callback):
             self.exchange.close(finished)
         self.exchange = self._out = self._in = None
 
-    # -- per batch -----------------------------------------------------------------------
     def _alignment(self, trainer: pl.Trainer, batch: Any) -> dict[str, Any]:
         meta = batch_alignment_meta(batch, self.align_fields)
         meta.update(step=self._step, rank=trainer.global_rank)

@@ -117,7 +117,6 @@ class Channel:
                 self._store.close()
                 raise
 
-    # -- opening -------------------------------------------------------------------------
     def _acquire_lease(self) -> bytes:
         key, ttl, s = self._k_lease[self.role], self._ex.lease_ttl, self._store
         mine = LeaseRecord.mine(self.role, s.incr(self._k_gen)).dumps()
@@ -207,7 +206,6 @@ class Channel:
         except WireFormatError:
             return None
 
-    # -- helpers ---------------------------------------------------------------------------
     def _msg(self, seq: int) -> str:
         return f"{self._ns}/msg.{seq:012d}"
 
@@ -435,7 +433,6 @@ class Channel:
         return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
                 "paused": 0.0}
 
-    # -- public API ------------------------------------------------------------------------
     def put(self, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None, *,
             timeout: float | None = None) -> int:
         """Publish one message; wait (bounded) while ``capacity`` messages are unacknowledged.

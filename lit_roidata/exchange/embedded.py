@@ -141,7 +141,6 @@ class EmbeddedStore(Store):
         self._lockfds: dict[str, int] = {}
         self._recfds: dict[str, int] = {}  # record path -> fd kept open (O_RDWR)
 
-    # -- helpers -------------------------------------------------------------------------
     # Plain strings and os.* calls: pathlib and buffered io cost more than the syscalls.
     def _path(self, key: str) -> str:
         path = self._root + key
@@ -267,7 +266,6 @@ class EmbeddedStore(Store):
                 os.unlink(tmp)
             raise
 
-    # -- records (head, ack) ---------------------------------------------------------------
     def _record_fd(self, path: str) -> int | None:
         fd = self._recfds.get(path)
         if fd is not None:
@@ -336,7 +334,6 @@ class EmbeddedStore(Store):
         else:
             self._replace(path, value, ttl)
 
-    # -- small values --------------------------------------------------------------------
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
         path = self._path(key)
         with self._lock(path):
@@ -409,7 +406,6 @@ class EmbeddedStore(Store):
     def exists(self, key: str) -> bool:
         return os.path.exists(self._root + key)
 
-    # -- payloads ------------------------------------------------------------------------
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
         path = self._path(key)
         tmp = self._write_tmp(path, encoded.buffers)

@@ -93,7 +93,6 @@ class MemcachedStore(Store):
         self._tokens: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value, cas token)
         self._own: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value we cas-ed, token)
 
-    # -- plumbing ------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -131,7 +130,6 @@ class MemcachedStore(Store):
             return 1 << 20
         return int(value)
 
-    # -- small values --------------------------------------------------------------------
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
         return bool(self._call(self._client.add, self._k(key), value, self._ttl(ttl)))
 
@@ -222,7 +220,6 @@ class MemcachedStore(Store):
             return False
         raise self._meta_error(line, "get")
 
-    # -- payloads ------------------------------------------------------------------------
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
         k = self._k(key)
         one = encoded.buffers[0] if len(encoded.buffers) == 1 else None

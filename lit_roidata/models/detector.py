@@ -219,7 +219,6 @@ class TorchvisionDetector(pl.LightningModule):
         if weights_backbone is not None and not tv_backbone:
             self.load_weights(weights_backbone, prefix="backbone.body.")
 
-    # -- construction ------------------------------------------------------------------
     def _build(self, tv_weights: bool, tv_backbone: bool) -> nn.Module:
         from torchvision.models import get_model_builder
 
@@ -393,7 +392,6 @@ class TorchvisionDetector(pl.LightningModule):
         if self.hparams.cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(int(self.hparams.cpu_threads))
 
-    # -- inputs ------------------------------------------------------------------------
     def _prepare(self, img: torch.Tensor, *, rgb_uint8: bool) -> torch.Tensor:
         """One image in the network's input space (see ``normalize``)."""
         means = self._means.to(img.device)
@@ -442,7 +440,6 @@ class TorchvisionDetector(pl.LightningModule):
             tgts.append(d)
         return ims, tgts
 
-    # -- training ----------------------------------------------------------------------
     def forward_losses(self, images: list[torch.Tensor], targets: list[dict[str, Any]]
                        ) -> dict[str, torch.Tensor]:
         """torchvision's loss dict for prepared images and targets (training mode)."""
@@ -490,7 +487,6 @@ class TorchvisionDetector(pl.LightningModule):
                 mult *= hp.warmup_factor * (1 - alpha) + alpha
         return mult
 
-    # -- inference ---------------------------------------------------------------------
     def _eval_inputs(self, batch: Any) -> tuple[list[torch.Tensor], Mapping[str, Any]]:
         if not isinstance(batch, Mapping) or "_meta" not in batch:
             raise TypeError("evaluation batches are the data module's evaluation blobs "

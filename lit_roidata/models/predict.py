@@ -1,13 +1,8 @@
 """``COCOPredictionWriter``: ``predict`` detections written as COCO results json files.
 
-Every model the package ships returns, from ``predict_step``, the per-image detection
-dicts :mod:`lit_roidata.evaluation` describes (``image_id``, ``dataset``, ``boxes``,
-``scores``, ``labels``, optionally ``masks`` / ``keypoints``). This callback collects
-them, gathers them to rank 0 under DDP, maps contiguous class ids to the json's
-category ids (:func:`lit_roidata.evaluation.detections_to_coco_results`) and writes one
-file per dataset, ``<output_dir>/<dataset>.json`` (default
-``<default_root_dir>/predictions``), in the format ``COCO.loadRes`` reads. ``lit-roidata
-predict`` adds it when the config has none and prints the paths.
+Collects the per-image detection dicts of ``predict_step`` (:mod:`lit_roidata.evaluation`),
+gathers them to rank 0 and writes ``<output_dir>/<dataset>.json`` (default
+``<default_root_dir>/predictions``) in the format ``COCO.loadRes`` reads.
 """
 
 from __future__ import annotations
