@@ -148,13 +148,9 @@ def verify_replicas(module: nn.Module) -> int:
 class BroadcastParameters(pl.Callback):
     """Load weights on rank 0, broadcast all parameters and buffers, verify the replicas.
 
-    Runs in ``setup`` (before the strategy wraps the model and before the optimizer
-    exists): rank 0 loads ``weights`` once (see :func:`load_weights_into`: name mapping,
-    Detectron's ``_[xyz]_foo`` → ``foo`` fallback, missing tensors logged, shape
-    mismatch fatal), then every rank receives rank 0's tensors and the checksums are
-    compared. ``on_fit_start`` checks the replicas again once the model is on its device
-    (and, when resuming, after the checkpoint was restored). A checkpoint restored by
-    ``ckpt_path`` overrides the loaded weights, as resuming should.
+    Runs in ``setup`` (before the model is wrapped and the optimizer exists) and checks
+    the replicas again in ``on_fit_start``; a checkpoint restored by ``ckpt_path``
+    overrides the loaded weights (docs/callbacks.md).
 
     Args:
         weights: a Detectron ``.pkl``, a Lightning ``.ckpt`` or a PyTorch state dict

@@ -190,17 +190,9 @@ def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
 class COCOEvaluator(pl.Callback):
     """COCO box, mask and keypoint AP of the model's detections after every validation/test pass.
 
-    Collects ``outputs["detections"]`` of each ``validation_step``/``test_step``, gathers
-    them from all ranks (``gather_object`` to rank 0), evaluates on rank 0 against each
-    dataset's annotation file with ``COCOeval`` (only on the images that were run, so
-    ``limit_val_batches`` gives a true partial AP), broadcasts the numbers and logs them
-    on every rank as ``val/bbox_AP``, ``val/bbox_AP50``, ... (``test/`` for test; with
-    several datasets also ``val/<dataset>/bbox_AP``; the unprefixed keys are their
-    mean). Rank 0 prints a summary table and logs COCO's full summary.
-
-    Datasets are resolved from the trainer's data module (its evaluation roidb's
-    ``DatasetInfo`` for the category ids, its catalog for the annotation file), else from
-    :data:`lit_roidata.catalog.DatasetCatalog` and the annotation file's category order.
+    The detections of all ranks are evaluated on rank 0 (on the images that were run) and
+    logged on every rank as ``val/bbox_AP``, ``val/bbox_AP50``, ... (``test/`` for test,
+    ``val/<dataset>/...`` too with several datasets); see docs/evaluation.md.
 
     Args:
         iou_types: ``"bbox"``, ``"segm"``, ``"keypoints"``; segm and keypoints run only if

@@ -100,15 +100,9 @@ def _categories_with_gt(gt: Any, image_ids: Sequence[int]) -> list[int]:
 class LVISEvaluator(COCOEvaluator):
     """LVIS box and mask AP (AP, APr, APc, APf, federated) after every validation/test pass.
 
-    Collects ``outputs["detections"]`` as :class:`~lit_roidata.evaluation.COCOEvaluator`
-    does (same per-image dicts, same gathering to rank 0, same dataset resolution from the
-    data module or the catalog), keeps each image's 300 best detections, evaluates with
-    LVIS's federated rules (``faster-coco-eval``'s LVIS mode) and logs on every rank
-    ``val/lvis_bbox_AP``, ``_AP50``, ``_AP75``, ``_APs``, ``_APm``, ``_APl``, ``_APr``,
-    ``_APc``, ``_APf``, ``_AR``, ``_ARs``, ``_ARm``, ``_ARl`` (``lvis_segm_*`` when the
-    detections have masks; ``test/`` for test; ``val/<dataset>/...`` too with several
-    datasets). A frequency group with no category among the evaluated images' ground truth
-    is reported as -1, as LVIS's own API does.
+    As :class:`~lit_roidata.evaluation.COCOEvaluator`, with each image's 300 best
+    detections and LVIS's federated rules; logs ``val/lvis_bbox_AP``, ``_APr``, ``_APc``,
+    ``_APf``, ``_AR``, ... (-1 for a frequency group without ground truth); see docs/lvis.md.
 
     Args:
         iou_types: ``"bbox"`` and/or ``"segm"`` (segm runs only if detections have masks).

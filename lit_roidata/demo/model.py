@@ -69,12 +69,7 @@ def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
 class DemoFastRCNN(pl.LightningModule):
     """A small Fast R-CNN (conv body, RoIAlign, 2-layer MLP head) on Detectron blobs.
 
-    Training batches are the Fast R-CNN blobs of Detectron semantics: blob names; Fast R-CNN
-    targets: ``data`` (float32 NCHW
-    BGR minus ``PIXEL_MEANS``; uint8 images are normalised here), ``rois`` (R, 5),
-    ``labels_int32``, ``bbox_targets``, ``bbox_inside_weights``, ``bbox_outside_weights``
-    (R, 4·num_classes). Validation/test batches hold ``data``, ``rois`` and ``_meta``
-    (``image_ids``, ``im_scales``, ``datasets``, ``heights``, ``widths``);
+    Trains on the Fast R-CNN blobs (``data``, ``rois``, ``labels_int32``, ``bbox_*``);
     ``validation_step`` returns ``{"detections": [...]}`` for
     :class:`lit_roidata.evaluation.COCOEvaluator`.
 

@@ -122,19 +122,10 @@ class TorchvisionDetector(pl.LightningModule):
     """A torchvision detector (Faster / Mask / Keypoint R-CNN, RetinaNet, Fast R-CNN from
     proposals) trained on the data module's torchvision-format batches.
 
-    Use with ``RoIDataModule(output_format="torchvision", model_type=...)``: ``faster_rcnn``
-    (or ``faster_rcnn_fpn``) for the Faster R-CNN archs, ``mask_rcnn_fpn``,
-    ``keypoint_rcnn_fpn``, ``retinanet`` and, for ``fastrcnn_resnet50_fpn``,
-    ``fast_rcnn_fpn`` with proposal files. From the CLI::
-
-        lit-roidata fit --config configs/demo_faster_rcnn_mobilenet.yaml
-        lit-roidata fit --model lit_roidata.models.TorchvisionDetector \\
-            --model.arch fasterrcnn_mobilenet_v3_large_fpn --model.num_classes 5 \\
-            --data lit_roidata.RoIDataModule --data.output.output_format torchvision ...
-
-    ``validation_step`` / ``test_step`` return ``{"detections": [...]}`` for
-    :class:`lit_roidata.evaluation.COCOEvaluator`; ``predict_step`` returns the same
-    list, which :class:`lit_roidata.models.COCOPredictionWriter` writes as COCO results.
+    Use with ``RoIDataModule(output_format="torchvision", model_type=...)`` (the model type
+    of each arch: docs/models.md), e.g. ``configs/demo_faster_rcnn_mobilenet.yaml``.
+    ``validation_step`` / ``test_step`` / ``predict_step`` return the detections of
+    :mod:`lit_roidata.evaluation`.
 
     Args:
         arch: one of :data:`ARCHS`.

@@ -21,7 +21,7 @@ _MAX_STAT_ENTRIES = 20000  # per-entry statistics use an even sample above this
 
 
 def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, dict[str, Any]]:
-    """Per-dataset statistics of ``roidb`` (see the module docstring)."""
+    """Per-dataset entries, flips, orientations, gt/crowd/proposal counts and classes."""
     n = len(roidb)
     idx = np.arange(n) if n <= max_entries else np.linspace(0, n - 1, max_entries).astype(int)
     horz = np.asarray(roidb.widths) >= np.asarray(roidb.heights)
