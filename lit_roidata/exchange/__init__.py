@@ -95,9 +95,9 @@ def _check_name(what: str, value: Any) -> str:
 class BlobExchange:
     """Named producer/consumer channels between processes that share a run id and rank.
 
-    Every channel is namespaced by ``(run_id, rank, name)``, so several runs, DDP ranks
-    and loaders never collide. Both processes pass the same ``run_id``
-    (e.g. the experiment name) and their DDP rank.
+    Every channel is namespaced by ``(run_id, rank, name)``; both processes pass the same
+    ``run_id`` (e.g. the experiment name) and their DDP rank. docs/exchange.md ("API")
+    describes every argument.
 
     Args:
         backend: ``"embedded"`` (no server) or ``"memcached"``.
@@ -105,35 +105,18 @@ class BlobExchange:
             ``/dev/shm/lit_roidata_exchange-<uid>``); memcached: ``"host:port"``.
         run_id: the run's id, equal in both processes; default ``$LIT_ROIDATA_RUN_ID``.
         rank: this process's rank; producer and consumer of a channel use the same rank.
-        timeout: default timeout of ``put``/``get`` in seconds.
-        capacity: default number of unacknowledged messages a producer may publish (1: the
-            fork's one-slot mailbox).
-        lease_ttl: seconds after which a silent owner's lease expires (dead-peer detection
-            across machines; on one machine a crashed peer is seen at once).
-        stop_event: optional ``threading.Event``-like object; once set, waiting calls raise
-            :class:`ChannelClosedError` (wire it to the loader's shutdown).
+        timeout, capacity: defaults of the channels (seconds; unacknowledged messages).
+        lease_ttl: seconds after which a silent owner's lease expires.
+        stop_event: ``threading.Event``-like; once set, waits raise :class:`ChannelClosedError`.
         poll_min, poll_max: first and longest sleep of the waiting back-off, in seconds.
-        chunk_size: memcached only: bytes per chunk item (default: server item size − 4 KiB).
-        resume: continue a stream this run id already has (a restarted producer, or a
-            consumer restarted from its checkpoint). Without it, opening an end whose role
-            already made progress under this run id raises :class:`ExchangeError`.
-        secret, secret_file: the run's shared secret (default: ``$LIT_ROIDATA_EXCHANGE_SECRET``
-            or the file named by ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``). With a secret every
-            message carries an HMAC-SHA256 (key derived from the secret and the run id);
-            forged or replayed messages are rejected and counted.
-        authenticate: ``None`` (default): on iff a secret is set; ``False``: off even with
-            a secret; ``True``: require a secret.
-        shm_dir: embedded only: the directory (same as ``address``).
-        stale_after: embedded only: at start-up, remove other runs' directories that no
-            live process owns and that were idle this many seconds (``None``: never).
-        key_ttl: memcached only: expiry (seconds) of every key, refreshed by each write.
-        busy_timeout: the longest time (seconds) a wait is extended while the peer reports
-            itself busy (see :meth:`busy`).
-        on_state_lost: what both ends do when the store loses the run's state (memcached
-            restart or eviction): ``"raise"`` :class:`ExchangeStateLostError`, or
-            ``"recover"``: rejoin, the consumer re-states its position and the producer
-            re-publishes the messages it has not seen acknowledged (it keeps up to
-            ``capacity`` of them in memory), so nothing is lost or duplicated.
+        chunk_size, key_ttl: memcached only: bytes per chunk item; expiry of every key.
+        resume: continue a stream this run id already has (else that raises).
+        secret, secret_file, authenticate: HMAC-authenticated messages (default: on iff
+            ``$LIT_ROIDATA_EXCHANGE_SECRET`` or ``..._SECRET_FILE`` is set).
+        shm_dir, stale_after: embedded only: the directory (same as ``address``); remove
+            other runs' directories idle this many seconds with no live owner.
+        busy_timeout: the longest a wait is extended while the peer is busy.
+        on_state_lost: ``"raise"`` or ``"recover"`` when memcached loses the run's state.
 
     Raises:
         ValueError: unknown backend, bad run id/rank/address, empty secret.
