@@ -1,31 +1,18 @@
 """One implementation, two Lightning namespaces.
 
-``pytorch_lightning`` (package ``pytorch-lightning``) and ``lightning.pytorch`` (package
-``lightning``, ``import lightning as L``) ship the same code under two names, and their
-classes do not mix: a ``lightning.pytorch.Trainer`` refuses a
-``pytorch_lightning.LightningModule`` and finds no parent for a
-``pytorch_lightning.LightningDataModule``. lit_roidata's classes are written once, against
-``pytorch_lightning`` (the :mod:`lit_roidata` names), and :func:`bind` makes the same class
-for ``lightning.pytorch`` (the :mod:`lit_roidata.lightning` names): a new class whose
-Lightning bases are the other namespace's, whose methods are the very same code, in the
-same order as written. Code shared by both bindings never names a Lightning namespace
-directly: it asks :func:`namespace_of` the object it works on (the trainer, the callback)
-and looks the class up there (:func:`lightning_attr`).
+``pytorch_lightning`` and ``lightning.pytorch`` ship the same code under two names whose
+classes do not mix. lit_roidata's classes are written once, against ``pytorch_lightning``,
+and :func:`bind` makes the same class for ``lightning.pytorch`` (the
+:mod:`lit_roidata.lightning` names): the other namespace's Lightning bases, the very same
+method code. Shared code asks :func:`namespace_of` the object it works on and looks
+classes up there (:func:`lightning_attr`).
 
-Zero-argument ``super()``. A method's ``super()`` starts from the class held in its
-``__class__`` cell, the class as written; in the binding that class is not a base, so
-:func:`bind` gives each method a new function with the same code and that cell holding the
-bound class. It reaches plain methods, ``staticmethod``/``classmethod``/``property``, and
-the functions a decorator's wrapper function holds in its closure or ``__dict__`` (a
-``functools.wraps`` decorator such as ``@rank_zero_only``: the wrapped function and
-``__wrapped__``). Anything else that holds one (``functools.cached_property``,
-``partialmethod``, ``lru_cache``, a callable object) cannot be rebound: :func:`bind` raises
-``TypeError`` naming it, at bind time, instead of leaving a ``super()`` that fails when
-called (:func:`unbound_super_calls` is that check; the tests run it on every bound class).
-The alternative, writing each class as a namespace-free mixin plus one thin class per
-namespace, needs no rewriting but doubles every class, its documentation and what users
-subclass; the classes stay plain Lightning subclasses instead, and the rewriting is
-complete or loud.
+Zero-argument ``super()`` reads the ``__class__`` cell, so :func:`bind` gives each method a
+copy with that cell holding the bound class: plain methods, ``staticmethod`` /
+``classmethod`` / ``property`` and ``functools.wraps`` decorators. Anything else holding
+one (``cached_property``, ``partialmethod``, ``lru_cache``, a callable object) makes
+:func:`bind` raise ``TypeError`` at bind time (:func:`unbound_super_calls`), rather than
+leave a ``super()`` that fails when called.
 """
 
 from __future__ import annotations
@@ -38,7 +25,8 @@ import types
 from typing import Any, Iterator, Optional, TypeVar
 
 __all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
-           "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls"]
+           "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls",
+           "bound_classes"]
 
 #: The two namespaces, by the module name of their ``Trainer``'s package.
 PL = "pytorch_lightning"
@@ -54,6 +42,12 @@ _cache: dict[tuple[type, str], type] = {}
 _lock = threading.RLock()
 
 T = TypeVar("T", bound=type)
+
+
+def bound_classes(namespace: str) -> list[type]:
+    """The classes :func:`bind` has made for ``namespace`` so far."""
+    with _lock:
+        return [cls for (_, ns), cls in _cache.items() if ns == namespace]
 
 
 def _ns_of_module(module: str) -> Optional[str]:

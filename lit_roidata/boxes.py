@@ -9,27 +9,17 @@ device every step (second-stage labels, Detectron semantics: end-to-end training
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:  # torch is imported lazily: the roidb builder needs NumPy only.
     import torch
 
-__all__ = [
-    "iou_kernel",
-    "iou_kernel_torch",
-    "bbox_overlaps",
-    "bbox_overlaps_pairs",
-    "bbox_overlaps_torch",
-    "bbox_transform_targets",
-    "bbox_transform_targets_torch",
-    "bbox_transform_inv",
-    "bbox_transform_inv_torch",
-    "clip_boxes",
-    "flip_boxes",
-    "box_areas",
-]
+__all__ = ["iou_kernel", "iou_kernel_torch", "bbox_overlaps", "bbox_overlaps_pairs",
+           "bbox_overlaps_torch", "bbox_transform_targets", "bbox_transform_targets_torch",
+           "bbox_transform_inv", "bbox_transform_inv_torch", "clip_boxes", "flip_boxes",
+           "box_areas"]
 
 
 def box_areas(boxes: np.ndarray) -> np.ndarray:
@@ -139,6 +129,19 @@ def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tenso
     return iou_kernel_torch(a[:, None, :], b[None, :, :])
 
 
+def _targets(xp: Any, ex: Any, gt: Any, weights: tuple[float, float, float, float]) -> Any:
+    """The target arithmetic on float64 rows, for ``xp`` = numpy or torch (same steps)."""
+    wx, wy, ww, wh = weights
+    ex_w = ex[:, 2] - ex[:, 0] + 1.0
+    ex_h = ex[:, 3] - ex[:, 1] + 1.0
+    gt_w = gt[:, 2] - gt[:, 0] + 1.0
+    gt_h = gt[:, 3] - gt[:, 1] + 1.0
+    dx = (gt[:, 0] + 0.5 * gt_w) - (ex[:, 0] + 0.5 * ex_w)
+    dy = (gt[:, 1] + 0.5 * gt_h) - (ex[:, 1] + 0.5 * ex_h)
+    return xp.stack([wx * dx / ex_w, wy * dy / ex_h, ww * xp.log(gt_w / ex_w),
+                     wh * xp.log(gt_h / ex_h)], 1)
+
+
 def bbox_transform_targets(
     ex_rois: np.ndarray, gt_rois: np.ndarray, weights: tuple[float, float, float, float]
 ) -> np.ndarray:
@@ -146,19 +149,7 @@ def bbox_transform_targets(
     bounding-box regression targets)."""
     ex = np.asarray(ex_rois, dtype=np.float64).reshape(-1, 4)
     gt = np.asarray(gt_rois, dtype=np.float64).reshape(-1, 4)
-    wx, wy, ww, wh = weights
-    ex_w = ex[:, 2] - ex[:, 0] + 1.0
-    ex_h = ex[:, 3] - ex[:, 1] + 1.0
-    ex_cx = ex[:, 0] + 0.5 * ex_w
-    ex_cy = ex[:, 1] + 0.5 * ex_h
-    gt_w = gt[:, 2] - gt[:, 0] + 1.0
-    gt_h = gt[:, 3] - gt[:, 1] + 1.0
-    gt_cx = gt[:, 0] + 0.5 * gt_w
-    gt_cy = gt[:, 1] + 0.5 * gt_h
-    targets = np.stack(
-        [wx * (gt_cx - ex_cx) / ex_w, wy * (gt_cy - ex_cy) / ex_h,
-         ww * np.log(gt_w / ex_w), wh * np.log(gt_h / ex_h)], axis=1)
-    return targets.astype(np.float32)
+    return _targets(np, ex, gt, weights).astype(np.float32)
 
 
 def bbox_transform_targets_torch(
@@ -169,17 +160,25 @@ def bbox_transform_targets_torch(
 
     ex = ex_rois.reshape(-1, 4).to(torch.float64)
     gt = gt_rois.reshape(-1, 4).to(torch.float64)
+    return _targets(torch, ex, gt, weights).to(torch.float32)
+
+
+def _decode(xp: Any, b: Any, d: Any, weights: tuple[float, float, float, float],
+            clip: float | None) -> Any:
+    """The decoding arithmetic, for ``xp`` = numpy or torch (same steps)."""
     wx, wy, ww, wh = weights
-    ex_w = ex[:, 2] - ex[:, 0] + 1.0
-    ex_h = ex[:, 3] - ex[:, 1] + 1.0
-    gt_w = gt[:, 2] - gt[:, 0] + 1.0
-    gt_h = gt[:, 3] - gt[:, 1] + 1.0
-    dx = (gt[:, 0] + 0.5 * gt_w) - (ex[:, 0] + 0.5 * ex_w)
-    dy = (gt[:, 1] + 0.5 * gt_h) - (ex[:, 1] + 0.5 * ex_h)
-    targets = torch.stack(
-        [wx * dx / ex_w, wy * dy / ex_h, ww * torch.log(gt_w / ex_w), wh * torch.log(gt_h / ex_h)],
-        dim=1)
-    return targets.to(torch.float32)
+    w = b[:, 2] - b[:, 0] + 1.0
+    h = b[:, 3] - b[:, 1] + 1.0
+    cx = b[:, 0] + 0.5 * w
+    cy = b[:, 1] + 0.5 * h
+    dw, dh = d[:, 2] / ww, d[:, 3] / wh
+    if clip is not None:
+        dw, dh = dw.clip(max=clip), dh.clip(max=clip)
+    pcx = d[:, 0] / wx * w + cx
+    pcy = d[:, 1] / wy * h + cy
+    pw = xp.exp(dw) * w
+    ph = xp.exp(dh) * h
+    return xp.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
 
 
 def bbox_transform_inv(
@@ -187,18 +186,7 @@ def bbox_transform_inv(
 ) -> np.ndarray:
     """Decode ``deltas`` relative to ``boxes``: the inverse of :func:`bbox_transform_targets`."""
     b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
-    d = np.asarray(deltas, dtype=np.float64).reshape(-1, 4)
-    wx, wy, ww, wh = weights
-    w = b[:, 2] - b[:, 0] + 1.0
-    h = b[:, 3] - b[:, 1] + 1.0
-    cx = b[:, 0] + 0.5 * w
-    cy = b[:, 1] + 0.5 * h
-    pcx = d[:, 0] / wx * w + cx
-    pcy = d[:, 1] / wy * h + cy
-    pw = np.exp(d[:, 2] / ww) * w
-    ph = np.exp(d[:, 3] / wh) * h
-    out = np.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
-    return out
+    return _decode(np, b, np.asarray(deltas, dtype=np.float64).reshape(-1, 4), weights, None)
 
 
 def bbox_transform_inv_torch(
@@ -215,20 +203,7 @@ def bbox_transform_inv_torch(
     import torch
 
     d = deltas.reshape(-1, 4)
-    b = boxes.reshape(-1, 4).to(d.dtype)
-    wx, wy, ww, wh = weights
-    w = b[:, 2] - b[:, 0] + 1.0
-    h = b[:, 3] - b[:, 1] + 1.0
-    cx = b[:, 0] + 0.5 * w
-    cy = b[:, 1] + 0.5 * h
-    dw, dh = d[:, 2] / ww, d[:, 3] / wh
-    if clip is not None:
-        dw, dh = dw.clamp(max=clip), dh.clamp(max=clip)
-    pcx = d[:, 0] / wx * w + cx
-    pcy = d[:, 1] / wy * h + cy
-    pw = torch.exp(dw) * w
-    ph = torch.exp(dh) * h
-    return torch.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
+    return _decode(torch, boxes.reshape(-1, 4).to(d.dtype), d, weights, clip)
 
 
 def clip_boxes(boxes: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -1,20 +1,10 @@
 """Parameter broadcast from rank 0, a bit-exact replica check, and the
 :class:`BroadcastParameters` callback that loads weights on rank 0 and runs both.
 
-Detectron loads a weights file into GPU 0 only and then copies every parameter blob from
-GPU 0 to the other GPUs (``broadcast_parameters``, Detectron semantics: multi-gpu and weights); that
-copy also
-equalises the independent random initialisations. :class:`BroadcastParameters` does
-the same for a Lightning run: rank 0 loads the file with :mod:`lit_roidata.weights` (a
-Lightning/PyTorch checkpoint or state dict, or a Detectron ``.pkl`` of named blobs), every parameter and buffer is
-broadcast from rank 0, and then each rank's per-tensor checksums are gathered and
-compared, so a replica that differs by a single bit fails the run with the tensor's
-name. DDP broadcasts parameters when it wraps the module too (Detectron semantics: multi-gpu and
-weights); the explicit
-step makes the load rank-0-only, covers non-DDP strategies and checks the result.
-
-Works with any ``torch.distributed`` backend: tensors are moved to the current CUDA
-device for NCCL and communicated where they live otherwise (gloo).
+As Detectron's ``broadcast_parameters``: rank 0 loads the file (:mod:`lit_roidata.weights`),
+every parameter and buffer is broadcast from rank 0, then per-tensor checksums are
+compared so that a replica differing by one bit fails the run with the tensor's name.
+Works with NCCL (tensors on the current CUDA device) and gloo.
 """
 
 from __future__ import annotations
@@ -30,12 +20,7 @@ from torch import nn
 
 from lit_roidata.weights import LoadReport, NameMap, load_weights_file, load_weights_into
 
-__all__ = [
-    "BroadcastParameters",
-    "ReplicaMismatchError",
-    "broadcast_module",
-    "verify_replicas",
-]
+__all__ = ["BroadcastParameters", "ReplicaMismatchError", "broadcast_module", "verify_replicas"]
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +148,9 @@ def verify_replicas(module: nn.Module) -> int:
 class BroadcastParameters(pl.Callback):
     """Load weights on rank 0, broadcast all parameters and buffers, verify the replicas.
 
-    Runs in ``setup`` (before the strategy wraps the model and before the optimizer
-    exists): rank 0 loads ``weights`` once (see :func:`load_weights_into`: name mapping,
-    Detectron's ``_[xyz]_foo`` → ``foo`` fallback, missing tensors logged, shape
-    mismatch fatal), then every rank receives rank 0's tensors and the checksums are
-    compared. ``on_fit_start`` checks the replicas again once the model is on its device
-    (and, when resuming, after the checkpoint was restored). A checkpoint restored by
-    ``ckpt_path`` overrides the loaded weights, as resuming should.
+    Runs in ``setup`` (before the model is wrapped and the optimizer exists) and checks
+    the replicas again in ``on_fit_start``; a checkpoint restored by ``ckpt_path``
+    overrides the loaded weights (docs/callbacks.md).
 
     Args:
         weights: a Detectron ``.pkl``, a Lightning ``.ckpt`` or a PyTorch state dict

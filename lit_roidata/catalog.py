@@ -1,22 +1,10 @@
 """Dataset catalog: name → image directory, annotation file (COCO or LVIS format), image prefix.
 
-Detectron keeps a static dict rooted at ``detectron/datasets/data`` (Detectron semantics: datasets
-and catalog). We keep
-its names and layout for the built-in COCO (and VOC-as-COCO-json) datasets, plus
-Detectron2's LVIS v1 names and layout (``lvis_v1_train``, ...), resolved under a *data root* that is chosen at lookup time (explicit ``data_root=`` or the
-``LIT_ROIDATA_DATA_ROOT`` environment variable), and let users add their own datasets
-from Python or from a YAML file.
-
-``DatasetCatalog`` is the process-wide default; code that wants isolation (tests,
-several experiments in one process) builds its own :class:`Catalog` and passes it
-explicitly (``combined_roidb_for_training(..., catalog=my_catalog)``).
-
-Example::
-
-    from lit_roidata.catalog import DatasetCatalog
-    DatasetCatalog.register("my_train", "/data/my/images", "/data/my/train.json")
-    DatasetCatalog.load_yaml("configs/datasets.yaml")
-    spec = DatasetCatalog.get("coco_2017_train")   # resolved under the data root
+Detectron's built-in COCO (and VOC-as-COCO-json) names and Detectron2's LVIS v1 names,
+resolved under a data root chosen at lookup time (``data_root=`` or
+``LIT_ROIDATA_DATA_ROOT``), plus the user's own datasets from Python or a YAML file (see
+docs/catalog.md). ``DatasetCatalog`` is the process-wide default; build a
+:class:`Catalog` for isolation.
 """
 
 from __future__ import annotations
@@ -24,7 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Mapping, Optional, Union
 
 import yaml
@@ -156,7 +144,6 @@ class Catalog:
         self._user: dict[str, DatasetSpec] = {}
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ data root
     @property
     def data_root(self) -> str:
         """The directory built-in datasets are resolved under."""
@@ -168,7 +155,6 @@ class Catalog:
         """Set (or with ``None`` reset to the environment default) the data root."""
         self._data_root = None if data_root is None else os.fspath(data_root)
 
-    # ------------------------------------------------------------------ registry
     def register(self, name: str, image_dir: PathLike, annotation_file: PathLike,
                  image_prefix: str = "", *, proposal_file: Optional[PathLike] = None,
                  overwrite: bool = False, format: str = "coco") -> DatasetSpec:
@@ -249,10 +235,10 @@ class Catalog:
     def copy(self) -> "Catalog":
         """An independent catalog with the same registrations and data root."""
         out = Catalog(self._data_root, builtins=self._builtins)
-        out._user = dict(self._user)
+        for spec in self._user.values():
+            out.register(**asdict(spec))
         return out
 
-    # ------------------------------------------------------------------ YAML
     def load_yaml(self, path: PathLike, *, overwrite: bool = False) -> list[str]:
         """Register the datasets listed in a YAML file; returns their names.
 

@@ -1,24 +1,12 @@
 """``lit-roidata``: LightningCLI for training, plus the data tools.
 
-Two kinds of subcommand share one entry point:
-
-* ``fit``, ``validate``, ``test``, ``predict``: Lightning's own CLI
-  (:class:`~lit_roidata.trainer_cli.RoIDataCLI`, a ``LightningCLI``) with the model and
-  the data module both selectable by class path, so ``--config configs/demo.yaml`` and
-  ``--print_config`` work as in any Lightning project;
-* ``inspect``, ``dump-blobs``, ``bench``, ``make-demo-data``, ``convert-proposals``,
-  ``cache``: tools that read the same YAML file (its ``data:`` section) or the caches.
-
-This module imports neither torch nor Lightning: ``lit-roidata --help``, ``cache`` and
-``convert-proposals`` start at once, and the training subcommands import Lightning
-(:mod:`lit_roidata.trainer_cli`) only when they run. The tools are dispatched before
-LightningCLI builds its parser (its subcommands are Trainer methods).
-
-Example::
+``fit``, ``validate``, ``test``, ``predict`` are Lightning's CLI
+(:class:`~lit_roidata.trainer_cli.RoIDataCLI`); ``inspect``, ``dump-blobs``, ``bench``,
+``make-demo-data``, ``convert-proposals`` and ``cache`` are dispatched before it. This
+module imports neither torch nor Lightning, so ``--help`` and the cache tools start at
+once (docs/cli.md)::
 
     lit-roidata fit --config configs/demo.yaml
-    lit-roidata fit --config configs/demo.yaml --trainer.devices 2 --trainer.strategy ddp
-    lit-roidata inspect --config configs/demo.yaml --out inspect_out
     lit-roidata cache ls
 """
 
@@ -29,44 +17,12 @@ import logging
 import sys
 from typing import Any, Optional, Sequence
 
+from lit_roidata._lightning import LIGHTNING, PL, import_namespace
+from lit_roidata.commands import EXIT_STATUS, TOOLS, TRAINING, tools_help
+
 # RoIDataCLI, cli_main, translate_class_path: loaded on first use (module __getattr__).
 __all__ = ["TOOLS", "TRAINING", "RoIDataCLI", "cli_main", "main", "run_tool",  # noqa: F822
            "translate_class_path", "exit_status", "top_level_help", "tools_help"]
-
-PL, LIGHTNING = "pytorch_lightning", "lightning.pytorch"  # as in lit_roidata._lightning
-
-#: Training subcommand -> one line of help (LightningCLI's; ``SUBCOMMAND --help`` has more).
-TRAINING: dict[str, str] = {
-    "fit": "train (and validate) the model; re-running it resumes an interrupted run",
-    "validate": "one evaluation pass over the validation set (COCO AP)",
-    "test": "one evaluation pass over the test set",
-    "predict": "run the model on the test images; writes COCO results json",
-}
-
-#: Tool subcommand → (``"module:function"`` taking ``argv`` → exit code, one line of help).
-TOOLS: dict[str, tuple[str, str]] = {
-    "inspect": ("lit_roidata.tools.inspect:main",
-                "roidb statistics table, minibatch pictures and histograms (PNG)"),
-    "dump-blobs": ("lit_roidata.tools.dump_blobs:main",
-                   "Detectron's blob dump: identity order, one image per batch, .npz files"),
-    "bench": ("lit_roidata.tools.bench:main",
-              "train loader images/s and per-batch latency percentiles on your data"),
-    "make-demo-data": ("lit_roidata.tools.make_demo_data:main",
-                       "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
-    "convert-proposals": ("lit_roidata.tools.convert_proposals:main",
-                          "proposal pickle -> columnar .npz (loads without unpickling)"),
-    "cache": ("lit_roidata.tools.cache:main",
-              "roidb caches: ls (sizes, datasets, last used), clean, verify (checksums)"),
-}
-
-#: Printed by ``--help`` here and after each training subcommand's ``--help``.
-EXIT_STATUS = """exit status:
-  0       done
-  1       an error, or a run aborted by a second Ctrl-C
-  2       bad arguments
-  128+N   `fit` stopped gracefully on signal N (130: Ctrl-C, 143: SIGTERM) after writing
-          its interrupted-run checkpoint; the same command resumes it
-"""
 
 _LAZY = ("RoIDataCLI", "cli_main", "translate_class_path")  # from lit_roidata.trainer_cli
 
@@ -84,13 +40,6 @@ def run_tool(name: str, argv: Sequence[str]) -> int:
         raise ValueError(f"unknown tool {name!r}; choose one of {sorted(TOOLS)}")
     module_name, func = TOOLS[name][0].split(":")
     return int(getattr(importlib.import_module(module_name), func)(list(argv)) or 0)
-
-
-def tools_help() -> str:
-    """The data tools with their one-line help (also the training subcommands' epilog)."""
-    lines = ["data tools (run `lit-roidata TOOL --help`):"]
-    lines += [f"  {name:<18} {help_}" for name, (_, help_) in TOOLS.items()]
-    return "\n".join(lines) + "\n"
 
 
 def _prog(namespace: str) -> str:
@@ -175,8 +124,6 @@ def main(argv: Optional[Sequence[str]] = None, namespace: str = PL) -> int:
               f"(--help lists them)", file=sys.stderr)
         return 2
     if namespace == LIGHTNING:  # before pytorch_lightning (Lightning 2.4, docs/cli.md)
-        from lit_roidata._lightning import import_namespace
-
         import_namespace(LIGHTNING)  # or an error naming the [lightning] extra
     from lit_roidata.trainer_cli import cli_main as run
 

@@ -1,42 +1,16 @@
 """Detectron's option tree, with Detectron's defaults, on yacs' ``CfgNode``.
 
-The data pipeline reads the same keys Detectron reads (docs/detectron_semantics.md,
-"Configuration"), so a Detectron user recognises every name: ``cfg.TRAIN.SCALES``,
-``cfg.FPN.COARSEST_STRIDE``, ``cfg.TEST.SCALE``, ``cfg.SOLVER.BASE_LR`` ... Every section,
-including ``TEST``, ``SOLVER`` and the test-time augmentation sections under ``TEST``
-(``TEST.BBOX_AUG`` ...), is a :class:`DetectronConfig` node with attribute access.
-
-The tree is a `yacs <https://github.com/rbgirshick/yacs>`_ ``CfgNode`` (yacs is
-Detectron's own config code, extracted into a library): values from YAML files and
-override dicts are decoded with Detectron's ``literal_eval`` rule (``SCALES: (800,)``
-written as a string becomes a tuple) and type-checked against the default by yacs.
-On top of yacs, this module
-
-* names the file and the key in every error, and the nearest valid key for a typo,
-  at every depth (``TEST.BBOX_AUG.ENABLD`` is an error, as in Detectron);
-* accepts an int where the default is a float (``SOLVER.BASE_LR: 1``,
-  ``RETINANET.ANCHOR_SCALE: 4``), which Detectron and yacs reject;
-  ``RETINANET.ANCHOR_SCALE`` and a few pixel thresholds default to floats here so that
-  ``ANCHOR_SCALE: 4.5`` works (Detectron's default is the int ``4`` and it would
-  reject ``4.5``);
-* accepts a single name for ``*.DATASETS`` / ``*.PROPOSAL_FILES`` and Detectron's
-  ``PIXEL_MEANS: [[[b, g, r]]]`` (stored flat as three floats);
-* re-derives Detectron's inferred options after every merge (:meth:`DetectronConfig.infer`).
-
-:func:`get_cfg` returns a mutable copy of the defaults (for scripts and tests);
-:func:`load_detectron_cfg` merges a file or dict and any overrides, infers, and returns
-a **frozen** config: assigning to it raises ``AttributeError``. The data module builds
-its config with :func:`load_detectron_cfg`; on the command line the config is reached
-through the data module's ``detectron_config`` (a Detectron YAML file) and ``overrides``
-(dotted or nested keys), e.g. ``--data.init_args.overrides '{"TRAIN.SCALES": [800]}'`` or,
-in a YAML config, ``overrides: {TRAIN.SCALES: [800]}``.
+The data pipeline reads the keys Detectron reads (docs/detectron_semantics.md,
+"Configuration"): ``cfg.TRAIN.SCALES``, ``cfg.TEST.SCALE``, ... Values are decoded with
+Detectron's ``literal_eval`` rule and type-checked by yacs. On top of yacs, errors name
+the file, the key and the nearest valid key at every depth; an int is accepted where the
+default is a float; a single name is accepted for ``*.DATASETS`` / ``*.PROPOSAL_FILES``
+and Detectron's nested ``PIXEL_MEANS``; and Detectron's inferred options are re-derived
+after every merge. :func:`load_detectron_cfg` returns a **frozen** config.
 
 Example::
 
     >>> from lit_roidata.config import get_cfg, load_detectron_cfg
-    >>> cfg = get_cfg()
-    >>> cfg.TRAIN.SCALES
-    (600,)
     >>> cfg = load_detectron_cfg(None, {"TRAIN.SCALES": (800,), "MODEL.FASTER_RCNN": True})
     >>> cfg.TRAIN.SCALES, cfg.RPN.RPN_ON, cfg.is_frozen()
     ((800,), True, True)
@@ -44,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import difflib
 import math
 import os
@@ -53,13 +29,7 @@ import yaml
 from yacs.config import CfgNode
 from yacs.config import _check_and_coerce_cfg_value_type as _yacs_type_check
 
-__all__ = [
-    "DetectronConfig",
-    "ConfigError",
-    "get_cfg",
-    "load_detectron_cfg",
-    "check_sampler_train",
-]
+__all__ = ["DetectronConfig", "ConfigError", "get_cfg", "load_detectron_cfg", "check_sampler_train"]
 
 
 class _Missing:
@@ -100,7 +70,6 @@ class DetectronConfig(CfgNode):
             raise AttributeError(name)
         raise AttributeError(_unknown(self._full(name), name, self))
 
-    # ---------------------------------------------------------------- freezing
     def _full(self, name: str) -> str:
         path = self.__dict__.get(_KEY_PATH, "")
         return f"{path}.{name}" if path else str(name)
@@ -174,7 +143,6 @@ class DetectronConfig(CfgNode):
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
-    # ---------------------------------------------------------------- merging
     def merge_from_dict(self, overrides: Mapping[str, Any], *, source: str = "") -> None:
         """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both.
 
@@ -247,7 +215,6 @@ class DetectronConfig(CfgNode):
         if self.RPN.RPN_ON or self.RETINANET.RETINANET_ON:
             self.TEST.PRECOMPUTED_PROPOSALS = False
 
-    # ---------------------------------------------------------------- access
     def get(self, key: str, default: Any = _MISSING) -> Any:
         """The value under ``key``, which may be dotted (``cfg.get("TRAIN.SCALES")``).
 
@@ -281,9 +248,7 @@ class DetectronConfig(CfgNode):
         return copy.deepcopy(self)
 
 
-# --------------------------------------------------------------------------------------
 # Checking before yacs merges: decode, widen, type-check, name the key.
-# --------------------------------------------------------------------------------------
 def _nest(tree: Mapping[str, Any]) -> dict[str, Any]:
     """``{"A.B": 1, "A": {"C": 2}}`` -> ``{"A": {"B": 1, "C": 2}}``."""
     out: dict[str, Any] = {}
@@ -344,8 +309,9 @@ def _coerce(full: str, value: Any, current: Any) -> Any:
     """Detectron's decoding and yacs' type check, with this module's widenings."""
     if isinstance(value, Mapping):
         raise ConfigError(f"config key '{full}' is a value, not a section; got {dict(value)!r}")
-    if not isinstance(current, str):
-        value = CfgNode._decode_cfg_value(value)  # Detectron's literal_eval rule
+    if not isinstance(current, str) and isinstance(value, str):
+        with contextlib.suppress(ValueError, SyntaxError):  # Detectron's literal_eval rule
+            value = ast.literal_eval(value)
     if _is_number(value) and isinstance(value, int) and isinstance(current, float):
         value = float(value)
     elif isinstance(current, tuple) and isinstance(value, str) \
@@ -393,299 +359,127 @@ def _lists(obj: Any) -> Any:
     return obj
 
 
-# --------------------------------------------------------------------------------------
 # Defaults: Detectron's, key for key (Detectron semantics: configuration). Keys marked
 # "lit_roidata" are not in Detectron.
-# --------------------------------------------------------------------------------------
+def _node(**values: Any) -> DetectronConfig:
+    return DetectronConfig(values)
+
+
 _C = DetectronConfig()
+_C.TRAIN = _node(
+    WEIGHTS="", DATASETS=(), SCALES=(600,), MAX_SIZE=1000, IMS_PER_BATCH=2,
+    BATCH_SIZE_PER_IM=64, FG_FRACTION=0.25, FG_THRESH=0.5, BG_THRESH_HI=0.5, BG_THRESH_LO=0.0,
+    USE_FLIPPED=True, BBOX_THRESH=0.5, SNAPSHOT_ITERS=20000, PROPOSAL_FILES=(),
+    ASPECT_GROUPING=True, RPN_POSITIVE_OVERLAP=0.7, RPN_NEGATIVE_OVERLAP=0.3,
+    RPN_FG_FRACTION=0.5, RPN_BATCH_SIZE_PER_IM=256, RPN_NMS_THRESH=0.7, RPN_PRE_NMS_TOP_N=12000,
+    # RPN_STRADDLE_THRESH, RPN_MIN_SIZE (pixels) and GT_MIN_AREA (square pixels) are floats
+    # here; Detectron's are the ints 0, 0 and -1.
+    RPN_POST_NMS_TOP_N=2000, RPN_STRADDLE_THRESH=0.0, RPN_MIN_SIZE=0.0, CROWD_FILTER_THRESH=0.7,
+    GT_MIN_AREA=-1.0, FREEZE_CONV_BODY=False, FREEZE_AT=2, AUTO_RESUME=True, COPY_WEIGHTS=False,
+    # lit_roidata: proposals kept per image when training from proposal files; -1 keeps
+    # every proposal, as Detectron trains (its PROPOSAL_LIMIT is TEST-only).
+    PROPOSAL_LIMIT=-1)
 
-_C.TRAIN = DetectronConfig()
-_C.TRAIN.WEIGHTS = ""
-_C.TRAIN.DATASETS = ()
-_C.TRAIN.SCALES = (600,)
-_C.TRAIN.MAX_SIZE = 1000
-_C.TRAIN.IMS_PER_BATCH = 2
-_C.TRAIN.BATCH_SIZE_PER_IM = 64
-_C.TRAIN.FG_FRACTION = 0.25
-_C.TRAIN.FG_THRESH = 0.5
-_C.TRAIN.BG_THRESH_HI = 0.5
-_C.TRAIN.BG_THRESH_LO = 0.0
-_C.TRAIN.USE_FLIPPED = True
-_C.TRAIN.BBOX_THRESH = 0.5
-_C.TRAIN.SNAPSHOT_ITERS = 20000
-_C.TRAIN.PROPOSAL_FILES = ()
-_C.TRAIN.ASPECT_GROUPING = True
-_C.TRAIN.RPN_POSITIVE_OVERLAP = 0.7
-_C.TRAIN.RPN_NEGATIVE_OVERLAP = 0.3
-_C.TRAIN.RPN_FG_FRACTION = 0.5
-_C.TRAIN.RPN_BATCH_SIZE_PER_IM = 256
-_C.TRAIN.RPN_NMS_THRESH = 0.7
-_C.TRAIN.RPN_PRE_NMS_TOP_N = 12000
-_C.TRAIN.RPN_POST_NMS_TOP_N = 2000
-_C.TRAIN.RPN_STRADDLE_THRESH = 0.0  # Detectron: int 0; a float here (pixels)
-_C.TRAIN.RPN_MIN_SIZE = 0.0  # Detectron: int 0; a float here (pixels)
-_C.TRAIN.CROWD_FILTER_THRESH = 0.7
-_C.TRAIN.GT_MIN_AREA = -1.0  # Detectron: int -1; a float here (square pixels)
-_C.TRAIN.FREEZE_CONV_BODY = False
-_C.TRAIN.FREEZE_AT = 2
-_C.TRAIN.AUTO_RESUME = True
-_C.TRAIN.COPY_WEIGHTS = False
-# lit_roidata: proposals kept per image when training from proposal files; -1 keeps
-# every proposal, as Detectron trains (its PROPOSAL_LIMIT is TEST-only).
-_C.TRAIN.PROPOSAL_LIMIT = -1
-
-_C.DATA_LOADER = DetectronConfig()
-_C.DATA_LOADER.NUM_THREADS = 4
-_C.DATA_LOADER.MINIBATCH_QUEUE_SIZE = 64
-_C.DATA_LOADER.BLOBS_QUEUE_CAPACITY = 8
+_C.DATA_LOADER = _node(NUM_THREADS=4, MINIBATCH_QUEUE_SIZE=64, BLOBS_QUEUE_CAPACITY=8)
 
 # lit_roidata (Detectron2's names and defaults): the training sampler. "TrainingSampler"
 # is Detectron's stream; "RepeatFactorTrainingSampler" repeats images with rare
 # categories (LVIS), r(I) = max over c in I of max(1, sqrt(REPEAT_THRESHOLD / f(c)))
 # (REPEAT_SQRT False drops the sqrt). Detectron2's other DATALOADER keys are not read.
-_C.DATALOADER = DetectronConfig()
-_C.DATALOADER.SAMPLER_TRAIN = "TrainingSampler"
-_C.DATALOADER.REPEAT_THRESHOLD = 0.0
-_C.DATALOADER.REPEAT_SQRT = True
+_C.DATALOADER = _node(SAMPLER_TRAIN="TrainingSampler", REPEAT_THRESHOLD=0.0, REPEAT_SQRT=True)
 
-_C.TEST = DetectronConfig()
-_C.TEST.WEIGHTS = ""
-_C.TEST.DATASETS = ()
-_C.TEST.SCALE = 600
-_C.TEST.MAX_SIZE = 1000
-_C.TEST.NMS = 0.3
-_C.TEST.BBOX_REG = True
-_C.TEST.PROPOSAL_FILES = ()
-_C.TEST.PROPOSAL_LIMIT = 2000
-_C.TEST.RPN_NMS_THRESH = 0.7
-_C.TEST.RPN_PRE_NMS_TOP_N = 12000
-_C.TEST.RPN_POST_NMS_TOP_N = 2000
-_C.TEST.RPN_MIN_SIZE = 0
-_C.TEST.DETECTIONS_PER_IM = 100
-_C.TEST.SCORE_THRESH = 0.05
-_C.TEST.COMPETITION_MODE = True
-_C.TEST.FORCE_JSON_DATASET_EVAL = False
-_C.TEST.PRECOMPUTED_PROPOSALS = True  # inferred (see DetectronConfig.infer)
+_C.TEST = _node(
+    WEIGHTS="", DATASETS=(), SCALE=600, MAX_SIZE=1000, NMS=0.3, BBOX_REG=True,
+    PROPOSAL_FILES=(), PROPOSAL_LIMIT=2000, RPN_NMS_THRESH=0.7, RPN_PRE_NMS_TOP_N=12000,
+    RPN_POST_NMS_TOP_N=2000, RPN_MIN_SIZE=0, DETECTIONS_PER_IM=100, SCORE_THRESH=0.05,
+    # PRECOMPUTED_PROPOSALS: inferred (see DetectronConfig.infer)
+    COMPETITION_MODE=True, FORCE_JSON_DATASET_EVAL=False, PRECOMPUTED_PROPOSALS=True)
 
-_C.TEST.BBOX_AUG = DetectronConfig()
-_C.TEST.BBOX_AUG.ENABLED = False
-_C.TEST.BBOX_AUG.SCORE_HEUR = "UNION"
-_C.TEST.BBOX_AUG.COORD_HEUR = "UNION"
-_C.TEST.BBOX_AUG.H_FLIP = False
-_C.TEST.BBOX_AUG.SCALES = ()
-_C.TEST.BBOX_AUG.MAX_SIZE = 4000
-_C.TEST.BBOX_AUG.SCALE_H_FLIP = False
-_C.TEST.BBOX_AUG.SCALE_SIZE_DEP = False
-_C.TEST.BBOX_AUG.AREA_TH_LO = 50**2
-_C.TEST.BBOX_AUG.AREA_TH_HI = 180**2
-_C.TEST.BBOX_AUG.ASPECT_RATIOS = ()
-_C.TEST.BBOX_AUG.ASPECT_RATIO_H_FLIP = False
+_C.TEST.BBOX_AUG = _node(
+    ENABLED=False, SCORE_HEUR="UNION", COORD_HEUR="UNION", H_FLIP=False, SCALES=(),
+    MAX_SIZE=4000, SCALE_H_FLIP=False, SCALE_SIZE_DEP=False, AREA_TH_LO=50**2,
+    AREA_TH_HI=180**2, ASPECT_RATIOS=(), ASPECT_RATIO_H_FLIP=False)
 
-_C.TEST.MASK_AUG = DetectronConfig()
-_C.TEST.MASK_AUG.ENABLED = False
-_C.TEST.MASK_AUG.HEUR = "SOFT_AVG"
-_C.TEST.MASK_AUG.H_FLIP = False
-_C.TEST.MASK_AUG.SCALES = ()
-_C.TEST.MASK_AUG.MAX_SIZE = 4000
-_C.TEST.MASK_AUG.SCALE_H_FLIP = False
-_C.TEST.MASK_AUG.SCALE_SIZE_DEP = False
-_C.TEST.MASK_AUG.AREA_TH = 180**2
-_C.TEST.MASK_AUG.ASPECT_RATIOS = ()
-_C.TEST.MASK_AUG.ASPECT_RATIO_H_FLIP = False
+_C.TEST.MASK_AUG = _node(
+    ENABLED=False, HEUR="SOFT_AVG", H_FLIP=False, SCALES=(), MAX_SIZE=4000, SCALE_H_FLIP=False,
+    SCALE_SIZE_DEP=False, AREA_TH=180**2, ASPECT_RATIOS=(), ASPECT_RATIO_H_FLIP=False)
 
-_C.TEST.KPS_AUG = DetectronConfig()
-_C.TEST.KPS_AUG.ENABLED = False
-_C.TEST.KPS_AUG.HEUR = "HM_AVG"
-_C.TEST.KPS_AUG.H_FLIP = False
-_C.TEST.KPS_AUG.SCALES = ()
-_C.TEST.KPS_AUG.MAX_SIZE = 4000
-_C.TEST.KPS_AUG.SCALE_H_FLIP = False
-_C.TEST.KPS_AUG.SCALE_SIZE_DEP = False
-_C.TEST.KPS_AUG.AREA_TH = 180**2
-_C.TEST.KPS_AUG.ASPECT_RATIOS = ()
-_C.TEST.KPS_AUG.ASPECT_RATIO_H_FLIP = False
+_C.TEST.KPS_AUG = _node(
+    ENABLED=False, HEUR="HM_AVG", H_FLIP=False, SCALES=(), MAX_SIZE=4000, SCALE_H_FLIP=False,
+    SCALE_SIZE_DEP=False, AREA_TH=180**2, ASPECT_RATIOS=(), ASPECT_RATIO_H_FLIP=False)
 
-_C.TEST.SOFT_NMS = DetectronConfig()
-_C.TEST.SOFT_NMS.ENABLED = False
-_C.TEST.SOFT_NMS.METHOD = "linear"
-_C.TEST.SOFT_NMS.SIGMA = 0.5
+_C.TEST.SOFT_NMS = _node(ENABLED=False, METHOD="linear", SIGMA=0.5)
 
-_C.TEST.BBOX_VOTE = DetectronConfig()
-_C.TEST.BBOX_VOTE.ENABLED = False
-_C.TEST.BBOX_VOTE.VOTE_TH = 0.8
-_C.TEST.BBOX_VOTE.SCORING_METHOD = "ID"
-_C.TEST.BBOX_VOTE.SCORING_METHOD_BETA = 1.0
+_C.TEST.BBOX_VOTE = _node(ENABLED=False, VOTE_TH=0.8, SCORING_METHOD="ID", SCORING_METHOD_BETA=1.0)
 
-_C.MODEL = DetectronConfig()
-_C.MODEL.TYPE = ""
-_C.MODEL.CONV_BODY = ""
-_C.MODEL.NUM_CLASSES = -1
-_C.MODEL.CLS_AGNOSTIC_BBOX_REG = False
-_C.MODEL.BBOX_REG_WEIGHTS = (10.0, 10.0, 5.0, 5.0)
-_C.MODEL.FASTER_RCNN = False
-_C.MODEL.MASK_ON = False
-_C.MODEL.KEYPOINTS_ON = False
-_C.MODEL.RPN_ONLY = False
-_C.MODEL.EXECUTION_TYPE = "dag"
+_C.MODEL = _node(
+    TYPE="", CONV_BODY="", NUM_CLASSES=-1, CLS_AGNOSTIC_BBOX_REG=False,
+    BBOX_REG_WEIGHTS=(10.0, 10.0, 5.0, 5.0), FASTER_RCNN=False, MASK_ON=False,
+    KEYPOINTS_ON=False, RPN_ONLY=False, EXECUTION_TYPE="dag")
 
-_C.RETINANET = DetectronConfig()
-_C.RETINANET.RETINANET_ON = False
-_C.RETINANET.ASPECT_RATIOS = (0.5, 1.0, 2.0)
-_C.RETINANET.SCALES_PER_OCTAVE = 3
-_C.RETINANET.ANCHOR_SCALE = 4.0  # Detectron: int 4; a float here, so 4.5 is accepted
-_C.RETINANET.NUM_CONVS = 4
-_C.RETINANET.BBOX_REG_WEIGHT = 1.0
-_C.RETINANET.BBOX_REG_BETA = 0.11
-_C.RETINANET.PRE_NMS_TOP_N = 1000
-_C.RETINANET.POSITIVE_OVERLAP = 0.5
-_C.RETINANET.NEGATIVE_OVERLAP = 0.4
-_C.RETINANET.LOSS_ALPHA = 0.25
-_C.RETINANET.LOSS_GAMMA = 2.0
-_C.RETINANET.PRIOR_PROB = 0.01
-_C.RETINANET.SHARE_CLS_BBOX_TOWER = False
-_C.RETINANET.CLASS_SPECIFIC_BBOX = False
-_C.RETINANET.SOFTMAX = False
-_C.RETINANET.INFERENCE_TH = 0.05
-# lit_roidata (later Detectron forks): the box loss weight and per-coordinate weights.
-_C.RETINANET.LOSS_BBOX_WEIGHT = 1.0
-_C.RETINANET.BBOX_REG_WEIGHTS = (1.0, 1.0, 1.0, 1.0)
+_C.RETINANET = _node(
+    # ANCHOR_SCALE: Detectron's int 4; a float here, so 4.5 is accepted
+    RETINANET_ON=False, ASPECT_RATIOS=(0.5, 1.0, 2.0), SCALES_PER_OCTAVE=3, ANCHOR_SCALE=4.0,
+    NUM_CONVS=4, BBOX_REG_WEIGHT=1.0, BBOX_REG_BETA=0.11, PRE_NMS_TOP_N=1000,
+    POSITIVE_OVERLAP=0.5, NEGATIVE_OVERLAP=0.4, LOSS_ALPHA=0.25, LOSS_GAMMA=2.0,
+    PRIOR_PROB=0.01, SHARE_CLS_BBOX_TOWER=False, CLASS_SPECIFIC_BBOX=False, SOFTMAX=False,
+    INFERENCE_TH=0.05,
+    # lit_roidata (later Detectron forks): the box loss weight and per-coordinate weights.
+    LOSS_BBOX_WEIGHT=1.0, BBOX_REG_WEIGHTS=(1.0, 1.0, 1.0, 1.0))
 
-_C.SOLVER = DetectronConfig()
-_C.SOLVER.BASE_LR = 0.001
-_C.SOLVER.LR_POLICY = "step"
-_C.SOLVER.GAMMA = 0.1
-_C.SOLVER.STEP_SIZE = 30000
-_C.SOLVER.STEPS = []
-_C.SOLVER.LRS = []
-_C.SOLVER.MAX_ITER = 40000
-_C.SOLVER.MOMENTUM = 0.9
-_C.SOLVER.WEIGHT_DECAY = 0.0005
-_C.SOLVER.WEIGHT_DECAY_GN = 0.0
-_C.SOLVER.BIAS_DOUBLE_LR = True
-_C.SOLVER.BIAS_WEIGHT_DECAY = False
-_C.SOLVER.WARM_UP_ITERS = 500
-_C.SOLVER.WARM_UP_FACTOR = 1.0 / 3.0
-_C.SOLVER.WARM_UP_METHOD = "linear"
-_C.SOLVER.SCALE_MOMENTUM = True
-_C.SOLVER.SCALE_MOMENTUM_THRESHOLD = 1.1
-_C.SOLVER.LOG_LR_CHANGE_THRESHOLD = 1.1
+_C.SOLVER = _node(
+    BASE_LR=0.001, LR_POLICY="step", GAMMA=0.1, STEP_SIZE=30000, STEPS=[], LRS=[],
+    MAX_ITER=40000, MOMENTUM=0.9, WEIGHT_DECAY=0.0005, WEIGHT_DECAY_GN=0.0, BIAS_DOUBLE_LR=True,
+    BIAS_WEIGHT_DECAY=False, WARM_UP_ITERS=500, WARM_UP_FACTOR=1.0 / 3.0,
+    WARM_UP_METHOD="linear", SCALE_MOMENTUM=True, SCALE_MOMENTUM_THRESHOLD=1.1,
+    LOG_LR_CHANGE_THRESHOLD=1.1)
 
-_C.FAST_RCNN = DetectronConfig()
-_C.FAST_RCNN.ROI_BOX_HEAD = ""
-_C.FAST_RCNN.MLP_HEAD_DIM = 1024
-_C.FAST_RCNN.CONV_HEAD_DIM = 256
-_C.FAST_RCNN.NUM_STACKED_CONVS = 4
-_C.FAST_RCNN.ROI_XFORM_METHOD = "RoIPoolF"
-_C.FAST_RCNN.ROI_XFORM_SAMPLING_RATIO = 0
-_C.FAST_RCNN.ROI_XFORM_RESOLUTION = 14
+_C.FAST_RCNN = _node(
+    ROI_BOX_HEAD="", MLP_HEAD_DIM=1024, CONV_HEAD_DIM=256, NUM_STACKED_CONVS=4,
+    ROI_XFORM_METHOD="RoIPoolF", ROI_XFORM_SAMPLING_RATIO=0, ROI_XFORM_RESOLUTION=14)
 
-_C.RPN = DetectronConfig()
-_C.RPN.RPN_ON = False  # inferred (see DetectronConfig.infer)
-_C.RPN.SIZES = (64, 128, 256, 512)
-_C.RPN.STRIDE = 16
-_C.RPN.ASPECT_RATIOS = (0.5, 1.0, 2.0)
+_C.RPN = _node(  # RPN_ON: inferred (see DetectronConfig.infer)
+    RPN_ON=False, SIZES=(64, 128, 256, 512), STRIDE=16, ASPECT_RATIOS=(0.5, 1.0, 2.0))
 
-_C.FPN = DetectronConfig()
-_C.FPN.FPN_ON = False
-_C.FPN.DIM = 256
-_C.FPN.ZERO_INIT_LATERAL = False
-_C.FPN.COARSEST_STRIDE = 32
-_C.FPN.MULTILEVEL_ROIS = False
-_C.FPN.ROI_CANONICAL_SCALE = 224
-_C.FPN.ROI_CANONICAL_LEVEL = 4
-_C.FPN.ROI_MAX_LEVEL = 5
-_C.FPN.ROI_MIN_LEVEL = 2
-_C.FPN.MULTILEVEL_RPN = False
-_C.FPN.RPN_MAX_LEVEL = 6
-_C.FPN.RPN_MIN_LEVEL = 2
-_C.FPN.RPN_ASPECT_RATIOS = (0.5, 1.0, 2.0)
-_C.FPN.RPN_ANCHOR_START_SIZE = 32
-_C.FPN.RPN_COLLECT_SCALE = 1
-_C.FPN.EXTRA_CONV_LEVELS = False
-_C.FPN.USE_GN = False
+_C.FPN = _node(
+    FPN_ON=False, DIM=256, ZERO_INIT_LATERAL=False, COARSEST_STRIDE=32, MULTILEVEL_ROIS=False,
+    ROI_CANONICAL_SCALE=224, ROI_CANONICAL_LEVEL=4, ROI_MAX_LEVEL=5, ROI_MIN_LEVEL=2,
+    MULTILEVEL_RPN=False, RPN_MAX_LEVEL=6, RPN_MIN_LEVEL=2, RPN_ASPECT_RATIOS=(0.5, 1.0, 2.0),
+    RPN_ANCHOR_START_SIZE=32, RPN_COLLECT_SCALE=1, EXTRA_CONV_LEVELS=False, USE_GN=False)
 
-_C.MRCNN = DetectronConfig()
-_C.MRCNN.ROI_MASK_HEAD = ""
-_C.MRCNN.RESOLUTION = 14
-_C.MRCNN.ROI_XFORM_METHOD = "RoIAlign"
-_C.MRCNN.ROI_XFORM_RESOLUTION = 7
-_C.MRCNN.ROI_XFORM_SAMPLING_RATIO = 0
-_C.MRCNN.DIM_REDUCED = 256
-_C.MRCNN.DILATION = 2
-_C.MRCNN.UPSAMPLE_RATIO = 1
-_C.MRCNN.USE_FC_OUTPUT = False
-_C.MRCNN.CONV_INIT = "GaussianFill"
-_C.MRCNN.CLS_SPECIFIC_MASK = True
-_C.MRCNN.WEIGHT_LOSS_MASK = 1.0
-_C.MRCNN.THRESH_BINARIZE = 0.5
+_C.MRCNN = _node(
+    ROI_MASK_HEAD="", RESOLUTION=14, ROI_XFORM_METHOD="RoIAlign", ROI_XFORM_RESOLUTION=7,
+    ROI_XFORM_SAMPLING_RATIO=0, DIM_REDUCED=256, DILATION=2, UPSAMPLE_RATIO=1,
+    USE_FC_OUTPUT=False, CONV_INIT="GaussianFill", CLS_SPECIFIC_MASK=True, WEIGHT_LOSS_MASK=1.0,
+    THRESH_BINARIZE=0.5)
 
-_C.KRCNN = DetectronConfig()
-_C.KRCNN.ROI_KEYPOINTS_HEAD = ""
-_C.KRCNN.HEATMAP_SIZE = -1
-_C.KRCNN.UP_SCALE = -1
-_C.KRCNN.USE_DECONV = False
-_C.KRCNN.DECONV_DIM = 256
-_C.KRCNN.USE_DECONV_OUTPUT = False
-_C.KRCNN.DILATION = 1
-_C.KRCNN.DECONV_KERNEL = 4
-_C.KRCNN.NUM_KEYPOINTS = -1
-_C.KRCNN.NUM_STACKED_CONVS = 8
-_C.KRCNN.CONV_HEAD_DIM = 256
-_C.KRCNN.CONV_HEAD_KERNEL = 3
-_C.KRCNN.CONV_INIT = "GaussianFill"
-_C.KRCNN.NMS_OKS = False
-_C.KRCNN.KEYPOINT_CONFIDENCE = "bbox"
-_C.KRCNN.ROI_XFORM_METHOD = "RoIAlign"
-_C.KRCNN.ROI_XFORM_RESOLUTION = 7
-_C.KRCNN.ROI_XFORM_SAMPLING_RATIO = 0
-_C.KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH = 20
-_C.KRCNN.INFERENCE_MIN_SIZE = 0
-_C.KRCNN.LOSS_WEIGHT = 1.0
-_C.KRCNN.NORMALIZE_BY_VISIBLE_KEYPOINTS = True
+_C.KRCNN = _node(
+    ROI_KEYPOINTS_HEAD="", HEATMAP_SIZE=-1, UP_SCALE=-1, USE_DECONV=False, DECONV_DIM=256,
+    USE_DECONV_OUTPUT=False, DILATION=1, DECONV_KERNEL=4, NUM_KEYPOINTS=-1, NUM_STACKED_CONVS=8,
+    CONV_HEAD_DIM=256, CONV_HEAD_KERNEL=3, CONV_INIT="GaussianFill", NMS_OKS=False,
+    KEYPOINT_CONFIDENCE="bbox", ROI_XFORM_METHOD="RoIAlign", ROI_XFORM_RESOLUTION=7,
+    ROI_XFORM_SAMPLING_RATIO=0, MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH=20, INFERENCE_MIN_SIZE=0,
+    LOSS_WEIGHT=1.0, NORMALIZE_BY_VISIBLE_KEYPOINTS=True)
 
-_C.RFCN = DetectronConfig()
-_C.RFCN.PS_GRID_SIZE = 3
+_C.RFCN = _node(PS_GRID_SIZE=3)
 
-_C.RESNETS = DetectronConfig()
-_C.RESNETS.NUM_GROUPS = 1
-_C.RESNETS.WIDTH_PER_GROUP = 64
-_C.RESNETS.STRIDE_1X1 = True
-_C.RESNETS.TRANS_FUNC = "bottleneck_transformation"
-_C.RESNETS.STEM_FUNC = "basic_bn_stem"
-_C.RESNETS.SHORTCUT_FUNC = "basic_bn_shortcut"
-_C.RESNETS.RES5_DILATION = 1
+_C.RESNETS = _node(
+    NUM_GROUPS=1, WIDTH_PER_GROUP=64, STRIDE_1X1=True, TRANS_FUNC="bottleneck_transformation",
+    STEM_FUNC="basic_bn_stem", SHORTCUT_FUNC="basic_bn_shortcut", RES5_DILATION=1)
 
-_C.GROUP_NORM = DetectronConfig()
-_C.GROUP_NORM.DIM_PER_GP = -1
-_C.GROUP_NORM.NUM_GROUPS = 32
-_C.GROUP_NORM.EPSILON = 1e-5
+_C.GROUP_NORM = _node(DIM_PER_GP=-1, NUM_GROUPS=32, EPSILON=1e-5)
 
-_C.CLUSTER = DetectronConfig()
-_C.CLUSTER.ON_CLUSTER = False
+_C.CLUSTER = _node(ON_CLUSTER=False)
 
-_C.NUM_GPUS = 1
-_C.USE_NCCL = False
-_C.DEDUP_BOXES = 1.0 / 16.0
-_C.BBOX_XFORM_CLIP = math.log(1000.0 / 16.0)
-# BGR means; Detectron's (1, 1, 3) array is stored flat as three floats.
-_C.PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
-_C.RNG_SEED = 3
-_C.EPS = 1e-14
-_C.ROOT_DIR = os.getcwd()
-_C.OUTPUT_DIR = "/tmp"
-_C.MATLAB = "matlab"
-_C.MEMONGER = True
-_C.MEMONGER_SHARE_ACTIVATIONS = False
-_C.VIS = False
-_C.VIS_TH = 0.9
-_C.EXPECTED_RESULTS = []
-_C.EXPECTED_RESULTS_RTOL = 0.1
-_C.EXPECTED_RESULTS_ATOL = 0.005
-_C.EXPECTED_RESULTS_EMAIL = ""
-_C.DATA_DIR = ""
-_C.DOWNLOAD_CACHE = "/tmp/detectron-download-cache"
+_C.update(
+    NUM_GPUS=1, USE_NCCL=False, DEDUP_BOXES=1.0 / 16.0, BBOX_XFORM_CLIP=math.log(1000.0 / 16.0),
+    # BGR means; Detectron's (1, 1, 3) array is stored flat as three floats.
+    PIXEL_MEANS=(102.9801, 115.9465, 122.7717), RNG_SEED=3, EPS=1e-14, ROOT_DIR=os.getcwd(),
+    OUTPUT_DIR="/tmp", MATLAB="matlab", MEMONGER=True, MEMONGER_SHARE_ACTIVATIONS=False,
+    VIS=False, VIS_TH=0.9, EXPECTED_RESULTS=[], EXPECTED_RESULTS_RTOL=0.1,
+    EXPECTED_RESULTS_ATOL=0.005, EXPECTED_RESULTS_EMAIL="", DATA_DIR="",
+    DOWNLOAD_CACHE="/tmp/detectron-download-cache")
 
-# Rebuilt so that every node knows its dotted path (for error messages).
 _C = DetectronConfig(_C)
 # Detectron's deprecated keys (ignored with a warning) and renamed keys (an error that
 # says what to write instead).

@@ -1,27 +1,11 @@
 """COCO evaluation: predictions to COCO results, and a Lightning callback for box/mask AP.
 
-The model's ``validation_step`` (and ``test_step``) returns
-``{"detections": [per-image dict, ...]}`` with, for every image of the batch (also those
-without detections, so an image with missed objects still counts):
-
-* ``image_id`` (int, the JSON id), ``dataset`` (catalog name),
-* ``boxes`` ``(k, 4)`` float, original-image ``x1, y1, x2, y2`` with Detectron's +1
-  convention, ``scores`` ``(k,)``, ``labels`` ``(k,)`` contiguous class ids (1-based),
-* optionally ``masks``: ``k`` RLE dicts or a ``(k, H, W)`` binary array,
-* optionally ``keypoints``: ``(k, K, 3)`` rows ``x, y, score`` in original-image pixel
-  coordinates (COCO's keypoint coordinates).
-* optionally ``proposals: True``: the boxes are class-agnostic object proposals (an
-  RPN-only model); ``labels`` may be left out and every result gets ``category_id`` 1,
-  the form COCO's proposal evaluation (``COCOeval`` with ``params.useCats = 0``) reads.
-
-:func:`detections_to_coco_results` restores the JSON category ids (Detectron's
-``contiguous_category_id_to_json_id``, Detectron semantics: datasets and catalog) and converts boxes
-to COCO's
-``[x, y, w, h]`` with ``w = x2 - x1 + 1``, as Detectron's ``_coco_bbox_results_one_category``;
-keypoints become COCO's flat ``[x1, y1, v1, ...]`` with ``v = 1`` and the box score as the
-instance score (Detectron's ``KRCNN.KEYPOINT_CONFIDENCE: bbox``).
-:class:`COCOEvaluator` gathers the detections of all ranks, evaluates on rank 0 with
-pycocotools' ``COCOeval`` and logs the same numbers on every rank.
+The model's ``validation_step`` / ``test_step`` returns ``{"detections": [per-image dict,
+...]}`` for every image of the batch: ``image_id``, ``dataset``, ``boxes`` ``(k, 4)``
+(original-image ``x1, y1, x2, y2``, Detectron's +1 convention), ``scores``, ``labels``
+(contiguous ids), optionally ``masks`` (RLE dicts or ``(k, H, W)``), ``keypoints``
+``(k, K, 3)`` and ``proposals: True`` (class-agnostic boxes, category 1). The format and
+the conversion to COCO results are described in docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -39,8 +23,10 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from lit_roidata.osutil import atomic_write
+
 __all__ = ["COCOEvaluator", "detections_to_coco_results", "coco_category_map",
-           "keypoint_category_ids"]
+           "keypoint_category_ids", "dataset_info", "annotation_file", "gather_to_rank0"]
 
 log = logging.getLogger(__name__)
 
@@ -204,17 +190,9 @@ def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
 class COCOEvaluator(pl.Callback):
     """COCO box, mask and keypoint AP of the model's detections after every validation/test pass.
 
-    Collects ``outputs["detections"]`` of each ``validation_step``/``test_step``, gathers
-    them from all ranks (``gather_object`` to rank 0), evaluates on rank 0 against each
-    dataset's annotation file with ``COCOeval`` (only on the images that were run, so
-    ``limit_val_batches`` gives a true partial AP), broadcasts the numbers and logs them
-    on every rank as ``val/bbox_AP``, ``val/bbox_AP50``, ... (``test/`` for test; with
-    several datasets also ``val/<dataset>/bbox_AP``; the unprefixed keys are their
-    mean). Rank 0 prints a summary table and logs COCO's full summary.
-
-    Datasets are resolved from the trainer's data module (its evaluation roidb's
-    ``DatasetInfo`` for the category ids, its catalog for the annotation file), else from
-    :data:`lit_roidata.catalog.DatasetCatalog` and the annotation file's category order.
+    The detections of all ranks are evaluated on rank 0 (on the images that were run) and
+    logged on every rank as ``val/bbox_AP``, ``val/bbox_AP50``, ... (``test/`` for test,
+    ``val/<dataset>/...`` too with several datasets); see docs/evaluation.md.
 
     Args:
         iou_types: ``"bbox"``, ``"segm"``, ``"keypoints"``; segm and keypoints run only if
@@ -246,35 +224,24 @@ class COCOEvaluator(pl.Callback):
 
     #: What the messages call this evaluation; the prefix of its metric names (after
     #: ``val/``) and the table's columns. :class:`~lit_roidata.lvis_evaluation.LVISEvaluator`
-    #: overrides them with the hooks below (``_load_gt``, ``_results``, ``_score``).
+    #: overrides them with the hooks below (``_load_gt``, ``_limit``, ``_score``).
     _label = "COCO"
     _key_prefix = ""
     _table_stats: tuple[str, ...] = _STAT_NAMES
 
-    # -- collection ----------------------------------------------------------------------
-    def _collect(self, outputs: Any) -> None:
-        dets = outputs.get("detections") if isinstance(outputs, Mapping) else None
-        if dets is None:
-            return
-        for d in dets:
-            item = {k: (_numpy(v) if torch.is_tensor(v) else v) for k, v in d.items()}
-            self._dets.append(item)
-
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._dets = []
 
-    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._dets = []
+    on_test_epoch_start = on_validation_epoch_start
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                                 outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
-        self._collect(outputs)
+        dets = outputs.get("detections") if isinstance(outputs, Mapping) else None
+        self._dets += [{k: (_numpy(v) if torch.is_tensor(v) else v) for k, v in d.items()}
+                       for d in dets or ()]
 
-    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                          outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:
-        self._collect(outputs)
+    on_test_batch_end = on_validation_batch_end
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
@@ -283,17 +250,10 @@ class COCOEvaluator(pl.Callback):
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._finish(trainer, pl_module, "test")
 
-    # -- evaluation ----------------------------------------------------------------------
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
         dets = self._dets
         self._dets = []
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if distributed:
-            # Only rank 0 evaluates: gather the detections there, not onto every rank.
-            gathered: Optional[list[Any]] = (
-                [None] * dist.get_world_size() if dist.get_rank() == 0 else None)
-            dist.gather_object(dets, gathered, dst=0)
-            dets = [d for part in gathered for d in part] if gathered is not None else []
+        dets = gather_to_rank0(dets)  # only rank 0 evaluates
         metrics: dict[str, float] = {}
         error: Optional[str] = None
         if not dets and trainer.global_rank == 0:
@@ -306,7 +266,7 @@ class COCOEvaluator(pl.Callback):
                 metrics = self.evaluate(dets, prefix=prefix, trainer=trainer)
             except Exception as e:  # noqa: BLE001 - re-raised on every rank below
                 error = f"{type(e).__name__}: {e}"
-        if distributed:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             box = [(metrics, error)]
             dist.broadcast_object_list(box, src=0)
             metrics, error = box[0]
@@ -386,6 +346,10 @@ class COCOEvaluator(pl.Callback):
         if iou == "keypoints":
             kp_cats = set(keypoint_category_ids(gt))
             results = [r for r in results if r["category_id"] in kp_cats]
+        return self._limit(results)
+
+    def _limit(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The results evaluated and written (all of them; LVIS keeps 300 per image)."""
         return results
 
     def _score(self, gt: Any, results: list[dict[str, Any]], iou: str,
@@ -404,21 +368,7 @@ class COCOEvaluator(pl.Callback):
 
     def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
         """(ground truth, id map source) for dataset ``name``."""
-        info = None
-        ann_file = self.annotation_files.get(name)
-        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if dm is not None:
-            for attr in ("val_roidb", "test_roidb", "train_roidb"):
-                roidb = getattr(dm, attr, None)
-                for ds_info in getattr(roidb, "datasets", ()) or ():
-                    if ds_info.name == name and info is None:
-                        info = ds_info
-            if ann_file is None and hasattr(dm, "catalog"):
-                ann_file = _annotation_file(dm.catalog(), name)
-        if ann_file is None:
-            from lit_roidata.catalog import DatasetCatalog
-
-            ann_file = _annotation_file(DatasetCatalog, name)
+        ann_file = self.annotation_files.get(name) or annotation_file(name, trainer)
         if ann_file not in self._coco_cache:
             if not os.path.isfile(ann_file):
                 raise FileNotFoundError(f"annotation file {ann_file} of dataset {name!r} does "
@@ -426,6 +376,7 @@ class COCOEvaluator(pl.Callback):
                                         f"annotation_files={{{name!r}: path}}")
             self._coco_cache[ann_file] = self._load_gt(ann_file)
         coco = self._coco_cache[ann_file]
+        info = dataset_info(name, trainer)
         return coco, info if info is not None else coco_category_map(coco)
 
     def _write(self, results: list[dict[str, Any]], prefix: str, iou: str, name: str) -> None:
@@ -433,9 +384,8 @@ class COCOEvaluator(pl.Callback):
             return
         os.makedirs(self.output_dir, exist_ok=True)
         path = os.path.join(self.output_dir, f"{prefix}_{iou}_{name}_results.json")
-        with open(path + ".tmp", "w") as f:
+        with atomic_write(path, "w", fsync=False) as f:
             json.dump(results, f)
-        os.replace(path + ".tmp", path)
 
     def _print_table(self, per_ds: Mapping[str, Mapping[str, float]], prefix: str) -> None:
         from rich.console import Console
@@ -457,8 +407,34 @@ class COCOEvaluator(pl.Callback):
         Console().print(table)
 
 
-def _annotation_file(catalog: Any, name: str) -> str:
-    spec = catalog.get(name)
-    if isinstance(spec, Mapping):
-        return str(spec["annotation_file"])
-    return str(spec.annotation_file)
+def dataset_info(name: str, trainer: Any) -> Any:
+    """The ``DatasetInfo`` of dataset ``name`` in the trainer's data module's roidbs
+    (validation, test, train), or ``None``."""
+    dm = getattr(trainer, "datamodule", None)
+    for attr in ("val_roidb", "test_roidb", "train_roidb"):
+        for info in getattr(getattr(dm, attr, None), "datasets", ()) or ():
+            if info.name == name:
+                return info
+    return None
+
+
+def annotation_file(name: str, trainer: Any = None) -> str:
+    """The annotation file of dataset ``name`` in the trainer's data module's catalog, else
+    in :data:`lit_roidata.catalog.DatasetCatalog`."""
+    dm = getattr(trainer, "datamodule", None)
+    catalog = dm.catalog() if hasattr(dm, "catalog") else None
+    if catalog is None:
+        from lit_roidata.catalog import DatasetCatalog as catalog
+    entry = catalog.get(name)
+    return str(entry["annotation_file"] if isinstance(entry, Mapping) else entry.annotation_file)
+
+
+def gather_to_rank0(items: list[Any]) -> list[Any]:
+    """Under DDP, the concatenation of every rank's ``items`` on rank 0 (``[]`` elsewhere);
+    ``items`` itself otherwise."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return items
+    gathered: Optional[list[Any]] = ([None] * dist.get_world_size()
+                                     if dist.get_rank() == 0 else None)
+    dist.gather_object(items, gathered, dst=0)
+    return [d for part in gathered for d in part] if gathered is not None else []

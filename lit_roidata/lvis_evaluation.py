@@ -1,25 +1,8 @@
 """LVIS evaluation: federated box and mask AP (AP, APr, APc, APf) as a Lightning callback.
 
-:class:`LVISEvaluator` is :class:`~lit_roidata.evaluation.COCOEvaluator` with LVIS's rules.
-It takes the same ``{"detections": [...]}`` from the model's ``validation_step`` /
-``test_step`` (see :mod:`lit_roidata.evaluation`), gathers them to rank 0 the same way and
-logs the same way, under ``val/lvis_bbox_AP``, ``val/lvis_bbox_APr``, ... What differs:
-
-* **Federated rules.** A detection of category ``c`` in image ``I`` is evaluated only if
-  ``c`` is annotated in ``I`` or listed in ``I``'s ``neg_category_ids`` (verified absent);
-  other detections are dropped, as nobody checked whether ``c`` is there. An unmatched
-  detection of a category in ``I``'s ``not_exhaustive_category_ids`` is ignored rather
-  than counted as a false positive.
-* **At most 300 detections per image** over all categories (the highest-scoring ones,
-  LVIS's ``max_dets``), applied before the federated filter, as the official
-  ``LVISResults`` does.
-* **APr / APc / APf**: the AP over the rare, common and frequent categories (each
-  category's ``frequency`` in the annotation file: fewer than 10, 10-99, 100 or more
-  training images).
-
-The numbers are computed by ``faster-coco-eval``'s LVIS mode (the ``lvis`` extra:
-``pip install "lit_roidata[lvis]"``), which agrees with the official ``lvis`` API's
-``LVISEval`` to 1e-6 on the same detections (tests/test_lvis_evaluation.py).
+:class:`LVISEvaluator` is :class:`~lit_roidata.evaluation.COCOEvaluator` with LVIS's rules
+(federated filtering, 300 detections per image, APr/APc/APf), computed with
+``faster-coco-eval``'s LVIS mode (the ``lvis`` extra); see docs/lvis.md.
 """
 
 from __future__ import annotations
@@ -98,14 +81,10 @@ def _check_lvis_gt(dataset: Mapping[str, Any], ann_file: str) -> None:
 
 def _federated_pairs(gt: Any) -> set[tuple[int, int]]:
     """``(image id, category id)`` pairs a detection may be evaluated on: the image has
-    that category annotated or lists it in ``neg_category_ids`` (cached on ``gt``)."""
-    pairs = getattr(gt, "_lit_roidata_federated", None)
-    if pairs is None:
-        pairs = {(int(a["image_id"]), int(a["category_id"]))
-                 for a in gt.dataset["annotations"]}
-        pairs.update((int(im["id"]), int(c)) for im in gt.dataset["images"]
-                     for c in im["neg_category_ids"])
-        gt._lit_roidata_federated = pairs
+    that category annotated or lists it in ``neg_category_ids``."""
+    pairs = {(int(a["image_id"]), int(a["category_id"])) for a in gt.dataset["annotations"]}
+    pairs.update((int(im["id"]), int(c)) for im in gt.dataset["images"]
+                 for c in im["neg_category_ids"])
     return pairs
 
 
@@ -121,15 +100,9 @@ def _categories_with_gt(gt: Any, image_ids: Sequence[int]) -> list[int]:
 class LVISEvaluator(COCOEvaluator):
     """LVIS box and mask AP (AP, APr, APc, APf, federated) after every validation/test pass.
 
-    Collects ``outputs["detections"]`` as :class:`~lit_roidata.evaluation.COCOEvaluator`
-    does (same per-image dicts, same gathering to rank 0, same dataset resolution from the
-    data module or the catalog), keeps each image's 300 best detections, evaluates with
-    LVIS's federated rules (``faster-coco-eval``'s LVIS mode) and logs on every rank
-    ``val/lvis_bbox_AP``, ``_AP50``, ``_AP75``, ``_APs``, ``_APm``, ``_APl``, ``_APr``,
-    ``_APc``, ``_APf``, ``_AR``, ``_ARs``, ``_ARm``, ``_ARl`` (``lvis_segm_*`` when the
-    detections have masks; ``test/`` for test; ``val/<dataset>/...`` too with several
-    datasets). A frequency group with no category among the evaluated images' ground truth
-    is reported as -1, as LVIS's own API does.
+    As :class:`~lit_roidata.evaluation.COCOEvaluator`, with each image's 300 best
+    detections and LVIS's federated rules; logs ``val/lvis_bbox_AP``, ``_APr``, ``_APc``,
+    ``_APf``, ``_AR``, ... (-1 for a frequency group without ground truth); see docs/lvis.md.
 
     Args:
         iou_types: ``"bbox"`` and/or ``"segm"`` (segm runs only if detections have masks).
@@ -160,6 +133,7 @@ class LVISEvaluator(COCOEvaluator):
         super().__init__(iou_types=iou_types, annotation_files=annotation_files,
                          output_dir=output_dir, print_summary=print_summary)
         self.max_dets_per_image = int(max_dets_per_image)
+        self._federated: dict[int, tuple[Any, set[tuple[int, int]]]] = {}  # id(gt): gt, pairs
 
     def _load_gt(self, ann_file: str) -> Any:
         """``faster-coco-eval``'s ``COCO`` of an LVIS json, checked for the federated fields."""
@@ -173,10 +147,8 @@ class LVISEvaluator(COCOEvaluator):
             gt.createIndex()
         return gt
 
-    def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
-                      gt: Any) -> list[dict[str, Any]]:
-        results = super()._result_dicts(detections, info, iou, gt)
-        return limit_dets_per_image(results, self.max_dets_per_image)
+    def _limit(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return limit_dets_per_image(results, self.max_dets_per_image)  # type: ignore
 
     def _score(self, gt: Any, results: list[dict[str, Any]], iou: str,
                image_ids: Sequence[int]) -> tuple[dict[str, float], str]:
@@ -187,7 +159,9 @@ class LVISEvaluator(COCOEvaluator):
         # "unordered_map::at") on a dropped mask in an image with no kept detection and no
         # ground truth. Filtering first changes no number (the tests hold the results to
         # the official LVISEval's, boxes and masks).
-        known = _federated_pairs(gt)
+        if id(gt) not in self._federated:  # the entry holds gt: its id is not reused
+            self._federated[id(gt)] = (gt, _federated_pairs(gt))
+        known = self._federated[id(gt)][1]
         kept = [r for r in results if (int(r["image_id"]), int(r["category_id"])) in known]
         lines: list[str] = []
         with contextlib.redirect_stdout(io.StringIO()):

@@ -20,7 +20,7 @@ from jsonargparse import DefaultHelpFormatter
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from lit_roidata._lightning import PL, bind, lightning_attr, namespace_of
-from lit_roidata.cli import EXIT_STATUS, tools_help
+from lit_roidata.commands import EXIT_STATUS, tools_help
 
 __all__ = ["RoIDataCLI", "cli_main", "translate_class_path"]
 
@@ -39,14 +39,8 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
 
 
 class _RoIDataParserMixin:
-    """LightningCLI's parser whose ``--help`` also lists the data module's options
-    (mixed into each namespace's ``LightningArgumentParser`` by :func:`_parser_class`).
-
-    In subclass mode (``data: class_path: ...``) jsonargparse shows only ``--data`` and
-    ``--data.help CLASS``; a user reading ``lit-roidata fit --help`` would find none of
-    the data options. This parser appends :class:`~lit_roidata.RoIDataModule`'s
-    (``--data.loader.num_workers``, ...), which also apply to its subclasses.
-    """
+    """LightningCLI's parser whose ``--help`` also lists :class:`~lit_roidata.RoIDataModule`'s
+    options (jsonargparse's subclass mode shows only ``--data``)."""
 
     def format_help(self) -> str:
         """jsonargparse's help, plus the data module's options on a parser with ``--data``."""
@@ -109,11 +103,9 @@ def _data_options_help() -> str:
 class RoIDataCLI(LightningCLI):
     """LightningCLI with the data module and the model selectable by class path.
 
-    The base classes are Lightning's own, so any LightningModule (the demo model or
-    yours) and any data module (:class:`lit_roidata.RoIDataModule` or a subclass) can
-    be named with ``class_path`` in the YAML file. The written ``config.yaml`` is
-    overwritten on a re-run in the same log directory (a resume), not refused.
-    ``lit_roidata.lightning.RoIDataCLI`` is the same CLI for ``lightning.pytorch``.
+    Any LightningModule and any data module can be named with ``class_path``; the written
+    ``config.yaml`` is overwritten on a re-run (a resume). ``lit_roidata.lightning.RoIDataCLI``
+    is the same CLI for ``lightning.pytorch``.
     """
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
@@ -128,10 +120,7 @@ class RoIDataCLI(LightningCLI):
                          subclass_mode_data=True, args=args, run=run, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> Any:
-        """LightningCLI's parser, whose ``--help`` also lists the data module's options.
-
-        Made as LightningCLI's ``init_parser`` makes it, of :class:`_RoIDataParserMixin`'s
-        class for this namespace."""
+        """LightningCLI's parser, whose ``--help`` also lists the data module's options."""
         from jsonargparse import ActionConfigFile
 
         ns = namespace_of(self) or PL
@@ -143,9 +132,7 @@ class RoIDataCLI(LightningCLI):
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict[str, Any],
                      subparser_kwargs: dict[str, Any]) -> None:
-        """LightningCLI's parser, reading the same YAML files in both namespaces.
-
-        For ``lightning.pytorch`` the files' class paths of the other namespace are
+        """LightningCLI's parser; for ``lightning.pytorch`` the YAML files' class paths are
         translated (:func:`translate_class_path`)."""
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         from lit_roidata._lightning import LIGHTNING
@@ -158,15 +145,9 @@ class RoIDataCLI(LightningCLI):
         return self.config_init[self.subcommand] if self.subcommand else self.config_init
 
     def instantiate_trainer(self, **kwargs: Any) -> Any:
-        """LightningCLI's Trainer, plus lit_roidata's default callbacks the config lacks.
-
-        Added where the config has none of their kind:
-
-        * :class:`~lit_roidata.progress.StepTQDMProgressBar` when no progress bar is
-          configured and bars are enabled (``enable_progress_bar`` not false);
-        * ``lit_roidata.callbacks.BadImageReport()`` when the data module skips bad images
-          (``sources.on_bad_image: skip``).
-        """
+        """LightningCLI's Trainer, plus :class:`~lit_roidata.progress.StepTQDMProgressBar`
+        (unless bars are off or one is configured) and ``BadImageReport`` (when the data
+        module skips bad images) where the config has none of their kind."""
         from lit_roidata._lightning import isinstance_any
         from lit_roidata.loader_callbacks import BadImageReport
         from lit_roidata.progress import StepTQDMProgressBar
@@ -187,14 +168,8 @@ class RoIDataCLI(LightningCLI):
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
 
     def before_fit(self) -> None:
-        """Resume from the checkpoint :func:`~lit_roidata.resume.choose_fit_checkpoint` picks.
-
-        That is ``--ckpt_path PATH|last|fresh``, or the interrupted run's checkpoint; it is
-        passed to ``trainer.fit`` and named in the log with its step.
-
-        Under DDP the decision is made once (rank 0, before the other processes start)
-        and handed to them through the environment (``LIT_ROIDATA_RESUME_FROM``).
-        """
+        """Resume from the checkpoint :func:`~lit_roidata.resume.choose_fit_checkpoint` picks,
+        decided once under DDP (rank 0) and handed on in ``LIT_ROIDATA_RESUME_FROM``."""
         from lit_roidata.resume import ResumeChoiceError, choose_fit_checkpoint
 
         for pattern in _SILENCED_WARNINGS:
@@ -216,10 +191,8 @@ class RoIDataCLI(LightningCLI):
         os.environ.pop(_RESUME_ENV, None)
 
     def before_validate(self) -> None:
-        """Run without ``OnExceptionCheckpoint`` (also ``test`` and ``predict``).
-
-        Their crashes write no checkpoint a later ``fit`` could take for an interrupted
-        run, and its teardown does not delete the interrupted run's file."""
+        """Run without ``OnExceptionCheckpoint`` (also ``test`` and ``predict``): their
+        crashes must not leave or delete an interrupted run's checkpoint."""
         on_exc = lightning_attr(self.trainer, "callbacks.OnExceptionCheckpoint")
         self.trainer.callbacks = [cb for cb in self.trainer.callbacks
                                   if not isinstance(cb, on_exc)]
@@ -227,11 +200,8 @@ class RoIDataCLI(LightningCLI):
     before_test = before_validate
 
     def before_predict(self) -> None:
-        """As ``validate``/``test``, and write the detections as COCO results json.
-
-        Adds a
-        :class:`~lit_roidata.models.COCOPredictionWriter` (``<default_root_dir>/predictions``)
-        unless the config already has a prediction writer."""
+        """As ``validate``/``test``, plus a :class:`~lit_roidata.models.COCOPredictionWriter`
+        unless the config has a prediction writer."""
         from lit_roidata.models.predict import COCOPredictionWriter
 
         self.before_validate()

@@ -1,12 +1,6 @@
 """Weights files: read a Detectron ``.pkl``, a Lightning checkpoint or a PyTorch state
-dict, and copy its named tensors into a module.
-
-:func:`load_weights_file` reads a file into ``{name: array or tensor}`` (pickles only with
-``trust_pickle=True``); :func:`load_weights_into` copies those blobs into a module's
-parameters and buffers with an optional name map and Detectron's ``_[xyz]_foo`` → ``foo``
-fallback (Detectron semantics: multi-gpu and weights).
-:class:`~lit_roidata.broadcast.BroadcastParameters` uses both on rank 0 before
-broadcasting the result to the other ranks.
+dict, and copy its named tensors into a module (used by
+:class:`~lit_roidata.broadcast.BroadcastParameters` on rank 0).
 """
 
 from __future__ import annotations
@@ -23,13 +17,7 @@ from torch import nn
 
 from lit_roidata._pickle_trust import UntrustedPickleError, warn_trusted
 
-__all__ = [
-    "LoadReport",
-    "NameMap",
-    "WeightsShapeError",
-    "load_weights_file",
-    "load_weights_into",
-]
+__all__ = ["LoadReport", "NameMap", "WeightsShapeError", "load_weights_file", "load_weights_into"]
 
 log = logging.getLogger(__name__)
 

@@ -210,7 +210,7 @@ def test_dead_owner_lease_is_taken_over(make_exchange, caplog):
     rec = orjson.loads(ch._lease)
     rec.update(pid=dead.pid, token="dead", create_time=0.0)
     key = ch._k_lease["producer"]
-    ch._ex._forget(ch)  # stop our heartbeat so the forged record stays
+    ch._ex.forget(ch)  # stop our heartbeat so the forged record stays
     ch._store.set(key, orjson.dumps(rec), ttl=30)
     with caplog.at_level(logging.WARNING):
         ex2 = make_exchange()
@@ -235,7 +235,7 @@ def test_expired_peer_lease_is_reported_as_dead(make_exchange):
     cons = make_exchange(lease_ttl=1.0).channel("c", "consumer")
     with pytest.raises(ExchangeTimeoutError, match="alive but sent nothing"):
         cons.get(timeout=0.3)
-    ex._forget(prod)  # the producer stops heart-beating, as if frozen on another host
+    ex.forget(prod)  # the producer stops heart-beating, as if frozen on another host
     with pytest.raises(PeerDeadError, match="stopped heart-beating"):
         cons.get(timeout=30)
 

@@ -232,7 +232,7 @@ def test_stalled_producer_is_fenced_out_after_a_takeover(make_exchange):
     cons = make_exchange().channel("c", "consumer")
     a.put({"who": np.array(1)})
     assert int(cons.get(timeout=10)[0]["who"]) == 1
-    ex_a._forget(a)  # A's heartbeat stops: it stalls (as under a long GC or swap)
+    ex_a.forget(a)  # A's heartbeat stops: it stalls (as under a long GC or swap)
     time.sleep(2.6)  # its lease expires
     b = make_exchange(lease_ttl=1.0, resume=True).channel("c", "producer")  # takes over
     with pytest.raises(LeaseLostError, match="fenced out"):
@@ -469,7 +469,7 @@ def test_memcached_keys_expire(memcached_server):
     prod.put({"x": np.zeros(5_000_000, np.uint8)})  # chunked (-I 1m): chunks expire too
     desc = prod._store.get(prod._msg(1))
     chunk0 = prod._msg(1) + f"#{desc[-8:].hex()}#0"
-    keys = [ex._incarnation_key, prod._k_head, prod._k_ack, prod._k_gen, prod._msg(1), chunk0,
+    keys = [ex.incarnation_key, prod._k_head, prod._k_ack, prod._k_gen, prod._msg(1), chunk0,
             prod._k_closed["producer"]]
     ex.close()  # the consumer never came: nothing is deleted, everything expires
     store = prod._store.clone()

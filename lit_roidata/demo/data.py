@@ -1,17 +1,9 @@
 """Synthetic COCO-style demo data: images, annotation JSON and Detectron proposal files.
 
-``ensure_demo_data(root)`` writes, once, a small dataset family that exercises every part
-of the pipeline: two training datasets with the same categories (``combined_roidb`` over
-several datasets), a validation set, a proposal file per dataset (Detectron's proposals,
-in the columnar ``.npz`` format that is read without unpickling; Detectron semantics:
-proposals), crowd regions as uncompressed RLE (``iscrowd=1``), polygons, a ``person``
-category with COCO's 17 keypoints (so Detectron's flip map applies, Detectron semantics:
-datasets and catalog), a few portrait images (aspect grouping, Detectron semantics: sampler
-and aspect grouping) and a few images without objects.
-
-The data is generated into a temporary folder and moved into place under a file lock;
-a manifest written last marks it complete. So concurrent DDP ranks do not race, an
-interrupted run is rebuilt, and a complete folder is reused (idempotent).
+:func:`ensure_demo_data` writes, once, two training sets and a validation set that
+exercise every part of the pipeline (columnar proposal files, crowd RLE, polygons, person
+keypoints, portrait and empty images); built in a temporary folder under a file lock, a
+manifest written last marks it complete (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import cv2
 import numpy as np
@@ -32,16 +24,10 @@ from filelock import FileLock, Timeout
 
 from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.demo.shapes import DEMO_CATEGORIES, draw_image
+from lit_roidata.osutil import atomic_write
 
-__all__ = [
-    "DEMO_CATEGORIES",
-    "DEMO_NUM_IMAGES",
-    "DEMO_TRAIN_DATASETS",
-    "DEMO_VAL_DATASETS",
-    "DemoDatasets",
-    "ensure_demo_data",
-    "register_demo_datasets",
-]
+__all__ = ["DEMO_CATEGORIES", "DEMO_NUM_IMAGES", "DEMO_TRAIN_DATASETS", "DEMO_VAL_DATASETS",
+           "DemoDatasets", "ensure_demo_data", "is_demo_data", "register_demo_datasets"]
 
 log = logging.getLogger(__name__)
 
@@ -159,20 +145,38 @@ def _layout(root: Path, counts: Mapping[str, int]) -> dict[str, dict[str, Any]]:
                    "num_images": int(n)} for name, n in counts.items()}
 
 
-def _is_complete(root: Path, wanted: dict[str, Any]) -> bool:
+def _files_ok(root: Path, counts: Mapping[str, int]) -> bool:
+    return all((root / name / "annotations.json").is_file()
+               and (root / name / "proposals.npz").is_file()
+               and count_jpegs(root / name / "images") == n for name, n in counts.items())
+
+
+def count_jpegs(folder: Path) -> int:
+    """The ``.jpg`` files in ``folder`` (0 when it does not exist)."""
     try:
-        manifest = json.loads((root / _MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    if {k: manifest.get(k) for k in wanted} != wanted:
-        return False
-    for name, n in wanted["num_images"].items():
-        d = root / name
-        if not ((d / "annotations.json").is_file() and (d / "proposals.npz").is_file()):
-            return False
-        if sum(1 for e in os.scandir(d / "images") if e.name.endswith(".jpg")) != n:
-            return False
-    return True
+        return sum(1 for e in os.scandir(folder) if e.name.endswith(".jpg"))
+    except FileNotFoundError:
+        return 0
+
+
+def _wanted(seed: int, num_images: Mapping[str, int] | None) -> dict[str, Any]:
+    counts = dict(DEMO_NUM_IMAGES)
+    for name, n in (num_images or {}).items():
+        if name not in counts:
+            raise ValueError(f"num_images: unknown demo dataset {name!r}; "
+                             f"choose from {sorted(counts)}")
+        if int(n) < 1:
+            raise ValueError(f"num_images[{name!r}] = {n}; need at least 1 image")
+        counts[name] = int(n)
+    return {"version": _VERSION, "seed": int(seed), "num_images": counts}
+
+
+def is_demo_data(root: str | os.PathLike, *, seed: int = 0,
+                 num_images: Mapping[str, int] | None = None) -> bool:
+    """Whether ``root`` holds the complete demo data :func:`ensure_demo_data` makes with
+    these arguments (which it would reuse untouched)."""
+    root, wanted = Path(root).expanduser().resolve(), _wanted(seed, num_images)
+    return is_built(root, _MANIFEST, wanted, lambda: _files_ok(root, wanted["num_images"]))
 
 
 def ensure_demo_data(root: str | os.PathLike, *, seed: int = 0,
@@ -198,58 +202,64 @@ def ensure_demo_data(root: str | os.PathLike, *, seed: int = 0,
         ValueError: unknown dataset name or a count below 1 in ``num_images``.
         TimeoutError: another process held the lock for more than 10 minutes.
     """
-    counts = dict(DEMO_NUM_IMAGES)
-    for name, n in (num_images or {}).items():
-        if name not in counts:
-            raise ValueError(f"num_images: unknown demo dataset {name!r}; "
-                             f"choose from {sorted(counts)}")
-        if int(n) < 1:
-            raise ValueError(f"num_images[{name!r}] = {n}; need at least 1 image")
-        counts[name] = int(n)
+    wanted = _wanted(seed, num_images)
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
-    wanted = {"version": _VERSION, "seed": int(seed), "num_images": counts}
-    layout = _layout(root, counts)
-    build_once(root, ".demo_data.lock", lambda: _is_complete(root, wanted),
-               lambda: _build(root, wanted))
-    return layout
+    build_once(root, ".demo_data.lock", _MANIFEST, wanted,
+               lambda: _files_ok(root, wanted["num_images"]), lambda tmp: _build(tmp, wanted))
+    return _layout(root, wanted["num_images"])
 
 
-def build_once(root: Path, lock_name: str, is_complete: Callable[[], bool],
-               build: Callable[[], None]) -> None:
-    """Run ``build`` unless ``is_complete()``, once across processes: under a file lock in
-    ``root``, checked again after the wait (another rank may have built it meanwhile).
+def is_built(root: Path, manifest: str, wanted: Mapping[str, Any],
+             files_ok: Callable[[], bool]) -> bool:
+    """Whether ``root/manifest`` records ``wanted`` and ``files_ok()``."""
+    try:
+        found = json.loads((root / manifest).read_text())
+    except (OSError, ValueError):
+        return False
+    return {k: found.get(k) for k in wanted} == wanted and files_ok()
+
+
+def build_once(root: Path, lock_name: str, manifest: str, wanted: Mapping[str, Any],
+               files_ok: Callable[[], bool], make: Callable[[Path], Iterable[str]]) -> None:
+    """Generate a data folder unless it is there (:func:`is_built`), once across processes.
+
+    Under a file lock in ``root`` (checked again after the wait: another rank may have
+    built it meanwhile), ``make(tmp)`` writes into a temporary folder and returns the
+    paths it made there; they replace those of ``root`` and the manifest (``wanted``) is
+    written last, marking the folder complete.
 
     Raises:
         TimeoutError: the lock was held for 10 minutes (names the lock file to delete).
     """
-    if is_complete():
+    if is_built(root, manifest, wanted, files_ok):
         return
     try:
         with FileLock(str(root / lock_name), timeout=_LOCK_TIMEOUT_S):
-            if not is_complete():
-                build()
+            if is_built(root, manifest, wanted, files_ok):
+                return
+            log.info("generating synthetic demo data in %s (%s)", root, wanted["num_images"])
+            (root / manifest).unlink(missing_ok=True)
+            tmp = root / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                for sub in make(tmp):
+                    shutil.rmtree(root / sub, ignore_errors=True)
+                    (root / sub).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(tmp / sub, root / sub)
+                with atomic_write(root / manifest, "w") as f:
+                    json.dump(wanted, f, indent=1)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     except Timeout as e:
         raise TimeoutError(f"waited {_LOCK_TIMEOUT_S:.0f} s for the demo-data lock "
                            f"{root / lock_name}; if no other process is generating "
                            f"the data, delete that file and retry") from e
 
 
-def _build(root: Path, wanted: dict[str, Any]) -> None:
-    log.info("generating synthetic demo data in %s (%s)", root, wanted["num_images"])
-    (root / _MANIFEST).unlink(missing_ok=True)
-    tmp = root / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        for ds_index, (name, n) in enumerate(sorted(wanted["num_images"].items())):
-            _make_dataset(tmp, name, n, wanted["seed"], ds_index)
-        for name in wanted["num_images"]:
-            shutil.rmtree(root / name, ignore_errors=True)
-            os.replace(tmp / name, root / name)
-        part = root / f"{_MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
-        part.write_text(json.dumps(wanted, indent=1))
-        os.replace(part, root / _MANIFEST)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _build(tmp: Path, wanted: dict[str, Any]) -> list[str]:
+    for ds_index, (name, n) in enumerate(sorted(wanted["num_images"].items())):
+        _make_dataset(tmp, name, n, wanted["seed"], ds_index)
+    return list(wanted["num_images"])
 
 
 def _default_catalog() -> Any:

@@ -1,15 +1,8 @@
 """``DemoFasterRCNN``: the demo detector trained end to end from the loader's RPN targets.
 
-The loader delivers Detectron's RPN family (Detectron semantics: blob names; RPN targets): ``data``,
-``im_info``,
-``roidb`` and the single-level wide blobs ``rpn_labels_int32_wide``,
-``rpn_bbox_targets_wide``, ``rpn_bbox_inside_weights_wide``,
-``rpn_bbox_outside_weights_wide`` (``(N, A, F, F)`` / ``(N, 4A, F, F)`` over the fixed
-field of anchors). As in Detectron, the wide blobs are cropped to the feature map
-(``SpatialNarrowAs``), the RPN proposals are generated in the network
-(``GenerateProposals``: top-k, decode, clip, min size, NMS, top-k per image), and the
-second-stage Fast R-CNN blobs come from :func:`lit_roidata.minibatch.proposal_labels`
-(Detectron semantics: end-to-end training). Body, RoI head, losses and inference are
+As in Detectron, the loader's wide RPN blobs are cropped to the feature map, proposals are
+generated in the network and the second-stage blobs come from
+:func:`lit_roidata.minibatch.proposal_labels`; body, RoI head, losses and inference are
 :class:`DemoFastRCNN`'s.
 """
 
@@ -80,7 +73,6 @@ class DemoFasterRCNN(DemoFastRCNN):
             nn.init.zeros_(m.bias)
         self._cfg: Any = None
 
-    # -- config ------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self._cfg = self._data_cfg()
@@ -108,7 +100,6 @@ class DemoFasterRCNN(DemoFastRCNN):
                 for k, (h, w) in bad.items()) + "; set data.overrides accordingly")
         return cfg
 
-    # -- RPN ---------------------------------------------------------------------------
     def rpn(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Objectness logits ``(N, A, H, W)`` and deltas ``(N, 4A, H, W)``."""
         h = F.relu(self.rpn_conv(feats))
@@ -174,7 +165,6 @@ class DemoFasterRCNN(DemoFastRCNN):
                                    normalizer=n)
         return {"loss_rpn_cls": loss_cls, "loss_rpn_bbox": loss_bbox}
 
-    # -- steps -------------------------------------------------------------------------
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """RPN losses, in-network proposals, second-stage labels and Fast R-CNN losses."""
         from lit_roidata.minibatch import proposal_labels

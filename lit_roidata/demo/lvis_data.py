@@ -1,54 +1,29 @@
 """Synthetic LVIS v1-format data: long-tailed categories, federated image labels, real JPEGs.
 
-:func:`ensure_lvis_demo_data` writes, once, a train and a val split laid out as
-Detectron2 lays out LVIS v1 under a data root::
-
-    root/lvis/lvis_v1_train.json   root/coco/train2017/<id>.jpg
-    root/lvis/lvis_v1_val.json     root/coco/val2017/<id>.jpg
-
-so the built-in names ``lvis_v1_train`` / ``lvis_v1_val`` resolve with ``data_root=root``,
-and :func:`register_lvis_demo_datasets` registers ``lvis_demo_train`` / ``lvis_demo_val``
-(``format="lvis"``). What it exercises:
-
-* **LVIS v1 records**: images carry ``coco_url`` and no ``file_name``; categories carry
-  ``synonyms``, ``def``, ``synset``, ``frequency`` (``"r"`` / ``"c"`` / ``"f"``),
-  ``image_count`` and ``instance_count`` (counted on the train split, and the same list
-  in both files, as in LVIS); annotations are polygons with no ``iscrowd``.
-* **A long tail**: each category is planned into a number of train images by its group:
-  frequent ones in more than ``common_max`` images, common ones in ``rare_max + 1`` to
-  ``common_max``, rare ones in 1 to ``rare_max``. ``frequency`` is then LVIS's rule on
-  the *actual* train image count with these thresholds, which are LVIS's (10, 100) from
-  300 train images up and shrink with smaller splits (recorded in ``info``).
-* **Federated labels**: every image lists ``neg_category_ids`` (categories verified
-  absent: drawn from those not in the image) and ``not_exhaustive_category_ids``
-  (categories of the image one of whose drawn instances is left unannotated).
-
-Each category is one shape (rectangle, ellipse, triangle: the COCO demo's drawing code,
-:mod:`lit_roidata.demo.shapes`) in one colour, so a small detector can learn them. The
-output is a function of the arguments (the seed included); a manifest written last marks
-a complete folder, which is reused, and a file lock serialises concurrent callers.
+:func:`ensure_lvis_demo_data` writes, once, train and val splits in Detectron2's LVIS v1
+layout under a data root (``lvis/lvis_v1_{train,val}.json``, ``coco/{train,val}2017/``),
+with LVIS category records (frequency groups from the actual train counts), federated
+``neg_category_ids`` / ``not_exhaustive_category_ids`` and one shape and colour per
+category; :func:`register_lvis_demo_datasets` registers ``lvis_demo_train`` /
+``lvis_demo_val``. See docs/lvis_datasets.md.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import cv2
 import numpy as np
 
-from lit_roidata.demo.data import build_once
-from lit_roidata.demo.shapes import _annotation, _draw_shape, _place
+from lit_roidata.demo.data import build_once, count_jpegs
+from lit_roidata.demo.shapes import annotation, canvas, draw_shape, place
 
 __all__ = ["LVIS_DEMO_DATASETS", "ensure_lvis_demo_data", "lvis_thresholds",
            "register_lvis_demo_datasets"]
 
-log = logging.getLogger(__name__)
 
 #: Names :func:`register_lvis_demo_datasets` registers (train, val).
 LVIS_DEMO_DATASETS: tuple[str, str] = ("lvis_demo_train", "lvis_demo_val")
@@ -126,11 +101,8 @@ def _draw(rng: np.random.Generator, cats: list[dict], planned: list[int],
 
     Returns the BGR image, the annotations, and the categories left not exhaustive (one
     drawn instance unannotated)."""
-    lo, hi = size_range
-    a, b = int(rng.integers(lo, (lo + hi) // 2 + 1)), int(rng.integers((lo + hi) // 2, hi + 1))
-    W, H = (a, b) if rng.random() < 0.2 else (b, a)
-    base = rng.integers(165, 245, size=3)
-    img = (base[None, None, :] + rng.normal(0, 6, size=(H, W, 3))).clip(0, 255).astype(np.uint8)
+    img = canvas(rng, size_range)
+    H, W = img.shape[:2]
     taken: list[tuple[int, int, int, int]] = []
     anns: list[dict] = []
     by_cat: dict[int, list[int]] = {}
@@ -139,12 +111,12 @@ def _draw(rng: np.random.Generator, cats: list[dict], planned: list[int],
         for _ in range(1 + int(rng.random() < 0.35) + int(rng.random() < 0.1)):
             s = int(rng.integers(18, min(64, min(W, H) - 4) + 1))
             w, h = s, int(np.clip(round(s * rng.uniform(0.7, 1.4)), 14, H - 4))
-            pos = _place(rng, taken, W, H, w, h)
+            pos = place(rng, taken, W, H, w, h)
             if pos is None:
                 continue
             mask = np.zeros((H, W), np.uint8)
-            _draw_shape(mask, cat["_shape"], pos[0], pos[1], w, h)
-            ann = _annotation(mask, cat["_shape"], crowd=False)
+            draw_shape(mask, cat["_shape"], pos[0], pos[1], w, h)
+            ann = annotation(mask, cat["_shape"], crowd=False)
             if ann is None:
                 continue
             ann.pop("iscrowd")  # LVIS has no crowd annotations
@@ -222,20 +194,10 @@ def _layout(root: Path, counts: dict[str, int]) -> dict[str, dict[str, Any]]:
                    "num_images": int(counts[name]), "format": "lvis"} for name in _SPLITS}
 
 
-def _is_complete(root: Path, wanted: dict[str, Any]) -> bool:
-    try:
-        manifest = json.loads((root / _MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    if manifest != wanted:
-        return False
-    for name, info in _layout(root, wanted["num_images"]).items():
-        folder = Path(info["image_dir"]) / _SPLITS[name][0]
-        if not (Path(info["annotation_file"]).is_file() and folder.is_dir()):
-            return False
-        if sum(1 for e in os.scandir(folder) if e.name.endswith(".jpg")) != info["num_images"]:
-            return False
-    return True
+def _files_ok(root: Path, wanted: dict[str, Any]) -> bool:
+    return all(Path(info["annotation_file"]).is_file()
+               and count_jpegs(Path(info["image_dir"]) / _SPLITS[name][0]) == info["num_images"]
+               for name, info in _layout(root, wanted["num_images"]).items())
 
 
 def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: int = 300,
@@ -270,48 +232,34 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
     counts = {"lvis_demo_train": int(num_train), "lvis_demo_val": int(num_val)}
     wanted = {"version": _VERSION, "seed": int(seed), "num_images": counts,
               "num_categories": int(num_categories), "size_range": [int(v) for v in size_range]}
-    layout = _layout(root, counts)
-    build_once(root, ".lvis_demo_data.lock", lambda: _is_complete(root, wanted),
-               lambda: _build(root, wanted))
-    return layout
+    build_once(root, ".lvis_demo_data.lock", _MANIFEST, wanted,
+               lambda: _files_ok(root, wanted), lambda tmp: _build(tmp, wanted))
+    return _layout(root, counts)
 
 
-def _build(root: Path, wanted: dict[str, Any]) -> None:
-    log.info("generating synthetic LVIS demo data in %s (%s)", root, wanted["num_images"])
-    (root / _MANIFEST).unlink(missing_ok=True)
-    tmp = root / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        n_train, n_val = wanted["num_images"]["lvis_demo_train"], \
-            wanted["num_images"]["lvis_demo_val"]
-        cats = _categories(wanted["num_categories"])
-        thresholds = lvis_thresholds(n_train)
-        size_range = tuple(wanted["size_range"])
-        seed = wanted["seed"]
-        targets = _targets(np.random.default_rng(np.random.SeedSequence([seed, 99])), n_train,
-                           len(cats), *thresholds)
-        splits = {"lvis_demo_train": _make_split(tmp, "lvis_demo_train", n_train, seed, cats,
-                                                 targets, 1.0, size_range),
-                  "lvis_demo_val": _make_split(tmp, "lvis_demo_val", n_val, seed, cats,
-                                               targets, n_val / n_train, size_range)}
-        records = _category_records(cats, *splits["lvis_demo_train"], thresholds)
-        (tmp / "lvis").mkdir()
-        for name, (images, anns) in splits.items():
-            doc = {"info": {"description": f"lit_roidata synthetic LVIS v1-format data ({name})",
-                            "version": "1.0", "year": 2026,
-                            "frequency_thresholds": {"rare_max_images": thresholds[0],
-                                                     "common_max_images": thresholds[1]}},
-                   "licenses": [{"id": 1, "name": "CC BY 4.0", "url": ""}],
-                   "images": images, "annotations": anns, "categories": records}
-            (tmp / "lvis" / _SPLITS[name][1]).write_text(json.dumps(doc))
-        for sub in ("lvis", "coco/train2017", "coco/val2017"):
-            shutil.rmtree(root / sub, ignore_errors=True)
-            (root / sub).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp / sub, root / sub)
-        part = root / f"{_MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
-        part.write_text(json.dumps(wanted, indent=1))
-        os.replace(part, root / _MANIFEST)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def _build(tmp: Path, wanted: dict[str, Any]) -> tuple[str, ...]:
+    n_train, n_val = wanted["num_images"]["lvis_demo_train"], wanted["num_images"]["lvis_demo_val"]
+    cats = _categories(wanted["num_categories"])
+    thresholds = lvis_thresholds(n_train)
+    size_range = tuple(wanted["size_range"])
+    seed = wanted["seed"]
+    targets = _targets(np.random.default_rng(np.random.SeedSequence([seed, 99])), n_train,
+                       len(cats), *thresholds)
+    splits = {"lvis_demo_train": _make_split(tmp, "lvis_demo_train", n_train, seed, cats,
+                                             targets, 1.0, size_range),
+              "lvis_demo_val": _make_split(tmp, "lvis_demo_val", n_val, seed, cats,
+                                           targets, n_val / n_train, size_range)}
+    records = _category_records(cats, *splits["lvis_demo_train"], thresholds)
+    (tmp / "lvis").mkdir()
+    for name, (images, anns) in splits.items():
+        doc = {"info": {"description": f"lit_roidata synthetic LVIS v1-format data ({name})",
+                        "version": "1.0", "year": 2026,
+                        "frequency_thresholds": {"rare_max_images": thresholds[0],
+                                                 "common_max_images": thresholds[1]}},
+               "licenses": [{"id": 1, "name": "CC BY 4.0", "url": ""}],
+               "images": images, "annotations": anns, "categories": records}
+        (tmp / "lvis" / _SPLITS[name][1]).write_text(json.dumps(doc))
+    return ("lvis", "coco/train2017", "coco/val2017")
 
 
 def register_lvis_demo_datasets(root: str | os.PathLike, catalog: Optional[Any] = None,

@@ -1,14 +1,9 @@
 """``DemoFastRCNN``: a small Fast R-CNN that consumes this package's Detectron blobs.
 
-Built from torchvision parts (``roi_align``, ``batched_nms``) and a few convolutions, it
-exists to show the data pipeline end to end: it reads exactly the blobs Detectron's
-Fast R-CNN reads (Detectron semantics: blob names "Fast R-CNN with precomputed proposals", Detectron
-semantics: Fast R-CNN targets) and applies
-Detectron's losses: softmax cross-entropy over the sampled RoIs and smooth-L1 box
-regression masked by ``bbox_inside_weights`` / ``bbox_outside_weights``, both
-normalised by the number of RoIs. Inference follows Detectron's ``im_detect_bbox`` +
-``box_results_with_nms_and_limit``: decode with ``MODEL.BBOX_REG_WEIGHTS`` in original
-image coordinates, clip, per-class score threshold and NMS, keep the top detections.
+A few convolutions, ``roi_align`` and a 2-layer head that read exactly the Fast R-CNN
+blobs Detectron reads, with Detectron's losses (softmax cross-entropy, smooth L1 masked by
+the inside/outside weights) and test path (decode, clip, per-class threshold and NMS);
+see docs/demo.md.
 """
 
 from __future__ import annotations
@@ -74,12 +69,7 @@ def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
 class DemoFastRCNN(pl.LightningModule):
     """A small Fast R-CNN (conv body, RoIAlign, 2-layer MLP head) on Detectron blobs.
 
-    Training batches are the Fast R-CNN blobs of Detectron semantics: blob names; Fast R-CNN
-    targets: ``data`` (float32 NCHW
-    BGR minus ``PIXEL_MEANS``; uint8 images are normalised here), ``rois`` (R, 5),
-    ``labels_int32``, ``bbox_targets``, ``bbox_inside_weights``, ``bbox_outside_weights``
-    (R, 4·num_classes). Validation/test batches hold ``data``, ``rois`` and ``_meta``
-    (``image_ids``, ``im_scales``, ``datasets``, ``heights``, ``widths``);
+    Trains on the Fast R-CNN blobs (``data``, ``rois``, ``labels_int32``, ``bbox_*``);
     ``validation_step`` returns ``{"detections": [...]}`` for
     :class:`lit_roidata.evaluation.COCOEvaluator`.
 
@@ -108,28 +98,16 @@ class DemoFastRCNN(pl.LightningModule):
             the demo trains about 3x faster on 2 cores than with two.
     """
 
-    def __init__(
-        self,
-        num_classes: int = 5,
-        lr: float = 0.01,
-        optimizer: Literal["sgd", "adamw"] = "sgd",
-        weight_decay: float = 1e-4,
-        warmup_iters: int = 50,
-        warmup_factor: float = 1.0 / 3.0,
-        lr_steps: Sequence[int] = (),
-        gamma: float = 0.1,
-        backbone_width: int = 16,
-        head_dim: int = 256,
-        roi_resolution: int = 7,
-        sampling_ratio: int = 2,
-        bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0),
-        cls_agnostic_bbox_reg: bool = False,
-        score_thresh: float = 0.05,
-        nms_thresh: float = 0.5,
-        detections_per_im: int = 100,
-        pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
-        cpu_threads: Optional[int] = 1,
-    ) -> None:
+    def __init__(self, num_classes: int = 5, lr: float = 0.01,
+                 optimizer: Literal["sgd", "adamw"] = "sgd", weight_decay: float = 1e-4,
+                 warmup_iters: int = 50, warmup_factor: float = 1.0 / 3.0,
+                 lr_steps: Sequence[int] = (), gamma: float = 0.1, backbone_width: int = 16,
+                 head_dim: int = 256, roi_resolution: int = 7, sampling_ratio: int = 2,
+                 bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0),
+                 cls_agnostic_bbox_reg: bool = False, score_thresh: float = 0.05,
+                 nms_thresh: float = 0.5, detections_per_im: int = 100,
+                 pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+                 cpu_threads: Optional[int] = 1) -> None:
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes={num_classes}: need background plus >= 1 class "
@@ -157,7 +135,6 @@ class DemoFastRCNN(pl.LightningModule):
         if threads is not None and self.trainer.strategy.root_device.type == "cpu":
             torch.set_num_threads(max(1, int(threads)))
 
-    # -- forward -------------------------------------------------------------------------
     def _image_blob(self, data: Any) -> torch.Tensor:
         x = torch.as_tensor(data, device=self.device)
         if x.dtype == torch.uint8:  # NCHW BGR uint8: normalise as Detectron does
@@ -184,7 +161,6 @@ class DemoFastRCNN(pl.LightningModule):
         h = F.relu(self.fc7(h))
         return self.cls_score(h), self.bbox_pred(h)
 
-    # -- training ------------------------------------------------------------------------
     def _tensor(self, x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.as_tensor(x, device=self.device).to(dtype)
 
@@ -234,7 +210,6 @@ class DemoFastRCNN(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
-    # -- inference -----------------------------------------------------------------------
     @torch.no_grad()
     def detect(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Detections per image in original-image coordinates (Detectron's test path).

@@ -22,16 +22,10 @@ __all__ = ["RPNExchangeDemo"]
 class RPNExchangeDemo(pl.LightningModule):
     """A tiny FPN-RPN that publishes / consumes per-level RPN outputs (the fork's use).
 
-    ``forward`` returns ``rpn_cls_probs_fpn<l>`` ``(N, A, H/2^l, W/2^l)`` and
-    ``rpn_bbox_pred_fpn<l>`` ``(N, 4A, H/2^l, W/2^l)`` for ``l`` in ``levels``, the names
-    Detectron's FPN RPN heads use. ``training_step`` returns them (detached) next to the
-    loss, so :class:`~lit_roidata.exchange.callback.BlobExchangeCallback` can publish them.
-
-    Loss: Detectron's RPN loss on the loader's ``rpn_*_wide_fpn<l>`` blobs when the batch
-    has them (sigmoid cross-entropy on labelled anchors, smooth-L1 with inside/outside
-    weights); for ``role="student"`` plus a distillation term against the peer's outputs
-    (``self.peer_outputs``) weighted like the fork's consumer op: inside weight 1, outside
-    weight ``1/(C·H·W)`` per image.
+    ``training_step`` returns ``rpn_cls_probs_fpn<l>`` / ``rpn_bbox_pred_fpn<l>`` (detached,
+    for :class:`~lit_roidata.exchange.callback.BlobExchangeCallback`) next to Detectron's
+    RPN loss; a ``"student"`` adds a distillation term against ``self.peer_outputs``
+    weighted like the fork's consumer op (docs/exchange.md).
 
     Args:
         role: ``"teacher"`` (publishes) or ``"student"`` (also learns from the peer).

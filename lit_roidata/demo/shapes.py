@@ -15,7 +15,8 @@ from pycocotools import mask as mask_utils
 
 from lit_roidata.roidb.info import COCO_KEYPOINT_NAMES
 
-__all__ = ["COCO_KEYPOINT_NAMES", "DEMO_CATEGORIES", "draw_image", "rle_uncompressed"]
+__all__ = ["COCO_KEYPOINT_NAMES", "DEMO_CATEGORIES", "annotation", "canvas", "draw_image",
+           "draw_shape", "place", "rle_uncompressed"]
 
 _SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
              [6, 8], [7, 9], [8, 10], [9, 11], [2, 3], [1, 2], [1, 3], [2, 4], [3, 5], [4, 6],
@@ -51,7 +52,7 @@ def rle_uncompressed(mask: np.ndarray) -> dict[str, Any]:
     return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
 
 
-def _draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> np.ndarray | None:
+def draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> np.ndarray | None:
     """Draw category ``cat`` into ``mask`` within box (x, y, w, h); keypoints for persons."""
     if cat == 3:
         cv2.rectangle(mask, (x, y), (x + w - 1, y + h - 1), 1, thickness=-1)
@@ -74,7 +75,9 @@ def _draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> n
     return None
 
 
-def _annotation(mask: np.ndarray, cat: int, *, crowd: bool) -> dict[str, Any] | None:
+def annotation(mask: np.ndarray, cat: int, *, crowd: bool) -> dict[str, Any] | None:
+    """The COCO record of the object drawn in ``mask`` (RLE if ``crowd``, else polygons);
+    ``None`` when nothing is drawn."""
     ys, xs = np.nonzero(mask)
     if xs.size == 0:
         return None
@@ -106,8 +109,10 @@ def _keypoints(kp: np.ndarray, rng: np.random.Generator) -> tuple[list[float], i
     return out.reshape(-1).tolist(), int((vis > 0).sum())
 
 
-def _place(rng: np.random.Generator, taken: list[tuple[int, int, int, int]], W: int, H: int,
+def place(rng: np.random.Generator, taken: list[tuple[int, int, int, int]], W: int, H: int,
            w: int, h: int, gap: int = 4) -> tuple[int, int] | None:
+    """A free top-left corner for a ``w`` x ``h`` box ``gap`` pixels from the boxes
+    ``taken`` (30 tries; ``None``: no room)."""
     if w >= W - 2 or h >= H - 2:
         return None
     for _ in range(30):
@@ -116,6 +121,17 @@ def _place(rng: np.random.Generator, taken: list[tuple[int, int, int, int]], W: 
                for a, b, c, d in taken):
             return x, y
     return None
+
+
+def canvas(rng: np.random.Generator, size_range: tuple[int, int],
+           portrait: bool | None = None) -> np.ndarray:
+    """A noisy plain BGR background of a random size within ``size_range``, taller than
+    wide if ``portrait`` (``None``: drawn, with probability 0.2)."""
+    lo, hi = size_range
+    a, b = int(rng.integers(lo, (lo + hi) // 2 + 1)), int(rng.integers((lo + hi) // 2, hi + 1))
+    W, H = (a, b) if (rng.random() < 0.2 if portrait is None else portrait) else (b, a)
+    base = rng.integers(165, 245, size=3)
+    return (base[None, None, :] + rng.normal(0, 6, size=(H, W, 3))).clip(0, 255).astype(np.uint8)
 
 
 def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: bool,
@@ -129,24 +145,21 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
         crowd: add one ``iscrowd=1`` region (a cluster of small shapes, RLE mask).
         size_range: (short side, long side) bounds in pixels.
     """
-    lo, hi = size_range
-    a, b = int(rng.integers(lo, (lo + hi) // 2 + 1)), int(rng.integers((lo + hi) // 2, hi + 1))
-    W, H = (a, b) if portrait else (b, a)
-    base = rng.integers(165, 245, size=3)
-    img = (base[None, None, :] + rng.normal(0, 6, size=(H, W, 3))).clip(0, 255).astype(np.uint8)
+    img = canvas(rng, size_range, portrait)
+    H, W = img.shape[:2]
     anns: list[dict[str, Any]] = []
     taken: list[tuple[int, int, int, int]] = []
     masks: list[tuple[np.ndarray, int]] = []
     if crowd:
         cat = int(rng.choice([3, 7]))
         side = int(rng.integers(44, min(80, min(W, H) - 4) + 1))
-        pos = _place(rng, taken, W, H, side, side)
+        pos = place(rng, taken, W, H, side, side)
         if pos is not None:
             mask = np.zeros((H, W), np.uint8)
             for cy in range(pos[1] + 3, pos[1] + side - 8, 11):
                 for cx in range(pos[0] + 3, pos[0] + side - 8, 11):
-                    _draw_shape(mask, cat, cx, cy, 7, 7)
-            ann = _annotation(mask, cat, crowd=True)
+                    draw_shape(mask, cat, cx, cy, 7, 7)
+            ann = annotation(mask, cat, crowd=True)
             if ann is not None:
                 ann["keypoints"], ann["num_keypoints"] = [0] * (3 * len(COCO_KEYPOINT_NAMES)), 0
                 taken.append((pos[0], pos[1], side, side))
@@ -161,12 +174,12 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
         else:
             s = int(rng.integers(22, min(90, min(W, H) - 4) + 1))
             w, h = s, int(np.clip(round(s * rng.uniform(0.7, 1.4)), 16, H - 4))
-        pos = _place(rng, taken, W, H, w, h)
+        pos = place(rng, taken, W, H, w, h)
         if pos is None:
             continue
         mask = np.zeros((H, W), np.uint8)
-        kp = _draw_shape(mask, cat, pos[0], pos[1], w, h)
-        ann = _annotation(mask, cat, crowd=False)
+        kp = draw_shape(mask, cat, pos[0], pos[1], w, h)
+        ann = annotation(mask, cat, crowd=False)
         if ann is None:
             continue
         if kp is not None:

@@ -38,19 +38,10 @@ from typing import Any
 from lit_roidata._optional import require
 from lit_roidata.exchange.alignment import check_alignment
 from lit_roidata.exchange.channel import ROLES, Channel
-from lit_roidata.exchange.errors import (
-    AlignmentError,
-    ChannelBusyError,
-    ChannelClosedError,
-    ExchangeError,
-    ExchangeStateLostError,
-    ExchangeTimeoutError,
-    LeaseLostError,
-    MessageAuthError,
-    PeerDeadError,
-    SequenceError,
-    WireFormatError,
-)
+from lit_roidata.exchange.errors import (AlignmentError, ChannelBusyError, ChannelClosedError,
+                                         ExchangeError, ExchangeStateLostError,
+                                         ExchangeTimeoutError, LeaseLostError, MessageAuthError,
+                                         PeerDeadError, SequenceError, WireFormatError)
 from lit_roidata.exchange.backend import Store, StoreUnavailable
 
 __all__ = [
@@ -104,9 +95,9 @@ def _check_name(what: str, value: Any) -> str:
 class BlobExchange:
     """Named producer/consumer channels between processes that share a run id and rank.
 
-    Every channel is namespaced by ``(run_id, rank, name)``, so several runs, DDP ranks
-    and loaders never collide. Both processes pass the same ``run_id``
-    (e.g. the experiment name) and their DDP rank.
+    Every channel is namespaced by ``(run_id, rank, name)``; both processes pass the same
+    ``run_id`` (e.g. the experiment name) and their DDP rank. docs/exchange.md ("API")
+    describes every argument.
 
     Args:
         backend: ``"embedded"`` (no server) or ``"memcached"``.
@@ -114,35 +105,18 @@ class BlobExchange:
             ``/dev/shm/lit_roidata_exchange-<uid>``); memcached: ``"host:port"``.
         run_id: the run's id, equal in both processes; default ``$LIT_ROIDATA_RUN_ID``.
         rank: this process's rank; producer and consumer of a channel use the same rank.
-        timeout: default timeout of ``put``/``get`` in seconds.
-        capacity: default number of unacknowledged messages a producer may publish (1: the
-            fork's one-slot mailbox).
-        lease_ttl: seconds after which a silent owner's lease expires (dead-peer detection
-            across machines; on one machine a crashed peer is seen at once).
-        stop_event: optional ``threading.Event``-like object; once set, waiting calls raise
-            :class:`ChannelClosedError` (wire it to the loader's shutdown).
+        timeout, capacity: defaults of the channels (seconds; unacknowledged messages).
+        lease_ttl: seconds after which a silent owner's lease expires.
+        stop_event: ``threading.Event``-like; once set, waits raise :class:`ChannelClosedError`.
         poll_min, poll_max: first and longest sleep of the waiting back-off, in seconds.
-        chunk_size: memcached only: bytes per chunk item (default: server item size − 4 KiB).
-        resume: continue a stream this run id already has (a restarted producer, or a
-            consumer restarted from its checkpoint). Without it, opening an end whose role
-            already made progress under this run id raises :class:`ExchangeError`.
-        secret, secret_file: the run's shared secret (default: ``$LIT_ROIDATA_EXCHANGE_SECRET``
-            or the file named by ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``). With a secret every
-            message carries an HMAC-SHA256 (key derived from the secret and the run id);
-            forged or replayed messages are rejected and counted.
-        authenticate: ``None`` (default): on iff a secret is set; ``False``: off even with
-            a secret; ``True``: require a secret.
-        shm_dir: embedded only: the directory (same as ``address``).
-        stale_after: embedded only: at start-up, remove other runs' directories that no
-            live process owns and that were idle this many seconds (``None``: never).
-        key_ttl: memcached only: expiry (seconds) of every key, refreshed by each write.
-        busy_timeout: the longest time (seconds) a wait is extended while the peer reports
-            itself busy (see :meth:`busy`).
-        on_state_lost: what both ends do when the store loses the run's state (memcached
-            restart or eviction): ``"raise"`` :class:`ExchangeStateLostError`, or
-            ``"recover"``: rejoin, the consumer re-states its position and the producer
-            re-publishes the messages it has not seen acknowledged (it keeps up to
-            ``capacity`` of them in memory), so nothing is lost or duplicated.
+        chunk_size, key_ttl: memcached only: bytes per chunk item; expiry of every key.
+        resume: continue a stream this run id already has (else that raises).
+        secret, secret_file, authenticate: HMAC-authenticated messages (default: on iff
+            ``$LIT_ROIDATA_EXCHANGE_SECRET`` or ``..._SECRET_FILE`` is set).
+        shm_dir, stale_after: embedded only: the directory (same as ``address``); remove
+            other runs' directories idle this many seconds with no live owner.
+        busy_timeout: the longest a wait is extended while the peer is busy.
+        on_state_lost: ``"raise"`` or ``"recover"`` when memcached loses the run's state.
 
     Raises:
         ValueError: unknown backend, bad run id/rank/address, empty secret.
@@ -191,14 +165,17 @@ class BlobExchange:
         self.timeout, self.capacity, self.lease_ttl = timeout, capacity, lease_ttl
         self.stop_event, self.resume, self.busy_timeout = stop_event, resume, busy_timeout
         self.poll_min, self.poll_max = poll_min, poll_max
-        self._activity: tuple[str, bool, float] = ("opened", False, time.time())
-        self._store = self._make_store(backend, address, chunk_size, key_ttl)
+        #: ``(activity, busy, since)``: what this process told its peers (:meth:`set_activity`).
+        self.activity: tuple[str, bool, float] = ("opened", False, time.time())
+        #: The backend's store (each channel and the heartbeat use their own clone).
+        self.store = self._make_store(backend, address, chunk_size, key_ttl)
         if backend == "embedded" and stale_after is not None:
-            removed = self._store.sweep_stale_runs(stale_after, keep=self.run_id)
+            removed = self.store.sweep_stale_runs(stale_after, keep=self.run_id)
             if removed:
                 log.info("removed %d stale exchange run(s) from %s: %s", len(removed),
-                         self._store.root, ", ".join(removed))
-        self._incarnation_key = f"{self.run_id}/incarnation"
+                         self.store.root, ", ".join(removed))
+        #: The store key whose value names the run's incarnation (lost on a restart).
+        self.incarnation_key = f"{self.run_id}/incarnation"
         self._join_lock = threading.Lock()
         self.incarnation = self._join()
         #: Every incarnation this process joined (authenticated messages from any of them
@@ -231,22 +208,22 @@ class BlobExchange:
         with this value and raises instead of reading state from another incarnation.
         """
         try:
-            self._store.add(self._incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
-            value = self._store.get(self._incarnation_key)
+            self.store.add(self.incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
+            value = self.store.get(self.incarnation_key)
         except StoreUnavailable as exc:
             raise ExchangeError(f"cannot start the exchange: {exc}") from exc
         if value is None:
-            raise ExchangeStateLostError(f"{self._store.describe} did not keep the incarnation "
+            raise ExchangeStateLostError(f"{self.store.describe} did not keep the incarnation "
                                          f"key of run {self.run_id!r}; is it out of memory?")
         return value
 
-    def _rejoin(self, store: Store) -> bytes:
-        """After a state loss: create (or adopt) the run's new incarnation key."""
+    def rejoin(self, store: Store) -> bytes:
+        """Create (or adopt) the run's new incarnation key after a state loss."""
         with self._join_lock:
-            value = store.get(self._incarnation_key)
+            value = store.get(self.incarnation_key)
             if value is None:
-                store.add(self._incarnation_key, uuid.uuid4().hex.encode())
-                value = store.get(self._incarnation_key)
+                store.add(self.incarnation_key, uuid.uuid4().hex.encode())
+                value = store.get(self.incarnation_key)
             if value is None:
                 raise ExchangeStateLostError(f"{store.describe} does not keep the incarnation "
                                              f"key of run {self.run_id!r}; out of memory?")
@@ -299,23 +276,17 @@ class BlobExchange:
         count the time against its timeout (up to its ``busy_timeout``), and its timeout
         errors say what this process was doing. The state is refreshed by the heartbeat.
         """
-        self._activity = (str(activity), bool(busy), time.time())
+        self.activity = (str(activity), bool(busy), time.time())
         with self._lock:
             channels = list(self._channels)
         for ch in channels:
-            with ch._io:
-                if ch._closing or ch._lost:
-                    continue
-                try:
-                    ch._write_activity(ch._store)
-                except Exception as exc:  # the heartbeat retries
-                    log.warning("%s: could not publish the activity: %s", ch.where, exc)
+            ch.publish_activity()
 
     @contextlib.contextmanager
     def busy(self, activity: str) -> Iterator[None]:
         """Context manager: mark this process busy with ``activity`` (e.g.
         ``"validation"``) so that waiting peers extend their timeouts meanwhile."""
-        previous = self._activity[0]
+        previous = self.activity[0]
         self.set_activity(activity, busy=True)
         try:
             yield
@@ -323,22 +294,23 @@ class BlobExchange:
             self.set_activity(f"{previous} (after {activity})", busy=False)
 
     def _heartbeat(self) -> None:
-        store = self._store.clone()
+        store = self.store.clone()
         try:
             while not self._hb_stop.wait(self.lease_ttl / 5):
                 with self._lock:
                     channels = list(self._channels)
                 with contextlib.suppress(Exception):  # keep the run's keys from expiring
-                    store.cas(self._incarnation_key, self.incarnation, self.incarnation)
+                    store.cas(self.incarnation_key, self.incarnation, self.incarnation)
                 for ch in channels:
                     try:
-                        ch._beat(store)
+                        ch.heartbeat(store)
                     except Exception as exc:  # keep beating for the other channels
                         log.warning("heartbeat of %s failed: %s", ch.where, exc)
         finally:
             store.close()
 
-    def _forget(self, ch: Channel) -> None:
+    def forget(self, ch: Channel) -> None:
+        """Stop the heartbeat of ``ch`` (its ``close`` calls it)."""
         with self._lock:
             self._channels.discard(ch)
 
@@ -357,8 +329,8 @@ class BlobExchange:
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(timeout=5)
         if finished and self.backend == "embedded" and self._hb_thread is not None:
-            self._store.remove_run_if_unused(self.run_id)  # incarnation and lock files
-        self._store.close()
+            self.store.remove_run_if_unused(self.run_id)  # incarnation and lock files
+        self.store.close()
 
     def __enter__(self) -> BlobExchange:
         return self
@@ -367,5 +339,5 @@ class BlobExchange:
         self.close()
 
     def __repr__(self) -> str:
-        where = self._store.describe
+        where = self.store.describe
         return f"BlobExchange({self.backend!r}, run_id={self.run_id!r}, rank={self.rank}, {where})"

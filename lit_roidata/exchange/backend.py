@@ -1,14 +1,10 @@
 """The key-value primitives a backend provides to the channel protocol.
 
-The exactly-once protocol in :mod:`lit_roidata.exchange.channel` is written once against
-this small interface; a backend only maps it onto its storage. Keys are logical paths
-``"<run>/<rank>/<channel>/<name>"``; small values are ``bytes``; payloads are written once
-under a sequence-specific key and read back as a writable ``bytearray``.
-
-Every method either succeeds, returns the documented "absent"/"refused" value, or raises:
-:class:`StoreUnavailable` for a transient transport failure (the caller retries within its
-deadline) or an :class:`~lit_roidata.exchange.errors.ExchangeError` for anything else. No
-return value is ignored (the fork checked none).
+Keys are logical paths ``"<run>/<rank>/<channel>/<name>"``; small values are ``bytes``;
+payloads are written once and read back as a writable ``bytearray``. Every method
+succeeds, returns its documented "absent"/"refused" value, or raises
+:class:`StoreUnavailable` (transient: retry within the deadline) or
+:class:`~lit_roidata.exchange.errors.ExchangeError`.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """``BlobExchangeCallback``: exchange named ``training_step`` outputs between two runs.
 
-The fork's use: one model's per-level RPN outputs (``rpn_cls_probs_fpnX``,
-``rpn_bbox_pred_fpnX``) become the other model's targets, iteration by iteration. As a
-Lightning callback:
-
-* **publish**: after each training batch, the named entries of the dict returned by
-  ``training_step`` are sent on channel ``publish`` with alignment metadata (step, rank
-  and the batch's ``image_ids``, ``flipped``, ``im_scales`` from ``batch["_meta"]``);
-* **subscribe**: before each training batch, the peer's message is taken from channel
-  ``subscribe``, checked against this process's own alignment metadata and put on the
-  module as ``pl_module.peer_outputs`` (tensors on the module's device) and
-  ``pl_module.peer_meta``.
-
-``lag`` says which peer step a step sees. ``lag=1`` (default): at step ``t`` the peer's
-outputs of step ``t-1`` (published at the end of that step) are available, and
-``peer_outputs`` is ``None`` at the first step; two processes may then both publish and
-subscribe without waiting on each other (mutual learning). ``lag=0``: step ``t`` waits for
-the peer's step ``t`` (the fork's teacher → student use: targets about the *same*
-images); only one direction may use ``lag=0`` or the pair deadlocks (and times out).
-
-Each DDP rank uses its own channels (namespaced by ``trainer.global_rank``), so rank
-``r`` of one run talks to rank ``r`` of the other.
-
-**Busy peers.** During validation (and so during a COCO evaluation run from it) the
-callback marks its process busy; the peer's waits are extended meanwhile instead of
-timing out, and a timeout error says what the peer last reported doing.
-
-**Checkpoints.** The callback's state (saved in Lightning checkpoints) holds the last
-consumed and published sequence numbers. With ``delivery="exactly_once"`` the consumer
-keeps received payloads until a later checkpoint covers them, so a run restarted from a
-checkpoint (``ckpt_path=...``) receives exactly the messages after it; a restarted
-producer does not publish again what its previous process already published.
+After each training batch the named entries of ``training_step``'s dict are published on
+channel ``publish`` with alignment metadata; before each batch the peer's message from
+channel ``subscribe`` is checked and set as ``pl_module.peer_outputs`` /
+``pl_module.peer_meta``. ``lag``, busy peers during validation, one channel per DDP rank
+and exactly-once checkpoints are described in docs/exchange.md.
 """
 
 from __future__ import annotations
@@ -78,8 +52,8 @@ class BlobExchangeCallback(pl.Callback):
         publish: channel to send on, or ``None``.
         publish_keys: names in ``training_step``'s returned dict to send.
         subscribe: channel to receive from, or ``None``.
-        lag: 1: step ``t`` sees the peer's step ``t-1``; 0: the peer's step ``t`` (see
-            the module doc).
+        lag: 1: step ``t`` sees the peer's step ``t-1``; 0: the peer's step ``t``
+            (docs/exchange.md).
         align_fields: ``batch["_meta"]`` fields sent and checked; ``step`` and ``rank``
             are always included. Empty to check only the step.
         timeout: seconds to wait for the peer per step.
@@ -138,7 +112,6 @@ class BlobExchangeCallback(pl.Callback):
         self._restored: dict[str, Any] | None = None
         self._checkpointed_seq = 0  # consumed seq at the previous state_dict()
 
-    # -- lifecycle -----------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Callback state is restored before on_fit_start, so a resumed run knows its seqs.
         self._previous_align = self._pending_align = None
@@ -215,7 +188,6 @@ class BlobExchangeCallback(pl.Callback):
             self.exchange.close(finished)
         self.exchange = self._out = self._in = None
 
-    # -- per batch -----------------------------------------------------------------------
     def _alignment(self, trainer: pl.Trainer, batch: Any) -> dict[str, Any]:
         meta = batch_alignment_meta(batch, self.align_fields)
         meta.update(step=self._step, rank=trainer.global_rank)

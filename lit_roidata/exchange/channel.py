@@ -1,31 +1,8 @@
 """One producer → one consumer channel with exactly-once, in-order delivery.
 
-Keys of a channel live under ``<run_id>/<rank>/<name>/``:
-
-===================  ============================================================
-``head``             ``"<seq> <gen>"``: last sequence number the producer published
-``ack``              ``"<seq> <gen>"``: last sequence number the consumer took
-``msg.<seq>``        the payload of message ``seq``, written once
-``lease.<role>``     the owner of each end, with a TTL refreshed by a heartbeat
-``gen``              counter handing out lease generations (fencing tokens)
-``closed.<role>``    tombstone left by a clean ``close()``
-``activity.<role>``  what the owner says it is doing (busy pauses the peer's timeout)
-``commit``           exactly-once consumers: payloads up to here may be deleted
-===================  ============================================================
-
-Protocol: the producer writes ``msg.<s>`` only when ``ack >= s - capacity`` (capacity 1 by
-default: the fork's one-slot mailbox), then sets ``head``. The consumer
-reads ``head`` and then ``msg.<ack+1>`` (a payload counts only once ``head`` reaches it),
-checks the sequence number inside the payload, sets ``ack`` and deletes the payload.
-
-Fencing: each lease acquisition draws a new generation from ``gen``; ``head`` and
-``ack`` carry the generation of their last writer and are only ever changed by
-compare-and-swap from a value whose generation is not newer than the writer's own. A
-new owner stamps its generation at once, so an owner that stalled past its lease and
-was taken over can no longer move the stream (its write raises ``LeaseLostError``).
-Opening a channel creates ``head``/``ack`` with ``add`` (never overwrites), so a restarted
-end resumes where the stream is and a pending message is never discarded. Waiting backs
-off exponentially, is bounded by a timeout, and wakes on ``close()`` or a stop event.
+Keys live under ``<run_id>/<rank>/<name>/`` (``head``, ``ack``, ``msg.<seq>``,
+``lease.<role>``, ``gen``, ``closed.<role>``, ``activity.<role>``, ``commit``). The
+protocol, the lease fencing and the recovery are described in docs/exchange.md.
 """
 
 from __future__ import annotations
@@ -35,29 +12,18 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from lit_roidata.exchange import wire
+import lit_roidata.exchange.wire as wire
 from lit_roidata.exchange.alignment import check_alignment
-from lit_roidata.exchange.errors import (
-    ChannelBusyError,
-    ChannelClosedError,
-    ExchangeError,
-    ExchangeStateLostError,
-    ExchangeTimeoutError,
-    LeaseLostError,
-    MessageAuthError,
-    PeerDeadError,
-    SequenceError,
-    WireFormatError,
-)
+from lit_roidata.exchange.errors import (ChannelBusyError, ChannelClosedError, ExchangeError,
+                                         ExchangeStateLostError, ExchangeTimeoutError,
+                                         LeaseLostError, MessageAuthError, PeerDeadError,
+                                         SequenceError, WireFormatError)
 from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
 from lit_roidata.exchange.backend import Store, StoreUnavailable
-
-if TYPE_CHECKING:
-    from lit_roidata.exchange import BlobExchange
 
 __all__ = ["Channel"]
 
@@ -98,7 +64,7 @@ class Channel:
             was not opened with ``resume=True``.
     """
 
-    def __init__(self, exchange: BlobExchange, name: str, role: str, *, capacity: int,
+    def __init__(self, exchange: Any, name: str, role: str, *, capacity: int,
                  timeout: float, start_seq: int | None = None,
                  delivery: str = "at_most_once") -> None:
         if delivery not in DELIVERY:
@@ -110,7 +76,7 @@ class Channel:
         self.capacity, self.timeout = capacity, timeout
         self.delivery = delivery
         self._ex = exchange
-        self._store: Store = exchange._store.clone()
+        self._store: Store = exchange.store.clone()
         self._io = threading.Lock()
         self._wake = threading.Event()
         self._closing = False
@@ -128,7 +94,7 @@ class Channel:
         self._k_lease = {r: f"{ns}/lease.{r}" for r in ROLES}
         self._k_closed = {r: f"{ns}/closed.{r}" for r in ROLES}
         self._k_activity = {r: f"{ns}/activity.{r}" for r in ROLES}
-        self._k_inc = exchange._incarnation_key
+        self._k_inc = exchange.incarnation_key
         self._incarnation = exchange.incarnation  # the one this end last joined
         self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
         self._resend = False
@@ -151,7 +117,6 @@ class Channel:
                 self._store.close()
                 raise
 
-    # -- opening -------------------------------------------------------------------------
     def _acquire_lease(self) -> bytes:
         key, ttl, s = self._k_lease[self.role], self._ex.lease_ttl, self._store
         mine = LeaseRecord.mine(self.role, s.incr(self._k_gen)).dumps()
@@ -241,7 +206,6 @@ class Channel:
         except WireFormatError:
             return None
 
-    # -- helpers ---------------------------------------------------------------------------
     def _msg(self, seq: int) -> str:
         return f"{self._ns}/msg.{seq:012d}"
 
@@ -286,7 +250,7 @@ class Channel:
         incarnation and lease; the consumer re-states its position (``ack``), the producer
         re-publishes what the consumer has not acknowledged before its next message."""
         s = self._store
-        self._incarnation = self._ex._rejoin(s)
+        self._incarnation = self._ex.rejoin(s)
         gen = s.incr(self._k_gen)
         mine = LeaseRecord.mine(self.role, gen).dumps()
         key = self._k_lease[self.role]
@@ -469,7 +433,6 @@ class Channel:
         return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
                 "paused": 0.0}
 
-    # -- public API ------------------------------------------------------------------------
     def put(self, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None, *,
             timeout: float | None = None) -> int:
         """Publish one message; wait (bounded) while ``capacity`` messages are unacknowledged.
@@ -761,13 +724,23 @@ class Channel:
         return None if raw is None else orjson.loads(raw)
 
     def _write_activity(self, store: Store) -> None:
-        activity, busy, since = self._ex._activity
+        activity, busy, since = self._ex.activity
         store.set(self._k_activity[self.role], orjson.dumps(
             {"activity": activity, "busy": busy, "since": since, "pid": os.getpid()}),
             ttl=self._ex.lease_ttl)
 
-    def _beat(self, store: Store) -> None:
-        """Refresh this end's lease (called by the exchange's heartbeat thread)."""
+    def publish_activity(self) -> None:
+        """Write the exchange's activity for the peer now (the heartbeat repeats it)."""
+        with self._io:
+            if self._closing or self._lost:
+                return
+            try:
+                self._write_activity(self._store)
+            except Exception as exc:  # the heartbeat retries
+                log.warning("%s: could not publish the activity: %s", self.where, exc)
+
+    def heartbeat(self, store: Store) -> None:
+        """Refresh this end's lease and activity (the exchange's heartbeat thread)."""
         if self._closing or self._lost:
             return
         key = self._k_lease[self.role]
@@ -820,7 +793,7 @@ class Channel:
             return
         self._closing = True
         self._wake.set()
-        self._ex._forget(self)
+        self._ex.forget(self)
         with self._io:
             try:
                 if not self._lost:

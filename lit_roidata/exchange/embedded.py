@@ -1,32 +1,9 @@
 """The embedded backend: a directory of files on one machine, no server.
 
-Unrelated processes started separately meet in ``<root>/<run>/<rank>/<channel>/`` (the
-root defaults to ``/dev/shm`` when it exists, so payloads never touch a disk). Atomicity
-comes from the file system:
-
-* ``set`` writes a temporary file and ``os.replace``-s it: readers see old or new.
-* ``put_payload`` writes a temporary file and ``os.link``-s it to its final name: the
-  link appears atomically, complete, and fails if the name exists (write-once). On a
-  file system without hard links it uses ``renameat2(RENAME_NOREPLACE)`` instead, which
-  is just as atomic and exclusive; a file system with neither is refused.
-* ``add``, ``cas`` and ``incr`` run under a per-directory ``flock`` (one lock file per
-  channel directory, kept open by each store handle).
-* A failed write (full ``/dev/shm``, file size limit) removes its temporary file and
-  raises :class:`~lit_roidata.exchange.errors.ExchangeError` naming the directory, the
-  space needed and free, and how to point the store elsewhere.
-
-A small value file holds an 8-byte little-endian expiry time (``time.time()``, 0 = never)
-followed by the value, which gives leases a TTL without a server.
-
-The stream positions ``head`` and ``ack`` change on every message, so they are *records*
-instead: a file of two fixed-size slots (magic ``LRX1``, version, expiry, length, value,
-CRC-32), created complete (temporary file + rename) and then updated in place with one
-``pwrite`` of the slot the next version owns, under the directory's ``flock``. Each store
-handle keeps the record files and the lock file open. A reader takes the valid slot with
-the highest version without locking: a slot being written fails its CRC and the other one
-holds the previous value, so a reader sees old or new, and a writer killed in the middle
-of its ``pwrite`` leaves the previous value in force. An open record whose file was removed
-(link count 0: the channel was deleted) is reopened by name.
+Processes meet in ``<root>/<run>/<rank>/<channel>/`` (``/dev/shm`` by default). Small
+values are replaced by rename, payloads published by hard link (or an exclusive
+``renameat2``), ``head``/``ack`` are two-slot CRC records updated in place under a
+per-directory ``flock``; docs/exchange.md ("Backends") has the details.
 """
 
 from __future__ import annotations
@@ -164,7 +141,6 @@ class EmbeddedStore(Store):
         self._lockfds: dict[str, int] = {}
         self._recfds: dict[str, int] = {}  # record path -> fd kept open (O_RDWR)
 
-    # -- helpers -------------------------------------------------------------------------
     # Plain strings and os.* calls: pathlib and buffered io cost more than the syscalls.
     def _path(self, key: str) -> str:
         path = self._root + key
@@ -290,7 +266,6 @@ class EmbeddedStore(Store):
                 os.unlink(tmp)
             raise
 
-    # -- records (head, ack) ---------------------------------------------------------------
     def _record_fd(self, path: str) -> int | None:
         fd = self._recfds.get(path)
         if fd is not None:
@@ -359,7 +334,6 @@ class EmbeddedStore(Store):
         else:
             self._replace(path, value, ttl)
 
-    # -- small values --------------------------------------------------------------------
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
         path = self._path(key)
         with self._lock(path):
@@ -432,7 +406,6 @@ class EmbeddedStore(Store):
     def exists(self, key: str) -> bool:
         return os.path.exists(self._root + key)
 
-    # -- payloads ------------------------------------------------------------------------
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
         path = self._path(key)
         tmp = self._write_tmp(path, encoded.buffers)

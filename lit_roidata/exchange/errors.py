@@ -7,19 +7,9 @@ All derive from :class:`ExchangeError` so callers can catch the family at once.
 
 from __future__ import annotations
 
-__all__ = [
-    "AlignmentError",
-    "ChannelBusyError",
-    "ChannelClosedError",
-    "ExchangeError",
-    "ExchangeStateLostError",
-    "ExchangeTimeoutError",
-    "LeaseLostError",
-    "MessageAuthError",
-    "PeerDeadError",
-    "SequenceError",
-    "WireFormatError",
-]
+__all__ = ["AlignmentError", "ChannelBusyError", "ChannelClosedError", "ExchangeError",
+           "ExchangeStateLostError", "ExchangeTimeoutError", "LeaseLostError", "MessageAuthError",
+           "PeerDeadError", "SequenceError", "WireFormatError"]
 
 
 class ExchangeError(RuntimeError):

@@ -1,14 +1,8 @@
 """Ownership leases: one producer and one consumer per channel, dead owners detected.
 
-The fork had no notion of who owns a key, so a second producer silently overwrote the
-first one's message and a dead peer left the other side spinning forever. Here each end of
-a channel holds a lease record (JSON) stored with a TTL and refreshed by a heartbeat
-thread. A peer is
-
-* **absent** when no record exists (never opened, closed, or expired after it died),
-* **dead** when a record exists but the process it names is gone — checked directly when
-  both processes share a kernel and PID namespace, which makes a crash visible at once,
-* **alive** otherwise (a record on another machine is trusted until its TTL runs out).
+Each end holds a lease record (JSON) with a TTL refreshed by a heartbeat. A peer is
+*absent* (no record), *dead* (a record whose process is gone, seen at once on the same
+kernel) or *alive* (a record on another machine is trusted until its TTL runs out).
 """
 
 from __future__ import annotations

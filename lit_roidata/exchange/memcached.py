@@ -1,28 +1,10 @@
 """The memcached backend (pymemcache).
 
-What differs from the fork's use of memcached:
-
-* Values are raw bytes in our wire format (no pickle), sent with ``noreply`` off so that
-  every store returns a status that is checked.
-* A payload is written once under a sequence-specific key with ``add``. Payloads larger
-  than the server's item limit (``stats settings`` → ``item_size_max``, set with
-  ``memcached -I``) are split into chunk items ``<key>#<i>`` stored first, then a small
-  descriptor (``LRXC``: chunk count, total length) is ``add``-ed under ``<key>``: the
-  descriptor is the atomic publish. A missing chunk is reported as lost state, never
-  assembled into a wrong payload (the wire CRC would catch a mix-up as well).
-* Leases use ``add`` with an expiry and compare-and-swap heart-beats (atomic). A
-  compare-and-swap is a meta set (``ms <key> <len> C<token> c``, memcached >= 1.6) that
-  returns the item's new CAS token; the handle remembers it with the value it wrote, so
-  the writer's next compare-and-swap of that key needs no read first: if anyone else
-  wrote the key meanwhile, the token no longer matches and the server refuses the write
-  (then the value is read again and compared). Reads use ``gets`` and remember each small
-  key's CAS token, so a compare-and-swap right after a read costs one round trip as well.
-* Chunk keys carry a random writer id stored in the descriptor, so two writers of the
-  same payload key (a stale producer and its successor) never overwrite each other's
-  chunks.
-* Every key is stored with an expiry (``key_ttl``), so an abandoned run's keys vanish.
-* Connection failures raise :class:`StoreUnavailable` so callers retry within their
-  deadline; a server restart is detected one level up, by the run's incarnation key.
+Raw wire-format bytes (no pickle), every status checked; payloads written once with
+``add``, split into chunk items ``<key>#<writer>#<i>`` above the server's item size and
+published by an ``LRXC`` descriptor; leases and positions by meta compare-and-swap
+(memcached >= 1.6) with remembered CAS tokens; every key expires after ``key_ttl``.
+Connection failures raise :class:`StoreUnavailable`. See docs/exchange.md ("Backends").
 """
 
 from __future__ import annotations
@@ -37,11 +19,8 @@ import struct
 import time
 
 from pymemcache.client.base import Client
-from pymemcache.exceptions import (
-    MemcacheError,
-    MemcacheServerError,
-    MemcacheUnexpectedCloseError,
-)
+from pymemcache.exceptions import (MemcacheError, MemcacheServerError, MemcacheUnexpectedCloseError,
+                                   MemcacheUnknownCommandError)
 
 from lit_roidata.exchange.errors import ExchangeError, ExchangeStateLostError
 from lit_roidata.exchange.backend import Store, StoreUnavailable
@@ -114,7 +93,6 @@ class MemcachedStore(Store):
         self._tokens: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value, cas token)
         self._own: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value we cas-ed, token)
 
-    # -- plumbing ------------------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
@@ -152,7 +130,6 @@ class MemcachedStore(Store):
             return 1 << 20
         return int(value)
 
-    # -- small values --------------------------------------------------------------------
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
         return bool(self._call(self._client.add, self._k(key), value, self._ttl(ttl)))
 
@@ -243,7 +220,6 @@ class MemcachedStore(Store):
             return False
         raise self._meta_error(line, "get")
 
-    # -- payloads ------------------------------------------------------------------------
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
         k = self._k(key)
         one = encoded.buffers[0] if len(encoded.buffers) == 1 else None
@@ -282,8 +258,13 @@ class MemcachedStore(Store):
         raise self._meta_error(line, "set")
 
     def _meta(self, verb: bytes, request: bytes) -> bytes:
-        """Send one meta command (memcached >= 1.6); its reply line."""
-        return self._call(self._client._misc_cmd, [request], verb, False)[0]
+        """Send one meta command (memcached >= 1.6; ``request`` ends with CRLF); its reply."""
+        try:
+            return self._call(self._client.raw_command, request[:-2])
+        except ExchangeError as exc:  # "ERROR": a server without meta commands
+            if isinstance(exc.__cause__, MemcacheUnknownCommandError):
+                raise self._meta_error(b"ERROR", verb.decode()) from None
+            raise
 
     def _meta_error(self, line: bytes, what: str) -> ExchangeError:
         return ExchangeError(f"{self.describe} answered {line!r} to a meta {what}; the "

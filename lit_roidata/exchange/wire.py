@@ -1,32 +1,10 @@
 """The exchange's wire format: named arrays plus JSON metadata, no pickle.
 
-The fork pickled arrays through pylibmc, which ties both ends to one Python/NumPy version
-and runs arbitrary code on load. A message here is::
-
-    prefix (24 bytes, little-endian):
-        magic b"LRXW" | version u16 | flags u16 | header_len u32 | crc32 u32 | data_len u64
-    header: UTF-8 JSON, ``header_len`` bytes
-        {"envelope": {...}, "meta": {...},
-         "tensors": [{"name", "dtype", "byteorder", "shape", "offset", "nbytes"}, ...]}
-    zero padding to a multiple of 64 bytes
-    data: ``data_len`` bytes; every tensor starts at a 64-byte aligned ``offset``
-
-Flags (prefix, u16): bit 0 (``FLAG_HMAC``) means a 32-byte HMAC-SHA256 tag follows the
-data. It covers the whole prefix (flags included) and everything up to the tag, under a
-per-run key, and is checked with :func:`hmac.compare_digest` before anything else is
-parsed. The tag detects corruption as well, so with this flag the ``crc32`` field is 0
-and not computed (one pass over the payload instead of two). Any other flag bit is
-rejected, so a later format change sets a new bit or bumps ``version``.
-
-``dtype`` is a canonical name (``"float32"``, ``"bool"``, ``"bfloat16"``, ...),
-``byteorder`` is ``"<"`` (little-endian) or ``"|"`` (one-byte types); encoders always
-write little-endian, decoders also accept ``">"``. The CRC-32 covers the header, the
-padding and the data, so a torn or mixed-up payload (e.g. chunks of two messages) is
-reported instead of decoded.
-
-Decoded arrays are NumPy arrays backed by the (writable) receive buffer. NumPy has no
-``bfloat16``/``float8`` types, so those come back as ``torch.Tensor`` of the right dtype;
-with ``as_torch=True`` every entry is a tensor (sharing memory with the buffer).
+A message is a 24-byte prefix (magic ``LRXW``, version, flags, header length, CRC-32,
+data length), a JSON header (envelope, meta, tensor table), padding and the 64-byte
+aligned tensor data, optionally followed by an HMAC-SHA256 tag (``FLAG_HMAC``); see
+docs/exchange.md ("Wire format"). Decoded arrays share the (writable) receive buffer;
+``bfloat16``/``float8`` come back as ``torch.Tensor``.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """lit_roidata for ``import lightning as L`` (the ``lightning.pytorch`` namespace).
 
-``pytorch_lightning`` and ``lightning.pytorch`` are the same Lightning in two packages whose
-classes do not mix: a ``lightning.pytorch.Trainer`` needs a ``lightning.pytorch``
-LightningModule, data module and callbacks. :mod:`lit_roidata` (``lit_roidata.RoIDataModule``,
-``lit_roidata.demo.DemoFastRCNN``, ...) is bound to ``pytorch_lightning``; this module holds
-the same classes bound to ``lightning.pytorch`` (same code, same arguments)::
+The classes of :mod:`lit_roidata` bound to ``lightning.pytorch`` (same code, same
+arguments), and ``python -m lit_roidata.lightning``, ``lit-roidata`` with that namespace's
+LightningCLI. Needs ``pip install "lit_roidata[lightning]"``; see docs/cli.md::
 
-    import lightning as L
     from lit_roidata.lightning import DemoFastRCNN, DemoRoIDataModule
-
-    L.Trainer(max_steps=100).fit(DemoFastRCNN(num_classes=4),
-                                 datamodule=DemoRoIDataModule(demo_root="demo_data"))
-
-``python -m lit_roidata.lightning fit --config cfg.yaml`` is ``lit-roidata`` with
-``lightning.pytorch``'s LightningCLI (class paths in the YAML file then name
-``lightning.pytorch.*`` and ``lit_roidata.lightning.*`` classes). Needs the ``lightning``
-package: ``pip install "lit_roidata[lightning]"``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lit_roidata._lightning import LIGHTNING, bind, import_namespace
+from lit_roidata._lightning import LIGHTNING, bind, bound_classes, import_namespace
 
 import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` is missing
 
@@ -62,10 +51,8 @@ def __getattr__(name: str) -> Any:
         cls = bind(_source(name), LIGHTNING)
         globals()[name] = cls
         return cls
-    from lit_roidata._lightning import _cache
-
-    for (_, ns), cls in list(_cache.items()):  # bound on the fly (lit_roidata.lightning.bind)
-        if ns == LIGHTNING and cls.__qualname__ == name:
+    for cls in bound_classes(LIGHTNING):  # bound on the fly (lit_roidata.lightning.bind)
+        if cls.__qualname__ == name:
             return cls
     raise AttributeError(f"module 'lit_roidata.lightning' has no attribute {name!r}")
 

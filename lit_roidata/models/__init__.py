@@ -8,18 +8,14 @@ COCO results in ``predict`` (:class:`COCOPredictionWriter`).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __all__ = ["ARCHS", "COCOPredictionWriter", "TorchvisionDetector", "detectron_solver_kwargs"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: importing torchvision's detection zoo is slow
-    if name in ("TorchvisionDetector", "ARCHS", "detectron_solver_kwargs"):
-        from lit_roidata.models import detector
-
-        return getattr(detector, name)
-    if name == "COCOPredictionWriter":
-        from lit_roidata.models.predict import COCOPredictionWriter
-
-        return COCOPredictionWriter
+    if name in __all__:
+        module = "predict" if name == "COCOPredictionWriter" else "detector"
+        return getattr(importlib.import_module(f"lit_roidata.models.{module}"), name)
     raise AttributeError(f"module 'lit_roidata.models' has no attribute {name!r}")

@@ -1,32 +1,9 @@
 """``TorchvisionDetector``: torchvision's detection models trained on this package's batches.
 
-Training batches are the data module's ``output_format="torchvision"`` batches
-(:mod:`lit_roidata.minibatch.torchvision_format`): images already scaled (one of
-``TRAIN.SCALES``, ``TRAIN.MAX_SIZE`` cap) and flipped Detectron's way, targets in that
-scaled frame. Evaluation and predict batches are the data module's evaluation blobs
-(``data`` at ``TEST.SCALE``, ``_meta`` with ``im_scales``, image ids and sizes).
-
-What differs from calling a torchvision model directly:
-
-* **No second resize.** torchvision's ``GeneralizedRCNNTransform`` would rescale every
-  image to ``min_size=800``; here its resize (and its postprocess) are the identity, so
-  the network sees exactly the pixels the loader produced. It still pads the batch to a
-  multiple of 32.
-* **Detectron's normalisation.** ``normalize="detectron"``: BGR minus ``PIXEL_MEANS``,
-  std 1, as Detectron's (and the data module's uint8 → float on the device) blob.
-  ``"torchvision"``: RGB in ``[0, 1]`` with ImageNet mean/std, what torchvision's
-  pretrained weights expect. ``"auto"`` picks ``"torchvision"`` when a torchvision
-  weight name is given, else ``"detectron"``. uint8 images in a list (the torchvision
-  format) are RGB; float images, and the evaluation ``data`` blob, are Detectron's
-  (BGR minus ``PIXEL_MEANS``).
-* **Original coordinates.** Detections are mapped back with the scale the loader
-  applied (``box / scale``, Detectron's ``im_detect``), boxes returned with Detectron's
-  inclusive ``+1`` convention that :mod:`lit_roidata.evaluation` expects, masks pasted
-  at the original image size and RLE-encoded, keypoints at original pixel indices.
-* **Detectron's solver.** SGD with momentum, weight decay (none on biases unless
-  ``bias_weight_decay``), biases at ``bias_lr_factor`` × lr (``SOLVER.BIAS_DOUBLE_LR``),
-  and a per-iteration ``LambdaLR``: linear or constant warm-up, then
-  ``lr · gamma^k`` after the k-th of ``lr_steps`` (``SOLVER.STEPS``).
+Trains on the data module's ``output_format="torchvision"`` batches and evaluates on its
+evaluation blobs, with no second resize, Detectron's (or torchvision's) normalisation,
+detections mapped back to original-image coordinates (Detectron's ``+1`` boxes) and
+Detectron's solver; docs/models.md describes each point.
 """
 
 from __future__ import annotations
@@ -145,19 +122,10 @@ class TorchvisionDetector(pl.LightningModule):
     """A torchvision detector (Faster / Mask / Keypoint R-CNN, RetinaNet, Fast R-CNN from
     proposals) trained on the data module's torchvision-format batches.
 
-    Use with ``RoIDataModule(output_format="torchvision", model_type=...)``: ``faster_rcnn``
-    (or ``faster_rcnn_fpn``) for the Faster R-CNN archs, ``mask_rcnn_fpn``,
-    ``keypoint_rcnn_fpn``, ``retinanet`` and, for ``fastrcnn_resnet50_fpn``,
-    ``fast_rcnn_fpn`` with proposal files. From the CLI::
-
-        lit-roidata fit --config configs/demo_faster_rcnn_mobilenet.yaml
-        lit-roidata fit --model lit_roidata.models.TorchvisionDetector \\
-            --model.arch fasterrcnn_mobilenet_v3_large_fpn --model.num_classes 5 \\
-            --data lit_roidata.RoIDataModule --data.output.output_format torchvision ...
-
-    ``validation_step`` / ``test_step`` return ``{"detections": [...]}`` for
-    :class:`lit_roidata.evaluation.COCOEvaluator`; ``predict_step`` returns the same
-    list, which :class:`lit_roidata.models.COCOPredictionWriter` writes as COCO results.
+    Use with ``RoIDataModule(output_format="torchvision", model_type=...)`` (the model type
+    of each arch: docs/models.md), e.g. ``configs/demo_faster_rcnn_mobilenet.yaml``.
+    ``validation_step`` / ``test_step`` / ``predict_step`` return the detections of
+    :mod:`lit_roidata.evaluation`.
 
     Args:
         arch: one of :data:`ARCHS`.
@@ -194,35 +162,22 @@ class TorchvisionDetector(pl.LightningModule):
             PyTorch's choice.
     """
 
-    def __init__(
-        self,
-        arch: str = "fasterrcnn_resnet50_fpn",
-        num_classes: int = 81,
-        weights: Optional[str] = None,
-        weights_backbone: Optional[str] = None,
-        backbone: Optional[str] = None,
-        trainable_backbone_layers: Optional[int] = None,
-        num_keypoints: int = 17,
-        normalize: Literal["auto", "detectron", "torchvision"] = "auto",
-        pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
-        lr: float = 0.02,
-        momentum: float = 0.9,
-        weight_decay: float = 1e-4,
-        lr_steps: Sequence[int] = (),
-        gamma: float = 0.1,
-        warmup_iters: int = 500,
-        warmup_factor: float = 1.0 / 3.0,
-        warmup_method: Literal["linear", "constant"] = "linear",
-        bias_lr_factor: float = 2.0,
-        bias_weight_decay: bool = False,
-        score_thresh: float = 0.05,
-        nms_thresh: float = 0.5,
-        detections_per_img: int = 100,
-        mask_thresh: float = 0.5,
-        anchor_sizes: Optional[Sequence[float]] = None,
-        detector_kwargs: Optional[dict[str, Any]] = None,
-        cpu_threads: Optional[int] = None,
-    ) -> None:
+    def __init__(self, arch: str = "fasterrcnn_resnet50_fpn", num_classes: int = 81,
+                 weights: Optional[str] = None, weights_backbone: Optional[str] = None,
+                 backbone: Optional[str] = None, trainable_backbone_layers: Optional[int] = None,
+                 num_keypoints: int = 17,
+                 normalize: Literal["auto", "detectron", "torchvision"] = "auto",
+                 pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+                 lr: float = 0.02, momentum: float = 0.9, weight_decay: float = 1e-4,
+                 lr_steps: Sequence[int] = (), gamma: float = 0.1, warmup_iters: int = 500,
+                 warmup_factor: float = 1.0 / 3.0,
+                 warmup_method: Literal["linear", "constant"] = "linear",
+                 bias_lr_factor: float = 2.0, bias_weight_decay: bool = False,
+                 score_thresh: float = 0.05, nms_thresh: float = 0.5,
+                 detections_per_img: int = 100, mask_thresh: float = 0.5,
+                 anchor_sizes: Optional[Sequence[float]] = None,
+                 detector_kwargs: Optional[dict[str, Any]] = None,
+                 cpu_threads: Optional[int] = None) -> None:
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"arch={arch!r} is not supported; choose one of {sorted(ARCHS)}")
@@ -255,7 +210,6 @@ class TorchvisionDetector(pl.LightningModule):
         if weights_backbone is not None and not tv_backbone:
             self.load_weights(weights_backbone, prefix="backbone.body.")
 
-    # -- construction ------------------------------------------------------------------
     def _build(self, tv_weights: bool, tv_backbone: bool) -> nn.Module:
         from torchvision.models import get_model_builder
 
@@ -429,7 +383,6 @@ class TorchvisionDetector(pl.LightningModule):
         if self.hparams.cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(int(self.hparams.cpu_threads))
 
-    # -- inputs ------------------------------------------------------------------------
     def _prepare(self, img: torch.Tensor, *, rgb_uint8: bool) -> torch.Tensor:
         """One image in the network's input space (see ``normalize``)."""
         means = self._means.to(img.device)
@@ -478,7 +431,6 @@ class TorchvisionDetector(pl.LightningModule):
             tgts.append(d)
         return ims, tgts
 
-    # -- training ----------------------------------------------------------------------
     def forward_losses(self, images: list[torch.Tensor], targets: list[dict[str, Any]]
                        ) -> dict[str, torch.Tensor]:
         """torchvision's loss dict for prepared images and targets (training mode)."""
@@ -526,7 +478,6 @@ class TorchvisionDetector(pl.LightningModule):
                 mult *= hp.warmup_factor * (1 - alpha) + alpha
         return mult
 
-    # -- inference ---------------------------------------------------------------------
     def _eval_inputs(self, batch: Any) -> tuple[list[torch.Tensor], Mapping[str, Any]]:
         if not isinstance(batch, Mapping) or "_meta" not in batch:
             raise TypeError("evaluation batches are the data module's evaluation blobs "

@@ -1,13 +1,8 @@
 """``COCOPredictionWriter``: ``predict`` detections written as COCO results json files.
 
-Every model the package ships returns, from ``predict_step``, the per-image detection
-dicts :mod:`lit_roidata.evaluation` describes (``image_id``, ``dataset``, ``boxes``,
-``scores``, ``labels``, optionally ``masks`` / ``keypoints``). This callback collects
-them, gathers them to rank 0 under DDP, maps contiguous class ids to the json's
-category ids (:func:`lit_roidata.evaluation.detections_to_coco_results`) and writes one
-file per dataset, ``<output_dir>/<dataset>.json`` (default
-``<default_root_dir>/predictions``), in the format ``COCO.loadRes`` reads. ``lit-roidata
-predict`` adds it when the config has none and prints the paths.
+Collects the per-image detection dicts of ``predict_step`` (:mod:`lit_roidata.evaluation`),
+gathers them to rank 0 and writes ``<output_dir>/<dataset>.json`` (default
+``<default_root_dir>/predictions``) in the format ``COCO.loadRes`` reads.
 """
 
 from __future__ import annotations
@@ -20,8 +15,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from pytorch_lightning.callbacks import BasePredictionWriter
+
+from lit_roidata.evaluation import (annotation_file, coco_category_map, dataset_info,
+                                    detections_to_coco_results, gather_to_rank0)
+from lit_roidata.osutil import atomic_write
 
 __all__ = ["COCOPredictionWriter"]
 
@@ -62,11 +60,7 @@ class COCOPredictionWriter(BasePredictionWriter):
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dets = self._dets
         self._dets = []
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: Optional[list[Any]] = [None] * dist.get_world_size() \
-                if dist.get_rank() == 0 else None
-            dist.gather_object(dets, gathered, dst=0)
-            dets = [d for part in gathered for d in part] if gathered is not None else []
+        dets = gather_to_rank0(dets)
         if trainer.global_rank != 0:
             return
         self.written = self.write(dets, trainer)
@@ -76,8 +70,6 @@ class COCOPredictionWriter(BasePredictionWriter):
     def write(self, detections: Sequence[Mapping[str, Any]], trainer: Optional[pl.Trainer] = None
               ) -> dict[str, str]:
         """Write ``detections`` grouped by dataset; return ``{dataset: path}``."""
-        from lit_roidata.evaluation import detections_to_coco_results
-
         by_ds: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
         for d in detections:
             by_ds[str(d.get("dataset"))].append(d)
@@ -88,9 +80,8 @@ class COCOPredictionWriter(BasePredictionWriter):
         for name, dets in sorted(by_ds.items()):
             results = detections_to_coco_results(dets, _id_map_source(name, trainer))
             path = os.path.join(out_dir, f"{name}.json")
-            with open(path + ".tmp", "w") as f:
+            with atomic_write(path, "w", fsync=False) as f:
                 json.dump(results, f)
-            os.replace(path + ".tmp", path)
             log.info("wrote %d detections of %d images (%s) to %s", len(results), len(dets),
                      name, path)
             written[name] = path
@@ -102,21 +93,13 @@ class COCOPredictionWriter(BasePredictionWriter):
 def _id_map_source(name: str, trainer: Optional[pl.Trainer]) -> Any:
     """The ``DatasetInfo`` of ``name`` from the data module's roidbs, else the category
     order of its annotation file (Detectron's contiguous ids)."""
-    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-    for attr in ("test_roidb", "val_roidb", "train_roidb"):
-        for info in getattr(getattr(dm, attr, None), "datasets", ()) or ():
-            if info.name == name:
-                return info
+    info = dataset_info(name, trainer)
+    if info is not None:
+        return info
     import contextlib
     import io
 
     from pycocotools.coco import COCO
 
-    from lit_roidata.evaluation import _annotation_file, coco_category_map
-
-    catalog = dm.catalog() if dm is not None and hasattr(dm, "catalog") else None
-    if catalog is None:
-        from lit_roidata.catalog import DatasetCatalog as catalog
     with contextlib.redirect_stdout(io.StringIO()):
-        coco = COCO(_annotation_file(catalog, name))
-    return coco_category_map(coco)
+        return coco_category_map(COCO(annotation_file(name, trainer)))

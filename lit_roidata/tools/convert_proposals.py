@@ -1,13 +1,9 @@
 """``lit-roidata convert-proposals``: a proposal pickle → the columnar ``.npz``.
 
-Reads a Detectron proposal pickle once (streamed: its arrays go to a scratch file, not
-into memory) and writes ``ids``, ``counts``, ``boxes`` and ``scores`` as uncompressed
-``.npy`` members, which the roidb build then reads with plain file reads, without
-unpickling. The record order, box dtype and scores are kept, so a roidb built from the
-``.npz`` equals one built from the pickle.
-
-Unpickling runs any code the file names: convert only files you trust. The ``.npz`` is
-then read without unpickling, so the roidb build needs no ``trust_pickle``.
+The pickle is read once (streamed) and written as uncompressed ``ids``, ``counts``,
+``boxes`` and ``scores`` members that the roidb build reads without unpickling; the roidb
+equals one built from the pickle. Unpickling runs any code the file names: convert only
+files you trust.
 """
 
 from __future__ import annotations

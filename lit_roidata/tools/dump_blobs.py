@@ -1,14 +1,9 @@
 """``lit-roidata dump-blobs``: Detectron's blob dump, as ``.npz`` files.
 
-Like Detectron's ``RoIDataLoaderSimple`` debugging path (Detectron semantics: sampler and aspect
-grouping, issue 3): the roidb
-in identity order (``shuffle=False``, no aspect grouping), one image per minibatch, and
-the first K minibatches saved with the chosen blob names, Detectron's pixel format by
-default so the ``data`` blob compares directly with a Detectron dump. Every block is
-rebuilt from its stream coordinates, so a dump is reproducible bit for bit.
-
-Output: ``<out>/minibatch_00000.npz`` ... (one array per blob) and ``<out>/index.json``
-(image id, file, flip, scale, roidb index and block coordinates of each file).
+As Detectron's ``RoIDataLoaderSimple`` debugging path: identity order, one image per
+minibatch, the first K minibatches saved (Detectron's pixel format by default), each
+rebuilt from its stream coordinates. Writes ``<out>/minibatch_00000.npz`` ... and
+``<out>/index.json`` (see docs/cli.md).
 """
 
 from __future__ import annotations

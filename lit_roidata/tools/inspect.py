@@ -1,14 +1,8 @@
 """``lit-roidata inspect``: look at the training data before training on it.
 
-Prints a roidb statistics table (rich) per dataset (entries, flips, orientations, gt
-boxes, crowd regions, proposals and keypoints per image, classes, and the build
-report's drop counts), then writes PNG files to ``--out``:
-
-* ``histograms.png``: aspect ratios, the image scales Detectron's ``TRAIN.SCALES`` /
-  ``TRAIN.MAX_SIZE`` rule gives, gt boxes and proposals per image;
-* ``minibatch_<k>.png``: the first minibatches of the training stream as the workers
-  build them, with gt boxes, masks (polygons and crowd RLE), visible keypoints and the
-  sampled RoIs (foreground green, background red) drawn in the network-input frame.
+Prints a roidb statistics table per dataset and writes ``histograms.png`` and
+``minibatch_<k>.png`` (the first training minibatches with gt boxes, masks, keypoints and
+sampled RoIs) to ``--out``; see docs/cli.md.
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ _MAX_STAT_ENTRIES = 20000  # per-entry statistics use an even sample above this
 
 
 def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, dict[str, Any]]:
-    """Per-dataset statistics of ``roidb`` (see the module docstring)."""
+    """Per-dataset entries, flips, orientations, gt/crowd/proposal counts and classes."""
     n = len(roidb)
     idx = np.arange(n) if n <= max_entries else np.linspace(0, n - 1, max_entries).astype(int)
     horz = np.asarray(roidb.widths) >= np.asarray(roidb.heights)

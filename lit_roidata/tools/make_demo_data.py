@@ -68,10 +68,7 @@ def _existing_data(root: str, seed: int, size: Optional[dict[str, Any]]) -> Opti
     entries = [e for e in path.iterdir() if e.name != ".demo_data.lock"]
     if not entries:
         return None
-    counts = dict(demo.DEMO_NUM_IMAGES)
-    counts.update({k: int(v) for k, v in (size or {}).items()})
-    wanted = {"version": demo._VERSION, "seed": int(seed), "num_images": counts}
-    if demo._is_complete(path.expanduser().resolve(), wanted):
+    if demo.is_demo_data(path, seed=seed, num_images=size):
         return None
     return (f"{root} already holds other data ({len(entries)} entries: not the demo data "
             f"for seed {seed} and these sizes)")
