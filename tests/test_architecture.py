@@ -26,10 +26,8 @@ object of unknown type (``loader._iterator``) is reported by (a), not (d).
 ``if TYPE_CHECKING:`` (they never run). Importing ``a.b.c`` is an edge to ``a.b.c``
 only, not to the packages ``a`` and ``a.b`` that Python also initialises.
 
-Checks that still fail on ``main`` in code that other branches of #27 are rewriting
-are marked ``xfail(strict=False)`` and print what they found; remove the mark once those
-branches are merged. Each check is also run on synthetic sources, so that it is known to
-fail on a violation.
+Each check is also run on synthetic sources, so that it is known to fail on a
+violation.
 """
 
 from __future__ import annotations
@@ -87,8 +85,6 @@ LAYERS = {
 #: Only these may import ``lit_roidata.trainer_cli``.
 TRAINER_CLI_IMPORTERS = ("lit_roidata", "lit_roidata.cli", "lit_roidata.trainer_cli",
                          "lit_roidata.lightning")
-
-XFAIL_OTHER_BRANCH = pytest.mark.xfail(strict=False, reason="fixed on another branch of #27")
 
 
 def _private(name: str) -> bool:
@@ -388,13 +384,11 @@ def test_minibatch_reads_no_other_module_private_names(modules) -> None:
     assert not mine, _report("cross-module private uses in minibatch", mine)
 
 
-@XFAIL_OTHER_BRANCH
 def test_no_module_reads_another_module_private_names(modules) -> None:
     found = cross_module_private(modules)
     assert not found, _report("cross-module private uses", found)
 
 
-@XFAIL_OTHER_BRANCH
 def test_no_import_circle(graph) -> None:
     cycles = import_cycles(graph)
     assert not cycles, _report("import circles", cycles)
