@@ -40,7 +40,7 @@ from lit_roidata.dataset import BadImageFound, EvalDataset, RoIBlockDataset
 from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.plan import StreamPlan
 from lit_roidata.sampler import RoIBatchSampler
-from lit_roidata.skip import BadImageLedger, SkipPolicy, holdback_blocks
+from lit_roidata.skip import BadImageLedger, SkipPolicy
 
 __all__ = ["StatefulRoIDataLoader", "EvalLoader", "WorkerDiedError", "build_train_sampler",
            "train_repeat_factors", "build_train_dataset", "build_train_loader",
@@ -533,19 +533,15 @@ def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = 
         shuffle: ``False`` gives Detectron's ``RoIDataLoaderSimple`` identity order.
         ims_per_batch: images per block (default ``TRAIN.IMS_PER_BATCH``).
         bad_image_reserve: fraction of each pass held back as replacements for bad
-            images (``on_bad_image="skip"``; :func:`lit_roidata.skip.holdback_blocks`).
+            images (``on_bad_image="skip"``; :func:`lit_roidata.plan.holdback_blocks`).
     """
     mb = int(cfg.TRAIN.IMS_PER_BATCH if ims_per_batch is None else ims_per_batch)
-    grouping = bool(cfg.TRAIN.ASPECT_GROUPING) and shuffle
-    horz = np.asarray(roidb.widths) >= np.asarray(roidb.heights)
-    natural = (int(horz.sum()) // mb + int((~horz).sum()) // mb if grouping
-               else -(-horz.size // mb))
-    hb = holdback_blocks(natural, float(bad_image_reserve), 1 if infinite else int(world_size),
-                         mb) if bad_image_reserve else 0
-    return RoIBatchSampler(roidb.widths, roidb.heights, mb, aspect_grouping=grouping,
+    return RoIBatchSampler(roidb.widths, roidb.heights, mb,
+                           aspect_grouping=bool(cfg.TRAIN.ASPECT_GROUPING) and shuffle,
                            shuffle=shuffle, seed=int(cfg.RNG_SEED if seed is None else seed),
                            rank=rank, world_size=world_size, infinite=bool(infinite),
-                           holdback=hb, repeat_factors=train_repeat_factors(cfg, roidb))
+                           bad_image_reserve=float(bad_image_reserve),
+                           repeat_factors=train_repeat_factors(cfg, roidb))
 
 
 def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | None = None,

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Block", "StreamPlan", "STATE_VERSION", "draw_replacement"]
+__all__ = ["Block", "StreamPlan", "STATE_VERSION", "draw_replacement", "holdback_blocks",
+           "MIN_RESERVE_IMAGES"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ FALLBACK_DOMAIN = 0x66616c6c  # "fall": the draw when the reserve is exhausted
 # State keys that must match for a saved position to mean the same blocks.
 STREAM_KEYS = ("seed", "ims_per_batch", "num_images", "num_horizontal", "aspect_grouping",
                "shuffle", "holdback")
+MIN_RESERVE_IMAGES = 16
 
 
 def _generator(*words: int) -> np.random.Generator:
@@ -127,6 +129,24 @@ def draw_replacement(block: Block, attempt: int, pool: np.ndarray | int, size: i
     return Block(inds.tolist(), block.seed, block.pass_index, block.block_index, attempt)
 
 
+def holdback_blocks(natural_blocks: int, fraction: float, world_size: int = 1,
+                    ims_per_batch: int = 1) -> int:
+    """Blocks to hold back per pass for a reserve of ``fraction`` of a pass.
+
+    At least :data:`MIN_RESERVE_IMAGES` images (an image and its flipped copy are two
+    entries), at most a quarter of the pass and never so many that fewer than
+    ``world_size`` blocks are left. 0 when ``fraction`` is 0 (every replacement a repeat).
+    """
+    if fraction < 0 or fraction >= 1:
+        raise ValueError(f"bad_image_reserve={fraction}: use a fraction of a pass in [0, 1)")
+    if fraction == 0:
+        return 0
+    want = max(int(np.ceil(fraction * natural_blocks)),
+               -(-MIN_RESERVE_IMAGES // max(1, int(ims_per_batch))))
+    want = min(want, max(1, natural_blocks // 4))
+    return max(0, min(want, natural_blocks - max(1, world_size)))
+
+
 def _block_indices(perm: np.ndarray, block_index: int, mb: int) -> list[int]:
     start = block_index * mb
     if start + mb <= perm.size:
@@ -150,6 +170,7 @@ class StreamPlan:
         infinite: the stream runs across pass ends (``max_steps`` training) instead of
             one pass per epoch (the last ``blocks % world_size`` blocks of a pass left out).
         holdback: blocks held back at the end of every pass as the bad-image reserve.
+        bad_image_reserve: or the reserve as a fraction of a pass (:func:`holdback_blocks`).
         repeat_factors: per-entry repeat factors (>= 1) or None (every entry once).
 
     Raises:
@@ -163,7 +184,8 @@ class StreamPlan:
     def __init__(self, widths: Any, heights: Any, ims_per_batch: int, *,
                  aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3,
                  rank: int = 0, world_size: int = 1, infinite: bool = False,
-                 holdback: int = 0, repeat_factors: Any = None) -> None:
+                 holdback: int = 0, repeat_factors: Any = None,
+                 bad_image_reserve: float = 0.0) -> None:
         own = self._owner
         w, h = np.asarray(widths).reshape(-1), np.asarray(heights).reshape(-1)
         if w.shape != h.shape:
@@ -198,7 +220,8 @@ class StreamPlan:
         #: Blocks of the whole permutation (every entry once); ``blocks_per_pass`` excludes
         #: the held-back ones (with repeat factors: their lower bound).
         self.natural_blocks_per_pass = natural
-        self.holdback = check_int(own, "holdback", holdback, 0)
+        self.holdback = check_int(own, "holdback", holdback, 0) or holdback_blocks(
+            natural, float(bad_image_reserve), 1 if self.infinite else self.world_size, mb)
         if self.holdback and self.holdback >= natural:
             raise ValueError(f"{own}: holdback={holdback} blocks leaves no block of a pass of "
                              f"{natural}; lower the bad-image reserve")

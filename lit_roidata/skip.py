@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from lit_roidata.plan import Block, StreamPlan
+from lit_roidata.plan import MIN_RESERVE_IMAGES, Block, StreamPlan, holdback_blocks
 
 __all__ = ["BadImageLedger", "SkipPolicy", "holdback_blocks", "merge_skip_reports",
            "summarize", "LEDGER_VERSION", "MIN_RESERVE_IMAGES"]
@@ -29,27 +29,8 @@ __all__ = ["BadImageLedger", "SkipPolicy", "holdback_blocks", "merge_skip_report
 log = logging.getLogger(__name__)
 
 LEDGER_VERSION = 1
-MIN_RESERVE_IMAGES = 16
 #: What the report counts, by the ``why`` of a replacement made before reading.
 PLANNED_REPLACEMENTS = ("known_bad", "reserve_exhausted")
-
-
-def holdback_blocks(natural_blocks: int, fraction: float, world_size: int = 1,
-                    ims_per_batch: int = 1) -> int:
-    """Blocks to hold back per pass for a reserve of ``fraction`` of a pass.
-
-    At least :data:`MIN_RESERVE_IMAGES` images (an image and its flipped copy are two
-    entries), at most a quarter of the pass and never so many that fewer than
-    ``world_size`` blocks are left. 0 when ``fraction`` is 0 (every replacement a repeat).
-    """
-    if fraction < 0 or fraction >= 1:
-        raise ValueError(f"bad_image_reserve={fraction}: use a fraction of a pass in [0, 1)")
-    if fraction == 0:
-        return 0
-    want = max(int(np.ceil(fraction * natural_blocks)),
-               -(-MIN_RESERVE_IMAGES // max(1, int(ims_per_batch))))
-    want = min(want, max(1, natural_blocks // 4))
-    return max(0, min(want, natural_blocks - max(1, world_size)))
 
 
 def _file_keys(roidb: Any) -> Any:
