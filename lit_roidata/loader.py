@@ -61,9 +61,34 @@ def _init_worker(user_fn: Callable[[int], None] | None, worker_id: int) -> None:
     # Workers end when the main process shuts them down (or exits: DataLoader workers
     # watch their parent).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _sigterm_only_from_parent()
     if user_fn is not None:
         user_fn(worker_id)
+
+
+def _sigterm_only_from_parent() -> None:
+    """Ignore SIGTERM in this worker unless the main process sent it.
+
+    The main process ends a worker that does not stop by itself with SIGTERM
+    (``Process.terminate``, e.g. at interpreter exit), and that must keep working; a
+    SIGTERM from anyone else (a scheduler signalling the whole job) is ignored. The signal
+    is blocked and a thread reads it with its sender (``sigwaitinfo``). Where that is not
+    available, SIGTERM is simply ignored.
+    """
+    if not hasattr(signal, "sigwaitinfo"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
+    parent = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler inherited from the parent
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def watch() -> None:
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # in this thread:
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # die of it, as before
+
+    threading.Thread(target=watch, name="lit-roidata-sigterm", daemon=True).start()
 
 
 class WorkerDiedError(RuntimeError):

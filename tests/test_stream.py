@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import os
 import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -169,10 +170,15 @@ def test_workers_ignore_sigterm_and_the_stream_goes_on():
     loader = _loader(workers=2, infinite=True, slow=0.05)
     it = iter(loader)
     first = [next(it) for _ in range(3)]
-    for p in _workers(before):
-        os.kill(p.pid, signal.SIGTERM)
+    workers = _workers(before)
+    for p in workers:  # sent by another process, as a scheduler's signal to the job is
+        subprocess.run(["kill", "-TERM", str(p.pid)], check=True)
     more = [next(it) for _ in range(10)]
     assert [x["block"] for x in first + more] == list(range(13))
+    # From the main process (multiprocessing's terminate(), e.g. at exit) it still ends
+    # a worker: one that never stops by itself cannot hold the interpreter's exit.
+    os.kill(workers[0].pid, signal.SIGTERM)
+    assert workers[0].wait(timeout=10) == -signal.SIGTERM
     del it
     loader.close()
 
