@@ -19,8 +19,9 @@ import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from lit_roidata.exchange.errors import ExchangeError
 from lit_roidata.exchange.backend import Store
@@ -41,7 +42,6 @@ _SLOT = struct.Struct("<4sQdH70s")
 _CRC = struct.Struct("<I")
 _SLOT_SIZE = _SLOT.size + _CRC.size
 _RECORD_SIZE = 2 * _SLOT_SIZE
-_RECORD = struct.Struct("<" + 2 * (_SLOT.format[1:] + _CRC.format[1:]))  # both slots
 _TORN_RETRIES = 3
 
 
@@ -57,33 +57,23 @@ def _parse_record(raw: bytes) -> tuple[int, float, bytes] | None:
     if neither slot is valid (both torn: a concurrent writer, or damage)."""
     if len(raw) < _RECORD_SIZE:
         return None
-    m0, v0, e0, n0, val0, c0, m1, v1, e1, n1, val1, c1 = _RECORD.unpack_from(raw)
-    ok0 = m0 == _MAGIC
-    ok1 = m1 == _MAGIC
-    if ok1 and (not ok0 or v1 > v0):  # check the newer slot first, the other if it is torn
-        if zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
-            return v1, e1, val1[:n1]
-        ok1 = False
-    if ok0 and zlib.crc32(raw[:_SLOT.size]) == c0:
-        return v0, e0, val0[:n0]
-    if ok1 and zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
-        return v1, e1, val1[:n1]
-    return None
+    valid = []
+    for start in (0, _SLOT_SIZE):
+        body = raw[start:start + _SLOT.size]
+        magic, version, expiry, n, value = _SLOT.unpack(body)
+        if magic == _MAGIC and _CRC.unpack_from(raw, start + _SLOT.size)[0] == zlib.crc32(body):
+            valid.append((version, expiry, value[:n]))
+    return max(valid, default=None)
 
 
-def _libc_renameat2():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                   ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _libc_renameat2()
+try:
+    _renameat2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
+                             use_errno=True).renameat2
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+    _renameat2.restype = ctypes.c_int
+except (OSError, AttributeError):
+    _renameat2 = None
 
 
 def rename_noreplace(src: str, dst: str) -> None:
@@ -171,20 +161,14 @@ class EmbeddedStore(Store):
         size limit) raises :class:`ExchangeError` naming the directory and the sizes.
         """
         tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        views = [memoryview(c).cast("B") for c in chunks]
-        views = [v for v in views if len(v)]
-        needed = sum(len(v) for v in views)
+        views = [v for v in (memoryview(c).cast("B") for c in chunks) if len(v)]
+        needed, fd = sum(len(v) for v in views), None
         try:
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileNotFoundError:  # the directory was swept away: make it again
                 os.makedirs(path.rpartition("/")[0], exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            if exc.errno in _SPACE_ERRNOS:
-                raise self._space_error(path, exc, needed) from exc
-            raise
-        try:
             while views:
                 n = os.writev(fd, views[:512])
                 if n == 0:
@@ -195,9 +179,10 @@ class EmbeddedStore(Store):
                 if n:
                     views[0] = views[0][n:]
         except BaseException as exc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if fd is not None:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             if isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS:
                 raise self._space_error(path, exc, needed) from exc
             raise
@@ -226,10 +211,6 @@ class EmbeddedStore(Store):
             return None
         return raw[_EXPIRY.size:]
 
-    @staticmethod
-    def _expiry(ttl: float) -> bytes:
-        return _EXPIRY.pack(time.time() + ttl if ttl else 0.0)
-
     @contextlib.contextmanager
     def _lock(self, path: str) -> Iterator[None]:
         """Exclusive ``flock`` on the directory's ``.lock`` file (fd kept per handle)."""
@@ -252,10 +233,7 @@ class EmbeddedStore(Store):
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _replace(self, path: str, value: bytes, ttl: float) -> None:
-        self._replace_parts(path, [self._expiry(ttl), value])
-
-    def _replace_parts(self, path: str, parts: list[bytes]) -> None:
+    def _replace(self, path: str, parts: list[bytes]) -> None:
         """Write ``parts`` to a temp file and rename it over ``path`` (no partial file
         is ever visible; the temp file is removed on failure)."""
         tmp = self._write_tmp(path, parts)
@@ -297,19 +275,23 @@ class EmbeddedStore(Store):
         raise ExchangeError(f"the position file {path} is damaged (neither of its slots "
                             "passes its CRC); delete the run directory and start a new run")
 
-    def _record_value(self, path: str, locked: bool = False) -> bytes | None:
+    def _value(self, path: str, locked: bool = False) -> tuple[bytes | None, tuple | None]:
+        """Current value (``None``: absent or expired) and, for a record, what was read."""
+        if not path.endswith(_RECORD_SUFFIXES):
+            return self._read_small(path), None
         rec = self._read_record(path, locked)
         if rec is None or (rec[1] and rec[1] < time.time()):
-            return None
-        return rec[2]
+            return None, rec
+        return rec[2], rec
 
-    def _write_record(self, path: str, value: bytes, ttl: float,
-                      rec: tuple[int, float, bytes] | None) -> None:
-        """Write a record (the caller holds the lock and passes what it read under it)."""
+    def _write(self, path: str, value: bytes, ttl: float, rec: tuple | None) -> None:
+        """Replace a small value's file; rewrite a record's older slot in place (the
+        caller holds the lock and passes what it read under it)."""
         expiry = time.time() + ttl if ttl else 0.0
+        if not path.endswith(_RECORD_SUFFIXES):
+            return self._replace(path, [_EXPIRY.pack(expiry), value])
         if rec is None:  # create it whole
-            self._replace_parts(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
-            return
+            return self._replace(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
         version = rec[0] + 1
         try:
             os.pwrite(self._recfds[path], _pack_slot(version, expiry, value),
@@ -319,89 +301,58 @@ class EmbeddedStore(Store):
                 raise self._space_error(path, exc, _SLOT_SIZE) from exc
             raise
 
-    def _get_locked(self, path: str) -> tuple[bytes | None, tuple | None]:
-        """Current value (``None``: absent or expired) and, for a record, what was read."""
-        if path.endswith(_RECORD_SUFFIXES):
-            rec = self._read_record(path, locked=True)
-            if rec is None or (rec[1] and rec[1] < time.time()):
-                return None, rec
-            return rec[2], rec
-        return self._read_small(path), None
-
-    def _set_locked(self, path: str, value: bytes, ttl: float, rec: tuple | None) -> None:
-        if path.endswith(_RECORD_SUFFIXES):
-            self._write_record(path, value, ttl, rec)
-        else:
-            self._replace(path, value, ttl)
+    def _update(self, key: str, ttl: float, decide: Callable[[bytes | None], tuple]) -> Any:
+        """One locked read-check-write: ``decide(current)`` gives ``(new value or None to
+        leave it, result)``; returns the result."""
+        path = self._path(key)
+        with self._lock(path):
+            cur, rec = self._value(path, locked=True)
+            new, result = decide(cur)
+            if new is not None:
+                self._write(path, new, ttl, rec)
+            return result
 
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
-        path = self._path(key)
-        with self._lock(path):
-            cur, rec = self._get_locked(path)
-            if cur is not None:
-                return False
-            self._set_locked(path, value, ttl, rec)
-            return True
+        return self._update(key, ttl, lambda cur: (value, True) if cur is None else (None, False))
 
     def set(self, key: str, value: bytes, ttl: float = 0) -> None:
-        path = self._path(key)
-        if path.endswith(_RECORD_SUFFIXES):  # written in place: writers take the lock
-            with self._lock(path):
-                self._write_record(path, value, ttl, self._read_record(path, locked=True))
+        if key.endswith(_RECORD_SUFFIXES):  # written in place: writers take the lock
+            self._update(key, ttl, lambda cur: (value, None))
         else:
-            self._replace(path, value, ttl)
+            self._write(self._path(key), value, ttl, None)
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        out = {}
-        for key in keys:
-            path = self._root + key
-            value = (self._record_value(path) if path.endswith(_RECORD_SUFFIXES)
-                     else self._read_small(path))
-            if value is not None:
-                out[key] = value
-        return out
+        got = {key: self._value(self._root + key)[0] for key in keys}
+        return {key: value for key, value in got.items() if value is not None}
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
-        path = self._path(key)
-        with self._lock(path):
-            cur, rec = self._get_locked(path)
-            if cur != expected:
-                return False
-            self._set_locked(path, new, ttl, rec)
-            return True
+        return self._update(key, ttl, lambda cur: (new, True) if cur == expected else (None, False))
 
     local_fence = True
     volatile = False
 
     def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
-        path = self._path(key)
-        with self._lock(path):  # one locked read-check-write (a pwrite for a record)
-            cur, rec = self._get_locked(path)
-            if cur is None:
-                return False, None
-            parts = cur.split(b" ", 1)
-            if len(parts) > 1 and int(parts[1]) > gen:
-                return False, cur
-            if cur != new:
-                self._set_locked(path, new, 0, rec)
-            return True, cur
+        def decide(cur: bytes | None) -> tuple:
+            parts = (cur or b"").split(b" ", 1)
+            if cur is None or (len(parts) > 1 and int(parts[1]) > gen):
+                return None, (False, cur)
+            return (new if cur != new else None), (True, cur)
+
+        return self._update(key, 0, decide)  # a pwrite for a record
 
     def incr(self, key: str, ttl: float = 0) -> int:
-        path = self._path(key)
-        with self._lock(path):
-            raw, rec = self._get_locked(path)
-            value = (int(raw) if raw is not None else time.time_ns() // 1000) + 1
-            self._set_locked(path, str(value).encode(), ttl, rec)
-            return value
+        def bump(cur: bytes | None) -> tuple:
+            value = (int(cur) if cur is not None else time.time_ns() // 1000) + 1
+            return str(value).encode(), value
+
+        return self._update(key, ttl, bump)
 
     def delete(self, key: str) -> None:
         fd = self._recfds.pop(self._root + key, None)
         if fd is not None:
             os.close(fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._root + key)
-        except FileNotFoundError:
-            pass
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._root + key)
@@ -457,8 +408,7 @@ class EmbeddedStore(Store):
         finally:
             os.close(fd)
 
-    def delete_payload(self, key: str) -> None:
-        self.delete(key)
+    delete_payload = delete
 
     def sweep_stale_runs(self, stale_after: float, keep: str | None = None) -> list[str]:
         """Remove run directories under the root that nobody owns any more.
