@@ -177,10 +177,13 @@ class BlobExchange:
         #: The store key whose value names the run's incarnation (lost on a restart).
         self.incarnation_key = f"{self.run_id}/incarnation"
         self._join_lock = threading.Lock()
-        self.incarnation = self._join()
         #: Every incarnation this process joined (authenticated messages from any of them
         #: are accepted: a producer may re-publish after a recovery).
-        self.incarnations = {self.incarnation.decode()}
+        self.incarnations: set[str] = set()
+        try:
+            self.rejoin(self.store)
+        except StoreUnavailable as exc:
+            raise ExchangeError(f"cannot start the exchange: {exc}") from exc
         self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._hb_stop = threading.Event()
@@ -201,28 +204,16 @@ class BlobExchange:
         except StoreUnavailable as exc:
             raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
 
-    def _join(self) -> bytes:
-        """Create the run's incarnation key if absent and remember its value.
-
-        A server restart (or eviction) loses the key; every later operation compares it
-        with this value and raises instead of reading state from another incarnation.
-        """
-        try:
-            self.store.add(self.incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
-            value = self.store.get(self.incarnation_key)
-        except StoreUnavailable as exc:
-            raise ExchangeError(f"cannot start the exchange: {exc}") from exc
-        if value is None:
-            raise ExchangeStateLostError(f"{self.store.describe} did not keep the incarnation "
-                                         f"key of run {self.run_id!r}; is it out of memory?")
-        return value
-
     def rejoin(self, store: Store) -> bytes:
-        """Create (or adopt) the run's new incarnation key after a state loss."""
+        """Create (or adopt) the run's incarnation key: on opening and after a state loss.
+
+        A server restart (or eviction) loses the key; every later operation compares it with
+        this value and raises (or rejoins) instead of reading another incarnation's state.
+        """
         with self._join_lock:
             value = store.get(self.incarnation_key)
             if value is None:
-                store.add(self.incarnation_key, uuid.uuid4().hex.encode())
+                store.add(self.incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
                 value = store.get(self.incarnation_key)
             if value is None:
                 raise ExchangeStateLostError(f"{store.describe} does not keep the incarnation "
@@ -277,9 +268,7 @@ class BlobExchange:
         errors say what this process was doing. The state is refreshed by the heartbeat.
         """
         self.activity = (str(activity), bool(busy), time.time())
-        with self._lock:
-            channels = list(self._channels)
-        for ch in channels:
+        for ch in self._open_channels():
             ch.publish_activity()
 
     @contextlib.contextmanager
@@ -297,8 +286,7 @@ class BlobExchange:
         store = self.store.clone()
         try:
             while not self._hb_stop.wait(self.lease_ttl / 5):
-                with self._lock:
-                    channels = list(self._channels)
+                channels = self._open_channels()
                 with contextlib.suppress(Exception):  # keep the run's keys from expiring
                     store.cas(self.incarnation_key, self.incarnation, self.incarnation)
                 for ch in channels:
@@ -308,6 +296,10 @@ class BlobExchange:
                         log.warning("heartbeat of %s failed: %s", ch.where, exc)
         finally:
             store.close()
+
+    def _open_channels(self) -> list[Channel]:
+        with self._lock:
+            return list(self._channels)
 
     def forget(self, ch: Channel) -> None:
         """Stop the heartbeat of ``ch`` (its ``close`` calls it)."""
@@ -321,9 +313,7 @@ class BlobExchange:
             finished: ``False`` keeps every stream for a later resume even when both ends
                 are closed (see :meth:`Channel.close`).
         """
-        with self._lock:
-            channels = list(self._channels)
-        for ch in channels:
+        for ch in self._open_channels():
             ch.close(finished)
         self._hb_stop.set()
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():

@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,7 +204,7 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
         for buf in body:
             mac.update(buf)
         buffers.append(mac.digest())
-    return Encoded(buffers, payload_size(buffers))
+    return Encoded(buffers, sum(memoryview(b).nbytes for b in buffers))
 
 
 def _fail(where: str, msg: str) -> WireFormatError:
@@ -231,42 +231,23 @@ def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
         WireFormatError: bad magic/version/flags, truncated data, CRC mismatch, inconsistent
             tensor table or unknown dtype.
     """
-    view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
-    _check_crc(view, data_start + data_len, crc, key, where)
-    header = _header(view, header_len, where)
-    entries = header["tensors"]
-    meta, envelope = header["meta"], header["envelope"]
+    view, data_start, data_len, header = _parse(buf, where, key)
     data = view[data_start:data_start + data_len]
-    tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where) for e in entries}
-    return Message(tensors, meta, envelope)
+    tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where)
+               for e in header["tensors"]}
+    return Message(tensors, header["meta"], header["envelope"])
 
 
 def read_envelope(buf: bytes | bytearray | memoryview, *, key: bytes | None = None,
                   where: str = "") -> dict[str, Any]:
     """The envelope of a message (checked like :func:`decode`, tensors not decoded)."""
-    view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
-    _check_crc(view, data_start + data_len, crc, key, where)
-    return _header(view, header_len, where)["envelope"]
+    return _parse(buf, where, key)[3]["envelope"]
 
 
-def _check_crc(view: memoryview, end: int, crc: int, key: bytes | None, where: str) -> None:
-    if key is not None:
-        return  # authenticated: the verified HMAC already covers every byte
-    if zlib.crc32(view[_PREFIX.size:end]) != crc:
-        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
-
-
-def _header(view: memoryview, header_len: int, where: str) -> dict[str, Any]:
-    try:
-        header = orjson.loads(view[_PREFIX.size:_PREFIX.size + header_len])
-        header["tensors"], header["meta"], header["envelope"]  # noqa: B018
-    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-        raise _fail(where, f"unreadable header ({exc})") from exc
-    return header
-
-
-def _check_prefix(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
-                  ) -> tuple[memoryview, int, int, int, int]:
+def _parse(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
+           ) -> tuple[memoryview, int, int, dict[str, Any]]:
+    """Check prefix, length, HMAC (or CRC-32) and header; ``(view, data start, data
+    length, header)``."""
     view = memoryview(buf).cast("B")
     if len(view) < _PREFIX.size:
         raise _fail(where, f"{len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
@@ -280,25 +261,32 @@ def _check_prefix(buf: bytes | bytearray | memoryview, where: str, key: bytes | 
         raise _fail(where, f"unknown flags {flags:#06x} (version {VERSION} defines only "
                            f"{KNOWN_FLAGS:#06x}, HMAC)")
     data_start = _align(_PREFIX.size + header_len)
+    end = data_start + data_len
     tag = TAG_SIZE if flags & FLAG_HMAC else 0
-    if len(view) != data_start + data_len + tag:
-        raise _fail(where, f"length {len(view)} != expected {data_start + data_len + tag} "
+    if len(view) != end + tag:
+        raise _fail(where, f"length {len(view)} != expected {end + tag} "
                            "(truncated or padded payload)")
-    if key is not None:
+    if key is not None:  # the verified HMAC covers every byte: no CRC needed
         if not tag:
             raise MessageAuthError(f"unauthenticated exchange message{where}: this end "
                                    "requires an HMAC (a secret is set) and the message has "
                                    "none (forged, or the producer has no secret)")
-        end = data_start + data_len
-        mac = hmac.new(key, view[:end], hashlib.sha256).digest()
-        if not hmac.compare_digest(mac, view[end:]):
+        if not hmac.compare_digest(hmac.new(key, view[:end], hashlib.sha256).digest(),
+                                   view[end:]):
             raise MessageAuthError(f"forged or altered exchange message{where}: its HMAC "
                                    "does not match this run's secret")
     elif tag:
         raise MessageAuthError(f"authenticated exchange message{where}, but this end has no "
                                "secret to check it: set the same secret on both ends "
                                "(LIT_ROIDATA_EXCHANGE_SECRET or secret=...)")
-    return view, data_start, data_len, header_len, crc
+    elif zlib.crc32(view[_PREFIX.size:end]) != crc:
+        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
+    try:
+        header = orjson.loads(view[_PREFIX.size:_PREFIX.size + header_len])
+        header["tensors"], header["meta"], header["envelope"]  # noqa: B018
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise _fail(where, f"unreadable header ({exc})") from exc
+    return view, data_start, data_len, header
 
 
 def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch: bool,
@@ -321,16 +309,8 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
     arr = np.frombuffer(data, dtype=carrier, count=count, offset=offset).reshape(shape)
     if order == ">":
         arr = arr.astype(carrier.newbyteorder("="))
-    if dname in _TORCH_ONLY:
-        torch = _torch()
-        t = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
-        return t.view(getattr(torch, _TORCH_ONLY[dname][0]))
-    if as_torch:
-        torch = _torch()
-        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-    return arr
-
-
-def payload_size(buffers: Iterable[Any]) -> int:
-    """Total byte length of a list of buffers."""
-    return sum(memoryview(b).nbytes for b in buffers)
+    if dname not in _TORCH_ONLY and not as_torch:
+        return arr
+    torch = _torch()
+    t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    return t.view(getattr(torch, _TORCH_ONLY[dname][0])) if dname in _TORCH_ONLY else t
