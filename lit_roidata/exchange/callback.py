@@ -32,11 +32,8 @@ def batch_alignment_meta(batch: Any, fields: Sequence[str] = DEFAULT_ALIGN_FIELD
     Works for Detectron-format batches (``batch["_meta"]``) and torchvision-format ones
     (``batch.meta``).
     """
-    meta = None
-    if isinstance(batch, Mapping):
-        meta = batch.get("_meta")
-    if meta is None:
-        meta = getattr(batch, "meta", None)
+    meta = batch.get("_meta") if isinstance(batch, Mapping) else None
+    meta = getattr(batch, "meta", None) if meta is None else meta
     if not isinstance(meta, Mapping):
         return {}
     return {f: to_plain(meta[f]) for f in fields if f in meta}
@@ -200,15 +197,12 @@ class BlobExchangeCallback(pl.Callback):
         if self._in is None:
             return
         expected = own if self.lag == 0 else self._previous_align
-        if expected is None:  # lag 1, first step: the peer has published nothing yet
-            setattr(pl_module, self.attribute, None)
-            pl_module.peer_meta = None
-            return
-        tensors, meta = self._in.get(self.timeout, expect=expected, as_torch=True)
-        self._consumed = self._in.next_seq - 1
-        device = pl_module.device
-        setattr(pl_module, self.attribute,
-                {k: v.to(device, non_blocking=True) for k, v in tensors.items()})
+        tensors = meta = None  # lag 1, first step: the peer has published nothing yet
+        if expected is not None:
+            tensors, meta = self._in.get(self.timeout, expect=expected, as_torch=True)
+            self._consumed = self._in.next_seq - 1
+            tensors = {k: v.to(pl_module.device, non_blocking=True) for k, v in tensors.items()}
+        setattr(pl_module, self.attribute, tensors)
         pl_module.peer_meta = meta
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -227,11 +221,8 @@ class BlobExchangeCallback(pl.Callback):
                                "names what to send")
             self._published += 1
             if self._published >= self._out.next_seq:  # else: sent before a restart
-                tensors = {k: _detach(outputs[k]) for k in self.publish_keys}
+                tensors = {k: outputs[k].detach() if isinstance(outputs[k], torch.Tensor)
+                           else outputs[k] for k in self.publish_keys}
                 self._out.put(tensors, meta=own, timeout=self.timeout)
         self._previous_align = own
         self._step += 1
-
-
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value

@@ -417,11 +417,6 @@ class Channel:
         w["backoff"] = min(w["backoff"] * 2, self._ex.poll_max)
         self._check_usable()
 
-    def _waiter(self, timeout: float) -> dict[str, float]:
-        now = time.monotonic()
-        return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
-                "paused": 0.0}
-
     def put(self, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None, *,
             timeout: float | None = None) -> int:
         """Publish one message; wait (bounded) while ``capacity`` messages are unacknowledged.
@@ -453,11 +448,9 @@ class Channel:
             encoded = wire.Encoded([encoded.tobytes()], encoded.nbytes)
         timeout = self.timeout if timeout is None else timeout
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
-        keys = [self._k_inc, self._k_ack] if self._store.volatile else [self._k_ack]
-        read = self._store.peek_many  # no CAS tokens needed: head's is this end's own
-        if not self._store.local_fence and self._k_head not in self._written:
-            keys.append(self._k_head)  # its CAS token makes the fenced head write 1 RTT
-            read = self._store.get_many
+        keys = self._poll_keys(self._k_ack, self._k_head)
+        # No CAS tokens needed unless head is read: otherwise its token is this end's own.
+        read = self._store.get_many if self._k_head in keys else self._store.peek_many
         state = {"stored": False, "failed": False}  # survives retries of this message
 
         def attempt() -> int | str | None:
@@ -491,6 +484,17 @@ class Channel:
         # After a recovery the payload must be written again (it went to the lost state).
         return self._poll(what, timeout, attempt,
                           on_recover=lambda: state.update(stored=False, failed=False))
+
+    def _poll_keys(self, theirs: str, mine: str) -> list[str]:
+        """What a poll reads: the incarnation (volatile stores), the peer's position and,
+        unless this end wrote it last, its own (its CAS token makes the fenced write 1 RTT)."""
+        keys = [self._k_inc, theirs] if self._store.volatile else [theirs]
+        return keys if self._store.local_fence or mine in self._written else [*keys, mine]
+
+    def _waiter(self, timeout: float) -> dict[str, float]:
+        now = time.monotonic()
+        return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
+                "paused": 0.0}
 
     def _poll(self, what: str, timeout: float, attempt: Callable[[], Any],
               w: dict[str, float] | None = None,
@@ -534,8 +538,8 @@ class Channel:
                  head_raw: bytes | None) -> None:
         """Write the payload once, then advance ``head`` (fenced); safe to retry."""
         key = self._msg(seq)
-        if not state["stored"] and state["failed"]:
-            state["stored"] = self._owns_payload(key, seq)  # did the lost request get through?
+        if not state["stored"] and state["failed"]:  # did the lost request get through?
+            state["stored"] = self._is_own(self._payload_envelope(key), seq)
         if not state["stored"]:
             try:
                 if not self._store.put_payload(key, encoded):
@@ -546,15 +550,14 @@ class Channel:
             state["stored"] = True
         self._fenced_set(self._k_head, seq, head_raw)
 
-    def _owns_payload(self, key: str, seq: int) -> bool:
-        env = self._payload_envelope(key)
+    def _is_own(self, env: dict[str, Any] | None, seq: int) -> bool:
         return env is not None and env.get("seq") == seq and env.get("gen") == self._gen
 
     def _replace_foreign_payload(self, key: str, seq: int, encoded: wire.Encoded) -> None:
         """``msg.<seq>`` exists but ``head`` has not reached it, so no consumer has read it:
         it was left by a fenced-out (stalled) producer, or forged. Replace it."""
         env = self._payload_envelope(key)
-        if env is not None and env.get("seq") == seq and env.get("gen") == self._gen:
+        if self._is_own(env, seq):
             return  # our own earlier write
         got = self._store.get_many([self._k_head])
         forged = env is None and self._ex.auth_key is not None  # fails authentication
@@ -599,9 +602,7 @@ class Channel:
         seq = self._next
         timeout = self.timeout if timeout is None else timeout
         w, what = self._waiter(timeout), f"message seq {seq} from the producer"
-        small = [self._k_inc, self._k_head] if self._store.volatile else [self._k_head]
-        if not self._store.local_fence and self._k_ack not in self._written:
-            small.append(self._k_ack)  # its CAS token makes the fenced ack write 1 RTT
+        small = self._poll_keys(self._k_head, self._k_ack)
         where = f"{self.where}, seq {seq}"
         rejected = sum(self.rejected.values())
 

@@ -128,7 +128,7 @@ class EmbeddedStore(Store):
         self._root = str(self.root) + "/"
         self._made: set[str] = set()
         self._links = hard_links
-        self._lockfds: dict[str, int] = {}
+        self._lockfds: dict[str, int] = {}  # lock path -> fd kept open
         self._recfds: dict[str, int] = {}  # record path -> fd kept open (O_RDWR)
 
     # Plain strings and os.* calls: pathlib and buffered io cost more than the syscalls.
@@ -190,44 +190,58 @@ class EmbeddedStore(Store):
         return tmp
 
     @staticmethod
-    def _read_small(path: str) -> bytes | None:
+    def _read_file(path: str) -> bytearray | None:
+        """The whole file as a writable buffer, ``None`` if it does not exist."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            raw = os.read(fd, 65536)  # small values: one read returns the whole file
-            if len(raw) == 65536:
-                parts = [raw]
-                while part := os.read(fd, 65536):
-                    parts.append(part)
-                raw = b"".join(parts)
+            buf = bytearray(os.fstat(fd).st_size)
+            view, got = memoryview(buf), 0
+            while got < len(buf):
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise ExchangeError(f"payload {path} shrank while reading")
+                got += n
+            return buf
         finally:
             os.close(fd)
-        if len(raw) < _EXPIRY.size:
-            return None  # cannot happen with atomic writes; treat as absent
+
+    def _read_small(self, path: str) -> bytes | None:
+        raw = self._read_file(path)
+        if raw is None or len(raw) < _EXPIRY.size:
+            return None  # (too short cannot happen with atomic writes: treat as absent)
         (expiry,) = _EXPIRY.unpack_from(raw)
-        if expiry and expiry < time.time():
-            return None
-        return raw[_EXPIRY.size:]
+        return None if expiry and expiry < time.time() else bytes(raw[_EXPIRY.size:])
+
+    @staticmethod
+    def _fd(cache: dict[str, int], path: str, flags: int) -> int | None:
+        """A kept-open fd of ``path``, re-opened once the file was removed (the channel
+        was deleted, maybe re-created); ``None`` if it does not exist."""
+        fd = cache.get(path)
+        if fd is not None and os.fstat(fd).st_nlink:
+            return fd
+        if fd is not None:
+            os.close(cache.pop(path))
+        try:
+            cache[path] = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            if flags & os.O_CREAT:
+                raise
+        return cache.get(path)
 
     @contextlib.contextmanager
     def _lock(self, path: str) -> Iterator[None]:
         """Exclusive ``flock`` on the directory's ``.lock`` file (fd kept per handle)."""
-        directory = path.rpartition("/")[0]
+        lock = path.rpartition("/")[0] + "/.lock"
         while True:
-            fd = self._lockfds.get(directory)
-            if fd is None:
-                fd = os.open(directory + "/.lock", os.O_RDWR | os.O_CREAT, 0o644)
-                self._lockfds[directory] = fd
+            fd = self._fd(self._lockfds, lock, os.O_RDWR | os.O_CREAT)
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink:
                 break
-            # The lock file was removed (the channel was deleted and maybe re-created):
-            # a lock on the old file excludes nobody. Open the current one.
+            # The lock file was removed: a lock on it excludes nobody. Open the current one.
             fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            del self._lockfds[directory]
         try:
             yield
         finally:
@@ -244,26 +258,12 @@ class EmbeddedStore(Store):
                 os.unlink(tmp)
             raise
 
-    def _record_fd(self, path: str) -> int | None:
-        fd = self._recfds.get(path)
-        if fd is not None:
-            if os.fstat(fd).st_nlink:
-                return fd
-            os.close(fd)  # removed (the channel was deleted)
-            del self._recfds[path]
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return None
-        self._recfds[path] = fd
-        return fd
-
     def _read_record(self, path: str, locked: bool = False) -> tuple[int, float, bytes] | None:
         """``(version, expiry, value)`` of a record file, ``None`` if there is none.
         Without the lock, a read that finds both slots torn is retried, then repeated under
         the lock."""
         for _ in range(1 if locked else _TORN_RETRIES):
-            fd = self._record_fd(path)
+            fd = self._fd(self._recfds, path, os.O_RDWR)
             if fd is None:
                 return None
             rec = _parse_record(os.pread(fd, _RECORD_SIZE, 0))
@@ -391,22 +391,7 @@ class EmbeddedStore(Store):
                 os.unlink(tmp)
 
     def get_payload(self, key: str) -> bytearray | None:
-        try:
-            fd = os.open(self._root + key, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            view, got = memoryview(buf), 0
-            while got < size:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    raise ExchangeError(f"payload {self._root + key} shrank while reading")
-                got += n
-            return buf
-        finally:
-            os.close(fd)
+        return self._read_file(self._root + key)
 
     delete_payload = delete
 
@@ -442,8 +427,7 @@ class EmbeddedStore(Store):
                     if name.startswith("lease.") and not name.endswith(".tmp"):
                         raw = self._read_small(full)
                         rec = LeaseRecord.loads(raw) if raw is not None else None
-                        if peer_liveness(rec) == "alive":
-                            live = True
+                        live = live or peer_liveness(rec) == "alive"
                 if live:
                     break
             if not live and now - newest >= stale_after:

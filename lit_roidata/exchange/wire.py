@@ -34,21 +34,12 @@ _PREFIX = struct.Struct("<4sHHIIQ")
 _ALIGN = 64
 
 # Canonical name -> NumPy dtype (little-endian) for types NumPy represents natively.
-_NUMPY_TYPES: dict[str, np.dtype] = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in (
-        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
-    )
-}
-# Canonical name -> (torch dtype attribute, same-width integer carrier) for torch-only types.
-_TORCH_ONLY: dict[str, tuple[str, str]] = {
-    "bfloat16": ("bfloat16", "int16"),
-    "float8_e4m3fn": ("float8_e4m3fn", "uint8"),
-    "float8_e5m2": ("float8_e5m2", "uint8"),
-    "float8_e4m3fnuz": ("float8_e4m3fnuz", "uint8"),
-    "float8_e5m2fnuz": ("float8_e5m2fnuz", "uint8"),
-}
+_NUMPY_TYPES: dict[str, np.dtype] = {name: np.dtype(name).newbyteorder("<") for name in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128")}
+# Torch-only types (the torch dtype's name) -> the same-width integer carrier.
+_TORCH_ONLY: dict[str, str] = {"bfloat16": "int16", **dict.fromkeys(
+    ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"), "uint8")}
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(_NUMPY_TYPES) + tuple(_TORCH_ONLY)
 
 
@@ -97,7 +88,7 @@ def _to_numpy(name: str, value: Any) -> tuple[str, np.ndarray]:
             t = t.resolve_conj().resolve_neg().contiguous()
             tname = str(t.dtype).removeprefix("torch.")
             if tname in _TORCH_ONLY:
-                carrier = getattr(torch, _TORCH_ONLY[tname][1])
+                carrier = getattr(torch, _TORCH_ONLY[tname])
                 return tname, t.view(carrier).numpy()
             value = t.numpy()
     arr = np.asarray(value)
@@ -296,7 +287,7 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
     if dname in _NUMPY_TYPES:
         carrier = _NUMPY_TYPES[dname]
     elif dname in _TORCH_ONLY:
-        carrier = np.dtype(_TORCH_ONLY[dname][1]).newbyteorder("<")
+        carrier = np.dtype(_TORCH_ONLY[dname]).newbyteorder("<")
     else:
         raise _fail(where, f"tensor {name!r} has unknown dtype {dname!r}")
     if order == ">":
@@ -313,4 +304,4 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
         return arr
     torch = _torch()
     t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-    return t.view(getattr(torch, _TORCH_ONLY[dname][0])) if dname in _TORCH_ONLY else t
+    return t.view(getattr(torch, dname)) if dname in _TORCH_ONLY else t
