@@ -1,10 +1,8 @@
 """``BlobExchangeCallback``: exchange named ``training_step`` outputs between two runs.
 
 After each training batch the named entries of ``training_step``'s dict are published on
-channel ``publish`` with alignment metadata; before each batch the peer's message from
-channel ``subscribe`` is checked and set as ``pl_module.peer_outputs`` /
-``pl_module.peer_meta``. ``lag``, busy peers during validation, one channel per DDP rank
-and exactly-once checkpoints are described in docs/exchange.md.
+channel ``publish``; before each batch the peer's message from ``subscribe`` is checked and
+set as ``pl_module.peer_outputs`` / ``pl_module.peer_meta`` (docs/exchange.md).
 """
 
 from __future__ import annotations
@@ -57,15 +55,13 @@ class BlobExchangeCallback(pl.Callback):
         capacity: messages this run may publish ahead of the peer's consumption.
         lease_ttl: dead-peer detection delay across machines (seconds).
         attribute: name of the module attribute that receives the peer's tensors.
-        delivery: ``"at_most_once"`` (default: a message taken just before a crash is
-            lost) or ``"exactly_once"`` (payloads are kept until the next checkpoint, so
-            a restart from a checkpoint resumes right after it; costs storage for the
-            messages between two checkpoints).
-        resume: continue this run id's existing streams; default: only when restored
-            from a checkpoint.
+        delivery: ``"at_most_once"`` (a message taken just before a crash is lost) or
+            ``"exactly_once"`` (payloads kept until the next checkpoint: a restart from it
+            resumes right after it).
+        resume: continue this run id's streams; default: only when restored from a
+            checkpoint.
         busy_timeout: the longest time a wait is extended while the peer is busy.
-        secret: the run's shared secret for authenticated messages (default from
-            ``$LIT_ROIDATA_EXCHANGE_SECRET`` / ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``).
+        secret: the runs' shared secret (default ``$LIT_ROIDATA_EXCHANGE_SECRET[_FILE]``).
 
     Raises:
         ValueError: neither ``publish`` nor ``subscribe`` given, or ``publish`` without

@@ -49,18 +49,9 @@ class _Rejoined(Exception):
 class Channel:
     """One end (producer or consumer) of a named channel; made by ``BlobExchange.channel``.
 
-    Args:
-        exchange: the owning exchange (run id, rank, backend, timing settings).
-        name: channel name, e.g. ``"teacher_rpn"``.
-        role: ``"producer"`` or ``"consumer"``.
-        capacity: messages the producer may publish ahead of the consumer's ack.
-        timeout: default timeout in seconds of ``put``/``get``.
-        start_seq: consumer only: the sequence number to read next, from the
-            application's checkpoint (exactly-once resume); the payloads from there on
-            must still be stored (``delivery="exactly_once"`` keeps them).
-        delivery: consumer only: ``"at_most_once"`` deletes a payload as soon as ``get``
-            returns it; ``"exactly_once"`` keeps it until :meth:`commit` says the
-            application's checkpoint covers it.
+    The arguments are :meth:`BlobExchange.channel`'s (``start_seq``: the consumer's next
+    sequence number from its checkpoint; ``delivery="exactly_once"``: payloads are kept
+    until :meth:`commit`).
 
     Raises:
         ChannelBusyError: another live process (or object) holds this end of the channel.
@@ -75,10 +66,8 @@ class Channel:
             raise ValueError(f"delivery must be one of {DELIVERY}, got {delivery!r}")
         if start_seq is not None and (role != "consumer" or start_seq < 1):
             raise ValueError("start_seq is a consumer's next sequence number (>= 1)")
-        self.name, self.role = name, role
-        self.peer_role = ROLES[1 - ROLES.index(role)]
-        self.capacity, self.timeout = capacity, timeout
-        self.delivery = delivery
+        self.name, self.role, self.peer_role = name, role, ROLES[1 - ROLES.index(role)]
+        self.capacity, self.timeout, self.delivery = capacity, timeout, delivery
         self._ex = exchange
         self._store: Store = exchange.store.clone()
         self._io = threading.Lock()
@@ -92,7 +81,7 @@ class Channel:
         #: Messages rejected by this consumer: ``forged`` (no/bad HMAC) and ``replayed``
         #: (authentic, but stamped for another position, channel, run or incarnation).
         self.rejected = {"forged": 0, "replayed": 0}
-        ns = f"{exchange.run_id}/{exchange.rank}/{name}"
+        self._ns = ns = f"{exchange.run_id}/{exchange.rank}/{name}"
         self._k_head, self._k_ack = f"{ns}/head", f"{ns}/ack"
         self._k_gen, self._k_commit = f"{ns}/gen", f"{ns}/commit"
         self._k_lease = {r: f"{ns}/lease.{r}" for r in ROLES}
@@ -101,9 +90,7 @@ class Channel:
         self._k_inc = exchange.incarnation_key
         self._incarnation = exchange.incarnation  # the one this end last joined
         self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
-        self._resend = False
-        self._ns = ns
-        self._committed = 0
+        self._resend, self._committed = False, 0
         #: head/ack value this end wrote last (the expected value of its next fenced
         #: write, so a put/get need not read it: a write by anyone else in between makes
         #: the compare-and-swap fail, and the key is then read again and checked).
@@ -159,7 +146,6 @@ class Channel:
                           self._k_commit])
         self._check_incarnation(got)
         head, ack = self._int(got, self._k_head), self._int(got, self._k_ack)
-        committed = int(got.get(self._k_commit, b"0"))
         prior = ack if self.role == "consumer" else max(head, ack)
         if prior and not self._ex.resume:
             raise ExchangeError(
@@ -169,7 +155,7 @@ class Channel:
                 "use a new run id for a new one")
         s.delete(self._k_closed[self.role])
         if self.role == "consumer":
-            self._committed = committed
+            self._committed = int(got.get(self._k_commit, b"0"))
             if start_seq is None:
                 if ack and self.delivery == "at_most_once":
                     s.delete_payload(self._msg(ack))  # taken, but a crash kept it
@@ -289,9 +275,8 @@ class Channel:
     def _fenced_set(self, key: str, seq: int, raw: bytes | None) -> None:
         """Set ``key`` (head or ack) to ``seq`` if no newer lease generation wrote it.
 
-        ``raw`` is the value read last (``None``: read it now). Raises LeaseLostError if
-        a newer owner of this role has written the key, ExchangeStateLostError if the key
-        or the run's incarnation vanished.
+        ``raw`` is the value read last (``None``: read it now). Raises LeaseLostError
+        (fenced out), ExchangeStateLostError (the key or the incarnation vanished).
         """
         new = b"%d %d" % (seq, self._gen)
         if self._store.local_fence:  # one locked read-check-write, no prior read needed
@@ -332,11 +317,8 @@ class Channel:
                                      "event is set)")
 
     def _check_peer(self, waiting_for: str) -> None:
-        """While waiting (at most every 50 ms): raise if the peer closed or died.
-
-        The lease is read before the tombstone: a peer that closes writes the tombstone
-        first and then drops its lease, so "no lease and no tombstone" means it died.
-        """
+        """While waiting (at most every 50 ms): raise if the peer closed or died. (A peer
+        that closes writes its tombstone, then drops its lease: neither means it died.)"""
         now = time.monotonic()
         if now - self._peer_checked < _PEER_CHECK_EVERY:
             return
@@ -384,10 +366,8 @@ class Channel:
     def _wait(self, w: dict[str, float], what: str, timeout: float,
               unreachable: str | None) -> None:
         """Sleep one back-off step; raise ExchangeTimeoutError once the deadline passed.
-
-        Time during which the peer reports itself busy (validation, evaluation, ...: see
-        ``BlobExchange.busy``) does not count, up to the exchange's ``busy_timeout``.
-        """
+        Time while the peer reports itself busy (``BlobExchange.busy``) does not count, up
+        to the exchange's ``busy_timeout``."""
         self._check_usable()
         now = time.monotonic()
         if (self._peer_activity or {}).get("busy") and w["paused"] < self._ex.busy_timeout:
@@ -421,17 +401,10 @@ class Channel:
             timeout: float | None = None) -> int:
         """Publish one message; wait (bounded) while ``capacity`` messages are unacknowledged.
 
-        Args:
-            tensors: name → NumPy array / torch tensor (any dtype and shape, see
-                :mod:`lit_roidata.exchange.wire`).
-            meta: JSON-serialisable metadata, e.g. alignment fields (step, image ids,
-                flipped, scales).
-            timeout: seconds to wait for the consumer's acknowledgement; default: the
-                channel's timeout (time while the consumer reports itself busy does not
-                count).
-
-        Returns:
-            The message's sequence number (1, 2, ...).
+        ``tensors``: name → NumPy array / torch tensor (any dtype and shape); ``meta``:
+        JSON-serialisable metadata (e.g. alignment fields); ``timeout``: for the consumer's
+        acknowledgement (time while it reports itself busy does not count). Returns the
+        message's sequence number (1, 2, ...).
 
         Raises:
             ExchangeTimeoutError, PeerDeadError, ChannelClosedError, LeaseLostError,
@@ -574,27 +547,18 @@ class Channel:
             as_torch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         """Take the next message, in order and exactly once.
 
-        Args:
-            timeout: seconds to wait; default: the channel's timeout (time while the
-                producer reports itself busy does not count).
-            expect: alignment fields this process expects (see
-                :func:`~lit_roidata.exchange.alignment.check_alignment`); a mismatch raises
-                before the message is acknowledged, so it stays pending.
-            as_torch: return torch tensors instead of NumPy arrays (bfloat16/float8 are
-                always tensors, NumPy has no such dtype).
-
-        Returns:
-            ``(tensors, meta)``.
+        Returns ``(tensors, meta)``. ``timeout``: seconds (time while the producer reports
+        itself busy does not count); ``expect``: alignment fields checked
+        (:func:`~lit_roidata.exchange.alignment.check_alignment`) before the message is
+        acknowledged (a mismatch leaves it pending); ``as_torch``: torch tensors instead of
+        NumPy arrays (bfloat16/float8 always are).
 
         Raises:
-            ExchangeTimeoutError: nothing arrived in time (names the channel and the peer).
-            PeerDeadError / ChannelClosedError: the producer died / closed the channel
-                (after every pending message was delivered), or this end was closed
-                meanwhile (the message then stays pending).
-            SequenceError, WireFormatError, AlignmentError, ExchangeStateLostError,
-            LeaseLostError: see :mod:`~lit_roidata.exchange.errors`. A forged or replayed
-            message is never returned: with authentication on it is counted in
-            :attr:`rejected`, deleted, and the wait goes on.
+            ExchangeTimeoutError, PeerDeadError, ChannelClosedError (the producer closed
+            after every pending message, or this end was closed), SequenceError,
+            WireFormatError, AlignmentError, ExchangeStateLostError, LeaseLostError. A
+            forged or replayed message is never returned: with authentication on it is
+            counted in :attr:`rejected`, deleted, and the wait goes on.
         """
         if self.role != "consumer":
             raise TypeError(f"{self.where}: get() needs a consumer channel")
@@ -755,21 +719,16 @@ class Channel:
         return error(text)
 
     def _release(self) -> None:
-        key = self._k_lease[self.role]
-        if self._store.get(key) == self._lease:
-            self._store.delete(key)
+        if self._store.get(self._k_lease[self.role]) == self._lease:
+            self._store.delete(self._k_lease[self.role])
 
     def close(self, finished: bool = True) -> None:
         """Leave a tombstone, release the lease and wake a waiting ``get``/``put``.
 
-        Safe to call from another thread (a blocked ``get`` then raises
-        :class:`ChannelClosedError`; a ``get`` that already read its message does not
-        acknowledge it, so it stays pending) and more than once. When the peer has closed
-        cleanly as well, the channel's keys and files are removed: the stream is over.
-
-        Args:
-            finished: ``False`` (e.g. closing because of an exception) never removes the
-                stream, so it can be resumed from a checkpoint.
+        Safe from another thread (a blocked ``get`` raises :class:`ChannelClosedError`; a
+        message it already read stays pending) and more than once. When the peer closed
+        cleanly too, the channel's state is removed, unless ``finished=False`` (e.g.
+        closing on an exception: the stream stays resumable from a checkpoint).
         """
         if self._closing:
             return

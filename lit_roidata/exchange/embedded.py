@@ -1,9 +1,8 @@
 """The embedded backend: a directory of files on one machine, no server.
 
-Processes meet in ``<root>/<run>/<rank>/<channel>/`` (``/dev/shm`` by default). Small
-values are replaced by rename, payloads published by hard link (or an exclusive
-``renameat2``), ``head``/``ack`` are two-slot CRC records updated in place under a
-per-directory ``flock``; docs/exchange.md ("Backends") has the details.
+Processes meet in ``<root>/<run>/<rank>/<channel>/`` (``/dev/shm`` by default); small
+values are replaced by rename, payloads published by hard link (or ``renameat2``),
+``head``/``ack`` are two-slot CRC records updated in place under a per-directory ``flock``.
 """
 
 from __future__ import annotations
@@ -81,8 +80,7 @@ def rename_noreplace(src: str, dst: str) -> None:
 
     Raises:
         FileExistsError: ``dst`` exists (nothing was renamed).
-        OSError: with ``errno.ENOTSUP`` if neither the C library nor the file system
-            supports an exclusive rename.
+        OSError: ``errno.ENOTSUP``: no exclusive rename in the C library or file system.
     """
     if _renameat2 is None:
         raise OSError(errno.ENOTSUP, "renameat2 is not available in this C library")
@@ -107,13 +105,9 @@ def default_root() -> Path:
 
 
 class EmbeddedStore(Store):
-    """File-backed :class:`~lit_roidata.exchange.backend.Store` under ``root``.
-
-    Args:
-        root: directory shared by the processes that exchange blobs (created if missing).
-        hard_links: ``False`` publishes payloads with the exclusive rename instead of
-            ``link`` (what happens automatically on a file system without hard links).
-    """
+    """File-backed :class:`~lit_roidata.exchange.backend.Store` under ``root`` (created if
+    missing). ``hard_links=False`` publishes payloads with the exclusive rename instead of
+    ``link`` (what happens by itself on a file system without hard links)."""
 
     def __init__(self, root: str | os.PathLike | None = None, *,
                  hard_links: bool = True) -> None:
@@ -155,11 +149,9 @@ class EmbeddedStore(Store):
             "LIT_ROIDATA_EXCHANGE_DIR=<dir> (in Docker, raise /dev/shm with --shm-size)")
 
     def _write_tmp(self, path: str, chunks: list) -> str:
-        """Write ``chunks`` to a new temporary file next to ``path``; return its name.
-
-        On failure the temporary file is removed; running out of space (or into a file
-        size limit) raises :class:`ExchangeError` naming the directory and the sizes.
-        """
+        """Write ``chunks`` to a new temporary file next to ``path``; return its name. On
+        failure it is removed; no space (or a file size limit) raises :class:`ExchangeError`
+        naming the directory and the sizes."""
         tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         views = [v for v in (memoryview(c).cast("B") for c in chunks) if len(v)]
         needed, fd = sum(len(v) for v in views), None
@@ -396,15 +388,10 @@ class EmbeddedStore(Store):
     delete_payload = delete
 
     def sweep_stale_runs(self, stale_after: float, keep: str | None = None) -> list[str]:
-        """Remove run directories under the root that nobody owns any more.
+        """Remove run directories under the root that nobody owns any more; return their ids.
 
-        A run is stale when none of its lease files names a live owner (a lease of a
-        process on this host that is gone, or an expired lease, does not count) and no
-        file in it changed for ``stale_after`` seconds. ``keep`` (this process's run id)
-        is never removed.
-
-        Returns:
-            The run ids removed.
+        Stale: no lease file names a live owner and no file changed for ``stale_after``
+        seconds. ``keep`` (this process's run id) is never removed.
         """
         from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
 

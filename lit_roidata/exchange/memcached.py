@@ -1,10 +1,9 @@
-"""The memcached backend (pymemcache).
+"""The memcached backend (pymemcache): raw wire-format bytes (no pickle), statuses checked.
 
-Raw wire-format bytes (no pickle), every status checked; payloads written once with
-``add``, split into chunk items ``<key>#<writer>#<i>`` above the server's item size and
-published by an ``LRXC`` descriptor; leases and positions by meta compare-and-swap
-(memcached >= 1.6) with remembered CAS tokens; every key expires after ``key_ttl``.
-Connection failures raise :class:`StoreUnavailable`. See docs/exchange.md ("Backends").
+Payloads are written once with ``add``, split into chunk items ``<key>#<writer>#<i>`` above
+the item size and published by an ``LRXD`` descriptor; leases and positions use meta
+compare-and-swap (memcached >= 1.6) with remembered CAS tokens; every key expires after
+``key_ttl``. Connection failures raise :class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
@@ -71,13 +70,9 @@ def _chunk_names(key: str, head: bytes) -> list[str]:
 class MemcachedStore(Store):
     """:class:`~lit_roidata.exchange.backend.Store` on one memcached server.
 
-    Args:
-        address: ``"host:port"``.
-        timeout: socket timeout in seconds for one request.
-        chunk_size: bytes per chunk item; default: the server's ``item_size_max`` minus a
-            margin for the item header.
-        key_ttl: expiry in seconds of every key stored without its own (at most 30 days),
-            so keys of an abandoned run disappear; refreshed by every write.
+    ``timeout``: socket timeout of one request; ``chunk_size``: bytes per chunk item
+    (default: the server's ``item_size_max`` less a margin); ``key_ttl``: expiry of every
+    key stored without its own (at most 30 days; refreshed by every write).
     """
 
     def __init__(self, address: str, *, timeout: float = 30.0,
@@ -96,7 +91,6 @@ class MemcachedStore(Store):
         self.chunk_size = chunk_size
         self._chunks: dict[str, list[str]] = {}  # chunk keys of payloads read, for delete
         self._tokens: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value, cas token)
-        self._own: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value we cas-ed, token)
 
     def _call(self, fn, *args, **kwargs):
         try:
@@ -141,10 +135,8 @@ class MemcachedStore(Store):
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         mapped = {self._k(k): k for k in keys}
         got = self._call(self._client.gets_many, list(mapped))
-        if len(self._tokens) > 4096:
-            self._tokens.clear()
         # Only small (bookkeeping) values are cas-ed: remember their tokens.
-        self._tokens.update((k, vt) for k, vt in got.items() if len(vt[0]) <= 256)
+        self._remember((k, vt) for k, vt in got.items() if len(vt[0]) <= 256)
         return {mapped[k]: value for k, (value, _) in got.items()}
 
     def peek_many(self, keys: list[str]) -> dict[str, bytes]:
@@ -153,26 +145,16 @@ class MemcachedStore(Store):
         return {mapped[k]: v for k, v in got.items()}
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
-        k = self._k(key)
-        ttl_s = self._ttl(ttl)
-        own = self._own.pop(k, None)
-        if own is not None and own[0] == expected:
-            # This handle wrote ``expected`` and got ``own[1]`` back: if the item still has
-            # that token, nobody has written it since, so it still holds ``expected``.
-            answer = self._cas_write(k, new, own[1], ttl_s)
-            if answer is not None:
-                return answer
-            self._tokens.pop(k, None)
-            cached = None  # written by someone else meanwhile: read it and compare
-        else:
-            cached = self._tokens.pop(k, None)
-        if cached is not None and cached[0] == expected:
-            token = cached[1]  # read moments ago by get_many: skip the extra gets
-        else:
-            value, token = self._call(self._client.gets, k)
-            if value is None or value != expected:
-                return False
-        return bool(self._cas_write(k, new, token, ttl_s))
+        k, ttl_s = self._k(key), self._ttl(ttl)
+        # The token of this handle's last read or write of ``k``: if the item still has it,
+        # nobody has written it since, so it still holds that value (no extra ``gets``).
+        known = self._tokens.pop(k, None)
+        if known is not None and known[0] == expected:
+            stored = self._cas_write(k, new, known[1], ttl_s)
+            if stored is not None:
+                return stored
+        value, token = self._call(self._client.gets, k)  # unknown, or written meanwhile
+        return value == expected and bool(self._cas_write(k, new, token, ttl_s))
 
     def _cas_write(self, k: bytes, new: bytes, token: bytes, ttl: int) -> bool | None:
         """Meta-set ``k`` to ``new`` iff its CAS token is ``token``; remember the new token.
@@ -183,12 +165,15 @@ class MemcachedStore(Store):
         stored, line = self._meta(b"ms %b %d T%d C%b c\r\n%b" % (k, len(new), ttl, token, new),
                                   {b"HD": True, b"EX": None, b"NF": False})
         if stored:
-            if len(self._own) > 4096:
-                self._own.clear()
-            for flag in line.split()[1:]:
-                if flag.startswith(b"c"):
-                    self._own[k] = (new, flag[1:])
+            self._remember(((k, (new, flag[1:])) for flag in line.split()[1:]
+                            if flag.startswith(b"c")))
         return stored
+
+    def _remember(self, tokens: Any) -> None:
+        """Keep ``(key, (value, cas token))`` pairs for :meth:`cas` (bounded)."""
+        if len(self._tokens) > 4096:
+            self._tokens.clear()
+        self._tokens.update(tokens)
 
     def _meta(self, request: bytes, answers: dict[bytes, bool | None]) -> tuple[Any, bytes]:
         """Send one meta command (memcached >= 1.6) and map its reply's status through

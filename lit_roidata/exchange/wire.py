@@ -1,10 +1,8 @@
 """The exchange's wire format: named arrays plus JSON metadata, no pickle.
 
-A message is a 24-byte prefix (magic ``LRXW``, version, flags, header length, CRC-32,
-data length), a JSON header (envelope, meta, tensor table), padding and the 64-byte
-aligned tensor data, optionally followed by an HMAC-SHA256 tag (``FLAG_HMAC``); see
-docs/exchange.md ("Wire format"). Decoded arrays share the (writable) receive buffer;
-``bfloat16``/``float8`` come back as ``torch.Tensor``.
+A 24-byte prefix (magic ``LRXW``, version, flags, lengths, CRC-32), a JSON header
+(envelope, meta, tensor table) and the 64-byte aligned tensor data, optionally followed by
+an HMAC-SHA256 tag (``FLAG_HMAC``); see docs/exchange.md ("Wire format").
 """
 
 from __future__ import annotations
@@ -147,15 +145,10 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
            ) -> Encoded:
     """Encode named arrays/tensors and JSON metadata into the wire format.
 
-    Args:
-        tensors: name -> NumPy array, torch tensor (any device; detached and copied to the
-            CPU) or anything ``np.asarray`` accepts. Any shape, including 0-d and empty.
-        meta: user metadata (e.g. alignment fields), JSON-serialisable.
-        envelope: channel bookkeeping (sequence number, channel, run id, rank).
-        key: HMAC key; if given, the message is authenticated (``FLAG_HMAC``).
-
-    Returns:
-        The encoded message as buffers (no copy of the array data is made).
+    ``tensors``: name -> NumPy array, torch tensor (any device; detached, copied to the CPU)
+    or anything ``np.asarray`` accepts, any shape; ``meta``: JSON-serialisable user
+    metadata; ``envelope``: channel bookkeeping (seq, channel, run id, rank); ``key``: HMAC
+    key (the message is then authenticated, ``FLAG_HMAC``). The array data are not copied.
 
     Raises:
         WireFormatError: an unsupported dtype, a non-str name, or non-JSON metadata.
@@ -206,19 +199,13 @@ def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
            where: str = "", key: bytes | None = None) -> Message:
     """Decode and validate a message produced by :func:`encode`.
 
-    Args:
-        buf: the whole message. A writable buffer (``bytearray``) yields writable arrays
-            that share its memory; ``bytes`` yields read-only arrays.
-        as_torch: return every entry as a ``torch.Tensor`` instead of a NumPy array.
-        where: text naming the channel and sequence number, used in error messages.
-        key: HMAC key; if given, only authenticated messages with a valid tag are read.
-
-    Returns:
-        The tensors, the user metadata and the envelope.
+    Arrays share ``buf``'s memory (writable if ``buf`` is a ``bytearray``); ``as_torch``
+    returns torch tensors; ``where`` names the channel and seq in errors; with ``key`` only
+    authenticated messages with a valid HMAC tag are read.
 
     Raises:
-        MessageAuthError: ``key`` is set and the message is unauthenticated or its tag is
-            wrong (forged or altered), or the message is authenticated and ``key`` is not.
+        MessageAuthError: forged or altered, unauthenticated while ``key`` is set, or
+            authenticated while ``key`` is not.
         WireFormatError: bad magic/version/flags, truncated data, CRC mismatch, inconsistent
             tensor table or unknown dtype.
     """
