@@ -253,10 +253,9 @@ class BlobExchange:
         store = self.store.clone()
         try:
             while not self._hb_stop.wait(self.lease_ttl / 5):
-                channels = self._open_channels()
                 with contextlib.suppress(Exception):  # keep the run's keys from expiring
                     store.cas(self.incarnation_key, self.incarnation, self.incarnation)
-                for ch in channels:
+                for ch in self._open_channels():
                     try:
                         ch.heartbeat(store)
                     except Exception as exc:  # keep beating for the other channels

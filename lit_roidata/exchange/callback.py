@@ -90,20 +90,16 @@ class BlobExchangeCallback(pl.Callback):
                              f"{delivery!r}")
         self.run_id, self.backend, self.address = run_id, backend, address
         self.publish, self.publish_keys = publish, list(publish_keys)
-        self.subscribe, self.lag = subscribe, lag
-        self.align_fields = list(align_fields)
+        self.subscribe, self.lag, self.align_fields = subscribe, lag, list(align_fields)
         self.timeout, self.capacity, self.lease_ttl = timeout, capacity, lease_ttl
-        self.attribute = attribute
+        self.attribute, self.secret = attribute, secret
         self.delivery, self.resume, self.busy_timeout = delivery, resume, busy_timeout
-        self.secret = secret
         self.exchange: BlobExchange | None = None
         self._out = self._in = None
-        self._step = 0
-        self._pending_align: dict[str, Any] | None = None  # this step's own alignment
-        self._previous_align: dict[str, Any] | None = None
-        self._consumed = self._published = 0  # sequence numbers, saved in checkpoints
-        self._restored: dict[str, Any] | None = None
-        self._checkpointed_seq = 0  # consumed seq at the previous state_dict()
+        # this step's own alignment, the previous step's, and the checkpoint's state
+        self._pending_align = self._previous_align = self._restored = None
+        # sequence numbers (saved in checkpoints; consumed at the previous state_dict())
+        self._step = self._consumed = self._published = self._checkpointed_seq = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Callback state is restored before on_fit_start, so a resumed run knows its seqs.

@@ -72,9 +72,7 @@ class Channel:
         self._store: Store = exchange.store.clone()
         self._io = threading.Lock()
         self._wake = threading.Event()
-        self._closing = False
-        self._lost: str | None = None
-        self._lost_type: type[Exception] = LeaseLostError
+        self._closing, self._lost, self._lost_type = False, None, LeaseLostError
         self._peer_seen: LeaseRecord | None = None
         self._peer_activity: dict[str, Any] | None = None
         self._peer_checked = 0.0
