@@ -7,7 +7,6 @@ import difflib
 import gc
 import logging
 import os
-import pickle
 import time
 from collections import Counter
 from operator import methodcaller
@@ -32,6 +31,7 @@ from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickl
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.segms import SegmColumns, concat_offsets, offsets
+from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed
 from lit_roidata.roidb.columnar import RoIDB
 
 __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES",
@@ -267,46 +267,31 @@ def _check_categories(tables_cats: list, names: list, policy: str) -> None:
 
 
 def _in_child(fn, *args):
-    """Run ``fn(*args)`` in a forked child and return its (picklable) result.
+    """Run ``fn(*args)`` in a forked build worker (:class:`OrderedWorkers`) and return its
+    (picklable) result; its errors are raised here.
 
     Parsing train2017 creates millions of Python objects (GBs); in a child they vanish
     with ``os._exit`` instead of being freed one by one, and the calling process (a DDP
-    rank that goes on to train) keeps its small footprint. Errors are re-raised here.
-    Without ``fork`` (or with ``LIT_ROIDATA_BUILD_IN_PROCESS=1``) it runs in-process.
+    rank that goes on to train) keeps its small footprint. Without ``fork`` (or with
+    ``LIT_ROIDATA_BUILD_IN_PROCESS=1``) it runs in-process.
     """
     if not hasattr(os, "fork") or os.environ.get("LIT_ROIDATA_BUILD_IN_PROCESS") == "1":
         return fn(*args)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 0
+
+    def task(_: Any, state: dict) -> Any:
         keep_decoded_until_exit()
+        return fn(*args)
+
+    with OrderedWorkers(task, 1, daemon=False) as child:
+        child.submit(None)
         try:
-            os.close(r)
-            try:
-                payload = pickle.dumps(("ok", fn(*args)))
-            except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
-                code = 1
-                try:
-                    payload = pickle.dumps(("err", exc))
-                except Exception:  # unpicklable exception: keep type name and message
-                    payload = pickle.dumps(("err", RuntimeError(f"{type(exc).__name__}: "
-                                                                f"{exc}")))
-            with os.fdopen(w, "wb") as fh:
-                fh.write(payload)
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        raise RuntimeError(f"the roidb builder process died (wait status {status}); rerun with "
-                           f"LIT_ROIDATA_BUILD_IN_PROCESS=1 to see the error in-process")
-    kind, value = pickle.loads(data)
-    if kind == "err":
-        raise value
-    return value
+            return child.result()
+        except WorkerDied as exc:
+            raise RuntimeError(f"the roidb builder process died ({exc}); rerun with "
+                               f"LIT_ROIDATA_BUILD_IN_PROCESS=1 to see the error "
+                               f"in-process") from None
+        except WorkerFailed as exc:
+            raise exc.__cause__ from None
 
 
 @contextlib.contextmanager

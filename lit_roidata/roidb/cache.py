@@ -432,41 +432,20 @@ def hold_in_use(path: str) -> Any:
     """A shared lock that marks the cache at ``path`` as in use while it is held.
 
     ``lit-roidata cache clean`` never removes a cache someone holds. The lock goes away
-    with the returned object (``close()`` or garbage collection) or the process.
+    with the returned file object (``close()`` or garbage collection) or the process.
     """
     try:
         import fcntl
 
-        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY)
+        fh = open(os.path.join(path, MANIFEST), "rb")
     except (OSError, ImportError):
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
     except OSError:
-        os.close(fd)
+        fh.close()
         return None
-    return _InUse(fd)
-
-
-class _InUse:
-    """Owns the descriptor holding the in-use lock; closing it (or GC) releases it."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def close(self) -> None:
-        """Release the lock."""
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
-
-    def __del__(self) -> None:
-        self.close()
+    return fh
 
 
 def in_use(path: str) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 
 from lit_roidata.osutil import malloc_trim
 from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, WINDOW_BYTES, RawCoco
-from lit_roidata.roidb.decode import WindowMapper, decode_generic, decode_window, iter_coco
+from lit_roidata.roidb.decode import decode_generic, decode_window, iter_coco
 from lit_roidata.roidb.decode import read_json
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError, keypoint_flip_map
 from lit_roidata.roidb.segms import POLY, SegmColumns, rle_columns, rle_string_counts
@@ -446,9 +446,9 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
 _PARALLEL_BYTES = 4
 
 
-class ParallelWindows(WindowMapper):
-    """Decodes and cleans windows of a COCO file in forked worker processes
-    (:class:`lit_roidata.roidb.workers.OrderedWorkers`), for :func:`iter_coco`.
+class ParallelWindows(OrderedWorkers):
+    """Decodes and cleans windows of a COCO file in forked worker processes, as the
+    ``mapper`` of :func:`iter_coco`.
 
     Args:
         path: the annotation file (each worker maps it).
@@ -458,40 +458,20 @@ class ParallelWindows(WindowMapper):
 
     def __init__(self, path: str, n: int, gt_min_area: float, keypoints_required: bool
                  ) -> None:
+        super().__init__(functools.partial(_window_task, path, gt_min_area,
+                                           keypoints_required), n)
         self.depth = 2 * n
-        self._indexed = self._closed = False
-        self._workers = OrderedWorkers(functools.partial(
-            _window_task, path, gt_min_area, keypoints_required), n)
+        self.indexed = False
 
     def handles(self, key: str) -> bool:
         """Images always; annotations once the image index is known."""
-        return key == "images" or self._indexed
+        return key == "images" or self.indexed
 
     def set_index(self, ids: np.ndarray, widths: np.ndarray, heights: np.ndarray) -> None:
         """Give the workers the images (sorted ids, int32 widths and heights)."""
-        if not self._closed:
-            self._workers.broadcast({"ids": ids, "widths": widths, "heights": heights})
-            self._indexed = True
-
-    def submit(self, key: str, start: int, end: int) -> None:
-        """Queue the window ``[start, end)`` of the ``key`` array."""
-        self._workers.submit((key, start, end))
-
-    def result(self) -> tuple[int, Any]:
-        """``(elements, columns or cleaned window)``; raises ``WorkerFailed`` to refuse."""
-        return self._workers.result()
-
-    def reset(self) -> bool:
-        """Drop the windows in flight; ``False`` if a worker died (then closed)."""
-        if self._closed or not self._workers.discard():
-            self._closed = True
-            return False
-        return True
-
-    def close(self) -> None:
-        """End the workers."""
-        self._closed = True
-        self._workers.close()
+        if self.alive:
+            self.broadcast({"ids": ids, "widths": widths, "heights": heights})
+            self.indexed = True
 
 
 class _Refused(Exception):

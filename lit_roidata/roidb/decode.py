@@ -37,7 +37,7 @@ from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.numtext import parse_number_lists
 
 __all__ = ["RawCoco", "decode_coco", "decode_chunked", "decode_fast", "decode_generic",
-           "read_json", "WINDOW_BYTES", "iter_coco", "WindowMapper", "decode_window",
+           "read_json", "WINDOW_BYTES", "iter_coco", "decode_window",
            "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
 
 #: ``RawCoco.seg_kind`` values.
@@ -342,12 +342,17 @@ def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
         dec.close()
 
 
-def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES,
-              mapper: Optional["WindowMapper"] = None) -> Any:
+def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None) -> Any:
     """The events of a chunked decode of ``path``, in file order (see
     :func:`decode_chunked`): ``("images", columns, first)``, ``("images_end", count)``,
     ``("annotations", window, first)`` (``window``: a :class:`RawCoco` of the window's
     annotations, no images, ``ann_base=first``) and last ``("end", categories)``.
+
+    ``mapper`` (:class:`lit_roidata.roidb.coco.ParallelWindows`) decodes windows of the
+    arrays it ``handles(key)``, ``depth`` in flight: ``submit((key, start, end))``,
+    ``result() -> (elements, payload)`` (raising refuses the window: it and the rest of
+    its array are decoded here) and ``discard()`` (false: it cannot go on); its windows
+    come as ``("annotations_mapped", payload, first)`` / ``("images", ...)`` events.
 
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
@@ -377,35 +382,6 @@ def decode_window(path: str, key: str, start: int, end: int) -> Any:
     return RawCoco(source=path, **cols, decoder="fast")
 
 
-class WindowMapper:
-    """What :func:`iter_coco` needs of a mapper (the interface; the build's is
-    :class:`lit_roidata.roidb.coco.ParallelWindows`)."""
-
-    #: windows to keep in flight
-    depth: int = 2
-
-    def handles(self, key: str) -> bool:
-        """Whether windows of the ``key`` array (``images``/``annotations``) go to it now."""
-        return False
-
-    def submit(self, key: str, start: int, end: int) -> None:
-        """Decode the elements in bytes ``[start, end)`` of the file's ``key`` array."""
-        raise NotImplementedError
-
-    def result(self) -> tuple[int, Any]:
-        """``(elements, payload)`` of the oldest window; raises any exception to refuse
-        it (the window and the rest of its array are then decoded in-process)."""
-        raise NotImplementedError
-
-    def reset(self) -> bool:
-        """Drop the windows in flight (after a refusal); ``False`` if the mapper cannot
-        take more windows."""
-        return False
-
-    def close(self) -> None:
-        """Stop (windows in flight are dropped)."""
-
-
 class _Chunked:
     """One :func:`decode_chunked` pass over a memory-mapped file."""
 
@@ -423,7 +399,7 @@ class _Chunked:
         self.view = memoryview(mm)
         self.generic = False
         self.released = 0
-        self.mapper: Optional[WindowMapper] = None
+        self.mapper: Any = None
 
     def close(self) -> None:
         """Unmap the file (left to the GC while an error's traceback still views it)."""
@@ -582,7 +558,7 @@ class _Chunked:
         in-process decode goes on: the array's last (short) window, or the first window
         the mapper refused (the array's last window usually is: its proposed cut lies
         past the array's end). Windows in flight behind a refused one are dropped; if
-        the mapper cannot go on (:meth:`WindowMapper.reset`), it is not used again."""
+        the mapper cannot go on (``discard()`` is false), it is not used again."""
         mapper = self.mapper
         assert mapper is not None
         count = 0
@@ -596,14 +572,14 @@ class _Chunked:
                         more = False
                         break
                     nxt = self._ws(m.end())
-                    mapper.submit(key, nxt_start, m.start() + 1)
+                    mapper.submit((key, nxt_start, m.start() + 1))
                     flight.append((nxt_start, nxt))
                     nxt_start = nxt
                 if not flight:
                     return pos, count
                 rows, payload = mapper.result()
             except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
-                if not mapper.reset():
+                if not mapper.discard():
                     self.mapper = None
                 return (flight[0][0] if flight else nxt_start), count
             start, nxt = flight.popleft()

@@ -76,9 +76,11 @@ class OrderedWorkers:
         fn: a function of ``(task, state)``; it runs in the forked processes, where
             everything the caller had at construction is visible.
         n: the number of processes (>= 1).
+        daemon: daemon processes (they cannot fork workers of their own).
     """
 
-    def __init__(self, fn: Callable[[Any, dict], Any], n: int) -> None:
+    def __init__(self, fn: Callable[[Any, dict], Any], n: int, *, daemon: bool = True
+                 ) -> None:
         ctx = multiprocessing.get_context("fork")
         self.n = max(1, int(n))
         self._conns: list = []
@@ -88,7 +90,7 @@ class OrderedWorkers:
         try:
             for _ in range(self.n):
                 mine, theirs = ctx.Pipe()
-                p = ctx.Process(target=_serve, args=(fn, theirs), daemon=True,
+                p = ctx.Process(target=_serve, args=(fn, theirs), daemon=daemon,
                                 name="lit-roidata-build")
                 p.start()
                 theirs.close()
@@ -97,6 +99,11 @@ class OrderedWorkers:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def alive(self) -> bool:
+        """Whether the processes still run (not closed)."""
+        return bool(self._conns)
 
     @property
     def pending(self) -> int:
@@ -134,16 +141,16 @@ class OrderedWorkers:
         return value
 
     def discard(self) -> bool:
-        """Read and drop every pending result; ``False`` (and closed) if a worker died."""
+        """Read and drop every pending result; ``False`` (and closed) if a worker died
+        or the workers were closed."""
         while self._owner:
             try:
                 self.result()
             except WorkerDied:
                 self.close()
-                return False
             except WorkerFailed:
                 pass
-        return True
+        return self.alive
 
     def _send(self, k: int, msg: Any) -> None:
         if not self._conns:
