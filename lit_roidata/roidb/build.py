@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import gc
 import logging
@@ -30,7 +29,7 @@ from lit_roidata.roidb.proposals import empty_proposal_table
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
-from lit_roidata.roidb.segms import SegmColumns, concat_offsets, offsets
+from lit_roidata.roidb.segms import SegmColumns, concat, concat_offsets, offsets
 from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed
 from lit_roidata.roidb.columnar import RoIDB
 
@@ -294,22 +293,17 @@ def _in_child(fn, *args):
             raise exc.__cause__ from None
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Parsing a COCO file creates millions of containers; the cyclic GC would rescan
-    them over and over (several seconds at train2017 scale) and they hold no cycles."""
+def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
+    # Parsing a COCO file creates millions of containers that hold no cycles: the cyclic
+    # GC would rescan them over and over (several seconds at train2017 scale)
     was = gc.isenabled()
     gc.disable()
     try:
-        yield
+        with no_transparent_hugepages():
+            return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
     finally:
         if was:
             gc.enable()
-
-
-def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
-    with _gc_paused(), no_transparent_hugepages():
-        return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
 
 
 def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
@@ -452,11 +446,6 @@ def _image_paths(spec: DatasetSpec, file_names: list) -> list[bytes]:
     return [head + n for n in map(methodcaller("encode", "utf-8"), names)]
 
 
-def _cat(arrays: list) -> np.ndarray:
-    """``np.concatenate`` that does not copy a single array (proposal columns are GBs)."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
 #: the proposal columns of a roidb without proposal files (int32, as before narrow dtypes)
 _NO_PROPOSALS = {"prop_boxes": ((0, 4), np.float32), "prop_max_overlaps": (0, np.float32),
                  "prop_max_classes": (0, np.int32), "prop_gt_map": (0, np.int32)}
@@ -467,13 +456,12 @@ def _combine(specs, tables, props, options, written=None,
              ) -> tuple[dict, dict]:
     """The cache's arrays and the build report; ``emit(name, array)`` is called for each
     array once it is final (the caller writes it meanwhile)."""
-    cat = _cat
     n_imgs = [t.ids.size for t in tables]
     a: dict[str, np.ndarray] = {
-        "gt_boxes": cat([t.boxes for t in tables]).reshape(-1, 4),
-        "gt_classes": cat([t.classes for t in tables]).astype(np.int32),
-        "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),
-        "gt_is_crowd": cat([t.is_crowd for t in tables]).astype(bool),
+        "gt_boxes": concat([t.boxes for t in tables]).reshape(-1, 4),
+        "gt_classes": concat([t.classes for t in tables]).astype(np.int32),
+        "gt_seg_areas": concat([t.seg_areas for t in tables]).astype(np.float32),
+        "gt_is_crowd": concat([t.is_crowd for t in tables]).astype(bool),
     }
     for k, v in a.items():
         emit(k, v)
@@ -493,16 +481,16 @@ def _combine(specs, tables, props, options, written=None,
             k[:, :, :t.keypoints.shape[2]] = t.keypoints
         kps.append(k)
     rest: dict[str, np.ndarray] = {
-        "img_id": cat([t.ids for t in tables]),
-        "img_width": cat([t.widths for t in tables]).astype(np.int32),
-        "img_height": cat([t.heights for t in tables]).astype(np.int32),
-        "img_dataset": cat([np.full(n, k, np.int16) for k, n in enumerate(n_imgs)]),
+        "img_id": concat([t.ids for t in tables]),
+        "img_width": concat([t.widths for t in tables]).astype(np.int32),
+        "img_height": concat([t.heights for t in tables]).astype(np.int32),
+        "img_dataset": concat([np.full(n, k, np.int16) for k, n in enumerate(n_imgs)]),
         "img_path_bytes": np.frombuffer(b"".join(paths), np.uint8),
         "img_path_off": path_off,
-        "img_has_vis_kp": cat([t.has_vis_kp for t in tables]),
+        "img_has_vis_kp": concat([t.has_vis_kp for t in tables]),
         "img_gt_off": concat_offsets([t.gt_off for t in tables]),
         "img_prop_off": concat_offsets([p.off for p in props]),
-        "gt_keypoints": cat(kps),
+        "gt_keypoints": concat(kps),
         **(written or {k: np.zeros(*v) for k, v in _NO_PROPOSALS.items()}),
     }
     if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
@@ -519,7 +507,7 @@ def _combine(specs, tables, props, options, written=None,
         if options["use_flipped"]:
             entry_img.append(orig)
             entry_flip.append(np.ones(orig.size, bool))
-    e_img, e_flip = cat(entry_img), cat(entry_flip)
+    e_img, e_flip = concat(entry_img), concat(entry_flip)
     before = int(e_img.size)
     dropped: Counter = Counter()
     warnings_: list = []

@@ -64,19 +64,18 @@ def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     try:
         with open(memo, encoding="utf-8") as fh:
             rec = json.load(fh)
-        if rec.get("stat") == stat_key and rec.get("path") == path and \
-                str(rec["digest"]).startswith(algo + ":"):
-            return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                    "digest": rec["digest"]}
+        digest = rec["digest"] if rec.get("stat") == stat_key and \
+            rec.get("path") == path and str(rec["digest"]).startswith(algo + ":") else None
     except (OSError, ValueError, KeyError):
-        pass
-    digest = f"{algo}:{file_digest(path, algo)}"
-    try:  # best effort: a read-only cache directory just means re-hashing next time
-        os.makedirs(memo_dir, exist_ok=True)
-        with atomic_write(memo, "w", encoding="utf-8") as fh:
-            json.dump({"path": path, "stat": stat_key, "digest": digest}, fh)
-    except OSError as exc:
-        logger.debug("cannot memoise the hash of %s: %s", path, exc)
+        digest = None
+    if digest is None:
+        digest = f"{algo}:{file_digest(path, algo)}"
+        try:  # best effort: a read-only cache directory just means re-hashing next time
+            os.makedirs(memo_dir, exist_ok=True)
+            with atomic_write(memo, "w", encoding="utf-8") as fh:
+                json.dump({"path": path, "stat": stat_key, "digest": digest}, fh)
+        except OSError as exc:
+            logger.debug("cannot memoise the hash of %s: %s", path, exc)
     return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
 
 
@@ -180,15 +179,7 @@ class ArrayWriter:
         header = npy_header(dtype, shape, pad_to=pad_to)
         self._guard(pwrite_all, fd, 0, header, False)
         size = len(header) + np.dtype(dtype).itemsize * math.prod(shape)
-        h = hasher(self.algo)
-        buf = bytearray(_HASH_BLOCK)
-        view, pos = memoryview(buf), 0
-        while pos < size:
-            got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
-            if got <= 0:
-                raise OSError(f"short read while checksumming {name}.npy ({pos} of {size})")
-            h.update(view[:got])
-            pos += got
+        h = _hash_fd(fd, self.algo, size, f"{name}.npy")
         self._record(name, size, np.dtype(dtype), list(shape), h)
 
     def _record(self, name: str, size: int, dtype: np.dtype, shape: list, h: Any) -> None:
@@ -310,16 +301,25 @@ def default_algo() -> str:
 
 def file_digest(path: str, algo: str = "blake2b") -> str:
     """128-bit digest (``xxh3_128`` or ``blake2b``) of a file's bytes, in 4 MiB blocks."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _hash_fd(fd, algo, os.fstat(fd).st_size, path).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _hash_fd(fd: int, algo: str, size: int, name: str) -> Any:
+    """The hasher of ``algo`` over the first ``size`` bytes of ``fd``."""
     h = hasher(algo)
-    with open(path, "rb", buffering=0) as fh:
-        buf = bytearray(_HASH_BLOCK)
-        view = memoryview(buf)
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
+    buf = bytearray(_HASH_BLOCK)
+    view, pos = memoryview(buf), 0
+    while pos < size:
+        got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
+        if got <= 0:
+            raise OSError(f"short read while checksumming {name} ({pos} of {size})")
+        h.update(view[:got])
+        pos += got
+    return h
 
 
 def _boot_id() -> str:

@@ -1,20 +1,10 @@
 """COCO JSON → :class:`RawCoco`: the fields the roidb reads, as columns, in JSON order.
 
-Two decoders produce the same :class:`RawCoco`:
-
-* **fast** (:func:`decode_fast`): ``msgspec`` with typed ``Struct`` schemas decodes only
-  the fields the roidb reads (unknown fields are skipped without building objects) and
-  checks their types while decoding; polygons and keypoints stay raw JSON text whose
-  numbers :mod:`lit_roidata.roidb.numtext` converts all at once (the same doubles);
-* **generic** (:func:`decode_generic`): ``orjson`` into Python objects, field by field,
-  with an error that names the file, the record and the fix for every malformed value.
-
-:func:`decode_coco` tries the fast one and falls back to the generic one on anything the
-strict schema does not accept (a wrong type, a ``null``, a float width, malformed JSON),
-so a bad file always ends in the generic decoder's precise :class:`RoIDBInputError`,
-and a good file gives identical columns either way (tested). Value rules (odd polygons,
-RLE sizes, keypoint ranges, ...) are checked afterwards on the columns, by
-:mod:`lit_roidata.roidb.coco`, for both decoders alike.
+Two decoders give the same columns: the typed ``msgspec`` one (:func:`decode_fast`,
+windowed in :func:`decode_chunked` / :func:`iter_coco`) and, for whatever it refuses,
+the generic ``orjson`` one (:func:`decode_generic`), whose errors name the file, the
+record and the fix. Value rules are checked afterwards by :mod:`lit_roidata.roidb.coco`.
+See docs/roidb.md ("Decoding in windows", "Bad input").
 """
 
 from __future__ import annotations
@@ -23,7 +13,6 @@ import functools
 import mmap
 import os
 import re
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter, methodcaller
@@ -373,10 +362,9 @@ def decode_window(path: str, key: str, start: int, end: int) -> Any:
     end)`` from an element start to an element end (a mapper's work, in a worker
     process; the file stays mapped there): image columns, or a :class:`RawCoco` of the
     annotations (``ann_base=0``); ``None`` if the typed decoder refuses the window."""
-    dec = _OPEN.get(path)
-    if dec is None:
-        dec = _OPEN[path] = _Chunked.open(path, 1)
-    cols = dec.decode_window(key, start, end)
+    dec = _OPEN.get(path) or _OPEN.setdefault(path, _Chunked.open(path, 1))
+    cols = _typed_columns(key, dec._window_text(start, end))
+    dec._release(end)  # the window's pages: out of this worker's RSS
     if cols is None or key == "images":
         return cols
     return RawCoco(source=path, **cols, decoder="fast")
@@ -559,43 +547,24 @@ class _Chunked:
         the mapper refused (the array's last window usually is: its proposed cut lies
         past the array's end). Windows in flight behind a refused one are dropped; if
         the mapper cannot go on (``discard()`` is false), it is not used again."""
-        mapper = self.mapper
-        assert mapper is not None
-        count = 0
-        flight: deque = deque()  # (start, next element start) of submitted windows
-        nxt_start, more = pos, True
-        while True:
-            try:
-                while more and len(flight) < mapper.depth:
-                    m = self._candidate(nxt_start)
-                    if m is None:
-                        more = False
-                        break
-                    nxt = self._ws(m.end())
-                    mapper.submit((key, nxt_start, m.start() + 1))
-                    flight.append((nxt_start, nxt))
-                    nxt_start = nxt
-                if not flight:
-                    return pos, count
-                rows, payload = mapper.result()
-            except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
-                if not mapper.discard():
-                    self.mapper = None
-                return (flight[0][0] if flight else nxt_start), count
-            start, nxt = flight.popleft()
-            yield payload, count, nxt, rows, True
-            count += rows
-            pos = nxt
+        mapper, count = self.mapper, 0
 
-    def decode_window(self, key: str, start: int, end: int) -> Optional[dict]:
-        """The typed decode of the elements in ``[start, end)`` (a mapper's work, in a
-        worker process): their columns, or ``None`` if the typed decoder refuses them.
-        The window's pages are dropped from this process afterwards."""
-        buf = self._window_text(start, end)
-        lo, hi = start - start % mmap.PAGESIZE, end - end % mmap.PAGESIZE
-        if hi > lo and hasattr(self.mm, "madvise"):
-            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-        return _typed_columns(key, buf)
+        def windows() -> Any:  # (key, start, end, next element start), drawn lazily
+            start = pos
+            while (m := self._candidate(start)) is not None:
+                nxt = self._ws(m.end())
+                yield key, start, m.start() + 1, nxt
+                start = nxt
+
+        try:
+            for (*_, nxt), (rows, payload) in mapper.stream(windows(), mapper.depth):
+                yield payload, count, nxt, rows, True
+                count += rows
+                pos = nxt
+        except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
+            if not mapper.discard():
+                self.mapper = None
+        return pos, count
 
     def _window_text(self, start: int, end: int) -> bytearray:
         """``[`` + the elements in ``[start, end)`` + ``]``: a JSON list to decode."""

@@ -232,7 +232,7 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     # the staged file they inherit, in order; this process writes the rows meanwhile
     workers = build_workers() if len(chunks) >= 4 else 0
     if workers:
-        out.quiesce()  # no writer threads while forking (a previous dataset's)
+        out.writer.wait()  # no writer threads while forking (a previous dataset's)
     try:
         for (start, stop), (res, c) in zip(chunks, map_ordered(one_chunk, chunks, workers)):
             per_img, b, mo, mc, gmap = res
@@ -328,11 +328,6 @@ class ProposalColumns:
         self.writer = ArrayWriter(directory, _WRITE_THREADS, durable=persistent,
                                   max_pending=_MAX_PENDING_WRITES)
 
-    @property
-    def dtypes(self) -> dict:
-        """``{column name: dtype}``."""
-        return {name: dt for name, dt, _ in self.spec}
-
     def append(self, boxes: np.ndarray, max_overlaps: np.ndarray, max_classes: np.ndarray,
                gt_map: np.ndarray) -> None:
         """Append one chunk's rows to every column (values checked against the bounds)."""
@@ -348,11 +343,6 @@ class ProposalColumns:
             at = self._reserved + self.rows * dtype.itemsize * math.prod(shape)
             self.writer.write(fh.fileno(), at, np.ascontiguousarray(arr, dtype).reshape(-1))
         self.rows += int(boxes.shape[0])
-
-    def quiesce(self) -> None:
-        """Wait for the rows handed over so far and stop the writer threads (e.g. before
-        forking; they start again with the next :meth:`append`)."""
-        self.writer.wait()
 
     def finish(self) -> dict:
         """Close the columns: ``{name: read-only array}`` (memory maps of the files)."""

@@ -140,6 +140,18 @@ class OrderedWorkers:
             raise WorkerFailed(f"{type(value).__name__}: {value}") from value
         return value
 
+    def stream(self, tasks: Iterator[Any], depth: int) -> Iterator[tuple[Any, Any]]:
+        """``(task, result)`` for each of ``tasks`` in order, at most ``depth`` in flight
+        (tasks are drawn as results come back); raises as :meth:`result`."""
+        sent: deque = deque()
+        for task in tasks:
+            self.submit(task)
+            sent.append(task)
+            if len(sent) >= depth:
+                yield sent.popleft(), self.result()
+        while sent:
+            yield sent.popleft(), self.result()
+
     def discard(self) -> bool:
         """Read and drop every pending result; ``False`` (and closed) if a worker died
         or the workers were closed."""
@@ -191,31 +203,18 @@ class OrderedWorkers:
 def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int, *,
                 depth: Optional[int] = None) -> Iterator[Any]:
     """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
-    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here."""
-    if n <= 1:
-        for t in tasks:
-            yield fn(t, {})
-        return
-    depth = depth or 2 * n
+    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here.
+    A task's error is raised; after a worker's death the rest is computed here."""
     done = 0
-    with OrderedWorkers(fn, n) as w:
-        sent = 0
-        try:
-            while done < len(tasks):
-                while sent < len(tasks) and w.pending < depth:
-                    w.submit(tasks[sent])
-                    sent += 1
-                try:
-                    out = w.result()
-                except WorkerDied:
-                    raise
-                except WorkerFailed as exc:
-                    if exc.__cause__ is not None:
-                        raise exc.__cause__ from None
-                    out = fn(tasks[done], {})  # the error, as this process raises it
-                yield out
-                done += 1
-        except WorkerDied:
-            pass
-    for t in tasks[done:]:  # a worker died: the rest here
+    if n > 1:
+        with OrderedWorkers(fn, n) as w:
+            try:
+                for _, out in w.stream(iter(tasks), depth or 2 * n):
+                    yield out
+                    done += 1
+            except WorkerDied:
+                pass
+            except WorkerFailed as exc:
+                raise exc.__cause__ from None
+    for t in tasks[done:]:
         yield fn(t, {})
