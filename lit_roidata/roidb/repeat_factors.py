@@ -1,4 +1,5 @@
-"""Repeat factors for long-tailed datasets (LVIS): Detectron2's category-frequency rule,
+"""Repeat factors for long-tailed datasets (LVIS): Detectron2's category-frequency rule.
+
 ``r(I) = max over the categories c in I of max(1, sqrt(t / f(c)))``, over the training
 roidb's distinct images (a flipped entry gets its original's factor), in Detectron2's
 float64 arithmetic rounded once to float32 (bit-identical factors). The rule, the
