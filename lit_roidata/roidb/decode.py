@@ -24,6 +24,7 @@ import orjson
 
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.numtext import parse_number_lists
+from lit_roidata.roidb.segms import concat
 
 __all__ = ["RawCoco", "decode_coco", "decode_chunked", "decode_fast", "decode_generic",
            "read_json", "WINDOW_BYTES", "iter_coco", "decode_window",
@@ -715,9 +716,7 @@ def _concat_columns(pieces: list, arrays: tuple) -> dict:
     :class:`RawCoco`'s empty defaults)."""
     out: dict = {}
     for k in arrays if pieces else ():
-        parts = [p.pop(k) for p in pieces]
-        out[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        del parts
+        out[k] = concat([p.pop(k) for p in pieces])
     if "img_id" in arrays:
         out["file_names"] = list(chain.from_iterable(p.pop("file_names") for p in pieces))
     else:
@@ -872,16 +871,22 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
 def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
     boxes = [a.get("bbox") for a in anns]
     ok = set(map(type, boxes)) <= {list} and all(len(b) == 4 for b in boxes)
-    if ok:
-        flat = list(chain.from_iterable(boxes))
-        ok = set(map(type, flat)) <= _NUM
-    if not ok:
+    flat = _numbers(boxes) if ok else None
+    if flat is None:
         for i, b in enumerate(boxes):
             if not (type(b) is list and len(b) == 4 and all(type(v) in _NUM for v in b)):
                 raise RoIDBInputError(
                     f"{source}: {lab(i)} has bbox {b!r:.80}; expected [x, y, width, height] "
                     f"(4 numbers). Fix or remove it.")
-    return np.fromiter(flat, np.float64, len(flat)).reshape(-1, 4)
+    return flat.reshape(-1, 4)
+
+
+def _numbers(lists: list) -> Optional[np.ndarray]:
+    """The values of lists of JSON numbers, float64; ``None`` if one is not a number."""
+    flat = list(chain.from_iterable(lists))
+    if not set(map(type, flat)) <= _NUM:
+        return None
+    return np.fromiter(flat, np.float64, len(flat))
 
 
 def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
@@ -905,8 +910,8 @@ def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
             f"{next(p for p in per[i] if type(p) is not list)!r:.40}, not a list); expected "
             f"[[x1, y1, x2, y2, ...], ...]. Fix or remove that annotation.")
     coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
-    flat = list(chain.from_iterable(polys))
-    if not set(map(type, flat)) <= _NUM:
+    coords = _numbers(polys)
+    if coords is None:
         for i, s in enumerate(per):
             for p in s:
                 bad = [v for v in p if type(v) not in _NUM]
@@ -915,7 +920,6 @@ def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
                         f"{source}: {lab(i)} has a polygon coordinate {bad[0]!r:.40} (a "
                         f"polygon is a list of numbers x1, y1, x2, y2, ...). Fix the "
                         f"coordinates or remove that polygon.")
-    coords = np.fromiter(flat, np.float64, len(flat))
     kind = np.where(types == 1, SEG_POLY, np.where(types == 2, SEG_RLE, SEG_MISSING))
     rles = {i: segs[i] for i in np.flatnonzero(types == 2).tolist()}
     return kind.astype(np.int8), poly_n, coord_n, coords, rles
@@ -930,8 +934,8 @@ def _keypoints(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
         raise RoIDBInputError(f"{source}: {lab(i)} has keypoints={kps[i]!r:.80}; expected a "
                               f"list [x1, y1, v1, x2, y2, v2, ...]. Fix that record.")
     kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, n)
-    flat = list(chain.from_iterable(present))
-    if not set(map(type, flat)) <= _NUM:
+    vals = _numbers(present)
+    if vals is None:
         i = next(i for i, k in enumerate(kps) if k is not None
                  and any(type(v) not in _NUM for v in k))
         bad = next(v for v in kps[i] if type(v) not in _NUM)
@@ -939,4 +943,4 @@ def _keypoints(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
             f"{source}: {lab(i)} has a keypoint value {bad!r:.40}; keypoints are numbers "
             f"[x1, y1, v1, ...] (use 0, 0, 0 for a keypoint that is not labelled). Fix that "
             f"record.")
-    return kp_len, np.fromiter(flat, np.float64, len(flat))
+    return kp_len, vals
