@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import gc
 import logging
@@ -22,7 +23,7 @@ from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
 from lit_roidata.roidb.decode import keep_decoded_until_exit
 from lit_roidata.roidb.filters import filter_entries, trainable_images
-from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
+from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
 from lit_roidata.roidb.proposals import ProposalColumns, build_proposal_table
 from lit_roidata.roidb.proposals import empty_proposal_table
@@ -359,10 +360,7 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
             raise
     if union is not None:
         for t in tables:
-            t.info = DatasetInfo(t.info.name, ("__background__", *union),
-                                 t.info.json_category_id_to_contiguous_id,
-                                 t.info.contiguous_category_id_to_json_id, t.info.keypoints,
-                                 t.info.keypoint_flip_map)
+            t.info = dataclasses.replace(t.info, classes=("__background__", *union))
     done = columns.records if columns is not None else {}
     writer = ArrayWriter(tmp)  # each array is written while the next is computed
 

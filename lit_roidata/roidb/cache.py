@@ -503,15 +503,14 @@ def validate_cache(path: str) -> dict[str, Any]:
 
 
 def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any]], *,
-                 rebuild: bool = False, lock_timeout: float = -1,
-                 verify: Optional[bool] = None) -> tuple[str, dict, bool]:
+                 rebuild: bool = False, verify: Optional[bool] = None
+                 ) -> tuple[str, dict, bool]:
     """Open the cache ``roidb-<key>`` under ``cache_root``, building it if needed.
 
     Args:
         build: fills a temporary directory and returns the manifest (without
             ``format``); it runs under the lock, at most once per key at a time.
         rebuild: discard an existing cache and build again.
-        lock_timeout: seconds to wait for another builder (-1: forever).
         verify: compare the array checksums when opening an existing cache: ``None``
             (default) on the first open after each boot, ``True`` always, ``False`` never.
             A mismatch rebuilds the cache, with a warning naming the file.
@@ -531,7 +530,7 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
         lock.acquire(timeout=0)
     except Timeout:
         logger.info("waiting for another process to finish building %s", final)
-        lock.acquire(timeout=lock_timeout)
+        lock.acquire()
     try:
         manifest = None if rebuild else _try_open(final, verify)
         if manifest is not None:

@@ -166,15 +166,14 @@ def staging_budget() -> int:
 
 class _Sink:
     """Where the arrays' bytes go, in unpickling order: one growing ``bytearray`` up to
-    ``budget`` bytes, then (everything staged so far, and what follows) an anonymous
+    :func:`staging_budget` bytes, then (everything staged so far, and what follows) an anonymous
     scratch file."""
 
     _BATCH_BYTES = 8 << 20
     _BATCH_BUFFERS = 512
 
-    def __init__(self, budget: Optional[int] = None,
-                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> None:
-        self.budget = staging_budget() if budget is None else int(budget)
+    def __init__(self, drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> None:
+        self.budget = staging_budget()
         self.drop = drop
         self.mem: Optional[bytearray] = bytearray()
         self.fh: Optional[BinaryIO] = None

@@ -184,7 +184,6 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
                          min_proposal_size: int = 2, proposal_limit: int = -1,
                          crowd_filter_thresh: float = 0.0,
                          progress: Optional[Callable[[int], None]] = None,
-                         scratch_dir: Optional[str] = None,
                          out: Optional["ProposalColumns"] = None) -> ProposalTable:
     """Process a proposal file for one dataset exactly as Detectron does (Detectron semantics:
     proposals).
@@ -196,9 +195,6 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         proposal_limit: keep the first ``limit`` per image if ``> 0``.
         crowd_filter_thresh: IoF threshold of the crowd filter; ``0`` disables it.
         progress: called with the number of images done after each chunk.
-        scratch_dir: where the output columns are staged when ``out`` is not given
-            (unlinked files; default: the system's temporary directory). The table's
-            arrays map them (int32 ``max_classes`` / ``gt_map``).
         out: a :class:`ProposalColumns` the rows are appended to instead (several
             datasets in turn, each row written once into the cache's final files); the
             table's arrays are then ``None`` and :meth:`ProposalColumns.finish` gives them.
@@ -217,7 +213,7 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     # concatenation or copy writes the columns a second time.
     own = out is None
     if own:
-        out = ProposalColumns(scratch_dir, persistent=False)
+        out = ProposalColumns(None, persistent=False)  # unlinked files the table maps
     off = np.zeros(n + 1, np.int64)
     pos = 0
     chunks = _chunk_ranges(n_boxes)

@@ -6,7 +6,7 @@ import multiprocessing
 import os
 import signal
 from collections import deque
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["OrderedWorkers", "WorkerDied", "WorkerFailed", "build_workers", "map_ordered"]
 
@@ -200,16 +200,16 @@ class OrderedWorkers:
         self.close()
 
 
-def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int, *,
-                depth: Optional[int] = None) -> Iterator[Any]:
+def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int
+                ) -> Iterator[Any]:
     """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
-    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here.
+    workers (at most ``2 * n`` in flight); with ``n <= 1``, here.
     A task's error is raised; after a worker's death the rest is computed here."""
     done = 0
     if n > 1:
         with OrderedWorkers(fn, n) as w:
             try:
-                for _, out in w.stream(iter(tasks), depth or 2 * n):
+                for _, out in w.stream(iter(tasks), 2 * n):
                     yield out
                     done += 1
             except WorkerDied:
