@@ -518,17 +518,14 @@ class _Chunked:
             pos, count = yield from self._mapped(pos, key)
         while True:
             m = self._candidate(pos)
-            if m is not None:
-                cols = self._decode(key, pos, m.start() + 1, count, typed_only=True)
-                if cols is not None:
-                    nxt = self._ws(m.end())
-                    yield cols, count, nxt, _rows(cols), False
-                    count += _rows(cols)
-                    pos = nxt
-                    continue
-            cut, last = self._cut(pos, key)
-            cols = self._decode(key, pos, cut, count, typed_only=False)
-            nxt = cut + 1 if last else self._ws(cut + 1)
+            cols = (None if m is None else
+                    self._decode(key, pos, m.start() + 1, count, typed_only=True))
+            if cols is not None:  # the proposed cut decodes: an element boundary
+                nxt, last = self._ws(m.end()), False
+            else:  # the exact cut (scanning the structure), decoded whatever it holds
+                cut, last = self._cut(pos, key)
+                cols = self._decode(key, pos, cut, count, typed_only=False)
+                nxt = cut + 1 if last else self._ws(cut + 1)
             yield cols, count, nxt, _rows(cols), False
             count += _rows(cols)
             if last:
