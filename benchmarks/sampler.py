@@ -139,8 +139,7 @@ def repeat_factor_rows(args) -> None:
 
     import torch
 
-    from lit_roidata.roidb.repeat_factors import (_atomic_save,
-                                                  repeat_factors_from_category_frequency)
+    from lit_roidata.roidb.repeat_factors import repeat_factors_from_category_frequency
 
     logging.getLogger("detectron2").setLevel(logging.WARNING)
     n = 100_000 if args.quick else args.images
@@ -153,7 +152,7 @@ def repeat_factor_rows(args) -> None:
     r = repeat_factors_from_category_frequency(off, cls, 0.001)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "repeat_factors-x.npy")
-        _atomic_save(path, r)
+        np.save(path, r, allow_pickle=False)
         load_t, load_all = _best(lambda: np.load(path), reps)
     print(f"  factors, ours (columns):       {ours_t:8.3f} s  {_spread(ours_all)}")
     print(f"  factors, ours (cached file):   {load_t * 1e3:8.2f} ms {_spread(load_all, 1e3)}")

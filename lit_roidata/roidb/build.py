@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import difflib
 import gc
 import logging
 import os
-import pickle
 import time
 from collections import Counter
 from operator import methodcaller
@@ -24,14 +23,15 @@ from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
 from lit_roidata.roidb.decode import keep_decoded_until_exit
 from lit_roidata.roidb.filters import filter_entries, trainable_images
-from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
+from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
 from lit_roidata.roidb.proposals import ProposalColumns, build_proposal_table
 from lit_roidata.roidb.proposals import empty_proposal_table
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
-from lit_roidata.roidb.segms import SegmColumns, concat_offsets, offsets
+from lit_roidata.roidb.segms import SegmColumns, concat, concat_offsets, offsets
+from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed
 from lit_roidata.roidb.columnar import RoIDB
 
 __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES",
@@ -267,64 +267,44 @@ def _check_categories(tables_cats: list, names: list, policy: str) -> None:
 
 
 def _in_child(fn, *args):
-    """Run ``fn(*args)`` in a forked child and return its (picklable) result.
+    """Run ``fn(*args)`` in a forked build worker (:class:`OrderedWorkers`) and return its
+    (picklable) result; its errors are raised here.
 
     Parsing train2017 creates millions of Python objects (GBs); in a child they vanish
     with ``os._exit`` instead of being freed one by one, and the calling process (a DDP
-    rank that goes on to train) keeps its small footprint. Errors are re-raised here.
-    Without ``fork`` (or with ``LIT_ROIDATA_BUILD_IN_PROCESS=1``) it runs in-process.
+    rank that goes on to train) keeps its small footprint. Without ``fork`` (or with
+    ``LIT_ROIDATA_BUILD_IN_PROCESS=1``) it runs in-process.
     """
     if not hasattr(os, "fork") or os.environ.get("LIT_ROIDATA_BUILD_IN_PROCESS") == "1":
         return fn(*args)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 0
+
+    def task(_: Any, state: dict) -> Any:
         keep_decoded_until_exit()
+        return fn(*args)
+
+    with OrderedWorkers(task, 1, daemon=False) as child:
+        child.submit(None)
         try:
-            os.close(r)
-            try:
-                payload = pickle.dumps(("ok", fn(*args)))
-            except BaseException as exc:  # noqa: BLE001 - everything goes to the parent
-                code = 1
-                try:
-                    payload = pickle.dumps(("err", exc))
-                except Exception:  # unpicklable exception: keep type name and message
-                    payload = pickle.dumps(("err", RuntimeError(f"{type(exc).__name__}: "
-                                                                f"{exc}")))
-            with os.fdopen(w, "wb") as fh:
-                fh.write(payload)
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as fh:
-        data = fh.read()
-    _, status = os.waitpid(pid, 0)
-    if not data:
-        raise RuntimeError(f"the roidb builder process died (wait status {status}); rerun with "
-                           f"LIT_ROIDATA_BUILD_IN_PROCESS=1 to see the error in-process")
-    kind, value = pickle.loads(data)
-    if kind == "err":
-        raise value
-    return value
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Parsing a COCO file creates millions of containers; the cyclic GC would rescan
-    them over and over (several seconds at train2017 scale) and they hold no cycles."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
+            return child.result()
+        except WorkerDied as exc:
+            raise RuntimeError(f"the roidb builder process died ({exc}); rerun with "
+                               f"LIT_ROIDATA_BUILD_IN_PROCESS=1 to see the error "
+                               f"in-process") from None
+        except WorkerFailed as exc:
+            raise exc.__cause__ from None
 
 
 def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
-    with _gc_paused(), no_transparent_hugepages():
-        return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
+    # Parsing a COCO file creates millions of containers that hold no cycles: the cyclic
+    # GC would rescan them over and over (several seconds at train2017 scale)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with no_transparent_hugepages():
+            return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
+    finally:
+        if was:
+            gc.enable()
 
 
 def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
@@ -380,10 +360,7 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
             raise
     if union is not None:
         for t in tables:
-            t.info = DatasetInfo(t.info.name, ("__background__", *union),
-                                 t.info.json_category_id_to_contiguous_id,
-                                 t.info.contiguous_category_id_to_json_id, t.info.keypoints,
-                                 t.info.keypoint_flip_map)
+            t.info = dataclasses.replace(t.info, classes=("__background__", *union))
     done = columns.records if columns is not None else {}
     writer = ArrayWriter(tmp)  # each array is written while the next is computed
 
@@ -467,11 +444,6 @@ def _image_paths(spec: DatasetSpec, file_names: list) -> list[bytes]:
     return [head + n for n in map(methodcaller("encode", "utf-8"), names)]
 
 
-def _cat(arrays: list) -> np.ndarray:
-    """``np.concatenate`` that does not copy a single array (proposal columns are GBs)."""
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
 #: the proposal columns of a roidb without proposal files (int32, as before narrow dtypes)
 _NO_PROPOSALS = {"prop_boxes": ((0, 4), np.float32), "prop_max_overlaps": (0, np.float32),
                  "prop_max_classes": (0, np.int32), "prop_gt_map": (0, np.int32)}
@@ -482,13 +454,12 @@ def _combine(specs, tables, props, options, written=None,
              ) -> tuple[dict, dict]:
     """The cache's arrays and the build report; ``emit(name, array)`` is called for each
     array once it is final (the caller writes it meanwhile)."""
-    cat = _cat
     n_imgs = [t.ids.size for t in tables]
     a: dict[str, np.ndarray] = {
-        "gt_boxes": cat([t.boxes for t in tables]).reshape(-1, 4),
-        "gt_classes": cat([t.classes for t in tables]).astype(np.int32),
-        "gt_seg_areas": cat([t.seg_areas for t in tables]).astype(np.float32),
-        "gt_is_crowd": cat([t.is_crowd for t in tables]).astype(bool),
+        "gt_boxes": concat([t.boxes for t in tables]).reshape(-1, 4),
+        "gt_classes": concat([t.classes for t in tables]).astype(np.int32),
+        "gt_seg_areas": concat([t.seg_areas for t in tables]).astype(np.float32),
+        "gt_is_crowd": concat([t.is_crowd for t in tables]).astype(bool),
     }
     for k, v in a.items():
         emit(k, v)
@@ -508,16 +479,16 @@ def _combine(specs, tables, props, options, written=None,
             k[:, :, :t.keypoints.shape[2]] = t.keypoints
         kps.append(k)
     rest: dict[str, np.ndarray] = {
-        "img_id": cat([t.ids for t in tables]),
-        "img_width": cat([t.widths for t in tables]).astype(np.int32),
-        "img_height": cat([t.heights for t in tables]).astype(np.int32),
-        "img_dataset": cat([np.full(n, k, np.int16) for k, n in enumerate(n_imgs)]),
+        "img_id": concat([t.ids for t in tables]),
+        "img_width": concat([t.widths for t in tables]).astype(np.int32),
+        "img_height": concat([t.heights for t in tables]).astype(np.int32),
+        "img_dataset": concat([np.full(n, k, np.int16) for k, n in enumerate(n_imgs)]),
         "img_path_bytes": np.frombuffer(b"".join(paths), np.uint8),
         "img_path_off": path_off,
-        "img_has_vis_kp": cat([t.has_vis_kp for t in tables]),
+        "img_has_vis_kp": concat([t.has_vis_kp for t in tables]),
         "img_gt_off": concat_offsets([t.gt_off for t in tables]),
         "img_prop_off": concat_offsets([p.off for p in props]),
-        "gt_keypoints": cat(kps),
+        "gt_keypoints": concat(kps),
         **(written or {k: np.zeros(*v) for k, v in _NO_PROPOSALS.items()}),
     }
     if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
@@ -534,7 +505,7 @@ def _combine(specs, tables, props, options, written=None,
         if options["use_flipped"]:
             entry_img.append(orig)
             entry_flip.append(np.ones(orig.size, bool))
-    e_img, e_flip = cat(entry_img), cat(entry_flip)
+    e_img, e_flip = concat(entry_img), concat(entry_flip)
     before = int(e_img.size)
     dropped: Counter = Counter()
     warnings_: list = []

@@ -64,19 +64,18 @@ def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     try:
         with open(memo, encoding="utf-8") as fh:
             rec = json.load(fh)
-        if rec.get("stat") == stat_key and rec.get("path") == path and \
-                str(rec["digest"]).startswith(algo + ":"):
-            return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                    "digest": rec["digest"]}
+        digest = rec["digest"] if rec.get("stat") == stat_key and \
+            rec.get("path") == path and str(rec["digest"]).startswith(algo + ":") else None
     except (OSError, ValueError, KeyError):
-        pass
-    digest = f"{algo}:{file_digest(path, algo)}"
-    try:  # best effort: a read-only cache directory just means re-hashing next time
-        os.makedirs(memo_dir, exist_ok=True)
-        with atomic_write(memo, "w", encoding="utf-8") as fh:
-            json.dump({"path": path, "stat": stat_key, "digest": digest}, fh)
-    except OSError as exc:
-        logger.debug("cannot memoise the hash of %s: %s", path, exc)
+        digest = None
+    if digest is None:
+        digest = f"{algo}:{file_digest(path, algo)}"
+        try:  # best effort: a read-only cache directory just means re-hashing next time
+            os.makedirs(memo_dir, exist_ok=True)
+            with atomic_write(memo, "w", encoding="utf-8") as fh:
+                json.dump({"path": path, "stat": stat_key, "digest": digest}, fh)
+        except OSError as exc:
+            logger.debug("cannot memoise the hash of %s: %s", path, exc)
     return {"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
 
 
@@ -180,15 +179,7 @@ class ArrayWriter:
         header = npy_header(dtype, shape, pad_to=pad_to)
         self._guard(pwrite_all, fd, 0, header, False)
         size = len(header) + np.dtype(dtype).itemsize * math.prod(shape)
-        h = hasher(self.algo)
-        buf = bytearray(_HASH_BLOCK)
-        view, pos = memoryview(buf), 0
-        while pos < size:
-            got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
-            if got <= 0:
-                raise OSError(f"short read while checksumming {name}.npy ({pos} of {size})")
-            h.update(view[:got])
-            pos += got
+        h = _hash_fd(fd, self.algo, size, f"{name}.npy")
         self._record(name, size, np.dtype(dtype), list(shape), h)
 
     def _record(self, name: str, size: int, dtype: np.dtype, shape: list, h: Any) -> None:
@@ -310,16 +301,25 @@ def default_algo() -> str:
 
 def file_digest(path: str, algo: str = "blake2b") -> str:
     """128-bit digest (``xxh3_128`` or ``blake2b``) of a file's bytes, in 4 MiB blocks."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _hash_fd(fd, algo, os.fstat(fd).st_size, path).hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _hash_fd(fd: int, algo: str, size: int, name: str) -> Any:
+    """The hasher of ``algo`` over the first ``size`` bytes of ``fd``."""
     h = hasher(algo)
-    with open(path, "rb", buffering=0) as fh:
-        buf = bytearray(_HASH_BLOCK)
-        view = memoryview(buf)
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
+    buf = bytearray(_HASH_BLOCK)
+    view, pos = memoryview(buf), 0
+    while pos < size:
+        got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
+        if got <= 0:
+            raise OSError(f"short read while checksumming {name} ({pos} of {size})")
+        h.update(view[:got])
+        pos += got
+    return h
 
 
 def _boot_id() -> str:
@@ -432,41 +432,20 @@ def hold_in_use(path: str) -> Any:
     """A shared lock that marks the cache at ``path`` as in use while it is held.
 
     ``lit-roidata cache clean`` never removes a cache someone holds. The lock goes away
-    with the returned object (``close()`` or garbage collection) or the process.
+    with the returned file object (``close()`` or garbage collection) or the process.
     """
     try:
         import fcntl
 
-        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY)
+        fh = open(os.path.join(path, MANIFEST), "rb")
     except (OSError, ImportError):
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
     except OSError:
-        os.close(fd)
+        fh.close()
         return None
-    return _InUse(fd)
-
-
-class _InUse:
-    """Owns the descriptor holding the in-use lock; closing it (or GC) releases it."""
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def close(self) -> None:
-        """Release the lock."""
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
-
-    def __del__(self) -> None:
-        self.close()
+    return fh
 
 
 def in_use(path: str) -> bool:
@@ -524,15 +503,14 @@ def validate_cache(path: str) -> dict[str, Any]:
 
 
 def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any]], *,
-                 rebuild: bool = False, lock_timeout: float = -1,
-                 verify: Optional[bool] = None) -> tuple[str, dict, bool]:
+                 rebuild: bool = False, verify: Optional[bool] = None
+                 ) -> tuple[str, dict, bool]:
     """Open the cache ``roidb-<key>`` under ``cache_root``, building it if needed.
 
     Args:
         build: fills a temporary directory and returns the manifest (without
             ``format``); it runs under the lock, at most once per key at a time.
         rebuild: discard an existing cache and build again.
-        lock_timeout: seconds to wait for another builder (-1: forever).
         verify: compare the array checksums when opening an existing cache: ``None``
             (default) on the first open after each boot, ``True`` always, ``False`` never.
             A mismatch rebuilds the cache, with a warning naming the file.
@@ -552,7 +530,7 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
         lock.acquire(timeout=0)
     except Timeout:
         logger.info("waiting for another process to finish building %s", final)
-        lock.acquire(timeout=lock_timeout)
+        lock.acquire()
     try:
         manifest = None if rebuild else _try_open(final, verify)
         if manifest is not None:

@@ -15,11 +15,11 @@ import numpy as np
 
 from lit_roidata.osutil import malloc_trim
 from lit_roidata.roidb.decode import SEG_MISSING, SEG_RLE, WINDOW_BYTES, RawCoco
-from lit_roidata.roidb.decode import WindowMapper, decode_generic, decode_window, iter_coco
+from lit_roidata.roidb.decode import decode_generic, decode_window, iter_coco
 from lit_roidata.roidb.decode import read_json
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError, keypoint_flip_map
 from lit_roidata.roidb.segms import POLY, SegmColumns, rle_columns, rle_string_counts
-from lit_roidata.roidb.segms import offsets, take_ranges
+from lit_roidata.roidb.segms import concat, offsets, take_ranges
 from lit_roidata.roidb.workers import OrderedWorkers, build_workers
 
 __all__ = ["GtTable", "load_coco_json", "table_from_raw", "read_json",
@@ -216,9 +216,9 @@ class _GtBuilder:
         if self.ids is not None:
             return
         path, parts = self.path, self.img_parts
-        img_id = _cat([p["img_id"] for p in parts], np.int64)
-        img_w = _cat([p["img_w"] for p in parts], np.float64)
-        img_h = _cat([p["img_h"] for p in parts], np.float64)
+        img_id = concat([p["img_id"] for p in parts], np.int64)
+        img_w = concat([p["img_w"] for p in parts], np.float64)
+        img_h = concat([p["img_h"] for p in parts], np.float64)
         file_names = [f for p in parts for f in p["file_names"]]
         self.img_parts = []
         order_img = np.argsort(img_id, kind="stable")
@@ -282,12 +282,12 @@ class _GtBuilder:
                            counts["annotation_unknown_image"], self.unknown_ids.tolist())
 
         def col(k: str, dtype: Any) -> np.ndarray:
-            return _cat([p.pop(k) for p in parts], dtype)
+            return concat([p.pop(k) for p in parts], dtype)
 
         kp_table = krow = None
         if info.keypoints is not None:  # checked first, as Detectron's order of checks
             kbase = np.cumsum([0] + [p["k_id"].size for p in parts])[:-1]
-            krow = _cat([np.where(p["krow"] >= 0, p["krow"] + b, -1)
+            krow = concat([np.where(p["krow"] >= 0, p["krow"] + b, -1)
                          for p, b in zip(parts, kbase)], np.int64)
             kraw = RawCoco(
                 source=path, categories=categories, ann_id=col("k_id", np.int64),
@@ -446,9 +446,9 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
 _PARALLEL_BYTES = 4
 
 
-class ParallelWindows(WindowMapper):
-    """Decodes and cleans windows of a COCO file in forked worker processes
-    (:class:`lit_roidata.roidb.workers.OrderedWorkers`), for :func:`iter_coco`.
+class ParallelWindows(OrderedWorkers):
+    """Decodes and cleans windows of a COCO file in forked worker processes, as the
+    ``mapper`` of :func:`iter_coco`.
 
     Args:
         path: the annotation file (each worker maps it).
@@ -458,40 +458,20 @@ class ParallelWindows(WindowMapper):
 
     def __init__(self, path: str, n: int, gt_min_area: float, keypoints_required: bool
                  ) -> None:
+        super().__init__(functools.partial(_window_task, path, gt_min_area,
+                                           keypoints_required), n)
         self.depth = 2 * n
-        self._indexed = self._closed = False
-        self._workers = OrderedWorkers(functools.partial(
-            _window_task, path, gt_min_area, keypoints_required), n)
+        self.indexed = False
 
     def handles(self, key: str) -> bool:
         """Images always; annotations once the image index is known."""
-        return key == "images" or self._indexed
+        return key == "images" or self.indexed
 
     def set_index(self, ids: np.ndarray, widths: np.ndarray, heights: np.ndarray) -> None:
         """Give the workers the images (sorted ids, int32 widths and heights)."""
-        if not self._closed:
-            self._workers.broadcast({"ids": ids, "widths": widths, "heights": heights})
-            self._indexed = True
-
-    def submit(self, key: str, start: int, end: int) -> None:
-        """Queue the window ``[start, end)`` of the ``key`` array."""
-        self._workers.submit((key, start, end))
-
-    def result(self) -> tuple[int, Any]:
-        """``(elements, columns or cleaned window)``; raises ``WorkerFailed`` to refuse."""
-        return self._workers.result()
-
-    def reset(self) -> bool:
-        """Drop the windows in flight; ``False`` if a worker died (then closed)."""
-        if self._closed or not self._workers.discard():
-            self._closed = True
-            return False
-        return True
-
-    def close(self) -> None:
-        """End the workers."""
-        self._closed = True
-        self._workers.close()
+        if self.alive:
+            self.broadcast({"ids": ids, "widths": widths, "heights": heights})
+            self.indexed = True
 
 
 class _Refused(Exception):
@@ -501,7 +481,7 @@ class _Refused(Exception):
 def _window_task(path: str, gt_min_area: float, required: bool, task: tuple,
                  state: dict) -> tuple[int, Any]:
     """A worker's window: decoded, and for annotations cleaned against the index."""
-    key, start, end = task
+    key, start, end = task[:3]
     cols = decode_window(path, key, start, end)
     if cols is None:
         raise _Refused(f"{path}: bytes {start}-{end}")
@@ -526,13 +506,6 @@ def _narrow(a: np.ndarray) -> np.ndarray:
     if a.size and (a.min() < -2 ** 31 or a.max() >= 2 ** 31):
         return a
     return a.astype(np.int32)
-
-
-def _cat(arrays: list, dtype: Any) -> np.ndarray:
-    """Concatenate window columns (an empty one of ``dtype`` for none)."""
-    if not arrays:
-        return np.zeros(0, dtype)
-    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 _SEG_FIX = ("A polygon is a list of numbers [x1, y1, x2, y2, ...] (at least 3 points); "

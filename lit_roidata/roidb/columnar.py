@@ -204,12 +204,8 @@ class RoIDB:
         return f"RoIDB({len(self)} entries from [{names}], cache={self.path!r})"
 
     # ------------------------------------------------------------------ columns
-    def _gt_range(self, img: int) -> tuple[int, int]:
-        off = self._a["img_gt_off"]
-        return int(off[img]), int(off[img + 1])
-
-    def _prop_range(self, img: int) -> tuple[int, int]:
-        off = self._a["img_prop_off"]
+    def _range(self, off_col: str, img: int) -> tuple[int, int]:
+        off = self._a[off_col]
         return int(off[img]), int(off[img + 1])
 
 
@@ -271,9 +267,9 @@ class RoIEntry(Mapping):
 
     def _rows(self, gt_col: str, prop_col: Optional[str], prop_fill: Any = 0,
               dtype: Any = None) -> np.ndarray:
-        g0, g1 = self._db._gt_range(self._img)
+        g0, g1 = self._db._range("img_gt_off", self._img)
         gt = np.asarray(self._a[gt_col][g0:g1])
-        p0, p1 = self._db._prop_range(self._img)
+        p0, p1 = self._db._range("img_prop_off", self._img)
         if p1 == p0:
             out = np.array(gt, dtype=dtype or gt.dtype)
         elif prop_col is None:
@@ -286,9 +282,8 @@ class RoIEntry(Mapping):
 
     # ------------------------------------------------------------------ fields
     def _f_image(self) -> str:
-        off = self._a["img_path_off"]
-        raw = self._a["img_path_bytes"][int(off[self._img]):int(off[self._img + 1])]
-        return bytes(np.asarray(raw)).decode("utf-8")
+        a, b = self._db._range("img_path_off", self._img)
+        return bytes(np.asarray(self._a["img_path_bytes"][a:b])).decode("utf-8")
 
     def _f_id(self) -> int:
         return int(self._a["img_id"][self._img])
@@ -318,21 +313,21 @@ class RoIEntry(Mapping):
         return self._rows("gt_is_crowd", None, False, bool)
 
     def _f_box_to_gt_ind_map(self) -> np.ndarray:
-        g0, g1 = self._db._gt_range(self._img)
-        p0, p1 = self._db._prop_range(self._img)
+        g0, g1 = self._db._range("img_gt_off", self._img)
+        p0, p1 = self._db._range("img_prop_off", self._img)
         return np.concatenate([np.arange(g1 - g0, dtype=np.int32),
                                np.asarray(self._a["prop_gt_map"][p0:p1], np.int32)])
 
     def _f_max_overlaps(self) -> np.ndarray:
-        g0, g1 = self._db._gt_range(self._img)
-        p0, p1 = self._db._prop_range(self._img)
+        g0, g1 = self._db._range("img_gt_off", self._img)
+        p0, p1 = self._db._range("img_prop_off", self._img)
         crowd = np.asarray(self._a["gt_is_crowd"][g0:g1], bool)
         gt = np.where(crowd, np.float32(-1), np.float32(1)).astype(np.float32)
         return np.concatenate([gt, np.asarray(self._a["prop_max_overlaps"][p0:p1], np.float32)])
 
     def _f_max_classes(self) -> np.ndarray:
-        g0, g1 = self._db._gt_range(self._img)
-        p0, p1 = self._db._prop_range(self._img)
+        g0, g1 = self._db._range("img_gt_off", self._img)
+        p0, p1 = self._db._range("img_prop_off", self._img)
         crowd = np.asarray(self._a["gt_is_crowd"][g0:g1], bool)
         gt = np.where(crowd, 0, np.asarray(self._a["gt_classes"][g0:g1])).astype(np.int64)
         return np.concatenate([gt, np.asarray(self._a["prop_max_classes"][p0:p1], np.int64)])
@@ -352,12 +347,12 @@ class RoIEntry(Mapping):
                                     cls_agnostic=agnostic, weights=weights)
 
     def _f_segms(self) -> list:
-        g0, g1 = self._db._gt_range(self._img)
+        g0, g1 = self._db._range("img_gt_off", self._img)
         return decode_segms(self._db._segms, g0, g1, flipped=self["flipped"],
                             width=self["width"], height=self["height"])
 
     def _f_gt_keypoints(self) -> np.ndarray:
-        g0, g1 = self._db._gt_range(self._img)
+        g0, g1 = self._db._range("img_gt_off", self._img)
         k = self._info.num_keypoints
         kps = np.array(self._a["gt_keypoints"][g0:g1, :, :k], dtype=np.int32)
         if self["flipped"]:

@@ -1,20 +1,10 @@
 """COCO JSON → :class:`RawCoco`: the fields the roidb reads, as columns, in JSON order.
 
-Two decoders produce the same :class:`RawCoco`:
-
-* **fast** (:func:`decode_fast`): ``msgspec`` with typed ``Struct`` schemas decodes only
-  the fields the roidb reads (unknown fields are skipped without building objects) and
-  checks their types while decoding; polygons and keypoints stay raw JSON text whose
-  numbers :mod:`lit_roidata.roidb.numtext` converts all at once (the same doubles);
-* **generic** (:func:`decode_generic`): ``orjson`` into Python objects, field by field,
-  with an error that names the file, the record and the fix for every malformed value.
-
-:func:`decode_coco` tries the fast one and falls back to the generic one on anything the
-strict schema does not accept (a wrong type, a ``null``, a float width, malformed JSON),
-so a bad file always ends in the generic decoder's precise :class:`RoIDBInputError`,
-and a good file gives identical columns either way (tested). Value rules (odd polygons,
-RLE sizes, keypoint ranges, ...) are checked afterwards on the columns, by
-:mod:`lit_roidata.roidb.coco`, for both decoders alike.
+Two decoders give the same columns: the typed ``msgspec`` one (:func:`decode_fast`,
+windowed in :func:`decode_chunked` / :func:`iter_coco`) and, for whatever it refuses,
+the generic ``orjson`` one (:func:`decode_generic`), whose errors name the file, the
+record and the fix. Value rules are checked afterwards by :mod:`lit_roidata.roidb.coco`.
+See docs/roidb.md ("Decoding in windows", "Bad input").
 """
 
 from __future__ import annotations
@@ -23,7 +13,6 @@ import functools
 import mmap
 import os
 import re
-from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter, methodcaller
@@ -35,9 +24,10 @@ import orjson
 
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.numtext import parse_number_lists
+from lit_roidata.roidb.segms import concat
 
 __all__ = ["RawCoco", "decode_coco", "decode_chunked", "decode_fast", "decode_generic",
-           "read_json", "WINDOW_BYTES", "iter_coco", "WindowMapper", "decode_window",
+           "read_json", "WINDOW_BYTES", "iter_coco", "decode_window",
            "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
 
 #: ``RawCoco.seg_kind`` values.
@@ -342,12 +332,17 @@ def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
         dec.close()
 
 
-def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES,
-              mapper: Optional["WindowMapper"] = None) -> Any:
+def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None) -> Any:
     """The events of a chunked decode of ``path``, in file order (see
     :func:`decode_chunked`): ``("images", columns, first)``, ``("images_end", count)``,
     ``("annotations", window, first)`` (``window``: a :class:`RawCoco` of the window's
     annotations, no images, ``ann_base=first``) and last ``("end", categories)``.
+
+    ``mapper`` (:class:`lit_roidata.roidb.coco.ParallelWindows`) decodes windows of the
+    arrays it ``handles(key)``, ``depth`` in flight: ``submit((key, start, end))``,
+    ``result() -> (elements, payload)`` (raising refuses the window: it and the rest of
+    its array are decoded here) and ``discard()`` (false: it cannot go on); its windows
+    come as ``("annotations_mapped", payload, first)`` / ``("images", ...)`` events.
 
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
@@ -368,42 +363,12 @@ def decode_window(path: str, key: str, start: int, end: int) -> Any:
     end)`` from an element start to an element end (a mapper's work, in a worker
     process; the file stays mapped there): image columns, or a :class:`RawCoco` of the
     annotations (``ann_base=0``); ``None`` if the typed decoder refuses the window."""
-    dec = _OPEN.get(path)
-    if dec is None:
-        dec = _OPEN[path] = _Chunked.open(path, 1)
-    cols = dec.decode_window(key, start, end)
+    dec = _OPEN.get(path) or _OPEN.setdefault(path, _Chunked.open(path, 1))
+    cols = _typed_columns(key, dec._window_text(start, end))
+    dec._release(end)  # the window's pages: out of this worker's RSS
     if cols is None or key == "images":
         return cols
     return RawCoco(source=path, **cols, decoder="fast")
-
-
-class WindowMapper:
-    """What :func:`iter_coco` needs of a mapper (the interface; the build's is
-    :class:`lit_roidata.roidb.coco.ParallelWindows`)."""
-
-    #: windows to keep in flight
-    depth: int = 2
-
-    def handles(self, key: str) -> bool:
-        """Whether windows of the ``key`` array (``images``/``annotations``) go to it now."""
-        return False
-
-    def submit(self, key: str, start: int, end: int) -> None:
-        """Decode the elements in bytes ``[start, end)`` of the file's ``key`` array."""
-        raise NotImplementedError
-
-    def result(self) -> tuple[int, Any]:
-        """``(elements, payload)`` of the oldest window; raises any exception to refuse
-        it (the window and the rest of its array are then decoded in-process)."""
-        raise NotImplementedError
-
-    def reset(self) -> bool:
-        """Drop the windows in flight (after a refusal); ``False`` if the mapper cannot
-        take more windows."""
-        return False
-
-    def close(self) -> None:
-        """Stop (windows in flight are dropped)."""
 
 
 class _Chunked:
@@ -423,7 +388,7 @@ class _Chunked:
         self.view = memoryview(mm)
         self.generic = False
         self.released = 0
-        self.mapper: Optional[WindowMapper] = None
+        self.mapper: Any = None
 
     def close(self) -> None:
         """Unmap the file (left to the GC while an error's traceback still views it)."""
@@ -553,17 +518,14 @@ class _Chunked:
             pos, count = yield from self._mapped(pos, key)
         while True:
             m = self._candidate(pos)
-            if m is not None:
-                cols = self._decode(key, pos, m.start() + 1, count, typed_only=True)
-                if cols is not None:
-                    nxt = self._ws(m.end())
-                    yield cols, count, nxt, _rows(cols), False
-                    count += _rows(cols)
-                    pos = nxt
-                    continue
-            cut, last = self._cut(pos, key)
-            cols = self._decode(key, pos, cut, count, typed_only=False)
-            nxt = cut + 1 if last else self._ws(cut + 1)
+            cols = (None if m is None else
+                    self._decode(key, pos, m.start() + 1, count, typed_only=True))
+            if cols is not None:  # the proposed cut decodes: an element boundary
+                nxt, last = self._ws(m.end()), False
+            else:  # the exact cut (scanning the structure), decoded whatever it holds
+                cut, last = self._cut(pos, key)
+                cols = self._decode(key, pos, cut, count, typed_only=False)
+                nxt = cut + 1 if last else self._ws(cut + 1)
             yield cols, count, nxt, _rows(cols), False
             count += _rows(cols)
             if last:
@@ -582,44 +544,25 @@ class _Chunked:
         in-process decode goes on: the array's last (short) window, or the first window
         the mapper refused (the array's last window usually is: its proposed cut lies
         past the array's end). Windows in flight behind a refused one are dropped; if
-        the mapper cannot go on (:meth:`WindowMapper.reset`), it is not used again."""
-        mapper = self.mapper
-        assert mapper is not None
-        count = 0
-        flight: deque = deque()  # (start, next element start) of submitted windows
-        nxt_start, more = pos, True
-        while True:
-            try:
-                while more and len(flight) < mapper.depth:
-                    m = self._candidate(nxt_start)
-                    if m is None:
-                        more = False
-                        break
-                    nxt = self._ws(m.end())
-                    mapper.submit(key, nxt_start, m.start() + 1)
-                    flight.append((nxt_start, nxt))
-                    nxt_start = nxt
-                if not flight:
-                    return pos, count
-                rows, payload = mapper.result()
-            except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
-                if not mapper.reset():
-                    self.mapper = None
-                return (flight[0][0] if flight else nxt_start), count
-            start, nxt = flight.popleft()
-            yield payload, count, nxt, rows, True
-            count += rows
-            pos = nxt
+        the mapper cannot go on (``discard()`` is false), it is not used again."""
+        mapper, count = self.mapper, 0
 
-    def decode_window(self, key: str, start: int, end: int) -> Optional[dict]:
-        """The typed decode of the elements in ``[start, end)`` (a mapper's work, in a
-        worker process): their columns, or ``None`` if the typed decoder refuses them.
-        The window's pages are dropped from this process afterwards."""
-        buf = self._window_text(start, end)
-        lo, hi = start - start % mmap.PAGESIZE, end - end % mmap.PAGESIZE
-        if hi > lo and hasattr(self.mm, "madvise"):
-            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-        return _typed_columns(key, buf)
+        def windows() -> Any:  # (key, start, end, next element start), drawn lazily
+            start = pos
+            while (m := self._candidate(start)) is not None:
+                nxt = self._ws(m.end())
+                yield key, start, m.start() + 1, nxt
+                start = nxt
+
+        try:
+            for (*_, nxt), (rows, payload) in mapper.stream(windows(), mapper.depth):
+                yield payload, count, nxt, rows, True
+                count += rows
+                pos = nxt
+        except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
+            if not mapper.discard():
+                self.mapper = None
+        return pos, count
 
     def _window_text(self, start: int, end: int) -> bytearray:
         """``[`` + the elements in ``[start, end)`` + ``]``: a JSON list to decode."""
@@ -770,9 +713,7 @@ def _concat_columns(pieces: list, arrays: tuple) -> dict:
     :class:`RawCoco`'s empty defaults)."""
     out: dict = {}
     for k in arrays if pieces else ():
-        parts = [p.pop(k) for p in pieces]
-        out[k] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        del parts
+        out[k] = concat([p.pop(k) for p in pieces])
     if "img_id" in arrays:
         out["file_names"] = list(chain.from_iterable(p.pop("file_names") for p in pieces))
     else:
@@ -927,16 +868,22 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
 def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
     boxes = [a.get("bbox") for a in anns]
     ok = set(map(type, boxes)) <= {list} and all(len(b) == 4 for b in boxes)
-    if ok:
-        flat = list(chain.from_iterable(boxes))
-        ok = set(map(type, flat)) <= _NUM
-    if not ok:
+    flat = _numbers(boxes) if ok else None
+    if flat is None:
         for i, b in enumerate(boxes):
             if not (type(b) is list and len(b) == 4 and all(type(v) in _NUM for v in b)):
                 raise RoIDBInputError(
                     f"{source}: {lab(i)} has bbox {b!r:.80}; expected [x, y, width, height] "
                     f"(4 numbers). Fix or remove it.")
-    return np.fromiter(flat, np.float64, len(flat)).reshape(-1, 4)
+    return flat.reshape(-1, 4)
+
+
+def _numbers(lists: list) -> Optional[np.ndarray]:
+    """The values of lists of JSON numbers, float64; ``None`` if one is not a number."""
+    flat = list(chain.from_iterable(lists))
+    if not set(map(type, flat)) <= _NUM:
+        return None
+    return np.fromiter(flat, np.float64, len(flat))
 
 
 def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
@@ -960,8 +907,8 @@ def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
             f"{next(p for p in per[i] if type(p) is not list)!r:.40}, not a list); expected "
             f"[[x1, y1, x2, y2, ...], ...]. Fix or remove that annotation.")
     coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
-    flat = list(chain.from_iterable(polys))
-    if not set(map(type, flat)) <= _NUM:
+    coords = _numbers(polys)
+    if coords is None:
         for i, s in enumerate(per):
             for p in s:
                 bad = [v for v in p if type(v) not in _NUM]
@@ -970,7 +917,6 @@ def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
                         f"{source}: {lab(i)} has a polygon coordinate {bad[0]!r:.40} (a "
                         f"polygon is a list of numbers x1, y1, x2, y2, ...). Fix the "
                         f"coordinates or remove that polygon.")
-    coords = np.fromiter(flat, np.float64, len(flat))
     kind = np.where(types == 1, SEG_POLY, np.where(types == 2, SEG_RLE, SEG_MISSING))
     rles = {i: segs[i] for i in np.flatnonzero(types == 2).tolist()}
     return kind.astype(np.int8), poly_n, coord_n, coords, rles
@@ -985,8 +931,8 @@ def _keypoints(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
         raise RoIDBInputError(f"{source}: {lab(i)} has keypoints={kps[i]!r:.80}; expected a "
                               f"list [x1, y1, v1, x2, y2, v2, ...]. Fix that record.")
     kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, n)
-    flat = list(chain.from_iterable(present))
-    if not set(map(type, flat)) <= _NUM:
+    vals = _numbers(present)
+    if vals is None:
         i = next(i for i, k in enumerate(kps) if k is not None
                  and any(type(v) not in _NUM for v in k))
         bad = next(v for v in kps[i] if type(v) not in _NUM)
@@ -994,4 +940,4 @@ def _keypoints(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
             f"{source}: {lab(i)} has a keypoint value {bad!r:.40}; keypoints are numbers "
             f"[x1, y1, v1, ...] (use 0, 0, 0 for a keypoint that is not labelled). Fix that "
             f"record.")
-    return kp_len, np.fromiter(flat, np.float64, len(flat))
+    return kp_len, vals

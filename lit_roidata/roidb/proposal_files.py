@@ -166,15 +166,14 @@ def staging_budget() -> int:
 
 class _Sink:
     """Where the arrays' bytes go, in unpickling order: one growing ``bytearray`` up to
-    ``budget`` bytes, then (everything staged so far, and what follows) an anonymous
+    :func:`staging_budget` bytes, then (everything staged so far, and what follows) an anonymous
     scratch file."""
 
     _BATCH_BYTES = 8 << 20
     _BATCH_BUFFERS = 512
 
-    def __init__(self, budget: Optional[int] = None,
-                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> None:
-        self.budget = staging_budget() if budget is None else int(budget)
+    def __init__(self, drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> None:
+        self.budget = staging_budget()
         self.drop = drop
         self.mem: Optional[bytearray] = bytearray()
         self.fh: Optional[BinaryIO] = None
@@ -616,7 +615,7 @@ def _read_npz(path: str) -> ProposalSource:
         try:
             with np.load(path, allow_pickle=False) as z:
                 ids_raw, counts_raw = z["ids"], z["counts"]
-            b_off, b_dtype, b_shape, b_fortran, b_stored = _npz_member(zf, fh, "boxes")
+            b_meta = _npz_member(zf, fh, "boxes")
             s_meta = _npz_member(zf, fh, "scores") if "scores" in names else None
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
             raise RoIDBInputError(f"{path}: cannot read the .npz ({type(exc).__name__}: {exc}); "
@@ -628,6 +627,7 @@ def _read_npz(path: str) -> ProposalSource:
             raise bad(f"'counts' has dtype {np.asarray(counts_raw).dtype}, expected integers")
         counts = np.asarray(counts_raw, np.int64).ravel()
         total = int(counts.sum()) if counts.size else 0
+        b_dtype, b_shape = b_meta[1], b_meta[2]
         if len(b_shape) != 2 or b_shape[1] != 4 or counts.size != ids.size \
                 or total != b_shape[0] or (counts < 0).any():
             raise bad(f"inconsistent shapes: ids {tuple(ids.shape)}, counts "
@@ -637,18 +637,15 @@ def _read_npz(path: str) -> ProposalSource:
         if s_meta is not None and math.prod(s_meta[2]) != total:
             raise bad(f"'scores' has shape {tuple(s_meta[2])} but there are {total} boxes")
         off = offsets(counts)
-        if b_stored and not b_fortran:
-            flat: Any = FileRows(fh, b_off, b_dtype, total)
-        else:  # compressed (savez_compressed): decompress once into memory
-            with np.load(path, allow_pickle=False) as z:
-                flat = np.ascontiguousarray(z["boxes"])
-        scores_flat: Any = None
-        if s_meta is not None:
-            if s_meta[4] and not s_meta[3]:
-                scores_flat = FileRows(fh, s_meta[0], s_meta[1], total, ())
-            else:
-                with np.load(path, allow_pickle=False) as z:
-                    scores_flat = np.ascontiguousarray(z["scores"]).reshape(-1)
+
+        def rows(name: str, meta: tuple, row_shape: tuple) -> Any:
+            if meta[4] and not meta[3]:  # stored, C order: read in place
+                return FileRows(fh, meta[0], meta[1], total, row_shape)
+            with np.load(path, allow_pickle=False) as z:  # compressed: into memory
+                return np.ascontiguousarray(z[name]).reshape(-1, *row_shape)
+
+        flat = rows("boxes", b_meta, (4,))
+        scores_flat = None if s_meta is None else rows("scores", s_meta, ())
     except BaseException:
         fh.close()
         raise

@@ -184,7 +184,6 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
                          min_proposal_size: int = 2, proposal_limit: int = -1,
                          crowd_filter_thresh: float = 0.0,
                          progress: Optional[Callable[[int], None]] = None,
-                         scratch_dir: Optional[str] = None,
                          out: Optional["ProposalColumns"] = None) -> ProposalTable:
     """Process a proposal file for one dataset exactly as Detectron does (Detectron semantics:
     proposals).
@@ -196,9 +195,6 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         proposal_limit: keep the first ``limit`` per image if ``> 0``.
         crowd_filter_thresh: IoF threshold of the crowd filter; ``0`` disables it.
         progress: called with the number of images done after each chunk.
-        scratch_dir: where the output columns are staged when ``out`` is not given
-            (unlinked files; default: the system's temporary directory). The table's
-            arrays map them (int32 ``max_classes`` / ``gt_map``).
         out: a :class:`ProposalColumns` the rows are appended to instead (several
             datasets in turn, each row written once into the cache's final files); the
             table's arrays are then ``None`` and :meth:`ProposalColumns.finish` gives them.
@@ -217,7 +213,7 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     # concatenation or copy writes the columns a second time.
     own = out is None
     if own:
-        out = ProposalColumns(scratch_dir, persistent=False)
+        out = ProposalColumns(None, persistent=False)  # unlinked files the table maps
     off = np.zeros(n + 1, np.int64)
     pos = 0
     chunks = _chunk_ranges(n_boxes)
@@ -232,7 +228,7 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     # the staged file they inherit, in order; this process writes the rows meanwhile
     workers = build_workers() if len(chunks) >= 4 else 0
     if workers:
-        out.quiesce()  # no writer threads while forking (a previous dataset's)
+        out.writer.wait()  # no writer threads while forking (a previous dataset's)
     try:
         for (start, stop), (res, c) in zip(chunks, map_ordered(one_chunk, chunks, workers)):
             per_img, b, mo, mc, gmap = res
@@ -328,11 +324,6 @@ class ProposalColumns:
         self.writer = ArrayWriter(directory, _WRITE_THREADS, durable=persistent,
                                   max_pending=_MAX_PENDING_WRITES)
 
-    @property
-    def dtypes(self) -> dict:
-        """``{column name: dtype}``."""
-        return {name: dt for name, dt, _ in self.spec}
-
     def append(self, boxes: np.ndarray, max_overlaps: np.ndarray, max_classes: np.ndarray,
                gt_map: np.ndarray) -> None:
         """Append one chunk's rows to every column (values checked against the bounds)."""
@@ -348,11 +339,6 @@ class ProposalColumns:
             at = self._reserved + self.rows * dtype.itemsize * math.prod(shape)
             self.writer.write(fh.fileno(), at, np.ascontiguousarray(arr, dtype).reshape(-1))
         self.rows += int(boxes.shape[0])
-
-    def quiesce(self) -> None:
-        """Wait for the rows handed over so far and stop the writer threads (e.g. before
-        forking; they start again with the next :meth:`append`)."""
-        self.writer.wait()
 
     def finish(self) -> dict:
         """Close the columns: ``{name: read-only array}`` (memory maps of the files)."""

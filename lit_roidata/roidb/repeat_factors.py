@@ -1,31 +1,10 @@
 """Repeat factors for long-tailed datasets (LVIS): Detectron2's category-frequency rule.
 
-For each image ``I`` of the training set, ``r(I) = max over the categories c in I of
-max(1, sqrt(t / f(c)))`` where ``f(c)`` is the fraction of training images that contain
-``c`` and ``t`` is the threshold (0.001 for LVIS; ``sqrt=False`` drops the square root,
-Detectron2's ``DATALOADER.REPEAT_SQRT``). An image without annotations gets 1.
-
-**The dataset the frequencies count.** Detectron2 applies
-``RepeatFactorTrainingSampler.repeat_factors_from_category_frequency`` to its training
-dataset dicts after its own filtering (``filter_images_with_only_crowd_annotations``),
-one dict per image, every annotation of the dict counted, crowd ones included. Here the
-same rule runs over the *training roidb*: its distinct images (rows of the image table
-reached by an entry, after Detectron's cleaning and ``filter_for_training``), each with
-the gt rows Detectron's cleaning kept, crowd rows included. A flipped entry is the same
-image, so it is counted once and gets its original's factor; duplicating the roidb with
-flipped copies does not change ``f(c)``. The factors therefore equal Detectron2's
-function applied to dataset dicts holding the roidb's images and kept annotations (tested
-against Detectron2's own function). Where the two pipelines keep different annotations
-(Detectron drops degenerate boxes that Detectron2 keeps until its mapper) the factors
-follow the annotations this roidb trains on.
-
-The arithmetic is Detectron2's, in the same order and in float64 (``count / num_images``,
-``t / f``, ``sqrt``, ``max``), rounded once to float32 as Detectron2's tensor is, so the
-factors are bit-identical and so are the expected repeat counts.
-
-Computed once per roidb with whole-column NumPy (no per-image Python), and kept next to
-the roidb cache as ``repeat_factors-<key>.npy``, keyed by the roidb's content key, the
-threshold and ``sqrt``.
+``r(I) = max over the categories c in I of max(1, sqrt(t / f(c)))``, over the training
+roidb's distinct images (a flipped entry gets its original's factor), in Detectron2's
+float64 arithmetic rounded once to float32 (bit-identical factors). The rule, the
+dataset it counts and the side file ``repeat_factors-<key>.npy`` kept next to the
+roidb cache: docs/sampler.md, "Repeat factors".
 """
 
 from __future__ import annotations
@@ -35,7 +14,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -148,14 +127,6 @@ def _side_name(key: str, t: float, sqrt: bool) -> str:
     return f"repeat_factors-{hashlib.sha256(doc.encode()).hexdigest()[:20]}.npy"
 
 
-def _compute_for_roidb(roidb: Any, t: float, sqrt: bool) -> np.ndarray:
-    entry_img = roidb.entry_image_rows
-    images = np.unique(entry_img)
-    per_image = repeat_factors_from_category_frequency(
-        roidb.column("img_gt_off"), roidb.column("gt_classes"), t, images=images, sqrt=sqrt)
-    return per_image[np.searchsorted(images, entry_img)]
-
-
 def repeat_factors_for_roidb(roidb: Any, repeat_thresh: float, *, sqrt: bool = True,
                              cache: bool = True) -> np.ndarray:
     """Per-entry repeat factors of a training :class:`~lit_roidata.roidb.columnar.RoIDB`
@@ -196,20 +167,15 @@ def repeat_factors_for_roidb(roidb: Any, repeat_thresh: float, *, sqrt: bool = T
             pass
         except (OSError, ValueError) as exc:
             log.warning("%s: unreadable (%s); recomputing", path, exc)
-    out = _compute_for_roidb(roidb, t, sqrt)
-    if path is not None:
-        _atomic_save(path, out)
+    images = np.unique(roidb.entry_image_rows)
+    per_image = repeat_factors_from_category_frequency(
+        roidb.column("img_gt_off"), roidb.column("gt_classes"), t, images=images, sqrt=sqrt)
+    out = per_image[np.searchsorted(images, roidb.entry_image_rows)]
+    if path is not None:  # a failure (read-only cache) only costs a recomputation
+        try:
+            with atomic_write(path) as fh:
+                np.save(fh, out, allow_pickle=False)
+        except OSError as exc:
+            log.info("repeat factors not cached in %s (%s)", os.path.dirname(path), exc)
     out.setflags(write=False)
     return out
-
-
-def _atomic_save(path: str, arr: np.ndarray) -> Optional[str]:
-    """``np.save`` to ``path`` atomically; a failure (read-only cache) is logged and
-    ignored: the factors are recomputed next time."""
-    try:
-        with atomic_write(path) as fh:
-            np.save(fh, arr, allow_pickle=False)
-        return path
-    except OSError as exc:
-        log.info("repeat factors not cached in %s (%s)", os.path.dirname(path), exc)
-        return None

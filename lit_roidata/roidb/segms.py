@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = ["SegmColumns", "decode_segms", "POLY", "RLE_LIST", "RLE_STR", "offsets",
-           "concat_offsets", "rle_columns", "rle_string_counts", "take_ranges"]
+           "concat", "concat_offsets", "rle_columns", "rle_string_counts", "take_ranges"]
 
 POLY, RLE_LIST, RLE_STR = 0, 1, 2
 
@@ -101,6 +101,14 @@ def offsets(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
     return out
+
+
+def concat(arrays: Sequence[np.ndarray], dtype: Any = None) -> np.ndarray:
+    """``np.concatenate`` that does not copy a single array (columns can be GBs); an
+    empty ``dtype`` array for none."""
+    if not arrays:
+        return np.zeros(0, dtype)
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def concat_offsets(offs: Sequence[np.ndarray]) -> np.ndarray:

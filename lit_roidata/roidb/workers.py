@@ -6,7 +6,7 @@ import multiprocessing
 import os
 import signal
 from collections import deque
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["OrderedWorkers", "WorkerDied", "WorkerFailed", "build_workers", "map_ordered"]
 
@@ -76,9 +76,11 @@ class OrderedWorkers:
         fn: a function of ``(task, state)``; it runs in the forked processes, where
             everything the caller had at construction is visible.
         n: the number of processes (>= 1).
+        daemon: daemon processes (they cannot fork workers of their own).
     """
 
-    def __init__(self, fn: Callable[[Any, dict], Any], n: int) -> None:
+    def __init__(self, fn: Callable[[Any, dict], Any], n: int, *, daemon: bool = True
+                 ) -> None:
         ctx = multiprocessing.get_context("fork")
         self.n = max(1, int(n))
         self._conns: list = []
@@ -88,7 +90,7 @@ class OrderedWorkers:
         try:
             for _ in range(self.n):
                 mine, theirs = ctx.Pipe()
-                p = ctx.Process(target=_serve, args=(fn, theirs), daemon=True,
+                p = ctx.Process(target=_serve, args=(fn, theirs), daemon=daemon,
                                 name="lit-roidata-build")
                 p.start()
                 theirs.close()
@@ -97,6 +99,11 @@ class OrderedWorkers:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def alive(self) -> bool:
+        """Whether the processes still run (not closed)."""
+        return bool(self._conns)
 
     @property
     def pending(self) -> int:
@@ -133,17 +140,29 @@ class OrderedWorkers:
             raise WorkerFailed(f"{type(value).__name__}: {value}") from value
         return value
 
+    def stream(self, tasks: Iterator[Any], depth: int) -> Iterator[tuple[Any, Any]]:
+        """``(task, result)`` for each of ``tasks`` in order, at most ``depth`` in flight
+        (tasks are drawn as results come back); raises as :meth:`result`."""
+        sent: deque = deque()
+        for task in tasks:
+            self.submit(task)
+            sent.append(task)
+            if len(sent) >= depth:
+                yield sent.popleft(), self.result()
+        while sent:
+            yield sent.popleft(), self.result()
+
     def discard(self) -> bool:
-        """Read and drop every pending result; ``False`` (and closed) if a worker died."""
+        """Read and drop every pending result; ``False`` (and closed) if a worker died
+        or the workers were closed."""
         while self._owner:
             try:
                 self.result()
             except WorkerDied:
                 self.close()
-                return False
             except WorkerFailed:
                 pass
-        return True
+        return self.alive
 
     def _send(self, k: int, msg: Any) -> None:
         if not self._conns:
@@ -181,34 +200,21 @@ class OrderedWorkers:
         self.close()
 
 
-def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int, *,
-                depth: Optional[int] = None) -> Iterator[Any]:
+def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int
+                ) -> Iterator[Any]:
     """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
-    workers (at most ``depth``, default ``2 * n``, in flight); with ``n <= 1``, here."""
-    if n <= 1:
-        for t in tasks:
-            yield fn(t, {})
-        return
-    depth = depth or 2 * n
+    workers (at most ``2 * n`` in flight); with ``n <= 1``, here.
+    A task's error is raised; after a worker's death the rest is computed here."""
     done = 0
-    with OrderedWorkers(fn, n) as w:
-        sent = 0
-        try:
-            while done < len(tasks):
-                while sent < len(tasks) and w.pending < depth:
-                    w.submit(tasks[sent])
-                    sent += 1
-                try:
-                    out = w.result()
-                except WorkerDied:
-                    raise
-                except WorkerFailed as exc:
-                    if exc.__cause__ is not None:
-                        raise exc.__cause__ from None
-                    out = fn(tasks[done], {})  # the error, as this process raises it
-                yield out
-                done += 1
-        except WorkerDied:
-            pass
-    for t in tasks[done:]:  # a worker died: the rest here
+    if n > 1:
+        with OrderedWorkers(fn, n) as w:
+            try:
+                for _, out in w.stream(iter(tasks), 2 * n):
+                    yield out
+                    done += 1
+            except WorkerDied:
+                pass
+            except WorkerFailed as exc:
+                raise exc.__cause__ from None
+    for t in tasks[done:]:
         yield fn(t, {})
