@@ -21,8 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 
+from lit_roidata.broadcast import gather_to_rank0, run_on_rank0
 from lit_roidata.osutil import atomic_write
 
 __all__ = ["COCOEvaluator", "detections_to_coco_results", "coco_category_map",
@@ -155,6 +155,14 @@ def keypoint_category_ids(coco_gt: Any) -> list[int]:
                   if c.get("keypoints"))
 
 
+def load_coco(ann_file: str) -> Any:
+    """pycocotools' ``COCO`` of ``ann_file``, loaded quietly."""
+    from pycocotools.coco import COCO
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return COCO(ann_file)
+
+
 def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
               image_ids: Sequence[int], kpt_oks_sigmas: Optional[Sequence[float]] = None
               ) -> tuple[np.ndarray, str]:
@@ -254,24 +262,13 @@ class COCOEvaluator(pl.Callback):
         dets = self._dets
         self._dets = []
         dets = gather_to_rank0(dets)  # only rank 0 evaluates
-        metrics: dict[str, float] = {}
-        error: Optional[str] = None
         if not dets and trainer.global_rank == 0:
             log.warning("%s: no detections were returned during %s; the model's "
                         "%s_step must return {'detections': [per-image dict, ...]} (see "
                         "lit_roidata.evaluation)", type(self).__name__, prefix,
                         "validation" if prefix == "val" else "test")
-        if trainer.global_rank == 0:
-            try:
-                metrics = self.evaluate(dets, prefix=prefix, trainer=trainer)
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                error = f"{type(e).__name__}: {e}"
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [(metrics, error)]
-            dist.broadcast_object_list(box, src=0)
-            metrics, error = box[0]
-        if error is not None:
-            raise RuntimeError(f"{self._label} evaluation failed on rank 0: {error}")
+        metrics = run_on_rank0(lambda: self.evaluate(dets, prefix=prefix, trainer=trainer),
+                               trainer.global_rank, f"run the {self._label} evaluation") or {}
         self.last_metrics = dict(metrics)
         for key, value in metrics.items():
             # equal on every rank (broadcast above); sync_dist keeps Lightning content
@@ -361,10 +358,7 @@ class COCOEvaluator(pl.Callback):
 
     def _load_gt(self, ann_file: str) -> Any:
         """The ground-truth object of ``ann_file`` (pycocotools' ``COCO``)."""
-        from pycocotools.coco import COCO
-
-        with contextlib.redirect_stdout(io.StringIO()):
-            return COCO(ann_file)
+        return load_coco(ann_file)
 
     def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
         """(ground truth, id map source) for dataset ``name``."""
@@ -427,14 +421,3 @@ def annotation_file(name: str, trainer: Any = None) -> str:
         from lit_roidata.catalog import DatasetCatalog as catalog
     entry = catalog.get(name)
     return str(entry["annotation_file"] if isinstance(entry, Mapping) else entry.annotation_file)
-
-
-def gather_to_rank0(items: list[Any]) -> list[Any]:
-    """Under DDP, the concatenation of every rank's ``items`` on rank 0 (``[]`` elsewhere);
-    ``items`` itself otherwise."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return items
-    gathered: Optional[list[Any]] = ([None] * dist.get_world_size()
-                                     if dist.get_rank() == 0 else None)
-    dist.gather_object(items, gathered, dst=0)
-    return [d for part in gathered for d in part] if gathered is not None else []

@@ -72,6 +72,19 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
     }
 
 
+def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_iters: int,
+                            warmup_factor: float, warmup_method: str = "linear") -> float:
+    """Detectron's ``steps_with_decay`` (0 steps ignored) × warm-up factor at ``it``."""
+    mult = gamma ** sum(it >= s for s in steps if s > 0)
+    if it < warmup_iters:
+        if warmup_method == "constant":
+            mult *= warmup_factor
+        else:
+            alpha = it / warmup_iters
+            mult *= warmup_factor * (1 - alpha) + alpha
+    return mult
+
+
 def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
     """torchvision's ``GeneralizedRCNNTransform`` with identity normalise, resize and
     postprocess: batches (pads) the images, nothing else."""
@@ -101,10 +114,7 @@ def _weight_enum(builder_name: str, name: str, backbone: Optional[str]) -> Any:
         from torchvision.models import get_weight
 
         return get_weight(name)
-    if backbone:
-        enum = get_model_weights(get_model_builder(backbone))
-    else:
-        enum = get_model_weights(get_model_builder(builder_name))
+    enum = get_model_weights(get_model_builder(backbone or builder_name))
     try:
         return enum[name]
     except KeyError:
@@ -469,14 +479,8 @@ class TorchvisionDetector(pl.LightningModule):
     def lr_multiplier(self, it: int) -> float:
         """Detectron's ``steps_with_decay`` × warm-up factor at iteration ``it``."""
         hp = self.hparams
-        mult = hp.gamma ** sum(it >= s for s in hp.lr_steps if s > 0)
-        if it < hp.warmup_iters:
-            if hp.warmup_method == "constant":
-                mult *= hp.warmup_factor
-            else:
-                alpha = it / hp.warmup_iters
-                mult *= hp.warmup_factor * (1 - alpha) + alpha
-        return mult
+        return detectron_lr_multiplier(it, hp.lr_steps, hp.gamma, hp.warmup_iters,
+                                       hp.warmup_factor, hp.warmup_method)
 
     def _eval_inputs(self, batch: Any) -> tuple[list[torch.Tensor], Mapping[str, Any]]:
         if not isinstance(batch, Mapping) or "_meta" not in batch:
@@ -563,8 +567,7 @@ class TorchvisionDetector(pl.LightningModule):
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
         return {"detections": self.detect(batch)}
 
-    def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
-        return {"detections": self.detect(batch)}
+    test_step = validation_step
 
     def predict_step(self, batch: Mapping[str, Any], batch_idx: int,
                      dataloader_idx: int = 0) -> list[dict[str, Any]]:
