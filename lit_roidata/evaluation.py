@@ -57,7 +57,7 @@ def _id_map(dataset_info: Any, dataset: Optional[str]) -> Mapping[int, int]:
                     f"a {{contiguous id: json id}} map, got {type(dataset_info).__name__}")
 
 
-def _rle(mask: Any, image_id: int) -> dict[str, Any]:
+def mask_rle(mask: Any, image_id: Optional[int] = None) -> dict[str, Any]:
     """A compressed RLE with text counts from an RLE dict or an ``(H, W)`` binary mask."""
     from pycocotools import mask as mask_utils
 
@@ -135,7 +135,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             res = {"image_id": image_id, "category_id": int(id_map[int(labels[k])]),
                    "bbox": [round(float(v), 3) for v in xywh[k]], "score": float(scores[k])}
             if masks is not None:
-                res["segmentation"] = _rle(masks[k], image_id)
+                res["segmentation"] = mask_rle(masks[k], image_id)
             if kps is not None:
                 flat = np.ones((kps.shape[1], 3))
                 flat[:, :2] = kps[k, :, :2]
@@ -163,38 +163,6 @@ def load_coco(ann_file: str) -> Any:
         return COCO(ann_file)
 
 
-def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
-              image_ids: Sequence[int], kpt_oks_sigmas: Optional[Sequence[float]] = None
-              ) -> tuple[np.ndarray, str]:
-    """COCOeval on ``image_ids``; returns ``stats`` (12, or 10 for keypoints, numbers)
-    and the summary text. Keypoints are evaluated on the keypoint categories only."""
-    from pycocotools.cocoeval import COCOeval
-
-    n_stats = 10 if iou_type == "keypoints" else 12
-    if not results:
-        return np.zeros(n_stats), f"(no {iou_type} detections: AP is 0)"
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):  # pycocotools prints; we log
-        coco_dt = coco_gt.loadRes(results)
-        ev = COCOeval(coco_gt, coco_dt, iou_type)
-        ev.params.imgIds = sorted(int(i) for i in image_ids)
-        if iou_type == "keypoints":
-            ev.params.catIds = keypoint_category_ids(coco_gt)
-            k = len(results[0]["keypoints"]) // 3
-            if kpt_oks_sigmas is not None:
-                ev.params.kpt_oks_sigmas = np.asarray(kpt_oks_sigmas, dtype=np.float64)
-            if len(ev.params.kpt_oks_sigmas) != k:
-                raise ValueError(f"keypoint evaluation: the detections have {k} keypoints but "
-                                 f"there are {len(ev.params.kpt_oks_sigmas)} OKS sigmas (COCO's "
-                                 f"17 by default); pass COCOEvaluator(kpt_oks_sigmas=[...])")
-        ev.evaluate()
-        ev.accumulate()
-        summary = io.StringIO()
-        with contextlib.redirect_stdout(summary):
-            ev.summarize()
-    return np.asarray(ev.stats, dtype=np.float64), summary.getvalue()
-
-
 class COCOEvaluator(pl.Callback):
     """COCO box, mask and keypoint AP of the model's detections after every validation/test pass.
 
@@ -217,10 +185,10 @@ class COCOEvaluator(pl.Callback):
                  annotation_files: Optional[dict[str, str]] = None,
                  output_dir: Optional[str] = None, print_summary: bool = True,
                  kpt_oks_sigmas: Optional[Sequence[float]] = None) -> None:
-        bad = sorted(set(iou_types) - set(_IOU_TYPES))
+        bad = sorted(set(iou_types) - set(self._iou_choices))
         if bad:
-            raise ValueError(f"iou_types {bad} are not supported; choose from bbox, segm, "
-                             f"keypoints")
+            raise ValueError(f"iou_types {bad} are not supported by {self._label} evaluation; "
+                             f"choose from {', '.join(self._iou_choices)}")
         self.iou_types = tuple(iou_types)
         self.kpt_oks_sigmas = None if kpt_oks_sigmas is None else list(kpt_oks_sigmas)
         self.annotation_files = dict(annotation_files or {})
@@ -235,6 +203,7 @@ class COCOEvaluator(pl.Callback):
     #: overrides them with the hooks below (``_load_gt``, ``_limit``, ``_score``).
     _label = "COCO"
     _key_prefix = ""
+    _iou_choices: tuple[str, ...] = _IOU_TYPES
     _table_stats: tuple[str, ...] = _STAT_NAMES
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -351,10 +320,33 @@ class COCOEvaluator(pl.Callback):
 
     def _score(self, gt: Any, results: list[dict[str, Any]], iou: str,
                image_ids: Sequence[int]) -> tuple[dict[str, float], str]:
-        """``{stat name: value}`` and the summary text of ``results`` on ``image_ids``."""
-        stats, text = _evaluate(gt, results, iou, image_ids, self.kpt_oks_sigmas)
+        """``{stat name: value}`` and the summary text of COCOeval on ``image_ids``
+        (keypoints on the keypoint categories only)."""
+        from pycocotools.cocoeval import COCOeval
+
         names = _KP_STAT_NAMES if iou == "keypoints" else _STAT_NAMES
-        return {s: float(v) for s, v in zip(names, stats)}, text
+        if not results:
+            return dict.fromkeys(names, 0.0), f"(no {iou} detections: AP is 0)"
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):  # pycocotools prints; we log
+            ev = COCOeval(gt, gt.loadRes(results), iou)
+            ev.params.imgIds = sorted(int(i) for i in image_ids)
+            if iou == "keypoints":
+                ev.params.catIds = keypoint_category_ids(gt)
+                k = len(results[0]["keypoints"]) // 3
+                if self.kpt_oks_sigmas is not None:
+                    ev.params.kpt_oks_sigmas = np.asarray(self.kpt_oks_sigmas, dtype=np.float64)
+                if len(ev.params.kpt_oks_sigmas) != k:
+                    raise ValueError(f"keypoint evaluation: the detections have {k} keypoints "
+                                     f"but there are {len(ev.params.kpt_oks_sigmas)} OKS sigmas "
+                                     f"(COCO's 17 by default); pass "
+                                     f"COCOEvaluator(kpt_oks_sigmas=[...])")
+            ev.evaluate()
+            ev.accumulate()
+            summary = io.StringIO()
+            with contextlib.redirect_stdout(summary):
+                ev.summarize()
+        return {s: float(v) for s, v in zip(names, ev.stats)}, summary.getvalue()
 
     def _load_gt(self, ann_file: str) -> Any:
         """The ground-truth object of ``ann_file`` (pycocotools' ``COCO``)."""

@@ -76,12 +76,22 @@ def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
         con.print("build report:", report)
 
 
-def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path: str) -> None:
-    """Aspect ratios, Detectron image scales, gt boxes and proposals per image."""
-    matplotlib = require("matplotlib", "viz", "lit-roidata inspect (plots)")
-    matplotlib.use("Agg")
+def _pyplot() -> Any:
+    require("matplotlib", "viz", "lit-roidata inspect (plots)").use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path: str) -> None:
+    """Aspect ratios, Detectron image scales, gt boxes and proposals per image."""
+    plt = _pyplot()
     w, h = np.asarray(roidb.widths, float), np.asarray(roidb.heights, float)
     short, long_ = np.minimum(w, h), np.maximum(w, h)
     scales = []
@@ -102,16 +112,12 @@ def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path
     ax[1, 0].set_title("gt boxes per image (non-crowd)")
     ax[1, 1].hist(props, bins=50)
     ax[1, 1].set_title("proposals per image")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> None:
     """Draw one minibatch (uint8 or float ``data``) with its targets; save a PNG."""
-    matplotlib = require("matplotlib", "viz", "lit-roidata inspect (plots)")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     from matplotlib.patches import Polygon, Rectangle
 
     meta = blobs["_meta"]
@@ -137,9 +143,7 @@ def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> 
         ax.set_title(f"id {e['id']}{' (flipped)' if e['flipped'] else ''} scale {s:.3f}",
                      fontsize=9)
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _draw_gt(ax: Any, e: Any, s: float, Polygon: Any, Rectangle: Any) -> None:
