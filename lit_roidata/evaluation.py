@@ -264,7 +264,6 @@ class COCOEvaluator(pl.Callback):
             log.info("%s evaluation: ignored %d repeated image(s) (padded shards)",
                      self._label, repeats)
         per_ds: dict[str, dict[str, float]] = {}
-        texts = []
         for name in sorted(by_ds):
             coco, info = self._dataset(name, trainer)
             dets = by_ds[name]
@@ -276,25 +275,22 @@ class COCOEvaluator(pl.Callback):
             per_ds[name] = {}
             for iou in self.iou_types:
                 field = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}[iou]
-                if iou != "bbox" and not any(d.get(field) is not None for d in dets):
-                    continue
                 sel = [d for d in dets if d.get(field) is not None]
+                if iou != "bbox" and not sel:
+                    continue
                 results = self._result_dicts(sel, info, iou, coco)
                 self._write(results, prefix, iou, name)
                 stats, text = self._score(coco, results, iou, image_ids)
-                texts.append(f"{name} {iou} ({len(image_ids)} images):\n{text}")
+                # the full summary; the table below has the headline numbers
+                log.debug("%s evaluation, %s %s (%d images):\n%s", self._label, name, iou,
+                          len(image_ids), text)
                 per_ds[name].update({f"{self._key_prefix}{iou}_{s}": float(v)
                                      for s, v in stats.items()})
-        metrics: dict[str, float] = {}
-        keys = sorted({k for m in per_ds.values() for k in m})
-        for k in keys:
-            vals = [m[k] for m in per_ds.values() if k in m]
-            metrics[f"{prefix}/{k}"] = float(np.mean(vals))
+        metrics = {f"{prefix}/{k}": float(np.mean([m[k] for m in per_ds.values() if k in m]))
+                   for k in sorted({k for m in per_ds.values() for k in m})}
         if len(per_ds) > 1:
             for name, m in per_ds.items():
                 metrics.update({f"{prefix}/{name}/{k}": v for k, v in m.items()})
-        for t in texts:  # the full summary; the table below has the headline numbers
-            log.debug("%s evaluation, %s", self._label, t)
         if self.print_summary and per_ds:
             self._print_table(per_ds, prefix)
         elif per_ds:

@@ -433,7 +433,8 @@ class TorchvisionDetector(pl.LightningModule):
                 d["keypoints"] = tensor(t["keypoints"]).float()
             if self.family == "fast":
                 p = t.get("proposals")
-                d["proposals"] = tensor(torch.zeros((0, 4)) if p is None else p).float().reshape(-1, 4)
+                p = torch.zeros((0, 4)) if p is None else p
+                d["proposals"] = tensor(p).float().reshape(-1, 4)
             tgts.append(d)
         return ims, tgts
 

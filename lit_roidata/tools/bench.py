@@ -13,8 +13,9 @@ import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from rich.console import Console
 
-from lit_roidata.tools.common import console, data_module_from, tool_parser
+from lit_roidata.tools.common import data_module_from, tool_parser
 
 __all__ = ["main", "bench_loader", "decode_resize_floor"]
 
@@ -82,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         table.add_column(col, justify="right")
     table.add_row(f"{res['images_per_s']:.1f}", f"{res['p50_ms']:.1f}", f"{res['p90_ms']:.1f}",
                   f"{res['p99_ms']:.1f}", f"{res['max_ms']:.1f}", str(res["batches"]))
-    con = console()
+    con = Console()
     con.print(table)
     if cfg.floor:
         floor = decode_resize_floor(dm, res["images"])

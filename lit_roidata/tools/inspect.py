@@ -11,9 +11,10 @@ import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from rich.console import Console
 
 from lit_roidata._optional import require
-from lit_roidata.tools.common import console, data_module_from, tool_parser
+from lit_roidata.tools.common import data_module_from, tool_parser
 
 __all__ = ["main", "roidb_stats", "plot_histograms", "plot_minibatch"]
 
@@ -51,7 +52,7 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
 def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
     from rich.table import Table
 
-    con = console()
+    con = Console()
     table = Table(title=f"roidb: {len(roidb)} entries ({roidb.path})")
     for col in ("dataset", "entries", "flipped", "horiz/vert", "gt boxes/img", "crowd",
                 "proposals/img", "kp images"):
@@ -161,7 +162,8 @@ def _draw_gt(ax: Any, e: Any, s: float, Polygon: Any, Rectangle: Any) -> None:
         if isinstance(segm, list):
             for poly in segm:
                 xy = np.asarray(poly, float).reshape(-1, 2) * s
-                ax.add_patch(Polygon(xy, closed=True, fill=True, alpha=0.35, fc="cyan", ec="cyan", lw=1, zorder=3))
+                ax.add_patch(Polygon(xy, closed=True, fill=True, alpha=0.35, fc="cyan",
+                                     ec="cyan", lw=1, zorder=3))
         elif isinstance(segm, dict):
             rle = segm if isinstance(segm.get("counts"), (bytes, str)) else \
                 mask_util.frPyObjects(segm, *segm["size"])
@@ -198,5 +200,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             entries = [roidb[int(i)] for i in blobs["_meta"]["indices"]]
             written.append(os.path.join(cfg.out, f"minibatch_{k}.png"))
             plot_minibatch(blobs, entries, written[-1])
-    console().print("wrote " + ", ".join(written))
+    Console().print("wrote " + ", ".join(written))
     return 0
