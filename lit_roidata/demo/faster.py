@@ -76,8 +76,9 @@ class DemoFasterRCNN(DemoFastRCNN):
         hp = self.hparams
         want = {"RPN.STRIDE": _STRIDE, "RPN.SIZES": tuple(float(s) for s in hp.rpn_sizes),
                 "RPN.ASPECT_RATIOS": tuple(float(r) for r in hp.rpn_aspect_ratios)}
-        cfg = data_cfg(self, {"MODEL.NUM_CLASSES": hp.num_classes,
-                              "MODEL.BBOX_REG_WEIGHTS": tuple(hp.bbox_reg_weights), **want})
+        cfg = data_cfg(getattr(self, "_trainer", None), {
+            "MODEL.NUM_CLASSES": hp.num_classes,
+            "MODEL.BBOX_REG_WEIGHTS": tuple(hp.bbox_reg_weights), **want})
         have = {"RPN.STRIDE": cfg.RPN.STRIDE, "RPN.SIZES": tuple(float(s) for s in cfg.RPN.SIZES),
                 "RPN.ASPECT_RATIOS": tuple(float(r) for r in cfg.RPN.ASPECT_RATIOS)}
         bad = {k: (have[k], v) for k, v in want.items() if have[k] != v}

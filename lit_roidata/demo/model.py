@@ -8,6 +8,7 @@ see docs/demo.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal, Mapping, Optional, Sequence
 
@@ -93,10 +94,9 @@ def rpn_proposals(anchors: torch.Tensor, probs: torch.Tensor, deltas: torch.Tens
     return out
 
 
-def data_cfg(module: pl.LightningModule, defaults: Mapping[str, Any]) -> Any:
-    """The Detectron config of the module's trainer's data module, else the default config
-    with ``defaults`` merged."""
-    trainer = getattr(module, "_trainer", None)
+def data_cfg(trainer: Optional[pl.Trainer], defaults: Mapping[str, Any]) -> Any:
+    """The Detectron config of ``trainer``'s data module, else the default config with
+    ``defaults`` merged."""
     cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
     if cfg is None:
         from lit_roidata.config import get_cfg
@@ -243,12 +243,9 @@ class DemoFastRCNN(pl.LightningModule):
                                   weight_decay=hp.weight_decay)
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-
-        def schedule(it: int) -> float:
-            return detectron_lr_multiplier(it, hp.lr_steps, hp.gamma, hp.warmup_iters,
-                                           hp.warmup_factor)
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
+            detectron_lr_multiplier, steps=tuple(hp.lr_steps), gamma=hp.gamma,
+            warmup_iters=hp.warmup_iters, warmup_factor=hp.warmup_factor))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     @torch.no_grad()
@@ -274,35 +271,30 @@ class DemoFastRCNN(pl.LightningModule):
             deltas = np.tile(deltas[:, 4:8], (1, C))
         deltas = deltas.reshape(-1, C, 4).copy()
         deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], _BBOX_XFORM_CLIP)
+        hp = self.hparams
         results = []
         for b, image_id in enumerate(meta["image_ids"]):
             sel = rois[:, 0] == b
-            scale = float(meta["im_scales"][b])
             H, W = int(meta["heights"][b]), int(meta["widths"][b])
-            boxes = rois[sel, 1:5] / scale
-            n = len(boxes)
+            boxes = rois[sel, 1:5] / float(meta["im_scales"][b])
             pred = bbox_transform_inv(np.repeat(boxes, C, 0), deltas[sel].reshape(-1, 4),
-                                      self.hparams.bbox_reg_weights)
-            pred = clip_boxes(pred, H, W).reshape(n, C, 4)
-            results.append(self._nms_image(pred, probs[sel], int(image_id),
-                                           str(meta["datasets"][b])))
+                                      hp.bbox_reg_weights)
+            pred = clip_boxes(pred, H, W).reshape(len(boxes), C, 4)
+            rows, cls = np.nonzero(probs[sel][:, 1:] > hp.score_thresh)
+            cls = cls + 1
+            boxes = torch.from_numpy(pred[rows, cls].astype(np.float32))
+            scores = torch.from_numpy(probs[sel][rows, cls].astype(np.float32))
+            labels = torch.from_numpy(cls.astype(np.int64))
+            # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
+            keep = batched_nms(boxes + _PLUS_ONE, scores, labels, hp.nms_thresh)
+            keep = keep[: hp.detections_per_im]
+            results.append({"image_id": int(image_id), "dataset": str(meta["datasets"][b]),
+                            "boxes": boxes[keep].numpy(), "scores": scores[keep].numpy(),
+                            "labels": labels[keep].numpy()})
         return results
 
-    def _nms_image(self, pred: np.ndarray, probs: np.ndarray, image_id: int,
-                   dataset: str) -> dict[str, Any]:
-        hp = self.hparams
-        rows, cls = np.nonzero(probs[:, 1:] > hp.score_thresh)
-        cls = cls + 1
-        boxes = torch.from_numpy(pred[rows, cls].astype(np.float32))
-        scores = torch.from_numpy(probs[rows, cls].astype(np.float32))
-        labels = torch.from_numpy(cls.astype(np.int64))
-        # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
-        keep = batched_nms(boxes + _PLUS_ONE, scores, labels, hp.nms_thresh)
-        keep = keep[: hp.detections_per_im]
-        return {"image_id": image_id, "dataset": dataset, "boxes": boxes[keep].numpy(),
-                "scores": scores[keep].numpy(), "labels": labels[keep].numpy()}
-
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
+        """``{"detections": detect(batch)}`` for the evaluators (also the ``test_step``)."""
         return {"detections": self.detect(batch)}
 
     test_step = validation_step

@@ -121,9 +121,9 @@ class RPNExchangeDemo(pl.LightningModule):
 
     def _test_cfg(self) -> Any:
         """The data module's Detectron config (anchors, ``TEST.RPN_*``), else defaults."""
-        return data_cfg(self, {"FPN.FPN_ON": True, "FPN.MULTILEVEL_RPN": True,
-                               "FPN.RPN_MIN_LEVEL": self.levels[0],
-                               "FPN.RPN_MAX_LEVEL": self.levels[-1]})
+        return data_cfg(getattr(self, "_trainer", None), {
+            "FPN.FPN_ON": True, "FPN.MULTILEVEL_RPN": True,
+            "FPN.RPN_MIN_LEVEL": self.levels[0], "FPN.RPN_MAX_LEVEL": self.levels[-1]})
 
     @torch.no_grad()
     def proposals(self, out: Mapping[str, torch.Tensor], im_info: Any, cfg: Any

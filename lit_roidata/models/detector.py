@@ -557,6 +557,7 @@ class TorchvisionDetector(pl.LightningModule):
         return [mask_rle(m) for m in full.cpu().numpy().astype(np.uint8)]
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
+        """``{"detections": detect(batch)}`` for the evaluators (also the ``test_step``)."""
         return {"detections": self.detect(batch)}
 
     test_step = validation_step
