@@ -159,7 +159,8 @@ def _rebind(value: Any, old: type, new: type, memo: dict[int, Any]) -> Any:
                 extra[k] is not v for k, v in value.__dict__.items()):
             out = types.FunctionType(value.__code__, value.__globals__, value.__name__,
                                      value.__defaults__, tuple(cells))
-            out.__kwdefaults__ = None if value.__kwdefaults__ is None else dict(value.__kwdefaults__)
+            kw = value.__kwdefaults__
+            out.__kwdefaults__ = None if kw is None else dict(kw)
             out.__dict__.update(extra)
             for attr in ("__qualname__", "__doc__", "__module__", "__annotations__"):
                 setattr(out, attr, getattr(value, attr))
@@ -210,7 +211,8 @@ def unbound_super_calls(cls: type) -> list[str]:
                 continue
             if isinstance(owner, type) and issubclass(src, owner) and not issubclass(cls, owner):
                 found.append(f"{cls.__qualname__}.{name} ({type(value).__name__}): super() in "
-                             f"{f.__qualname__} starts from {owner.__module__}.{owner.__qualname__}")
+                             f"{f.__qualname__} starts from "
+                             f"{owner.__module__}.{owner.__qualname__}")
     return found
 
 

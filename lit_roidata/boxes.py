@@ -110,9 +110,9 @@ def iou_kernel_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     a = a.to(torch.float64)
     b = b.to(torch.float64)
-    iw = (torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0]) + 1).clamp_(min=0)
-    ih = (torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1]) + 1).clamp_(min=0)
-    inter = iw * ih
+    lo = torch.maximum(a[..., :2], b[..., :2])
+    wh = (torch.minimum(a[..., 2:4], b[..., 2:4]) - lo + 1).clamp_(min=0)
+    inter = wh[..., 0] * wh[..., 1]
     union = box_areas(a) + box_areas(b) - inter
     out = torch.where(inter > 0, inter / union, torch.zeros_like(inter))
     return out.to(torch.float32)

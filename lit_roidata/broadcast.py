@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import pytorch_lightning as pl
 import torch
@@ -25,6 +25,7 @@ __all__ = ["BroadcastParameters", "ReplicaMismatchError", "broadcast_module", "v
 log = logging.getLogger(__name__)
 
 _BUCKET_BYTES = 32 << 20
+T = TypeVar("T")
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -42,8 +43,44 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
+    """Whether a process group of more than one rank is initialised."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def run_on_rank0(fn: Callable[[], T], rank: int, what: str) -> Optional[T]:
+    """``fn()`` on rank 0, its result broadcast to every rank (under DDP).
+
+    If it raises, every rank raises (none hangs): rank 0 the error itself, the others
+    ``RuntimeError("rank 0 failed to <what>: <type>: <message>")``.
+    """
+    value: Optional[T] = None
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+            error = e
+    if distributed():
+        box = [(value, None if error is None else f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(box, src=0)
+        value, message = box[0]
+        if message is not None and error is None:
+            raise RuntimeError(f"rank 0 failed to {what}: {message}")
+    if error is not None:
+        raise error
+    return value
+
+
+def gather_to_rank0(items: list[Any]) -> list[Any]:
+    """Under DDP, the concatenation of every rank's ``items`` on rank 0 (``[]`` elsewhere);
+    ``items`` itself otherwise."""
+    if not distributed():
+        return items
+    gathered: Optional[list[Any]] = ([None] * dist.get_world_size()
+                                     if dist.get_rank() == 0 else None)
+    dist.gather_object(items, gathered, dst=0)
+    return [d for part in gathered for d in part] if gathered is not None else []
 
 
 def _comm_device(t: torch.Tensor) -> torch.device:
@@ -78,7 +115,7 @@ def broadcast_module(module: nn.Module, src: int = 0) -> int:
         ReplicaMismatchError: ranks hold differently shaped models (checked first, so a
             broken set-up fails with a message instead of hanging or corrupting memory).
     """
-    if not _distributed():
+    if not distributed():
         return 0
     tensors = _tensors(module)
     _check_structure(tensors)
@@ -123,7 +160,7 @@ def verify_replicas(module: nn.Module) -> int:
         ReplicaMismatchError: names the first differing tensor (model order) and the
             ranks that differ from rank 0.
     """
-    if not _distributed():
+    if not distributed():
         return 0
     tensors = _tensors(module)
     mine = [(n, _checksum(t)) for n, t in tensors]
@@ -181,26 +218,15 @@ class BroadcastParameters(pl.Callback):
         self.report: Optional[LoadReport] = None
         self._loaded = False
 
-    def _load_on_rank0(self, trainer: pl.Trainer, module: nn.Module) -> None:
-        error: Optional[BaseException] = None
-        if trainer.global_rank == 0:
-            try:
-                blobs = load_weights_file(self.weights, trust_pickle=self.trust_pickle)
-                self.report = load_weights_into(module, blobs, name_map=self.name_map,
-                                                strict=self.strict, source=str(self.weights))
-            except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
-                error = e
-        if _distributed():  # tell the other ranks, so they fail too instead of hanging
-            box = [None if error is None else (type(error).__name__, str(error))]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is not None and error is None:
-                raise RuntimeError(f"rank 0 failed to load weights: {box[0][0]}: {box[0][1]}")
-        if error is not None:
-            raise error
+    def _load(self, module: nn.Module) -> LoadReport:
+        blobs = load_weights_file(self.weights, trust_pickle=self.trust_pickle)
+        return load_weights_into(module, blobs, name_map=self.name_map, strict=self.strict,
+                                 source=str(self.weights))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.weights is not None and not self._loaded:
-            self._load_on_rank0(trainer, pl_module)
+            self.report = run_on_rank0(lambda: self._load(pl_module), trainer.global_rank,
+                                       "load weights")
             self._loaded = True
         n = broadcast_module(pl_module, src=0)
         if self.verify:

@@ -54,43 +54,33 @@ class DatasetSpec:
     format: str = "coco"
 
 
-def _coco(im_dir: str, ann: str, prefix: str = "") -> tuple[str, str, str]:
-    return ("coco/" + im_dir, "coco/annotations/" + ann, prefix)
+def _detectron_builtins() -> dict[str, tuple[str, str, str]]:
+    """Detectron's built-in names -> (image dir, annotation file, image prefix) relative to
+    the data root, in the order of ``detectron/datasets/dataset_catalog.py``."""
+    out: dict[str, tuple[str, str, str]] = {}
+
+    def coco(name: str, im_dir: str, ann: str, prefix: str = "") -> None:
+        out[name] = ("coco/" + im_dir, "coco/annotations/" + ann, prefix)
+
+    for kp, kind in (("", "instances"), ("keypoints_", "person_keypoints")):
+        for split in ("train", "val", "minival", "valminusminival"):
+            im_dir = "coco_train2014" if split == "train" else "coco_val2014"
+            coco(f"{kp}coco_2014_{split}", im_dir, f"{kind}_{split}2014.json")
+        for split in ("test", "test-dev"):
+            coco(f"{kp}coco_2015_{split}", "coco_test2015", f"image_info_{split}2015.json")
+        for split in ("train", "val"):
+            coco(f"{kp}coco_2017_{split}", f"coco_{split}2017", f"{kind}_{split}2017.json")
+        for split in () if kp else ("test", "test-dev"):
+            coco(f"coco_2017_{split}", "coco_test2015", f"image_info_{split}2017.json",
+                 "COCO_test2015_")
+    for year, splits in (("2007", ("train", "val", "test")), ("2012", ("train", "val"))):
+        for split in splits:
+            out[f"voc_{year}_{split}"] = (f"VOC{year}/JPEGImages",
+                                          f"VOC{year}/annotations/voc_{year}_{split}.json", "")
+    return out
 
 
-def _voc(year: str, split: str) -> tuple[str, str, str]:
-    return (f"VOC{year}/JPEGImages", f"VOC{year}/annotations/voc_{year}_{split}.json", "")
-
-
-#: Detectron's built-in names and paths relative to the data root
-#: (``detectron/datasets/dataset_catalog.py``).
-_BUILTIN: dict[str, tuple[str, str, str]] = {
-    "coco_2014_train": _coco("coco_train2014", "instances_train2014.json"),
-    "coco_2014_val": _coco("coco_val2014", "instances_val2014.json"),
-    "coco_2014_minival": _coco("coco_val2014", "instances_minival2014.json"),
-    "coco_2014_valminusminival": _coco("coco_val2014", "instances_valminusminival2014.json"),
-    "coco_2015_test": _coco("coco_test2015", "image_info_test2015.json"),
-    "coco_2015_test-dev": _coco("coco_test2015", "image_info_test-dev2015.json"),
-    "coco_2017_train": _coco("coco_train2017", "instances_train2017.json"),
-    "coco_2017_val": _coco("coco_val2017", "instances_val2017.json"),
-    "coco_2017_test": _coco("coco_test2015", "image_info_test2017.json", "COCO_test2015_"),
-    "coco_2017_test-dev": _coco("coco_test2015", "image_info_test-dev2017.json",
-                                "COCO_test2015_"),
-    "keypoints_coco_2014_train": _coco("coco_train2014", "person_keypoints_train2014.json"),
-    "keypoints_coco_2014_val": _coco("coco_val2014", "person_keypoints_val2014.json"),
-    "keypoints_coco_2014_minival": _coco("coco_val2014", "person_keypoints_minival2014.json"),
-    "keypoints_coco_2014_valminusminival": _coco(
-        "coco_val2014", "person_keypoints_valminusminival2014.json"),
-    "keypoints_coco_2015_test": _coco("coco_test2015", "image_info_test2015.json"),
-    "keypoints_coco_2015_test-dev": _coco("coco_test2015", "image_info_test-dev2015.json"),
-    "keypoints_coco_2017_train": _coco("coco_train2017", "person_keypoints_train2017.json"),
-    "keypoints_coco_2017_val": _coco("coco_val2017", "person_keypoints_val2017.json"),
-    "voc_2007_train": _voc("2007", "train"),
-    "voc_2007_val": _voc("2007", "val"),
-    "voc_2007_test": _voc("2007", "test"),
-    "voc_2012_train": _voc("2012", "train"),
-    "voc_2012_val": _voc("2012", "val"),
-}
+_BUILTIN = _detectron_builtins()
 
 
 #: Detectron2's LVIS v1 names and layout (``detectron2/data/datasets/builtin.py``): the

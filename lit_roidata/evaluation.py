@@ -21,8 +21,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 
+from lit_roidata.broadcast import gather_to_rank0, run_on_rank0
 from lit_roidata.osutil import atomic_write
 
 __all__ = ["COCOEvaluator", "detections_to_coco_results", "coco_category_map",
@@ -57,7 +57,7 @@ def _id_map(dataset_info: Any, dataset: Optional[str]) -> Mapping[int, int]:
                     f"a {{contiguous id: json id}} map, got {type(dataset_info).__name__}")
 
 
-def _rle(mask: Any, image_id: int) -> dict[str, Any]:
+def mask_rle(mask: Any, image_id: Optional[int] = None) -> dict[str, Any]:
     """A compressed RLE with text counts from an RLE dict or an ``(H, W)`` binary mask."""
     from pycocotools import mask as mask_utils
 
@@ -135,7 +135,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             res = {"image_id": image_id, "category_id": int(id_map[int(labels[k])]),
                    "bbox": [round(float(v), 3) for v in xywh[k]], "score": float(scores[k])}
             if masks is not None:
-                res["segmentation"] = _rle(masks[k], image_id)
+                res["segmentation"] = mask_rle(masks[k], image_id)
             if kps is not None:
                 flat = np.ones((kps.shape[1], 3))
                 flat[:, :2] = kps[k, :, :2]
@@ -155,36 +155,12 @@ def keypoint_category_ids(coco_gt: Any) -> list[int]:
                   if c.get("keypoints"))
 
 
-def _evaluate(coco_gt: Any, results: list[dict[str, Any]], iou_type: str,
-              image_ids: Sequence[int], kpt_oks_sigmas: Optional[Sequence[float]] = None
-              ) -> tuple[np.ndarray, str]:
-    """COCOeval on ``image_ids``; returns ``stats`` (12, or 10 for keypoints, numbers)
-    and the summary text. Keypoints are evaluated on the keypoint categories only."""
-    from pycocotools.cocoeval import COCOeval
+def load_coco(ann_file: str) -> Any:
+    """pycocotools' ``COCO`` of ``ann_file``, loaded quietly."""
+    from pycocotools.coco import COCO
 
-    n_stats = 10 if iou_type == "keypoints" else 12
-    if not results:
-        return np.zeros(n_stats), f"(no {iou_type} detections: AP is 0)"
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):  # pycocotools prints; we log
-        coco_dt = coco_gt.loadRes(results)
-        ev = COCOeval(coco_gt, coco_dt, iou_type)
-        ev.params.imgIds = sorted(int(i) for i in image_ids)
-        if iou_type == "keypoints":
-            ev.params.catIds = keypoint_category_ids(coco_gt)
-            k = len(results[0]["keypoints"]) // 3
-            if kpt_oks_sigmas is not None:
-                ev.params.kpt_oks_sigmas = np.asarray(kpt_oks_sigmas, dtype=np.float64)
-            if len(ev.params.kpt_oks_sigmas) != k:
-                raise ValueError(f"keypoint evaluation: the detections have {k} keypoints but "
-                                 f"there are {len(ev.params.kpt_oks_sigmas)} OKS sigmas (COCO's "
-                                 f"17 by default); pass COCOEvaluator(kpt_oks_sigmas=[...])")
-        ev.evaluate()
-        ev.accumulate()
-        summary = io.StringIO()
-        with contextlib.redirect_stdout(summary):
-            ev.summarize()
-    return np.asarray(ev.stats, dtype=np.float64), summary.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()):
+        return COCO(ann_file)
 
 
 class COCOEvaluator(pl.Callback):
@@ -209,10 +185,10 @@ class COCOEvaluator(pl.Callback):
                  annotation_files: Optional[dict[str, str]] = None,
                  output_dir: Optional[str] = None, print_summary: bool = True,
                  kpt_oks_sigmas: Optional[Sequence[float]] = None) -> None:
-        bad = sorted(set(iou_types) - set(_IOU_TYPES))
+        bad = sorted(set(iou_types) - set(self._iou_choices))
         if bad:
-            raise ValueError(f"iou_types {bad} are not supported; choose from bbox, segm, "
-                             f"keypoints")
+            raise ValueError(f"iou_types {bad} are not supported by {self._label} evaluation; "
+                             f"choose from {', '.join(self._iou_choices)}")
         self.iou_types = tuple(iou_types)
         self.kpt_oks_sigmas = None if kpt_oks_sigmas is None else list(kpt_oks_sigmas)
         self.annotation_files = dict(annotation_files or {})
@@ -227,6 +203,7 @@ class COCOEvaluator(pl.Callback):
     #: overrides them with the hooks below (``_load_gt``, ``_limit``, ``_score``).
     _label = "COCO"
     _key_prefix = ""
+    _iou_choices: tuple[str, ...] = _IOU_TYPES
     _table_stats: tuple[str, ...] = _STAT_NAMES
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -254,24 +231,13 @@ class COCOEvaluator(pl.Callback):
         dets = self._dets
         self._dets = []
         dets = gather_to_rank0(dets)  # only rank 0 evaluates
-        metrics: dict[str, float] = {}
-        error: Optional[str] = None
         if not dets and trainer.global_rank == 0:
             log.warning("%s: no detections were returned during %s; the model's "
                         "%s_step must return {'detections': [per-image dict, ...]} (see "
                         "lit_roidata.evaluation)", type(self).__name__, prefix,
                         "validation" if prefix == "val" else "test")
-        if trainer.global_rank == 0:
-            try:
-                metrics = self.evaluate(dets, prefix=prefix, trainer=trainer)
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-                error = f"{type(e).__name__}: {e}"
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            box = [(metrics, error)]
-            dist.broadcast_object_list(box, src=0)
-            metrics, error = box[0]
-        if error is not None:
-            raise RuntimeError(f"{self._label} evaluation failed on rank 0: {error}")
+        metrics = run_on_rank0(lambda: self.evaluate(dets, prefix=prefix, trainer=trainer),
+                               trainer.global_rank, f"run the {self._label} evaluation") or {}
         self.last_metrics = dict(metrics)
         for key, value in metrics.items():
             # equal on every rank (broadcast above); sync_dist keeps Lightning content
@@ -298,7 +264,6 @@ class COCOEvaluator(pl.Callback):
             log.info("%s evaluation: ignored %d repeated image(s) (padded shards)",
                      self._label, repeats)
         per_ds: dict[str, dict[str, float]] = {}
-        texts = []
         for name in sorted(by_ds):
             coco, info = self._dataset(name, trainer)
             dets = by_ds[name]
@@ -310,25 +275,22 @@ class COCOEvaluator(pl.Callback):
             per_ds[name] = {}
             for iou in self.iou_types:
                 field = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}[iou]
-                if iou != "bbox" and not any(d.get(field) is not None for d in dets):
-                    continue
                 sel = [d for d in dets if d.get(field) is not None]
+                if iou != "bbox" and not sel:
+                    continue
                 results = self._result_dicts(sel, info, iou, coco)
                 self._write(results, prefix, iou, name)
                 stats, text = self._score(coco, results, iou, image_ids)
-                texts.append(f"{name} {iou} ({len(image_ids)} images):\n{text}")
+                # the full summary; the table below has the headline numbers
+                log.debug("%s evaluation, %s %s (%d images):\n%s", self._label, name, iou,
+                          len(image_ids), text)
                 per_ds[name].update({f"{self._key_prefix}{iou}_{s}": float(v)
                                      for s, v in stats.items()})
-        metrics: dict[str, float] = {}
-        keys = sorted({k for m in per_ds.values() for k in m})
-        for k in keys:
-            vals = [m[k] for m in per_ds.values() if k in m]
-            metrics[f"{prefix}/{k}"] = float(np.mean(vals))
+        metrics = {f"{prefix}/{k}": float(np.mean([m[k] for m in per_ds.values() if k in m]))
+                   for k in sorted({k for m in per_ds.values() for k in m})}
         if len(per_ds) > 1:
             for name, m in per_ds.items():
                 metrics.update({f"{prefix}/{name}/{k}": v for k, v in m.items()})
-        for t in texts:  # the full summary; the table below has the headline numbers
-            log.debug("%s evaluation, %s", self._label, t)
         if self.print_summary and per_ds:
             self._print_table(per_ds, prefix)
         elif per_ds:
@@ -354,17 +316,37 @@ class COCOEvaluator(pl.Callback):
 
     def _score(self, gt: Any, results: list[dict[str, Any]], iou: str,
                image_ids: Sequence[int]) -> tuple[dict[str, float], str]:
-        """``{stat name: value}`` and the summary text of ``results`` on ``image_ids``."""
-        stats, text = _evaluate(gt, results, iou, image_ids, self.kpt_oks_sigmas)
+        """``{stat name: value}`` and the summary text of COCOeval on ``image_ids``
+        (keypoints on the keypoint categories only)."""
+        from pycocotools.cocoeval import COCOeval
+
         names = _KP_STAT_NAMES if iou == "keypoints" else _STAT_NAMES
-        return {s: float(v) for s, v in zip(names, stats)}, text
+        if not results:
+            return dict.fromkeys(names, 0.0), f"(no {iou} detections: AP is 0)"
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):  # pycocotools prints; we log
+            ev = COCOeval(gt, gt.loadRes(results), iou)
+            ev.params.imgIds = sorted(int(i) for i in image_ids)
+            if iou == "keypoints":
+                ev.params.catIds = keypoint_category_ids(gt)
+                k = len(results[0]["keypoints"]) // 3
+                if self.kpt_oks_sigmas is not None:
+                    ev.params.kpt_oks_sigmas = np.asarray(self.kpt_oks_sigmas, dtype=np.float64)
+                if len(ev.params.kpt_oks_sigmas) != k:
+                    raise ValueError(f"keypoint evaluation: the detections have {k} keypoints "
+                                     f"but there are {len(ev.params.kpt_oks_sigmas)} OKS sigmas "
+                                     f"(COCO's 17 by default); pass "
+                                     f"COCOEvaluator(kpt_oks_sigmas=[...])")
+            ev.evaluate()
+            ev.accumulate()
+            summary = io.StringIO()
+            with contextlib.redirect_stdout(summary):
+                ev.summarize()
+        return {s: float(v) for s, v in zip(names, ev.stats)}, summary.getvalue()
 
     def _load_gt(self, ann_file: str) -> Any:
         """The ground-truth object of ``ann_file`` (pycocotools' ``COCO``)."""
-        from pycocotools.coco import COCO
-
-        with contextlib.redirect_stdout(io.StringIO()):
-            return COCO(ann_file)
+        return load_coco(ann_file)
 
     def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
         """(ground truth, id map source) for dataset ``name``."""
@@ -427,14 +409,3 @@ def annotation_file(name: str, trainer: Any = None) -> str:
         from lit_roidata.catalog import DatasetCatalog as catalog
     entry = catalog.get(name)
     return str(entry["annotation_file"] if isinstance(entry, Mapping) else entry.annotation_file)
-
-
-def gather_to_rank0(items: list[Any]) -> list[Any]:
-    """Under DDP, the concatenation of every rank's ``items`` on rank 0 (``[]`` elsewhere);
-    ``items`` itself otherwise."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return items
-    gathered: Optional[list[Any]] = ([None] * dist.get_world_size()
-                                     if dist.get_rank() == 0 else None)
-    dist.gather_object(items, gathered, dst=0)
-    return [d for part in gathered for d in part] if gathered is not None else []

@@ -119,16 +119,13 @@ class LVISEvaluator(COCOEvaluator):
 
     _label = "LVIS"
     _key_prefix = "lvis_"
+    _iou_choices = _LVIS_IOU_TYPES
     _table_stats = ("AP", "AP50", "AP75", "APr", "APc", "APf", "APs", "APm", "APl")
 
     def __init__(self, iou_types: Sequence[str] = _LVIS_IOU_TYPES,
                  annotation_files: Optional[dict[str, str]] = None,
                  output_dir: Optional[str] = None, print_summary: bool = True,
                  max_dets_per_image: int = LVIS_MAX_DETS) -> None:
-        bad = sorted(set(iou_types) - set(_LVIS_IOU_TYPES))
-        if bad:
-            raise ValueError(f"iou_types {bad} are not supported by LVIS evaluation; choose "
-                             f"from bbox, segm")
         require("faster_coco_eval", "lvis", "LVIS evaluation (LVISEvaluator)")
         super().__init__(iou_types=iou_types, annotation_files=annotation_files,
                          output_dir=output_dir, print_summary=print_summary)

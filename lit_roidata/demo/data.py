@@ -176,7 +176,7 @@ def is_demo_data(root: str | os.PathLike, *, seed: int = 0,
     """Whether ``root`` holds the complete demo data :func:`ensure_demo_data` makes with
     these arguments (which it would reuse untouched)."""
     root, wanted = Path(root).expanduser().resolve(), _wanted(seed, num_images)
-    return is_built(root, _MANIFEST, wanted, lambda: _files_ok(root, wanted["num_images"]))
+    return is_built(root, _MANIFEST, wanted, lambda r: _files_ok(r, wanted["num_images"]))
 
 
 def ensure_demo_data(root: str | os.PathLike, *, seed: int = 0,
@@ -203,26 +203,25 @@ def ensure_demo_data(root: str | os.PathLike, *, seed: int = 0,
         TimeoutError: another process held the lock for more than 10 minutes.
     """
     wanted = _wanted(seed, num_images)
-    root = Path(root).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    build_once(root, ".demo_data.lock", _MANIFEST, wanted,
-               lambda: _files_ok(root, wanted["num_images"]), lambda tmp: _build(tmp, wanted))
+    root = build_once(root, ".demo_data.lock", _MANIFEST, wanted,
+                      lambda r: _files_ok(r, wanted["num_images"]), lambda tmp: _build(tmp, wanted))
     return _layout(root, wanted["num_images"])
 
 
 def is_built(root: Path, manifest: str, wanted: Mapping[str, Any],
-             files_ok: Callable[[], bool]) -> bool:
-    """Whether ``root/manifest`` records ``wanted`` and ``files_ok()``."""
+             files_ok: Callable[[Path], bool]) -> bool:
+    """Whether ``root/manifest`` records ``wanted`` and ``files_ok(root)``."""
     try:
         found = json.loads((root / manifest).read_text())
     except (OSError, ValueError):
         return False
-    return {k: found.get(k) for k in wanted} == wanted and files_ok()
+    return {k: found.get(k) for k in wanted} == wanted and files_ok(root)
 
 
-def build_once(root: Path, lock_name: str, manifest: str, wanted: Mapping[str, Any],
-               files_ok: Callable[[], bool], make: Callable[[Path], Iterable[str]]) -> None:
-    """Generate a data folder unless it is there (:func:`is_built`), once across processes.
+def build_once(root: str | os.PathLike, lock_name: str, manifest: str, wanted: Mapping[str, Any],
+               files_ok: Callable[[Path], bool], make: Callable[[Path], Iterable[str]]) -> Path:
+    """Generate a data folder unless it is there (:func:`is_built`), once across processes;
+    returns the folder's resolved path (created if needed).
 
     Under a file lock in ``root`` (checked again after the wait: another rank may have
     built it meanwhile), ``make(tmp)`` writes into a temporary folder and returns the
@@ -232,12 +231,14 @@ def build_once(root: Path, lock_name: str, manifest: str, wanted: Mapping[str, A
     Raises:
         TimeoutError: the lock was held for 10 minutes (names the lock file to delete).
     """
+    root = Path(root).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
     if is_built(root, manifest, wanted, files_ok):
-        return
+        return root
     try:
         with FileLock(str(root / lock_name), timeout=_LOCK_TIMEOUT_S):
             if is_built(root, manifest, wanted, files_ok):
-                return
+                return root
             log.info("generating synthetic demo data in %s (%s)", root, wanted["num_images"])
             (root / manifest).unlink(missing_ok=True)
             tmp = root / f".build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -254,18 +255,13 @@ def build_once(root: Path, lock_name: str, manifest: str, wanted: Mapping[str, A
         raise TimeoutError(f"waited {_LOCK_TIMEOUT_S:.0f} s for the demo-data lock "
                            f"{root / lock_name}; if no other process is generating "
                            f"the data, delete that file and retry") from e
+    return root
 
 
 def _build(tmp: Path, wanted: dict[str, Any]) -> list[str]:
     for ds_index, (name, n) in enumerate(sorted(wanted["num_images"].items())):
         _make_dataset(tmp, name, n, wanted["seed"], ds_index)
     return list(wanted["num_images"])
-
-
-def _default_catalog() -> Any:
-    from lit_roidata.catalog import DatasetCatalog  # lazy: the catalog imports the roidb side
-
-    return DatasetCatalog
 
 
 def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed: int = 0,
@@ -284,7 +280,8 @@ def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed
         A :class:`DemoDatasets` with the train/val names and their proposal files.
     """
     layout = ensure_demo_data(root, seed=seed, num_images=num_images)
-    catalog = _default_catalog() if catalog is None else catalog
+    if catalog is None:  # lazy: the catalog imports the roidb side
+        from lit_roidata.catalog import DatasetCatalog as catalog
     try:
         params = inspect.signature(catalog.register).parameters
     except (TypeError, ValueError):

@@ -26,7 +26,8 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
 
     The roidb has ``num_images // 2`` originals followed by their flipped copies
     (Detectron's order, Detectron semantics: flipping); image sizes alternate
-    landscape/portrait so aspect grouping matters. Scales are drawn per block from ``block_rng`` like a worker does.
+    landscape/portrait so aspect grouping matters. Scales are drawn per block from
+    ``block_rng`` like a worker does.
 
     Args:
         seed: the stream seed, equal in both processes for aligned streams.
@@ -35,6 +36,7 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
         scales: ``TRAIN.SCALES``.
         max_size: ``TRAIN.MAX_SIZE``.
     """
+    from lit_roidata.minibatch.image import get_target_scale
     from lit_roidata.sampler import RoIBatchSampler
 
     half = num_images // 2
@@ -46,17 +48,11 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     for block in sampler:
         rng = block_rng(seed, block.pass_index, block.block_index)
         targets = rng.choice(np.asarray(scales), size=len(block))
-        im_scales = []
-        for i, target in zip(block, targets):
-            short, long_ = min(widths[i], heights[i]), max(widths[i], heights[i])
-            scale = float(target) / short
-            if round(scale * long_) > max_size:
-                scale = float(max_size) / long_
-            im_scales.append(scale)
         yield {"image_ids": [int(ids[i]) for i in block],
                "flipped": [bool(i >= half) for i in block],
-               "im_scales": im_scales}
-
+               "im_scales": [get_target_scale(min(widths[i], heights[i]),
+                                              max(widths[i], heights[i]), target, max_size)
+                             for i, target in zip(block, targets)]}
 
 
 def demo_batches(seed: int, num_batches: int, *, image_size: tuple[int, int] = (64, 96),

@@ -15,20 +15,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import nms
 
-from lit_roidata.boxes import bbox_transform_inv_torch
-from lit_roidata.demo.model import DemoFastRCNN, fast_rcnn_losses, smooth_l1_loss
+from lit_roidata.demo.model import (DemoFastRCNN, data_cfg, fast_rcnn_losses, rpn_proposals,
+                                    smooth_l1_loss)
 
 __all__ = ["DemoFasterRCNN"]
 
 _STRIDE = 8  # the demo body's stride, so RPN.STRIDE must be 8
 _CLIP = math.log(1000.0 / 16.0)
-
-
-def _decode(anchors: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-    """Detectron's ``bbox_transform`` with weights (1, 1, 1, 1), dw/dh clamped (torch)."""
-    return bbox_transform_inv_torch(anchors, deltas, (1.0, 1.0, 1.0, 1.0), clip=_CLIP)
 
 
 class DemoFasterRCNN(DemoFastRCNN):
@@ -79,18 +73,12 @@ class DemoFasterRCNN(DemoFastRCNN):
 
     def _data_cfg(self) -> Any:
         """The data module's Detectron config (checked), else defaults with our values."""
-        from lit_roidata.config import get_cfg
-
-        trainer = getattr(self, "_trainer", None)
-        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
         hp = self.hparams
-        if cfg is None:
-            cfg = get_cfg()
-            cfg.merge_from_dict({"MODEL.NUM_CLASSES": hp.num_classes,
-                                 "MODEL.BBOX_REG_WEIGHTS": tuple(hp.bbox_reg_weights)})
-            return cfg
         want = {"RPN.STRIDE": _STRIDE, "RPN.SIZES": tuple(float(s) for s in hp.rpn_sizes),
                 "RPN.ASPECT_RATIOS": tuple(float(r) for r in hp.rpn_aspect_ratios)}
+        cfg = data_cfg(getattr(self, "_trainer", None), {
+            "MODEL.NUM_CLASSES": hp.num_classes,
+            "MODEL.BBOX_REG_WEIGHTS": tuple(hp.bbox_reg_weights), **want})
         have = {"RPN.STRIDE": cfg.RPN.STRIDE, "RPN.SIZES": tuple(float(s) for s in cfg.RPN.SIZES),
                 "RPN.ASPECT_RATIOS": tuple(float(r) for r in cfg.RPN.ASPECT_RATIOS)}
         bad = {k: (have[k], v) for k, v in want.items() if have[k] != v}
@@ -120,24 +108,12 @@ class DemoFasterRCNN(DemoFastRCNN):
         hp = self.hparams
         pre = hp.pre_nms_top_n if training else hp.test_pre_nms_top_n
         post = hp.post_nms_top_n if training else hp.test_post_nms_top_n
-        n, a, hf, wf = logits.shape
-        anchors = self._anchors(hf, wf)
-        scores = logits.permute(0, 2, 3, 1).reshape(n, -1).sigmoid()
-        d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4)
-        info = torch.as_tensor(im_info, device=self.device, dtype=torch.float32).reshape(-1, 3)
-        out = []
-        for i in range(n):
-            order = scores[i].argsort(descending=True)[:pre]
-            boxes = _decode(anchors[order], d[i, order].float())
-            h, w, s = info[i].tolist()
-            boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
-            boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
-            bw, bh = boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1
-            min_size = max(hp.rpn_min_size * s, 1.0)
-            keep = (bw >= min_size) & (bh >= min_size)
-            boxes, sc = boxes[keep], scores[i, order][keep]
-            keep = nms(boxes + boxes.new_tensor([0, 0, 1, 1]), sc, hp.rpn_nms_thresh)[:post]
-            out.append(torch.cat([boxes.new_full((len(keep), 1), float(i)), boxes[keep]], 1))
+        info = torch.as_tensor(im_info, dtype=torch.float32).reshape(-1, 3).tolist()
+        found = rpn_proposals(self._anchors(*logits.shape[2:]), logits.sigmoid(), deltas, info,
+                              pre=pre, post=post, nms_thresh=hp.rpn_nms_thresh,
+                              min_size=hp.rpn_min_size, clip=_CLIP)
+        out = [torch.cat([b.new_full((len(b), 1), float(i)), b], 1)
+               for i, (b, _) in enumerate(found)]
         return torch.cat(out) if out else logits.new_zeros((0, 5))
 
     def rpn_losses(self, logits: torch.Tensor, deltas: torch.Tensor,

@@ -227,13 +227,11 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
                     ("num_categories", num_categories)):
         if int(v) < 1:
             raise ValueError(f"{what}={v}; need at least 1")
-    root = Path(root).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
     counts = {"lvis_demo_train": int(num_train), "lvis_demo_val": int(num_val)}
     wanted = {"version": _VERSION, "seed": int(seed), "num_images": counts,
               "num_categories": int(num_categories), "size_range": [int(v) for v in size_range]}
-    build_once(root, ".lvis_demo_data.lock", _MANIFEST, wanted,
-               lambda: _files_ok(root, wanted), lambda tmp: _build(tmp, wanted))
+    root = build_once(root, ".lvis_demo_data.lock", _MANIFEST, wanted,
+                      lambda r: _files_ok(r, wanted), lambda tmp: _build(tmp, wanted))
     return _layout(root, counts)
 
 

@@ -8,6 +8,7 @@ see docs/demo.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal, Mapping, Optional, Sequence
 
@@ -16,9 +17,10 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchvision.ops import batched_nms, roi_align
+from torchvision.ops import batched_nms, nms, roi_align
 
-from lit_roidata.boxes import bbox_transform_inv, clip_boxes
+from lit_roidata.boxes import bbox_transform_inv, bbox_transform_inv_torch, clip_boxes
+from lit_roidata.models.detector import detectron_lr_multiplier
 
 __all__ = ["DemoFastRCNN", "fast_rcnn_losses", "smooth_l1_loss"]
 
@@ -59,6 +61,49 @@ def fast_rcnn_losses(cls_logits: torch.Tensor, bbox_pred: torch.Tensor,
                                blobs["bbox_outside_weights"])
     accuracy = (cls_logits.argmax(1) == labels).float().mean()
     return {"loss_cls": loss_cls, "loss_bbox": loss_bbox, "accuracy_cls": accuracy.detach()}
+
+
+def rpn_proposals(anchors: torch.Tensor, probs: torch.Tensor, deltas: torch.Tensor,
+                  im_info: Sequence[Sequence[float]], *, pre: int, post: int, nms_thresh: float,
+                  min_size: float, clip: float, centred_inside: bool = False
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Detectron's ``GenerateProposals`` on one level: per image ``(boxes, scores)``.
+
+    ``probs`` ``(N, A, H, W)`` and ``deltas`` ``(N, 4A, H, W)`` against ``anchors``
+    enumerated (y, x, a); ``im_info`` rows ``(h, w, scale)``. The top ``pre`` anchors are
+    decoded, clipped, those under ``min_size`` original pixels (at least 1) dropped (and,
+    with ``centred_inside``, those centred outside the image), NMS, the top ``post`` kept.
+    """
+    n, a, hf, wf = probs.shape
+    scores = probs.permute(0, 2, 3, 1).reshape(n, -1).float()
+    d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4).float()
+    out = []
+    for i, (h, w, s) in enumerate(im_info):
+        order = scores[i].argsort(descending=True)[:pre]
+        boxes = bbox_transform_inv_torch(anchors[order], d[i, order], clip=clip)
+        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
+        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
+        bw, bh = boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1
+        keep = (bw >= max(min_size * s, 1.0)) & (bh >= max(min_size * s, 1.0))
+        if centred_inside:
+            keep &= (boxes[:, 0] + bw / 2 < w) & (boxes[:, 1] + bh / 2 < h)
+        boxes, sc = boxes[keep], scores[i, order][keep]
+        # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
+        keep = nms(boxes + _PLUS_ONE.to(boxes), sc, nms_thresh)[:post]
+        out.append((boxes[keep], sc[keep]))
+    return out
+
+
+def data_cfg(trainer: Optional[pl.Trainer], defaults: Mapping[str, Any]) -> Any:
+    """The Detectron config of ``trainer``'s data module, else the default config with
+    ``defaults`` merged."""
+    cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+    if cfg is None:
+        from lit_roidata.config import get_cfg
+
+        cfg = get_cfg()
+        cfg.merge_from_dict(dict(defaults))
+    return cfg
 
 
 def _conv(cin: int, cout: int, stride: int) -> nn.Sequential:
@@ -198,16 +243,9 @@ class DemoFastRCNN(pl.LightningModule):
                                   weight_decay=hp.weight_decay)
         else:
             opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        steps, warm, factor, gamma = tuple(hp.lr_steps), hp.warmup_iters, hp.warmup_factor, hp.gamma
-
-        def schedule(it: int) -> float:  # Detectron's steps_with_decay + linear warm-up
-            mult = gamma ** sum(it >= s for s in steps)
-            if it < warm:
-                alpha = it / warm
-                mult *= factor * (1 - alpha) + alpha
-            return mult
-
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
+            detectron_lr_multiplier, steps=tuple(hp.lr_steps), gamma=hp.gamma,
+            warmup_iters=hp.warmup_iters, warmup_factor=hp.warmup_factor))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     @torch.no_grad()
@@ -233,39 +271,33 @@ class DemoFastRCNN(pl.LightningModule):
             deltas = np.tile(deltas[:, 4:8], (1, C))
         deltas = deltas.reshape(-1, C, 4).copy()
         deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], _BBOX_XFORM_CLIP)
+        hp = self.hparams
         results = []
         for b, image_id in enumerate(meta["image_ids"]):
             sel = rois[:, 0] == b
-            scale = float(meta["im_scales"][b])
             H, W = int(meta["heights"][b]), int(meta["widths"][b])
-            boxes = rois[sel, 1:5] / scale
-            n = len(boxes)
+            boxes = rois[sel, 1:5] / float(meta["im_scales"][b])
             pred = bbox_transform_inv(np.repeat(boxes, C, 0), deltas[sel].reshape(-1, 4),
-                                      self.hparams.bbox_reg_weights)
-            pred = clip_boxes(pred, H, W).reshape(n, C, 4)
-            results.append(self._nms_image(pred, probs[sel], int(image_id),
-                                           str(meta["datasets"][b])))
+                                      hp.bbox_reg_weights)
+            pred = clip_boxes(pred, H, W).reshape(len(boxes), C, 4)
+            rows, cls = np.nonzero(probs[sel][:, 1:] > hp.score_thresh)
+            cls = cls + 1
+            boxes = torch.from_numpy(pred[rows, cls].astype(np.float32))
+            scores = torch.from_numpy(probs[sel][rows, cls].astype(np.float32))
+            labels = torch.from_numpy(cls.astype(np.int64))
+            # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
+            keep = batched_nms(boxes + _PLUS_ONE, scores, labels, hp.nms_thresh)
+            keep = keep[: hp.detections_per_im]
+            results.append({"image_id": int(image_id), "dataset": str(meta["datasets"][b]),
+                            "boxes": boxes[keep].numpy(), "scores": scores[keep].numpy(),
+                            "labels": labels[keep].numpy()})
         return results
 
-    def _nms_image(self, pred: np.ndarray, probs: np.ndarray, image_id: int,
-                   dataset: str) -> dict[str, Any]:
-        hp = self.hparams
-        rows, cls = np.nonzero(probs[:, 1:] > hp.score_thresh)
-        cls = cls + 1
-        boxes = torch.from_numpy(pred[rows, cls].astype(np.float32))
-        scores = torch.from_numpy(probs[rows, cls].astype(np.float32))
-        labels = torch.from_numpy(cls.astype(np.int64))
-        # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
-        keep = batched_nms(boxes + _PLUS_ONE, scores, labels, hp.nms_thresh)
-        keep = keep[: hp.detections_per_im]
-        return {"image_id": image_id, "dataset": dataset, "boxes": boxes[keep].numpy(),
-                "scores": scores[keep].numpy(), "labels": labels[keep].numpy()}
-
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
+        """``{"detections": detect(batch)}`` for the evaluators (also the ``test_step``)."""
         return {"detections": self.detect(batch)}
 
-    def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
-        return {"detections": self.detect(batch)}
+    test_step = validation_step
 
     def predict_step(self, batch: Mapping[str, Any], batch_idx: int,
                      dataloader_idx: int = 0) -> list[dict[str, Any]]:

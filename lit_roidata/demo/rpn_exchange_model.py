@@ -16,6 +16,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lit_roidata.demo.model import data_cfg, rpn_proposals, smooth_l1_loss
+
 __all__ = ["RPNExchangeDemo"]
 
 
@@ -78,18 +80,15 @@ class RPNExchangeDemo(pl.LightningModule):
             logits, deltas = out[f"rpn_cls_logits_fpn{lvl}"], out[f"rpn_bbox_pred_fpn{lvl}"]
             h, w = logits.shape[-2:]
             labels = batch[key][..., :h, :w].to(logits.device)
-            logits, deltas = logits[..., :labels.shape[-2], :labels.shape[-1]], \
-                deltas[..., :labels.shape[-2], :labels.shape[-1]]
+            hh, ww = labels.shape[-2:]
+            logits, deltas = logits[..., :hh, :ww], deltas[..., :hh, :ww]
             valid = labels >= 0
             if valid.any():
                 loss = loss + nn.functional.binary_cross_entropy_with_logits(
                     logits[valid], labels[valid].float())
-            hh, ww = labels.shape[-2:]
             tgt, w_in, w_out = (batch[f"rpn_bbox_{k}_wide_fpn{lvl}"][..., :hh, :ww].to(deltas)
                                 for k in ("targets", "inside_weights", "outside_weights"))
-            diff = (w_in * (deltas - tgt)).abs()
-            huber = torch.where(diff < 1 / 9, 4.5 * diff * diff, diff - 1 / 18)
-            loss = loss + (w_out * huber).sum() / max(1, deltas.shape[0])
+            loss = loss + smooth_l1_loss(deltas, tgt, w_in, w_out, beta=1.0 / 9.0)
         return loss
 
     def _distill_loss(self, out: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -102,10 +101,9 @@ class RPNExchangeDemo(pl.LightningModule):
             if pred.shape != target.shape:
                 raise ValueError(f"peer blob {name!r} has shape {tuple(target.shape)}, this "
                                  f"model's is {tuple(pred.shape)}: different images or models")
-            per_image = target[0].numel()  # the fork's outside weight 1/(C*H*W)
-            diff = (pred - target.to(pred)).abs()
-            term = torch.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).sum() / per_image
-            term = term / pred.shape[0]
+            # the fork's outside weight 1/(C*H*W), averaged over the images
+            term = smooth_l1_loss(pred, target.to(pred), 1.0, 1.0,
+                                  normalizer=target[0].numel() * pred.shape[0])
             loss = term if loss is None else loss + term
         return loss
 
@@ -123,16 +121,9 @@ class RPNExchangeDemo(pl.LightningModule):
 
     def _test_cfg(self) -> Any:
         """The data module's Detectron config (anchors, ``TEST.RPN_*``), else defaults."""
-        from lit_roidata.config import get_cfg
-
-        trainer = getattr(self, "_trainer", None)
-        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
-        if cfg is None:
-            cfg = get_cfg()
-            cfg.merge_from_dict({"FPN.FPN_ON": True, "FPN.MULTILEVEL_RPN": True,
-                                 "FPN.RPN_MIN_LEVEL": self.levels[0],
-                                 "FPN.RPN_MAX_LEVEL": self.levels[-1]})
-        return cfg
+        return data_cfg(getattr(self, "_trainer", None), {
+            "FPN.FPN_ON": True, "FPN.MULTILEVEL_RPN": True,
+            "FPN.RPN_MIN_LEVEL": self.levels[0], "FPN.RPN_MAX_LEVEL": self.levels[-1]})
 
     @torch.no_grad()
     def proposals(self, out: Mapping[str, torch.Tensor], im_info: Any, cfg: Any
@@ -149,22 +140,20 @@ class RPNExchangeDemo(pl.LightningModule):
         FPN.RPN_COLLECT_SCALE`` by score. Anchors are the loader's
         (:func:`lit_roidata.minibatch.anchors.rpn_fields`' levels), cropped to the map.
         """
-        from torchvision.ops import nms
-
-        from lit_roidata.boxes import bbox_transform_inv_torch
         from lit_roidata.minibatch.anchors import get_field_of_anchors
 
         test = cfg.TEST
-        pre, post = int(test["RPN_PRE_NMS_TOP_N"]), int(test["RPN_POST_NMS_TOP_N"])
-        thresh, min_size = float(test["RPN_NMS_THRESH"]), float(test["RPN_MIN_SIZE"])
-        collect = int(post * cfg.FPN.RPN_COLLECT_SCALE)
-        clip = float(getattr(cfg, "BBOX_XFORM_CLIP", math.log(1000.0 / 16.0)))
+        post = int(test["RPN_POST_NMS_TOP_N"])
+        kwargs = dict(pre=int(test["RPN_PRE_NMS_TOP_N"]), post=post,
+                      nms_thresh=float(test["RPN_NMS_THRESH"]),
+                      min_size=float(test["RPN_MIN_SIZE"]), centred_inside=True,
+                      clip=float(getattr(cfg, "BBOX_XFORM_CLIP", math.log(1000.0 / 16.0))))
         info = torch.as_tensor(im_info, dtype=torch.float32).reshape(-1, 3).tolist()
         k_min = cfg.FPN.RPN_MIN_LEVEL
         per_image: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in info]
         for lvl in self.levels:
             probs, deltas = out[f"rpn_cls_probs_fpn{lvl}"], out[f"rpn_bbox_pred_fpn{lvl}"]
-            n, a, hf, wf = probs.shape
+            _, a, hf, wf = probs.shape
             field = get_field_of_anchors(
                 2.0 ** lvl, (cfg.FPN.RPN_ANCHOR_START_SIZE * 2.0 ** (lvl - k_min),),
                 cfg.FPN.RPN_ASPECT_RATIOS, coarsest_stride=cfg.FPN.COARSEST_STRIDE,
@@ -176,21 +165,9 @@ class RPNExchangeDemo(pl.LightningModule):
             f = field.field_size
             crop = field.field_of_anchors.reshape(f, f, a, 4)[:hf, :wf]  # read-only, shared
             anchors = torch.tensor(crop.reshape(-1, 4), device=probs.device)
-            scores = probs.permute(0, 2, 3, 1).reshape(n, -1).float()  # (y, x, a) order
-            d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4).float()
-            for i, (h, w, s) in enumerate(info):
-                order = scores[i].argsort(descending=True)[:pre]
-                boxes = bbox_transform_inv_torch(anchors[order], d[i, order], clip=clip)
-                boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w - 1)
-                boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h - 1)
-                bw, bh = boxes[:, 2] - boxes[:, 0] + 1, boxes[:, 3] - boxes[:, 1] + 1
-                ms = max(min_size * s, 1.0)
-                keep = ((bw >= ms) & (bh >= ms) & (boxes[:, 0] + bw / 2 < w)
-                        & (boxes[:, 1] + bh / 2 < h))
-                boxes, sc = boxes[keep], scores[i, order][keep]
-                # +1 on x2, y2: torchvision's NMS measures areas without Detectron's +1.
-                keep = nms(boxes + boxes.new_tensor([0, 0, 1, 1]), sc, thresh)[:post]
-                per_image[i].append((boxes[keep], sc[keep]))
+            for i, found in enumerate(rpn_proposals(anchors, probs, deltas, info, **kwargs)):
+                per_image[i].append(found)
+        collect = int(post * cfg.FPN.RPN_COLLECT_SCALE)
         result = []
         for parts in per_image:
             boxes = torch.cat([b for b, _ in parts])

@@ -39,6 +39,9 @@ _KP_TEMPLATE = np.array([
     (0.28, 0.25), (0.86, 0.42), (0.14, 0.42), (0.95, 0.56), (0.05, 0.56), (0.62, 0.58),
     (0.38, 0.58), (0.66, 0.78), (0.34, 0.78), (0.70, 0.96), (0.30, 0.96)], dtype=np.float64)
 _LIMBS = [(5, 7), (7, 9), (6, 8), (8, 10), (11, 13), (13, 15), (12, 14), (14, 16)]
+#: ``keypoints`` of an object without keypoints: a keypoint dataset needs the field on
+#: every object (Detectron crashes, Detectron quirk Q23 (docs/detectron_quirks.md))
+_NO_KEYPOINTS = [0] * (3 * len(COCO_KEYPOINT_NAMES))
 
 
 def rle_uncompressed(mask: np.ndarray) -> dict[str, Any]:
@@ -150,6 +153,17 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
     anns: list[dict[str, Any]] = []
     taken: list[tuple[int, int, int, int]] = []
     masks: list[tuple[np.ndarray, int]] = []
+
+    def add(mask: np.ndarray, cat: int, box: tuple[int, int, int, int],
+            kp: np.ndarray | None = None, crowd: bool = False) -> None:
+        ann = annotation(mask, cat, crowd=crowd)
+        if ann is not None:
+            ann["keypoints"], ann["num_keypoints"] = (
+                (list(_NO_KEYPOINTS), 0) if kp is None else _keypoints(kp, rng))
+            taken.append(box)
+            anns.append(ann)
+            masks.append((mask, cat))
+
     if crowd:
         cat = int(rng.choice([3, 7]))
         side = int(rng.integers(44, min(80, min(W, H) - 4) + 1))
@@ -159,12 +173,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
             for cy in range(pos[1] + 3, pos[1] + side - 8, 11):
                 for cx in range(pos[0] + 3, pos[0] + side - 8, 11):
                     draw_shape(mask, cat, cx, cy, 7, 7)
-            ann = annotation(mask, cat, crowd=True)
-            if ann is not None:
-                ann["keypoints"], ann["num_keypoints"] = [0] * (3 * len(COCO_KEYPOINT_NAMES)), 0
-                taken.append((pos[0], pos[1], side, side))
-                anns.append(ann)
-                masks.append((mask, cat))
+            add(mask, cat, (pos[0], pos[1], side, side), crowd=True)
     n_obj = 0 if empty else int(rng.integers(1, 5))
     for _ in range(n_obj):
         cat = int(rng.choice([c["id"] for c in DEMO_CATEGORIES]))
@@ -175,22 +184,9 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
             s = int(rng.integers(22, min(90, min(W, H) - 4) + 1))
             w, h = s, int(np.clip(round(s * rng.uniform(0.7, 1.4)), 16, H - 4))
         pos = place(rng, taken, W, H, w, h)
-        if pos is None:
-            continue
-        mask = np.zeros((H, W), np.uint8)
-        kp = draw_shape(mask, cat, pos[0], pos[1], w, h)
-        ann = annotation(mask, cat, crowd=False)
-        if ann is None:
-            continue
-        if kp is not None:
-            ann["keypoints"], ann["num_keypoints"] = _keypoints(kp, rng)
-        # a keypoint dataset needs the field on every object (Detectron crashes, Detectron quirk Q23
-        # (docs/detectron_quirks.md))
-        else:
-            ann["keypoints"], ann["num_keypoints"] = [0] * (3 * len(COCO_KEYPOINT_NAMES)), 0
-        taken.append((pos[0], pos[1], w, h))
-        anns.append(ann)
-        masks.append((mask, cat))
+        if pos is not None:
+            mask = np.zeros((H, W), np.uint8)
+            add(mask, cat, (pos[0], pos[1], w, h), draw_shape(mask, cat, pos[0], pos[1], w, h))
     for mask, cat in masks:
         shade = np.array(_COLOURS_BGR[cat]) + rng.integers(-15, 16, size=3)
         img[mask > 0] = shade.clip(0, 255).astype(np.uint8)

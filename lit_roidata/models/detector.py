@@ -72,6 +72,19 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
     }
 
 
+def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_iters: int,
+                            warmup_factor: float, warmup_method: str = "linear") -> float:
+    """Detectron's ``steps_with_decay`` (0 steps ignored) × warm-up factor at ``it``."""
+    mult = gamma ** sum(it >= s for s in steps if s > 0)
+    if it < warmup_iters:
+        if warmup_method == "constant":
+            mult *= warmup_factor
+        else:
+            alpha = it / warmup_iters
+            mult *= warmup_factor * (1 - alpha) + alpha
+    return mult
+
+
 def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
     """torchvision's ``GeneralizedRCNNTransform`` with identity normalise, resize and
     postprocess: batches (pads) the images, nothing else."""
@@ -101,10 +114,7 @@ def _weight_enum(builder_name: str, name: str, backbone: Optional[str]) -> Any:
         from torchvision.models import get_weight
 
         return get_weight(name)
-    if backbone:
-        enum = get_model_weights(get_model_builder(backbone))
-    else:
-        enum = get_model_weights(get_model_builder(builder_name))
+    enum = get_model_weights(get_model_builder(backbone or builder_name))
     try:
         return enum[name]
     except KeyError:
@@ -350,14 +360,9 @@ class TorchvisionDetector(pl.LightningModule):
         if prefix and not any(k.startswith(prefix) for k in state):
             state = {prefix + k: v for k, v in state.items()}  # a bare backbone state dict
         own = self.net.state_dict()
-        keep, skipped = {}, []
-        for k, v in state.items():
-            if not k.startswith(prefix):
-                continue
-            if k in own and tuple(own[k].shape) != tuple(v.shape):
-                skipped.append(k)
-            else:
-                keep[k] = v
+        state = {k: v for k, v in state.items() if k.startswith(prefix)}
+        skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
+        keep = {k: v for k, v in state.items() if k not in skipped}
         missing, unexpected = self.net.load_state_dict(keep, strict=False)
         missing = [k for k in missing if k.startswith(prefix)]
         if skipped:
@@ -409,25 +414,27 @@ class TorchvisionDetector(pl.LightningModule):
         images, targets = batch[0], batch[1]
         ims = [self._prepare(torch.as_tensor(im), rgb_uint8=True) for im in images]
         tgts = []
+
+        def tensor(x: Any) -> torch.Tensor:  # plain tensors (not tv_tensors) on our device
+            return torch.as_tensor(x).as_subclass(torch.Tensor).to(self.device)
+
         for t in targets:
-            d: dict[str, Any] = {"boxes": torch.as_tensor(t["boxes"]).float().reshape(-1, 4)
-                                 .as_subclass(torch.Tensor).to(self.device),
-                                 "labels": torch.as_tensor(t["labels"]).long().to(self.device)}
+            d: dict[str, Any] = {"boxes": tensor(t["boxes"]).float().reshape(-1, 4),
+                                 "labels": tensor(t["labels"]).long()}
             if self.hparams.arch.startswith("maskrcnn"):
                 if "masks" not in t:
                     raise KeyError("maskrcnn needs target masks: use model_type mask_rcnn_fpn "
                                    "(MODEL.MASK_ON) in the data module")
-                d["masks"] = torch.as_tensor(t["masks"]).as_subclass(torch.Tensor).to(self.device)
+                d["masks"] = tensor(t["masks"])
             if self.hparams.arch.startswith("keypointrcnn"):
                 if "keypoints" not in t:
                     raise KeyError("keypointrcnn needs target keypoints: use model_type "
                                    "keypoint_rcnn_fpn (MODEL.KEYPOINTS_ON) in the data module")
-                d["keypoints"] = torch.as_tensor(t["keypoints"]).float().to(self.device)
+                d["keypoints"] = tensor(t["keypoints"]).float()
             if self.family == "fast":
                 p = t.get("proposals")
-                d["proposals"] = (torch.zeros((0, 4)) if p is None else
-                                  torch.as_tensor(p).as_subclass(torch.Tensor)
-                                  ).float().reshape(-1, 4).to(self.device)
+                p = torch.zeros((0, 4)) if p is None else p
+                d["proposals"] = tensor(p).float().reshape(-1, 4)
             tgts.append(d)
         return ims, tgts
 
@@ -469,14 +476,8 @@ class TorchvisionDetector(pl.LightningModule):
     def lr_multiplier(self, it: int) -> float:
         """Detectron's ``steps_with_decay`` × warm-up factor at iteration ``it``."""
         hp = self.hparams
-        mult = hp.gamma ** sum(it >= s for s in hp.lr_steps if s > 0)
-        if it < hp.warmup_iters:
-            if hp.warmup_method == "constant":
-                mult *= hp.warmup_factor
-            else:
-                alpha = it / hp.warmup_iters
-                mult *= hp.warmup_factor * (1 - alpha) + alpha
-        return mult
+        return detectron_lr_multiplier(it, hp.lr_steps, hp.gamma, hp.warmup_iters,
+                                       hp.warmup_factor, hp.warmup_method)
 
     def _eval_inputs(self, batch: Any) -> tuple[list[torch.Tensor], Mapping[str, Any]]:
         if not isinstance(batch, Mapping) or "_meta" not in batch:
@@ -546,25 +547,20 @@ class TorchvisionDetector(pl.LightningModule):
         return out
 
     def _mask_rles(self, probs: torch.Tensor, boxes: torch.Tensor, H: int, W: int) -> list:
-        import pycocotools.mask as mask_util
         from torchvision.models.detection.roi_heads import paste_masks_in_image
+
+        from lit_roidata.evaluation import mask_rle
 
         if len(boxes) == 0:
             return []
         full = paste_masks_in_image(probs, boxes, (H, W))[:, 0] > self.hparams.mask_thresh
-        full = full.cpu().numpy().astype(np.uint8)
-        rles = []
-        for m in full:
-            rle = mask_util.encode(np.asfortranarray(m))
-            rle["counts"] = rle["counts"].decode("ascii")
-            rles.append(rle)
-        return rles
+        return [mask_rle(m) for m in full.cpu().numpy().astype(np.uint8)]
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
+        """``{"detections": detect(batch)}`` for the evaluators (also the ``test_step``)."""
         return {"detections": self.detect(batch)}
 
-    def test_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
-        return {"detections": self.detect(batch)}
+    test_step = validation_step
 
     def predict_step(self, batch: Mapping[str, Any], batch_idx: int,
                      dataloader_idx: int = 0) -> list[dict[str, Any]]:

@@ -17,8 +17,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
 
+from lit_roidata.broadcast import gather_to_rank0
 from lit_roidata.evaluation import (annotation_file, coco_category_map, dataset_info,
-                                    detections_to_coco_results, gather_to_rank0)
+                                    detections_to_coco_results, load_coco)
 from lit_roidata.osutil import atomic_write
 
 __all__ = ["COCOPredictionWriter"]
@@ -78,7 +79,10 @@ class COCOPredictionWriter(BasePredictionWriter):
         os.makedirs(out_dir, exist_ok=True)
         written = {}
         for name, dets in sorted(by_ds.items()):
-            results = detections_to_coco_results(dets, _id_map_source(name, trainer))
+            info = dataset_info(name, trainer)
+            if info is None:  # the annotation file's category order (Detectron's ids)
+                info = coco_category_map(load_coco(annotation_file(name, trainer)))
+            results = detections_to_coco_results(dets, info)
             path = os.path.join(out_dir, f"{name}.json")
             with atomic_write(path, "w", fsync=False) as f:
                 json.dump(results, f)
@@ -89,17 +93,3 @@ class COCOPredictionWriter(BasePredictionWriter):
             log.warning("predict produced no detections to write")
         return written
 
-
-def _id_map_source(name: str, trainer: Optional[pl.Trainer]) -> Any:
-    """The ``DatasetInfo`` of ``name`` from the data module's roidbs, else the category
-    order of its annotation file (Detectron's contiguous ids)."""
-    info = dataset_info(name, trainer)
-    if info is not None:
-        return info
-    import contextlib
-    import io
-
-    from pycocotools.coco import COCO
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        return coco_category_map(COCO(annotation_file(name, trainer)))

@@ -103,15 +103,9 @@ def _signature(obj: Any) -> str:
 
 
 def _methods(cls: type) -> list[tuple[str, Any]]:
-    out = []
-    for name, member in sorted(vars(cls).items()):
-        if name.startswith("_"):
-            continue
-        if isinstance(member, (staticmethod, classmethod)):
-            member = member.__func__
-        if inspect.isfunction(member):
-            out.append((name, member))
-    return out
+    members = ((name, getattr(m, "__func__", m)) for name, m in sorted(vars(cls).items()))
+    return [(name, m) for name, m in members  # __func__: staticmethod / classmethod
+            if not name.startswith("_") and inspect.isfunction(m)]
 
 
 def _entry(name: str, obj: Any) -> list[str]:

@@ -13,8 +13,9 @@ import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from rich.console import Console
 
-from lit_roidata.tools.common import console, data_module_from, tool_parser
+from lit_roidata.tools.common import data_module_from, tool_parser
 
 __all__ = ["main", "bench_loader", "decode_resize_floor"]
 
@@ -41,19 +42,14 @@ def bench_loader(dm: Any, num_batches: int = 50, warmup: int = 5) -> dict[str, f
         dt = time.perf_counter() - t
         if k >= warmup:
             lat.append(dt)
-            images += _num_images(batch)
+            # Detectron blobs, or torchvision's (images, targets)
+            images += int(batch["data"].shape[0]) if isinstance(batch, dict) else len(batch[0])
     del it
     lat_ms = np.asarray(lat) * 1e3
     return {"images_per_s": images / max(float(np.sum(lat)), 1e-9), "batches": len(lat),
             "images": images, "p50_ms": float(np.percentile(lat_ms, 50)),
             "p90_ms": float(np.percentile(lat_ms, 90)),
             "p99_ms": float(np.percentile(lat_ms, 99)), "max_ms": float(lat_ms.max())}
-
-
-def _num_images(batch: Any) -> int:
-    if isinstance(batch, dict):
-        return int(batch["data"].shape[0])
-    return len(batch[0])  # torchvision format: (images, targets)
 
 
 def decode_resize_floor(dm: Any, num_images: int) -> float:
@@ -87,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         table.add_column(col, justify="right")
     table.add_row(f"{res['images_per_s']:.1f}", f"{res['p50_ms']:.1f}", f"{res['p90_ms']:.1f}",
                   f"{res['p99_ms']:.1f}", f"{res['max_ms']:.1f}", str(res["batches"]))
-    con = console()
+    con = Console()
     con.print(table)
     if cfg.floor:
         floor = decode_resize_floor(dm, res["images"])

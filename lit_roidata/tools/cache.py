@@ -17,6 +17,7 @@ Subcommands (all take ``--cache-dir``, default ``$LIT_ROIDATA_CACHE`` or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +39,13 @@ def _size(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+def _mtime(path: str) -> Optional[float]:
+    try:
+        return os.path.getmtime(path)
+    except OSError:
+        return None
 
 
 def _building(path: str) -> bool:
@@ -75,14 +83,9 @@ def list_caches(root: str) -> list[dict[str, Any]]:
         except CacheError as exc:
             rec["state"], rec["error"] = "damaged", str(exc)
             rec["datasets"], rec["entries"], rec["mode"] = [], 0, "?"
-        try:
-            rec["built"] = os.path.getmtime(os.path.join(path, MANIFEST))
-        except OSError:
-            rec["built"] = None
-        try:
-            rec["last_used"] = os.path.getmtime(os.path.join(path, LAST_USED))
-        except OSError:
-            rec["last_used"] = rec["built"]
+        rec["built"] = _mtime(os.path.join(path, MANIFEST))
+        used = _mtime(os.path.join(path, LAST_USED))
+        rec["last_used"] = rec["built"] if used is None else used
         if in_use(path):
             rec["state"] = "in use"
         out.append(rec)
@@ -111,10 +114,8 @@ def clean_caches(root: str, *, all_: bool = False, older_than_days: Optional[flo
             continue
         if not dry_run:
             remove_cache(rec["path"])
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(rec["path"] + ".lock")
-            except OSError:
-                pass
         removed.append((rec["key"], f"{rec['bytes'] / 2**20:.1f} MiB"))
     if all_ and not dry_run and os.path.isdir(root):
         for name in os.listdir(root):  # leftovers of interrupted builds, fingerprint memo

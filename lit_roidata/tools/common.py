@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
-__all__ = ["tool_parser", "data_module_from", "console"]
+__all__ = ["tool_parser", "data_module_from"]
 
 # Top-level keys of a LightningCLI config that the tools accept and ignore.
 _IGNORED: dict[str, Any] = {"trainer": Optional[dict], "model": Optional[dict],
@@ -48,15 +48,10 @@ def data_module_from(parser: ArgumentParser, argv: Sequence[str]) -> tuple[Any, 
     from lit_roidata.datamodule import RoIDataModule
 
     cfg = parser.parse_args(list(argv))
-    init = (parser.instantiate if hasattr(parser, "instantiate") else parser.instantiate_classes)(cfg)
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    init = instantiate(cfg)
     dm = init.data
     if not isinstance_any(dm, RoIDataModule):
         parser.error(f"data: the tools need a lit_roidata.RoIDataModule, got "
                      f"{type(dm).__name__}")
     return cfg, dm
-
-
-def console() -> Any:
-    from rich.console import Console
-
-    return Console(stderr=False)

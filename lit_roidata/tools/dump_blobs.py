@@ -13,8 +13,9 @@ import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from rich.console import Console
 
-from lit_roidata.tools.common import console, data_module_from, tool_parser
+from lit_roidata.tools.common import data_module_from, tool_parser
 
 __all__ = ["main", "dump_blobs"]
 
@@ -89,8 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg, dm = data_module_from(parser, argv or ())
     index = dump_blobs(dm, cfg.out, cfg.num, cfg.blobs, pixel_format=cfg.pixel_format,
                        ims_per_batch=cfg.ims_per_batch)
-    con = console()
-    con.print(f"wrote {len(index)} minibatch(es) to {cfg.out}/ (blobs: {', '.join(index[0]['blobs']) if index else '-'})")
+    con = Console()
+    blobs = ", ".join(index[0]["blobs"]) if index else "-"
+    con.print(f"wrote {len(index)} minibatch(es) to {cfg.out}/ (blobs: {blobs})")
     for rec in index:
         con.print(f"  {rec['file']}: image ids {rec['image_ids']} flipped {rec['flipped']} "
                   f"scales {[round(s, 4) for s in rec['im_scales']]}")

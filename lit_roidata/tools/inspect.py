@@ -11,9 +11,10 @@ import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from rich.console import Console
 
 from lit_roidata._optional import require
-from lit_roidata.tools.common import console, data_module_from, tool_parser
+from lit_roidata.tools.common import data_module_from, tool_parser
 
 __all__ = ["main", "roidb_stats", "plot_histograms", "plot_minibatch"]
 
@@ -51,7 +52,7 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
 def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
     from rich.table import Table
 
-    con = console()
+    con = Console()
     table = Table(title=f"roidb: {len(roidb)} entries ({roidb.path})")
     for col in ("dataset", "entries", "flipped", "horiz/vert", "gt boxes/img", "crowd",
                 "proposals/img", "kp images"):
@@ -76,12 +77,22 @@ def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
         con.print("build report:", report)
 
 
-def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path: str) -> None:
-    """Aspect ratios, Detectron image scales, gt boxes and proposals per image."""
-    matplotlib = require("matplotlib", "viz", "lit-roidata inspect (plots)")
-    matplotlib.use("Agg")
+def _pyplot() -> Any:
+    require("matplotlib", "viz", "lit-roidata inspect (plots)").use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt: Any, fig: Any, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path: str) -> None:
+    """Aspect ratios, Detectron image scales, gt boxes and proposals per image."""
+    plt = _pyplot()
     w, h = np.asarray(roidb.widths, float), np.asarray(roidb.heights, float)
     short, long_ = np.minimum(w, h), np.maximum(w, h)
     scales = []
@@ -102,16 +113,12 @@ def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path
     ax[1, 0].set_title("gt boxes per image (non-crowd)")
     ax[1, 1].hist(props, bins=50)
     ax[1, 1].set_title("proposals per image")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> None:
     """Draw one minibatch (uint8 or float ``data``) with its targets; save a PNG."""
-    matplotlib = require("matplotlib", "viz", "lit-roidata inspect (plots)")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     from matplotlib.patches import Polygon, Rectangle
 
     meta = blobs["_meta"]
@@ -137,9 +144,7 @@ def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> 
         ax.set_title(f"id {e['id']}{' (flipped)' if e['flipped'] else ''} scale {s:.3f}",
                      fontsize=9)
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def _draw_gt(ax: Any, e: Any, s: float, Polygon: Any, Rectangle: Any) -> None:
@@ -157,7 +162,8 @@ def _draw_gt(ax: Any, e: Any, s: float, Polygon: Any, Rectangle: Any) -> None:
         if isinstance(segm, list):
             for poly in segm:
                 xy = np.asarray(poly, float).reshape(-1, 2) * s
-                ax.add_patch(Polygon(xy, closed=True, fill=True, alpha=0.35, fc="cyan", ec="cyan", lw=1, zorder=3))
+                ax.add_patch(Polygon(xy, closed=True, fill=True, alpha=0.35, fc="cyan",
+                                     ec="cyan", lw=1, zorder=3))
         elif isinstance(segm, dict):
             rle = segm if isinstance(segm.get("counts"), (bytes, str)) else \
                 mask_util.frPyObjects(segm, *segm["size"])
@@ -194,5 +200,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             entries = [roidb[int(i)] for i in blobs["_meta"]["indices"]]
             written.append(os.path.join(cfg.out, f"minibatch_{k}.png"))
             plot_minibatch(blobs, entries, written[-1])
-    console().print("wrote " + ", ".join(written))
+    Console().print("wrote " + ", ".join(written))
     return 0

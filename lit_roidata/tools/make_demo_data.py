@@ -1,8 +1,8 @@
 """``lit-roidata make-demo-data``: generate the synthetic demo datasets.
 
-The same data ``configs/demo.yaml`` creates on first use (``DemoRoIDataModule``, ``data.init_args.demo_root``):
-two training sets and a validation set of shape images in COCO format, with Detectron
-proposal files, crowd regions and person keypoints.
+The same data ``configs/demo.yaml`` creates on first use (``DemoRoIDataModule``,
+``data.init_args.demo_root``): two training sets and a validation set of shape images in
+COCO format, with Detectron proposal files, crowd regions and person keypoints.
 """
 
 from __future__ import annotations
