@@ -10,6 +10,7 @@ import io
 import json
 import logging
 import os
+import weakref
 import shutil
 import tempfile
 from collections import deque
@@ -428,24 +429,23 @@ def _verified_this_boot(path: str) -> bool:
     return False
 
 
-def hold_in_use(path: str) -> Any:
-    """A shared lock that marks the cache at ``path`` as in use while it is held.
-
-    ``lit-roidata cache clean`` never removes a cache someone holds. The lock goes away
-    with the returned file object (``close()`` or garbage collection) or the process.
-    """
+def hold_in_use(path: str, owner: Any) -> bool:
+    """Mark the cache at ``path`` as in use with a shared lock held as long as ``owner``
+    lives (or the process): ``lit-roidata cache clean`` never removes a cache someone
+    holds. Returns whether the lock is held."""
     try:
         import fcntl
 
-        fh = open(os.path.join(path, MANIFEST), "rb")
+        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY | os.O_CLOEXEC)
     except (OSError, ImportError):
-        return None
+        return False
     try:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_SH)
+        fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError:
-        fh.close()
-        return None
-    return fh
+        os.close(fd)
+        return False
+    weakref.finalize(owner, os.close, fd)
+    return True
 
 
 def in_use(path: str) -> bool:

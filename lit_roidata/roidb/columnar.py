@@ -109,7 +109,7 @@ class RoIDB:
         # Plain ndarray views of the memory maps: slicing an np.memmap costs Python-level
         # __getitem__/__array_finalize__ calls on every access.
         self._a = {name: _load(self.path, rec) for name, rec in manifest["arrays"].items()}
-        self._in_use = hold_in_use(self.path)  # `lit-roidata cache clean` skips it
+        hold_in_use(self.path, self)  # `lit-roidata cache clean` skips it while self lives
         self.datasets: tuple[DatasetInfo, ...] = tuple(
             DatasetInfo.from_json(d) for d in manifest["datasets"])
         t = manifest["targets"]
