@@ -293,7 +293,7 @@ class EmbeddedStore(Store):
                 raise self._space_error(path, exc, _SLOT_SIZE) from exc
             raise
 
-    def _update(self, key: str, ttl: float, decide: Callable[[bytes | None], tuple]) -> Any:
+    def _rmw(self, key: str, ttl: float, decide: Callable[[bytes | None], tuple]) -> Any:
         """One locked read-check-write: ``decide(current)`` gives ``(new value or None to
         leave it, result)``; returns the result."""
         path = self._path(key)
@@ -305,11 +305,11 @@ class EmbeddedStore(Store):
             return result
 
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
-        return self._update(key, ttl, lambda cur: (value, True) if cur is None else (None, False))
+        return self._rmw(key, ttl, lambda cur: (value, True) if cur is None else (None, False))
 
     def set(self, key: str, value: bytes, ttl: float = 0) -> None:
         if key.endswith(_RECORD_SUFFIXES):  # written in place: writers take the lock
-            self._update(key, ttl, lambda cur: (value, None))
+            self._rmw(key, ttl, lambda cur: (value, None))
         else:
             self._write(self._path(key), value, ttl, None)
 
@@ -318,7 +318,7 @@ class EmbeddedStore(Store):
         return {key: value for key, value in got.items() if value is not None}
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
-        return self._update(key, ttl, lambda cur: (new, True) if cur == expected else (None, False))
+        return self._rmw(key, ttl, lambda cur: (new, True) if cur == expected else (None, False))
 
     local_fence = True
     volatile = False
@@ -330,14 +330,14 @@ class EmbeddedStore(Store):
                 return None, (False, cur)
             return (new if cur != new else None), (True, cur)
 
-        return self._update(key, 0, decide)  # a pwrite for a record
+        return self._rmw(key, 0, decide)  # a pwrite for a record
 
     def incr(self, key: str, ttl: float = 0) -> int:
         def bump(cur: bytes | None) -> tuple:
             value = (int(cur) if cur is not None else time.time_ns() // 1000) + 1
             return str(value).encode(), value
 
-        return self._update(key, ttl, bump)
+        return self._rmw(key, ttl, bump)
 
     def delete(self, key: str) -> None:
         fd = self._recfds.pop(self._root + key, None)
