@@ -9,6 +9,7 @@ import ast
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -172,7 +173,8 @@ def test_workers_ignore_sigterm_and_the_stream_goes_on():
     first = [next(it) for _ in range(3)]
     workers = _workers(before)
     for p in workers:  # sent by another process, as a scheduler's signal to the job is
-        subprocess.run(["kill", "-TERM", str(p.pid)], check=True)
+        subprocess.run([sys.executable, "-c", f"import os; os.kill({p.pid}, {signal.SIGTERM})"],
+                       check=True)
     more = [next(it) for _ in range(10)]
     assert [x["block"] for x in first + more] == list(range(13))
     # From the main process (multiprocessing's terminate(), e.g. at exit) it still ends
