@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import logging
 import os
 import re
@@ -592,9 +593,10 @@ def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | 
                            hand_back_bad_images=sampler is not None and on_bad_image == "skip")
 
 
-_DATASET_DEFAULTS = dict(output_format="detectron", pixel_format="uint8", rng_mode="block",
-                         augment=None, mask_format="detectron", target_format="detectron",
-                         fix_rpn_quirks=False)
+#: The dataset options of :func:`build_train_dataset` and their defaults (one source).
+_DATASET_DEFAULTS = {name: p.default for name, p in
+                     inspect.signature(build_train_dataset).parameters.items()
+                     if p.kind is p.KEYWORD_ONLY and name != "on_bad_image"}
 
 
 def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,

@@ -93,14 +93,6 @@ class BadImageLedger:
         older = [(p, f) for p, f in self.frozen if p < from_pass][-1:]  # the stream never
         self.frozen = older + [(int(from_pass), frozenset(self.known))]  # goes back
 
-    def delivered_blocks(self, pass_index: int) -> int:
-        """How many blocks of pass ``pass_index`` the stream delivers (all ranks)."""
-        return self.plan.delivered_blocks(pass_index)
-
-    def reserve(self, pass_index: int) -> np.ndarray:
-        """The images pass ``pass_index`` does not deliver, in the pass's reserve order."""
-        return self.plan.reserve(pass_index)
-
     def apply_plan(self, block: Block) -> tuple[Block, list[dict]]:
         """``block`` with its frozen known-bad images replaced before reading, and one dict
         per replaced slot."""

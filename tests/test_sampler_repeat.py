@@ -376,17 +376,14 @@ def test_bad_repeat_factors():
 
 
 def test_skip_reserve_with_repeats():
-    from lit_roidata.skip import BadImageLedger
-
     w, h = _wh(80, 9)
     r = _factors(80, 10)
     s = RoIBatchSampler(w, h, 2, seed=2, holdback=3, world_size=2, repeat_factors=r)
-    ledger = BadImageLedger(s)
     for p in range(4):
-        nd = ledger.delivered_blocks(p)
+        nd = s.delivered_blocks(p)
         assert nd == s.pass_blocks(p) // 2 * 2 == 2 * len(list(s))
         delivered = s.permutation(p)[: nd * 2]
-        res = ledger.reserve(p)
+        res = s.reserve(p)
         assert not np.isin(res, delivered).any()
         assert np.isin(s.permutation(p)[nd * 2:], np.r_[res, delivered]).all()
 

@@ -175,7 +175,7 @@ def test_partner_kept_with_ims_per_batch_2():
 def test_bad_replacement_is_itself_replaced_and_never_reused():
     n = 12
     samplers, ledgers = _world(np.full(n, 20), np.full(n, 10), 1, 1, holdback=3)
-    res = ledgers[0].reserve(0).tolist()
+    res = samplers[0].reserve(0).tolist()
     first = int(samplers[0].block(0, 0)[0])
     bad = {first, res[0]}  # the first reserve image is bad too
     reads: Counter = Counter()
@@ -222,9 +222,8 @@ def test_sampler_holdback_keeps_detectron_blocks_and_is_part_of_the_state(groupi
         assert [list(held.block(p, b)) for b in range(held.blocks_per_pass)] == \
             [list(ref.block(p, b)) for b in range(held.blocks_per_pass)]
     # the reserve: everything the pass does not deliver, each image once
-    led = BadImageLedger(held)
     delivered = {i for b in range(held.blocks_per_pass) for i in held.block(0, b)}
-    assert set(led.reserve(0).tolist()) == set(range(23)) - delivered
+    assert set(held.reserve(0).tolist()) == set(range(23)) - delivered
     state = held.state_dict()
     assert state["holdback"] == 3
     with pytest.raises(ValueError, match="holdback"):
