@@ -21,7 +21,6 @@ from lit_roidata.osutil import no_transparent_hugepages
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
-from lit_roidata.roidb.decode import keep_decoded_until_exit
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
@@ -279,7 +278,6 @@ def _in_child(fn, *args):
         return fn(*args)
 
     def task(_: Any, state: dict) -> Any:
-        keep_decoded_until_exit()
         return fn(*args)
 
     with OrderedWorkers(task, 1, daemon=False) as child:

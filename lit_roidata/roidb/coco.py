@@ -183,8 +183,7 @@ def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
     info = dataset_info_from_categories(name, raw.categories, source=raw.source,
                                         class_order=class_order)
     gb = _GtBuilder(raw.source, gt_min_area, keypoints_required)
-    gb.add_images({"img_id": raw.img_id, "img_w": raw.img_w, "img_h": raw.img_h,
-                   "file_names": raw.file_names})
+    gb.add_images(raw)
     gb.images_end()
     gb.add_annotations(raw)
     return gb.finish(info, raw.categories)
@@ -207,19 +206,19 @@ class _GtBuilder:
         self.counts: Counter = Counter({k: 0 for k in _COUNT_KEYS})
         self.unknown_ids = np.zeros(0, np.int64)
 
-    def add_images(self, cols: dict) -> None:
-        """One window of image columns (``img_id``, ``img_w``, ``img_h``, ``file_names``)."""
-        self.img_parts.append(cols)
+    def add_images(self, w: RawCoco) -> None:
+        """One window of images (its ``img_*`` and ``file_names`` columns)."""
+        self.img_parts.append(w)
 
     def images_end(self) -> None:
         """Validate and sort the images; clean the annotation windows that waited."""
         if self.ids is not None:
             return
         path, parts = self.path, self.img_parts
-        img_id = concat([p["img_id"] for p in parts], np.int64)
-        img_w = concat([p["img_w"] for p in parts], np.float64)
-        img_h = concat([p["img_h"] for p in parts], np.float64)
-        file_names = [f for p in parts for f in p["file_names"]]
+        img_id = concat([p.img_id for p in parts], np.int64)
+        img_w = concat([p.img_w for p in parts], np.float64)
+        img_h = concat([p.img_h for p in parts], np.float64)
+        file_names = [f for p in parts for f in p.file_names]
         self.img_parts = []
         order_img = np.argsort(img_id, kind="stable")
         ids = img_id[order_img]
@@ -486,7 +485,7 @@ def _window_task(path: str, gt_min_area: float, required: bool, task: tuple,
     if cols is None:
         raise _Refused(f"{path}: bytes {start}-{end}")
     if key == "images":
-        return len(cols["img_id"]), cols
+        return len(cols.img_id), cols
     return len(cols.ann_id), clean_window(cols, state["ids"], state["widths"],
                                           state["heights"], gt_min_area, required)
 

@@ -172,68 +172,53 @@ class _LvisImg(msgspec.Struct, kw_only=True, gc=False):
     not_exhaustive_category_ids: list[int] = msgspec.field(default_factory=list)
 
 
-class _LvisTop(msgspec.Struct):
-    images: list[_LvisImg]
-    annotations: Optional[list[_Ann]] = None
-    categories: msgspec.Raw = _NULL
-
-
-_LVIS_DECODER = msgspec.json.Decoder(_LvisTop)
 _EMPTY: tuple = ()
-
-#: Decoded objects kept until ``os._exit`` (:func:`keep_decoded_until_exit`).
-KEEP_UNTIL_EXIT: list = []
-_KEEP = False
-
-
-def keep_decoded_until_exit() -> None:
-    """Keep decoded objects until the process ends instead of freeing them one by one
-    (the forked builder process, which ends with ``os._exit``)."""
-    global _KEEP
-    _KEEP = True
-
+#: the LVIS per-image id lists: JSON field → ``RawCoco`` column prefix
+_LVIS_LISTS = (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh"))
+#: the per-image numeric columns and their dtypes (LVIS: plus the id lists)
+_IMG_ARRAYS = {"img_id": np.int64, "img_w": np.float64, "img_h": np.float64}
+_LVIS_ARRAYS = {f"{short}_{k}": np.int64 for _, short in _LVIS_LISTS for k in ("n", "ids")}
 
 #: the element types the typed decoder gave polygon coordinates and keypoint values:
 #: numbers the vectorised parser leaves to msgspec are decoded with them
 _POLY_NUMBER = list[float]
 _KP_NUMBER = list[Union[int, float]]
 _SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
+_REFUSED = (msgspec.ValidationError, msgspec.DecodeError, OverflowError)
 
 
-def decode_fast(raw: bytes, source: str, *, lvis: bool = False) -> Optional[RawCoco]:
+def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     """The typed msgspec decode of a whole file; ``None`` if it is not strictly well-typed."""
     try:
-        top = (_LVIS_DECODER if lvis else _DECODER).decode(raw)
+        top = _DECODER.decode(raw)
         cats = orjson.loads(bytes(top.categories)) or []
-    except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError):
+        img = _image_columns(top.images)
+        ann = _annotation_columns(top.annotations or [])
+    except (*_REFUSED, orjson.JSONDecodeError):  # an id beyond int64: OverflowError
         return None
-    if not isinstance(cats, list):
+    if ann is None or not isinstance(cats, list):
         return None
-    if _KEEP:
-        KEEP_UNTIL_EXIT.append(top)
-    img = _image_columns(top.images)
-    ann = _annotation_columns(top.annotations or [], 0)
-    if ann is None:
-        return None
-    try:
-        extra = _lvis_fast(top.images) if lvis else {}
-    except OverflowError:  # an id beyond int64: the generic decoder names it
-        return None
-    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast", **extra)
+    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast")
 
 
-def _image_columns(images: list) -> dict:
-    """:data:`IMAGE_FIELDS` columns of typed ``_Img`` structs."""
+def _image_columns(images: list, lvis: bool = False) -> dict:
+    """Image columns of typed ``_Img`` (``lvis``: ``_LvisImg``) structs."""
     n = len(images)
-    return {"img_id": np.fromiter(map(attrgetter("id"), images), np.int64, n),
+    cols = {"img_id": np.fromiter(map(attrgetter("id"), images), np.int64, n),
             "img_w": np.fromiter(map(attrgetter("width"), images), np.float64, n),
             "img_h": np.fromiter(map(attrgetter("height"), images), np.float64, n),
             "file_names": list(map(attrgetter("file_name"), images))}
+    if lvis:
+        cols["coco_urls"] = list(map(attrgetter("coco_url"), images))
+        for key, short in _LVIS_LISTS:
+            cols[short + "_n"], cols[short + "_ids"] = _id_lists(list(map(attrgetter(key),
+                                                                          images)))
+    return cols
 
 
-def _annotation_columns(anns: list, base: int) -> Optional[dict]:
-    """Annotation columns of typed ``_Ann`` structs (``base``: the JSON position of the
-    first, for the ``rles`` keys); ``None`` if a polygon or keypoint list is not numbers."""
+def _annotation_columns(anns: list) -> Optional[dict]:
+    """Annotation columns of typed ``_Ann`` structs; ``None`` if a polygon or keypoint
+    list is not numbers."""
     na = len(anns)
     bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
                        4 * na).reshape(-1, 4)
@@ -252,7 +237,7 @@ def _annotation_columns(anns: list, base: int) -> Optional[dict]:
             return None  # a polygon that is not a list of numbers: the generic decoder names it
         coord_n, coords = parsed
         seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
-        rles = {base + i: {"size": segs[i].size, "counts": segs[i].counts}
+        rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
                 for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
     kps = list(map(attrgetter("keypoints"), anns))
     kp_len = np.full(na, -1, np.int64)
@@ -295,8 +280,11 @@ _DELTA[list(b"]}")] = -1
 _CANDIDATE = re.compile(rb"\}[ \t\r\n]*,")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _SCALAR = re.compile(rb"[^,\]}\s]*")
-_IMG_WINDOW = msgspec.json.Decoder(list[_Img])
-_ANN_WINDOW = msgspec.json.Decoder(list[_Ann])
+_WINDOW_DECODERS = {"images": msgspec.json.Decoder(list[_Img]),
+                    "lvis_images": msgspec.json.Decoder(list[_LvisImg]),
+                    "annotations": msgspec.json.Decoder(list[_Ann])}
+_ANN_ARRAYS = ("ann_id", "ann_img", "ann_cat", "ann_bbox", "ann_area", "ann_crowd",
+               "ann_ignore", "seg_kind", "poly_n", "coord_n", "coords", "kp_len", "kp_vals")
 
 
 def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTES,
@@ -307,25 +295,21 @@ def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTE
     Raises:
         RoIDBInputError: a malformed file or record (named, with the fix).
     """
-    if fast and not lvis:
-        return decode_chunked(path, window_bytes=window_bytes)
-    with open(path, "rb") as fh:
-        raw = fh.read()
     if fast:
-        out = decode_fast(raw, path, lvis=True)
-        if out is not None:
-            return out
-    return decode_generic(read_json(path, raw), path, lvis=lvis)
+        return decode_chunked(path, window_bytes=window_bytes, lvis=lvis)
+    with open(path, "rb") as fh:
+        return decode_generic(read_json(path, fh.read()), path, lvis=lvis)
 
 
-def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
+def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES,
+                   lvis: bool = False) -> RawCoco:
     """The columns of ``path``, decoded in bounded windows of its ``images`` and
     ``annotations`` arrays; identical to the whole-file decoders' for any window size.
 
     Raises:
         RoIDBInputError: malformed JSON (file, line, column, byte) or a malformed record.
     """
-    dec = _Chunked.open(path, window_bytes)
+    dec = _Chunked.open(path, window_bytes, lvis)
     try:
         return dec.collect()
     finally:
@@ -334,9 +318,9 @@ def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
 
 def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None) -> Any:
     """The events of a chunked decode of ``path``, in file order (see
-    :func:`decode_chunked`): ``("images", columns, first)``, ``("images_end", count)``,
+    :func:`decode_chunked`): ``("images", window, first)``, ``("images_end", count)``,
     ``("annotations", window, first)`` (``window``: a :class:`RawCoco` of the window's
-    annotations, no images, ``ann_base=first``) and last ``("end", categories)``.
+    images, or of its annotations with ``ann_base=first``) and last ``("end", categories)``.
 
     ``mapper`` (:class:`lit_roidata.roidb.coco.ParallelWindows`) decodes windows of the
     arrays it ``handles(key)``, ``depth`` in flight: ``submit((key, start, end))``,
@@ -358,33 +342,49 @@ def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None
 _OPEN: dict = {}
 
 
-def decode_window(path: str, key: str, start: int, end: int) -> Any:
+def decode_window(path: str, key: str, start: int, end: int) -> Optional[RawCoco]:
     """The typed decode of one window of ``path``'s ``key`` array, bytes ``[start,
     end)`` from an element start to an element end (a mapper's work, in a worker
-    process; the file stays mapped there): image columns, or a :class:`RawCoco` of the
+    process; the file stays mapped there): a :class:`RawCoco` of the images or of the
     annotations (``ann_base=0``); ``None`` if the typed decoder refuses the window."""
     dec = _OPEN.get(path) or _OPEN.setdefault(path, _Chunked.open(path, 1))
-    cols = _typed_columns(key, dec._window_text(start, end))
+    cols = _typed_window(key, dec._window_text(start, end), path)
     dec._release(end)  # the window's pages: out of this worker's RSS
-    if cols is None or key == "images":
-        return cols
-    return RawCoco(source=path, **cols, decoder="fast")
+    return cols
+
+
+def _typed_window(key: str, buf: bytearray, source: str, lvis: bool = False
+                  ) -> Optional[RawCoco]:
+    """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
+    try:
+        if key == "images":
+            return RawCoco(source, **_image_columns(
+                _WINDOW_DECODERS["lvis_images" if lvis else key].decode(buf), lvis),
+                decoder="fast")
+        cols = _annotation_columns(_WINDOW_DECODERS[key].decode(buf))
+    except _REFUSED:
+        return None
+    return None if cols is None else RawCoco(source, **cols, decoder="fast")
+
+
+def _rows(key: str, w: RawCoco) -> int:
+    return len(w.img_id if key == "images" else w.ann_id)
 
 
 class _Chunked:
     """One :func:`decode_chunked` pass over a memory-mapped file."""
 
     @classmethod
-    def open(cls, path: str, window_bytes: int) -> "_Chunked":
+    def open(cls, path: str, window_bytes: int, lvis: bool = False) -> "_Chunked":
         """Map ``path`` (an empty file raises the malformed-JSON error)."""
         with open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
                 read_json(path, b"")
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        return cls(path, mm, max(1, int(window_bytes)))
+        return cls(path, mm, max(1, int(window_bytes)), lvis)
 
-    def __init__(self, path: str, mm: mmap.mmap, window: int) -> None:
-        self.path, self.mm, self.window, self.n = path, mm, window, len(mm)
+    def __init__(self, path: str, mm: mmap.mmap, window: int, lvis: bool) -> None:
+        self.path, self.mm, self.window, self.n, self.lvis = path, mm, window, len(mm), lvis
         self.view = memoryview(mm)
         self.generic = False
         self.released = 0
@@ -409,68 +409,50 @@ class _Chunked:
     # ------------------------------------------------------------------ top level
     def events(self) -> Any:
         """Walk the top-level object; yield the events of :func:`iter_coco`."""
-        mm, pos = self.mm, self._ws(0)
-        if pos >= self.n or mm[pos] != 0x7B:  # not an object: the generic decoder says so
-            if pos < self.n and mm[pos] in b'["0123456789-tfn':
+        mm, n, path, pos = self.mm, self.n, self.path, self._ws(0)
+        if pos >= n or mm[pos] != 0x7B:  # not an object: the generic decoder says so
+            if pos < n and mm[pos] in b'["0123456789-tfn':
                 self._value_end(pos, "the top level")
-                raise RoIDBInputError(f"{self.path}: expected a JSON object at the top level")
+                raise RoIDBInputError(f"{path}: expected a JSON object at the top level")
             self._syntax_error(pos, "expected a JSON value")
         values: dict = {}
         seen: set = set()
         pos = self._ws(pos + 1)
-        if pos < self.n and mm[pos] == 0x7D:
+        closed = pos < n and mm[pos] == 0x7D
+        if closed:
             pos = self._ws(pos + 1)
-        else:
-            while True:
-                m = _STRING.match(mm, pos)
-                if m is None:
-                    self._syntax_error(pos, "expected a key string")
-                key = orjson.loads(m.group())
-                pos = self._ws(m.end())
-                if pos >= self.n or mm[pos] != 0x3A:
-                    self._syntax_error(pos, "expected ':'")
-                pos = self._ws(pos + 1)
-                if pos >= self.n:
-                    self._syntax_error(pos, "unexpected end of data")
-                if key in ("images", "annotations"):
-                    if key in seen:
-                        raise RoIDBInputError(f"{self.path}: the key {key!r} appears twice at "
-                                              f"the top level; keep one")
-                    seen.add(key)
-                if key in ("images", "annotations") and mm[pos] == 0x5B:
-                    count, pos = 0, self._ws(pos + 1) - 1  # pos: the '['
-                    for cols, base, end, rows, mapped in self._array(pos, key):
-                        count = base + rows
-                        if key == "images":
-                            yield "images", cols, base
-                        elif mapped:
-                            yield "annotations_mapped", cols, base
-                        else:
-                            yield "annotations", RawCoco(
-                                source=self.path, **cols,
-                                decoder="generic" if self.generic else "fast",
-                                ann_base=base), base
-                        pos = end
-                    if count == 0:  # an empty array
-                        pos = self._ws(pos + 1) + 1
-                    if key == "images":
-                        yield "images_end", count
-                else:
-                    end = self._value_end(pos, repr(key))
-                    if key in ("images", "annotations", "categories"):
-                        values[key] = (pos, end)
-                    pos = end
-                pos = self._ws(pos)
-                if pos < self.n and mm[pos] == 0x2C:
-                    pos = self._ws(pos + 1)
-                    continue
-                if pos < self.n and mm[pos] == 0x7D:
-                    pos = self._ws(pos + 1)
-                    break
+        while not closed:
+            m = _STRING.match(mm, pos)
+            if m is None:
+                self._syntax_error(pos, "expected a key string")
+            key = orjson.loads(m.group())
+            pos = self._ws(m.end())
+            if pos >= n or mm[pos] != 0x3A:
+                self._syntax_error(pos, "expected ':'")
+            pos = self._ws(pos + 1)
+            if pos >= n:
+                self._syntax_error(pos, "unexpected end of data")
+            if key in ("images", "annotations"):
+                if key in seen:
+                    raise RoIDBInputError(f"{path}: the key {key!r} appears twice at the top "
+                                          f"level; keep one")
+                seen.add(key)
+            if key in ("images", "annotations") and mm[pos] == 0x5B:
+                pos, count = yield from self._array(pos, key)
+                if key == "images":
+                    yield "images_end", count
+            else:
+                end = self._value_end(pos, repr(key))
+                if key in ("images", "annotations", "categories"):
+                    values[key] = (pos, end)
+                pos = end
+            pos = self._ws(pos)
+            closed = pos < n and mm[pos] == 0x7D
+            if not closed and (pos >= n or mm[pos] != 0x2C):
                 self._syntax_error(pos, "expected ',' or '}'")
-        if pos < self.n:
+            pos = self._ws(pos + 1)
+        if pos < n:
             self._syntax_error(pos, "trailing characters")
-        path = self.path
         small = {k: orjson.loads(self.view[a:b]) for k, (a, b) in values.items()}
         if "images" not in seen or "images" in small:
             if not isinstance(small.get("images"), list):
@@ -486,50 +468,42 @@ class _Chunked:
 
     def collect(self) -> RawCoco:
         """All events as one :class:`RawCoco` (the file's columns)."""
-        imgs: list = []
-        anns: list = []
-        cats: list = []
+        wins: dict = {"images": [], "annotations": [], "end": [[]]}
         for ev in self.events():
-            if ev[0] == "images":
-                imgs.append(ev[1])
-            elif ev[0] == "annotations":
-                w = ev[1]
-                d = {k: getattr(w, k) for k in _ANN_ARRAYS}
-                d["rles"] = {w.ann_base + i: v for i, v in w.rles.items()}
-                anns.append(d)
-            elif ev[0] == "end":
-                cats = ev[1]
-        img = _concat_columns(imgs, ("img_id", "img_w", "img_h"))
-        ann = _concat_columns(anns, _ANN_ARRAYS)
-        return RawCoco(source=self.path, categories=cats, **img, **ann,
+            wins.get(ev[0], []).append(ev[1])
+        imgs = [vars(w) for w in wins["images"]]
+        anns = [vars(w) for w in wins["annotations"]]
+        out = {k: concat([p.pop(k) for p in imgs], dt)  # freed window by window
+               for k, dt in (_IMG_ARRAYS | (_LVIS_ARRAYS if self.lvis else {})).items()}
+        for k in ("file_names", "coco_urls") if self.lvis else ("file_names",):
+            out[k] = list(chain.from_iterable(p.pop(k) for p in imgs))
+        out["rles"] = {p["ann_base"] + i: v for p in anns for i, v in p.pop("rles").items()}
+        out.update({k: concat([p.pop(k) for p in anns]) for k in _ANN_ARRAYS if anns})
+        return RawCoco(source=self.path, categories=wins["end"][-1], **out,
                        decoder="generic" if self.generic else "fast")
 
     # ------------------------------------------------------------------ arrays
     def _array(self, open_pos: int, key: str) -> Any:
-        """Decode the array at ``open_pos`` (its ``[``) window by window; yields
-        ``(columns, position of the first element, end of the array or of the window,
-        elements, whether the mapper decoded it)``."""
-        mm, n = self.mm, self.n
-        count = 0
-        pos = self._ws(open_pos + 1)
-        if pos < n and mm[pos] == 0x5D:
-            return
+        """Yield the events of the array at ``open_pos`` (its ``[``), window by window;
+        return ``(the position after it, its elements)``."""
+        count, pos = 0, self._ws(open_pos + 1)
+        if pos < self.n and self.mm[pos] == 0x5D:
+            return pos + 1, 0
         if self.mapper is not None and self.mapper.handles(key):
             pos, count = yield from self._mapped(pos, key)
         while True:
             m = self._candidate(pos)
-            cols = (None if m is None else
-                    self._decode(key, pos, m.start() + 1, count, typed_only=True))
-            if cols is not None:  # the proposed cut decodes: an element boundary
+            w = None if m is None else self._decode(key, pos, m.start() + 1, count, True)
+            if w is not None:  # the proposed cut decodes: an element boundary
                 nxt, last = self._ws(m.end()), False
             else:  # the exact cut (scanning the structure), decoded whatever it holds
                 cut, last = self._cut(pos, key)
-                cols = self._decode(key, pos, cut, count, typed_only=False)
+                w = self._decode(key, pos, cut, count, False)
                 nxt = cut + 1 if last else self._ws(cut + 1)
-            yield cols, count, nxt, _rows(cols), False
-            count += _rows(cols)
+            yield key, w, count
+            count += _rows(key, w)
             if last:
-                return
+                return nxt, count
             pos = nxt
 
     def _candidate(self, pos: int) -> Any:
@@ -556,7 +530,7 @@ class _Chunked:
 
         try:
             for (*_, nxt), (rows, payload) in mapper.stream(windows(), mapper.depth):
-                yield payload, count, nxt, rows, True
+                yield ("images" if key == "images" else "annotations_mapped"), payload, count
                 count += rows
                 pos = nxt
         except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
@@ -571,28 +545,25 @@ class _Chunked:
         buf[1:-1] = self.view[start:end]
         return buf
 
-    def _decode(self, key: str, start: int, end: int, base: int, *,
-                typed_only: bool) -> Optional[dict]:
-        """Columns of the elements in ``[start, end)``; ``None`` if ``typed_only`` and the
-        typed decoder refuses them."""
+    def _decode(self, key: str, start: int, end: int, base: int,
+                typed_only: bool) -> Optional[RawCoco]:
+        """The elements in ``[start, end)``, the first the array's ``base``-th; ``None``
+        if ``typed_only`` and the typed decoder refuses them."""
         buf = self._window_text(start, end)
         self._release(start)
-        cols = _typed_columns(key, buf)
-        if cols is not None or typed_only:
-            return cols
-        try:
-            items = orjson.loads(buf)
-        except orjson.JSONDecodeError as exc:
-            self._syntax_error(start + max(exc.pos - 1, 0), exc.msg)
-        self.generic = True
-        if key == "images":
-            r = decode_generic({"images": items}, self.path, img_base=base)
-            return {"img_id": r.img_id, "img_w": r.img_w, "img_h": r.img_h,
-                    "file_names": r.file_names}
-        r = decode_generic({"images": [], "annotations": items}, self.path, ann_base=base)
-        cols = {k: getattr(r, k) for k in _ANN_ARRAYS}
-        cols["rles"] = {i - base: v for i, v in r.rles.items()}
-        return cols
+        w = _typed_window(key, buf, self.path, self.lvis)
+        if w is None and not typed_only:
+            try:
+                items = orjson.loads(buf)
+            except orjson.JSONDecodeError as exc:
+                self._syntax_error(start + max(exc.pos - 1, 0), exc.msg)
+            self.generic = True
+            w = decode_generic({"images": items} if key == "images" else
+                               {"images": [], "annotations": items}, self.path,
+                               img_base=base, ann_base=base, lvis=self.lvis)
+        if w is not None:
+            w.ann_base = base
+        return w
 
     # ------------------------------------------------------------------ scanning
     def _ws(self, pos: int) -> int:
@@ -690,53 +661,10 @@ class _Chunked:
             f"Re-export or repair the file; a truncated download is a common cause.")
 
 
-_ANN_ARRAYS = ("ann_id", "ann_img", "ann_cat", "ann_bbox", "ann_area", "ann_crowd",
-               "ann_ignore", "seg_kind", "poly_n", "coord_n", "coords", "kp_len", "kp_vals")
-
-
-def _typed_columns(key: str, buf: bytearray) -> Optional[dict]:
-    """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
-    try:
-        if key == "images":
-            return _image_columns(_IMG_WINDOW.decode(buf))
-        return _annotation_columns(_ANN_WINDOW.decode(buf), 0)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-
-
-def _rows(cols: dict) -> int:
-    return len(cols["img_id"] if "img_id" in cols else cols["ann_id"])
-
-
-def _concat_columns(pieces: list, arrays: tuple) -> dict:
-    """Concatenate window columns one at a time, freeing each window's as it goes (none:
-    :class:`RawCoco`'s empty defaults)."""
-    out: dict = {}
-    for k in arrays if pieces else ():
-        out[k] = concat([p.pop(k) for p in pieces])
-    if "img_id" in arrays:
-        out["file_names"] = list(chain.from_iterable(p.pop("file_names") for p in pieces))
-    else:
-        rles: dict = {}
-        for p in pieces:
-            rles.update(p.pop("rles"))
-        out["rles"] = rles
-    pieces.clear()
-    return out
-
-
 def _id_lists(lists: list) -> tuple[np.ndarray, np.ndarray]:
     """Per-image lengths and the concatenated values of lists of integers."""
     n = np.fromiter(map(len, lists), np.int64, len(lists))
     return n, np.fromiter(chain.from_iterable(lists), np.int64, int(n.sum()))
-
-
-def _lvis_fast(images: list) -> dict:
-    """The LVIS image columns of :class:`RawCoco` from decoded ``_LvisImg`` structs."""
-    neg_n, neg_ids = _id_lists(list(map(attrgetter("neg_category_ids"), images)))
-    nexh_n, nexh_ids = _id_lists(list(map(attrgetter("not_exhaustive_category_ids"), images)))
-    return {"coco_urls": list(map(attrgetter("coco_url"), images)), "neg_n": neg_n,
-            "neg_ids": neg_ids, "nexh_n": nexh_n, "nexh_ids": nexh_ids}
 
 
 # --------------------------------------------------------------------------- generic
@@ -833,14 +761,12 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
     ignore = acol("ignore", _NUM_OR_BOOL, np.float64, default=0, fix="use 0 or 1")
     bbox = _bboxes(anns, source, lab)
     seg_kind, poly_n, coord_n, coords, rles = _segms(anns, source, lab)
-    if ann_base:
-        rles = {ann_base + i: v for i, v in rles.items()}
     kp_len, kp_vals = _keypoints(anns, source, lab)
     return RawCoco(source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
                    file_names=names, ann_id=ann_id, ann_img=ann_img, ann_cat=ann_cat,
                    ann_bbox=bbox, ann_area=area, ann_crowd=crowd, ann_ignore=ignore,
                    seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords,
-                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic", **extra)
+                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, ann_base=ann_base, **extra)
 
 
 def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
