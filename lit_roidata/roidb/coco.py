@@ -314,16 +314,12 @@ class _GtBuilder:
         # only the segmentation columns are needed from here on
         kept.ann_id = kept.ann_cat = kept.ann_pos = kept.ann_img = None  # type: ignore[assignment]
         del pos
-        boxes = np.empty((order.size, 4), np.float32)
-        for j, k in enumerate(("x1", "y1", "x2", "y2")):
-            boxes[:, j] = by_image(col(k, np.float32))
+        boxes = by_image(col("boxes", np.float32).reshape(-1, 4))
         seg_areas = by_image(col("area", np.float32))
         is_crowd = by_image(col("crowd", bool))
         rles: dict = {}
-        base = 0
-        for p in parts:
-            rles.update(zip((base + j for j in p.pop("rle_kept")), p.pop("rles")))
-            base += p["krow"].size
+        for p, b in zip(parts, offsets([p["krow"].size for p in parts]).tolist()):
+            rles.update((b + j, v) for j, v in p.pop("rles").items())
         segms, seg_counts = _segm_columns(kept, order, rles)
         counts.update(seg_counts)
         del kept, rles
@@ -372,71 +368,45 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
     rle_rows = _check_rles(raw, known, h_img, w_img)
     kp_rows = np.flatnonzero(known & ((raw.kp_len > 0) | required))
 
-    area, crowd, ignore, bbox = raw.ann_area, raw.ann_crowd, raw.ann_ignore, raw.ann_bbox
-    keep = known.copy()
+    area, ignore, bbox = raw.ann_area, raw.ann_ignore, raw.ann_bbox
     with np.errstate(invalid="ignore"):
-        small = keep & (area < gt_min_area)
-    counts["gt_min_area"] += int(small.sum())
-    keep &= ~small
-    ign = keep & (ignore == 1)
-    counts["ignore"] += int(ign.sum())
-    keep &= ~ign
-    x1, y1 = bbox[:, 0], bbox[:, 1]
-    with np.errstate(invalid="ignore"):
+        x1, y1 = bbox[:, 0], bbox[:, 1]
         x2 = x1 + np.maximum(0.0, bbox[:, 2] - 1.0)
         y2 = y1 + np.maximum(0.0, bbox[:, 3] - 1.0)
         x1 = np.minimum(w_img - 1.0, np.maximum(0.0, x1))
         y1 = np.minimum(h_img - 1.0, np.maximum(0.0, y1))
         x2 = np.minimum(w_img - 1.0, np.maximum(0.0, x2))
         y2 = np.minimum(h_img - 1.0, np.maximum(0.0, y2))
-    nonfinite = keep & ~np.isfinite(bbox).all(axis=1)
-    counts["non_finite_bbox"] += int(nonfinite.sum())
-    keep &= ~nonfinite
-    bad_area = keep & ~(area > 0)
-    counts["non_positive_area"] += int(bad_area.sum())
-    keep &= ~bad_area
-    degenerate = keep & ~((x2 > x1) & (y2 > y1))
-    counts["degenerate_box"] += int(degenerate.sum())
-    keep &= ~degenerate
+        keep = known.copy()
+        for reason, drop in (("gt_min_area", area < gt_min_area), ("ignore", ignore == 1),
+                             ("non_finite_bbox", ~np.isfinite(bbox).all(axis=1)),
+                             ("non_positive_area", ~(area > 0)),
+                             ("degenerate_box", ~((x2 > x1) & (y2 > y1)))):
+            drop &= keep
+            counts[reason] += int(drop.sum())
+            keep &= ~drop
     kept = np.flatnonzero(keep)
-
-    poly_n = raw.poly_n[kept]
-    if raw.coord_n.size:
-        pidx = take_ranges(offsets(raw.poly_n)[kept], poly_n)
-        coord_n = raw.coord_n[pidx]
-        if pidx.size == raw.coord_n.size:
-            coords = raw.coords
-        else:
-            keep_p = np.zeros(raw.coord_n.size, bool)
-            keep_p[pidx] = True
-            coords = raw.coords[np.repeat(keep_p, raw.coord_n)]
-    else:
-        coord_n, coords = raw.coord_n[:0], raw.coords[:0]
+    poly_n, coord_n, coords, _ = _polygons(raw, kept)
     seg_kind = raw.seg_kind[kept]
     rle_kept = np.flatnonzero(seg_kind == SEG_RLE).tolist()
     krow = np.full(kept.size, -1, np.int32)
-    if kp_rows.size:
-        krow[np.isin(kept, kp_rows)] = np.searchsorted(kp_rows, kept[np.isin(kept, kp_rows)])
-    kp_off = offsets(np.maximum(raw.kp_len, 0))
+    in_kp = np.isin(kept, kp_rows)
+    krow[in_kp] = np.searchsorted(kp_rows, kept[in_kp])
+    kp_len = np.maximum(raw.kp_len, 0)
     # kept rows in their output dtypes (a float32 cast before or after the gather is
     # the same), integers narrowed where they fit: only these live to the end
-    f32 = np.float32
     part = {
-        "pos": _narrow(pos[kept]), "x1": x1[kept].astype(f32), "y1": y1[kept].astype(f32),
-        "x2": x2[kept].astype(f32), "y2": y2[kept].astype(f32),
-        "area": area[kept].astype(f32), "crowd": crowd[kept] != 0,
+        "pos": _narrow(pos[kept]),
+        "boxes": np.stack([x1, y1, x2, y2], 1)[kept].astype(np.float32),
+        "area": area[kept].astype(np.float32), "crowd": raw.ann_crowd[kept] != 0,
         "cat": _narrow(raw.ann_cat[kept]), "ann_id": _narrow(raw.ann_id[kept]),
-        "gpos": _narrow(raw.ann_pos[kept] if raw.ann_pos is not None
-                        else raw.ann_base + kept),
-        "seg_kind": seg_kind, "poly_n": _narrow(poly_n), "coord_n": coord_n, "coords": coords,
-        "rles": [rle_rows[int(kept[j])] for j in rle_kept], "rle_kept": rle_kept,
-        "krow": krow,
+        "gpos": _narrow(raw.ann_at(kept)), "seg_kind": seg_kind, "poly_n": _narrow(poly_n),
+        "coord_n": coord_n, "coords": coords,
+        "rles": {j: rle_rows[int(kept[j])] for j in rle_kept}, "krow": krow,
         "k_id": raw.ann_id[kp_rows], "k_img": a_img[kp_rows], "k_cat": raw.ann_cat[kp_rows],
         "k_len": raw.kp_len[kp_rows],
-        "k_vals": raw.kp_vals[take_ranges(kp_off[kp_rows],
-                                          np.maximum(raw.kp_len[kp_rows], 0))],
-        "k_pos": (raw.ann_pos[kp_rows] if raw.ann_pos is not None
-                  else raw.ann_base + kp_rows),
+        "k_vals": raw.kp_vals[take_ranges(offsets(kp_len)[kp_rows], kp_len[kp_rows])],
+        "k_pos": raw.ann_at(kp_rows),
     }
     return part, dict(counts), unknown_ids
 
@@ -680,31 +650,33 @@ def _classes(raw: RawCoco, order: np.ndarray, info: DatasetInfo) -> np.ndarray:
     return vals[p]
 
 
+def _polygons(raw: RawCoco, rows: np.ndarray, min_coords: int = 0) -> tuple:
+    """The polygons of annotations ``rows`` (in that order) with at least ``min_coords``
+    coordinates: ``(polygons per row, coordinates per polygon, coordinates, dropped)``."""
+    if not raw.coord_n.size:  # no polygon at all (box-only datasets): no index arrays
+        return raw.poly_n[rows], raw.coord_n, raw.coords, 0
+    pidx = take_ranges(offsets(raw.poly_n)[rows], raw.poly_n[rows])
+    row_of = np.repeat(np.arange(rows.size), raw.poly_n[rows])
+    short = raw.coord_n[pidx] < min_coords
+    pidx, row_of = pidx[~short], row_of[~short]
+    if pidx.size == raw.coord_n.size and (pidx == np.arange(pidx.size)).all():
+        coords = raw.coords  # every polygon kept, in file order (one file per image order)
+    elif (rows[1:] > rows[:-1]).all():  # kept polygons in file order: a mask will do
+        keep = np.zeros(raw.coord_n.size, bool)
+        keep[pidx] = True
+        coords = raw.coords[np.repeat(keep, raw.coord_n)]
+    else:
+        coords = raw.coords[take_ranges(offsets(raw.coord_n)[pidx], raw.coord_n[pidx])]
+    return (np.bincount(row_of, minlength=rows.size), raw.coord_n[pidx], coords,
+            int(short.sum()))
+
+
 def _segm_columns(raw: RawCoco, order: np.ndarray,
                   rles: dict) -> tuple[SegmColumns, dict[str, int]]:
     """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
     Q24, docs/detectron_quirks.md)."""
     g = order.size
-    if not raw.coord_n.size:  # no polygon at all (box-only datasets): no index arrays
-        pidx = row_of = np.zeros(0, np.int64)
-        coord_off = offsets(raw.coord_n)
-    else:
-        poly_off = offsets(raw.poly_n)
-        coord_off = offsets(raw.coord_n)
-        pidx = take_ranges(poly_off[order], raw.poly_n[order])
-        row_of = np.repeat(np.arange(g), raw.poly_n[order])
-    short = raw.coord_n[pidx] < 6
-    pidx, row_of = pidx[~short], row_of[~short]
-    poly_counts = np.bincount(row_of, minlength=g).astype(np.int64)
-    coord_counts = raw.coord_n[pidx]
-    if pidx.size == raw.coord_n.size and (pidx == np.arange(pidx.size)).all():
-        coords = raw.coords  # every polygon kept, in file order (one file per image order)
-    elif (order[1:] > order[:-1]).all():  # kept polygons in file order: a mask will do
-        keep = np.zeros(raw.coord_n.size, bool)
-        keep[pidx] = True
-        coords = raw.coords[np.repeat(keep, raw.coord_n)]
-    else:
-        coords = raw.coords[take_ranges(coord_off[pidx], coord_counts)]
+    poly_counts, coord_counts, coords, short = _polygons(raw, order, 6)
     seg_kind = raw.seg_kind[order]
     kind = np.full(g, POLY, np.int8)
     rle_idx = np.full(g, -1, np.int32)
@@ -715,5 +687,5 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
         coords=np.ascontiguousarray(coords, np.float64), rle_idx=rle_idx,
         **rle_columns(rows, [rles[int(order[j])] for j in rows], kind, rle_idx))
     empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing
-    return cols, {"polygon_lt_6_coords": int(short.sum()), "empty_segmentation": empty,
+    return cols, {"polygon_lt_6_coords": short, "empty_segmentation": empty,
                   "missing_segmentation": missing}

@@ -96,9 +96,12 @@ class RawCoco:
     def ann_label(self, i: int) -> str:
         """``annotation id X (image id Y)`` of annotation ``i`` (JSON position)."""
         aid = int(self.ann_id[i])
-        at = int(self.ann_pos[i]) if self.ann_pos is not None else self.ann_base + i
-        who = f"annotation id {aid}" if aid != -1 else f"annotation #{at} (no 'id')"
+        who = f"annotation id {aid}" if aid != -1 else f"annotation #{self.ann_at(i)} (no 'id')"
         return f"{who} (image id {int(self.ann_img[i])})"
+
+    def ann_at(self, rows: Any) -> Any:
+        """The JSON positions of annotations ``rows`` (indices into the columns)."""
+        return self.ann_pos[rows] if self.ann_pos is not None else self.ann_base + rows
 
 
 def read_json(path: str, raw: Optional[bytes] = None) -> Any:
