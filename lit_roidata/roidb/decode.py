@@ -116,10 +116,13 @@ def read_json(path: str, raw: Optional[bytes] = None) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise RoIDBInputError(
-            f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno} (byte {exc.pos}): "
-            f"{exc.msg}. Re-export or repair the file; a truncated download is a common "
-            f"cause.") from None
+        raise _malformed(path, exc.lineno, exc.colno, exc.pos, exc.msg) from None
+
+
+def _malformed(path: str, line: int, col: int, pos: int, msg: str) -> RoIDBInputError:
+    return RoIDBInputError(f"{path}: malformed JSON at line {line}, column {col} (byte {pos}): "
+                           f"{msg}. Re-export or repair the file; a truncated download is a "
+                           f"common cause.")
 
 
 # ------------------------------------------------------------------------------ fast
@@ -186,7 +189,7 @@ _LVIS_ARRAYS = {f"{short}_{k}": np.int64 for _, short in _LVIS_LISTS for k in ("
 #: numbers the vectorised parser leaves to msgspec are decoded with them
 _POLY_NUMBER = list[float]
 _KP_NUMBER = list[Union[int, float]]
-_SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
+_SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE, dict: SEG_RLE}
 _REFUSED = (msgspec.ValidationError, msgspec.DecodeError, OverflowError)
 
 
@@ -649,19 +652,10 @@ class _Chunked:
     def _syntax_error(self, pos: int, msg: str) -> None:
         """Raise the malformed-JSON error for absolute byte ``pos``."""
         pos = min(max(pos, 0), self.n)
-        line, last_nl, p = 1, -1, 0
-        while p < pos:
-            m = min(_SCAN_BLOCK, pos - p)
-            a = np.frombuffer(self.mm, np.uint8, m, p)
-            nl = np.flatnonzero(a == 0x0A)
-            if nl.size:
-                line += int(nl.size)
-                last_nl = p + int(nl[-1])
-            p += m
-        col = pos - last_nl
-        raise RoIDBInputError(
-            f"{self.path}: malformed JSON at line {line}, column {col} (byte {pos}): {msg}. "
-            f"Re-export or repair the file; a truncated download is a common cause.")
+        line = 1 + sum(int(np.count_nonzero(np.frombuffer(
+            self.mm, np.uint8, min(_SCAN_BLOCK, pos - p), p) == 0x0A))
+            for p in range(0, pos, _SCAN_BLOCK))
+        raise _malformed(self.path, line, pos - self.mm.rfind(b"\n", 0, pos), pos, msg)
 
 
 def _id_lists(lists: list) -> tuple[np.ndarray, np.ndarray]:
@@ -794,16 +788,19 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
     return out
 
 
+def _first(items: list, bad: Callable[[Any], bool]) -> int:
+    return next(i for i, v in enumerate(items) if bad(v))
+
+
 def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
     boxes = [a.get("bbox") for a in anns]
     ok = set(map(type, boxes)) <= {list} and all(len(b) == 4 for b in boxes)
     flat = _numbers(boxes) if ok else None
     if flat is None:
-        for i, b in enumerate(boxes):
-            if not (type(b) is list and len(b) == 4 and all(type(v) in _NUM for v in b)):
-                raise RoIDBInputError(
-                    f"{source}: {lab(i)} has bbox {b!r:.80}; expected [x, y, width, height] "
-                    f"(4 numbers). Fix or remove it.")
+        i = _first(boxes, lambda b: not (type(b) is list and len(b) == 4
+                                         and set(map(type, b)) <= _NUM))
+        raise RoIDBInputError(f"{source}: {lab(i)} has bbox {boxes[i]!r:.80}; expected [x, y, "
+                              f"width, height] (4 numbers). Fix or remove it.")
     return flat.reshape(-1, 4)
 
 
@@ -817,53 +814,45 @@ def _numbers(lists: list) -> Optional[np.ndarray]:
 
 def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
     segs = [a.get("segmentation") for a in anns]
-    n = len(segs)
-    types = np.fromiter((0 if s is None else 1 if type(s) is list else 2 if type(s) is dict
-                         else 3 for s in segs), np.int8, n)
-    if (types == 3).any():
-        i = int(np.flatnonzero(types == 3)[0])
+    kinds = [_SEG_KIND.get(type(s)) for s in segs]
+    if None in kinds:
+        i = kinds.index(None)
         raise RoIDBInputError(
             f"{source}: {lab(i)} has a malformed 'segmentation' ({segs[i]!r:.80}); expected a "
             f"list of polygons [[x1, y1, x2, y2, ...], ...] or an RLE dict "
             f"{{'size': [h, w], 'counts': ...}}. Fix or remove that annotation.")
-    per = [s if type(s) is list else () for s in segs]
-    poly_n = np.fromiter(map(len, per), np.int64, n)
+    per = [s if k == SEG_POLY else () for s, k in zip(segs, kinds)]
+    poly_n = np.fromiter(map(len, per), np.int64, len(per))
     polys = list(chain.from_iterable(per))
     if not set(map(type, polys)) <= {list}:
-        i = next(i for i, s in enumerate(per) if any(type(p) is not list for p in s))
+        i = _first(per, lambda s: any(type(p) is not list for p in s))
         raise RoIDBInputError(
             f"{source}: {lab(i)} has a malformed polygon list (an element is "
             f"{next(p for p in per[i] if type(p) is not list)!r:.40}, not a list); expected "
             f"[[x1, y1, x2, y2, ...], ...]. Fix or remove that annotation.")
-    coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
     coords = _numbers(polys)
     if coords is None:
-        for i, s in enumerate(per):
-            for p in s:
-                bad = [v for v in p if type(v) not in _NUM]
-                if bad:
-                    raise RoIDBInputError(
-                        f"{source}: {lab(i)} has a polygon coordinate {bad[0]!r:.40} (a "
-                        f"polygon is a list of numbers x1, y1, x2, y2, ...). Fix the "
-                        f"coordinates or remove that polygon.")
-    kind = np.where(types == 1, SEG_POLY, np.where(types == 2, SEG_RLE, SEG_MISSING))
-    rles = {i: segs[i] for i in np.flatnonzero(types == 2).tolist()}
-    return kind.astype(np.int8), poly_n, coord_n, coords, rles
+        i = _first(per, lambda s: any(type(v) not in _NUM for p in s for v in p))
+        bad = next(v for p in per[i] for v in p if type(v) not in _NUM)
+        raise RoIDBInputError(
+            f"{source}: {lab(i)} has a polygon coordinate {bad!r:.40} (a polygon is a list of "
+            f"numbers x1, y1, x2, y2, ...). Fix the coordinates or remove that polygon.")
+    kind = np.fromiter(kinds, np.int8, len(kinds))
+    rles = {i: segs[i] for i in np.flatnonzero(kind == SEG_RLE).tolist()}
+    return kind, poly_n, np.fromiter(map(len, polys), np.int64, len(polys)), coords, rles
 
 
 def _keypoints(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
     kps = [a.get("keypoints") for a in anns]
-    n = len(kps)
     present = [k for k in kps if k is not None]
     if not set(map(type, present)) <= {list}:
-        i = next(i for i, k in enumerate(kps) if k is not None and type(k) is not list)
+        i = _first(kps, lambda k: k is not None and type(k) is not list)
         raise RoIDBInputError(f"{source}: {lab(i)} has keypoints={kps[i]!r:.80}; expected a "
                               f"list [x1, y1, v1, x2, y2, v2, ...]. Fix that record.")
-    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, n)
+    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, len(kps))
     vals = _numbers(present)
     if vals is None:
-        i = next(i for i, k in enumerate(kps) if k is not None
-                 and any(type(v) not in _NUM for v in k))
+        i = _first(kps, lambda k: k is not None and not set(map(type, k)) <= _NUM)
         bad = next(v for v in kps[i] if type(v) not in _NUM)
         raise RoIDBInputError(
             f"{source}: {lab(i)} has a keypoint value {bad!r:.40}; keypoints are numbers "
