@@ -4,6 +4,7 @@ datasets and catalog; ground-truth cleaning).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -144,25 +145,15 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
     gb = _GtBuilder(path, gt_min_area, keypoints_required)
     cats: list = []
     n_workers = build_workers() if os.path.getsize(path) >= _PARALLEL_BYTES * window_bytes else 0
-    mapper = (ParallelWindows(path, n_workers, gt_min_area, keypoints_required)
-              if n_workers else None)
-    try:
-        for ev in iter_coco(path, window_bytes=window_bytes, mapper=mapper):
-            if ev[0] == "annotations_mapped":
-                gb.add_cleaned(ev[1], ev[2])
-            elif ev[0] == "annotations":
-                gb.add_annotations(ev[1])
-            elif ev[0] == "images":
-                gb.add_images(ev[1])
-            elif ev[0] == "images_end":
-                gb.images_end()
-                if mapper is not None:
-                    mapper.set_index(gb.ids, gb.widths, gb.heights)
-            else:
-                cats = ev[1]
-    finally:
-        if mapper is not None:
-            mapper.close()
+    with (ParallelWindows(path, n_workers, gt_min_area, keypoints_required) if n_workers
+          else contextlib.nullcontext()) as mapper:
+        for kind, *args in iter_coco(path, window_bytes=window_bytes, mapper=mapper):
+            if kind == "end":
+                cats = args[0]
+            else:  # _GtBuilder's methods are named after the events
+                getattr(gb, kind)(*args)
+            if kind == "images_end" and mapper is not None:
+                mapper.set_index(gb.ids, gb.widths, gb.heights)
     if categories_hook is not None:
         class_order = categories_hook(cats)
     info = dataset_info_from_categories(name, cats, source=path, class_order=class_order)
@@ -183,9 +174,9 @@ def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
     info = dataset_info_from_categories(name, raw.categories, source=raw.source,
                                         class_order=class_order)
     gb = _GtBuilder(raw.source, gt_min_area, keypoints_required)
-    gb.add_images(raw)
+    gb.images(raw)
     gb.images_end()
-    gb.add_annotations(raw)
+    gb.annotations(raw)
     return gb.finish(info, raw.categories)
 
 
@@ -206,11 +197,11 @@ class _GtBuilder:
         self.counts: Counter = Counter({k: 0 for k in _COUNT_KEYS})
         self.unknown_ids = np.zeros(0, np.int64)
 
-    def add_images(self, w: RawCoco) -> None:
+    def images(self, w: RawCoco, base: int = 0) -> None:
         """One window of images (its ``img_*`` and ``file_names`` columns)."""
         self.img_parts.append(w)
 
-    def images_end(self) -> None:
+    def images_end(self, count: int = 0) -> None:
         """Validate and sort the images; clean the annotation windows that waited."""
         if self.ids is not None:
             return
@@ -226,11 +217,9 @@ class _GtBuilder:
         if dup.size:
             raise RoIDBInputError(f"{path}: duplicate image ids {np.unique(dup)[:10].tolist()} "
                                   f"({dup.size} duplicates); image ids must be unique")
-        widths, heights = img_w[order_img], img_h[order_img]
+        widths, heights = wh = np.stack([img_w[order_img], img_h[order_img]])
         with np.errstate(invalid="ignore"):
-            bad = np.flatnonzero(~((widths > 0) & (heights > 0) & (widths == np.floor(widths))
-                                   & (heights == np.floor(heights)) & (widths < 2 ** 31)
-                                   & (heights < 2 ** 31)))
+            bad = np.flatnonzero(~((wh > 0) & (wh == np.floor(wh)) & (wh < 2 ** 31)).all(0))
         if bad.size:
             ex = ", ".join(f"id {int(ids[i])} ({widths[i]:g}x{heights[i]:g})" for i in bad[:5])
             raise RoIDBInputError(
@@ -238,22 +227,22 @@ class _GtBuilder:
                 f"integer: {ex}. Fix 'width'/'height' in the JSON (read them from the image "
                 f"files) or remove those images.")
         self.names = [file_names[i] for i in order_img.tolist()]
-        del file_names
         self.ids = ids
         self.widths, self.heights = widths.astype(np.int32), heights.astype(np.int32)
         pending, self.pending = self.pending, []
         for w in pending:
-            self.add_annotations(w)
+            self.annotations(w)
 
-    def add_annotations(self, w: RawCoco) -> None:
-        """Clean one window of annotations (a :class:`RawCoco` with ``ann_base`` set)."""
+    def annotations(self, w: RawCoco, base: int = 0) -> None:
+        """Clean one window of annotations (a :class:`RawCoco` with ``ann_base`` set;
+        ``base``, its event's, is that)."""
         if self.ids is None:
             self.pending.append(w)
         else:
             self._add(*clean_window(w, self.ids, self.widths, self.heights,
                                     self.gt_min_area, self.required))
 
-    def add_cleaned(self, cleaned: tuple, base: int) -> None:
+    def annotations_mapped(self, cleaned: tuple, base: int) -> None:
         """One window cleaned elsewhere (:func:`clean_window` of a window whose first
         annotation is the file's ``base``-th, decoded with ``ann_base=0``)."""
         part, counts, unknown = cleaned
@@ -627,9 +616,7 @@ _LUT_MAX = 1 << 20
 
 def _classes(raw: RawCoco, order: np.ndarray, info: DatasetInfo) -> np.ndarray:
     cat = raw.ann_cat[order]
-    j2c = info.json_category_id_to_contiguous_id
-    keys = np.array(sorted(j2c), dtype=np.int64)
-    vals = np.array([j2c[k] for k in keys.tolist()], dtype=np.int32)
+    keys, vals = info.category_lut()
     if len(keys) and 0 <= keys[0] and keys[-1] < _LUT_MAX and cat.size > 16 * keys[-1]:
         # small non-negative ids (every COCO-style set): one gather through a table
         lut = np.full(int(keys[-1]) + 2, -1, np.int32)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+import numpy as np
+
 __all__ = ["DatasetInfo", "RoIDBInputError", "COCO_KEYPOINT_NAMES", "COCO_KEYPOINT_FLIP_MAP",
            "keypoint_flip_map"]
 
@@ -70,6 +72,12 @@ class DatasetInfo:
     def num_keypoints(self) -> int:
         """Keypoints per object, 0 if the dataset has none."""
         return 0 if self.keypoints is None else len(self.keypoints)
+
+    def category_lut(self) -> tuple[np.ndarray, np.ndarray]:
+        """The JSON category ids, ascending (int64), and their contiguous ids (int32)."""
+        keys = sorted(self.json_category_id_to_contiguous_id)
+        return (np.array(keys, np.int64),
+                np.array([self.json_category_id_to_contiguous_id[k] for k in keys], np.int32))
 
     def to_json(self) -> dict:
         """A JSON-serialisable dict (stored in the cache's ``meta.json``)."""
