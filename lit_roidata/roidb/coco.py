@@ -274,7 +274,7 @@ class _GtBuilder:
 
         kp_table = krow = None
         if info.keypoints is not None:  # checked first, as Detectron's order of checks
-            kbase = np.cumsum([0] + [p["k_id"].size for p in parts])[:-1]
+            kbase = offsets([p["k_id"].size for p in parts])
             krow = concat([np.where(p["krow"] >= 0, p["krow"] + b, -1)
                          for p, b in zip(parts, kbase)], np.int64)
             kraw = RawCoco(
@@ -316,14 +316,10 @@ class _GtBuilder:
         if kp_table is not None and krow is not None:
             kr = by_image(krow)
             keypoints = np.zeros((order.size, 3, info.num_keypoints), np.int32)
-            sel = kr >= 0
-            if sel.any():
-                keypoints[sel] = kp_table(kr[sel])
+            keypoints[kr >= 0] = kp_table(kr[kr >= 0])
             vis = keypoints[:, 2, :].sum(axis=1) > 0
             has_vis = np.bincount(pos_o, weights=vis, minlength=n) > 0
-        counts["images"] = n
-        counts["gt_boxes"] = int(order.size)
-        counts["gt_crowd"] = int(is_crowd.sum())
+        counts.update(images=n, gt_boxes=int(order.size), gt_crowd=int(is_crowd.sum()))
         self.parts = []
         return GtTable(
             info=info, ids=ids, widths=self.widths, heights=self.heights,
@@ -341,16 +337,11 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
     Raises:
         RoIDBInputError: a malformed polygon or RLE of an annotation of a known image.
     """
-    counts: Counter = Counter()
-    n = len(ids)
-    a_img = raw.ann_img
+    n, a_img = len(ids), raw.ann_img
     pos = np.minimum(np.searchsorted(ids, a_img), max(n - 1, 0))
     known = (ids[pos] == a_img) if n else np.zeros(len(a_img), bool)
-    unknown = int((~known).sum())
-    unknown_ids = np.zeros(0, np.int64)
-    if unknown:
-        counts["annotation_unknown_image"] += unknown
-        unknown_ids = np.unique(a_img[~known])[:5]
+    counts = Counter(annotation_unknown_image=int((~known).sum()))
+    unknown_ids = np.unique(a_img[~known])[:5]
     w_img = widths[pos].astype(np.float64)
     h_img = heights[pos].astype(np.float64)
     _check_polygons(raw, known)

@@ -246,16 +246,12 @@ def _annotation_columns(anns: list) -> Optional[dict]:
         rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
                 for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
     kps = list(map(attrgetter("keypoints"), anns))
-    kp_len = np.full(na, -1, np.int64)
-    kp_vals = np.zeros(0, np.float64)
-    has_kp = np.ones(na, bool)
-    if kps.count(_NULL) == na:  # (identity first) no annotation has a keypoints field
-        has_kp[:] = False
-    else:
+    kp_len, kp_vals = np.full(na, -1, np.int64), np.zeros(0, np.float64)
+    if kps.count(_NULL) != na:  # (identity first) an annotation has a keypoints field
         # null (or absent) keypoints: the 4-byte text "null"
         short = np.flatnonzero(np.fromiter(map(len, kps), np.int64, na) == 4).tolist()
+        has_kp = np.ones(na, bool)
         has_kp[[i for i in short if kps[i] is _NULL or bytes(kps[i]) == b"null"]] = False
-    if has_kp.any():
         kp_rows = np.flatnonzero(has_kp)
         parsed = parse_number_lists([kps[i] for i in kp_rows.tolist()], slow_type=_KP_NUMBER)
         if parsed is None:
@@ -710,16 +706,14 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
     """
     if not isinstance(data, dict):
         raise RoIDBInputError(f"{source}: expected a JSON object at the top level")
-    images = data.get("images")
-    if not isinstance(images, list):
-        raise RoIDBInputError(f"{source}: no 'images' list at the top level; is this a "
-                              f"COCO-format annotation file?")
-    cats = data.get("categories") or []
-    if not isinstance(cats, list):
-        raise RoIDBInputError(f"{source}: 'categories' must be a list of objects")
+    images, cats = data.get("images"), data.get("categories") or []
     anns = data.get("annotations") or []
-    if not isinstance(anns, list):
-        raise RoIDBInputError(f"{source}: 'annotations' must be a list of objects")
+    for v, problem in ((images, "no 'images' list at the top level; is this a COCO-format "
+                                "annotation file?"),
+                       (cats, "'categories' must be a list of objects"),
+                       (anns, "'annotations' must be a list of objects")):
+        if not isinstance(v, list):
+            raise RoIDBInputError(f"{source}: {problem}")
 
     def img_label(i: int) -> str:
         iid = images[i].get("id") if isinstance(images[i], dict) else None
@@ -756,14 +750,10 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
                 fix="give the object's area in pixels (the mask area for COCO)")
     crowd = acol("iscrowd", _INT_OR_BOOL, np.int64, default=0, fix="use 0 or 1")
     ignore = acol("ignore", _NUM_OR_BOOL, np.float64, default=0, fix="use 0 or 1")
-    bbox = _bboxes(anns, source, lab)
-    seg_kind, poly_n, coord_n, coords, rles = _segms(anns, source, lab)
-    kp_len, kp_vals = _keypoints(anns, source, lab)
-    return RawCoco(source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
-                   file_names=names, ann_id=ann_id, ann_img=ann_img, ann_cat=ann_cat,
-                   ann_bbox=bbox, ann_area=area, ann_crowd=crowd, ann_ignore=ignore,
-                   seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords,
-                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, ann_base=ann_base, **extra)
+    # RawCoco's fields in order: _segms and _keypoints give the last seven
+    return RawCoco(source, cats, img_id, img_w, img_h, names, ann_id, ann_img, ann_cat,
+                   _bboxes(anns, source, lab), area, crowd, ignore, *_segms(anns, source, lab),
+                   *_keypoints(anns, source, lab), ann_base=ann_base, **extra)
 
 
 def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
