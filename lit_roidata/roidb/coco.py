@@ -90,10 +90,8 @@ def dataset_info_from_categories(name: str, categories: Sequence[dict], *, sourc
         classes = ("__background__", *class_order)
         pos = {n: i + 1 for i, n in enumerate(class_order)}
         j2c = {cid: pos[n] for cid, n in zip(cat_ids, cat_names)}
-    keypoints = None
-    for c in categories:
-        if c.get("name") == "person" and c.get("keypoints"):
-            keypoints = tuple(str(k) for k in c["keypoints"])
+    kps = [c["keypoints"] for c in categories if c.get("name") == "person" and c.get("keypoints")]
+    keypoints = tuple(str(k) for k in kps[-1]) if kps else None  # the last such category
     return DatasetInfo(
         name=name, classes=classes, json_category_id_to_contiguous_id=j2c,
         contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},

@@ -9,6 +9,7 @@ See docs/roidb.md ("Decoding in windows", "Bad input").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -311,11 +312,8 @@ def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES,
     Raises:
         RoIDBInputError: malformed JSON (file, line, column, byte) or a malformed record.
     """
-    dec = _Chunked.open(path, window_bytes, lvis)
-    try:
+    with _Chunked(path, window_bytes, lvis) as dec:
         return dec.collect()
-    finally:
-        dec.close()
 
 
 def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None) -> Any:
@@ -333,12 +331,9 @@ def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
     """
-    dec = _Chunked.open(path, window_bytes)
-    dec.mapper = mapper
-    try:
+    with _Chunked(path, window_bytes) as dec:
+        dec.mapper = mapper
         yield from dec.events()
-    finally:
-        dec.close()
 
 
 _OPEN: dict = {}
@@ -349,7 +344,7 @@ def decode_window(path: str, key: str, start: int, end: int) -> Optional[RawCoco
     end)`` from an element start to an element end (a mapper's work, in a worker
     process; the file stays mapped there): a :class:`RawCoco` of the images or of the
     annotations (``ann_base=0``); ``None`` if the typed decoder refuses the window."""
-    dec = _OPEN.get(path) or _OPEN.setdefault(path, _Chunked.open(path, 1))
+    dec = _OPEN.get(path) or _OPEN.setdefault(path, _Chunked(path, 1))
     cols = _typed_window(key, dec._window_text(start, end), path)
     dec._release(end)  # the window's pages: out of this worker's RSS
     return cols
@@ -376,29 +371,27 @@ def _rows(key: str, w: RawCoco) -> int:
 class _Chunked:
     """One :func:`decode_chunked` pass over a memory-mapped file."""
 
-    @classmethod
-    def open(cls, path: str, window_bytes: int, lvis: bool = False) -> "_Chunked":
+    def __init__(self, path: str, window_bytes: int, lvis: bool = False) -> None:
         """Map ``path`` (an empty file raises the malformed-JSON error)."""
         with open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
                 read_json(path, b"")
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        return cls(path, mm, max(1, int(window_bytes)), lvis)
-
-    def __init__(self, path: str, mm: mmap.mmap, window: int, lvis: bool) -> None:
-        self.path, self.mm, self.window, self.n, self.lvis = path, mm, window, len(mm), lvis
-        self.view = memoryview(mm)
+            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.path, self.window, self.lvis = path, max(1, int(window_bytes)), lvis
+        self.n = len(self.mm)
+        self.view = memoryview(self.mm)
         self.generic = False
         self.released = 0
         self.mapper: Any = None
 
-    def close(self) -> None:
+    def __enter__(self) -> "_Chunked":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         """Unmap the file (left to the GC while an error's traceback still views it)."""
-        try:
+        with contextlib.suppress(BufferError):
             self.view.release()
             self.mm.close()
-        except BufferError:
-            pass
 
     def _release(self, upto: int) -> None:
         """Drop the mapping's pages before ``upto`` (they stay in the page cache, out of
@@ -582,22 +575,17 @@ class _Chunked:
             m = min(_SCAN_BLOCK, n - p)
             a = np.frombuffer(self.mm, np.uint8, m, p)
             q = np.flatnonzero(a == 0x22)
-            if q.size:
-                esc = np.zeros(q.size, bool)
-                inner = q > 0
-                esc[inner] = a[q[inner] - 1] == 0x5C
-                if q[0] == 0 and bs_carry:
-                    esc[0] = True
-                if esc.any():  # a quote after backslashes: escaped if their run is odd
-                    keep = np.ones(q.size, bool)
-                    for j in np.flatnonzero(esc).tolist():
-                        x, run = int(q[j]) - 1, 0
-                        while x >= 0 and a[x] == 0x5C:
-                            run, x = run + 1, x - 1
-                        if x < 0:
-                            run += bs_carry
-                        keep[j] = run % 2 == 0
-                    q = q[keep]
+            esc = np.where(q > 0, a[q - 1] == 0x5C, bs_carry > 0)  # a backslash before
+            if esc.any():  # a quote after backslashes: escaped if their run is odd
+                keep = np.ones(q.size, bool)
+                for j in np.flatnonzero(esc).tolist():
+                    x, run = int(q[j]) - 1, 0
+                    while x >= 0 and a[x] == 0x5C:
+                        run, x = run + 1, x - 1
+                    if x < 0:
+                        run += bs_carry
+                    keep[j] = run % 2 == 0
+                q = q[keep]
             s = np.flatnonzero(_STRUCT[a])
             s = s[(np.searchsorted(q, s) + in_str) % 2 == 0]
             c = a[s]
@@ -765,7 +753,7 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
                               f"{urls[i]!r:.80}; expected a URL string such as "
                               f"'http://images.cocodataset.org/train2017/000000000139.jpg'.")
     out: dict = {"coco_urls": urls}
-    for key, short in (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh")):
+    for key, short in _LVIS_LISTS:
         lists = [im.get(key) or [] for im in images]
         bad = [i for i, v in enumerate(lists) if type(v) is not list
                or not set(map(type, v)) <= _INT or any(abs(x) >= 2 ** 63 for x in v)]

@@ -65,8 +65,6 @@ def decode_lvis(path: str, *, fast: bool = True) -> RawCoco:
 
 def _check_ids(raw: RawCoco, key: str, n: np.ndarray, ids: np.ndarray,
                known: np.ndarray) -> None:
-    if not ids.size:
-        return
     ok = np.isin(ids, known)
     if ok.all():
         return
