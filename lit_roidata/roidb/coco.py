@@ -252,8 +252,7 @@ class _GtBuilder:
     def _add(self, part: dict, counts: dict, unknown: np.ndarray) -> None:
         self.parts.append(part)
         self.counts.update(counts)
-        if unknown.size:
-            self.unknown_ids = np.unique(np.concatenate([self.unknown_ids, unknown]))[:5]
+        self.unknown_ids = np.unique(np.concatenate([self.unknown_ids, unknown]))[:5]
 
 
     def finish(self, info: DatasetInfo, categories: list) -> GtTable:
@@ -527,7 +526,7 @@ def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
                   f"or a compressed string", _RLE_FIX)
     if strs:
         c, off, bad = rle_string_counts(strs)
-        cs = np.concatenate([[0], np.cumsum(c)])
+        cs = offsets(c)
         sums = cs[off[1:]] - cs[off[:-1]]
         hw = np.array([out[i][0] * out[i][1] for i in str_rows], np.int64)
         wrong = bad | (sums != hw)

@@ -364,10 +364,6 @@ def _typed_window(key: str, buf: bytearray, source: str, lvis: bool = False
     return None if cols is None else RawCoco(source, **cols, decoder="fast")
 
 
-def _rows(key: str, w: RawCoco) -> int:
-    return len(w.img_id if key == "images" else w.ann_id)
-
-
 class _Chunked:
     """One :func:`decode_chunked` pass over a memory-mapped file."""
 
@@ -496,7 +492,7 @@ class _Chunked:
                 w = self._decode(key, pos, cut, count, False)
                 nxt = cut + 1 if last else self._ws(cut + 1)
             yield key, w, count
-            count += _rows(key, w)
+            count += len(w.img_id if key == "images" else w.ann_id)
             if last:
                 return nxt, count
             pos = nxt
