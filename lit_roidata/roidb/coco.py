@@ -279,8 +279,7 @@ class _GtBuilder:
                 ann_img=col("k_img", np.int64), ann_cat=col("k_cat", np.int64),
                 kp_len=col("k_len", np.int64), kp_vals=col("k_vals", np.float64),
                 ann_pos=col("k_pos", np.int64))
-            kp_table = _check_keypoints(kraw, np.ones(kraw.ann_id.size, bool), info,
-                                        self.required)
+            kp_table = _check_keypoints(kraw, info, self.required)
         pos = col("pos", np.int64)
         # annotations grouped by image in image order (many exports): no reordering
         grouped = pos.size < 2 or bool((pos[1:] >= pos[:-1]).all())
@@ -539,9 +538,9 @@ def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
     return out
 
 
-def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
-                     required: bool) -> Optional[Any]:
-    """Validate keypoints; returns ``rows -> int32 (G, 3, K)`` or ``None`` (no keypoints)."""
+def _check_keypoints(raw: RawCoco, info: DatasetInfo, required: bool) -> Optional[Any]:
+    """Validate the keypoints of annotations of known images; returns ``rows -> int32
+    (G, 3, K)`` or ``None`` (no keypoints)."""
     if info.keypoints is None:
         return None
     k = info.num_keypoints
@@ -549,7 +548,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
     present = kp_len > 0  # missing, null and [] all mean "no keypoints"
     if required:
         kp_cats = np.array(keypoint_category_ids(raw.categories), np.int64)
-        need = known & np.isin(raw.ann_cat, kp_cats) & ~present
+        need = np.isin(raw.ann_cat, kp_cats) & ~present
         if need.any():
             rows = np.flatnonzero(need)
             ex = ", ".join(raw.ann_label(int(i)) for i in rows[:5])
@@ -558,7 +557,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
                 f"'person' lists {k} keypoints, but {rows.size} 'person' annotation(s) have no "
                 f"'keypoints' field: {ex}. Add 'keypoints': [0, 0, 0] * {k} for objects "
                 f"without labelled keypoints (Detectron crashes here).")
-    wrong = known & present & (kp_len != 3 * k)
+    wrong = present & (kp_len != 3 * k)
     if wrong.any():
         rows = np.flatnonzero(wrong)
         i = int(rows[0])
@@ -573,7 +572,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
         with np.errstate(invalid="ignore"):
             bad_v = ~(np.abs(vals) < 2 ** 31)
         v_owner = np.repeat(np.arange(kp_len.size), np.maximum(kp_len, 0))
-        rows = np.unique(v_owner[bad_v & known[v_owner]])
+        rows = np.unique(v_owner[bad_v])
         if rows.size:
             _fail(raw, rows, "has a keypoint value that is not a finite number within the "
                   "int32 range", "Keypoints are [x1, y1, v1, ...] in pixels; use 0, 0, 0 for "

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter, methodcaller
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import msgspec
 import numpy as np
@@ -605,15 +605,11 @@ class _Chunked:
                                                  & (where >= target)))
             if stop.size:
                 j = int(stop[0])
-                at = int(where[j])
-                if depth[j] < 0:
-                    if chars[j] != 0x5D:
-                        self._syntax_error(at, "unbalanced brackets")
-                    return at, True
-                return at, False
+                if depth[j] < 0 and chars[j] != 0x5D:
+                    self._syntax_error(int(where[j]), "unbalanced brackets")
+                return int(where[j]), bool(depth[j] < 0)
         self._syntax_error(self.n, f"unexpected end of data: the {key!r} array is not "
                            f"closed")
-        raise AssertionError  # unreachable
 
     def _value_end(self, pos: int, what: str) -> int:
         """The end of the JSON value starting at ``pos`` (exclusive)."""
@@ -629,7 +625,7 @@ class _Chunked:
             self._syntax_error(pos, f"malformed value for {what}")
         return m.end()
 
-    def _syntax_error(self, pos: int, msg: str) -> None:
+    def _syntax_error(self, pos: int, msg: str) -> NoReturn:
         """Raise the malformed-JSON error for absolute byte ``pos``."""
         pos = min(max(pos, 0), self.n)
         line = 1 + sum(int(np.count_nonzero(np.frombuffer(

@@ -95,11 +95,8 @@ class DatasetInfo:
     def from_json(cls, d: dict) -> "DatasetInfo":
         """Inverse of :meth:`to_json`."""
         j2c = {int(k): int(v) for k, v in d["json_to_contiguous"]}
-        return cls(
-            name=d["name"],
-            classes=tuple(d["classes"]),
-            json_category_id_to_contiguous_id=j2c,
-            contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
-            keypoints=None if d["keypoints"] is None else tuple(d["keypoints"]),
-            keypoint_flip_map=d["keypoint_flip_map"],
-        )
+        return cls(name=d["name"], classes=tuple(d["classes"]),
+                   json_category_id_to_contiguous_id=j2c,
+                   contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
+                   keypoints=None if d["keypoints"] is None else tuple(d["keypoints"]),
+                   keypoint_flip_map=d["keypoint_flip_map"])
