@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-import cv2
 import numpy as np
 from filelock import FileLock, Timeout
 
 from lit_roidata.boxes import bbox_overlaps
-from lit_roidata.demo.shapes import DEMO_CATEGORIES, draw_image
+from lit_roidata.demo.shapes import DEMO_CATEGORIES, draw_image, write_jpeg
 from lit_roidata.osutil import atomic_write
 
 __all__ = ["DEMO_CATEGORIES", "DEMO_NUM_IMAGES", "DEMO_TRAIN_DATASETS", "DEMO_VAL_DATASETS",
@@ -63,18 +62,14 @@ def _proposals(rng: np.random.Generator, gt: np.ndarray, W: int, H: int
                ) -> tuple[np.ndarray, np.ndarray]:
     """Jittered gt boxes (high scores) plus random boxes, sorted by descending score."""
     total = int(rng.integers(100, 301))
-    per_gt = 24
-    if len(gt):
-        g = np.repeat(gt.astype(np.float64), per_gt, axis=0)
-        w, h = g[:, 2] - g[:, 0] + 1, g[:, 3] - g[:, 1] + 1
-        sigma = rng.choice([0.03, 0.08, 0.15, 0.3], size=len(g))
-        cx = g[:, 0] + 0.5 * w + rng.normal(0, 1, len(g)) * sigma * w
-        cy = g[:, 1] + 0.5 * h + rng.normal(0, 1, len(g)) * sigma * h
-        w = w * np.exp(rng.normal(0, 1, len(g)) * sigma)
-        h = h * np.exp(rng.normal(0, 1, len(g)) * sigma)
-        jit = np.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w - 1, cy + 0.5 * h - 1], 1)
-    else:
-        jit = np.zeros((0, 4))
+    g = np.repeat(gt.astype(np.float64), 24, axis=0)  # 24 jittered copies per gt box
+    w, h = g[:, 2] - g[:, 0] + 1, g[:, 3] - g[:, 1] + 1
+    sigma = rng.choice([0.03, 0.08, 0.15, 0.3], size=len(g))
+    cx = g[:, 0] + 0.5 * w + rng.normal(0, 1, len(g)) * sigma * w
+    cy = g[:, 1] + 0.5 * h + rng.normal(0, 1, len(g)) * sigma * h
+    w = w * np.exp(rng.normal(0, 1, len(g)) * sigma)
+    h = h * np.exp(rng.normal(0, 1, len(g)) * sigma)
+    jit = np.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w - 1, cy + 0.5 * h - 1], 1)
     n_rand = max(20, total - len(jit))
     x1, y1 = rng.uniform(0, W - 2, n_rand), rng.uniform(0, H - 2, n_rand)
     rw = np.exp(rng.uniform(np.log(4), np.log(W), n_rand))
@@ -85,10 +80,8 @@ def _proposals(rng: np.random.Generator, gt: np.ndarray, W: int, H: int
     boxes[:, 1::2] = boxes[:, 1::2].clip(0, H - 1)
     boxes[:, 2:] = np.maximum(boxes[:, 2:], boxes[:, :2])
     boxes = boxes.astype(np.float32)
-    if len(gt):
-        iou = bbox_overlaps(boxes, gt.astype(np.float32)).max(axis=1)
-    else:
-        iou = np.zeros(len(boxes), np.float32)
+    iou = (bbox_overlaps(boxes, gt.astype(np.float32)).max(axis=1) if len(gt)
+           else np.zeros(len(boxes), np.float32))
     scores = np.where(np.arange(len(boxes)) < len(jit),
                       0.3 + 0.7 * iou * rng.uniform(0.8, 1.0, len(boxes)),
                       rng.uniform(0.0, 0.4, len(boxes))).astype(np.float32)
@@ -110,8 +103,7 @@ def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: in
                                crowd=i % 8 == 3, size_range=_SIZE_RANGE)
         H, W = img.shape[:2]
         file_name = f"{name}_{image_id:07d}.jpg"
-        if not cv2.imwrite(str(img_dir / file_name), img, [cv2.IMWRITE_JPEG_QUALITY, 92]):
-            raise OSError(f"could not write demo image {img_dir / file_name}")
+        write_jpeg(img_dir / file_name, img)
         images.append({"id": image_id, "file_name": file_name, "width": W, "height": H})
         for ann in anns:
             ann_id += 1
@@ -122,14 +114,9 @@ def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: in
         prop_boxes.append(boxes)
         prop_scores.append(scores)
         prop_ids.append(image_id)
-    coco = {
-        "info": {"description": f"lit_roidata synthetic demo dataset {name}", "version": "1.0",
-                 "year": 2024},
-        "licenses": [],
-        "images": images,
-        "annotations": annotations,
-        "categories": [dict(c) for c in DEMO_CATEGORIES],
-    }
+    coco = {"info": {"description": f"lit_roidata synthetic demo dataset {name}",
+                     "version": "1.0", "year": 2024}, "licenses": [], "images": images,
+            "annotations": annotations, "categories": [dict(c) for c in DEMO_CATEGORIES]}
     (out / name / "annotations.json").write_text(json.dumps(coco))
     # The columnar proposal format (read without unpickling; see convert_proposals).
     np.savez(out / name / "proposals.npz", ids=np.asarray(prop_ids, np.int64),
@@ -287,11 +274,9 @@ def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed
     except (TypeError, ValueError):
         params = {}
     for name, info in layout.items():
-        extra: dict[str, Any] = {}
-        if "overwrite" in params:  # another demo root replaces the earlier registration
-            extra["overwrite"] = True
-        if "proposal_file" in params:
-            extra["proposal_file"] = info["proposal_file"]
+        # overwrite: another demo root replaces the earlier registration
+        extra = {k: v for k, v in (("overwrite", True), ("proposal_file", info["proposal_file"]))
+                 if k in params}
         result = catalog.register(name, info["image_dir"], info["annotation_file"],
                                   image_prefix="", **extra)
         if result is not None and hasattr(result, "register"):

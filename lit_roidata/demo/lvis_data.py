@@ -19,7 +19,7 @@ import cv2
 import numpy as np
 
 from lit_roidata.demo.data import build_once, count_jpegs
-from lit_roidata.demo.shapes import annotation, canvas, draw_shape, place
+from lit_roidata.demo.shapes import annotation, canvas, draw_shape, place, write_jpeg
 
 __all__ = ["LVIS_DEMO_DATASETS", "ensure_lvis_demo_data", "lvis_thresholds",
            "register_lvis_demo_datasets"]
@@ -141,8 +141,8 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
     split_index = list(_SPLITS).index(name)
     img_dir = root / "coco" / folder
     img_dir.mkdir(parents=True, exist_ok=True)
-    plan_rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 0]))
-    plan = _plan(plan_rng, n_img, targets, scale)
+    plan = _plan(np.random.default_rng(np.random.SeedSequence([seed, split_index, 0])), n_img,
+                 targets, scale)
     images, annotations = [], []
     ann_id = id_base * 10
     all_ids = np.arange(1, len(cats) + 1)
@@ -152,8 +152,7 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
         img, anns, not_exh = _draw(rng, cats, plan[i], size_range)
         H, W = img.shape[:2]
         fn = f"{image_id:012d}.jpg"
-        if not cv2.imwrite(str(img_dir / fn), img, [cv2.IMWRITE_JPEG_QUALITY, 92]):
-            raise OSError(f"could not write demo image {img_dir / fn}")
+        write_jpeg(img_dir / fn, img)
         present = {a["category_id"] for a in anns} | not_exh
         absent = np.setdiff1d(all_ids, sorted(present))
         n_neg = int(min(absent.size, rng.integers(0, 4)))
@@ -236,17 +235,14 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
 
 
 def _build(tmp: Path, wanted: dict[str, Any]) -> tuple[str, ...]:
-    n_train, n_val = wanted["num_images"]["lvis_demo_train"], wanted["num_images"]["lvis_demo_val"]
+    counts, seed = wanted["num_images"], wanted["seed"]
+    n_train = counts["lvis_demo_train"]
     cats = _categories(wanted["num_categories"])
     thresholds = lvis_thresholds(n_train)
-    size_range = tuple(wanted["size_range"])
-    seed = wanted["seed"]
     targets = _targets(np.random.default_rng(np.random.SeedSequence([seed, 99])), n_train,
                        len(cats), *thresholds)
-    splits = {"lvis_demo_train": _make_split(tmp, "lvis_demo_train", n_train, seed, cats,
-                                             targets, 1.0, size_range),
-              "lvis_demo_val": _make_split(tmp, "lvis_demo_val", n_val, seed, cats,
-                                           targets, n_val / n_train, size_range)}
+    splits = {name: _make_split(tmp, name, n, seed, cats, targets, n / n_train,
+                                tuple(wanted["size_range"])) for name, n in counts.items()}
     records = _category_records(cats, *splits["lvis_demo_train"], thresholds)
     (tmp / "lvis").mkdir()
     for name, (images, anns) in splits.items():

@@ -25,15 +25,13 @@ log = logging.getLogger(__name__)
 #: arch → (torchvision builder, family). ``fastrcnn_resnet50_fpn`` is Faster R-CNN's FPN
 #: backbone and RoI heads fed with the loader's precomputed proposals (no RPN).
 ARCHS: dict[str, tuple[str, str]] = {
-    "fasterrcnn_resnet50_fpn": ("fasterrcnn_resnet50_fpn", "rcnn"),
-    "fasterrcnn_mobilenet_v3_large_fpn": ("fasterrcnn_mobilenet_v3_large_fpn", "rcnn"),
-    "maskrcnn_resnet50_fpn": ("maskrcnn_resnet50_fpn", "rcnn"),
-    "keypointrcnn_resnet50_fpn": ("keypointrcnn_resnet50_fpn", "rcnn"),
+    **{a: (a, "rcnn") for a in ("fasterrcnn_resnet50_fpn", "fasterrcnn_mobilenet_v3_large_fpn",
+                                "maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn")},
     "retinanet_resnet50_fpn": ("retinanet_resnet50_fpn", "retinanet"),
     "fastrcnn_resnet50_fpn": ("fasterrcnn_resnet50_fpn", "fast"),
 }
 
-_DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
+DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -57,19 +55,17 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
         steps = list(range(size, top, size))
     test = cfg.TEST
     return {
-        "num_classes": int(cfg.MODEL.NUM_CLASSES),
-        "lr": float(s["BASE_LR"]), "momentum": float(s["MOMENTUM"]),
-        "weight_decay": float(s["WEIGHT_DECAY"]), "lr_steps": [x for x in steps if x > 0],
-        "gamma": float(s["GAMMA"]), "warmup_iters": int(s["WARM_UP_ITERS"]),
-        "warmup_factor": float(s["WARM_UP_FACTOR"]),
+        "num_classes": int(cfg.MODEL.NUM_CLASSES), "lr": float(s["BASE_LR"]),
+        "momentum": float(s["MOMENTUM"]), "weight_decay": float(s["WEIGHT_DECAY"]),
+        "lr_steps": [x for x in steps if x > 0], "gamma": float(s["GAMMA"]),
+        "warmup_iters": int(s["WARM_UP_ITERS"]), "warmup_factor": float(s["WARM_UP_FACTOR"]),
         "warmup_method": str(s["WARM_UP_METHOD"]),
         "bias_lr_factor": 2.0 if s.get("BIAS_DOUBLE_LR", True) else 1.0,
         "bias_weight_decay": bool(s.get("BIAS_WEIGHT_DECAY", False)),
         "score_thresh": float(test.get("SCORE_THRESH", 0.05)),
         "nms_thresh": float(test.get("NMS", 0.5)),
         "detections_per_img": int(test.get("DETECTIONS_PER_IM", 100)),
-        "pixel_means": tuple(float(v) for v in cfg.PIXEL_MEANS),
-    }
+        "pixel_means": tuple(float(v) for v in cfg.PIXEL_MEANS)}
 
 
 def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_iters: int,
@@ -177,7 +173,7 @@ class TorchvisionDetector(pl.LightningModule):
                  backbone: Optional[str] = None, trainable_backbone_layers: Optional[int] = None,
                  num_keypoints: int = 17,
                  normalize: Literal["auto", "detectron", "torchvision"] = "auto",
-                 pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+                 pixel_means: tuple[float, float, float] = DETECTRON_PIXEL_MEANS,
                  lr: float = 0.02, momentum: float = 0.9, weight_decay: float = 1e-4,
                  lr_steps: Sequence[int] = (), gamma: float = 0.1, warmup_iters: int = 500,
                  warmup_factor: float = 1.0 / 3.0,
@@ -226,14 +222,8 @@ class TorchvisionDetector(pl.LightningModule):
         hp = self.hparams
         builder_name = ARCHS[hp.arch][0]
         kwargs: dict[str, Any] = dict(hp.detector_kwargs or {})
-        if self.family == "retinanet":
-            kwargs.setdefault("score_thresh", hp.score_thresh)
-            kwargs.setdefault("nms_thresh", hp.nms_thresh)
-            kwargs.setdefault("detections_per_img", hp.detections_per_img)
-        else:
-            kwargs.setdefault("box_score_thresh", hp.score_thresh)
-            kwargs.setdefault("box_nms_thresh", hp.nms_thresh)
-            kwargs.setdefault("box_detections_per_img", hp.detections_per_img)
+        for key in ("score_thresh", "nms_thresh", "detections_per_img"):  # box_*: R-CNN's names
+            kwargs.setdefault(("" if self.family == "retinanet" else "box_") + key, hp[key])
         if hp.arch.startswith("keypointrcnn"):
             kwargs.setdefault("num_keypoints", hp.num_keypoints)
         body = hp.backbone or ("mobilenet_v3_large" if "mobilenet" in builder_name else "resnet50")
@@ -421,16 +411,13 @@ class TorchvisionDetector(pl.LightningModule):
         for t in targets:
             d: dict[str, Any] = {"boxes": tensor(t["boxes"]).float().reshape(-1, 4),
                                  "labels": tensor(t["labels"]).long()}
-            if self.hparams.arch.startswith("maskrcnn"):
-                if "masks" not in t:
-                    raise KeyError("maskrcnn needs target masks: use model_type mask_rcnn_fpn "
-                                   "(MODEL.MASK_ON) in the data module")
-                d["masks"] = tensor(t["masks"])
-            if self.hparams.arch.startswith("keypointrcnn"):
-                if "keypoints" not in t:
-                    raise KeyError("keypointrcnn needs target keypoints: use model_type "
-                                   "keypoint_rcnn_fpn (MODEL.KEYPOINTS_ON) in the data module")
-                d["keypoints"] = tensor(t["keypoints"]).float()
+            for arch, key, flag in (("maskrcnn", "masks", "mask_rcnn_fpn (MODEL.MASK_ON)"), (
+                    "keypointrcnn", "keypoints", "keypoint_rcnn_fpn (MODEL.KEYPOINTS_ON)")):
+                if self.hparams.arch.startswith(arch):
+                    if key not in t:
+                        raise KeyError(f"{arch} needs target {key}: use model_type {flag} in "
+                                       f"the data module")
+                    d[key] = tensor(t[key]).float() if key == "keypoints" else tensor(t[key])
             if self.family == "fast":
                 p = t.get("proposals")
                 p = torch.zeros((0, 4)) if p is None else p

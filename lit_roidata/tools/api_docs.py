@@ -19,39 +19,22 @@ from typing import Any, Optional, Sequence
 
 __all__ = ["MODULES", "render", "main"]
 
+# The public names listed of some modules (others: the module's ``__all__``).
+_NAMES: dict[str, Optional[list[str]]] = {
+    "datamodule": ["RoIDataModule"],
+    "options": ["DatasetOptions", "SourceOptions", "LoaderOptions", "OutputOptions",
+                "SamplingOptions", "AugmentOptions", "as_options"],
+    "lightning": ["cli_main", "main"], "callbacks": [],
+    "minibatch.model_type": ["flags_for_model_type", "blob_family"],
+    "tools.dump_blobs": ["dump_blobs"], "tools.bench": ["bench_loader"]}
 #: Modules documented, in page order, with their public names (``None``: the module's
 #: ``__all__``). Only classes and functions are listed.
 MODULES: list[tuple[str, Optional[list[str]]]] = [
-    ("lit_roidata.datamodule", ["RoIDataModule"]),
-    ("lit_roidata.options", ["DatasetOptions", "SourceOptions", "LoaderOptions",
-                             "OutputOptions", "SamplingOptions", "AugmentOptions",
-                             "as_options"]),
-    ("lit_roidata.cli", None),
-    ("lit_roidata.resume", None),
-    ("lit_roidata.lightning", ["cli_main", "main"]),
-    ("lit_roidata.config", None),
-    ("lit_roidata.catalog", None),
-    ("lit_roidata.roidb", None),
-    ("lit_roidata.roidb.proposal_files", None),
-    ("lit_roidata.roidb.repeat_factors", None),
-    ("lit_roidata.sampler", None),
-    ("lit_roidata.loader", None),
-    ("lit_roidata.dataset", None),
-    ("lit_roidata.minibatch", None),
-    ("lit_roidata.minibatch.device", None),
-    ("lit_roidata.minibatch.model_type", ["flags_for_model_type", "blob_family"]),
-    ("lit_roidata.skip", None),
-    ("lit_roidata.progress", None),
-    ("lit_roidata.evaluation", None),
-    ("lit_roidata.lvis_evaluation", None),
-    ("lit_roidata.callbacks", []),
-    ("lit_roidata.broadcast", None),
-    ("lit_roidata.weights", None),
-    ("lit_roidata.exchange", None),
-    ("lit_roidata.demo", None),
-    ("lit_roidata.tools.dump_blobs", ["dump_blobs"]),
-    ("lit_roidata.tools.bench", ["bench_loader"]),
-]
+    (f"lit_roidata.{m}", _NAMES.get(m)) for m in (
+        "datamodule options cli resume lightning config catalog roidb roidb.proposal_files "
+        "roidb.repeat_factors sampler loader dataset minibatch minibatch.device "
+        "minibatch.model_type skip progress evaluation lvis_evaluation callbacks broadcast "
+        "weights exchange demo tools.dump_blobs tools.bench").split()]
 
 _HEADER = """# API reference
 

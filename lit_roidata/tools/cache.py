@@ -34,10 +34,8 @@ def _size(path: str) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:
-                pass
     return total
 
 
@@ -120,9 +118,8 @@ def clean_caches(root: str, *, all_: bool = False, older_than_days: Optional[flo
     if all_ and not dry_run and os.path.isdir(root):
         for name in os.listdir(root):  # leftovers of interrupted builds, fingerprint memo
             p = os.path.join(root, name)
-            if name.startswith((".tmp-", ".trash-")) and now - os.path.getmtime(p) > 3600:
-                shutil.rmtree(p, ignore_errors=True)
-            elif name == ".fingerprints":
+            if name == ".fingerprints" or (name.startswith((".tmp-", ".trash-"))
+                                           and now - os.path.getmtime(p) > 3600):
                 shutil.rmtree(p, ignore_errors=True)
     return removed, kept
 

@@ -66,9 +66,7 @@ def _existing_data(root: str, seed: int, size: Optional[dict[str, Any]]) -> Opti
     if not path.is_dir():
         return f"{root} exists and is not a folder"
     entries = [e for e in path.iterdir() if e.name != ".demo_data.lock"]
-    if not entries:
-        return None
-    if demo.is_demo_data(path, seed=seed, num_images=size):
+    if not entries or demo.is_demo_data(path, seed=seed, num_images=size):
         return None
     return (f"{root} already holds other data ({len(entries)} entries: not the demo data "
             f"for seed {seed} and these sizes)")
