@@ -73,11 +73,8 @@ def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_
     """Detectron's ``steps_with_decay`` (0 steps ignored) × warm-up factor at ``it``."""
     mult = gamma ** sum(it >= s for s in steps if s > 0)
     if it < warmup_iters:
-        if warmup_method == "constant":
-            mult *= warmup_factor
-        else:
-            alpha = it / warmup_iters
-            mult *= warmup_factor * (1 - alpha) + alpha
+        alpha = 0.0 if warmup_method == "constant" else it / warmup_iters
+        mult *= warmup_factor * (1 - alpha) + alpha
     return mult
 
 
@@ -93,8 +90,7 @@ def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
         def resize(self, image: torch.Tensor, target: Optional[dict] = None) -> tuple:
             return image, target
 
-        def postprocess(self, result: list, image_shapes: list, original_image_sizes: list
-                        ) -> list:
+        def postprocess(self, result: list, image_shapes: list, original_image_sizes: list) -> list:
             return result
 
     return _KeepSize(min_size=1, max_size=1 << 30, image_mean=[0.0, 0.0, 0.0],
@@ -104,11 +100,9 @@ def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
 def _weight_enum(builder_name: str, name: str, backbone: Optional[str]) -> Any:
     """A torchvision weight enum from a name such as ``COCO_V1``, ``DEFAULT`` or
     ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (no download happens here)."""
-    from torchvision.models import get_model_builder, get_model_weights
+    from torchvision.models import get_model_builder, get_model_weights, get_weight
 
     if "." in name:
-        from torchvision.models import get_weight
-
         return get_weight(name)
     enum = get_model_weights(get_model_builder(backbone or builder_name))
     try:
@@ -192,19 +186,19 @@ class TorchvisionDetector(pl.LightningModule):
                              f"(MODEL.NUM_CLASSES counts the background)")
         if warmup_method not in ("linear", "constant"):
             raise ValueError(f"warmup_method={warmup_method!r}; choose linear or constant")
+        tv_weights = weights is not None and not _is_path(weights)
+        tv_backbone = weights_backbone is not None and not _is_path(weights_backbone)
         if backbone is not None:
             if "mobilenet" in arch:
                 raise ValueError(f"backbone={backbone!r} applies to the ResNet archs, not {arch}")
             if backbone not in ("resnet18", "resnet34", "resnet50", "resnet101"):
                 raise ValueError(f"backbone={backbone!r}; choose resnet18, resnet34, resnet50 "
                                  f"or resnet101")
-            if weights is not None and not _is_path(weights) and backbone != "resnet50":
+            if tv_weights and backbone != "resnet50":
                 raise ValueError(f"torchvision weights {weights!r} are for ResNet-50; with "
                                  f"backbone={backbone!r} use weights_backbone instead")
         self.save_hyperparameters()
         self.family = ARCHS[arch][1]
-        tv_weights = weights is not None and not _is_path(weights)
-        tv_backbone = weights_backbone is not None and not _is_path(weights_backbone)
         if normalize == "auto":
             normalize = "torchvision" if (tv_weights or tv_backbone) else "detectron"
         self.normalize_mode = normalize
@@ -266,13 +260,13 @@ class TorchvisionDetector(pl.LightningModule):
     def _anchor_generator(self, sizes: list[float]) -> nn.Module:
         from torchvision.models.detection.anchor_utils import AnchorGenerator
 
-        ratios = (0.5, 1.0, 2.0)
         if "mobilenet" in self.hparams.arch:  # one set of sizes on each of its 3 maps
-            return AnchorGenerator((tuple(sizes),) * 3, (ratios,) * 3)
-        if self.family == "retinanet":
+            per = (tuple(sizes),) * 3
+        elif self.family == "retinanet":
             per = tuple((s, s * 2 ** (1 / 3), s * 2 ** (2 / 3)) for s in sizes)
-            return AnchorGenerator(per, (ratios,) * len(sizes))
-        return AnchorGenerator(tuple((s,) for s in sizes), (ratios,) * len(sizes))
+        else:
+            per = tuple((s,) for s in sizes)
+        return AnchorGenerator(per, ((0.5, 1.0, 2.0),) * len(per))
 
     def _build_custom(self, body: str, weights_backbone: Any, kwargs: dict[str, Any]
                       ) -> nn.Module:
@@ -380,17 +374,15 @@ class TorchvisionDetector(pl.LightningModule):
 
     def _prepare(self, img: torch.Tensor, *, rgb_uint8: bool) -> torch.Tensor:
         """One image in the network's input space (see ``normalize``)."""
-        means = self._means.to(img.device)
+        x, means = img.float(), self._means.to(img.device)
         if img.dtype == torch.uint8:
-            x = img.float()
             bgr = x.flip(0) if rgb_uint8 else x
             if self.normalize_mode == "detectron":
                 return bgr - means
             rgb = bgr.flip(0) / 255.0
-        else:  # Detectron's blob: BGR minus PIXEL_MEANS
-            x = img.float()
-            if self.normalize_mode == "detectron":
-                return x
+        elif self.normalize_mode == "detectron":  # Detectron's blob: BGR minus PIXEL_MEANS
+            return x
+        else:
             rgb = (x + means).flip(0) / 255.0
         mean = rgb.new_tensor(_IMAGENET_MEAN).view(3, 1, 1)
         std = rgb.new_tensor(_IMAGENET_STD).view(3, 1, 1)
