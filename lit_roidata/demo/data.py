@@ -93,9 +93,7 @@ def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: in
     """Write ``out/<name>/{images/, annotations.json, proposals.npz}``."""
     img_dir = out / name / "images"
     img_dir.mkdir(parents=True)
-    images, annotations = [], []
-    prop_boxes, prop_scores, prop_ids = [], [], []
-    ann_id = _ID_BASE[name]
+    images, annotations, props = [], [], []
     for i in range(num_images):
         rng = np.random.default_rng(np.random.SeedSequence([seed, ds_index, i]))
         image_id = _ID_BASE[name] + 3 * i + 1
@@ -105,24 +103,21 @@ def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: in
         file_name = f"{name}_{image_id:07d}.jpg"
         write_jpeg(img_dir / file_name, img)
         images.append({"id": image_id, "file_name": file_name, "width": W, "height": H})
-        for ann in anns:
-            ann_id += 1
-            annotations.append({"id": ann_id, "image_id": image_id, **ann})
+        annotations += [{"image_id": image_id, **a} for a in anns]
         gt = np.array([[a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2] - 1,
                         a["bbox"][1] + a["bbox"][3] - 1] for a in anns]).reshape(-1, 4)
-        boxes, scores = _proposals(rng, gt, W, H)
-        prop_boxes.append(boxes)
-        prop_scores.append(scores)
-        prop_ids.append(image_id)
+        props.append((image_id, *_proposals(rng, gt, W, H)))
+    annotations = [{"id": _ID_BASE[name] + j, **a} for j, a in enumerate(annotations, 1)]
     coco = {"info": {"description": f"lit_roidata synthetic demo dataset {name}",
                      "version": "1.0", "year": 2024}, "licenses": [], "images": images,
             "annotations": annotations, "categories": [dict(c) for c in DEMO_CATEGORIES]}
     (out / name / "annotations.json").write_text(json.dumps(coco))
     # The columnar proposal format (read without unpickling; see convert_proposals).
-    np.savez(out / name / "proposals.npz", ids=np.asarray(prop_ids, np.int64),
-             counts=np.asarray([len(b) for b in prop_boxes], np.int64),
-             boxes=np.concatenate(prop_boxes).astype(np.float32, copy=False),
-             scores=np.concatenate(prop_scores).astype(np.float32, copy=False))
+    ids, boxes, scores = zip(*props)
+    np.savez(out / name / "proposals.npz", ids=np.asarray(ids, np.int64),
+             counts=np.asarray([len(b) for b in boxes], np.int64),
+             boxes=np.concatenate(boxes).astype(np.float32, copy=False),
+             scores=np.concatenate(scores).astype(np.float32, copy=False))
 
 
 def _layout(root: Path, counts: Mapping[str, int]) -> dict[str, dict[str, Any]]:
@@ -281,10 +276,6 @@ def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed
                                   image_prefix="", **extra)
         if result is not None and hasattr(result, "register"):
             catalog = result
-    return DemoDatasets(
-        train_datasets=DEMO_TRAIN_DATASETS,
-        train_proposal_files=tuple(layout[n]["proposal_file"] for n in DEMO_TRAIN_DATASETS),
-        val_datasets=DEMO_VAL_DATASETS,
-        val_proposal_files=tuple(layout[n]["proposal_file"] for n in DEMO_VAL_DATASETS),
-        catalog=catalog,
-    )
+    files = {name: info["proposal_file"] for name, info in layout.items()}
+    return DemoDatasets(DEMO_TRAIN_DATASETS, tuple(files[n] for n in DEMO_TRAIN_DATASETS),
+                        DEMO_VAL_DATASETS, tuple(files[n] for n in DEMO_VAL_DATASETS), catalog)

@@ -53,11 +53,9 @@ def _categories(num_categories: int) -> list[dict[str, Any]]:
     for k in range(num_categories):
         shape, shape_name = _SHAPES[k % len(_SHAPES)]
         col = k // len(_SHAPES)
-        if n_col <= len(_COLOURS):
-            cname, deg = _COLOURS[col * len(_COLOURS) // n_col]
-        else:
-            deg = int(round(360 * col / n_col))
-            cname = f"hue{deg}"
+        deg = int(round(360 * col / n_col))  # more colours than named: evenly spaced hues
+        cname, deg = (_COLOURS[col * len(_COLOURS) // n_col] if n_col <= len(_COLOURS)
+                      else (f"hue{deg}", deg))
         bgr = cv2.cvtColor(np.uint8([[[deg // 2, 230, 210]]]), cv2.COLOR_HSV2BGR)[0, 0]
         name = f"{cname}_{shape_name}"
         out.append({"id": k + 1, "name": name, "synonyms": [name],
@@ -144,7 +142,6 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
     plan = _plan(np.random.default_rng(np.random.SeedSequence([seed, split_index, 0])), n_img,
                  targets, scale)
     images, annotations = [], []
-    ann_id = id_base * 10
     all_ids = np.arange(1, len(cats) + 1)
     for i in range(n_img):
         rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 1, i]))
@@ -163,28 +160,22 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
             "flickr_url": f"http://farm1.staticflickr.com/demo/{fn}",
             "date_captured": "2013-11-14 16:28:13",
             "neg_category_ids": neg, "not_exhaustive_category_ids": sorted(not_exh)})
-        for a in anns:
-            ann_id += 1
-            annotations.append({"id": ann_id, "image_id": image_id, **a})
-    return images, annotations
+        annotations += [{"image_id": image_id, **a} for a in anns]
+    return images, [{"id": id_base * 10 + j, **a} for j, a in enumerate(annotations, 1)]
 
 
-def _category_records(cats: list[dict], train_images: list, train_anns: list,
-                      thresholds: tuple[int, int]) -> list[dict]:
+def _category_records(cats: list[dict], train_anns: list, thresholds: tuple[int, int]
+                      ) -> list[dict]:
     rare_max, common_max = thresholds
     img_sets: dict[int, set] = {c["id"]: set() for c in cats}
     inst = dict.fromkeys(img_sets, 0)
     for a in train_anns:
         img_sets[a["category_id"]].add(a["image_id"])
         inst[a["category_id"]] += 1
-    out = []
-    for c in cats:
-        n = len(img_sets[c["id"]])
-        freq = "r" if n <= rare_max else "c" if n <= common_max else "f"
-        rec = {k: v for k, v in c.items() if not k.startswith("_")}
-        rec.update(frequency=freq, image_count=n, instance_count=inst[c["id"]])
-        out.append(rec)
-    return out
+    return [{**{k: v for k, v in c.items() if not k.startswith("_")},
+             "frequency": "r" if n <= rare_max else "c" if n <= common_max else "f",
+             "image_count": n, "instance_count": inst[c["id"]]}
+            for c, n in ((c, len(img_sets[c["id"]])) for c in cats)]
 
 
 def _layout(root: Path, counts: dict[str, int]) -> dict[str, dict[str, Any]]:
@@ -243,7 +234,7 @@ def _build(tmp: Path, wanted: dict[str, Any]) -> tuple[str, ...]:
                        len(cats), *thresholds)
     splits = {name: _make_split(tmp, name, n, seed, cats, targets, n / n_train,
                                 tuple(wanted["size_range"])) for name, n in counts.items()}
-    records = _category_records(cats, *splits["lvis_demo_train"], thresholds)
+    records = _category_records(cats, splits["lvis_demo_train"][1], thresholds)
     (tmp / "lvis").mkdir()
     for name, (images, anns) in splits.items():
         doc = {"info": {"description": f"lit_roidata synthetic LVIS v1-format data ({name})",
