@@ -9,6 +9,7 @@ a small fake roidb: every call with the same seed yields the same alignment meta
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,14 +65,12 @@ def demo_batches(seed: int, num_batches: int, *, image_size: tuple[int, int] = (
     """
     import torch
 
-    stream = demo_alignment_stream(seed, **stream_kwargs)
     out = []
-    for _ in range(num_batches):
-        meta = next(stream)
+    for meta in itertools.islice(demo_alignment_stream(seed, **stream_kwargs), num_batches):
         images = []
         for image_id, flipped in zip(meta["image_ids"], meta["flipped"]):
-            rng = np.random.default_rng(image_id)
-            img = rng.integers(0, 256, size=(3, *image_size), dtype=np.uint8)
+            img = np.random.default_rng(image_id).integers(0, 256, size=(3, *image_size),
+                                                           dtype=np.uint8)
             images.append(img[:, :, ::-1] if flipped else img)
         out.append({"data": torch.from_numpy(np.ascontiguousarray(np.stack(images))),
                     "_meta": {k: torch.tensor(v) for k, v in meta.items()}})

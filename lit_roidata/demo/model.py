@@ -263,12 +263,12 @@ class DemoFastRCNN(pl.LightningModule):
         probs = F.softmax(cls_logits.float(), dim=1).cpu().numpy()
         deltas = bbox_pred.float().cpu().numpy()
         rois = torch.as_tensor(rois).reshape(-1, 5).cpu().numpy()
-        C = self.hparams.num_classes
-        if self.hparams.cls_agnostic_bbox_reg:
+        hp = self.hparams
+        C = hp.num_classes
+        if hp.cls_agnostic_bbox_reg:
             deltas = np.tile(deltas[:, 4:8], (1, C))
         deltas = deltas.reshape(-1, C, 4).copy()
         deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], BBOX_XFORM_CLIP)
-        hp = self.hparams
         results = []
         for b, image_id in enumerate(meta["image_ids"]):
             sel = rois[:, 0] == b

@@ -480,10 +480,7 @@ class TorchvisionDetector(pl.LightningModule):
             (x, y, score) for Mask / Keypoint R-CNN.
         """
         images, meta = self._eval_inputs(batch)
-        if self.family == "fast":
-            raw = self._detect_fast(images, batch)
-        else:
-            raw = self.net(images)
+        raw = self._detect_fast(images, batch) if self.family == "fast" else self.net(images)
         return [self._to_original(r, meta, i) for i, r in enumerate(raw)]
 
     def _detect_fast(self, images: list[torch.Tensor], batch: Mapping[str, Any]) -> list[dict]:
@@ -491,11 +488,9 @@ class TorchvisionDetector(pl.LightningModule):
             raise KeyError("fastrcnn_resnet50_fpn needs proposals at test time: give the "
                            "data module val/test proposal files")
         rois = torch.as_tensor(batch["rois"]).float().reshape(-1, 5).to(self.device)
-        scales = batch["_meta"]["im_scales"]
         proposals = []
-        for b in range(len(images)):
-            r = rois[rois[:, 0] == b, 1:]
-            s = float(scales[b])  # Detectron inclusive boxes × s -> continuous edges
+        for b, s in enumerate(float(s) for s in batch["_meta"]["im_scales"][:len(images)]):
+            r = rois[rois[:, 0] == b, 1:]  # Detectron inclusive boxes × s -> continuous edges
             proposals.append(r + r.new_tensor([0.0, 0.0, s, s]))
         il, _ = self.net.transform(images)
         feats = self.net.backbone(il.tensors)
@@ -512,9 +507,7 @@ class TorchvisionDetector(pl.LightningModule):
         out: dict[str, Any] = {
             "image_id": int(meta["image_ids"][i]), "dataset": str(meta["datasets"][i]),
             "boxes": (boxes - boxes.new_tensor([0.0, 0.0, 1.0, 1.0])).cpu().numpy(),
-            "scores": r["scores"].float().cpu().numpy(),
-            "labels": r["labels"].long().cpu().numpy(),
-        }
+            "scores": r["scores"].float().cpu().numpy(), "labels": r["labels"].long().cpu().numpy()}
         if "masks" in r:
             out["masks"] = self._mask_rles(r["masks"], boxes, H, W)
         if "keypoints" in r:

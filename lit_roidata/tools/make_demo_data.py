@@ -45,9 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from lit_roidata.demo import ensure_demo_data
 
     layout = ensure_demo_data(args.root, seed=args.seed, num_images=args.size)
-    table = Table(title=f"demo data in {args.root}")
-    for col in ("dataset", "images", "annotation file", "proposal file"):
-        table.add_column(col)
+    table = Table("dataset", "images", "annotation file", "proposal file",
+                  title=f"demo data in {args.root}")
     for name, info in layout.items():
         table.add_row(name, str(info["num_images"]), info["annotation_file"],
                       info["proposal_file"])
