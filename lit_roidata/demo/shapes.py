@@ -14,6 +14,7 @@ import numpy as np
 from pycocotools import mask as mask_utils
 
 from lit_roidata.roidb.info import COCO_KEYPOINT_NAMES
+from lit_roidata.roidb.segms import mask_to_uncompressed_counts
 
 __all__ = ["COCO_KEYPOINT_NAMES", "DEMO_CATEGORIES", "annotation", "canvas", "draw_image",
            "draw_shape", "place", "rle_uncompressed", "write_jpeg"]
@@ -50,12 +51,8 @@ def write_jpeg(path: Any, img: np.ndarray) -> None:
 
 def rle_uncompressed(mask: np.ndarray) -> dict[str, Any]:
     """COCO's uncompressed RLE (column-major runs, starting with zeros), as in crowd JSON."""
-    flat = np.asarray(mask, dtype=np.uint8).reshape(-1, order="F")
-    bounds = np.concatenate([[0], np.flatnonzero(np.diff(flat)) + 1, [flat.size]])
-    counts = np.diff(bounds).tolist()
-    if flat.size and flat[0] == 1:
-        counts = [0] + counts
-    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
+    return {"size": [int(mask.shape[0]), int(mask.shape[1])],
+            "counts": mask_to_uncompressed_counts(mask)}
 
 
 def draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> np.ndarray | None:
