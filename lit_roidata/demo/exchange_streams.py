@@ -41,9 +41,8 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     from lit_roidata.sampler import RoIBatchSampler
 
     half = num_images // 2
-    w0 = np.where(np.arange(half) % 2 == 0, 640, 480)
-    h0 = np.where(np.arange(half) % 2 == 0, 480, 640)
-    widths, heights = np.tile(w0, 2), np.tile(h0, 2)
+    landscape = np.tile(np.arange(half) % 2 == 0, 2)
+    widths, heights = np.where(landscape, 640, 480), np.where(landscape, 480, 640)
     ids = np.tile(np.arange(100, 100 + half), 2)
     sampler = RoIBatchSampler(widths, heights, ims_per_batch, seed=seed, infinite=True)
     for block in sampler:

@@ -235,11 +235,9 @@ class DemoFastRCNN(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        if hp.optimizer == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9,
-                                  weight_decay=hp.weight_decay)
-        else:
-            opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        extra = {"momentum": 0.9} if hp.optimizer == "sgd" else {}  # as Detectron
+        opt = (torch.optim.SGD if extra else torch.optim.AdamW)(
+            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, **extra)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
             detectron_lr_multiplier, steps=tuple(hp.lr_steps), gamma=hp.gamma,
             warmup_iters=hp.warmup_iters, warmup_factor=hp.warmup_factor))

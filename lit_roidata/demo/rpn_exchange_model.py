@@ -54,18 +54,14 @@ class RPNExchangeDemo(pl.LightningModule):
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-level RPN probabilities and box deltas (logits kept for the loss)."""
-        x = images.float()
-        if images.dtype == torch.uint8:
-            x = x / 255.0
-        feat = self.stem(x)
+        feat = self.stem(images.float() / 255.0 if images.dtype == torch.uint8 else images.float())
         for _ in range(2, self.levels[0]):
             feat = nn.functional.max_pool2d(feat, 2, ceil_mode=True)
         out: dict[str, torch.Tensor] = {}
         for i, lvl in enumerate(self.levels):
             if i:
                 feat = torch.relu(self.downs[i - 1](feat))
-            logits = self.cls(feat)
-            out[f"rpn_cls_logits_fpn{lvl}"] = logits
+            out[f"rpn_cls_logits_fpn{lvl}"] = logits = self.cls(feat)
             out[f"rpn_cls_probs_fpn{lvl}"] = torch.sigmoid(logits)
             out[f"rpn_bbox_pred_fpn{lvl}"] = self.bbox(feat)
         return out

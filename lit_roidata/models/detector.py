@@ -228,12 +228,10 @@ class TorchvisionDetector(pl.LightningModule):
         if hp.trainable_backbone_layers is not None:
             kwargs["trainable_backbone_layers"] = hp.trainable_backbone_layers
         builder = get_model_builder(builder_name)
-        if tv_weights:
-            enum = _weight_enum(builder_name, hp.weights, False)
-            net = builder(weights=enum, **kwargs)
-            self._reset_heads(net)
-        else:
-            net = builder(weights=None, num_classes=hp.num_classes, **kwargs)
+        if not tv_weights:
+            return self._finish(builder(weights=None, num_classes=hp.num_classes, **kwargs))
+        net = builder(weights=_weight_enum(builder_name, hp.weights, None), **kwargs)
+        self._reset_heads(net)
         return self._finish(net)
 
     def _finish(self, net: nn.Module) -> nn.Module:
