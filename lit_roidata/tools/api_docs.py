@@ -48,8 +48,12 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _first_paragraph(obj: Any) -> str:
-    doc = inspect.getdoc(obj) or ""
-    return doc.strip().split("\n\n")[0].strip()
+    return (inspect.getdoc(obj) or "").strip().split("\n\n")[0].strip()
+
+
+def _paragraph_lines(obj: Any) -> list[str]:
+    para = _first_paragraph(obj)
+    return [para, ""] if para else []
 
 
 class _Elided:
@@ -93,10 +97,7 @@ def _methods(cls: type) -> list[tuple[str, Any]]:
 
 def _entry(name: str, obj: Any) -> list[str]:
     kind = "class" if inspect.isclass(obj) else "def"
-    lines = [f"### `{kind} {name}{_signature(obj)}`", ""]
-    para = _first_paragraph(obj)
-    if para:
-        lines += [para, ""]
+    lines = [f"### `{kind} {name}{_signature(obj)}`", "", *_paragraph_lines(obj)]
     base = _inherited_init(obj) if inspect.isclass(obj) else None
     if base is not None:
         lines += [f"Takes the arguments of `{base.__module__}.{base.__qualname__}`.", ""]
@@ -115,10 +116,7 @@ def render() -> str:
     for modname, names in MODULES:
         mod = importlib.import_module(modname)
         names = list(names if names is not None else getattr(mod, "__all__", []))
-        lines += [f"## `{modname}`", ""]
-        para = _first_paragraph(mod)
-        if para:
-            lines += [para, ""]
+        lines += [f"## `{modname}`", "", *_paragraph_lines(mod)]
         for name in names:
             obj = getattr(mod, name)
             if inspect.isclass(obj) or inspect.isfunction(obj):
