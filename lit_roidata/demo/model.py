@@ -200,8 +200,7 @@ class DemoFastRCNN(pl.LightningModule):
         pooled = roi_align(feats, r, output_size=self.hparams.roi_resolution,
                            spatial_scale=self.spatial_scale,
                            sampling_ratio=self.hparams.sampling_ratio, aligned=False)
-        h = F.relu(self.fc6(pooled.flatten(1)))
-        h = F.relu(self.fc7(h))
+        h = F.relu(self.fc7(F.relu(self.fc6(pooled.flatten(1)))))
         return self.cls_score(h), self.bbox_pred(h)
 
     def _tensor(self, x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
