@@ -134,8 +134,7 @@ class DemoFasterRCNN(DemoFastRCNN):
             raise ValueError(f"feature map {hf}x{wf} exceeds the {field}x{field} field of "
                              f"anchors: TRAIN.MAX_SIZE is smaller than the images")
         wide = [self._tensor(batch[k])[:, :, :hf, :wf] for k in names]  # SpatialNarrowAs
-        labels = wide[0]
-        valid = labels >= 0
+        labels, valid = wide[0], wide[0] >= 0
         loss_cls = F.binary_cross_entropy_with_logits(
             logits[valid], labels[valid].float(), reduction="sum") / valid.sum().clamp(min=1)
         loss_bbox = smooth_l1_loss(deltas, *wide[1:], beta=1.0 / 9.0, normalizer=n)

@@ -147,7 +147,6 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
         rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 1, i]))
         image_id = id_base + 7 * i + 1
         img, anns, not_exh = _draw(rng, cats, plan[i], size_range)
-        H, W = img.shape[:2]
         fn = f"{image_id:012d}.jpg"
         write_jpeg(img_dir / fn, img)
         present = {a["category_id"] for a in anns} | not_exh
@@ -155,7 +154,7 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
         n_neg = int(min(absent.size, rng.integers(0, 4)))
         neg = sorted(rng.choice(absent, size=n_neg, replace=False).tolist()) if n_neg else []
         images.append({
-            "id": image_id, "width": W, "height": H, "license": 1,
+            "id": image_id, "width": img.shape[1], "height": img.shape[0], "license": 1,
             "coco_url": f"http://images.cocodataset.org/{folder}/{fn}",
             "flickr_url": f"http://farm1.staticflickr.com/demo/{fn}",
             "date_captured": "2013-11-14 16:28:13",

@@ -103,9 +103,7 @@ def annotation(mask: np.ndarray, cat: int, *, crowd: bool) -> dict[str, Any] | N
 
 def _keypoints(kp: np.ndarray, rng: np.random.Generator) -> tuple[list[float], int]:
     vis = np.where(rng.random(len(kp)) < 0.12, 0, np.where(rng.random(len(kp)) < 0.2, 1, 2))
-    out = np.zeros((len(kp), 3))
-    out[:, :2] = np.round(kp, 1)
-    out[:, 2] = vis
+    out = np.column_stack([np.round(kp, 1), vis]).astype(np.float64)
     out[vis == 0, :2] = 0  # COCO writes unlabelled keypoints as (0, 0, 0)
     return out.reshape(-1).tolist(), int((vis > 0).sum())
 

@@ -358,8 +358,7 @@ class TorchvisionDetector(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Take ``PIXEL_MEANS`` from the data module's config (it normalises the
         evaluation blobs with them); set the CPU threads."""
-        trainer = getattr(self, "_trainer", None)
-        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+        cfg = getattr(getattr(getattr(self, "_trainer", None), "datamodule", None), "cfg", None)
         means = getattr(cfg, "PIXEL_MEANS", None)
         if means is not None and tuple(float(v) for v in means) != tuple(
                 float(v) for v in self.hparams.pixel_means):
@@ -430,9 +429,8 @@ class TorchvisionDetector(pl.LightningModule):
         images, targets = self._train_inputs(batch)
         losses = self.forward_losses(images, targets)
         loss = sum(losses.values())
-        n = len(images)
-        self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        self.log_dict({f"train/{k}": v for k, v in losses.items()}, batch_size=n)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(images))
+        self.log_dict({f"train/{k}": v for k, v in losses.items()}, batch_size=len(images))
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -460,8 +458,7 @@ class TorchvisionDetector(pl.LightningModule):
         if not isinstance(batch, Mapping) or "_meta" not in batch:
             raise TypeError("evaluation batches are the data module's evaluation blobs "
                             "(a dict with 'data' and '_meta')")
-        meta = batch["_meta"]
-        data = batch["data"]
+        meta, data = batch["_meta"], batch["data"]
         sizes = torch.as_tensor(meta["image_sizes"]).reshape(-1, 2).tolist()
         ims = [self._prepare(data[i, :, : int(h), : int(w)], rgb_uint8=False)
                for i, (h, w) in enumerate(sizes)]
