@@ -29,11 +29,10 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
     stats: dict[str, dict[str, Any]] = {}
     for i in idx:
         e = roidb[int(i)]
-        name = roidb.dataset_of(int(i))
-        s = stats.setdefault(name, {"entries": 0, "flipped": 0, "horizontal": 0, "gt": [],
-                                    "crowd": 0, "proposals": [], "kp_images": 0, "classes": {}})
-        gt = np.asarray(e["gt_classes"]) > 0
-        crowd = np.asarray(e["is_crowd"], bool)
+        s = stats.setdefault(roidb.dataset_of(int(i)), {
+            "entries": 0, "flipped": 0, "horizontal": 0, "gt": [], "crowd": 0, "proposals": [],
+            "kp_images": 0, "classes": {}, "sampled": n > max_entries})
+        gt, crowd = np.asarray(e["gt_classes"]) > 0, np.asarray(e["is_crowd"], bool)
         s["entries"] += 1
         s["flipped"] += bool(e["flipped"])
         s["horizontal"] += bool(horz[i])
@@ -44,8 +43,6 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
         classes = e["dataset"].classes
         for c in np.asarray(e["gt_classes"])[gt & ~crowd]:
             s["classes"][classes[int(c)]] = s["classes"].get(classes[int(c)], 0) + 1
-    for s in stats.values():
-        s["sampled"] = n > max_entries
     return stats
 
 
