@@ -51,8 +51,7 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
                          f"TorchvisionDetector implements steps_with_decay (and step)")
     steps = [int(x) for x in s.get("STEPS") or ()]
     if str(s.get("LR_POLICY")) == "step" and not steps:
-        size, top = int(s["STEP_SIZE"]), int(s["MAX_ITER"])
-        steps = list(range(size, top, size))
+        steps = list(range(int(s["STEP_SIZE"]), int(s["MAX_ITER"]), int(s["STEP_SIZE"])))
     test = cfg.TEST
     return {
         "num_classes": int(cfg.MODEL.NUM_CLASSES), "lr": float(s["BASE_LR"]),
