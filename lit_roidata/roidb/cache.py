@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -24,7 +25,7 @@ from lit_roidata.osutil import atomic_write
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "default_cache_dir", "file_fingerprint", "cache_key",
            "write_arrays", "ArrayWriter", "npy_data_offset", "npy_header", "read_npy_header",
-           "pwrite_all", "hasher", "default_algo", "file_digest", "validate_cache",
+           "pwrite_all", "pread_exact", "hasher", "default_algo", "file_digest", "validate_cache",
            "verify_checksums", "get_or_build", "remove_cache", "CacheError", "DiskFullError",
            "hold_in_use", "in_use", "LAST_USED"]
 
@@ -92,10 +93,9 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
     try:
         for name, arr in arrays.items():
             writer.add(name, arr)
-    except BaseException:
-        writer.close()
-        raise
-    return writer.finish()
+        return writer.finish()
+    finally:
+        writer.close()  # (again: a no-op after finish)
 
 
 class DiskFullError(OSError, CacheError):
@@ -202,6 +202,9 @@ class ArrayWriter:
         next write), e.g. before forking."""
         while self._futures:
             self._guard(self._futures.popleft().result)
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -222,9 +225,7 @@ class ArrayWriter:
         for f in self._futures:
             f.cancel()
         self._futures.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._stop_threads()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -244,10 +245,19 @@ def pwrite_all(fd: int, offset: int, data: Any, writeback: bool = True) -> None:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
     if writeback and size and hasattr(os, "sync_file_range"):
-        try:
+        with contextlib.suppress(OSError):
             os.sync_file_range(fd, start, size, os.SYNC_FILE_RANGE_WRITE)
-        except OSError:
-            pass
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill ``view`` with the bytes at ``offset`` of ``fd``; ``OSError("short read
+    <what>")`` if the file ends first."""
+    got = 0
+    while got < view.nbytes:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise OSError(f"short read {what}")
+        got += n
 
 
 def npy_header(dtype: Any, shape: tuple, pad_to: int = 0) -> bytes:
@@ -312,14 +322,11 @@ def file_digest(path: str, algo: str = "blake2b") -> str:
 def _hash_fd(fd: int, algo: str, size: int, name: str) -> Any:
     """The hasher of ``algo`` over the first ``size`` bytes of ``fd``."""
     h = hasher(algo)
-    buf = bytearray(_HASH_BLOCK)
-    view, pos = memoryview(buf), 0
-    while pos < size:
-        got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
-        if got <= 0:
-            raise OSError(f"short read while checksumming {name} ({pos} of {size})")
-        h.update(view[:got])
-        pos += got
+    view = memoryview(bytearray(_HASH_BLOCK))
+    for pos in range(0, size, _HASH_BLOCK):
+        block = view[:min(_HASH_BLOCK, size - pos)]
+        pread_exact(fd, block, pos, f"while checksumming {name} (at byte {pos} of {size})")
+        h.update(block)
     return h
 
 
@@ -341,19 +348,12 @@ def npy_data_offset(fn: str, rec: dict) -> Optional[int]:
             head = fh.read(_HEADER_PEEK)
     except OSError:
         return None
-    if head[:6] != b"\x93NUMPY" or len(head) < 12:
+    start = {1: 10, 2: 12, 3: 12}.get(head[6]) if len(head) >= 12 else None  # by version
+    if head[:6] != b"\x93NUMPY" or start is None:
         return None
-    if head[6] == 1:
-        start, n = 10, int.from_bytes(head[8:10], "little")
-    elif head[6] in (2, 3):
-        start, n = 12, int.from_bytes(head[8:12], "little")
-    else:
-        return None
-    if start + n > len(head):
-        return None
-    if head[start:start + n].rstrip(b" \n") != _header_text(rec["dtype"], tuple(rec["shape"])):
-        return None
-    return start + n
+    end = start + int.from_bytes(head[8:start], "little")
+    return end if end <= len(head) and head[start:end].rstrip(b" \n") == _header_text(
+        rec["dtype"], tuple(rec["shape"])) else None
 
 
 _HEADER_PEEK = 4096
@@ -466,12 +466,9 @@ def in_use(path: str) -> bool:
 
 def touch_last_used(path: str) -> None:
     """Record that the cache at ``path`` was opened now (best effort)."""
-    try:
-        with open(os.path.join(path, LAST_USED), "a"):
-            pass
+    with contextlib.suppress(OSError):
+        open(os.path.join(path, LAST_USED), "a").close()
         os.utime(os.path.join(path, LAST_USED))
-    except OSError:
-        pass
 
 
 def validate_cache(path: str) -> dict[str, Any]:
@@ -520,11 +517,8 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
     """
     os.makedirs(cache_root, exist_ok=True)
     final = os.path.join(cache_root, f"roidb-{key}")
-    if not rebuild:
-        manifest = _try_open(final, verify)
-        if manifest is not None:
-            touch_last_used(final)
-            return final, manifest, False
+    if not rebuild and (manifest := _try_open(final, verify)) is not None:
+        return final, manifest, False
     lock = FileLock(final + ".lock")
     try:
         lock.acquire(timeout=0)
@@ -532,9 +526,7 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
         logger.info("waiting for another process to finish building %s", final)
         lock.acquire()
     try:
-        manifest = None if rebuild else _try_open(final, verify)
-        if manifest is not None:
-            touch_last_used(final)
+        if not rebuild and (manifest := _try_open(final, verify)) is not None:
             return final, manifest, False
         if os.path.exists(final):
             logger.warning("removing damaged or outdated roidb cache %s", final)
@@ -573,25 +565,23 @@ def _logical_size(folder: str) -> int:
 
 
 def _fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _try_open(path: str, verify: Optional[bool] = None) -> Optional[dict]:
+    """The manifest of the usable cache at ``path`` (its use recorded), else ``None``."""
     if not os.path.isdir(path):
         return None
     try:
         manifest = validate_cache(path)
         if verify or (verify is None and not _verified_this_boot(path)):
             verify_checksums(path, manifest)
+        touch_last_used(path)
         return manifest
     except CacheError as exc:
         logger.warning("roidb cache is unusable and will be rebuilt: %s", exc)

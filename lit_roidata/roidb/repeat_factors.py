@@ -84,13 +84,9 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     per_img = np.diff(off)
     idx_t = np.int32 if n_rows < 2**31 else np.int64
     row_img = np.repeat(np.arange(n_rows, dtype=idx_t), per_img)
-    if num_images == n_rows:  # every image row: no mask
-        img = row_img.astype(np.int64)
-        cls = cls_all[: row_img.size].astype(np.int64)
-    else:
-        keep = sel[row_img]
-        img = row_img[keep].astype(np.int64)
-        cls = cls_all[: row_img.size][keep].astype(np.int64)
+    keep = slice(None) if num_images == n_rows else sel[row_img]  # every image row: no mask
+    img = row_img[keep].astype(np.int64)
+    cls = cls_all[: row_img.size][keep].astype(np.int64)
     del row_img
     if cls.size == 0:
         return out[images].astype(np.float32)

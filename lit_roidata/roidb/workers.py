@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -32,14 +33,10 @@ def build_workers() -> int:
         except ValueError:
             raise ValueError(f"LIT_ROIDATA_BUILD_WORKERS={env!r}: expected a number of "
                              f"processes (0 or 1: build in one process)") from None
-    else:
-        try:
-            n = min(len(os.sched_getaffinity(0)), _MAX_WORKERS)
-        except AttributeError:  # not Linux
-            n = min(os.cpu_count() or 1, _MAX_WORKERS)
-    if n <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return 0
-    return n
+    else:  # os.sched_getaffinity: Linux only
+        n = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1, _MAX_WORKERS)
+    return n if n > 1 and "fork" in multiprocessing.get_all_start_methods() else 0
 
 
 def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
@@ -178,10 +175,8 @@ class OrderedWorkers:
         busy = set(self._owner)
         for k, conn in enumerate(self._conns):
             if k not in busy:
-                try:
+                with contextlib.suppress(OSError):  # BrokenPipeError included
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         for k, p in enumerate(self._procs):
             if k in busy:
                 p.terminate()
