@@ -404,12 +404,10 @@ def verify_checksums(path: str, manifest: Optional[dict] = None) -> None:
             raise CacheError(f"{path}: array file {rec['file']} is damaged (its {algo} checksum "
                              f"differs from the manifest's; e.g. zero-filled by a power loss)")
     for stamp in _stamps(path):  # in the cache, or (read-only cache) in the temp dir
-        try:
+        with contextlib.suppress(OSError):
             with atomic_write(stamp, "w", encoding="ascii") as fh:
                 fh.write(_boot_id())
             break
-        except OSError:
-            continue
 
 
 def _stamps(path: str) -> list[str]:
@@ -420,12 +418,9 @@ def _stamps(path: str) -> list[str]:
 
 def _verified_this_boot(path: str) -> bool:
     for stamp in _stamps(path):
-        try:
-            with open(stamp, encoding="ascii") as fh:
-                if fh.read().strip() == _boot_id():
-                    return True
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), open(stamp, encoding="ascii") as fh:
+            if fh.read().strip() == _boot_id():
+                return True
     return False
 
 

@@ -67,11 +67,9 @@ def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray
     names = list(info.keypoints or ())
     for left, right in (info.keypoint_flip_map or {}).items():
         li, ri = names.index(left), names.index(right)
-        out[:, :, li] = kps[:, :, ri]
-        out[:, :, ri] = kps[:, :, li]
+        out[:, :, [li, ri]] = kps[:, :, [ri, li]]
     out[:, 0, :] = width - out[:, 0, :] - 1
-    invisible = out[:, 2, :] == 0
-    out[:, 0, :][invisible] = 0
+    out[:, 0, :][out[:, 2, :] == 0] = 0  # x of invisible keypoints
     return out
 
 

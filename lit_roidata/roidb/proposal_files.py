@@ -208,12 +208,9 @@ class _Sink:
         """Move what is staged in memory to a new scratch file; later arrays go there."""
         self.fh = tempfile.TemporaryFile(prefix="lit-roidata-proposals-")
         self.fd = self.fh.fileno()
-        mem, self.mem = self.mem, None
-        if mem:
-            self._pending.append(mem)
-            self._pending_bytes += len(mem)
-            self._flush()
-        del mem
+        # nothing is pending while staging in memory: the staged bytes go first
+        self._pending, self._pending_bytes, self.mem = [self.mem], len(self.mem), None
+        self._flush()
 
     def _flush(self) -> None:
         bufs = [memoryview(b).cast("B") for b in self._pending]
@@ -223,8 +220,7 @@ class _Sink:
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                raise disk_full_error(tempfile.gettempdir(), self.pos, exc,
-                                      scratch=True) from None
+                raise disk_full_error(tempfile.gettempdir(), self.pos, exc, scratch=True) from None
             while bufs and n >= len(bufs[0]):
                 n -= len(bufs[0])
                 bufs.pop(0)
@@ -516,9 +512,9 @@ def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple[int, np.d
     local = fh.read(30)
     if local[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {name}.npy")
-    n_name = int.from_bytes(local[26:28], "little")
-    n_extra = int.from_bytes(local[28:30], "little")
-    start = info.header_offset + 30 + n_name + n_extra
+    # the data follow the 30-byte local header, the file name and the extra field
+    start = info.header_offset + 30 + sum(int.from_bytes(local[i:i + 2], "little")
+                                          for i in (26, 28))
     stored = info.compress_type == zipfile.ZIP_STORED
     with zf.open(info) as member:
         shape, fortran, dtype = read_npy_header(member)
@@ -581,10 +577,9 @@ def _read_npz(path: str) -> ProposalSource:
     except BaseException:
         fh.close()
         raise
+    scores_of = None if scores_flat is None else (lambda i: scores_flat[off[i]:off[i + 1]])
     src = ProposalSource(path, ids, counts, lambda i: flat[off[i]:off[i + 1]], flat, off,
-                         scores_flat=scores_flat,
-                         scores_of=None if scores_flat is None
-                         else (lambda i: scores_flat[off[i]:off[i + 1]]), keep_alive=fh)
+                         scores_flat, scores_of, keep_alive=fh)
     weakref.finalize(src, fh.close)
     return src
 
@@ -644,10 +639,8 @@ def convert_proposals(in_path: str, out_path: str, *,
     import time
 
     t0 = time.perf_counter()
-    if annotations is not None:
-        src = _read_with_name_map(in_path, annotations, trust_pickle)
-    else:
-        src = read_proposal_file(in_path, trust_pickle=trust_pickle)
+    src = (read_proposal_file(in_path, trust_pickle=trust_pickle) if annotations is None
+           else _read_with_name_map(in_path, annotations, trust_pickle))
     t1 = time.perf_counter()
     counts = src.counts
     total = int(counts.sum())

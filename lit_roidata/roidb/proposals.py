@@ -83,8 +83,7 @@ def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -
             f"must hold one record per image (an empty (0, 4) array is fine); regenerate it "
             f"for this dataset.")
     order = np.argsort(ids, kind="stable")
-    pos = np.searchsorted(ids[order], image_ids)
-    return order[pos]
+    return order[np.searchsorted(ids[order], image_ids)]
 
 
 def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -432,7 +431,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     through :func:`_merge_blocks` (dense blocks and ``argmax``, NaN handling included).
     """
     n = b.shape[0]
-    mo, mc, gmap = _merge_outputs(n)
+    mo, mc, gmap = np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
     if n == 0:
         return mo, mc, gmap
     starts, pcount, uimg = _image_runs(img)
@@ -466,8 +465,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
         while k1 < m and max(p_max, pc[k1]) * (k1 + 1 - k0) <= _IOU_BLOCK:
             p_max = max(p_max, pc[k1])
             k1 += 1
-        _merge_block(k0, k1, p_max, starts, pcount, g0 - r0, ng, cols, thr, gt_rows, best,
-                     arg)
+        _merge_block(k0, k1, p_max, starts, pcount, g0 - r0, ng, cols, thr, gt_rows, best, arg)
         k0 = k1
     hit = np.flatnonzero(best > 0)
     a = arg[hit]
@@ -477,8 +475,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     return mo, mc, gmap
 
 
-def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best,
-                 arg) -> None:
+def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best, arg) -> None:
     """One padded block of :func:`_merge`: images ``k0..k1`` (at most ``p_max`` proposals
     each), folded into the running maximum ``best`` / ``arg`` (indexed by proposal)."""
     gx1, gy1, gx2, gy2, ga = gt_rows
@@ -524,11 +521,6 @@ def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best
         arg[p] = j
 
 
-def _merge_outputs(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Zeroed ``max_overlaps``/``max_classes`` and an all ``-1`` ``box_to_gt_ind_map``."""
-    return np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
-
-
 def _image_runs(img: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Start row, row count and image index of each run of equal ``img`` (rows are
     grouped by image)."""
@@ -540,7 +532,7 @@ def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
     """:func:`_merge` by whole ``(images, P_max, G)`` IoU blocks and ``argmax`` (any box
     areas, including zero or negative ones)."""
     n = b.shape[0]
-    mo, mc, gmap = _merge_outputs(n)
+    mo, mc, gmap = np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
     if n == 0:
         return mo, mc, gmap
     starts, pcount, uimg = _image_runs(img)

@@ -80,10 +80,8 @@ class OrderedWorkers:
                  ) -> None:
         ctx = multiprocessing.get_context("fork")
         self.n = max(1, int(n))
-        self._conns: list = []
-        self._procs: list = []
-        self._owner: deque = deque()  # worker index of each task not yet read back
-        self._next = 0
+        # pipes, processes, the worker index of each task not yet read back, next worker
+        self._conns, self._procs, self._owner, self._next = [], [], deque(), 0
         try:
             for _ in range(self.n):
                 mine, theirs = ctx.Pipe()
@@ -109,8 +107,7 @@ class OrderedWorkers:
 
     def submit(self, task: Any) -> None:
         """Send ``task`` to the next worker (round-robin)."""
-        k = self._next
-        self._next = (k + 1) % self.n
+        k, self._next = self._next, (self._next + 1) % self.n
         self._send(k, ("task", task))
         self._owner.append(k)
 
