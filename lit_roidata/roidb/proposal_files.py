@@ -161,8 +161,8 @@ class _Sink:
         self._pending: list = []
         self._pending_bytes = 0
 
-    def reconstruct(self, subtype: Any = None, shape: Any = None, code: Any = None) -> _Stored:
-        """Stands in for ``numpy.core.multiarray._reconstruct``."""
+    def reconstruct(self, *_args: Any) -> _Stored:
+        """Stands in for ``numpy.core.multiarray._reconstruct`` (subtype, shape, code)."""
         return _Stored(self)
 
     def frombuffer(self, buf: Any, dtype: Any, shape: tuple, order: str) -> _Stored:
