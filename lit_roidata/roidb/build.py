@@ -178,14 +178,10 @@ def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]
     names = (dataset_names,) if isinstance(dataset_names, str) else tuple(dataset_names)
     if not names:
         raise ValueError("no datasets given; set TRAIN.DATASETS (catalog names)")
-    if proposal_files is None or isinstance(proposal_files, str) and not proposal_files:
-        files: tuple = ()
-    elif isinstance(proposal_files, (str, os.PathLike)):
-        files = (os.fspath(proposal_files),)
-    else:
-        files = tuple(None if f in (None, "") else os.fspath(f) for f in proposal_files)
-    if not files:
-        files = (None,) * len(names)
+    if proposal_files is None or isinstance(proposal_files, (str, os.PathLike)):
+        proposal_files = [proposal_files] if proposal_files else []  # None or "": none
+    files = tuple(None if f in (None, "") else os.fspath(f) for f in proposal_files) \
+        or (None,) * len(names)
     if len(files) != len(names):
         raise ValueError(f"{len(names)} dataset(s) {list(names)} but {len(files)} proposal "
                          f"file(s); give one proposal file per dataset, or none")
