@@ -529,17 +529,14 @@ def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:
         no_cand = int((mine & ~ok_img[e_img]).sum())
         no_vis = int(mine.sum()) - no_cand
         lines = [f"{n_img} images, {int(t.classes.size)} gt boxes kept "
-                 f"({int(t.is_crowd.sum())} of them crowd)"]
-        if gt_drops:
-            lines.append("gt boxes dropped at load: " + ", ".join(f"{r}: {v}" for r, v in
-                                                                  gt_drops.items()))
-        if no_cand:
-            lines.append(f"filter_for_training removed {no_cand} entries with no foreground "
-                         f"or background candidate (no non-crowd gt box"
-                         f" and no proposal in the background range)")
-        if no_vis:
-            lines.append(f"filter_for_training removed {no_vis} entries without a visible "
-                         f"keypoint (MODEL.KEYPOINTS_ON)")
+                 f"({int(t.is_crowd.sum())} of them crowd)"] + [text for n, text in (
+            (gt_drops, "gt boxes dropped at load: " + ", ".join(f"{r}: {v}" for r, v in
+                                                                gt_drops.items())),
+            (no_cand, f"filter_for_training removed {no_cand} entries with no foreground or "
+                      f"background candidate (no non-crowd gt box and no proposal in the "
+                      f"background range)"),
+            (no_vis, f"filter_for_training removed {no_vis} entries without a visible "
+                     f"keypoint (MODEL.KEYPOINTS_ON)")) if n]
         fix = ("add non-crowd annotations (or give a proposal file so background RoIs exist), "
                "check TRAIN.GT_MIN_AREA and the 'ignore' flags, or remove the dataset from "
                "TRAIN.DATASETS / data.train_datasets")

@@ -107,9 +107,7 @@ class RoIDB:
 
     def __init__(self, path: str, manifest: Optional[dict] = None) -> None:
         self.path = os.path.abspath(path)
-        if manifest is None:
-            manifest = validate_cache(self.path)
-        self.manifest = manifest
+        self.manifest = manifest = validate_cache(self.path) if manifest is None else manifest
         # Plain ndarray views of the memory maps: slicing an np.memmap costs Python-level
         # __getitem__/__array_finalize__ calls on every access.
         self._a = {name: _load(self.path, rec) for name, rec in manifest["arrays"].items()}
