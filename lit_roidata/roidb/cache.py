@@ -136,13 +136,11 @@ class ArrayWriter:
                  max_pending: int = 0) -> None:
         self.directory = directory if directory is not None else tempfile.gettempdir()
         self.durable, self.max_pending = durable, max_pending
-        self.threads = threads or _WRITE_THREADS
-        self.algo = default_algo()
+        self.threads, self.algo = threads or _WRITE_THREADS, default_algo()
         self.records: dict[str, dict] = {}
         self.needed = 0  # bytes handed over so far (the disk-full error's estimate)
-        self._fds: list = []
+        self._fds, self._futures = [], deque()  # files add opened; writes queued
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._futures: deque = deque()
 
     def add(self, name: str, arr: np.ndarray) -> None:
         """Queue ``arr`` for ``<name>.npy`` (it must not change until :meth:`finish`)."""

@@ -72,8 +72,7 @@ def summary_text(report: dict, *, width: int = 120, top_classes: int = 20) -> st
                       if ent.get("filtered", True) else
                       f"entries: {ent.get('after_filter', 0)} (evaluation: no flip, no filter)")
     for d in report.get("datasets", []):
-        hist = d.get("class_histogram") or {}
-        if not hist:
+        if not (hist := d.get("class_histogram")):
             continue
         h = Table(title=f"{d['name']}: gt class histogram (non-crowd, final entries)",
                   title_justify="left")
