@@ -107,10 +107,9 @@ def disk_full_error(folder: str, needed: int, exc: OSError, *,
                     scratch: bool = False) -> DiskFullError:
     """The :class:`DiskFullError` for ``exc`` while writing about ``needed`` bytes in
     ``folder`` (``scratch``: a temporary folder, not the cache)."""
-    try:
+    free = -1  # unknown
+    with contextlib.suppress(OSError):
         free = shutil.disk_usage(folder).free
-    except OSError:
-        free = -1
     fix = ("set TMPDIR to a folder on a larger disk" if scratch else "point the cache "
            "elsewhere (sources.cache_dir of the data module, cache_dir= of the roidb "
            "functions, or $LIT_ROIDATA_CACHE)")
@@ -329,11 +328,10 @@ def _hash_fd(fd: int, algo: str, size: int, name: str) -> Any:
 
 
 def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
-            return fh.read().strip()
-    except OSError:  # not Linux: verify once per cache
-        return "unknown"
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id",
+                                             encoding="ascii") as fh:
+        return fh.read().strip()
+    return "unknown"  # not Linux: verify once per cache
 
 
 def npy_data_offset(fn: str, rec: dict) -> Optional[int]:
@@ -551,10 +549,9 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
 
 def _logical_size(folder: str) -> int:
     """Bytes of the files in ``folder`` (holes included: what a build had sized)."""
-    try:
+    with contextlib.suppress(OSError):
         return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
-    except OSError:
-        return 0
+    return 0
 
 
 def _fsync_dir(path: str) -> None:
