@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lit_roidata.boxes import bbox_overlaps_pairs
+from lit_roidata.boxes import bbox_overlaps, bbox_overlaps_pairs, bbox_transform_targets
 
 __all__ = ["scaled_noncrowd_gt", "FieldOfAnchors", "generate_anchors", "field_size",
            "get_field_of_anchors", "rpn_fields", "retinanet_fields", "concat_fields",
            "level_offsets", "anchor_gt_overlaps", "inside_mask", "InsideAnchors",
-           "inside_anchors", "rpn_overlaps", "build_anchor_caches"]
+           "inside_anchors", "rpn_overlaps", "build_anchor_caches", "anchor_targets", "stack_rows"]
 
 Keys = tuple[tuple[Any, ...], ...]  # the memoisation keys of a list of fields
 
@@ -481,6 +481,18 @@ def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray,
     si = sg // n_g
     gidx = tab["base"][si] + ((y0[sg] + dy) * tab["size"][si] + x0[sg] + dx) * tab["n_a"][si]
     return gidx, sg % n_g
+
+
+def anchor_targets(anchors: np.ndarray, gt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each anchor's gt (the exact dense argmax, ties to the lowest gt) and its regression
+    targets with unit weights: the positives of RPN and RetinaNet."""
+    assigned = bbox_overlaps(anchors, gt).argmax(axis=1) if len(anchors) else np.zeros(0, np.int64)
+    return assigned, bbox_transform_targets(anchors, gt[assigned], (1.0, 1.0, 1.0, 1.0))
+
+
+def stack_rows(parts: Sequence[np.ndarray], width: int, dtype: Any) -> np.ndarray:
+    """The per-image row blocks ``parts`` concatenated as ``dtype`` (``(0, width)`` if none)."""
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros((0, width), dtype)
 
 
 def scaled_noncrowd_gt(entry: Any, scale: float, family: str,

@@ -34,21 +34,10 @@ class BadImageError(RuntimeError):
 
     def __init__(self, message: str, *, path: str | None = None, image_id: Any = None,
                  dataset: str | None = None, reason: str = "bad_image") -> None:
-        # Keyword defaults let DataLoader re-raise it from a worker with the message only.
+        # Keyword defaults let DataLoader re-raise it from a worker with the message only;
+        # pickling keeps the attributes (BaseException pickles ``args`` and ``__dict__``).
         super().__init__(message)
-        self.path = path
-        self.image_id = image_id
-        self.dataset = dataset
-        self.reason = reason
-
-    def __reduce__(self) -> tuple:  # keep the attributes across worker pickling
-        return (_rebuild_bad_image, (str(self), self.path, self.image_id, self.dataset,
-                                     self.reason))
-
-
-def _rebuild_bad_image(message: str, path: str, image_id: Any, dataset: str,
-                       reason: str) -> BadImageError:
-    return BadImageError(message, path=path, image_id=image_id, dataset=dataset, reason=reason)
+        self.path, self.image_id, self.dataset, self.reason = path, image_id, dataset, reason
 
 
 def dataset_name(entry: Mapping[str, Any]) -> str:

@@ -18,16 +18,13 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import numpy as np
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, concat_fields, inside_anchors, level_offsets, retinanet_fields, rpn_overlaps,
-    scaled_noncrowd_gt)
+    FieldOfAnchors, anchor_targets, concat_fields, inside_anchors, level_offsets, retinanet_fields,
+    rpn_overlaps, scaled_noncrowd_gt, stack_rows)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import get_retinanet_blob_names
 
 __all__ = ["add_retinanet_blobs", "label_retinanet_anchors", "get_retinanet_blob_names"]
-
-_ONES4 = (1.0, 1.0, 1.0, 1.0)
 
 
 def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
@@ -110,13 +107,11 @@ def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnc
         positive |= not_cand
     positive |= a2g_max >= retina.POSITIVE_OVERLAP
     fg = np.flatnonzero(positive)
-    # Exact dense argmax (ties -> lowest gt) for the positives only.
-    assigned = bbox_overlaps(all_anchors[fg], gt).argmax(axis=1) if len(fg) else fg
+    assigned, targets = anchor_targets(all_anchors[fg], gt)  # for the positives only
     labels = np.full(n, -1, dtype=np.float32)
     labels[fg] = gt_classes[assigned]
     bg = a2g_max < retina.NEGATIVE_OVERLAP
     labels[bg] = 0
-    targets = bbox_transform_targets(all_anchors[fg], gt[assigned], _ONES4)
     return labels, fg, targets, int(bg.sum())
 
 
@@ -169,13 +164,8 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
             blobs[f"retnet_cls_labels_fpn{lvl}_shape"] = np.array(shape, np.int64)
         else:
             blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
-        blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = _rows(tgt_rows)
-        blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = _rows(loc_rows)
-
-
-def _rows(parts: list[np.ndarray]) -> np.ndarray:
-    return (np.concatenate(parts).astype(np.float32, copy=False) if parts
-            else np.zeros((0, 4), np.float32))
+        blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = stack_rows(tgt_rows, 4, np.float32)
+        blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = stack_rows(loc_rows, 4, np.float32)
 
 
 def _warn_if_not_multiple(pad_h: int, pad_w: int, cfg: Any) -> None:
