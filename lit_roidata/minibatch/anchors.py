@@ -46,12 +46,10 @@ def generate_anchors(stride: float = 16, sizes: Sequence[float] = (32, 64, 128, 
     w, h, cx, cy = _whctrs(base)
     ws = np.round(np.sqrt(w * h / ratios))
     hs = np.round(ws * ratios)
-    ratio_anchors = _mkanchors(ws, hs, cx, cy)
-    out = []
-    for anchor in ratio_anchors:  # each ratio's window scaled about its centre
-        w, h, cx, cy = _whctrs(anchor)
-        out.append(_mkanchors(w * scales, h * scales, cx, cy))
-    return np.vstack(out) if out else np.zeros((0, 4), dtype=np.float64)
+    w, h, cx, cy = _whctrs(_mkanchors(ws, hs, cx, cy).T)  # each ratio's window, then scaled
+    n = len(scales)  # about its centre, ratio-major
+    return _mkanchors((w[:, None] * scales).ravel(), (h[:, None] * scales).ravel(),
+                      np.repeat(cx, n), np.repeat(cy, n))
 
 
 def _whctrs(anchor: np.ndarray) -> tuple[Any, Any, Any, Any]:
@@ -60,11 +58,9 @@ def _whctrs(anchor: np.ndarray) -> tuple[Any, Any, Any, Any]:
     return w, h, anchor[0] + 0.5 * (w - 1), anchor[1] + 0.5 * (h - 1)
 
 
-def _mkanchors(ws: np.ndarray, hs: np.ndarray, cx: float, cy: float) -> np.ndarray:
-    ws = ws[:, None]
-    hs = hs[:, None]
-    return np.hstack((cx - 0.5 * (ws - 1), cy - 0.5 * (hs - 1),
-                      cx + 0.5 * (ws - 1), cy + 0.5 * (hs - 1)))
+def _mkanchors(ws: np.ndarray, hs: np.ndarray, cx: Any, cy: Any) -> np.ndarray:
+    return np.stack((cx - 0.5 * (ws - 1), cy - 0.5 * (hs - 1),
+                     cx + 0.5 * (ws - 1), cy + 0.5 * (hs - 1)), axis=1)
 
 
 @dataclass(frozen=True)
@@ -164,16 +160,11 @@ def retinanet_fields(cfg: Any) -> list[FieldOfAnchors]:
     """
     r = cfg.RETINANET
     kw = dict(coarsest_stride=cfg.FPN.COARSEST_STRIDE, max_size=cfg.TRAIN.MAX_SIZE)
-    out = []
-    for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1):
-        stride = 2.0 ** lvl
-        for octave in range(r.SCALES_PER_OCTAVE):
-            octave_scale = 2 ** (octave / float(r.SCALES_PER_OCTAVE))
-            for idx, ratio in enumerate(r.ASPECT_RATIOS):
-                out.append(get_field_of_anchors(
-                    stride, (stride * octave_scale * r.ANCHOR_SCALE,), (ratio,),
-                    octave=octave, aspect=idx, **kw))
-    return out
+    per_octave = float(r.SCALES_PER_OCTAVE)
+    return [get_field_of_anchors(st, (st * 2 ** (octave / per_octave) * r.ANCHOR_SCALE,), (ratio,),
+                                 octave=octave, aspect=idx, **kw)
+            for st in (2.0 ** lvl for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1))
+            for octave in range(r.SCALES_PER_OCTAVE) for idx, ratio in enumerate(r.ASPECT_RATIOS)]
 
 
 @functools.lru_cache(maxsize=16)

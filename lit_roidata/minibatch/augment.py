@@ -86,8 +86,7 @@ class Augmentation:
     def draw_seeds(self, n: int, rng: rng_mod.RNG) -> list[int]:
         """One seed per image, without disturbing a ``Generator``'s own stream."""
         if isinstance(rng, np.random.Generator):
-            child = rng.spawn(1)[0]
-            return [int(s) for s in child.integers(0, 2**31 - 1, size=n)]
+            return [int(s) for s in rng.spawn(1)[0].integers(0, 2**31 - 1, size=n)]
         return [int(s) for s in rng_mod.randint(rng, 0, 2**31 - 1, size=n)]
 
     def apply(self, im: np.ndarray, entry: Mapping[str, Any], *, seed: int
@@ -106,12 +105,9 @@ class Augmentation:
                     and segm_as_rle(entry["segms"][r], h, w) is not None]
         masks = [mask_util.decode(segm_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
         self.compose.set_random_seed(int(seed))
-        kwargs: dict[str, Any] = {}
-        if masks:
-            kwargs["masks"] = masks
         out = self.compose(image=np.ascontiguousarray(im[:, :, ::-1]), bboxes=vo[ok],
                            row_ids=np.flatnonzero(ok), keypoints=points,
-                           kp_ids=np.arange(len(points)), **kwargs)
+                           kp_ids=np.arange(len(points)), **({"masks": masks} if masks else {}))
         new_im = np.ascontiguousarray(out["image"][:, :, ::-1])
         nh, nw = new_im.shape[:2]
         kept = np.asarray(out["row_ids"], dtype=np.int64)
@@ -146,18 +142,16 @@ class Augmentation:
         old_mo = np.asarray(entry["max_overlaps"])
         is_gt_row = kept < n_gt
         gt_old = kept[is_gt_row]
-        cursor = 0
-        new_polys: dict[int, list[list[float]]] = {r: [] for r in range(n_gt)}
-        for r in range(n_gt):
-            for nv in polys[r]:
-                new_polys[r].append(pts[cursor:cursor + nv].reshape(-1).astype(float).tolist())
-                cursor += nv
+        counts = [nv for row in polys for nv in row]  # vertices per polygon part
+        cursor = int(sum(counts))
+        flat = iter(np.split(pts[:cursor], np.cumsum(counts, dtype=np.int64)[:-1]))
+        new_polys = [[next(flat).reshape(-1).astype(float).tolist() for _ in row] for row in polys]
         segms = []
         for r in gt_old:
             if r in rle_masks:
                 segms.append(mask_util.encode(np.asfortranarray(rle_masks[r].astype(np.uint8))))
             elif polys[r]:
-                segms.append(new_polys[int(r)])
+                segms.append(new_polys[r])
             else:
                 segms.append(entry["segms"][r])
         out = dict(entry)

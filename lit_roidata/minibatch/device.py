@@ -9,6 +9,7 @@ device, where filling memory is nearly free. Every function runs on the input's 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import cv2
@@ -21,18 +22,11 @@ __all__ = ["normalize_on_device", "expand_masks_on_device", "expand_rpn_targets"
            "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch"]
 
 
-
-_LUT_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def _mean_lut(pixel_means: Sequence[float], device: torch.device) -> torch.Tensor:
-    key = (tuple(float(m) for m in pixel_means), str(device))
-    lut = _LUT_CACHE.get(key)
-    if lut is None:
-        values = np.arange(256, dtype=np.float64)[None, :] - np.asarray(key[0])[:, None]
-        lut = torch.from_numpy(values.astype(np.float32).reshape(-1)).to(device)
-        _LUT_CACHE[key] = lut
-    return lut
+@functools.lru_cache(maxsize=None)
+def _mean_lut(pixel_means: tuple[float, ...], device: str) -> torch.Tensor:
+    """``float32(float64(v) - mean)`` for every uint8 ``v``, channel by channel (768 values)."""
+    values = np.arange(256, dtype=np.float64)[None, :] - np.asarray(pixel_means)[:, None]
+    return torch.from_numpy(values.astype(np.float32).reshape(-1)).to(device)
 
 
 def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
@@ -65,10 +59,10 @@ def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
                          f"got {tuple(sizes.shape)}")
     dev = data_uint8.device
     rows = sizes[:, :2].round().to(torch.int64).tolist()
+    lut = _mean_lut(tuple(float(m) for m in pixel_means), str(dev)) if exact else None
     if exact and dev.type == "cpu":
-        return _normalize_cpu(data_uint8, rows, _mean_lut(pixel_means, dev))
+        return _normalize_cpu(data_uint8, rows, lut)
     if exact:
-        lut = _mean_lut(pixel_means, dev)
         offsets = torch.arange(3, device=dev, dtype=torch.int64).view(1, 3, 1, 1) * 256
         out = lut[data_uint8.to(torch.int64) + offsets]
     else:

@@ -145,39 +145,33 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     n = len(segms)
     boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
     masks = np.zeros((n, M * M), dtype=np.int32)
-    flat: list[np.ndarray] = []
-    part_lens: list[int] = []
     poly_rows: list[int] = []
-    parts_per_row: list[int] = []
-    cache: dict[int, tuple[list[np.ndarray], np.ndarray | None]] = {}
+    row_parts: list[list[np.ndarray]] = []
+    cache: dict[int, list[np.ndarray]] = {}  # a gt's segm is shared by many RoIs
     for i, segm in enumerate(segms):
-        key = id(segm)
-        if key not in cache:
-            parts = segm_polygons(segm)
-            cache[key] = (parts, np.concatenate(parts) if parts else None)
-        parts, cat = cache[key]
-        if cat is not None:
-            flat.append(cat)
-            part_lens.extend(len(p) for p in parts)
+        parts = cache.get(id(segm))
+        if parts is None:
+            parts = cache[id(segm)] = segm_polygons(segm)
+        if parts:
             poly_rows.append(i)
-            parts_per_row.append(len(parts))
+            row_parts.append(parts)
             continue
         rle = segm_as_rle(segm, height, width)
-        # Detectron quirk Q24 (docs/detectron_quirks.md): -1 =
-        # ignore
+        # Detectron quirk Q24 (docs/detectron_quirks.md): -1 = ignore
         masks[i] = -1 if rle is None else _rasterize_rle(rle, boxes[i], M)
-    if not flat:
+    if not poly_rows:
         return masks
-    coords = np.concatenate(flat)
+    parts_all = [p for parts in row_parts for p in parts]
+    coords = np.concatenate(parts_all)
     rows = np.asarray(poly_rows)
-    owner = np.repeat(rows, [len(f) // 2 for f in flat])  # one owner per vertex
+    parts_per_row = [len(parts) for parts in row_parts]
+    # one owner per vertex
+    owner = np.repeat(rows, [sum(len(p) for p in parts) // 2 for parts in row_parts])
     w = np.maximum(boxes[:, 2] - boxes[:, 0], 1)
     h = np.maximum(boxes[:, 3] - boxes[:, 1], 1)
     coords[0::2] = (coords[0::2] - boxes[owner, 0]) * M / w[owner]
     coords[1::2] = (coords[1::2] - boxes[owner, 1]) * M / h[owner]
-    ends = np.cumsum(part_lens).tolist()
-    coords64 = coords.astype(np.float64)
-    parts_all = [coords64[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    parts_all = np.split(coords.astype(np.float64), np.cumsum([len(p) for p in parts_all])[:-1])
     decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts), F order
     by_part = decoded.transpose(2, 1, 0).reshape(len(parts_all), M * M)  # C order [part, x, y]
     starts = np.r_[0, np.cumsum(parts_per_row)[:-1]]
