@@ -68,12 +68,9 @@ def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
     else:
         means = torch.tensor([float(m) for m in pixel_means], dtype=torch.float32, device=dev)
         out = data_uint8.to(torch.float32) - means.view(1, 3, 1, 1)
-    H, W = out.shape[2], out.shape[3]
-    for i, (h, w) in enumerate(rows):
-        if h < H:
-            out[i, :, h:, :] = 0
-        if w < W:
-            out[i, :, :h, w:] = 0
+    for i, (h, w) in enumerate(rows):  # zero the padding
+        out[i, :, h:, :] = 0
+        out[i, :, :h, w:] = 0
     return out
 
 
@@ -142,15 +139,10 @@ def expand_rpn_targets(compact: Mapping[str, torch.Tensor], *,
         and ``(n, 4A, F, F)`` float32, on the same device: labels -1 and the rest 0
         except at the listed anchors, bit-identical to the worker-side blobs.
     """
-    layout = compact["rpn_compact_layout"].detach().cpu().tolist()
-    rows = compact["rpn_compact_labels_int32"].to(torch.int64)
-    fg = compact["rpn_compact_fg_int32"].to(torch.int64)
-    targets = compact["rpn_compact_bbox_targets"]
-    weights = compact["rpn_compact_outside_weights"]
+    layout, rows, fg, targets, weights = (compact[k] for k in RPN_COMPACT_KEYS)
+    layout, rows, fg = layout.detach().cpu().tolist(), rows.to(torch.int64), fg.to(torch.int64)
     n, dev = int(weights.shape[0]), weights.device
-    if new is None:
-        def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=dev)
+    new = new or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=dev))
     out: dict[str, torch.Tensor] = {}
     lo = 0
     for lvl, a, f in layout:

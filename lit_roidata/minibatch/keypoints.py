@@ -44,23 +44,15 @@ def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
     """
     HM = heatmap_size
     rois = np.asarray(rois, dtype=np.float32).reshape(-1, 4)
-    dx = rois[:, 2] - rois[:, 0]
-    dy = rois[:, 3] - rois[:, 1]
-    # Detectron quirk Q25 (docs/detectron_quirks.md) guard, a no-op for real
-    # boxes
-    dx = np.where(dx > 0, dx, np.float32(1))
-    dy = np.where(dy > 0, dy, np.float32(1))
-    scale_x = (HM / dx)[:, None]
-    scale_y = (HM / dy)[:, None]
+    extent = rois[:, 2:] - rois[:, :2]  # (n, 2): width and height
+    # Detectron quirk Q25 (docs/detectron_quirks.md) guard, a no-op for real boxes
+    scale = (HM / np.where(extent > 0, extent, np.float32(1)))[:, :, None]
     vis = keypoints[:, 2, :] > 0
-    x = keypoints[:, 0, :].astype(np.float32)
-    y = keypoints[:, 1, :].astype(np.float32)
-    x_boundary = x == rois[:, 2:3]
-    y_boundary = y == rois[:, 3:4]
-    x = np.floor((x - rois[:, 0:1]) * scale_x)
-    y = np.floor((y - rois[:, 1:2]) * scale_y)
-    x[x_boundary] = HM - 1
-    y[y_boundary] = HM - 1
+    xy = keypoints[:, :2, :].astype(np.float32)
+    boundary = xy == rois[:, 2:, None]
+    xy = np.floor((xy - rois[:, :2, None]) * scale)
+    xy[boundary] = HM - 1
+    x, y = xy[:, 0], xy[:, 1]
     valid = ((x >= 0) & (y >= 0) & (x < HM) & (y < HM) & vis).astype(np.int32)
     return ((y * HM + x) * valid).astype(np.float32), valid.astype(np.float32)
 

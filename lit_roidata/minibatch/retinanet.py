@@ -62,8 +62,7 @@ def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     n_classes = int(cfg.MODEL.NUM_CLASSES)
     fg_total, bg_total = 0.0, 0.0
     per_image = []
-    for i, entry in enumerate(entries):
-        scale = im_scales[i]
+    for entry, scale in zip(entries, im_scales):
         gt, keep = scaled_noncrowd_gt(entry, scale, "RetinaNet", "Detectron asserts here")
         labels, fg, targets, num_bg = label_retinanet_anchors(
             all_anchors, fields, gt, np.asarray(entry["gt_classes"])[keep], cfg.RETINANET)

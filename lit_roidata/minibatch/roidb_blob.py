@@ -62,10 +62,7 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
 
     for entry in entries:
         item: dict[str, Any] = {}
-        for key in _KEYS:
-            if key not in entry:
-                continue
-            value = entry[key]
+        for key, value in ((k, entry[k]) for k in _KEYS if k in entry):
             if key in _JSON_KEYS:
                 item[key] = {"t": "j", "v": _to_json(value)}
             elif scipy.sparse.issparse(value):

@@ -24,7 +24,8 @@ from lit_roidata.minibatch.anchors import (
     FieldOfAnchors, InsideAnchors, anchor_targets, concat_fields, inside_anchors, rpn_fields,
     rpn_overlaps, scaled_noncrowd_gt, stack_rows)
 from lit_roidata.minibatch.image import im_info_rows
-from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS, get_rpn_blob_names
+from lit_roidata.minibatch.names import (
+    RPN_BLOB_KINDS, RPN_COMPACT_KEYS, get_rpn_blob_names, rpn_levels)
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
 __all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS",
@@ -76,16 +77,10 @@ def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
                                        cfg.TRAIN, rng, fix_rpn_quirks=fix_rpn_quirks))
     blobs["im_info"] = im_info
     blobs["roidb"] = serialize_roidb(entries)
-    multilevel = cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN
-    levels = (list(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)) if multilevel
-              else [None])
-    rows = _compact(per_image, fields, levels)
-    if not compact:
-        blobs.update(_wide(rows, alloc))
-        return True
-    for k in get_rpn_blob_names(cfg)[2:]:  # the wide names were pre-created by get_minibatch
+    rows = _compact(per_image, fields, rpn_levels(cfg))
+    for k in get_rpn_blob_names(cfg)[2:] if compact else ():  # pre-created by get_minibatch
         blobs.pop(k, None)
-    blobs.update(rows)
+    blobs.update(rows if compact else _wide(rows, alloc))
     return True
 
 

@@ -105,11 +105,9 @@ def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.n
 
 
 def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv_tensors.Image:
-    h, w, c = im.shape
-    if shared:  # built in shared memory: a DataLoader worker sends it without a copy
-        t = shared_empty((c, h, w), im.dtype)
-    else:
-        t = torch.from_numpy(np.empty((c, h, w), dtype=im.dtype))
+    h, w, c = im.shape  # shared: a DataLoader worker sends it without a copy
+    t = (shared_empty((c, h, w), im.dtype) if shared
+         else torch.from_numpy(np.empty((c, h, w), dtype=im.dtype)))
     out = t.numpy()  # uint8: BGR -> RGB
     split_into(im, [out[i] for i in (range(c - 1, -1, -1) if pixel_format == "uint8"
                                      else range(c))])
