@@ -121,30 +121,24 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
     retina = cfg.RETINANET
     n_classes = int(cfg.MODEL.NUM_CLASSES)
     loc_stride = 4 * (n_classes - 1) if retina.CLASS_SPECIFIC_BBOX else 4
-    num_aspects = len(retina.ASPECT_RATIOS)
     offsets = level_offsets(fields)
-    field_ids = np.arange(len(fields))
-    levels = range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)
+    # fields per level, in (octave, aspect) order: a field's place in its level is its anchor
+    a = retina.SCALES_PER_OCTAVE * len(retina.ASPECT_RATIOS)
     if compact:  # written again below in blob order, the sparse pair in the labels' place
         for k in [k for k in blobs if k.startswith("retnet_") and "_fpn" in k]:
             del blobs[k]
-    for lvl in levels:
-        ids = field_ids[[int(round(np.log2(f.stride))) == lvl for f in fields]]
-        f0 = fields[ids[0]]
-        size, stride = f0.field_size, f0.stride
+    for k, lvl in enumerate(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)):
+        size, stride = fields[k * a].field_size, fields[k * a].stride
         h, w = int(pad_h / stride), int(pad_w / stride)
-        shape = (len(per_image), len(ids), min(h, size), min(w, size))
+        shape = (len(per_image), a, min(h, size), min(w, size))
         cls = np.empty(shape, np.int32)
-        lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
-        field_anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
-                                     for j in ids], np.int64)
+        lo, hi = offsets[k * a], offsets[(k + 1) * a]
         tgt_rows, loc_rows = [], []
         for i, (labels, fg, targets) in enumerate(per_image):
-            cls[i] = labels[lo:hi].reshape(len(ids), size, size)[:, :h, :w]
+            cls[i] = labels[lo:hi].reshape(a, size, size)[:, :h, :w]
             sel = (fg >= lo) & (fg < hi)
             sel[sel] = labels[fg[sel]] > 0  # positives overwritten by negatives drop out
-            local = fg[sel] - lo
-            field_in_level, cell = np.divmod(local, size * size)
+            anchor_ind, cell = np.divmod(fg[sel] - lo, size * size)
             y, x = np.divmod(cell, size)
             lab = labels[fg[sel]].astype(np.int64)
             l_cls = lab - 1 if retina.CLASS_SPECIFIC_BBOX else np.zeros_like(lab)
@@ -152,7 +146,6 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
                 raise ValueError(
                     f"RetinaNet label {int(lab.max())} does not fit MODEL.NUM_CLASSES = "
                     f"{n_classes}; set it to the dataset's class count plus one")
-            anchor_ind = field_anchor_ind[field_in_level]
             locs = np.stack([np.full_like(y, i), 4 * l_cls + loc_stride * anchor_ind, y, x], 1)
             tgt_rows.append(targets[sel])
             loc_rows.append(locs.astype(np.float32))

@@ -137,8 +137,7 @@ class ShmPool:
 
     def _alloc(self, arena: _Arena, shape: tuple[int, ...], dtype: torch.dtype,
                zero: bool = True) -> torch.Tensor | None:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         off = arena.offset + (-arena.offset) % _ALIGN
         end = off + nbytes
         w = arena.worker

@@ -71,14 +71,12 @@ def shared_empty(shape: tuple[int, ...], dtype: Any, *, pool: bool = True) -> to
     """
     if not isinstance(dtype, torch.dtype):
         dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
-    if pool:
-        t = shm_pool.pool_tensor(tuple(int(x) for x in shape), dtype)
-        if t is not None:
-            return t
-    numel = math.prod(int(x) for x in shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    storage = shm_pool.new_shared_storage(max(nbytes, 1))
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(int(x) for x in shape))
+    shape = tuple(int(x) for x in shape)
+    t = shm_pool.pool_tensor(shape, dtype) if pool else None
+    if t is None:
+        storage = shm_pool.new_shared_storage(max(math.prod(shape) * dtype.itemsize, 1))
+        t = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return t
 
 
 def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str, int]:
