@@ -109,7 +109,6 @@ class Augmentation:
                            row_ids=np.flatnonzero(ok), keypoints=points,
                            kp_ids=np.arange(len(points)), **({"masks": masks} if masks else {}))
         new_im = np.ascontiguousarray(out["image"][:, :, ::-1])
-        nh, nw = new_im.shape[:2]
         kept = np.asarray(out["row_ids"], dtype=np.int64)
         order = np.argsort(kept, kind="stable")  # keep gt rows a prefix
         kept = kept[order]
@@ -118,7 +117,7 @@ class Augmentation:
         new_pts = np.asarray(out["keypoints"], dtype=np.float32).reshape(-1, 2)
         rle_masks = dict(zip(rle_rows, out.get("masks", [])))
         return new_im, self._rebuild(entry, kept, new_boxes, new_pts, polys, rle_masks, n_gt,
-                                     nh, nw)
+                                     *new_im.shape[:2])
 
     @staticmethod
     def _points(entry: Mapping[str, Any], n_gt: int) -> tuple[np.ndarray, list]:
@@ -146,14 +145,9 @@ class Augmentation:
         cursor = int(sum(counts))
         flat = iter(np.split(pts[:cursor], np.cumsum(counts, dtype=np.int64)[:-1]))
         new_polys = [[next(flat).reshape(-1).astype(float).tolist() for _ in row] for row in polys]
-        segms = []
-        for r in gt_old:
-            if r in rle_masks:
-                segms.append(mask_util.encode(np.asfortranarray(rle_masks[r].astype(np.uint8))))
-            elif polys[r]:
-                segms.append(new_polys[r])
-            else:
-                segms.append(entry["segms"][r])
+        segms = [mask_util.encode(np.asfortranarray(rle_masks[r].astype(np.uint8)))
+                 if r in rle_masks else new_polys[r] if polys[r] else entry["segms"][r]
+                 for r in gt_old]
         out = dict(entry)
         out.update(width=w, height=h, boxes=boxes, gt_classes=gt_classes[kept],
                    is_crowd=is_crowd[kept], segms=segms)

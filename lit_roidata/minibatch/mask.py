@@ -251,24 +251,18 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
     fg_inds = np.where(labels > 0)[0]
     roi_has_mask = labels.copy()
     roi_has_mask[roi_has_mask > 0] = 1
-    if fg_inds.shape[0] > 0:
-        class_labels = labels[fg_inds]
-        rois_fg = sampled_boxes[fg_inds].astype(np.float32, copy=False)
-        if gt_rows.size:
-            segms, match_boxes = _match_boxes(entry, gt_rows)
-            best = np.argmax(bbox_overlaps(rois_fg, match_boxes), axis=1)
-            masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M,
-                                             int(entry["height"]), int(entry["width"]))
-        # fg only through crowd boxes (Detectron quirk Q8, docs/detectron_quirks.md): nothing to
-        # learn a mask from
-        else:
-            masks = np.full((fg_inds.shape[0], M * M), -1, dtype=np.int32)
-    else:
-        take = np.where(labels == 0)[0][:1]  # one bg RoI with an all -1 target
-        rois_fg = sampled_boxes[take].reshape((-1, 4)).astype(np.float32, copy=False)
+    # without a fg RoI: one bg RoI (class 0) with an all -1 target
+    take = fg_inds if fg_inds.size else np.where(labels == 0)[0][:1]
+    roi_has_mask[take] = 1
+    class_labels = labels[take]
+    rois_fg = sampled_boxes[take].reshape((-1, 4)).astype(np.float32, copy=False)
+    if fg_inds.size and gt_rows.size:
+        segms, match_boxes = _match_boxes(entry, gt_rows)
+        best = np.argmax(bbox_overlaps(rois_fg, match_boxes), axis=1)
+        masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M,
+                                         int(entry["height"]), int(entry["width"]))
+    else:  # or fg only through crowd boxes (Detectron quirk Q8, docs/detectron_quirks.md)
         masks = np.full((take.size, M * M), -1, dtype=np.int32)
-        class_labels = np.zeros((take.size,), dtype=np.int32)
-        roi_has_mask[take] = 1
     if cfg.MRCNN.CLS_SPECIFIC_MASK:
         if expand:
             masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
