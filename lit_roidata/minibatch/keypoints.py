@@ -77,21 +77,18 @@ def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str,
     else:
         # -1 wraps to the last gt, as in Detectron (Detectron quirk Q6,
         # docs/detectron_quirks.md)
-        ind_kp = gt_inds[box_to_gt]
-        kps = gt_keypoints[ind_kp]
+        kps = gt_keypoints[gt_inds[box_to_gt]]
         within = ((kps[:, 0, :] >= boxes[:, 0:1]) & (kps[:, 0, :] <= boxes[:, 2:3]) &
                   (kps[:, 1, :] >= boxes[:, 1:2]) & (kps[:, 1, :] <= boxes[:, 3:4]))
         is_visible = np.sum((kps[:, 2, :] > 0) & within, axis=1) > 0
         kp_fg_inds = np.where((max_overlaps >= cfg.TRAIN.FG_THRESH) & is_visible)[0]
-    quota = min(fg_rois_per_image, kp_fg_inds.size)
-    if kp_fg_inds.size > quota:
-        kp_fg_inds = rng_mod.choice(rng, kp_fg_inds, size=quota, replace=False)
+    if kp_fg_inds.size > fg_rois_per_image:  # drawn only when over the fg quota
+        kp_fg_inds = rng_mod.choice(rng, kp_fg_inds, size=fg_rois_per_image, replace=False)
     sampled_rois = boxes[kp_fg_inds]
     maps = box_to_gt[kp_fg_inds]
     sampled_kps = -np.ones((len(sampled_rois), 3, K), dtype=gt_keypoints.dtype)
     has_gt = maps >= 0
-    if has_gt.any():
-        sampled_kps[has_gt] = gt_keypoints[gt_inds[maps[has_gt]]]
+    sampled_kps[has_gt] = gt_keypoints[gt_inds[maps[has_gt]]]
     heats, weights = keypoints_to_heatmap_labels(sampled_kps, sampled_rois, HM)
     shape = (sampled_rois.shape[0] * K, 1)
     blobs["keypoint_rois"] = rois_blob(sampled_rois * float(im_scale), batch_idx)
