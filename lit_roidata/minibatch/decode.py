@@ -123,10 +123,8 @@ def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
     h, w = im.shape[:2]
     want_h, want_w = int(entry["height"]), int(entry["width"])
     if (h, w) != (want_h, want_w):
-        hint = ""
-        if (h, w) == (want_w, want_h):
-            hint = (" (width and height are swapped: the file probably carries an EXIF "
-                    "orientation tag that the annotation ignores)")
+        hint = (" (width and height are swapped: the file probably carries an EXIF "
+                "orientation tag that the annotation ignores)" if (h, w) == (want_w, want_h) else "")
         raise _error(entry, "size_mismatch",
                      f"decoded image is {w}x{h} (WxH, after EXIF orientation) but the roidb "
                      f"says {want_w}x{want_h}{hint}",

@@ -59,15 +59,10 @@ def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str, 
     hi = np.searchsorted(sorted_lvls, levels, side="right")
     for lvl, a, b in zip(levels.tolist(), lo.tolist(), hi.tolist()):
         blobs[f"{blob_prefix}_fpn{lvl}"] = rois[by_level[a:b], :]
-    n = lvls.size
-    if levels.size and lo[0] == 0 and hi[-1] == n and int((hi - lo).sum()) == n:
-        # every row has a level: the restore indices are the inverse permutation
-        restore = np.empty(n, dtype=np.int32)
-        restore[by_level] = np.arange(n, dtype=np.int32)
-    else:  # rows outside [lvl_min, lvl_max] (or not whole levels) are left out
-        idx_order = (np.concatenate([by_level[a:b] for a, b in zip(lo.tolist(), hi.tolist())])
-                     if levels.size else np.zeros(0, dtype=np.int64))
-        restore = np.argsort(idx_order, kind="stable").astype(np.int32, copy=False)
+    # rows outside [lvl_min, lvl_max] are left out
+    idx_order = np.concatenate([by_level[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+                               or [np.zeros(0, dtype=np.int64)])
+    restore = np.argsort(idx_order, kind="stable").astype(np.int32, copy=False)
     blobs[f"{blob_prefix}_idx_restore_int32"] = restore
 
 

@@ -242,13 +242,10 @@ def begin_block(pool: ShmPool | None) -> _Arena | None:
     and make it the target of :func:`pool_tensor` in this thread (None: no pool, no
     worker, or no free slot; arrays then get new segments)."""
     end_block()
-    if pool is None:
-        return None
-    info = torch.utils.data.get_worker_info()
+    info = torch.utils.data.get_worker_info() if pool is not None else None
     if info is None:
         return None
-    arena = pool.acquire(int(info.id))
-    _local.arena = arena
+    _local.arena = arena = pool.acquire(int(info.id))
     return arena
 
 
