@@ -238,10 +238,9 @@ def _table(keys: Keys) -> dict[str, np.ndarray]:
         for a in range(n_a):
             shapes.append((start + a, f, n_a, fi, start, a))
             cells.append(field[a])
-            for name, col in (("x1", 0), ("x2", 2)):
-                edges[name].append(grid[0, :, a, col])
-            for name, col in (("y1", 1), ("y2", 3)):
-                edges[name].append(grid[:, 0, a, col])
+            for name, col, line in (("x1", 0, grid[0, :, a]), ("x2", 2, grid[0, :, a]),
+                                    ("y1", 1, grid[:, 0, a]), ("y2", 3, grid[:, 0, a])):
+                edges[name].append(line[:, col])
         per_field.append((start, f, n_a, row))
         start += field.shape[0]
         row += f
@@ -312,14 +311,14 @@ class InsideAnchors:
         f = np.searchsorted(rows["fstart"], idx, side="right") - 1
         cell, a = np.divmod(idx - rows["fstart"][f], rows["fa"][f])
         y, x = np.divmod(cell, rows["ff"][f])
-        r = self.field_rects[f]  # (Q, A, 4): the rectangles of the anchor's field
-        x0, x1, y0, y1 = r[..., 0], r[..., 1], r[..., 2], r[..., 3]
+        # (Q, A) each: the rectangles of the anchor's field
+        x0, x1, y0, y1 = np.moveaxis(self.field_rects[f], -1, 0)
         wx = x1 - x0
         yc, xc = y[:, None], x[:, None]
         rows_before = (np.minimum(np.maximum(yc - y0, 0), y1 - y0) * wx).sum(axis=1)
         act = (y0 <= yc) & (yc < y1)
         in_row = (np.minimum(np.maximum(xc - x0, 0), wx) * act).sum(axis=1)
-        in_cell = (act & (x0 <= xc) & (xc < x1) & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
+        in_cell = (act & (x0 <= xc) & (xc < x1) & (np.arange(x0.shape[1]) < a[:, None])).sum(axis=1)
         return self.field_counts[f] + rows_before + in_row + in_cell
 
     def select(self, pos: np.ndarray) -> np.ndarray:
@@ -329,13 +328,11 @@ class InsideAnchors:
         pos = np.asarray(pos, np.int64)
         if not len(pos):
             return np.zeros(0, np.int64)
-        row_start = self.row_starts
-        g = np.searchsorted(row_start, pos, side="right") - 1
+        g = np.searchsorted(self.row_starts, pos, side="right") - 1
         f = rows["row_field"][g]
         y = g - rows["row_off"][f]
-        off = pos - row_start[g]
-        r = self.field_rects[f]  # (Q, A, 4)
-        x0, x1, y0, y1 = r[..., 0], r[..., 1], r[..., 2], r[..., 3]
+        off = pos - self.row_starts[g]
+        x0, x1, y0, y1 = np.moveaxis(self.field_rects[f], -1, 0)  # (Q, A) each
         wx = x1 - x0
         act = (y0 <= y[:, None]) & (y[:, None] < y1)
         wx = wx * act  # shapes not in this row contribute nothing
@@ -364,24 +361,21 @@ def inside_anchors(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
 
 @functools.lru_cache(maxsize=256)
 def _inside_anchors(keys: Keys, im_h: float, im_w: float, t: float) -> InsideAnchors:
-    tab = edges = rows = _table(keys)
+    tab = rows = _table(keys)
     if t < 0:
-        r = np.stack([np.zeros_like(edges["size"]), edges["size"]] * 2, axis=1)
+        r = np.stack([np.zeros_like(tab["size"]), tab["size"]] * 2, axis=1)
     else:
         # the comparisons of _inside_mask, on one row (column) of every shape; each is
         # monotone in the column (row), so the kept columns of a shape are one run: from
         # the number failing the lower test to the number passing the upper test
-        seg = edges["seg"]
-        x0 = np.add.reduceat(~(edges["x1"] >= -t), seg, dtype=np.int64)
-        x1 = np.add.reduceat(edges["x2"] < im_w + t, seg, dtype=np.int64)
-        y0 = np.add.reduceat(~(edges["y1"] >= -t), seg, dtype=np.int64)
-        y1 = np.add.reduceat(edges["y2"] < im_h + t, seg, dtype=np.int64)
+        x0, x1, y0, y1 = (np.add.reduceat(kept, tab["seg"], dtype=np.int64) for kept in (
+            ~(tab["x1"] >= -t), tab["x2"] < im_w + t, ~(tab["y1"] >= -t), tab["y2"] < im_h + t))
         r = np.stack([x0, np.maximum(x1, x0), y0, np.maximum(y1, y0)], axis=1)
-    count = int(((r[:, 1] - r[:, 0]) * (r[:, 3] - r[:, 2])).sum())
     field_rects = np.zeros((len(keys), int(tab["n_a"].max(initial=1)), 4), np.int64)
     field_rects[tab["field"], tab["a"]] = r
     x0, x1, y0, y1 = r.T
     area = (x1 - x0) * (y1 - y0)
+    count = int(area.sum())
     per_field = np.bincount(tab["field"], weights=area, minlength=len(keys)).astype(np.int64)
     n_rows = len(rows["row_field"])
     base = rows["row_off"][tab["field"]]
