@@ -88,12 +88,11 @@ def _normalize_cpu(data_uint8: torch.Tensor, rows: Sequence[Sequence[int]],
     src, dst, table = data_uint8.numpy(), out.numpy(), lut.numpy().reshape(3, 256)
     for i, (h, w) in enumerate(rows):
         h, w = max(0, min(int(h), H)), max(0, min(int(w), W))
-        for c in range(3):
-            if h and w:
-                region = dst[i, c, :h, :w]
-                res = cv2.LUT(src[i, c, :h, :w], table[c], dst=region)
-                if not np.shares_memory(res, region):  # OpenCV could not write in place
-                    region[...] = res
+        for c in range(3 if h and w else 0):
+            region = dst[i, c, :h, :w]
+            res = cv2.LUT(src[i, c, :h, :w], table[c], dst=region)
+            if not np.shares_memory(res, region):  # OpenCV could not write in place
+                region[...] = res
         dst[i, :, h:, :] = 0
         dst[i, :, :h, w:] = 0
     return out

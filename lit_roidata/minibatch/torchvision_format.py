@@ -148,9 +148,8 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
         target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
     if prop_rows.size:
         target["proposals"] = bb(prop_rows)
-    for key in LVIS_KEYS:  # LVIS roidbs only
-        if key in entry:
-            target[key] = torch.from_numpy(np.asarray(entry[key]).astype(np.int64))
+    target.update({key: torch.from_numpy(np.asarray(entry[key]).astype(np.int64))
+                   for key in LVIS_KEYS if key in entry})  # LVIS roidbs only
     return target
 
 

@@ -98,12 +98,8 @@ def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str
             elif isinstance(v, torch.Tensor) and v.device.type == "cpu":
                 n = v.numel() * v.element_size()
                 out["tensors"] += 1
-                if v.is_shared():
-                    out["shared_bytes"] += n
-                elif n <= limit:
-                    out["packed_bytes"] += n
-                else:
-                    out["moved_bytes"] += n
+                out["shared_bytes" if v.is_shared() else "packed_bytes" if n <= limit
+                    else "moved_bytes"] += n
 
     walk(blobs)
     out["copied_bytes"] = out["packed_bytes"] + out["moved_bytes"]
@@ -122,8 +118,7 @@ def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
                 items.append((k, "dict", walk(v)))
             elif (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_shared()
                   and v.numel() * v.element_size() <= limit):
-                t = v.contiguous().reshape(-1)
-                raw = t.view(torch.uint8)
+                raw = v.contiguous().reshape(-1).view(torch.uint8)
                 offset += (-offset) % _ALIGN
                 items.append((k, "view", (offset, raw.numel(), v.dtype, tuple(v.shape))))
                 chunks.append((offset, raw))
