@@ -41,8 +41,7 @@ def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndar
     data = np.asarray(bbox_target_data, dtype=np.float32).reshape(-1, 5)
     clss = data[:, 0].astype(np.int64)
     n = data.shape[0]
-    targets = np.zeros((n, num_reg_classes, 4), dtype=np.float32)
-    inside = np.zeros((n, num_reg_classes, 4), dtype=np.float32)
+    targets, inside = np.zeros((2, n, num_reg_classes, 4), dtype=np.float32)
     rows = np.flatnonzero(data[:, 0] > 0)
     if rows.size and clss[rows].max() >= num_reg_classes:
         if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG:
@@ -153,7 +152,4 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
             blobs[name] = []  # filled below (FPN / keypoint finalisation)
     if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_ROIS:
         add_multilevel_rois(blobs, cfg)
-    valid = True
-    if cfg.MODEL.KEYPOINTS_ON:
-        valid = finalize_keypoint_minibatch(blobs, valid, cfg)
-    return valid
+    return finalize_keypoint_minibatch(blobs, True, cfg) if cfg.MODEL.KEYPOINTS_ON else True

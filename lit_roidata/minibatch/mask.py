@@ -60,9 +60,7 @@ def rle_counts(counts: bytes | str) -> np.ndarray:
     n = ends.size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = np.empty(n, dtype=np.intp)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
+    starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.intp)
     a = a[:ends[-1] + 1]
     first = np.zeros(a.size, dtype=np.intp)  # each group's first position, at every group
     first[starts] = starts

@@ -67,8 +67,8 @@ def proposal_labels(rois: Any, entries: Any, im_scales: Any, cfg: Any, rng: rng_
     scales = [float(s) for s in (im_scales.tolist() if hasattr(im_scales, "tolist")
                                  else im_scales)]
     if scores is not None and cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
-        top_n = int(cfg.TRAIN.RPN_POST_NMS_TOP_N * cfg.FPN.RPN_COLLECT_SCALE)
-        rois_t = collect_top_proposals(rois_t, scores, top_n)
+        rois_t = collect_top_proposals(
+            rois_t, scores, int(cfg.TRAIN.RPN_POST_NMS_TOP_N * cfg.FPN.RPN_COLLECT_SCALE))
     merged = merge_proposals(rois_t, entries, scales, cfg)
     blobs: dict[str, Any] = {}
     # valid is ignored end to end (Detectron quirk Q7, docs/detectron_quirks.md)

@@ -89,9 +89,8 @@ class ShmPool:
         if num_workers < 1 or slots < 1 or slot_bytes < _ALIGN:
             raise ValueError(f"ShmPool needs num_workers >= 1, slots >= 1 and slot_bytes >= "
                              f"{_ALIGN}; got {num_workers}, {slots}, {slot_bytes}")
-        n = num_workers * slots
         self._setup(secrets.randbits(62), int(num_workers), int(slots), int(slot_bytes),
-                    [new_shared_storage(int(slot_bytes)) for _ in range(n)],
+                    [new_shared_storage(int(slot_bytes)) for _ in range(num_workers * slots)],
                     torch.zeros((num_workers, slots), dtype=torch.uint8).share_memory_(),
                     torch.zeros((num_workers, len(_STATS)), dtype=torch.int64).share_memory_())
 
@@ -229,10 +228,9 @@ class ShmPool:
 def _rebuild_pool(token: int, num_workers: int, slots: int, slot_bytes: int, storages: list,
                   flags: torch.Tensor, counters: torch.Tensor) -> ShmPool:
     pool = _POOLS.get(token)
-    if pool is not None:  # sent back to the process that has it
-        return pool
-    pool = ShmPool.__new__(ShmPool)
-    pool._setup(token, num_workers, slots, slot_bytes, storages, flags, counters)
+    if pool is None:  # (else: sent back to the process that has it)
+        pool = ShmPool.__new__(ShmPool)
+        pool._setup(token, num_workers, slots, slot_bytes, storages, flags, counters)
     return pool
 
 
