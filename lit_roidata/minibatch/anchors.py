@@ -103,11 +103,9 @@ def _field_array(stride: float, sizes: tuple[float, ...], ratios: tuple[float, .
     num_a = cell.shape[0]
     f = field_size(stride, coarsest_stride, max_size)
     shifts = np.arange(0, f) * stride
-    shift_x, shift_y = np.meshgrid(shifts, shifts)
-    shift_x, shift_y = shift_x.ravel(), shift_y.ravel()
-    shifts4 = np.vstack((shift_x, shift_y, shift_x, shift_y)).transpose()
-    field = cell.reshape((1, num_a, 4)) + shifts4.reshape((1, -1, 4)).transpose((1, 0, 2))
-    field = field.reshape((-1, 4)).astype(np.float32)
+    shift_x, shift_y = (s.ravel() for s in np.meshgrid(shifts, shifts))
+    shifts4 = np.stack((shift_x, shift_y, shift_x, shift_y), axis=1)  # (F*F, 4), x fastest
+    field = (cell[None] + shifts4[:, None]).reshape((-1, 4)).astype(np.float32)
     field.setflags(write=False)
     return field, num_a, f
 

@@ -167,9 +167,8 @@ def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: In
     if fix:
         best &= (g2a > 0)[None, :]
     is_pos = best.any(axis=1) | (a2g >= pos_t)
-    positives = cand[is_pos]  # ascending, as flatnonzero
+    fg_inds = cand[is_pos]  # ascending, as flatnonzero
     num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
-    fg_inds = positives
     if len(fg_inds) > num_fg:
         disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
         fg_inds = np.setdiff1d(fg_inds, disable, assume_unique=True)
@@ -178,23 +177,18 @@ def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: In
     excluded = cand[(a2g >= neg_t) | is_pos] if fix else cand[a2g >= neg_t]
     n_cand = inside.count - len(excluded)
     pos = _negative_positions(n_cand, num_bg, rng, fix)
-    if pos is None:
-        pos = np.arange(n_cand)
     # the p-th candidate is the q-th inside anchor, q = p + #excluded placed before it
     shift = inside.rank(excluded) - np.arange(len(excluded))
     bg_inds = inside.select(pos + np.searchsorted(shift, pos, side="right"))
     labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
-    bg_sorted = np.unique(bg_inds)
-    at = np.minimum(np.searchsorted(bg_sorted, labelled), max(len(bg_sorted) - 1, 0))
-    is_bg = bg_sorted[at] == labelled if len(bg_sorted) else np.zeros(len(labelled), bool)
-    lab = np.where(is_bg, 0, 1).astype(np.int32)
+    lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
     return labelled, lab, fg_inds
 
 
 def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
-                        fix: bool) -> np.ndarray | None:
-    """Positions of the negatives drawn among ``n_cand`` candidates (ascending order), or
-    None: all of them (there are at most ``num_bg``).
+                        fix: bool) -> np.ndarray:
+    """Positions of the negatives drawn among ``n_cand`` candidates (ascending order): all
+    of them when there are at most ``num_bg``.
 
     Detectron's draw: ``bg_inds[npr.randint(len(bg_inds), size=num_bg)]`` (Detectron quirk
     Q3 (docs/detectron_quirks.md): with replacement, and may overwrite positives); fixed:
@@ -202,7 +196,7 @@ def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
     number of candidates, so drawing positions consumes the generator identically.
     """
     if n_cand <= num_bg:
-        return None
+        return np.arange(n_cand)
     if fix:
         return np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False))
     return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))

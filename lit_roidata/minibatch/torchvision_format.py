@@ -71,7 +71,6 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
     t = (shared_empty((rows.size, h, w), torch.uint8) if shared
          else torch.zeros((rows.size, h, w), dtype=torch.uint8))
     out = t.numpy()
-    height, width = int(entry["height"]), int(entry["width"])
     segms = entry["segms"]
     polys: list[np.ndarray] = []  # every polygon part of the image: one pycocotools call
     spans: list[tuple[int, int, int]] = []  # (mask row, first part, part count)
@@ -82,10 +81,9 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
             spans.append((j, len(polys), len(parts)))
             polys.extend(p.astype(np.float64) * scale for p in parts)
             continue
-        rle = segm_as_rle(segm, height, width)
+        rle = segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
         if rle is not None:
-            full = mask_util.decode(rle)
-            out[j] = cv2.resize(full, (w, h), interpolation=cv2.INTER_NEAREST)
+            out[j] = cv2.resize(mask_util.decode(rle), (w, h), interpolation=cv2.INTER_NEAREST)
     if polys:
         rles = mask_util.frPyObjects(polys, h, w)
         for j, first, n in spans:
