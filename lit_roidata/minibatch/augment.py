@@ -94,10 +94,7 @@ class Augmentation:
         """Transform one BGR image and its entry; returns the new image and entry copy."""
         h, w = im.shape[:2]
         boxes = np.asarray(entry["boxes"], dtype=np.float32).reshape(-1, 4)
-        vo = boxes.copy()
-        vo[:, 2:] += 1
-        vo[:, 0::2] = np.clip(vo[:, 0::2], 0, w)
-        vo[:, 1::2] = np.clip(vo[:, 1::2], 0, h)
+        vo = np.clip(boxes + np.float32([0, 0, 1, 1]), 0, np.float32([w, h, w, h]))
         ok = (vo[:, 2] > vo[:, 0]) & (vo[:, 3] > vo[:, 1])
         n_gt = len(entry["segms"])
         points, polys = self._points(entry, n_gt)
@@ -178,10 +175,9 @@ class Augmentation:
             pos = mx > 0
             rows = np.flatnonzero(pos) + n_gt
             mo[rows], mc[rows], b2g[rows] = mx[pos], gt_classes[arg[pos]], arg[pos]
-            g = np.arange(n_gt)
-            mo[g] = np.where(is_crowd[:n_gt], -1.0, 1.0)
-            mc[g] = np.where(is_crowd[:n_gt], 0, gt_classes[:n_gt])
-            b2g[g] = g
+            mo[:n_gt] = np.where(is_crowd[:n_gt], -1.0, 1.0)
+            mc[:n_gt] = np.where(is_crowd[:n_gt], 0, gt_classes[:n_gt])
+            b2g[:n_gt] = np.arange(n_gt)
         filtered = np.flatnonzero(old_mo[n_gt:] < 0) + n_gt  # crowd-filtered proposals
         mo[filtered], mc[filtered] = -1.0, 0
         cfg = self.cfg

@@ -164,7 +164,7 @@ def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.
     targets = draw_scales(entries, cfg, rng)
     load = loader or load_image
     aug_seeds = augment.draw_seeds(len(entries), rng) if augment is not None else None
-    ims, im_scales, out_entries = [], [], []
+    out = []  # (image, scale, entry) per entry
     for i, entry in enumerate(entries):
         im = load(entry)
         if _is_rgb(load):
@@ -173,9 +173,8 @@ def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.
             im, entry = augment.apply(im, entry, seed=aug_seeds[i])
         im, scale = scale_image(im, targets[i], cfg.TRAIN.MAX_SIZE,
                                 pixel_format=pixel_format, pixel_means=cfg.PIXEL_MEANS)
-        ims.append(im)
-        im_scales.append(scale)
-        out_entries.append(entry)
+        out.append((im, scale, entry))
+    ims, im_scales, out_entries = (list(col) for col in zip(*out))
     return ims, im_scales, out_entries
 
 

@@ -337,12 +337,11 @@ class _PoolUnpickler(pickle.Unpickler):
             if self.lease is None:
                 self.lease = self.pool._lease(self.worker, self.slot)
             span = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-            flat = torch.frombuffer(self.lease, dtype=dtype, count=span, offset=off)
-            t = flat.as_strided(shape, stride)
+            t = torch.frombuffer(self.lease, dtype=dtype, count=span, offset=off).as_strided(
+                shape, stride)
         if cls is not torch.Tensor:
             t = t.as_subclass(cls)
-            if state:
-                t.__dict__.update(state)
+            t.__dict__.update(state)
         return t
 
 
