@@ -63,11 +63,10 @@ def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
     if exact and dev.type == "cpu":
         return _normalize_cpu(data_uint8, rows, lut)
     if exact:
-        offsets = torch.arange(3, device=dev, dtype=torch.int64).view(1, 3, 1, 1) * 256
-        out = lut[data_uint8.to(torch.int64) + offsets]
+        out = lut[data_uint8.to(torch.int64) + torch.arange(0, 768, 256, device=dev).view(1, 3, 1, 1)]
     else:
-        means = torch.tensor([float(m) for m in pixel_means], dtype=torch.float32, device=dev)
-        out = data_uint8.to(torch.float32) - means.view(1, 3, 1, 1)
+        out = data_uint8.to(torch.float32) - torch.tensor(
+            [float(m) for m in pixel_means], dtype=torch.float32, device=dev).view(1, 3, 1, 1)
     for i, (h, w) in enumerate(rows):  # zero the padding
         out[i, :, h:, :] = 0
         out[i, :, :h, w:] = 0

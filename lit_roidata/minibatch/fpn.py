@@ -15,10 +15,7 @@ __all__ = ["rois_blob", "map_rois_to_fpn_levels", "add_multilevel_roi_blobs",
 
 def rois_blob(boxes: np.ndarray, batch_idx: int) -> np.ndarray:
     """``(n, 5)`` float32 rows ``(batch_idx, x1, y1, x2, y2)`` for ``(n, 4)`` scaled boxes."""
-    boxes = np.asarray(boxes)
-    if boxes.dtype != np.float32:  # through the common dtype, as np.hstack would
-        batch_col = np.full((boxes.shape[0], 1), batch_idx, dtype=np.float32)
-        return np.hstack((batch_col, boxes)).astype(np.float32, copy=False)
+    boxes = np.asarray(boxes)  # (any dtype: rounded once to float32, as through np.hstack)
     out = np.empty((boxes.shape[0], 5), dtype=np.float32)
     out[:, 0] = batch_idx
     out[:, 1:] = boxes

@@ -82,8 +82,7 @@ def scale_image(im: np.ndarray, target_size: int, max_size: int, *, pixel_format
         The resized HWC image (uint8, or float32 minus means for ``"detectron"``)
         and its scale.
     """
-    h, w = im.shape[:2]
-    scale = get_target_scale(min(h, w), max(h, w), target_size, max_size)
+    scale = get_target_scale(min(im.shape[:2]), max(im.shape[:2]), target_size, max_size)
     if pixel_format == "detectron":
         im = im.astype(np.float32)
         im -= _pixel_means(pixel_means)
