@@ -94,16 +94,11 @@ def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnc
     below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
     cand, overlaps = rpn_overlaps(fields, all_anchors, every, gt, below)
     a2g_max = np.zeros(n, dtype=np.float32)
-    g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
-    if len(cand):
-        a2g_max[cand] = overlaps.max(axis=1)
-        g2a_max = overlaps.max(axis=0)
-    positive = np.zeros(n, dtype=bool)
-    positive[cand[(overlaps == g2a_max[None, :]).any(axis=1)]] = True
-    if (g2a_max == 0).any():  # every anchor ties at zero with that gt (as Detectron)
-        not_cand = np.ones(n, dtype=bool)
-        not_cand[cand] = False
-        positive |= not_cand
+    a2g_max[cand] = overlaps.max(axis=1)
+    g2a_max = overlaps.max(axis=0, initial=0)
+    # a gt with zero IoU everywhere ties at zero with every anchor (as Detectron)
+    positive = np.full(n, (g2a_max == 0).any())
+    positive[cand] = (overlaps == g2a_max[None, :]).any(axis=1)
     positive |= a2g_max >= retina.POSITIVE_OVERLAP
     fg = np.flatnonzero(positive)
     assigned, targets = anchor_targets(all_anchors[fg], gt)  # for the positives only
