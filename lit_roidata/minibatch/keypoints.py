@@ -75,11 +75,10 @@ def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str,
     if gt_inds.size == 0 or boxes.shape[0] == 0:
         kp_fg_inds = np.zeros((0,), dtype=np.int64)
     else:
-        # -1 wraps to the last gt, as in Detectron (Detectron quirk Q6,
-        # docs/detectron_quirks.md)
+        # -1 wraps to the last gt, as in Detectron (Detectron quirk Q6, docs/detectron_quirks.md)
         kps = gt_keypoints[gt_inds[box_to_gt]]
-        within = ((kps[:, 0, :] >= boxes[:, 0:1]) & (kps[:, 0, :] <= boxes[:, 2:3]) &
-                  (kps[:, 1, :] >= boxes[:, 1:2]) & (kps[:, 1, :] <= boxes[:, 3:4]))
+        xy = kps[:, :2, :]
+        within = ((xy >= boxes[:, :2, None]) & (xy <= boxes[:, 2:, None])).all(axis=1)
         is_visible = np.sum((kps[:, 2, :] > 0) & within, axis=1) > 0
         kp_fg_inds = np.where((max_overlaps >= cfg.TRAIN.FG_THRESH) & is_visible)[0]
     if kp_fg_inds.size > fg_rois_per_image:  # drawn only when over the fg quota

@@ -92,13 +92,9 @@ def decode_rle_into(counts: bytes | str, out: np.ndarray) -> None:
         return
     st, en = st[nz], en[nz]
     x0, x1 = int(st[0]) // h, (int(en[-1]) - 1) // h + 1
-    runs = np.empty(2 * st.size + 1, dtype=np.int64)  # bg, fg, bg, ..., fg, bg
-    runs[0] = st[0] - x0 * h
-    runs[1::2] = en - st
-    runs[2:-1:2] = st[1:] - en[:-1]
-    runs[-1] = x1 * h - en[-1]
-    values = np.zeros(runs.size, dtype=np.uint8)
-    values[1::2] = 1
+    # bg, fg, bg, ..., fg, bg from the column x0 to the column x1
+    runs = np.diff(np.concatenate(([x0 * h], np.stack([st, en], 1).ravel(), [x1 * h])))
+    values = (np.arange(runs.size) % 2).astype(np.uint8)
     cols = np.repeat(values, runs).reshape(x1 - x0, h)  # (columns, rows)
     dst = out[:, x0:x1]
     res = cv2.transpose(cols, dst)
