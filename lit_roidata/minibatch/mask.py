@@ -62,9 +62,7 @@ def rle_counts(counts: bytes | str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.intp)
     a = a[:ends[-1] + 1]
-    first = np.zeros(a.size, dtype=np.intp)  # each group's first position, at every group
-    first[starts] = starts
-    np.maximum.accumulate(first, out=first)
+    first = np.repeat(starts, ends - starts + 1)  # each group's first position, at every group
     shift = (np.arange(a.size) - first) * 5
     vals = np.add.reduceat((a & 31).astype(np.int64) << shift, starts)
     neg = (a[ends] & 16) != 0
@@ -168,13 +166,8 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     parts_all = np.split(coords.astype(np.float64), np.cumsum([len(p) for p in parts_all])[:-1])
     decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts), F order
     by_part = decoded.transpose(2, 1, 0).reshape(len(parts_all), M * M)  # C order [part, x, y]
-    starts = np.r_[0, np.cumsum(parts_per_row)[:-1]]
-    union = by_part[starts]  # first part of each row, then OR the others in
-    extra = np.ones(len(parts_all), dtype=bool)
-    extra[starts] = False
-    if extra.any():  # ufunc.at: unbuffered, so repeated rows accumulate
-        part_row = np.repeat(np.arange(len(rows)), parts_per_row)
-        np.bitwise_or.at(union, part_row[extra], by_part[extra])
+    # the union of each row's parts (consecutive, at least one per row)
+    union = np.maximum.reduceat(by_part, np.r_[0, np.cumsum(parts_per_row)[:-1]], axis=0)
     masks[rows] = union.reshape(len(rows), M, M).transpose(0, 2, 1).reshape(len(rows), M * M)
     return masks
 
