@@ -233,12 +233,11 @@ def _table(keys: Keys) -> dict[str, np.ndarray]:
     for fi, k in enumerate(keys):
         field, n_a, f = _field_array(*k)
         grid = field.reshape(f, f, n_a, 4)
-        for a in range(n_a):
-            shapes.append((start + a, f, n_a, fi, start, a))
-            cells.append(field[a])
-            for name, col, line in (("x1", 0, grid[0, :, a]), ("x2", 2, grid[0, :, a]),
-                                    ("y1", 1, grid[:, 0, a]), ("y2", 3, grid[:, 0, a])):
-                edges[name].append(line[:, col])
+        shapes += [(start + a, f, n_a, fi, start, a) for a in range(n_a)]
+        cells.append(field[:n_a])  # the first cell's anchors; then each shape's edges, a-major
+        for name, line in (("x1", grid[0, :, :, 0]), ("x2", grid[0, :, :, 2]),
+                           ("y1", grid[:, 0, :, 1]), ("y2", grid[:, 0, :, 3])):
+            edges[name].append(line.T.ravel())
         per_field.append((start, f, n_a, row))
         start += field.shape[0]
         row += f
@@ -246,7 +245,7 @@ def _table(keys: Keys) -> dict[str, np.ndarray]:
                    np.array(shapes, np.int64).reshape(-1, 6).T))
     out.update(zip(("fstart", "ff", "fa", "row_off"), np.array(per_field, np.int64).T))
     out.update({k: np.concatenate(v) for k, v in edges.items()})
-    c = np.array(cells, np.float64).reshape(-1, 4)
+    c = np.concatenate(cells).astype(np.float64)
     out.update(cell=c, area=(c[:, 2] - c[:, 0] + 1.0) * (c[:, 3] - c[:, 1] + 1.0),
                stride=np.array([keys[fi][0] for fi in out["field"]], np.float64),
                seg=np.concatenate(([0], np.cumsum(out["size"])[:-1])).astype(np.int64),

@@ -149,21 +149,21 @@ def expand_rpn_targets(compact: Mapping[str, torch.Tensor], *,
         labels = new((n, a, f, f), torch.int32).fill_(-1)
         tgt, inw, outw = (new((n, 4 * a, f, f), torch.float32) for _ in range(3))
         def at(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            """(image, cell, anchor, its 4 channels) of level-local rows (``a`` fastest)."""
-            cell, anc = torch.div(r[:, 1] - lo, a, rounding_mode="floor"), (r[:, 1] - lo) % a
-            return r[:, 0], cell, anc, (4 * anc).unsqueeze(1) + torch.arange(4, device=dev)
+            """(image, cell, anchor, its 4 channels) of level-local rows (``a`` fastest), as
+            columns."""
+            cell = torch.div(r[:, 1:2] - lo, a, rounding_mode="floor")
+            anc = (r[:, 1:2] - lo) % a
+            return r[:, :1], cell, anc, 4 * anc + torch.arange(4, device=dev)
 
         sel = rows[(rows[:, 1] >= lo) & (rows[:, 1] < hi)]
         img, cell, anc, ch = at(sel)
-        lab = sel[:, 2].to(torch.int32)
-        labels.view(n, a, f * f)[img, anc, cell] = lab
-        w = weights[img].unsqueeze(1).expand(-1, 4)
-        outw.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = w
-        pos = lab == 1
-        inw.view(n, 4 * a, f * f)[img[pos].unsqueeze(1), ch[pos], cell[pos].unsqueeze(1)] = 1.0
+        pos = sel[:, 2] == 1
+        labels.view(n, a, f * f)[img, anc, cell] = sel[:, 2:].to(torch.int32)
+        outw.view(n, 4 * a, f * f)[img, ch, cell] = weights[img].expand(-1, 4)
+        inw.view(n, 4 * a, f * f)[img[pos], ch[pos], cell[pos]] = 1.0
         sel_fg = (fg[:, 1] >= lo) & (fg[:, 1] < hi)
         img, cell, _, ch = at(fg[sel_fg])
-        tgt.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = targets[sel_fg]
+        tgt.view(n, 4 * a, f * f)[img, ch, cell] = targets[sel_fg]
         out.update(zip(names, (labels, tgt, inw, outw)))
         lo = hi
     return out
