@@ -66,9 +66,8 @@ class Augmentation:
     def __init__(self, transforms: Any, cfg: Any, *, min_visibility: float = 0.0) -> None:
         A = require("albumentations", "augment", "augmentation (Augmentation)")
 
-        if isinstance(transforms, A.Compose):
-            transforms = list(transforms.transforms)
-        transforms = list(transforms)
+        transforms = list(transforms.transforms if isinstance(transforms, A.Compose)
+                          else transforms)
         if cfg.MODEL.KEYPOINTS_ON:
             bad = sorted({type(t).__name__ for t in _walk(transforms)} & _FLIPS)
             if bad:

@@ -192,23 +192,18 @@ def expand_class_specific_masks(masks: np.ndarray, class_labels: np.ndarray, num
 
 
 def _match_boxes(entry: Mapping[str, Any], gt_rows: np.ndarray) -> tuple[list, np.ndarray]:
-    segms = entry["segms"]
-    boxes = np.asarray(entry["boxes"], dtype=np.float32)
-    chosen = [segms[i] for i in gt_rows]
-    out = np.zeros((len(chosen), 4), dtype=np.float32)
+    chosen = [entry["segms"][i] for i in gt_rows]
+    # Detectron quirk Q24 (docs/detectron_quirks.md): without a usable segm, match through
+    # the gt box instead
+    out = np.asarray(entry["boxes"], dtype=np.float32)[gt_rows]
     for j, segm in enumerate(chosen):
         parts = segm_polygons(segm)
+        rle = None if parts else segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
         if parts:
             out[j] = polys_to_boxes([parts])[0]
-            continue
-        rle = segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
-        if rle is not None:
+        elif rle is not None:
             x, y, w, h = mask_util.toBbox(rle)
             out[j] = (x, y, x + w, y + h)
-        else:
-            # Detectron quirk Q24 (docs/detectron_quirks.md): match through the gt box
-            # instead
-            out[j] = boxes[gt_rows[j]]
     return chosen, out
 
 

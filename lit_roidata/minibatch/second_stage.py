@@ -222,8 +222,7 @@ def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: An
              dev: torch.device) -> torch.Tensor:
     """Bounding-box regression targets of the merged rows: towards the best non-crowd gt
     of the same image."""
-    n = rows["boxes"].shape[0]
-    targets = torch.zeros((n, 5), dtype=torch.float32, device=dev)
+    targets = torch.zeros((rows["boxes"].shape[0], 5), dtype=torch.float32, device=dev)
     ok = ~gt["crowd"].to(torch.bool) if gt["boxes"].shape[0] else None
     ex = torch.nonzero(rows["max_overlaps"] >= cfg.TRAIN.BBOX_THRESH).reshape(-1)
     if ok is None or not bool(ok.any()) or ex.numel() == 0:

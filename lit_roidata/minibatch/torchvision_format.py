@@ -123,9 +123,8 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
     gt_classes = np.asarray(entry["gt_classes"])
     is_crowd = np.asarray(entry["is_crowd"]).astype(bool)
     is_gt = gt_classes > 0
-    gt_rows = np.flatnonzero(is_gt & ~is_crowd)
-    crowd_rows = np.flatnonzero(is_gt & is_crowd)
-    prop_rows = np.flatnonzero(~is_gt)
+    gt_rows, crowd_rows, prop_rows = (np.flatnonzero(rows) for rows in (
+        is_gt & ~is_crowd, is_gt & is_crowd, ~is_gt))
 
     def bb(rows: np.ndarray) -> tv_tensors.BoundingBoxes:
         return tv_tensors.BoundingBoxes(torch.from_numpy(to_continuous_boxes(boxes[rows], scale)),
