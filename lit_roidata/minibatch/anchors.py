@@ -187,9 +187,8 @@ def build_anchor_caches(cfg: Any) -> None:
     if family not in ("rpn", "retinanet"):
         return
     fields = rpn_fields(cfg) if family == "rpn" else retinanet_fields(cfg)
-    keys = tuple(f.key for f in fields)
-    _concat(keys)
-    _table(keys)
+    concat_fields(fields)
+    _table(tuple(f.key for f in fields))
 
 
 def concat_fields(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
@@ -453,13 +452,11 @@ def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray,
     ``[x0, x1) x [y0, y1)`` (float arrays ``(S, G)``) where ``useful``, enumerated with
     ``repeat``/``divmod``, no loop over boxes."""
     n_g = x0.shape[1]
-    x0 = x0.astype(np.int64).ravel()
-    y0 = y0.astype(np.int64).ravel()
-    wx = np.maximum(x1.astype(np.int64).ravel() - x0, 0)
-    counts = wx * np.maximum(y1.astype(np.int64).ravel() - y0, 0) * useful.ravel()
-    total = int(counts.sum())
+    x0, x1, y0, y1 = (v.astype(np.int64).ravel() for v in (x0, x1, y0, y1))
+    wx = np.maximum(x1 - x0, 0)
+    counts = wx * np.maximum(y1 - y0, 0) * useful.ravel()
     sg = np.repeat(np.arange(counts.size), counts)  # which (shape, gt) each pair is from
-    dy, dx = np.divmod(np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
+    dy, dx = np.divmod(np.arange(len(sg)) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
     si = sg // n_g
     gidx = tab["base"][si] + ((y0[sg] + dy) * tab["size"][si] + x0[sg] + dx) * tab["n_a"][si]
     return gidx, sg % n_g

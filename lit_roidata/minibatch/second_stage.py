@@ -127,11 +127,10 @@ def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
     host = {k: v.cpu().numpy() for k, v in rows.items()}
     starts = np.concatenate(([0], np.cumsum([c["n"] + p for c, p in zip(cols, counts)])))
     out = []
-    for i, e in enumerate(entries):
-        merged = {k: v[starts[i]:starts[i + 1]] for k, v in host.items() if k != "img"}
+    for e, a, b in zip(entries, starts[:-1], starts[1:]):
+        merged = {k: v[a:b] for k, v in host.items() if k != "img"}
         merged["boxes"] = merged["boxes"].astype(np.float32)
-        merged.update({k: e[k] for k in _PASS_THROUGH if k in e})
-        out.append(merged)
+        out.append({**merged, **{k: e[k] for k in _PASS_THROUGH if k in e}})
     return out
 
 

@@ -315,11 +315,10 @@ def pooled_reduce(rebuild: Callable[..., Any], args: tuple, arena: _Arena) -> tu
     descriptors (worker side; see the module documentation)."""
     buf = io.BytesIO()
     _PoolPickler(buf, arena).dump((rebuild, args))
-    pool = arena.pool
     if not arena.used:  # nothing sent lies in the slot: free it now
-        pool.give_back(arena)
+        arena.pool.give_back(arena)
         return (_load_plain, (buf.getvalue(),))
-    return (_load_pooled, (pool.token, arena.worker, arena.slot, buf.getvalue()))
+    return (_load_pooled, (arena.pool.token, arena.worker, arena.slot, buf.getvalue()))
 
 
 class _PoolUnpickler(pickle.Unpickler):
