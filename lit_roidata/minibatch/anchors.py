@@ -141,11 +141,10 @@ def rpn_fields(cfg: Any) -> list[FieldOfAnchors]:
     """
     kw = dict(coarsest_stride=cfg.FPN.COARSEST_STRIDE, max_size=cfg.TRAIN.MAX_SIZE)
     if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
-        k_min, k_max = cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL
-        return [get_field_of_anchors(2.0 ** lvl,
-                                     (cfg.FPN.RPN_ANCHOR_START_SIZE * 2.0 ** (lvl - k_min),),
+        k_min, start = cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_ANCHOR_START_SIZE
+        return [get_field_of_anchors(2.0 ** lvl, (start * 2.0 ** (lvl - k_min),),
                                      cfg.FPN.RPN_ASPECT_RATIOS, **kw)
-                for lvl in range(k_min, k_max + 1)]
+                for lvl in range(k_min, cfg.FPN.RPN_MAX_LEVEL + 1)]
     return [get_field_of_anchors(cfg.RPN.STRIDE, cfg.RPN.SIZES, cfg.RPN.ASPECT_RATIOS, **kw)]
 
 
@@ -159,10 +158,11 @@ def retinanet_fields(cfg: Any) -> list[FieldOfAnchors]:
     r = cfg.RETINANET
     kw = dict(coarsest_stride=cfg.FPN.COARSEST_STRIDE, max_size=cfg.TRAIN.MAX_SIZE)
     per_octave = float(r.SCALES_PER_OCTAVE)
+    strides = [2.0 ** lvl for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)]
     return [get_field_of_anchors(st, (st * 2 ** (octave / per_octave) * r.ANCHOR_SCALE,), (ratio,),
                                  octave=octave, aspect=idx, **kw)
-            for st in (2.0 ** lvl for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1))
-            for octave in range(r.SCALES_PER_OCTAVE) for idx, ratio in enumerate(r.ASPECT_RATIOS)]
+            for st in strides for octave in range(r.SCALES_PER_OCTAVE)
+            for idx, ratio in enumerate(r.ASPECT_RATIOS)]
 
 
 @functools.lru_cache(maxsize=16)

@@ -12,6 +12,7 @@ the fastest decoder measured there.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import cv2
@@ -106,10 +107,8 @@ def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
     Raises:
         BadImageError: missing/unreadable/undecodable file or size mismatch.
     """
-    path = entry["image"]
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = Path(entry["image"]).read_bytes()
     except OSError as exc:
         raise _error(entry, "missing", f"cannot read the file ({exc.strerror or exc})",
                      "check the dataset's image directory in the catalog and that the file "
@@ -117,14 +116,14 @@ def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
     try:
         im = (decode or decode_bgr)(data)
     except ValueError as exc:
-        raise _error(entry, "undecodable", f"cannot decode the image ({exc})",
-                     "re-download or re-encode the file, or set on_bad_image='skip' to skip "
-                     "it") from exc
+        raise _error(entry, "undecodable", f"cannot decode the image ({exc})", "re-download or "
+                     "re-encode the file, or set on_bad_image='skip' to skip it") from exc
     h, w = im.shape[:2]
     want_h, want_w = int(entry["height"]), int(entry["width"])
     if (h, w) != (want_h, want_w):
-        hint = (" (width and height are swapped: the file probably carries an EXIF "
-                "orientation tag that the annotation ignores)" if (h, w) == (want_w, want_h) else "")
+        hint = "" if (h, w) != (want_w, want_h) else (
+            " (width and height are swapped: the file probably carries an EXIF "
+            "orientation tag that the annotation ignores)")
         raise _error(entry, "size_mismatch",
                      f"decoded image is {w}x{h} (WxH, after EXIF orientation) but the roidb "
                      f"says {want_w}x{want_h}{hint}",

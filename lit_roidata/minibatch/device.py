@@ -51,9 +51,9 @@ def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
     if data_uint8.dtype != torch.uint8 or data_uint8.dim() != 4 or data_uint8.shape[1] != 3:
         raise ValueError("normalize_on_device expects a (n, 3, H, W) uint8 tensor, got "
                          f"{tuple(data_uint8.shape)} {data_uint8.dtype}")
-    sizes = torch.as_tensor(np.asarray(
-        image_sizes_or_im_info.cpu() if torch.is_tensor(image_sizes_or_im_info)
-        else image_sizes_or_im_info, dtype=np.float64))
+    sizes = image_sizes_or_im_info
+    sizes = torch.as_tensor(np.asarray(sizes.cpu() if torch.is_tensor(sizes) else sizes,
+                                       dtype=np.float64))
     if sizes.dim() != 2 or sizes.shape[0] != data_uint8.shape[0] or sizes.shape[1] not in (2, 3):
         raise ValueError(f"image sizes must be (n, 2) or (n, 3) with n={data_uint8.shape[0]}, "
                          f"got {tuple(sizes.shape)}")
@@ -63,7 +63,7 @@ def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
     if exact and dev.type == "cpu":
         return _normalize_cpu(data_uint8, rows, lut)
     if exact:
-        out = lut[data_uint8.to(torch.int64) + torch.arange(0, 768, 256, device=dev).view(1, 3, 1, 1)]
+        out = lut[data_uint8.to(torch.int64) + torch.arange(0, 768, 256, device=dev)[:, None, None]]
     else:
         out = data_uint8.to(torch.float32) - torch.tensor(
             [float(m) for m in pixel_means], dtype=torch.float32, device=dev).view(1, 3, 1, 1)
@@ -230,8 +230,8 @@ def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[fl
                              "(or 'im_info') to zero the padding")
         batch["data"] = normalize_on_device(data, sizes, pixel_means)
     if "mask_class_int32" in batch:
-        classes = batch.pop("mask_class_int32")
-        batch["masks_int32"] = expand_masks_on_device(batch["masks_int32"], classes, num_classes)
+        batch["masks_int32"] = expand_masks_on_device(
+            batch["masks_int32"], batch.pop("mask_class_int32"), num_classes)
     if expand_compact_targets:
         expand_targets(batch)
     return batch

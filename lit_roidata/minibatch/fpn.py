@@ -74,7 +74,6 @@ def add_multilevel_rois(blobs: MutableMapping[str, Any], cfg: Any,
     lo, hi = f.ROI_MIN_LEVEL, f.ROI_MAX_LEVEL
     for prefix in multilevel_roi_prefixes(cfg) if prefixes is None else prefixes:
         rois = blobs[prefix]
-        lvls = map_rois_to_fpn_levels(rois[:, 1:5], lo, hi,
-                                      canonical_scale=f.ROI_CANONICAL_SCALE,
+        lvls = map_rois_to_fpn_levels(rois[:, 1:5], lo, hi, canonical_scale=f.ROI_CANONICAL_SCALE,
                                       canonical_level=f.ROI_CANONICAL_LEVEL)
         add_multilevel_roi_blobs(blobs, prefix, rois, lvls, lo, hi)

@@ -125,9 +125,8 @@ class ShmPool:
         if free.size == 0:
             self.counters[worker, _S["no_free_slot"]] += 1
             return None
-        slot = int(free[0])
-        row[slot] = 1
-        return _Arena(self, worker, slot)
+        row[free[0]] = 1
+        return _Arena(self, worker, int(free[0]))
 
     def give_back(self, arena: _Arena) -> None:
         """Worker side: free a slot that nothing sent refers to."""
@@ -142,8 +141,7 @@ class ShmPool:
         w = arena.worker
         if nbytes == 0 or end > self.slot_bytes:
             if nbytes:
-                self.counters[w, _S["fallback_arrays"]] += 1
-                self.counters[w, _S["fallback_bytes"]] += nbytes
+                self.counters[w, [_S["fallback_arrays"], _S["fallback_bytes"]]] += (1, nbytes)
             return None
         i = arena.index
         dirty = self._dirty[i]
@@ -151,8 +149,7 @@ class ShmPool:
             self._np[i][off:min(end, dirty)] = 0
         self._dirty[i] = max(dirty, end)
         arena.offset = end
-        self.counters[w, _S["pool_arrays"]] += 1
-        self.counters[w, _S["pool_bytes"]] += nbytes
+        self.counters[w, [_S["pool_arrays"], _S["pool_bytes"]]] += (1, nbytes)
         return self._u8[i][off:end].view(dtype).view(shape)
 
     def _descriptor(self, t: torch.Tensor, arena: _Arena) -> tuple | None:
@@ -286,8 +283,7 @@ class _PoolPickler(ForkingPickler):
 
     def __init__(self, file: Any, arena: _Arena) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self.arena = arena
-        self.pool = arena.pool
+        self.arena, self.pool = arena, arena.pool
         self._copied: dict[int, tuple[torch.Tensor, tuple]] = {}  # id -> (tensor, desc)
 
     def persistent_id(self, obj: Any) -> Any:
