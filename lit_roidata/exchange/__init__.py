@@ -145,7 +145,19 @@ class BlobExchange:
         #: ``(activity, busy, since)``: what this process told its peers (:meth:`set_activity`).
         self.activity: tuple[str, bool, float] = ("opened", False, time.time())
         #: The backend's store (each channel and the heartbeat use their own clone).
-        self.store = self._make_store(backend, address, chunk_size, key_ttl)
+        self.store: Store
+        if backend == "embedded":
+            from lit_roidata.exchange.embedded import EmbeddedStore
+
+            self.store = EmbeddedStore(address)
+        else:
+            require("pymemcache", "memcached", "the memcached BlobExchange backend")
+            from lit_roidata.exchange.memcached import MemcachedStore
+
+            try:
+                self.store = MemcachedStore(address, chunk_size=chunk_size, key_ttl=key_ttl)
+            except StoreUnavailable as exc:
+                raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
         if backend == "embedded" and stale_after is not None:
             removed = self.store.sweep_stale_runs(stale_after, keep=self.run_id)
             if removed:
@@ -162,24 +174,8 @@ class BlobExchange:
         except StoreUnavailable as exc:
             raise ExchangeError(f"cannot start the exchange: {exc}") from exc
         self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._hb_stop = threading.Event()
+        self._lock, self._hb_stop = threading.Lock(), threading.Event()
         self._hb_thread: threading.Thread | None = None
-
-    @staticmethod
-    def _make_store(backend: str, address: str | None, chunk_size: int | None,
-                    key_ttl: float) -> Store:
-        if backend == "embedded":
-            from lit_roidata.exchange.embedded import EmbeddedStore
-
-            return EmbeddedStore(address)
-        require("pymemcache", "memcached", "the memcached BlobExchange backend")
-        from lit_roidata.exchange.memcached import MemcachedStore
-
-        try:
-            return MemcachedStore(address, chunk_size=chunk_size, key_ttl=key_ttl)
-        except StoreUnavailable as exc:
-            raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
 
     def rejoin(self, store: Store) -> bytes:
         """Create (or adopt) the run's incarnation key: on opening and after a state loss.

@@ -125,8 +125,7 @@ class BlobExchangeCallback(pl.Callback):
             self._in = self.exchange.channel(self.subscribe, "consumer", start_seq=start,
                                              delivery=self.delivery)
             self._consumed = self._checkpointed_seq = self._in.next_seq - 1
-        if restored is not None and restored.get("previous_align") is not None:
-            self._previous_align = restored["previous_align"]
+        self._previous_align = (restored or {}).get("previous_align")
         log.info("blob exchange ready: %r publish=%s subscribe=%s", self.exchange,
                  self.publish, self.subscribe)
 
@@ -178,14 +177,12 @@ class BlobExchangeCallback(pl.Callback):
         self.exchange = self._out = self._in = None
 
     def _alignment(self, trainer: pl.Trainer, batch: Any) -> dict[str, Any]:
-        meta = batch_alignment_meta(batch, self.align_fields)
-        meta.update(step=self._step, rank=trainer.global_rank)
-        return meta
+        return {**batch_alignment_meta(batch, self.align_fields), "step": self._step,
+                "rank": trainer.global_rank}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        own = self._alignment(trainer, batch)
-        self._pending_align = own
+        self._pending_align = own = self._alignment(trainer, batch)
         if self._in is None:
             return
         expected = own if self.lag == 0 else self._previous_align

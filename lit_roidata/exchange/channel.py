@@ -38,8 +38,7 @@ def _seq(raw: bytes) -> int:
 
 
 def _gen(raw: bytes) -> int:
-    parts = raw.split(b" ", 1)
-    return int(parts[1]) if len(parts) > 1 else 0
+    return int(raw.split(b" ", 1)[1]) if b" " in raw else 0
 
 
 class _Rejoined(Exception):
@@ -70,8 +69,7 @@ class Channel:
         self.capacity, self.timeout, self.delivery = capacity, timeout, delivery
         self._ex = exchange
         self._store: Store = exchange.store.clone()
-        self._io = threading.Lock()
-        self._wake = threading.Event()
+        self._io, self._wake = threading.Lock(), threading.Event()
         self._closing, self._lost, self._lost_type = False, None, LeaseLostError
         self._peer_seen: LeaseRecord | None = None
         self._peer_activity: dict[str, Any] | None = None
@@ -80,13 +78,12 @@ class Channel:
         #: (authentic, but stamped for another position, channel, run or incarnation).
         self.rejected = {"forged": 0, "replayed": 0}
         self._ns = ns = f"{exchange.run_id}/{exchange.rank}/{name}"
-        self._k_head, self._k_ack = f"{ns}/head", f"{ns}/ack"
-        self._k_gen, self._k_commit = f"{ns}/gen", f"{ns}/commit"
-        self._k_lease = {r: f"{ns}/lease.{r}" for r in ROLES}
-        self._k_closed = {r: f"{ns}/closed.{r}" for r in ROLES}
-        self._k_activity = {r: f"{ns}/activity.{r}" for r in ROLES}
-        self._k_inc = exchange.incarnation_key
-        self._incarnation = exchange.incarnation  # the one this end last joined
+        self._k_head, self._k_ack, self._k_gen, self._k_commit = (
+            f"{ns}/{k}" for k in ("head", "ack", "gen", "commit"))
+        self._k_lease, self._k_closed, self._k_activity = (
+            {r: f"{ns}/{k}.{r}" for r in ROLES} for k in ("lease", "closed", "activity"))
+        # (the incarnation this end last joined)
+        self._k_inc, self._incarnation = exchange.incarnation_key, exchange.incarnation
         self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
         self._resend, self._committed = False, 0
         #: head/ack value this end wrote last (the expected value of its next fenced
@@ -193,10 +190,8 @@ class Channel:
 
     def _payload_envelope(self, key: str) -> dict[str, Any] | None:
         buf = self._store.get_payload(key)
-        if buf is None:
-            return None
         try:
-            return wire.read_envelope(buf, key=self._ex.auth_key)
+            return None if buf is None else wire.read_envelope(buf, key=self._ex.auth_key)
         except WireFormatError:
             return None
 
@@ -309,8 +304,7 @@ class Channel:
             raise ChannelClosedError(f"{self.where}: this end was closed")
         if self._lost:
             raise self._lost_type(self._lost)
-        stop = self._ex.stop_event
-        if stop is not None and stop.is_set():
+        if self._ex.stop_event is not None and self._ex.stop_event.is_set():
             raise ChannelClosedError(f"{self.where}: stop requested (the exchange's stop "
                                      "event is set)")
 
@@ -320,13 +314,12 @@ class Channel:
         now = time.monotonic()
         if now - self._peer_checked < _PEER_CHECK_EVERY:
             return
+        keys = [self._k_lease[self.peer_role], self._k_closed[self.peer_role],
+                self._k_activity[self.peer_role]]
         with self._io:
             self._check_usable()
-            got = self._store.get_many([self._k_lease[self.peer_role],
-                                        self._k_closed[self.peer_role],
-                                        self._k_activity[self.peer_role]])
-        closed = got.get(self._k_closed[self.peer_role])
-        raw = got.get(self._k_lease[self.peer_role])
+            got = self._store.get_many(keys)
+        raw, closed, act = (got.get(k) for k in keys)
         rec = LeaseRecord.loads(raw) if raw is not None else None
         if closed is not None and rec is None:
             info = orjson.loads(closed)
@@ -335,7 +328,6 @@ class Channel:
                 f"{info.get('hostname')}) closed the channel after seq {info.get('last_seq')} "
                 f"while this end waited for {waiting_for}")
         self._peer_checked = time.monotonic()
-        act = got.get(self._k_activity[self.peer_role])
         try:
             self._peer_activity = orjson.loads(act) if act is not None else None
         except orjson.JSONDecodeError:
@@ -377,8 +369,8 @@ class Channel:
             if unreachable:
                 peer = f"{self._store.describe} was unreachable: {unreachable}"
             elif self._peer_seen is not None:
-                peer = f"the {self._peer_seen.describe()} is alive but sent nothing"
-                peer += self._activity_text()
+                peer = (f"the {self._peer_seen.describe()} is alive but sent nothing"
+                        f"{self._activity_text()}")
                 if w["paused"]:
                     peer += f"; the wait was extended by {w['paused']:.1f}s while it was busy"
                     if w["paused"] >= self._ex.busy_timeout:
@@ -532,9 +524,8 @@ class Channel:
         env = self._payload_envelope(key)
         if self._is_own(env, seq):
             return  # our own earlier write
-        got = self._store.get_many([self._k_head])
         forged = env is None and self._ex.auth_key is not None  # fails authentication
-        if self._int(got, self._k_head) >= seq and not forged:
+        if self._int(self._store.get_many([self._k_head]), self._k_head) >= seq and not forged:
             raise SequenceError(f"{self.where}: seq {seq} is already published by another "
                                 "writer: a second producer used this channel")
         log.warning("%s: replacing an unpublished payload at seq %d left by another writer "
@@ -760,15 +751,12 @@ class Channel:
         if self._k_closed[peer] not in got or self._k_lease[peer] in got:
             return
         head = _seq(got.get(self._k_head, b"0"))
-        if self._k_commit in got:  # exactly-once: payloads after the commit were kept
-            low = int(got[self._k_commit])
-        else:
-            low = max(_seq(got.get(self._k_ack, b"0")) - 1, 0)
-        keys = [self._k_head, self._k_ack, self._k_gen, self._k_commit,
-                *self._k_lease.values(), *self._k_closed.values(),
-                *self._k_activity.values()]
-        payloads = [self._msg(s) for s in range(low + 1, head + 2)]
-        self._store.delete_namespace(self._ns, keys, payloads)
+        # (exactly-once: payloads after the commit were kept)
+        low = (int(got[self._k_commit]) if self._k_commit in got
+               else max(_seq(got.get(self._k_ack, b"0")) - 1, 0))
+        keys = [self._k_head, self._k_ack, self._k_gen, self._k_commit, *self._k_lease.values(),
+                *self._k_closed.values(), *self._k_activity.values()]
+        self._store.delete_namespace(self._ns, keys, [self._msg(s) for s in range(low + 1, head + 2)])
         log.debug("%s: both ends closed; removed the channel's state", self.where)
 
     def __enter__(self) -> Channel:

@@ -137,8 +137,7 @@ class EmbeddedStore(Store):
     def _space_error(self, path: str, exc: OSError, needed: int) -> ExchangeError:
         directory = path.rpartition("/")[0]
         try:
-            free = shutil.disk_usage(directory).free
-            free_txt = f"{free / 1e6:.1f} MB free"
+            free_txt = f"{shutil.disk_usage(directory).free / 1e6:.1f} MB free"
         except OSError:
             free_txt = "free space unknown"
         return ExchangeError(
@@ -357,27 +356,24 @@ class EmbeddedStore(Store):
                 try:
                     os.link(tmp, path)
                     return True
-                except FileExistsError:
-                    return False
                 except OSError as exc:
-                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV,
-                                         errno.EMLINK):
+                    if isinstance(exc, FileExistsError) or exc.errno not in (
+                            errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
                         raise
                     self._links = False  # no hard links here: use the exclusive rename
-            try:
-                rename_noreplace(tmp, path)
-                return True
-            except FileExistsError:
-                return False
-            except OSError as exc:
-                if exc.errno != errno.ENOTSUP:
-                    raise
-                raise ExchangeError(
-                    f"the file system of the exchange directory {self.root} supports neither "
-                    "hard links nor an exclusive rename (renameat2 RENAME_NOREPLACE), so a "
-                    "payload cannot be published atomically and exactly once there. Use "
-                    "/dev/shm or a local file system (shm_dir=... or "
-                    "LIT_ROIDATA_EXCHANGE_DIR)") from exc
+            rename_noreplace(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno != errno.ENOTSUP:
+                raise
+            raise ExchangeError(
+                f"the file system of the exchange directory {self.root} supports neither "
+                "hard links nor an exclusive rename (renameat2 RENAME_NOREPLACE), so a "
+                "payload cannot be published atomically and exactly once there. Use "
+                "/dev/shm or a local file system (shm_dir=... or LIT_ROIDATA_EXCHANGE_DIR)"
+            ) from exc
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)

@@ -34,6 +34,8 @@ _MAX_RELATIVE_TTL = 30 * 24 * 3600  # memcached reads larger expiries as unix ti
 _KEY_OK = re.compile(rb"^[\x21-\x7e]{1,250}$")
 _CHUNK_MARGIN = 4096  # room for the item header and key inside item_size_max
 _TRANSIENT = (OSError, socket.timeout, MemcacheUnexpectedCloseError)
+_HINTS = (("too large", "; lower chunk_size or raise the server's item size (-I)"),
+          ("memory", "; give memcached more memory (-m) so items are not refused/evicted"))
 
 
 def parse_address(address: str | None) -> tuple[str, int]:
@@ -77,15 +79,12 @@ class MemcachedStore(Store):
 
     def __init__(self, address: str, *, timeout: float = 30.0,
                  chunk_size: int | None = None, key_ttl: float = 7 * 24 * 3600) -> None:
-        self.address = address
-        self.key_ttl = key_ttl
+        self.address, self.key_ttl, self._timeout = address, key_ttl, timeout
         self._server = parse_address(address)
-        self._timeout = timeout
         self.describe = f"memcached at {address}"
         self._client = Client(self._server, connect_timeout=min(timeout, 5.0), timeout=timeout,
                               no_delay=True, default_noreply=False)
-        if chunk_size is None:
-            chunk_size = self.item_size_max() - _CHUNK_MARGIN
+        chunk_size = self.item_size_max() - _CHUNK_MARGIN if chunk_size is None else chunk_size
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
@@ -101,11 +100,7 @@ class MemcachedStore(Store):
                                    f"running? start it with `memcached -p "
                                    f"{self._server[1]} -I 16m`") from exc
         except MemcacheServerError as exc:
-            hint = ""
-            if "too large" in str(exc):
-                hint = "; lower chunk_size or raise the server's item size (-I)"
-            elif "memory" in str(exc):
-                hint = "; give memcached more memory (-m) so items are not refused/evicted"
+            hint = next((h for word, h in _HINTS if word in str(exc)), "")
             raise ExchangeError(f"{self.describe} refused a request: {exc}{hint}") from exc
         except MemcacheError as exc:
             raise ExchangeError(f"{self.describe}: {exc}") from exc
@@ -251,20 +246,16 @@ class MemcachedStore(Store):
         names = self._chunks[key] = _chunk_names(key, head)
         if not names:
             return bytearray(head)
-        total, n = _DESCRIPTOR.unpack(head)[2], len(names)
-        got = self.peek_many(names)
-        buf, pos = bytearray(total), 0
-        for i, name in enumerate(names):
-            part = got.get(name)
-            if part is None:
-                raise ExchangeStateLostError(
-                    f"chunk {i}/{n} of {key!r} is missing from {self.describe}: evicted or "
-                    "the server restarted; give memcached more memory (-m) and restart "
-                    "both processes with a new run id")
-            buf[pos:pos + len(part)] = part
-            pos += len(part)
-        if pos != total:
-            raise ExchangeStateLostError(f"chunks of {key!r} hold {pos} bytes, descriptor "
+        total, got = _DESCRIPTOR.unpack(head)[2], self.peek_many(names)
+        missing = [i for i, name in enumerate(names) if name not in got]
+        if missing:
+            raise ExchangeStateLostError(
+                f"chunk {missing[0]}/{len(names)} of {key!r} is missing from {self.describe}: "
+                "evicted or the server restarted; give memcached more memory (-m) and restart "
+                "both processes with a new run id")
+        buf = bytearray().join(got[name] for name in names)
+        if len(buf) != total:
+            raise ExchangeStateLostError(f"chunks of {key!r} hold {len(buf)} bytes, descriptor "
                                          f"says {total}: mixed chunks on {self.describe}")
         return buf
 

@@ -66,24 +66,16 @@ class Message:
     envelope: dict[str, Any] = field(default_factory=dict)
 
 
-def _torch():
-    import torch
-
-    return torch
-
-
 def _to_numpy(name: str, value: Any) -> tuple[str, np.ndarray]:
     """Return ``(canonical dtype name, C-contiguous little-endian array)`` for one entry."""
     if type(value).__module__.startswith("torch"):
-        torch = _torch()
+        import torch
+
         if isinstance(value, torch.Tensor):
             if value.layout != torch.strided:
                 raise WireFormatError(f"tensor {name!r} has layout {value.layout}; only dense "
                                       "(strided) tensors can be exchanged: call .to_dense()")
-            t = value.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            t = t.resolve_conj().resolve_neg().contiguous()
+            t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             tname = str(t.dtype).removeprefix("torch.")
             if tname in _TORCH_ONLY:
                 carrier = getattr(torch, _TORCH_ONLY[tname])
@@ -95,13 +87,10 @@ def _to_numpy(name: str, value: Any) -> tuple[str, np.ndarray]:
         raise WireFormatError(
             f"tensor {name!r} has dtype {arr.dtype!r}, which the exchange cannot carry; "
             f"supported: {', '.join(SUPPORTED_DTYPES)} (convert strings/objects to numbers)")
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     # Not np.ascontiguousarray: it turns 0-d arrays into shape (1,).
     return dname, arr if arr.flags.c_contiguous else arr.copy(order="C")
-
-
-_LITTLE = np.little_endian
 
 
 def _json_default(obj: Any) -> Any:
@@ -133,8 +122,7 @@ def _check_finite(obj: Any, path: str) -> None:
 def _dumps(obj: Any, what: str) -> bytes:
     _check_finite(obj.get("meta", {}), "")
     try:
-        return orjson.dumps(obj, default=_json_default,
-                            option=orjson.OPT_SERIALIZE_NUMPY)
+        return orjson.dumps(obj, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
     except (TypeError, orjson.JSONEncodeError) as exc:
         raise WireFormatError(f"{what} must be JSON-serialisable (numbers, strings, lists, "
                               f"dicts with str keys, NumPy arrays): {exc}") from exc
@@ -168,8 +156,8 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
     data_len = offset
     header = _dumps({"envelope": dict(envelope or {}), "meta": dict(meta or {}),
                      "tensors": entries}, "meta")
-    pad0 = bytes(_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
-    body: list[Any] = [header, pad0]
+    body: list[Any] = [header, bytes(_align(_PREFIX.size + len(header)) - _PREFIX.size
+                                     - len(header))]
     for arr, entry in zip(arrays, entries):
         if arr.nbytes:
             body.append(memoryview(arr.reshape(-1).view(np.uint8)))
@@ -289,6 +277,7 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
         arr = arr.astype(carrier.newbyteorder("="))
     if dname not in _TORCH_ONLY and not as_torch:
         return arr
-    torch = _torch()
+    import torch
+
     t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
     return t.view(getattr(torch, dname)) if dname in _TORCH_ONLY else t
