@@ -271,9 +271,8 @@ class EmbeddedStore(Store):
         if not path.endswith(_RECORD_SUFFIXES):
             return self._read_small(path), None
         rec = self._read_record(path, locked)
-        if rec is None or (rec[1] and rec[1] < time.time()):
-            return None, rec
-        return rec[2], rec
+        expired = rec is None or (rec[1] and rec[1] < time.time())
+        return (None if expired else rec[2]), rec
 
     def _write(self, path: str, value: bytes, ttl: float, rec: tuple | None) -> None:
         """Replace a small value's file; rewrite a record's older slot in place (the

@@ -136,8 +136,7 @@ class MemcachedStore(Store):
 
     def peek_many(self, keys: list[str]) -> dict[str, bytes]:
         mapped = {self._k(k): k for k in keys}
-        got = self._call(self._client.get_many, list(mapped))
-        return {mapped[k]: v for k, v in got.items()}
+        return {mapped[k]: v for k, v in self._call(self._client.get_many, list(mapped)).items()}
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
         k, ttl_s = self._k(key), self._ttl(ttl)
