@@ -237,8 +237,11 @@ class Channel:
         with self._io:
             self._check_usable()
             s = self._store
-            self._incarnation = self._ex.rejoin(s)
+            incarnation = self._ex.rejoin(s)
             self._lease, self._gen = self._acquire_lease(old=self._lease)
+            # (the new incarnation only now: the heartbeat must never see it with the old
+            # lease, or it would take the old lease's absence for a take-over)
+            self._incarnation = incarnation
             self._peer_seen = None
             self._written.clear()
             s.add(self._k_head, b"0 0")
@@ -685,9 +688,9 @@ class Channel:
         """Refresh this end's lease and activity (the exchange's heartbeat thread)."""
         if self._closing or self._lost:
             return
+        lease = self._lease
         try:
-            if store.cas(self._k_lease[self.role], self._lease, self._lease,
-                         self._ex.lease_ttl):
+            if store.cas(self._k_lease[self.role], lease, lease, self._ex.lease_ttl):
                 self._write_activity(store)
                 return
             if self._closing:
@@ -699,6 +702,8 @@ class Channel:
             if not self._ex.recover:  # (recover mode: put/get rejoin on their next poll)
                 self._lose(ExchangeStateLostError, self._incarnation_lost(incarnation))
             return
+        if lease is not self._lease:
+            return  # this end rejoined meanwhile (a new lease, refreshed by the next beat)
         self._lose(LeaseLostError, f"{self.where}: this end lost its lease (it expired or "
                    "another process took it over, e.g. after this process stalled for more "
                    f"than {self._ex.lease_ttl:g}s); stop using this channel")
