@@ -18,6 +18,7 @@ leave a ``super()`` that fails when called.
 from __future__ import annotations
 
 import builtins
+import functools
 import gc
 import importlib
 import threading
@@ -120,16 +121,12 @@ def _translate(base: type, namespace: str) -> type:
     """The class of ``namespace`` with the same module path and name as Lightning's
     ``base`` (e.g. ``pytorch_lightning.callbacks.progress.rich_progress.RichProgressBar``
     -> ``lightning.pytorch.callbacks.progress.rich_progress.RichProgressBar``)."""
-    src_ns = _ns_of_module(base.__module__)
-    assert src_ns is not None
-    for old, new in zip(_PREFIXES[src_ns], _PREFIXES[namespace]):
-        if base.__module__ == old or base.__module__.startswith(old + "."):
+    mod = base.__module__
+    for old, new in zip(_PREFIXES[_ns_of_module(mod) or PL], _PREFIXES[namespace]):
+        if mod == old or mod.startswith(old + "."):
             import_namespace(namespace)
-            module = importlib.import_module(new + base.__module__[len(old):])
-            target: Any = module
-            for part in base.__qualname__.split("."):
-                target = getattr(target, part)
-            return target
+            module = importlib.import_module(new + mod[len(old):])
+            return functools.reduce(getattr, base.__qualname__.split("."), module)
     raise AssertionError(base)  # pragma: no cover - _ns_of_module matched a prefix
 
 

@@ -35,6 +35,9 @@ _STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 #: ... and for keypoints (COCO has no small-object keypoint AP).
 _KP_STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl")
 _IOU_TYPES = ("bbox", "segm", "keypoints")
+#: The detection field each IoU type evaluates, and the result field it keeps.
+_DET_FIELD = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}
+_RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation", "keypoints": "keypoints"}
 
 
 def _numpy(x: Any) -> np.ndarray:
@@ -228,9 +231,7 @@ class COCOEvaluator(pl.Callback):
         self._finish(trainer, pl_module, "test")
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
-        dets = self._dets
-        self._dets = []
-        dets = gather_to_rank0(dets)  # only rank 0 evaluates
+        dets, self._dets = gather_to_rank0(self._dets), []  # only rank 0 evaluates
         if not dets and trainer.global_rank == 0:
             log.warning("%s: no detections were returned during %s; the model's "
                         "%s_step must return {'detections': [per-image dict, ...]} (see "
@@ -250,32 +251,27 @@ class COCOEvaluator(pl.Callback):
         Usable without a trainer: datasets then come from ``annotation_files`` or the
         default catalog.
         """
-        by_ds: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-        seen: set[tuple[str, int]] = set()
-        repeats = 0
+        # {dataset: {image id: its first detections}}: an image seen again (e.g. a
+        # DistributedSampler padding the last shard) is ignored
+        by_ds: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
         for d in detections:
-            key = (str(d.get("dataset")), int(d["image_id"]))
-            if key in seen:  # e.g. a DistributedSampler padding the last shard
-                repeats += 1
-                continue
-            seen.add(key)
-            by_ds[key[0]].append(d)
+            by_ds[str(d.get("dataset"))].setdefault(int(d["image_id"]), d)
+        repeats = len(detections) - sum(len(m) for m in by_ds.values())
         if repeats:
             log.info("%s evaluation: ignored %d repeated image(s) (padded shards)",
                      self._label, repeats)
         per_ds: dict[str, dict[str, float]] = {}
         for name in sorted(by_ds):
             coco, info = self._dataset(name, trainer)
-            dets = by_ds[name]
-            image_ids = sorted({int(d["image_id"]) for d in dets})
+            dets = list(by_ds[name].values())
+            image_ids = sorted(by_ds[name])
             missing = sorted(set(image_ids) - set(coco.getImgIds()))
             if missing:
                 raise ValueError(f"dataset {name!r}: image ids {missing[:5]} are not in its "
                                  f"annotation file; are the detections from another dataset?")
             per_ds[name] = {}
             for iou in self.iou_types:
-                field = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}[iou]
-                sel = [d for d in dets if d.get(field) is not None]
+                sel = [d for d in dets if d.get(_DET_FIELD[iou]) is not None]
                 if iou != "bbox" and not sel:
                     continue
                 results = self._result_dicts(sel, info, iou, coco)
@@ -301,10 +297,9 @@ class COCOEvaluator(pl.Callback):
     def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
                  gt: Any) -> list[dict[str, Any]]:
         """The result dicts of ``detections`` for ``iou`` (the fields it does not use dropped)."""
-        results = detections_to_coco_results(detections, info)
-        drop = {"bbox": ("segmentation", "keypoints"), "segm": ("keypoints",),
-                "keypoints": ("segmentation",)}[iou]
-        results = [{k: v for k, v in r.items() if k not in drop} for r in results]
+        drop = {"segmentation", "keypoints"} - {_RESULT_FIELD[iou]}
+        results = [{k: v for k, v in r.items() if k not in drop}
+                   for r in detections_to_coco_results(detections, info)]
         if iou == "keypoints":
             kp_cats = set(keypoint_category_ids(gt))
             results = [r for r in results if r["category_id"] in kp_cats]

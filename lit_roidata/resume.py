@@ -41,26 +41,16 @@ class ResumeChoiceError(ValueError):
 class _Opaque:
     """Stands for any pickled object other than plain values (tensors, classes, ...)."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_Opaque":
-        return object.__new__(cls)
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args = args
 
     def __call__(self, *args: Any, **kwargs: Any) -> "_Opaque":
         return _Opaque(*args)
 
-    def __setstate__(self, state: Any) -> None:
-        pass
+    def _ignore(self, *args: Any) -> None:
+        """Unpickling's state and item restores: nothing is kept."""
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
+    __setstate__ = __setitem__ = append = extend = _ignore
 
 
 class _MetaUnpickler(pickle.Unpickler):
@@ -112,17 +102,12 @@ def is_interrupted_fit(path: str) -> bool:
 
 
 def _callbacks(trainer: Any, dotted: str) -> list[Any]:
-    from lit_roidata._lightning import lightning_attr
-
-    cls = lightning_attr(trainer, dotted)
-    return [cb for cb in trainer.callbacks if isinstance(cb, cls)]
-
-
-def _graceful_stops(trainer: Any) -> list[Any]:
-    from lit_roidata._lightning import isinstance_any
+    """The trainer's callbacks of Lightning's class ``dotted``, or ``GracefulStop``'s."""
+    from lit_roidata._lightning import isinstance_any, lightning_attr
     from lit_roidata.loader_callbacks import GracefulStop
 
-    return [cb for cb in trainer.callbacks if isinstance_any(cb, GracefulStop)]
+    cls = GracefulStop if dotted == "GracefulStop" else lightning_attr(trainer, dotted)
+    return [cb for cb in trainer.callbacks if isinstance_any(cb, cls)]
 
 
 def interrupted_checkpoints(trainer: Any) -> list[str]:
@@ -131,7 +116,8 @@ def interrupted_checkpoints(trainer: Any) -> list[str]:
     GracefulStop's (``resolve_ckpt_path``: a first Ctrl-C or SIGTERM)."""
     on_exc = _callbacks(trainer, "callbacks.OnExceptionCheckpoint")
     paths = [os.fspath(cb.ckpt_path) for cb in on_exc]
-    paths += [os.fspath(cb.resolve_ckpt_path(trainer)) for cb in _graceful_stops(trainer)]
+    paths += [os.fspath(cb.resolve_ckpt_path(trainer))
+              for cb in _callbacks(trainer, "GracefulStop")]
     return list(dict.fromkeys(paths))
 
 
@@ -212,11 +198,9 @@ def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[st
             _move_aside(p, "--ckpt_path fresh")
         log.warning("starting a fresh run (--ckpt_path fresh)")
         return None
-    resumable = []
+    resumable = [p for p in interrupted if is_interrupted_fit(p)]
     for p in interrupted:
-        if is_interrupted_fit(p):
-            resumable.append(p)
-        else:
+        if p not in resumable:
             _move_aside(p, "it was not written by an interrupted `fit`")
     if ckpt_path == "last":
         found = resumable + last_checkpoints(trainer, all_versions=True)

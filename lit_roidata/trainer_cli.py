@@ -10,16 +10,19 @@ when a training subcommand runs (it imports Lightning).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 import warnings
 from typing import Any, Optional
 
-from jsonargparse import DefaultHelpFormatter
+import jsonargparse
+from jsonargparse import ActionConfigFile, DefaultHelpFormatter
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
-from lit_roidata._lightning import PL, bind, lightning_attr, namespace_of
+from lit_roidata._lightning import (LIGHTNING, PL, bind, isinstance_any, lightning_attr,
+                                    namespace_of, source_class)
 from lit_roidata.commands import EXIT_STATUS, tools_help
 
 __all__ = ["RoIDataCLI", "cli_main", "translate_class_path"]
@@ -54,17 +57,12 @@ class _RoIDataParserMixin:
         return super().error(_renamed_hint(message), *args, **kwargs)  # type: ignore[misc]
 
 
-_PARSER_CLASSES: dict[str, type] = {}
-
-
+@functools.cache
 def _parser_class(namespace: str) -> type:
     """:class:`_RoIDataParserMixin` on ``namespace``'s ``LightningArgumentParser`` (its
     checks of callbacks and modules are against that namespace's classes)."""
-    if namespace not in _PARSER_CLASSES:
-        base = lightning_attr(namespace, "cli.LightningArgumentParser")
-        _PARSER_CLASSES[namespace] = type("RoIDataParser", (_RoIDataParserMixin, base),
-                                          {"__module__": __name__})
-    return _PARSER_CLASSES[namespace]
+    base = lightning_attr(namespace, "cli.LightningArgumentParser")
+    return type("RoIDataParser", (_RoIDataParserMixin, base), {"__module__": __name__})
 
 
 def _renamed_hint(message: str) -> str:
@@ -72,9 +70,8 @@ def _renamed_hint(message: str) -> str:
     releases named in ``message``."""
     import re
 
-    from lit_roidata import options
+    from lit_roidata.options import MOVED_OPTIONS as moved
 
-    moved = options.MOVED_OPTIONS
     # "Option 'x'" / "key 'x'" (newer jsonargparse), "NestedArg(key='x'" (4.39)
     found = re.findall(r"(?:Option|key) ?=?'(\w+)'", str(message))
     hints = [f"data.{k} is now data.{'.'.join(moved[k])}" for k in dict.fromkeys(found)
@@ -121,8 +118,6 @@ class RoIDataCLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any) -> Any:
         """LightningCLI's parser, whose ``--help`` also lists the data module's options."""
-        from jsonargparse import ActionConfigFile
-
         ns = namespace_of(self) or PL
         kwargs.setdefault("dump_header", [f"{ns}=={lightning_attr(ns, '__version__')}"])
         parser = _parser_class(ns)(**kwargs)
@@ -135,8 +130,6 @@ class RoIDataCLI(LightningCLI):
         """LightningCLI's parser; for ``lightning.pytorch`` the YAML files' class paths are
         translated (:func:`translate_class_path`)."""
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
-        from lit_roidata._lightning import LIGHTNING
-
         if namespace_of(self) == LIGHTNING and self.parser.parser_mode == "yaml":
             self.parser.parser_mode = _lightning_parser_mode()  # reaches the subcommands
 
@@ -148,7 +141,6 @@ class RoIDataCLI(LightningCLI):
         """LightningCLI's Trainer, plus :class:`~lit_roidata.progress.StepTQDMProgressBar`
         (unless bars are off or one is configured) and ``BadImageReport`` (when the data
         module skips bad images) where the config has none of their kind."""
-        from lit_roidata._lightning import isinstance_any
         from lit_roidata.loader_callbacks import BadImageReport
         from lit_roidata.progress import StepTQDMProgressBar
 
@@ -216,8 +208,6 @@ def translate_class_path(path: str, namespace: str) -> str:
     ``lightning.pytorch.X``; a lit_roidata Lightning class (``lit_roidata.RoIDataModule``,
     ``lit_roidata.demo.DemoFastRCNN``) -> its binding (``lit_roidata.lightning.X``).
     Anything else (your own classes) is returned unchanged."""
-    from lit_roidata._lightning import LIGHTNING, source_class
-
     other = {PL: LIGHTNING, LIGHTNING: PL}[namespace]
     if path.startswith(other + "."):
         return namespace + path[len(other):]
@@ -248,23 +238,16 @@ def _translate_class_paths(value: Any, namespace: str) -> Any:
     return value
 
 
-_modes_registered: set[str] = set()
-
-
+@functools.cache
 def _lightning_parser_mode() -> str:
     """A jsonargparse parser mode: YAML with the class paths translated to
     ``lightning.pytorch`` (:func:`translate_class_path`), registered once."""
-    import jsonargparse
     import yaml
 
-    from lit_roidata._lightning import LIGHTNING
-
-    if _LIGHTNING_MODE not in _modes_registered:
-        yaml_loader = jsonargparse.get_loader("yaml")
-        jsonargparse.set_loader(
-            _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),
-            exceptions=(yaml.YAMLError,))
-        _modes_registered.add(_LIGHTNING_MODE)
+    yaml_loader = jsonargparse.get_loader("yaml")
+    jsonargparse.set_loader(
+        _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),
+        exceptions=(yaml.YAMLError,))
     return _LIGHTNING_MODE
 
 
