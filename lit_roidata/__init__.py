@@ -10,6 +10,7 @@ The public entry points are :class:`lit_roidata.RoIDataModule` (the Lightning fa
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from lit_roidata._optional import MissingOptionalDependency
@@ -19,14 +20,12 @@ __version__ = "0.1.0"
 __all__ = ["DemoRoIDataModule", "MissingOptionalDependency", "RoIDataModule", "UntrustedPickleError", "__version__"]
 
 
+#: Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.
+_LAZY = {"RoIDataModule": "lit_roidata.datamodule",
+         "DemoRoIDataModule": "lit_roidata.demo.datamodule"}
+
+
 def __getattr__(name: str) -> Any:
-    # Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.
-    if name == "RoIDataModule":
-        from lit_roidata.datamodule import RoIDataModule
-
-        return RoIDataModule
-    if name == "DemoRoIDataModule":
-        from lit_roidata.demo.datamodule import DemoRoIDataModule
-
-        return DemoRoIDataModule
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lit_roidata' has no attribute {name!r}")

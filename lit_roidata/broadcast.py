@@ -34,13 +34,10 @@ class ReplicaMismatchError(RuntimeError):
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer (persistent or not) once, in model order."""
-    seen: set[int] = set()
-    out = []
+    first: dict[int, tuple[str, torch.Tensor]] = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((name, t))
-    return out
+        first.setdefault(id(t), (name, t))
+    return list(first.values())
 
 
 def distributed() -> bool:

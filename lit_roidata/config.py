@@ -120,9 +120,7 @@ class DetectronConfig(CfgNode):
         try:
             checked = _check_tree(_nest(overrides), self, [])
             super().merge_from_other_cfg(type(self)(checked))
-        except ConfigError as exc:
-            raise ConfigError(prefix + str(exc)) from exc
-        except (KeyError, ValueError, AssertionError) as exc:  # yacs' own checks
+        except (KeyError, ValueError, AssertionError) as exc:  # ours (ConfigError) or yacs'
             raise ConfigError(f"{prefix}{exc.args[0] if exc.args else exc}") from exc
         self.infer()
 
@@ -259,16 +257,15 @@ def _unknown(full_key: str, key: str, valid: Iterable[str]) -> str:
 def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]
                 ) -> dict[str, Any]:
     """Every key of ``tree`` checked against ``node``; values decoded and coerced."""
-    root = _DEFAULTS
     out: dict[str, Any] = {}
     for key, value in tree.items():
         full = ".".join(path + [key])
         if key not in node:
-            if root.key_is_deprecated(full):  # logs a warning, as Detectron does
+            if _DEFAULTS.key_is_deprecated(full):  # logs a warning, as Detectron does
                 continue
-            if root.key_is_renamed(full):
+            if _DEFAULTS.key_is_renamed(full):
                 try:
-                    root.raise_key_rename_error(full)
+                    _DEFAULTS.raise_key_rename_error(full)
                 except KeyError as exc:
                     raise ConfigError(exc.args[0]) from None
             raise ConfigError(_unknown(full, key, node))

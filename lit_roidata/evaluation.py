@@ -132,6 +132,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             if kps.ndim != 3 or kps.shape[0] != len(boxes) or kps.shape[2] < 2:
                 raise ValueError(f"image {image_id}: keypoints must be (k, K, 3) for {len(boxes)} "
                                  f"boxes, got shape {kps.shape}")
+            kps = np.concatenate([kps[:, :, :2], np.ones(kps.shape[:2] + (1,))], axis=2)
         xywh = boxes.copy()
         xywh[:, 2:] = boxes[:, 2:] - boxes[:, :2] + 1
         for k in range(len(boxes)):
@@ -139,10 +140,8 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
                    "bbox": [round(float(v), 3) for v in xywh[k]], "score": float(scores[k])}
             if masks is not None:
                 res["segmentation"] = mask_rle(masks[k], image_id)
-            if kps is not None:
-                flat = np.ones((kps.shape[1], 3))
-                flat[:, :2] = kps[k, :, :2]
-                res["keypoints"] = [round(float(v), 2) for v in flat.reshape(-1)]
+            if kps is not None:  # COCO's (x, y, v) with every v 1
+                res["keypoints"] = [round(float(v), 2) for v in kps[k].reshape(-1)]
             results.append(res)
     return results
 
@@ -318,8 +317,7 @@ class COCOEvaluator(pl.Callback):
         names = _KP_STAT_NAMES if iou == "keypoints" else _STAT_NAMES
         if not results:
             return dict.fromkeys(names, 0.0), f"(no {iou} detections: AP is 0)"
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):  # pycocotools prints; we log
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints; we log
             ev = COCOeval(gt, gt.loadRes(results), iou)
             ev.params.imgIds = sorted(int(i) for i in image_ids)
             if iou == "keypoints":
@@ -368,9 +366,7 @@ class COCOEvaluator(pl.Callback):
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"{self._label} evaluation ({prefix})")
-        table.add_column("dataset")
-        table.add_column("type")
+        table = Table("dataset", "type", title=f"{self._label} evaluation ({prefix})")
         for s in self._table_stats:
             table.add_column(s, justify="right")
         for name, m in per_ds.items():

@@ -68,7 +68,6 @@ def no_transparent_hugepages() -> Iterator[bool]:
     A fault on a huge-page-backed array may wait for memory compaction on a loaded
     machine; short-lived build arrays gain nothing from huge pages.
     """
-    prctl = None
     try:
         prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
         was = prctl(_PR_GET_THP_DISABLE, 0, 0, 0, 0)

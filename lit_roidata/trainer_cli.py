@@ -23,7 +23,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 from lit_roidata._lightning import (LIGHTNING, PL, bind, isinstance_any, lightning_attr,
                                     namespace_of, source_class)
-from lit_roidata.commands import EXIT_STATUS, tools_help
+from lit_roidata.commands import EXIT_STATUS, TRAINING, tools_help
 
 __all__ = ["RoIDataCLI", "cli_main", "translate_class_path"]
 
@@ -107,11 +107,8 @@ class RoIDataCLI(LightningCLI):
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        epilog = tools_help() + "\n" + EXIT_STATUS
-        kwargs.setdefault("parser_kwargs", {
-            "epilog": epilog, "formatter_class": _HelpFormatter,
-            **{cmd: {"epilog": epilog, "formatter_class": _HelpFormatter}
-               for cmd in ("fit", "validate", "test", "predict")}})
+        help_kw = {"epilog": tools_help() + "\n" + EXIT_STATUS, "formatter_class": _HelpFormatter}
+        kwargs.setdefault("parser_kwargs", {**help_kw, **{cmd: dict(help_kw) for cmd in TRAINING}})
         super().__init__(lightning_attr(self, "LightningModule"),
                          lightning_attr(self, "LightningDataModule"), subclass_mode_model=True,
                          subclass_mode_data=True, args=args, run=run, **kwargs)
