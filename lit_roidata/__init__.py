@@ -10,22 +10,13 @@ The public entry points are :class:`lit_roidata.RoIDataModule` (the Lightning fa
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
-from lit_roidata._optional import MissingOptionalDependency
+from lit_roidata._optional import MissingOptionalDependency, lazy_getattr
 from lit_roidata._pickle_trust import UntrustedPickleError
 
 __version__ = "0.1.0"
 __all__ = ["DemoRoIDataModule", "MissingOptionalDependency", "RoIDataModule", "UntrustedPickleError", "__version__"]
 
 
-#: Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.
-_LAZY = {"RoIDataModule": "lit_roidata.datamodule",
-         "DemoRoIDataModule": "lit_roidata.demo.datamodule"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lit_roidata' has no attribute {name!r}")
+# Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.
+__getattr__ = lazy_getattr(__name__, {"RoIDataModule": "lit_roidata.datamodule",
+                                      "DemoRoIDataModule": "lit_roidata.demo.datamodule"})

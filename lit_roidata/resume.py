@@ -1,22 +1,10 @@
 """Which checkpoint ``lit-roidata fit`` resumes from, decided from files and public attributes.
 
 The CLI (:class:`~lit_roidata.trainer_cli.RoIDataCLI`) calls :func:`choose_fit_checkpoint`
-before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``. It reads only
-checkpoint files and public attributes: ``OnExceptionCheckpoint.ckpt_path``,
-``ModelCheckpoint.dirpath`` / ``CHECKPOINT_NAME_LAST`` / ``FILE_EXTENSION``, the first
-logger's ``save_dir`` / ``name`` / ``version``, ``trainer.default_root_dir``, and
-:class:`~lit_roidata.callbacks.GracefulStop`'s ``resolve_ckpt_path``.
-
-Lightning's own rule: with ``OnExceptionCheckpoint`` configured, ``fit(ckpt_path=None)``
-means ``"last"`` (the newest of that callback's file and ``last*.ckpt`` in each
-``ModelCheckpoint``'s directory). The decision here never leaves Lightning a choice: it
-names the checkpoint, or makes sure that lookup finds nothing (files moved aside to
-``<name>.stale`` for ``fresh``; a clear error when a fixed ``dirpath`` holds an earlier
-run's ``last.ckpt`` and the user has not said which they want).
-
-Checkpoints are read without torch and without running pickled code
-(:func:`checkpoint_meta`): plain values (steps, strings, dicts) are kept, anything else is
-an opaque placeholder.
+before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``, so Lightning's own
+``"last"`` lookup (with ``OnExceptionCheckpoint`` configured) is never left a choice; the
+rules are in docs/cli.md. Checkpoints are read without torch and without running pickled
+code (:func:`checkpoint_meta`).
 """
 
 from __future__ import annotations
