@@ -20,7 +20,7 @@ from __future__ import annotations
 import builtins
 import functools
 import gc
-import importlib
+import importlib.util
 import threading
 import types
 from typing import Any, Iterator, Optional, TypeVar
@@ -84,8 +84,6 @@ def import_namespace(namespace: str) -> types.ModuleType:
 
 def available(namespace: str) -> bool:
     """Whether ``namespace``'s package is installed (without importing it)."""
-    import importlib.util
-
     try:
         return importlib.util.find_spec(namespace.split(".")[0]) is not None
     except ImportError:  # an import hook that hides the package
@@ -100,8 +98,7 @@ def lightning_attr(namespace_or_obj: Any, dotted: str) -> Any:
           else namespace_of(namespace_or_obj) or PL)
     module_path, _, name = ("." + dotted).rpartition(".")
     root = import_namespace(ns)
-    module = importlib.import_module(ns + module_path) if module_path else root
-    return getattr(module, name)
+    return getattr(importlib.import_module(ns + module_path) if module_path else root, name)
 
 
 def source_class(cls: type) -> type:

@@ -41,9 +41,7 @@ _RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation", "keypoints": "keypoints
 
 
 def _numpy(x: Any) -> np.ndarray:
-    if torch.is_tensor(x):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
+    return x.detach().cpu().numpy() if torch.is_tensor(x) else np.asarray(x)
 
 
 def _id_map(dataset_info: Any, dataset: Optional[str]) -> Mapping[int, int]:
