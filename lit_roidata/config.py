@@ -209,7 +209,7 @@ def _refused_while_frozen(name: str) -> Any:
     """``dict``'s (or yacs') mutator ``name``, refused (``AttributeError``) while frozen."""
     base = getattr(CfgNode, name)
 
-    def method(self: DetectronConfig, *args: Any, **kwargs: Any) -> Any:
+    def method(self, *args: Any, **kwargs: Any) -> Any:
         if not (name == "setdefault" and args[0] in self):  # reading an existing key
             self._refuse_if_frozen(args[0] if name in _KEYED else f"({name})")
         return base(self, *args, **kwargs)

@@ -135,15 +135,12 @@ def last_checkpoints(trainer: Any, all_versions: bool = False) -> list[str]:
     """The ``last*.ckpt`` files (``CHECKPOINT_NAME_LAST``, ``FILE_EXTENSION``) of every
     ``ModelCheckpoint`` of ``trainer``: those Lightning's ``"last"`` finds, or with
     ``all_versions`` also those of the earlier logger versions."""
-    found = []
     cbs = _callbacks(trainer, "callbacks.ModelCheckpoint")
     if not cbs:
         return []
-    name, ext = cbs[0].CHECKPOINT_NAME_LAST, cbs[0].FILE_EXTENSION
-    for d in _last_dirs(trainer, all_versions):
-        found += [p for p in glob.glob(os.path.join(glob.escape(d), f"{name}*{ext}"))
-                  if os.path.isfile(p)]
-    return sorted(set(found))
+    pattern = f"{cbs[0].CHECKPOINT_NAME_LAST}*{cbs[0].FILE_EXTENSION}"
+    return sorted({p for d in _last_dirs(trainer, all_versions)
+                   for p in glob.glob(os.path.join(glob.escape(d), pattern)) if os.path.isfile(p)})
 
 
 def _step_text(path: str) -> str:

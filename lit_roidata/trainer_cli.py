@@ -171,8 +171,7 @@ class RoIDataCLI(LightningCLI):
             except ResumeChoiceError as exc:
                 print(f"lit-roidata fit: error: {exc}", file=sys.stderr)
                 raise SystemExit(2) from None
-            decided = decided or ""
-            os.environ[_RESUME_ENV] = decided
+            os.environ[_RESUME_ENV] = decided = decided or ""
         self.subcommand_config()["ckpt_path"] = decided or None
 
     def after_fit(self) -> None:
