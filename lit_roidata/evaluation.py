@@ -382,11 +382,9 @@ def dataset_info(name: str, trainer: Any) -> Any:
     """The ``DatasetInfo`` of dataset ``name`` in the trainer's data module's roidbs
     (validation, test, train), or ``None``."""
     dm = getattr(trainer, "datamodule", None)
-    for attr in ("val_roidb", "test_roidb", "train_roidb"):
-        for info in getattr(getattr(dm, attr, None), "datasets", ()) or ():
-            if info.name == name:
-                return info
-    return None
+    return next((info for attr in ("val_roidb", "test_roidb", "train_roidb")
+                 for info in getattr(getattr(dm, attr, None), "datasets", ()) or ()
+                 if info.name == name), None)
 
 
 def annotation_file(name: str, trainer: Any = None) -> str:
