@@ -52,21 +52,16 @@ def bound_classes(namespace: str) -> list[type]:
 
 
 def _ns_of_module(module: str) -> Optional[str]:
-    for ns, prefixes in _PREFIXES.items():
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return ns
-    return None
+    return next((ns for ns, prefixes in _PREFIXES.items()
+                 if any(module == p or module.startswith(p + ".") for p in prefixes)), None)
 
 
 def namespace_of(obj: Any) -> Optional[str]:
     """:data:`PL` or :data:`LIGHTNING`: the namespace whose classes ``obj`` (a class or an
     instance, e.g. a Trainer or a callback) derives from; ``None`` if neither."""
     cls = obj if isinstance(obj, type) else type(obj)
-    for k in cls.__mro__:
-        ns = _ns_of_module(getattr(k, "__module__", "") or "")
-        if ns is not None:
-            return ns
-    return None
+    found = (_ns_of_module(getattr(k, "__module__", "") or "") for k in cls.__mro__)
+    return next((ns for ns in found if ns is not None), None)
 
 
 def import_namespace(namespace: str) -> types.ModuleType:
