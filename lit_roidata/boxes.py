@@ -110,8 +110,7 @@ def iou_kernel_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``b[..., :4]`` (broadcast), computed in float64 with Detectron's steps, float32 result."""
     import torch
 
-    a = a.to(torch.float64)
-    b = b.to(torch.float64)
+    a, b = a.to(torch.float64), b.to(torch.float64)
     lo = torch.maximum(a[..., :2], b[..., :2])
     wh = (torch.minimum(a[..., 2:4], b[..., 2:4]) - lo + 1).clamp_(min=0)
     inter = wh[..., 0] * wh[..., 1]
@@ -124,8 +123,7 @@ def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tenso
     """Torch twin of :func:`bbox_overlaps` on any device (float32 result)."""
     import torch
 
-    a = boxes.reshape(-1, 4)
-    b = query.reshape(-1, 4)
+    a, b = boxes.reshape(-1, 4), query.reshape(-1, 4)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return a.new_zeros((a.shape[0], b.shape[0]), dtype=torch.float32)
     return iou_kernel_torch(a[:, None, :], b[None, :, :])
@@ -158,8 +156,7 @@ def bbox_transform_targets_torch(
     """Torch twin of :func:`bbox_transform_targets` (float32 result)."""
     import torch
 
-    ex = ex_rois.reshape(-1, 4).to(torch.float64)
-    gt = gt_rois.reshape(-1, 4).to(torch.float64)
+    ex, gt = ex_rois.reshape(-1, 4).to(torch.float64), gt_rois.reshape(-1, 4).to(torch.float64)
     return _targets(torch, ex, gt, weights).to(torch.float32)
 
 
