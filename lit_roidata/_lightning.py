@@ -250,8 +250,7 @@ def bind(cls: T, namespace: str) -> T:
             rebound = _rebind(v, src, new, memo)
             if rebound is not v:
                 setattr(new, k, rebound)
-        new.__module__ = _BOUND_MODULE[namespace]
-        new.__qualname__ = src.__qualname__
+        new.__module__, new.__qualname__ = _BOUND_MODULE[namespace], src.__qualname__
         setattr(new, _SOURCE_ATTR, src)
         unbound = unbound_super_calls(new)
         if unbound:

@@ -281,8 +281,7 @@ class Catalog:
             if not isinstance(entry, Mapping):
                 raise ValueError(f"{source}: dataset {name!r} must be a mapping with keys "
                                  f"{sorted(fields)}")
-            bad = set(entry) - fields
-            missing = {"image_dir", "annotation_file"} - set(entry)
+            bad, missing = set(entry) - fields, {"image_dir", "annotation_file"} - set(entry)
             if bad or missing:
                 raise ValueError(f"{source}: dataset {name!r}: unknown keys {sorted(bad)}, "
                                  f"missing keys {sorted(missing)}")

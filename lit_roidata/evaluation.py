@@ -260,8 +260,7 @@ class COCOEvaluator(pl.Callback):
         per_ds: dict[str, dict[str, float]] = {}
         for name in sorted(by_ds):
             coco, info = self._dataset(name, trainer)
-            dets = list(by_ds[name].values())
-            image_ids = sorted(by_ds[name])
+            dets, image_ids = list(by_ds[name].values()), sorted(by_ds[name])
             missing = sorted(set(image_ids) - set(coco.getImgIds()))
             if missing:
                 raise ValueError(f"dataset {name!r}: image ids {missing[:5]} are not in its "
@@ -348,8 +347,7 @@ class COCOEvaluator(pl.Callback):
                                         f"not exist; fix the catalog entry or pass "
                                         f"annotation_files={{{name!r}: path}}")
             self._coco_cache[ann_file] = self._load_gt(ann_file)
-        coco = self._coco_cache[ann_file]
-        info = dataset_info(name, trainer)
+        coco, info = self._coco_cache[ann_file], dataset_info(name, trainer)
         return coco, info if info is not None else coco_category_map(coco)
 
     def _write(self, results: list[dict[str, Any]], prefix: str, iou: str, name: str) -> None:
