@@ -17,6 +17,8 @@ from typing import Any, Iterator, Mapping, Optional, Union
 
 import yaml
 
+from lit_roidata.storage import is_url
+
 __all__ = ["DatasetSpec", "Catalog", "DatasetCatalog", "builtin_datasets", "DATA_ROOT_ENV",
            "FORMATS"]
 
@@ -37,8 +39,8 @@ class DatasetSpec:
 
     Attributes:
         name: catalog name.
-        image_dir: directory holding the images.
-        annotation_file: COCO- or LVIS-format JSON file.
+        image_dir: directory (or folder URL, e.g. ``s3://bucket/images``) of the images.
+        annotation_file: COCO- or LVIS-format JSON file (a path or URL).
         image_prefix: prepended to each ``file_name`` (Detectron's ``IM_PREFIX``).
         proposal_file: optional default proposal file for this dataset.
         format: ``"coco"`` or ``"lvis"`` (file names from ``coco_url``, categories by
@@ -151,8 +153,9 @@ class Catalog:
 
         Args:
             name: catalog name used in ``TRAIN.DATASETS``.
-            image_dir: directory holding the images.
-            annotation_file: COCO- or LVIS-format JSON.
+            image_dir: directory (or folder URL: ``s3://``, ``gs://``, ``az://``,
+                ``http(s)://``) holding the images.
+            annotation_file: COCO- or LVIS-format JSON (a path or URL).
             image_prefix: prepended to every ``file_name``.
             proposal_file: optional default proposal file.
             overwrite: allow replacing an existing user registration.
@@ -287,7 +290,8 @@ class Catalog:
                                  f"missing keys {sorted(missing)}")
 
             def res(p: Optional[str]) -> Optional[str]:
-                return None if p is None else os.path.join(base, os.path.expanduser(str(p)))
+                return None if p is None else str(p) if is_url(p) else os.path.join(
+                    base, os.path.expanduser(str(p)))
 
             self.register(str(name), res(entry["image_dir"]), res(entry["annotation_file"]),
                           str(entry.get("image_prefix") or ""),

@@ -255,7 +255,7 @@ class RoIDataModule(pl.LightningDataModule):
             on_bad_image=self.sources.on_bad_image, num_workers=int(ld.num_workers),
             pin_memory=bool(ld.pin_memory), persistent_workers=bool(ld.persistent_workers),
             prefetch_factor=ld.prefetch_factor, shm_pool=bool(ld.shm_pool),
-            strict_resume=bool(self.sampling.strict_resume),
+            read_ahead=int(ld.read_ahead), strict_resume=bool(self.sampling.strict_resume),
             epoch_length=self.sampling.epoch_length,
             optimizer_steps=None if trainer is None else (lambda: trainer.global_step))
         previous, self._train_loader = self._train_loader, loader

@@ -19,6 +19,7 @@ Nothing here imports Lightning: DataLoader workers import this module.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lit_roidata.config import DetectronConfig
 from lit_roidata.dataset import BadImageFound, EvalDataset, RoIBlockDataset
 from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
-from lit_roidata.plan import StreamPlan
+from lit_roidata.plan import Block, StreamPlan
 from lit_roidata.sampler import RoIBatchSampler
 from lit_roidata.skip import BadImageLedger, SkipPolicy
 
@@ -181,18 +182,41 @@ class _BlockSource:
     def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None) -> None:
         self.plan, self.ledger = plan, ledger
         self.start = (0, 0)
+        self.ahead = (0, 1)  # (read_ahead blocks, num_workers): see _AheadBlock
 
     def __iter__(self) -> Iterator[Any]:
-        plan, ledger, pos = self.plan, self.ledger, self.start
+        plan, ledger, pos, (ahead, nw) = self.plan, self.ledger, self.start, self.ahead
+        buf: collections.deque = collections.deque()
         while True:
-            blk, pos = plan.next_block(*pos, stop_at_pass_end=not plan.infinite)
-            if blk is None:
+            while pos is not None and len(buf) <= ahead * nw:
+                blk, pos = plan.next_block(*pos, stop_at_pass_end=not plan.infinite)
+                pos = None if blk is None else pos
+                buf.extend([] if blk is None else [blk])
+            if not buf:
                 return
-            yield blk if ledger is None else plan.final_block(
+            blk = buf.popleft()
+            blk = blk if ledger is None else plan.final_block(
                 blk, ledger.frozen_for(blk.pass_index))
+            yield _AheadBlock.of(blk, list(buf)[nw - 1::nw]) if ahead else blk
 
     def __len__(self) -> int:
         return self.plan.length_at(*self.start)
+
+
+class _AheadBlock(Block):
+    """A block and ``ahead``: the roidb indices of the next ``read_ahead`` blocks of the
+    same worker (round robin), which it fetches while it decodes this one."""
+
+    __slots__ = ("ahead",)
+
+    @classmethod
+    def of(cls, blk: Block, nxt: list) -> "_AheadBlock":
+        out = cls(*blk.__reduce__()[1])
+        out.ahead = [int(i) for b in nxt for i in b]
+        return out
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_AheadBlock.of, (Block(*super().__reduce__()[1]), [self.ahead]))
 
 
 class StatefulRoIDataLoader:
@@ -226,6 +250,7 @@ class StatefulRoIDataLoader:
             trainer.global_step``); without it every batch handed out counts as trained.
         shm_pool, shm_pool_slot_bytes: reusable shared-memory slots per worker.
         epoch_length: infinite mode: the batches of a Lightning epoch (default: a pass).
+        read_ahead: blocks each worker fetches ahead (object storage; 0: off).
 
     Raises:
         TypeError: an ``IterableDataset`` or a sampler that is not a ``StreamPlan``.
@@ -238,7 +263,7 @@ class StatefulRoIDataLoader:
                  persistent_workers: bool = False, strict_resume: bool = True,
                  optimizer_steps: Callable[[], int] | None = None, shm_pool: bool = True,
                  shm_pool_slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 epoch_length: int | None = None) -> None:
+                 epoch_length: int | None = None, read_ahead: int = 0) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError("StatefulRoIDataLoader needs a map-style dataset (blocks of roidb "
                             f"indices are fetched by index); got {type(dataset).__name__}")
@@ -254,6 +279,7 @@ class StatefulRoIDataLoader:
         if getattr(dataset, "hand_back_bad_images", False):
             self.skip_policy = SkipPolicy(BadImageLedger(batch_sampler, dataset.roidb))
         self._source = _BlockSource(batch_sampler, self.skip_policy and self.skip_policy.ledger)
+        self._source.ahead = (int(read_ahead), max(1, num_workers))
         if num_workers > 0:
             fork_safe_opencv()
         # A private generator: the DataLoader draws the worker base seed from it, so the
@@ -613,8 +639,8 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
                        output_format: str = "detectron", pixel_format: str = "uint8",
                        rng_mode: str = "block", augment: Any = None,
                        mask_format: str = "detectron", target_format: str = "detectron",
-                       fix_rpn_quirks: bool = False, epoch_length: int | None = None
-                       ) -> StatefulRoIDataLoader:
+                       fix_rpn_quirks: bool = False, epoch_length: int | None = None,
+                       read_ahead: int = 0) -> StatefulRoIDataLoader:
     """The checkpointable train loader of one rank, with or without Lightning.
 
     Example::
@@ -634,7 +660,7 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
             from a reserve of ``bad_image_reserve`` of each pass).
         num_workers, pin_memory, persistent_workers, prefetch_factor, worker_init_fn,
             multiprocessing_context, timeout, strict_resume, optimizer_steps, shm_pool,
-            epoch_length: :class:`StatefulRoIDataLoader`'s.
+            epoch_length, read_ahead: :class:`StatefulRoIDataLoader`'s.
         output_format, pixel_format, rng_mode, augment, mask_format, target_format,
             fix_rpn_quirks: the dataset's (:class:`~lit_roidata.dataset.RoIBlockDataset`).
     """
@@ -662,7 +688,7 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
         strict_resume=strict_resume, optimizer_steps=optimizer_steps, shm_pool=shm_pool,
         worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-        timeout=timeout, epoch_length=epoch_length)
+        timeout=timeout, epoch_length=epoch_length, read_ahead=read_ahead)
 
 
 def fork_safe_opencv() -> None:

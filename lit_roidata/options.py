@@ -119,6 +119,8 @@ class LoaderOptions:
             of a new segment per array (``prefetch_factor + 3`` slots per worker; a slot
             is reused only when every tensor of its previous batch is gone). Memory:
             about the largest batch, per slot, of ``/dev/shm``.
+        read_ahead: blocks whose images each worker fetches ahead from object storage
+            (``s3://`` image folders; 0: off; docs/custom_datasets.md).
     """
 
     num_workers: int = 2
@@ -128,6 +130,7 @@ class LoaderOptions:
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None
     shm_pool: bool = True
+    read_ahead: int = 2
 
     def __post_init__(self) -> None:
         checks = (("num_workers", self.num_workers, 0, "0 (main process) or more"),
@@ -135,7 +138,8 @@ class LoaderOptions:
                   ("ims_per_batch", self.ims_per_batch, 1,
                    "at least 1 (or null: TRAIN.IMS_PER_BATCH of the Detectron config)"),
                   ("prefetch_factor", self.prefetch_factor, 1,
-                   "at least 1 (or null: PyTorch's default)"))
+                   "at least 1 (or null: PyTorch's default)"),
+                  ("read_ahead", self.read_ahead, 0, "0 (off) or more blocks"))
         for name, value, low, fix in checks:
             if value is not None and value < low:
                 raise ValueError(f"loader.{name}={value}; use {fix}")

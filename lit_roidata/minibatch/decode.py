@@ -12,11 +12,12 @@ the fastest decoder measured there.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping
 
 import cv2
 import numpy as np
+
+from lit_roidata.storage import is_url, read_bytes, redact
 
 __all__ = ["BadImageError", "describe_entry", "decode_bgr", "decode_rgb", "load_image",
            "load_image_rgb"]
@@ -29,7 +30,7 @@ class BadImageError(RuntimeError):
         path: the image file.
         image_id: the roidb entry's ``id``.
         dataset: the dataset name.
-        reason: a short machine-readable reason (``missing``, ``undecodable``,
+        reason: a short machine-readable reason (``missing``, ``unreadable``, ``undecodable``,
             ``size_mismatch``), used to count skips by reason.
     """
 
@@ -50,12 +51,12 @@ def dataset_name(entry: Mapping[str, Any]) -> str:
 def describe_entry(entry: Mapping[str, Any]) -> str:
     """``image id 42 of dataset 'coco_2017_train' (/data/x.jpg)`` for error messages."""
     return (f"image id {entry.get('id', '?')} of dataset '{dataset_name(entry)}' "
-            f"({entry.get('image', '?')})")
+            f"({redact(entry.get('image', '?'))})")
 
 
 def _error(entry: Mapping[str, Any], reason: str, what: str, fix: str) -> BadImageError:
     return BadImageError(f"{describe_entry(entry)}: {what}. Fix: {fix}",
-                         path=str(entry.get("image")),
+                         path=redact(entry.get("image")),
                          image_id=entry.get("id"), dataset=dataset_name(entry), reason=reason)
 
 
@@ -108,9 +109,12 @@ def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
         BadImageError: missing/unreadable/undecodable file or size mismatch.
     """
     try:
-        data = Path(entry["image"]).read_bytes()
-    except OSError as exc:
-        raise _error(entry, "missing", f"cannot read the file ({exc.strerror or exc})",
+        data = read_bytes(entry["image"])
+    except OSError as exc:  # a URL's: missing (404), else unreadable after the retries
+        remote = is_url(entry["image"])
+        why = redact(exc) if remote else exc.strerror or exc
+        raise _error(entry, "unreadable" if remote and not isinstance(exc, FileNotFoundError)
+                     else "missing", f"cannot read the file ({why})",
                      "check the dataset's image directory in the catalog and that the file "
                      "exists and is readable") from exc
     try:

@@ -32,6 +32,7 @@ from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.segms import SegmColumns, concat, concat_offsets, offsets
 from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed
 from lit_roidata.roidb.columnar import RoIDB
+from lit_roidata.storage import fetch_to_cache, is_url, list_names, object_fingerprint
 
 __all__ = ["combined_roidb_for_training", "roidb_for_evaluation", "CATEGORY_POLICIES",
            "check_training_config"]
@@ -198,8 +199,10 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     specs = [catalog.get(n) for n in names]
     root = os.path.abspath(cache_dir or default_cache_dir())
     os.makedirs(root, exist_ok=True)
+    remote = {s.name: object_fingerprint(s.annotation_file) for s in specs
+              if is_url(s.annotation_file)}  # (a HEAD: a warm cache downloads nothing)
     for spec in specs:
-        if not os.path.isfile(spec.annotation_file):
+        if spec.name not in remote and not os.path.isfile(spec.annotation_file):
             raise FileNotFoundError(
                 f"dataset {spec.name!r}: annotation file {spec.annotation_file} does not exist; "
                 f"fix the catalog entry (or the data root for built-in names)")
@@ -213,16 +216,18 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
                    bbox_thresh=float(cfg.TRAIN.BBOX_THRESH),
                    cls_agnostic=bool(m.CLS_AGNOSTIC_BBOX_REG),
                    bbox_reg_weights=[float(w) for w in m.BBOX_REG_WEIGHTS])
-    inputs = [{"name": s.name, "image_dir": os.path.abspath(s.image_dir),
-               "image_prefix": s.image_prefix,
-               "annotation": file_fingerprint(s.annotation_file, root),
+    inputs = [{"name": s.name, "image_prefix": s.image_prefix,
+               "image_dir": s.image_dir if is_url(s.image_dir) else os.path.abspath(s.image_dir),
+               "annotation": remote.get(s.name) or file_fingerprint(s.annotation_file, root),
                "proposals": None if f is None else file_fingerprint(f, root),
                **({} if s.format == "coco" else {"format": s.format})}  # COCO keys as they were
               for s, f in zip(specs, files)]
     key = cache_key({"inputs": inputs, "options": options})
 
     def build(tmp: str) -> dict:
-        return _in_child(_build, tmp, specs, files, options, progress, inputs, trust_pickle)
+        local = [dataclasses.replace(s, annotation_file=fetch_to_cache(
+            s.annotation_file, root, remote[s.name])) if s.name in remote else s for s in specs]
+        return _in_child(_build, tmp, local, files, options, progress, inputs, trust_pickle)
 
     path, manifest, built = get_or_build(root, key, build, rebuild=rebuild, verify=verify)
     if built:
@@ -389,15 +394,16 @@ def _dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle)
 
 
 def _check_images(spec: DatasetSpec, file_names: list) -> None:
-    if not os.path.isdir(spec.image_dir):
+    remote = is_url(spec.image_dir)
+    if not remote and not os.path.isdir(spec.image_dir):
         raise RoIDBInputError(
             f"dataset {spec.name!r}: image directory {spec.image_dir} does not exist; fix the "
             f"catalog entry (or pass check_images=False to skip this check)")
-    listing = set(os.listdir(spec.image_dir))
+    listing = list_names(spec.image_dir) if remote else set(os.listdir(spec.image_dir))
     missing = [name for name in (spec.image_prefix + fn for fn in file_names)
-               if name not in listing and not (  # a path below image_dir: look it up
+               if name not in listing and (remote or not (  # a path below image_dir
                    ("/" in name or os.sep in name)
-                   and os.path.exists(os.path.join(spec.image_dir, name)))]
+                   and os.path.exists(os.path.join(spec.image_dir, name))))]
     if missing:
         raise RoIDBInputError(
             f"dataset {spec.name!r} ({spec.annotation_file}): {len(missing)} of "
