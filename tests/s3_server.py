@@ -128,6 +128,8 @@ class LatencyProxy:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self._stop = False
+        self.open = threading.Event()  # cleared: new requests wait
+        self.open.set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     @property
@@ -143,6 +145,7 @@ class LatencyProxy:
             threading.Thread(target=self._pipe, args=(conn,), daemon=True).start()
 
     def _pipe(self, conn: socket.socket) -> None:
+        self.open.wait()
         try:
             up = socket.create_connection(("127.0.0.1", self.target))
         except OSError:
@@ -156,6 +159,7 @@ class LatencyProxy:
                     if not data:
                         return
                     if s is conn:
+                        self.open.wait()
                         verb = data.split(b" ", 1)[0].decode(errors="replace")
                         if verb.isupper():
                             self.counts[verb] = self.counts.get(verb, 0) + 1
