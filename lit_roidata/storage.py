@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
 
+from lit_roidata._optional import require
 from lit_roidata.osutil import atomic_write
 
 __all__ = ["StorageError", "ReadAhead", "is_url", "redact", "read_bytes", "object_fingerprint",
@@ -53,10 +54,13 @@ def redact(text: Any) -> str:
 def filesystem(url: str) -> Any:
     """This process's fsspec filesystem for ``url``'s protocol (one per process: shared by
     the reader threads, created again after a fork)."""
-    import fsspec
     protocol = url.split("://", 1)[0]
     key = (os.getpid(), protocol)
     if key not in _FS:
+        backend, extra = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gcs")}.get(protocol, ("", ""))
+        fsspec = require("fsspec", extra or "s3", f"reading {protocol}:// URLs")
+        if backend:
+            require(backend, extra, f"reading {protocol}:// URLs")
         opts = dict(DEFAULTS.get(protocol, {}), **fsspec.config.conf.get(protocol, {}))
         fs = fsspec.filesystem(protocol, skip_instance_cache=True, **opts)
         if hasattr(fs, "retries"):

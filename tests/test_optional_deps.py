@@ -20,7 +20,8 @@ _BLOCK = textwrap.dedent("""
     import sys
 
     class _Blocker:
-        hidden = ("albumentations", "matplotlib", "pymemcache", "lightning", "faster_coco_eval")
+        hidden = ("albumentations", "matplotlib", "pymemcache", "lightning", "faster_coco_eval",
+                  "s3fs", "gcsfs")
 
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in self.hidden:
@@ -89,6 +90,8 @@ def test_core_works_without_the_extras(tmp_path: Path) -> None:
      "LVISEvaluator()", "lvis"),
     ("from lit_roidata.cli import main\n"
      "main(['fit', '--help'], namespace='lightning.pytorch')", "lightning"),
+    ("from lit_roidata.storage import read_bytes\nread_bytes('s3://b/x.jpg')", "s3"),
+    ("from lit_roidata.storage import read_bytes\nread_bytes('gs://b/x.jpg')", "gcs"),
 ])
 @pytest.mark.slow
 def test_a_missing_extra_is_named(tmp_path: Path, use: str, extra: str) -> None:
