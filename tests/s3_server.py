@@ -120,10 +120,12 @@ class S3Server:
 
 class LatencyProxy:
     """A TCP proxy on 127.0.0.1 that holds each chunk the client sends (a request) for
-    ``delay`` seconds before passing it on; counts the requests (``GET``/``HEAD`` lines)."""
+    ``delay`` seconds before passing it on; counts the requests (``GET``/``HEAD`` lines).
+    With ``cut``, a connection is closed after that many bytes of response (a transfer
+    cut short)."""
 
-    def __init__(self, target_port: int, delay: float = 0.0) -> None:
-        self.target, self.delay = target_port, delay
+    def __init__(self, target_port: int, delay: float = 0.0, cut: int | None = None) -> None:
+        self.target, self.delay, self.cut = target_port, delay, cut
         self.counts: dict[str, int] = {}
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -151,6 +153,7 @@ class LatencyProxy:
         except OSError:
             conn.close()
             return
+        sent = 0
         with conn, up:
             while not self._stop:
                 ready, _, _ = select.select([conn, up], [], [], 0.5)
@@ -165,6 +168,11 @@ class LatencyProxy:
                             self.counts[verb] = self.counts.get(verb, 0) + 1
                         if self.delay:
                             time.sleep(self.delay)
+                    elif self.cut is not None:
+                        data, sent = data[:max(0, self.cut - sent)], sent + len(data)
+                        if sent > self.cut:
+                            conn.sendall(data)
+                            return
                     (up if s is conn else conn).sendall(data)
 
     def close(self) -> None:

@@ -178,6 +178,22 @@ def test_secrets_in_urls_never_shown(data):
     assert storage.redact(f"see s3://k:{SECRET}@b/x?sig=1 ok") == "see s3://***@b/x?*** ok"
 
 
+def test_transfer_cut_short_is_retried_then_named(data, monkeypatch):
+    from lit_roidata import storage
+
+    key = sorted(data["files"])[-1]
+    cut = LatencyProxy(data["server"].port, cut=len(data["files"][key]) // 2)
+    try:
+        monkeypatch.setattr(storage, "RETRY_SECONDS", 1.0)
+        monkeypatch.setattr(storage, "_FS", {})
+        monkeypatch.setenv("AWS_ENDPOINT_URL", cut.url)
+        with pytest.raises(storage.StorageError, match=f"cannot read s3://{BUCKET}/{key}"):
+            storage.read_bytes(f"s3://{BUCKET}/{key}")
+        assert cut.counts["GET"] > 1  # retried
+    finally:
+        cut.close()
+
+
 def test_timeout_is_a_named_error_not_a_hang(data, monkeypatch):
     from lit_roidata import storage
 
