@@ -145,9 +145,9 @@ def fetch_to_cache(url: str, cache_root: str, fingerprint: dict[str, Any]) -> st
 
 def list_names(url: str) -> set[str]:
     """Every object below the folder ``url``, as paths relative to it."""
-    fs = filesystem(url)
-    base = fs._strip_protocol(url).rstrip("/") + "/"  # noqa: SLF001 - public in fsspec
-    return {p[len(base):] for p in _retrying(url, lambda: fs.find(base)) if p.startswith(base)}
+    fs, base = filesystem(url), url.split("://", 1)[1].rstrip("/") + "/"
+    found = (p.split("://", 1)[-1] for p in _retrying(url, lambda: fs.find(url)))
+    return {p[len(base):] for p in found if p.startswith(base)}
 
 
 class ReadAhead:
@@ -184,8 +184,6 @@ def prefetch_block(block: Any, roidb: Any) -> None:
     """Start reading the images of the blocks named in ``block.ahead`` (the roidb indices
     the loader attaches with ``loader.read_ahead``) in this process's :class:`ReadAhead`."""
     ahead = getattr(block, "ahead", None)
-    if ahead:
-        paths = [roidb[int(i)]["image"] for i in ahead]
-        if any(map(is_url, paths)):
-            reader = _AHEAD.get(os.getpid()) or _AHEAD.setdefault(os.getpid(), ReadAhead())
-            reader.prefetch(paths)
+    if ahead and is_url(roidb[int(ahead[0])]["image"]):  # (local files: nothing to do)
+        reader = _AHEAD.get(os.getpid()) or _AHEAD.setdefault(os.getpid(), ReadAhead())
+        reader.prefetch([roidb[int(i)]["image"] for i in ahead])

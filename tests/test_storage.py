@@ -130,6 +130,10 @@ def test_missing_and_truncated_objects_named_then_skipped(data, tmp_path):
     client.delete_object(Bucket=BUCKET, Key=gone)
     server.upload(BUCKET, {cut: files[cut][: len(files[cut]) // 2]})
     try:
+        from lit_roidata.roidb.info import RoIDBInputError
+
+        with pytest.raises(RoIDBInputError, match=Path(gone).name):  # check_images lists
+            _remote(data, tmp_path / "fresh")
         entry = next(remote[i] for i in range(len(remote)) if remote[i]["image"].endswith(gone))
         with pytest.raises(BadImageError, match=f"s3://{BUCKET}/{gone}") as exc:
             load_image(entry)
