@@ -112,12 +112,6 @@ def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return arr
 
 
-def _is_torchvision_batch(value: Any) -> bool:
-    from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
-
-    return isinstance(value, TorchvisionBatch)
-
-
 def _as_tensor(value: np.ndarray) -> torch.Tensor:
     """``value`` as a tensor: its shared-memory tensor if ``_shared_alloc`` made it."""
     t = _SHARED.get(value.ctypes.data) if value.size else None
@@ -171,7 +165,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                  output_format: str = "detectron", pixel_format: str = "uint8",
                  rng_mode: str = "block", on_bad_image: str = "raise",
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
-                 max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
+                 max_attempts: int = 10,
+                 loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
                  mask_format: str = "detectron", fix_rpn_quirks: bool = False,
                  target_format: str = "detectron", hand_back_bad_images: bool = False) -> None:
         for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
@@ -184,19 +179,11 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
         if max_attempts < 0:
             raise ValueError(f"max_attempts must be >= 0, got {max_attempts}")
-        self.roidb = roidb
-        self.cfg = cfg
-        self.output_format = output_format
-        self.pixel_format = pixel_format
-        self.rng_mode = rng_mode
-        self.on_bad_image = on_bad_image
-        self.replacement = replacement
-        self.augment = augment
-        self.max_attempts = int(max_attempts)
-        self.loader = loader
-        self.mask_format = mask_format
-        self.fix_rpn_quirks = bool(fix_rpn_quirks)
-        self.target_format = target_format
+        self.roidb, self.cfg, self.augment, self.loader = roidb, cfg, augment, loader
+        self.output_format, self.pixel_format, self.rng_mode = output_format, pixel_format, rng_mode
+        self.mask_format, self.target_format = mask_format, target_format
+        self.on_bad_image, self.replacement = on_bad_image, replacement
+        self.max_attempts, self.fix_rpn_quirks = int(max_attempts), bool(fix_rpn_quirks)
         self.hand_back_bad_images = bool(hand_back_bad_images) and on_bad_image == "skip"
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
@@ -307,16 +294,14 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             raise
         _pool.end_block()
         if isinstance(out, PackedBlobs) or (self.output_format == "torchvision"
-                                            and _is_torchvision_batch(out)):
+                                            and not isinstance(out, BadImageFound)):
             out.shm_arena = arena  # sent with its slot tensors as descriptors
         else:  # e.g. a BadImageFound: nothing sent refers to the slot
             arena.pool.give_back(arena)
         return out
 
     def _getitems(self, block: Any) -> Any:
-        if self.hand_back_bad_images and _coords(block)[3] == 0:
-            return self.build_stream_block(block)
-        return self._attempts(block, block, 0, [], 0)
+        return self._attempts(block, (), self.hand_back_bad_images and _coords(block)[3] == 0)
 
     def _record(self, exc: BadImageError, block: Any, reads: list) -> dict[str, Any]:
         slot = max(0, len(reads) - 1)
@@ -329,26 +314,15 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         """Build a stream block as it is, or return :class:`BadImageFound` at its first
         unreadable image (``skipped``: bad images found in it before). An invalid
         minibatch is still replaced whole (``replacement``)."""
-        reads: list = []
-        skipped = [dict(r) for r in skipped]
-        try:
-            out, valid, entries = self._build_once(block, reads)
-        except BadImageError as exc:
-            if self.on_bad_image == "raise":
-                raise
-            rec = self._record(exc, block, reads)
-            return BadImageFound(block, rec["slot"], rec, skipped)
-        if valid:
-            return self._package(out, entries, block, block, skipped, 0)
-        self.skip_counts["invalid_minibatch"] += 1
-        return self._attempts(block, block, 1, skipped, 1)
+        return self._attempts(block, skipped, True)
 
-    def _attempts(self, block: Any, current: Any, first: int, skipped: list,
-                  invalid: int) -> Any:
-        """Whole-block replacements ``first, first + 1, ...`` (invalid minibatches; bad
-        images without ``hand_back_bad_images``)."""
-        for attempt in range(first, self.max_attempts + 1):
-            if attempt > first or first > 0:
+    def _attempts(self, block: Any, skipped: Sequence[Mapping[str, Any]], hand_back: bool
+                  ) -> Any:
+        """``block``, then whole-block replacements ``1, 2, ...`` (invalid minibatches; bad
+        images unless ``hand_back``, which returns the first as :class:`BadImageFound`)."""
+        current, skipped, invalid = block, [dict(r) for r in skipped], 0
+        for attempt in range(self.max_attempts + 1):
+            if attempt:
                 current = self._replacement(block, attempt)
             reads: list = []
             try:
@@ -356,7 +330,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             except BadImageError as exc:
                 if self.on_bad_image == "raise":
                     raise
-                skipped.append(self._record(exc, current, reads))
+                rec = self._record(exc, current, reads)
+                if hand_back and attempt == 0:
+                    return BadImageFound(block, rec["slot"], rec, skipped)
+                skipped.append(rec)
                 self.skip_counts[exc.reason] += 1
                 log.warning("skipping block %s: %s", list(current), exc)
             else:
@@ -364,10 +341,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                     return self._package(out, entries, block, current, skipped, invalid)
                 invalid += 1
                 self.skip_counts["invalid_minibatch"] += 1
+        seed, p, b, _ = _coords(block)
         raise RuntimeError(
-            f"block {list(block)} (seed={_coords(block)[0]}, pass={_coords(block)[1]}, "
-            f"block={_coords(block)[2]}): no usable minibatch after {self.max_attempts} "
-            f"replacements ({invalid} invalid, {len(skipped)} with bad images: "
+            f"block {list(block)} (seed={seed}, pass={p}, block={b}): no usable minibatch after "
+            f"{self.max_attempts} replacements ({invalid} invalid, {len(skipped)} with bad images: "
             f"{[s['message'] for s in skipped[:3]]}). Check the images, or lower "
             "KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH for keypoint models")
 
@@ -400,9 +377,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             meta = self._meta(entries, stream, used, skipped, invalid,
                               [t["scale"] for t in targets])
             return TorchvisionBatch((images, targets), meta)
-        blobs: dict[str, Any] = {}
-        for name, value in out.blobs.items():
-            blobs[name] = _as_tensor(value) if isinstance(value, np.ndarray) else value
+        blobs = {name: _as_tensor(value) if isinstance(value, np.ndarray) else value
+                 for name, value in out.blobs.items()}
         meta = self._meta(entries, stream, used, skipped, invalid, out.image.im_scales)
         meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
         meta["im_info"] = torch.from_numpy(out.image.im_info)

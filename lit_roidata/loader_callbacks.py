@@ -85,31 +85,28 @@ class GracefulStop(pl.Callback):
 
     # ------------------------------------------------------------------ signals
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._received is not None and not self._aborting:  # the second: abort between steps
-            loader = None if self._trainer is None else self._trainer.train_dataloader
-            if callable(getattr(loader, "request_abort", None)):
-                self._aborting = True
-                loader.request_abort()
-                self._say(f"{signal.Signals(signum).name}: aborting before the next batch "
-                          "(again to abort at once)")
-                return
-        if self._received is not None:  # the third one (or no lit_roidata loader): at once
-            self._restore_handlers()
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            previous = signal.getsignal(signum)
-            if callable(previous):
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
+        name, trainer = signal.Signals(signum).name, self._trainer
+        if self._received is None:  # the first: stop at the next clean boundary
+            self._received = signum
+            what = "validation" if trainer is not None and trainer.validating else "step"
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            self._say(f"{name}: stopping after this {what}; {again} again to abort")
             return
-        self._received = signum
-        trainer = self._trainer
-        what = "validation" if trainer is not None and trainer.validating else "step"
-        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        self._say(f"{signal.Signals(signum).name}: stopping after this {what}; {again} "
-                  "again to abort")
+        loader = None if trainer is None else trainer.train_dataloader
+        if not self._aborting and callable(getattr(loader, "request_abort", None)):
+            self._aborting = True  # the second: abort between steps
+            loader.request_abort()
+            self._say(f"{name}: aborting before the next batch (again to abort at once)")
+            return
+        self._restore_handlers()  # the third one (or no lit_roidata loader): at once
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        previous = signal.getsignal(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def _say(self, message: str) -> None:
         bar = getattr(self._trainer, "progress_bar_callback", None)
@@ -118,11 +115,14 @@ class GracefulStop(pl.Callback):
         else:
             log.warning("%s", message)
 
-    def _restore_handlers(self) -> None:
+    def _restore_handlers(self, *_hook_args: Any) -> None:
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:  # else someone replaced ours
                 signal.signal(signum, previous)
         self._previous = {}
+
+    #: Lightning hooks (``trainer, pl_module[, exception]``): the handlers go back.
+    on_train_end = on_exception = _restore_handlers
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -181,12 +181,6 @@ class GracefulStop(pl.Callback):
             if any(k.__name__ == "OnExceptionCheckpoint" for k in type(cb).__mro__):
                 return os.path.join(str(cb.dirpath), "interrupted" + cb.FILE_EXTENSION)
         return os.path.join(str(trainer.default_root_dir), "interrupted.ckpt")
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._restore_handlers()
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._restore_handlers()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._restore_handlers()
