@@ -22,6 +22,7 @@ quirk Q33, docs/detectron_quirks.md); here every replacement is recorded in ``"_
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
@@ -99,7 +100,7 @@ _SHARED: dict[int, torch.Tensor] = {}
 
 
 _TRIM_EVERY = 8  # blocks between two malloc_trim calls in a worker (~1 ms each)
-_TRIM_COUNTER = [0]
+_TRIM_COUNTER = itertools.count(1)
 
 
 def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -224,34 +225,30 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         # block's orientation group (safe with or without aspect grouping), in a seed
         # domain of its own.
         _coords(block)
-        pool: Any = len(self.roidb)
+        pool = np.arange(len(self.roidb))
         widths, heights = getattr(self.roidb, "widths", None), getattr(self.roidb, "heights", None)
         if widths is not None and heights is not None and len(block):
             horz = np.asarray(widths) >= np.asarray(heights)
             pool = np.flatnonzero(horz == horz[int(block[0])])
-        n = pool if isinstance(pool, int) else pool.size
-        return draw_replacement(block, attempt, pool, min(len(block), n),
+        return draw_replacement(block, attempt, pool, min(len(block), pool.size),
                                 domain=_REPLACE_DOMAIN)
 
     # ------------------------------------------------------------------ building
-    def _build_once(self, block: Any, reads: list | None = None
-                    ) -> tuple[Any, bool, list[Mapping[str, Any]]]:
+    def _build_once(self, block: Any, reads: list) -> tuple[Any, bool, list[Mapping[str, Any]]]:
+        """Build ``block`` once; ``reads`` counts the images read (to know which failed)."""
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
         _SHARED.clear()
         _pool.rewind()  # an earlier attempt's arrays are dropped: reuse their space
-        if _in_worker():  # earlier blocks' temporaries are freed: keep memory flat
-            _TRIM_COUNTER[0] += 1
-            if _TRIM_COUNTER[0] % _TRIM_EVERY == 1:
-                trim_heap()
-        loader = self.loader
-        if reads is not None:  # count the images read, to know which slot failed
-            base = self.loader or load_image
+        # in a worker, earlier blocks' temporaries are freed: keep memory flat
+        if _in_worker() and next(_TRIM_COUNTER) % _TRIM_EVERY == 1:
+            trim_heap()
+        base = self.loader or load_image
 
-            def loader(entry: Mapping[str, Any]) -> np.ndarray:
-                reads.append(1)
-                return base(entry)
-            loader.channel_order = getattr(base, "channel_order", "bgr")  # type: ignore
+        def loader(entry: Mapping[str, Any]) -> np.ndarray:
+            reads.append(1)
+            return base(entry)
+        loader.channel_order = getattr(base, "channel_order", "bgr")  # type: ignore
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 
@@ -373,10 +370,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
 
-            images, targets = out
-            meta = self._meta(entries, stream, used, skipped, invalid,
-                              [t["scale"] for t in targets])
-            return TorchvisionBatch((images, targets), meta)
+            return TorchvisionBatch(out, self._meta(entries, stream, used, skipped, invalid,
+                                                    [t["scale"] for t in out[1]]))
         blobs = {name: _as_tensor(value) if isinstance(value, np.ndarray) else value
                  for name, value in out.blobs.items()}
         meta = self._meta(entries, stream, used, skipped, invalid, out.image.im_scales)

@@ -70,11 +70,11 @@ class GracefulStop(pl.Callback):
         except (KeyError, ValueError) as exc:
             raise ValueError(f"GracefulStop(signals={list(signals)!r}): {exc} is not a signal; "
                              "use names such as SIGINT, SIGTERM, SIGUSR1") from None
-        self.stopped_by_signal: Optional[int] = None
-        self.stopped_at: Optional[str] = None
         self._reset()
 
     def _reset(self) -> None:
+        self.stopped_by_signal: Optional[int] = None
+        self.stopped_at: Optional[str] = None
         self._trainer: Any = None
         self._received: Optional[int] = None
         self._previous: dict[int, Any] = {}
@@ -127,7 +127,6 @@ class GracefulStop(pl.Callback):
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._reset()
-        self.stopped_by_signal = self.stopped_at = None
         self._trainer = trainer
         if threading.current_thread() is threading.main_thread():
             for signum in self.signals:

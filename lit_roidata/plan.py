@@ -119,9 +119,9 @@ def draw_replacement(block: Block, attempt: int, pool: np.ndarray | int, size: i
     rng = _generator(REPLACE_DOMAIN if domain is None else domain,
                      block.seed if seed is None else seed, block.pass_index,
                      block.block_index, attempt)
-    n = pool if isinstance(pool, (int, np.integer)) else pool.size
-    pick = rng.choice(n, size=size, replace=False)
-    inds = pick if isinstance(pool, (int, np.integer)) else pool[pick]
+    if isinstance(pool, (int, np.integer)):
+        pool = np.arange(pool)
+    inds = pool[rng.choice(pool.size, size=size, replace=False)]
     return Block(inds.tolist(), block.seed, block.pass_index, block.block_index, attempt)
 
 
@@ -534,13 +534,12 @@ class StreamPlan:
         if delivered.size == 0:
             delivered = self._delivered(pass_index)
         bad_arr = np.fromiter({int(i) for i in bad}, dtype=np.int64)
-        ok = ~np.isin(delivered, bad_arr)
         o = self.orientation(index)
-        cand = delivered[ok & (self.is_horizontal[delivered] == o)] if o is not None else \
-            delivered[ok]
+        if o is not None:
+            delivered = delivered[self.is_horizontal[delivered] == o]
+        cand = delivered[~np.isin(delivered, bad_arr)]
         if cand.size == 0:  # nothing good of this orientation: any good entry at all
-            every = np.arange(self.num_images, dtype=np.int64)
-            cand = every[~np.isin(every, bad_arr)]
+            cand = np.setdiff1d(np.arange(self.num_images, dtype=np.int64), bad_arr)
         if cand.size == 0:
             raise RuntimeError(
                 f"on_bad_image='skip': no good image is left to replace roidb entry {index} in "
