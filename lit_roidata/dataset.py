@@ -37,7 +37,8 @@ from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch import shm_pool as _pool
-from lit_roidata.minibatch.transport import PackedBlobs, packed, shared_empty, trim_heap
+from lit_roidata.minibatch.transport import packed, shared_empty
+from lit_roidata.osutil import malloc_trim
 from lit_roidata.rng import RNG, block_rng
 from lit_roidata.plan import Block, draw_replacement
 
@@ -242,7 +243,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         _pool.rewind()  # an earlier attempt's arrays are dropped: reuse their space
         # in a worker, earlier blocks' temporaries are freed: keep memory flat
         if _in_worker() and next(_TRIM_COUNTER) % _TRIM_EVERY == 1:
-            trim_heap()
+            malloc_trim()
         base = self.loader or load_image
 
         def loader(entry: Mapping[str, Any]) -> np.ndarray:
@@ -281,24 +282,17 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         """
         pool = getattr(self, "shm_pool", None)
         arena = _pool.begin_block(pool) if pool is not None and _in_worker() else None
-        if arena is None:
-            return self._getitems(block)
+        out = None
         try:
-            out = self._getitems(block)
-        except BaseException:
-            _pool.end_block()
-            arena.pool.give_back(arena)
-            raise
-        _pool.end_block()
-        if isinstance(out, PackedBlobs) or (self.output_format == "torchvision"
-                                            and not isinstance(out, BadImageFound)):
-            out.shm_arena = arena  # sent with its slot tensors as descriptors
-        else:  # e.g. a BadImageFound: nothing sent refers to the slot
-            arena.pool.give_back(arena)
+            out = self._attempts(block, (), self.hand_back_bad_images and _coords(block)[3] == 0)
+        finally:
+            if arena is not None:
+                _pool.end_block()
+                if out is not None and not isinstance(out, BadImageFound):  # a batch (packed)
+                    out.shm_arena = arena  # sent with its slot tensors as descriptors
+                else:  # failed, or a BadImageFound: nothing sent refers to the slot
+                    arena.pool.give_back(arena)
         return out
-
-    def _getitems(self, block: Any) -> Any:
-        return self._attempts(block, (), self.hand_back_bad_images and _coords(block)[3] == 0)
 
     def _record(self, exc: BadImageError, block: Any, reads: list) -> dict[str, Any]:
         slot = max(0, len(reads) - 1)

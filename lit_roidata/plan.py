@@ -365,8 +365,7 @@ class StreamPlan:
         if not self.infinite:
             return (p + 1, 0) if c + self.world_size > self.pass_blocks(p) else (p, c)
         if self.repeat_factors is None:
-            extra, c = divmod(c, self.blocks_per_pass)
-            return p + extra, c
+            return p + c // self.blocks_per_pass, c % self.blocks_per_pass
         while c >= self.pass_blocks(p):
             c -= self.pass_blocks(p)
             p += 1
@@ -410,11 +409,10 @@ class StreamPlan:
         if self.infinite:
             (q, b), (p, c) = self.normalize(p, c + self.rank), self.normalize(p, c + ws)
         else:
-            if c + ws > self.pass_blocks(p):
-                if stop_at_pass_end:
-                    return None, (p, c)
-                p, c = p + 1, 0
-            q, b, c = p, c + self.rank, c + ws
+            q, b = self.normalize(p, c)  # a finished pass: (p + 1, 0)
+            if q != p and stop_at_pass_end:
+                return None, (p, c)
+            p, c, b = q, b + ws, b + self.rank
         perm = self.permutation(q)
         return Block(_block_indices(perm, b, self.ims_per_batch), self.seed, q, b), (p, c)
 
