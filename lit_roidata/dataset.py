@@ -253,17 +253,15 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 
-            images, targets = build_torchvision_batch(entries, self.cfg, rng,
-                                                      pixel_format=self.pixel_format,
-                                                      loader=loader, augment=self.augment,
-                                                      shared=_in_worker())
+            images, targets = build_torchvision_batch(
+                entries, self.cfg, rng, pixel_format=self.pixel_format, loader=loader,
+                augment=self.augment, shared=_in_worker())
             return (images, targets), True, entries
-        mb = build_minibatch(entries, self.cfg, rng, pixel_format=self.pixel_format,
-                             loader=loader, augment=self.augment,
-                             alloc=_shared_alloc if _in_worker() else None,
-                             compact_masks=self.mask_format == "compact",
-                             fix_rpn_quirks=self.fix_rpn_quirks,
-                             compact_targets=self.target_format == "compact")
+        mb = build_minibatch(
+            entries, self.cfg, rng, pixel_format=self.pixel_format, loader=loader,
+            augment=self.augment, alloc=_shared_alloc if _in_worker() else None,
+            compact_masks=self.mask_format == "compact", fix_rpn_quirks=self.fix_rpn_quirks,
+            compact_targets=self.target_format == "compact")
         return mb, mb.valid, entries
 
     def __getitems__(self, block: Any) -> Any:
@@ -343,20 +341,17 @@ class RoIBlockDataset(torch.utils.data.Dataset):
               skipped: list, invalid: int, scales: Sequence[float]) -> dict[str, Any]:
         seed, p, b, attempt = _coords(used)
         requested = getattr(stream, "requested", stream)
-        return {
-            "image_ids": torch.tensor([int(e["id"]) for e in entries], dtype=torch.int64),
-            "flipped": torch.tensor([bool(e.get("flipped", False)) for e in entries]),
-            "im_scales": torch.tensor([float(s) for s in scales], dtype=torch.float64),
-            "datasets": [dataset_name(e) for e in entries],
-            "images": [str(e.get("image")) for e in entries],
-            "indices": [int(i) for i in used],
-            "requested_indices": [int(i) for i in requested],
-            "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
-            "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
-            "substitutes": [dict(x) for x in getattr(stream, "substitutes", ())],
-            "pixel_format": self.pixel_format, "mask_format": self.mask_format,
-            "target_format": self.target_format,
-        }
+        return {"image_ids": torch.tensor([int(e["id"]) for e in entries], dtype=torch.int64),
+                "flipped": torch.tensor([bool(e.get("flipped", False)) for e in entries]),
+                "im_scales": torch.tensor([float(s) for s in scales], dtype=torch.float64),
+                "datasets": [dataset_name(e) for e in entries],
+                "images": [str(e.get("image")) for e in entries],
+                "indices": [int(i) for i in used], "requested_indices": [int(i) for i in requested],
+                "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
+                "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
+                "substitutes": [dict(x) for x in getattr(stream, "substitutes", ())],
+                "pixel_format": self.pixel_format, "mask_format": self.mask_format,
+                "target_format": self.target_format}
 
     def _package(self, out: Any, entries: list, stream: Any, used: Any, skipped: list,
                  invalid: int) -> Any:
@@ -435,15 +430,13 @@ class EvalDataset(torch.utils.data.Dataset):
             if self.cfg.FPN.FPN_ON and self.cfg.FPN.MULTILEVEL_ROIS:
                 add_multilevel_rois(blobs, self.cfg, prefixes=("rois",))
             out.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in blobs.items()})
-        out["_meta"] = {
-            "image_ids": [int(e["id"]) for e in entries],
-            "im_scales": [float(s) for s in ib.im_scales],
-            "datasets": [self.roidb.dataset_of(int(i)) for i in indices],
-            "heights": [int(e["height"]) for e in entries],
-            "widths": [int(e["width"]) for e in entries],
-            "image_sizes": torch.from_numpy(ib.image_sizes),
-            "indices": [int(i) for i in indices],
-        }
+        out["_meta"] = {"image_ids": [int(e["id"]) for e in entries],
+                        "im_scales": [float(s) for s in ib.im_scales],
+                        "datasets": [self.roidb.dataset_of(int(i)) for i in indices],
+                        "heights": [int(e["height"]) for e in entries],
+                        "widths": [int(e["width"]) for e in entries],
+                        "image_sizes": torch.from_numpy(ib.image_sizes),
+                        "indices": [int(i) for i in indices]}
         return out
 
     def _rois(self, entries: Sequence[Mapping[str, Any]], scales: Sequence[float]

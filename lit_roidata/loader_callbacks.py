@@ -239,13 +239,12 @@ def check_trainer_for_loader(trainer: Any, plan: Any, skip: bool) -> None:
             or getattr(trainer, "reload_dataloaders_every_n_epochs", 1) == 1):
         return
     raise ValueError(
-        "sampling.repeat_factor_threshold (DATALOADER.SAMPLER_TRAIN: "
-        "RepeatFactorTrainingSampler) with epochs: each pass has its own number of "
-        "batches, and Lightning keeps the first epoch's length unless it reloads the "
-        "train loader every epoch (a longer pass would be cut, a shorter one would skip "
-        "its epoch-end validation). Set trainer reload_dataloaders_every_n_epochs=1, or "
-        "train by steps with sampling.infinite=true and max_steps (as Detectron2 trains "
-        "LVIS)")
+        "sampling.repeat_factor_threshold (DATALOADER.SAMPLER_TRAIN: RepeatFactorTrainingSampler) "
+        "with epochs: each pass has its own number of batches, and Lightning keeps the first "
+        "epoch's length unless it reloads the train loader every epoch (a longer pass would be "
+        "cut, a shorter one would skip its epoch-end validation). Set trainer "
+        "reload_dataloaders_every_n_epochs=1, or train by steps with sampling.infinite=true and "
+        "max_steps (as Detectron2 trains LVIS)")
 
 
 def fit_epochs_to_passes(trainer: Any, loader: Any) -> None:

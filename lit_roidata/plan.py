@@ -239,12 +239,11 @@ class StreamPlan:
         mb, own = self.ims_per_batch, self._owner
         if self.grouped and self.natural_blocks_per_pass == 0:
             raise ValueError(
-                f"{own}: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} images of "
-                f"one orientation, but the roidb has {self.horizontal.size} horizontal (w >= h) "
-                f"and {self.vertical.size} vertical images; the permutation would be empty "
-                "(Detectron fails with IndexError: Detectron quirk Q14, see "
-                "docs/detectron_quirks.md). Add images, lower TRAIN.IMS_PER_BATCH or set "
-                "TRAIN.ASPECT_GROUPING False")
+                f"{own}: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} images of one "
+                f"orientation, but the roidb has {self.horizontal.size} horizontal (w >= h) and "
+                f"{self.vertical.size} vertical images; the permutation would be empty (Detectron "
+                "fails with IndexError: Detectron quirk Q14, see docs/detectron_quirks.md). Add "
+                "images, lower TRAIN.IMS_PER_BATCH or set TRAIN.ASPECT_GROUPING False")
         if not self.grouped and self.num_images < mb:
             raise ValueError(
                 f"{own}: the roidb has {self.num_images} images, fewer than IMS_PER_BATCH={mb}; "
