@@ -82,9 +82,6 @@ class BadImageFound:
     def __init__(self, block: Block, slot: int, record: dict, skipped: list) -> None:
         self.block, self.slot, self.record, self.skipped = block, int(slot), record, skipped
 
-    def __reduce__(self) -> tuple:
-        return (BadImageFound, (self.block, self.slot, self.record, self.skipped))
-
     def __repr__(self) -> str:
         return (f"BadImageFound(block={self.block!r}, slot={self.slot}, "
                 f"reason={self.record.get('reason')})")
@@ -165,9 +162,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
 
     def __init__(self, roidb: Sequence[Mapping[str, Any]], cfg: Any, *,
                  output_format: str = "detectron", pixel_format: str = "uint8",
-                 rng_mode: str = "block", on_bad_image: str = "raise",
+                 rng_mode: str = "block", on_bad_image: str = "raise", max_attempts: int = 10,
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
-                 max_attempts: int = 10,
                  loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
                  mask_format: str = "detectron", fix_rpn_quirks: bool = False,
                  target_format: str = "detectron", hand_back_bad_images: bool = False) -> None:
@@ -298,15 +294,13 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 "dataset": exc.dataset, "message": str(exc),
                 "index": int(block[slot]) if slot < len(block) else None, "slot": slot}
 
-    def build_stream_block(self, block: Block, skipped: Sequence[Mapping[str, Any]] = ()
-                           ) -> Any:
+    def build_stream_block(self, block: Block, skipped: Sequence[Mapping[str, Any]] = ()) -> Any:
         """Build a stream block as it is, or return :class:`BadImageFound` at its first
         unreadable image (``skipped``: bad images found in it before). An invalid
         minibatch is still replaced whole (``replacement``)."""
         return self._attempts(block, skipped, True)
 
-    def _attempts(self, block: Any, skipped: Sequence[Mapping[str, Any]], hand_back: bool
-                  ) -> Any:
+    def _attempts(self, block: Any, skipped: Sequence[Mapping[str, Any]], hand_back: bool) -> Any:
         """``block``, then whole-block replacements ``1, 2, ...`` (invalid minibatches; bad
         images unless ``hand_back``, which returns the first as :class:`BadImageFound`)."""
         current, skipped, invalid = block, [dict(r) for r in skipped], 0

@@ -178,10 +178,9 @@ class StreamPlan:
     _owner = "RoIBatchSampler"
 
     def __init__(self, widths: Any, heights: Any, ims_per_batch: int, *,
-                 aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3,
-                 rank: int = 0, world_size: int = 1, infinite: bool = False,
-                 holdback: int = 0, repeat_factors: Any = None,
-                 bad_image_reserve: float = 0.0) -> None:
+                 aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3, rank: int = 0,
+                 world_size: int = 1, infinite: bool = False, holdback: int = 0,
+                 repeat_factors: Any = None, bad_image_reserve: float = 0.0) -> None:
         own = self._owner
         w, h = np.asarray(widths).reshape(-1), np.asarray(heights).reshape(-1)
         if w.shape != h.shape:
@@ -443,8 +442,7 @@ class StreamPlan:
         mine = {"repeat_factors": None, **self.state_at(0, 0)}
         diffs = [f"{k}: checkpoint {state[k]!r}, now {mine[k]!r}"
                  for k in (*STREAM_KEYS, "repeat_factors") if state[k] != mine[k]]
-        p = check_int(self._owner, "state['pass']", state["pass"], 0)
-        c = check_int(self._owner, "state['cursor']", state["cursor"], 0)
+        p, c = (check_int(self._owner, f"state[{k!r}]", state[k], 0) for k in ("pass", "cursor"))
         if not diffs and c > self.pass_blocks(p):
             diffs.append(f"cursor {c} beyond pass {p} of {self.pass_blocks(p)} blocks")
         if diffs:

@@ -85,9 +85,7 @@ class RoIBatchSampler(StreamPlan, Sampler[Block]):
             self._pos = pos
 
     def __getstate__(self) -> dict[str, Any]:
-        state = StreamPlan.__getstate__(self)
-        state.pop("_lock", None)
-        return state
+        return {k: v for k, v in StreamPlan.__getstate__(self).items() if k != "_lock"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -115,9 +115,7 @@ class BadImageLedger:
                                 self.frozen_for(p) | frozenset(self.known), own_rank=True)
             why = "reserve_exhausted"
         sub = {"slot": int(slot), "bad_index": bad_index, "index": int(new), "why": why}
-        inds = list(block)
-        inds[slot] = int(new)
-        return block.derive(inds, substitutes=[sub]), sub
+        return block.derive([*block[:slot], int(new), *block[slot + 1:]], substitutes=[sub]), sub
 
     def state_dict(self) -> dict[str, Any]:
         """Known bad images (with what was wrong), frozen snapshots, this rank's use of the
