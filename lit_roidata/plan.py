@@ -347,8 +347,7 @@ class StreamPlan:
         """Block ``block_index`` of pass ``pass_index`` of the global stream."""
         nb = self.pass_blocks(pass_index)
         if not 0 <= block_index < nb:
-            raise IndexError(f"block_index {block_index} outside pass {pass_index} of {nb} "
-                             "blocks")
+            raise IndexError(f"block_index {block_index} outside pass {pass_index} of {nb} blocks")
         inds = _block_indices(self.permutation(pass_index), block_index, self.ims_per_batch)
         return Block(inds, self.seed, pass_index, block_index)
 
