@@ -396,9 +396,7 @@ class EvalDataset(torch.utils.data.Dataset):
 
     def __init__(self, roidb: Any, cfg: DetectronConfig, *, pixel_format: str = "uint8",
                  with_rois: bool = False) -> None:
-        self.roidb = roidb
-        self.with_rois = bool(with_rois)
-        self.pixel_format = pixel_format
+        self.roidb, self.pixel_format, self.with_rois = roidb, pixel_format, bool(with_rois)
         self.cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (int(cfg.TEST.SCALE),),
                                             "TRAIN.MAX_SIZE": int(cfg.TEST.MAX_SIZE)})
         self.limit = int(cfg.TEST.PROPOSAL_LIMIT)

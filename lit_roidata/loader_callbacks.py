@@ -72,16 +72,12 @@ class GracefulStop(pl.Callback):
                              "use names such as SIGINT, SIGTERM, SIGUSR1") from None
         self._reset()
 
-    def _reset(self) -> None:
+    def _reset(self, trainer: Any = None) -> None:
         self.stopped_by_signal: Optional[int] = None
         self.stopped_at: Optional[str] = None
-        self._trainer: Any = None
-        self._received: Optional[int] = None
-        self._previous: dict[int, Any] = {}
-        self._signum = 0
-        self._validated = False
-        self._refused = 0
-        self._aborting = False
+        self._trainer, self._received, self._previous = trainer, None, {}
+        self._signum = self._refused = 0
+        self._validated = self._aborting = False
 
     # ------------------------------------------------------------------ signals
     def _handle(self, signum: int, frame: Any) -> None:
@@ -126,11 +122,9 @@ class GracefulStop(pl.Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._reset()
-        self._trainer = trainer
+        self._reset(trainer)
         if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
@@ -157,17 +151,15 @@ class GracefulStop(pl.Callback):
     def _ready(self) -> bool:
         # Not right after a validation: Lightning 2.4 would run it again on the resume.
         # A run that validates after every step stops at its second boundary anyway.
-        if self._validated and self._refused == 0:
-            self._refused += 1
-            return False
-        return True
+        refuse = self._validated and self._refused == 0
+        self._refused += refuse
+        return not refuse
 
     def _stop(self, trainer: Any) -> None:
         trainer.should_stop = True
         path = self.resolve_ckpt_path(trainer)
         trainer.save_checkpoint(path)
-        self.stopped_by_signal = self._signum
-        self.stopped_at = path
+        self.stopped_by_signal, self.stopped_at = self._signum, path
         if trainer.is_global_zero:
             log.warning("stopped at global step %d; the same command resumes (checkpoint %s)",
                         trainer.global_step, path)

@@ -215,7 +215,23 @@ class StreamPlan:
             raise ValueError(f"{own}: holdback={holdback} blocks leaves no block of a pass of "
                              f"{natural}; lower the bad-image reserve")
         self.blocks_per_pass = natural - self.holdback
-        self._check_sizes()
+        if self.grouped and self.natural_blocks_per_pass == 0:
+            raise ValueError(
+                f"{own}: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} images of one "
+                f"orientation, but the roidb has {self.horizontal.size} horizontal (w >= h) and "
+                f"{self.vertical.size} vertical images; the permutation would be empty (Detectron "
+                "fails with IndexError: Detectron quirk Q14, see docs/detectron_quirks.md). Add "
+                "images, lower TRAIN.IMS_PER_BATCH or set TRAIN.ASPECT_GROUPING False")
+        if not self.grouped and self.num_images < mb:
+            raise ValueError(
+                f"{own}: the roidb has {self.num_images} images, fewer than IMS_PER_BATCH={mb}; "
+                "no block can be drawn (Detectron quirk Q14, see docs/detectron_quirks.md). "
+                "Add images or lower TRAIN.IMS_PER_BATCH")
+        if not self.infinite and self.blocks_per_pass < self.world_size:
+            raise ValueError(
+                f"{own}: a pass has {self.blocks_per_pass} blocks of {mb} images, fewer than "
+                f"world_size={self.world_size}, so an epoch would have no global minibatch. "
+                "Use infinite=True (max_steps training), fewer ranks or a smaller IMS_PER_BATCH")
         self._memo: dict[str, tuple[Any, Any]] = {}
         self._pass_blocks: dict[int, int] = {}  # repeat factors: pass -> blocks
 
@@ -234,33 +250,11 @@ class StreamPlan:
         r.setflags(write=False)
         return r, hashlib.sha256(r.tobytes()).hexdigest()[:16]
 
-    def _check_sizes(self) -> None:
-        mb, own = self.ims_per_batch, self._owner
-        if self.grouped and self.natural_blocks_per_pass == 0:
-            raise ValueError(
-                f"{own}: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} images of one "
-                f"orientation, but the roidb has {self.horizontal.size} horizontal (w >= h) and "
-                f"{self.vertical.size} vertical images; the permutation would be empty (Detectron "
-                "fails with IndexError: Detectron quirk Q14, see docs/detectron_quirks.md). Add "
-                "images, lower TRAIN.IMS_PER_BATCH or set TRAIN.ASPECT_GROUPING False")
-        if not self.grouped and self.num_images < mb:
-            raise ValueError(
-                f"{own}: the roidb has {self.num_images} images, fewer than IMS_PER_BATCH={mb}; "
-                "no block can be drawn (Detectron quirk Q14, see docs/detectron_quirks.md). "
-                "Add images or lower TRAIN.IMS_PER_BATCH")
-        if not self.infinite and self.blocks_per_pass < self.world_size:
-            raise ValueError(
-                f"{own}: a pass has {self.blocks_per_pass} blocks of {mb} images, fewer than "
-                f"world_size={self.world_size}, so an epoch would have no global minibatch. "
-                "Use infinite=True (max_steps training), fewer ranks or a smaller IMS_PER_BATCH")
-
     def _memoised(self, key: str, arg: Any, compute: Any) -> Any:
         hit = self._memo.get(key)
-        if hit is not None and hit[0] == arg:
-            return hit[1]
-        value = compute()
-        self._memo[key] = (arg, value)
-        return value
+        if hit is None or hit[0] != arg:
+            hit = self._memo[key] = (arg, compute())
+        return hit[1]
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _memo={}, _pass_blocks={})
@@ -481,9 +475,8 @@ class StreamPlan:
         nb = self.pass_blocks(pass_index)
         return nb if self.infinite else nb // self.world_size * self.world_size
 
-    def _delivered(self, pass_index: int) -> np.ndarray:
-        return self.permutation(pass_index)[: self.delivered_blocks(pass_index)
-                                            * self.ims_per_batch]
+    def _delivered(self, p: int) -> np.ndarray:
+        return self.permutation(p)[: self.delivered_blocks(p) * self.ims_per_batch]
 
     def reserve(self, pass_index: int) -> np.ndarray:
         """The entries pass ``pass_index`` does not deliver, in the pass's reserve order."""
@@ -519,8 +512,7 @@ class StreamPlan:
         """A good entry the pass delivers anyway, for when the reserve is exhausted (a
         counted repeat): drawn from the blocks before ``block_index`` (with ``own_rank``
         only this rank's: all read already), else from the whole delivered pass."""
-        mb = self.ims_per_batch
-        perm = self.permutation(pass_index)
+        mb, perm = self.ims_per_batch, self.permutation(pass_index)
         blocks = np.arange(min(int(block_index), self.delivered_blocks(pass_index)))
         if own_rank:
             blocks = blocks[blocks % self.world_size == self.rank]

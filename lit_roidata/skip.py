@@ -224,9 +224,8 @@ class SkipPolicy:
             self.records.append(rec)
             if rec["index"] is not None:
                 self.ledger.mark_bad(int(rec["index"]), rec)
-        for sub in meta.get("substitutes") or ():
-            if sub.get("why") in PLANNED_REPLACEMENTS:
-                self.pending[str(sub["why"])] += 1
+        self.pending.update(str(s["why"]) for s in meta.get("substitutes") or ()
+                            if s.get("why") in PLANNED_REPLACEMENTS)
         if meta.get("num_invalid_replaced"):
             self.pending["invalid_minibatch"] += int(meta["num_invalid_replaced"])
 
