@@ -19,6 +19,7 @@ Nothing here imports Lightning: DataLoader workers import this module.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -175,31 +176,25 @@ class _BlockSource:
     """The DataLoader's batch sampler: this rank's final blocks from :attr:`start` on,
     across pass ends (the loader decides where an epoch ends).
 
-    Images known to be bad are replaced before anything is read; :attr:`used` remembers
-    the known-bad set each pass was built with, so that a stream built ahead with a set
-    that has changed since is started again (:meth:`StatefulRoIDataLoader._stream_at`).
+    Images known to be bad are replaced before anything is read. :attr:`issued` holds
+    ``(planned block, block sent)`` for every block handed to the workers and not yet
+    delivered, in stream order (the DataLoader delivers in order).
     """
 
     def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None) -> None:
         self.plan, self.ledger = plan, ledger
         self.start = (0, 0)
-        self.used: dict[int, frozenset] = {}
+        self.issued: collections.deque[tuple[Any, Any]] = collections.deque()
 
     def __iter__(self) -> Iterator[Any]:
         plan, ledger, pos = self.plan, self.ledger, self.start
+        self.issued.clear()
         while True:
             blk, pos = plan.next_block(*pos)
-            if ledger is None:
-                yield blk
-                continue
-            known = self.used[blk.pass_index] = ledger.frozen_for(blk.pass_index)
-            yield plan.final_block(blk, known)
-
-    def stale(self, from_pass: int) -> bool:
-        """Whether a pass from ``from_pass`` on was built with an outdated known-bad set."""
-        ledger = self.ledger
-        return ledger is not None and any(
-            ledger.frozen_for(p) != known for p, known in self.used.items() if p >= from_pass)
+            sent = blk if ledger is None else plan.final_block(
+                blk, ledger.frozen_for(blk.pass_index))
+            self.issued.append((blk, sent))
+            yield sent
 
     def __len__(self) -> int:
         return self.plan.length_at(*self.start)
@@ -365,7 +360,7 @@ class StatefulRoIDataLoader:
             if died is not None:  # outside the handler: no traceback keeps the workers
                 self.close()
                 raise WorkerDiedError(died)
-            batch = self._finish(batch)
+            batch = self._finish(self._current(batch))
             steps = self._steps()
             if steps != self._window_steps:
                 self._window, self._window_steps = [], steps
@@ -378,26 +373,39 @@ class StatefulRoIDataLoader:
             handed_out = True
             yield batch
 
+    def _current(self, batch: Any) -> Any:
+        """``batch``, or its block built again (main process) when a skip exchange has
+        changed the known-bad images of its pass since the workers were given it."""
+        planned, sent = self._source.issued.popleft()
+        if self.skip_policy is None:
+            return batch
+        want = self.batch_sampler.final_block(
+            planned, self.skip_policy.ledger.frozen_for(planned.pass_index))
+        if list(want) == list(sent) and want.substitutes == sent.substitutes:
+            return batch
+        log.debug("block %d of pass %d built again: known bad images changed",
+                  planned.block_index, planned.pass_index)
+        return self.dataset.build_stream_block(want)
+
     def _stream_at(self, pos: tuple[int, int]) -> Iterator[Any]:
         """The DataLoader iterator whose next block is the one at ``pos``.
 
         The iterator outlives the epoch (and Lightning's ``iter()`` calls): its workers
         build the next pass's first blocks while the current pass ends, so a pass boundary
-        costs no wait. It is started again only where it cannot continue: another position
-        (a restored state) or a known-bad set changed by a skip exchange after the blocks
-        ahead were planned.
+        costs no wait. It is started again only at another position (a restored state).
+        A block built ahead with known-bad images that a skip exchange has changed since is
+        built again when it is delivered (:meth:`_current`).
         """
         plan = self.batch_sampler
         if (self._stream is not None and self._stream_next is not None
-                and plan.normalize(*self._stream_next) == plan.normalize(*pos)
-                and not self._source.stale(plan.normalize(*pos)[0])):
+                and plan.normalize(*self._stream_next) == plan.normalize(*pos)):
             return self._stream
         self._stream = None  # dropping the iterator shuts its (non-persistent) workers down
         # Worker seeds depend on the position and the rank (global-RNG use inside workers
         # differs between ranks); the blobs are seeded per block and depend on neither.
         seed = np.random.SeedSequence([plan.seed, *pos, plan.rank]).generate_state(1)[0]
         self._generator.manual_seed(int(seed))
-        self._source.start, self._source.used = pos, {}
+        self._source.start = pos
         self._stream, self._stream_next = self._start_workers(), pos
         return self._stream
 
