@@ -10,23 +10,13 @@ The public entry points are :class:`lit_roidata.RoIDataModule` (the Lightning fa
 
 from __future__ import annotations
 
-from typing import Any
-
-from lit_roidata._optional import MissingOptionalDependency
+from lit_roidata._optional import MissingOptionalDependency, lazy_getattr
 from lit_roidata._pickle_trust import UntrustedPickleError
 
 __version__ = "0.1.0"
 __all__ = ["DemoRoIDataModule", "MissingOptionalDependency", "RoIDataModule", "UntrustedPickleError", "__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    # Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.
-    if name == "RoIDataModule":
-        from lit_roidata.datamodule import RoIDataModule
-
-        return RoIDataModule
-    if name == "DemoRoIDataModule":
-        from lit_roidata.demo.datamodule import DemoRoIDataModule
-
-        return DemoRoIDataModule
-    raise AttributeError(f"module 'lit_roidata' has no attribute {name!r}")
+# Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.
+__getattr__ = lazy_getattr(__name__, {"RoIDataModule": "lit_roidata.datamodule",
+                                      "DemoRoIDataModule": "lit_roidata.demo.datamodule"})

@@ -18,8 +18,9 @@ leave a ``super()`` that fails when called.
 from __future__ import annotations
 
 import builtins
+import functools
 import gc
-import importlib
+import importlib.util
 import threading
 import types
 from typing import Any, Iterator, Optional, TypeVar
@@ -51,21 +52,16 @@ def bound_classes(namespace: str) -> list[type]:
 
 
 def _ns_of_module(module: str) -> Optional[str]:
-    for ns, prefixes in _PREFIXES.items():
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return ns
-    return None
+    return next((ns for ns, prefixes in _PREFIXES.items()
+                 if any(module == p or module.startswith(p + ".") for p in prefixes)), None)
 
 
 def namespace_of(obj: Any) -> Optional[str]:
     """:data:`PL` or :data:`LIGHTNING`: the namespace whose classes ``obj`` (a class or an
     instance, e.g. a Trainer or a callback) derives from; ``None`` if neither."""
     cls = obj if isinstance(obj, type) else type(obj)
-    for k in cls.__mro__:
-        ns = _ns_of_module(getattr(k, "__module__", "") or "")
-        if ns is not None:
-            return ns
-    return None
+    found = (_ns_of_module(getattr(k, "__module__", "") or "") for k in cls.__mro__)
+    return next((ns for ns in found if ns is not None), None)
 
 
 def import_namespace(namespace: str) -> types.ModuleType:
@@ -83,8 +79,6 @@ def import_namespace(namespace: str) -> types.ModuleType:
 
 def available(namespace: str) -> bool:
     """Whether ``namespace``'s package is installed (without importing it)."""
-    import importlib.util
-
     try:
         return importlib.util.find_spec(namespace.split(".")[0]) is not None
     except ImportError:  # an import hook that hides the package
@@ -99,8 +93,7 @@ def lightning_attr(namespace_or_obj: Any, dotted: str) -> Any:
           else namespace_of(namespace_or_obj) or PL)
     module_path, _, name = ("." + dotted).rpartition(".")
     root = import_namespace(ns)
-    module = importlib.import_module(ns + module_path) if module_path else root
-    return getattr(module, name)
+    return getattr(importlib.import_module(ns + module_path) if module_path else root, name)
 
 
 def source_class(cls: type) -> type:
@@ -120,16 +113,12 @@ def _translate(base: type, namespace: str) -> type:
     """The class of ``namespace`` with the same module path and name as Lightning's
     ``base`` (e.g. ``pytorch_lightning.callbacks.progress.rich_progress.RichProgressBar``
     -> ``lightning.pytorch.callbacks.progress.rich_progress.RichProgressBar``)."""
-    src_ns = _ns_of_module(base.__module__)
-    assert src_ns is not None
-    for old, new in zip(_PREFIXES[src_ns], _PREFIXES[namespace]):
-        if base.__module__ == old or base.__module__.startswith(old + "."):
+    mod = base.__module__
+    for old, new in zip(_PREFIXES[_ns_of_module(mod) or PL], _PREFIXES[namespace]):
+        if mod == old or mod.startswith(old + "."):
             import_namespace(namespace)
-            module = importlib.import_module(new + base.__module__[len(old):])
-            target: Any = module
-            for part in base.__qualname__.split("."):
-                target = getattr(target, part)
-            return target
+            module = importlib.import_module(new + mod[len(old):])
+            return functools.reduce(getattr, base.__qualname__.split("."), module)
     raise AssertionError(base)  # pragma: no cover - _ns_of_module matched a prefix
 
 
@@ -261,8 +250,7 @@ def bind(cls: T, namespace: str) -> T:
             rebound = _rebind(v, src, new, memo)
             if rebound is not v:
                 setattr(new, k, rebound)
-        new.__module__ = _BOUND_MODULE[namespace]
-        new.__qualname__ = src.__qualname__
+        new.__module__, new.__qualname__ = _BOUND_MODULE[namespace], src.__qualname__
         setattr(new, _SOURCE_ATTR, src)
         unbound = unbound_super_calls(new)
         if unbound:

@@ -1,11 +1,13 @@
-"""Optional dependencies: import them where a feature needs them, with a clear error."""
+"""Optional dependencies: import them where a feature needs them, with a clear error; and
+the lazily imported names of a module (:func:`lazy_getattr`)."""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any, Callable, Mapping
 
-__all__ = ["MissingOptionalDependency", "require"]
+__all__ = ["MissingOptionalDependency", "lazy_getattr", "require"]
 
 
 class MissingOptionalDependency(ImportError):
@@ -30,3 +32,15 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
         raise MissingOptionalDependency(
             f"{feature} needs the optional package {top!r}, which is not installed; "
             f'install it with: pip install "lit_roidata[{extra}]"') from exc
+
+
+def lazy_getattr(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that imports each of ``names`` (name -> defining module)
+    on first use, so importing ``module`` stays cheap."""
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return getattr(importlib.import_module(names[name]), name)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

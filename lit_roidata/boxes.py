@@ -72,6 +72,11 @@ def iou_kernel(
     return out
 
 
+def _rows(boxes: Any) -> np.ndarray:
+    """``boxes`` as float64 rows of four."""
+    return np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
+
+
 def _iou_boxes(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """:func:`iou_kernel` of float64 boxes ``a[..., :4]`` and ``b[..., :4]``, broadcast."""
     return iou_kernel(a[..., 0], a[..., 1], a[..., 2], a[..., 3], box_areas(a),
@@ -85,8 +90,7 @@ def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
     ``ih <= 0`` have IoU 0. Computed in float64 and returned as float32, like the
     Cython original (the arithmetic is :func:`iou_kernel`'s).
     """
-    a = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
-    b = np.asarray(query, dtype=np.float64).reshape(-1, 4)
+    a, b = _rows(boxes), _rows(query)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return np.zeros((a.shape[0], b.shape[0]), dtype=np.float32)
     return _iou_boxes(a[:, None, :], b[None, :, :])
@@ -98,9 +102,7 @@ def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     For sparse work (only the anchor/gt pairs that can matter), where the dense
     ``(N, K)`` matrix would be wasteful.
     """
-    a = np.asarray(a, dtype=np.float64).reshape(-1, 4)
-    b = np.asarray(b, dtype=np.float64).reshape(-1, 4)
-    return _iou_boxes(a, b)
+    return _iou_boxes(_rows(a), _rows(b))
 
 
 def iou_kernel_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -108,8 +110,7 @@ def iou_kernel_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``b[..., :4]`` (broadcast), computed in float64 with Detectron's steps, float32 result."""
     import torch
 
-    a = a.to(torch.float64)
-    b = b.to(torch.float64)
+    a, b = a.to(torch.float64), b.to(torch.float64)
     lo = torch.maximum(a[..., :2], b[..., :2])
     wh = (torch.minimum(a[..., 2:4], b[..., 2:4]) - lo + 1).clamp_(min=0)
     inter = wh[..., 0] * wh[..., 1]
@@ -122,8 +123,7 @@ def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tenso
     """Torch twin of :func:`bbox_overlaps` on any device (float32 result)."""
     import torch
 
-    a = boxes.reshape(-1, 4)
-    b = query.reshape(-1, 4)
+    a, b = boxes.reshape(-1, 4), query.reshape(-1, 4)
     if a.shape[0] == 0 or b.shape[0] == 0:
         return a.new_zeros((a.shape[0], b.shape[0]), dtype=torch.float32)
     return iou_kernel_torch(a[:, None, :], b[None, :, :])
@@ -147,9 +147,7 @@ def bbox_transform_targets(
 ) -> np.ndarray:
     """Regression targets ``(tx, ty, tw, th)`` from ``ex_rois`` to ``gt_rois`` (Detectron semantics:
     bounding-box regression targets)."""
-    ex = np.asarray(ex_rois, dtype=np.float64).reshape(-1, 4)
-    gt = np.asarray(gt_rois, dtype=np.float64).reshape(-1, 4)
-    return _targets(np, ex, gt, weights).astype(np.float32)
+    return _targets(np, _rows(ex_rois), _rows(gt_rois), weights).astype(np.float32)
 
 
 def bbox_transform_targets_torch(
@@ -158,8 +156,7 @@ def bbox_transform_targets_torch(
     """Torch twin of :func:`bbox_transform_targets` (float32 result)."""
     import torch
 
-    ex = ex_rois.reshape(-1, 4).to(torch.float64)
-    gt = gt_rois.reshape(-1, 4).to(torch.float64)
+    ex, gt = ex_rois.reshape(-1, 4).to(torch.float64), gt_rois.reshape(-1, 4).to(torch.float64)
     return _targets(torch, ex, gt, weights).to(torch.float32)
 
 
@@ -185,8 +182,7 @@ def bbox_transform_inv(
     boxes: np.ndarray, deltas: np.ndarray, weights: tuple[float, float, float, float]
 ) -> np.ndarray:
     """Decode ``deltas`` relative to ``boxes``: the inverse of :func:`bbox_transform_targets`."""
-    b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
-    return _decode(np, b, np.asarray(deltas, dtype=np.float64).reshape(-1, 4), weights, None)
+    return _decode(np, _rows(boxes), _rows(deltas), weights, None)
 
 
 def bbox_transform_inv_torch(

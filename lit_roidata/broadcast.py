@@ -34,13 +34,10 @@ class ReplicaMismatchError(RuntimeError):
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer (persistent or not) once, in model order."""
-    seen: set[int] = set()
-    out = []
+    first: dict[int, tuple[str, torch.Tensor]] = {}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append((name, t))
-    return out
+        first.setdefault(id(t), (name, t))
+    return list(first.values())
 
 
 def distributed() -> bool:
@@ -81,12 +78,6 @@ def gather_to_rank0(items: list[Any]) -> list[Any]:
                                      if dist.get_rank() == 0 else None)
     dist.gather_object(items, gathered, dst=0)
     return [d for part in gathered for d in part] if gathered is not None else []
-
-
-def _comm_device(t: torch.Tensor) -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return t.device
 
 
 def _check_structure(tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -130,14 +121,12 @@ def broadcast_module(module: nn.Module, src: int = 0) -> int:
         size += t.numel() * t.element_size()
     with torch.no_grad():
         for bucket in buckets:
-            dev = _comm_device(bucket[0])
+            dev = (torch.device("cuda", torch.cuda.current_device())
+                   if dist.get_backend() == "nccl" else bucket[0].device)  # NCCL: current GPU
             flat = torch.cat([t.detach().reshape(-1).to(dev) for t in bucket])
             dist.broadcast(flat, src=src)
-            offset = 0
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t))
-                offset += n
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
     return len(tensors)
 
 

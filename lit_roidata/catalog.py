@@ -137,9 +137,8 @@ class Catalog:
     @property
     def data_root(self) -> str:
         """The directory built-in datasets are resolved under."""
-        if self._data_root is not None:
-            return self._data_root
-        return os.environ.get(DATA_ROOT_ENV, _DEFAULT_DATA_ROOT)
+        return (self._data_root if self._data_root is not None
+                else os.environ.get(DATA_ROOT_ENV, _DEFAULT_DATA_ROOT))
 
     def set_data_root(self, data_root: Optional[PathLike]) -> None:
         """Set (or with ``None`` reset to the environment default) the data root."""
@@ -193,9 +192,8 @@ class Catalog:
         Raises:
             KeyError: unknown name; the message lists the known names and the nearest one.
         """
-        spec = self._user.get(name)
-        if spec is not None:
-            return spec
+        if name in self._user:
+            return self._user[name]
         if self._builtins and name in _BUILTIN:
             return _builtin_spec(name, self.data_root)
         known = self.names()
@@ -283,8 +281,7 @@ class Catalog:
             if not isinstance(entry, Mapping):
                 raise ValueError(f"{source}: dataset {name!r} must be a mapping with keys "
                                  f"{sorted(fields)}")
-            bad = set(entry) - fields
-            missing = {"image_dir", "annotation_file"} - set(entry)
+            bad, missing = set(entry) - fields, {"image_dir", "annotation_file"} - set(entry)
             if bad or missing:
                 raise ValueError(f"{source}: dataset {name!r}: unknown keys {sorted(bad)}, "
                                  f"missing keys {sorted(missing)}")

@@ -18,20 +18,16 @@ import sys
 from typing import Any, Optional, Sequence
 
 from lit_roidata._lightning import LIGHTNING, PL, import_namespace
+from lit_roidata._optional import lazy_getattr
 from lit_roidata.commands import EXIT_STATUS, TOOLS, TRAINING, tools_help
 
 # RoIDataCLI, cli_main, translate_class_path: loaded on first use (module __getattr__).
 __all__ = ["TOOLS", "TRAINING", "RoIDataCLI", "cli_main", "main", "run_tool",  # noqa: F822
            "translate_class_path", "exit_status", "top_level_help", "tools_help"]
 
-_LAZY = ("RoIDataCLI", "cli_main", "translate_class_path")  # from lit_roidata.trainer_cli
-
-
-def __getattr__(name: str) -> Any:
-    # The LightningCLI part imports Lightning: only when it is used.
-    if name in _LAZY:
-        return getattr(importlib.import_module("lit_roidata.trainer_cli"), name)
-    raise AttributeError(f"module 'lit_roidata.cli' has no attribute {name!r}")
+# The LightningCLI part imports Lightning: only when it is used.
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(
+    ("RoIDataCLI", "cli_main", "translate_class_path"), "lit_roidata.trainer_cli"))
 
 
 def run_tool(name: str, argv: Sequence[str]) -> int:

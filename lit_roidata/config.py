@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import difflib
 import math
 import os
@@ -81,18 +82,6 @@ class DetectronConfig(CfgNode):
                 f"built. Set it in the Detectron YAML file or the data module's `overrides`, "
                 f"or build a changed copy: load_detectron_cfg(cfg, {{'{self._full(name)}': ...}})")
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        self._refuse_if_frozen(name)
-        super().__setattr__(name, value)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._refuse_if_frozen(key)
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        self._refuse_if_frozen(key)
-        super().__delitem__(key)
-
     def _immutable(self, is_immutable: bool) -> None:
         # A frozen node also keeps its keys in its instance __dict__, so that attribute
         # reads (cfg.TRAIN.SCALES, on every minibatch) take Python's fast path instead of
@@ -105,37 +94,9 @@ class DetectronConfig(CfgNode):
             else:
                 self.__dict__.pop(key, None)
 
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        """As ``dict.update``; refused (``AttributeError``) while the config is frozen."""
-        self._refuse_if_frozen("(update)")
-        super().update(*args, **kwargs)
-
-    def pop(self, key: Any, *default: Any) -> Any:  # type: ignore[override]
-        """As ``dict.pop``; refused (``AttributeError``) while the config is frozen."""
-        self._refuse_if_frozen(key)
-        return super().pop(key, *default)
-
-    def popitem(self) -> Any:  # type: ignore[override]
-        """As ``dict.popitem``; refused (``AttributeError``) while the config is frozen."""
-        self._refuse_if_frozen("(popitem)")
-        return super().popitem()
-
-    def clear(self) -> None:  # type: ignore[override]
-        """As ``dict.clear``; refused (``AttributeError``) while the config is frozen."""
-        self._refuse_if_frozen("(clear)")
-        super().clear()
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
-        """As ``dict.setdefault``; refused (``AttributeError``) while the config is frozen."""
-        if key not in self:
-            self._refuse_if_frozen(key)
-        return super().setdefault(key, default)
-
     def __deepcopy__(self, memo: dict) -> "DetectronConfig":
         # copy.deepcopy restores a dict subclass's __dict__ (the frozen flag) before its
-        # items, which the frozen check above would refuse.
-        import copy
-
+        # items, which the frozen check would refuse.
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for k, v in self.items():
@@ -159,9 +120,7 @@ class DetectronConfig(CfgNode):
         try:
             checked = _check_tree(_nest(overrides), self, [])
             super().merge_from_other_cfg(type(self)(checked))
-        except ConfigError as exc:
-            raise ConfigError(prefix + str(exc)) from exc
-        except (KeyError, ValueError, AssertionError) as exc:  # yacs' own checks
+        except (KeyError, ValueError, AssertionError) as exc:  # ours (ConfigError) or yacs'
             raise ConfigError(f"{prefix}{exc.args[0] if exc.args else exc}") from exc
         self.infer()
 
@@ -243,9 +202,26 @@ class DetectronConfig(CfgNode):
 
     def clone(self) -> "DetectronConfig":
         """A deep copy (frozen if this config is)."""
-        import copy
-
         return copy.deepcopy(self)
+
+
+def _refused_while_frozen(name: str) -> Any:
+    """``dict``'s (or yacs') mutator ``name``, refused (``AttributeError``) while frozen."""
+    base = getattr(CfgNode, name)
+
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        if not (name == "setdefault" and args[0] in self):  # reading an existing key
+            self._refuse_if_frozen(args[0] if name in _KEYED else f"({name})")
+        return base(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"As ``dict.{name}``; refused (``AttributeError``) while frozen."
+    return method
+
+
+_KEYED = ("__setattr__", "__setitem__", "__delitem__", "pop", "setdefault")
+for _name in (*_KEYED, "update", "popitem", "clear"):
+    setattr(DetectronConfig, _name, _refused_while_frozen(_name))
 
 
 # Checking before yacs merges: decode, widen, type-check, name the key.
@@ -281,16 +257,15 @@ def _unknown(full_key: str, key: str, valid: Iterable[str]) -> str:
 def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]
                 ) -> dict[str, Any]:
     """Every key of ``tree`` checked against ``node``; values decoded and coerced."""
-    root = _DEFAULTS
     out: dict[str, Any] = {}
     for key, value in tree.items():
         full = ".".join(path + [key])
         if key not in node:
-            if root.key_is_deprecated(full):  # logs a warning, as Detectron does
+            if _DEFAULTS.key_is_deprecated(full):  # logs a warning, as Detectron does
                 continue
-            if root.key_is_renamed(full):
+            if _DEFAULTS.key_is_renamed(full):
                 try:
-                    root.raise_key_rename_error(full)
+                    _DEFAULTS.raise_key_rename_error(full)
                 except KeyError as exc:
                     raise ConfigError(exc.args[0]) from None
             raise ConfigError(_unknown(full, key, node))
@@ -400,13 +375,10 @@ _C.TEST.BBOX_AUG = _node(
     MAX_SIZE=4000, SCALE_H_FLIP=False, SCALE_SIZE_DEP=False, AREA_TH_LO=50**2,
     AREA_TH_HI=180**2, ASPECT_RATIOS=(), ASPECT_RATIO_H_FLIP=False)
 
-_C.TEST.MASK_AUG = _node(
-    ENABLED=False, HEUR="SOFT_AVG", H_FLIP=False, SCALES=(), MAX_SIZE=4000, SCALE_H_FLIP=False,
-    SCALE_SIZE_DEP=False, AREA_TH=180**2, ASPECT_RATIOS=(), ASPECT_RATIO_H_FLIP=False)
-
-_C.TEST.KPS_AUG = _node(
-    ENABLED=False, HEUR="HM_AVG", H_FLIP=False, SCALES=(), MAX_SIZE=4000, SCALE_H_FLIP=False,
-    SCALE_SIZE_DEP=False, AREA_TH=180**2, ASPECT_RATIOS=(), ASPECT_RATIO_H_FLIP=False)
+_AUG = dict(H_FLIP=False, SCALES=(), MAX_SIZE=4000, SCALE_H_FLIP=False, SCALE_SIZE_DEP=False,
+            AREA_TH=180**2, ASPECT_RATIOS=(), ASPECT_RATIO_H_FLIP=False)
+_C.TEST.MASK_AUG = _node(ENABLED=False, HEUR="SOFT_AVG", **_AUG)
+_C.TEST.KPS_AUG = _node(ENABLED=False, HEUR="HM_AVG", **_AUG)
 
 _C.TEST.SOFT_NMS = _node(ENABLED=False, METHOD="linear", SIGMA=0.5)
 
@@ -487,19 +459,16 @@ for _key in ("FINAL_MSG", "MODEL.DILATION", "ROOT_GPU_ID", "RPN.ON",
              "TRAIN.BBOX_NORMALIZE_TARGETS_PRECOMPUTED", "TRAIN.DROPOUT", "USE_GPU_NMS",
              "TEST.NUM_TEST_IMAGES"):
     _C.register_deprecated_key(_key)
+_TO_TUPLE = "Also convert to a tuple, e.g. '{0}' -> ('{0}',)".format
 for _old, _new, _note in (
         ("MODEL.PS_GRID_SIZE", "RFCN.PS_GRID_SIZE", None),
         ("MODEL.ROI_HEAD", "FAST_RCNN.ROI_BOX_HEAD", None),
         ("MRCNN.MASK_HEAD_NAME", "MRCNN.ROI_MASK_HEAD", None),
-        ("TRAIN.DATASET", "TRAIN.DATASETS",
-         "Also convert to a tuple, e.g. 'coco_2014_train' -> ('coco_2014_train',)"),
-        ("TRAIN.PROPOSAL_FILE", "TRAIN.PROPOSAL_FILES",
-         "Also convert to a tuple, e.g. 'path/to/file' -> ('path/to/file',)"),
+        ("TRAIN.DATASET", "TRAIN.DATASETS", _TO_TUPLE("coco_2014_train")),
+        ("TRAIN.PROPOSAL_FILE", "TRAIN.PROPOSAL_FILES", _TO_TUPLE("path/to/file")),
         ("TEST.SCALES", "TEST.SCALE", "Also convert from a tuple, e.g. (600,), to an int"),
-        ("TEST.DATASET", "TEST.DATASETS",
-         "Also convert to a tuple, e.g. 'coco_2014_minival' -> ('coco_2014_minival',)"),
-        ("TEST.PROPOSAL_FILE", "TEST.PROPOSAL_FILES",
-         "Also convert to a tuple, e.g. 'props.pkl' -> ('props.pkl',)")):
+        ("TEST.DATASET", "TEST.DATASETS", _TO_TUPLE("coco_2014_minival")),
+        ("TEST.PROPOSAL_FILE", "TEST.PROPOSAL_FILES", _TO_TUPLE("props.pkl"))):
     _C.register_renamed_key(_old, _new, _note)
 
 _DEFAULTS = _C

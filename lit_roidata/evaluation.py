@@ -35,12 +35,13 @@ _STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl")
 #: ... and for keypoints (COCO has no small-object keypoint AP).
 _KP_STAT_NAMES = ("AP", "AP50", "AP75", "APm", "APl")
 _IOU_TYPES = ("bbox", "segm", "keypoints")
+#: The detection field each IoU type evaluates, and the result field it keeps.
+_DET_FIELD = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}
+_RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation", "keypoints": "keypoints"}
 
 
 def _numpy(x: Any) -> np.ndarray:
-    if torch.is_tensor(x):
-        return x.detach().cpu().numpy()
-    return np.asarray(x)
+    return x.detach().cpu().numpy() if torch.is_tensor(x) else np.asarray(x)
 
 
 def _id_map(dataset_info: Any, dataset: Optional[str]) -> Mapping[int, int]:
@@ -129,6 +130,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             if kps.ndim != 3 or kps.shape[0] != len(boxes) or kps.shape[2] < 2:
                 raise ValueError(f"image {image_id}: keypoints must be (k, K, 3) for {len(boxes)} "
                                  f"boxes, got shape {kps.shape}")
+            kps = np.concatenate([kps[:, :, :2], np.ones(kps.shape[:2] + (1,))], axis=2)
         xywh = boxes.copy()
         xywh[:, 2:] = boxes[:, 2:] - boxes[:, :2] + 1
         for k in range(len(boxes)):
@@ -136,10 +138,8 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
                    "bbox": [round(float(v), 3) for v in xywh[k]], "score": float(scores[k])}
             if masks is not None:
                 res["segmentation"] = mask_rle(masks[k], image_id)
-            if kps is not None:
-                flat = np.ones((kps.shape[1], 3))
-                flat[:, :2] = kps[k, :, :2]
-                res["keypoints"] = [round(float(v), 2) for v in flat.reshape(-1)]
+            if kps is not None:  # COCO's (x, y, v) with every v 1
+                res["keypoints"] = [round(float(v), 2) for v in kps[k].reshape(-1)]
             results.append(res)
     return results
 
@@ -228,9 +228,7 @@ class COCOEvaluator(pl.Callback):
         self._finish(trainer, pl_module, "test")
 
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
-        dets = self._dets
-        self._dets = []
-        dets = gather_to_rank0(dets)  # only rank 0 evaluates
+        dets, self._dets = gather_to_rank0(self._dets), []  # only rank 0 evaluates
         if not dets and trainer.global_rank == 0:
             log.warning("%s: no detections were returned during %s; the model's "
                         "%s_step must return {'detections': [per-image dict, ...]} (see "
@@ -250,32 +248,26 @@ class COCOEvaluator(pl.Callback):
         Usable without a trainer: datasets then come from ``annotation_files`` or the
         default catalog.
         """
-        by_ds: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-        seen: set[tuple[str, int]] = set()
-        repeats = 0
+        # {dataset: {image id: its first detections}}: an image seen again (e.g. a
+        # DistributedSampler padding the last shard) is ignored
+        by_ds: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
         for d in detections:
-            key = (str(d.get("dataset")), int(d["image_id"]))
-            if key in seen:  # e.g. a DistributedSampler padding the last shard
-                repeats += 1
-                continue
-            seen.add(key)
-            by_ds[key[0]].append(d)
+            by_ds[str(d.get("dataset"))].setdefault(int(d["image_id"]), d)
+        repeats = len(detections) - sum(len(m) for m in by_ds.values())
         if repeats:
             log.info("%s evaluation: ignored %d repeated image(s) (padded shards)",
                      self._label, repeats)
         per_ds: dict[str, dict[str, float]] = {}
         for name in sorted(by_ds):
             coco, info = self._dataset(name, trainer)
-            dets = by_ds[name]
-            image_ids = sorted({int(d["image_id"]) for d in dets})
+            dets, image_ids = list(by_ds[name].values()), sorted(by_ds[name])
             missing = sorted(set(image_ids) - set(coco.getImgIds()))
             if missing:
                 raise ValueError(f"dataset {name!r}: image ids {missing[:5]} are not in its "
                                  f"annotation file; are the detections from another dataset?")
             per_ds[name] = {}
             for iou in self.iou_types:
-                field = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}[iou]
-                sel = [d for d in dets if d.get(field) is not None]
+                sel = [d for d in dets if d.get(_DET_FIELD[iou]) is not None]
                 if iou != "bbox" and not sel:
                     continue
                 results = self._result_dicts(sel, info, iou, coco)
@@ -301,10 +293,9 @@ class COCOEvaluator(pl.Callback):
     def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
                  gt: Any) -> list[dict[str, Any]]:
         """The result dicts of ``detections`` for ``iou`` (the fields it does not use dropped)."""
-        results = detections_to_coco_results(detections, info)
-        drop = {"bbox": ("segmentation", "keypoints"), "segm": ("keypoints",),
-                "keypoints": ("segmentation",)}[iou]
-        results = [{k: v for k, v in r.items() if k not in drop} for r in results]
+        drop = {"segmentation", "keypoints"} - {_RESULT_FIELD[iou]}
+        results = [{k: v for k, v in r.items() if k not in drop}
+                   for r in detections_to_coco_results(detections, info)]
         if iou == "keypoints":
             kp_cats = set(keypoint_category_ids(gt))
             results = [r for r in results if r["category_id"] in kp_cats]
@@ -323,8 +314,7 @@ class COCOEvaluator(pl.Callback):
         names = _KP_STAT_NAMES if iou == "keypoints" else _STAT_NAMES
         if not results:
             return dict.fromkeys(names, 0.0), f"(no {iou} detections: AP is 0)"
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):  # pycocotools prints; we log
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints; we log
             ev = COCOeval(gt, gt.loadRes(results), iou)
             ev.params.imgIds = sorted(int(i) for i in image_ids)
             if iou == "keypoints":
@@ -357,8 +347,7 @@ class COCOEvaluator(pl.Callback):
                                         f"not exist; fix the catalog entry or pass "
                                         f"annotation_files={{{name!r}: path}}")
             self._coco_cache[ann_file] = self._load_gt(ann_file)
-        coco = self._coco_cache[ann_file]
-        info = dataset_info(name, trainer)
+        coco, info = self._coco_cache[ann_file], dataset_info(name, trainer)
         return coco, info if info is not None else coco_category_map(coco)
 
     def _write(self, results: list[dict[str, Any]], prefix: str, iou: str, name: str) -> None:
@@ -373,9 +362,7 @@ class COCOEvaluator(pl.Callback):
         from rich.console import Console
         from rich.table import Table
 
-        table = Table(title=f"{self._label} evaluation ({prefix})")
-        table.add_column("dataset")
-        table.add_column("type")
+        table = Table("dataset", "type", title=f"{self._label} evaluation ({prefix})")
         for s in self._table_stats:
             table.add_column(s, justify="right")
         for name, m in per_ds.items():
@@ -393,11 +380,9 @@ def dataset_info(name: str, trainer: Any) -> Any:
     """The ``DatasetInfo`` of dataset ``name`` in the trainer's data module's roidbs
     (validation, test, train), or ``None``."""
     dm = getattr(trainer, "datamodule", None)
-    for attr in ("val_roidb", "test_roidb", "train_roidb"):
-        for info in getattr(getattr(dm, attr, None), "datasets", ()) or ():
-            if info.name == name:
-                return info
-    return None
+    return next((info for attr in ("val_roidb", "test_roidb", "train_roidb")
+                 for info in getattr(getattr(dm, attr, None), "datasets", ()) or ()
+                 if info.name == name), None)
 
 
 def annotation_file(name: str, trainer: Any = None) -> str:

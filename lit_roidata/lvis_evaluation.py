@@ -130,7 +130,8 @@ class LVISEvaluator(COCOEvaluator):
         super().__init__(iou_types=iou_types, annotation_files=annotation_files,
                          output_dir=output_dir, print_summary=print_summary)
         self.max_dets_per_image = int(max_dets_per_image)
-        self._federated: dict[int, tuple[Any, set[tuple[int, int]]]] = {}  # id(gt): gt, pairs
+        #: id(gt) -> (gt, the (image, category) pairs the federated rule evaluates)
+        self._federated: dict[int, tuple[Any, set[tuple[int, int]]]] = {}
 
     def _load_gt(self, ann_file: str) -> Any:
         """``faster-coco-eval``'s ``COCO`` of an LVIS json, checked for the federated fields."""
@@ -142,6 +143,7 @@ class LVISEvaluator(COCOEvaluator):
         gt.dataset = dataset
         with contextlib.redirect_stdout(io.StringIO()):
             gt.createIndex()
+        self._federated[id(gt)] = (gt, _federated_pairs(gt))  # holds gt: its id is not reused
         return gt
 
     def _limit(self, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -156,8 +158,6 @@ class LVISEvaluator(COCOEvaluator):
         # "unordered_map::at") on a dropped mask in an image with no kept detection and no
         # ground truth. Filtering first changes no number (the tests hold the results to
         # the official LVISEval's, boxes and masks).
-        if id(gt) not in self._federated:  # the entry holds gt: its id is not reused
-            self._federated[id(gt)] = (gt, _federated_pairs(gt))
         known = self._federated[id(gt)][1]
         kept = [r for r in results if (int(r["image_id"]), int(r["category_id"])) in known]
         lines: list[str] = []

@@ -332,11 +332,8 @@ def albumentations_transform(spec: Any) -> Any:
     if unknown:
         raise ValueError(f"augment.transforms: {path}: unknown keys {unknown}; use "
                          "class_path and init_args")
-    if "." in path:
-        module, name = path.rsplit(".", 1)
-        cls = getattr(importlib.import_module(module), name, None)
-    else:
-        cls = getattr(A, path, None)
+    module, _, name = path.rpartition(".")
+    cls = getattr(importlib.import_module(module) if module else A, name, None)
     if cls is None:
         raise ValueError(f"augment.transforms: no albumentations transform {path!r}")
     args = dict(spec.get("init_args") or {})
@@ -389,8 +386,5 @@ def _flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flat_keys(v, key + "."))
-        else:
-            out[key] = v
+        out.update(_flat_keys(v, key + ".") if isinstance(v, Mapping) else {key: v})
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -68,13 +69,9 @@ def no_transparent_hugepages() -> Iterator[bool]:
     A fault on a huge-page-backed array may wait for memory compaction on a loaded
     machine; short-lived build arrays gain nothing from huge pages.
     """
-    prctl = None
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-        was = prctl(_PR_GET_THP_DISABLE, 0, 0, 0, 0)
-        if was < 0 or prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
-            prctl = None
-    except (OSError, AttributeError):
+    prctl = _libc("prctl")
+    was = -1 if prctl is None else prctl(_PR_GET_THP_DISABLE, 0, 0, 0, 0)
+    if was < 0 or prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
         prctl = None
     try:
         yield prctl is not None
@@ -84,7 +81,15 @@ def no_transparent_hugepages() -> Iterator[bool]:
 
 
 _PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42
-_MALLOC_TRIM: Any = None
+
+
+@functools.cache
+def _libc(name: str) -> Any:
+    """The C library's function ``name``, or ``None`` where there is none."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def malloc_trim() -> bool:
@@ -95,14 +100,8 @@ def malloc_trim() -> bool:
     worker, decoded windows in a build. Costs well under a millisecond. Returns False where
     there is no glibc (nothing is done).
     """
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-            _MALLOC_TRIM.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM is False:
+    trim = _libc("malloc_trim")
+    if trim is None:
         return False
-    _MALLOC_TRIM(0)
+    trim(ctypes.c_size_t(0))
     return True

@@ -1,13 +1,9 @@
 """A progress bar that counts optimizer steps out of ``max_steps`` when training by steps.
 
-Lightning's bars count batches of the current epoch. With Detectron's endless stream
-(``infinite=True``, training stops at ``max_steps``) that shows ``Epoch 0/-2`` and, after
-a resume, more batches than the epoch has (``300/241``). :class:`StepTQDMProgressBar`
-shows ``Step k/max_steps`` instead, continuing from the resumed step, whenever
-``max_steps`` is set and ``max_epochs`` is not; otherwise it is Lightning's tqdm bar.
-``lit-roidata`` adds it when the config names no progress bar. It uses only
-``TQDMProgressBar``'s public overrides (there is no Rich variant: Lightning's Rich bar
-sets its counts and description only through private members).
+With Detectron's endless stream (``infinite=True``, stop at ``max_steps``) Lightning's
+per-epoch bar shows ``Epoch 0/-2`` and, after a resume, more batches than the epoch has.
+:class:`StepTQDMProgressBar` shows ``Step k/max_steps`` instead (docs/callbacks.md), using
+only ``TQDMProgressBar``'s public overrides.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Which checkpoint ``lit-roidata fit`` resumes from, decided from files and public attributes.
 
 The CLI (:class:`~lit_roidata.trainer_cli.RoIDataCLI`) calls :func:`choose_fit_checkpoint`
-before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``. It reads only
-checkpoint files and public attributes: ``OnExceptionCheckpoint.ckpt_path``,
-``ModelCheckpoint.dirpath`` / ``CHECKPOINT_NAME_LAST`` / ``FILE_EXTENSION``, the first
-logger's ``save_dir`` / ``name`` / ``version``, ``trainer.default_root_dir``, and
-:class:`~lit_roidata.callbacks.GracefulStop`'s ``resolve_ckpt_path``.
-
-Lightning's own rule: with ``OnExceptionCheckpoint`` configured, ``fit(ckpt_path=None)``
-means ``"last"`` (the newest of that callback's file and ``last*.ckpt`` in each
-``ModelCheckpoint``'s directory). The decision here never leaves Lightning a choice: it
-names the checkpoint, or makes sure that lookup finds nothing (files moved aside to
-``<name>.stale`` for ``fresh``; a clear error when a fixed ``dirpath`` holds an earlier
-run's ``last.ckpt`` and the user has not said which they want).
-
-Checkpoints are read without torch and without running pickled code
-(:func:`checkpoint_meta`): plain values (steps, strings, dicts) are kept, anything else is
-an opaque placeholder.
+before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``, so Lightning's own
+``"last"`` lookup (with ``OnExceptionCheckpoint`` configured) is never left a choice; the
+rules are in docs/cli.md. Checkpoints are read without torch and without running pickled
+code (:func:`checkpoint_meta`).
 """
 
 from __future__ import annotations
@@ -41,26 +29,16 @@ class ResumeChoiceError(ValueError):
 class _Opaque:
     """Stands for any pickled object other than plain values (tensors, classes, ...)."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_Opaque":
-        return object.__new__(cls)
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args = args
 
     def __call__(self, *args: Any, **kwargs: Any) -> "_Opaque":
         return _Opaque(*args)
 
-    def __setstate__(self, state: Any) -> None:
-        pass
+    def _ignore(self, *args: Any) -> None:
+        """Unpickling's state and item restores: nothing is kept."""
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
+    __setstate__ = __setitem__ = append = extend = _ignore
 
 
 class _MetaUnpickler(pickle.Unpickler):
@@ -112,17 +90,12 @@ def is_interrupted_fit(path: str) -> bool:
 
 
 def _callbacks(trainer: Any, dotted: str) -> list[Any]:
-    from lit_roidata._lightning import lightning_attr
-
-    cls = lightning_attr(trainer, dotted)
-    return [cb for cb in trainer.callbacks if isinstance(cb, cls)]
-
-
-def _graceful_stops(trainer: Any) -> list[Any]:
-    from lit_roidata._lightning import isinstance_any
+    """The trainer's callbacks of Lightning's class ``dotted``, or ``GracefulStop``'s."""
+    from lit_roidata._lightning import isinstance_any, lightning_attr
     from lit_roidata.loader_callbacks import GracefulStop
 
-    return [cb for cb in trainer.callbacks if isinstance_any(cb, GracefulStop)]
+    cls = GracefulStop if dotted == "GracefulStop" else lightning_attr(trainer, dotted)
+    return [cb for cb in trainer.callbacks if isinstance_any(cb, cls)]
 
 
 def interrupted_checkpoints(trainer: Any) -> list[str]:
@@ -131,7 +104,8 @@ def interrupted_checkpoints(trainer: Any) -> list[str]:
     GracefulStop's (``resolve_ckpt_path``: a first Ctrl-C or SIGTERM)."""
     on_exc = _callbacks(trainer, "callbacks.OnExceptionCheckpoint")
     paths = [os.fspath(cb.ckpt_path) for cb in on_exc]
-    paths += [os.fspath(cb.resolve_ckpt_path(trainer)) for cb in _graceful_stops(trainer)]
+    paths += [os.fspath(cb.resolve_ckpt_path(trainer))
+              for cb in _callbacks(trainer, "GracefulStop")]
     return list(dict.fromkeys(paths))
 
 
@@ -161,15 +135,12 @@ def last_checkpoints(trainer: Any, all_versions: bool = False) -> list[str]:
     """The ``last*.ckpt`` files (``CHECKPOINT_NAME_LAST``, ``FILE_EXTENSION``) of every
     ``ModelCheckpoint`` of ``trainer``: those Lightning's ``"last"`` finds, or with
     ``all_versions`` also those of the earlier logger versions."""
-    found = []
     cbs = _callbacks(trainer, "callbacks.ModelCheckpoint")
     if not cbs:
         return []
-    name, ext = cbs[0].CHECKPOINT_NAME_LAST, cbs[0].FILE_EXTENSION
-    for d in _last_dirs(trainer, all_versions):
-        found += [p for p in glob.glob(os.path.join(glob.escape(d), f"{name}*{ext}"))
-                  if os.path.isfile(p)]
-    return sorted(set(found))
+    pattern = f"{cbs[0].CHECKPOINT_NAME_LAST}*{cbs[0].FILE_EXTENSION}"
+    return sorted({p for d in _last_dirs(trainer, all_versions)
+                   for p in glob.glob(os.path.join(glob.escape(d), pattern)) if os.path.isfile(p)})
 
 
 def _step_text(path: str) -> str:
@@ -212,11 +183,9 @@ def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[st
             _move_aside(p, "--ckpt_path fresh")
         log.warning("starting a fresh run (--ckpt_path fresh)")
         return None
-    resumable = []
+    resumable = [p for p in interrupted if is_interrupted_fit(p)]
     for p in interrupted:
-        if is_interrupted_fit(p):
-            resumable.append(p)
-        else:
+        if p not in resumable:
             _move_aside(p, "it was not written by an interrupted `fit`")
     if ckpt_path == "last":
         found = resumable + last_checkpoints(trainer, all_versions=True)

@@ -10,17 +10,20 @@ when a training subcommand runs (it imports Lightning).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 import warnings
 from typing import Any, Optional
 
-from jsonargparse import DefaultHelpFormatter
+import jsonargparse
+from jsonargparse import ActionConfigFile, DefaultHelpFormatter
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
-from lit_roidata._lightning import PL, bind, lightning_attr, namespace_of
-from lit_roidata.commands import EXIT_STATUS, tools_help
+from lit_roidata._lightning import (LIGHTNING, PL, bind, isinstance_any, lightning_attr,
+                                    namespace_of, source_class)
+from lit_roidata.commands import EXIT_STATUS, TRAINING, tools_help
 
 __all__ = ["RoIDataCLI", "cli_main", "translate_class_path"]
 
@@ -54,17 +57,12 @@ class _RoIDataParserMixin:
         return super().error(_renamed_hint(message), *args, **kwargs)  # type: ignore[misc]
 
 
-_PARSER_CLASSES: dict[str, type] = {}
-
-
+@functools.cache
 def _parser_class(namespace: str) -> type:
     """:class:`_RoIDataParserMixin` on ``namespace``'s ``LightningArgumentParser`` (its
     checks of callbacks and modules are against that namespace's classes)."""
-    if namespace not in _PARSER_CLASSES:
-        base = lightning_attr(namespace, "cli.LightningArgumentParser")
-        _PARSER_CLASSES[namespace] = type("RoIDataParser", (_RoIDataParserMixin, base),
-                                          {"__module__": __name__})
-    return _PARSER_CLASSES[namespace]
+    base = lightning_attr(namespace, "cli.LightningArgumentParser")
+    return type("RoIDataParser", (_RoIDataParserMixin, base), {"__module__": __name__})
 
 
 def _renamed_hint(message: str) -> str:
@@ -72,9 +70,8 @@ def _renamed_hint(message: str) -> str:
     releases named in ``message``."""
     import re
 
-    from lit_roidata import options
+    from lit_roidata.options import MOVED_OPTIONS as moved
 
-    moved = options.MOVED_OPTIONS
     # "Option 'x'" / "key 'x'" (newer jsonargparse), "NestedArg(key='x'" (4.39)
     found = re.findall(r"(?:Option|key) ?=?'(\w+)'", str(message))
     hints = [f"data.{k} is now data.{'.'.join(moved[k])}" for k in dict.fromkeys(found)
@@ -110,19 +107,14 @@ class RoIDataCLI(LightningCLI):
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        epilog = tools_help() + "\n" + EXIT_STATUS
-        kwargs.setdefault("parser_kwargs", {
-            "epilog": epilog, "formatter_class": _HelpFormatter,
-            **{cmd: {"epilog": epilog, "formatter_class": _HelpFormatter}
-               for cmd in ("fit", "validate", "test", "predict")}})
+        help_kw = {"epilog": tools_help() + "\n" + EXIT_STATUS, "formatter_class": _HelpFormatter}
+        kwargs.setdefault("parser_kwargs", {**help_kw, **{cmd: dict(help_kw) for cmd in TRAINING}})
         super().__init__(lightning_attr(self, "LightningModule"),
                          lightning_attr(self, "LightningDataModule"), subclass_mode_model=True,
                          subclass_mode_data=True, args=args, run=run, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> Any:
         """LightningCLI's parser, whose ``--help`` also lists the data module's options."""
-        from jsonargparse import ActionConfigFile
-
         ns = namespace_of(self) or PL
         kwargs.setdefault("dump_header", [f"{ns}=={lightning_attr(ns, '__version__')}"])
         parser = _parser_class(ns)(**kwargs)
@@ -135,8 +127,6 @@ class RoIDataCLI(LightningCLI):
         """LightningCLI's parser; for ``lightning.pytorch`` the YAML files' class paths are
         translated (:func:`translate_class_path`)."""
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
-        from lit_roidata._lightning import LIGHTNING
-
         if namespace_of(self) == LIGHTNING and self.parser.parser_mode == "yaml":
             self.parser.parser_mode = _lightning_parser_mode()  # reaches the subcommands
 
@@ -148,7 +138,6 @@ class RoIDataCLI(LightningCLI):
         """LightningCLI's Trainer, plus :class:`~lit_roidata.progress.StepTQDMProgressBar`
         (unless bars are off or one is configured) and ``BadImageReport`` (when the data
         module skips bad images) where the config has none of their kind."""
-        from lit_roidata._lightning import isinstance_any
         from lit_roidata.loader_callbacks import BadImageReport
         from lit_roidata.progress import StepTQDMProgressBar
 
@@ -182,8 +171,7 @@ class RoIDataCLI(LightningCLI):
             except ResumeChoiceError as exc:
                 print(f"lit-roidata fit: error: {exc}", file=sys.stderr)
                 raise SystemExit(2) from None
-            decided = decided or ""
-            os.environ[_RESUME_ENV] = decided
+            os.environ[_RESUME_ENV] = decided = decided or ""
         self.subcommand_config()["ckpt_path"] = decided or None
 
     def after_fit(self) -> None:
@@ -216,8 +204,6 @@ def translate_class_path(path: str, namespace: str) -> str:
     ``lightning.pytorch.X``; a lit_roidata Lightning class (``lit_roidata.RoIDataModule``,
     ``lit_roidata.demo.DemoFastRCNN``) -> its binding (``lit_roidata.lightning.X``).
     Anything else (your own classes) is returned unchanged."""
-    from lit_roidata._lightning import LIGHTNING, source_class
-
     other = {PL: LIGHTNING, LIGHTNING: PL}[namespace]
     if path.startswith(other + "."):
         return namespace + path[len(other):]
@@ -248,23 +234,16 @@ def _translate_class_paths(value: Any, namespace: str) -> Any:
     return value
 
 
-_modes_registered: set[str] = set()
-
-
+@functools.cache
 def _lightning_parser_mode() -> str:
     """A jsonargparse parser mode: YAML with the class paths translated to
     ``lightning.pytorch`` (:func:`translate_class_path`), registered once."""
-    import jsonargparse
     import yaml
 
-    from lit_roidata._lightning import LIGHTNING
-
-    if _LIGHTNING_MODE not in _modes_registered:
-        yaml_loader = jsonargparse.get_loader("yaml")
-        jsonargparse.set_loader(
-            _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),
-            exceptions=(yaml.YAMLError,))
-        _modes_registered.add(_LIGHTNING_MODE)
+    yaml_loader = jsonargparse.get_loader("yaml")
+    jsonargparse.set_loader(
+        _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),
+        exceptions=(yaml.YAMLError,))
     return _LIGHTNING_MODE
 
 

@@ -65,10 +65,14 @@ def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False
     if not os.path.isfile(path):
         raise FileNotFoundError(f"weights file {path} does not exist (BroadcastParameters "
                                 f"weights=...); give a .pkl, .ckpt or .pth path")
-    if path.endswith((".pkl", ".pickle")):
+
+    def trusted(refusal: str = "") -> None:
         if not trust_pickle:
-            raise UntrustedPickleError(path, "weights file", _TRUST_FIX)
+            raise UntrustedPickleError(path, "weights file", refusal + _TRUST_FIX) from None
         warn_trusted(path, "weights file")
+
+    if path.endswith((".pkl", ".pickle")):
+        trusted()
         with open(path, "rb") as f:
             obj = pickle.load(f, encoding="latin1")
         blobs = obj.get("blobs", obj) if isinstance(obj, dict) else None
@@ -76,12 +80,7 @@ def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:  # e.g. a checkpoint with arbitrary hparams
-            if not trust_pickle:
-                raise UntrustedPickleError(
-                    path, "weights file",
-                    f"torch.load(weights_only=True) refused it ({str(exc).splitlines()[0]}). "
-                    + _TRUST_FIX) from None
-            warn_trusted(path, "weights file")
+            trusted(f"torch.load(weights_only=True) refused it ({str(exc).splitlines()[0]}). ")
             obj = torch.load(path, map_location="cpu", weights_only=False)
         blobs = obj.get("state_dict", obj) if isinstance(obj, dict) else None
     if not isinstance(blobs, dict):

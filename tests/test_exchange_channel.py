@@ -229,6 +229,24 @@ def test_stalled_owner_loses_its_lease(make_exchange):
         ch.put({"x": np.zeros(1)})
 
 
+def test_own_rejoin_during_a_heartbeat_is_not_a_lost_lease(make_exchange):
+    # Recover mode: this end replaces its lease (a rejoin after a state loss) between the
+    # heartbeat's refresh of the old one and its check; that is no take-over.
+    ex = make_exchange(on_state_lost="recover")
+    ch = ex.channel("c", "producer")
+    store, lease = ex.store.clone(), ch._lease
+
+    def cas(key, expected, new, ttl=0):
+        ch._lease = b"the rejoined lease"
+        return False
+
+    store.cas = cas
+    ch.heartbeat(store)
+    ch._lease = lease
+    assert ch._lost is None
+    store.close()
+
+
 def test_expired_peer_lease_is_reported_as_dead(make_exchange):
     ex = make_exchange(lease_ttl=1.0)
     prod = ex.channel("c", "producer")

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-import cv2
 import numpy as np
 from filelock import FileLock, Timeout
 
 from lit_roidata.boxes import bbox_overlaps
-from lit_roidata.demo.shapes import DEMO_CATEGORIES, draw_image
+from lit_roidata.demo.shapes import DEMO_CATEGORIES, draw_image, write_jpeg
 from lit_roidata.osutil import atomic_write
 
 __all__ = ["DEMO_CATEGORIES", "DEMO_NUM_IMAGES", "DEMO_TRAIN_DATASETS", "DEMO_VAL_DATASETS",
@@ -63,18 +62,14 @@ def _proposals(rng: np.random.Generator, gt: np.ndarray, W: int, H: int
                ) -> tuple[np.ndarray, np.ndarray]:
     """Jittered gt boxes (high scores) plus random boxes, sorted by descending score."""
     total = int(rng.integers(100, 301))
-    per_gt = 24
-    if len(gt):
-        g = np.repeat(gt.astype(np.float64), per_gt, axis=0)
-        w, h = g[:, 2] - g[:, 0] + 1, g[:, 3] - g[:, 1] + 1
-        sigma = rng.choice([0.03, 0.08, 0.15, 0.3], size=len(g))
-        cx = g[:, 0] + 0.5 * w + rng.normal(0, 1, len(g)) * sigma * w
-        cy = g[:, 1] + 0.5 * h + rng.normal(0, 1, len(g)) * sigma * h
-        w = w * np.exp(rng.normal(0, 1, len(g)) * sigma)
-        h = h * np.exp(rng.normal(0, 1, len(g)) * sigma)
-        jit = np.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w - 1, cy + 0.5 * h - 1], 1)
-    else:
-        jit = np.zeros((0, 4))
+    g = np.repeat(gt.astype(np.float64), 24, axis=0)  # 24 jittered copies per gt box
+    w, h = g[:, 2] - g[:, 0] + 1, g[:, 3] - g[:, 1] + 1
+    sigma = rng.choice([0.03, 0.08, 0.15, 0.3], size=len(g))
+    cx = g[:, 0] + 0.5 * w + rng.normal(0, 1, len(g)) * sigma * w
+    cy = g[:, 1] + 0.5 * h + rng.normal(0, 1, len(g)) * sigma * h
+    w = w * np.exp(rng.normal(0, 1, len(g)) * sigma)
+    h = h * np.exp(rng.normal(0, 1, len(g)) * sigma)
+    jit = np.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w - 1, cy + 0.5 * h - 1], 1)
     n_rand = max(20, total - len(jit))
     x1, y1 = rng.uniform(0, W - 2, n_rand), rng.uniform(0, H - 2, n_rand)
     rw = np.exp(rng.uniform(np.log(4), np.log(W), n_rand))
@@ -85,10 +80,8 @@ def _proposals(rng: np.random.Generator, gt: np.ndarray, W: int, H: int
     boxes[:, 1::2] = boxes[:, 1::2].clip(0, H - 1)
     boxes[:, 2:] = np.maximum(boxes[:, 2:], boxes[:, :2])
     boxes = boxes.astype(np.float32)
-    if len(gt):
-        iou = bbox_overlaps(boxes, gt.astype(np.float32)).max(axis=1)
-    else:
-        iou = np.zeros(len(boxes), np.float32)
+    iou = (bbox_overlaps(boxes, gt.astype(np.float32)).max(axis=1) if len(gt)
+           else np.zeros(len(boxes), np.float32))
     scores = np.where(np.arange(len(boxes)) < len(jit),
                       0.3 + 0.7 * iou * rng.uniform(0.8, 1.0, len(boxes)),
                       rng.uniform(0.0, 0.4, len(boxes))).astype(np.float32)
@@ -100,9 +93,7 @@ def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: in
     """Write ``out/<name>/{images/, annotations.json, proposals.npz}``."""
     img_dir = out / name / "images"
     img_dir.mkdir(parents=True)
-    images, annotations = [], []
-    prop_boxes, prop_scores, prop_ids = [], [], []
-    ann_id = _ID_BASE[name]
+    images, annotations, props = [], [], []
     for i in range(num_images):
         rng = np.random.default_rng(np.random.SeedSequence([seed, ds_index, i]))
         image_id = _ID_BASE[name] + 3 * i + 1
@@ -110,32 +101,23 @@ def _make_dataset(out: Path, name: str, num_images: int, seed: int, ds_index: in
                                crowd=i % 8 == 3, size_range=_SIZE_RANGE)
         H, W = img.shape[:2]
         file_name = f"{name}_{image_id:07d}.jpg"
-        if not cv2.imwrite(str(img_dir / file_name), img, [cv2.IMWRITE_JPEG_QUALITY, 92]):
-            raise OSError(f"could not write demo image {img_dir / file_name}")
+        write_jpeg(img_dir / file_name, img)
         images.append({"id": image_id, "file_name": file_name, "width": W, "height": H})
-        for ann in anns:
-            ann_id += 1
-            annotations.append({"id": ann_id, "image_id": image_id, **ann})
+        annotations += [{"image_id": image_id, **a} for a in anns]
         gt = np.array([[a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2] - 1,
                         a["bbox"][1] + a["bbox"][3] - 1] for a in anns]).reshape(-1, 4)
-        boxes, scores = _proposals(rng, gt, W, H)
-        prop_boxes.append(boxes)
-        prop_scores.append(scores)
-        prop_ids.append(image_id)
-    coco = {
-        "info": {"description": f"lit_roidata synthetic demo dataset {name}", "version": "1.0",
-                 "year": 2024},
-        "licenses": [],
-        "images": images,
-        "annotations": annotations,
-        "categories": [dict(c) for c in DEMO_CATEGORIES],
-    }
+        props.append((image_id, *_proposals(rng, gt, W, H)))
+    annotations = [{"id": _ID_BASE[name] + j, **a} for j, a in enumerate(annotations, 1)]
+    coco = {"info": {"description": f"lit_roidata synthetic demo dataset {name}",
+                     "version": "1.0", "year": 2024}, "licenses": [], "images": images,
+            "annotations": annotations, "categories": [dict(c) for c in DEMO_CATEGORIES]}
     (out / name / "annotations.json").write_text(json.dumps(coco))
     # The columnar proposal format (read without unpickling; see convert_proposals).
-    np.savez(out / name / "proposals.npz", ids=np.asarray(prop_ids, np.int64),
-             counts=np.asarray([len(b) for b in prop_boxes], np.int64),
-             boxes=np.concatenate(prop_boxes).astype(np.float32, copy=False),
-             scores=np.concatenate(prop_scores).astype(np.float32, copy=False))
+    ids, boxes, scores = zip(*props)
+    np.savez(out / name / "proposals.npz", ids=np.asarray(ids, np.int64),
+             counts=np.asarray([len(b) for b in boxes], np.int64),
+             boxes=np.concatenate(boxes).astype(np.float32, copy=False),
+             scores=np.concatenate(scores).astype(np.float32, copy=False))
 
 
 def _layout(root: Path, counts: Mapping[str, int]) -> dict[str, dict[str, Any]]:
@@ -287,19 +269,13 @@ def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed
     except (TypeError, ValueError):
         params = {}
     for name, info in layout.items():
-        extra: dict[str, Any] = {}
-        if "overwrite" in params:  # another demo root replaces the earlier registration
-            extra["overwrite"] = True
-        if "proposal_file" in params:
-            extra["proposal_file"] = info["proposal_file"]
+        # overwrite: another demo root replaces the earlier registration
+        extra = {k: v for k, v in (("overwrite", True), ("proposal_file", info["proposal_file"]))
+                 if k in params}
         result = catalog.register(name, info["image_dir"], info["annotation_file"],
                                   image_prefix="", **extra)
         if result is not None and hasattr(result, "register"):
             catalog = result
-    return DemoDatasets(
-        train_datasets=DEMO_TRAIN_DATASETS,
-        train_proposal_files=tuple(layout[n]["proposal_file"] for n in DEMO_TRAIN_DATASETS),
-        val_datasets=DEMO_VAL_DATASETS,
-        val_proposal_files=tuple(layout[n]["proposal_file"] for n in DEMO_VAL_DATASETS),
-        catalog=catalog,
-    )
+    files = {name: info["proposal_file"] for name, info in layout.items()}
+    return DemoDatasets(DEMO_TRAIN_DATASETS, tuple(files[n] for n in DEMO_TRAIN_DATASETS),
+                        DEMO_VAL_DATASETS, tuple(files[n] for n in DEMO_VAL_DATASETS), catalog)

@@ -44,8 +44,7 @@ class DemoRoIDataModule(RoIDataModule):
         """Generate the demo data if missing and register its names in ``catalog``."""
         from lit_roidata.demo.data import register_demo_datasets
 
-        self._demo = register_demo_datasets(self.demo_root, catalog,
-                                            num_images=self.demo_size)
+        self._demo = register_demo_datasets(self.demo_root, catalog, num_images=self.demo_size)
 
     def default_datasets(self, split: str) -> tuple[Sequence[str], Sequence[str]]:
         """The demo's datasets and proposal files (training or validation)."""

@@ -9,6 +9,7 @@ a small fake roidb: every call with the same seed yields the same alignment meta
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,9 +41,8 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     from lit_roidata.sampler import RoIBatchSampler
 
     half = num_images // 2
-    w0 = np.where(np.arange(half) % 2 == 0, 640, 480)
-    h0 = np.where(np.arange(half) % 2 == 0, 480, 640)
-    widths, heights = np.tile(w0, 2), np.tile(h0, 2)
+    landscape = np.tile(np.arange(half) % 2 == 0, 2)
+    widths, heights = np.where(landscape, 640, 480), np.where(landscape, 480, 640)
     ids = np.tile(np.arange(100, 100 + half), 2)
     sampler = RoIBatchSampler(widths, heights, ims_per_batch, seed=seed, infinite=True)
     for block in sampler:
@@ -64,14 +64,12 @@ def demo_batches(seed: int, num_batches: int, *, image_size: tuple[int, int] = (
     """
     import torch
 
-    stream = demo_alignment_stream(seed, **stream_kwargs)
     out = []
-    for _ in range(num_batches):
-        meta = next(stream)
+    for meta in itertools.islice(demo_alignment_stream(seed, **stream_kwargs), num_batches):
         images = []
         for image_id, flipped in zip(meta["image_ids"], meta["flipped"]):
-            rng = np.random.default_rng(image_id)
-            img = rng.integers(0, 256, size=(3, *image_size), dtype=np.uint8)
+            img = np.random.default_rng(image_id).integers(0, 256, size=(3, *image_size),
+                                                           dtype=np.uint8)
             images.append(img[:, :, ::-1] if flipped else img)
         out.append({"data": torch.from_numpy(np.ascontiguousarray(np.stack(images))),
                     "_meta": {k: torch.tensor(v) for k, v in meta.items()}})

@@ -8,7 +8,6 @@ generated in the network and the second-stage blobs come from
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -16,13 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lit_roidata.demo.model import (DemoFastRCNN, data_cfg, fast_rcnn_losses, rpn_proposals,
-                                    smooth_l1_loss)
+from lit_roidata.demo.model import (BBOX_XFORM_CLIP, DemoFastRCNN, data_cfg, fast_rcnn_losses,
+                                    rpn_proposals, smooth_l1_loss)
 
 __all__ = ["DemoFasterRCNN"]
 
 _STRIDE = 8  # the demo body's stride, so RPN.STRIDE must be 8
-_CLIP = math.log(1000.0 / 16.0)
 
 
 class DemoFasterRCNN(DemoFastRCNN):
@@ -74,18 +72,21 @@ class DemoFasterRCNN(DemoFastRCNN):
     def _data_cfg(self) -> Any:
         """The data module's Detectron config (checked), else defaults with our values."""
         hp = self.hparams
-        want = {"RPN.STRIDE": _STRIDE, "RPN.SIZES": tuple(float(s) for s in hp.rpn_sizes),
-                "RPN.ASPECT_RATIOS": tuple(float(r) for r in hp.rpn_aspect_ratios)}
+
+        def anchors(stride: Any, sizes: Sequence, ratios: Sequence) -> dict[str, Any]:
+            return {"RPN.STRIDE": stride, "RPN.SIZES": tuple(map(float, sizes)),
+                    "RPN.ASPECT_RATIOS": tuple(map(float, ratios))}
+
+        want = anchors(_STRIDE, hp.rpn_sizes, hp.rpn_aspect_ratios)
         cfg = data_cfg(getattr(self, "_trainer", None), {
             "MODEL.NUM_CLASSES": hp.num_classes,
             "MODEL.BBOX_REG_WEIGHTS": tuple(hp.bbox_reg_weights), **want})
-        have = {"RPN.STRIDE": cfg.RPN.STRIDE, "RPN.SIZES": tuple(float(s) for s in cfg.RPN.SIZES),
-                "RPN.ASPECT_RATIOS": tuple(float(r) for r in cfg.RPN.ASPECT_RATIOS)}
-        bad = {k: (have[k], v) for k, v in want.items() if have[k] != v}
+        have = anchors(cfg.RPN.STRIDE, cfg.RPN.SIZES, cfg.RPN.ASPECT_RATIOS)
+        bad = [f"{k} is {have[k]} in the data config but the model needs {v}"
+               for k, v in want.items() if have[k] != v]
         if bad:
-            raise ValueError("the data's RPN anchors do not match DemoFasterRCNN: " + ", ".join(
-                f"{k} is {h} in the data config but the model needs {w}"
-                for k, (h, w) in bad.items()) + "; set data.overrides accordingly")
+            raise ValueError("the data's RPN anchors do not match DemoFasterRCNN: "
+                             + ", ".join(bad) + "; set data.overrides accordingly")
         return cfg
 
     def rpn(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +112,7 @@ class DemoFasterRCNN(DemoFastRCNN):
         info = torch.as_tensor(im_info, dtype=torch.float32).reshape(-1, 3).tolist()
         found = rpn_proposals(self._anchors(*logits.shape[2:]), logits.sigmoid(), deltas, info,
                               pre=pre, post=post, nms_thresh=hp.rpn_nms_thresh,
-                              min_size=hp.rpn_min_size, clip=_CLIP)
+                              min_size=hp.rpn_min_size, clip=BBOX_XFORM_CLIP)
         out = [torch.cat([b.new_full((len(b), 1), float(i)), b], 1)
                for i, (b, _) in enumerate(found)]
         return torch.cat(out) if out else logits.new_zeros((0, 5))
@@ -125,20 +126,18 @@ class DemoFasterRCNN(DemoFastRCNN):
                  "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
         missing = [k for k in names + ("im_info", "roidb") if k not in batch]
         if missing:
-            raise KeyError(f"DemoFasterRCNN needs the single-level RPN blobs (Detectron "
-                           f"semantics: blob names); the "
-                           f"batch lacks {missing}. Use model_type faster_rcnn with FPN off.")
+            raise KeyError(f"DemoFasterRCNN needs the single-level RPN blobs (Detectron semantics"
+                           f": blob names); the batch lacks {missing}. Use model_type faster_rcnn "
+                           f"with FPN off.")
         field = int(np.shape(batch[names[0]])[-1])
         if hf > field or wf > field:
             raise ValueError(f"feature map {hf}x{wf} exceeds the {field}x{field} field of "
                              f"anchors: TRAIN.MAX_SIZE is smaller than the images")
         wide = [self._tensor(batch[k])[:, :, :hf, :wf] for k in names]  # SpatialNarrowAs
-        labels = wide[0]
-        valid = labels >= 0
+        labels, valid = wide[0], wide[0] >= 0
         loss_cls = F.binary_cross_entropy_with_logits(
             logits[valid], labels[valid].float(), reduction="sum") / valid.sum().clamp(min=1)
-        loss_bbox = smooth_l1_loss(deltas, wide[1], wide[2], wide[3], beta=1.0 / 9.0,
-                                   normalizer=n)
+        loss_bbox = smooth_l1_loss(deltas, *wide[1:], beta=1.0 / 9.0, normalizer=n)
         return {"loss_rpn_cls": loss_cls, "loss_rpn_bbox": loss_bbox}
 
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:

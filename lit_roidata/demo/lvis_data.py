@@ -19,7 +19,7 @@ import cv2
 import numpy as np
 
 from lit_roidata.demo.data import build_once, count_jpegs
-from lit_roidata.demo.shapes import annotation, canvas, draw_shape, place
+from lit_roidata.demo.shapes import annotation, canvas, draw_shape, place, write_jpeg
 
 __all__ = ["LVIS_DEMO_DATASETS", "ensure_lvis_demo_data", "lvis_thresholds",
            "register_lvis_demo_datasets"]
@@ -53,11 +53,9 @@ def _categories(num_categories: int) -> list[dict[str, Any]]:
     for k in range(num_categories):
         shape, shape_name = _SHAPES[k % len(_SHAPES)]
         col = k // len(_SHAPES)
-        if n_col <= len(_COLOURS):
-            cname, deg = _COLOURS[col * len(_COLOURS) // n_col]
-        else:
-            deg = int(round(360 * col / n_col))
-            cname = f"hue{deg}"
+        deg = int(round(360 * col / n_col))  # more colours than named: evenly spaced hues
+        cname, deg = (_COLOURS[col * len(_COLOURS) // n_col] if n_col <= len(_COLOURS)
+                      else (f"hue{deg}", deg))
         bgr = cv2.cvtColor(np.uint8([[[deg // 2, 230, 210]]]), cv2.COLOR_HSV2BGR)[0, 0]
         name = f"{cname}_{shape_name}"
         out.append({"id": k + 1, "name": name, "synonyms": [name],
@@ -141,51 +139,42 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
     split_index = list(_SPLITS).index(name)
     img_dir = root / "coco" / folder
     img_dir.mkdir(parents=True, exist_ok=True)
-    plan_rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 0]))
-    plan = _plan(plan_rng, n_img, targets, scale)
+    plan = _plan(np.random.default_rng(np.random.SeedSequence([seed, split_index, 0])), n_img,
+                 targets, scale)
     images, annotations = [], []
-    ann_id = id_base * 10
     all_ids = np.arange(1, len(cats) + 1)
     for i in range(n_img):
         rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 1, i]))
         image_id = id_base + 7 * i + 1
         img, anns, not_exh = _draw(rng, cats, plan[i], size_range)
-        H, W = img.shape[:2]
         fn = f"{image_id:012d}.jpg"
-        if not cv2.imwrite(str(img_dir / fn), img, [cv2.IMWRITE_JPEG_QUALITY, 92]):
-            raise OSError(f"could not write demo image {img_dir / fn}")
+        write_jpeg(img_dir / fn, img)
         present = {a["category_id"] for a in anns} | not_exh
         absent = np.setdiff1d(all_ids, sorted(present))
         n_neg = int(min(absent.size, rng.integers(0, 4)))
         neg = sorted(rng.choice(absent, size=n_neg, replace=False).tolist()) if n_neg else []
         images.append({
-            "id": image_id, "width": W, "height": H, "license": 1,
+            "id": image_id, "width": img.shape[1], "height": img.shape[0], "license": 1,
             "coco_url": f"http://images.cocodataset.org/{folder}/{fn}",
             "flickr_url": f"http://farm1.staticflickr.com/demo/{fn}",
             "date_captured": "2013-11-14 16:28:13",
             "neg_category_ids": neg, "not_exhaustive_category_ids": sorted(not_exh)})
-        for a in anns:
-            ann_id += 1
-            annotations.append({"id": ann_id, "image_id": image_id, **a})
-    return images, annotations
+        annotations += [{"image_id": image_id, **a} for a in anns]
+    return images, [{"id": id_base * 10 + j, **a} for j, a in enumerate(annotations, 1)]
 
 
-def _category_records(cats: list[dict], train_images: list, train_anns: list,
-                      thresholds: tuple[int, int]) -> list[dict]:
+def _category_records(cats: list[dict], train_anns: list, thresholds: tuple[int, int]
+                      ) -> list[dict]:
     rare_max, common_max = thresholds
     img_sets: dict[int, set] = {c["id"]: set() for c in cats}
     inst = dict.fromkeys(img_sets, 0)
     for a in train_anns:
         img_sets[a["category_id"]].add(a["image_id"])
         inst[a["category_id"]] += 1
-    out = []
-    for c in cats:
-        n = len(img_sets[c["id"]])
-        freq = "r" if n <= rare_max else "c" if n <= common_max else "f"
-        rec = {k: v for k, v in c.items() if not k.startswith("_")}
-        rec.update(frequency=freq, image_count=n, instance_count=inst[c["id"]])
-        out.append(rec)
-    return out
+    return [{**{k: v for k, v in c.items() if not k.startswith("_")},
+             "frequency": "r" if n <= rare_max else "c" if n <= common_max else "f",
+             "image_count": n, "instance_count": inst[c["id"]]}
+            for c, n in ((c, len(img_sets[c["id"]])) for c in cats)]
 
 
 def _layout(root: Path, counts: dict[str, int]) -> dict[str, dict[str, Any]]:
@@ -236,18 +225,15 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
 
 
 def _build(tmp: Path, wanted: dict[str, Any]) -> tuple[str, ...]:
-    n_train, n_val = wanted["num_images"]["lvis_demo_train"], wanted["num_images"]["lvis_demo_val"]
+    counts, seed = wanted["num_images"], wanted["seed"]
+    n_train = counts["lvis_demo_train"]
     cats = _categories(wanted["num_categories"])
     thresholds = lvis_thresholds(n_train)
-    size_range = tuple(wanted["size_range"])
-    seed = wanted["seed"]
     targets = _targets(np.random.default_rng(np.random.SeedSequence([seed, 99])), n_train,
                        len(cats), *thresholds)
-    splits = {"lvis_demo_train": _make_split(tmp, "lvis_demo_train", n_train, seed, cats,
-                                             targets, 1.0, size_range),
-              "lvis_demo_val": _make_split(tmp, "lvis_demo_val", n_val, seed, cats,
-                                           targets, n_val / n_train, size_range)}
-    records = _category_records(cats, *splits["lvis_demo_train"], thresholds)
+    splits = {name: _make_split(tmp, name, n, seed, cats, targets, n / n_train,
+                                tuple(wanted["size_range"])) for name, n in counts.items()}
+    records = _category_records(cats, splits["lvis_demo_train"][1], thresholds)
     (tmp / "lvis").mkdir()
     for name, (images, anns) in splits.items():
         doc = {"info": {"description": f"lit_roidata synthetic LVIS v1-format data ({name})",

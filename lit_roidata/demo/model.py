@@ -20,13 +20,12 @@ from torch import nn
 from torchvision.ops import batched_nms, nms, roi_align
 
 from lit_roidata.boxes import bbox_transform_inv, bbox_transform_inv_torch, clip_boxes
-from lit_roidata.models.detector import detectron_lr_multiplier
+from lit_roidata.models.detector import DETECTRON_PIXEL_MEANS, detectron_lr_multiplier
 
 __all__ = ["DemoFastRCNN", "fast_rcnn_losses", "smooth_l1_loss"]
 
-_DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
-# Detectron clamps dw, dh before exp() so a wild prediction cannot overflow.
-_BBOX_XFORM_CLIP = math.log(1000.0 / 16.0)
+#: Detectron clamps dw, dh before exp() so a wild prediction cannot overflow.
+BBOX_XFORM_CLIP = math.log(1000.0 / 16.0)
 _PLUS_ONE = torch.tensor([0.0, 0.0, 1.0, 1.0])
 
 
@@ -151,7 +150,7 @@ class DemoFastRCNN(pl.LightningModule):
                  bbox_reg_weights: tuple[float, float, float, float] = (10.0, 10.0, 5.0, 5.0),
                  cls_agnostic_bbox_reg: bool = False, score_thresh: float = 0.05,
                  nms_thresh: float = 0.5, detections_per_im: int = 100,
-                 pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+                 pixel_means: tuple[float, float, float] = DETECTRON_PIXEL_MEANS,
                  cpu_threads: Optional[int] = 1) -> None:
         super().__init__()
         if num_classes < 2:
@@ -168,10 +167,9 @@ class DemoFastRCNN(pl.LightningModule):
         self.fc7 = nn.Linear(head_dim, head_dim)
         self.cls_score = nn.Linear(head_dim, num_classes)
         self.bbox_pred = nn.Linear(head_dim, 4 * (2 if cls_agnostic_bbox_reg else num_classes))
-        nn.init.normal_(self.cls_score.weight, std=0.01)
-        nn.init.normal_(self.bbox_pred.weight, std=0.001)
-        nn.init.zeros_(self.cls_score.bias)
-        nn.init.zeros_(self.bbox_pred.bias)
+        for layer, std in ((self.cls_score, 0.01), (self.bbox_pred, 0.001)):
+            nn.init.normal_(layer.weight, std=std)
+            nn.init.zeros_(layer.bias)
         self.register_buffer("pixel_means", torch.tensor(pixel_means, dtype=torch.float32),
                              persistent=False)
 
@@ -202,8 +200,7 @@ class DemoFastRCNN(pl.LightningModule):
         pooled = roi_align(feats, r, output_size=self.hparams.roi_resolution,
                            spatial_scale=self.spatial_scale,
                            sampling_ratio=self.hparams.sampling_ratio, aligned=False)
-        h = F.relu(self.fc6(pooled.flatten(1)))
-        h = F.relu(self.fc7(h))
+        h = F.relu(self.fc7(F.relu(self.fc6(pooled.flatten(1)))))
         return self.cls_score(h), self.bbox_pred(h)
 
     def _tensor(self, x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -211,16 +208,15 @@ class DemoFastRCNN(pl.LightningModule):
 
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Forward a training batch of Fast R-CNN blobs and return Detectron's losses."""
-        missing = [k for k in ("data", "rois", "labels_int32", "bbox_targets",
-                               "bbox_inside_weights", "bbox_outside_weights") if k not in batch]
+        names = ("labels_int32", "bbox_targets", "bbox_inside_weights", "bbox_outside_weights")
+        missing = [k for k in ("data", "rois", *names) if k not in batch]
         if missing:
-            raise KeyError(f"DemoFastRCNN needs the Fast R-CNN blobs (Detectron semantics: "
-                           f"blob names); the batch "
-                           f"lacks {missing} (has {sorted(batch)}). Use the Detectron output "
-                           f"format with MODEL.FASTER_RCNN False and proposal files.")
+            raise KeyError(f"DemoFastRCNN needs the Fast R-CNN blobs (Detectron semantics: blob "
+                           f"names); the batch lacks {missing} (has {sorted(batch)}). Use the "
+                           f"Detectron output format with MODEL.FASTER_RCNN False and proposal "
+                           f"files.")
         cls_logits, bbox_pred = self(batch["data"], batch["rois"])
-        blobs = {k: self._tensor(batch[k]) for k in
-                 ("labels_int32", "bbox_targets", "bbox_inside_weights", "bbox_outside_weights")}
+        blobs = {k: self._tensor(batch[k]) for k in names}
         if blobs["bbox_targets"].shape != bbox_pred.shape:
             raise ValueError(f"bbox_targets has shape {tuple(blobs['bbox_targets'].shape)} but "
                              f"the head predicts {tuple(bbox_pred.shape)}: set model.num_classes "
@@ -238,11 +234,9 @@ class DemoFastRCNN(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        if hp.optimizer == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=0.9,
-                                  weight_decay=hp.weight_decay)
-        else:
-            opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        extra = {"momentum": 0.9} if hp.optimizer == "sgd" else {}  # as Detectron
+        opt = (torch.optim.SGD if extra else torch.optim.AdamW)(
+            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, **extra)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(
             detectron_lr_multiplier, steps=tuple(hp.lr_steps), gamma=hp.gamma,
             warmup_iters=hp.warmup_iters, warmup_factor=hp.warmup_factor))
@@ -266,12 +260,12 @@ class DemoFastRCNN(pl.LightningModule):
         probs = F.softmax(cls_logits.float(), dim=1).cpu().numpy()
         deltas = bbox_pred.float().cpu().numpy()
         rois = torch.as_tensor(rois).reshape(-1, 5).cpu().numpy()
-        C = self.hparams.num_classes
-        if self.hparams.cls_agnostic_bbox_reg:
+        hp = self.hparams
+        C = hp.num_classes
+        if hp.cls_agnostic_bbox_reg:
             deltas = np.tile(deltas[:, 4:8], (1, C))
         deltas = deltas.reshape(-1, C, 4).copy()
-        deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], _BBOX_XFORM_CLIP)
-        hp = self.hparams
+        deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], BBOX_XFORM_CLIP)
         results = []
         for b, image_id in enumerate(meta["image_ids"]):
             sel = rois[:, 0] == b

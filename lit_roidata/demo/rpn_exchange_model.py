@@ -8,7 +8,6 @@ a laptop. It is a demonstration of the plumbing, not a detector.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -16,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lit_roidata.demo.model import data_cfg, rpn_proposals, smooth_l1_loss
+from lit_roidata.demo.model import BBOX_XFORM_CLIP, data_cfg, rpn_proposals, smooth_l1_loss
 
 __all__ = ["RPNExchangeDemo"]
 
@@ -55,18 +54,14 @@ class RPNExchangeDemo(pl.LightningModule):
 
     def forward(self, images: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-level RPN probabilities and box deltas (logits kept for the loss)."""
-        x = images.float()
-        if images.dtype == torch.uint8:
-            x = x / 255.0
-        feat = self.stem(x)
+        feat = self.stem(images.float() / 255.0 if images.dtype == torch.uint8 else images.float())
         for _ in range(2, self.levels[0]):
             feat = nn.functional.max_pool2d(feat, 2, ceil_mode=True)
         out: dict[str, torch.Tensor] = {}
         for i, lvl in enumerate(self.levels):
             if i:
                 feat = torch.relu(self.downs[i - 1](feat))
-            logits = self.cls(feat)
-            out[f"rpn_cls_logits_fpn{lvl}"] = logits
+            out[f"rpn_cls_logits_fpn{lvl}"] = logits = self.cls(feat)
             out[f"rpn_cls_probs_fpn{lvl}"] = torch.sigmoid(logits)
             out[f"rpn_bbox_pred_fpn{lvl}"] = self.bbox(feat)
         return out
@@ -109,13 +104,12 @@ class RPNExchangeDemo(pl.LightningModule):
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
         out = self(batch["data"])
-        loss = self._rpn_loss(out, batch)
-        if self.hparams.role == "student":
-            distill = self._distill_loss(out)
-            if distill is not None:
-                self.log("loss_distill", distill, prog_bar=True, batch_size=len(batch["data"]))
-                loss = loss + self.hparams.distill_weight * distill
-        self.log("loss", loss, prog_bar=True, batch_size=len(batch["data"]))
+        loss, n = self._rpn_loss(out, batch), len(batch["data"])
+        distill = self._distill_loss(out) if self.hparams.role == "student" else None
+        if distill is not None:
+            self.log("loss_distill", distill, prog_bar=True, batch_size=n)
+            loss = loss + self.hparams.distill_weight * distill
+        self.log("loss", loss, prog_bar=True, batch_size=n)
         published = {k: v.detach() for k, v in out.items() if not k.startswith("rpn_cls_logits")}
         return {"loss": loss, **published}
 
@@ -147,7 +141,7 @@ class RPNExchangeDemo(pl.LightningModule):
         kwargs = dict(pre=int(test["RPN_PRE_NMS_TOP_N"]), post=post,
                       nms_thresh=float(test["RPN_NMS_THRESH"]),
                       min_size=float(test["RPN_MIN_SIZE"]), centred_inside=True,
-                      clip=float(getattr(cfg, "BBOX_XFORM_CLIP", math.log(1000.0 / 16.0))))
+                      clip=float(getattr(cfg, "BBOX_XFORM_CLIP", BBOX_XFORM_CLIP)))
         info = torch.as_tensor(im_info, dtype=torch.float32).reshape(-1, 3).tolist()
         k_min = cfg.FPN.RPN_MIN_LEVEL
         per_image: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in info]
@@ -170,8 +164,7 @@ class RPNExchangeDemo(pl.LightningModule):
         collect = int(post * cfg.FPN.RPN_COLLECT_SCALE)
         result = []
         for parts in per_image:
-            boxes = torch.cat([b for b, _ in parts])
-            scores = torch.cat([s for _, s in parts])
+            boxes, scores = (torch.cat(col) for col in zip(*parts))
             top = scores.argsort(descending=True)[:collect]
             result.append((boxes[top], scores[top]))
         return result

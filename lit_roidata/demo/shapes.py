@@ -14,9 +14,10 @@ import numpy as np
 from pycocotools import mask as mask_utils
 
 from lit_roidata.roidb.info import COCO_KEYPOINT_NAMES
+from lit_roidata.roidb.segms import mask_to_uncompressed_counts
 
 __all__ = ["COCO_KEYPOINT_NAMES", "DEMO_CATEGORIES", "annotation", "canvas", "draw_image",
-           "draw_shape", "place", "rle_uncompressed"]
+           "draw_shape", "place", "rle_uncompressed", "write_jpeg"]
 
 _SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13], [6, 7],
              [6, 8], [7, 9], [8, 10], [9, 11], [2, 3], [1, 2], [1, 3], [2, 4], [3, 5], [4, 6],
@@ -27,10 +28,8 @@ _SKELETON = [[16, 14], [14, 12], [17, 15], [15, 13], [12, 13], [6, 12], [7, 13],
 DEMO_CATEGORIES: tuple[dict[str, Any], ...] = (
     {"id": 1, "name": "person", "supercategory": "person",
      "keypoints": list(COCO_KEYPOINT_NAMES), "skeleton": _SKELETON},
-    {"id": 3, "name": "rectangle", "supercategory": "shape"},
-    {"id": 7, "name": "circle", "supercategory": "shape"},
-    {"id": 12, "name": "triangle", "supercategory": "shape"},
-)
+    *({"id": i, "name": name, "supercategory": "shape"}
+      for i, name in ((3, "rectangle"), (7, "circle"), (12, "triangle"))))
 _COLOURS_BGR = {1: (120, 20, 110), 3: (40, 40, 220), 7: (220, 70, 30), 12: (40, 170, 40)}
 
 # A front-facing person: the person's left is on the image's right (COCO convention).
@@ -44,15 +43,16 @@ _LIMBS = [(5, 7), (7, 9), (6, 8), (8, 10), (11, 13), (13, 15), (12, 14), (14, 16
 _NO_KEYPOINTS = [0] * (3 * len(COCO_KEYPOINT_NAMES))
 
 
+def write_jpeg(path: Any, img: np.ndarray) -> None:
+    """Write a demo image as a quality-92 JPEG (``OSError`` if OpenCV cannot)."""
+    if not cv2.imwrite(str(path), img, [cv2.IMWRITE_JPEG_QUALITY, 92]):
+        raise OSError(f"could not write demo image {path}")
+
+
 def rle_uncompressed(mask: np.ndarray) -> dict[str, Any]:
     """COCO's uncompressed RLE (column-major runs, starting with zeros), as in crowd JSON."""
-    flat = np.asarray(mask, dtype=np.uint8).reshape(-1, order="F")
-    change = np.flatnonzero(np.diff(flat)) + 1
-    bounds = np.concatenate([[0], change, [flat.size]])
-    counts = np.diff(bounds).tolist()
-    if flat.size and flat[0] == 1:
-        counts = [0] + counts
-    return {"size": [int(mask.shape[0]), int(mask.shape[1])], "counts": counts}
+    return {"size": [int(mask.shape[0]), int(mask.shape[1])],
+            "counts": mask_to_uncompressed_counts(mask)}
 
 
 def draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> np.ndarray | None:
@@ -85,10 +85,8 @@ def annotation(mask: np.ndarray, cat: int, *, crowd: bool) -> dict[str, Any] | N
     if xs.size == 0:
         return None
     x0, x1, y0, y1 = int(xs.min()), int(xs.max()), int(ys.min()), int(ys.max())
-    ann: dict[str, Any] = {
-        "category_id": cat, "iscrowd": int(crowd), "area": float(xs.size),
-        "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)],
-    }
+    ann: dict[str, Any] = {"category_id": cat, "iscrowd": int(crowd), "area": float(xs.size),
+                           "bbox": [float(x0), float(y0), float(x1 - x0 + 1), float(y1 - y0 + 1)]}
     if crowd:
         ann["segmentation"] = rle_uncompressed(mask)
     else:
@@ -105,9 +103,7 @@ def annotation(mask: np.ndarray, cat: int, *, crowd: bool) -> dict[str, Any] | N
 
 def _keypoints(kp: np.ndarray, rng: np.random.Generator) -> tuple[list[float], int]:
     vis = np.where(rng.random(len(kp)) < 0.12, 0, np.where(rng.random(len(kp)) < 0.2, 1, 2))
-    out = np.zeros((len(kp), 3))
-    out[:, :2] = np.round(kp, 1)
-    out[:, 2] = vis
+    out = np.column_stack([np.round(kp, 1), vis]).astype(np.float64)
     out[vis == 0, :2] = 0  # COCO writes unlabelled keypoints as (0, 0, 0)
     return out.reshape(-1).tolist(), int((vis > 0).sum())
 

@@ -1,22 +1,15 @@
 """``BlobExchange``: an exactly-once mailbox between training processes.
 
-The Detectron fork swapped per-iteration blobs (RPN outputs per FPN level, sampled RoIs,
-second-stage labels) between two training processes through 13 global memcached keys
-with a "read/unread" status key each (Detectron semantics: cross-process exchange). That
-lost or duplicated messages, cross-wired GPUs and runs, reset pending messages, spun
-forever and pickled arrays. This package provides the same capability with exactly-once,
-in-order delivery per named channel:
+The same capability as the Detectron fork's 13 global memcached keys with a "read/unread"
+status each (Detectron semantics: cross-process exchange), without their lost, duplicated
+or cross-wired messages: exactly-once, in-order delivery per named channel, over files
+(``"embedded"``, one machine) or memcached. See ``docs/exchange.md``.
 
 >>> ex = BlobExchange("embedded", run_id="distill-1", rank=0)      # doctest: +SKIP
 >>> out = ex.channel("teacher_rpn", role="producer")                # doctest: +SKIP
 >>> out.put({"rpn_cls_probs_fpn2": probs}, meta={"step": 0})        # doctest: +SKIP
->>> # in the other process, started separately with the same run id and rank:
->>> inp = ex.channel("teacher_rpn", role="consumer")                # doctest: +SKIP
->>> tensors, meta = inp.get(timeout=30.0)                           # doctest: +SKIP
-
-Backends: ``"embedded"`` (files under ``address`` or ``/dev/shm``; no server; one machine)
-and ``"memcached"`` (``address="host:port"``; chunked above the item size limit; restarts
-and evictions detected). See ``docs/exchange.md``.
+>>> # in the other process, with the same run id and rank:
+>>> tensors, meta = ex.channel("teacher_rpn", role="consumer").get()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -67,9 +60,8 @@ def load_secret(secret: str | bytes | None = None,
     """
     source = "secret="
     if secret is None and secret_file is None:
-        secret, source = os.environ.get(SECRET_ENV), f"${SECRET_ENV}"
-        if not secret:
-            secret = None
+        secret, source = os.environ.get(SECRET_ENV) or None, f"${SECRET_ENV}"
+        if secret is None:
             secret_file = os.environ.get(SECRET_FILE_ENV) or None
     if secret is None and secret_file is not None:
         source = f"secret file {secret_file}"
@@ -95,28 +87,13 @@ def _check_name(what: str, value: Any) -> str:
 class BlobExchange:
     """Named producer/consumer channels between processes that share a run id and rank.
 
-    Every channel is namespaced by ``(run_id, rank, name)``; both processes pass the same
+    Channels are namespaced by ``(run_id, rank, name)``: both processes pass the same
     ``run_id`` (e.g. the experiment name) and their DDP rank. docs/exchange.md ("API")
-    describes every argument.
-
-    Args:
-        backend: ``"embedded"`` (no server) or ``"memcached"``.
-        address: embedded: the shared directory (default ``$LIT_ROIDATA_EXCHANGE_DIR`` or
-            ``/dev/shm/lit_roidata_exchange-<uid>``); memcached: ``"host:port"``.
-        run_id: the run's id, equal in both processes; default ``$LIT_ROIDATA_RUN_ID``.
-        rank: this process's rank; producer and consumer of a channel use the same rank.
-        timeout, capacity: defaults of the channels (seconds; unacknowledged messages).
-        lease_ttl: seconds after which a silent owner's lease expires.
-        stop_event: ``threading.Event``-like; once set, waits raise :class:`ChannelClosedError`.
-        poll_min, poll_max: first and longest sleep of the waiting back-off, in seconds.
-        chunk_size, key_ttl: memcached only: bytes per chunk item; expiry of every key.
-        resume: continue a stream this run id already has (else that raises).
-        secret, secret_file, authenticate: HMAC-authenticated messages (default: on iff
-            ``$LIT_ROIDATA_EXCHANGE_SECRET`` or ``..._SECRET_FILE`` is set).
-        shm_dir, stale_after: embedded only: the directory (same as ``address``); remove
-            other runs' directories idle this many seconds with no live owner.
-        busy_timeout: the longest a wait is extended while the peer is busy.
-        on_state_lost: ``"raise"`` or ``"recover"`` when memcached loses the run's state.
+    describes every argument: ``address`` is the embedded directory (default
+    ``$LIT_ROIDATA_EXCHANGE_DIR`` or ``/dev/shm``) or memcached's ``"host:port"``;
+    ``timeout``/``capacity`` are the channels' defaults; ``secret``/``secret_file``/
+    ``authenticate`` turn on HMAC-authenticated messages (default: on iff
+    ``$LIT_ROIDATA_EXCHANGE_SECRET`` or ``..._SECRET_FILE`` is set).
 
     Raises:
         ValueError: unknown backend, bad run id/rank/address, empty secret.
@@ -168,7 +145,19 @@ class BlobExchange:
         #: ``(activity, busy, since)``: what this process told its peers (:meth:`set_activity`).
         self.activity: tuple[str, bool, float] = ("opened", False, time.time())
         #: The backend's store (each channel and the heartbeat use their own clone).
-        self.store = self._make_store(backend, address, chunk_size, key_ttl)
+        self.store: Store
+        if backend == "embedded":
+            from lit_roidata.exchange.embedded import EmbeddedStore
+
+            self.store = EmbeddedStore(address)
+        else:
+            require("pymemcache", "memcached", "the memcached BlobExchange backend")
+            from lit_roidata.exchange.memcached import MemcachedStore
+
+            try:
+                self.store = MemcachedStore(address, chunk_size=chunk_size, key_ttl=key_ttl)
+            except StoreUnavailable as exc:
+                raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
         if backend == "embedded" and stale_after is not None:
             removed = self.store.sweep_stale_runs(stale_after, keep=self.run_id)
             if removed:
@@ -177,52 +166,27 @@ class BlobExchange:
         #: The store key whose value names the run's incarnation (lost on a restart).
         self.incarnation_key = f"{self.run_id}/incarnation"
         self._join_lock = threading.Lock()
-        self.incarnation = self._join()
         #: Every incarnation this process joined (authenticated messages from any of them
         #: are accepted: a producer may re-publish after a recovery).
-        self.incarnations = {self.incarnation.decode()}
-        self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._hb_stop = threading.Event()
-        self._hb_thread: threading.Thread | None = None
-
-    @staticmethod
-    def _make_store(backend: str, address: str | None, chunk_size: int | None,
-                    key_ttl: float) -> Store:
-        if backend == "embedded":
-            from lit_roidata.exchange.embedded import EmbeddedStore
-
-            return EmbeddedStore(address)
-        require("pymemcache", "memcached", "the memcached BlobExchange backend")
-        from lit_roidata.exchange.memcached import MemcachedStore
-
+        self.incarnations: set[str] = set()
         try:
-            return MemcachedStore(address, chunk_size=chunk_size, key_ttl=key_ttl)
-        except StoreUnavailable as exc:
-            raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
-
-    def _join(self) -> bytes:
-        """Create the run's incarnation key if absent and remember its value.
-
-        A server restart (or eviction) loses the key; every later operation compares it
-        with this value and raises instead of reading state from another incarnation.
-        """
-        try:
-            self.store.add(self.incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
-            value = self.store.get(self.incarnation_key)
+            self.rejoin(self.store)
         except StoreUnavailable as exc:
             raise ExchangeError(f"cannot start the exchange: {exc}") from exc
-        if value is None:
-            raise ExchangeStateLostError(f"{self.store.describe} did not keep the incarnation "
-                                         f"key of run {self.run_id!r}; is it out of memory?")
-        return value
+        self._channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+        self._lock, self._hb_stop = threading.Lock(), threading.Event()
+        self._hb_thread: threading.Thread | None = None
 
     def rejoin(self, store: Store) -> bytes:
-        """Create (or adopt) the run's new incarnation key after a state loss."""
+        """Create (or adopt) the run's incarnation key: on opening and after a state loss.
+
+        A server restart (or eviction) loses the key; every later operation compares it with
+        this value and raises (or rejoins) instead of reading another incarnation's state.
+        """
         with self._join_lock:
             value = store.get(self.incarnation_key)
             if value is None:
-                store.add(self.incarnation_key, uuid.uuid4().hex.encode())
+                store.add(self.incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
                 value = store.get(self.incarnation_key)
             if value is None:
                 raise ExchangeStateLostError(f"{store.describe} does not keep the incarnation "
@@ -236,19 +200,10 @@ class BlobExchange:
                 delivery: str = "at_most_once") -> Channel:
         """Open one end of channel ``name``.
 
-        Args:
-            name: channel name (A-Z a-z 0-9 _ . -).
-            role: ``"producer"`` (``put``) or ``"consumer"`` (``get``).
-            capacity: override the exchange's capacity (producer side).
-            timeout: override the exchange's default timeout.
-            start_seq: consumer resuming from its own checkpoint: the next sequence
-                number to read (needs ``resume=True`` and ``delivery="exactly_once"``
-                on the consumer that wrote the checkpoint).
-            delivery: consumer side: ``"at_most_once"`` (default; payloads deleted when
-                taken) or ``"exactly_once"`` (kept until :meth:`Channel.commit`).
-
-        Returns:
-            The open :class:`Channel`; close it (or the exchange) when done.
+        ``role`` is ``"producer"`` (``put``) or ``"consumer"`` (``get``); ``capacity`` and
+        ``timeout`` override the exchange's. Consumer only: ``start_seq`` resumes from the
+        application's checkpoint (needs ``resume=True`` and ``delivery="exactly_once"``);
+        ``delivery="exactly_once"`` keeps payloads until :meth:`Channel.commit`.
 
         Raises:
             ChannelBusyError: another live process already holds this end.
@@ -272,14 +227,11 @@ class BlobExchange:
     def set_activity(self, activity: str, busy: bool = False) -> None:
         """Tell the peers what this process is doing.
 
-        While ``busy`` is true, a peer waiting on any of this exchange's channels does not
-        count the time against its timeout (up to its ``busy_timeout``), and its timeout
-        errors say what this process was doing. The state is refreshed by the heartbeat.
+        While ``busy``, a peer waiting on any of this exchange's channels does not count
+        the time against its timeout (up to its ``busy_timeout``); the heartbeat repeats it.
         """
         self.activity = (str(activity), bool(busy), time.time())
-        with self._lock:
-            channels = list(self._channels)
-        for ch in channels:
+        for ch in self._open_channels():
             ch.publish_activity()
 
     @contextlib.contextmanager
@@ -297,17 +249,19 @@ class BlobExchange:
         store = self.store.clone()
         try:
             while not self._hb_stop.wait(self.lease_ttl / 5):
-                with self._lock:
-                    channels = list(self._channels)
                 with contextlib.suppress(Exception):  # keep the run's keys from expiring
                     store.cas(self.incarnation_key, self.incarnation, self.incarnation)
-                for ch in channels:
+                for ch in self._open_channels():
                     try:
                         ch.heartbeat(store)
                     except Exception as exc:  # keep beating for the other channels
                         log.warning("heartbeat of %s failed: %s", ch.where, exc)
         finally:
             store.close()
+
+    def _open_channels(self) -> list[Channel]:
+        with self._lock:
+            return list(self._channels)
 
     def forget(self, ch: Channel) -> None:
         """Stop the heartbeat of ``ch`` (its ``close`` calls it)."""
@@ -317,13 +271,9 @@ class BlobExchange:
     def close(self, finished: bool = True) -> None:
         """Close every open channel (waking waiters) and stop the heartbeat thread.
 
-        Args:
-            finished: ``False`` keeps every stream for a later resume even when both ends
-                are closed (see :meth:`Channel.close`).
+        ``finished=False`` keeps every stream for a later resume (see :meth:`Channel.close`).
         """
-        with self._lock:
-            channels = list(self._channels)
-        for ch in channels:
+        for ch in self._open_channels():
             ch.close(finished)
         self._hb_stop.set()
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
@@ -339,5 +289,5 @@ class BlobExchange:
         self.close()
 
     def __repr__(self) -> str:
-        where = self.store.describe
-        return f"BlobExchange({self.backend!r}, run_id={self.run_id!r}, rank={self.rank}, {where})"
+        return (f"BlobExchange({self.backend!r}, run_id={self.run_id!r}, rank={self.rank}, "
+                f"{self.store.describe})")

@@ -1,9 +1,8 @@
 """Alignment checks: is the peer's message about the same minibatch as mine?
 
-Two processes exchanging RPN maps are only meaningful to each other when both are at the
-same step, on the same images, with the same flips and scales. Each message carries that
-metadata; the consumer compares it with its own and fails loudly, naming the first field
-that differs.
+Exchanged RPN maps only mean something when both processes are at the same step, on the
+same images, flips and scales: each message carries that metadata and the consumer
+compares it with its own, naming the first field that differs.
 """
 
 from __future__ import annotations
@@ -34,21 +33,15 @@ def to_plain(value: Any) -> Any:
 
 def _first_difference(got: Any, exp: Any, path: str, rel_tol: float) -> str | None:
     if isinstance(exp, dict) and isinstance(got, dict):
-        for k in exp:
-            if k not in got:
-                return f"{path}.{k}"
-            diff = _first_difference(got[k], exp[k], f"{path}.{k}", rel_tol)
-            if diff:
-                return diff
-        return None
+        diffs = (f"{path}.{k}" if k not in got else
+                 _first_difference(got[k], exp[k], f"{path}.{k}", rel_tol) for k in exp)
+        return next(filter(None, diffs), None)
     if isinstance(exp, list) and isinstance(got, list):
         if len(got) != len(exp):
             return path
-        for i, (g, e) in enumerate(zip(got, exp)):
-            diff = _first_difference(g, e, f"{path}[{i}]", rel_tol)
-            if diff:
-                return diff
-        return None
+        diffs = (_first_difference(g, e, f"{path}[{i}]", rel_tol)
+                 for i, (g, e) in enumerate(zip(got, exp)))
+        return next(filter(None, diffs), None)
     if isinstance(exp, bool) or isinstance(got, bool):
         return None if got is exp else path
     if isinstance(exp, float) or isinstance(got, float):
@@ -67,14 +60,8 @@ def check_alignment(meta: Mapping[str, Any], expected: Mapping[str, Any], *,
     Lists/tuples/arrays compare element-wise; floats (e.g. ``im_scales``) within
     ``rel_tol``; booleans (``flipped``) and ints (``step``, image ids) exactly. The
     special key ``"shapes"`` (name → shape) is compared with the shapes of ``tensors``.
-
-    Args:
-        meta: the metadata received with the message.
-        expected: this process's own values, e.g. ``{"step": 12, "image_ids": [...],
-            "flipped": [...], "im_scales": [...]}``.
-        where: channel description for the error message.
-        rel_tol: relative tolerance for floats.
-        tensors: the received tensors, needed only for ``"shapes"``.
+    ``meta`` is what the message carries, ``expected`` this process's own values (e.g.
+    ``{"step": 12, "image_ids": [...]}``), ``where`` the channel, for the message.
 
     Raises:
         AlignmentError: a field is missing or differs; the message names it, both values

@@ -54,30 +54,22 @@ class Store(ABC):
     @abstractmethod
     def incr(self, key: str, ttl: float = 0) -> int:
         """Atomically increment a counter and return the new value (lease generations).
-
-        A missing counter starts from the current time in microseconds, so values keep
-        growing across a memcached restart that lost the counter.
-        """
+        A missing counter starts from the time in microseconds (so it grows across a
+        restart that lost it)."""
 
     @abstractmethod
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
-        """Write a payload once; it becomes visible atomically and completely.
-
-        Returns:
-            ``False`` if ``key`` already exists (nothing was written), else ``True``.
+        """Write a payload once; it becomes visible atomically and completely. ``False``
+        if ``key`` already exists (nothing was written).
 
         Raises:
-            ExchangeError: the backend refused the data (too large, out of memory or
-                space).
+            ExchangeError: the backend refused the data (too large, out of memory or space).
         """
 
     @abstractmethod
     def get_payload(self, key: str) -> bytearray | None:
-        """The whole payload as a writable buffer, or ``None`` if it was never written.
-
-        Raises:
-            ExchangeStateLostError: the payload was partly lost (e.g. an evicted chunk).
-        """
+        """The whole payload as a writable buffer, or ``None`` if it was never written;
+        ExchangeStateLostError if it was partly lost (e.g. an evicted chunk)."""
 
     @abstractmethod
     def delete_payload(self, key: str) -> None:

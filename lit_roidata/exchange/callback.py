@@ -1,10 +1,8 @@
 """``BlobExchangeCallback``: exchange named ``training_step`` outputs between two runs.
 
 After each training batch the named entries of ``training_step``'s dict are published on
-channel ``publish`` with alignment metadata; before each batch the peer's message from
-channel ``subscribe`` is checked and set as ``pl_module.peer_outputs`` /
-``pl_module.peer_meta``. ``lag``, busy peers during validation, one channel per DDP rank
-and exactly-once checkpoints are described in docs/exchange.md.
+channel ``publish``; before each batch the peer's message from ``subscribe`` is checked and
+set as ``pl_module.peer_outputs`` / ``pl_module.peer_meta`` (docs/exchange.md).
 """
 
 from __future__ import annotations
@@ -32,11 +30,8 @@ def batch_alignment_meta(batch: Any, fields: Sequence[str] = DEFAULT_ALIGN_FIELD
     Works for Detectron-format batches (``batch["_meta"]``) and torchvision-format ones
     (``batch.meta``).
     """
-    meta = None
-    if isinstance(batch, Mapping):
-        meta = batch.get("_meta")
-    if meta is None:
-        meta = getattr(batch, "meta", None)
+    meta = batch.get("_meta") if isinstance(batch, Mapping) else None
+    meta = getattr(batch, "meta", None) if meta is None else meta
     if not isinstance(meta, Mapping):
         return {}
     return {f: to_plain(meta[f]) for f in fields if f in meta}
@@ -60,15 +55,13 @@ class BlobExchangeCallback(pl.Callback):
         capacity: messages this run may publish ahead of the peer's consumption.
         lease_ttl: dead-peer detection delay across machines (seconds).
         attribute: name of the module attribute that receives the peer's tensors.
-        delivery: ``"at_most_once"`` (default: a message taken just before a crash is
-            lost) or ``"exactly_once"`` (payloads are kept until the next checkpoint, so
-            a restart from a checkpoint resumes right after it; costs storage for the
-            messages between two checkpoints).
-        resume: continue this run id's existing streams; default: only when restored
-            from a checkpoint.
+        delivery: ``"at_most_once"`` (a message taken just before a crash is lost) or
+            ``"exactly_once"`` (payloads kept until the next checkpoint: a restart from it
+            resumes right after it).
+        resume: continue this run id's streams; default: only when restored from a
+            checkpoint.
         busy_timeout: the longest time a wait is extended while the peer is busy.
-        secret: the run's shared secret for authenticated messages (default from
-            ``$LIT_ROIDATA_EXCHANGE_SECRET`` / ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``).
+        secret: the runs' shared secret (default ``$LIT_ROIDATA_EXCHANGE_SECRET[_FILE]``).
 
     Raises:
         ValueError: neither ``publish`` nor ``subscribe`` given, or ``publish`` without
@@ -97,20 +90,16 @@ class BlobExchangeCallback(pl.Callback):
                              f"{delivery!r}")
         self.run_id, self.backend, self.address = run_id, backend, address
         self.publish, self.publish_keys = publish, list(publish_keys)
-        self.subscribe, self.lag = subscribe, lag
-        self.align_fields = list(align_fields)
+        self.subscribe, self.lag, self.align_fields = subscribe, lag, list(align_fields)
         self.timeout, self.capacity, self.lease_ttl = timeout, capacity, lease_ttl
-        self.attribute = attribute
+        self.attribute, self.secret = attribute, secret
         self.delivery, self.resume, self.busy_timeout = delivery, resume, busy_timeout
-        self.secret = secret
         self.exchange: BlobExchange | None = None
         self._out = self._in = None
-        self._step = 0
-        self._pending_align: dict[str, Any] | None = None  # this step's own alignment
-        self._previous_align: dict[str, Any] | None = None
-        self._consumed = self._published = 0  # sequence numbers, saved in checkpoints
-        self._restored: dict[str, Any] | None = None
-        self._checkpointed_seq = 0  # consumed seq at the previous state_dict()
+        # this step's own alignment, the previous step's, and the checkpoint's state
+        self._pending_align = self._previous_align = self._restored = None
+        # sequence numbers (saved in checkpoints; consumed at the previous state_dict())
+        self._step = self._consumed = self._published = self._checkpointed_seq = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Callback state is restored before on_fit_start, so a resumed run knows its seqs.
@@ -136,8 +125,7 @@ class BlobExchangeCallback(pl.Callback):
             self._in = self.exchange.channel(self.subscribe, "consumer", start_seq=start,
                                              delivery=self.delivery)
             self._consumed = self._checkpointed_seq = self._in.next_seq - 1
-        if restored is not None and restored.get("previous_align") is not None:
-            self._previous_align = restored["previous_align"]
+        self._previous_align = (restored or {}).get("previous_align")
         log.info("blob exchange ready: %r publish=%s subscribe=%s", self.exchange,
                  self.publish, self.subscribe)
 
@@ -189,26 +177,21 @@ class BlobExchangeCallback(pl.Callback):
         self.exchange = self._out = self._in = None
 
     def _alignment(self, trainer: pl.Trainer, batch: Any) -> dict[str, Any]:
-        meta = batch_alignment_meta(batch, self.align_fields)
-        meta.update(step=self._step, rank=trainer.global_rank)
-        return meta
+        return {**batch_alignment_meta(batch, self.align_fields), "step": self._step,
+                "rank": trainer.global_rank}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                              batch: Any, batch_idx: int) -> None:
-        own = self._alignment(trainer, batch)
-        self._pending_align = own
+        self._pending_align = own = self._alignment(trainer, batch)
         if self._in is None:
             return
         expected = own if self.lag == 0 else self._previous_align
-        if expected is None:  # lag 1, first step: the peer has published nothing yet
-            setattr(pl_module, self.attribute, None)
-            pl_module.peer_meta = None
-            return
-        tensors, meta = self._in.get(self.timeout, expect=expected, as_torch=True)
-        self._consumed = self._in.next_seq - 1
-        device = pl_module.device
-        setattr(pl_module, self.attribute,
-                {k: v.to(device, non_blocking=True) for k, v in tensors.items()})
+        tensors = meta = None  # lag 1, first step: the peer has published nothing yet
+        if expected is not None:
+            tensors, meta = self._in.get(self.timeout, expect=expected, as_torch=True)
+            self._consumed = self._in.next_seq - 1
+            tensors = {k: v.to(pl_module.device, non_blocking=True) for k, v in tensors.items()}
+        setattr(pl_module, self.attribute, tensors)
         pl_module.peer_meta = meta
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -227,11 +210,8 @@ class BlobExchangeCallback(pl.Callback):
                                "names what to send")
             self._published += 1
             if self._published >= self._out.next_seq:  # else: sent before a restart
-                tensors = {k: _detach(outputs[k]) for k in self.publish_keys}
+                tensors = {k: outputs[k].detach() if isinstance(outputs[k], torch.Tensor)
+                           else outputs[k] for k in self.publish_keys}
                 self._out.put(tensors, meta=own, timeout=self.timeout)
         self._previous_align = own
         self._step += 1
-
-
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value

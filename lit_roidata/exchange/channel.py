@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -38,25 +38,19 @@ def _seq(raw: bytes) -> int:
 
 
 def _gen(raw: bytes) -> int:
-    parts = raw.split(b" ", 1)
-    return int(parts[1]) if len(parts) > 1 else 0
+    return int(raw.split(b" ", 1)[1]) if b" " in raw else 0
+
+
+class _Rejoined(Exception):
+    """Raised inside a poll after a recovery from a state loss: poll again at once."""
 
 
 class Channel:
     """One end (producer or consumer) of a named channel; made by ``BlobExchange.channel``.
 
-    Args:
-        exchange: the owning exchange (run id, rank, backend, timing settings).
-        name: channel name, e.g. ``"teacher_rpn"``.
-        role: ``"producer"`` or ``"consumer"``.
-        capacity: messages the producer may publish ahead of the consumer's ack.
-        timeout: default timeout in seconds of ``put``/``get``.
-        start_seq: consumer only: the sequence number to read next, from the
-            application's checkpoint (exactly-once resume); the payloads from there on
-            must still be stored (``delivery="exactly_once"`` keeps them).
-        delivery: consumer only: ``"at_most_once"`` deletes a payload as soon as ``get``
-            returns it; ``"exactly_once"`` keeps it until :meth:`commit` says the
-            application's checkpoint covers it.
+    The arguments are :meth:`BlobExchange.channel`'s (``start_seq``: the consumer's next
+    sequence number from its checkpoint; ``delivery="exactly_once"``: payloads are kept
+    until :meth:`commit`).
 
     Raises:
         ChannelBusyError: another live process (or object) holds this end of the channel.
@@ -71,35 +65,27 @@ class Channel:
             raise ValueError(f"delivery must be one of {DELIVERY}, got {delivery!r}")
         if start_seq is not None and (role != "consumer" or start_seq < 1):
             raise ValueError("start_seq is a consumer's next sequence number (>= 1)")
-        self.name, self.role = name, role
-        self.peer_role = ROLES[1 - ROLES.index(role)]
-        self.capacity, self.timeout = capacity, timeout
-        self.delivery = delivery
+        self.name, self.role, self.peer_role = name, role, ROLES[1 - ROLES.index(role)]
+        self.capacity, self.timeout, self.delivery = capacity, timeout, delivery
         self._ex = exchange
         self._store: Store = exchange.store.clone()
-        self._io = threading.Lock()
-        self._wake = threading.Event()
-        self._closing = False
-        self._lost: str | None = None
-        self._lost_type: type[Exception] = LeaseLostError
+        self._io, self._wake = threading.Lock(), threading.Event()
+        self._closing, self._lost, self._lost_type = False, None, LeaseLostError
         self._peer_seen: LeaseRecord | None = None
         self._peer_activity: dict[str, Any] | None = None
         self._peer_checked = 0.0
         #: Messages rejected by this consumer: ``forged`` (no/bad HMAC) and ``replayed``
         #: (authentic, but stamped for another position, channel, run or incarnation).
         self.rejected = {"forged": 0, "replayed": 0}
-        ns = f"{exchange.run_id}/{exchange.rank}/{name}"
-        self._k_head, self._k_ack = f"{ns}/head", f"{ns}/ack"
-        self._k_gen, self._k_commit = f"{ns}/gen", f"{ns}/commit"
-        self._k_lease = {r: f"{ns}/lease.{r}" for r in ROLES}
-        self._k_closed = {r: f"{ns}/closed.{r}" for r in ROLES}
-        self._k_activity = {r: f"{ns}/activity.{r}" for r in ROLES}
-        self._k_inc = exchange.incarnation_key
-        self._incarnation = exchange.incarnation  # the one this end last joined
+        self._ns = ns = f"{exchange.run_id}/{exchange.rank}/{name}"
+        self._k_head, self._k_ack, self._k_gen, self._k_commit = (
+            f"{ns}/{k}" for k in ("head", "ack", "gen", "commit"))
+        self._k_lease, self._k_closed, self._k_activity = (
+            {r: f"{ns}/{k}.{r}" for r in ROLES} for k in ("lease", "closed", "activity"))
+        # (the incarnation this end last joined)
+        self._k_inc, self._incarnation = exchange.incarnation_key, exchange.incarnation
         self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
-        self._resend = False
-        self._ns = ns
-        self._committed = 0
+        self._resend, self._committed = False, 0
         #: head/ack value this end wrote last (the expected value of its next fenced
         #: write, so a put/get need not read it: a write by anyone else in between makes
         #: the compare-and-swap fail, and the key is then read again and checked).
@@ -107,8 +93,7 @@ class Channel:
         self.where = (f"channel {name!r} ({role}; run {exchange.run_id!r}, rank "
                       f"{exchange.rank}, {self._store.describe})")
         with self._io:
-            self._lease = self._acquire_lease()
-            self._gen = LeaseRecord.loads(self._lease).gen
+            self._lease, self._gen = self._acquire_lease()
             try:
                 self._next = self._init_position(start_seq)
                 self._write_activity(self._store)
@@ -117,17 +102,23 @@ class Channel:
                 self._store.close()
                 raise
 
-    def _acquire_lease(self) -> bytes:
+    def _acquire_lease(self, old: bytes | None = None) -> tuple[bytes, int]:
+        """Take this end's lease with a new generation; ``old`` is this end's own record
+        from before a state loss (replaced, not a rival). Returns ``(record, gen)``."""
         key, ttl, s = self._k_lease[self.role], self._ex.lease_ttl, self._store
-        mine = LeaseRecord.mine(self.role, s.incr(self._k_gen)).dumps()
+        gen = s.incr(self._k_gen)
+        mine = LeaseRecord.mine(self.role, gen).dumps()
         for _ in range(10):
             if s.add(key, mine, ttl):
-                return mine
+                return mine, gen
             raw = s.get(key)
             if raw is None:
                 continue  # expired between add and get
             owner = LeaseRecord.loads(raw)
-            if owner is not None and peer_liveness(owner) == "alive":
+            if raw != old and owner is not None and peer_liveness(owner) == "alive":
+                if old is not None:
+                    raise ChannelBusyError(f"{self.where}: after the state loss, "
+                                           f"{owner.describe()} holds this end's lease")
                 raise ChannelBusyError(
                     f"{self.where}: this channel already has a {self.role}: "
                     f"{owner.describe()}, opened {time.time() - owner.opened_at:.1f}s ago. "
@@ -135,9 +126,10 @@ class Channel:
                     f"another channel name, rank or run id. If that process is gone, its "
                     f"lease expires within {ttl:g}s.")
             if s.cas(key, raw, mine, ttl):
-                log.warning("%s: took over the lease of %s, which is no longer running",
-                            self.where, owner.describe() if owner else "an unreadable owner")
-                return mine
+                if raw != old:
+                    log.warning("%s: took over the lease of %s, which is no longer running",
+                                self.where, owner.describe() if owner else "an unreadable owner")
+                return mine, gen
         raise ChannelBusyError(f"{self.where}: could not acquire the {self.role} lease "
                                "(contention with other processes opening it)")
 
@@ -149,7 +141,6 @@ class Channel:
                           self._k_commit])
         self._check_incarnation(got)
         head, ack = self._int(got, self._k_head), self._int(got, self._k_ack)
-        committed = int(got.get(self._k_commit, b"0"))
         prior = ack if self.role == "consumer" else max(head, ack)
         if prior and not self._ex.resume:
             raise ExchangeError(
@@ -159,7 +150,7 @@ class Channel:
                 "use a new run id for a new one")
         s.delete(self._k_closed[self.role])
         if self.role == "consumer":
-            self._committed = committed
+            self._committed = int(got.get(self._k_commit, b"0"))
             if start_seq is None:
                 if ack and self.delivery == "at_most_once":
                     s.delete_payload(self._msg(ack))  # taken, but a crash kept it
@@ -199,10 +190,8 @@ class Channel:
 
     def _payload_envelope(self, key: str) -> dict[str, Any] | None:
         buf = self._store.get_payload(key)
-        if buf is None:
-            return None
         try:
-            return wire.read_envelope(buf, key=self._ex.auth_key)
+            return None if buf is None else wire.read_envelope(buf, key=self._ex.auth_key)
         except WireFormatError:
             return None
 
@@ -218,57 +207,49 @@ class Channel:
                 "with a new run id and give memcached enough memory (-m)")
         return _seq(raw)
 
-    def _check_incarnation(self, got: Mapping[str, bytes]) -> None:
-        value = got.get(self._k_inc)
-        if value != self._incarnation:
-            state = "is missing" if value is None else "changed"
-            raise ExchangeStateLostError(
-                f"{self.where}: the run's incarnation key {state} on {self._store.describe}: "
+    def _incarnation_lost(self, value: bytes | None) -> str:
+        return (f"{self.where}: the run's incarnation key "
+                f"{'is missing' if value is None else 'changed'} on {self._store.describe}: "
                 "the server restarted (or evicted this run's keys) after this process joined, "
                 "so messages may have been lost and old data must not be trusted. Restart "
                 "both processes with a new run id, or open the exchange with "
                 "on_state_lost='recover'")
 
-    def _check_or_recover(self, got: Mapping[str, bytes]) -> bool:
-        """Check the incarnation; in ``on_state_lost="recover"`` mode rejoin instead of
-        raising. Returns whether a recovery happened (the caller then polls again)."""
+    def _check_incarnation(self, got: Mapping[str, bytes]) -> None:
+        if got.get(self._k_inc) != self._incarnation:
+            raise ExchangeStateLostError(self._incarnation_lost(got.get(self._k_inc)))
+
+    def _check_or_recover(self, got: Mapping[str, bytes]) -> None:
+        """Check the incarnation (volatile stores: polls of others do not read it, the
+        heartbeat checks it); in ``on_state_lost="recover"`` mode rejoin instead of
+        raising, then raise :class:`_Rejoined` (the poll retries at once)."""
         if not self._store.volatile or got.get(self._k_inc) == self._incarnation:
-            return False  # (not volatile: polls do not read it; the heartbeat checks it)
-        try:
+            return
+        if not self._ex.recover:
             self._check_incarnation(got)
-            return False
-        except ExchangeStateLostError:
-            if not self._ex.recover:
-                raise
-        with self._io:
-            self._check_usable()
-            self._recover()
-        return True
+        self._recover()
+        raise _Rejoined
 
     def _recover(self) -> None:
         """Rejoin after the store lost this run's state (memcached restart): new
         incarnation and lease; the consumer re-states its position (``ack``), the producer
         re-publishes what the consumer has not acknowledged before its next message."""
-        s = self._store
-        self._incarnation = self._ex.rejoin(s)
-        gen = s.incr(self._k_gen)
-        mine = LeaseRecord.mine(self.role, gen).dumps()
-        key = self._k_lease[self.role]
-        if not s.add(key, mine, self._ex.lease_ttl):
-            raw = s.get(key)
-            owner = LeaseRecord.loads(raw) if raw is not None else None
-            if owner is not None and peer_liveness(owner) == "alive" and raw != self._lease:
-                raise ChannelBusyError(f"{self.where}: after the state loss, "
-                                       f"{owner.describe()} holds this end's lease")
-            s.set(key, mine, self._ex.lease_ttl)
-        self._lease, self._gen, self._peer_seen = mine, gen, None
-        self._written.clear()
-        s.add(self._k_head, b"0 0")
-        if self.role == "consumer":
-            if not s.add(self._k_ack, b"%d %d" % (self._next - 1, gen)):
-                self._fenced_set(self._k_ack, self._next - 1, None)
-        else:
-            self._resend = True
+        with self._io:
+            self._check_usable()
+            s = self._store
+            incarnation = self._ex.rejoin(s)
+            self._lease, self._gen = self._acquire_lease(old=self._lease)
+            # (the new incarnation only now: the heartbeat must never see it with the old
+            # lease, or it would take the old lease's absence for a take-over)
+            self._incarnation = incarnation
+            self._peer_seen = None
+            self._written.clear()
+            s.add(self._k_head, b"0 0")
+            if self.role == "consumer":
+                if not s.add(self._k_ack, b"%d %d" % (self._next - 1, self._gen)):
+                    self._fenced_set(self._k_ack, self._next - 1, None)
+            else:
+                self._resend = True
         log.warning("%s: %s lost this run's state (restart or eviction); rejoined as "
                     "incarnation %s at seq %d", self.where, s.describe,
                     self._incarnation.decode(), self._next)
@@ -290,9 +271,8 @@ class Channel:
     def _fenced_set(self, key: str, seq: int, raw: bytes | None) -> None:
         """Set ``key`` (head or ack) to ``seq`` if no newer lease generation wrote it.
 
-        ``raw`` is the value read last (``None``: read it now). Raises LeaseLostError if
-        a newer owner of this role has written the key, ExchangeStateLostError if the key
-        or the run's incarnation vanished.
+        ``raw`` is the value read last (``None``: read it now). Raises LeaseLostError
+        (fenced out), ExchangeStateLostError (the key or the incarnation vanished).
         """
         new = b"%d %d" % (seq, self._gen)
         if self._store.local_fence:  # one locked read-check-write, no prior read needed
@@ -310,13 +290,11 @@ class Channel:
                 raw = got[key]
             if raw is not self._written.get(key) and _gen(raw) > self._gen:
                 # (a value this end wrote itself carries its own generation: no parse)
-                self._lost = (
+                raise self._lose(LeaseLostError, (
                     f"{self.where}: this end (lease generation {self._gen}) was fenced out: "
                     f"generation {_gen(raw)} took the {self.role} lease over (this process "
                     f"stalled for more than lease_ttl={self._ex.lease_ttl:g}s), so its "
-                    f"write of seq {seq} was refused; stop using this channel")
-                self._lost_type = LeaseLostError
-                raise LeaseLostError(self._lost)
+                    f"write of seq {seq} was refused; stop using this channel"))
             if raw == new or self._store.cas(key, raw, new):
                 self._written[key] = new
                 return
@@ -329,31 +307,22 @@ class Channel:
             raise ChannelClosedError(f"{self.where}: this end was closed")
         if self._lost:
             raise self._lost_type(self._lost)
-        stop = self._ex.stop_event
-        if stop is not None and stop.is_set():
+        if self._ex.stop_event is not None and self._ex.stop_event.is_set():
             raise ChannelClosedError(f"{self.where}: stop requested (the exchange's stop "
                                      "event is set)")
 
     def _check_peer(self, waiting_for: str) -> None:
-        """While waiting (at most every 50 ms): raise if the peer closed or died.
-
-        The lease is read before the tombstone: a peer that closes writes the tombstone
-        first and then drops its lease, so "no lease and no tombstone" means it died.
-        """
+        """While waiting (at most every 50 ms): raise if the peer closed or died. (A peer
+        that closes writes its tombstone, then drops its lease: neither means it died.)"""
         now = time.monotonic()
         if now - self._peer_checked < _PEER_CHECK_EVERY:
             return
+        keys = [self._k_lease[self.peer_role], self._k_closed[self.peer_role],
+                self._k_activity[self.peer_role]]
         with self._io:
             self._check_usable()
-            got = self._store.get_many([self._k_lease[self.peer_role],
-                                        self._k_closed[self.peer_role],
-                                        self._k_activity[self.peer_role]])
-        self._peer_state(got, waiting_for)
-
-    def _peer_state(self, got: Mapping[str, bytes], waiting_for: str) -> None:
-        """Raise if the peer closed or died; remember it when it is alive."""
-        closed = got.get(self._k_closed[self.peer_role])
-        raw = got.get(self._k_lease[self.peer_role])
+            got = self._store.get_many(keys)
+        raw, closed, act = (got.get(k) for k in keys)
         rec = LeaseRecord.loads(raw) if raw is not None else None
         if closed is not None and rec is None:
             info = orjson.loads(closed)
@@ -362,7 +331,6 @@ class Channel:
                 f"{info.get('hostname')}) closed the channel after seq {info.get('last_seq')} "
                 f"while this end waited for {waiting_for}")
         self._peer_checked = time.monotonic()
-        act = got.get(self._k_activity[self.peer_role])
         try:
             self._peer_activity = orjson.loads(act) if act is not None else None
         except orjson.JSONDecodeError:
@@ -380,10 +348,6 @@ class Channel:
                 f"lease expired after {self._ex.lease_ttl:g}s){self._activity_text()}; this "
                 f"end waited for {waiting_for}")
 
-    def _peer_busy(self) -> bool:
-        act = self._peer_activity
-        return bool(act and act.get("busy"))
-
     def _activity_text(self) -> str:
         act = self._peer_activity
         if not act:
@@ -395,13 +359,11 @@ class Channel:
     def _wait(self, w: dict[str, float], what: str, timeout: float,
               unreachable: str | None) -> None:
         """Sleep one back-off step; raise ExchangeTimeoutError once the deadline passed.
-
-        Time during which the peer reports itself busy (validation, evaluation, ...: see
-        ``BlobExchange.busy``) does not count, up to the exchange's ``busy_timeout``.
-        """
+        Time while the peer reports itself busy (``BlobExchange.busy``) does not count, up
+        to the exchange's ``busy_timeout``."""
         self._check_usable()
         now = time.monotonic()
-        if self._peer_busy() and w["paused"] < self._ex.busy_timeout:
+        if (self._peer_activity or {}).get("busy") and w["paused"] < self._ex.busy_timeout:
             step = min(now - w["last"], self._ex.busy_timeout - w["paused"])
             w["paused"] += step
             w["deadline"] += step
@@ -410,8 +372,8 @@ class Channel:
             if unreachable:
                 peer = f"{self._store.describe} was unreachable: {unreachable}"
             elif self._peer_seen is not None:
-                peer = f"the {self._peer_seen.describe()} is alive but sent nothing"
-                peer += self._activity_text()
+                peer = (f"the {self._peer_seen.describe()} is alive but sent nothing"
+                        f"{self._activity_text()}")
                 if w["paused"]:
                     peer += f"; the wait was extended by {w['paused']:.1f}s while it was busy"
                     if w["paused"] >= self._ex.busy_timeout:
@@ -428,26 +390,14 @@ class Channel:
         w["backoff"] = min(w["backoff"] * 2, self._ex.poll_max)
         self._check_usable()
 
-    def _waiter(self, timeout: float) -> dict[str, float]:
-        now = time.monotonic()
-        return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
-                "paused": 0.0}
-
     def put(self, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None, *,
             timeout: float | None = None) -> int:
         """Publish one message; wait (bounded) while ``capacity`` messages are unacknowledged.
 
-        Args:
-            tensors: name → NumPy array / torch tensor (any dtype and shape, see
-                :mod:`lit_roidata.exchange.wire`).
-            meta: JSON-serialisable metadata, e.g. alignment fields (step, image ids,
-                flipped, scales).
-            timeout: seconds to wait for the consumer's acknowledgement; default: the
-                channel's timeout (time while the consumer reports itself busy does not
-                count).
-
-        Returns:
-            The message's sequence number (1, 2, ...).
+        ``tensors``: name → NumPy array / torch tensor (any dtype and shape); ``meta``:
+        JSON-serialisable metadata (e.g. alignment fields); ``timeout``: for the consumer's
+        acknowledgement (time while it reports itself busy does not count). Returns the
+        message's sequence number (1, 2, ...).
 
         Raises:
             ExchangeTimeoutError, PeerDeadError, ChannelClosedError, LeaseLostError,
@@ -463,57 +413,83 @@ class Channel:
         if self._ex.recover:  # kept for a re-publish: must not alias the caller's arrays
             encoded = wire.Encoded([encoded.tobytes()], encoded.nbytes)
         timeout = self.timeout if timeout is None else timeout
-        w, unreachable = self._waiter(timeout), None
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
-        keys = [self._k_inc, self._k_ack] if self._store.volatile else [self._k_ack]
-        read = self._store.peek_many  # no CAS tokens needed: head's is this end's own
-        if not self._store.local_fence and self._k_head not in self._written:
-            keys.append(self._k_head)  # its CAS token makes the fenced head write 1 RTT
-            read = self._store.get_many
+        keys = self._poll_keys(self._k_ack, self._k_head)
+        # No CAS tokens needed unless head is read: otherwise its token is this end's own.
+        read = self._store.get_many if self._k_head in keys else self._store.peek_many
         state = {"stored": False, "failed": False}  # survives retries of this message
-        while True:
-            try:
+
+        def attempt() -> int | str | None:
+            with self._io:
+                self._check_usable()
+                got = read(keys)
+            self._check_or_recover(got)
+            if self._resend:
+                if self._k_ack not in got:  # the consumer has not re-joined yet
+                    what_r = "the consumer to re-join after the store lost its state"
+                    self._check_peer(what_r)
+                    return what_r
                 with self._io:
-                    self._check_usable()
-                    got = read(keys)
-                if self._check_or_recover(got):
-                    state.update(stored=False, failed=False)  # written to the lost state
-                    continue
-                if self._resend:
-                    if self._k_ack not in got:  # the consumer has not re-joined yet
-                        what_r = "the consumer to re-join after the store lost its state"
-                        self._check_peer(what_r)
-                        self._wait(w, what_r, timeout, None)
-                        continue
-                    with self._io:
-                        self._republish(_seq(got[self._k_ack]))
-                    continue
-                ack = self._int(got, self._k_ack)
-                if self._pending:
-                    for q in [q for q in self._pending if q <= ack]:
-                        del self._pending[q]
-                if ack >= seq - self.capacity:
-                    with self._io:
-                        self._check_usable()
-                        self._publish(seq, encoded, state, got.get(
-                            self._k_head, self._written.get(self._k_head)))
-                    if self._ex.recover:
-                        self._pending[seq] = encoded
-                    self._next = seq + 1
-                    return seq
+                    self._republish(_seq(got[self._k_ack]))
+                return attempt()
+            ack = self._int(got, self._k_ack)
+            for q in [q for q in self._pending if q <= ack]:
+                del self._pending[q]
+            if ack < seq - self.capacity:
                 self._check_peer(what)
-                unreachable = None
+                return None
+            with self._io:
+                self._check_usable()
+                self._publish(seq, encoded, state,
+                              got.get(self._k_head, self._written.get(self._k_head)))
+            if self._ex.recover:
+                self._pending[seq] = encoded
+            self._next = seq + 1
+            return seq
+
+        # After a recovery the payload must be written again (it went to the lost state).
+        return self._poll(what, timeout, attempt,
+                          on_recover=lambda: state.update(stored=False, failed=False))
+
+    def _poll_keys(self, theirs: str, mine: str) -> list[str]:
+        """What a poll reads: the incarnation (volatile stores), the peer's position and,
+        unless this end wrote it last, its own (its CAS token makes the fenced write 1 RTT)."""
+        keys = [self._k_inc, theirs] if self._store.volatile else [theirs]
+        return keys if self._store.local_fence or mine in self._written else [*keys, mine]
+
+    def _waiter(self, timeout: float) -> dict[str, float]:
+        now = time.monotonic()
+        return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
+                "paused": 0.0}
+
+    def _poll(self, what: str, timeout: float, attempt: Callable[[], Any],
+              w: dict[str, float] | None = None, on_recover: Callable[[], object] | None = None,
+              writes: bool = True) -> Any:
+        """Call ``attempt`` until it returns a result, sleeping a back-off step (bounded by
+        the deadline, see :meth:`_wait`) after each ``None`` (or str: what it waits for
+        instead of ``what``) and while the store is unreachable. In recover mode a state
+        loss seen by a poll's read (:class:`_Rejoined`) or, if ``attempt`` ``writes``,
+        between its read and its write is rejoined (then ``on_recover()``) and ``attempt``
+        called again at once."""
+        w = w or self._waiter(timeout)
+        while True:
+            unreachable, waiting_for = None, what
+            try:
+                result = attempt()
+                if result is not None and not isinstance(result, str):
+                    return result
+                waiting_for = result or what
             except StoreUnavailable as exc:
                 unreachable = str(exc)
-            except ExchangeStateLostError:
-                if not self._incarnation_moved():
-                    raise
-                with self._io:  # the state was lost between our read and our write
-                    self._check_usable()
-                    self._recover()
-                state.update(stored=False, failed=False)
+            except (_Rejoined, ExchangeStateLostError) as exc:
+                if not isinstance(exc, _Rejoined):
+                    if not writes or not self._incarnation_moved():
+                        raise
+                    self._recover()  # the state was lost between a read and a write
+                if on_recover is not None:
+                    on_recover()
                 continue
-            self._wait(w, what, timeout, unreachable)
+            self._wait(w, waiting_for, timeout, unreachable)
 
     def _incarnation_moved(self) -> bool:
         """Recover mode: whether the run's incarnation differs from the one this end
@@ -530,8 +506,8 @@ class Channel:
                  head_raw: bytes | None) -> None:
         """Write the payload once, then advance ``head`` (fenced); safe to retry."""
         key = self._msg(seq)
-        if not state["stored"] and state["failed"]:
-            state["stored"] = self._owns_payload(key, seq)  # did the lost request get through?
+        if not state["stored"] and state["failed"]:  # did the lost request get through?
+            state["stored"] = self._is_own(self._payload_envelope(key), seq)
         if not state["stored"]:
             try:
                 if not self._store.put_payload(key, encoded):
@@ -542,19 +518,17 @@ class Channel:
             state["stored"] = True
         self._fenced_set(self._k_head, seq, head_raw)
 
-    def _owns_payload(self, key: str, seq: int) -> bool:
-        env = self._payload_envelope(key)
+    def _is_own(self, env: dict[str, Any] | None, seq: int) -> bool:
         return env is not None and env.get("seq") == seq and env.get("gen") == self._gen
 
     def _replace_foreign_payload(self, key: str, seq: int, encoded: wire.Encoded) -> None:
         """``msg.<seq>`` exists but ``head`` has not reached it, so no consumer has read it:
         it was left by a fenced-out (stalled) producer, or forged. Replace it."""
         env = self._payload_envelope(key)
-        if env is not None and env.get("seq") == seq and env.get("gen") == self._gen:
+        if self._is_own(env, seq):
             return  # our own earlier write
-        got = self._store.get_many([self._k_head])
         forged = env is None and self._ex.auth_key is not None  # fails authentication
-        if self._int(got, self._k_head) >= seq and not forged:
+        if self._int(self._store.get_many([self._k_head]), self._k_head) >= seq and not forged:
             raise SequenceError(f"{self.where}: seq {seq} is already published by another "
                                 "writer: a second producer used this channel")
         log.warning("%s: replacing an unpublished payload at seq %d left by another writer "
@@ -567,68 +541,71 @@ class Channel:
             as_torch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         """Take the next message, in order and exactly once.
 
-        Args:
-            timeout: seconds to wait; default: the channel's timeout (time while the
-                producer reports itself busy does not count).
-            expect: alignment fields this process expects (see
-                :func:`~lit_roidata.exchange.alignment.check_alignment`); a mismatch raises
-                before the message is acknowledged, so it stays pending.
-            as_torch: return torch tensors instead of NumPy arrays (bfloat16/float8 are
-                always tensors, NumPy has no such dtype).
-
-        Returns:
-            ``(tensors, meta)``.
+        Returns ``(tensors, meta)``. ``timeout``: seconds (time while the producer reports
+        itself busy does not count); ``expect``: alignment fields checked
+        (:func:`~lit_roidata.exchange.alignment.check_alignment`) before the message is
+        acknowledged (a mismatch leaves it pending); ``as_torch``: torch tensors instead of
+        NumPy arrays (bfloat16/float8 always are).
 
         Raises:
-            ExchangeTimeoutError: nothing arrived in time (names the channel and the peer).
-            PeerDeadError / ChannelClosedError: the producer died / closed the channel
-                (after every pending message was delivered), or this end was closed
-                meanwhile (the message then stays pending).
-            SequenceError, WireFormatError, AlignmentError, ExchangeStateLostError,
-            LeaseLostError: see :mod:`~lit_roidata.exchange.errors`. A forged or replayed
-            message is never returned: with authentication on it is counted in
-            :attr:`rejected`, deleted, and the wait goes on.
+            ExchangeTimeoutError, PeerDeadError, ChannelClosedError (the producer closed
+            after every pending message, or this end was closed), SequenceError,
+            WireFormatError, AlignmentError, ExchangeStateLostError, LeaseLostError. A
+            forged or replayed message is never returned: with authentication on it is
+            counted in :attr:`rejected`, deleted, and the wait goes on.
         """
         if self.role != "consumer":
             raise TypeError(f"{self.where}: get() needs a consumer channel")
         self._check_usable()
         seq = self._next
         timeout = self.timeout if timeout is None else timeout
-        w, unreachable = self._waiter(timeout), None
-        what = f"message seq {seq} from the producer"
-        small = [self._k_inc, self._k_head] if self._store.volatile else [self._k_head]
-        if not self._store.local_fence and self._k_ack not in self._written:
-            small.append(self._k_ack)  # its CAS token makes the fenced ack write 1 RTT
+        w, what = self._waiter(timeout), f"message seq {seq} from the producer"
+        small = self._poll_keys(self._k_head, self._k_ack)
         where = f"{self.where}, seq {seq}"
         rejected = sum(self.rejected.values())
-        while True:
-            try:
-                with self._io:
-                    self._check_usable()
-                    got, buf = self._store.read_message(small, self._msg(seq))
-                if self._check_or_recover(got):
-                    continue
-                head = self._int(got, self._k_head)
-                if buf is not None and head >= seq:
-                    msg = self._accept(buf, seq, as_torch, where)
-                    if msg is not None:
-                        break
-                    self._check_peer(what)
-                elif buf is None and head >= seq and rejected == sum(self.rejected.values()):
-                    raise ExchangeStateLostError(
-                        f"{self.where}: message seq {seq} was published (producer head is "
-                        f"{head}) but is gone from {self._store.describe}: evicted or deleted. "
-                        "Give memcached more memory (-m) and restart with a new run id")
-                else:  # not yet published (or, after a rejected forgery, not yet again)
-                    self._check_peer(what)
-                unreachable = None
-            except StoreUnavailable as exc:
-                unreachable = str(exc)
-            self._wait(w, what, timeout, unreachable)
+
+        def attempt() -> tuple[wire.Message, Mapping[str, bytes]] | None:
+            with self._io:
+                self._check_usable()
+                got, buf = self._store.read_message(small, self._msg(seq))
+            self._check_or_recover(got)
+            head = self._int(got, self._k_head)
+            if buf is not None and head >= seq:
+                msg = self._accept(buf, seq, as_torch, where)
+                if msg is not None:
+                    return msg, got
+            elif buf is None and head >= seq and rejected == sum(self.rejected.values()):
+                raise ExchangeStateLostError(
+                    f"{self.where}: message seq {seq} was published (producer head is "
+                    f"{head}) but is gone from {self._store.describe}: evicted or deleted. "
+                    "Give memcached more memory (-m) and restart with a new run id")
+            self._check_peer(what)  # not yet published (or, after a forgery, not again)
+            return None
+
+        msg, got = self._poll(what, timeout, attempt, w, writes=False)
         if expect is not None:
             check_alignment(msg.meta, expect, where=where, tensors=msg.tensors)
-        self._acknowledge(seq, got.get(self._k_ack, self._written.get(self._k_ack)), w, what,
-                          timeout)
+        raws = [got.get(self._k_ack, self._written.get(self._k_ack))]
+
+        def acknowledge() -> bool:
+            """Set ``ack`` (fenced) and drop the payload. A ``close()`` that started
+            meanwhile wins: the message stays pending, the tombstone's ``last_seq`` is
+            ``ack``. A retry re-reads ``ack`` (a restart in between is then reported)."""
+            with self._io:
+                self._check_usable()
+                self._fenced_set(self._k_ack, seq, raws.pop() if raws else None)
+                self._next = seq + 1
+                if self.delivery == "at_most_once":
+                    try:
+                        self._store.delete_payload(self._msg(seq))
+                    except StoreUnavailable:
+                        log.warning("%s: could not delete the payload of seq %d (server "
+                                    "unreachable); it is removed when the channel reopens",
+                                    self.where, seq)
+            return True
+
+        # (after a recovery, which re-states ack = seq - 1, seq is acknowledged as usual)
+        self._poll(f"the acknowledgement write of seq {seq}", timeout, acknowledge, w)
         return msg.tensors, msg.meta
 
     def _accept(self, buf: bytearray, seq: int, as_torch: bool,
@@ -661,38 +638,6 @@ class Channel:
                     self.rejected["replayed"])
         with self._io:
             self._store.delete_payload(self._msg(seq))
-
-    def _acknowledge(self, seq: int, ack_raw: bytes | None, w: dict[str, float], what: str,
-                     timeout: float) -> None:
-        """Set ``ack`` (fenced) and drop the payload; retried while the server is away.
-
-        A ``close()`` that started meanwhile wins: the message is not acknowledged, stays
-        pending, and the tombstone's ``last_seq`` equals ``ack``.
-        """
-        while True:
-            try:
-                with self._io:
-                    self._check_usable()
-                    self._fenced_set(self._k_ack, seq, ack_raw)
-                    self._next = seq + 1
-                    if self.delivery == "at_most_once":
-                        try:
-                            self._store.delete_payload(self._msg(seq))
-                        except StoreUnavailable:
-                            log.warning("%s: could not delete the payload of seq %d (server "
-                                        "unreachable); it is removed when the channel reopens",
-                                        self.where, seq)
-                return
-            except StoreUnavailable as exc:
-                ack_raw = None  # re-read: a restart in between is then reported as such
-                self._wait(w, f"the acknowledgement write of seq {seq}", timeout, str(exc))
-            except ExchangeStateLostError:
-                if not self._incarnation_moved():
-                    raise
-                with self._io:
-                    self._check_usable()
-                    self._recover()  # re-states ack = seq - 1; then ack seq as usual
-                ack_raw = None
 
     def commit(self, seq: int) -> None:
         """Exactly-once consumers: the application's checkpoint now covers ``seq``.
@@ -743,51 +688,44 @@ class Channel:
         """Refresh this end's lease and activity (the exchange's heartbeat thread)."""
         if self._closing or self._lost:
             return
-        key = self._k_lease[self.role]
+        lease = self._lease
         try:
-            if store.cas(key, self._lease, self._lease, self._ex.lease_ttl):
+            if store.cas(self._k_lease[self.role], lease, lease, self._ex.lease_ttl):
                 self._write_activity(store)
                 return
-        except StoreUnavailable:
-            return
-        if self._closing:
-            return
-        try:
+            if self._closing:
+                return
             incarnation = store.get(self._k_inc)
         except StoreUnavailable:
             return
-        if incarnation != self._incarnation and self._ex.recover:
-            return  # put/get rejoin on their next poll
         if incarnation != self._incarnation:  # a restart, not a take-over: say so
-            self._lost_type = ExchangeStateLostError
-            self._lost = (f"{self.where}: the run's incarnation key is "
-                          f"{'missing' if incarnation is None else 'changed'} on "
-                          f"{self._store.describe}: the server restarted (or evicted this "
-                          "run's keys); messages may be lost. Restart both processes with a "
-                          "new run id")
-            self._wake.set()
+            if not self._ex.recover:  # (recover mode: put/get rejoin on their next poll)
+                self._lose(ExchangeStateLostError, self._incarnation_lost(incarnation))
             return
-        self._lost = (f"{self.where}: this end lost its lease (it expired or another process "
-                      f"took it over, e.g. after this process stalled for more than "
-                      f"{self._ex.lease_ttl:g}s); stop using this channel")
+        if lease is not self._lease:
+            return  # this end rejoined meanwhile (a new lease, refreshed by the next beat)
+        self._lose(LeaseLostError, f"{self.where}: this end lost its lease (it expired or "
+                   "another process took it over, e.g. after this process stalled for more "
+                   f"than {self._ex.lease_ttl:g}s); stop using this channel")
+
+    def _lose(self, error: type[ExchangeError], text: str) -> ExchangeError:
+        """Make every later call raise ``error(text)`` and wake a waiting put/get."""
+        self._lost_type = error  # (before _lost: another thread raises once _lost is set)
+        self._lost = text
         self._wake.set()
+        return error(text)
 
     def _release(self) -> None:
-        key = self._k_lease[self.role]
-        if self._store.get(key) == self._lease:
-            self._store.delete(key)
+        if self._store.get(self._k_lease[self.role]) == self._lease:
+            self._store.delete(self._k_lease[self.role])
 
     def close(self, finished: bool = True) -> None:
         """Leave a tombstone, release the lease and wake a waiting ``get``/``put``.
 
-        Safe to call from another thread (a blocked ``get`` then raises
-        :class:`ChannelClosedError`; a ``get`` that already read its message does not
-        acknowledge it, so it stays pending) and more than once. When the peer has closed
-        cleanly as well, the channel's keys and files are removed: the stream is over.
-
-        Args:
-            finished: ``False`` (e.g. closing because of an exception) never removes the
-                stream, so it can be resumed from a checkpoint.
+        Safe from another thread (a blocked ``get`` raises :class:`ChannelClosedError`; a
+        message it already read stays pending) and more than once. When the peer closed
+        cleanly too, the channel's state is removed, unless ``finished=False`` (e.g.
+        closing on an exception: the stream stays resumable from a checkpoint).
         """
         if self._closing:
             return
@@ -818,15 +756,12 @@ class Channel:
         if self._k_closed[peer] not in got or self._k_lease[peer] in got:
             return
         head = _seq(got.get(self._k_head, b"0"))
-        if self._k_commit in got:  # exactly-once: payloads after the commit were kept
-            low = int(got[self._k_commit])
-        else:
-            low = max(_seq(got.get(self._k_ack, b"0")) - 1, 0)
-        keys = [self._k_head, self._k_ack, self._k_gen, self._k_commit,
-                *self._k_lease.values(), *self._k_closed.values(),
-                *self._k_activity.values()]
-        payloads = [self._msg(s) for s in range(low + 1, head + 2)]
-        self._store.delete_namespace(self._ns, keys, payloads)
+        # (exactly-once: payloads after the commit were kept)
+        low = (int(got[self._k_commit]) if self._k_commit in got
+               else max(_seq(got.get(self._k_ack, b"0")) - 1, 0))
+        keys = [self._k_head, self._k_ack, self._k_gen, self._k_commit, *self._k_lease.values(),
+                *self._k_closed.values(), *self._k_activity.values()]
+        self._store.delete_namespace(self._ns, keys, [self._msg(s) for s in range(low + 1, head + 2)])
         log.debug("%s: both ends closed; removed the channel's state", self.where)
 
     def __enter__(self) -> Channel:

@@ -1,9 +1,8 @@
 """The embedded backend: a directory of files on one machine, no server.
 
-Processes meet in ``<root>/<run>/<rank>/<channel>/`` (``/dev/shm`` by default). Small
-values are replaced by rename, payloads published by hard link (or an exclusive
-``renameat2``), ``head``/``ack`` are two-slot CRC records updated in place under a
-per-directory ``flock``; docs/exchange.md ("Backends") has the details.
+Processes meet in ``<root>/<run>/<rank>/<channel>/`` (``/dev/shm`` by default); small
+values are replaced by rename, payloads published by hard link (or ``renameat2``),
+``head``/``ack`` are two-slot CRC records updated in place under a per-directory ``flock``.
 """
 
 from __future__ import annotations
@@ -19,8 +18,9 @@ import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from lit_roidata.exchange.errors import ExchangeError
 from lit_roidata.exchange.backend import Store
@@ -41,7 +41,6 @@ _SLOT = struct.Struct("<4sQdH70s")
 _CRC = struct.Struct("<I")
 _SLOT_SIZE = _SLOT.size + _CRC.size
 _RECORD_SIZE = 2 * _SLOT_SIZE
-_RECORD = struct.Struct("<" + 2 * (_SLOT.format[1:] + _CRC.format[1:]))  # both slots
 _TORN_RETRIES = 3
 
 
@@ -57,33 +56,23 @@ def _parse_record(raw: bytes) -> tuple[int, float, bytes] | None:
     if neither slot is valid (both torn: a concurrent writer, or damage)."""
     if len(raw) < _RECORD_SIZE:
         return None
-    m0, v0, e0, n0, val0, c0, m1, v1, e1, n1, val1, c1 = _RECORD.unpack_from(raw)
-    ok0 = m0 == _MAGIC
-    ok1 = m1 == _MAGIC
-    if ok1 and (not ok0 or v1 > v0):  # check the newer slot first, the other if it is torn
-        if zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
-            return v1, e1, val1[:n1]
-        ok1 = False
-    if ok0 and zlib.crc32(raw[:_SLOT.size]) == c0:
-        return v0, e0, val0[:n0]
-    if ok1 and zlib.crc32(raw[_SLOT_SIZE:_SLOT_SIZE + _SLOT.size]) == c1:
-        return v1, e1, val1[:n1]
-    return None
+    valid = []
+    for start in (0, _SLOT_SIZE):
+        body = raw[start:start + _SLOT.size]
+        magic, version, expiry, n, value = _SLOT.unpack(body)
+        if magic == _MAGIC and _CRC.unpack_from(raw, start + _SLOT.size)[0] == zlib.crc32(body):
+            valid.append((version, expiry, value[:n]))
+    return max(valid, default=None)
 
 
-def _libc_renameat2():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                   ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2 = _libc_renameat2()
+try:
+    _renameat2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
+                             use_errno=True).renameat2
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+    _renameat2.restype = ctypes.c_int
+except (OSError, AttributeError):
+    _renameat2 = None
 
 
 def rename_noreplace(src: str, dst: str) -> None:
@@ -91,8 +80,7 @@ def rename_noreplace(src: str, dst: str) -> None:
 
     Raises:
         FileExistsError: ``dst`` exists (nothing was renamed).
-        OSError: with ``errno.ENOTSUP`` if neither the C library nor the file system
-            supports an exclusive rename.
+        OSError: ``errno.ENOTSUP``: no exclusive rename in the C library or file system.
     """
     if _renameat2 is None:
         raise OSError(errno.ENOTSUP, "renameat2 is not available in this C library")
@@ -117,13 +105,9 @@ def default_root() -> Path:
 
 
 class EmbeddedStore(Store):
-    """File-backed :class:`~lit_roidata.exchange.backend.Store` under ``root``.
-
-    Args:
-        root: directory shared by the processes that exchange blobs (created if missing).
-        hard_links: ``False`` publishes payloads with the exclusive rename instead of
-            ``link`` (what happens automatically on a file system without hard links).
-    """
+    """File-backed :class:`~lit_roidata.exchange.backend.Store` under ``root`` (created if
+    missing). ``hard_links=False`` publishes payloads with the exclusive rename instead of
+    ``link`` (what happens by itself on a file system without hard links)."""
 
     def __init__(self, root: str | os.PathLike | None = None, *,
                  hard_links: bool = True) -> None:
@@ -138,7 +122,7 @@ class EmbeddedStore(Store):
         self._root = str(self.root) + "/"
         self._made: set[str] = set()
         self._links = hard_links
-        self._lockfds: dict[str, int] = {}
+        self._lockfds: dict[str, int] = {}  # lock path -> fd kept open
         self._recfds: dict[str, int] = {}  # record path -> fd kept open (O_RDWR)
 
     # Plain strings and os.* calls: pathlib and buffered io cost more than the syscalls.
@@ -153,8 +137,7 @@ class EmbeddedStore(Store):
     def _space_error(self, path: str, exc: OSError, needed: int) -> ExchangeError:
         directory = path.rpartition("/")[0]
         try:
-            free = shutil.disk_usage(directory).free
-            free_txt = f"{free / 1e6:.1f} MB free"
+            free_txt = f"{shutil.disk_usage(directory).free / 1e6:.1f} MB free"
         except OSError:
             free_txt = "free space unknown"
         return ExchangeError(
@@ -165,26 +148,18 @@ class EmbeddedStore(Store):
             "LIT_ROIDATA_EXCHANGE_DIR=<dir> (in Docker, raise /dev/shm with --shm-size)")
 
     def _write_tmp(self, path: str, chunks: list) -> str:
-        """Write ``chunks`` to a new temporary file next to ``path``; return its name.
-
-        On failure the temporary file is removed; running out of space (or into a file
-        size limit) raises :class:`ExchangeError` naming the directory and the sizes.
-        """
+        """Write ``chunks`` to a new temporary file next to ``path``; return its name. On
+        failure it is removed; no space (or a file size limit) raises :class:`ExchangeError`
+        naming the directory and the sizes."""
         tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        views = [memoryview(c).cast("B") for c in chunks]
-        views = [v for v in views if len(v)]
-        needed = sum(len(v) for v in views)
+        views = [v for v in (memoryview(c).cast("B") for c in chunks) if len(v)]
+        needed, fd = sum(len(v) for v in views), None
         try:
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileNotFoundError:  # the directory was swept away: make it again
                 os.makedirs(path.rpartition("/")[0], exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as exc:
-            if exc.errno in _SPACE_ERRNOS:
-                raise self._space_error(path, exc, needed) from exc
-            raise
-        try:
             while views:
                 n = os.writev(fd, views[:512])
                 if n == 0:
@@ -195,9 +170,10 @@ class EmbeddedStore(Store):
                 if n:
                     views[0] = views[0][n:]
         except BaseException as exc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if fd is not None:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             if isinstance(exc, OSError) and exc.errno in _SPACE_ERRNOS:
                 raise self._space_error(path, exc, needed) from exc
             raise
@@ -205,57 +181,64 @@ class EmbeddedStore(Store):
         return tmp
 
     @staticmethod
-    def _read_small(path: str) -> bytes | None:
+    def _read_file(path: str) -> bytearray | None:
+        """The whole file as a writable buffer, ``None`` if it does not exist."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            raw = os.read(fd, 65536)  # small values: one read returns the whole file
-            if len(raw) == 65536:
-                parts = [raw]
-                while part := os.read(fd, 65536):
-                    parts.append(part)
-                raw = b"".join(parts)
+            buf = bytearray(os.fstat(fd).st_size)
+            view, got = memoryview(buf), 0
+            while got < len(buf):
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise ExchangeError(f"payload {path} shrank while reading")
+                got += n
+            return buf
         finally:
             os.close(fd)
-        if len(raw) < _EXPIRY.size:
-            return None  # cannot happen with atomic writes; treat as absent
+
+    def _read_small(self, path: str) -> bytes | None:
+        raw = self._read_file(path)
+        if raw is None or len(raw) < _EXPIRY.size:
+            return None  # (too short cannot happen with atomic writes: treat as absent)
         (expiry,) = _EXPIRY.unpack_from(raw)
-        if expiry and expiry < time.time():
-            return None
-        return raw[_EXPIRY.size:]
+        return None if expiry and expiry < time.time() else bytes(raw[_EXPIRY.size:])
 
     @staticmethod
-    def _expiry(ttl: float) -> bytes:
-        return _EXPIRY.pack(time.time() + ttl if ttl else 0.0)
+    def _fd(cache: dict[str, int], path: str, flags: int) -> int | None:
+        """A kept-open fd of ``path``, re-opened once the file was removed (the channel
+        was deleted, maybe re-created); ``None`` if it does not exist."""
+        fd = cache.get(path)
+        if fd is not None and os.fstat(fd).st_nlink:
+            return fd
+        if fd is not None:
+            os.close(cache.pop(path))
+        try:
+            cache[path] = os.open(path, flags, 0o644)
+        except FileNotFoundError:
+            if flags & os.O_CREAT:
+                raise
+        return cache.get(path)
 
     @contextlib.contextmanager
     def _lock(self, path: str) -> Iterator[None]:
         """Exclusive ``flock`` on the directory's ``.lock`` file (fd kept per handle)."""
-        directory = path.rpartition("/")[0]
+        lock = path.rpartition("/")[0] + "/.lock"
         while True:
-            fd = self._lockfds.get(directory)
-            if fd is None:
-                fd = os.open(directory + "/.lock", os.O_RDWR | os.O_CREAT, 0o644)
-                self._lockfds[directory] = fd
+            fd = self._fd(self._lockfds, lock, os.O_RDWR | os.O_CREAT)
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_nlink:
                 break
-            # The lock file was removed (the channel was deleted and maybe re-created):
-            # a lock on the old file excludes nobody. Open the current one.
+            # The lock file was removed: a lock on it excludes nobody. Open the current one.
             fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            del self._lockfds[directory]
         try:
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _replace(self, path: str, value: bytes, ttl: float) -> None:
-        self._replace_parts(path, [self._expiry(ttl), value])
-
-    def _replace_parts(self, path: str, parts: list[bytes]) -> None:
+    def _replace(self, path: str, parts: list[bytes]) -> None:
         """Write ``parts`` to a temp file and rename it over ``path`` (no partial file
         is ever visible; the temp file is removed on failure)."""
         tmp = self._write_tmp(path, parts)
@@ -266,26 +249,12 @@ class EmbeddedStore(Store):
                 os.unlink(tmp)
             raise
 
-    def _record_fd(self, path: str) -> int | None:
-        fd = self._recfds.get(path)
-        if fd is not None:
-            if os.fstat(fd).st_nlink:
-                return fd
-            os.close(fd)  # removed (the channel was deleted)
-            del self._recfds[path]
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            return None
-        self._recfds[path] = fd
-        return fd
-
     def _read_record(self, path: str, locked: bool = False) -> tuple[int, float, bytes] | None:
         """``(version, expiry, value)`` of a record file, ``None`` if there is none.
         Without the lock, a read that finds both slots torn is retried, then repeated under
         the lock."""
         for _ in range(1 if locked else _TORN_RETRIES):
-            fd = self._record_fd(path)
+            fd = self._fd(self._recfds, path, os.O_RDWR)
             if fd is None:
                 return None
             rec = _parse_record(os.pread(fd, _RECORD_SIZE, 0))
@@ -297,19 +266,22 @@ class EmbeddedStore(Store):
         raise ExchangeError(f"the position file {path} is damaged (neither of its slots "
                             "passes its CRC); delete the run directory and start a new run")
 
-    def _record_value(self, path: str, locked: bool = False) -> bytes | None:
+    def _value(self, path: str, locked: bool = False) -> tuple[bytes | None, tuple | None]:
+        """Current value (``None``: absent or expired) and, for a record, what was read."""
+        if not path.endswith(_RECORD_SUFFIXES):
+            return self._read_small(path), None
         rec = self._read_record(path, locked)
-        if rec is None or (rec[1] and rec[1] < time.time()):
-            return None
-        return rec[2]
+        expired = rec is None or (rec[1] and rec[1] < time.time())
+        return (None if expired else rec[2]), rec
 
-    def _write_record(self, path: str, value: bytes, ttl: float,
-                      rec: tuple[int, float, bytes] | None) -> None:
-        """Write a record (the caller holds the lock and passes what it read under it)."""
+    def _write(self, path: str, value: bytes, ttl: float, rec: tuple | None) -> None:
+        """Replace a small value's file; rewrite a record's older slot in place (the
+        caller holds the lock and passes what it read under it)."""
         expiry = time.time() + ttl if ttl else 0.0
+        if not path.endswith(_RECORD_SUFFIXES):
+            return self._replace(path, [_EXPIRY.pack(expiry), value])
         if rec is None:  # create it whole
-            self._replace_parts(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
-            return
+            return self._replace(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
         version = rec[0] + 1
         try:
             os.pwrite(self._recfds[path], _pack_slot(version, expiry, value),
@@ -319,89 +291,58 @@ class EmbeddedStore(Store):
                 raise self._space_error(path, exc, _SLOT_SIZE) from exc
             raise
 
-    def _get_locked(self, path: str) -> tuple[bytes | None, tuple | None]:
-        """Current value (``None``: absent or expired) and, for a record, what was read."""
-        if path.endswith(_RECORD_SUFFIXES):
-            rec = self._read_record(path, locked=True)
-            if rec is None or (rec[1] and rec[1] < time.time()):
-                return None, rec
-            return rec[2], rec
-        return self._read_small(path), None
-
-    def _set_locked(self, path: str, value: bytes, ttl: float, rec: tuple | None) -> None:
-        if path.endswith(_RECORD_SUFFIXES):
-            self._write_record(path, value, ttl, rec)
-        else:
-            self._replace(path, value, ttl)
+    def _rmw(self, key: str, ttl: float, decide: Callable[[bytes | None], tuple]) -> Any:
+        """One locked read-check-write: ``decide(current)`` gives ``(new value or None to
+        leave it, result)``; returns the result."""
+        path = self._path(key)
+        with self._lock(path):
+            cur, rec = self._value(path, locked=True)
+            new, result = decide(cur)
+            if new is not None:
+                self._write(path, new, ttl, rec)
+            return result
 
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
-        path = self._path(key)
-        with self._lock(path):
-            cur, rec = self._get_locked(path)
-            if cur is not None:
-                return False
-            self._set_locked(path, value, ttl, rec)
-            return True
+        return self._rmw(key, ttl, lambda cur: (value, True) if cur is None else (None, False))
 
     def set(self, key: str, value: bytes, ttl: float = 0) -> None:
-        path = self._path(key)
-        if path.endswith(_RECORD_SUFFIXES):  # written in place: writers take the lock
-            with self._lock(path):
-                self._write_record(path, value, ttl, self._read_record(path, locked=True))
+        if key.endswith(_RECORD_SUFFIXES):  # written in place: writers take the lock
+            self._rmw(key, ttl, lambda cur: (value, None))
         else:
-            self._replace(path, value, ttl)
+            self._write(self._path(key), value, ttl, None)
 
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
-        out = {}
-        for key in keys:
-            path = self._root + key
-            value = (self._record_value(path) if path.endswith(_RECORD_SUFFIXES)
-                     else self._read_small(path))
-            if value is not None:
-                out[key] = value
-        return out
+        got = {key: self._value(self._root + key)[0] for key in keys}
+        return {key: value for key, value in got.items() if value is not None}
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
-        path = self._path(key)
-        with self._lock(path):
-            cur, rec = self._get_locked(path)
-            if cur != expected:
-                return False
-            self._set_locked(path, new, ttl, rec)
-            return True
+        return self._rmw(key, ttl, lambda cur: (new, True) if cur == expected else (None, False))
 
     local_fence = True
     volatile = False
 
     def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
-        path = self._path(key)
-        with self._lock(path):  # one locked read-check-write (a pwrite for a record)
-            cur, rec = self._get_locked(path)
-            if cur is None:
-                return False, None
-            parts = cur.split(b" ", 1)
-            if len(parts) > 1 and int(parts[1]) > gen:
-                return False, cur
-            if cur != new:
-                self._set_locked(path, new, 0, rec)
-            return True, cur
+        def decide(cur: bytes | None) -> tuple:
+            parts = (cur or b"").split(b" ", 1)
+            if cur is None or (len(parts) > 1 and int(parts[1]) > gen):
+                return None, (False, cur)
+            return (new if cur != new else None), (True, cur)
+
+        return self._rmw(key, 0, decide)  # a pwrite for a record
 
     def incr(self, key: str, ttl: float = 0) -> int:
-        path = self._path(key)
-        with self._lock(path):
-            raw, rec = self._get_locked(path)
-            value = (int(raw) if raw is not None else time.time_ns() // 1000) + 1
-            self._set_locked(path, str(value).encode(), ttl, rec)
-            return value
+        def bump(cur: bytes | None) -> tuple:
+            value = (int(cur) if cur is not None else time.time_ns() // 1000) + 1
+            return str(value).encode(), value
+
+        return self._rmw(key, ttl, bump)
 
     def delete(self, key: str) -> None:
         fd = self._recfds.pop(self._root + key, None)
         if fd is not None:
             os.close(fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._root + key)
-        except FileNotFoundError:
-            pass
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._root + key)
@@ -414,62 +355,38 @@ class EmbeddedStore(Store):
                 try:
                     os.link(tmp, path)
                     return True
-                except FileExistsError:
-                    return False
                 except OSError as exc:
-                    if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV,
-                                         errno.EMLINK):
+                    if isinstance(exc, FileExistsError) or exc.errno not in (
+                            errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
                         raise
                     self._links = False  # no hard links here: use the exclusive rename
-            try:
-                rename_noreplace(tmp, path)
-                return True
-            except FileExistsError:
-                return False
-            except OSError as exc:
-                if exc.errno != errno.ENOTSUP:
-                    raise
-                raise ExchangeError(
-                    f"the file system of the exchange directory {self.root} supports neither "
-                    "hard links nor an exclusive rename (renameat2 RENAME_NOREPLACE), so a "
-                    "payload cannot be published atomically and exactly once there. Use "
-                    "/dev/shm or a local file system (shm_dir=... or "
-                    "LIT_ROIDATA_EXCHANGE_DIR)") from exc
+            rename_noreplace(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno != errno.ENOTSUP:
+                raise
+            raise ExchangeError(
+                f"the file system of the exchange directory {self.root} supports neither "
+                "hard links nor an exclusive rename (renameat2 RENAME_NOREPLACE), so a "
+                "payload cannot be published atomically and exactly once there. Use "
+                "/dev/shm or a local file system (shm_dir=... or LIT_ROIDATA_EXCHANGE_DIR)"
+            ) from exc
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
 
     def get_payload(self, key: str) -> bytearray | None:
-        try:
-            fd = os.open(self._root + key, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            view, got = memoryview(buf), 0
-            while got < size:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    raise ExchangeError(f"payload {self._root + key} shrank while reading")
-                got += n
-            return buf
-        finally:
-            os.close(fd)
+        return self._read_file(self._root + key)
 
-    def delete_payload(self, key: str) -> None:
-        self.delete(key)
+    delete_payload = delete
 
     def sweep_stale_runs(self, stale_after: float, keep: str | None = None) -> list[str]:
-        """Remove run directories under the root that nobody owns any more.
+        """Remove run directories under the root that nobody owns any more; return their ids.
 
-        A run is stale when none of its lease files names a live owner (a lease of a
-        process on this host that is gone, or an expired lease, does not count) and no
-        file in it changed for ``stale_after`` seconds. ``keep`` (this process's run id)
-        is never removed.
-
-        Returns:
-            The run ids removed.
+        Stale: no lease file names a live owner and no file changed for ``stale_after``
+        seconds. ``keep`` (this process's run id) is never removed.
         """
         from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
 
@@ -492,8 +409,7 @@ class EmbeddedStore(Store):
                     if name.startswith("lease.") and not name.endswith(".tmp"):
                         raw = self._read_small(full)
                         rec = LeaseRecord.loads(raw) if raw is not None else None
-                        if peer_liveness(rec) == "alive":
-                            live = True
+                        live = live or peer_liveness(rec) == "alive"
                 if live:
                     break
             if not live and now - newest >= stale_after:

@@ -26,8 +26,7 @@ def host_identity() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
-        pidns = os.readlink("/proc/self/ns/pid")
-        return f"{boot}/{pidns}"
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
         return f"host:{socket.gethostname()}"
 

@@ -1,10 +1,9 @@
-"""The memcached backend (pymemcache).
+"""The memcached backend (pymemcache): raw wire-format bytes (no pickle), statuses checked.
 
-Raw wire-format bytes (no pickle), every status checked; payloads written once with
-``add``, split into chunk items ``<key>#<writer>#<i>`` above the server's item size and
-published by an ``LRXC`` descriptor; leases and positions by meta compare-and-swap
-(memcached >= 1.6) with remembered CAS tokens; every key expires after ``key_ttl``.
-Connection failures raise :class:`StoreUnavailable`. See docs/exchange.md ("Backends").
+Payloads are written once with ``add``, split into chunk items ``<key>#<writer>#<i>`` above
+the item size and published by an ``LRXD`` descriptor; leases and positions use meta
+compare-and-swap (memcached >= 1.6) with remembered CAS tokens; every key expires after
+``key_ttl``. Connection failures raise :class:`StoreUnavailable`.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import re
 import socket
 import struct
 import time
+from typing import Any
 
 from pymemcache.client.base import Client
 from pymemcache.exceptions import (MemcacheError, MemcacheServerError, MemcacheUnexpectedCloseError,
@@ -34,6 +34,8 @@ _MAX_RELATIVE_TTL = 30 * 24 * 3600  # memcached reads larger expiries as unix ti
 _KEY_OK = re.compile(rb"^[\x21-\x7e]{1,250}$")
 _CHUNK_MARGIN = 4096  # room for the item header and key inside item_size_max
 _TRANSIENT = (OSError, socket.timeout, MemcacheUnexpectedCloseError)
+_HINTS = (("too large", "; lower chunk_size or raise the server's item size (-I)"),
+          ("memory", "; give memcached more memory (-m) so items are not refused/evicted"))
 
 
 def parse_address(address: str | None) -> tuple[str, int]:
@@ -59,39 +61,35 @@ def _memcached_key(key: str) -> bytes:
     return raw
 
 
-def _chunk_key(key: str, writer: bytes, i: int) -> str:
-    return f"{key}#{writer.hex()}#{i}"
+def _chunk_names(key: str, head: bytes) -> list[str]:
+    """The chunk keys a payload item names (``[]``: the item is the whole message)."""
+    if not head.startswith(_DESC_MAGIC) or len(head) != _DESCRIPTOR.size:
+        return []
+    _, n, _, writer = _DESCRIPTOR.unpack(head)
+    return [f"{key}#{writer.hex()}#{i}" for i in range(n)]
 
 
 class MemcachedStore(Store):
     """:class:`~lit_roidata.exchange.backend.Store` on one memcached server.
 
-    Args:
-        address: ``"host:port"``.
-        timeout: socket timeout in seconds for one request.
-        chunk_size: bytes per chunk item; default: the server's ``item_size_max`` minus a
-            margin for the item header.
-        key_ttl: expiry in seconds of every key stored without its own (at most 30 days),
-            so keys of an abandoned run disappear; refreshed by every write.
+    ``timeout``: socket timeout of one request; ``chunk_size``: bytes per chunk item
+    (default: the server's ``item_size_max`` less a margin); ``key_ttl``: expiry of every
+    key stored without its own (at most 30 days; refreshed by every write).
     """
 
     def __init__(self, address: str, *, timeout: float = 30.0,
                  chunk_size: int | None = None, key_ttl: float = 7 * 24 * 3600) -> None:
-        self.address = address
-        self.key_ttl = key_ttl
+        self.address, self.key_ttl, self._timeout = address, key_ttl, timeout
         self._server = parse_address(address)
-        self._timeout = timeout
         self.describe = f"memcached at {address}"
         self._client = Client(self._server, connect_timeout=min(timeout, 5.0), timeout=timeout,
                               no_delay=True, default_noreply=False)
-        if chunk_size is None:
-            chunk_size = self.item_size_max() - _CHUNK_MARGIN
+        chunk_size = self.item_size_max() - _CHUNK_MARGIN if chunk_size is None else chunk_size
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         self.chunk_size = chunk_size
         self._chunks: dict[str, list[str]] = {}  # chunk keys of payloads read, for delete
         self._tokens: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value, cas token)
-        self._own: dict[bytes, tuple[bytes, bytes]] = {}  # key -> (value we cas-ed, token)
 
     def _call(self, fn, *args, **kwargs):
         try:
@@ -102,17 +100,12 @@ class MemcachedStore(Store):
                                    f"running? start it with `memcached -p "
                                    f"{self._server[1]} -I 16m`") from exc
         except MemcacheServerError as exc:
-            hint = ""
-            if b"too large" in str(exc).encode() or "too large" in str(exc):
-                hint = "; lower chunk_size or raise the server's item size (-I)"
-            elif "memory" in str(exc):
-                hint = "; give memcached more memory (-m) so items are not refused/evicted"
+            hint = next((h for word, h in _HINTS if word in str(exc)), "")
             raise ExchangeError(f"{self.describe} refused a request: {exc}{hint}") from exc
         except MemcacheError as exc:
             raise ExchangeError(f"{self.describe}: {exc}") from exc
 
-    def _k(self, key: str) -> bytes:
-        return _memcached_key(key)
+    _k = staticmethod(_memcached_key)
 
     def _ttl(self, ttl: float) -> int:
         # memcached expiry is in whole seconds on a clock that ticks once a second, so a
@@ -125,10 +118,7 @@ class MemcachedStore(Store):
     def item_size_max(self) -> int:
         """The server's item size limit in bytes (``memcached -I``)."""
         stats = self._call(self._client.stats, "settings")
-        value = stats.get(b"item_size_max", stats.get("item_size_max"))
-        if value is None:
-            return 1 << 20
-        return int(value)
+        return int(stats.get(b"item_size_max", stats.get("item_size_max", 1 << 20)))
 
     def add(self, key: str, value: bytes, ttl: float = 0) -> bool:
         return bool(self._call(self._client.add, self._k(key), value, self._ttl(ttl)))
@@ -140,42 +130,25 @@ class MemcachedStore(Store):
     def get_many(self, keys: list[str]) -> dict[str, bytes]:
         mapped = {self._k(k): k for k in keys}
         got = self._call(self._client.gets_many, list(mapped))
-        out = {}
-        tokens = self._tokens
-        if len(tokens) > 4096:
-            tokens.clear()
-        for k, (value, token) in got.items():
-            if len(value) <= 256:  # only small (bookkeeping) values are cas-ed
-                tokens[k] = (value, token)
-            out[mapped[k]] = value
-        return out
+        # Only small (bookkeeping) values are cas-ed: remember their tokens.
+        self._remember((k, vt) for k, vt in got.items() if len(vt[0]) <= 256)
+        return {mapped[k]: value for k, (value, _) in got.items()}
 
     def peek_many(self, keys: list[str]) -> dict[str, bytes]:
-        mapped = {_memcached_key(k): k for k in keys}
-        got = self._call(self._client.get_many, list(mapped))
-        return {mapped[k]: v for k, v in got.items()}
+        mapped = {self._k(k): k for k in keys}
+        return {mapped[k]: v for k, v in self._call(self._client.get_many, list(mapped)).items()}
 
     def cas(self, key: str, expected: bytes, new: bytes, ttl: float = 0) -> bool:
-        k = _memcached_key(key)
-        ttl_s = self._ttl(ttl)
-        own = self._own.pop(k, None)
-        if own is not None and own[0] == expected:
-            # This handle wrote ``expected`` and got ``own[1]`` back: if the item still has
-            # that token, nobody has written it since, so it still holds ``expected``.
-            answer = self._cas_write(k, new, own[1], ttl_s)
-            if answer is not None:
-                return answer
-            self._tokens.pop(k, None)
-            cached = None  # written by someone else meanwhile: read it and compare
-        else:
-            cached = self._tokens.pop(k, None)
-        if cached is not None and cached[0] == expected:
-            token = cached[1]  # read moments ago by get_many: skip the extra gets
-        else:
-            value, token = self._call(self._client.gets, k)
-            if value is None or value != expected:
-                return False
-        return bool(self._cas_write(k, new, token, ttl_s))
+        k, ttl_s = self._k(key), self._ttl(ttl)
+        # The token of this handle's last read or write of ``k``: if the item still has it,
+        # nobody has written it since, so it still holds that value (no extra ``gets``).
+        known = self._tokens.pop(k, None)
+        if known is not None and known[0] == expected:
+            stored = self._cas_write(k, new, known[1], ttl_s)
+            if stored is not None:
+                return stored
+        value, token = self._call(self._client.gets, k)  # unknown, or written meanwhile
+        return value == expected and bool(self._cas_write(k, new, token, ttl_s))
 
     def _cas_write(self, k: bytes, new: bytes, token: bytes, ttl: int) -> bool | None:
         """Meta-set ``k`` to ``new`` iff its CAS token is ``token``; remember the new token.
@@ -183,19 +156,33 @@ class MemcachedStore(Store):
         Returns ``True`` if stored, ``False`` if the key is missing, ``None`` if its token
         changed (someone wrote it since ``token`` was read).
         """
-        line = self._meta(b"ms", b"ms %b %d T%d C%b c\r\n%b\r\n" % (k, len(new), ttl, token, new))
-        if line.startswith(b"HD"):
-            if len(self._own) > 4096:
-                self._own.clear()
-            for flag in line.split()[1:]:
-                if flag.startswith(b"c"):
-                    self._own[k] = (new, flag[1:])
-            return True
-        if line.startswith(b"EX"):
-            return None
-        if line.startswith(b"NF"):
-            return False
-        raise self._meta_error(line, "set")
+        stored, line = self._meta(b"ms %b %d T%d C%b c\r\n%b" % (k, len(new), ttl, token, new),
+                                  {b"HD": True, b"EX": None, b"NF": False})
+        if stored:
+            self._remember(((k, (new, flag[1:])) for flag in line.split()[1:]
+                            if flag.startswith(b"c")))
+        return stored
+
+    def _remember(self, tokens: Any) -> None:
+        """Keep ``(key, (value, cas token))`` pairs for :meth:`cas` (bounded)."""
+        if len(self._tokens) > 4096:
+            self._tokens.clear()
+        self._tokens.update(tokens)
+
+    def _meta(self, request: bytes, answers: dict[bytes, bool | None]) -> tuple[Any, bytes]:
+        """Send one meta command (memcached >= 1.6) and map its reply's status through
+        ``answers`` (any other reply raises); returns ``(answer, reply line)``."""
+        try:
+            line = self._call(self._client.raw_command, request)
+        except ExchangeError as exc:  # "ERROR": a server without meta commands
+            if not isinstance(exc.__cause__, MemcacheUnknownCommandError):
+                raise
+            line = b"ERROR"
+        if line[:2] in answers:
+            return answers[line[:2]], line
+        raise ExchangeError(f"{self.describe} answered {line!r} to a meta "
+                            f"{'get' if request.startswith(b'mg') else 'set'}; the exchange "
+                            "needs memcached >= 1.6")
 
     def incr(self, key: str, ttl: float = 0) -> int:
         k = self._k(key)
@@ -213,66 +200,37 @@ class MemcachedStore(Store):
     def exists(self, key: str) -> bool:
         # Meta get without flags ("mg <key>"): "HD" if present, "EN" if not. Transfers no
         # data and, unlike ``touch``, leaves the key's expiry alone (memcached >= 1.6).
-        line = self._meta(b"mg", b"mg " + self._k(key) + b"\r\n")
-        if line.startswith(b"HD"):
-            return True
-        if line.startswith(b"EN"):
-            return False
-        raise self._meta_error(line, "get")
+        return self._meta(b"mg " + self._k(key), {b"HD": True, b"EN": False})[0]
 
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
-        k = self._k(key)
         one = encoded.buffers[0] if len(encoded.buffers) == 1 else None
         data = one if isinstance(one, bytes) else encoded.tobytes()
-        if len(data) <= self.chunk_size:
-            head = data
-        else:
-            view = memoryview(data)
-            n = math.ceil(len(data) / self.chunk_size)
-            writer = os.urandom(8)
-            chunks = {self._k(_chunk_key(key, writer, i)):
-                      bytes(view[i * self.chunk_size:(i + 1) * self.chunk_size])
-                      for i in range(n)}
+        head, names, size = data, [], self.chunk_size
+        if len(data) > size:
+            n, view = math.ceil(len(data) / size), memoryview(data)
+            head = _DESCRIPTOR.pack(_DESC_MAGIC, n, len(data), os.urandom(8))
+            names = [self._k(name) for name in _chunk_names(key, head)]
+            chunks = {k: bytes(view[i * size:(i + 1) * size]) for i, k in enumerate(names)}
             failed = self._call(self._client.set_many, chunks, self._ttl(ttl))
             if failed:
-                self._call(self._client.delete_many, list(chunks), noreply=True)
+                self._drop(names)
                 raise ExchangeError(f"{self.describe} did not store {len(failed)} chunk(s) "
                                     f"of {key!r}; give it more memory (-m)")
-            head = _DESCRIPTOR.pack(_DESC_MAGIC, n, len(data), writer)
-        if not self._add_item(k, head, self._ttl(ttl)):
-            if len(data) > self.chunk_size:
-                self._call(self._client.delete_many, list(chunks), noreply=True)
-            return False
-        return True
+        # ``add`` in its meta form: one round trip, without pymemcache's per-call checks.
+        stored = self._meta(b"ms %b %d T%d ME\r\n%b" % (self._k(key), len(head),
+                                                         self._ttl(ttl), head),
+                            {b"HD": True, b"NS": False})[0]
+        if not stored:
+            self._drop(names)
+        return stored
 
-    def _add_item(self, k: bytes, value: bytes, ttl: int) -> bool:
-        """``add`` in its meta form (``ms ... ME``): one round trip like pymemcache's
-        ``add``, without its per-call key and argument checks (the key comes from
-        :func:`_memcached_key`, already checked)."""
-        line = self._meta(b"ms", b"".join((b"ms %b %d T%d ME\r\n" % (k, len(value), ttl),
-                                           value, b"\r\n")))
-        if line.startswith(b"HD"):
-            return True
-        if line.startswith(b"NS"):
-            return False
-        raise self._meta_error(line, "set")
-
-    def _meta(self, verb: bytes, request: bytes) -> bytes:
-        """Send one meta command (memcached >= 1.6; ``request`` ends with CRLF); its reply."""
-        try:
-            return self._call(self._client.raw_command, request[:-2])
-        except ExchangeError as exc:  # "ERROR": a server without meta commands
-            if isinstance(exc.__cause__, MemcacheUnknownCommandError):
-                raise self._meta_error(b"ERROR", verb.decode()) from None
-            raise
-
-    def _meta_error(self, line: bytes, what: str) -> ExchangeError:
-        return ExchangeError(f"{self.describe} answered {line!r} to a meta {what}; the "
-                             "exchange needs memcached >= 1.6")
+    def _drop(self, keys: list[bytes]) -> None:
+        """Delete memcached keys without waiting for replies (clean-up only)."""
+        if keys:
+            self._call(self._client.delete_many, keys, noreply=True)
 
     def get_payload(self, key: str) -> bytearray | None:
-        head = self.get_many([key]).get(key)
-        return None if head is None else self.resolve_payload(key, head)
+        return self.read_message([], key)[1]
 
     def read_message(self, small_keys: list[str],
                      payload_key: str) -> tuple[dict[str, bytes], bytearray | None]:
@@ -284,40 +242,28 @@ class MemcachedStore(Store):
 
     def resolve_payload(self, key: str, head: bytes) -> bytearray:
         """Turn a payload item (whole message or chunk descriptor) into the message bytes."""
-        if not head.startswith(_DESC_MAGIC) or len(head) != _DESCRIPTOR.size:
-            self._chunks[key] = []
+        names = self._chunks[key] = _chunk_names(key, head)
+        if not names:
             return bytearray(head)
-        _, n, total, writer = _DESCRIPTOR.unpack(head)
-        names = [_chunk_key(key, writer, i) for i in range(n)]
-        self._chunks[key] = names
-        got = self.get_many(names)
-        buf, pos = bytearray(total), 0
-        for i, name in enumerate(names):
-            part = got.get(name)
-            if part is None:
-                raise ExchangeStateLostError(
-                    f"chunk {i}/{n} of {key!r} is missing from {self.describe}: evicted or "
-                    "the server restarted; give memcached more memory (-m) and restart "
-                    "both processes with a new run id")
-            buf[pos:pos + len(part)] = part
-            pos += len(part)
-        if pos != total:
-            raise ExchangeStateLostError(f"chunks of {key!r} hold {pos} bytes, descriptor "
+        total, got = _DESCRIPTOR.unpack(head)[2], self.peek_many(names)
+        missing = [i for i, name in enumerate(names) if name not in got]
+        if missing:
+            raise ExchangeStateLostError(
+                f"chunk {missing[0]}/{len(names)} of {key!r} is missing from {self.describe}: "
+                "evicted or the server restarted; give memcached more memory (-m) and restart "
+                "both processes with a new run id")
+        buf = bytearray().join(got[name] for name in names)
+        if len(buf) != total:
+            raise ExchangeStateLostError(f"chunks of {key!r} hold {len(buf)} bytes, descriptor "
                                          f"says {total}: mixed chunks on {self.describe}")
         return buf
 
     def delete_payload(self, key: str) -> None:
         names = self._chunks.pop(key, None)
         if names is None:
-            head = self.get_many([key]).get(key)
-            names = []
-            if head is not None and head.startswith(_DESC_MAGIC) and \
-                    len(head) == _DESCRIPTOR.size:
-                _, n, _, writer = _DESCRIPTOR.unpack(head)
-                names = [_chunk_key(key, writer, i) for i in range(n)]
-        keys = [self._k(key)] + [self._k(name) for name in names]
-        # Clean-up only (the ack already moved the stream on): no need to wait for replies.
-        self._call(self._client.delete_many, keys, noreply=True)
+            head = self.peek_many([key]).get(key)
+            names = [] if head is None else _chunk_names(key, head)
+        self._drop([self._k(name) for name in [key, *names]])
 
     def clone(self) -> MemcachedStore:
         return MemcachedStore(self.address, timeout=self._timeout, chunk_size=self.chunk_size,

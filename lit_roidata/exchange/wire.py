@@ -1,10 +1,8 @@
 """The exchange's wire format: named arrays plus JSON metadata, no pickle.
 
-A message is a 24-byte prefix (magic ``LRXW``, version, flags, header length, CRC-32,
-data length), a JSON header (envelope, meta, tensor table), padding and the 64-byte
-aligned tensor data, optionally followed by an HMAC-SHA256 tag (``FLAG_HMAC``); see
-docs/exchange.md ("Wire format"). Decoded arrays share the (writable) receive buffer;
-``bfloat16``/``float8`` come back as ``torch.Tensor``.
+A 24-byte prefix (magic ``LRXW``, version, flags, lengths, CRC-32), a JSON header
+(envelope, meta, tensor table) and the 64-byte aligned tensor data, optionally followed by
+an HMAC-SHA256 tag (``FLAG_HMAC``); see docs/exchange.md ("Wire format").
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ import hashlib
 import hmac
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,21 +32,12 @@ _PREFIX = struct.Struct("<4sHHIIQ")
 _ALIGN = 64
 
 # Canonical name -> NumPy dtype (little-endian) for types NumPy represents natively.
-_NUMPY_TYPES: dict[str, np.dtype] = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in (
-        "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-        "float16", "float32", "float64", "complex64", "complex128",
-    )
-}
-# Canonical name -> (torch dtype attribute, same-width integer carrier) for torch-only types.
-_TORCH_ONLY: dict[str, tuple[str, str]] = {
-    "bfloat16": ("bfloat16", "int16"),
-    "float8_e4m3fn": ("float8_e4m3fn", "uint8"),
-    "float8_e5m2": ("float8_e5m2", "uint8"),
-    "float8_e4m3fnuz": ("float8_e4m3fnuz", "uint8"),
-    "float8_e5m2fnuz": ("float8_e5m2fnuz", "uint8"),
-}
+_NUMPY_TYPES: dict[str, np.dtype] = {name: np.dtype(name).newbyteorder("<") for name in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128")}
+# Torch-only types (the torch dtype's name) -> the same-width integer carrier.
+_TORCH_ONLY: dict[str, str] = {"bfloat16": "int16", **dict.fromkeys(
+    ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"), "uint8")}
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(_NUMPY_TYPES) + tuple(_TORCH_ONLY)
 
 
@@ -77,27 +66,19 @@ class Message:
     envelope: dict[str, Any] = field(default_factory=dict)
 
 
-def _torch():
-    import torch
-
-    return torch
-
-
 def _to_numpy(name: str, value: Any) -> tuple[str, np.ndarray]:
     """Return ``(canonical dtype name, C-contiguous little-endian array)`` for one entry."""
     if type(value).__module__.startswith("torch"):
-        torch = _torch()
+        import torch
+
         if isinstance(value, torch.Tensor):
             if value.layout != torch.strided:
                 raise WireFormatError(f"tensor {name!r} has layout {value.layout}; only dense "
                                       "(strided) tensors can be exchanged: call .to_dense()")
-            t = value.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            t = t.resolve_conj().resolve_neg().contiguous()
+            t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             tname = str(t.dtype).removeprefix("torch.")
             if tname in _TORCH_ONLY:
-                carrier = getattr(torch, _TORCH_ONLY[tname][1])
+                carrier = getattr(torch, _TORCH_ONLY[tname])
                 return tname, t.view(carrier).numpy()
             value = t.numpy()
     arr = np.asarray(value)
@@ -106,13 +87,10 @@ def _to_numpy(name: str, value: Any) -> tuple[str, np.ndarray]:
         raise WireFormatError(
             f"tensor {name!r} has dtype {arr.dtype!r}, which the exchange cannot carry; "
             f"supported: {', '.join(SUPPORTED_DTYPES)} (convert strings/objects to numbers)")
-    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not np.little_endian):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     # Not np.ascontiguousarray: it turns 0-d arrays into shape (1,).
     return dname, arr if arr.flags.c_contiguous else arr.copy(order="C")
-
-
-_LITTLE = np.little_endian
 
 
 def _json_default(obj: Any) -> Any:
@@ -144,8 +122,7 @@ def _check_finite(obj: Any, path: str) -> None:
 def _dumps(obj: Any, what: str) -> bytes:
     _check_finite(obj.get("meta", {}), "")
     try:
-        return orjson.dumps(obj, default=_json_default,
-                            option=orjson.OPT_SERIALIZE_NUMPY)
+        return orjson.dumps(obj, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
     except (TypeError, orjson.JSONEncodeError) as exc:
         raise WireFormatError(f"{what} must be JSON-serialisable (numbers, strings, lists, "
                               f"dicts with str keys, NumPy arrays): {exc}") from exc
@@ -156,15 +133,10 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
            ) -> Encoded:
     """Encode named arrays/tensors and JSON metadata into the wire format.
 
-    Args:
-        tensors: name -> NumPy array, torch tensor (any device; detached and copied to the
-            CPU) or anything ``np.asarray`` accepts. Any shape, including 0-d and empty.
-        meta: user metadata (e.g. alignment fields), JSON-serialisable.
-        envelope: channel bookkeeping (sequence number, channel, run id, rank).
-        key: HMAC key; if given, the message is authenticated (``FLAG_HMAC``).
-
-    Returns:
-        The encoded message as buffers (no copy of the array data is made).
+    ``tensors``: name -> NumPy array, torch tensor (any device; detached, copied to the CPU)
+    or anything ``np.asarray`` accepts, any shape; ``meta``: JSON-serialisable user
+    metadata; ``envelope``: channel bookkeeping (seq, channel, run id, rank); ``key``: HMAC
+    key (the message is then authenticated, ``FLAG_HMAC``). The array data are not copied.
 
     Raises:
         WireFormatError: an unsupported dtype, a non-str name, or non-JSON metadata.
@@ -184,8 +156,8 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
     data_len = offset
     header = _dumps({"envelope": dict(envelope or {}), "meta": dict(meta or {}),
                      "tensors": entries}, "meta")
-    pad0 = bytes(_align(_PREFIX.size + len(header)) - _PREFIX.size - len(header))
-    body: list[Any] = [header, pad0]
+    body: list[Any] = [header, bytes(_align(_PREFIX.size + len(header)) - _PREFIX.size
+                                     - len(header))]
     for arr, entry in zip(arrays, entries):
         if arr.nbytes:
             body.append(memoryview(arr.reshape(-1).view(np.uint8)))
@@ -204,7 +176,7 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
         for buf in body:
             mac.update(buf)
         buffers.append(mac.digest())
-    return Encoded(buffers, payload_size(buffers))
+    return Encoded(buffers, sum(memoryview(b).nbytes for b in buffers))
 
 
 def _fail(where: str, msg: str) -> WireFormatError:
@@ -215,58 +187,33 @@ def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
            where: str = "", key: bytes | None = None) -> Message:
     """Decode and validate a message produced by :func:`encode`.
 
-    Args:
-        buf: the whole message. A writable buffer (``bytearray``) yields writable arrays
-            that share its memory; ``bytes`` yields read-only arrays.
-        as_torch: return every entry as a ``torch.Tensor`` instead of a NumPy array.
-        where: text naming the channel and sequence number, used in error messages.
-        key: HMAC key; if given, only authenticated messages with a valid tag are read.
-
-    Returns:
-        The tensors, the user metadata and the envelope.
+    Arrays share ``buf``'s memory (writable if ``buf`` is a ``bytearray``); ``as_torch``
+    returns torch tensors; ``where`` names the channel and seq in errors; with ``key`` only
+    authenticated messages with a valid HMAC tag are read.
 
     Raises:
-        MessageAuthError: ``key`` is set and the message is unauthenticated or its tag is
-            wrong (forged or altered), or the message is authenticated and ``key`` is not.
+        MessageAuthError: forged or altered, unauthenticated while ``key`` is set, or
+            authenticated while ``key`` is not.
         WireFormatError: bad magic/version/flags, truncated data, CRC mismatch, inconsistent
             tensor table or unknown dtype.
     """
-    view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
-    _check_crc(view, data_start + data_len, crc, key, where)
-    header = _header(view, header_len, where)
-    entries = header["tensors"]
-    meta, envelope = header["meta"], header["envelope"]
+    view, data_start, data_len, header = _parse(buf, where, key)
     data = view[data_start:data_start + data_len]
-    tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where) for e in entries}
-    return Message(tensors, meta, envelope)
+    tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where)
+               for e in header["tensors"]}
+    return Message(tensors, header["meta"], header["envelope"])
 
 
 def read_envelope(buf: bytes | bytearray | memoryview, *, key: bytes | None = None,
                   where: str = "") -> dict[str, Any]:
     """The envelope of a message (checked like :func:`decode`, tensors not decoded)."""
-    view, data_start, data_len, header_len, crc = _check_prefix(buf, where, key)
-    _check_crc(view, data_start + data_len, crc, key, where)
-    return _header(view, header_len, where)["envelope"]
+    return _parse(buf, where, key)[3]["envelope"]
 
 
-def _check_crc(view: memoryview, end: int, crc: int, key: bytes | None, where: str) -> None:
-    if key is not None:
-        return  # authenticated: the verified HMAC already covers every byte
-    if zlib.crc32(view[_PREFIX.size:end]) != crc:
-        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
-
-
-def _header(view: memoryview, header_len: int, where: str) -> dict[str, Any]:
-    try:
-        header = orjson.loads(view[_PREFIX.size:_PREFIX.size + header_len])
-        header["tensors"], header["meta"], header["envelope"]  # noqa: B018
-    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-        raise _fail(where, f"unreadable header ({exc})") from exc
-    return header
-
-
-def _check_prefix(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
-                  ) -> tuple[memoryview, int, int, int, int]:
+def _parse(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
+           ) -> tuple[memoryview, int, int, dict[str, Any]]:
+    """Check prefix, length, HMAC (or CRC-32) and header; ``(view, data start, data
+    length, header)``."""
     view = memoryview(buf).cast("B")
     if len(view) < _PREFIX.size:
         raise _fail(where, f"{len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
@@ -280,25 +227,32 @@ def _check_prefix(buf: bytes | bytearray | memoryview, where: str, key: bytes | 
         raise _fail(where, f"unknown flags {flags:#06x} (version {VERSION} defines only "
                            f"{KNOWN_FLAGS:#06x}, HMAC)")
     data_start = _align(_PREFIX.size + header_len)
+    end = data_start + data_len
     tag = TAG_SIZE if flags & FLAG_HMAC else 0
-    if len(view) != data_start + data_len + tag:
-        raise _fail(where, f"length {len(view)} != expected {data_start + data_len + tag} "
+    if len(view) != end + tag:
+        raise _fail(where, f"length {len(view)} != expected {end + tag} "
                            "(truncated or padded payload)")
-    if key is not None:
+    if key is not None:  # the verified HMAC covers every byte: no CRC needed
         if not tag:
             raise MessageAuthError(f"unauthenticated exchange message{where}: this end "
                                    "requires an HMAC (a secret is set) and the message has "
                                    "none (forged, or the producer has no secret)")
-        end = data_start + data_len
-        mac = hmac.new(key, view[:end], hashlib.sha256).digest()
-        if not hmac.compare_digest(mac, view[end:]):
+        if not hmac.compare_digest(hmac.new(key, view[:end], hashlib.sha256).digest(),
+                                   view[end:]):
             raise MessageAuthError(f"forged or altered exchange message{where}: its HMAC "
                                    "does not match this run's secret")
     elif tag:
         raise MessageAuthError(f"authenticated exchange message{where}, but this end has no "
                                "secret to check it: set the same secret on both ends "
                                "(LIT_ROIDATA_EXCHANGE_SECRET or secret=...)")
-    return view, data_start, data_len, header_len, crc
+    elif zlib.crc32(view[_PREFIX.size:end]) != crc:
+        raise _fail(where, "CRC-32 mismatch (torn, mixed or corrupted payload)")
+    try:
+        header = orjson.loads(view[_PREFIX.size:_PREFIX.size + header_len])
+        header["tensors"], header["meta"], header["envelope"]  # noqa: B018
+    except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+        raise _fail(where, f"unreadable header ({exc})") from exc
+    return view, data_start, data_len, header
 
 
 def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch: bool,
@@ -308,7 +262,7 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
     if dname in _NUMPY_TYPES:
         carrier = _NUMPY_TYPES[dname]
     elif dname in _TORCH_ONLY:
-        carrier = np.dtype(_TORCH_ONLY[dname][1]).newbyteorder("<")
+        carrier = np.dtype(_TORCH_ONLY[dname]).newbyteorder("<")
     else:
         raise _fail(where, f"tensor {name!r} has unknown dtype {dname!r}")
     if order == ">":
@@ -321,16 +275,9 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
     arr = np.frombuffer(data, dtype=carrier, count=count, offset=offset).reshape(shape)
     if order == ">":
         arr = arr.astype(carrier.newbyteorder("="))
-    if dname in _TORCH_ONLY:
-        torch = _torch()
-        t = torch.from_numpy(arr) if arr.flags.writeable else torch.from_numpy(arr.copy())
-        return t.view(getattr(torch, _TORCH_ONLY[dname][0]))
-    if as_torch:
-        torch = _torch()
-        return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
-    return arr
+    if dname not in _TORCH_ONLY and not as_torch:
+        return arr
+    import torch
 
-
-def payload_size(buffers: Iterable[Any]) -> int:
-    """Total byte length of a list of buffers."""
-    return sum(memoryview(b).nbytes for b in buffers)
+    t = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
+    return t.view(getattr(torch, dname)) if dname in _TORCH_ONLY else t

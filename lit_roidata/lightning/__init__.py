@@ -17,23 +17,15 @@ import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` i
 
 #: Public name here -> ``module:name`` of the ``pytorch_lightning`` class it binds (every
 #: Lightning-derived class of lit_roidata: tests/test_lightning_namespaces.py checks it).
-CLASSES: dict[str, str] = {
-    "RoIDataModule": "lit_roidata.datamodule:RoIDataModule",
-    "DemoRoIDataModule": "lit_roidata.demo.datamodule:DemoRoIDataModule",
-    "BroadcastParameters": "lit_roidata.broadcast:BroadcastParameters",
-    "BadImageReport": "lit_roidata.loader_callbacks:BadImageReport",
-    "GracefulStop": "lit_roidata.loader_callbacks:GracefulStop",
-    "COCOEvaluator": "lit_roidata.evaluation:COCOEvaluator",
-    "LVISEvaluator": "lit_roidata.lvis_evaluation:LVISEvaluator",
-    "StepTQDMProgressBar": "lit_roidata.progress:StepTQDMProgressBar",
-    "BlobExchangeCallback": "lit_roidata.exchange.callback:BlobExchangeCallback",
-    "COCOPredictionWriter": "lit_roidata.models.predict:COCOPredictionWriter",
-    "TorchvisionDetector": "lit_roidata.models.detector:TorchvisionDetector",
-    "DemoFastRCNN": "lit_roidata.demo.model:DemoFastRCNN",
-    "DemoFasterRCNN": "lit_roidata.demo.faster:DemoFasterRCNN",
-    "RPNExchangeDemo": "lit_roidata.demo.rpn_exchange_model:RPNExchangeDemo",
-    "RoIDataCLI": "lit_roidata.trainer_cli:RoIDataCLI",
-}
+CLASSES: dict[str, str] = {name: f"lit_roidata.{module}:{name}" for module, names in (
+    ("datamodule", "RoIDataModule"), ("demo.datamodule", "DemoRoIDataModule"),
+    ("broadcast", "BroadcastParameters"), ("loader_callbacks", "BadImageReport GracefulStop"),
+    ("evaluation", "COCOEvaluator"), ("lvis_evaluation", "LVISEvaluator"),
+    ("progress", "StepTQDMProgressBar"), ("exchange.callback", "BlobExchangeCallback"),
+    ("models.predict", "COCOPredictionWriter"), ("models.detector", "TorchvisionDetector"),
+    ("demo.model", "DemoFastRCNN"), ("demo.faster", "DemoFasterRCNN"),
+    ("demo.rpn_exchange_model", "RPNExchangeDemo"), ("trainer_cli", "RoIDataCLI"))
+    for name in names.split()}
 
 __all__ = [*CLASSES, "cli_main", "main"]
 

@@ -15,12 +15,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from lit_roidata.boxes import bbox_overlaps_pairs
+from lit_roidata.boxes import bbox_overlaps, bbox_overlaps_pairs, bbox_transform_targets
 
 __all__ = ["scaled_noncrowd_gt", "FieldOfAnchors", "generate_anchors", "field_size",
            "get_field_of_anchors", "rpn_fields", "retinanet_fields", "concat_fields",
            "level_offsets", "anchor_gt_overlaps", "inside_mask", "InsideAnchors",
-           "inside_anchors", "rpn_overlaps", "build_anchor_caches"]
+           "inside_anchors", "rpn_overlaps", "build_anchor_caches", "anchor_targets", "stack_rows"]
 
 Keys = tuple[tuple[Any, ...], ...]  # the memoisation keys of a list of fields
 
@@ -46,12 +46,10 @@ def generate_anchors(stride: float = 16, sizes: Sequence[float] = (32, 64, 128, 
     w, h, cx, cy = _whctrs(base)
     ws = np.round(np.sqrt(w * h / ratios))
     hs = np.round(ws * ratios)
-    ratio_anchors = _mkanchors(ws, hs, cx, cy)
-    out = []
-    for anchor in ratio_anchors:  # each ratio's window scaled about its centre
-        w, h, cx, cy = _whctrs(anchor)
-        out.append(_mkanchors(w * scales, h * scales, cx, cy))
-    return np.vstack(out) if out else np.zeros((0, 4), dtype=np.float64)
+    w, h, cx, cy = _whctrs(_mkanchors(ws, hs, cx, cy).T)  # each ratio's window, then scaled
+    n = len(scales)  # about its centre, ratio-major
+    return _mkanchors((w[:, None] * scales).ravel(), (h[:, None] * scales).ravel(),
+                      np.repeat(cx, n), np.repeat(cy, n))
 
 
 def _whctrs(anchor: np.ndarray) -> tuple[Any, Any, Any, Any]:
@@ -60,11 +58,9 @@ def _whctrs(anchor: np.ndarray) -> tuple[Any, Any, Any, Any]:
     return w, h, anchor[0] + 0.5 * (w - 1), anchor[1] + 0.5 * (h - 1)
 
 
-def _mkanchors(ws: np.ndarray, hs: np.ndarray, cx: float, cy: float) -> np.ndarray:
-    ws = ws[:, None]
-    hs = hs[:, None]
-    return np.hstack((cx - 0.5 * (ws - 1), cy - 0.5 * (hs - 1),
-                      cx + 0.5 * (ws - 1), cy + 0.5 * (hs - 1)))
+def _mkanchors(ws: np.ndarray, hs: np.ndarray, cx: Any, cy: Any) -> np.ndarray:
+    return np.stack((cx - 0.5 * (ws - 1), cy - 0.5 * (hs - 1),
+                     cx + 0.5 * (ws - 1), cy + 0.5 * (hs - 1)), axis=1)
 
 
 @dataclass(frozen=True)
@@ -107,11 +103,9 @@ def _field_array(stride: float, sizes: tuple[float, ...], ratios: tuple[float, .
     num_a = cell.shape[0]
     f = field_size(stride, coarsest_stride, max_size)
     shifts = np.arange(0, f) * stride
-    shift_x, shift_y = np.meshgrid(shifts, shifts)
-    shift_x, shift_y = shift_x.ravel(), shift_y.ravel()
-    shifts4 = np.vstack((shift_x, shift_y, shift_x, shift_y)).transpose()
-    field = cell.reshape((1, num_a, 4)) + shifts4.reshape((1, -1, 4)).transpose((1, 0, 2))
-    field = field.reshape((-1, 4)).astype(np.float32)
+    shift_x, shift_y = (s.ravel() for s in np.meshgrid(shifts, shifts))
+    shifts4 = np.stack((shift_x, shift_y, shift_x, shift_y), axis=1)  # (F*F, 4), x fastest
+    field = (cell[None] + shifts4[:, None]).reshape((-1, 4)).astype(np.float32)
     field.setflags(write=False)
     return field, num_a, f
 
@@ -147,11 +141,10 @@ def rpn_fields(cfg: Any) -> list[FieldOfAnchors]:
     """
     kw = dict(coarsest_stride=cfg.FPN.COARSEST_STRIDE, max_size=cfg.TRAIN.MAX_SIZE)
     if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
-        k_min, k_max = cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL
-        return [get_field_of_anchors(2.0 ** lvl,
-                                     (cfg.FPN.RPN_ANCHOR_START_SIZE * 2.0 ** (lvl - k_min),),
+        k_min, start = cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_ANCHOR_START_SIZE
+        return [get_field_of_anchors(2.0 ** lvl, (start * 2.0 ** (lvl - k_min),),
                                      cfg.FPN.RPN_ASPECT_RATIOS, **kw)
-                for lvl in range(k_min, k_max + 1)]
+                for lvl in range(k_min, cfg.FPN.RPN_MAX_LEVEL + 1)]
     return [get_field_of_anchors(cfg.RPN.STRIDE, cfg.RPN.SIZES, cfg.RPN.ASPECT_RATIOS, **kw)]
 
 
@@ -164,16 +157,12 @@ def retinanet_fields(cfg: Any) -> list[FieldOfAnchors]:
     """
     r = cfg.RETINANET
     kw = dict(coarsest_stride=cfg.FPN.COARSEST_STRIDE, max_size=cfg.TRAIN.MAX_SIZE)
-    out = []
-    for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1):
-        stride = 2.0 ** lvl
-        for octave in range(r.SCALES_PER_OCTAVE):
-            octave_scale = 2 ** (octave / float(r.SCALES_PER_OCTAVE))
-            for idx, ratio in enumerate(r.ASPECT_RATIOS):
-                out.append(get_field_of_anchors(
-                    stride, (stride * octave_scale * r.ANCHOR_SCALE,), (ratio,),
-                    octave=octave, aspect=idx, **kw))
-    return out
+    per_octave = float(r.SCALES_PER_OCTAVE)
+    strides = [2.0 ** lvl for lvl in range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)]
+    return [get_field_of_anchors(st, (st * 2 ** (octave / per_octave) * r.ANCHOR_SCALE,), (ratio,),
+                                 octave=octave, aspect=idx, **kw)
+            for st in strides for octave in range(r.SCALES_PER_OCTAVE)
+            for idx, ratio in enumerate(r.ASPECT_RATIOS)]
 
 
 @functools.lru_cache(maxsize=16)
@@ -198,9 +187,8 @@ def build_anchor_caches(cfg: Any) -> None:
     if family not in ("rpn", "retinanet"):
         return
     fields = rpn_fields(cfg) if family == "rpn" else retinanet_fields(cfg)
-    keys = tuple(f.key for f in fields)
-    _concat(keys)
-    _table(keys)
+    concat_fields(fields)
+    _table(tuple(f.key for f in fields))
 
 
 def concat_fields(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
@@ -244,13 +232,11 @@ def _table(keys: Keys) -> dict[str, np.ndarray]:
     for fi, k in enumerate(keys):
         field, n_a, f = _field_array(*k)
         grid = field.reshape(f, f, n_a, 4)
-        for a in range(n_a):
-            shapes.append((start + a, f, n_a, fi, start, a))
-            cells.append(field[a])
-            for name, col in (("x1", 0), ("x2", 2)):
-                edges[name].append(grid[0, :, a, col])
-            for name, col in (("y1", 1), ("y2", 3)):
-                edges[name].append(grid[:, 0, a, col])
+        shapes += [(start + a, f, n_a, fi, start, a) for a in range(n_a)]
+        cells.append(field[:n_a])  # the first cell's anchors; then each shape's edges, a-major
+        for name, line in (("x1", grid[0, :, :, 0]), ("x2", grid[0, :, :, 2]),
+                           ("y1", grid[:, 0, :, 1]), ("y2", grid[:, 0, :, 3])):
+            edges[name].append(line.T.ravel())
         per_field.append((start, f, n_a, row))
         start += field.shape[0]
         row += f
@@ -258,7 +244,7 @@ def _table(keys: Keys) -> dict[str, np.ndarray]:
                    np.array(shapes, np.int64).reshape(-1, 6).T))
     out.update(zip(("fstart", "ff", "fa", "row_off"), np.array(per_field, np.int64).T))
     out.update({k: np.concatenate(v) for k, v in edges.items()})
-    c = np.array(cells, np.float64).reshape(-1, 4)
+    c = np.concatenate(cells).astype(np.float64)
     out.update(cell=c, area=(c[:, 2] - c[:, 0] + 1.0) * (c[:, 3] - c[:, 1] + 1.0),
                stride=np.array([keys[fi][0] for fi in out["field"]], np.float64),
                seg=np.concatenate(([0], np.cumsum(out["size"])[:-1])).astype(np.int64),
@@ -321,14 +307,14 @@ class InsideAnchors:
         f = np.searchsorted(rows["fstart"], idx, side="right") - 1
         cell, a = np.divmod(idx - rows["fstart"][f], rows["fa"][f])
         y, x = np.divmod(cell, rows["ff"][f])
-        r = self.field_rects[f]  # (Q, A, 4): the rectangles of the anchor's field
-        x0, x1, y0, y1 = r[..., 0], r[..., 1], r[..., 2], r[..., 3]
+        # (Q, A) each: the rectangles of the anchor's field
+        x0, x1, y0, y1 = np.moveaxis(self.field_rects[f], -1, 0)
         wx = x1 - x0
         yc, xc = y[:, None], x[:, None]
         rows_before = (np.minimum(np.maximum(yc - y0, 0), y1 - y0) * wx).sum(axis=1)
         act = (y0 <= yc) & (yc < y1)
         in_row = (np.minimum(np.maximum(xc - x0, 0), wx) * act).sum(axis=1)
-        in_cell = (act & (x0 <= xc) & (xc < x1) & (np.arange(r.shape[1]) < a[:, None])).sum(axis=1)
+        in_cell = (act & (x0 <= xc) & (xc < x1) & (np.arange(x0.shape[1]) < a[:, None])).sum(axis=1)
         return self.field_counts[f] + rows_before + in_row + in_cell
 
     def select(self, pos: np.ndarray) -> np.ndarray:
@@ -338,13 +324,11 @@ class InsideAnchors:
         pos = np.asarray(pos, np.int64)
         if not len(pos):
             return np.zeros(0, np.int64)
-        row_start = self.row_starts
-        g = np.searchsorted(row_start, pos, side="right") - 1
+        g = np.searchsorted(self.row_starts, pos, side="right") - 1
         f = rows["row_field"][g]
         y = g - rows["row_off"][f]
-        off = pos - row_start[g]
-        r = self.field_rects[f]  # (Q, A, 4)
-        x0, x1, y0, y1 = r[..., 0], r[..., 1], r[..., 2], r[..., 3]
+        off = pos - self.row_starts[g]
+        x0, x1, y0, y1 = np.moveaxis(self.field_rects[f], -1, 0)  # (Q, A) each
         wx = x1 - x0
         act = (y0 <= y[:, None]) & (y[:, None] < y1)
         wx = wx * act  # shapes not in this row contribute nothing
@@ -373,24 +357,21 @@ def inside_anchors(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
 
 @functools.lru_cache(maxsize=256)
 def _inside_anchors(keys: Keys, im_h: float, im_w: float, t: float) -> InsideAnchors:
-    tab = edges = rows = _table(keys)
+    tab = rows = _table(keys)
     if t < 0:
-        r = np.stack([np.zeros_like(edges["size"]), edges["size"]] * 2, axis=1)
+        r = np.stack([np.zeros_like(tab["size"]), tab["size"]] * 2, axis=1)
     else:
         # the comparisons of _inside_mask, on one row (column) of every shape; each is
         # monotone in the column (row), so the kept columns of a shape are one run: from
         # the number failing the lower test to the number passing the upper test
-        seg = edges["seg"]
-        x0 = np.add.reduceat(~(edges["x1"] >= -t), seg, dtype=np.int64)
-        x1 = np.add.reduceat(edges["x2"] < im_w + t, seg, dtype=np.int64)
-        y0 = np.add.reduceat(~(edges["y1"] >= -t), seg, dtype=np.int64)
-        y1 = np.add.reduceat(edges["y2"] < im_h + t, seg, dtype=np.int64)
+        x0, x1, y0, y1 = (np.add.reduceat(kept, tab["seg"], dtype=np.int64) for kept in (
+            ~(tab["x1"] >= -t), tab["x2"] < im_w + t, ~(tab["y1"] >= -t), tab["y2"] < im_h + t))
         r = np.stack([x0, np.maximum(x1, x0), y0, np.maximum(y1, y0)], axis=1)
-    count = int(((r[:, 1] - r[:, 0]) * (r[:, 3] - r[:, 2])).sum())
     field_rects = np.zeros((len(keys), int(tab["n_a"].max(initial=1)), 4), np.int64)
     field_rects[tab["field"], tab["a"]] = r
     x0, x1, y0, y1 = r.T
     area = (x1 - x0) * (y1 - y0)
+    count = int(area.sum())
     per_field = np.bincount(tab["field"], weights=area, minlength=len(keys)).astype(np.int64)
     n_rows = len(rows["row_field"])
     base = rows["row_off"][tab["field"]]
@@ -471,16 +452,26 @@ def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray,
     ``[x0, x1) x [y0, y1)`` (float arrays ``(S, G)``) where ``useful``, enumerated with
     ``repeat``/``divmod``, no loop over boxes."""
     n_g = x0.shape[1]
-    x0 = x0.astype(np.int64).ravel()
-    y0 = y0.astype(np.int64).ravel()
-    wx = np.maximum(x1.astype(np.int64).ravel() - x0, 0)
-    counts = wx * np.maximum(y1.astype(np.int64).ravel() - y0, 0) * useful.ravel()
-    total = int(counts.sum())
+    x0, x1, y0, y1 = (v.astype(np.int64).ravel() for v in (x0, x1, y0, y1))
+    wx = np.maximum(x1 - x0, 0)
+    counts = wx * np.maximum(y1 - y0, 0) * useful.ravel()
     sg = np.repeat(np.arange(counts.size), counts)  # which (shape, gt) each pair is from
-    dy, dx = np.divmod(np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
+    dy, dx = np.divmod(np.arange(len(sg)) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
     si = sg // n_g
     gidx = tab["base"][si] + ((y0[sg] + dy) * tab["size"][si] + x0[sg] + dx) * tab["n_a"][si]
     return gidx, sg % n_g
+
+
+def anchor_targets(anchors: np.ndarray, gt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each anchor's gt (the exact dense argmax, ties to the lowest gt) and its regression
+    targets with unit weights: the positives of RPN and RetinaNet."""
+    assigned = bbox_overlaps(anchors, gt).argmax(axis=1) if len(anchors) else np.zeros(0, np.int64)
+    return assigned, bbox_transform_targets(anchors, gt[assigned], (1.0, 1.0, 1.0, 1.0))
+
+
+def stack_rows(parts: Sequence[np.ndarray], width: int, dtype: Any) -> np.ndarray:
+    """The per-image row blocks ``parts`` concatenated as ``dtype`` (``(0, width)`` if none)."""
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros((0, width), dtype)
 
 
 def scaled_noncrowd_gt(entry: Any, scale: float, family: str,

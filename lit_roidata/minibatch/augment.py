@@ -66,9 +66,8 @@ class Augmentation:
     def __init__(self, transforms: Any, cfg: Any, *, min_visibility: float = 0.0) -> None:
         A = require("albumentations", "augment", "augmentation (Augmentation)")
 
-        if isinstance(transforms, A.Compose):
-            transforms = list(transforms.transforms)
-        transforms = list(transforms)
+        transforms = list(transforms.transforms if isinstance(transforms, A.Compose)
+                          else transforms)
         if cfg.MODEL.KEYPOINTS_ON:
             bad = sorted({type(t).__name__ for t in _walk(transforms)} & _FLIPS)
             if bad:
@@ -86,8 +85,7 @@ class Augmentation:
     def draw_seeds(self, n: int, rng: rng_mod.RNG) -> list[int]:
         """One seed per image, without disturbing a ``Generator``'s own stream."""
         if isinstance(rng, np.random.Generator):
-            child = rng.spawn(1)[0]
-            return [int(s) for s in child.integers(0, 2**31 - 1, size=n)]
+            return [int(s) for s in rng.spawn(1)[0].integers(0, 2**31 - 1, size=n)]
         return [int(s) for s in rng_mod.randint(rng, 0, 2**31 - 1, size=n)]
 
     def apply(self, im: np.ndarray, entry: Mapping[str, Any], *, seed: int
@@ -95,10 +93,7 @@ class Augmentation:
         """Transform one BGR image and its entry; returns the new image and entry copy."""
         h, w = im.shape[:2]
         boxes = np.asarray(entry["boxes"], dtype=np.float32).reshape(-1, 4)
-        vo = boxes.copy()
-        vo[:, 2:] += 1
-        vo[:, 0::2] = np.clip(vo[:, 0::2], 0, w)
-        vo[:, 1::2] = np.clip(vo[:, 1::2], 0, h)
+        vo = np.clip(boxes + np.float32([0, 0, 1, 1]), 0, np.float32([w, h, w, h]))
         ok = (vo[:, 2] > vo[:, 0]) & (vo[:, 3] > vo[:, 1])
         n_gt = len(entry["segms"])
         points, polys = self._points(entry, n_gt)
@@ -106,14 +101,10 @@ class Augmentation:
                     and segm_as_rle(entry["segms"][r], h, w) is not None]
         masks = [mask_util.decode(segm_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
         self.compose.set_random_seed(int(seed))
-        kwargs: dict[str, Any] = {}
-        if masks:
-            kwargs["masks"] = masks
         out = self.compose(image=np.ascontiguousarray(im[:, :, ::-1]), bboxes=vo[ok],
                            row_ids=np.flatnonzero(ok), keypoints=points,
-                           kp_ids=np.arange(len(points)), **kwargs)
+                           kp_ids=np.arange(len(points)), **({"masks": masks} if masks else {}))
         new_im = np.ascontiguousarray(out["image"][:, :, ::-1])
-        nh, nw = new_im.shape[:2]
         kept = np.asarray(out["row_ids"], dtype=np.int64)
         order = np.argsort(kept, kind="stable")  # keep gt rows a prefix
         kept = kept[order]
@@ -122,7 +113,7 @@ class Augmentation:
         new_pts = np.asarray(out["keypoints"], dtype=np.float32).reshape(-1, 2)
         rle_masks = dict(zip(rle_rows, out.get("masks", [])))
         return new_im, self._rebuild(entry, kept, new_boxes, new_pts, polys, rle_masks, n_gt,
-                                     nh, nw)
+                                     *new_im.shape[:2])
 
     @staticmethod
     def _points(entry: Mapping[str, Any], n_gt: int) -> tuple[np.ndarray, list]:
@@ -146,20 +137,13 @@ class Augmentation:
         old_mo = np.asarray(entry["max_overlaps"])
         is_gt_row = kept < n_gt
         gt_old = kept[is_gt_row]
-        cursor = 0
-        new_polys: dict[int, list[list[float]]] = {r: [] for r in range(n_gt)}
-        for r in range(n_gt):
-            for nv in polys[r]:
-                new_polys[r].append(pts[cursor:cursor + nv].reshape(-1).astype(float).tolist())
-                cursor += nv
-        segms = []
-        for r in gt_old:
-            if r in rle_masks:
-                segms.append(mask_util.encode(np.asfortranarray(rle_masks[r].astype(np.uint8))))
-            elif polys[r]:
-                segms.append(new_polys[int(r)])
-            else:
-                segms.append(entry["segms"][r])
+        counts = [nv for row in polys for nv in row]  # vertices per polygon part
+        cursor = int(sum(counts))
+        flat = iter(np.split(pts[:cursor], np.cumsum(counts, dtype=np.int64)[:-1]))
+        new_polys = [[next(flat).reshape(-1).astype(float).tolist() for _ in row] for row in polys]
+        segms = [mask_util.encode(np.asfortranarray(rle_masks[r].astype(np.uint8)))
+                 if r in rle_masks else new_polys[r] if polys[r] else entry["segms"][r]
+                 for r in gt_old]
         out = dict(entry)
         out.update(width=w, height=h, boxes=boxes, gt_classes=gt_classes[kept],
                    is_crowd=is_crowd[kept], segms=segms)
@@ -190,10 +174,9 @@ class Augmentation:
             pos = mx > 0
             rows = np.flatnonzero(pos) + n_gt
             mo[rows], mc[rows], b2g[rows] = mx[pos], gt_classes[arg[pos]], arg[pos]
-            g = np.arange(n_gt)
-            mo[g] = np.where(is_crowd[:n_gt], -1.0, 1.0)
-            mc[g] = np.where(is_crowd[:n_gt], 0, gt_classes[:n_gt])
-            b2g[g] = g
+            mo[:n_gt] = np.where(is_crowd[:n_gt], -1.0, 1.0)
+            mc[:n_gt] = np.where(is_crowd[:n_gt], 0, gt_classes[:n_gt])
+            b2g[:n_gt] = np.arange(n_gt)
         filtered = np.flatnonzero(old_mo[n_gt:] < 0) + n_gt  # crowd-filtered proposals
         mo[filtered], mc[filtered] = -1.0, 0
         cfg = self.cfg

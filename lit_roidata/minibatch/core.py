@@ -10,7 +10,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.minibatch.fast_rcnn import add_fast_rcnn_blobs
 from lit_roidata.minibatch.image import Allocator, ImageBatch, ImageLoader, build_image_blob
 from lit_roidata.minibatch.model_type import blob_family
 from lit_roidata.minibatch.names import get_minibatch_blob_names
@@ -50,17 +49,13 @@ def build_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod
     image = build_image_blob(entries, cfg, rng, pixel_format=pixel_format, loader=loader,
                              augment=augment, alloc=alloc)
     blobs["data"] = image.data
-    entries = image.entries
     family = blob_family(cfg)
-    if family in ("rpn", "retinanet"):  # imported on first use: only their family needs them
-        kwargs: dict[str, Any] = {"compact": compact_targets}
-        if family == "rpn":
-            kwargs.update(fix_rpn_quirks=fix_rpn_quirks, alloc=alloc)
-        valid = getattr(importlib.import_module(f"lit_roidata.minibatch.{family}"),
-                        f"add_{family}_blobs")(blobs, image.im_scales, entries, cfg, rng, **kwargs)
-    else:
-        valid = add_fast_rcnn_blobs(blobs, image.im_scales, entries, cfg, rng, alloc=alloc,
-                                    compact_masks=compact_masks)
+    kwargs = {"rpn": dict(compact=compact_targets, fix_rpn_quirks=fix_rpn_quirks, alloc=alloc),
+              "retinanet": dict(compact=compact_targets),
+              "fast_rcnn": dict(alloc=alloc, compact_masks=compact_masks)}[family]
+    # imported on first use: only their family needs the RPN / RetinaNet modules
+    add = getattr(importlib.import_module(f"lit_roidata.minibatch.{family}"), f"add_{family}_blobs")
+    valid = add(blobs, image.im_scales, image.entries, cfg, rng, **kwargs)
     return Minibatch(blobs=blobs, valid=bool(valid), image=image)
 
 

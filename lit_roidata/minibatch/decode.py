@@ -12,6 +12,7 @@ the fastest decoder measured there.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
 import cv2
@@ -34,21 +35,10 @@ class BadImageError(RuntimeError):
 
     def __init__(self, message: str, *, path: str | None = None, image_id: Any = None,
                  dataset: str | None = None, reason: str = "bad_image") -> None:
-        # Keyword defaults let DataLoader re-raise it from a worker with the message only.
+        # Keyword defaults let DataLoader re-raise it from a worker with the message only;
+        # pickling keeps the attributes (BaseException pickles ``args`` and ``__dict__``).
         super().__init__(message)
-        self.path = path
-        self.image_id = image_id
-        self.dataset = dataset
-        self.reason = reason
-
-    def __reduce__(self) -> tuple:  # keep the attributes across worker pickling
-        return (_rebuild_bad_image, (str(self), self.path, self.image_id, self.dataset,
-                                     self.reason))
-
-
-def _rebuild_bad_image(message: str, path: str, image_id: Any, dataset: str,
-                       reason: str) -> BadImageError:
-    return BadImageError(message, path=path, image_id=image_id, dataset=dataset, reason=reason)
+        self.path, self.image_id, self.dataset, self.reason = path, image_id, dataset, reason
 
 
 def dataset_name(entry: Mapping[str, Any]) -> str:
@@ -117,10 +107,8 @@ def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
     Raises:
         BadImageError: missing/unreadable/undecodable file or size mismatch.
     """
-    path = entry["image"]
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = Path(entry["image"]).read_bytes()
     except OSError as exc:
         raise _error(entry, "missing", f"cannot read the file ({exc.strerror or exc})",
                      "check the dataset's image directory in the catalog and that the file "
@@ -128,16 +116,14 @@ def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
     try:
         im = (decode or decode_bgr)(data)
     except ValueError as exc:
-        raise _error(entry, "undecodable", f"cannot decode the image ({exc})",
-                     "re-download or re-encode the file, or set on_bad_image='skip' to skip "
-                     "it") from exc
+        raise _error(entry, "undecodable", f"cannot decode the image ({exc})", "re-download or "
+                     "re-encode the file, or set on_bad_image='skip' to skip it") from exc
     h, w = im.shape[:2]
     want_h, want_w = int(entry["height"]), int(entry["width"])
     if (h, w) != (want_h, want_w):
-        hint = ""
-        if (h, w) == (want_w, want_h):
-            hint = (" (width and height are swapped: the file probably carries an EXIF "
-                    "orientation tag that the annotation ignores)")
+        hint = "" if (h, w) != (want_w, want_h) else (
+            " (width and height are swapped: the file probably carries an EXIF "
+            "orientation tag that the annotation ignores)")
         raise _error(entry, "size_mismatch",
                      f"decoded image is {w}x{h} (WxH, after EXIF orientation) but the roidb "
                      f"says {want_w}x{want_h}{hint}",

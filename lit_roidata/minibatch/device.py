@@ -9,6 +9,7 @@ device, where filling memory is nearly free. Every function runs on the input's 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import cv2
@@ -21,18 +22,11 @@ __all__ = ["normalize_on_device", "expand_masks_on_device", "expand_rpn_targets"
            "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch"]
 
 
-
-_LUT_CACHE: dict[tuple, torch.Tensor] = {}
-
-
-def _mean_lut(pixel_means: Sequence[float], device: torch.device) -> torch.Tensor:
-    key = (tuple(float(m) for m in pixel_means), str(device))
-    lut = _LUT_CACHE.get(key)
-    if lut is None:
-        values = np.arange(256, dtype=np.float64)[None, :] - np.asarray(key[0])[:, None]
-        lut = torch.from_numpy(values.astype(np.float32).reshape(-1)).to(device)
-        _LUT_CACHE[key] = lut
-    return lut
+@functools.lru_cache(maxsize=None)
+def _mean_lut(pixel_means: tuple[float, ...], device: str) -> torch.Tensor:
+    """``float32(float64(v) - mean)`` for every uint8 ``v``, channel by channel (768 values)."""
+    values = np.arange(256, dtype=np.float64)[None, :] - np.asarray(pixel_means)[:, None]
+    return torch.from_numpy(values.astype(np.float32).reshape(-1)).to(device)
 
 
 def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
@@ -57,29 +51,25 @@ def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
     if data_uint8.dtype != torch.uint8 or data_uint8.dim() != 4 or data_uint8.shape[1] != 3:
         raise ValueError("normalize_on_device expects a (n, 3, H, W) uint8 tensor, got "
                          f"{tuple(data_uint8.shape)} {data_uint8.dtype}")
-    sizes = torch.as_tensor(np.asarray(
-        image_sizes_or_im_info.cpu() if torch.is_tensor(image_sizes_or_im_info)
-        else image_sizes_or_im_info, dtype=np.float64))
+    sizes = image_sizes_or_im_info
+    sizes = torch.as_tensor(np.asarray(sizes.cpu() if torch.is_tensor(sizes) else sizes,
+                                       dtype=np.float64))
     if sizes.dim() != 2 or sizes.shape[0] != data_uint8.shape[0] or sizes.shape[1] not in (2, 3):
         raise ValueError(f"image sizes must be (n, 2) or (n, 3) with n={data_uint8.shape[0]}, "
                          f"got {tuple(sizes.shape)}")
     dev = data_uint8.device
     rows = sizes[:, :2].round().to(torch.int64).tolist()
+    lut = _mean_lut(tuple(float(m) for m in pixel_means), str(dev)) if exact else None
     if exact and dev.type == "cpu":
-        return _normalize_cpu(data_uint8, rows, _mean_lut(pixel_means, dev))
+        return _normalize_cpu(data_uint8, rows, lut)
     if exact:
-        lut = _mean_lut(pixel_means, dev)
-        offsets = torch.arange(3, device=dev, dtype=torch.int64).view(1, 3, 1, 1) * 256
-        out = lut[data_uint8.to(torch.int64) + offsets]
+        out = lut[data_uint8.to(torch.int64) + torch.arange(0, 768, 256, device=dev)[:, None, None]]
     else:
-        means = torch.tensor([float(m) for m in pixel_means], dtype=torch.float32, device=dev)
-        out = data_uint8.to(torch.float32) - means.view(1, 3, 1, 1)
-    H, W = out.shape[2], out.shape[3]
-    for i, (h, w) in enumerate(rows):
-        if h < H:
-            out[i, :, h:, :] = 0
-        if w < W:
-            out[i, :, :h, w:] = 0
+        out = data_uint8.to(torch.float32) - torch.tensor(
+            [float(m) for m in pixel_means], dtype=torch.float32, device=dev).view(1, 3, 1, 1)
+    for i, (h, w) in enumerate(rows):  # zero the padding
+        out[i, :, h:, :] = 0
+        out[i, :, :h, w:] = 0
     return out
 
 
@@ -97,12 +87,11 @@ def _normalize_cpu(data_uint8: torch.Tensor, rows: Sequence[Sequence[int]],
     src, dst, table = data_uint8.numpy(), out.numpy(), lut.numpy().reshape(3, 256)
     for i, (h, w) in enumerate(rows):
         h, w = max(0, min(int(h), H)), max(0, min(int(w), W))
-        for c in range(3):
-            if h and w:
-                region = dst[i, c, :h, :w]
-                res = cv2.LUT(src[i, c, :h, :w], table[c], dst=region)
-                if not np.shares_memory(res, region):  # OpenCV could not write in place
-                    region[...] = res
+        for c in range(3 if h and w else 0):
+            region = dst[i, c, :h, :w]
+            res = cv2.LUT(src[i, c, :h, :w], table[c], dst=region)
+            if not np.shares_memory(res, region):  # OpenCV could not write in place
+                region[...] = res
         dst[i, :, h:, :] = 0
         dst[i, :, :h, w:] = 0
     return out
@@ -148,15 +137,10 @@ def expand_rpn_targets(compact: Mapping[str, torch.Tensor], *,
         and ``(n, 4A, F, F)`` float32, on the same device: labels -1 and the rest 0
         except at the listed anchors, bit-identical to the worker-side blobs.
     """
-    layout = compact["rpn_compact_layout"].detach().cpu().tolist()
-    rows = compact["rpn_compact_labels_int32"].to(torch.int64)
-    fg = compact["rpn_compact_fg_int32"].to(torch.int64)
-    targets = compact["rpn_compact_bbox_targets"]
-    weights = compact["rpn_compact_outside_weights"]
+    layout, rows, fg, targets, weights = (compact[k] for k in RPN_COMPACT_KEYS)
+    layout, rows, fg = layout.detach().cpu().tolist(), rows.to(torch.int64), fg.to(torch.int64)
     n, dev = int(weights.shape[0]), weights.device
-    if new is None:
-        def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=dev)
+    new = new or (lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=dev))
     out: dict[str, torch.Tensor] = {}
     lo = 0
     for lvl, a, f in layout:
@@ -165,21 +149,21 @@ def expand_rpn_targets(compact: Mapping[str, torch.Tensor], *,
         labels = new((n, a, f, f), torch.int32).fill_(-1)
         tgt, inw, outw = (new((n, 4 * a, f, f), torch.float32) for _ in range(3))
         def at(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            """(image, cell, anchor, its 4 channels) of level-local rows (``a`` fastest)."""
-            cell, anc = torch.div(r[:, 1] - lo, a, rounding_mode="floor"), (r[:, 1] - lo) % a
-            return r[:, 0], cell, anc, (4 * anc).unsqueeze(1) + torch.arange(4, device=dev)
+            """(image, cell, anchor, its 4 channels) of level-local rows (``a`` fastest), as
+            columns."""
+            cell = torch.div(r[:, 1:2] - lo, a, rounding_mode="floor")
+            anc = (r[:, 1:2] - lo) % a
+            return r[:, :1], cell, anc, 4 * anc + torch.arange(4, device=dev)
 
         sel = rows[(rows[:, 1] >= lo) & (rows[:, 1] < hi)]
         img, cell, anc, ch = at(sel)
-        lab = sel[:, 2].to(torch.int32)
-        labels.view(n, a, f * f)[img, anc, cell] = lab
-        w = weights[img].unsqueeze(1).expand(-1, 4)
-        outw.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = w
-        pos = lab == 1
-        inw.view(n, 4 * a, f * f)[img[pos].unsqueeze(1), ch[pos], cell[pos].unsqueeze(1)] = 1.0
+        pos = sel[:, 2] == 1
+        labels.view(n, a, f * f)[img, anc, cell] = sel[:, 2:].to(torch.int32)
+        outw.view(n, 4 * a, f * f)[img, ch, cell] = weights[img].expand(-1, 4)
+        inw.view(n, 4 * a, f * f)[img[pos], ch[pos], cell[pos]] = 1.0
         sel_fg = (fg[:, 1] >= lo) & (fg[:, 1] < hi)
         img, cell, _, ch = at(fg[sel_fg])
-        tgt.view(n, 4 * a, f * f)[img.unsqueeze(1), ch, cell.unsqueeze(1)] = targets[sel_fg]
+        tgt.view(n, 4 * a, f * f)[img, ch, cell] = targets[sel_fg]
         out.update(zip(names, (labels, tgt, inw, outw)))
         lo = hi
     return out
@@ -246,8 +230,8 @@ def finalize_on_device(batch: MutableMapping[str, Any], pixel_means: Sequence[fl
                              "(or 'im_info') to zero the padding")
         batch["data"] = normalize_on_device(data, sizes, pixel_means)
     if "mask_class_int32" in batch:
-        classes = batch.pop("mask_class_int32")
-        batch["masks_int32"] = expand_masks_on_device(batch["masks_int32"], classes, num_classes)
+        batch["masks_int32"] = expand_masks_on_device(
+            batch["masks_int32"], batch.pop("mask_class_int32"), num_classes)
     if expand_compact_targets:
         expand_targets(batch)
     return batch

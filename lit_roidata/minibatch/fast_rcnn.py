@@ -41,8 +41,7 @@ def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndar
     data = np.asarray(bbox_target_data, dtype=np.float32).reshape(-1, 5)
     clss = data[:, 0].astype(np.int64)
     n = data.shape[0]
-    targets = np.zeros((n, num_reg_classes, 4), dtype=np.float32)
-    inside = np.zeros((n, num_reg_classes, 4), dtype=np.float32)
+    targets, inside = np.zeros((2, n, num_reg_classes, 4), dtype=np.float32)
     rows = np.flatnonzero(data[:, 0] > 0)
     if rows.size and clss[rows].max() >= num_reg_classes:
         if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG:
@@ -74,30 +73,24 @@ def sample_rois(entry: Mapping[str, Any], im_scale: float, batch_idx: int, cfg: 
     ``(r, 5)`` targets are returned as ``_bbox_target_data`` instead of the three
     ``(r, 4C)`` blobs (the caller expands the whole minibatch at once).
     """
-    rois_per_image = int(cfg.TRAIN.BATCH_SIZE_PER_IM)
-    fg_quota = fg_rois_per_image(cfg)
-    train = cfg.TRAIN
+    train, fg_quota = cfg.TRAIN, fg_rois_per_image(cfg)
     max_overlaps = np.asarray(entry["max_overlaps"])
-    fg_inds = (max_overlaps >= train.FG_THRESH).nonzero()[0]
-    n_fg = int(min(fg_quota, fg_inds.size))
-    if fg_inds.size > 0:
-        fg_inds = rng_mod.choice(rng, fg_inds, size=n_fg, replace=False)
+    fg_inds = np.flatnonzero(max_overlaps >= train.FG_THRESH)
     bg_inds = np.flatnonzero((max_overlaps < train.BG_THRESH_HI)
                              & (max_overlaps >= train.BG_THRESH_LO))
-    n_bg = int(min(rois_per_image - n_fg, bg_inds.size))
-    if bg_inds.size > 0:
-        bg_inds = rng_mod.choice(rng, bg_inds, size=n_bg, replace=False)
-    keep = np.concatenate((fg_inds.ravel(), bg_inds.ravel())).astype(np.int64, copy=False)
+    n_fg = int(min(fg_quota, fg_inds.size))
+    n_bg = int(min(int(train.BATCH_SIZE_PER_IM) - n_fg, bg_inds.size))
+    drawn = [rng_mod.choice(rng, inds, size=n, replace=False) if inds.size else inds
+             for inds, n in ((fg_inds, n_fg), (bg_inds, n_bg))]  # fg first, as Detectron
+    keep = np.concatenate([d.ravel() for d in drawn]).astype(np.int64, copy=False)
     labels = np.asarray(entry["max_classes"]).take(keep).astype(np.int32)
     labels[n_fg:] = 0
     sampled_boxes = np.asarray(entry["boxes"], dtype=np.float32).take(keep, axis=0)
     target_data = np.asarray(entry["bbox_targets"], dtype=np.float32).take(keep, axis=0)
     scale = float(im_scale)
     blob = {"rois": rois_blob(sampled_boxes * scale, batch_idx), "labels_int32": labels}
-    if expand_targets:
-        blob.update(_expanded_targets(target_data, cfg))
-    else:
-        blob["_bbox_target_data"] = target_data
+    blob.update(_expanded_targets(target_data, cfg) if expand_targets
+                else {"_bbox_target_data": target_data})
     if cfg.MODEL.MASK_ON:
         add_mask_rcnn_blobs(blob, sampled_boxes, entry, scale, batch_idx, cfg, expand=False)
     if cfg.MODEL.KEYPOINTS_ON:
@@ -159,7 +152,4 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
             blobs[name] = []  # filled below (FPN / keypoint finalisation)
     if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_ROIS:
         add_multilevel_rois(blobs, cfg)
-    valid = True
-    if cfg.MODEL.KEYPOINTS_ON:
-        valid = finalize_keypoint_minibatch(blobs, valid, cfg)
-    return valid
+    return finalize_keypoint_minibatch(blobs, True, cfg) if cfg.MODEL.KEYPOINTS_ON else True

@@ -15,10 +15,7 @@ __all__ = ["rois_blob", "map_rois_to_fpn_levels", "add_multilevel_roi_blobs",
 
 def rois_blob(boxes: np.ndarray, batch_idx: int) -> np.ndarray:
     """``(n, 5)`` float32 rows ``(batch_idx, x1, y1, x2, y2)`` for ``(n, 4)`` scaled boxes."""
-    boxes = np.asarray(boxes)
-    if boxes.dtype != np.float32:  # through the common dtype, as np.hstack would
-        batch_col = np.full((boxes.shape[0], 1), batch_idx, dtype=np.float32)
-        return np.hstack((batch_col, boxes)).astype(np.float32, copy=False)
+    boxes = np.asarray(boxes)  # (any dtype: rounded once to float32, as through np.hstack)
     out = np.empty((boxes.shape[0], 5), dtype=np.float32)
     out[:, 0] = batch_idx
     out[:, 1:] = boxes
@@ -59,15 +56,10 @@ def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str, 
     hi = np.searchsorted(sorted_lvls, levels, side="right")
     for lvl, a, b in zip(levels.tolist(), lo.tolist(), hi.tolist()):
         blobs[f"{blob_prefix}_fpn{lvl}"] = rois[by_level[a:b], :]
-    n = lvls.size
-    if levels.size and lo[0] == 0 and hi[-1] == n and int((hi - lo).sum()) == n:
-        # every row has a level: the restore indices are the inverse permutation
-        restore = np.empty(n, dtype=np.int32)
-        restore[by_level] = np.arange(n, dtype=np.int32)
-    else:  # rows outside [lvl_min, lvl_max] (or not whole levels) are left out
-        idx_order = (np.concatenate([by_level[a:b] for a, b in zip(lo.tolist(), hi.tolist())])
-                     if levels.size else np.zeros(0, dtype=np.int64))
-        restore = np.argsort(idx_order, kind="stable").astype(np.int32, copy=False)
+    # rows outside [lvl_min, lvl_max] are left out
+    idx_order = np.concatenate([by_level[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
+                               or [np.zeros(0, dtype=np.int64)])
+    restore = np.argsort(idx_order, kind="stable").astype(np.int32, copy=False)
     blobs[f"{blob_prefix}_idx_restore_int32"] = restore
 
 
@@ -82,7 +74,6 @@ def add_multilevel_rois(blobs: MutableMapping[str, Any], cfg: Any,
     lo, hi = f.ROI_MIN_LEVEL, f.ROI_MAX_LEVEL
     for prefix in multilevel_roi_prefixes(cfg) if prefixes is None else prefixes:
         rois = blobs[prefix]
-        lvls = map_rois_to_fpn_levels(rois[:, 1:5], lo, hi,
-                                      canonical_scale=f.ROI_CANONICAL_SCALE,
+        lvls = map_rois_to_fpn_levels(rois[:, 1:5], lo, hi, canonical_scale=f.ROI_CANONICAL_SCALE,
                                       canonical_level=f.ROI_CANONICAL_LEVEL)
         add_multilevel_roi_blobs(blobs, prefix, rois, lvls, lo, hi)

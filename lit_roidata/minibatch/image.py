@@ -82,8 +82,7 @@ def scale_image(im: np.ndarray, target_size: int, max_size: int, *, pixel_format
         The resized HWC image (uint8, or float32 minus means for ``"detectron"``)
         and its scale.
     """
-    h, w = im.shape[:2]
-    scale = get_target_scale(min(h, w), max(h, w), target_size, max_size)
+    scale = get_target_scale(min(im.shape[:2]), max(im.shape[:2]), target_size, max_size)
     if pixel_format == "detectron":
         im = im.astype(np.float32)
         im -= _pixel_means(pixel_means)
@@ -93,14 +92,16 @@ def scale_image(im: np.ndarray, target_size: int, max_size: int, *, pixel_format
     return out, scale
 
 
-def padded_shape(sizes: Sequence[tuple[int, int]], fpn_on: bool,
-                 coarsest_stride: int) -> tuple[int, int]:
-    """Batch canvas ``(Hmax, Wmax)``, rounded up to the stride when FPN is on."""
+def _new_blob(sizes: Sequence[tuple[int, int]], dtype: Any, fpn_on: bool, coarsest_stride: int,
+              alloc: Allocator | None) -> np.ndarray:
+    """The zeroed ``(n, 3, Hmax, Wmax)`` blob for images of ``sizes``, the canvas rounded up
+    to the stride when FPN is on; from ``alloc`` when given."""
     stride = float(coarsest_stride)
     hmax, wmax = (max(s[k] for s in sizes) for k in (0, 1))
     if fpn_on:
         hmax, wmax = (int(math.ceil(v / stride) * stride) for v in (hmax, wmax))
-    return hmax, wmax
+    shape = (len(sizes), 3, hmax, wmax)
+    return alloc(shape, np.dtype(dtype)) if alloc is not None else np.zeros(shape, dtype)
 
 
 def im_list_to_blob(ims: Sequence[np.ndarray], *, fpn_on: bool = False,
@@ -116,10 +117,7 @@ def im_list_to_blob(ims: Sequence[np.ndarray], *, fpn_on: bool = False,
     """
     if not ims:
         raise ValueError("im_list_to_blob needs at least one image")
-    hmax, wmax = padded_shape([im.shape[:2] for im in ims], fpn_on, coarsest_stride)
-    shape = (len(ims), 3, hmax, wmax)
-    dtype = ims[0].dtype
-    blob = alloc(shape, dtype) if alloc is not None else np.zeros(shape, dtype=dtype)
+    blob = _new_blob([im.shape[:2] for im in ims], ims[0].dtype, fpn_on, coarsest_stride, alloc)
     for i, im in enumerate(ims):
         h, w = im.shape[:2]
         split_into(im, [blob[i, c, :h, :w] for c in range(3)])
@@ -134,16 +132,19 @@ def split_into(im: np.ndarray, planes: Sequence[np.ndarray]) -> None:
             plane[...] = got
 
 
-def draw_scales(entries: Sequence[Any], cfg: Any,
-                rng: rng_mod.RNG) -> tuple[tuple[int, ...], np.ndarray]:
-    """``cfg.TRAIN.SCALES`` and one index into it per image, drawn first for the whole
+def draw_scales(entries: Sequence[Any], cfg: Any, rng: rng_mod.RNG) -> list[int]:
+    """One target size of ``cfg.TRAIN.SCALES`` per image, drawn first for the whole
     minibatch (Detectron order)."""
     if not entries:
         raise ValueError("a minibatch needs at least one roidb entry")
     scales = tuple(cfg.TRAIN.SCALES)
     if not scales:
         raise ValueError("TRAIN.SCALES is empty; set at least one target size")
-    return scales, np.asarray(rng_mod.randint(rng, 0, len(scales), size=len(entries)))
+    return [scales[int(i)] for i in rng_mod.randint(rng, 0, len(scales), size=len(entries))]
+
+
+def _is_rgb(load: ImageLoader) -> bool:
+    return getattr(load, "channel_order", "bgr") == "rgb"  # an RGB loader says so
 
 
 def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
@@ -159,22 +160,20 @@ def load_and_scale(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.
     Raises:
         BadImageError: from the loader, naming the file, image id and dataset.
     """
-    scales, scale_inds = draw_scales(entries, cfg, rng)
+    targets = draw_scales(entries, cfg, rng)
     load = loader or load_image
-    rgb = getattr(load, "channel_order", "bgr") == "rgb"  # an RGB loader says so
     aug_seeds = augment.draw_seeds(len(entries), rng) if augment is not None else None
-    ims, im_scales, out_entries = [], [], []
+    out = []  # (image, scale, entry) per entry
     for i, entry in enumerate(entries):
         im = load(entry)
-        if rgb:
+        if _is_rgb(load):
             im = cv2.cvtColor(im, cv2.COLOR_RGB2BGR)
         if augment is not None:
             im, entry = augment.apply(im, entry, seed=aug_seeds[i])
-        im, scale = scale_image(im, scales[int(scale_inds[i])], cfg.TRAIN.MAX_SIZE,
+        im, scale = scale_image(im, targets[i], cfg.TRAIN.MAX_SIZE,
                                 pixel_format=pixel_format, pixel_means=cfg.PIXEL_MEANS)
-        ims.append(im)
-        im_scales.append(scale)
-        out_entries.append(entry)
+        out.append((im, scale, entry))
+    ims, im_scales, out_entries = (list(col) for col in zip(*out))
     return ims, im_scales, out_entries
 
 
@@ -228,23 +227,15 @@ def _build_uint8_planes(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng
     own for ``fx = fy = scale`` (``round(w * scale)``, half to even), so passing the
     plane as ``dst`` makes OpenCV write into it (checked).
     """
-    scales, scale_inds = draw_scales(entries, cfg, rng)
-    rgb = getattr(load, "channel_order", "bgr") == "rgb"
-    srcs, im_scales, sizes = [], [], []
-    for i, entry in enumerate(entries):
-        im = load(entry)
-        h, w = im.shape[:2]
-        scale = get_target_scale(min(h, w), max(h, w), scales[int(scale_inds[i])],
-                                 cfg.TRAIN.MAX_SIZE)
-        srcs.append(im)
-        im_scales.append(scale)
-        sizes.append((round(h * scale), round(w * scale)))
-    hmax, wmax = padded_shape(sizes, cfg.FPN.FPN_ON, cfg.FPN.COARSEST_STRIDE)
-    shape = (len(srcs), 3, hmax, wmax)
-    blob = alloc(shape, np.dtype(np.uint8)) if alloc is not None else np.zeros(shape, np.uint8)
+    targets = draw_scales(entries, cfg, rng)
+    srcs = [load(entry) for entry in entries]
+    im_scales = [get_target_scale(min(im.shape[:2]), max(im.shape[:2]), t, cfg.TRAIN.MAX_SIZE)
+                 for im, t in zip(srcs, targets)]
+    sizes = [(round(im.shape[0] * s), round(im.shape[1] * s)) for im, s in zip(srcs, im_scales)]
+    blob = _new_blob(sizes, np.uint8, cfg.FPN.FPN_ON, cfg.FPN.COARSEST_STRIDE, alloc)
     for i, (im, scale, (h, w)) in enumerate(zip(srcs, im_scales, sizes)):
         for c, plane in enumerate(cv2.split(im)):  # B, G, R (or R, G, B -> 2, 1, 0)
-            dst = blob[i, 2 - c if rgb else c, :h, :w]
+            dst = blob[i, 2 - c if _is_rgb(load) else c, :h, :w]
             out = cv2.resize(plane, None, dst, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR)
             if not np.shares_memory(out, dst):  # OpenCV allocated: copy (same size only)
                 dst[...] = out

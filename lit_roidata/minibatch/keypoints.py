@@ -44,23 +44,15 @@ def keypoints_to_heatmap_labels(keypoints: np.ndarray, rois: np.ndarray,
     """
     HM = heatmap_size
     rois = np.asarray(rois, dtype=np.float32).reshape(-1, 4)
-    dx = rois[:, 2] - rois[:, 0]
-    dy = rois[:, 3] - rois[:, 1]
-    # Detectron quirk Q25 (docs/detectron_quirks.md) guard, a no-op for real
-    # boxes
-    dx = np.where(dx > 0, dx, np.float32(1))
-    dy = np.where(dy > 0, dy, np.float32(1))
-    scale_x = (HM / dx)[:, None]
-    scale_y = (HM / dy)[:, None]
+    extent = rois[:, 2:] - rois[:, :2]  # (n, 2): width and height
+    # Detectron quirk Q25 (docs/detectron_quirks.md) guard, a no-op for real boxes
+    scale = (HM / np.where(extent > 0, extent, np.float32(1)))[:, :, None]
     vis = keypoints[:, 2, :] > 0
-    x = keypoints[:, 0, :].astype(np.float32)
-    y = keypoints[:, 1, :].astype(np.float32)
-    x_boundary = x == rois[:, 2:3]
-    y_boundary = y == rois[:, 3:4]
-    x = np.floor((x - rois[:, 0:1]) * scale_x)
-    y = np.floor((y - rois[:, 1:2]) * scale_y)
-    x[x_boundary] = HM - 1
-    y[y_boundary] = HM - 1
+    xy = keypoints[:, :2, :].astype(np.float32)
+    boundary = xy == rois[:, 2:, None]
+    xy = np.floor((xy - rois[:, :2, None]) * scale)
+    xy[boundary] = HM - 1
+    x, y = xy[:, 0], xy[:, 1]
     valid = ((x >= 0) & (y >= 0) & (x < HM) & (y < HM) & vis).astype(np.int32)
     return ((y * HM + x) * valid).astype(np.float32), valid.astype(np.float32)
 
@@ -83,23 +75,19 @@ def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str,
     if gt_inds.size == 0 or boxes.shape[0] == 0:
         kp_fg_inds = np.zeros((0,), dtype=np.int64)
     else:
-        # -1 wraps to the last gt, as in Detectron (Detectron quirk Q6,
-        # docs/detectron_quirks.md)
-        ind_kp = gt_inds[box_to_gt]
-        kps = gt_keypoints[ind_kp]
-        within = ((kps[:, 0, :] >= boxes[:, 0:1]) & (kps[:, 0, :] <= boxes[:, 2:3]) &
-                  (kps[:, 1, :] >= boxes[:, 1:2]) & (kps[:, 1, :] <= boxes[:, 3:4]))
+        # -1 wraps to the last gt, as in Detectron (Detectron quirk Q6, docs/detectron_quirks.md)
+        kps = gt_keypoints[gt_inds[box_to_gt]]
+        xy = kps[:, :2, :]
+        within = ((xy >= boxes[:, :2, None]) & (xy <= boxes[:, 2:, None])).all(axis=1)
         is_visible = np.sum((kps[:, 2, :] > 0) & within, axis=1) > 0
         kp_fg_inds = np.where((max_overlaps >= cfg.TRAIN.FG_THRESH) & is_visible)[0]
-    quota = min(fg_rois_per_image, kp_fg_inds.size)
-    if kp_fg_inds.size > quota:
-        kp_fg_inds = rng_mod.choice(rng, kp_fg_inds, size=quota, replace=False)
+    if kp_fg_inds.size > fg_rois_per_image:  # drawn only when over the fg quota
+        kp_fg_inds = rng_mod.choice(rng, kp_fg_inds, size=fg_rois_per_image, replace=False)
     sampled_rois = boxes[kp_fg_inds]
     maps = box_to_gt[kp_fg_inds]
     sampled_kps = -np.ones((len(sampled_rois), 3, K), dtype=gt_keypoints.dtype)
     has_gt = maps >= 0
-    if has_gt.any():
-        sampled_kps[has_gt] = gt_keypoints[gt_inds[maps[has_gt]]]
+    sampled_kps[has_gt] = gt_keypoints[gt_inds[maps[has_gt]]]
     heats, weights = keypoints_to_heatmap_labels(sampled_kps, sampled_rois, HM)
     shape = (sampled_rois.shape[0] * K, 1)
     blobs["keypoint_rois"] = rois_blob(sampled_rois * float(im_scale), batch_idx)

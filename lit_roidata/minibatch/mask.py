@@ -60,13 +60,9 @@ def rle_counts(counts: bytes | str) -> np.ndarray:
     n = ends.size
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = np.empty(n, dtype=np.intp)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
+    starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.intp)
     a = a[:ends[-1] + 1]
-    first = np.zeros(a.size, dtype=np.intp)  # each group's first position, at every group
-    first[starts] = starts
-    np.maximum.accumulate(first, out=first)
+    first = np.repeat(starts, ends - starts + 1)  # each group's first position, at every group
     shift = (np.arange(a.size) - first) * 5
     vals = np.add.reduceat((a & 31).astype(np.int64) << shift, starts)
     neg = (a[ends] & 16) != 0
@@ -94,13 +90,9 @@ def decode_rle_into(counts: bytes | str, out: np.ndarray) -> None:
         return
     st, en = st[nz], en[nz]
     x0, x1 = int(st[0]) // h, (int(en[-1]) - 1) // h + 1
-    runs = np.empty(2 * st.size + 1, dtype=np.int64)  # bg, fg, bg, ..., fg, bg
-    runs[0] = st[0] - x0 * h
-    runs[1::2] = en - st
-    runs[2:-1:2] = st[1:] - en[:-1]
-    runs[-1] = x1 * h - en[-1]
-    values = np.zeros(runs.size, dtype=np.uint8)
-    values[1::2] = 1
+    # bg, fg, bg, ..., fg, bg from the column x0 to the column x1
+    runs = np.diff(np.concatenate(([x0 * h], np.stack([st, en], 1).ravel(), [x1 * h])))
+    values = (np.arange(runs.size) % 2).astype(np.uint8)
     cols = np.repeat(values, runs).reshape(x1 - x0, h)  # (columns, rows)
     dst = out[:, x0:x1]
     res = cv2.transpose(cols, dst)
@@ -145,48 +137,37 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     n = len(segms)
     boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
     masks = np.zeros((n, M * M), dtype=np.int32)
-    flat: list[np.ndarray] = []
-    part_lens: list[int] = []
     poly_rows: list[int] = []
-    parts_per_row: list[int] = []
-    cache: dict[int, tuple[list[np.ndarray], np.ndarray | None]] = {}
+    row_parts: list[list[np.ndarray]] = []
+    cache: dict[int, list[np.ndarray]] = {}  # a gt's segm is shared by many RoIs
     for i, segm in enumerate(segms):
-        key = id(segm)
-        if key not in cache:
-            parts = segm_polygons(segm)
-            cache[key] = (parts, np.concatenate(parts) if parts else None)
-        parts, cat = cache[key]
-        if cat is not None:
-            flat.append(cat)
-            part_lens.extend(len(p) for p in parts)
+        parts = cache.get(id(segm))
+        if parts is None:
+            parts = cache[id(segm)] = segm_polygons(segm)
+        if parts:
             poly_rows.append(i)
-            parts_per_row.append(len(parts))
+            row_parts.append(parts)
             continue
         rle = segm_as_rle(segm, height, width)
-        # Detectron quirk Q24 (docs/detectron_quirks.md): -1 =
-        # ignore
+        # Detectron quirk Q24 (docs/detectron_quirks.md): -1 = ignore
         masks[i] = -1 if rle is None else _rasterize_rle(rle, boxes[i], M)
-    if not flat:
+    if not poly_rows:
         return masks
-    coords = np.concatenate(flat)
+    parts_all = [p for parts in row_parts for p in parts]
+    coords = np.concatenate(parts_all)
     rows = np.asarray(poly_rows)
-    owner = np.repeat(rows, [len(f) // 2 for f in flat])  # one owner per vertex
+    parts_per_row = [len(parts) for parts in row_parts]
+    # one owner per vertex
+    owner = np.repeat(rows, [sum(len(p) for p in parts) // 2 for parts in row_parts])
     w = np.maximum(boxes[:, 2] - boxes[:, 0], 1)
     h = np.maximum(boxes[:, 3] - boxes[:, 1], 1)
     coords[0::2] = (coords[0::2] - boxes[owner, 0]) * M / w[owner]
     coords[1::2] = (coords[1::2] - boxes[owner, 1]) * M / h[owner]
-    ends = np.cumsum(part_lens).tolist()
-    coords64 = coords.astype(np.float64)
-    parts_all = [coords64[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    parts_all = np.split(coords.astype(np.float64), np.cumsum([len(p) for p in parts_all])[:-1])
     decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts), F order
     by_part = decoded.transpose(2, 1, 0).reshape(len(parts_all), M * M)  # C order [part, x, y]
-    starts = np.r_[0, np.cumsum(parts_per_row)[:-1]]
-    union = by_part[starts]  # first part of each row, then OR the others in
-    extra = np.ones(len(parts_all), dtype=bool)
-    extra[starts] = False
-    if extra.any():  # ufunc.at: unbuffered, so repeated rows accumulate
-        part_row = np.repeat(np.arange(len(rows)), parts_per_row)
-        np.bitwise_or.at(union, part_row[extra], by_part[extra])
+    # the union of each row's parts (consecutive, at least one per row)
+    union = np.maximum.reduceat(by_part, np.r_[0, np.cumsum(parts_per_row)[:-1]], axis=0)
     masks[rows] = union.reshape(len(rows), M, M).transpose(0, 2, 1).reshape(len(rows), M * M)
     return masks
 
@@ -211,23 +192,18 @@ def expand_class_specific_masks(masks: np.ndarray, class_labels: np.ndarray, num
 
 
 def _match_boxes(entry: Mapping[str, Any], gt_rows: np.ndarray) -> tuple[list, np.ndarray]:
-    segms = entry["segms"]
-    boxes = np.asarray(entry["boxes"], dtype=np.float32)
-    chosen = [segms[i] for i in gt_rows]
-    out = np.zeros((len(chosen), 4), dtype=np.float32)
+    chosen = [entry["segms"][i] for i in gt_rows]
+    # Detectron quirk Q24 (docs/detectron_quirks.md): without a usable segm, match through
+    # the gt box instead
+    out = np.asarray(entry["boxes"], dtype=np.float32)[gt_rows]
     for j, segm in enumerate(chosen):
         parts = segm_polygons(segm)
+        rle = None if parts else segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
         if parts:
             out[j] = polys_to_boxes([parts])[0]
-            continue
-        rle = segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
-        if rle is not None:
+        elif rle is not None:
             x, y, w, h = mask_util.toBbox(rle)
             out[j] = (x, y, x + w, y + h)
-        else:
-            # Detectron quirk Q24 (docs/detectron_quirks.md): match through the gt box
-            # instead
-            out[j] = boxes[gt_rows[j]]
     return chosen, out
 
 
@@ -257,24 +233,18 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
     fg_inds = np.where(labels > 0)[0]
     roi_has_mask = labels.copy()
     roi_has_mask[roi_has_mask > 0] = 1
-    if fg_inds.shape[0] > 0:
-        class_labels = labels[fg_inds]
-        rois_fg = sampled_boxes[fg_inds].astype(np.float32, copy=False)
-        if gt_rows.size:
-            segms, match_boxes = _match_boxes(entry, gt_rows)
-            best = np.argmax(bbox_overlaps(rois_fg, match_boxes), axis=1)
-            masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M,
-                                             int(entry["height"]), int(entry["width"]))
-        # fg only through crowd boxes (Detectron quirk Q8, docs/detectron_quirks.md): nothing to
-        # learn a mask from
-        else:
-            masks = np.full((fg_inds.shape[0], M * M), -1, dtype=np.int32)
-    else:
-        take = np.where(labels == 0)[0][:1]  # one bg RoI with an all -1 target
-        rois_fg = sampled_boxes[take].reshape((-1, 4)).astype(np.float32, copy=False)
+    # without a fg RoI: one bg RoI (class 0) with an all -1 target
+    take = fg_inds if fg_inds.size else np.where(labels == 0)[0][:1]
+    roi_has_mask[take] = 1
+    class_labels = labels[take]
+    rois_fg = sampled_boxes[take].reshape((-1, 4)).astype(np.float32, copy=False)
+    if fg_inds.size and gt_rows.size:
+        segms, match_boxes = _match_boxes(entry, gt_rows)
+        best = np.argmax(bbox_overlaps(rois_fg, match_boxes), axis=1)
+        masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M,
+                                         int(entry["height"]), int(entry["width"]))
+    else:  # or fg only through crowd boxes (Detectron quirk Q8, docs/detectron_quirks.md)
         masks = np.full((take.size, M * M), -1, dtype=np.int32)
-        class_labels = np.zeros((take.size,), dtype=np.int32)
-        roi_has_mask[take] = 1
     if cfg.MRCNN.CLS_SPECIFIC_MASK:
         if expand:
             masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))

@@ -13,7 +13,7 @@ from typing import Any
 from lit_roidata.minibatch.model_type import blob_family
 
 __all__ = ["get_minibatch_blob_names", "get_fast_rcnn_blob_names", "get_rpn_blob_names",
-           "get_retinanet_blob_names", "multilevel_roi_prefixes"]
+           "get_retinanet_blob_names", "multilevel_roi_prefixes", "rpn_levels"]
 
 
 def _levels(lo: int, hi: int) -> range:
@@ -29,15 +29,17 @@ RPN_COMPACT_KEYS = ("rpn_compact_layout", "rpn_compact_labels_int32", "rpn_compa
                     "rpn_compact_bbox_targets", "rpn_compact_outside_weights")
 
 
+def rpn_levels(cfg: Any) -> list[int | None]:
+    """The RPN's anchor levels: the FPN levels with a multilevel RPN, else ``[None]``."""
+    if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
+        return list(_levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL))
+    return [None]
+
+
 def get_rpn_blob_names(cfg: Any) -> list[str]:
     """RPN family (``RPN.RPN_ON``): ``im_info``, ``roidb`` and the wide RPN targets."""
-    names = ["im_info", "roidb"]
-    if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
-        for lvl in _levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL):
-            names += [f"{kind}_fpn{lvl}" for kind in RPN_BLOB_KINDS]
-    else:
-        names += RPN_BLOB_KINDS
-    return names
+    return ["im_info", "roidb"] + [kind if lvl is None else f"{kind}_fpn{lvl}"
+                                   for lvl in rpn_levels(cfg) for kind in RPN_BLOB_KINDS]
 
 
 def get_retinanet_blob_names(cfg: Any) -> list[str]:
@@ -49,22 +51,16 @@ def get_retinanet_blob_names(cfg: Any) -> list[str]:
     if not cfg.FPN.FPN_ON:
         raise ValueError("RETINANET.RETINANET_ON needs FPN.FPN_ON: True (Detectron's RetinaNet "
                          "is always built on FPN); set FPN.FPN_ON in the config")
-    names = ["im_info", "retnet_fg_num", "retnet_bg_num"]
-    for lvl in _levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL):
-        names += [f"retnet_{k}_fpn{lvl}" for k in ("cls_labels", "roi_bbox_targets",
-                                                    "roi_fg_bbox_locs")]
-    return names
+    return ["im_info", "retnet_fg_num", "retnet_bg_num"] + [
+        f"retnet_{k}_fpn{lvl}" for lvl in _levels(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL)
+        for k in ("cls_labels", "roi_bbox_targets", "roi_fg_bbox_locs")]
 
 
 def multilevel_roi_prefixes(cfg: Any) -> list[str]:
     """The RoI blobs FPN distributes over levels: ``rois``, then ``mask_rois`` and
     ``keypoint_rois`` when their heads are on (Detectron semantics: FPN RoI levels)."""
-    prefixes = ["rois"]
-    if cfg.MODEL.MASK_ON:
-        prefixes.append("mask_rois")
-    if cfg.MODEL.KEYPOINTS_ON:
-        prefixes.append("keypoint_rois")
-    return prefixes
+    return [prefix for prefix, on in (("rois", True), ("mask_rois", cfg.MODEL.MASK_ON),
+                                      ("keypoint_rois", cfg.MODEL.KEYPOINTS_ON)) if on]
 
 
 def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
@@ -77,10 +73,9 @@ def get_fast_rcnn_blob_names(cfg: Any) -> list[str]:
         names += ["keypoint_rois", "keypoint_locations_int32", "keypoint_weights",
                   "keypoint_loss_normalizer"]
     if cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_ROIS:
-        levels = _levels(cfg.FPN.ROI_MIN_LEVEL, cfg.FPN.ROI_MAX_LEVEL)
-        for prefix in multilevel_roi_prefixes(cfg):
-            names += [f"{prefix}_fpn{lvl}" for lvl in levels]
-            names.append(f"{prefix}_idx_restore_int32")
+        suffixes = [f"fpn{lvl}" for lvl in _levels(cfg.FPN.ROI_MIN_LEVEL, cfg.FPN.ROI_MAX_LEVEL)]
+        names += [f"{prefix}_{suffix}" for prefix in multilevel_roi_prefixes(cfg)
+                  for suffix in suffixes + ["idx_restore_int32"]]
     return names
 
 

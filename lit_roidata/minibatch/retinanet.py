@@ -18,16 +18,13 @@ from typing import Any, Mapping, MutableMapping, Sequence
 import numpy as np
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, concat_fields, inside_anchors, level_offsets, retinanet_fields, rpn_overlaps,
-    scaled_noncrowd_gt)
+    FieldOfAnchors, anchor_targets, concat_fields, inside_anchors, level_offsets, retinanet_fields,
+    rpn_overlaps, scaled_noncrowd_gt, stack_rows)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import get_retinanet_blob_names
 
 __all__ = ["add_retinanet_blobs", "label_retinanet_anchors", "get_retinanet_blob_names"]
-
-_ONES4 = (1.0, 1.0, 1.0, 1.0)
 
 
 def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
@@ -65,8 +62,7 @@ def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     n_classes = int(cfg.MODEL.NUM_CLASSES)
     fg_total, bg_total = 0.0, 0.0
     per_image = []
-    for i, entry in enumerate(entries):
-        scale = im_scales[i]
+    for entry, scale in zip(entries, im_scales):
         gt, keep = scaled_noncrowd_gt(entry, scale, "RetinaNet", "Detectron asserts here")
         labels, fg, targets, num_bg = label_retinanet_anchors(
             all_anchors, fields, gt, np.asarray(entry["gt_classes"])[keep], cfg.RETINANET)
@@ -98,25 +94,18 @@ def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnc
     below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
     cand, overlaps = rpn_overlaps(fields, all_anchors, every, gt, below)
     a2g_max = np.zeros(n, dtype=np.float32)
-    g2a_max = np.zeros(gt.shape[0], dtype=np.float32)
-    if len(cand):
-        a2g_max[cand] = overlaps.max(axis=1)
-        g2a_max = overlaps.max(axis=0)
-    positive = np.zeros(n, dtype=bool)
-    positive[cand[(overlaps == g2a_max[None, :]).any(axis=1)]] = True
-    if (g2a_max == 0).any():  # every anchor ties at zero with that gt (as Detectron)
-        not_cand = np.ones(n, dtype=bool)
-        not_cand[cand] = False
-        positive |= not_cand
+    a2g_max[cand] = overlaps.max(axis=1)
+    g2a_max = overlaps.max(axis=0, initial=0)
+    # a gt with zero IoU everywhere ties at zero with every anchor (as Detectron)
+    positive = np.full(n, (g2a_max == 0).any())
+    positive[cand] = (overlaps == g2a_max[None, :]).any(axis=1)
     positive |= a2g_max >= retina.POSITIVE_OVERLAP
     fg = np.flatnonzero(positive)
-    # Exact dense argmax (ties -> lowest gt) for the positives only.
-    assigned = bbox_overlaps(all_anchors[fg], gt).argmax(axis=1) if len(fg) else fg
+    assigned, targets = anchor_targets(all_anchors[fg], gt)  # for the positives only
     labels = np.full(n, -1, dtype=np.float32)
     labels[fg] = gt_classes[assigned]
     bg = a2g_max < retina.NEGATIVE_OVERLAP
     labels[bg] = 0
-    targets = bbox_transform_targets(all_anchors[fg], gt[assigned], _ONES4)
     return labels, fg, targets, int(bg.sum())
 
 
@@ -127,30 +116,24 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
     retina = cfg.RETINANET
     n_classes = int(cfg.MODEL.NUM_CLASSES)
     loc_stride = 4 * (n_classes - 1) if retina.CLASS_SPECIFIC_BBOX else 4
-    num_aspects = len(retina.ASPECT_RATIOS)
     offsets = level_offsets(fields)
-    field_ids = np.arange(len(fields))
-    levels = range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)
+    # fields per level, in (octave, aspect) order: a field's place in its level is its anchor
+    a = retina.SCALES_PER_OCTAVE * len(retina.ASPECT_RATIOS)
     if compact:  # written again below in blob order, the sparse pair in the labels' place
         for k in [k for k in blobs if k.startswith("retnet_") and "_fpn" in k]:
             del blobs[k]
-    for lvl in levels:
-        ids = field_ids[[int(round(np.log2(f.stride))) == lvl for f in fields]]
-        f0 = fields[ids[0]]
-        size, stride = f0.field_size, f0.stride
+    for k, lvl in enumerate(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)):
+        size, stride = fields[k * a].field_size, fields[k * a].stride
         h, w = int(pad_h / stride), int(pad_w / stride)
-        shape = (len(per_image), len(ids), min(h, size), min(w, size))
+        shape = (len(per_image), a, min(h, size), min(w, size))
         cls = np.empty(shape, np.int32)
-        lo, hi = offsets[ids[0]], offsets[ids[-1] + 1]
-        field_anchor_ind = np.array([fields[j].octave * num_aspects + fields[j].aspect
-                                     for j in ids], np.int64)
+        lo, hi = offsets[k * a], offsets[(k + 1) * a]
         tgt_rows, loc_rows = [], []
         for i, (labels, fg, targets) in enumerate(per_image):
-            cls[i] = labels[lo:hi].reshape(len(ids), size, size)[:, :h, :w]
+            cls[i] = labels[lo:hi].reshape(a, size, size)[:, :h, :w]
             sel = (fg >= lo) & (fg < hi)
             sel[sel] = labels[fg[sel]] > 0  # positives overwritten by negatives drop out
-            local = fg[sel] - lo
-            field_in_level, cell = np.divmod(local, size * size)
+            anchor_ind, cell = np.divmod(fg[sel] - lo, size * size)
             y, x = np.divmod(cell, size)
             lab = labels[fg[sel]].astype(np.int64)
             l_cls = lab - 1 if retina.CLASS_SPECIFIC_BBOX else np.zeros_like(lab)
@@ -158,7 +141,6 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
                 raise ValueError(
                     f"RetinaNet label {int(lab.max())} does not fit MODEL.NUM_CLASSES = "
                     f"{n_classes}; set it to the dataset's class count plus one")
-            anchor_ind = field_anchor_ind[field_in_level]
             locs = np.stack([np.full_like(y, i), 4 * l_cls + loc_stride * anchor_ind, y, x], 1)
             tgt_rows.append(targets[sel])
             loc_rows.append(locs.astype(np.float32))
@@ -169,13 +151,8 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
             blobs[f"retnet_cls_labels_fpn{lvl}_shape"] = np.array(shape, np.int64)
         else:
             blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
-        blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = _rows(tgt_rows)
-        blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = _rows(loc_rows)
-
-
-def _rows(parts: list[np.ndarray]) -> np.ndarray:
-    return (np.concatenate(parts).astype(np.float32, copy=False) if parts
-            else np.zeros((0, 4), np.float32))
+        blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = stack_rows(tgt_rows, 4, np.float32)
+        blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = stack_rows(loc_rows, 4, np.float32)
 
 
 def _warn_if_not_multiple(pad_h: int, pad_w: int, cfg: Any) -> None:

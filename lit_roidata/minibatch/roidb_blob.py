@@ -62,10 +62,7 @@ def serialize_roidb(entries: Sequence[Mapping[str, Any]]) -> np.ndarray:
 
     for entry in entries:
         item: dict[str, Any] = {}
-        for key in _KEYS:
-            if key not in entry:
-                continue
-            value = entry[key]
+        for key, value in ((k, entry[k]) for k in _KEYS if k in entry):
             if key in _JSON_KEYS:
                 item[key] = {"t": "j", "v": _to_json(value)}
             elif scipy.sparse.issparse(value):
@@ -104,20 +101,16 @@ def deserialize_roidb(blob: Any) -> list[dict[str, Any]]:
         arr = np.frombuffer(data, dtype=dtype, count=count, offset=desc["off"])
         return arr.reshape(desc["shape"]).copy()
 
-    out = []
-    for item in header:
-        entry: dict[str, Any] = {}
-        for key, desc in item.items():
-            if desc["t"] == "j":
-                entry[key] = _from_json(desc["v"])
-            elif desc["t"] == "csr":
-                entry[key] = scipy.sparse.csr_matrix(
-                    (get(desc["data"]), get(desc["indices"]), get(desc["indptr"])),
-                    shape=tuple(desc["shape"]))
-            else:
-                entry[key] = get(desc)
-        out.append(entry)
-    return out
+    def value(desc: Mapping[str, Any]) -> Any:
+        if desc["t"] == "j":
+            return _from_json(desc["v"])
+        if desc["t"] == "csr":
+            return scipy.sparse.csr_matrix(
+                (get(desc["data"]), get(desc["indices"]), get(desc["indptr"])),
+                shape=tuple(desc["shape"]))
+        return get(desc)
+
+    return [{key: value(desc) for key, desc in item.items()} for item in header]
 
 
 def _dumps(header: list[dict[str, Any]]) -> bytes:

@@ -19,18 +19,17 @@ import numpy as np
 import torch
 
 from lit_roidata import rng as rng_mod
-from lit_roidata.boxes import bbox_overlaps, bbox_transform_targets
+from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, InsideAnchors, concat_fields, inside_anchors, rpn_fields, rpn_overlaps,
-    scaled_noncrowd_gt)
+    FieldOfAnchors, InsideAnchors, anchor_targets, concat_fields, inside_anchors, rpn_fields,
+    rpn_overlaps, scaled_noncrowd_gt, stack_rows)
 from lit_roidata.minibatch.image import im_info_rows
-from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS, get_rpn_blob_names
+from lit_roidata.minibatch.names import (
+    RPN_BLOB_KINDS, RPN_COMPACT_KEYS, get_rpn_blob_names, rpn_levels)
 from lit_roidata.minibatch.roidb_blob import serialize_roidb
 
 __all__ = ["get_rpn_blob_names", "add_rpn_blobs", "label_anchors", "RPN_BLOB_KINDS",
            "RPN_COMPACT_KEYS"]
-
-_ONES4 = (1.0, 1.0, 1.0, 1.0)
 
 
 def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
@@ -78,17 +77,10 @@ def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
                                        cfg.TRAIN, rng, fix_rpn_quirks=fix_rpn_quirks))
     blobs["im_info"] = im_info
     blobs["roidb"] = serialize_roidb(entries)
-    multilevel = cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN
-    levels = (list(range(cfg.FPN.RPN_MIN_LEVEL, cfg.FPN.RPN_MAX_LEVEL + 1)) if multilevel
-              else [None])
-    rows = _compact(per_image, fields, levels)
-    if not compact:
-        blobs.update(_wide(rows, alloc))
-        return True
-    for lvl in levels:  # the wide names were pre-created by get_minibatch: drop them
-        for k in RPN_BLOB_KINDS:
-            blobs.pop(k if lvl is None else f"{k}_fpn{lvl}", None)
-    blobs.update(rows)
+    rows = _compact(per_image, fields, rpn_levels(cfg))
+    for k in get_rpn_blob_names(cfg)[2:] if compact else ():  # pre-created by get_minibatch
+        blobs.pop(k, None)
+    blobs.update(rows if compact else _wide(rows, alloc))
     return True
 
 
@@ -109,22 +101,16 @@ def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
     """The ``RPN_COMPACT_KEYS`` blobs from each image's :func:`label_anchors` result."""
     layout = np.array([(-1 if lvl is None else lvl, f.num_cell_anchors, f.field_size)
                        for lvl, f in zip(levels, fields)], dtype=np.int64).reshape(-1, 3)
-    labels, fg, targets = [], [], []
-    weights = np.zeros(len(per_image), np.float32)
-    for i, (labelled, lab, fg_inds, tgt, num_examples) in enumerate(per_image):
-        labels.append(np.stack([np.full(len(labelled), i), labelled, lab], 1))
-        fg.append(np.stack([np.full(len(fg_inds), i), fg_inds], 1))
-        targets.append(np.asarray(tgt).reshape(-1, 4))
-        weights[i] = np.float32(1.0 / num_examples) if num_examples else np.float32(0)
-
-    def rows(parts: list[np.ndarray], width: int, dtype: Any) -> np.ndarray:
-        return (np.concatenate(parts).astype(dtype) if parts else np.zeros((0, width), dtype))
-
+    labels = [np.stack([np.full(len(idx), i), idx, lab], 1)
+              for i, (idx, lab, *_) in enumerate(per_image)]
+    fg = [np.stack([np.full(len(p[2]), i), p[2]], 1) for i, p in enumerate(per_image)]
     return {"rpn_compact_layout": layout,
-            "rpn_compact_labels_int32": rows(labels, 3, np.int32),
-            "rpn_compact_fg_int32": rows(fg, 2, np.int32),
-            "rpn_compact_bbox_targets": rows(targets, 4, np.float32),
-            "rpn_compact_outside_weights": weights}
+            "rpn_compact_labels_int32": stack_rows(labels, 3, np.int32),
+            "rpn_compact_fg_int32": stack_rows(fg, 2, np.int32),
+            "rpn_compact_bbox_targets": stack_rows(
+                [np.asarray(p[3]).reshape(-1, 4) for p in per_image], 4, np.float32),
+            "rpn_compact_outside_weights": np.array(
+                [1.0 / p[4] if p[4] else 0.0 for p in per_image], np.float32)}
 
 
 def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
@@ -148,11 +134,7 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
     """
     inside = inside_anchors(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
     labelled, lab, fg_inds = _label(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
-    fg_anchors = all_anchors[fg_inds]
-    # The exact dense argmax (ties -> lowest gt), only for the <= 128 anchors that need it.
-    assigned = (bbox_overlaps(fg_anchors, gt).argmax(axis=1) if len(fg_inds)
-                else np.zeros(0, np.int64))
-    targets = bbox_transform_targets(fg_anchors, gt[assigned], _ONES4)
+    _, targets = anchor_targets(all_anchors[fg_inds], gt)  # only the <= 128 that need it
     return labelled, lab, fg_inds, targets, float(len(labelled))
 
 
@@ -185,9 +167,8 @@ def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: In
     if fix:
         best &= (g2a > 0)[None, :]
     is_pos = best.any(axis=1) | (a2g >= pos_t)
-    positives = cand[is_pos]  # ascending, as flatnonzero
+    fg_inds = cand[is_pos]  # ascending, as flatnonzero
     num_fg = int(train.RPN_FG_FRACTION * train.RPN_BATCH_SIZE_PER_IM)
-    fg_inds = positives
     if len(fg_inds) > num_fg:
         disable = rng_mod.choice(rng, fg_inds, size=len(fg_inds) - num_fg, replace=False)
         fg_inds = np.setdiff1d(fg_inds, disable, assume_unique=True)
@@ -196,23 +177,18 @@ def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: In
     excluded = cand[(a2g >= neg_t) | is_pos] if fix else cand[a2g >= neg_t]
     n_cand = inside.count - len(excluded)
     pos = _negative_positions(n_cand, num_bg, rng, fix)
-    if pos is None:
-        pos = np.arange(n_cand)
     # the p-th candidate is the q-th inside anchor, q = p + #excluded placed before it
     shift = inside.rank(excluded) - np.arange(len(excluded))
     bg_inds = inside.select(pos + np.searchsorted(shift, pos, side="right"))
     labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
-    bg_sorted = np.unique(bg_inds)
-    at = np.minimum(np.searchsorted(bg_sorted, labelled), max(len(bg_sorted) - 1, 0))
-    is_bg = bg_sorted[at] == labelled if len(bg_sorted) else np.zeros(len(labelled), bool)
-    lab = np.where(is_bg, 0, 1).astype(np.int32)
+    lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
     return labelled, lab, fg_inds
 
 
 def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
-                        fix: bool) -> np.ndarray | None:
-    """Positions of the negatives drawn among ``n_cand`` candidates (ascending order), or
-    None: all of them (there are at most ``num_bg``).
+                        fix: bool) -> np.ndarray:
+    """Positions of the negatives drawn among ``n_cand`` candidates (ascending order): all
+    of them when there are at most ``num_bg``.
 
     Detectron's draw: ``bg_inds[npr.randint(len(bg_inds), size=num_bg)]`` (Detectron quirk
     Q3 (docs/detectron_quirks.md): with replacement, and may overwrite positives); fixed:
@@ -220,7 +196,7 @@ def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
     number of candidates, so drawing positions consumes the generator identically.
     """
     if n_cand <= num_bg:
-        return None
+        return np.arange(n_cand)
     if fix:
         return np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False))
     return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))

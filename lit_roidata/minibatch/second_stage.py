@@ -67,8 +67,8 @@ def proposal_labels(rois: Any, entries: Any, im_scales: Any, cfg: Any, rng: rng_
     scales = [float(s) for s in (im_scales.tolist() if hasattr(im_scales, "tolist")
                                  else im_scales)]
     if scores is not None and cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
-        top_n = int(cfg.TRAIN.RPN_POST_NMS_TOP_N * cfg.FPN.RPN_COLLECT_SCALE)
-        rois_t = collect_top_proposals(rois_t, scores, top_n)
+        rois_t = collect_top_proposals(
+            rois_t, scores, int(cfg.TRAIN.RPN_POST_NMS_TOP_N * cfg.FPN.RPN_COLLECT_SCALE))
     merged = merge_proposals(rois_t, entries, scales, cfg)
     blobs: dict[str, Any] = {}
     # valid is ignored end to end (Detectron quirk Q7, docs/detectron_quirks.md)
@@ -121,18 +121,16 @@ def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
     img, props = img[order], props[order]
     cols = [_entry_columns(e, dev) for e in entries]
     gt = _cat_gt(cols, dev)
-    p_max, p_cls, p_map = _assign(props, img, gt, dev)
     counts = torch.bincount(img, minlength=len(entries)).tolist()
-    rows = _merged_rows(cols, props, p_max, p_cls, p_map, counts, dev)
+    rows = _merged_rows(cols, {"boxes": props, **_assign(props, img, gt, dev)}, counts, dev)
     rows["bbox_targets"] = _targets(rows, gt, cfg, dev)
     host = {k: v.cpu().numpy() for k, v in rows.items()}
     starts = np.concatenate(([0], np.cumsum([c["n"] + p for c, p in zip(cols, counts)])))
     out = []
-    for i, e in enumerate(entries):
-        merged = {k: v[starts[i]:starts[i + 1]] for k, v in host.items() if k != "img"}
+    for e, a, b in zip(entries, starts[:-1], starts[1:]):
+        merged = {k: v[a:b] for k, v in host.items() if k != "img"}
         merged["boxes"] = merged["boxes"].astype(np.float32)
-        merged.update({k: e[k] for k in _PASS_THROUGH if k in e})
-        out.append(merged)
+        out.append({**merged, **{k: e[k] for k in _PASS_THROUGH if k in e}})
     return out
 
 
@@ -185,27 +183,26 @@ def _masked_iou(a: torch.Tensor, a_img: torch.Tensor, b: torch.Tensor, b_img: to
 
 
 def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
-            dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            dev: torch.device) -> dict[str, torch.Tensor]:
     """Per proposal: max IoU, its gt's class and roidb row (0, 0, -1 if none; Detectron
     semantics: class assignment)."""
     n = props.shape[0]
     if n == 0 or gt["boxes"].shape[0] == 0:
-        return (torch.zeros(n, device=dev), torch.zeros(n, dtype=torch.int64, device=dev),
-                torch.full((n,), -1, dtype=torch.int32, device=dev))
-    iou = _masked_iou(props, img, gt["boxes"], gt["img"])
-    best, arg = iou.max(dim=1)  # first maximal gt on ties
+        return {"max_overlaps": torch.zeros(n, device=dev),
+                "max_classes": torch.zeros(n, dtype=torch.int64, device=dev),
+                "box_to_gt_ind_map": torch.full((n,), -1, dtype=torch.int32, device=dev)}
+    best, arg = _masked_iou(props, img, gt["boxes"], gt["img"]).max(dim=1)  # first on ties
     hit = best > 0
-    return (torch.where(hit, best, torch.zeros_like(best)),
-            torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
-            torch.where(hit, gt["row"][arg], torch.full_like(arg, -1)).to(torch.int32))
+    return {"max_overlaps": torch.where(hit, best, torch.zeros_like(best)),
+            "max_classes": torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
+            "box_to_gt_ind_map": torch.where(hit, gt["row"][arg],
+                                             torch.full_like(arg, -1)).to(torch.int32)}
 
 
-def _merged_rows(cols: list[dict[str, Any]], props: torch.Tensor, p_max: torch.Tensor,
-                 p_cls: torch.Tensor, p_map: torch.Tensor, counts: list[int],
+def _merged_rows(cols: list[dict[str, Any]], new: dict[str, torch.Tensor], counts: list[int],
                  dev: torch.device) -> dict[str, torch.Tensor]:
-    """Concatenate, image by image, the entry's rows and then its proposal rows."""
-    new = {"boxes": props, "box_to_gt_ind_map": p_map, "max_overlaps": p_max,
-           "max_classes": p_cls}  # the proposal rows' own values; the others are zero
+    """Concatenate, image by image, the entry's rows and then its proposal rows (``new``:
+    the proposal rows' own values; the other columns are zero)."""
     out: dict[str, list[torch.Tensor]] = {k: [] for k in (
         "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
         "max_overlaps", "max_classes")}
@@ -224,8 +221,7 @@ def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: An
              dev: torch.device) -> torch.Tensor:
     """Bounding-box regression targets of the merged rows: towards the best non-crowd gt
     of the same image."""
-    n = rows["boxes"].shape[0]
-    targets = torch.zeros((n, 5), dtype=torch.float32, device=dev)
+    targets = torch.zeros((rows["boxes"].shape[0], 5), dtype=torch.float32, device=dev)
     ok = ~gt["crowd"].to(torch.bool) if gt["boxes"].shape[0] else None
     ex = torch.nonzero(rows["max_overlaps"] >= cfg.TRAIN.BBOX_THRESH).reshape(-1)
     if ok is None or not bool(ok.any()) or ex.numel() == 0:

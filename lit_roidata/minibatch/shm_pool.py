@@ -89,9 +89,8 @@ class ShmPool:
         if num_workers < 1 or slots < 1 or slot_bytes < _ALIGN:
             raise ValueError(f"ShmPool needs num_workers >= 1, slots >= 1 and slot_bytes >= "
                              f"{_ALIGN}; got {num_workers}, {slots}, {slot_bytes}")
-        n = num_workers * slots
         self._setup(secrets.randbits(62), int(num_workers), int(slots), int(slot_bytes),
-                    [new_shared_storage(int(slot_bytes)) for _ in range(n)],
+                    [new_shared_storage(int(slot_bytes)) for _ in range(num_workers * slots)],
                     torch.zeros((num_workers, slots), dtype=torch.uint8).share_memory_(),
                     torch.zeros((num_workers, len(_STATS)), dtype=torch.int64).share_memory_())
 
@@ -126,9 +125,8 @@ class ShmPool:
         if free.size == 0:
             self.counters[worker, _S["no_free_slot"]] += 1
             return None
-        slot = int(free[0])
-        row[slot] = 1
-        return _Arena(self, worker, slot)
+        row[free[0]] = 1
+        return _Arena(self, worker, int(free[0]))
 
     def give_back(self, arena: _Arena) -> None:
         """Worker side: free a slot that nothing sent refers to."""
@@ -137,15 +135,13 @@ class ShmPool:
 
     def _alloc(self, arena: _Arena, shape: tuple[int, ...], dtype: torch.dtype,
                zero: bool = True) -> torch.Tensor | None:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         off = arena.offset + (-arena.offset) % _ALIGN
         end = off + nbytes
         w = arena.worker
         if nbytes == 0 or end > self.slot_bytes:
             if nbytes:
-                self.counters[w, _S["fallback_arrays"]] += 1
-                self.counters[w, _S["fallback_bytes"]] += nbytes
+                self.counters[w, [_S["fallback_arrays"], _S["fallback_bytes"]]] += (1, nbytes)
             return None
         i = arena.index
         dirty = self._dirty[i]
@@ -153,8 +149,7 @@ class ShmPool:
             self._np[i][off:min(end, dirty)] = 0
         self._dirty[i] = max(dirty, end)
         arena.offset = end
-        self.counters[w, _S["pool_arrays"]] += 1
-        self.counters[w, _S["pool_bytes"]] += nbytes
+        self.counters[w, [_S["pool_arrays"], _S["pool_bytes"]]] += (1, nbytes)
         return self._u8[i][off:end].view(dtype).view(shape)
 
     def _descriptor(self, t: torch.Tensor, arena: _Arena) -> tuple | None:
@@ -230,10 +225,9 @@ class ShmPool:
 def _rebuild_pool(token: int, num_workers: int, slots: int, slot_bytes: int, storages: list,
                   flags: torch.Tensor, counters: torch.Tensor) -> ShmPool:
     pool = _POOLS.get(token)
-    if pool is not None:  # sent back to the process that has it
-        return pool
-    pool = ShmPool.__new__(ShmPool)
-    pool._setup(token, num_workers, slots, slot_bytes, storages, flags, counters)
+    if pool is None:  # (else: sent back to the process that has it)
+        pool = ShmPool.__new__(ShmPool)
+        pool._setup(token, num_workers, slots, slot_bytes, storages, flags, counters)
     return pool
 
 
@@ -243,13 +237,10 @@ def begin_block(pool: ShmPool | None) -> _Arena | None:
     and make it the target of :func:`pool_tensor` in this thread (None: no pool, no
     worker, or no free slot; arrays then get new segments)."""
     end_block()
-    if pool is None:
-        return None
-    info = torch.utils.data.get_worker_info()
+    info = torch.utils.data.get_worker_info() if pool is not None else None
     if info is None:
         return None
-    arena = pool.acquire(int(info.id))
-    _local.arena = arena
+    _local.arena = arena = pool.acquire(int(info.id))
     return arena
 
 
@@ -292,8 +283,7 @@ class _PoolPickler(ForkingPickler):
 
     def __init__(self, file: Any, arena: _Arena) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self.arena = arena
-        self.pool = arena.pool
+        self.arena, self.pool = arena, arena.pool
         self._copied: dict[int, tuple[torch.Tensor, tuple]] = {}  # id -> (tensor, desc)
 
     def persistent_id(self, obj: Any) -> Any:
@@ -321,11 +311,10 @@ def pooled_reduce(rebuild: Callable[..., Any], args: tuple, arena: _Arena) -> tu
     descriptors (worker side; see the module documentation)."""
     buf = io.BytesIO()
     _PoolPickler(buf, arena).dump((rebuild, args))
-    pool = arena.pool
     if not arena.used:  # nothing sent lies in the slot: free it now
-        pool.give_back(arena)
+        arena.pool.give_back(arena)
         return (_load_plain, (buf.getvalue(),))
-    return (_load_pooled, (pool.token, arena.worker, arena.slot, buf.getvalue()))
+    return (_load_pooled, (arena.pool.token, arena.worker, arena.slot, buf.getvalue()))
 
 
 class _PoolUnpickler(pickle.Unpickler):
@@ -343,12 +332,11 @@ class _PoolUnpickler(pickle.Unpickler):
             if self.lease is None:
                 self.lease = self.pool._lease(self.worker, self.slot)
             span = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-            flat = torch.frombuffer(self.lease, dtype=dtype, count=span, offset=off)
-            t = flat.as_strided(shape, stride)
+            t = torch.frombuffer(self.lease, dtype=dtype, count=span, offset=off).as_strided(
+                shape, stride)
         if cls is not torch.Tensor:
             t = t.as_subclass(cls)
-            if state:
-                t.__dict__.update(state)
+            t.__dict__.update(state)
         return t
 
 

@@ -71,7 +71,6 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
     t = (shared_empty((rows.size, h, w), torch.uint8) if shared
          else torch.zeros((rows.size, h, w), dtype=torch.uint8))
     out = t.numpy()
-    height, width = int(entry["height"]), int(entry["width"])
     segms = entry["segms"]
     polys: list[np.ndarray] = []  # every polygon part of the image: one pycocotools call
     spans: list[tuple[int, int, int]] = []  # (mask row, first part, part count)
@@ -82,10 +81,9 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
             spans.append((j, len(polys), len(parts)))
             polys.extend(p.astype(np.float64) * scale for p in parts)
             continue
-        rle = segm_as_rle(segm, height, width)
+        rle = segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
         if rle is not None:
-            full = mask_util.decode(rle)
-            out[j] = cv2.resize(full, (w, h), interpolation=cv2.INTER_NEAREST)
+            out[j] = cv2.resize(mask_util.decode(rle), (w, h), interpolation=cv2.INTER_NEAREST)
     if polys:
         rles = mask_util.frPyObjects(polys, h, w)
         for j, first, n in spans:
@@ -105,11 +103,9 @@ def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.n
 
 
 def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv_tensors.Image:
-    h, w, c = im.shape
-    if shared:  # built in shared memory: a DataLoader worker sends it without a copy
-        t = shared_empty((c, h, w), im.dtype)
-    else:
-        t = torch.from_numpy(np.empty((c, h, w), dtype=im.dtype))
+    h, w, c = im.shape  # shared: a DataLoader worker sends it without a copy
+    t = (shared_empty((c, h, w), im.dtype) if shared
+         else torch.from_numpy(np.empty((c, h, w), dtype=im.dtype)))
     out = t.numpy()  # uint8: BGR -> RGB
     split_into(im, [out[i] for i in (range(c - 1, -1, -1) if pixel_format == "uint8"
                                      else range(c))])
@@ -127,9 +123,8 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
     gt_classes = np.asarray(entry["gt_classes"])
     is_crowd = np.asarray(entry["is_crowd"]).astype(bool)
     is_gt = gt_classes > 0
-    gt_rows = np.flatnonzero(is_gt & ~is_crowd)
-    crowd_rows = np.flatnonzero(is_gt & is_crowd)
-    prop_rows = np.flatnonzero(~is_gt)
+    gt_rows, crowd_rows, prop_rows = (np.flatnonzero(rows) for rows in (
+        is_gt & ~is_crowd, is_gt & is_crowd, ~is_gt))
 
     def bb(rows: np.ndarray) -> tv_tensors.BoundingBoxes:
         return tv_tensors.BoundingBoxes(torch.from_numpy(to_continuous_boxes(boxes[rows], scale)),
@@ -150,9 +145,8 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
         target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
     if prop_rows.size:
         target["proposals"] = bb(prop_rows)
-    for key in LVIS_KEYS:  # LVIS roidbs only
-        if key in entry:
-            target[key] = torch.from_numpy(np.asarray(entry[key]).astype(np.int64))
+    target.update({key: torch.from_numpy(np.asarray(entry[key]).astype(np.int64))
+                   for key in LVIS_KEYS if key in entry})  # LVIS roidbs only
     return target
 
 

@@ -71,14 +71,12 @@ def shared_empty(shape: tuple[int, ...], dtype: Any, *, pool: bool = True) -> to
     """
     if not isinstance(dtype, torch.dtype):
         dtype = torch.from_numpy(np.zeros(0, dtype=dtype)).dtype
-    if pool:
-        t = shm_pool.pool_tensor(tuple(int(x) for x in shape), dtype)
-        if t is not None:
-            return t
-    numel = math.prod(int(x) for x in shape)
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    storage = shm_pool.new_shared_storage(max(nbytes, 1))
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(int(x) for x in shape))
+    shape = tuple(int(x) for x in shape)
+    t = shm_pool.pool_tensor(shape, dtype) if pool else None
+    if t is None:
+        storage = shm_pool.new_shared_storage(max(math.prod(shape) * dtype.itemsize, 1))
+        t = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return t
 
 
 def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str, int]:
@@ -100,12 +98,8 @@ def transfer_report(blobs: dict[str, Any], limit: int = SMALL_LIMIT) -> dict[str
             elif isinstance(v, torch.Tensor) and v.device.type == "cpu":
                 n = v.numel() * v.element_size()
                 out["tensors"] += 1
-                if v.is_shared():
-                    out["shared_bytes"] += n
-                elif n <= limit:
-                    out["packed_bytes"] += n
-                else:
-                    out["moved_bytes"] += n
+                out["shared_bytes" if v.is_shared() else "packed_bytes" if n <= limit
+                    else "moved_bytes"] += n
 
     walk(blobs)
     out["copied_bytes"] = out["packed_bytes"] + out["moved_bytes"]
@@ -124,8 +118,7 @@ def _pack(d: dict[str, Any], limit: int, arena: Any = None) -> tuple:
                 items.append((k, "dict", walk(v)))
             elif (isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_shared()
                   and v.numel() * v.element_size() <= limit):
-                t = v.contiguous().reshape(-1)
-                raw = t.view(torch.uint8)
+                raw = v.contiguous().reshape(-1).view(torch.uint8)
                 offset += (-offset) % _ALIGN
                 items.append((k, "view", (offset, raw.numel(), v.dtype, tuple(v.shape))))
                 chunks.append((offset, raw))

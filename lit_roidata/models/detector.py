@@ -25,15 +25,13 @@ log = logging.getLogger(__name__)
 #: arch → (torchvision builder, family). ``fastrcnn_resnet50_fpn`` is Faster R-CNN's FPN
 #: backbone and RoI heads fed with the loader's precomputed proposals (no RPN).
 ARCHS: dict[str, tuple[str, str]] = {
-    "fasterrcnn_resnet50_fpn": ("fasterrcnn_resnet50_fpn", "rcnn"),
-    "fasterrcnn_mobilenet_v3_large_fpn": ("fasterrcnn_mobilenet_v3_large_fpn", "rcnn"),
-    "maskrcnn_resnet50_fpn": ("maskrcnn_resnet50_fpn", "rcnn"),
-    "keypointrcnn_resnet50_fpn": ("keypointrcnn_resnet50_fpn", "rcnn"),
+    **{a: (a, "rcnn") for a in ("fasterrcnn_resnet50_fpn", "fasterrcnn_mobilenet_v3_large_fpn",
+                                "maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn")},
     "retinanet_resnet50_fpn": ("retinanet_resnet50_fpn", "retinanet"),
     "fastrcnn_resnet50_fpn": ("fasterrcnn_resnet50_fpn", "fast"),
 }
 
-_DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
+DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -53,23 +51,20 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
                          f"TorchvisionDetector implements steps_with_decay (and step)")
     steps = [int(x) for x in s.get("STEPS") or ()]
     if str(s.get("LR_POLICY")) == "step" and not steps:
-        size, top = int(s["STEP_SIZE"]), int(s["MAX_ITER"])
-        steps = list(range(size, top, size))
+        steps = list(range(int(s["STEP_SIZE"]), int(s["MAX_ITER"]), int(s["STEP_SIZE"])))
     test = cfg.TEST
     return {
-        "num_classes": int(cfg.MODEL.NUM_CLASSES),
-        "lr": float(s["BASE_LR"]), "momentum": float(s["MOMENTUM"]),
-        "weight_decay": float(s["WEIGHT_DECAY"]), "lr_steps": [x for x in steps if x > 0],
-        "gamma": float(s["GAMMA"]), "warmup_iters": int(s["WARM_UP_ITERS"]),
-        "warmup_factor": float(s["WARM_UP_FACTOR"]),
+        "num_classes": int(cfg.MODEL.NUM_CLASSES), "lr": float(s["BASE_LR"]),
+        "momentum": float(s["MOMENTUM"]), "weight_decay": float(s["WEIGHT_DECAY"]),
+        "lr_steps": [x for x in steps if x > 0], "gamma": float(s["GAMMA"]),
+        "warmup_iters": int(s["WARM_UP_ITERS"]), "warmup_factor": float(s["WARM_UP_FACTOR"]),
         "warmup_method": str(s["WARM_UP_METHOD"]),
         "bias_lr_factor": 2.0 if s.get("BIAS_DOUBLE_LR", True) else 1.0,
         "bias_weight_decay": bool(s.get("BIAS_WEIGHT_DECAY", False)),
         "score_thresh": float(test.get("SCORE_THRESH", 0.05)),
         "nms_thresh": float(test.get("NMS", 0.5)),
         "detections_per_img": int(test.get("DETECTIONS_PER_IM", 100)),
-        "pixel_means": tuple(float(v) for v in cfg.PIXEL_MEANS),
-    }
+        "pixel_means": tuple(float(v) for v in cfg.PIXEL_MEANS)}
 
 
 def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_iters: int,
@@ -77,11 +72,8 @@ def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_
     """Detectron's ``steps_with_decay`` (0 steps ignored) × warm-up factor at ``it``."""
     mult = gamma ** sum(it >= s for s in steps if s > 0)
     if it < warmup_iters:
-        if warmup_method == "constant":
-            mult *= warmup_factor
-        else:
-            alpha = it / warmup_iters
-            mult *= warmup_factor * (1 - alpha) + alpha
+        alpha = 0.0 if warmup_method == "constant" else it / warmup_iters
+        mult *= warmup_factor * (1 - alpha) + alpha
     return mult
 
 
@@ -97,8 +89,7 @@ def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
         def resize(self, image: torch.Tensor, target: Optional[dict] = None) -> tuple:
             return image, target
 
-        def postprocess(self, result: list, image_shapes: list, original_image_sizes: list
-                        ) -> list:
+        def postprocess(self, result: list, image_shapes: list, original_image_sizes: list) -> list:
             return result
 
     return _KeepSize(min_size=1, max_size=1 << 30, image_mean=[0.0, 0.0, 0.0],
@@ -108,11 +99,9 @@ def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
 def _weight_enum(builder_name: str, name: str, backbone: Optional[str]) -> Any:
     """A torchvision weight enum from a name such as ``COCO_V1``, ``DEFAULT`` or
     ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (no download happens here)."""
-    from torchvision.models import get_model_builder, get_model_weights
+    from torchvision.models import get_model_builder, get_model_weights, get_weight
 
     if "." in name:
-        from torchvision.models import get_weight
-
         return get_weight(name)
     enum = get_model_weights(get_model_builder(backbone or builder_name))
     try:
@@ -177,7 +166,7 @@ class TorchvisionDetector(pl.LightningModule):
                  backbone: Optional[str] = None, trainable_backbone_layers: Optional[int] = None,
                  num_keypoints: int = 17,
                  normalize: Literal["auto", "detectron", "torchvision"] = "auto",
-                 pixel_means: tuple[float, float, float] = _DETECTRON_PIXEL_MEANS,
+                 pixel_means: tuple[float, float, float] = DETECTRON_PIXEL_MEANS,
                  lr: float = 0.02, momentum: float = 0.9, weight_decay: float = 1e-4,
                  lr_steps: Sequence[int] = (), gamma: float = 0.1, warmup_iters: int = 500,
                  warmup_factor: float = 1.0 / 3.0,
@@ -196,19 +185,19 @@ class TorchvisionDetector(pl.LightningModule):
                              f"(MODEL.NUM_CLASSES counts the background)")
         if warmup_method not in ("linear", "constant"):
             raise ValueError(f"warmup_method={warmup_method!r}; choose linear or constant")
+        tv_weights = weights is not None and not _is_path(weights)
+        tv_backbone = weights_backbone is not None and not _is_path(weights_backbone)
         if backbone is not None:
             if "mobilenet" in arch:
                 raise ValueError(f"backbone={backbone!r} applies to the ResNet archs, not {arch}")
             if backbone not in ("resnet18", "resnet34", "resnet50", "resnet101"):
                 raise ValueError(f"backbone={backbone!r}; choose resnet18, resnet34, resnet50 "
                                  f"or resnet101")
-            if weights is not None and not _is_path(weights) and backbone != "resnet50":
+            if tv_weights and backbone != "resnet50":
                 raise ValueError(f"torchvision weights {weights!r} are for ResNet-50; with "
                                  f"backbone={backbone!r} use weights_backbone instead")
         self.save_hyperparameters()
         self.family = ARCHS[arch][1]
-        tv_weights = weights is not None and not _is_path(weights)
-        tv_backbone = weights_backbone is not None and not _is_path(weights_backbone)
         if normalize == "auto":
             normalize = "torchvision" if (tv_weights or tv_backbone) else "detectron"
         self.normalize_mode = normalize
@@ -226,14 +215,8 @@ class TorchvisionDetector(pl.LightningModule):
         hp = self.hparams
         builder_name = ARCHS[hp.arch][0]
         kwargs: dict[str, Any] = dict(hp.detector_kwargs or {})
-        if self.family == "retinanet":
-            kwargs.setdefault("score_thresh", hp.score_thresh)
-            kwargs.setdefault("nms_thresh", hp.nms_thresh)
-            kwargs.setdefault("detections_per_img", hp.detections_per_img)
-        else:
-            kwargs.setdefault("box_score_thresh", hp.score_thresh)
-            kwargs.setdefault("box_nms_thresh", hp.nms_thresh)
-            kwargs.setdefault("box_detections_per_img", hp.detections_per_img)
+        for key in ("score_thresh", "nms_thresh", "detections_per_img"):  # box_*: R-CNN's names
+            kwargs.setdefault(("" if self.family == "retinanet" else "box_") + key, hp[key])
         if hp.arch.startswith("keypointrcnn"):
             kwargs.setdefault("num_keypoints", hp.num_keypoints)
         body = hp.backbone or ("mobilenet_v3_large" if "mobilenet" in builder_name else "resnet50")
@@ -244,12 +227,10 @@ class TorchvisionDetector(pl.LightningModule):
         if hp.trainable_backbone_layers is not None:
             kwargs["trainable_backbone_layers"] = hp.trainable_backbone_layers
         builder = get_model_builder(builder_name)
-        if tv_weights:
-            enum = _weight_enum(builder_name, hp.weights, False)
-            net = builder(weights=enum, **kwargs)
-            self._reset_heads(net)
-        else:
-            net = builder(weights=None, num_classes=hp.num_classes, **kwargs)
+        if not tv_weights:
+            return self._finish(builder(weights=None, num_classes=hp.num_classes, **kwargs))
+        net = builder(weights=_weight_enum(builder_name, hp.weights, None), **kwargs)
+        self._reset_heads(net)
         return self._finish(net)
 
     def _finish(self, net: nn.Module) -> nn.Module:
@@ -276,13 +257,13 @@ class TorchvisionDetector(pl.LightningModule):
     def _anchor_generator(self, sizes: list[float]) -> nn.Module:
         from torchvision.models.detection.anchor_utils import AnchorGenerator
 
-        ratios = (0.5, 1.0, 2.0)
         if "mobilenet" in self.hparams.arch:  # one set of sizes on each of its 3 maps
-            return AnchorGenerator((tuple(sizes),) * 3, (ratios,) * 3)
-        if self.family == "retinanet":
+            per = (tuple(sizes),) * 3
+        elif self.family == "retinanet":
             per = tuple((s, s * 2 ** (1 / 3), s * 2 ** (2 / 3)) for s in sizes)
-            return AnchorGenerator(per, (ratios,) * len(sizes))
-        return AnchorGenerator(tuple((s,) for s in sizes), (ratios,) * len(sizes))
+        else:
+            per = tuple((s,) for s in sizes)
+        return AnchorGenerator(per, ((0.5, 1.0, 2.0),) * len(per))
 
     def _build_custom(self, body: str, weights_backbone: Any, kwargs: dict[str, Any]
                       ) -> nn.Module:
@@ -376,8 +357,7 @@ class TorchvisionDetector(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Take ``PIXEL_MEANS`` from the data module's config (it normalises the
         evaluation blobs with them); set the CPU threads."""
-        trainer = getattr(self, "_trainer", None)
-        cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
+        cfg = getattr(getattr(getattr(self, "_trainer", None), "datamodule", None), "cfg", None)
         means = getattr(cfg, "PIXEL_MEANS", None)
         if means is not None and tuple(float(v) for v in means) != tuple(
                 float(v) for v in self.hparams.pixel_means):
@@ -390,17 +370,15 @@ class TorchvisionDetector(pl.LightningModule):
 
     def _prepare(self, img: torch.Tensor, *, rgb_uint8: bool) -> torch.Tensor:
         """One image in the network's input space (see ``normalize``)."""
-        means = self._means.to(img.device)
+        x, means = img.float(), self._means.to(img.device)
         if img.dtype == torch.uint8:
-            x = img.float()
             bgr = x.flip(0) if rgb_uint8 else x
             if self.normalize_mode == "detectron":
                 return bgr - means
             rgb = bgr.flip(0) / 255.0
-        else:  # Detectron's blob: BGR minus PIXEL_MEANS
-            x = img.float()
-            if self.normalize_mode == "detectron":
-                return x
+        elif self.normalize_mode == "detectron":  # Detectron's blob: BGR minus PIXEL_MEANS
+            return x
+        else:
             rgb = (x + means).flip(0) / 255.0
         mean = rgb.new_tensor(_IMAGENET_MEAN).view(3, 1, 1)
         std = rgb.new_tensor(_IMAGENET_STD).view(3, 1, 1)
@@ -421,16 +399,13 @@ class TorchvisionDetector(pl.LightningModule):
         for t in targets:
             d: dict[str, Any] = {"boxes": tensor(t["boxes"]).float().reshape(-1, 4),
                                  "labels": tensor(t["labels"]).long()}
-            if self.hparams.arch.startswith("maskrcnn"):
-                if "masks" not in t:
-                    raise KeyError("maskrcnn needs target masks: use model_type mask_rcnn_fpn "
-                                   "(MODEL.MASK_ON) in the data module")
-                d["masks"] = tensor(t["masks"])
-            if self.hparams.arch.startswith("keypointrcnn"):
-                if "keypoints" not in t:
-                    raise KeyError("keypointrcnn needs target keypoints: use model_type "
-                                   "keypoint_rcnn_fpn (MODEL.KEYPOINTS_ON) in the data module")
-                d["keypoints"] = tensor(t["keypoints"]).float()
+            for arch, key, flag in (("maskrcnn", "masks", "mask_rcnn_fpn (MODEL.MASK_ON)"), (
+                    "keypointrcnn", "keypoints", "keypoint_rcnn_fpn (MODEL.KEYPOINTS_ON)")):
+                if self.hparams.arch.startswith(arch):
+                    if key not in t:
+                        raise KeyError(f"{arch} needs target {key}: use model_type {flag} in "
+                                       f"the data module")
+                    d[key] = tensor(t[key]).float() if key == "keypoints" else tensor(t[key])
             if self.family == "fast":
                 p = t.get("proposals")
                 p = torch.zeros((0, 4)) if p is None else p
@@ -453,9 +428,8 @@ class TorchvisionDetector(pl.LightningModule):
         images, targets = self._train_inputs(batch)
         losses = self.forward_losses(images, targets)
         loss = sum(losses.values())
-        n = len(images)
-        self.log("train/loss", loss, prog_bar=True, batch_size=n)
-        self.log_dict({f"train/{k}": v for k, v in losses.items()}, batch_size=n)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(images))
+        self.log_dict({f"train/{k}": v for k, v in losses.items()}, batch_size=len(images))
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -483,8 +457,7 @@ class TorchvisionDetector(pl.LightningModule):
         if not isinstance(batch, Mapping) or "_meta" not in batch:
             raise TypeError("evaluation batches are the data module's evaluation blobs "
                             "(a dict with 'data' and '_meta')")
-        meta = batch["_meta"]
-        data = batch["data"]
+        meta, data = batch["_meta"], batch["data"]
         sizes = torch.as_tensor(meta["image_sizes"]).reshape(-1, 2).tolist()
         ims = [self._prepare(data[i, :, : int(h), : int(w)], rgb_uint8=False)
                for i, (h, w) in enumerate(sizes)]
@@ -501,10 +474,7 @@ class TorchvisionDetector(pl.LightningModule):
             (x, y, score) for Mask / Keypoint R-CNN.
         """
         images, meta = self._eval_inputs(batch)
-        if self.family == "fast":
-            raw = self._detect_fast(images, batch)
-        else:
-            raw = self.net(images)
+        raw = self._detect_fast(images, batch) if self.family == "fast" else self.net(images)
         return [self._to_original(r, meta, i) for i, r in enumerate(raw)]
 
     def _detect_fast(self, images: list[torch.Tensor], batch: Mapping[str, Any]) -> list[dict]:
@@ -512,11 +482,9 @@ class TorchvisionDetector(pl.LightningModule):
             raise KeyError("fastrcnn_resnet50_fpn needs proposals at test time: give the "
                            "data module val/test proposal files")
         rois = torch.as_tensor(batch["rois"]).float().reshape(-1, 5).to(self.device)
-        scales = batch["_meta"]["im_scales"]
         proposals = []
-        for b in range(len(images)):
-            r = rois[rois[:, 0] == b, 1:]
-            s = float(scales[b])  # Detectron inclusive boxes × s -> continuous edges
+        for b, s in enumerate(float(s) for s in batch["_meta"]["im_scales"][:len(images)]):
+            r = rois[rois[:, 0] == b, 1:]  # Detectron inclusive boxes × s -> continuous edges
             proposals.append(r + r.new_tensor([0.0, 0.0, s, s]))
         il, _ = self.net.transform(images)
         feats = self.net.backbone(il.tensors)
@@ -533,9 +501,7 @@ class TorchvisionDetector(pl.LightningModule):
         out: dict[str, Any] = {
             "image_id": int(meta["image_ids"][i]), "dataset": str(meta["datasets"][i]),
             "boxes": (boxes - boxes.new_tensor([0.0, 0.0, 1.0, 1.0])).cpu().numpy(),
-            "scores": r["scores"].float().cpu().numpy(),
-            "labels": r["labels"].long().cpu().numpy(),
-        }
+            "scores": r["scores"].float().cpu().numpy(), "labels": r["labels"].long().cpu().numpy()}
         if "masks" in r:
             out["masks"] = self._mask_rles(r["masks"], boxes, H, W)
         if "keypoints" in r:

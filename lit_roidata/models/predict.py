@@ -59,9 +59,7 @@ class COCOPredictionWriter(BasePredictionWriter):
                                for k, v in d.items()})
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dets = self._dets
-        self._dets = []
-        dets = gather_to_rank0(dets)
+        dets, self._dets = gather_to_rank0(self._dets), []
         if trainer.global_rank != 0:
             return
         self.written = self.write(dets, trainer)

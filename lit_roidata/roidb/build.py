@@ -21,7 +21,6 @@ from lit_roidata.osutil import no_transparent_hugepages
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
-from lit_roidata.roidb.decode import keep_decoded_until_exit
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
@@ -139,38 +138,30 @@ def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
     def pos_int(v: Any) -> bool:
         return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
 
-    if not pos_int(t.IMS_PER_BATCH):
-        problems.append(f"TRAIN.IMS_PER_BATCH={t.IMS_PER_BATCH!r}: images per GPU (per rank) "
-                        f"must be an integer >= 1 (Detectron uses 2)")
+    def need(*checks: tuple) -> None:  # (setting, valid, what to give)
+        problems.extend(f"TRAIN.{k}={t[k]!r}: {fix}" for k, ok, fix in checks if not ok)
+
     scales = t.SCALES if isinstance(t.SCALES, (list, tuple)) else (t.SCALES,)
-    if not scales or not all(pos_int(v) for v in scales):
-        problems.append(f"TRAIN.SCALES={t.SCALES!r}: give one or more shorter-side sizes in "
-                        f"pixels, e.g. (800,)")
-    if not pos_int(t.MAX_SIZE):
-        problems.append(f"TRAIN.MAX_SIZE={t.MAX_SIZE!r}: the longer-side cap must be an "
-                        f"integer >= 1, e.g. 1333")
-    if not pos_int(t.BATCH_SIZE_PER_IM):
-        problems.append(f"TRAIN.BATCH_SIZE_PER_IM={t.BATCH_SIZE_PER_IM!r}: RoIs per image "
-                        f"must be an integer >= 1 (Detectron uses 512)")
-    if not 0.0 <= float(t.FG_FRACTION) <= 1.0:
-        problems.append(f"TRAIN.FG_FRACTION={t.FG_FRACTION!r}: must be in [0, 1]")
+    need(("IMS_PER_BATCH", pos_int(t.IMS_PER_BATCH),
+          "images per GPU (per rank) must be an integer >= 1 (Detectron uses 2)"),
+         ("SCALES", bool(scales) and all(pos_int(v) for v in scales),
+          "give one or more shorter-side sizes in pixels, e.g. (800,)"),
+         ("MAX_SIZE", pos_int(t.MAX_SIZE), "the longer-side cap must be an integer >= 1, e.g. 1333"),
+         ("BATCH_SIZE_PER_IM", pos_int(t.BATCH_SIZE_PER_IM),
+          "RoIs per image must be an integer >= 1 (Detectron uses 512)"),
+         ("FG_FRACTION", 0.0 <= float(t.FG_FRACTION) <= 1.0, "must be in [0, 1]"))
     if float(t.BG_THRESH_LO) > float(t.BG_THRESH_HI):
         problems.append(f"TRAIN.BG_THRESH_LO={t.BG_THRESH_LO!r} > TRAIN.BG_THRESH_HI="
                         f"{t.BG_THRESH_HI!r}: no RoI could be background")
     family = blob_family(cfg)
     if family == "rpn":
-        if not pos_int(t.RPN_BATCH_SIZE_PER_IM):
-            problems.append(f"TRAIN.RPN_BATCH_SIZE_PER_IM={t.RPN_BATCH_SIZE_PER_IM!r}: "
-                            f"anchors per image must be an integer >= 1 (Detectron uses 256)")
-        if not 0.0 <= float(t.RPN_FG_FRACTION) <= 1.0:
-            problems.append(f"TRAIN.RPN_FG_FRACTION={t.RPN_FG_FRACTION!r}: must be in [0, 1]")
+        need(("RPN_BATCH_SIZE_PER_IM", pos_int(t.RPN_BATCH_SIZE_PER_IM),
+              "anchors per image must be an integer >= 1 (Detectron uses 256)"),
+             ("RPN_FG_FRACTION", 0.0 <= float(t.RPN_FG_FRACTION) <= 1.0, "must be in [0, 1]"))
     if family == "fast_rcnn":
-        if dataset_names:
-            names, files = _normalise(dataset_names, proposal_files)
-        else:
-            names, files = (), _normalise(("?",), proposal_files)[1]
+        names, files = _normalise(dataset_names or ("?",), proposal_files)
         if any(f is None for f in files):
-            missing = [n for n, f in zip(names, files) if f is None]
+            missing = [n for n, f in zip(names, files) if f is None and dataset_names]
             problems.append(
                 f"the model is a Fast R-CNN family model (no RPN, no RetinaNet), which trains "
                 f"on precomputed proposals, but no proposal file is given"
@@ -186,14 +177,10 @@ def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]
     names = (dataset_names,) if isinstance(dataset_names, str) else tuple(dataset_names)
     if not names:
         raise ValueError("no datasets given; set TRAIN.DATASETS (catalog names)")
-    if proposal_files is None or isinstance(proposal_files, str) and not proposal_files:
-        files: tuple = ()
-    elif isinstance(proposal_files, (str, os.PathLike)):
-        files = (os.fspath(proposal_files),)
-    else:
-        files = tuple(None if f in (None, "") else os.fspath(f) for f in proposal_files)
-    if not files:
-        files = (None,) * len(names)
+    if proposal_files is None or isinstance(proposal_files, (str, os.PathLike)):
+        proposal_files = [proposal_files] if proposal_files else []  # None or "": none
+    files = tuple(None if f in (None, "") else os.fspath(f) for f in proposal_files) \
+        or (None,) * len(names)
     if len(files) != len(names):
         raise ValueError(f"{len(names)} dataset(s) {list(names)} but {len(files)} proposal "
                          f"file(s); give one proposal file per dataset, or none")
@@ -229,11 +216,9 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     inputs = [{"name": s.name, "image_dir": os.path.abspath(s.image_dir),
                "image_prefix": s.image_prefix,
                "annotation": file_fingerprint(s.annotation_file, root),
-               "proposals": None if f is None else file_fingerprint(f, root)}
+               "proposals": None if f is None else file_fingerprint(f, root),
+               **({} if s.format == "coco" else {"format": s.format})}  # COCO keys as they were
               for s, f in zip(specs, files)]
-    for rec, s in zip(inputs, specs):  # COCO keys stay what they were
-        if s.format != "coco":
-            rec["format"] = s.format
     key = cache_key({"inputs": inputs, "options": options})
 
     def build(tmp: str) -> dict:
@@ -279,7 +264,6 @@ def _in_child(fn, *args):
         return fn(*args)
 
     def task(_: Any, state: dict) -> Any:
-        keep_decoded_until_exit()
         return fn(*args)
 
     with OrderedWorkers(task, 1, daemon=False) as child:
@@ -310,7 +294,6 @@ def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> 
 def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
     t0 = time.perf_counter()
     tables: list[GtTable] = []
-    props: list = []
     cats: list = []
     union: Optional[list] = [] if options["category_policy"] == "by_name" else None
     with BuildProgress(progress) as prog:
@@ -328,20 +311,16 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                         union.extend(n for _, n in c if n not in union)
                     return union
 
-                if spec.format == "lvis":
-                    # LVIS: decoded whole (its per-image federated lists), then cleaned
-                    raw = decode_lvis(spec.annotation_file)
-                    table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
-                                           gt_min_area=options["gt_min_area"],
-                                           categories_hook=categories_seen,
-                                           keypoints_required=bool(options.get("keypoints_on")))
+                # LVIS: decoded whole (its per-image federated lists), then cleaned; COCO:
+                # decoded and cleaned window by window (bounded memory)
+                raw = decode_lvis(spec.annotation_file) if spec.format == "lvis" else None
+                table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
+                                       gt_min_area=options["gt_min_area"],
+                                       categories_hook=categories_seen,
+                                       keypoints_required=bool(options.get("keypoints_on")))
+                if raw is not None:
                     table.image_lists = lvis_image_lists(raw, table.info)
-                    del raw
-                else:  # decoded and cleaned window by window (bounded memory)
-                    table = load_coco_json(spec.annotation_file, name=spec.name,
-                                           gt_min_area=options["gt_min_area"],
-                                           categories_hook=categories_seen,
-                                           keypoints_required=bool(options.get("keypoints_on")))
+                del raw
                 step()
                 if options["check_images"]:
                     _check_images(spec, table.file_names)
@@ -350,9 +329,8 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
         # proposals after every dataset's gt: the column dtypes depend on all of them
         columns = _proposal_columns(tmp, tables, files, union)
         try:
-            for spec, pfile, table in zip(specs, files, tables):
-                props.append(_dataset_proposals(prog, spec, pfile, table, options, columns,
-                                                trust_pickle))
+            props = [_dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle)
+                     for spec, pfile, table in zip(specs, files, tables)]
             written = columns.finish() if columns is not None else {}
         except BaseException:
             if columns is not None:
@@ -370,10 +348,9 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
 
     try:
         arrays, report = _combine(specs, tables, props, options, written, emit=emit)
-    except BaseException:
-        writer.close()
-        raise
-    rest = writer.finish()
+        rest = writer.finish()
+    finally:
+        writer.close()  # (again: a no-op after finish)
     manifest_arrays = {k: done[k] if k in done else rest[k] for k in arrays}
     report["build_seconds"] = round(time.perf_counter() - t0, 3)
     return {"arrays": manifest_arrays, "datasets": [t.info.to_json() for t in tables],
@@ -417,13 +394,10 @@ def _check_images(spec: DatasetSpec, file_names: list) -> None:
             f"dataset {spec.name!r}: image directory {spec.image_dir} does not exist; fix the "
             f"catalog entry (or pass check_images=False to skip this check)")
     listing = set(os.listdir(spec.image_dir))
-    missing = []
-    for fn in file_names:
-        name = spec.image_prefix + fn
-        if ("/" in name or os.sep in name) and os.path.exists(os.path.join(spec.image_dir, name)):
-            continue
-        if name not in listing:
-            missing.append(name)
+    missing = [name for name in (spec.image_prefix + fn for fn in file_names)
+               if name not in listing and not (  # a path below image_dir: look it up
+                   ("/" in name or os.sep in name)
+                   and os.path.exists(os.path.join(spec.image_dir, name)))]
     if missing:
         raise RoIDBInputError(
             f"dataset {spec.name!r} ({spec.annotation_file}): {len(missing)} of "
@@ -455,28 +429,27 @@ def _combine(specs, tables, props, options, written=None,
     """The cache's arrays and the build report; ``emit(name, array)`` is called for each
     array once it is final (the caller writes it meanwhile)."""
     n_imgs = [t.ids.size for t in tables]
-    a: dict[str, np.ndarray] = {
-        "gt_boxes": concat([t.boxes for t in tables]).reshape(-1, 4),
-        "gt_classes": concat([t.classes for t in tables]).astype(np.int32),
-        "gt_seg_areas": concat([t.seg_areas for t in tables]).astype(np.float32),
-        "gt_is_crowd": concat([t.is_crowd for t in tables]).astype(bool),
-    }
-    for k, v in a.items():
-        emit(k, v)
-    a.update(SegmColumns.concat([t.segms for t in tables]).arrays())
-    for k in set(a) - _GT_COLUMNS:
-        emit(k, a[k])
+    a: dict[str, np.ndarray] = {}
+
+    def put(cols: dict) -> None:  # final arrays: kept, and handed to the writer now
+        a.update(cols)
+        for k, v in cols.items():
+            emit(k, v)
+
+    put({"gt_boxes": concat([t.boxes for t in tables]).reshape(-1, 4),
+         "gt_classes": concat([t.classes for t in tables]).astype(np.int32),
+         "gt_seg_areas": concat([t.seg_areas for t in tables]).astype(np.float32),
+         "gt_is_crowd": concat([t.is_crowd for t in tables]).astype(bool)})
+    put(SegmColumns.concat([t.segms for t in tables]).arrays())
     paths = [p for s, t in zip(specs, tables) for p in _image_paths(s, t.file_names)]
-    path_off = offsets(np.fromiter(map(len, paths), np.int64, len(paths)))
     k_max = max((t.info.num_keypoints for t in tables), default=0)
     kps = []
     for t in tables:
-        if t.keypoints is not None and t.keypoints.shape[2] == k_max:
-            kps.append(t.keypoints)  # already (G, 3, k_max) int32: no copy
-            continue
-        k = np.zeros((t.classes.size, 3, k_max), np.int32)
-        if t.keypoints is not None:
-            k[:, :, :t.keypoints.shape[2]] = t.keypoints
+        k = t.keypoints  # kept when already (G, 3, k_max) int32: no copy
+        if k is None or k.shape[2] != k_max:
+            k = np.zeros((t.classes.size, 3, k_max), np.int32)
+            if t.keypoints is not None:
+                k[:, :, :t.keypoints.shape[2]] = t.keypoints
         kps.append(k)
     rest: dict[str, np.ndarray] = {
         "img_id": concat([t.ids for t in tables]),
@@ -484,7 +457,7 @@ def _combine(specs, tables, props, options, written=None,
         "img_height": concat([t.heights for t in tables]).astype(np.int32),
         "img_dataset": concat([np.full(n, k, np.int16) for k, n in enumerate(n_imgs)]),
         "img_path_bytes": np.frombuffer(b"".join(paths), np.uint8),
-        "img_path_off": path_off,
+        "img_path_off": offsets(np.fromiter(map(len, paths), np.int64, len(paths))),
         "img_has_vis_kp": concat([t.has_vis_kp for t in tables]),
         "img_gt_off": concat_offsets([t.gt_off for t in tables]),
         "img_prop_off": concat_offsets([p.off for p in props]),
@@ -493,19 +466,13 @@ def _combine(specs, tables, props, options, written=None,
     }
     if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
         rest.update(_image_list_columns(tables))
-    for k, v in rest.items():
-        emit(k, v)
-    a.update(rest)
+    put(rest)
     starts = np.cumsum([0] + n_imgs)
-    entry_img, entry_flip = [], []
-    for k in range(len(tables)):
-        orig = np.arange(starts[k], starts[k + 1], dtype=np.int64)
-        entry_img.append(orig)
-        entry_flip.append(np.zeros(orig.size, bool))
-        if options["use_flipped"]:
-            entry_img.append(orig)
-            entry_flip.append(np.ones(orig.size, bool))
-    e_img, e_flip = concat(entry_img), concat(entry_flip)
+    blocks = [(np.arange(starts[k], starts[k + 1], dtype=np.int64), flip)  # per dataset:
+              for k in range(len(tables))  # its originals, then (use_flipped) their flips
+              for flip in ((False, True) if options["use_flipped"] else (False,))]
+    e_img = concat([orig for orig, _ in blocks])
+    e_flip = concat([np.full(orig.size, flip, bool) for orig, flip in blocks])
     before = int(e_img.size)
     dropped: Counter = Counter()
     warnings_: list = []
@@ -518,50 +485,32 @@ def _combine(specs, tables, props, options, written=None,
                                        keypoints_on=options["keypoints_on"])
         warnings_ = _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options)
         e_img, e_flip = e_img[keep], e_flip[keep]
-    a["entry_img"] = e_img
-    a["entry_flipped"] = e_flip
-    emit("entry_img", e_img)
-    emit("entry_flipped", e_flip)
-    a = {k: a[k] for k in sorted(a, key=_manifest_rank)}  # the manifest's usual order
+    put({"entry_img": e_img, "entry_flipped": e_flip})
+    a = {k: a[k] for k in sorted(a, key=lambda k: _RANK.get(k, (1, 0)))}  # manifest order
     report = {"datasets": _dataset_reports(tables, props, a), "entries": {
         "before_filter": before, "after_filter": int(e_img.size), "dropped": dict(dropped),
         "filtered": bool(options["filter"])}, "warnings": warnings_}
     return a, report
 
 
-_GT_COLUMNS = frozenset({"gt_boxes", "gt_classes", "gt_seg_areas", "gt_is_crowd"})
-_ORDER = ("img_id", "img_width", "img_height", "img_dataset", "img_path_bytes",
-          "img_path_off", "img_has_vis_kp", "img_gt_off", "img_prop_off", "gt_boxes",
-          "gt_classes", "gt_seg_areas", "gt_is_crowd", "gt_keypoints", "prop_boxes",
-          "prop_max_overlaps", "prop_max_classes", "prop_gt_map")
-_TAIL = ("entry_img", "entry_flipped")
-
-
-def _manifest_rank(name: str) -> tuple:
-    """Arrays in the order the manifest has always listed them: image and gt columns,
-    proposal columns, segmentation (and LVIS list) columns, entries last."""
-    if name in _ORDER:
-        return (0, _ORDER.index(name))
-    if name in _TAIL:
-        return (2, _TAIL.index(name))
-    return (1, 0)  # segm / image-list columns: stable sort keeps their own order
+#: Arrays in the order the manifest has always listed them: image and gt columns,
+#: proposal columns, then (rank (1, 0), in their own order) segmentation and LVIS list
+#: columns, entries last.
+_RANK = {name: (0 if i < 18 else 2, i) for i, name in enumerate((
+    "img_id", "img_width", "img_height", "img_dataset", "img_path_bytes", "img_path_off",
+    "img_has_vis_kp", "img_gt_off", "img_prop_off", "gt_boxes", "gt_classes", "gt_seg_areas",
+    "gt_is_crowd", "gt_keypoints", "prop_boxes", "prop_max_overlaps", "prop_max_classes",
+    "prop_gt_map", "entry_img", "entry_flipped"))}
 
 
 def _image_list_columns(tables) -> dict[str, np.ndarray]:
     """The neg / not-exhaustive columns over all datasets (empty lists for COCO ones)."""
     out = {}
     for key, (off_col, cls_col) in IMAGE_LIST_COLUMNS.items():
-        offs, vals = [], []
-        for t in tables:
-            if t.image_lists is None:
-                offs.append(np.zeros(t.ids.size + 1, np.int64))
-                vals.append(np.zeros(0, np.int32))
-            else:
-                o, v = t.image_lists[key]
-                offs.append(o)
-                vals.append(v)
-        out[off_col] = concat_offsets(offs)
-        out[cls_col] = np.concatenate(vals).astype(np.int32)
+        lists = [(np.zeros(t.ids.size + 1, np.int64), np.zeros(0, np.int32))
+                 if t.image_lists is None else t.image_lists[key] for t in tables]
+        out[off_col] = concat_offsets([o for o, _ in lists])
+        out[cls_col] = np.concatenate([v for _, v in lists]).astype(np.int32)
     return out
 
 
@@ -578,17 +527,14 @@ def _check_nothing_left(specs, tables, a, e_img, keep, ok_img, options) -> list:
         no_cand = int((mine & ~ok_img[e_img]).sum())
         no_vis = int(mine.sum()) - no_cand
         lines = [f"{n_img} images, {int(t.classes.size)} gt boxes kept "
-                 f"({int(t.is_crowd.sum())} of them crowd)"]
-        if gt_drops:
-            lines.append("gt boxes dropped at load: " + ", ".join(f"{r}: {v}" for r, v in
-                                                                  gt_drops.items()))
-        if no_cand:
-            lines.append(f"filter_for_training removed {no_cand} entries with no foreground "
-                         f"or background candidate (no non-crowd gt box"
-                         f" and no proposal in the background range)")
-        if no_vis:
-            lines.append(f"filter_for_training removed {no_vis} entries without a visible "
-                         f"keypoint (MODEL.KEYPOINTS_ON)")
+                 f"({int(t.is_crowd.sum())} of them crowd)"] + [text for n, text in (
+            (gt_drops, "gt boxes dropped at load: " + ", ".join(f"{r}: {v}" for r, v in
+                                                                gt_drops.items())),
+            (no_cand, f"filter_for_training removed {no_cand} entries with no foreground or "
+                      f"background candidate (no non-crowd gt box and no proposal in the "
+                      f"background range)"),
+            (no_vis, f"filter_for_training removed {no_vis} entries without a visible "
+                     f"keypoint (MODEL.KEYPOINTS_ON)")) if n]
         fix = ("add non-crowd annotations (or give a proposal file so background RoIs exist), "
                "check TRAIN.GT_MIN_AREA and the 'ignore' flags, or remove the dataset from "
                "TRAIN.DATASETS / data.train_datasets")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -24,7 +25,7 @@ from lit_roidata.osutil import atomic_write
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "default_cache_dir", "file_fingerprint", "cache_key",
            "write_arrays", "ArrayWriter", "npy_data_offset", "npy_header", "read_npy_header",
-           "pwrite_all", "hasher", "default_algo", "file_digest", "validate_cache",
+           "pwrite_all", "pread_exact", "hasher", "default_algo", "file_digest", "validate_cache",
            "verify_checksums", "get_or_build", "remove_cache", "CacheError", "DiskFullError",
            "hold_in_use", "in_use", "LAST_USED"]
 
@@ -92,10 +93,9 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
     try:
         for name, arr in arrays.items():
             writer.add(name, arr)
-    except BaseException:
-        writer.close()
-        raise
-    return writer.finish()
+        return writer.finish()
+    finally:
+        writer.close()  # (again: a no-op after finish)
 
 
 class DiskFullError(OSError, CacheError):
@@ -107,10 +107,9 @@ def disk_full_error(folder: str, needed: int, exc: OSError, *,
                     scratch: bool = False) -> DiskFullError:
     """The :class:`DiskFullError` for ``exc`` while writing about ``needed`` bytes in
     ``folder`` (``scratch``: a temporary folder, not the cache)."""
-    try:
+    free = -1  # unknown
+    with contextlib.suppress(OSError):
         free = shutil.disk_usage(folder).free
-    except OSError:
-        free = -1
     fix = ("set TMPDIR to a folder on a larger disk" if scratch else "point the cache "
            "elsewhere (sources.cache_dir of the data module, cache_dir= of the roidb "
            "functions, or $LIT_ROIDATA_CACHE)")
@@ -136,13 +135,11 @@ class ArrayWriter:
                  max_pending: int = 0) -> None:
         self.directory = directory if directory is not None else tempfile.gettempdir()
         self.durable, self.max_pending = durable, max_pending
-        self.threads = threads or _WRITE_THREADS
-        self.algo = default_algo()
+        self.threads, self.algo = threads or _WRITE_THREADS, default_algo()
         self.records: dict[str, dict] = {}
         self.needed = 0  # bytes handed over so far (the disk-full error's estimate)
-        self._fds: list = []
+        self._fds, self._futures = [], deque()  # files add opened; writes queued
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._futures: deque = deque()
 
     def add(self, name: str, arr: np.ndarray) -> None:
         """Queue ``arr`` for ``<name>.npy`` (it must not change until :meth:`finish`)."""
@@ -202,6 +199,9 @@ class ArrayWriter:
         next write), e.g. before forking."""
         while self._futures:
             self._guard(self._futures.popleft().result)
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -222,9 +222,7 @@ class ArrayWriter:
         for f in self._futures:
             f.cancel()
         self._futures.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._stop_threads()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -244,10 +242,19 @@ def pwrite_all(fd: int, offset: int, data: Any, writeback: bool = True) -> None:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
     if writeback and size and hasattr(os, "sync_file_range"):
-        try:
+        with contextlib.suppress(OSError):
             os.sync_file_range(fd, start, size, os.SYNC_FILE_RANGE_WRITE)
-        except OSError:
-            pass
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill ``view`` with the bytes at ``offset`` of ``fd``; ``OSError("short read
+    <what>")`` if the file ends first."""
+    got = 0
+    while got < view.nbytes:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise OSError(f"short read {what}")
+        got += n
 
 
 def npy_header(dtype: Any, shape: tuple, pad_to: int = 0) -> bytes:
@@ -312,23 +319,19 @@ def file_digest(path: str, algo: str = "blake2b") -> str:
 def _hash_fd(fd: int, algo: str, size: int, name: str) -> Any:
     """The hasher of ``algo`` over the first ``size`` bytes of ``fd``."""
     h = hasher(algo)
-    buf = bytearray(_HASH_BLOCK)
-    view, pos = memoryview(buf), 0
-    while pos < size:
-        got = os.preadv(fd, [view[:min(len(buf), size - pos)]], pos)
-        if got <= 0:
-            raise OSError(f"short read while checksumming {name} ({pos} of {size})")
-        h.update(view[:got])
-        pos += got
+    view = memoryview(bytearray(_HASH_BLOCK))
+    for pos in range(0, size, _HASH_BLOCK):
+        block = view[:min(_HASH_BLOCK, size - pos)]
+        pread_exact(fd, block, pos, f"while checksumming {name} (at byte {pos} of {size})")
+        h.update(block)
     return h
 
 
 def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
-            return fh.read().strip()
-    except OSError:  # not Linux: verify once per cache
-        return "unknown"
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id",
+                                             encoding="ascii") as fh:
+        return fh.read().strip()
+    return "unknown"  # not Linux: verify once per cache
 
 
 def npy_data_offset(fn: str, rec: dict) -> Optional[int]:
@@ -341,19 +344,12 @@ def npy_data_offset(fn: str, rec: dict) -> Optional[int]:
             head = fh.read(_HEADER_PEEK)
     except OSError:
         return None
-    if head[:6] != b"\x93NUMPY" or len(head) < 12:
+    start = {1: 10, 2: 12, 3: 12}.get(head[6]) if len(head) >= 12 else None  # by version
+    if head[:6] != b"\x93NUMPY" or start is None:
         return None
-    if head[6] == 1:
-        start, n = 10, int.from_bytes(head[8:10], "little")
-    elif head[6] in (2, 3):
-        start, n = 12, int.from_bytes(head[8:12], "little")
-    else:
-        return None
-    if start + n > len(head):
-        return None
-    if head[start:start + n].rstrip(b" \n") != _header_text(rec["dtype"], tuple(rec["shape"])):
-        return None
-    return start + n
+    end = start + int.from_bytes(head[8:start], "little")
+    return end if end <= len(head) and head[start:end].rstrip(b" \n") == _header_text(
+        rec["dtype"], tuple(rec["shape"])) else None
 
 
 _HEADER_PEEK = 4096
@@ -404,12 +400,10 @@ def verify_checksums(path: str, manifest: Optional[dict] = None) -> None:
             raise CacheError(f"{path}: array file {rec['file']} is damaged (its {algo} checksum "
                              f"differs from the manifest's; e.g. zero-filled by a power loss)")
     for stamp in _stamps(path):  # in the cache, or (read-only cache) in the temp dir
-        try:
+        with contextlib.suppress(OSError):
             with atomic_write(stamp, "w", encoding="ascii") as fh:
                 fh.write(_boot_id())
             break
-        except OSError:
-            continue
 
 
 def _stamps(path: str) -> list[str]:
@@ -420,12 +414,9 @@ def _stamps(path: str) -> list[str]:
 
 def _verified_this_boot(path: str) -> bool:
     for stamp in _stamps(path):
-        try:
-            with open(stamp, encoding="ascii") as fh:
-                if fh.read().strip() == _boot_id():
-                    return True
-        except OSError:
-            continue
+        with contextlib.suppress(OSError), open(stamp, encoding="ascii") as fh:
+            if fh.read().strip() == _boot_id():
+                return True
     return False
 
 
@@ -466,12 +457,9 @@ def in_use(path: str) -> bool:
 
 def touch_last_used(path: str) -> None:
     """Record that the cache at ``path`` was opened now (best effort)."""
-    try:
-        with open(os.path.join(path, LAST_USED), "a"):
-            pass
+    with contextlib.suppress(OSError):
+        open(os.path.join(path, LAST_USED), "a").close()
         os.utime(os.path.join(path, LAST_USED))
-    except OSError:
-        pass
 
 
 def validate_cache(path: str) -> dict[str, Any]:
@@ -520,11 +508,8 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
     """
     os.makedirs(cache_root, exist_ok=True)
     final = os.path.join(cache_root, f"roidb-{key}")
-    if not rebuild:
-        manifest = _try_open(final, verify)
-        if manifest is not None:
-            touch_last_used(final)
-            return final, manifest, False
+    if not rebuild and (manifest := _try_open(final, verify)) is not None:
+        return final, manifest, False
     lock = FileLock(final + ".lock")
     try:
         lock.acquire(timeout=0)
@@ -532,9 +517,7 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
         logger.info("waiting for another process to finish building %s", final)
         lock.acquire()
     try:
-        manifest = None if rebuild else _try_open(final, verify)
-        if manifest is not None:
-            touch_last_used(final)
+        if not rebuild and (manifest := _try_open(final, verify)) is not None:
             return final, manifest, False
         if os.path.exists(final):
             logger.warning("removing damaged or outdated roidb cache %s", final)
@@ -566,32 +549,29 @@ def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any
 
 def _logical_size(folder: str) -> int:
     """Bytes of the files in ``folder`` (holes included: what a build had sized)."""
-    try:
+    with contextlib.suppress(OSError):
         return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
-    except OSError:
-        return 0
+    return 0
 
 
 def _fsync_dir(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _try_open(path: str, verify: Optional[bool] = None) -> Optional[dict]:
+    """The manifest of the usable cache at ``path`` (its use recorded), else ``None``."""
     if not os.path.isdir(path):
         return None
     try:
         manifest = validate_cache(path)
         if verify or (verify is None and not _verified_this_boot(path)):
             verify_checksums(path, manifest)
+        touch_last_used(path)
         return manifest
     except CacheError as exc:
         logger.warning("roidb cache is unusable and will be rebuilt: %s", exc)

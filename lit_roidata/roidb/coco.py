@@ -4,6 +4,7 @@ datasets and catalog; ground-truth cleaning).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -89,10 +90,8 @@ def dataset_info_from_categories(name: str, categories: Sequence[dict], *, sourc
         classes = ("__background__", *class_order)
         pos = {n: i + 1 for i, n in enumerate(class_order)}
         j2c = {cid: pos[n] for cid, n in zip(cat_ids, cat_names)}
-    keypoints = None
-    for c in categories:
-        if c.get("name") == "person" and c.get("keypoints"):
-            keypoints = tuple(str(k) for k in c["keypoints"])
+    kps = [c["keypoints"] for c in categories if c.get("name") == "person" and c.get("keypoints")]
+    keypoints = tuple(str(k) for k in kps[-1]) if kps else None  # the last such category
     return DatasetInfo(
         name=name, classes=classes, json_category_id_to_contiguous_id=j2c,
         contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
@@ -144,25 +143,15 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
     gb = _GtBuilder(path, gt_min_area, keypoints_required)
     cats: list = []
     n_workers = build_workers() if os.path.getsize(path) >= _PARALLEL_BYTES * window_bytes else 0
-    mapper = (ParallelWindows(path, n_workers, gt_min_area, keypoints_required)
-              if n_workers else None)
-    try:
-        for ev in iter_coco(path, window_bytes=window_bytes, mapper=mapper):
-            if ev[0] == "annotations_mapped":
-                gb.add_cleaned(ev[1], ev[2])
-            elif ev[0] == "annotations":
-                gb.add_annotations(ev[1])
-            elif ev[0] == "images":
-                gb.add_images(ev[1])
-            elif ev[0] == "images_end":
-                gb.images_end()
-                if mapper is not None:
-                    mapper.set_index(gb.ids, gb.widths, gb.heights)
-            else:
-                cats = ev[1]
-    finally:
-        if mapper is not None:
-            mapper.close()
+    with (ParallelWindows(path, n_workers, gt_min_area, keypoints_required) if n_workers
+          else contextlib.nullcontext()) as mapper:
+        for kind, *args in iter_coco(path, window_bytes=window_bytes, mapper=mapper):
+            if kind == "end":
+                cats = args[0]
+            else:  # _GtBuilder's methods are named after the events
+                getattr(gb, kind)(*args)
+            if kind == "images_end" and mapper is not None:
+                mapper.set_index(gb.ids, gb.widths, gb.heights)
     if categories_hook is not None:
         class_order = categories_hook(cats)
     info = dataset_info_from_categories(name, cats, source=path, class_order=class_order)
@@ -183,10 +172,9 @@ def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
     info = dataset_info_from_categories(name, raw.categories, source=raw.source,
                                         class_order=class_order)
     gb = _GtBuilder(raw.source, gt_min_area, keypoints_required)
-    gb.add_images({"img_id": raw.img_id, "img_w": raw.img_w, "img_h": raw.img_h,
-                   "file_names": raw.file_names})
+    gb.images(raw)
     gb.images_end()
-    gb.add_annotations(raw)
+    gb.annotations(raw)
     return gb.finish(info, raw.categories)
 
 
@@ -207,19 +195,19 @@ class _GtBuilder:
         self.counts: Counter = Counter({k: 0 for k in _COUNT_KEYS})
         self.unknown_ids = np.zeros(0, np.int64)
 
-    def add_images(self, cols: dict) -> None:
-        """One window of image columns (``img_id``, ``img_w``, ``img_h``, ``file_names``)."""
-        self.img_parts.append(cols)
+    def images(self, w: RawCoco, base: int = 0) -> None:
+        """One window of images (its ``img_*`` and ``file_names`` columns)."""
+        self.img_parts.append(w)
 
-    def images_end(self) -> None:
+    def images_end(self, count: int = 0) -> None:
         """Validate and sort the images; clean the annotation windows that waited."""
         if self.ids is not None:
             return
         path, parts = self.path, self.img_parts
-        img_id = concat([p["img_id"] for p in parts], np.int64)
-        img_w = concat([p["img_w"] for p in parts], np.float64)
-        img_h = concat([p["img_h"] for p in parts], np.float64)
-        file_names = [f for p in parts for f in p["file_names"]]
+        img_id = concat([p.img_id for p in parts], np.int64)
+        img_w = concat([p.img_w for p in parts], np.float64)
+        img_h = concat([p.img_h for p in parts], np.float64)
+        file_names = [f for p in parts for f in p.file_names]
         self.img_parts = []
         order_img = np.argsort(img_id, kind="stable")
         ids = img_id[order_img]
@@ -227,11 +215,9 @@ class _GtBuilder:
         if dup.size:
             raise RoIDBInputError(f"{path}: duplicate image ids {np.unique(dup)[:10].tolist()} "
                                   f"({dup.size} duplicates); image ids must be unique")
-        widths, heights = img_w[order_img], img_h[order_img]
+        widths, heights = wh = np.stack([img_w[order_img], img_h[order_img]])
         with np.errstate(invalid="ignore"):
-            bad = np.flatnonzero(~((widths > 0) & (heights > 0) & (widths == np.floor(widths))
-                                   & (heights == np.floor(heights)) & (widths < 2 ** 31)
-                                   & (heights < 2 ** 31)))
+            bad = np.flatnonzero(~((wh > 0) & (wh == np.floor(wh)) & (wh < 2 ** 31)).all(0))
         if bad.size:
             ex = ", ".join(f"id {int(ids[i])} ({widths[i]:g}x{heights[i]:g})" for i in bad[:5])
             raise RoIDBInputError(
@@ -239,22 +225,22 @@ class _GtBuilder:
                 f"integer: {ex}. Fix 'width'/'height' in the JSON (read them from the image "
                 f"files) or remove those images.")
         self.names = [file_names[i] for i in order_img.tolist()]
-        del file_names
         self.ids = ids
         self.widths, self.heights = widths.astype(np.int32), heights.astype(np.int32)
         pending, self.pending = self.pending, []
         for w in pending:
-            self.add_annotations(w)
+            self.annotations(w)
 
-    def add_annotations(self, w: RawCoco) -> None:
-        """Clean one window of annotations (a :class:`RawCoco` with ``ann_base`` set)."""
+    def annotations(self, w: RawCoco, base: int = 0) -> None:
+        """Clean one window of annotations (a :class:`RawCoco` with ``ann_base`` set;
+        ``base``, its event's, is that)."""
         if self.ids is None:
             self.pending.append(w)
         else:
             self._add(*clean_window(w, self.ids, self.widths, self.heights,
                                     self.gt_min_area, self.required))
 
-    def add_cleaned(self, cleaned: tuple, base: int) -> None:
+    def annotations_mapped(self, cleaned: tuple, base: int) -> None:
         """One window cleaned elsewhere (:func:`clean_window` of a window whose first
         annotation is the file's ``base``-th, decoded with ``ann_base=0``)."""
         part, counts, unknown = cleaned
@@ -266,8 +252,7 @@ class _GtBuilder:
     def _add(self, part: dict, counts: dict, unknown: np.ndarray) -> None:
         self.parts.append(part)
         self.counts.update(counts)
-        if unknown.size:
-            self.unknown_ids = np.unique(np.concatenate([self.unknown_ids, unknown]))[:5]
+        self.unknown_ids = np.unique(np.concatenate([self.unknown_ids, unknown]))[:5]
 
 
     def finish(self, info: DatasetInfo, categories: list) -> GtTable:
@@ -286,7 +271,7 @@ class _GtBuilder:
 
         kp_table = krow = None
         if info.keypoints is not None:  # checked first, as Detectron's order of checks
-            kbase = np.cumsum([0] + [p["k_id"].size for p in parts])[:-1]
+            kbase = offsets([p["k_id"].size for p in parts])
             krow = concat([np.where(p["krow"] >= 0, p["krow"] + b, -1)
                          for p, b in zip(parts, kbase)], np.int64)
             kraw = RawCoco(
@@ -294,8 +279,7 @@ class _GtBuilder:
                 ann_img=col("k_img", np.int64), ann_cat=col("k_cat", np.int64),
                 kp_len=col("k_len", np.int64), kp_vals=col("k_vals", np.float64),
                 ann_pos=col("k_pos", np.int64))
-            kp_table = _check_keypoints(kraw, np.ones(kraw.ann_id.size, bool), info,
-                                        self.required)
+            kp_table = _check_keypoints(kraw, info, self.required)
         pos = col("pos", np.int64)
         # annotations grouped by image in image order (many exports): no reordering
         grouped = pos.size < 2 or bool((pos[1:] >= pos[:-1]).all())
@@ -315,16 +299,12 @@ class _GtBuilder:
         # only the segmentation columns are needed from here on
         kept.ann_id = kept.ann_cat = kept.ann_pos = kept.ann_img = None  # type: ignore[assignment]
         del pos
-        boxes = np.empty((order.size, 4), np.float32)
-        for j, k in enumerate(("x1", "y1", "x2", "y2")):
-            boxes[:, j] = by_image(col(k, np.float32))
+        boxes = by_image(col("boxes", np.float32).reshape(-1, 4))
         seg_areas = by_image(col("area", np.float32))
         is_crowd = by_image(col("crowd", bool))
         rles: dict = {}
-        base = 0
-        for p in parts:
-            rles.update(zip((base + j for j in p.pop("rle_kept")), p.pop("rles")))
-            base += p["krow"].size
+        for p, b in zip(parts, offsets([p["krow"].size for p in parts]).tolist()):
+            rles.update((b + j, v) for j, v in p.pop("rles").items())
         segms, seg_counts = _segm_columns(kept, order, rles)
         counts.update(seg_counts)
         del kept, rles
@@ -332,14 +312,10 @@ class _GtBuilder:
         if kp_table is not None and krow is not None:
             kr = by_image(krow)
             keypoints = np.zeros((order.size, 3, info.num_keypoints), np.int32)
-            sel = kr >= 0
-            if sel.any():
-                keypoints[sel] = kp_table(kr[sel])
+            keypoints[kr >= 0] = kp_table(kr[kr >= 0])
             vis = keypoints[:, 2, :].sum(axis=1) > 0
             has_vis = np.bincount(pos_o, weights=vis, minlength=n) > 0
-        counts["images"] = n
-        counts["gt_boxes"] = int(order.size)
-        counts["gt_crowd"] = int(is_crowd.sum())
+        counts.update(images=n, gt_boxes=int(order.size), gt_crowd=int(is_crowd.sum()))
         self.parts = []
         return GtTable(
             info=info, ids=ids, widths=self.widths, heights=self.heights,
@@ -357,87 +333,56 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
     Raises:
         RoIDBInputError: a malformed polygon or RLE of an annotation of a known image.
     """
-    counts: Counter = Counter()
-    n = len(ids)
-    a_img = raw.ann_img
+    n, a_img = len(ids), raw.ann_img
     pos = np.minimum(np.searchsorted(ids, a_img), max(n - 1, 0))
     known = (ids[pos] == a_img) if n else np.zeros(len(a_img), bool)
-    unknown = int((~known).sum())
-    unknown_ids = np.zeros(0, np.int64)
-    if unknown:
-        counts["annotation_unknown_image"] += unknown
-        unknown_ids = np.unique(a_img[~known])[:5]
+    counts = Counter(annotation_unknown_image=int((~known).sum()))
+    unknown_ids = np.unique(a_img[~known])[:5]
     w_img = widths[pos].astype(np.float64)
     h_img = heights[pos].astype(np.float64)
     _check_polygons(raw, known)
     rle_rows = _check_rles(raw, known, h_img, w_img)
     kp_rows = np.flatnonzero(known & ((raw.kp_len > 0) | required))
 
-    area, crowd, ignore, bbox = raw.ann_area, raw.ann_crowd, raw.ann_ignore, raw.ann_bbox
-    keep = known.copy()
+    area, ignore, bbox = raw.ann_area, raw.ann_ignore, raw.ann_bbox
     with np.errstate(invalid="ignore"):
-        small = keep & (area < gt_min_area)
-    counts["gt_min_area"] += int(small.sum())
-    keep &= ~small
-    ign = keep & (ignore == 1)
-    counts["ignore"] += int(ign.sum())
-    keep &= ~ign
-    x1, y1 = bbox[:, 0], bbox[:, 1]
-    with np.errstate(invalid="ignore"):
+        x1, y1 = bbox[:, 0], bbox[:, 1]
         x2 = x1 + np.maximum(0.0, bbox[:, 2] - 1.0)
         y2 = y1 + np.maximum(0.0, bbox[:, 3] - 1.0)
         x1 = np.minimum(w_img - 1.0, np.maximum(0.0, x1))
         y1 = np.minimum(h_img - 1.0, np.maximum(0.0, y1))
         x2 = np.minimum(w_img - 1.0, np.maximum(0.0, x2))
         y2 = np.minimum(h_img - 1.0, np.maximum(0.0, y2))
-    nonfinite = keep & ~np.isfinite(bbox).all(axis=1)
-    counts["non_finite_bbox"] += int(nonfinite.sum())
-    keep &= ~nonfinite
-    bad_area = keep & ~(area > 0)
-    counts["non_positive_area"] += int(bad_area.sum())
-    keep &= ~bad_area
-    degenerate = keep & ~((x2 > x1) & (y2 > y1))
-    counts["degenerate_box"] += int(degenerate.sum())
-    keep &= ~degenerate
+        keep = known.copy()
+        for reason, drop in (("gt_min_area", area < gt_min_area), ("ignore", ignore == 1),
+                             ("non_finite_bbox", ~np.isfinite(bbox).all(axis=1)),
+                             ("non_positive_area", ~(area > 0)),
+                             ("degenerate_box", ~((x2 > x1) & (y2 > y1)))):
+            drop &= keep
+            counts[reason] += int(drop.sum())
+            keep &= ~drop
     kept = np.flatnonzero(keep)
-
-    poly_n = raw.poly_n[kept]
-    if raw.coord_n.size:
-        pidx = take_ranges(offsets(raw.poly_n)[kept], poly_n)
-        coord_n = raw.coord_n[pidx]
-        if pidx.size == raw.coord_n.size:
-            coords = raw.coords
-        else:
-            keep_p = np.zeros(raw.coord_n.size, bool)
-            keep_p[pidx] = True
-            coords = raw.coords[np.repeat(keep_p, raw.coord_n)]
-    else:
-        coord_n, coords = raw.coord_n[:0], raw.coords[:0]
+    poly_n, coord_n, coords, _ = _polygons(raw, kept)
     seg_kind = raw.seg_kind[kept]
     rle_kept = np.flatnonzero(seg_kind == SEG_RLE).tolist()
     krow = np.full(kept.size, -1, np.int32)
-    if kp_rows.size:
-        krow[np.isin(kept, kp_rows)] = np.searchsorted(kp_rows, kept[np.isin(kept, kp_rows)])
-    kp_off = offsets(np.maximum(raw.kp_len, 0))
+    in_kp = np.isin(kept, kp_rows)
+    krow[in_kp] = np.searchsorted(kp_rows, kept[in_kp])
+    kp_len = np.maximum(raw.kp_len, 0)
     # kept rows in their output dtypes (a float32 cast before or after the gather is
     # the same), integers narrowed where they fit: only these live to the end
-    f32 = np.float32
     part = {
-        "pos": _narrow(pos[kept]), "x1": x1[kept].astype(f32), "y1": y1[kept].astype(f32),
-        "x2": x2[kept].astype(f32), "y2": y2[kept].astype(f32),
-        "area": area[kept].astype(f32), "crowd": crowd[kept] != 0,
+        "pos": _narrow(pos[kept]),
+        "boxes": np.stack([x1, y1, x2, y2], 1)[kept].astype(np.float32),
+        "area": area[kept].astype(np.float32), "crowd": raw.ann_crowd[kept] != 0,
         "cat": _narrow(raw.ann_cat[kept]), "ann_id": _narrow(raw.ann_id[kept]),
-        "gpos": _narrow(raw.ann_pos[kept] if raw.ann_pos is not None
-                        else raw.ann_base + kept),
-        "seg_kind": seg_kind, "poly_n": _narrow(poly_n), "coord_n": coord_n, "coords": coords,
-        "rles": [rle_rows[int(kept[j])] for j in rle_kept], "rle_kept": rle_kept,
-        "krow": krow,
+        "gpos": _narrow(raw.ann_at(kept)), "seg_kind": seg_kind, "poly_n": _narrow(poly_n),
+        "coord_n": coord_n, "coords": coords,
+        "rles": {j: rle_rows[int(kept[j])] for j in rle_kept}, "krow": krow,
         "k_id": raw.ann_id[kp_rows], "k_img": a_img[kp_rows], "k_cat": raw.ann_cat[kp_rows],
         "k_len": raw.kp_len[kp_rows],
-        "k_vals": raw.kp_vals[take_ranges(kp_off[kp_rows],
-                                          np.maximum(raw.kp_len[kp_rows], 0))],
-        "k_pos": (raw.ann_pos[kp_rows] if raw.ann_pos is not None
-                  else raw.ann_base + kp_rows),
+        "k_vals": raw.kp_vals[take_ranges(offsets(kp_len)[kp_rows], kp_len[kp_rows])],
+        "k_pos": raw.ann_at(kp_rows),
     }
     return part, dict(counts), unknown_ids
 
@@ -486,7 +431,7 @@ def _window_task(path: str, gt_min_area: float, required: bool, task: tuple,
     if cols is None:
         raise _Refused(f"{path}: bytes {start}-{end}")
     if key == "images":
-        return len(cols["img_id"]), cols
+        return len(cols.img_id), cols
     return len(cols.ann_id), clean_window(cols, state["ids"], state["widths"],
                                           state["heights"], gt_min_area, required)
 
@@ -580,7 +525,7 @@ def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
                   f"or a compressed string", _RLE_FIX)
     if strs:
         c, off, bad = rle_string_counts(strs)
-        cs = np.concatenate([[0], np.cumsum(c)])
+        cs = offsets(c)
         sums = cs[off[1:]] - cs[off[:-1]]
         hw = np.array([out[i][0] * out[i][1] for i in str_rows], np.int64)
         wrong = bad | (sums != hw)
@@ -593,9 +538,9 @@ def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
     return out
 
 
-def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
-                     required: bool) -> Optional[Any]:
-    """Validate keypoints; returns ``rows -> int32 (G, 3, K)`` or ``None`` (no keypoints)."""
+def _check_keypoints(raw: RawCoco, info: DatasetInfo, required: bool) -> Optional[Any]:
+    """Validate the keypoints of annotations of known images; returns ``rows -> int32
+    (G, 3, K)`` or ``None`` (no keypoints)."""
     if info.keypoints is None:
         return None
     k = info.num_keypoints
@@ -603,7 +548,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
     present = kp_len > 0  # missing, null and [] all mean "no keypoints"
     if required:
         kp_cats = np.array(keypoint_category_ids(raw.categories), np.int64)
-        need = known & np.isin(raw.ann_cat, kp_cats) & ~present
+        need = np.isin(raw.ann_cat, kp_cats) & ~present
         if need.any():
             rows = np.flatnonzero(need)
             ex = ", ".join(raw.ann_label(int(i)) for i in rows[:5])
@@ -612,7 +557,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
                 f"'person' lists {k} keypoints, but {rows.size} 'person' annotation(s) have no "
                 f"'keypoints' field: {ex}. Add 'keypoints': [0, 0, 0] * {k} for objects "
                 f"without labelled keypoints (Detectron crashes here).")
-    wrong = known & present & (kp_len != 3 * k)
+    wrong = present & (kp_len != 3 * k)
     if wrong.any():
         rows = np.flatnonzero(wrong)
         i = int(rows[0])
@@ -627,7 +572,7 @@ def _check_keypoints(raw: RawCoco, known: np.ndarray, info: DatasetInfo,
         with np.errstate(invalid="ignore"):
             bad_v = ~(np.abs(vals) < 2 ** 31)
         v_owner = np.repeat(np.arange(kp_len.size), np.maximum(kp_len, 0))
-        rows = np.unique(v_owner[bad_v & known[v_owner]])
+        rows = np.unique(v_owner[bad_v])
         if rows.size:
             _fail(raw, rows, "has a keypoint value that is not a finite number within the "
                   "int32 range", "Keypoints are [x1, y1, v1, ...] in pixels; use 0, 0, 0 for "
@@ -658,9 +603,7 @@ _LUT_MAX = 1 << 20
 
 def _classes(raw: RawCoco, order: np.ndarray, info: DatasetInfo) -> np.ndarray:
     cat = raw.ann_cat[order]
-    j2c = info.json_category_id_to_contiguous_id
-    keys = np.array(sorted(j2c), dtype=np.int64)
-    vals = np.array([j2c[k] for k in keys.tolist()], dtype=np.int32)
+    keys, vals = info.category_lut()
     if len(keys) and 0 <= keys[0] and keys[-1] < _LUT_MAX and cat.size > 16 * keys[-1]:
         # small non-negative ids (every COCO-style set): one gather through a table
         lut = np.full(int(keys[-1]) + 2, -1, np.int32)
@@ -681,31 +624,33 @@ def _classes(raw: RawCoco, order: np.ndarray, info: DatasetInfo) -> np.ndarray:
     return vals[p]
 
 
+def _polygons(raw: RawCoco, rows: np.ndarray, min_coords: int = 0) -> tuple:
+    """The polygons of annotations ``rows`` (in that order) with at least ``min_coords``
+    coordinates: ``(polygons per row, coordinates per polygon, coordinates, dropped)``."""
+    if not raw.coord_n.size:  # no polygon at all (box-only datasets): no index arrays
+        return raw.poly_n[rows], raw.coord_n, raw.coords, 0
+    pidx = take_ranges(offsets(raw.poly_n)[rows], raw.poly_n[rows])
+    row_of = np.repeat(np.arange(rows.size), raw.poly_n[rows])
+    short = raw.coord_n[pidx] < min_coords
+    pidx, row_of = pidx[~short], row_of[~short]
+    if pidx.size == raw.coord_n.size and (pidx == np.arange(pidx.size)).all():
+        coords = raw.coords  # every polygon kept, in file order (one file per image order)
+    elif (rows[1:] > rows[:-1]).all():  # kept polygons in file order: a mask will do
+        keep = np.zeros(raw.coord_n.size, bool)
+        keep[pidx] = True
+        coords = raw.coords[np.repeat(keep, raw.coord_n)]
+    else:
+        coords = raw.coords[take_ranges(offsets(raw.coord_n)[pidx], raw.coord_n[pidx])]
+    return (np.bincount(row_of, minlength=rows.size), raw.coord_n[pidx], coords,
+            int(short.sum()))
+
+
 def _segm_columns(raw: RawCoco, order: np.ndarray,
                   rles: dict) -> tuple[SegmColumns, dict[str, int]]:
     """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
     Q24, docs/detectron_quirks.md)."""
     g = order.size
-    if not raw.coord_n.size:  # no polygon at all (box-only datasets): no index arrays
-        pidx = row_of = np.zeros(0, np.int64)
-        coord_off = offsets(raw.coord_n)
-    else:
-        poly_off = offsets(raw.poly_n)
-        coord_off = offsets(raw.coord_n)
-        pidx = take_ranges(poly_off[order], raw.poly_n[order])
-        row_of = np.repeat(np.arange(g), raw.poly_n[order])
-    short = raw.coord_n[pidx] < 6
-    pidx, row_of = pidx[~short], row_of[~short]
-    poly_counts = np.bincount(row_of, minlength=g).astype(np.int64)
-    coord_counts = raw.coord_n[pidx]
-    if pidx.size == raw.coord_n.size and (pidx == np.arange(pidx.size)).all():
-        coords = raw.coords  # every polygon kept, in file order (one file per image order)
-    elif (order[1:] > order[:-1]).all():  # kept polygons in file order: a mask will do
-        keep = np.zeros(raw.coord_n.size, bool)
-        keep[pidx] = True
-        coords = raw.coords[np.repeat(keep, raw.coord_n)]
-    else:
-        coords = raw.coords[take_ranges(coord_off[pidx], coord_counts)]
+    poly_counts, coord_counts, coords, short = _polygons(raw, order, 6)
     seg_kind = raw.seg_kind[order]
     kind = np.full(g, POLY, np.int8)
     rle_idx = np.full(g, -1, np.int32)
@@ -716,5 +661,5 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
         coords=np.ascontiguousarray(coords, np.float64), rle_idx=rle_idx,
         **rle_columns(rows, [rles[int(order[j])] for j in rows], kind, rle_idx))
     empty = int(((kind == POLY) & (poly_counts == 0)).sum()) - missing
-    return cols, {"polygon_lt_6_coords": int(short.sum()), "empty_segmentation": empty,
+    return cols, {"polygon_lt_6_coords": short, "empty_segmentation": empty,
                   "missing_segmentation": missing}

@@ -49,6 +49,12 @@ ENTRY_FIELDS = ("image", "id", "width", "height", "flipped", "boxes", "gt_classe
                 "max_overlaps", "bbox_targets", "segms", "gt_keypoints",
                 "has_visible_keypoints", "dataset")
 _FIELDS_NO_KEYPOINTS = tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
+#: Entry fields that are one image column's value: field -> (column, type)
+_IMAGE_VALUES = {"id": ("img_id", int), "width": ("img_width", int),
+                 "height": ("img_height", int), "has_visible_keypoints": ("img_has_vis_kp", bool)}
+#: Entry fields of gt rows only (proposal rows get ``fill``): field -> (column, fill, dtype)
+_GT_ONLY = {"gt_classes": ("gt_classes", 0, np.int32), "seg_areas": ("gt_seg_areas", 0, np.float32),
+            "is_crowd": ("gt_is_crowd", False, bool)}
 #: Fields added to every entry of a roidb with an LVIS dataset: int32 contiguous class
 #: ids (like ``gt_classes``), JSON order; empty for images of COCO datasets.
 LVIS_ENTRY_FIELDS = tuple(IMAGE_LIST_COLUMNS)
@@ -61,11 +67,9 @@ def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray
     names = list(info.keypoints or ())
     for left, right in (info.keypoint_flip_map or {}).items():
         li, ri = names.index(left), names.index(right)
-        out[:, :, li] = kps[:, :, ri]
-        out[:, :, ri] = kps[:, :, li]
+        out[:, :, [li, ri]] = kps[:, :, [ri, li]]
     out[:, 0, :] = width - out[:, 0, :] - 1
-    invisible = out[:, 2, :] == 0
-    out[:, 0, :][invisible] = 0
+    out[:, 0, :][out[:, 2, :] == 0] = 0  # x of invisible keypoints
     return out
 
 
@@ -103,9 +107,7 @@ class RoIDB:
 
     def __init__(self, path: str, manifest: Optional[dict] = None) -> None:
         self.path = os.path.abspath(path)
-        if manifest is None:
-            manifest = validate_cache(self.path)
-        self.manifest = manifest
+        self.manifest = manifest = validate_cache(self.path) if manifest is None else manifest
         # Plain ndarray views of the memory maps: slicing an np.memmap costs Python-level
         # __getitem__/__array_finalize__ calls on every access.
         self._a = {name: _load(self.path, rec) for name, rec in manifest["arrays"].items()}
@@ -119,7 +121,6 @@ class RoIDB:
         self._entry_img = _ro(np.asarray(a["entry_img"], np.int64))
         self.flipped: np.ndarray = _ro(np.asarray(a["entry_flipped"], bool))
         self._segms = SegmColumns.from_arrays(a)
-        self._has_props = a["prop_boxes"].shape[0] > 0
         self._image_lists = {key: (a[o], a[c]) for key, (o, c) in IMAGE_LIST_COLUMNS.items()
                              if o in a}
         extra = tuple(self._image_lists)
@@ -166,9 +167,7 @@ class RoIDB:
 
     def __getitem__(self, i: int) -> "RoIEntry":
         n = len(self)
-        i = int(i)
-        if i < 0:
-            i += n
+        i = int(i) + n if int(i) < 0 else int(i)
         if not 0 <= i < n:
             raise IndexError(f"roidb index {i} out of range for {n} entries")
         return RoIEntry(self, i)
@@ -203,11 +202,6 @@ class RoIDB:
         names = ", ".join(d.name for d in self.datasets)
         return f"RoIDB({len(self)} entries from [{names}], cache={self.path!r})"
 
-    # ------------------------------------------------------------------ columns
-    def _range(self, off_col: str, img: int) -> tuple[int, int]:
-        off = self._a[off_col]
-        return int(off[img]), int(off[img + 1])
-
 
 class RoIEntry(Mapping):
     """A read-only view of one roidb entry with Detectron's field names (Detectron semantics: roidb
@@ -240,13 +234,21 @@ class RoIEntry(Mapping):
         return key in self._keys()
 
     def __getitem__(self, key: str) -> Any:
-        try:
+        if key in self._cache:
             return self._cache[key]
-        except KeyError:
-            pass
         if key not in self._keys():
             raise KeyError(key)
-        value = getattr(self, "_f_" + key)()
+        if key in _IMAGE_VALUES:
+            col, typ = _IMAGE_VALUES[key]
+            value = typ(self._a[col][self._img])
+        elif key in _GT_ONLY:
+            col, fill, dtype = _GT_ONLY[key]
+            value = self._rows(col, None, fill, dtype)
+        elif key in self._db._image_lists:  # LVIS: the image's class list
+            off, classes = self._db._image_lists[key]
+            value = np.array(classes[self._span(off)], np.int32)
+        else:
+            value = getattr(self, "_f_" + key)()
         if isinstance(value, np.ndarray):
             value.flags.writeable = False
         self._cache[key] = value
@@ -265,72 +267,50 @@ class RoIEntry(Mapping):
     def _a(self) -> Mapping[str, np.ndarray]:
         return self._db._a
 
+    def _span(self, off: Any) -> slice:
+        """This image's rows of the column ``off`` (an offset column, or its name) indexes."""
+        off = self._a[off] if isinstance(off, str) else off
+        return slice(int(off[self._img]), int(off[self._img + 1]))
+
     def _rows(self, gt_col: str, prop_col: Optional[str], prop_fill: Any = 0,
               dtype: Any = None) -> np.ndarray:
-        g0, g1 = self._db._range("img_gt_off", self._img)
-        gt = np.asarray(self._a[gt_col][g0:g1])
-        p0, p1 = self._db._range("img_prop_off", self._img)
-        if p1 == p0:
-            out = np.array(gt, dtype=dtype or gt.dtype)
-        elif prop_col is None:
-            tail = np.full((p1 - p0,) + gt.shape[1:], prop_fill, dtype=dtype or gt.dtype)
-            out = np.concatenate([gt.astype(dtype or gt.dtype), tail])
-        else:
-            out = np.concatenate([gt.astype(dtype or gt.dtype),
-                                  np.asarray(self._a[prop_col][p0:p1], dtype or gt.dtype)])
-        return out
+        gt = np.asarray(self._a[gt_col][self._span("img_gt_off")])
+        dtype = dtype or gt.dtype
+        p = self._span("img_prop_off")
+        if p.stop == p.start:
+            return np.array(gt, dtype=dtype)
+        tail = (np.asarray(self._a[prop_col][p], dtype) if prop_col is not None else
+                np.full((p.stop - p.start,) + gt.shape[1:], prop_fill, dtype=dtype))
+        return np.concatenate([gt.astype(dtype), tail])
 
     # ------------------------------------------------------------------ fields
     def _f_image(self) -> str:
-        a, b = self._db._range("img_path_off", self._img)
-        return bytes(np.asarray(self._a["img_path_bytes"][a:b])).decode("utf-8")
-
-    def _f_id(self) -> int:
-        return int(self._a["img_id"][self._img])
-
-    def _f_width(self) -> int:
-        return int(self._a["img_width"][self._img])
-
-    def _f_height(self) -> int:
-        return int(self._a["img_height"][self._img])
+        return bytes(np.asarray(self._a["img_path_bytes"][self._span("img_path_off")])
+                     ).decode("utf-8")
 
     def _f_flipped(self) -> bool:
         return bool(self._db.flipped[self._i])
 
     def _f_boxes(self) -> np.ndarray:
         boxes = self._rows("gt_boxes", "prop_boxes", dtype=np.float32)
-        if self["flipped"]:
-            boxes = flip_boxes(boxes, self["width"])
-        return boxes
-
-    def _f_gt_classes(self) -> np.ndarray:
-        return self._rows("gt_classes", None, 0, np.int32)
-
-    def _f_seg_areas(self) -> np.ndarray:
-        return self._rows("gt_seg_areas", None, 0, np.float32)
-
-    def _f_is_crowd(self) -> np.ndarray:
-        return self._rows("gt_is_crowd", None, False, bool)
+        return flip_boxes(boxes, self["width"]) if self["flipped"] else boxes
 
     def _f_box_to_gt_ind_map(self) -> np.ndarray:
-        g0, g1 = self._db._range("img_gt_off", self._img)
-        p0, p1 = self._db._range("img_prop_off", self._img)
-        return np.concatenate([np.arange(g1 - g0, dtype=np.int32),
-                               np.asarray(self._a["prop_gt_map"][p0:p1], np.int32)])
+        g = self._span("img_gt_off")
+        return np.concatenate([np.arange(g.stop - g.start, dtype=np.int32), np.asarray(
+            self._a["prop_gt_map"][self._span("img_prop_off")], np.int32)])
 
     def _f_max_overlaps(self) -> np.ndarray:
-        g0, g1 = self._db._range("img_gt_off", self._img)
-        p0, p1 = self._db._range("img_prop_off", self._img)
-        crowd = np.asarray(self._a["gt_is_crowd"][g0:g1], bool)
+        crowd = np.asarray(self._a["gt_is_crowd"][self._span("img_gt_off")], bool)
         gt = np.where(crowd, np.float32(-1), np.float32(1)).astype(np.float32)
-        return np.concatenate([gt, np.asarray(self._a["prop_max_overlaps"][p0:p1], np.float32)])
+        p = self._span("img_prop_off")
+        return np.concatenate([gt, np.asarray(self._a["prop_max_overlaps"][p], np.float32)])
 
     def _f_max_classes(self) -> np.ndarray:
-        g0, g1 = self._db._range("img_gt_off", self._img)
-        p0, p1 = self._db._range("img_prop_off", self._img)
-        crowd = np.asarray(self._a["gt_is_crowd"][g0:g1], bool)
-        gt = np.where(crowd, 0, np.asarray(self._a["gt_classes"][g0:g1])).astype(np.int64)
-        return np.concatenate([gt, np.asarray(self._a["prop_max_classes"][p0:p1], np.int64)])
+        g, p = self._span("img_gt_off"), self._span("img_prop_off")
+        crowd = np.asarray(self._a["gt_is_crowd"][g], bool)
+        gt = np.where(crowd, 0, np.asarray(self._a["gt_classes"][g])).astype(np.int64)
+        return np.concatenate([gt, np.asarray(self._a["prop_max_classes"][p], np.int64)])
 
     def _f_gt_overlaps(self) -> scipy.sparse.csr_matrix:
         mo, mc = self["max_overlaps"], self["max_classes"]
@@ -347,30 +327,14 @@ class RoIEntry(Mapping):
                                     cls_agnostic=agnostic, weights=weights)
 
     def _f_segms(self) -> list:
-        g0, g1 = self._db._range("img_gt_off", self._img)
-        return decode_segms(self._db._segms, g0, g1, flipped=self["flipped"],
+        g = self._span("img_gt_off")
+        return decode_segms(self._db._segms, g.start, g.stop, flipped=self["flipped"],
                             width=self["width"], height=self["height"])
 
     def _f_gt_keypoints(self) -> np.ndarray:
-        g0, g1 = self._db._range("img_gt_off", self._img)
-        k = self._info.num_keypoints
-        kps = np.array(self._a["gt_keypoints"][g0:g1, :, :k], dtype=np.int32)
-        if self["flipped"]:
-            kps = flip_keypoints(kps, self._info, self["width"])
-        return kps
-
-    def _f_has_visible_keypoints(self) -> bool:
-        return bool(self._a["img_has_vis_kp"][self._img])
+        kps = np.array(self._a["gt_keypoints"][self._span("img_gt_off"), :,
+                                               :self._info.num_keypoints], dtype=np.int32)
+        return flip_keypoints(kps, self._info, self["width"]) if self["flipped"] else kps
 
     def _f_dataset(self) -> DatasetInfo:
         return self._info
-
-    def _image_list(self, key: str) -> np.ndarray:
-        off, classes = self._db._image_lists[key]
-        return np.array(classes[int(off[self._img]):int(off[self._img + 1])], np.int32)
-
-    def _f_neg_category_ids(self) -> np.ndarray:
-        return self._image_list("neg_category_ids")
-
-    def _f_not_exhaustive_category_ids(self) -> np.ndarray:
-        return self._image_list("not_exhaustive_category_ids")

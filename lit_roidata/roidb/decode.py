@@ -9,6 +9,7 @@ See docs/roidb.md ("Decoding in windows", "Bad input").
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -16,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, itemgetter, methodcaller
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NoReturn, Optional, Union
 
 import msgspec
 import numpy as np
@@ -96,9 +97,12 @@ class RawCoco:
     def ann_label(self, i: int) -> str:
         """``annotation id X (image id Y)`` of annotation ``i`` (JSON position)."""
         aid = int(self.ann_id[i])
-        at = int(self.ann_pos[i]) if self.ann_pos is not None else self.ann_base + i
-        who = f"annotation id {aid}" if aid != -1 else f"annotation #{at} (no 'id')"
+        who = f"annotation id {aid}" if aid != -1 else f"annotation #{self.ann_at(i)} (no 'id')"
         return f"{who} (image id {int(self.ann_img[i])})"
+
+    def ann_at(self, rows: Any) -> Any:
+        """The JSON positions of annotations ``rows`` (indices into the columns)."""
+        return self.ann_pos[rows] if self.ann_pos is not None else self.ann_base + rows
 
 
 def read_json(path: str, raw: Optional[bytes] = None) -> Any:
@@ -113,10 +117,13 @@ def read_json(path: str, raw: Optional[bytes] = None) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise RoIDBInputError(
-            f"{path}: malformed JSON at line {exc.lineno}, column {exc.colno} (byte {exc.pos}): "
-            f"{exc.msg}. Re-export or repair the file; a truncated download is a common "
-            f"cause.") from None
+        raise _malformed(path, exc.lineno, exc.colno, exc.pos, exc.msg) from None
+
+
+def _malformed(path: str, line: int, col: int, pos: int, msg: str) -> RoIDBInputError:
+    return RoIDBInputError(f"{path}: malformed JSON at line {line}, column {col} (byte {pos}): "
+                           f"{msg}. Re-export or repair the file; a truncated download is a "
+                           f"common cause.")
 
 
 # ------------------------------------------------------------------------------ fast
@@ -172,68 +179,53 @@ class _LvisImg(msgspec.Struct, kw_only=True, gc=False):
     not_exhaustive_category_ids: list[int] = msgspec.field(default_factory=list)
 
 
-class _LvisTop(msgspec.Struct):
-    images: list[_LvisImg]
-    annotations: Optional[list[_Ann]] = None
-    categories: msgspec.Raw = _NULL
-
-
-_LVIS_DECODER = msgspec.json.Decoder(_LvisTop)
 _EMPTY: tuple = ()
-
-#: Decoded objects kept until ``os._exit`` (:func:`keep_decoded_until_exit`).
-KEEP_UNTIL_EXIT: list = []
-_KEEP = False
-
-
-def keep_decoded_until_exit() -> None:
-    """Keep decoded objects until the process ends instead of freeing them one by one
-    (the forked builder process, which ends with ``os._exit``)."""
-    global _KEEP
-    _KEEP = True
-
+#: the LVIS per-image id lists: JSON field → ``RawCoco`` column prefix
+_LVIS_LISTS = (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh"))
+#: the per-image numeric columns and their dtypes (LVIS: plus the id lists)
+_IMG_ARRAYS = {"img_id": np.int64, "img_w": np.float64, "img_h": np.float64}
+_LVIS_ARRAYS = {f"{short}_{k}": np.int64 for _, short in _LVIS_LISTS for k in ("n", "ids")}
 
 #: the element types the typed decoder gave polygon coordinates and keypoint values:
 #: numbers the vectorised parser leaves to msgspec are decoded with them
 _POLY_NUMBER = list[float]
 _KP_NUMBER = list[Union[int, float]]
-_SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE}
+_SEG_KIND = {list: SEG_POLY, type(None): SEG_MISSING, _RLE: SEG_RLE, dict: SEG_RLE}
+_REFUSED = (msgspec.ValidationError, msgspec.DecodeError, OverflowError)
 
 
-def decode_fast(raw: bytes, source: str, *, lvis: bool = False) -> Optional[RawCoco]:
+def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
     """The typed msgspec decode of a whole file; ``None`` if it is not strictly well-typed."""
     try:
-        top = (_LVIS_DECODER if lvis else _DECODER).decode(raw)
+        top = _DECODER.decode(raw)
         cats = orjson.loads(bytes(top.categories)) or []
-    except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError):
+        img = _image_columns(top.images)
+        ann = _annotation_columns(top.annotations or [])
+    except (*_REFUSED, orjson.JSONDecodeError):  # an id beyond int64: OverflowError
         return None
-    if not isinstance(cats, list):
+    if ann is None or not isinstance(cats, list):
         return None
-    if _KEEP:
-        KEEP_UNTIL_EXIT.append(top)
-    img = _image_columns(top.images)
-    ann = _annotation_columns(top.annotations or [], 0)
-    if ann is None:
-        return None
-    try:
-        extra = _lvis_fast(top.images) if lvis else {}
-    except OverflowError:  # an id beyond int64: the generic decoder names it
-        return None
-    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast", **extra)
+    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast")
 
 
-def _image_columns(images: list) -> dict:
-    """:data:`IMAGE_FIELDS` columns of typed ``_Img`` structs."""
+def _image_columns(images: list, lvis: bool = False) -> dict:
+    """Image columns of typed ``_Img`` (``lvis``: ``_LvisImg``) structs."""
     n = len(images)
-    return {"img_id": np.fromiter(map(attrgetter("id"), images), np.int64, n),
+    cols = {"img_id": np.fromiter(map(attrgetter("id"), images), np.int64, n),
             "img_w": np.fromiter(map(attrgetter("width"), images), np.float64, n),
             "img_h": np.fromiter(map(attrgetter("height"), images), np.float64, n),
             "file_names": list(map(attrgetter("file_name"), images))}
+    if lvis:
+        cols["coco_urls"] = list(map(attrgetter("coco_url"), images))
+        for key, short in _LVIS_LISTS:
+            cols[short + "_n"], cols[short + "_ids"] = _id_lists(list(map(attrgetter(key),
+                                                                          images)))
+    return cols
 
 
-def _annotation_columns(anns: list, base: int) -> Optional[dict]:
-    """Annotation columns of typed ``_Ann`` structs (``base``: the JSON position of the
-    first, for the ``rles`` keys); ``None`` if a polygon or keypoint list is not numbers."""
+def _annotation_columns(anns: list) -> Optional[dict]:
+    """Annotation columns of typed ``_Ann`` structs; ``None`` if a polygon or keypoint
+    list is not numbers."""
     na = len(anns)
     bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
                        4 * na).reshape(-1, 4)
@@ -252,19 +244,15 @@ def _annotation_columns(anns: list, base: int) -> Optional[dict]:
             return None  # a polygon that is not a list of numbers: the generic decoder names it
         coord_n, coords = parsed
         seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
-        rles = {base + i: {"size": segs[i].size, "counts": segs[i].counts}
+        rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
                 for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
     kps = list(map(attrgetter("keypoints"), anns))
-    kp_len = np.full(na, -1, np.int64)
-    kp_vals = np.zeros(0, np.float64)
-    has_kp = np.ones(na, bool)
-    if kps.count(_NULL) == na:  # (identity first) no annotation has a keypoints field
-        has_kp[:] = False
-    else:
+    kp_len, kp_vals = np.full(na, -1, np.int64), np.zeros(0, np.float64)
+    if kps.count(_NULL) != na:  # (identity first) an annotation has a keypoints field
         # null (or absent) keypoints: the 4-byte text "null"
         short = np.flatnonzero(np.fromiter(map(len, kps), np.int64, na) == 4).tolist()
+        has_kp = np.ones(na, bool)
         has_kp[[i for i in short if kps[i] is _NULL or bytes(kps[i]) == b"null"]] = False
-    if has_kp.any():
         kp_rows = np.flatnonzero(has_kp)
         parsed = parse_number_lists([kps[i] for i in kp_rows.tolist()], slow_type=_KP_NUMBER)
         if parsed is None:
@@ -295,8 +283,11 @@ _DELTA[list(b"]}")] = -1
 _CANDIDATE = re.compile(rb"\}[ \t\r\n]*,")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _SCALAR = re.compile(rb"[^,\]}\s]*")
-_IMG_WINDOW = msgspec.json.Decoder(list[_Img])
-_ANN_WINDOW = msgspec.json.Decoder(list[_Ann])
+_WINDOW_DECODERS = {"images": msgspec.json.Decoder(list[_Img]),
+                    "lvis_images": msgspec.json.Decoder(list[_LvisImg]),
+                    "annotations": msgspec.json.Decoder(list[_Ann])}
+_ANN_ARRAYS = ("ann_id", "ann_img", "ann_cat", "ann_bbox", "ann_area", "ann_crowd",
+               "ann_ignore", "seg_kind", "poly_n", "coord_n", "coords", "kp_len", "kp_vals")
 
 
 def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTES,
@@ -307,36 +298,29 @@ def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTE
     Raises:
         RoIDBInputError: a malformed file or record (named, with the fix).
     """
-    if fast and not lvis:
-        return decode_chunked(path, window_bytes=window_bytes)
-    with open(path, "rb") as fh:
-        raw = fh.read()
     if fast:
-        out = decode_fast(raw, path, lvis=True)
-        if out is not None:
-            return out
-    return decode_generic(read_json(path, raw), path, lvis=lvis)
+        return decode_chunked(path, window_bytes=window_bytes, lvis=lvis)
+    with open(path, "rb") as fh:
+        return decode_generic(read_json(path, fh.read()), path, lvis=lvis)
 
 
-def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES) -> RawCoco:
+def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES,
+                   lvis: bool = False) -> RawCoco:
     """The columns of ``path``, decoded in bounded windows of its ``images`` and
     ``annotations`` arrays; identical to the whole-file decoders' for any window size.
 
     Raises:
         RoIDBInputError: malformed JSON (file, line, column, byte) or a malformed record.
     """
-    dec = _Chunked.open(path, window_bytes)
-    try:
+    with _Chunked(path, window_bytes, lvis) as dec:
         return dec.collect()
-    finally:
-        dec.close()
 
 
 def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None) -> Any:
     """The events of a chunked decode of ``path``, in file order (see
-    :func:`decode_chunked`): ``("images", columns, first)``, ``("images_end", count)``,
+    :func:`decode_chunked`): ``("images", window, first)``, ``("images_end", count)``,
     ``("annotations", window, first)`` (``window``: a :class:`RawCoco` of the window's
-    annotations, no images, ``ann_base=first``) and last ``("end", categories)``.
+    images, or of its annotations with ``ann_base=first``) and last ``("end", categories)``.
 
     ``mapper`` (:class:`lit_roidata.roidb.coco.ParallelWindows`) decodes windows of the
     arrays it ``handles(key)``, ``depth`` in flight: ``submit((key, start, end))``,
@@ -347,56 +331,63 @@ def iter_coco(path: str, *, window_bytes: int = WINDOW_BYTES, mapper: Any = None
     Raises:
         RoIDBInputError: malformed JSON or a malformed record, when reached.
     """
-    dec = _Chunked.open(path, window_bytes)
-    dec.mapper = mapper
-    try:
+    with _Chunked(path, window_bytes) as dec:
+        dec.mapper = mapper
         yield from dec.events()
-    finally:
-        dec.close()
 
 
 _OPEN: dict = {}
 
 
-def decode_window(path: str, key: str, start: int, end: int) -> Any:
+def decode_window(path: str, key: str, start: int, end: int) -> Optional[RawCoco]:
     """The typed decode of one window of ``path``'s ``key`` array, bytes ``[start,
     end)`` from an element start to an element end (a mapper's work, in a worker
-    process; the file stays mapped there): image columns, or a :class:`RawCoco` of the
+    process; the file stays mapped there): a :class:`RawCoco` of the images or of the
     annotations (``ann_base=0``); ``None`` if the typed decoder refuses the window."""
-    dec = _OPEN.get(path) or _OPEN.setdefault(path, _Chunked.open(path, 1))
-    cols = _typed_columns(key, dec._window_text(start, end))
+    dec = _OPEN.get(path) or _OPEN.setdefault(path, _Chunked(path, 1))
+    cols = _typed_window(key, dec._window_text(start, end), path)
     dec._release(end)  # the window's pages: out of this worker's RSS
-    if cols is None or key == "images":
-        return cols
-    return RawCoco(source=path, **cols, decoder="fast")
+    return cols
+
+
+def _typed_window(key: str, buf: bytearray, source: str, lvis: bool = False
+                  ) -> Optional[RawCoco]:
+    """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
+    try:
+        if key == "images":
+            return RawCoco(source, **_image_columns(
+                _WINDOW_DECODERS["lvis_images" if lvis else key].decode(buf), lvis),
+                decoder="fast")
+        cols = _annotation_columns(_WINDOW_DECODERS[key].decode(buf))
+    except _REFUSED:
+        return None
+    return None if cols is None else RawCoco(source, **cols, decoder="fast")
 
 
 class _Chunked:
     """One :func:`decode_chunked` pass over a memory-mapped file."""
 
-    @classmethod
-    def open(cls, path: str, window_bytes: int) -> "_Chunked":
+    def __init__(self, path: str, window_bytes: int, lvis: bool = False) -> None:
         """Map ``path`` (an empty file raises the malformed-JSON error)."""
         with open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size == 0:
                 read_json(path, b"")
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        return cls(path, mm, max(1, int(window_bytes)))
-
-    def __init__(self, path: str, mm: mmap.mmap, window: int) -> None:
-        self.path, self.mm, self.window, self.n = path, mm, window, len(mm)
-        self.view = memoryview(mm)
+            self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        self.path, self.window, self.lvis = path, max(1, int(window_bytes)), lvis
+        self.n = len(self.mm)
+        self.view = memoryview(self.mm)
         self.generic = False
         self.released = 0
         self.mapper: Any = None
 
-    def close(self) -> None:
+    def __enter__(self) -> "_Chunked":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
         """Unmap the file (left to the GC while an error's traceback still views it)."""
-        try:
+        with contextlib.suppress(BufferError):
             self.view.release()
             self.mm.close()
-        except BufferError:
-            pass
 
     def _release(self, upto: int) -> None:
         """Drop the mapping's pages before ``upto`` (they stay in the page cache, out of
@@ -409,68 +400,50 @@ class _Chunked:
     # ------------------------------------------------------------------ top level
     def events(self) -> Any:
         """Walk the top-level object; yield the events of :func:`iter_coco`."""
-        mm, pos = self.mm, self._ws(0)
-        if pos >= self.n or mm[pos] != 0x7B:  # not an object: the generic decoder says so
-            if pos < self.n and mm[pos] in b'["0123456789-tfn':
+        mm, n, path, pos = self.mm, self.n, self.path, self._ws(0)
+        if pos >= n or mm[pos] != 0x7B:  # not an object: the generic decoder says so
+            if pos < n and mm[pos] in b'["0123456789-tfn':
                 self._value_end(pos, "the top level")
-                raise RoIDBInputError(f"{self.path}: expected a JSON object at the top level")
+                raise RoIDBInputError(f"{path}: expected a JSON object at the top level")
             self._syntax_error(pos, "expected a JSON value")
         values: dict = {}
         seen: set = set()
         pos = self._ws(pos + 1)
-        if pos < self.n and mm[pos] == 0x7D:
+        closed = pos < n and mm[pos] == 0x7D
+        if closed:
             pos = self._ws(pos + 1)
-        else:
-            while True:
-                m = _STRING.match(mm, pos)
-                if m is None:
-                    self._syntax_error(pos, "expected a key string")
-                key = orjson.loads(m.group())
-                pos = self._ws(m.end())
-                if pos >= self.n or mm[pos] != 0x3A:
-                    self._syntax_error(pos, "expected ':'")
-                pos = self._ws(pos + 1)
-                if pos >= self.n:
-                    self._syntax_error(pos, "unexpected end of data")
-                if key in ("images", "annotations"):
-                    if key in seen:
-                        raise RoIDBInputError(f"{self.path}: the key {key!r} appears twice at "
-                                              f"the top level; keep one")
-                    seen.add(key)
-                if key in ("images", "annotations") and mm[pos] == 0x5B:
-                    count, pos = 0, self._ws(pos + 1) - 1  # pos: the '['
-                    for cols, base, end, rows, mapped in self._array(pos, key):
-                        count = base + rows
-                        if key == "images":
-                            yield "images", cols, base
-                        elif mapped:
-                            yield "annotations_mapped", cols, base
-                        else:
-                            yield "annotations", RawCoco(
-                                source=self.path, **cols,
-                                decoder="generic" if self.generic else "fast",
-                                ann_base=base), base
-                        pos = end
-                    if count == 0:  # an empty array
-                        pos = self._ws(pos + 1) + 1
-                    if key == "images":
-                        yield "images_end", count
-                else:
-                    end = self._value_end(pos, repr(key))
-                    if key in ("images", "annotations", "categories"):
-                        values[key] = (pos, end)
-                    pos = end
-                pos = self._ws(pos)
-                if pos < self.n and mm[pos] == 0x2C:
-                    pos = self._ws(pos + 1)
-                    continue
-                if pos < self.n and mm[pos] == 0x7D:
-                    pos = self._ws(pos + 1)
-                    break
+        while not closed:
+            m = _STRING.match(mm, pos)
+            if m is None:
+                self._syntax_error(pos, "expected a key string")
+            key = orjson.loads(m.group())
+            pos = self._ws(m.end())
+            if pos >= n or mm[pos] != 0x3A:
+                self._syntax_error(pos, "expected ':'")
+            pos = self._ws(pos + 1)
+            if pos >= n:
+                self._syntax_error(pos, "unexpected end of data")
+            if key in ("images", "annotations"):
+                if key in seen:
+                    raise RoIDBInputError(f"{path}: the key {key!r} appears twice at the top "
+                                          f"level; keep one")
+                seen.add(key)
+            if key in ("images", "annotations") and mm[pos] == 0x5B:
+                pos, count = yield from self._array(pos, key)
+                if key == "images":
+                    yield "images_end", count
+            else:
+                end = self._value_end(pos, repr(key))
+                if key in ("images", "annotations", "categories"):
+                    values[key] = (pos, end)
+                pos = end
+            pos = self._ws(pos)
+            closed = pos < n and mm[pos] == 0x7D
+            if not closed and (pos >= n or mm[pos] != 0x2C):
                 self._syntax_error(pos, "expected ',' or '}'")
-        if pos < self.n:
+            pos = self._ws(pos + 1)
+        if pos < n:
             self._syntax_error(pos, "trailing characters")
-        path = self.path
         small = {k: orjson.loads(self.view[a:b]) for k, (a, b) in values.items()}
         if "images" not in seen or "images" in small:
             if not isinstance(small.get("images"), list):
@@ -486,50 +459,42 @@ class _Chunked:
 
     def collect(self) -> RawCoco:
         """All events as one :class:`RawCoco` (the file's columns)."""
-        imgs: list = []
-        anns: list = []
-        cats: list = []
+        wins: dict = {"images": [], "annotations": [], "end": [[]]}
         for ev in self.events():
-            if ev[0] == "images":
-                imgs.append(ev[1])
-            elif ev[0] == "annotations":
-                w = ev[1]
-                d = {k: getattr(w, k) for k in _ANN_ARRAYS}
-                d["rles"] = {w.ann_base + i: v for i, v in w.rles.items()}
-                anns.append(d)
-            elif ev[0] == "end":
-                cats = ev[1]
-        img = _concat_columns(imgs, ("img_id", "img_w", "img_h"))
-        ann = _concat_columns(anns, _ANN_ARRAYS)
-        return RawCoco(source=self.path, categories=cats, **img, **ann,
+            wins.get(ev[0], []).append(ev[1])
+        imgs = [vars(w) for w in wins["images"]]
+        anns = [vars(w) for w in wins["annotations"]]
+        out = {k: concat([p.pop(k) for p in imgs], dt)  # freed window by window
+               for k, dt in (_IMG_ARRAYS | (_LVIS_ARRAYS if self.lvis else {})).items()}
+        for k in ("file_names", "coco_urls") if self.lvis else ("file_names",):
+            out[k] = list(chain.from_iterable(p.pop(k) for p in imgs))
+        out["rles"] = {p["ann_base"] + i: v for p in anns for i, v in p.pop("rles").items()}
+        out.update({k: concat([p.pop(k) for p in anns]) for k in _ANN_ARRAYS if anns})
+        return RawCoco(source=self.path, categories=wins["end"][-1], **out,
                        decoder="generic" if self.generic else "fast")
 
     # ------------------------------------------------------------------ arrays
     def _array(self, open_pos: int, key: str) -> Any:
-        """Decode the array at ``open_pos`` (its ``[``) window by window; yields
-        ``(columns, position of the first element, end of the array or of the window,
-        elements, whether the mapper decoded it)``."""
-        mm, n = self.mm, self.n
-        count = 0
-        pos = self._ws(open_pos + 1)
-        if pos < n and mm[pos] == 0x5D:
-            return
+        """Yield the events of the array at ``open_pos`` (its ``[``), window by window;
+        return ``(the position after it, its elements)``."""
+        count, pos = 0, self._ws(open_pos + 1)
+        if pos < self.n and self.mm[pos] == 0x5D:
+            return pos + 1, 0
         if self.mapper is not None and self.mapper.handles(key):
             pos, count = yield from self._mapped(pos, key)
         while True:
             m = self._candidate(pos)
-            cols = (None if m is None else
-                    self._decode(key, pos, m.start() + 1, count, typed_only=True))
-            if cols is not None:  # the proposed cut decodes: an element boundary
+            w = None if m is None else self._decode(key, pos, m.start() + 1, count, True)
+            if w is not None:  # the proposed cut decodes: an element boundary
                 nxt, last = self._ws(m.end()), False
             else:  # the exact cut (scanning the structure), decoded whatever it holds
                 cut, last = self._cut(pos, key)
-                cols = self._decode(key, pos, cut, count, typed_only=False)
+                w = self._decode(key, pos, cut, count, False)
                 nxt = cut + 1 if last else self._ws(cut + 1)
-            yield cols, count, nxt, _rows(cols), False
-            count += _rows(cols)
+            yield key, w, count
+            count += len(w.img_id if key == "images" else w.ann_id)
             if last:
-                return
+                return nxt, count
             pos = nxt
 
     def _candidate(self, pos: int) -> Any:
@@ -556,7 +521,7 @@ class _Chunked:
 
         try:
             for (*_, nxt), (rows, payload) in mapper.stream(windows(), mapper.depth):
-                yield payload, count, nxt, rows, True
+                yield ("images" if key == "images" else "annotations_mapped"), payload, count
                 count += rows
                 pos = nxt
         except Exception:  # noqa: BLE001 - refused: decoded here, with exact errors
@@ -571,28 +536,25 @@ class _Chunked:
         buf[1:-1] = self.view[start:end]
         return buf
 
-    def _decode(self, key: str, start: int, end: int, base: int, *,
-                typed_only: bool) -> Optional[dict]:
-        """Columns of the elements in ``[start, end)``; ``None`` if ``typed_only`` and the
-        typed decoder refuses them."""
+    def _decode(self, key: str, start: int, end: int, base: int,
+                typed_only: bool) -> Optional[RawCoco]:
+        """The elements in ``[start, end)``, the first the array's ``base``-th; ``None``
+        if ``typed_only`` and the typed decoder refuses them."""
         buf = self._window_text(start, end)
         self._release(start)
-        cols = _typed_columns(key, buf)
-        if cols is not None or typed_only:
-            return cols
-        try:
-            items = orjson.loads(buf)
-        except orjson.JSONDecodeError as exc:
-            self._syntax_error(start + max(exc.pos - 1, 0), exc.msg)
-        self.generic = True
-        if key == "images":
-            r = decode_generic({"images": items}, self.path, img_base=base)
-            return {"img_id": r.img_id, "img_w": r.img_w, "img_h": r.img_h,
-                    "file_names": r.file_names}
-        r = decode_generic({"images": [], "annotations": items}, self.path, ann_base=base)
-        cols = {k: getattr(r, k) for k in _ANN_ARRAYS}
-        cols["rles"] = {i - base: v for i, v in r.rles.items()}
-        return cols
+        w = _typed_window(key, buf, self.path, self.lvis)
+        if w is None and not typed_only:
+            try:
+                items = orjson.loads(buf)
+            except orjson.JSONDecodeError as exc:
+                self._syntax_error(start + max(exc.pos - 1, 0), exc.msg)
+            self.generic = True
+            w = decode_generic({"images": items} if key == "images" else
+                               {"images": [], "annotations": items}, self.path,
+                               img_base=base, ann_base=base, lvis=self.lvis)
+        if w is not None:
+            w.ann_base = base
+        return w
 
     # ------------------------------------------------------------------ scanning
     def _ws(self, pos: int) -> int:
@@ -609,22 +571,17 @@ class _Chunked:
             m = min(_SCAN_BLOCK, n - p)
             a = np.frombuffer(self.mm, np.uint8, m, p)
             q = np.flatnonzero(a == 0x22)
-            if q.size:
-                esc = np.zeros(q.size, bool)
-                inner = q > 0
-                esc[inner] = a[q[inner] - 1] == 0x5C
-                if q[0] == 0 and bs_carry:
-                    esc[0] = True
-                if esc.any():  # a quote after backslashes: escaped if their run is odd
-                    keep = np.ones(q.size, bool)
-                    for j in np.flatnonzero(esc).tolist():
-                        x, run = int(q[j]) - 1, 0
-                        while x >= 0 and a[x] == 0x5C:
-                            run, x = run + 1, x - 1
-                        if x < 0:
-                            run += bs_carry
-                        keep[j] = run % 2 == 0
-                    q = q[keep]
+            esc = np.where(q > 0, a[q - 1] == 0x5C, bs_carry > 0)  # a backslash before
+            if esc.any():  # a quote after backslashes: escaped if their run is odd
+                keep = np.ones(q.size, bool)
+                for j in np.flatnonzero(esc).tolist():
+                    x, run = int(q[j]) - 1, 0
+                    while x >= 0 and a[x] == 0x5C:
+                        run, x = run + 1, x - 1
+                    if x < 0:
+                        run += bs_carry
+                    keep[j] = run % 2 == 0
+                q = q[keep]
             s = np.flatnonzero(_STRUCT[a])
             s = s[(np.searchsorted(q, s) + in_str) % 2 == 0]
             c = a[s]
@@ -648,15 +605,11 @@ class _Chunked:
                                                  & (where >= target)))
             if stop.size:
                 j = int(stop[0])
-                at = int(where[j])
-                if depth[j] < 0:
-                    if chars[j] != 0x5D:
-                        self._syntax_error(at, "unbalanced brackets")
-                    return at, True
-                return at, False
+                if depth[j] < 0 and chars[j] != 0x5D:
+                    self._syntax_error(int(where[j]), "unbalanced brackets")
+                return int(where[j]), bool(depth[j] < 0)
         self._syntax_error(self.n, f"unexpected end of data: the {key!r} array is not "
                            f"closed")
-        raise AssertionError  # unreachable
 
     def _value_end(self, pos: int, what: str) -> int:
         """The end of the JSON value starting at ``pos`` (exclusive)."""
@@ -672,71 +625,19 @@ class _Chunked:
             self._syntax_error(pos, f"malformed value for {what}")
         return m.end()
 
-    def _syntax_error(self, pos: int, msg: str) -> None:
+    def _syntax_error(self, pos: int, msg: str) -> NoReturn:
         """Raise the malformed-JSON error for absolute byte ``pos``."""
         pos = min(max(pos, 0), self.n)
-        line, last_nl, p = 1, -1, 0
-        while p < pos:
-            m = min(_SCAN_BLOCK, pos - p)
-            a = np.frombuffer(self.mm, np.uint8, m, p)
-            nl = np.flatnonzero(a == 0x0A)
-            if nl.size:
-                line += int(nl.size)
-                last_nl = p + int(nl[-1])
-            p += m
-        col = pos - last_nl
-        raise RoIDBInputError(
-            f"{self.path}: malformed JSON at line {line}, column {col} (byte {pos}): {msg}. "
-            f"Re-export or repair the file; a truncated download is a common cause.")
-
-
-_ANN_ARRAYS = ("ann_id", "ann_img", "ann_cat", "ann_bbox", "ann_area", "ann_crowd",
-               "ann_ignore", "seg_kind", "poly_n", "coord_n", "coords", "kp_len", "kp_vals")
-
-
-def _typed_columns(key: str, buf: bytearray) -> Optional[dict]:
-    """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
-    try:
-        if key == "images":
-            return _image_columns(_IMG_WINDOW.decode(buf))
-        return _annotation_columns(_ANN_WINDOW.decode(buf), 0)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-
-
-def _rows(cols: dict) -> int:
-    return len(cols["img_id"] if "img_id" in cols else cols["ann_id"])
-
-
-def _concat_columns(pieces: list, arrays: tuple) -> dict:
-    """Concatenate window columns one at a time, freeing each window's as it goes (none:
-    :class:`RawCoco`'s empty defaults)."""
-    out: dict = {}
-    for k in arrays if pieces else ():
-        out[k] = concat([p.pop(k) for p in pieces])
-    if "img_id" in arrays:
-        out["file_names"] = list(chain.from_iterable(p.pop("file_names") for p in pieces))
-    else:
-        rles: dict = {}
-        for p in pieces:
-            rles.update(p.pop("rles"))
-        out["rles"] = rles
-    pieces.clear()
-    return out
+        line = 1 + sum(int(np.count_nonzero(np.frombuffer(
+            self.mm, np.uint8, min(_SCAN_BLOCK, pos - p), p) == 0x0A))
+            for p in range(0, pos, _SCAN_BLOCK))
+        raise _malformed(self.path, line, pos - self.mm.rfind(b"\n", 0, pos), pos, msg)
 
 
 def _id_lists(lists: list) -> tuple[np.ndarray, np.ndarray]:
     """Per-image lengths and the concatenated values of lists of integers."""
     n = np.fromiter(map(len, lists), np.int64, len(lists))
     return n, np.fromiter(chain.from_iterable(lists), np.int64, int(n.sum()))
-
-
-def _lvis_fast(images: list) -> dict:
-    """The LVIS image columns of :class:`RawCoco` from decoded ``_LvisImg`` structs."""
-    neg_n, neg_ids = _id_lists(list(map(attrgetter("neg_category_ids"), images)))
-    nexh_n, nexh_ids = _id_lists(list(map(attrgetter("not_exhaustive_category_ids"), images)))
-    return {"coco_urls": list(map(attrgetter("coco_url"), images)), "neg_n": neg_n,
-            "neg_ids": neg_ids, "nexh_n": nexh_n, "nexh_ids": nexh_ids}
 
 
 # --------------------------------------------------------------------------- generic
@@ -785,16 +686,14 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
     """
     if not isinstance(data, dict):
         raise RoIDBInputError(f"{source}: expected a JSON object at the top level")
-    images = data.get("images")
-    if not isinstance(images, list):
-        raise RoIDBInputError(f"{source}: no 'images' list at the top level; is this a "
-                              f"COCO-format annotation file?")
-    cats = data.get("categories") or []
-    if not isinstance(cats, list):
-        raise RoIDBInputError(f"{source}: 'categories' must be a list of objects")
+    images, cats = data.get("images"), data.get("categories") or []
     anns = data.get("annotations") or []
-    if not isinstance(anns, list):
-        raise RoIDBInputError(f"{source}: 'annotations' must be a list of objects")
+    for v, problem in ((images, "no 'images' list at the top level; is this a COCO-format "
+                                "annotation file?"),
+                       (cats, "'categories' must be a list of objects"),
+                       (anns, "'annotations' must be a list of objects")):
+        if not isinstance(v, list):
+            raise RoIDBInputError(f"{source}: {problem}")
 
     def img_label(i: int) -> str:
         iid = images[i].get("id") if isinstance(images[i], dict) else None
@@ -831,16 +730,10 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
                 fix="give the object's area in pixels (the mask area for COCO)")
     crowd = acol("iscrowd", _INT_OR_BOOL, np.int64, default=0, fix="use 0 or 1")
     ignore = acol("ignore", _NUM_OR_BOOL, np.float64, default=0, fix="use 0 or 1")
-    bbox = _bboxes(anns, source, lab)
-    seg_kind, poly_n, coord_n, coords, rles = _segms(anns, source, lab)
-    if ann_base:
-        rles = {ann_base + i: v for i, v in rles.items()}
-    kp_len, kp_vals = _keypoints(anns, source, lab)
-    return RawCoco(source=source, categories=cats, img_id=img_id, img_w=img_w, img_h=img_h,
-                   file_names=names, ann_id=ann_id, ann_img=ann_img, ann_cat=ann_cat,
-                   ann_bbox=bbox, ann_area=area, ann_crowd=crowd, ann_ignore=ignore,
-                   seg_kind=seg_kind, poly_n=poly_n, coord_n=coord_n, coords=coords,
-                   rles=rles, kp_len=kp_len, kp_vals=kp_vals, decoder="generic", **extra)
+    # RawCoco's fields in order: _segms and _keypoints give the last seven
+    return RawCoco(source, cats, img_id, img_w, img_h, names, ann_id, ann_img, ann_cat,
+                   _bboxes(anns, source, lab), area, crowd, ignore, *_segms(anns, source, lab),
+                   *_keypoints(anns, source, lab), ann_base=ann_base, **extra)
 
 
 def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
@@ -852,7 +745,7 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
                               f"{urls[i]!r:.80}; expected a URL string such as "
                               f"'http://images.cocodataset.org/train2017/000000000139.jpg'.")
     out: dict = {"coco_urls": urls}
-    for key, short in (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh")):
+    for key, short in _LVIS_LISTS:
         lists = [im.get(key) or [] for im in images]
         bad = [i for i, v in enumerate(lists) if type(v) is not list
                or not set(map(type, v)) <= _INT or any(abs(x) >= 2 ** 63 for x in v)]
@@ -865,16 +758,19 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
     return out
 
 
+def _first(items: list, bad: Callable[[Any], bool]) -> int:
+    return next(i for i, v in enumerate(items) if bad(v))
+
+
 def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
     boxes = [a.get("bbox") for a in anns]
     ok = set(map(type, boxes)) <= {list} and all(len(b) == 4 for b in boxes)
     flat = _numbers(boxes) if ok else None
     if flat is None:
-        for i, b in enumerate(boxes):
-            if not (type(b) is list and len(b) == 4 and all(type(v) in _NUM for v in b)):
-                raise RoIDBInputError(
-                    f"{source}: {lab(i)} has bbox {b!r:.80}; expected [x, y, width, height] "
-                    f"(4 numbers). Fix or remove it.")
+        i = _first(boxes, lambda b: not (type(b) is list and len(b) == 4
+                                         and set(map(type, b)) <= _NUM))
+        raise RoIDBInputError(f"{source}: {lab(i)} has bbox {boxes[i]!r:.80}; expected [x, y, "
+                              f"width, height] (4 numbers). Fix or remove it.")
     return flat.reshape(-1, 4)
 
 
@@ -888,53 +784,45 @@ def _numbers(lists: list) -> Optional[np.ndarray]:
 
 def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
     segs = [a.get("segmentation") for a in anns]
-    n = len(segs)
-    types = np.fromiter((0 if s is None else 1 if type(s) is list else 2 if type(s) is dict
-                         else 3 for s in segs), np.int8, n)
-    if (types == 3).any():
-        i = int(np.flatnonzero(types == 3)[0])
+    kinds = [_SEG_KIND.get(type(s)) for s in segs]
+    if None in kinds:
+        i = kinds.index(None)
         raise RoIDBInputError(
             f"{source}: {lab(i)} has a malformed 'segmentation' ({segs[i]!r:.80}); expected a "
             f"list of polygons [[x1, y1, x2, y2, ...], ...] or an RLE dict "
             f"{{'size': [h, w], 'counts': ...}}. Fix or remove that annotation.")
-    per = [s if type(s) is list else () for s in segs]
-    poly_n = np.fromiter(map(len, per), np.int64, n)
+    per = [s if k == SEG_POLY else () for s, k in zip(segs, kinds)]
+    poly_n = np.fromiter(map(len, per), np.int64, len(per))
     polys = list(chain.from_iterable(per))
     if not set(map(type, polys)) <= {list}:
-        i = next(i for i, s in enumerate(per) if any(type(p) is not list for p in s))
+        i = _first(per, lambda s: any(type(p) is not list for p in s))
         raise RoIDBInputError(
             f"{source}: {lab(i)} has a malformed polygon list (an element is "
             f"{next(p for p in per[i] if type(p) is not list)!r:.40}, not a list); expected "
             f"[[x1, y1, x2, y2, ...], ...]. Fix or remove that annotation.")
-    coord_n = np.fromiter(map(len, polys), np.int64, len(polys))
     coords = _numbers(polys)
     if coords is None:
-        for i, s in enumerate(per):
-            for p in s:
-                bad = [v for v in p if type(v) not in _NUM]
-                if bad:
-                    raise RoIDBInputError(
-                        f"{source}: {lab(i)} has a polygon coordinate {bad[0]!r:.40} (a "
-                        f"polygon is a list of numbers x1, y1, x2, y2, ...). Fix the "
-                        f"coordinates or remove that polygon.")
-    kind = np.where(types == 1, SEG_POLY, np.where(types == 2, SEG_RLE, SEG_MISSING))
-    rles = {i: segs[i] for i in np.flatnonzero(types == 2).tolist()}
-    return kind.astype(np.int8), poly_n, coord_n, coords, rles
+        i = _first(per, lambda s: any(type(v) not in _NUM for p in s for v in p))
+        bad = next(v for p in per[i] for v in p if type(v) not in _NUM)
+        raise RoIDBInputError(
+            f"{source}: {lab(i)} has a polygon coordinate {bad!r:.40} (a polygon is a list of "
+            f"numbers x1, y1, x2, y2, ...). Fix the coordinates or remove that polygon.")
+    kind = np.fromiter(kinds, np.int8, len(kinds))
+    rles = {i: segs[i] for i in np.flatnonzero(kind == SEG_RLE).tolist()}
+    return kind, poly_n, np.fromiter(map(len, polys), np.int64, len(polys)), coords, rles
 
 
 def _keypoints(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
     kps = [a.get("keypoints") for a in anns]
-    n = len(kps)
     present = [k for k in kps if k is not None]
     if not set(map(type, present)) <= {list}:
-        i = next(i for i, k in enumerate(kps) if k is not None and type(k) is not list)
+        i = _first(kps, lambda k: k is not None and type(k) is not list)
         raise RoIDBInputError(f"{source}: {lab(i)} has keypoints={kps[i]!r:.80}; expected a "
                               f"list [x1, y1, v1, x2, y2, v2, ...]. Fix that record.")
-    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, n)
+    kp_len = np.fromiter((-1 if k is None else len(k) for k in kps), np.int64, len(kps))
     vals = _numbers(present)
     if vals is None:
-        i = next(i for i, k in enumerate(kps) if k is not None
-                 and any(type(v) not in _NUM for v in k))
+        i = _first(kps, lambda k: k is not None and not set(map(type, k)) <= _NUM)
         bad = next(v for v in kps[i] if type(v) not in _NUM)
         raise RoIDBInputError(
             f"{source}: {lab(i)} has a keypoint value {bad!r:.40}; keypoints are numbers "

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
+import numpy as np
+
 __all__ = ["DatasetInfo", "RoIDBInputError", "COCO_KEYPOINT_NAMES", "COCO_KEYPOINT_FLIP_MAP",
            "keypoint_flip_map"]
 
@@ -71,6 +73,12 @@ class DatasetInfo:
         """Keypoints per object, 0 if the dataset has none."""
         return 0 if self.keypoints is None else len(self.keypoints)
 
+    def category_lut(self) -> tuple[np.ndarray, np.ndarray]:
+        """The JSON category ids, ascending (int64), and their contiguous ids (int32)."""
+        keys = sorted(self.json_category_id_to_contiguous_id)
+        return (np.array(keys, np.int64),
+                np.array([self.json_category_id_to_contiguous_id[k] for k in keys], np.int32))
+
     def to_json(self) -> dict:
         """A JSON-serialisable dict (stored in the cache's ``meta.json``)."""
         return {
@@ -87,11 +95,8 @@ class DatasetInfo:
     def from_json(cls, d: dict) -> "DatasetInfo":
         """Inverse of :meth:`to_json`."""
         j2c = {int(k): int(v) for k, v in d["json_to_contiguous"]}
-        return cls(
-            name=d["name"],
-            classes=tuple(d["classes"]),
-            json_category_id_to_contiguous_id=j2c,
-            contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
-            keypoints=None if d["keypoints"] is None else tuple(d["keypoints"]),
-            keypoint_flip_map=d["keypoint_flip_map"],
-        )
+        return cls(name=d["name"], classes=tuple(d["classes"]),
+                   json_category_id_to_contiguous_id=j2c,
+                   contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
+                   keypoints=None if d["keypoints"] is None else tuple(d["keypoints"]),
+                   keypoint_flip_map=d["keypoint_flip_map"])

@@ -10,7 +10,8 @@ from lit_roidata.roidb.decode import RawCoco, decode_coco
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.segms import offsets, take_ranges
 
-__all__ = ["LVIS_IMAGE_LISTS", "IMAGE_LIST_COLUMNS", "decode_lvis", "file_name_from_coco_url", "lvis_image_lists"]
+__all__ = ["LVIS_IMAGE_LISTS", "IMAGE_LIST_COLUMNS", "decode_lvis", "file_name_from_coco_url",
+           "lvis_image_lists"]
 
 #: The per-image category lists an LVIS roidb keeps: entry field → ``RawCoco`` prefix.
 LVIS_IMAGE_LISTS = {"neg_category_ids": "neg", "not_exhaustive_category_ids": "nexh"}
@@ -40,28 +41,19 @@ def decode_lvis(path: str, *, fast: bool = True) -> RawCoco:
     """
     raw = decode_coco(path, fast=fast, lvis=True)
     urls = raw.coco_urls or [None] * len(raw.file_names)
-    names = raw.file_names
-    missing = [i for i, n in enumerate(names) if n is None]
-    if missing:
-        names = list(names)
-        bad = []
-        for i in missing:
-            name = file_name_from_coco_url(urls[i]) if urls[i] is not None else None
-            if name is None:
-                bad.append(i)
-            names[i] = name
-        if bad:
-            i = bad[0]
-            what = ("neither 'file_name' nor 'coco_url'" if urls[i] is None else
-                    f"no 'file_name' and a coco_url {urls[i]!r:.80} without a folder and a "
-                    f"file name")
-            raise RoIDBInputError(
-                f"{path}: image id {int(raw.img_id[i])} has {what} ({len(bad)} image(s) have "
-                f"this problem). Give each image a 'coco_url' ending in "
-                f"'<split folder>/<file>' (LVIS v1, e.g. "
-                f"'http://images.cocodataset.org/train2017/000000000139.jpg') or a "
-                f"'file_name' relative to the dataset's image directory.")
-        raw.file_names = names
+    names = [n if n is not None or u is None else file_name_from_coco_url(u)
+             for n, u in zip(raw.file_names, urls)]
+    bad = [i for i, n in enumerate(names) if n is None]
+    if bad:
+        i = bad[0]
+        what = ("neither 'file_name' nor 'coco_url'" if urls[i] is None else
+                f"no 'file_name' and a coco_url {urls[i]!r:.80} without a folder and a file name")
+        raise RoIDBInputError(
+            f"{path}: image id {int(raw.img_id[i])} has {what} ({len(bad)} image(s) have this "
+            f"problem). Give each image a 'coco_url' ending in '<split folder>/<file>' (LVIS "
+            f"v1, e.g. 'http://images.cocodataset.org/train2017/000000000139.jpg') or a "
+            f"'file_name' relative to the dataset's image directory.")
+    raw.file_names = names
     cats = raw.categories
     if all(isinstance(c, dict) and type(c.get("id")) is int for c in cats):
         raw.categories = sorted(cats, key=lambda c: c["id"])
@@ -73,8 +65,6 @@ def decode_lvis(path: str, *, fast: bool = True) -> RawCoco:
 
 def _check_ids(raw: RawCoco, key: str, n: np.ndarray, ids: np.ndarray,
                known: np.ndarray) -> None:
-    if not ids.size:
-        return
     ok = np.isin(ids, known)
     if ok.all():
         return
@@ -96,9 +86,7 @@ def lvis_image_lists(raw: RawCoco, info: DatasetInfo) -> dict[str, tuple[np.ndar
         classes)}``: ``off`` int64 (n+1,), ``classes`` int32, JSON order within an image.
     """
     order = np.argsort(raw.img_id, kind="stable")
-    j2c = info.json_category_id_to_contiguous_id
-    keys = np.array(sorted(j2c), np.int64)
-    vals = np.array([j2c[k] for k in keys.tolist()], np.int32)
+    keys, vals = info.category_lut()
     out = {}
     for key, short in LVIS_IMAGE_LISTS.items():
         n, ids = getattr(raw, short + "_n"), getattr(raw, short + "_ids")

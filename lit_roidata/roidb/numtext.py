@@ -66,13 +66,6 @@ def _fast_numbers(buf: np.ndarray, words: np.ndarray, starts: np.ndarray, ends: 
     return w.astype(np.float64) / _DIV.take(r), ok
 
 
-def _block_end(buf: np.ndarray, end: int, size: int) -> int:
-    """Move a block end forward until the byte before it is not part of a number."""
-    while end < size and buf[_LEAD + end - 1] not in _SEPARATORS:
-        end += 1
-    return end
-
-
 #: bytes that end a number in valid JSON (outside strings)
 _SEPARATORS = frozenset(b",[]{}: \t\n\r\"")
 
@@ -100,10 +93,11 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
     # at most one number more than commas per list (a wrong text is refused below)
     values = np.empty(text.count(b",") + len(raws), np.float64)
     brackets, before, slow = [], [], []
-    ntok = 0
-    pos = 0
+    ntok = pos = 0
     while pos < size:
-        end = _block_end(buf, min(pos + _BLOCK, size), size)
+        end = min(pos + _BLOCK, size)
+        while end < size and buf[_LEAD + end - 1] not in _SEPARATORS:  # not within a number
+            end += 1
         c = buf[_LEAD + pos:_LEAD + end]
         # outside strings valid JSON holds whitespace, , [ ] { } :, numbers (digits + - .
         # e E) and the literals true/false/null: a '"', '{' or a lowercase letter other

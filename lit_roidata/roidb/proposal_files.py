@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -16,7 +17,7 @@ import numpy as np
 
 from lit_roidata._pickle_trust import UntrustedPickleError
 from lit_roidata.osutil import atomic_write
-from lit_roidata.roidb.cache import DiskFullError, disk_full_error, npy_header
+from lit_roidata.roidb.cache import DiskFullError, disk_full_error, npy_header, pread_exact
 from lit_roidata.roidb.cache import read_npy_header
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.segms import offsets
@@ -61,18 +62,11 @@ class FileRows:
         if not isinstance(sl, slice) or sl.step not in (None, 1):
             raise TypeError("FileRows supports contiguous slices only")
         a, b, _ = sl.indices(self.shape[0])
-        b = max(a, b)
-        out = np.empty((b - a, *self.row_shape), self.dtype)
-        nbytes = out.nbytes
-        if nbytes:
-            view = memoryview(out.reshape(-1).view(np.uint8))
-            got = 0
-            fd = self.fh.fileno()
-            while got < nbytes:
-                n = os.preadv(fd, [view[got:]], self.offset + a * self.row_bytes + got)
-                if n <= 0:
-                    raise OSError(f"short read from {getattr(self.fh, 'name', 'scratch file')}")
-                got += n
+        out = np.empty((max(a, b) - a, *self.row_shape), self.dtype)
+        if out.nbytes:
+            pread_exact(self.fh.fileno(), memoryview(out.reshape(-1).view(np.uint8)),
+                        self.offset + a * self.row_bytes,
+                        f"from {getattr(self.fh, 'name', 'scratch file')}")
         return out
 
 
@@ -82,22 +76,20 @@ class _Stored:
 
     __slots__ = ("sink", "off", "dtype", "shape", "array")
 
-    def __init__(self, sink: "_Sink") -> None:
-        self.sink, self.off, self.dtype, self.shape, self.array = sink, -1, None, (), None
+    def __init__(self, sink: "_Sink", off: int = -1, dtype: Any = None, shape: tuple = ()
+                 ) -> None:
+        self.sink, self.off, self.dtype, self.shape, self.array = sink, off, dtype, shape, None
 
     def __setstate__(self, state: tuple) -> None:
         """``ndarray.__setstate__``'s arguments: write the raw bytes out, keep the place."""
-        if len(state) == 5:
-            _, shape, dtype, fortran, raw = state
-        elif len(state) == 4:
-            shape, dtype, fortran, raw = state
-        else:
+        if len(state) not in (4, 5):  # (version,) shape, dtype, fortran, raw
             raise pickle.UnpicklingError(f"unexpected ndarray state of length {len(state)}")
+        shape, dtype, fortran, raw = state[-4:]
         dtype = np.dtype(dtype)
         if isinstance(raw, str):  # a Python 2 str read with encoding="latin1"
             raw = raw.encode("latin1")
         if dtype.hasobject or not isinstance(raw, (bytes, bytearray)):
-            arr = _real_reconstruct()
+            arr = np.ndarray.__new__(np.ndarray, (0,), np.uint8)
             arr.__setstate__(state)  # object arrays etc.: let NumPy do it, keep it
             self.array, self.dtype, self.shape = arr, arr.dtype, arr.shape
             return
@@ -119,18 +111,10 @@ class _Stored:
         if self.array is not None:
             return self.array
         if self.off == _DROPPED:
-            if self.size == 0:
+            if math.prod(self.shape) == 0:
                 return np.zeros(self.shape, self.dtype)
             raise _NeedDropped()
         return self.sink.read(self.off, self.dtype, self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-
-def _real_reconstruct() -> np.ndarray:
-    return np.ndarray.__new__(np.ndarray, (0,), np.uint8)
 
 
 _DROPPED = -2  # offset of an array whose bytes were not kept (scores of a build)
@@ -154,13 +138,10 @@ def staging_budget() -> int:
         except ValueError:
             raise ValueError(f"{STAGING_ENV}={env!r}: give a number of bytes, e.g. "
                              f"4000000000") from None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 // 4
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError, StopIteration), \
+            open("/proc/meminfo", encoding="ascii") as fh:
+        return next(int(line.split()[1]) * 1024 // 4 for line in fh
+                    if line.startswith("MemAvailable:"))
     return 1 << 30
 
 
@@ -173,31 +154,26 @@ class _Sink:
     _BATCH_BUFFERS = 512
 
     def __init__(self, drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> None:
-        self.budget = staging_budget()
-        self.drop = drop
+        self.budget, self.drop = staging_budget(), drop
         self.mem: Optional[bytearray] = bytearray()
         self.fh: Optional[BinaryIO] = None
-        self.fd = -1
-        self.pos = 0          # logical end (staged + pending)
+        self.fd, self.pos = -1, 0  # pos: the logical end (staged + pending)
         self._pending: list = []
         self._pending_bytes = 0
 
-    def reconstruct(self, subtype: Any = None, shape: Any = None, code: Any = None) -> _Stored:
-        """Stands in for ``numpy.core.multiarray._reconstruct``."""
+    def reconstruct(self, *_args: Any) -> _Stored:
+        """Stands in for ``numpy.core.multiarray._reconstruct`` (subtype, shape, code)."""
         return _Stored(self)
 
     def frombuffer(self, buf: Any, dtype: Any, shape: tuple, order: str) -> _Stored:
         """Stands in for ``numpy.core.numeric._frombuffer`` (pickle protocol 5)."""
         dtype = np.dtype(dtype)
-        arr = np.frombuffer(buf, dtype=dtype)
+        arr = np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
         st = _Stored(self)
         if dtype.hasobject:
-            st.array = arr.reshape(shape, order=order)
-            st.dtype, st.shape = st.array.dtype, st.array.shape
-            return st
-        arr = arr.reshape(shape, order=order)
-        self.put(st, np.ascontiguousarray(arr).reshape(-1).view(np.uint8) if arr.size else b"",
-                 dtype, tuple(int(s) for s in shape))
+            st.array, st.dtype, st.shape = arr, arr.dtype, arr.shape
+        else:
+            self.put(st, arr, dtype, tuple(int(s) for s in shape))
         return st
 
     def put(self, st: _Stored, raw: Any, dtype: np.dtype, shape: tuple) -> None:
@@ -232,12 +208,9 @@ class _Sink:
         """Move what is staged in memory to a new scratch file; later arrays go there."""
         self.fh = tempfile.TemporaryFile(prefix="lit-roidata-proposals-")
         self.fd = self.fh.fileno()
-        mem, self.mem = self.mem, None
-        if mem:
-            self._pending.append(mem)
-            self._pending_bytes += len(mem)
-            self._flush()
-        del mem
+        # nothing is pending while staging in memory: the staged bytes go first
+        self._pending, self._pending_bytes, self.mem = [self.mem], len(self.mem), None
+        self._flush()
 
     def _flush(self) -> None:
         bufs = [memoryview(b).cast("B") for b in self._pending]
@@ -247,8 +220,7 @@ class _Sink:
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                raise disk_full_error(tempfile.gettempdir(), self.pos, exc,
-                                      scratch=True) from None
+                raise disk_full_error(tempfile.gettempdir(), self.pos, exc, scratch=True) from None
             while bufs and n >= len(bufs[0]):
                 n -= len(bufs[0])
                 bufs.pop(0)
@@ -262,8 +234,7 @@ class _Sink:
 
     def rows(self, off: int, dtype: np.dtype, n: int, row_shape: tuple) -> Any:
         if self.mem is not None:  # read-only rows of the memory staging area (no copy)
-            count = n * math.prod(row_shape)
-            a = np.frombuffer(self.mem, dtype, count, off).reshape(n, *row_shape)
+            a = np.frombuffer(self.mem, dtype, n * math.prod(row_shape), off).reshape(n, *row_shape)
             a.flags.writeable = False
             return a
         return FileRows(self.fh, off, dtype, n, row_shape)
@@ -391,38 +362,14 @@ def _as_records(path: str, key: str, value: Any) -> list:
             raise RoIDBInputError(f"{path}: {key!r} is a scalar; expected one entry per image")
         if key == "ids" or len(value.shape) == 1:
             return list(value.load())
-        # a (n, P, 4) array: one view per record, read back on demand
-        n, per = value.shape[0], math.prod(value.shape[1:])
-        step = per * value.dtype.itemsize
-        return [_SubArray(value, i * step, value.shape[1:]) for i in range(n)]
+        # a (n, P, 4) array: one record per row, read back on demand
+        step = math.prod(value.shape[1:]) * value.dtype.itemsize
+        return [_Stored(value.sink, value.off + i * step, value.dtype, tuple(value.shape[1:]))
+                for i in range(value.shape[0])]
     if isinstance(value, (np.ndarray, list, tuple)):
         return list(value)
     raise RoIDBInputError(f"{path}: {key!r} is a {type(value).__name__}; expected a list with "
                           f"one entry per image")
-
-
-class _SubArray:
-    """Record ``i`` of a stored ``(n, ...)`` array."""
-
-    __slots__ = ("parent", "delta", "shape")
-
-    def __init__(self, parent: _Stored, delta: int, shape: tuple) -> None:
-        self.parent, self.delta, self.shape = parent, delta, tuple(shape)
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.parent.dtype
-
-    @property
-    def off(self) -> int:
-        return self.parent.off + self.delta
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    def load(self) -> np.ndarray:
-        return self.parent.sink.read(self.off, self.parent.dtype, self.shape)
 
 
 def _ids_array(path: str, key: str, ids: list) -> np.ndarray:
@@ -431,22 +378,18 @@ def _ids_array(path: str, key: str, ids: list) -> np.ndarray:
         arr = np.asarray(ids)
     except Exception:  # ragged / odd objects: checked one by one below
         arr = np.asarray(ids, dtype=object)
-    if arr.ndim == 1 and arr.dtype.kind in "iu":
-        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            arr = arr.astype(object)
-        else:
-            return arr.astype(np.int64)
-    if arr.ndim == 1 and arr.dtype.kind == "f":
-        ok = np.isfinite(arr) & (arr == np.round(arr)) & (np.abs(arr) < 2.0**63)
-        if ok.all():
-            return arr.astype(np.int64)
+    if arr.ndim == 1 and arr.dtype.kind in "iu" and not (
+            arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max):
+        return arr.astype(np.int64)
+    if arr.ndim == 1 and arr.dtype.kind == "f" and (
+            np.isfinite(arr) & (arr == np.round(arr)) & (np.abs(arr) < 2.0**63)).all():
+        return arr.astype(np.int64)
     for i, v in enumerate(ids):
         if isinstance(v, np.generic):
             v = v.item()
         if isinstance(v, bool) or not _is_integral(v):
             what = f"{v!r} ({type(v).__name__})"
-            if len(what) > 80:
-                what = what[:77] + "..."
+            what = what[:77] + "..." if len(what) > 80 else what
             hint = (" It looks like a file name: map file names to image ids with the "
                     "annotation json (images[].file_name -> images[].id), e.g. "
                     "`lit-roidata convert-proposals in.pkl out.npz --annotations "
@@ -467,27 +410,21 @@ def _is_integral(v: Any) -> bool:
 
 
 def _type_name(v: Any) -> str:
-    return "ndarray" if isinstance(v, (_Stored, _SubArray)) else type(v).__name__
+    return "ndarray" if isinstance(v, _Stored) else type(v).__name__
 
 
 def _shape_dtype(item: Any) -> tuple[tuple, Optional[np.dtype]]:
-    if isinstance(item, (_Stored, _SubArray)):
-        if isinstance(item, _Stored) and item.array is not None:
-            return item.array.shape, item.array.dtype
+    if isinstance(item, _Stored) and item.array is None:
         return tuple(item.shape), item.dtype
-    if isinstance(item, np.ndarray):
-        return item.shape, item.dtype
     try:
-        a = np.asarray(item)
+        a = item.array if isinstance(item, _Stored) else np.asarray(item)
     except Exception:
         return (-1,), None
     return a.shape, a.dtype
 
 
 def _load(item: Any) -> np.ndarray:
-    if isinstance(item, (_Stored, _SubArray)):
-        return item.load()
-    return np.asarray(item)
+    return item.load() if isinstance(item, _Stored) else np.asarray(item)
 
 
 def source_from_object(path: str, data: Any, keep_alive: Any = None,
@@ -509,7 +446,7 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
     scores_wanted = scores
     boxes = _as_records(path, "boxes", data["boxes"])
     scores = _as_records(path, score_key, data[score_key])
-    id_list = [x.load() if isinstance(x, (_Stored, _SubArray)) else x  # e.g. 0-d arrays
+    id_list = [x.load() if isinstance(x, _Stored) else x  # e.g. 0-d arrays
                for x in _as_records(path, id_key, data[id_key])]
     if len(boxes) != len(id_list) or len(scores) != len(id_list):
         raise RoIDBInputError(f"{path}: 'boxes' ({len(boxes)}), {score_key!r} "
@@ -520,9 +457,8 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
     for i, b in enumerate(boxes):
         shape, dt = _shape_dtype(b)
         size = math.prod(shape) if dt is not None else -1
-        good = dt is not None and dt.kind in "iuf" and (
-            (len(shape) == 2 and shape[1] == 4) or size == 0)
-        if not good:
+        if dt is None or dt.kind not in "iuf" or not (len(shape) == 2 and shape[1] == 4
+                                                      or size == 0):
             kind = (f"{_type_name(b)} that is no numeric array" if dt is None else
                     f"dtype {dt}" if dt.kind not in "iuf" else f"shape {shape}")
             raise RoIDBInputError(f"{path}: record {i} (image id {int(ids[i])}) has boxes of "
@@ -538,18 +474,14 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
                                   f"{int(counts[i])} boxes but {score_key!r} of shape {shape}"
                                   f"{'' if dt is None else f' ({dt})'}; each image needs one "
                                   f"score per box. Regenerate the file or fix that record.")
-    src = ProposalSource(path, ids, counts, lambda i: _load(boxes[i]).reshape(-1, 4),
-                         scores_of=lambda i: _load(scores[i]).reshape(-1),
+    flat = _contiguous(boxes, counts, 4)
+    src = ProposalSource(path, ids, counts, lambda i: _load(boxes[i]).reshape(-1, 4), flat,
+                         None if flat is None else offsets(counts),
+                         _contiguous(scores, counts, None) if scores_wanted else None,
+                         (lambda i: _load(scores[i]).reshape(-1)) if scores_wanted else None,
                          keep_alive=(keep_alive, boxes, scores))
     if keep_alive is not None and hasattr(keep_alive, "close"):
         weakref.finalize(src, keep_alive.close)  # the scratch file goes with the source
-    flat = _contiguous(boxes, counts, 4)
-    if flat is not None:
-        src.flat, src.flat_off = flat, offsets(counts)
-    if not scores_wanted:
-        src.scores_of = None
-        return src
-    src.scores_flat = _contiguous(scores, counts, None)
     return src
 
 
@@ -557,22 +489,18 @@ def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Any:
     """The records as one block of rows (:class:`FileRows` or a read-only array) when they
     lie back to back in the staging area in one dtype (as in Detectron's pickles), else
     ``None``."""
-    if not all(isinstance(it, _SubArray) or isinstance(it, _Stored) and it.array is None
-               for it in items):
+    if not all(isinstance(it, _Stored) and it.array is None for it in items):
         return None
-    nonempty = [it for it, c in zip(items, counts) if c]
+    nonempty = [(it, int(c)) for it, c in zip(items, counts) if c]
     if not nonempty:
         return None
-    dtype = nonempty[0].dtype
-    expect = nonempty[0].off
-    for it, c in zip(items, counts):
-        if not c:
-            continue
-        if it.dtype != dtype or it.off != expect:
+    first = nonempty[0][0]
+    expect = first.off
+    for it, c in nonempty:
+        if it.dtype != first.dtype or it.off != expect:
             return None
-        expect += int(c) * (width or 1) * dtype.itemsize
-    sink = nonempty[0].sink if isinstance(nonempty[0], _Stored) else nonempty[0].parent.sink
-    return sink.rows(nonempty[0].off, dtype, int(counts.sum()), (width,) if width else ())
+        expect += c * (width or 1) * first.dtype.itemsize
+    return first.sink.rows(first.off, first.dtype, int(counts.sum()), (width,) if width else ())
 
 
 # ----------------------------------------------------------------------------- npz
@@ -584,9 +512,9 @@ def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple[int, np.d
     local = fh.read(30)
     if local[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {name}.npy")
-    n_name = int.from_bytes(local[26:28], "little")
-    n_extra = int.from_bytes(local[28:30], "little")
-    start = info.header_offset + 30 + n_name + n_extra
+    # the data follow the 30-byte local header, the file name and the extra field
+    start = info.header_offset + 30 + sum(int.from_bytes(local[i:i + 2], "little")
+                                          for i in (26, 28))
     stored = info.compress_type == zipfile.ZIP_STORED
     with zf.open(info) as member:
         shape, fortran, dtype = read_npy_header(member)
@@ -614,45 +542,44 @@ def _read_npz(path: str) -> ProposalSource:
             raise bad(f".npz proposal file lacks {sorted(missing)}")
         try:
             with np.load(path, allow_pickle=False) as z:
-                ids_raw, counts_raw = z["ids"], z["counts"]
-            b_meta = _npz_member(zf, fh, "boxes")
-            s_meta = _npz_member(zf, fh, "scores") if "scores" in names else None
+                ids_raw, counts_raw = np.asarray(z["ids"]), np.asarray(z["counts"])
+            meta = {n: _npz_member(zf, fh, n) for n in ("boxes", "scores") if n in names}
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
             raise RoIDBInputError(f"{path}: cannot read the .npz ({type(exc).__name__}: {exc}); "
                                   f"it may be truncated or hold object arrays. Write it again "
                                   f"(lit-roidata convert-proposals).") from None
-        ids = _ids_array(path, "ids", list(np.asarray(ids_raw).ravel())) \
-            if np.asarray(ids_raw).dtype.kind not in "iu" else np.asarray(ids_raw, np.int64).ravel()
-        if np.asarray(counts_raw).dtype.kind not in "iu":
-            raise bad(f"'counts' has dtype {np.asarray(counts_raw).dtype}, expected integers")
+        ids = (np.asarray(ids_raw, np.int64).ravel() if ids_raw.dtype.kind in "iu"
+               else _ids_array(path, "ids", list(ids_raw.ravel())))
+        if counts_raw.dtype.kind not in "iu":
+            raise bad(f"'counts' has dtype {counts_raw.dtype}, expected integers")
         counts = np.asarray(counts_raw, np.int64).ravel()
         total = int(counts.sum()) if counts.size else 0
-        b_dtype, b_shape = b_meta[1], b_meta[2]
+        _, b_dtype, b_shape, _, _ = meta["boxes"]
         if len(b_shape) != 2 or b_shape[1] != 4 or counts.size != ids.size \
                 or total != b_shape[0] or (counts < 0).any():
             raise bad(f"inconsistent shapes: ids {tuple(ids.shape)}, counts "
                       f"{tuple(counts.shape)} (sum {total}), boxes {tuple(b_shape)}")
         if b_dtype.kind not in "iuf":
             raise bad(f"'boxes' has dtype {b_dtype}, expected numbers")
-        if s_meta is not None and math.prod(s_meta[2]) != total:
-            raise bad(f"'scores' has shape {tuple(s_meta[2])} but there are {total} boxes")
+        if "scores" in meta and math.prod(meta["scores"][2]) != total:
+            raise bad(f"'scores' has shape {tuple(meta['scores'][2])} but there are {total} boxes")
         off = offsets(counts)
 
-        def rows(name: str, meta: tuple, row_shape: tuple) -> Any:
-            if meta[4] and not meta[3]:  # stored, C order: read in place
-                return FileRows(fh, meta[0], meta[1], total, row_shape)
+        def rows(name: str, row_shape: tuple) -> Any:
+            start, dtype, _, fortran, stored = meta[name]
+            if stored and not fortran:  # stored, C order: read in place
+                return FileRows(fh, start, dtype, total, row_shape)
             with np.load(path, allow_pickle=False) as z:  # compressed: into memory
                 return np.ascontiguousarray(z[name]).reshape(-1, *row_shape)
 
-        flat = rows("boxes", b_meta, (4,))
-        scores_flat = None if s_meta is None else rows("scores", s_meta, ())
+        flat = rows("boxes", (4,))
+        scores_flat = rows("scores", ()) if "scores" in meta else None
     except BaseException:
         fh.close()
         raise
+    scores_of = None if scores_flat is None else (lambda i: scores_flat[off[i]:off[i + 1]])
     src = ProposalSource(path, ids, counts, lambda i: flat[off[i]:off[i + 1]], flat, off,
-                         scores_flat=scores_flat,
-                         scores_of=None if scores_flat is None
-                         else (lambda i: scores_flat[off[i]:off[i + 1]]), keep_alive=fh)
+                         scores_flat, scores_of, keep_alive=fh)
     weakref.finalize(src, fh.close)
     return src
 
@@ -712,16 +639,14 @@ def convert_proposals(in_path: str, out_path: str, *,
     import time
 
     t0 = time.perf_counter()
-    if annotations is not None:
-        src = _read_with_name_map(in_path, annotations, trust_pickle)
-    else:
-        src = read_proposal_file(in_path, trust_pickle=trust_pickle)
+    src = (read_proposal_file(in_path, trust_pickle=trust_pickle) if annotations is None
+           else _read_with_name_map(in_path, annotations, trust_pickle))
     t1 = time.perf_counter()
     counts = src.counts
     total = int(counts.sum())
     dtype = _column_dtype(src.flat, src.boxes_of, counts)
-    if dtype.kind not in "f":
-        dtype = np.dtype(np.float32) if dtype.kind in "iu" else dtype
+    if dtype.kind in "iu":
+        dtype = np.dtype(np.float32)
     with atomic_write(out_path, fsync=False) as out_fh:
         with zipfile.ZipFile(out_fh, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
             _write_member(zf, "ids", np.int64, src.ids.shape, [src.ids])
@@ -743,30 +668,28 @@ def _read_with_name_map(path: str, annotations: str, trust_pickle: bool) -> Prop
 
     with open(annotations, "rb") as fh:
         images = orjson.loads(fh.read()).get("images") or []
+
+    def names(fn: str) -> tuple:  # a file name, its base name and its stem
+        return fn, os.path.basename(fn), os.path.splitext(os.path.basename(fn))[0]
+
     by_name: dict = {}
     for im in images:
-        fn = str(im.get("file_name", ""))
-        for k in (fn, os.path.basename(fn), os.path.splitext(os.path.basename(fn))[0]):
+        for k in names(str(im.get("file_name", ""))):
             by_name.setdefault(k, im.get("id"))
     data, sink = _load_pickle(path, trust_pickle)
-    if isinstance(data, dict):
-        key = "indexes" if "indexes" in data else "ids"
-        if key in data:
-            ids = _as_records(path, key, data[key])
-            mapped = []
-            for i, v in enumerate(ids):
-                if isinstance(v, bytes):
-                    v = v.decode("utf-8", "replace")
-                if isinstance(v, str):
-                    k = next((c for c in (v, os.path.basename(v),
-                                          os.path.splitext(os.path.basename(v))[0])
-                              if c in by_name), None)
-                    if k is None:
-                        raise RoIDBInputError(f"{path}: record {i} has id {v!r}, which is no "
-                                              f"file_name of {annotations}; check that the "
-                                              f"proposals belong to that dataset")
-                    v = by_name[k]
-                mapped.append(v)
-            data = dict(data)
-            data[key] = mapped
+    key = "indexes" if isinstance(data, dict) and "indexes" in data else "ids"
+    if isinstance(data, dict) and key in data:
+        mapped = []
+        for i, v in enumerate(_as_records(path, key, data[key])):
+            if isinstance(v, bytes):
+                v = v.decode("utf-8", "replace")
+            if isinstance(v, str):
+                k = next((c for c in names(v) if c in by_name), None)
+                if k is None:
+                    raise RoIDBInputError(f"{path}: record {i} has id {v!r}, which is no "
+                                          f"file_name of {annotations}; check that the "
+                                          f"proposals belong to that dataset")
+                v = by_name[k]
+            mapped.append(v)
+        data = {**data, key: mapped}
     return source_from_object(path, data, keep_alive=sink)

@@ -83,8 +83,7 @@ def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -
             f"must hold one record per image (an empty (0, 4) array is fine); regenerate it "
             f"for this dataset.")
     order = np.argsort(ids, kind="stable")
-    pos = np.searchsorted(ids[order], image_ids)
-    return order[pos]
+    return order[np.searchsorted(ids[order], image_ids)]
 
 
 def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
@@ -105,10 +104,7 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         # of float32 rows by a float64 vector takes a slow generic loop, and a BLAS
         # product spins its threads on a busy machine)
         r64 = r.astype(np.float64)
-        hf = r64[:, 3] * 1e9
-        hf += r64[:, 2] * 1e6
-        hf += r64[:, 1] * 1e3
-        hf += r64[:, 0]
+        hf = r64[:, 3] * 1e9 + r64[:, 2] * 1e6 + r64[:, 1] * 1e3 + r64[:, 0]
         del r64
     else:
         hf = r.dot(np.array([1, 1e3, 1e6, 1e9]))  # Detectron's expression
@@ -204,8 +200,6 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     """
     counts: Counter = Counter()
     rec = align_records(src, image_ids, counts)
-    n = image_ids.size
-    n_boxes = src.counts[rec]
     # Each chunk's rows are appended to four files (one per column: the cache's final
     # files when ``out`` is given, else scratch files the table maps at the end): nothing
     # of the size of the file is held in anonymous memory (first-touching GBs of fresh
@@ -214,14 +208,13 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     own = out is None
     if own:
         out = ProposalColumns(None, persistent=False)  # unlinked files the table maps
-    off = np.zeros(n + 1, np.int64)
-    pos = 0
-    chunks = _chunk_ranges(n_boxes)
+    off, pos = np.zeros(image_ids.size + 1, np.int64), 0
+    chunks = _chunk_ranges(src.counts[rec])
+    gt = (image_ids, widths, heights, gt_off, gt_boxes, gt_classes, gt_is_crowd)
 
     def one_chunk(task: tuple, state: dict) -> tuple:
         c: Counter = Counter()
-        return _chunk(src, rec, task[0], task[1], image_ids, widths, heights, gt_off,
-                      gt_boxes, gt_classes, gt_is_crowd, min_proposal_size, proposal_limit,
+        return _chunk(src, rec, *task, gt, min_proposal_size, proposal_limit,
                       crowd_filter_thresh, c), c
 
     # chunks are independent (every rule is per image): forked workers compute them from
@@ -245,26 +238,19 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         out.close()
         raise
     counts["proposals_kept"] = int(off[-1])
-    if not own:
-        return ProposalTable(off, None, None, None, None, counts, columns=out)
-    return ProposalTable(off=off, boxes=arrays["prop_boxes"],
-                         max_overlaps=arrays["prop_max_overlaps"],
-                         max_classes=arrays["prop_max_classes"], gt_map=arrays["prop_gt_map"],
-                         counts=counts)
+    rows = [arrays[name] if own else None for name, _ in PROPOSAL_COLUMNS]
+    return ProposalTable(off, *rows, counts, columns=None if own else out)
 
 
 def _chunk_ranges(n_boxes: np.ndarray) -> list[tuple[int, int]]:
     """Consecutive image ranges of about :data:`_CHUNK_BOXES` boxes (at least one image)."""
-    n = n_boxes.size
-    out = []
-    start = 0
-    cum = np.cumsum(n_boxes)
+    n, cum, out, start = n_boxes.size, np.cumsum(n_boxes), [], 0
     while start < n:
         base = int(cum[start - 1]) if start else 0
         # the last image whose running total from ``start`` stays within the chunk
-        stop = max(start + 1, int(np.searchsorted(cum, base + _CHUNK_BOXES, side="right")))
-        out.append((start, min(stop, n)))
-        start = min(stop, n)
+        stop = min(n, max(start + 1, int(np.searchsorted(cum, base + _CHUNK_BOXES, "right"))))
+        out.append((start, stop))
+        start = stop
     return out
 
 
@@ -293,29 +279,23 @@ class ProposalColumns:
 
     def __init__(self, directory: Optional[str], *, num_classes: Optional[int] = None,
                  max_gt: Optional[int] = None, persistent: bool = True) -> None:
-        if num_classes is None and max_gt is None:
-            mc, gm = np.dtype(np.int32), np.dtype(np.int32)
-        else:
-            mc, gm = proposal_dtypes(num_classes if num_classes is not None else 2**31,
-                                     max_gt if max_gt is not None else 2**31)
+        mc, gm = proposal_dtypes(2**31 if num_classes is None else num_classes,  # None: int32
+                                 2**31 if max_gt is None else max_gt)
         self.spec = tuple(zip((n for n, _ in PROPOSAL_COLUMNS),
                               (np.dtype(np.float32), np.dtype(np.float32), mc, gm),
                               (sh for _, sh in PROPOSAL_COLUMNS)))
         self.bounds = (np.iinfo(mc).max if num_classes is None else int(num_classes) - 1,
                        np.iinfo(gm).max if max_gt is None else int(max_gt) - 1)
-        self.persistent = persistent
-        self.rows = 0
+        self.persistent, self.rows, self._reserved = persistent, 0, 0
         self.records: dict = {}
-        self.files: list = []
-        self._reserved = 0
         if persistent:
             if directory is None:
                 raise ValueError("persistent proposal columns need a directory")
             # every header this writer can need fits; .npy headers are padded to 64 bytes
             self._reserved = max(len(npy_header(dt, (np.iinfo(np.int64).max, *sh)))
                                  for _, dt, sh in self.spec)
-            for name, _, _ in self.spec:
-                self.files.append(open(os.path.join(directory, name + ".npy"), "w+b"))
+            self.files = [open(os.path.join(directory, name + ".npy"), "w+b")
+                          for name, _, _ in self.spec]
         else:
             if os.name == "nt":  # open files would block renaming the build directory
                 directory = None
@@ -328,12 +308,11 @@ class ProposalColumns:
                gt_map: np.ndarray) -> None:
         """Append one chunk's rows to every column (values checked against the bounds)."""
         if max_classes.size:
-            if int(max_classes.max()) > self.bounds[0] or int(max_classes.min()) < 0:
-                raise RuntimeError(f"max_classes values outside [0, {self.bounds[0]}]: the "
-                                   f"class count given to ProposalColumns is too small")
-            if int(gt_map.max()) > self.bounds[1] or int(gt_map.min()) < -1:
-                raise RuntimeError(f"gt_map values outside [-1, {self.bounds[1]}]: the gt "
-                                   f"count given to ProposalColumns is too small")
+            for name, a, lo, hi, what in (("max_classes", max_classes, 0, self.bounds[0], "class"),
+                                          ("gt_map", gt_map, -1, self.bounds[1], "gt")):
+                if int(a.max()) > hi or int(a.min()) < lo:
+                    raise RuntimeError(f"{name} values outside [{lo}, {hi}]: the {what} count "
+                                       f"given to ProposalColumns is too small")
         for fh, arr, (_, dtype, shape) in zip(self.files, (boxes, max_overlaps, max_classes,
                                                            gt_map), self.spec):
             at = self._reserved + self.rows * dtype.itemsize * math.prod(shape)
@@ -372,8 +351,8 @@ _WRITE_THREADS = 3
 _MAX_PENDING_WRITES = 64  # column writes (16 chunks) queued before append waits
 
 
-def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_classes,
-           gt_is_crowd, min_size, limit, crowd_thresh, counts):
+def _chunk(src, rec, i0, i1, gt, min_size, limit, crowd_thresh, counts):
+    image_ids, widths, heights, gt_off, gt_boxes, gt_classes, gt_is_crowd = gt
     recs = rec[i0:i1]
     if src.flat is not None and recs.size and np.all(np.diff(recs) == 1):
         b = np.asarray(src.flat[src.flat_off[recs[0]]:src.flat_off[recs[-1] + 1]])
@@ -405,9 +384,7 @@ def _chunk(src, rec, i0, i1, image_ids, widths, heights, gt_off, gt_boxes, gt_cl
     # 2. de-duplicate, then 3. min size (strict, +1 widths, in the file's dtype); the size
     # rule looks at each box alone, so both masks are applied in one compaction
     unique = unique_box_keep(b, img)
-    w = b[:, 2] - b[:, 0] + 1
-    h = b[:, 3] - b[:, 1] + 1
-    big = (w > min_size) & (h > min_size)
+    big = (b[:, 2] - b[:, 0] + 1 > min_size) & (b[:, 3] - b[:, 1] + 1 > min_size)
     counts["proposals_duplicate"] += int(b.shape[0] - np.count_nonzero(unique))
     keep = unique & big
     counts["proposals_min_size"] += int(np.count_nonzero(unique) - np.count_nonzero(keep))
@@ -454,7 +431,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     through :func:`_merge_blocks` (dense blocks and ``argmax``, NaN handling included).
     """
     n = b.shape[0]
-    mo, mc, gmap = _merge_outputs(n)
+    mo, mc, gmap = np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
     if n == 0:
         return mo, mc, gmap
     starts, pcount, uimg = _image_runs(img)
@@ -466,12 +443,9 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     gt64 = gt_boxes[r0:r1].astype(np.float64)  # the chunk's gt rows, from row r0
     ga = box_areas(gt64)
     cols = [np.ascontiguousarray(b[:, c]) for c in range(4)]  # float32 x1, y1, x2, y2
-    wx = cols[2].astype(np.float64)
-    wx -= cols[0]
-    wx += 1
-    wy = cols[3].astype(np.float64)
-    wy -= cols[1]
-    wy += 1  # box_areas' factors: the area is > 0 iff both are (no underflow from float32)
+    # box_areas' factors: the area is > 0 iff both are (no underflow from float32)
+    wx = cols[2].astype(np.float64) - cols[0] + 1
+    wy = cols[3].astype(np.float64) - cols[1] + 1
     big = max(float(np.abs(gt64).max()), float(np.abs(b).max()))
     if not ((ga > 0).all() and (wx > 0).all() and (wy > 0).all() and big < _SAFE_COORD):
         return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
@@ -491,8 +465,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
         while k1 < m and max(p_max, pc[k1]) * (k1 + 1 - k0) <= _IOU_BLOCK:
             p_max = max(p_max, pc[k1])
             k1 += 1
-        _merge_block(k0, k1, p_max, starts, pcount, g0 - r0, ng, cols, thr, gt_rows, best,
-                     arg)
+        _merge_block(k0, k1, p_max, starts, pcount, g0 - r0, ng, cols, thr, gt_rows, best, arg)
         k0 = k1
     hit = np.flatnonzero(best > 0)
     a = arg[hit]
@@ -502,8 +475,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     return mo, mc, gmap
 
 
-def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best,
-                 arg) -> None:
+def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best, arg) -> None:
     """One padded block of :func:`_merge`: images ``k0..k1`` (at most ``p_max`` proposals
     each), folded into the running maximum ``best`` / ``arg`` (indexed by proposal)."""
     gx1, gy1, gx2, gy2, ga = gt_rows
@@ -540,22 +512,13 @@ def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best
         p = row_start[row] + col  # the candidates' proposal indices
         rr = r[row]
         px1, py1, px2, py2 = (c[p].astype(np.float64) for c in cols)
-        pab = px2 - px1
-        pab += 1
-        tmp = py2 - py1
-        tmp += 1
-        pab *= tmp  # box_areas' arithmetic, in float64
+        pab = (px2 - px1 + 1) * (py2 - py1 + 1)  # box_areas' arithmetic, in float64
         ov = iou_kernel(px1, py1, px2, py2, pab, gx1[rr], gy1[rr], gx2[rr], gy2[rr], ga[rr],
                         positive_areas=True)  # union > 0: both areas are
         upd = ov > best[p]  # pairs left out have IoU 0 and never replace
         p = p[upd]
         best[p] = ov[upd]
         arg[p] = j
-
-
-def _merge_outputs(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Zeroed ``max_overlaps``/``max_classes`` and an all ``-1`` ``box_to_gt_ind_map``."""
-    return np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
 
 
 def _image_runs(img: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -569,7 +532,7 @@ def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
     """:func:`_merge` by whole ``(images, P_max, G)`` IoU blocks and ``argmax`` (any box
     areas, including zero or negative ones)."""
     n = b.shape[0]
-    mo, mc, gmap = _merge_outputs(n)
+    mo, mc, gmap = np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
     if n == 0:
         return mo, mc, gmap
     starts, pcount, uimg = _image_runs(img)

@@ -66,9 +66,8 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     t = check_repeat_threshold(repeat_thresh, "repeat_thresh")
     off = np.asarray(img_gt_off, dtype=np.int64).reshape(-1)
     n_rows = off.size - 1
-    if images is None:
-        images = np.arange(n_rows, dtype=np.int64)
-    images = np.asarray(images, dtype=np.int64).reshape(-1)
+    images = (np.arange(n_rows, dtype=np.int64) if images is None
+              else np.asarray(images, dtype=np.int64).reshape(-1))
     if images.size and (images.min() < 0 or images.max() >= n_rows):
         raise ValueError(f"images: rows must lie in [0, {n_rows})")
     sel = np.zeros(n_rows, dtype=bool)
@@ -81,21 +80,15 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     cls_all = np.asarray(gt_classes).reshape(-1)
     if num_images == 0 or cls_all.size == 0:
         return out[images].astype(np.float32)
-    per_img = np.diff(off)
     idx_t = np.int32 if n_rows < 2**31 else np.int64
-    row_img = np.repeat(np.arange(n_rows, dtype=idx_t), per_img)
-    if num_images == n_rows:  # every image row: no mask
-        img = row_img.astype(np.int64)
-        cls = cls_all[: row_img.size].astype(np.int64)
-    else:
-        keep = sel[row_img]
-        img = row_img[keep].astype(np.int64)
-        cls = cls_all[: row_img.size][keep].astype(np.int64)
+    row_img = np.repeat(np.arange(n_rows, dtype=idx_t), np.diff(off))
+    keep = slice(None) if num_images == n_rows else sel[row_img]  # every image row: no mask
+    img = row_img[keep].astype(np.int64)
+    cls = cls_all[: row_img.size][keep].astype(np.int64)
     del row_img
     if cls.size == 0:
         return out[images].astype(np.float32)
-    lo = int(cls.min())
-    cls -= lo
+    cls -= int(cls.min())
     k = int(cls.max()) + 1
     # One (image, category) pair per category present in an image. The gt rows are
     # grouped by image, so the keys are nearly sorted; a stable (timsort/radix) sort of
@@ -104,10 +97,7 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     img += cls
     key = np.sort(img, kind="stable")
     del img, cls
-    first = np.empty(key.size, dtype=bool)
-    first[0] = True
-    np.not_equal(key[1:], key[:-1], out=first[1:])
-    key = key[first]
+    key = key[np.r_[True, key[1:] != key[:-1]]]  # the first of each run
     pair_img = key // k
     pair_cls = key - pair_img * k
     freq = np.bincount(pair_cls, minlength=k) / num_images  # f(c), Detectron2's v / n
@@ -115,9 +105,8 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     rep_c = np.ones(k, dtype=np.float64)
     ratio = t / freq[present]
     rep_c[present] = np.maximum(1.0, np.sqrt(ratio) if sqrt else ratio)
-    vals = rep_c[pair_cls]
     starts = np.flatnonzero(np.diff(pair_img, prepend=-1))
-    out[pair_img[starts]] = np.maximum.reduceat(vals, starts)
+    out[pair_img[starts]] = np.maximum.reduceat(rep_c[pair_cls], starts)
     return out[images].astype(np.float32)
 
 

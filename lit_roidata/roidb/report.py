@@ -25,12 +25,10 @@ class BuildProgress:
     """
 
     def __init__(self, enabled: Optional[bool] = None) -> None:
-        if enabled is None:
-            enabled = sys.stderr.isatty()
         self._progress = Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled,
-            transient=False)
+            TimeElapsedColumn(), console=Console(stderr=True), transient=False,
+            disable=not (sys.stderr.isatty() if enabled is None else enabled))
 
     @contextmanager
     def task(self, description: str, total: int) -> Iterator[Any]:
@@ -57,15 +55,14 @@ def summary_text(report: dict, *, width: int = 120, top_classes: int = 20) -> st
     for col in ("dataset", "images", "gt boxes", "crowd", "proposals", "dropped (by reason)",
                 "segms"):
         t.add_column(col, justify="left" if col in ("dataset", "dropped (by reason)") else "right")
+    def nonzero(counts: dict) -> str:
+        return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()) if v) or "-"
+
     for d in report.get("datasets", []):
-        drops = {k: v for k, v in d.get("dropped", {}).items() if v}
         props = d.get("proposals", {})
-        t.add_row(d["name"], str(d.get("images", 0)), str(d.get("gt_boxes", 0)),
-                  str(d.get("gt_crowd", 0)),
+        t.add_row(d["name"], *(str(d.get(k, 0)) for k in ("images", "gt_boxes", "gt_crowd")),
                   str(props.get("proposals_kept", "-")) if props else "-",
-                  ", ".join(f"{k}: {v}" for k, v in sorted(drops.items())) or "-",
-                  ", ".join(f"{k}: {v}" for k, v in sorted(d.get("segms", {}).items()) if v)
-                  or "-")
+                  nonzero(d.get("dropped", {})), nonzero(d.get("segms", {})))
     console.print(t)
     ent = report.get("entries", {})
     if ent:
@@ -75,8 +72,7 @@ def summary_text(report: dict, *, width: int = 120, top_classes: int = 20) -> st
                       if ent.get("filtered", True) else
                       f"entries: {ent.get('after_filter', 0)} (evaluation: no flip, no filter)")
     for d in report.get("datasets", []):
-        hist = d.get("class_histogram") or {}
-        if not hist:
+        if not (hist := d.get("class_histogram")):
             continue
         h = Table(title=f"{d['name']}: gt class histogram (non-crowd, final entries)",
                   title_justify="left")

@@ -155,16 +155,14 @@ def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
 
 
 def _rle(cols: SegmColumns, r: int, kind: int, flipped: bool) -> dict:
-    h, w = (int(v) for v in cols.rle_size[r])
     if kind == RLE_LIST:
         counts: Any = np.asarray(cols.rle_ints[cols.rle_int_off[r]:cols.rle_int_off[r + 1]])
-        rle = {"size": [h, w], "counts": counts.tolist()}
+        counts = counts.tolist()
     else:
-        raw = bytes(np.asarray(cols.rle_bytes[cols.rle_str_off[r]:cols.rle_str_off[r + 1]]))
-        rle = {"size": [h, w], "counts": raw.decode("ascii")}
-    if not flipped:
-        return rle
-    return flip_rle(rle)
+        counts = bytes(np.asarray(cols.rle_bytes[cols.rle_str_off[r]:cols.rle_str_off[r + 1]]))
+        counts = counts.decode("ascii")
+    rle = {"size": [int(v) for v in cols.rle_size[r]], "counts": counts}
+    return flip_rle(rle) if flipped else rle
 
 
 def flip_rle(rle: dict) -> dict:
@@ -173,20 +171,17 @@ def flip_rle(rle: dict) -> dict:
     from pycocotools import mask as mask_util
 
     h, w = (int(v) for v in rle["size"])
+    counts = rle["counts"]
     with warnings.catch_warnings():  # pycocotools' NumPy 2 copy= deprecation
         warnings.simplefilter("ignore", DeprecationWarning)
-        if isinstance(rle["counts"], list):
-            m = mask_util.decode(mask_util.frPyObjects(rle, h, w))
-        else:
-            m = mask_util.decode({"size": [h, w], "counts": rle["counts"].encode("ascii")
-                                  if isinstance(rle["counts"], str) else rle["counts"]})
+        m = mask_util.decode(mask_util.frPyObjects(rle, h, w) if isinstance(counts, list) else
+                             {"size": [h, w], "counts": counts.encode("ascii")
+                              if isinstance(counts, str) else counts})
     m = np.asfortranarray(m[:, ::-1])
-    if isinstance(rle["counts"], list):
+    if isinstance(counts, list):
         return {"size": [h, w], "counts": mask_to_uncompressed_counts(m)}
-    enc = mask_util.encode(m)
-    counts = enc["counts"]
-    return {"size": [h, w], "counts": counts.decode("ascii") if isinstance(rle["counts"], str)
-            else counts}
+    enc = mask_util.encode(m)["counts"]
+    return {"size": [h, w], "counts": enc.decode("ascii") if isinstance(counts, str) else enc}
 
 
 def mask_to_uncompressed_counts(mask: np.ndarray) -> list[int]:

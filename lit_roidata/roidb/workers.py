@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -32,14 +33,10 @@ def build_workers() -> int:
         except ValueError:
             raise ValueError(f"LIT_ROIDATA_BUILD_WORKERS={env!r}: expected a number of "
                              f"processes (0 or 1: build in one process)") from None
-    else:
-        try:
-            n = min(len(os.sched_getaffinity(0)), _MAX_WORKERS)
-        except AttributeError:  # not Linux
-            n = min(os.cpu_count() or 1, _MAX_WORKERS)
-    if n <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return 0
-    return n
+    else:  # os.sched_getaffinity: Linux only
+        n = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1, _MAX_WORKERS)
+    return n if n > 1 and "fork" in multiprocessing.get_all_start_methods() else 0
 
 
 def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
@@ -83,10 +80,8 @@ class OrderedWorkers:
                  ) -> None:
         ctx = multiprocessing.get_context("fork")
         self.n = max(1, int(n))
-        self._conns: list = []
-        self._procs: list = []
-        self._owner: deque = deque()  # worker index of each task not yet read back
-        self._next = 0
+        # pipes, processes, the worker index of each task not yet read back, next worker
+        self._conns, self._procs, self._owner, self._next = [], [], deque(), 0
         try:
             for _ in range(self.n):
                 mine, theirs = ctx.Pipe()
@@ -112,8 +107,7 @@ class OrderedWorkers:
 
     def submit(self, task: Any) -> None:
         """Send ``task`` to the next worker (round-robin)."""
-        k = self._next
-        self._next = (k + 1) % self.n
+        k, self._next = self._next, (self._next + 1) % self.n
         self._send(k, ("task", task))
         self._owner.append(k)
 
@@ -178,10 +172,8 @@ class OrderedWorkers:
         busy = set(self._owner)
         for k, conn in enumerate(self._conns):
             if k not in busy:
-                try:
+                with contextlib.suppress(OSError):  # BrokenPipeError included
                     conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
         for k, p in enumerate(self._procs):
             if k in busy:
                 p.terminate()

@@ -19,39 +19,22 @@ from typing import Any, Optional, Sequence
 
 __all__ = ["MODULES", "render", "main"]
 
+# The public names listed of some modules (others: the module's ``__all__``).
+_NAMES: dict[str, Optional[list[str]]] = {
+    "datamodule": ["RoIDataModule"],
+    "options": ["DatasetOptions", "SourceOptions", "LoaderOptions", "OutputOptions",
+                "SamplingOptions", "AugmentOptions", "as_options"],
+    "lightning": ["cli_main", "main"], "callbacks": [],
+    "minibatch.model_type": ["flags_for_model_type", "blob_family"],
+    "tools.dump_blobs": ["dump_blobs"], "tools.bench": ["bench_loader"]}
 #: Modules documented, in page order, with their public names (``None``: the module's
 #: ``__all__``). Only classes and functions are listed.
 MODULES: list[tuple[str, Optional[list[str]]]] = [
-    ("lit_roidata.datamodule", ["RoIDataModule"]),
-    ("lit_roidata.options", ["DatasetOptions", "SourceOptions", "LoaderOptions",
-                             "OutputOptions", "SamplingOptions", "AugmentOptions",
-                             "as_options"]),
-    ("lit_roidata.cli", None),
-    ("lit_roidata.resume", None),
-    ("lit_roidata.lightning", ["cli_main", "main"]),
-    ("lit_roidata.config", None),
-    ("lit_roidata.catalog", None),
-    ("lit_roidata.roidb", None),
-    ("lit_roidata.roidb.proposal_files", None),
-    ("lit_roidata.roidb.repeat_factors", None),
-    ("lit_roidata.sampler", None),
-    ("lit_roidata.loader", None),
-    ("lit_roidata.dataset", None),
-    ("lit_roidata.minibatch", None),
-    ("lit_roidata.minibatch.device", None),
-    ("lit_roidata.minibatch.model_type", ["flags_for_model_type", "blob_family"]),
-    ("lit_roidata.skip", None),
-    ("lit_roidata.progress", None),
-    ("lit_roidata.evaluation", None),
-    ("lit_roidata.lvis_evaluation", None),
-    ("lit_roidata.callbacks", []),
-    ("lit_roidata.broadcast", None),
-    ("lit_roidata.weights", None),
-    ("lit_roidata.exchange", None),
-    ("lit_roidata.demo", None),
-    ("lit_roidata.tools.dump_blobs", ["dump_blobs"]),
-    ("lit_roidata.tools.bench", ["bench_loader"]),
-]
+    (f"lit_roidata.{m}", _NAMES.get(m)) for m in (
+        "datamodule options cli resume lightning config catalog roidb roidb.proposal_files "
+        "roidb.repeat_factors sampler loader dataset minibatch minibatch.device "
+        "minibatch.model_type skip progress evaluation lvis_evaluation callbacks broadcast "
+        "weights exchange demo tools.dump_blobs tools.bench").split()]
 
 _HEADER = """# API reference
 
@@ -65,8 +48,12 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _first_paragraph(obj: Any) -> str:
-    doc = inspect.getdoc(obj) or ""
-    return doc.strip().split("\n\n")[0].strip()
+    return (inspect.getdoc(obj) or "").strip().split("\n\n")[0].strip()
+
+
+def _paragraph_lines(obj: Any) -> list[str]:
+    para = _first_paragraph(obj)
+    return [para, ""] if para else []
 
 
 class _Elided:
@@ -110,10 +97,7 @@ def _methods(cls: type) -> list[tuple[str, Any]]:
 
 def _entry(name: str, obj: Any) -> list[str]:
     kind = "class" if inspect.isclass(obj) else "def"
-    lines = [f"### `{kind} {name}{_signature(obj)}`", ""]
-    para = _first_paragraph(obj)
-    if para:
-        lines += [para, ""]
+    lines = [f"### `{kind} {name}{_signature(obj)}`", "", *_paragraph_lines(obj)]
     base = _inherited_init(obj) if inspect.isclass(obj) else None
     if base is not None:
         lines += [f"Takes the arguments of `{base.__module__}.{base.__qualname__}`.", ""]
@@ -132,10 +116,7 @@ def render() -> str:
     for modname, names in MODULES:
         mod = importlib.import_module(modname)
         names = list(names if names is not None else getattr(mod, "__all__", []))
-        lines += [f"## `{modname}`", ""]
-        para = _first_paragraph(mod)
-        if para:
-            lines += [para, ""]
+        lines += [f"## `{modname}`", "", *_paragraph_lines(mod)]
         for name in names:
             obj = getattr(mod, name)
             if inspect.isclass(obj) or inspect.isfunction(obj):

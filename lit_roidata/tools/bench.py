@@ -47,9 +47,8 @@ def bench_loader(dm: Any, num_batches: int = 50, warmup: int = 5) -> dict[str, f
     del it
     lat_ms = np.asarray(lat) * 1e3
     return {"images_per_s": images / max(float(np.sum(lat)), 1e-9), "batches": len(lat),
-            "images": images, "p50_ms": float(np.percentile(lat_ms, 50)),
-            "p90_ms": float(np.percentile(lat_ms, 90)),
-            "p99_ms": float(np.percentile(lat_ms, 99)), "max_ms": float(lat_ms.max())}
+            "images": images, **{f"p{q}_ms": float(np.percentile(lat_ms, q)) for q in (50, 90, 99)},
+            "max_ms": float(lat_ms.max())}
 
 
 def decode_resize_floor(dm: Any, num_images: int) -> float:

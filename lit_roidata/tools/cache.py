@@ -34,10 +34,8 @@ def _size(path: str) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:
-                pass
     return total
 
 
@@ -76,13 +74,11 @@ def list_caches(root: str) -> list[dict[str, Any]]:
         rec: dict[str, Any] = {"key": name[len("roidb-"):], "path": path, "bytes": _size(path)}
         try:
             m = validate_cache(path)
-            rec["state"] = "ok"
-            rec["datasets"] = [d["name"] for d in m.get("datasets", [])]
-            rec["entries"] = int(m.get("report", {}).get("entries", {}).get("after_filter", 0))
-            rec["mode"] = m.get("options", {}).get("mode", "?")
+            rec.update(state="ok", datasets=[d["name"] for d in m.get("datasets", [])],
+                       entries=int(m.get("report", {}).get("entries", {}).get("after_filter", 0)),
+                       mode=m.get("options", {}).get("mode", "?"))
         except CacheError as exc:
-            rec["state"], rec["error"] = "damaged", str(exc)
-            rec["datasets"], rec["entries"], rec["mode"] = [], 0, "?"
+            rec.update(state="damaged", error=str(exc), datasets=[], entries=0, mode="?")
         rec["built"] = _mtime(os.path.join(path, MANIFEST))
         used = _mtime(os.path.join(path, LAST_USED))
         rec["last_used"] = rec["built"] if used is None else used
@@ -120,9 +116,8 @@ def clean_caches(root: str, *, all_: bool = False, older_than_days: Optional[flo
     if all_ and not dry_run and os.path.isdir(root):
         for name in os.listdir(root):  # leftovers of interrupted builds, fingerprint memo
             p = os.path.join(root, name)
-            if name.startswith((".tmp-", ".trash-")) and now - os.path.getmtime(p) > 3600:
-                shutil.rmtree(p, ignore_errors=True)
-            elif name == ".fingerprints":
+            if name == ".fingerprints" or (name.startswith((".tmp-", ".trash-"))
+                                           and now - os.path.getmtime(p) > 3600):
                 shutil.rmtree(p, ignore_errors=True)
     return removed, kept
 

@@ -9,10 +9,9 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 __all__ = ["tool_parser", "data_module_from"]
 
 # Top-level keys of a LightningCLI config that the tools accept and ignore.
-_IGNORED: dict[str, Any] = {"trainer": Optional[dict], "model": Optional[dict],
-                            "optimizer": Optional[dict], "lr_scheduler": Optional[dict],
-                            "seed_everything": Optional[Union[bool, int]],
-                            "ckpt_path": Optional[str]}
+_IGNORED: dict[str, Any] = {
+    **dict.fromkeys(("trainer", "model", "optimizer", "lr_scheduler"), Optional[dict]),
+    "seed_everything": Optional[Union[bool, int]], "ckpt_path": Optional[str]}
 
 
 def tool_parser(prog: str, description: str) -> ArgumentParser:

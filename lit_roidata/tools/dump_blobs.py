@@ -66,13 +66,11 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
         np.savez(path, **{n: np.asarray(mb[n]) for n in chosen})
         index.append({
             "file": os.path.basename(path), "indices": [int(i) for i in meta["indices"]],
-            "image_ids": [int(i) for i in meta["image_ids"]],
-            "images": list(meta["images"]), "flipped": [bool(f) for f in meta["flipped"]],
+            "image_ids": [int(i) for i in meta["image_ids"]], "images": list(meta["images"]),
+            "flipped": [bool(f) for f in meta["flipped"]],
             "im_scales": [float(s) for s in meta["im_scales"]],
-            "seed": int(meta["seed"]), "pass_index": int(meta["pass_index"]),
-            "block_index": int(meta["block_index"]), "blobs": chosen,
-            "pixel_format": pixel_format,
-        })
+            **{k: int(meta[k]) for k in ("seed", "pass_index", "block_index")},
+            "blobs": chosen, "pixel_format": pixel_format})
     with open(os.path.join(out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
     return index

@@ -29,11 +29,10 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
     stats: dict[str, dict[str, Any]] = {}
     for i in idx:
         e = roidb[int(i)]
-        name = roidb.dataset_of(int(i))
-        s = stats.setdefault(name, {"entries": 0, "flipped": 0, "horizontal": 0, "gt": [],
-                                    "crowd": 0, "proposals": [], "kp_images": 0, "classes": {}})
-        gt = np.asarray(e["gt_classes"]) > 0
-        crowd = np.asarray(e["is_crowd"], bool)
+        s = stats.setdefault(roidb.dataset_of(int(i)), {
+            "entries": 0, "flipped": 0, "horizontal": 0, "gt": [], "crowd": 0, "proposals": [],
+            "kp_images": 0, "classes": {}, "sampled": n > max_entries})
+        gt, crowd = np.asarray(e["gt_classes"]) > 0, np.asarray(e["is_crowd"], bool)
         s["entries"] += 1
         s["flipped"] += bool(e["flipped"])
         s["horizontal"] += bool(horz[i])
@@ -44,8 +43,6 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
         classes = e["dataset"].classes
         for c in np.asarray(e["gt_classes"])[gt & ~crowd]:
             s["classes"][classes[int(c)]] = s["classes"].get(classes[int(c)], 0) + 1
-    for s in stats.values():
-        s["sampled"] = n > max_entries
     return stats
 
 
@@ -65,9 +62,8 @@ def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
                       f"{pr.mean():.1f} ({pr.min()}-{pr.max()})", str(s["kp_images"]))
     con.print(table)
     classes = Table(title="gt boxes per class (non-crowd)")
-    classes.add_column("dataset")
-    classes.add_column("class")
-    classes.add_column("boxes", justify="right")
+    for col, justify in (("dataset", "left"), ("class", "left"), ("boxes", "right")):
+        classes.add_column(col, justify=justify)
     for name, s in stats.items():
         for c, k in sorted(s["classes"].items(), key=lambda kv: -kv[1]):
             classes.add_row(name, c, str(k))
@@ -95,11 +91,9 @@ def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path
     plt = _pyplot()
     w, h = np.asarray(roidb.widths, float), np.asarray(roidb.heights, float)
     short, long_ = np.minimum(w, h), np.maximum(w, h)
-    scales = []
-    for target in cfg.TRAIN.SCALES:
-        s = target / short
-        s = np.where(np.round(s * long_) > cfg.TRAIN.MAX_SIZE, cfg.TRAIN.MAX_SIZE / long_, s)
-        scales.append(s)
+    top = cfg.TRAIN.MAX_SIZE
+    scales = [np.where(np.round(t / short * long_) > top, top / long_, t / short)
+              for t in cfg.TRAIN.SCALES]
     gt = np.concatenate([np.asarray(s["gt"]) for s in stats.values()])
     props = np.concatenate([np.asarray(s["proposals"]) for s in stats.values()])
     fig, ax = plt.subplots(2, 2, figsize=(11, 8))

@@ -45,9 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from lit_roidata.demo import ensure_demo_data
 
     layout = ensure_demo_data(args.root, seed=args.seed, num_images=args.size)
-    table = Table(title=f"demo data in {args.root}")
-    for col in ("dataset", "images", "annotation file", "proposal file"):
-        table.add_column(col)
+    table = Table("dataset", "images", "annotation file", "proposal file",
+                  title=f"demo data in {args.root}")
     for name, info in layout.items():
         table.add_row(name, str(info["num_images"]), info["annotation_file"],
                       info["proposal_file"])
@@ -66,9 +65,7 @@ def _existing_data(root: str, seed: int, size: Optional[dict[str, Any]]) -> Opti
     if not path.is_dir():
         return f"{root} exists and is not a folder"
     entries = [e for e in path.iterdir() if e.name != ".demo_data.lock"]
-    if not entries:
-        return None
-    if demo.is_demo_data(path, seed=seed, num_images=size):
+    if not entries or demo.is_demo_data(path, seed=seed, num_images=size):
         return None
     return (f"{root} already holds other data ({len(entries)} entries: not the demo data "
             f"for seed {seed} and these sizes)")
