@@ -200,6 +200,7 @@ def test_string_image_ids_are_positions():
      ["'bad'", "image_id 2", "XYXY_REL", "XYXY_ABS (0)", "XYWH_ABS (1)"]),
     (lambda r: r["annotations"][0].update(category_id=3),
      ["'bad'", "image_id 2", "category_id=3", "0..1", "thing_classes"]),
+    (lambda r: r["annotations"].__setitem__(0, "x"), ["'bad'", "image_id 2", "a str, not"]),
 ])
 def test_bad_records_named(change, words):
     recs = [{"file_name": f"{i}.jpg", "height": 10, "width": 10, "image_id": i + 1,
@@ -209,6 +210,8 @@ def test_bad_records_named(change, words):
     with pytest.raises(RoIDBInputError) as exc:
         load_records(recs, name="bad", thing_classes=["a", "b"])
     assert all(w in str(exc.value) for w in words), str(exc.value)
+    with pytest.raises(RoIDBInputError, match="'bad': the registered function returned None"):
+        load_records(None, name="bad", thing_classes=["a"])
 
 
 def test_catalog_registration_and_cache_key(tmp_path):

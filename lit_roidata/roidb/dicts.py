@@ -65,19 +65,26 @@ def _area(seg: Any, box: list, h: Any, w: Any) -> float:
         return 0.0
 
 
+def _need(obj: Any, keys: Sequence[str], where: str, what: str) -> None:
+    """A named error unless ``obj`` is a dict holding ``keys``."""
+    missing = [k for k in keys if k not in obj] if isinstance(obj, Mapping) else None
+    if missing is None or missing:
+        raise RoIDBInputError(
+            f"{where} " + (f"is a {type(obj).__name__}, not a dict" if missing is None else
+                           f"has no {', '.join(missing)}") + f"; Detectron2's standard dataset "
+            f"dicts carry {what}. Add them in the registered function.")
+
+
 def _annotation(a: Any, iid: int, h: Any, w: Any, k: int, where: Callable[[], str]) -> dict:
     """One Detectron2 annotation as a COCO one (XYWH box, area, keypoints less 0.5)."""
-    missing = [f for f in ("bbox", "bbox_mode", "category_id") if f not in a] \
-        if isinstance(a, Mapping) else ["(not a dict)"]
-    if missing:
-        raise RoIDBInputError(f"{where()} has no {', '.join(missing)}; each annotation needs "
-                              f"'bbox', 'bbox_mode' (detectron2.structures.BoxMode) and "
-                              f"'category_id'. Add them in the registered function.")
+    if not (isinstance(a, Mapping) and {"bbox", "bbox_mode", "category_id"} <= a.keys()):
+        _need(a, ("bbox", "bbox_mode", "category_id"), where(), "'bbox', 'bbox_mode' "
+              "(detectron2.structures.BoxMode) and 'category_id' per annotation")
     mode, cat, box = _py(a["bbox_mode"]), _py(a["category_id"]), _floats(a["bbox"])
     if mode not in (XYXY_ABS, XYWH_ABS) or type(mode) is bool:
-        raise RoIDBInputError(
-            f"{where()} has bbox_mode={mode!r} ({_MODES.get(mode, 'unknown')}); use "
-            f"BoxMode.XYXY_ABS (0) or BoxMode.XYWH_ABS (1), absolute pixel coordinates.")
+        label = _MODES.get(mode, "?") if isinstance(mode, int) else "?"
+        raise RoIDBInputError(f"{where()} has bbox_mode={mode!r} ({label}); use BoxMode."
+                              f"XYXY_ABS (0) or BoxMode.XYWH_ABS (1), absolute pixels.")
     if type(cat) is not int or not 0 <= cat < k:
         raise RoIDBInputError(
             f"{where()} has category_id={cat!r}, not a contiguous id 0..{k - 1} of the {k} "
@@ -86,9 +93,8 @@ def _annotation(a: Any, iid: int, h: Any, w: Any, k: int, where: Callable[[], st
     if mode == XYXY_ABS and len(box) == 4 and all(type(v) is float for v in box):
         box = [box[0], box[1], box[2] - box[0], box[3] - box[1]]
     seg = a.get("segmentation")
-    if isinstance(seg, Mapping):
-        seg = {**seg, "counts": seg["counts"].decode("ascii") if isinstance(
-            seg.get("counts"), bytes) else seg.get("counts")}
+    if isinstance(seg, Mapping) and isinstance(seg.get("counts"), bytes):  # pycocotools'
+        seg = {**seg, "counts": seg["counts"].decode("ascii")}
     elif isinstance(seg, (list, tuple)):
         seg = [_floats(p) for p in seg]
     out = {"image_id": iid, "category_id": cat, "bbox": box, "iscrowd": _py(a.get("iscrowd", 0)),
@@ -130,15 +136,9 @@ def coco_windows(records: Iterable[Mapping], *, name: str, thing_classes: Sequen
             return
         images, anns = [], []
         for rec in chunk:
-            missing = [f for f in _IMAGE_KEYS if f not in rec] \
-                if isinstance(rec, Mapping) else ["(not a dict)"]
             rid = rec.get("image_id") if isinstance(rec, Mapping) else None
-            if missing:
-                raise RoIDBInputError(
-                    f"dataset {name!r}: record #{n} (image_id {rid!r}) has no "
-                    f"{', '.join(missing)}; Detectron2's standard dataset dicts carry "
-                    f"file_name, height, width and image_id. Add them in the registered "
-                    f"function.")
+            _need(rec, _IMAGE_KEYS, f"dataset {name!r}: record #{n} (image_id {rid!r})",
+                  "file_name, height, width and image_id per image")
             if positional is None:
                 positional = type(_py(rid)) is not int
             iid = n if positional else _py(rid)
