@@ -119,16 +119,7 @@ def test_blobs_equal_the_coco_path(demo, tmp_path):
 def test_detectron2_load_coco_json_registered_unchanged(demo, tmp_path):
     """Detectron2's own ``load_coco_json`` (compressed RLE, keypoints + 0.5), registered as a
     Detectron2 user registers it: the blobs equal the COCO path's."""
-    src = d2_src()
-    if src is None:
-        pytest.skip("no Detectron2 source checkout (set DETECTRON2_SRC)")
-    pytest.importorskip("fvcore")
-    pytest.importorskip("iopath")
-    sys.path.insert(0, src)
-    try:
-        from detectron2.data.datasets.coco import load_coco_json as d2_load_coco_json
-    finally:
-        sys.path.remove(src)
+    d2_load_coco_json = _d2_import("data.datasets.coco", "load_coco_json")
     info = demo[0]
     _both(demo, tmp_path, lambda: d2_load_coco_json(info["annotation_file"], info["image_dir"],
                                                     "lit_roidata_test_demo"))
@@ -245,3 +236,50 @@ def test_catalog_registration_and_cache_key(tmp_path):
                                                                  file_name="gone.jpg")])
     with pytest.raises(RoIDBInputError, match="gone.jpg"):  # raised in the build worker
         path("h")
+
+
+def _d2_import(module: str, name: str):
+    """``detectron2.<module>.<name>`` from a source checkout (skips without one)."""
+    src = d2_src()
+    if src is None:
+        pytest.skip("no Detectron2 source checkout (set DETECTRON2_SRC)")
+    pytest.importorskip("fvcore")
+    pytest.importorskip("iopath")
+    sys.path.insert(0, src)
+    try:
+        return getattr(__import__(f"detectron2.{module}", fromlist=[name]), name)
+    finally:
+        sys.path.remove(src)
+
+
+def test_detectron2_load_voc_instances_registered_unchanged(tmp_path):
+    """Detectron2's ``load_voc_instances`` (XYXY_ABS boxes less 1 at the top left, string
+    ids): Detectron's 0-based inclusive VOC boxes, images numbered in split order."""
+    load_voc_instances = _d2_import("data.datasets.pascal_voc", "load_voc_instances")
+    classes = _d2_import("data.datasets.pascal_voc", "CLASS_NAMES")
+    objs = {"000009": [("dog", 10, 20, 49, 59, 0), ("person", 1, 1, 30, 40, 1)],
+            "000005": [("chair", 5, 6, 7, 8, 0)]}
+    for sub in ("Annotations", "ImageSets/Main", "JPEGImages"):
+        os.makedirs(tmp_path / "VOC" / sub)
+    for fid, boxes in objs.items():
+        (tmp_path / "VOC" / "JPEGImages" / f"{fid}.jpg").write_bytes(b"")
+        xml = "".join(f"<object><name>{c}</name><difficult>{d}</difficult><bndbox><xmin>{a}"
+                      f"</xmin><ymin>{b}</ymin><xmax>{x}</xmax><ymax>{y}</ymax></bndbox></object>"
+                      for c, a, b, x, y, d in boxes)
+        (tmp_path / "VOC" / "Annotations" / f"{fid}.xml").write_text(
+            f"<annotation><size><width>80</width><height>60</height></size>{xml}</annotation>")
+    (tmp_path / "VOC" / "ImageSets" / "Main" / "trainval.txt").write_text("000009\n000005\n")
+    cat = Catalog(builtins=False)
+    cat.register("voc", lambda: load_voc_instances(str(tmp_path / "VOC"), "trainval", classes),
+                 thing_classes=list(classes))
+    from lit_roidata.roidb.build import roidb_for_evaluation
+
+    db = roidb_for_evaluation("voc", get_cfg(), str(tmp_path / "cache"), catalog=cat)
+    assert [e["id"] for e in db] == [0, 1]
+    assert [os.path.basename(e["image"]) for e in db] == ["000009.jpg", "000005.jpg"]
+    for e, boxes in zip(db, objs.values()):
+        np.testing.assert_array_equal(e["boxes"], [[a - 1, b - 1, x - 1, y - 1]
+                                                   for _, a, b, x, y, _ in boxes])
+        assert e["gt_classes"].tolist() == [classes.index(c) + 1 for c, *_ in boxes]
+        assert e["seg_areas"].tolist() == [(x - a + 1) * (y - b + 1)
+                                           for _, a, b, x, y, _ in boxes]
