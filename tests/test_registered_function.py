@@ -183,6 +183,19 @@ def test_string_image_ids_are_positions():
     assert t.ids.tolist() == [0, 1] and t.file_names == ["/x/000009.jpg", "/x/000005.jpg"]
 
 
+def test_area_without_an_area_key():
+    """COCO's area stands in: the mask's as pycocotools measures it, else the box's."""
+    square = [[2, 2, 12, 2, 12, 12, 2, 12], [0, 0, 1, 1]]  # the short one: not counted
+    anns = [{"bbox": [2, 2, 10, 10], "bbox_mode": 1, "category_id": 0, "segmentation": square},
+            {"bbox": [0, 0, 4, 5], "bbox_mode": 0, "category_id": 0, "iscrowd": 1,
+             "segmentation": {"size": [20, 20], "counts": [5, 10, 385]}},
+            {"bbox": np.array([1, 1, 3, 2], np.float32), "bbox_mode": 1, "category_id": 0}]
+    t = load_records([{"file_name": "a.jpg", "height": np.int64(20), "width": 20,
+                       "image_id": 7, "annotations": anns}], name="a", thing_classes=["x"])
+    assert t.seg_areas.tolist() == [100.0, 10.0, 6.0] and t.ids.tolist() == [7]
+    assert t.boxes.tolist() == [[2, 2, 11, 11], [0, 0, 3, 4], [1, 1, 3, 2]]
+
+
 @pytest.mark.parametrize("change, words", [
     (lambda r: r.pop("height"), ["'bad'", "record #1", "image_id 2", "height", "Add them"]),
     (lambda r: r["annotations"][0].pop("bbox_mode"),

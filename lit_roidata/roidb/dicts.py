@@ -56,10 +56,13 @@ def _area(seg: Any, box: list, h: Any, w: Any) -> float:
 
     try:
         if isinstance(seg, dict):
-            rle = mask_util.frPyObjects(seg, h, w) if isinstance(seg["counts"], list) else seg
+            rle = (mask_util.frPyObjects(seg, int(h), int(w)) if isinstance(seg["counts"], list)
+                   else seg)
             return float(mask_util.area(rle))
-        if seg:
-            return float(mask_util.area(mask_util.merge(mask_util.frPyObjects(seg, h, w))))
+        polys = [p for p in seg or () if len(p) >= 6]  # those Detectron keeps (Q24)
+        if polys:
+            return float(mask_util.area(mask_util.merge(mask_util.frPyObjects(polys, int(h),
+                                                                              int(w)))))
         return float(box[2] * box[3])
     except Exception:  # a malformed mask or box: the decoder or the cleaning names it
         return 0.0
