@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import orjson
@@ -27,6 +28,7 @@ WINDOW = 2048
 XYXY_ABS, XYWH_ABS = 0, 1
 _MODES = {0: "XYXY_ABS", 1: "XYWH_ABS", 2: "XYXY_REL", 3: "XYWH_REL", 4: "XYWHA_ABS"}
 _IMAGE_KEYS = ("file_name", "height", "width", "image_id")
+_NUM = {int, float}
 
 
 def dict_categories(thing_classes: Sequence[str],
@@ -43,7 +45,9 @@ def _py(v: Any) -> Any:
 
 
 def _floats(v: Any) -> Any:
-    """A flat list of floats, or ``v`` unchanged for the decoder to name."""
+    """A flat list of numbers, or ``v`` unchanged for the decoder to name."""
+    if type(v) is list and set(map(type, v)) <= _NUM:
+        return v
     try:
         return np.asarray(v, np.float64).ravel().tolist()
     except (TypeError, ValueError):
@@ -93,7 +97,7 @@ def _annotation(a: Any, iid: int, h: Any, w: Any, k: int, where: Callable[[], st
             f"{where()} has category_id={cat!r}, not a contiguous id 0..{k - 1} of the {k} "
             f"thing_classes given at registration; add the class to thing_classes or map "
             f"the ids to 0..K-1 (as Detectron2's thing_dataset_id_to_contiguous_id).")
-    if mode == XYXY_ABS and len(box) == 4 and all(type(v) is float for v in box):
+    if mode == XYXY_ABS and len(box) == 4 and set(map(type, box)) <= _NUM:
         box = [box[0], box[1], box[2] - box[0], box[3] - box[1]]
     seg = a.get("segmentation")
     if isinstance(seg, Mapping) and isinstance(seg.get("counts"), bytes):  # pycocotools'
@@ -107,7 +111,7 @@ def _annotation(a: Any, iid: int, h: Any, w: Any, k: int, where: Callable[[], st
     if kp is not None and len(kp):  # Detectron2 adds 0.5 to COCO's pixel indices
         kp = _floats(kp)
         out["keypoints"] = [v - 0.5 if i % 3 != 2 else v for i, v in enumerate(kp)] \
-            if all(type(v) is float for v in kp) else kp
+            if set(map(type, kp)) <= _NUM else kp
     if "ignore" in a:
         out["ignore"] = _py(a["ignore"])
     return out
