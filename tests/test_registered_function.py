@@ -296,3 +296,20 @@ def test_detectron2_load_voc_instances_registered_unchanged(tmp_path):
         assert e["gt_classes"].tolist() == [classes.index(c) + 1 for c, *_ in boxes]
         assert e["seg_areas"].tolist() == [(x - a + 1) * (y - b + 1)
                                            for _, a, b, x, y, _ in boxes]
+
+
+def test_mixed_with_a_json_dataset_by_name(tmp_path):
+    """A function's ids (0..K-1) and a json's differ: strict refuses, by_name maps them."""
+    data = make_coco(8, 5)
+    cat = write_dataset(str(tmp_path), "files", data)
+    image_dir = cat.get("files").image_dir
+    cat.register("func", lambda: to_dicts(data, image_dir, extra=("area", "ignore")),
+                 thing_classes=_classes(data), version="1")
+    cfg, names = get_cfg(), ["files", "func"]
+    with pytest.raises(RoIDBInputError, match="different categories"):
+        combined_roidb_for_training(names, (), cfg, str(tmp_path / "c"), catalog=cat)
+    db = combined_roidb_for_training(names, (), cfg, str(tmp_path / "c"), catalog=cat,
+                                     category_policy="by_name")
+    half = len(db) // 2
+    for x, y in zip(list(db)[:half], list(db)[half:]):
+        assert x["gt_classes"].tolist() == y["gt_classes"].tolist() and x["id"] == y["id"]
