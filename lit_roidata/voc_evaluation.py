@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import pytorch_lightning as pl
 
+from lit_roidata.boxes import box_areas
 from lit_roidata.evaluation import COCOEvaluator, annotation_file, as_numpy, dataset_info
 from lit_roidata.roidb.voc import VOC_CLASSES, parse_voc_xml, voc_root_split
 
@@ -45,8 +46,8 @@ def _round(x: np.ndarray, digits: int) -> np.ndarray:
 def voc_class_aps(gt: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
                   dets: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
                   num_classes: int) -> dict[tuple[int, bool], np.ndarray]:
-    """Per-class AP (percent) at each IoU threshold 50, 55, ... 95 (percent), with the
-    devkit's matching, by both metrics.
+    """Per-class AP at each IoU threshold 50, 55, ... 95 (percent), with the devkit's
+    matching, by both metrics.
 
     ``gt[i]`` is image i's ``(boxes (n, 4) 1-based inclusive, classes (n,), difficult
     (n,))``; ``dets[i]`` its ``(boxes (k, 4) 1-based, classes (k,), scores (k,))`` with
@@ -59,36 +60,33 @@ def voc_class_aps(gt: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
     without non-difficult ground truth.
     """
     starts = np.cumsum([0] + [len(g[1]) for g in gt])
-    diff_all = np.concatenate([g[2] for g in gt] + [np.zeros(0, bool)])
-    ovmax, owner, cls, score = [], [], [], []
-    for i, ((gb, gc, _), (db, dc, ds)) in enumerate(zip(gt, dets)):
-        w = np.minimum(db[:, None, 2], gb[None, :, 2]) - np.maximum(db[:, None, 0], gb[None, :, 0])
-        h = np.minimum(db[:, None, 3], gb[None, :, 3]) - np.maximum(db[:, None, 1], gb[None, :, 1])
-        inter = np.maximum(w + 1.0, 0.0) * np.maximum(h + 1.0, 0.0)
-        area_d = (db[:, 2] - db[:, 0] + 1.0) * (db[:, 3] - db[:, 1] + 1.0)
-        area_g = (gb[:, 2] - gb[:, 0] + 1.0) * (gb[:, 3] - gb[:, 1] + 1.0)
+    gt_cls, hard = (np.concatenate([g[k] for g in gt] + [np.zeros(0, t)])
+                    for k, t in ((1, np.int64), (2, bool)))
+    ovmax, owner = [np.zeros(0)], [np.zeros(0, np.int64)]
+    for start, (gb, gc, _), (db, dc, _) in zip(starts, gt, dets):
+        gb, gc = np.vstack([gb, np.zeros((1, 4))]), np.append(gc, -1)  # a column never taken
+        w = np.minimum(db[:, None, 2], gb[:, 2]) - np.maximum(db[:, None, 0], gb[:, 0]) + 1.0
+        h = np.minimum(db[:, None, 3], gb[:, 3]) - np.maximum(db[:, None, 1], gb[:, 1]) + 1.0
+        inter = np.maximum(w, 0.0) * np.maximum(h, 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            iou = inter / (area_d[:, None] + area_g[None, :] - inter)
-        iou[dc[:, None] != gc[None, :]] = -np.inf  # only the detection's class
-        j = iou.argmax(axis=1) if gb.size else np.zeros(len(db), np.int64)
-        ovmax.append(iou[np.arange(len(db)), j] if gb.size else np.full(len(db), -np.inf))
-        owner.append(starts[i] + j)
-        cls.append(dc)
-        score.append(ds)
-    ovmax, owner, cls, score = (np.concatenate(a) if a else np.zeros(0)
-                                for a in (ovmax, owner, cls, score))
-    gt_cls = np.concatenate([g[1] for g in gt] + [np.zeros(0, np.int64)])
+            iou = inter / (box_areas(db)[:, None] + box_areas(gb) - inter)
+        iou[dc[:, None] != gc] = -np.inf  # only the detection's class
+        j = iou.argmax(axis=1)
+        ovmax.append(iou[np.arange(len(db)), j])
+        owner.append(start + j)
+    ovmax, owner = np.concatenate(ovmax), np.concatenate(owner)
+    cls, score = (np.concatenate([d[k] for d in dets] + [np.zeros(0)]) for k in (1, 2))
     out = {(t, m): np.full(num_classes, np.nan) for t in _THRESHOLDS for m in (True, False)}
     for c in range(num_classes):
-        npos = int(np.sum((gt_cls == c) & ~diff_all))
+        npos = int(np.sum((gt_cls == c) & ~hard))
         if npos == 0:
             continue
         sel = np.flatnonzero(cls == c)
         order = sel[np.argsort(-score[sel])]
-        ov, key = ovmax[order], owner[order].astype(np.int64)
+        ov, key = ovmax[order], owner[order]
         for t in _THRESHOLDS:
             hit = ov > t / 100.0
-            easy = hit & ~diff_all[np.where(hit, key, 0)]
+            easy = hit & ~hard[np.where(hit, key, 0)]
             pos = np.flatnonzero(easy)
             tp = np.zeros(len(order))
             tp[pos[np.unique(key[pos], return_index=True)[1]]] = 1.0
@@ -96,7 +94,7 @@ def voc_class_aps(gt: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
             tp = np.cumsum(tp)
             prec = tp / np.maximum(tp + fp, np.finfo(np.float64).eps)
             for m in (True, False):
-                out[t, m][c] = 100.0 * voc_ap(tp / npos, prec, m)
+                out[t, m][c] = voc_ap(tp / npos, prec, m)
     return out
 
 
@@ -148,20 +146,20 @@ class VOCEvaluator(COCOEvaluator):
                 raise ValueError(f"dataset {name!r}: image id {image_id!r} has no annotation "
                                  f"file {xml}; are the detections from another dataset?")
             objs = [(b, index[n], hard) for n, b, hard in parse_voc_xml(xml)[2] if n in index]
-            gt.append((np.array([o[0] for o in objs], np.float64).reshape(-1, 4),
-                       np.array([o[1] for o in objs], np.int64), np.array([o[2] for o in objs],
-                                                                         bool)))
+            b, c, hard = zip(*objs) if objs else ((), (), ())
+            gt.append((np.array(b, np.float64).reshape(-1, 4), np.array(c, np.int64),
+                       np.array(hard, bool)))
             boxes = as_numpy(d["boxes"]).astype(np.float64).reshape(-1, 4)
             dets.append((_round(boxes + 1.0, 1), as_numpy(d["labels"]).astype(np.int64) - 1,
                          _round(as_numpy(d["scores"]).astype(np.float64).reshape(-1), 3)))
         use07 = (self.use_07_metric if self.use_07_metric is not None
                  else "2007" in name or "2007" in os.path.basename(root))
         aps = voc_class_aps(gt, dets, len(classes))
-        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a mean of no class: NaN
             mean = {t: np.nanmean(aps[t, use07]) for t in _THRESHOLDS}
             out = {"AP": np.mean(list(mean.values())), "AP50": mean[50], "AP75": mean[75]}
             for m, kind in ((True, "11pt"), (False, "area")):
                 out[f"AP50_{kind}"] = np.nanmean(aps[50, m])
                 out.update({f"AP50_{kind}_{c}": v for c, v in zip(classes, aps[50, m])})
-        return {f"voc_bbox_{k}": float(v) / 100.0 for k, v in out.items()}
+        return {f"voc_bbox_{k}": float(v) for k, v in out.items()}
