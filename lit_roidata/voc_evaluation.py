@@ -16,7 +16,7 @@ import pytorch_lightning as pl
 
 from lit_roidata.boxes import box_areas
 from lit_roidata.evaluation import COCOEvaluator, annotation_file, as_numpy, dataset_info
-from lit_roidata.roidb.voc import VOC_CLASSES, parse_voc_xml, voc_root_split
+from lit_roidata.roidb.voc import VOC_CLASSES, parse_voc_xml, voc_image_ids, voc_root_split
 
 __all__ = ["VOCEvaluator", "voc_ap", "voc_class_aps"]
 
@@ -120,7 +120,8 @@ class VOCEvaluator(COCOEvaluator):
     _key_prefix = "voc_"
     _iou_choices = ("bbox",)
     _table_stats = ("AP", "AP50", "AP75", "AP50_11pt", "AP50_area")
-    _image_key = str
+    #: a file id (str) as is; an integer id is a position in the split (the dicts roidb's)
+    _image_key = staticmethod(lambda i: i if isinstance(i, str) else int(i))
 
     def __init__(self, annotation_files: Optional[dict[str, str]] = None,
                  use_07_metric: Optional[bool] = None, print_summary: bool = True,
@@ -137,11 +138,11 @@ class VOCEvaluator(COCOEvaluator):
         classes = self.class_names or (tuple(info.classes[1:]) if info is not None
                                        else VOC_CLASSES)
         index = {c: i for i, c in enumerate(classes)}
-        gt, dets = [], []
+        ids, gt, dets = voc_image_ids(root, split), [], []
         for image_id, d in by_image.items():
-            xml = os.path.join(root, "Annotations", f"{image_id}.xml")
-            if not os.path.isfile(xml) and image_id.isdigit():  # an int id of a numeric file id
-                xml = os.path.join(root, "Annotations", f"{int(image_id):06d}.xml")
+            fid = image_id if isinstance(image_id, str) else ids[image_id] if (
+                0 <= image_id < len(ids)) else f"<position {image_id} of {len(ids)}>"
+            xml = os.path.join(root, "Annotations", f"{fid}.xml")
             if not os.path.isfile(xml):
                 raise ValueError(f"dataset {name!r}: image id {image_id!r} has no annotation "
                                  f"file {xml}; are the detections from another dataset?")

@@ -18,8 +18,8 @@ from PIL import Image
 
 from d2_support import d2_src
 from lit_roidata.catalog import Catalog
-from lit_roidata.roidb.voc import (VOC_CLASSES, load_voc_instances, voc_dicts, voc_image_ids,
-                                   voc_root_split)
+from lit_roidata.roidb.voc import (VOC_CLASSES, load_voc_instances, voc_image_ids, voc_root_split,
+                                   voc_source)
 from lit_roidata.voc_evaluation import VOCEvaluator, voc_ap
 
 CLASSES = VOC_CLASSES[:4]
@@ -133,10 +133,17 @@ def test_catalog_names_voc_tree_or_coco_json(tmp_path: Path) -> None:
     assert (s.format, s.annotation_file) == ("coco", str(json))
     assert cat.get("voc_2012_val").format == "voc"
     d = make_voc_tree(tmp_path, np.random.default_rng(0))
-    dicts, classes = voc_dicts(cat.get("voc_2007_val"))
-    assert classes == VOC_CLASSES and dicts == load_voc_instances(str(d), "val")
+    src = voc_source(cat.get("voc_2007_val"))
+    assert src["thing_classes"] == VOC_CLASSES
+    assert src["function"]() == load_voc_instances(str(d), "val")
     mine = cat.register("mine", d / "JPEGImages", d / "ImageSets/Main/train.txt", format="voc")
-    assert voc_dicts(mine)[0] == load_voc_instances(str(d), "train")
+    assert voc_source(mine)["function"]() == load_voc_instances(str(d), "train")
+    # the cache key: stable, and changed by an edited annotation file of the split only
+    assert voc_source(mine)["version"] == voc_source(mine)["version"] != src["version"]
+    xml = d / "Annotations" / (voc_image_ids(str(d), "val")[0] + ".xml")
+    xml.write_text(xml.read_text().replace("<depth>3</depth>", "<depth>3</depth> "))
+    assert voc_source(mine)["version"] == voc_source(cat.get("voc_2007_train"))["version"]
+    assert voc_source(cat.get("voc_2007_val"))["version"] != src["version"]
 
 
 def test_voc_ap_by_hand() -> None:
@@ -185,8 +192,12 @@ def test_evaluator_by_hand(tmp_path: Path) -> None:
     assert m["val/voc_bbox_AP50_area_cat"] == pytest.approx(0.5)
     assert m["val/voc_bbox_AP50_11pt_cat"] == pytest.approx(0.5)
     assert m["val/voc_bbox_AP50_area"] == pytest.approx(0.75)
-    with pytest.raises(ValueError, match="no annotation file"):
-        _evaluate(d, [{**det((cat_box, 0.9, cat_))[0], "image_id": "000002"}])
+    # an integer id is the image's position in the split (the dicts roidb's ids)
+    assert _evaluate(d, [{**det((cat_box, 0.9, cat_))[0], "image_id": np.int64(0)}])[
+        "val/voc_bbox_AP50_area_cat"] == 1.0
+    for bad in ("000002", 1):
+        with pytest.raises(ValueError, match="no annotation file"):
+            _evaluate(d, [{**det((cat_box, 0.9, cat_))[0], "image_id": bad}])
 
 
 def _random_detections(d: Path, split: str, rng: np.random.Generator,

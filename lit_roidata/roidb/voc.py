@@ -7,12 +7,14 @@ annotation file. See docs/custom_datasets.md (Pascal VOC).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import xml.etree.ElementTree as ET
 from typing import Any, Sequence
 
 __all__ = ["VOC_CLASSES", "load_voc_instances", "parse_voc_xml", "voc_image_ids",
-           "voc_root_split", "voc_dicts"]
+           "voc_root_split", "voc_fingerprint", "voc_source"]
 
 #: The 20 Pascal VOC classes, in the devkit's (and Detectron2's) order.
 VOC_CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair",
@@ -80,7 +82,20 @@ def load_voc_instances(dirname: str, split: str,
     return out
 
 
-def voc_dicts(spec: Any) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
-    """The dataset dicts and class names of a ``format="voc"`` catalog record (its
-    ``annotation_file`` is the split list): what the dicts-to-roidb path builds from."""
-    return load_voc_instances(*voc_root_split(spec.annotation_file)), VOC_CLASSES
+def voc_fingerprint(dirname: str, split: str) -> str:
+    """A digest of the VOC root, the split's image ids and the size and mtime of each of
+    their annotation files: the cache key of the split's records."""
+    h = hashlib.sha1(os.path.abspath(dirname).encode())
+    for fid in voc_image_ids(dirname, split):
+        st = os.stat(os.path.join(dirname, "Annotations", fid + ".xml"))
+        h.update(f"{fid} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def voc_source(spec: Any) -> dict[str, Any]:
+    """What the registered-function path needs of a ``format="voc"`` catalog record (its
+    ``annotation_file`` is the split list): ``function`` (the split's dicts, ids in split
+    order), ``thing_classes`` (the 20 VOC classes) and ``version`` (:func:`voc_fingerprint`)."""
+    root, split = voc_root_split(spec.annotation_file)
+    return {"function": functools.partial(load_voc_instances, root, split),
+            "thing_classes": VOC_CLASSES, "version": voc_fingerprint(root, split)}
