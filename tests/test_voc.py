@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 import pytest
 import pytorch_lightning as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from PIL import Image
 
@@ -20,7 +22,7 @@ from d2_support import d2_src
 from lit_roidata.catalog import Catalog
 from lit_roidata.roidb.voc import (VOC_CLASSES, load_voc_instances, voc_image_ids, voc_root_split,
                                    voc_source)
-from lit_roidata.voc_evaluation import VOCEvaluator, voc_ap
+from lit_roidata.voc_evaluation import VOCEvaluator, voc_ap, voc_class_aps
 
 CLASSES = VOC_CLASSES[:4]
 
@@ -311,3 +313,42 @@ def test_callback_in_a_trainer(tmp_path: Path) -> None:
         assert trainer.callback_metrics[f"val/voc_bbox_{key}"] == pytest.approx(1.0), key
     assert ev.last_metrics["val/voc_bbox_AP50_area_person"] != ev.last_metrics[
         "val/voc_bbox_AP50_area_person"]  # NaN: no person in the tree
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_voc_class_aps_properties(seed: int) -> None:
+    """On random ground truth and detections (distinct scores): APs lie in [0, 1]; they do
+    not depend on the order of the images or of the detections; a false positive scored
+    below all others raises no AP; the ground truth's own boxes score 1 for every class
+    with (non-difficult) ground truth."""
+    rng = np.random.default_rng(seed)
+    n_img, k = int(rng.integers(1, 5)), 3
+    gt, dets = [], []
+    for _ in range(n_img):
+        n = int(rng.integers(0, 4))
+        xy = rng.integers(1, 40, (n, 2)).astype(np.float64)
+        gt.append((np.hstack([xy, xy + rng.integers(2, 20, (n, 2))]),
+                   rng.integers(0, k, n), rng.random(n) < 0.2))
+        m = int(rng.integers(0, 5))
+        dxy = rng.integers(1, 40, (m, 2)).astype(np.float64)
+        dets.append((np.hstack([dxy, dxy + rng.integers(2, 20, (m, 2))]), rng.integers(0, k, m),
+                     rng.permutation(1000)[:m] / 1000 + 0.0005))
+    aps = voc_class_aps(gt, dets, k)
+    for v in aps.values():
+        assert np.all(np.isnan(v) | ((v >= 0) & (v <= 1)))
+    perm = rng.permutation(n_img)
+    flip = [tuple(a[::-1] for a in d) for d in dets]
+    for other in (voc_class_aps([gt[i] for i in perm], [dets[i] for i in perm], k),
+                  voc_class_aps(gt, flip, k)):
+        for key, v in aps.items():
+            np.testing.assert_allclose(other[key], v, atol=1e-12)
+    worse = list(dets)
+    worse[0] = (np.vstack([dets[0][0], [[100, 100, 120, 120]]]),
+                np.append(dets[0][1], 0), np.append(dets[0][2], 0.0))
+    for key, v in voc_class_aps(gt, worse, k).items():
+        assert np.all(np.isnan(v) | (v <= aps[key] + 1e-12))
+    own = [(g[0], g[1], np.ones(len(g[1]))) for g in gt]
+    for key, v in voc_class_aps(gt, own, k).items():
+        has = [c for c in range(k) if any(((g[1] == c) & ~g[2]).any() for g in gt)]
+        np.testing.assert_allclose(v[has], 1.0)
