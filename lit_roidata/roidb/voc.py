@@ -49,7 +49,7 @@ def parse_voc_xml(path: str) -> tuple[int, int, list[tuple[str, list[float], boo
         box = obj.find("bndbox")
         objects.append((obj.findtext("name"),
                         [float(box.findtext(k)) for k in ("xmin", "ymin", "xmax", "ymax")],
-                        int(obj.findtext("difficult") or 0) == 1))
+                        int(obj.findtext("difficult") or 0) != 0))
     return int(root.findtext("size/height")), int(root.findtext("size/width")), objects
 
 
