@@ -30,6 +30,7 @@ from lit_roidata.roidb.proposals import empty_proposal_table
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
+from lit_roidata.roidb.voc import voc_source
 from lit_roidata.roidb.segms import SegmColumns, concat, concat_offsets, offsets
 from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed
 from lit_roidata.roidb.columnar import RoIDB
@@ -197,6 +198,7 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     names, files = _normalise(dataset_names, proposal_files)
     catalog = catalog if catalog is not None else DatasetCatalog
     specs = [catalog.get(n) for n in names]
+    specs = [dataclasses.replace(s, **voc_source(s)) if s.format == "voc" else s for s in specs]
     root = os.path.abspath(cache_dir or default_cache_dir())
     os.makedirs(root, exist_ok=True)
     for spec in specs:
