@@ -5,6 +5,7 @@ timeout, a server restart mid-pass) a named error, a counted skip or a retried r
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from pathlib import Path
@@ -256,12 +257,12 @@ def test_block_source_attaches_the_same_workers_next_blocks():
         sampler = RoIBatchSampler(np.full(40, 640), np.full(40, 480), 2, seed=5)
         loader = StatefulRoIDataLoader(Data(), sampler, read_ahead=read_ahead)
         loader._source.ahead = (read_ahead, workers)  # noqa: SLF001 - round robin over 3
-        return list(loader._source)  # noqa: SLF001
+        return list(itertools.islice(loader._source, 60))  # noqa: SLF001 - runs on
 
     plain = blocks(0, 3)
     ahead = blocks(2, 3)
     assert [list(b) for b in ahead] == [list(b) for b in plain]
-    for k, blk in enumerate(ahead):
+    for k, blk in enumerate(ahead[:50]):
         assert isinstance(blk, _AheadBlock)
         assert blk.ahead == [i for b in plain[k + 3:k + 7:3] for i in b]
         back = pickle.loads(pickle.dumps(blk))
