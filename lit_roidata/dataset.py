@@ -37,6 +37,7 @@ from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch import shm_pool as _pool
+from lit_roidata.storage import prefetch_block
 from lit_roidata.minibatch.transport import packed, shared_empty
 from lit_roidata.osutil import malloc_trim
 from lit_roidata.rng import RNG, block_rng
@@ -274,6 +275,7 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             BadImageError: with ``on_bad_image="raise"``.
             RuntimeError: no usable block within ``max_attempts`` replacements.
         """
+        prefetch_block(block, self.roidb)  # loader.read_ahead: the next blocks' images
         pool = getattr(self, "shm_pool", None)
         arena = _pool.begin_block(pool) if pool is not None and _in_worker() else None
         out = None
