@@ -227,20 +227,20 @@ def test_no_shm_files_left_and_killed_worker_leaves_no_stale_state(tmp_path):
     assert _shm_files() - before == set()
 
 
-def test_new_workers_get_a_new_pool_persistent_ones_keep_theirs(tmp_path):
-    loader = _loader(tmp_path, num_workers=1)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_new_workers_get_a_new_pool_running_ones_keep_theirs(tmp_path, persistent):
+    """The next epoch continues the running stream: the same workers, the same pool. A
+    restored position starts a new stream: new workers get a new pool (persistent
+    workers are reused and keep theirs)."""
+    loader = _loader(tmp_path, num_workers=1, persistent_workers=persistent)
     loader.batch_sampler.infinite = False
     list(zip(loader, range(2)))
-    first = loader.shm_pool
+    pool = loader.shm_pool
     list(zip(loader, range(2)))
-    assert loader.shm_pool is not first or first is None
-    persistent = _loader(tmp_path, num_workers=1, persistent_workers=True)
-    persistent.set_epoch(0)
-    list(zip(persistent, range(2)))
-    pool = persistent.shm_pool
-    persistent.set_epoch(1)
-    list(zip(persistent, range(2)))
-    assert pool is not None and persistent.shm_pool is pool
+    assert pool is not None and loader.shm_pool is pool
+    loader.load_state_dict(loader.state_dict())
+    list(zip(loader, range(2)))
+    assert (loader.shm_pool is pool) == persistent
 
 
 def test_spawned_workers_share_the_pool(tmp_path):
