@@ -535,18 +535,25 @@ def run_phase(args: argparse.Namespace, phase: str, **kw: Any) -> dict[str, Any]
 
 # --------------------------------------------------------------------------- bytes copied
 def bytes_copied(args: argparse.Namespace) -> list[tuple[str, dict[str, int]]]:
-    """``transfer_report`` of e2e batches built as in a worker (target_format both ways)."""
+    """``transfer_report`` of e2e batches built as in a worker (target_format both ways),
+    and of the torchvision output at 16 images of 800 px (mask_format both ways)."""
     import lit_roidata.dataset as dataset_mod
     from lit_roidata.minibatch.transport import transfer_report
 
     dataset_mod._in_worker = lambda: True  # allocate as a worker does (this process only)
     rows = []
+    tv16 = {"output_format": "torchvision",
+            "overrides": {"TRAIN.IMS_PER_BATCH": 16, "TRAIN.SCALES": [800]}}
     for name, kw in (("e2e compact targets", {}),
-                     ("e2e detectron targets", {"target_format": "detectron"})):
+                     ("e2e detectron targets", {"target_format": "detectron"}),
+                     ("tv x16 compact masks", dict(tv16, mask_format="compact")),
+                     ("tv x16 full masks", dict(tv16, mask_format="detectron"))):
         dm = _lit_module(args, "mask_rcnn_fpn", **kw)
         sampler = dm.make_sampler()
         ds = dm.make_dataset(sampler=sampler)
         reps = [transfer_report(ds.__getitems__(b)) for b, _ in zip(sampler, range(6))]
+        for r in reps:
+            r["total_bytes"] = r["copied_bytes"] + r["shared_bytes"]
         rows.append((name, {k: int(np.mean([r[k] for r in reps])) for k in reps[0]}))
     return rows
 
@@ -692,11 +699,15 @@ def main() -> None:
 
     if not only or "bytes" in only:
         print("=== bytes out of a worker per batch (transfer_report) ===")
-        for name, rep in bytes_copied(args):
-            print(f"  {name:24s} copied {rep['copied_bytes'] / 2**20:7.2f} MiB "
+        rows = dict(bytes_copied(args))
+        for name, rep in rows.items():
+            print(f"  {name:24s} {rep['total_bytes'] / 2**20:7.2f} MiB in all; copied {rep['copied_bytes'] / 2**20:7.2f} MiB "
                   f"(packed {rep['packed_bytes'] / 2**20:.2f}, moved by the pickler "
                   f"{rep['moved_bytes'] / 2**20:.2f}); sent by handle, no copy "
                   f"{rep['shared_bytes'] / 2**20:.2f} MiB; {rep['tensors']} tensors")
+        compact, full = (rows[f"tv x16 {k} masks"]["total_bytes"] for k in ("compact", "full"))
+        print(f"  torchvision output, 16 images: compact / full masks {compact / full:.3f}x "
+              "bytes per batch (target <= 0.45)")
 
     if not only or "mem" in only:
         mb = tuple(int(x) for x in args.mem_batches.split(","))
