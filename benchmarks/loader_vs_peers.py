@@ -629,7 +629,7 @@ def main() -> None:
         ("lit e2e mask_rcnn_fpn (compact targets)", "lit", {"variant": "compact"}),
         (E2E_READY, "lit", {"variant": "compact", "finish": 1}),
         ("lit e2e mask_rcnn_fpn (detectron targets)", "lit", {"variant": "detectron_targets"}),
-        ("lit torchvision output (masks)", "lit", {"variant": "torchvision"}),
+        ("lit torchvision output (masks)", "lit", {"variant": "torchvision", "finish": 1}),
         ("lit fast_rcnn_fpn from proposals", "lit", {"variant": "fast_rcnn", "proposals": props}),
         ("torchvision references", "tv", {}),
     ]
