@@ -13,7 +13,8 @@ over the main process and its workers):
 * ``lit e2e``: ``RoIDataModule(model_type="mask_rcnn_fpn")`` (uint8 pixels, RPN targets
   of 5 FPN levels built in the loader), ``target_format`` compact (default) and
   ``detectron`` (dense blobs from the workers, as before);
-* ``lit torchvision``: the same module with ``output_format="torchvision"`` (masks);
+* ``lit torchvision``: the same module with ``output_format="torchvision"`` (masks: the
+  default compact crops, pasted by ``on_after_batch_transfer`` in the timed process);
 * ``lit fast_rcnn``: ``model_type="fast_rcnn_fpn"`` from a proposal file (2000 per image);
 * ``detectron2``: ``build_detection_train_loader`` + ``DatasetMapper`` with instance
   masks, from a Detectron2 source checkout (``--d2-src``; skipped with a note without it);
@@ -36,8 +37,9 @@ Detectron2 row:
 
 then ratios against the peers measured in this run. Also printed:
 
-* bytes copied per batch out of a worker (``transport.transfer_report``), compact vs
-  Detectron targets (item "one copy of every large array");
+* bytes per batch out of a worker (``transport.transfer_report``), compact vs
+  Detectron targets (item "one copy of every large array"), and the torchvision output
+  at 16 images of 800 px with compact vs full masks (their ratio);
 * worker private memory (USS, PSS) after 50 and after 500 batches of the e2e loader;
 * total PSS of the main process + workers with a COCO train2017-scale annotation file
   (118,287 images), lit_roidata vs Detectron2, after 100 timed images (``--pss-images``;
