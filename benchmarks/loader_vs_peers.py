@@ -703,7 +703,8 @@ def main() -> None:
         print("=== bytes out of a worker per batch (transfer_report) ===")
         rows = dict(bytes_copied(args))
         for name, rep in rows.items():
-            print(f"  {name:24s} {rep['total_bytes'] / 2**20:7.2f} MiB in all; copied {rep['copied_bytes'] / 2**20:7.2f} MiB "
+            print(f"  {name:24s} {rep['total_bytes'] / 2**20:7.2f} MiB in all; copied "
+                  f"{rep['copied_bytes'] / 2**20:7.2f} MiB "
                   f"(packed {rep['packed_bytes'] / 2**20:.2f}, moved by the pickler "
                   f"{rep['moved_bytes'] / 2**20:.2f}); sent by handle, no copy "
                   f"{rep['shared_bytes'] / 2**20:.2f} MiB; {rep['tensors']} tensors")

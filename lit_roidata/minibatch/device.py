@@ -219,13 +219,10 @@ def _paste_target_masks(batch: Any) -> Any:
 
             masks = tv_tensors.Mask(paste_mask_crops(
                 target["mask_crops"], target["mask_boxes"], image.shape[-2:]))
-            items = list(target.items())
+            items = [("masks", masks) if k == "mask_crops" else (k, v)
+                     for k, v in target.items() if k != "mask_boxes"]
             target.clear()
-            for k, v in items:
-                if k == "mask_crops":
-                    target["masks"] = masks
-                elif k != "mask_boxes":
-                    target[k] = v
+            target.update(items)
     return batch
 
 

@@ -14,10 +14,10 @@ torchvision's conventions:
 * **targets**: ``boxes`` (``BoundingBoxes``, XYXY, ``canvas_size=(h, w)``), ``labels``
   int64 (contiguous ids), ``image_id``, non-crowd gt only; ``masks`` (``Mask`` uint8
   ``(N, h, w)``) with ``MODEL.MASK_ON`` (``compact_masks``: ``mask_crops`` and
-  ``mask_boxes`` instead, pasted on the device by
-  :func:`~lit_roidata.minibatch.device.paste_mask_crops`); ``keypoints`` float32 ``(N, K, 3)`` rows
-  ``x, y, v`` with ``MODEL.KEYPOINTS_ON``; ``proposals`` (``BoundingBoxes``) when the
-  entry has proposal rows; ``crowd_boxes``; and ``scale``, ``orig_size``, ``flipped``;
+  ``mask_boxes`` instead, pasted by :func:`~lit_roidata.minibatch.device.paste_mask_crops`);
+  ``keypoints`` float32 ``(N, K, 3)`` rows ``x, y, v`` with ``MODEL.KEYPOINTS_ON``;
+  ``proposals`` (``BoundingBoxes``) when the entry has proposal rows; ``crowd_boxes``;
+  and ``scale``, ``orig_size``, ``flipped``;
   for LVIS roidbs also ``neg_category_ids`` and ``not_exhaustive_category_ids`` (int64,
   contiguous class ids like ``labels``; :mod:`lit_roidata.roidb.lvis`).
 """
