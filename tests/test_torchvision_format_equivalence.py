@@ -217,7 +217,7 @@ def test_compact_masks_finished_equal_full_masks(tmp_path, flipped, augmented):
     import albumentations as A
 
     from lit_roidata.minibatch.augment import Augmentation
-    from lit_roidata.minibatch.device import finish_batch
+    from lit_roidata.minibatch.device import finish_batch, paste_target_masks
 
     cfg = small_cfg(**{"MODEL.MASK_ON": True, "TRAIN.SCALES": [40, 72], "TRAIN.MAX_SIZE": 200})
     entries = _entries_for_batch(tmp_path, flipped)
@@ -231,6 +231,7 @@ def test_compact_masks_finished_equal_full_masks(tmp_path, flipped, augmented):
             compact_masks=True))
         assert all("masks" not in t and "mask_crops" in t for t in batch[1])
         assert finish_batch(batch, cfg) is batch
+        assert paste_target_masks(batch) is batch  # pasted already: unchanged
         assert [t["masks"].shape[0] for t in batch[1]] == [4, 3, 0]  # one crowd gt
         for a, b in zip(batch[1], full[1]):
             assert list(a) == list(b)

@@ -21,7 +21,7 @@ from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS
 
 __all__ = ["normalize_on_device", "expand_masks_on_device", "expand_rpn_targets",
            "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch",
-           "paste_mask_crops"]
+           "paste_mask_crops", "paste_target_masks"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,9 +207,10 @@ def paste_mask_crops(bits: torch.Tensor, boxes: torch.Tensor, size: Sequence[int
     return out
 
 
-def _paste_target_masks(batch: Any) -> Any:
-    """``finish_batch`` of a torchvision batch: ``mask_crops`` / ``mask_boxes`` of each
-    target replaced, in place and at their position, by ``masks`` (a ``tv_tensors.Mask``)."""
+def paste_target_masks(batch: Any) -> Any:
+    """``finish_batch`` of a torchvision ``(images, targets)`` batch: each target's
+    ``mask_crops`` / ``mask_boxes`` replaced, in place and at their position, by ``masks``
+    (a ``tv_tensors.Mask``); anything else is returned unchanged."""
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2
             and isinstance(batch[1], list)):
         return batch
@@ -292,7 +293,7 @@ def finish_batch(batch: Any, cfg: Any, *, expand_compact_targets: bool = True) -
     (``target_format="compact_raw"``).
     """
     if not isinstance(batch, dict):
-        return _paste_target_masks(batch)
+        return paste_target_masks(batch)
     data, sizes = batch.get("data"), None
     if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 4:
         n, _, h, w = data.shape
