@@ -15,6 +15,7 @@ CALLBACKS: dict[str, str] = {
     "BroadcastParameters": "lit_roidata.broadcast",
     "COCOEvaluator": "lit_roidata.evaluation",
     "LVISEvaluator": "lit_roidata.lvis_evaluation",
+    "VOCEvaluator": "lit_roidata.voc_evaluation",
     "GracefulStop": "lit_roidata.loader_callbacks",
     "BadImageReport": "lit_roidata.loader_callbacks",
     "BlobExchangeCallback": "lit_roidata.exchange.callback",

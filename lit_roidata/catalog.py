@@ -1,6 +1,7 @@
-"""Dataset catalog: name → image directory, annotation file (COCO or LVIS format), image prefix.
+"""Dataset catalog: name → image directory, annotation file (COCO, LVIS, VOC), image prefix;
+or name → a function returning Detectron2's standard dataset dicts.
 
-Detectron's built-in COCO (and VOC-as-COCO-json) names and Detectron2's LVIS v1 names,
+Detectron's built-in COCO (and VOC-as-COCO-json) names, Detectron2's LVIS v1 and VOC names,
 resolved under a data root chosen at lookup time (``data_root=`` or
 ``LIT_ROIDATA_DATA_ROOT``), plus the user's own datasets from Python or a YAML file (see
 docs/catalog.md). ``DatasetCatalog`` is the process-wide default; build a
@@ -12,8 +13,8 @@ from __future__ import annotations
 import difflib
 import os
 import threading
-from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Mapping, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import yaml
 
@@ -21,7 +22,7 @@ __all__ = ["DatasetSpec", "Catalog", "DatasetCatalog", "builtin_datasets", "DATA
            "FORMATS"]
 
 #: Annotation formats a dataset can be registered with.
-FORMATS = ("coco", "lvis")
+FORMATS = ("coco", "lvis", "voc")
 
 #: Environment variable naming the directory built-in datasets live under.
 DATA_ROOT_ENV = "LIT_ROIDATA_DATA_ROOT"
@@ -38,12 +39,18 @@ class DatasetSpec:
     Attributes:
         name: catalog name.
         image_dir: directory holding the images.
-        annotation_file: COCO- or LVIS-format JSON file.
+        annotation_file: COCO- or LVIS-format JSON file; for VOC, the split list
+            ``<VOC root>/ImageSets/Main/<split>.txt``.
         image_prefix: prepended to each ``file_name`` (Detectron's ``IM_PREFIX``).
         proposal_file: optional default proposal file for this dataset.
         format: ``"coco"`` or ``"lvis"`` (file names from ``coco_url``, categories by
             sorted id, per-image neg / not-exhaustive category lists; see
-            :mod:`lit_roidata.roidb.lvis`).
+            :mod:`lit_roidata.roidb.lvis`), ``"voc"`` (a Pascal VOC tree,
+            :mod:`lit_roidata.roidb.voc`) or ``"dicts"`` for a registered function.
+        function: returns the records (Detectron2's standard dataset dicts), or ``None``.
+        thing_classes: the class names of a function's contiguous category ids 0..K-1.
+        keypoint_names: the keypoint names of its ``person`` class, or ``None``.
+        version: the cache key of a function's records (``None``: their content).
     """
 
     name: str
@@ -52,6 +59,10 @@ class DatasetSpec:
     image_prefix: str = ""
     proposal_file: Optional[str] = None
     format: str = "coco"
+    function: Optional[Callable[[], Iterable[Mapping]]] = None
+    thing_classes: tuple = ()
+    keypoint_names: Optional[tuple] = None
+    version: Optional[str] = None
 
 
 def _detectron_builtins() -> dict[str, tuple[str, str, str]]:
@@ -94,24 +105,37 @@ _BUILTIN_LVIS: dict[str, tuple[str, str, str]] = {
 }
 _BUILTIN.update(_BUILTIN_LVIS)
 
+#: Detectron2's Pascal VOC names (``register_all_pascal_voc``): VOC tree, split. Where
+#: Detectron's COCO-json name is the same, the json wins if it exists.
+_BUILTIN_VOC = {f"voc_{y}_{s}": (f"VOC{y}", s) for y, splits in
+                (("2007", ("trainval", "train", "val", "test")),
+                 ("2012", ("trainval", "train", "val"))) for s in splits}
+_BUILTIN_NAMES = (*_BUILTIN, *(n for n in _BUILTIN_VOC if n not in _BUILTIN))
+
 
 def _builtin_spec(name: str, root: str) -> DatasetSpec:
+    if name in _BUILTIN_VOC and (name not in _BUILTIN
+                                 or not os.path.isfile(os.path.join(root, _BUILTIN[name][1]))):
+        voc, split = _BUILTIN_VOC[name]
+        return DatasetSpec(name, os.path.join(root, voc, "JPEGImages"),
+                           os.path.join(root, voc, "ImageSets", "Main", split + ".txt"),
+                           format="voc")
     im, ann, prefix = _BUILTIN[name]
     return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix,
                        format="lvis" if name in _BUILTIN_LVIS else "coco")
 
 
 def builtin_datasets(data_root: PathLike) -> dict[str, DatasetSpec]:
-    """The built-in dataset names (Detectron's, and Detectron2's LVIS v1) resolved under
-    ``data_root``."""
+    """The built-in dataset names (Detectron's, and Detectron2's LVIS v1 and VOC) resolved
+    under ``data_root``."""
     root = os.fspath(data_root)
-    return {name: _builtin_spec(name, root) for name in _BUILTIN}
+    return {name: _builtin_spec(name, root) for name in _BUILTIN_NAMES}
 
 
 def _check_format(fmt: Any, where: str) -> str:
     if fmt not in FORMATS:
         raise ValueError(f"{where}: format={fmt!r}; choose one of {list(FORMATS)} (an LVIS "
-                         f"json is 'lvis')")
+                         f"json is 'lvis', a Pascal VOC tree 'voc')")
     return str(fmt)
 
 
@@ -144,34 +168,62 @@ class Catalog:
         """Set (or with ``None`` reset to the environment default) the data root."""
         self._data_root = None if data_root is None else os.fspath(data_root)
 
-    def register(self, name: str, image_dir: PathLike, annotation_file: PathLike,
-                 image_prefix: str = "", *, proposal_file: Optional[PathLike] = None,
-                 overwrite: bool = False, format: str = "coco") -> DatasetSpec:
-        """Register a dataset under ``name``.
+    def register(self, name: str, image_dir: Union[PathLike, Callable[[], Iterable[Mapping]]],
+                 annotation_file: Optional[PathLike] = None, image_prefix: str = "", *,
+                 proposal_file: Optional[PathLike] = None, overwrite: bool = False,
+                 format: str = "coco", thing_classes: Optional[Sequence[str]] = None,
+                 keypoint_names: Optional[Sequence[str]] = None,
+                 version: Optional[str] = None) -> DatasetSpec:
+        """Register a dataset under ``name``: files, or a function (Detectron2's
+        ``DatasetCatalog.register(name, func)``, see docs/custom_datasets.md).
 
         Args:
             name: catalog name used in ``TRAIN.DATASETS``.
-            image_dir: directory holding the images.
-            annotation_file: COCO- or LVIS-format JSON.
-            image_prefix: prepended to every ``file_name``.
+            image_dir: directory holding the images; or a function returning Detectron2's
+                standard dataset dicts (a list or a generator).
+            annotation_file: COCO- or LVIS-format JSON; for VOC the split list
+                ``<VOC root>/ImageSets/Main/<split>.txt`` (files only).
+            image_prefix: prepended to every ``file_name`` (files only).
             proposal_file: optional default proposal file.
             overwrite: allow replacing an existing user registration.
-            format: ``"coco"`` (default) or ``"lvis"``. For LVIS v1 files, ``image_dir``
-                is the COCO folder holding ``train2017/`` and ``val2017/``.
+            format: ``"coco"`` (default), ``"lvis"`` or ``"voc"``. For LVIS v1 files,
+                ``image_dir`` is the COCO folder holding ``train2017/`` and ``val2017/``;
+                for VOC, ``<VOC root>/JPEGImages``.
+            thing_classes: a function's class names, by its contiguous ``category_id``
+                0..K-1 (Detectron2's ``MetadataCatalog`` ``thing_classes``); required there.
+            keypoint_names: a function's keypoint names of the class ``"person"``.
+            version: a function's cache key; ``None`` hashes the records on every open.
 
         Returns:
             The registered :class:`DatasetSpec`.
 
         Raises:
-            ValueError: empty name, unknown format, or ``name`` already registered and not
-                ``overwrite``.
+            ValueError: empty name, unknown format, missing ``annotation_file`` or
+                ``thing_classes``, or ``name`` already registered and not ``overwrite``.
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"dataset name must be a non-empty string, got {name!r}")
-        spec = DatasetSpec(name, os.fspath(image_dir), os.fspath(annotation_file),
-                           str(image_prefix or ""),
-                           None if proposal_file is None else os.fspath(proposal_file),
-                           _check_format(format, f"dataset {name!r}"))
+        if callable(image_dir):
+            classes = (thing_classes,) if isinstance(thing_classes, str) else thing_classes
+            if not classes or not all(isinstance(c, str) for c in classes):
+                raise ValueError(
+                    f"dataset {name!r}: a registered function needs thing_classes=[class "
+                    f"names], one per contiguous category_id 0..K-1 (Detectron2's "
+                    f"MetadataCatalog.get({name!r}).thing_classes), got {thing_classes!r}")
+            spec = DatasetSpec(  # file names are the records' own (full) paths
+                name, "", f"<function {getattr(image_dir, '__qualname__', image_dir)!s}>", "",
+                None if proposal_file is None else os.fspath(proposal_file), "dicts",
+                image_dir, tuple(classes),
+                None if keypoint_names is None else tuple(map(str, keypoint_names)),
+                None if version is None else str(version))
+        elif annotation_file is None:
+            raise ValueError(f"dataset {name!r}: give an annotation_file with the image_dir, "
+                             f"or register a function returning Detectron2's dataset dicts")
+        else:
+            spec = DatasetSpec(name, os.fspath(image_dir), os.fspath(annotation_file),
+                               str(image_prefix or ""),
+                               None if proposal_file is None else os.fspath(proposal_file),
+                               _check_format(format, f"dataset {name!r}"))
         with self._lock:
             old = self._user.get(name)
             if old is not None and old != spec and not overwrite:
@@ -194,7 +246,7 @@ class Catalog:
         """
         if name in self._user:
             return self._user[name]
-        if self._builtins and name in _BUILTIN:
+        if self._builtins and name in _BUILTIN_NAMES:
             return _builtin_spec(name, self.data_root)
         known = self.names()
         near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
@@ -208,11 +260,11 @@ class Catalog:
         """All known names: user registrations first (in order), then built-ins."""
         out = list(self._user)
         if self._builtins:
-            out += [n for n in _BUILTIN if n not in self._user]
+            out += [n for n in _BUILTIN_NAMES if n not in self._user]
         return out
 
     def __contains__(self, name: object) -> bool:
-        return name in self._user or (self._builtins and name in _BUILTIN)
+        return name in self._user or (self._builtins and name in _BUILTIN_NAMES)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
@@ -223,8 +275,7 @@ class Catalog:
     def copy(self) -> "Catalog":
         """An independent catalog with the same registrations and data root."""
         out = Catalog(self._data_root, builtins=self._builtins)
-        for spec in self._user.values():
-            out.register(**asdict(spec))
+        out._user = dict(self._user)  # specs are immutable
         return out
 
     def load_yaml(self, path: PathLike, *, overwrite: bool = False) -> list[str]:
@@ -240,7 +291,7 @@ class Catalog:
                 annotation_file: my/annotations/train.json
                 image_prefix: ""        # optional
                 proposal_file: null     # optional
-                format: coco            # optional: coco (default) or lvis
+                format: coco            # optional: coco (default), lvis or voc
 
         A top-level ``data_root`` without ``datasets`` just sets this catalog's root
         for built-ins (``builtin_data_root: true`` does it alongside datasets too).

@@ -253,7 +253,7 @@ class RoIDataModule(pl.LightningDataModule):
         loader = build_train_loader(
             self.cfg, self.train_roidb, sampler=sampler, dataset=self.make_dataset(sampler=sampler),
             on_bad_image=self.sources.on_bad_image, num_workers=int(ld.num_workers),
-            pin_memory=bool(ld.pin_memory), persistent_workers=bool(ld.persistent_workers),
+            pin_memory=self.pin_memory(), persistent_workers=bool(ld.persistent_workers),
             prefetch_factor=ld.prefetch_factor, shm_pool=bool(ld.shm_pool),
             strict_resume=bool(self.sampling.strict_resume),
             epoch_length=self.sampling.epoch_length,
@@ -268,6 +268,13 @@ class RoIDataModule(pl.LightningDataModule):
             fit_epochs_to_passes(trainer, loader)
         return loader
 
+    def pin_memory(self) -> bool:
+        """``loader.pin_memory``, or when unset whether the trainer's device is a CUDA GPU."""
+        if self.loader.pin_memory is not None:
+            return bool(self.loader.pin_memory)
+        trainer = self.trainer
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
     def _eval_loader(self, roidb: Any, split: str) -> Any:
         rank, world = self._rank_world()
         ld = self.loader
@@ -275,7 +282,7 @@ class RoIDataModule(pl.LightningDataModule):
             self.cfg, roidb, rank=rank, world_size=world,
             ims_per_batch=int(ld.eval_ims_per_batch), pixel_format=self.output.pixel_format,
             with_rois=bool(self._datasets(split)[1]), num_workers=int(ld.num_workers),
-            pin_memory=bool(ld.pin_memory), persistent_workers=bool(ld.persistent_workers),
+            pin_memory=self.pin_memory(), persistent_workers=bool(ld.persistent_workers),
             prefetch_factor=ld.prefetch_factor)
 
     def val_dataloader(self) -> Any:

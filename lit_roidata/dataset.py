@@ -22,6 +22,7 @@ quirk Q33, docs/detectron_quirks.md); here every replacement is recorded in ``"_
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import Counter
 from typing import Any, Callable, Mapping, Sequence
@@ -36,7 +37,8 @@ from lit_roidata.minibatch.decode import BadImageError, dataset_name, load_image
 from lit_roidata.minibatch.fpn import add_multilevel_rois, rois_blob
 from lit_roidata.minibatch.image import PIXEL_FORMATS
 from lit_roidata.minibatch import shm_pool as _pool
-from lit_roidata.minibatch.transport import PackedBlobs, packed, shared_empty, trim_heap
+from lit_roidata.minibatch.transport import packed, shared_empty
+from lit_roidata.osutil import malloc_trim
 from lit_roidata.rng import RNG, block_rng
 from lit_roidata.plan import Block, draw_replacement
 
@@ -80,9 +82,6 @@ class BadImageFound:
     def __init__(self, block: Block, slot: int, record: dict, skipped: list) -> None:
         self.block, self.slot, self.record, self.skipped = block, int(slot), record, skipped
 
-    def __reduce__(self) -> tuple:
-        return (BadImageFound, (self.block, self.slot, self.record, self.skipped))
-
     def __repr__(self) -> str:
         return (f"BadImageFound(block={self.block!r}, slot={self.slot}, "
                 f"reason={self.record.get('reason')})")
@@ -99,7 +98,7 @@ _SHARED: dict[int, torch.Tensor] = {}
 
 
 _TRIM_EVERY = 8  # blocks between two malloc_trim calls in a worker (~1 ms each)
-_TRIM_COUNTER = [0]
+_TRIM_COUNTER = itertools.count(1)
 
 
 def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -110,12 +109,6 @@ def _shared_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     if arr.size:
         _SHARED[arr.ctypes.data] = t
     return arr
-
-
-def _is_torchvision_batch(value: Any) -> bool:
-    from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
-
-    return isinstance(value, TorchvisionBatch)
 
 
 def _as_tensor(value: np.ndarray) -> torch.Tensor:
@@ -169,9 +162,9 @@ class RoIBlockDataset(torch.utils.data.Dataset):
 
     def __init__(self, roidb: Sequence[Mapping[str, Any]], cfg: Any, *,
                  output_format: str = "detectron", pixel_format: str = "uint8",
-                 rng_mode: str = "block", on_bad_image: str = "raise",
+                 rng_mode: str = "block", on_bad_image: str = "raise", max_attempts: int = 10,
                  replacement: Callable[[Any, int], Any] | None = None, augment: Any = None,
-                 max_attempts: int = 10, loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
+                 loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
                  mask_format: str = "detectron", fix_rpn_quirks: bool = False,
                  target_format: str = "detectron", hand_back_bad_images: bool = False) -> None:
         for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
@@ -184,19 +177,11 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
         if max_attempts < 0:
             raise ValueError(f"max_attempts must be >= 0, got {max_attempts}")
-        self.roidb = roidb
-        self.cfg = cfg
-        self.output_format = output_format
-        self.pixel_format = pixel_format
-        self.rng_mode = rng_mode
-        self.on_bad_image = on_bad_image
-        self.replacement = replacement
-        self.augment = augment
-        self.max_attempts = int(max_attempts)
-        self.loader = loader
-        self.mask_format = mask_format
-        self.fix_rpn_quirks = bool(fix_rpn_quirks)
-        self.target_format = target_format
+        self.roidb, self.cfg, self.augment, self.loader = roidb, cfg, augment, loader
+        self.output_format, self.pixel_format, self.rng_mode = output_format, pixel_format, rng_mode
+        self.mask_format, self.target_format = mask_format, target_format
+        self.on_bad_image, self.replacement = on_bad_image, replacement
+        self.max_attempts, self.fix_rpn_quirks = int(max_attempts), bool(fix_rpn_quirks)
         self.hand_back_bad_images = bool(hand_back_bad_images) and on_bad_image == "skip"
         #: Skips and replacements made by *this process* (workers report theirs in _meta).
         self.skip_counts: Counter[str] = Counter()
@@ -237,48 +222,42 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         # block's orientation group (safe with or without aspect grouping), in a seed
         # domain of its own.
         _coords(block)
-        pool: Any = len(self.roidb)
+        pool = np.arange(len(self.roidb))
         widths, heights = getattr(self.roidb, "widths", None), getattr(self.roidb, "heights", None)
         if widths is not None and heights is not None and len(block):
             horz = np.asarray(widths) >= np.asarray(heights)
             pool = np.flatnonzero(horz == horz[int(block[0])])
-        n = pool if isinstance(pool, int) else pool.size
-        return draw_replacement(block, attempt, pool, min(len(block), n),
+        return draw_replacement(block, attempt, pool, min(len(block), pool.size),
                                 domain=_REPLACE_DOMAIN)
 
     # ------------------------------------------------------------------ building
-    def _build_once(self, block: Any, reads: list | None = None
-                    ) -> tuple[Any, bool, list[Mapping[str, Any]]]:
+    def _build_once(self, block: Any, reads: list) -> tuple[Any, bool, list[Mapping[str, Any]]]:
+        """Build ``block`` once; ``reads`` counts the images read (to know which failed)."""
         entries = [self.roidb[int(i)] for i in block]
         rng = self.block_rng(block)
         _SHARED.clear()
         _pool.rewind()  # an earlier attempt's arrays are dropped: reuse their space
-        if _in_worker():  # earlier blocks' temporaries are freed: keep memory flat
-            _TRIM_COUNTER[0] += 1
-            if _TRIM_COUNTER[0] % _TRIM_EVERY == 1:
-                trim_heap()
-        loader = self.loader
-        if reads is not None:  # count the images read, to know which slot failed
-            base = self.loader or load_image
+        # in a worker, earlier blocks' temporaries are freed: keep memory flat
+        if _in_worker() and next(_TRIM_COUNTER) % _TRIM_EVERY == 1:
+            malloc_trim()
+        base = self.loader or load_image
 
-            def loader(entry: Mapping[str, Any]) -> np.ndarray:
-                reads.append(1)
-                return base(entry)
-            loader.channel_order = getattr(base, "channel_order", "bgr")  # type: ignore
+        def loader(entry: Mapping[str, Any]) -> np.ndarray:
+            reads.append(1)
+            return base(entry)
+        loader.channel_order = getattr(base, "channel_order", "bgr")  # type: ignore
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import build_torchvision_batch
 
-            images, targets = build_torchvision_batch(entries, self.cfg, rng,
-                                                      pixel_format=self.pixel_format,
-                                                      loader=loader, augment=self.augment,
-                                                      shared=_in_worker())
+            images, targets = build_torchvision_batch(
+                entries, self.cfg, rng, pixel_format=self.pixel_format, loader=loader,
+                augment=self.augment, shared=_in_worker())
             return (images, targets), True, entries
-        mb = build_minibatch(entries, self.cfg, rng, pixel_format=self.pixel_format,
-                             loader=loader, augment=self.augment,
-                             alloc=_shared_alloc if _in_worker() else None,
-                             compact_masks=self.mask_format == "compact",
-                             fix_rpn_quirks=self.fix_rpn_quirks,
-                             compact_targets=self.target_format == "compact")
+        mb = build_minibatch(
+            entries, self.cfg, rng, pixel_format=self.pixel_format, loader=loader,
+            augment=self.augment, alloc=_shared_alloc if _in_worker() else None,
+            compact_masks=self.mask_format == "compact", fix_rpn_quirks=self.fix_rpn_quirks,
+            compact_targets=self.target_format == "compact")
         return mb, mb.valid, entries
 
     def __getitems__(self, block: Any) -> Any:
@@ -297,26 +276,17 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         """
         pool = getattr(self, "shm_pool", None)
         arena = _pool.begin_block(pool) if pool is not None and _in_worker() else None
-        if arena is None:
-            return self._getitems(block)
+        out = None
         try:
-            out = self._getitems(block)
-        except BaseException:
-            _pool.end_block()
-            arena.pool.give_back(arena)
-            raise
-        _pool.end_block()
-        if isinstance(out, PackedBlobs) or (self.output_format == "torchvision"
-                                            and _is_torchvision_batch(out)):
-            out.shm_arena = arena  # sent with its slot tensors as descriptors
-        else:  # e.g. a BadImageFound: nothing sent refers to the slot
-            arena.pool.give_back(arena)
+            out = self._attempts(block, (), self.hand_back_bad_images and _coords(block)[3] == 0)
+        finally:
+            if arena is not None:
+                _pool.end_block()
+                if out is not None and not isinstance(out, BadImageFound):  # a batch (packed)
+                    out.shm_arena = arena  # sent with its slot tensors as descriptors
+                else:  # failed, or a BadImageFound: nothing sent refers to the slot
+                    arena.pool.give_back(arena)
         return out
-
-    def _getitems(self, block: Any) -> Any:
-        if self.hand_back_bad_images and _coords(block)[3] == 0:
-            return self.build_stream_block(block)
-        return self._attempts(block, block, 0, [], 0)
 
     def _record(self, exc: BadImageError, block: Any, reads: list) -> dict[str, Any]:
         slot = max(0, len(reads) - 1)
@@ -324,31 +294,18 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                 "dataset": exc.dataset, "message": str(exc),
                 "index": int(block[slot]) if slot < len(block) else None, "slot": slot}
 
-    def build_stream_block(self, block: Block, skipped: Sequence[Mapping[str, Any]] = ()
-                           ) -> Any:
+    def build_stream_block(self, block: Block, skipped: Sequence[Mapping[str, Any]] = ()) -> Any:
         """Build a stream block as it is, or return :class:`BadImageFound` at its first
         unreadable image (``skipped``: bad images found in it before). An invalid
         minibatch is still replaced whole (``replacement``)."""
-        reads: list = []
-        skipped = [dict(r) for r in skipped]
-        try:
-            out, valid, entries = self._build_once(block, reads)
-        except BadImageError as exc:
-            if self.on_bad_image == "raise":
-                raise
-            rec = self._record(exc, block, reads)
-            return BadImageFound(block, rec["slot"], rec, skipped)
-        if valid:
-            return self._package(out, entries, block, block, skipped, 0)
-        self.skip_counts["invalid_minibatch"] += 1
-        return self._attempts(block, block, 1, skipped, 1)
+        return self._attempts(block, skipped, True)
 
-    def _attempts(self, block: Any, current: Any, first: int, skipped: list,
-                  invalid: int) -> Any:
-        """Whole-block replacements ``first, first + 1, ...`` (invalid minibatches; bad
-        images without ``hand_back_bad_images``)."""
-        for attempt in range(first, self.max_attempts + 1):
-            if attempt > first or first > 0:
+    def _attempts(self, block: Any, skipped: Sequence[Mapping[str, Any]], hand_back: bool) -> Any:
+        """``block``, then whole-block replacements ``1, 2, ...`` (invalid minibatches; bad
+        images unless ``hand_back``, which returns the first as :class:`BadImageFound`)."""
+        current, skipped, invalid = block, [dict(r) for r in skipped], 0
+        for attempt in range(self.max_attempts + 1):
+            if attempt:
                 current = self._replacement(block, attempt)
             reads: list = []
             try:
@@ -356,7 +313,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
             except BadImageError as exc:
                 if self.on_bad_image == "raise":
                     raise
-                skipped.append(self._record(exc, current, reads))
+                rec = self._record(exc, current, reads)
+                if hand_back and attempt == 0:
+                    return BadImageFound(block, rec["slot"], rec, skipped)
+                skipped.append(rec)
                 self.skip_counts[exc.reason] += 1
                 log.warning("skipping block %s: %s", list(current), exc)
             else:
@@ -364,10 +324,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                     return self._package(out, entries, block, current, skipped, invalid)
                 invalid += 1
                 self.skip_counts["invalid_minibatch"] += 1
+        seed, p, b, _ = _coords(block)
         raise RuntimeError(
-            f"block {list(block)} (seed={_coords(block)[0]}, pass={_coords(block)[1]}, "
-            f"block={_coords(block)[2]}): no usable minibatch after {self.max_attempts} "
-            f"replacements ({invalid} invalid, {len(skipped)} with bad images: "
+            f"block {list(block)} (seed={seed}, pass={p}, block={b}): no usable minibatch after "
+            f"{self.max_attempts} replacements ({invalid} invalid, {len(skipped)} with bad images: "
             f"{[s['message'] for s in skipped[:3]]}). Check the images, or lower "
             "KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH for keypoint models")
 
@@ -375,20 +335,17 @@ class RoIBlockDataset(torch.utils.data.Dataset):
               skipped: list, invalid: int, scales: Sequence[float]) -> dict[str, Any]:
         seed, p, b, attempt = _coords(used)
         requested = getattr(stream, "requested", stream)
-        return {
-            "image_ids": torch.tensor([int(e["id"]) for e in entries], dtype=torch.int64),
-            "flipped": torch.tensor([bool(e.get("flipped", False)) for e in entries]),
-            "im_scales": torch.tensor([float(s) for s in scales], dtype=torch.float64),
-            "datasets": [dataset_name(e) for e in entries],
-            "images": [str(e.get("image")) for e in entries],
-            "indices": [int(i) for i in used],
-            "requested_indices": [int(i) for i in requested],
-            "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
-            "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
-            "substitutes": [dict(x) for x in getattr(stream, "substitutes", ())],
-            "pixel_format": self.pixel_format, "mask_format": self.mask_format,
-            "target_format": self.target_format,
-        }
+        return {"image_ids": torch.tensor([int(e["id"]) for e in entries], dtype=torch.int64),
+                "flipped": torch.tensor([bool(e.get("flipped", False)) for e in entries]),
+                "im_scales": torch.tensor([float(s) for s in scales], dtype=torch.float64),
+                "datasets": [dataset_name(e) for e in entries],
+                "images": [str(e.get("image")) for e in entries],
+                "indices": [int(i) for i in used], "requested_indices": [int(i) for i in requested],
+                "seed": seed, "pass_index": p, "block_index": b, "attempt": attempt,
+                "skipped": skipped, "num_skipped": len(skipped), "num_invalid_replaced": invalid,
+                "substitutes": [dict(x) for x in getattr(stream, "substitutes", ())],
+                "pixel_format": self.pixel_format, "mask_format": self.mask_format,
+                "target_format": self.target_format}
 
     def _package(self, out: Any, entries: list, stream: Any, used: Any, skipped: list,
                  invalid: int) -> Any:
@@ -396,13 +353,10 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         if self.output_format == "torchvision":
             from lit_roidata.minibatch.torchvision_format import TorchvisionBatch
 
-            images, targets = out
-            meta = self._meta(entries, stream, used, skipped, invalid,
-                              [t["scale"] for t in targets])
-            return TorchvisionBatch((images, targets), meta)
-        blobs: dict[str, Any] = {}
-        for name, value in out.blobs.items():
-            blobs[name] = _as_tensor(value) if isinstance(value, np.ndarray) else value
+            return TorchvisionBatch(out, self._meta(entries, stream, used, skipped, invalid,
+                                                    [t["scale"] for t in out[1]]))
+        blobs = {name: _as_tensor(value) if isinstance(value, np.ndarray) else value
+                 for name, value in out.blobs.items()}
         meta = self._meta(entries, stream, used, skipped, invalid, out.image.im_scales)
         meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
         meta["im_info"] = torch.from_numpy(out.image.im_info)
@@ -442,9 +396,7 @@ class EvalDataset(torch.utils.data.Dataset):
 
     def __init__(self, roidb: Any, cfg: DetectronConfig, *, pixel_format: str = "uint8",
                  with_rois: bool = False) -> None:
-        self.roidb = roidb
-        self.with_rois = bool(with_rois)
-        self.pixel_format = pixel_format
+        self.roidb, self.pixel_format, self.with_rois = roidb, pixel_format, bool(with_rois)
         self.cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (int(cfg.TEST.SCALE),),
                                             "TRAIN.MAX_SIZE": int(cfg.TEST.MAX_SIZE)})
         self.limit = int(cfg.TEST.PROPOSAL_LIMIT)
@@ -470,15 +422,13 @@ class EvalDataset(torch.utils.data.Dataset):
             if self.cfg.FPN.FPN_ON and self.cfg.FPN.MULTILEVEL_ROIS:
                 add_multilevel_rois(blobs, self.cfg, prefixes=("rois",))
             out.update({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in blobs.items()})
-        out["_meta"] = {
-            "image_ids": [int(e["id"]) for e in entries],
-            "im_scales": [float(s) for s in ib.im_scales],
-            "datasets": [self.roidb.dataset_of(int(i)) for i in indices],
-            "heights": [int(e["height"]) for e in entries],
-            "widths": [int(e["width"]) for e in entries],
-            "image_sizes": torch.from_numpy(ib.image_sizes),
-            "indices": [int(i) for i in indices],
-        }
+        out["_meta"] = {"image_ids": [int(e["id"]) for e in entries],
+                        "im_scales": [float(s) for s in ib.im_scales],
+                        "datasets": [self.roidb.dataset_of(int(i)) for i in indices],
+                        "heights": [int(e["height"]) for e in entries],
+                        "widths": [int(e["width"]) for e in entries],
+                        "image_sizes": torch.from_numpy(ib.image_sizes),
+                        "indices": [int(i) for i in indices]}
         return out
 
     def _rois(self, entries: Sequence[Mapping[str, Any]], scales: Sequence[float]

@@ -40,7 +40,7 @@ _DET_FIELD = {"bbox": "boxes", "segm": "masks", "keypoints": "keypoints"}
 _RESULT_FIELD = {"bbox": "bbox", "segm": "segmentation", "keypoints": "keypoints"}
 
 
-def _numpy(x: Any) -> np.ndarray:
+def as_numpy(x: Any) -> np.ndarray:
     return x.detach().cpu().numpy() if torch.is_tensor(x) else np.asarray(x)
 
 
@@ -67,7 +67,7 @@ def mask_rle(mask: Any, image_id: Optional[int] = None) -> dict[str, Any]:
         if isinstance(rle.get("counts"), list):  # uncompressed -> compressed
             rle = mask_utils.frPyObjects(rle, *rle["size"])
     else:
-        m = _numpy(mask)
+        m = as_numpy(mask)
         if m.ndim != 2:
             raise ValueError(f"image {image_id}: a mask must be (H, W), got shape {m.shape}")
         rle = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
@@ -98,11 +98,11 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
     maps: dict[Any, tuple[Mapping[int, int], set[int]]] = {}  # per dataset: map, its keys
     for det in detections:
         image_id = int(det["image_id"])
-        boxes = _numpy(det["boxes"]).astype(np.float64).reshape(-1, 4)
-        scores = _numpy(det["scores"]).astype(np.float64).reshape(-1)
+        boxes = as_numpy(det["boxes"]).astype(np.float64).reshape(-1, 4)
+        scores = as_numpy(det["scores"]).astype(np.float64).reshape(-1)
         proposals = bool(det.get("proposals", False))
         labels = (np.ones(len(boxes), np.int64) if proposals and det.get("labels") is None
-                  else _numpy(det["labels"]).astype(np.int64).reshape(-1))
+                  else as_numpy(det["labels"]).astype(np.int64).reshape(-1))
         if not len(boxes) == len(scores) == len(labels):
             raise ValueError(f"image {image_id}: {len(boxes)} boxes, {len(scores)} scores and "
                              f"{len(labels)} labels; they must have equal lengths")
@@ -126,7 +126,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             raise ValueError(f"image {image_id}: {len(masks)} masks for {len(boxes)} boxes")
         kps = det.get("keypoints")
         if kps is not None:
-            kps = _numpy(kps).astype(np.float64)
+            kps = as_numpy(kps).astype(np.float64)
             if kps.ndim != 3 or kps.shape[0] != len(boxes) or kps.shape[2] < 2:
                 raise ValueError(f"image {image_id}: keypoints must be (k, K, 3) for {len(boxes)} "
                                  f"boxes, got shape {kps.shape}")
@@ -215,7 +215,7 @@ class COCOEvaluator(pl.Callback):
                                 outputs: Any, batch: Any, batch_idx: int,
                                 dataloader_idx: int = 0) -> None:
         dets = outputs.get("detections") if isinstance(outputs, Mapping) else None
-        self._dets += [{k: (_numpy(v) if torch.is_tensor(v) else v) for k, v in d.items()}
+        self._dets += [{k: (as_numpy(v) if torch.is_tensor(v) else v) for k, v in d.items()}
                        for d in dets or ()]
 
     on_test_batch_end = on_validation_batch_end
@@ -250,34 +250,15 @@ class COCOEvaluator(pl.Callback):
         """
         # {dataset: {image id: its first detections}}: an image seen again (e.g. a
         # DistributedSampler padding the last shard) is ignored
-        by_ds: dict[str, dict[int, Mapping[str, Any]]] = defaultdict(dict)
+        by_ds: dict[str, dict[Any, Mapping[str, Any]]] = defaultdict(dict)
         for d in detections:
-            by_ds[str(d.get("dataset"))].setdefault(int(d["image_id"]), d)
+            by_ds[str(d.get("dataset"))].setdefault(self._image_key(d["image_id"]), d)
         repeats = len(detections) - sum(len(m) for m in by_ds.values())
         if repeats:
             log.info("%s evaluation: ignored %d repeated image(s) (padded shards)",
                      self._label, repeats)
-        per_ds: dict[str, dict[str, float]] = {}
-        for name in sorted(by_ds):
-            coco, info = self._dataset(name, trainer)
-            dets, image_ids = list(by_ds[name].values()), sorted(by_ds[name])
-            missing = sorted(set(image_ids) - set(coco.getImgIds()))
-            if missing:
-                raise ValueError(f"dataset {name!r}: image ids {missing[:5]} are not in its "
-                                 f"annotation file; are the detections from another dataset?")
-            per_ds[name] = {}
-            for iou in self.iou_types:
-                sel = [d for d in dets if d.get(_DET_FIELD[iou]) is not None]
-                if iou != "bbox" and not sel:
-                    continue
-                results = self._result_dicts(sel, info, iou, coco)
-                self._write(results, prefix, iou, name)
-                stats, text = self._score(coco, results, iou, image_ids)
-                # the full summary; the table below has the headline numbers
-                log.debug("%s evaluation, %s %s (%d images):\n%s", self._label, name, iou,
-                          len(image_ids), text)
-                per_ds[name].update({f"{self._key_prefix}{iou}_{s}": float(v)
-                                     for s, v in stats.items()})
+        per_ds = {name: self._dataset_metrics(name, by_ds[name], prefix, trainer)
+                  for name in sorted(by_ds)}
         metrics = {f"{prefix}/{k}": float(np.mean([m[k] for m in per_ds.values() if k in m]))
                    for k in sorted({k for m in per_ds.values() for k in m})}
         if len(per_ds) > 1:
@@ -289,6 +270,32 @@ class COCOEvaluator(pl.Callback):
             log.info("%s evaluation (%s): %s", self._label, prefix,
                      {k: round(v, 4) for k, v in metrics.items() if k.count("/") == 1})
         return metrics
+
+    #: The key an image's detections are grouped by (VOC: the file id, a string).
+    _image_key: Any = int
+
+    def _dataset_metrics(self, name: str, by_image: Mapping[Any, Mapping[str, Any]],
+                         prefix: str, trainer: Optional[pl.Trainer]) -> dict[str, float]:
+        """The metrics of dataset ``name`` from its detections by image id."""
+        coco, info = self._dataset(name, trainer)
+        dets, image_ids = list(by_image.values()), sorted(by_image)
+        missing = sorted(set(image_ids) - set(coco.getImgIds()))
+        if missing:
+            raise ValueError(f"dataset {name!r}: image ids {missing[:5]} are not in its "
+                             f"annotation file; are the detections from another dataset?")
+        out: dict[str, float] = {}
+        for iou in self.iou_types:
+            sel = [d for d in dets if d.get(_DET_FIELD[iou]) is not None]
+            if iou != "bbox" and not sel:
+                continue
+            results = self._result_dicts(sel, info, iou, coco)
+            self._write(results, prefix, iou, name)
+            stats, text = self._score(coco, results, iou, image_ids)
+            # the full summary; the table has the headline numbers
+            log.debug("%s evaluation, %s %s (%d images):\n%s", self._label, name, iou,
+                      len(image_ids), text)
+            out.update({f"{self._key_prefix}{iou}_{s}": float(v) for s, v in stats.items()})
+        return out
 
     def _result_dicts(self, detections: Sequence[Mapping[str, Any]], info: Any, iou: str,
                  gt: Any) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ Nothing here imports Lightning: DataLoader workers import this module.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -172,24 +173,28 @@ def _frozen_heap(dl: DataLoader) -> Iterator[None]:
 
 
 class _BlockSource:
-    """The DataLoader's batch sampler: this rank's final blocks from the loader's position.
+    """The DataLoader's batch sampler: this rank's final blocks from :attr:`start` on,
+    across pass ends (the loader decides where an epoch ends).
 
-    Each iteration starts at :attr:`start` (set by the loader) and asks the plan for the
-    next blocks, with the images known to be bad replaced before anything is read.
+    Images known to be bad are replaced before anything is read. :attr:`issued` holds
+    ``(planned block, block sent)`` for every block handed to the workers and not yet
+    delivered, in stream order (the DataLoader delivers in order).
     """
 
     def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None) -> None:
         self.plan, self.ledger = plan, ledger
         self.start = (0, 0)
+        self.issued: collections.deque[tuple[Any, Any]] = collections.deque()
 
     def __iter__(self) -> Iterator[Any]:
         plan, ledger, pos = self.plan, self.ledger, self.start
+        self.issued.clear()
         while True:
-            blk, pos = plan.next_block(*pos, stop_at_pass_end=not plan.infinite)
-            if blk is None:
-                return
-            yield blk if ledger is None else plan.final_block(
+            blk, pos = plan.next_block(*pos)
+            sent = blk if ledger is None else plan.final_block(
                 blk, ledger.frozen_for(blk.pass_index))
+            self.issued.append((blk, sent))
+            yield sent
 
     def __len__(self) -> int:
         return self.plan.length_at(*self.start)
@@ -269,6 +274,8 @@ class StatefulRoIDataLoader:
             in_order=True)
         self._loader = self._make_loader()
         self._persistent_started = False
+        self._stream: Iterator[Any] | None = None  # the running DataLoader iterator
+        self._stream_next: tuple[int, int] | None = None  # the position of its next block
         get_state = getattr(batch_sampler, "state_dict", None)
         state = get_state() if callable(get_state) else {"pass": 0, "cursor": 0}
         self._pos: tuple[int, int] = (state["pass"], state["cursor"])
@@ -331,48 +338,76 @@ class StatefulRoIDataLoader:
 
     def _generate(self) -> Iterator[Any]:
         plan = self.batch_sampler
+        epoch_pass = self._pos[0]
+        handed_out = False
+        while True:
+            if self._abort:
+                self._abort = False
+                raise KeyboardInterrupt("aborted at a step boundary (second signal)")
+            if handed_out and self._stop is not None and self._stop_now(*self._stop):
+                return
+            if not plan.infinite and plan.normalize(*self._pos)[0] != epoch_pass:
+                self._epoch_start = None  # the epoch (the pass) is complete
+                return
+            died = None
+            try:
+                batch = next(self._stream_at(self._pos))
+            except RuntimeError as exc:
+                died = _worker_death(str(exc), self._pos)
+                if died is None:
+                    self._stream = None
+                    raise
+            if died is not None:  # outside the handler: no traceback keeps the workers
+                self.close()
+                raise WorkerDiedError(died)
+            batch = self._finish(self._current(batch))
+            steps = self._steps()
+            if steps != self._window_steps:
+                self._window, self._window_steps = [], steps
+            self._window.append(self._pos)
+            # Advance before yielding: a checkpoint written after this batch's step
+            # must resume after it.
+            self._pos = self._stream_next = plan.advance(*self._pos, 1)
+            self._consumed += 1
+            self._epoch_count += 1
+            handed_out = True
+            yield batch
+
+    def _current(self, batch: Any) -> Any:
+        """``batch``, or its block built again (main process) when a skip exchange has
+        changed the known-bad images of its pass since the workers were given it."""
+        planned, sent = self._source.issued.popleft()
+        if self.skip_policy is None:
+            return batch
+        want = self.batch_sampler.final_block(
+            planned, self.skip_policy.ledger.frozen_for(planned.pass_index))
+        if list(want) == list(sent) and want.substitutes == sent.substitutes:
+            return batch
+        log.debug("block %d of pass %d built again: known bad images changed",
+                  planned.block_index, planned.pass_index)
+        return self.dataset.build_stream_block(want)
+
+    def _stream_at(self, pos: tuple[int, int]) -> Iterator[Any]:
+        """The DataLoader iterator whose next block is the one at ``pos``.
+
+        The iterator outlives the epoch (and Lightning's ``iter()`` calls): its workers
+        build the next pass's first blocks while the current pass ends, so a pass boundary
+        costs no wait. It is started again only at another position (a restored state).
+        A block built ahead with known-bad images that a skip exchange has changed since is
+        built again when it is delivered (:meth:`_current`).
+        """
+        plan = self.batch_sampler
+        if (self._stream is not None and self._stream_next is not None
+                and plan.normalize(*self._stream_next) == plan.normalize(*pos)):
+            return self._stream
+        self._stream = None  # dropping the iterator shuts its (non-persistent) workers down
         # Worker seeds depend on the position and the rank (global-RNG use inside workers
         # differs between ranks); the blobs are seeded per block and depend on neither.
-        seed = np.random.SeedSequence([plan.seed, *self._pos, plan.rank]).generate_state(1)[0]
+        seed = np.random.SeedSequence([plan.seed, *pos, plan.rank]).generate_state(1)[0]
         self._generator.manual_seed(int(seed))
-        self._source.start = self._pos
-        batches: Iterator[Any] | None = self._start_workers()
-        handed_out = False
-        try:
-            while True:
-                if self._abort:
-                    self._abort = False
-                    raise KeyboardInterrupt("aborted at a step boundary (second signal)")
-                if handed_out and self._stop is not None and self._stop_now(*self._stop):
-                    return
-                died = None
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    self._epoch_start = None  # the epoch is complete
-                    return
-                except RuntimeError as exc:
-                    died = _worker_death(str(exc), self._pos)
-                    if died is None:
-                        raise
-                if died is not None:  # outside the handler: no traceback keeps the workers
-                    batches = None
-                    self.close()
-                    raise WorkerDiedError(died)
-                batch = self._finish(batch)
-                steps = self._steps()
-                if steps != self._window_steps:
-                    self._window, self._window_steps = [], steps
-                self._window.append(self._pos)
-                # Advance before yielding: a checkpoint written after this batch's step
-                # must resume after it.
-                self._pos = plan.advance(*self._pos, 1)
-                self._consumed += 1
-                self._epoch_count += 1
-                handed_out = True
-                yield batch
-        finally:
-            batches = None  # dropping the iterator shuts its (non-persistent) workers down
+        self._source.start = pos
+        self._stream, self._stream_next = self._start_workers(), pos
+        return self._stream
 
     def _finish(self, item: Any) -> Any:
         """Finish a block whose worker found a bad image (main process, stream order) and
@@ -466,8 +501,9 @@ class StatefulRoIDataLoader:
         return it
 
     def close(self) -> None:
-        """Stop persistent workers now: the DataLoader holding them is dropped (its
-        iterator shuts them down) and a fresh one takes its place."""
+        """Stop the workers now: the running iterator and the DataLoader holding them are
+        dropped (which shuts the workers down) and a fresh DataLoader takes their place."""
+        self._stream = self._stream_next = None
         self._loader = self._make_loader()
         self._persistent_started = False
         gc.collect()  # the iterator's own reference cycles, if any
@@ -522,6 +558,7 @@ class StatefulRoIDataLoader:
             self._epoch_base = 0  # the saved epoch had ended
         self._epoch_start, self._epoch_count = None, 0
         self._window, self._window_steps = [], None
+        self._stream = self._stream_next = None  # blocks built ahead belong to the old position
         log.debug("StatefulRoIDataLoader: data stream resumes at pass %d, block %d", *self._pos)
         if self.skip_policy is not None and state_dict.get("skip") is not None:
             self.skip_policy.load_state_dict(state_dict["skip"], self._pos)

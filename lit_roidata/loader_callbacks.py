@@ -70,46 +70,39 @@ class GracefulStop(pl.Callback):
         except (KeyError, ValueError) as exc:
             raise ValueError(f"GracefulStop(signals={list(signals)!r}): {exc} is not a signal; "
                              "use names such as SIGINT, SIGTERM, SIGUSR1") from None
-        self.stopped_by_signal: Optional[int] = None
-        self.stopped_at: Optional[str] = None
         self._reset()
 
-    def _reset(self) -> None:
-        self._trainer: Any = None
-        self._received: Optional[int] = None
-        self._previous: dict[int, Any] = {}
-        self._signum = 0
-        self._validated = False
-        self._refused = 0
-        self._aborting = False
+    def _reset(self, trainer: Any = None) -> None:
+        self.stopped_by_signal: Optional[int] = None
+        self.stopped_at: Optional[str] = None
+        self._trainer, self._received, self._previous = trainer, None, {}
+        self._signum = self._refused = 0
+        self._validated = self._aborting = False
 
     # ------------------------------------------------------------------ signals
     def _handle(self, signum: int, frame: Any) -> None:
-        if self._received is not None and not self._aborting:  # the second: abort between steps
-            loader = None if self._trainer is None else self._trainer.train_dataloader
-            if callable(getattr(loader, "request_abort", None)):
-                self._aborting = True
-                loader.request_abort()
-                self._say(f"{signal.Signals(signum).name}: aborting before the next batch "
-                          "(again to abort at once)")
-                return
-        if self._received is not None:  # the third one (or no lit_roidata loader): at once
-            self._restore_handlers()
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            previous = signal.getsignal(signum)
-            if callable(previous):
-                previous(signum, frame)
-            elif previous != signal.SIG_IGN:
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
+        name, trainer = signal.Signals(signum).name, self._trainer
+        if self._received is None:  # the first: stop at the next clean boundary
+            self._received = signum
+            what = "validation" if trainer is not None and trainer.validating else "step"
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            self._say(f"{name}: stopping after this {what}; {again} again to abort")
             return
-        self._received = signum
-        trainer = self._trainer
-        what = "validation" if trainer is not None and trainer.validating else "step"
-        again = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        self._say(f"{signal.Signals(signum).name}: stopping after this {what}; {again} "
-                  "again to abort")
+        loader = None if trainer is None else trainer.train_dataloader
+        if not self._aborting and callable(getattr(loader, "request_abort", None)):
+            self._aborting = True  # the second: abort between steps
+            loader.request_abort()
+            self._say(f"{name}: aborting before the next batch (again to abort at once)")
+            return
+        self._restore_handlers()  # the third one (or no lit_roidata loader): at once
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        previous = signal.getsignal(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def _say(self, message: str) -> None:
         bar = getattr(self._trainer, "progress_bar_callback", None)
@@ -118,20 +111,20 @@ class GracefulStop(pl.Callback):
         else:
             log.warning("%s", message)
 
-    def _restore_handlers(self) -> None:
+    def _restore_handlers(self, *_hook_args: Any) -> None:
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:  # else someone replaced ours
                 signal.signal(signum, previous)
         self._previous = {}
 
+    #: Lightning hooks (``trainer, pl_module[, exception]``): the handlers go back.
+    on_train_end = on_exception = _restore_handlers
+
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._reset()
-        self.stopped_by_signal = self.stopped_at = None
-        self._trainer = trainer
+        self._reset(trainer)
         if threading.current_thread() is threading.main_thread():
-            for signum in self.signals:
-                self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if not trainer.sanity_checking:
@@ -158,17 +151,15 @@ class GracefulStop(pl.Callback):
     def _ready(self) -> bool:
         # Not right after a validation: Lightning 2.4 would run it again on the resume.
         # A run that validates after every step stops at its second boundary anyway.
-        if self._validated and self._refused == 0:
-            self._refused += 1
-            return False
-        return True
+        refuse = self._validated and self._refused == 0
+        self._refused += refuse
+        return not refuse
 
     def _stop(self, trainer: Any) -> None:
         trainer.should_stop = True
         path = self.resolve_ckpt_path(trainer)
         trainer.save_checkpoint(path)
-        self.stopped_by_signal = self._signum
-        self.stopped_at = path
+        self.stopped_by_signal, self.stopped_at = self._signum, path
         if trainer.is_global_zero:
             log.warning("stopped at global step %d; the same command resumes (checkpoint %s)",
                         trainer.global_step, path)
@@ -181,12 +172,6 @@ class GracefulStop(pl.Callback):
             if any(k.__name__ == "OnExceptionCheckpoint" for k in type(cb).__mro__):
                 return os.path.join(str(cb.dirpath), "interrupted" + cb.FILE_EXTENSION)
         return os.path.join(str(trainer.default_root_dir), "interrupted.ckpt")
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._restore_handlers()
-
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self._restore_handlers()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._restore_handlers()
@@ -246,13 +231,12 @@ def check_trainer_for_loader(trainer: Any, plan: Any, skip: bool) -> None:
             or getattr(trainer, "reload_dataloaders_every_n_epochs", 1) == 1):
         return
     raise ValueError(
-        "sampling.repeat_factor_threshold (DATALOADER.SAMPLER_TRAIN: "
-        "RepeatFactorTrainingSampler) with epochs: each pass has its own number of "
-        "batches, and Lightning keeps the first epoch's length unless it reloads the "
-        "train loader every epoch (a longer pass would be cut, a shorter one would skip "
-        "its epoch-end validation). Set trainer reload_dataloaders_every_n_epochs=1, or "
-        "train by steps with sampling.infinite=true and max_steps (as Detectron2 trains "
-        "LVIS)")
+        "sampling.repeat_factor_threshold (DATALOADER.SAMPLER_TRAIN: RepeatFactorTrainingSampler) "
+        "with epochs: each pass has its own number of batches, and Lightning keeps the first "
+        "epoch's length unless it reloads the train loader every epoch (a longer pass would be "
+        "cut, a shorter one would skip its epoch-end validation). Set trainer "
+        "reload_dataloaders_every_n_epochs=1, or train by steps with sampling.infinite=true and "
+        "max_steps (as Detectron2 trains LVIS)")
 
 
 def fit_epochs_to_passes(trainer: Any, loader: Any) -> None:

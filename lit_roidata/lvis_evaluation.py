@@ -139,6 +139,8 @@ class LVISEvaluator(COCOEvaluator):
         with open(ann_file, "rb") as f:
             dataset = orjson.loads(f.read())  # LVIS v1 val is ~200 MB of json
         _check_lvis_gt(dataset, ann_file)
+        # by sorted id, as the LVIS roidb: the label map without a roidb follows this order
+        dataset["categories"] = sorted(dataset.get("categories", ()), key=lambda c: c["id"])
         gt = fce.COCO()
         gt.dataset = dataset
         with contextlib.redirect_stdout(io.StringIO()):

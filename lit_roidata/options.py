@@ -110,7 +110,8 @@ class LoaderOptions:
         ims_per_batch: images per training minibatch *per rank*; ``None``: the Detectron
             config's ``TRAIN.IMS_PER_BATCH`` (Detectron's per-GPU minibatch).
         eval_ims_per_batch: images per validation/test batch (Detectron tests one).
-        pin_memory: pin host memory of batches (faster copies to a GPU).
+        pin_memory: pin host memory of batches (faster, asynchronous copies to a GPU);
+            ``None`` (default): on when the trainer's device is a CUDA GPU, else off.
         persistent_workers: keep the workers alive between epochs (and between
             validation runs). Not with ``sources.on_bad_image="skip"``: each epoch's
             workers must see the bad images found in the previous one.
@@ -124,7 +125,7 @@ class LoaderOptions:
     num_workers: int = 2
     ims_per_batch: Optional[int] = None
     eval_ims_per_batch: int = 1
-    pin_memory: bool = False
+    pin_memory: Optional[bool] = None
     persistent_workers: bool = False
     prefetch_factor: Optional[int] = None
     shm_pool: bool = True

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -82,11 +81,8 @@ class Block(list):
     def __init__(self, indices: Any, seed: int, pass_index: int, block_index: int,
                  attempt: int = 0, substitutes: tuple = ()) -> None:
         list.__init__(self, indices if type(indices) is list else [int(i) for i in indices])
-        self.seed = seed
-        self.pass_index = pass_index
-        self.block_index = block_index
-        self.attempt = attempt
-        self.substitutes = tuple(substitutes)
+        self.seed, self.pass_index, self.block_index = seed, pass_index, block_index
+        self.attempt, self.substitutes = attempt, tuple(substitutes)
 
     def derive(self, indices: Any, attempt: int | None = None,
                substitutes: Iterable[Mapping[str, Any]] = ()) -> "Block":
@@ -123,9 +119,9 @@ def draw_replacement(block: Block, attempt: int, pool: np.ndarray | int, size: i
     rng = _generator(REPLACE_DOMAIN if domain is None else domain,
                      block.seed if seed is None else seed, block.pass_index,
                      block.block_index, attempt)
-    n = pool if isinstance(pool, (int, np.integer)) else pool.size
-    pick = rng.choice(n, size=size, replace=False)
-    inds = pick if isinstance(pool, (int, np.integer)) else pool[pick]
+    if isinstance(pool, (int, np.integer)):
+        pool = np.arange(pool)
+    inds = pool[rng.choice(pool.size, size=size, replace=False)]
     return Block(inds.tolist(), block.seed, block.pass_index, block.block_index, attempt)
 
 
@@ -182,10 +178,9 @@ class StreamPlan:
     _owner = "RoIBatchSampler"
 
     def __init__(self, widths: Any, heights: Any, ims_per_batch: int, *,
-                 aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3,
-                 rank: int = 0, world_size: int = 1, infinite: bool = False,
-                 holdback: int = 0, repeat_factors: Any = None,
-                 bad_image_reserve: float = 0.0) -> None:
+                 aspect_grouping: bool = True, shuffle: bool = True, seed: int = 3, rank: int = 0,
+                 world_size: int = 1, infinite: bool = False, holdback: int = 0,
+                 repeat_factors: Any = None, bad_image_reserve: float = 0.0) -> None:
         own = self._owner
         w, h = np.asarray(widths).reshape(-1), np.asarray(heights).reshape(-1)
         if w.shape != h.shape:
@@ -208,15 +203,9 @@ class StreamPlan:
         self.is_horizontal.setflags(write=False)
         self.horizontal = np.flatnonzero(horizontal).astype(np.int64)
         self.vertical = np.flatnonzero(~horizontal).astype(np.int64)
-        self.repeat_factors: np.ndarray | None = None
-        self.repeat_digest: str | None = None
-        if repeat_factors is not None:
-            self._set_repeat_factors(repeat_factors)
+        self.repeat_factors, self.repeat_digest = self._check_repeat_factors(repeat_factors)
         mb = self.ims_per_batch
-        if self.grouped:
-            natural = self.horizontal.size // mb + self.vertical.size // mb
-        else:
-            natural = math.ceil(self.num_images / mb)
+        natural = self._natural(self.horizontal.size, self.vertical.size)
         #: Blocks of the whole permutation (every entry once); ``blocks_per_pass`` excludes
         #: the held-back ones (with repeat factors: their lower bound).
         self.natural_blocks_per_pass = natural
@@ -226,34 +215,13 @@ class StreamPlan:
             raise ValueError(f"{own}: holdback={holdback} blocks leaves no block of a pass of "
                              f"{natural}; lower the bad-image reserve")
         self.blocks_per_pass = natural - self.holdback
-        self._check_sizes()
-        self._memo: dict[str, tuple[Any, Any]] = {}
-        self._pass_blocks: dict[int, int] = {}  # repeat factors: pass -> blocks
-
-    def _set_repeat_factors(self, repeat_factors: Any) -> None:
-        r = np.array(repeat_factors, dtype=np.float32).reshape(-1)
-        if r.size != self.num_images:
-            raise ValueError(f"{self._owner}: repeat_factors has {r.size} entries but the roidb "
-                             f"has {self.num_images}; pass one factor per roidb entry (flipped "
-                             "entries included)")
-        bad = np.flatnonzero(~(np.isfinite(r) & (r >= 1)))
-        if bad.size:
-            raise ValueError(f"{self._owner}: repeat factors must be finite and >= 1; entry "
-                             f"{int(bad[0])} has {r[bad[0]]!r} ({bad.size} such entries)")
-        r.setflags(write=False)
-        self.repeat_factors = r
-        self.repeat_digest = hashlib.sha256(r.tobytes()).hexdigest()[:16]
-
-    def _check_sizes(self) -> None:
-        mb, own = self.ims_per_batch, self._owner
         if self.grouped and self.natural_blocks_per_pass == 0:
             raise ValueError(
-                f"{own}: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} images of "
-                f"one orientation, but the roidb has {self.horizontal.size} horizontal (w >= h) "
-                f"and {self.vertical.size} vertical images; the permutation would be empty "
-                "(Detectron fails with IndexError: Detectron quirk Q14, see "
-                "docs/detectron_quirks.md). Add images, lower TRAIN.IMS_PER_BATCH or set "
-                "TRAIN.ASPECT_GROUPING False")
+                f"{own}: aspect grouping with IMS_PER_BATCH={mb} needs at least {mb} images of one "
+                f"orientation, but the roidb has {self.horizontal.size} horizontal (w >= h) and "
+                f"{self.vertical.size} vertical images; the permutation would be empty (Detectron "
+                "fails with IndexError: Detectron quirk Q14, see docs/detectron_quirks.md). Add "
+                "images, lower TRAIN.IMS_PER_BATCH or set TRAIN.ASPECT_GROUPING False")
         if not self.grouped and self.num_images < mb:
             raise ValueError(
                 f"{own}: the roidb has {self.num_images} images, fewer than IMS_PER_BATCH={mb}; "
@@ -264,14 +232,29 @@ class StreamPlan:
                 f"{own}: a pass has {self.blocks_per_pass} blocks of {mb} images, fewer than "
                 f"world_size={self.world_size}, so an epoch would have no global minibatch. "
                 "Use infinite=True (max_steps training), fewer ranks or a smaller IMS_PER_BATCH")
+        self._memo: dict[str, tuple[Any, Any]] = {}
+        self._pass_blocks: dict[int, int] = {}  # repeat factors: pass -> blocks
+
+    def _check_repeat_factors(self, repeat_factors: Any) -> tuple[np.ndarray | None, str | None]:
+        if repeat_factors is None:
+            return None, None
+        r = np.array(repeat_factors, dtype=np.float32).reshape(-1)
+        if r.size != self.num_images:
+            raise ValueError(f"{self._owner}: repeat_factors has {r.size} entries but the roidb "
+                             f"has {self.num_images}; pass one factor per roidb entry (flipped "
+                             "entries included)")
+        bad = np.flatnonzero(~(np.isfinite(r) & (r >= 1)))
+        if bad.size:
+            raise ValueError(f"{self._owner}: repeat factors must be finite and >= 1; entry "
+                             f"{int(bad[0])} has {r[bad[0]]!r} ({bad.size} such entries)")
+        r.setflags(write=False)
+        return r, hashlib.sha256(r.tobytes()).hexdigest()[:16]
 
     def _memoised(self, key: str, arg: Any, compute: Any) -> Any:
         hit = self._memo.get(key)
-        if hit is not None and hit[0] == arg:
-            return hit[1]
-        value = compute()
-        self._memo[key] = (arg, value)
-        return value
+        if hit is None or hit[0] != arg:
+            hit = self._memo[key] = (arg, compute())
+        return hit[1]
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _memo={}, _pass_blocks={})
@@ -301,11 +284,12 @@ class StreamPlan:
         counts = self.repeat_counts(pass_index)
         if counts is None:
             return self.natural_blocks_per_pass
+        return self._natural(int(counts[self.horizontal].sum()), int(counts[self.vertical].sum()))
+
+    def _natural(self, h: int, v: int) -> int:
+        """Blocks of a permutation of ``h`` horizontal and ``v`` vertical entries."""
         mb = self.ims_per_batch
-        if self.grouped:
-            return (int(counts[self.horizontal].sum()) // mb
-                    + int(counts[self.vertical].sum()) // mb)
-        return -(-int(counts.sum()) // mb)
+        return h // mb + v // mb if self.grouped else -(-(h + v) // mb)
 
     def pass_blocks(self, pass_index: int) -> int:
         """Blocks pass ``pass_index`` delivers (``blocks_per_pass`` without repeat factors)."""
@@ -338,19 +322,17 @@ class StreamPlan:
         if counts is not None:
             every, horz, vert = (np.repeat(every, counts), np.repeat(horz, counts[horz]),
                                  np.repeat(vert, counts[vert]))
+        rng, mb = _generator(PERM_DOMAIN, self.seed, p), self.ims_per_batch
         if not self.shuffle:
             perm = every
+        elif not self.grouped:
+            perm = rng.permutation(every)
         else:
-            rng = _generator(PERM_DOMAIN, self.seed, p)
-            if not self.grouped:
-                perm = rng.permutation(every)
-            else:
-                mb = self.ims_per_batch
-                horz = rng.permutation(horz)  # three draws, in Detectron's order
-                vert = rng.permutation(vert)
-                rows = np.concatenate([horz[: horz.size // mb * mb],
-                                       vert[: vert.size // mb * mb]]).reshape(-1, mb)
-                perm = rows[rng.permutation(rows.shape[0])].reshape(-1)
+            horz = rng.permutation(horz)  # three draws, in Detectron's order
+            vert = rng.permutation(vert)
+            rows = np.concatenate([horz[: horz.size // mb * mb],
+                                   vert[: vert.size // mb * mb]]).reshape(-1, mb)
+            perm = rows[rng.permutation(rows.shape[0])].reshape(-1)
         perm = perm.astype(np.int64, copy=False)
         perm.setflags(write=False)
         return perm
@@ -359,8 +341,7 @@ class StreamPlan:
         """Block ``block_index`` of pass ``pass_index`` of the global stream."""
         nb = self.pass_blocks(pass_index)
         if not 0 <= block_index < nb:
-            raise IndexError(f"block_index {block_index} outside pass {pass_index} of {nb} "
-                             "blocks")
+            raise IndexError(f"block_index {block_index} outside pass {pass_index} of {nb} blocks")
         inds = _block_indices(self.permutation(pass_index), block_index, self.ims_per_batch)
         return Block(inds, self.seed, pass_index, block_index)
 
@@ -375,8 +356,7 @@ class StreamPlan:
         if not self.infinite:
             return (p + 1, 0) if c + self.world_size > self.pass_blocks(p) else (p, c)
         if self.repeat_factors is None:
-            extra, c = divmod(c, self.blocks_per_pass)
-            return p + extra, c
+            return p + c // self.blocks_per_pass, c % self.blocks_per_pass
         while c >= self.pass_blocks(p):
             c -= self.pass_blocks(p)
             p += 1
@@ -404,9 +384,8 @@ class StreamPlan:
             return p, c + n * ws
         n -= left
         if self.repeat_factors is None:
-            per = self.blocks_per_pass // ws
-            full, rem = divmod(n, per)
-            return (p + full, per * ws) if rem == 0 else (p + full + 1, rem * ws)
+            full, rem = divmod(n - 1, self.blocks_per_pass // ws)  # n >= 1 batches to go
+            return p + full + 1, (rem + 1) * ws
         p += 1
         while n > self.pass_blocks(p) // ws:
             n -= self.pass_blocks(p) // ws
@@ -418,28 +397,14 @@ class StreamPlan:
         """This rank's next block from position ``(pass_index, cursor)`` and the position
         after it. Epoch mode with ``stop_at_pass_end``: ``(None, position)`` at a pass end."""
         p, c, ws = int(pass_index), int(cursor), self.world_size
-        if self.repeat_factors is None:  # the per-batch hot path: normalize() inlined
-            nb = self.blocks_per_pass
-            if not self.infinite:
-                if c + ws > nb:
-                    if stop_at_pass_end:
-                        return None, (p, c)
-                    p, c = p + 1, 0
-                q, b = p, c + self.rank
-                c += ws
-            else:
-                q, b = p + (c + self.rank) // nb, (c + self.rank) % nb
-                p, c = p + (c + ws) // nb, (c + ws) % nb
+        if self.infinite:
+            (q, b), (p, c) = self.normalize(p, c + self.rank), self.normalize(p, c + ws)
         else:
-            if not self.infinite and c + ws > self.pass_blocks(p):
-                if stop_at_pass_end:
-                    return None, (p, c)
-                p, c = p + 1, 0
-            q, b = self.normalize(p, c + self.rank) if self.infinite else (p, c + self.rank)
-            c += ws
-            p, c = self.normalize(p, c) if self.infinite else (p, c)
-        memo = self._memo.get("perm")
-        perm = memo[1] if memo is not None and memo[0] == q else self.permutation(q)
+            q, b = self.normalize(p, c)  # a finished pass: (p + 1, 0)
+            if q != p and stop_at_pass_end:
+                return None, (p, c)
+            p, c, b = q, b + ws, b + self.rank
+        perm = self.permutation(q)
         return Block(_block_indices(perm, b, self.ims_per_batch), self.seed, q, b), (p, c)
 
     # ------------------------------------------------------------------ state
@@ -470,8 +435,7 @@ class StreamPlan:
         mine = {"repeat_factors": None, **self.state_at(0, 0)}
         diffs = [f"{k}: checkpoint {state[k]!r}, now {mine[k]!r}"
                  for k in (*STREAM_KEYS, "repeat_factors") if state[k] != mine[k]]
-        p = check_int(self._owner, "state['pass']", state["pass"], 0)
-        c = check_int(self._owner, "state['cursor']", state["cursor"], 0)
+        p, c = (check_int(self._owner, f"state[{k!r}]", state[k], 0) for k in ("pass", "cursor"))
         if not diffs and c > self.pass_blocks(p):
             diffs.append(f"cursor {c} beyond pass {p} of {self.pass_blocks(p)} blocks")
         if diffs:
@@ -511,11 +475,13 @@ class StreamPlan:
         nb = self.pass_blocks(pass_index)
         return nb if self.infinite else nb // self.world_size * self.world_size
 
+    def _delivered(self, p: int) -> np.ndarray:
+        return self.permutation(p)[: self.delivered_blocks(p) * self.ims_per_batch]
+
     def reserve(self, pass_index: int) -> np.ndarray:
         """The entries pass ``pass_index`` does not deliver, in the pass's reserve order."""
-        perm = self.permutation(pass_index)
-        delivered = perm[: self.delivered_blocks(pass_index) * self.ims_per_batch]
-        rest = np.setdiff1d(np.arange(self.num_images, dtype=np.int64), delivered)
+        rest = np.setdiff1d(np.arange(self.num_images, dtype=np.int64),
+                            self._delivered(pass_index))
         return rest[_generator(RESERVE_DOMAIN, self.seed, pass_index).permutation(rest.size)]
 
     def known_bad_plan(self, pass_index: int, bad: frozenset) -> tuple[dict, dict]:
@@ -526,8 +492,7 @@ class StreamPlan:
                               lambda: self._known_bad_plan(pass_index, bad))
 
     def _known_bad_plan(self, p: int, bad: frozenset) -> tuple[dict, dict]:
-        mb = self.ims_per_batch
-        delivered = self.permutation(p)[: self.delivered_blocks(p) * mb]
+        mb, delivered = self.ims_per_batch, self._delivered(p)
         bad_arr = np.fromiter(bad, dtype=np.int64, count=len(bad))
         res = self.reserve(p)
         pools: dict[Any, list[int]] = {}
@@ -547,22 +512,20 @@ class StreamPlan:
         """A good entry the pass delivers anyway, for when the reserve is exhausted (a
         counted repeat): drawn from the blocks before ``block_index`` (with ``own_rank``
         only this rank's: all read already), else from the whole delivered pass."""
-        mb = self.ims_per_batch
-        perm = self.permutation(pass_index)
+        mb, perm = self.ims_per_batch, self.permutation(pass_index)
         blocks = np.arange(min(int(block_index), self.delivered_blocks(pass_index)))
         if own_rank:
             blocks = blocks[blocks % self.world_size == self.rank]
         delivered = perm[(blocks[:, None] * mb + np.arange(mb)).reshape(-1)]
         if delivered.size == 0:
-            delivered = perm[: self.delivered_blocks(pass_index) * mb]
+            delivered = self._delivered(pass_index)
         bad_arr = np.fromiter({int(i) for i in bad}, dtype=np.int64)
-        ok = ~np.isin(delivered, bad_arr)
         o = self.orientation(index)
-        cand = delivered[ok & (self.is_horizontal[delivered] == o)] if o is not None else \
-            delivered[ok]
+        if o is not None:
+            delivered = delivered[self.is_horizontal[delivered] == o]
+        cand = delivered[~np.isin(delivered, bad_arr)]
         if cand.size == 0:  # nothing good of this orientation: any good entry at all
-            every = np.arange(self.num_images, dtype=np.int64)
-            cand = every[~np.isin(every, bad_arr)]
+            cand = np.setdiff1d(np.arange(self.num_images, dtype=np.int64), bad_arr)
         if cand.size == 0:
             raise RuntimeError(
                 f"on_bad_image='skip': no good image is left to replace roidb entry {index} in "
@@ -580,10 +543,9 @@ class StreamPlan:
         inds, subs = list(block), []
         for slot, i in enumerate(block):
             if int(i) in bad:
-                new, why = plan.get((block.block_index, slot), (None, "reserve_exhausted"))
-                if new is None:  # a block outside the delivered pass (not expected)
-                    new = self.fallback(block.pass_index, block.block_index, slot, 0, int(i),
-                                        bad)
+                # (a block outside the delivered pass is not expected: then a fallback)
+                new, why = plan.get((block.block_index, slot)) or (self.fallback(
+                    block.pass_index, block.block_index, slot, 0, int(i), bad), "reserve_exhausted")
                 inds[slot] = int(new)
                 subs.append({"slot": slot, "bad_index": int(i), "index": int(new), "why": why})
         return block.derive(inds, substitutes=subs)

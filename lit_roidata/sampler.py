@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import Sampler
 
@@ -54,9 +54,7 @@ class RoIBatchSampler(StreamPlan, Sampler[Block]):
 
     def draw(self) -> Block:
         """Take this rank's next block, atomically; a finished pass rolls over (never stops)."""
-        blk = self._draw(False)
-        assert blk is not None
-        return blk
+        return cast(Block, self._draw(False))  # never None: it does not stop at a pass end
 
     def __iter__(self) -> Iterator[Block]:
         """This rank's blocks from the current position: to the end of the pass (epoch mode)
@@ -87,9 +85,7 @@ class RoIBatchSampler(StreamPlan, Sampler[Block]):
             self._pos = pos
 
     def __getstate__(self) -> dict[str, Any]:
-        state = StreamPlan.__getstate__(self)
-        state.pop("_lock", None)
-        return state
+        return {k: v for k, v in StreamPlan.__getstate__(self).items() if k != "_lock"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

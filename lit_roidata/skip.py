@@ -72,11 +72,7 @@ class BadImageLedger:
 
     def frozen_for(self, pass_index: int) -> frozenset:
         """The known-bad set replaced before reading in pass ``pass_index``."""
-        out = frozenset()
-        for start, s in self.frozen:
-            if start <= pass_index:
-                out = s
-        return out
+        return next((s for start, s in reversed(self.frozen) if start <= pass_index), frozenset())
 
     def mark_bad(self, index: int, record: Mapping[str, Any]) -> bool:
         """Remember ``index`` (and its flipped twin: same file) as bad; ``True`` if new."""
@@ -111,20 +107,15 @@ class BadImageLedger:
         if p == self.reverse_pass:
             share = share[::-1]
         key, new, why = (p, o), None, "new_bad"
-        while self.used.get(key, 0) < len(share):
-            cand = share[self.used.get(key, 0)]
-            self.used[key] = self.used.get(key, 0) + 1
-            if cand not in self.known:
-                new = cand
-                break
+        while new is None and (n := self.used.get(key, 0)) < len(share):
+            self.used[key] = n + 1  # a share entry found bad meanwhile is passed over
+            new = None if share[n] in self.known else share[n]
         if new is None:
             new = plan.fallback(p, block.block_index, slot, attempt + 1, bad_index,
                                 self.frozen_for(p) | frozenset(self.known), own_rank=True)
             why = "reserve_exhausted"
         sub = {"slot": int(slot), "bad_index": bad_index, "index": int(new), "why": why}
-        inds = list(block)
-        inds[slot] = int(new)
-        return block.derive(inds, substitutes=[sub]), sub
+        return block.derive([*block[:slot], int(new), *block[slot + 1:]], substitutes=[sub]), sub
 
     def state_dict(self) -> dict[str, Any]:
         """Known bad images (with what was wrong), frozen snapshots, this rank's use of the
@@ -180,20 +171,24 @@ def merge_skip_reports(parts: Sequence[Mapping[str, Any]]
     return Counter({k: v for k, v in counts.items() if v > 0}), files
 
 
-def _report_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [f"  {r.get('path')} (image id {r.get('image_id')}, dataset {r.get('dataset')}, "
-            f"roidb index {r.get('index')}): {r.get('reason')}: {r.get('message')}"
-            for r in records]
-
-
 def summarize(records: Sequence[Mapping[str, Any]], counts: Mapping[str, int],
               title: str = "data: skip report") -> str:
     """A readable multi-line skip report: the counts by kind, then one line per file."""
     lines = [f"{title}: {dict(sorted(Counter(counts).items()))}"]
     if records:
         lines.append(f"bad images found ({len(records)}):")
-        lines += _report_lines(records)
+        lines += [f"  {r.get('path')} (image id {r.get('image_id')}, dataset "
+                  f"{r.get('dataset')}, roidb index {r.get('index')}): {r.get('reason')}: "
+                  f"{r.get('message')}" for r in records]
     return "\n".join(lines)
+
+
+def _report(counts: Mapping[str, int], files: Mapping[str, Any], log_it: bool, title: str
+            ) -> dict[str, Any]:
+    report = {"counts": dict(sorted(counts.items())), "files": list(files.values())}
+    if log_it and report["counts"]:
+        log.warning("%s", summarize(report["files"], report["counts"], title))
+    return report
 
 
 class SkipPolicy:
@@ -229,9 +224,8 @@ class SkipPolicy:
             self.records.append(rec)
             if rec["index"] is not None:
                 self.ledger.mark_bad(int(rec["index"]), rec)
-        for sub in meta.get("substitutes") or ():
-            if sub.get("why") in PLANNED_REPLACEMENTS:
-                self.pending[str(sub["why"])] += 1
+        self.pending.update(str(s["why"]) for s in meta.get("substitutes") or ()
+                            if s.get("why") in PLANNED_REPLACEMENTS)
         if meta.get("num_invalid_replaced"):
             self.pending["invalid_minibatch"] += int(meta["num_invalid_replaced"])
 
@@ -262,24 +256,17 @@ class SkipPolicy:
                 self.ledger.mark_bad(int(rec["index"]), rec)
         p, c = self.ledger.plan.normalize(*position)
         self.ledger.freeze(p if c == 0 else p + 1)
-        report = {"counts": dict(sorted(counts.items())), "files": list(files.values())}
-        self.last_report = report
         self.run_counts.update(counts)
         for path, rec in files.items():
             self.run_files.setdefault(path, rec)
-        if counts and (not distributed or dist.get_rank() == 0):
-            log.warning("%s", summarize(report["files"], report["counts"],
-                                        "data: skip report of the epoch (on_bad_image=skip)"))
-        return report
+        self.last_report = _report(counts, files, not distributed or dist.get_rank() == 0,
+                                   "data: skip report of the epoch (on_bad_image=skip)")
+        return self.last_report
 
     def run_report(self, log_it: bool = True) -> dict[str, Any]:
         """Every skip of the run so far (no collective); logged when ``log_it``."""
-        report = {"counts": dict(sorted(self.run_counts.items())),
-                  "files": list(self.run_files.values())}
-        if log_it and report["counts"]:
-            log.warning("%s", summarize(report["files"], report["counts"],
-                                        "data: skip report of the whole run"))
-        return report
+        return _report(self.run_counts, self.run_files, log_it,
+                       "data: skip report of the whole run")
 
     def state_dict(self) -> dict[str, Any]:
         """The ledger's state and the skips not exchanged yet."""

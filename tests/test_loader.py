@@ -294,6 +294,38 @@ def test_persistent_workers_reiteration_continues_stream():
     assert got == want
 
 
+def _note_worker_start(folder, worker_id):
+    import os
+
+    (folder / f"{os.getpid()}-{worker_id}").touch()
+
+
+@pytest.mark.parametrize("infinite", [False, True])
+def test_the_stream_outlives_the_epoch(tmp_path, infinite):
+    """Pass boundaries cost no wait: the workers that built the end of one epoch already
+    build the next one's first blocks (one DataLoader iterator, no worker restart), and the
+    batches are the stream's, epoch by epoch, in both modes."""
+    import functools
+
+    ref = make_loader(infinite=infinite)
+    if infinite:
+        it = iter(ref)
+        want = [coords(next(it) for _ in range(len(ref))) for _ in range(3)]
+    else:
+        want = [coords(ref) for _ in range(3)]
+    a = make_loader(num_workers=2, infinite=infinite,
+                    worker_init_fn=functools.partial(_note_worker_start, tmp_path))
+    got = []
+    for _ in range(3):  # Lightning calls iter() at every epoch and stops after len()
+        it = iter(a)
+        got.append(coords(next(it) for _ in range(len(a))))
+    assert got == want
+    assert len(list(tmp_path.iterdir())) == 2  # the same two workers throughout
+    a.load_state_dict(a.state_dict())  # a restored position starts a new stream
+    next(iter(a))
+    assert len(list(tmp_path.iterdir())) > 2  # (the second new worker may still start)
+
+
 def test_loader_resume_with_other_world_size():
     def loaders(ws):
         return [StatefulRoIDataLoader(BlockDataset(), RoIBatchSampler(

@@ -245,3 +245,41 @@ def test_callback_in_trainer_logs_lvis_names(tmp_path: Path) -> None:
     for r in saved:
         per_image[r["image_id"]] = per_image.get(r["image_id"], 0) + 1
     assert saved and max(per_image.values()) <= 5
+
+
+def test_labels_map_by_sorted_category_id_without_a_trainer(tmp_path: Path) -> None:
+    """Without a trainer, labels map to categories by sorted id, as the LVIS roidb maps
+    them: perfect detections score AP 1 when the json lists its categories out of id
+    order, and a sorted file scores as before. Category ids are sparse (10, 20, ...)."""
+    rng = np.random.default_rng(5)
+    gt = make_lvis_gt(rng, n_images=5, n_cats=4, max_anns=4)
+    for key, items in (("categories", gt["categories"]), ("annotations", gt["annotations"])):
+        for x in items:
+            x["id" if key == "categories" else "category_id"] *= 10
+    for im in gt["images"]:
+        for k in ("neg_category_ids", "not_exhaustive_category_ids"):
+            im[k] = [10 * c for c in im[k]]
+    label = {10 * c: c for c in range(1, 5)}  # contiguous = rank of the sorted id
+    dets = [{"image_id": im["id"], "dataset": "u",
+             "boxes": [_hit(a["bbox"], 0.9)[0] for a in gt["annotations"]
+                       if a["image_id"] == im["id"]],
+             "scores": [0.9 for a in gt["annotations"] if a["image_id"] == im["id"]],
+             "labels": [label[a["category_id"]] for a in gt["annotations"]
+                        if a["image_id"] == im["id"]]} for im in gt["images"]]
+    aps = []
+    for case, cats in (("sorted", gt["categories"]), ("reversed", gt["categories"][::-1]),
+                       ("shuffled", [gt["categories"][i] for i in (2, 0, 3, 1)])):
+        ann = _write(tmp_path / case, {**gt, "categories": cats})
+        m = LVISEvaluator(iou_types=("bbox",), annotation_files={"u": ann},
+                          print_summary=False).evaluate(dets)
+        aps.append(m["val/lvis_bbox_AP"])
+    assert aps == [pytest.approx(1.0)] * 3
+    # imperfect detections: the same AP whatever the order of the categories
+    noisy = make_detections(np.random.default_rng(6), gt, per_image=5)
+    for d in noisy:
+        d["dataset"] = "u"
+        d["labels"] = [label.get(int(c)) or label[10 * int(c)] for c in d["labels"]]
+    got = [LVISEvaluator(iou_types=("bbox",), annotation_files={"u": _write(tmp_path / c, g)},
+                         print_summary=False).evaluate(noisy)["val/lvis_bbox_AP"]
+           for c, g in (("s2", gt), ("r2", {**gt, "categories": gt["categories"][::-1]}))]
+    assert got[0] == pytest.approx(got[1], abs=1e-12) and 0 < got[0] < 1

@@ -118,8 +118,8 @@ def test_catalog_lvis_builtins_and_format(tmp_path):
     assert cat.get("coco_2017_train").format == "coco"
     assert cat.register("x", "/im", "/a.json").format == "coco"
     assert cat.register("y", "/im", "/a.json", format="lvis").format == "lvis"
-    with pytest.raises(ValueError, match="format='voc'.*coco.*lvis"):
-        cat.register("z", "/im", "/a.json", format="voc")
+    with pytest.raises(ValueError, match="format='yolo'.*coco.*lvis.*voc"):
+        cat.register("z", "/im", "/a.json", format="yolo")
     (tmp_path / "c.yaml").write_text(
         "datasets:\n  l:\n    image_dir: coco\n    annotation_file: l.json\n    format: lvis\n"
         "  k:\n    image_dir: coco\n    annotation_file: k.json\n")

@@ -21,6 +21,7 @@ CLASSES: dict[str, str] = {name: f"lit_roidata.{module}:{name}" for module, name
     ("datamodule", "RoIDataModule"), ("demo.datamodule", "DemoRoIDataModule"),
     ("broadcast", "BroadcastParameters"), ("loader_callbacks", "BadImageReport GracefulStop"),
     ("evaluation", "COCOEvaluator"), ("lvis_evaluation", "LVISEvaluator"),
+    ("voc_evaluation", "VOCEvaluator"),
     ("progress", "StepTQDMProgressBar"), ("exchange.callback", "BlobExchangeCallback"),
     ("models.predict", "COCOPredictionWriter"), ("models.detector", "TorchvisionDetector"),
     ("demo.model", "DemoFastRCNN"), ("demo.faster", "DemoFasterRCNN"),

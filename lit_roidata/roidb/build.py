@@ -21,6 +21,7 @@ from lit_roidata.osutil import no_transparent_hugepages
 from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
 from lit_roidata.roidb.cache import ArrayWriter
 from lit_roidata.roidb.coco import GtTable, load_coco_json
+from lit_roidata.roidb.dicts import load_records, records_digest
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
@@ -29,6 +30,7 @@ from lit_roidata.roidb.proposals import empty_proposal_table
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
 from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
+from lit_roidata.roidb.voc import voc_source
 from lit_roidata.roidb.segms import SegmColumns, concat, concat_offsets, offsets
 from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed
 from lit_roidata.roidb.columnar import RoIDB
@@ -196,10 +198,11 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     names, files = _normalise(dataset_names, proposal_files)
     catalog = catalog if catalog is not None else DatasetCatalog
     specs = [catalog.get(n) for n in names]
+    specs = [dataclasses.replace(s, **voc_source(s)) if s.format == "voc" else s for s in specs]
     root = os.path.abspath(cache_dir or default_cache_dir())
     os.makedirs(root, exist_ok=True)
     for spec in specs:
-        if not os.path.isfile(spec.annotation_file):
+        if spec.function is None and not os.path.isfile(spec.annotation_file):
             raise FileNotFoundError(
                 f"dataset {spec.name!r}: annotation file {spec.annotation_file} does not exist; "
                 f"fix the catalog entry (or the data root for built-in names)")
@@ -215,7 +218,8 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
                    bbox_reg_weights=[float(w) for w in m.BBOX_REG_WEIGHTS])
     inputs = [{"name": s.name, "image_dir": os.path.abspath(s.image_dir),
                "image_prefix": s.image_prefix,
-               "annotation": file_fingerprint(s.annotation_file, root),
+               "annotation": _records_key(s) if s.function is not None
+               else file_fingerprint(s.annotation_file, root),
                "proposals": None if f is None else file_fingerprint(f, root),
                **({} if s.format == "coco" else {"format": s.format})}  # COCO keys as they were
               for s, f in zip(specs, files)]
@@ -233,6 +237,15 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
     logger.info("roidb %s: %d entries (%s)", "built" if built else "opened from cache",
                 len(db), path)
     return db
+
+
+def _records_key(spec: DatasetSpec) -> dict:
+    """A registered function's cache key: its ``version``, else its records' content hash
+    (the function runs once more for it, in the build worker)."""
+    key = {"classes": list(spec.thing_classes), "keypoints": spec.keypoint_names}
+    if spec.version is not None:
+        return dict(key, version=spec.version)
+    return dict(key, records=_in_child(lambda: records_digest(spec.function())))
 
 
 def _check_categories(tables_cats: list, names: list, policy: str) -> None:
@@ -311,13 +324,17 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                         union.extend(n for _, n in c if n not in union)
                     return union
 
-                # LVIS: decoded whole (its per-image federated lists), then cleaned; COCO:
-                # decoded and cleaned window by window (bounded memory)
+                # LVIS: decoded whole (its per-image federated lists), then cleaned; COCO
+                # and a function's records: decoded and cleaned window by window
+                gt = {"gt_min_area": options["gt_min_area"], "categories_hook": categories_seen,
+                      "keypoints_required": bool(options.get("keypoints_on"))}
                 raw = decode_lvis(spec.annotation_file) if spec.format == "lvis" else None
-                table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw,
-                                       gt_min_area=options["gt_min_area"],
-                                       categories_hook=categories_seen,
-                                       keypoints_required=bool(options.get("keypoints_on")))
+                if spec.function is not None:
+                    table = load_records(spec.function(), name=spec.name,
+                                         thing_classes=spec.thing_classes,
+                                         keypoint_names=spec.keypoint_names, **gt)
+                else:
+                    table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw, **gt)
                 if raw is not None:
                     table.image_lists = lvis_image_lists(raw, table.info)
                 del raw
@@ -389,19 +406,18 @@ def _dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle)
 
 
 def _check_images(spec: DatasetSpec, file_names: list) -> None:
-    if not os.path.isdir(spec.image_dir):
+    if spec.image_dir and not os.path.isdir(spec.image_dir):
         raise RoIDBInputError(
             f"dataset {spec.name!r}: image directory {spec.image_dir} does not exist; fix the "
             f"catalog entry (or pass check_images=False to skip this check)")
-    listing = set(os.listdir(spec.image_dir))
+    listing = set(os.listdir(spec.image_dir)) if spec.image_dir else set()
     missing = [name for name in (spec.image_prefix + fn for fn in file_names)
-               if name not in listing and not (  # a path below image_dir: look it up
-                   ("/" in name or os.sep in name)
-                   and os.path.exists(os.path.join(spec.image_dir, name)))]
+               if name not in listing  # else a path below image_dir (or a record's): look
+               and not os.path.exists(os.path.join(spec.image_dir, name))]  # it up
     if missing:
         raise RoIDBInputError(
             f"dataset {spec.name!r} ({spec.annotation_file}): {len(missing)} of "
-            f"{len(file_names)} images are missing from {spec.image_dir}, e.g. "
+            f"{len(file_names)} images are missing from {spec.image_dir or 'their paths'}, e.g. "
             f"{', '.join(missing[:5])}. Check image_dir/image_prefix in the catalog, download "
             f"the images, or pass check_images=False.")
 

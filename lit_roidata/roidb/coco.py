@@ -10,7 +10,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from lit_roidata.roidb.segms import POLY, SegmColumns, rle_columns, rle_string_c
 from lit_roidata.roidb.segms import concat, offsets, take_ranges
 from lit_roidata.roidb.workers import OrderedWorkers, build_workers
 
-__all__ = ["GtTable", "load_coco_json", "table_from_raw", "read_json",
+__all__ = ["GtTable", "load_coco_json", "table_from_raw", "table_from_windows", "read_json",
            "dataset_info_from_categories", "keypoint_category_ids"]
 
 logger = logging.getLogger(__name__)
@@ -169,13 +169,23 @@ def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
                    class_order: Optional[Sequence[str]] = None,
                    keypoints_required: bool = False) -> GtTable:
     """Validate and clean decoded columns into a :class:`GtTable` (see :func:`load_coco_json`)."""
-    info = dataset_info_from_categories(name, raw.categories, source=raw.source,
-                                        class_order=class_order)
-    gb = _GtBuilder(raw.source, gt_min_area, keypoints_required)
-    gb.images(raw)
-    gb.images_end()
-    gb.annotations(raw)
-    return gb.finish(info, raw.categories)
+    return table_from_windows([(raw, raw)], raw.categories, source=raw.source, name=name,
+                              gt_min_area=gt_min_area, class_order=class_order,
+                              keypoints_required=keypoints_required)
+
+
+def table_from_windows(windows: Iterable[tuple[RawCoco, RawCoco]], categories: list, *,
+                       source: str, name: str, gt_min_area: float = -1,
+                       class_order: Optional[Sequence[str]] = None,
+                       keypoints_required: bool = False) -> GtTable:
+    """A :class:`GtTable` from ``(images, annotations)`` window pairs of decoded columns
+    (annotations with ``ann_base`` set), cleaned as :func:`load_coco_json` cleans a file's."""
+    info = dataset_info_from_categories(name, categories, source=source, class_order=class_order)
+    gb = _GtBuilder(source, gt_min_area, keypoints_required)
+    for images, anns in windows:
+        gb.images(images)
+        gb.annotations(anns)
+    return gb.finish(info, categories)
 
 
 #: counts every table reports, in report order
