@@ -13,7 +13,8 @@ over the main process and its workers):
 * ``lit e2e``: ``RoIDataModule(model_type="mask_rcnn_fpn")`` (uint8 pixels, RPN targets
   of 5 FPN levels built in the loader), ``target_format`` compact (default) and
   ``detectron`` (dense blobs from the workers, as before);
-* ``lit torchvision``: the same module with ``output_format="torchvision"`` (masks);
+* ``lit torchvision``: the same module with ``output_format="torchvision"`` (masks: the
+  default compact crops, pasted by ``on_after_batch_transfer`` in the timed process);
 * ``lit fast_rcnn``: ``model_type="fast_rcnn_fpn"`` from a proposal file (2000 per image);
 * ``detectron2``: ``build_detection_train_loader`` + ``DatasetMapper`` with instance
   masks, from a Detectron2 source checkout (``--d2-src``; skipped with a note without it);
@@ -36,8 +37,9 @@ Detectron2 row:
 
 then ratios against the peers measured in this run. Also printed:
 
-* bytes copied per batch out of a worker (``transport.transfer_report``), compact vs
-  Detectron targets (item "one copy of every large array");
+* bytes per batch out of a worker (``transport.transfer_report``), compact vs
+  Detectron targets (item "one copy of every large array"), and the torchvision output
+  at 16 images of 800 px with compact vs full masks (their ratio);
 * worker private memory (USS, PSS) after 50 and after 500 batches of the e2e loader;
 * total PSS of the main process + workers with a COCO train2017-scale annotation file
   (118,287 images), lit_roidata vs Detectron2, after 100 timed images (``--pss-images``;
@@ -535,18 +537,25 @@ def run_phase(args: argparse.Namespace, phase: str, **kw: Any) -> dict[str, Any]
 
 # --------------------------------------------------------------------------- bytes copied
 def bytes_copied(args: argparse.Namespace) -> list[tuple[str, dict[str, int]]]:
-    """``transfer_report`` of e2e batches built as in a worker (target_format both ways)."""
+    """``transfer_report`` of e2e batches built as in a worker (target_format both ways),
+    and of the torchvision output at 16 images of 800 px (mask_format both ways)."""
     import lit_roidata.dataset as dataset_mod
     from lit_roidata.minibatch.transport import transfer_report
 
     dataset_mod._in_worker = lambda: True  # allocate as a worker does (this process only)
     rows = []
+    tv16 = {"output_format": "torchvision",
+            "overrides": {"TRAIN.IMS_PER_BATCH": 16, "TRAIN.SCALES": [800]}}
     for name, kw in (("e2e compact targets", {}),
-                     ("e2e detectron targets", {"target_format": "detectron"})):
+                     ("e2e detectron targets", {"target_format": "detectron"}),
+                     ("tv x16 compact masks", dict(tv16, mask_format="compact")),
+                     ("tv x16 full masks", dict(tv16, mask_format="detectron"))):
         dm = _lit_module(args, "mask_rcnn_fpn", **kw)
         sampler = dm.make_sampler()
         ds = dm.make_dataset(sampler=sampler)
         reps = [transfer_report(ds.__getitems__(b)) for b, _ in zip(sampler, range(6))]
+        for r in reps:
+            r["total_bytes"] = r["copied_bytes"] + r["shared_bytes"]
         rows.append((name, {k: int(np.mean([r[k] for r in reps])) for k in reps[0]}))
     return rows
 
@@ -622,7 +631,7 @@ def main() -> None:
         ("lit e2e mask_rcnn_fpn (compact targets)", "lit", {"variant": "compact"}),
         (E2E_READY, "lit", {"variant": "compact", "finish": 1}),
         ("lit e2e mask_rcnn_fpn (detectron targets)", "lit", {"variant": "detectron_targets"}),
-        ("lit torchvision output (masks)", "lit", {"variant": "torchvision"}),
+        ("lit torchvision output (masks)", "lit", {"variant": "torchvision", "finish": 1}),
         ("lit fast_rcnn_fpn from proposals", "lit", {"variant": "fast_rcnn", "proposals": props}),
         ("torchvision references", "tv", {}),
     ]
@@ -692,11 +701,16 @@ def main() -> None:
 
     if not only or "bytes" in only:
         print("=== bytes out of a worker per batch (transfer_report) ===")
-        for name, rep in bytes_copied(args):
-            print(f"  {name:24s} copied {rep['copied_bytes'] / 2**20:7.2f} MiB "
+        rows = dict(bytes_copied(args))
+        for name, rep in rows.items():
+            print(f"  {name:24s} {rep['total_bytes'] / 2**20:7.2f} MiB in all; copied "
+                  f"{rep['copied_bytes'] / 2**20:7.2f} MiB "
                   f"(packed {rep['packed_bytes'] / 2**20:.2f}, moved by the pickler "
                   f"{rep['moved_bytes'] / 2**20:.2f}); sent by handle, no copy "
                   f"{rep['shared_bytes'] / 2**20:.2f} MiB; {rep['tensors']} tensors")
+        compact, full = (rows[f"tv x16 {k} masks"]["total_bytes"] for k in ("compact", "full"))
+        print(f"  torchvision output, 16 images: compact / full masks {compact / full:.3f}x "
+              "bytes per batch (target <= 0.45)")
 
     if not only or "mem" in only:
         mb = tuple(int(x) for x in args.mem_batches.split(","))

@@ -151,7 +151,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         mask_format: ``"detectron"`` (class-specific ``masks_int32``, Detectron's
             shape) or ``"compact"`` (``(n, M*M)`` plus ``mask_class_int32``; 80x less
             data at COCO settings; expand with
-            :func:`lit_roidata.minibatch.device.finalize_on_device`).
+            :func:`lit_roidata.minibatch.device.finalize_on_device`); torchvision output:
+            bit-packed mask crops, pasted by :func:`~lit_roidata.minibatch.device.finish_batch`.
         fix_rpn_quirks: passed to the RPN target builder (Detectron quirk Q2/Q3
             (docs/detectron_quirks.md) fix).
         target_format: ``"detectron"`` (RPN wide blobs and RetinaNet class labels built
@@ -252,7 +253,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
 
             images, targets = build_torchvision_batch(
                 entries, self.cfg, rng, pixel_format=self.pixel_format, loader=loader,
-                augment=self.augment, shared=_in_worker())
+                augment=self.augment, shared=_in_worker(),
+                compact_masks=self.mask_format == "compact")
             return (images, targets), True, entries
         mb = build_minibatch(
             entries, self.cfg, rng, pixel_format=self.pixel_format, loader=loader,

@@ -160,6 +160,9 @@ class OutputOptions:
             and expands it to Detectron's class-specific ``masks_int32`` on the device
             (identical blob, ~NUM_CLASSES times less worker memory and copying);
             ``"detectron"`` builds the expanded blob in the workers, as Detectron does.
+            With ``output_format="torchvision"``: each instance mask cut to its pixels'
+            box and bit-packed, pasted into the full-image masks on the device
+            (identical masks); ``"detectron"``: full-image masks from the workers.
         target_format: ``"compact"`` ships only the sampled RPN anchors and RetinaNet's
             non-zero class labels from the workers and expands them to Detectron's dense
             blobs on the device (identical blobs, a few KB instead of ~45 MB per FPN

@@ -297,6 +297,35 @@ def test_compact_masks_expand_on_device_to_detectron_blobs(root: Path, pixel_for
     assert masks.shape[1] == dm.cfg.MODEL.NUM_CLASSES * dm.cfg.MRCNN.RESOLUTION ** 2
 
 
+@pytest.mark.parametrize("shm_pool", [False, True])
+def test_compact_torchvision_masks_cross_workers_and_paste_to_full_masks(root: Path,
+                                                                         shm_pool: bool) -> None:
+    """The torchvision output's default compact masks, through a worker and the transfer
+    step, equal the full masks of ``mask_format="detectron"``, in a fraction of the bytes."""
+    from lit_roidata.minibatch.transport import transfer_report
+
+    batches, sizes = {}, {}
+    for mask_format in ("compact", "detectron"):
+        dm = DemoRoIDataModule(**dm_kwargs(root, output_format="torchvision", num_workers=1,
+                                           model_type="mask_rcnn_fpn", shm_pool=shm_pool,
+                                           **({} if mask_format == "compact"
+                                              else {"mask_format": mask_format})))
+        dm.setup("fit")
+        it = iter(dm.train_dataloader())
+        raw = [next(it) for _ in range(3)]
+        sizes[mask_format] = sum(r["shared_bytes"] + r["copied_bytes"]
+                                 for r in map(transfer_report, raw))
+        assert all(("mask_crops" in t) == (mask_format == "compact") for b in raw for t in b[1])
+        batches[mask_format] = [dm.on_after_batch_transfer(dm.transfer_batch_to_device(
+            b, torch.device("cpu"), 0), 0) for b in raw]
+        dm.teardown("fit")
+    assert sizes["compact"] < sizes["detectron"]
+    for a, b in zip(batches["compact"], batches["detectron"]):
+        for ta, tb in zip(a[1], b[1]):
+            assert list(ta) == list(tb) and type(ta["masks"]) is type(tb["masks"])
+            assert ta["masks"].dtype == torch.uint8 and torch.equal(ta["masks"], tb["masks"])
+
+
 @pytest.mark.parametrize("name", ["EvalLoader", "EvalDataset", "fork_safe_opencv"])
 def test_the_data_module_re_exports_nothing(name: str) -> None:
     import lit_roidata.datamodule as dm_module

@@ -335,3 +335,42 @@ def test_readme_example_runs_as_written(root: Path, tmp_path: Path, monkeypatch:
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["trainer"].global_step == 2
     assert scope["model"].hparams.lr == 0.02 and scope["model"].hparams.num_classes == 81
+
+
+# -- mixed precision -------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,accelerator", [
+    ("bf16-mixed", "cpu"),
+    pytest.param("16-mixed", "cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="16-mixed needs CUDA"))])
+def test_mask_rcnn_trains_in_mixed_precision(root: Path, precision: str, accelerator: str
+                                             ) -> None:
+    """Mask R-CNN from the data module's torchvision batches (compact masks pasted on the
+    device) under mixed precision: finite losses, every parameter updated, and a
+    validation batch detects under autocast."""
+    import pytorch_lightning as pl
+
+    from lit_roidata import DemoRoIDataModule
+
+    from datamodule_support import dm_kwargs
+
+    dm = DemoRoIDataModule(**dm_kwargs(root, output_format="torchvision",
+                                       model_type="mask_rcnn_fpn"))
+    model = _tiny("maskrcnn_resnet50_fpn", warmup_iters=0, lr=0.01)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            assert batch[1][0]["masks"].dtype == torch.uint8 and "mask_crops" not in batch[1][0]
+            losses.append(float(outputs["loss"]))
+
+    trainer = pl.Trainer(precision=precision, accelerator=accelerator, devices=1, max_steps=2,
+                         limit_val_batches=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Record()])
+    trainer.fit(model, datamodule=dm)
+    assert len(losses) == 2 and all(np.isfinite(losses)), losses
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.cpu(), before[n])]
+    assert len(changed) == len(before), sorted(set(before) - set(changed))[:5]

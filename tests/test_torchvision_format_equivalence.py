@@ -181,3 +181,62 @@ def test_whole_batch_equals_previous_implementation(tmp_path, monkeypatch, rng_k
                         a[k].as_subclass(torch.Tensor), b[k].as_subclass(torch.Tensor)), k
                 else:
                     assert a[k] == b[k], k
+
+
+@settings(max_examples=200)
+@given(segm_entries(), st.booleans())
+def test_compact_masks_paste_to_the_full_masks(case, shared):
+    """Cropped, bit-packed masks pasted back (the device step) equal the full masks."""
+    from lit_roidata.minibatch.device import paste_mask_crops
+
+    entry, rows, scale, h, w = case
+    full = tvf._masks(entry, rows, scale, h, w)
+    bits, boxes = tvf._mask_crops(full.numpy(), shared)
+    assert bits.is_shared() == boxes.is_shared() == shared and boxes.shape == (rows.size, 4)
+    assert bits.numel() <= (full.numel() + 7) // 8
+    out = paste_mask_crops(bits, boxes, (h, w))
+    assert out.dtype == torch.uint8 and torch.equal(out, full)
+
+
+def _entries_for_batch(tmp_path, flipped):
+    r = np.random.default_rng(11)
+    entries = []
+    for i in range(3):
+        p = tmp_path / f"t{i}.png"
+        write_image(p, 64, 48, seed=i)
+        entries.append(make_entry(r, image=str(p), image_id=i, crowd=i == 1,
+                                  num_gt=(0 if i == 2 else 4), flipped=flipped))
+    return entries
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+@pytest.mark.parametrize("augmented", [False, True])
+def test_compact_masks_finished_equal_full_masks(tmp_path, flipped, augmented):
+    """A batch with compact masks after ``finish_batch`` (``on_after_batch_transfer``) is
+    the full-mask batch, key order included (crowd, flipped, augmented, empty images)."""
+    import albumentations as A
+
+    from lit_roidata.minibatch.augment import Augmentation
+    from lit_roidata.minibatch.device import finish_batch, paste_target_masks
+
+    cfg = small_cfg(**{"MODEL.MASK_ON": True, "TRAIN.SCALES": [40, 72], "TRAIN.MAX_SIZE": 200})
+    entries = _entries_for_batch(tmp_path, flipped)
+    aug = Augmentation([A.Affine(scale=(0.8, 1.2), rotate=(-10, 10), p=1)], cfg) \
+        if augmented else None
+    for shared in (False, True):
+        full = tvf.build_torchvision_batch(entries, cfg, np.random.default_rng(3), augment=aug,
+                                           shared=shared)
+        batch = tvf.TorchvisionBatch(tvf.build_torchvision_batch(
+            entries, cfg, np.random.default_rng(3), augment=aug, shared=shared,
+            compact_masks=True))
+        assert all("masks" not in t and "mask_crops" in t for t in batch[1])
+        assert finish_batch(batch, cfg) is batch
+        assert paste_target_masks(batch) is batch  # pasted already: unchanged
+        assert [t["masks"].shape[0] for t in batch[1]] == [4, 3, 0]  # one crowd gt
+        for a, b in zip(batch[1], full[1]):
+            assert list(a) == list(b)
+            for k in a:
+                if torch.is_tensor(a[k]):
+                    assert type(a[k]) is type(b[k]) and torch.equal(a[k], b[k]), k
+                else:
+                    assert a[k] == b[k], k

@@ -5,6 +5,7 @@ Workers can ship the large blobs compactly (``pixel_format="uint8"``,
 docs/rpn_retinanet.md); :func:`finalize_on_device` restores Detectron's exact blobs on the
 device, where filling memory is nearly free. Every function runs on the input's device
 (CPU or CUDA); :func:`finish_batch` is what ``RoIDataModule.on_after_batch_transfer`` runs.
+The torchvision output's compact masks are pasted by :func:`paste_mask_crops`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from lit_roidata.minibatch.names import RPN_BLOB_KINDS, RPN_COMPACT_KEYS
 
 __all__ = ["normalize_on_device", "expand_masks_on_device", "expand_rpn_targets",
-           "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch"]
+           "expand_sparse", "expand_targets", "finalize_on_device", "finish_batch",
+           "paste_mask_crops", "paste_target_masks"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,6 +184,49 @@ def expand_sparse(rows: torch.Tensor, shape: Any, fill: int = 0) -> torch.Tensor
     return out
 
 
+def paste_mask_crops(bits: torch.Tensor, boxes: torch.Tensor, size: Sequence[int]
+                     ) -> torch.Tensor:
+    """Full-image ``(n, h, w)`` uint8 masks from a torchvision target's compact ones, on
+    ``bits``' device (bit-identical to the masks built in the worker).
+
+    Args:
+        bits: ``mask_crops``: every mask's crop, row-major, concatenated and bit-packed
+            (most significant bit first, as ``np.packbits``).
+        boxes: ``mask_boxes``: ``(n, 4)`` crop ``y0, x0, y1, x1`` (ends exclusive; empty
+            for an empty mask); size: ``(h, w)``, the image's size.
+    """
+    rows = boxes.tolist()
+    dev = bits.device
+    out = torch.zeros((len(rows), int(size[0]), int(size[1])), dtype=torch.uint8, device=dev)
+    flat = (bits[:, None] >> torch.arange(7, -1, -1, dtype=torch.uint8, device=dev)) & 1
+    flat, lo = flat.view(-1), 0
+    for j, (y0, x0, y1, x1) in enumerate(rows):
+        n = (y1 - y0) * (x1 - x0)
+        out[j, y0:y1, x0:x1] = flat[lo:lo + n].view(y1 - y0, x1 - x0)
+        lo += n
+    return out
+
+
+def paste_target_masks(batch: Any) -> Any:
+    """``finish_batch`` of a torchvision ``(images, targets)`` batch: each target's
+    ``mask_crops`` / ``mask_boxes`` replaced, in place and at their position, by ``masks``
+    (a ``tv_tensors.Mask``); anything else is returned unchanged."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and isinstance(batch[1], list)):
+        return batch
+    for image, target in zip(*batch):
+        if isinstance(target, dict) and "mask_boxes" in target:
+            from torchvision import tv_tensors
+
+            masks = tv_tensors.Mask(paste_mask_crops(
+                target["mask_crops"], target["mask_boxes"], image.shape[-2:]))
+            items = [("masks", masks) if k == "mask_crops" else (k, v)
+                     for k, v in target.items() if k != "mask_boxes"]
+            target.clear()
+            target.update(items)
+    return batch
+
+
 def expand_targets(batch: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """Replace compact RPN / RetinaNet targets in ``batch`` by Detectron's blobs, in place.
 
@@ -243,12 +288,12 @@ def finish_batch(batch: Any, cfg: Any, *, expand_compact_targets: bool = True) -
     A dict batch (``output_format="detectron"``, evaluation batches) is finished in place
     by :func:`finalize_on_device` with the config's ``PIXEL_MEANS`` and
     ``MODEL.NUM_CLASSES`` (image sizes: ``_meta``, else ``im_info``, else the whole
-    blob); other batches (``TorchvisionBatch``) are returned unchanged.
+    blob); a ``TorchvisionBatch`` gets its compact masks pasted (:func:`paste_mask_crops`).
     ``expand_compact_targets=False`` keeps compact RPN / RetinaNet targets
     (``target_format="compact_raw"``).
     """
     if not isinstance(batch, dict):
-        return batch
+        return paste_target_masks(batch)
     data, sizes = batch.get("data"), None
     if isinstance(data, torch.Tensor) and data.dtype == torch.uint8 and data.dim() == 4:
         n, _, h, w = data.shape

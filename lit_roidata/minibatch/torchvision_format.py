@@ -13,9 +13,11 @@ torchvision's conventions:
   ``(x + 0.5) * s`` (pixel centre); polygons (already continuous in COCO) are scaled.
 * **targets**: ``boxes`` (``BoundingBoxes``, XYXY, ``canvas_size=(h, w)``), ``labels``
   int64 (contiguous ids), ``image_id``, non-crowd gt only; ``masks`` (``Mask`` uint8
-  ``(N, h, w)``) with ``MODEL.MASK_ON``; ``keypoints`` float32 ``(N, K, 3)`` rows
-  ``x, y, v`` with ``MODEL.KEYPOINTS_ON``; ``proposals`` (``BoundingBoxes``) when the
-  entry has proposal rows; ``crowd_boxes``; and ``scale``, ``orig_size``, ``flipped``;
+  ``(N, h, w)``) with ``MODEL.MASK_ON`` (``compact_masks``: ``mask_crops`` and
+  ``mask_boxes`` instead, pasted by :func:`~lit_roidata.minibatch.device.paste_mask_crops`);
+  ``keypoints`` float32 ``(N, K, 3)`` rows ``x, y, v`` with ``MODEL.KEYPOINTS_ON``;
+  ``proposals`` (``BoundingBoxes``) when the entry has proposal rows; ``crowd_boxes``;
+  and ``scale``, ``orig_size``, ``flipped``;
   for LVIS roidbs also ``neg_category_ids`` and ``not_exhaustive_category_ids`` (int64,
   contiguous class ids like ``labels``; :mod:`lit_roidata.roidb.lvis`).
 """
@@ -93,6 +95,25 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
     return t
 
 
+def _mask_crops(full: np.ndarray, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each mask of ``full`` ``(n, h, w)`` cut to the box of its pixels, all concatenated
+    and bit-packed: ``(bits, boxes)`` as :func:`~lit_roidata.minibatch.device.paste_mask_crops`
+    reads them."""
+    boxes = np.zeros((len(full), 4), np.int32)
+    crops = []
+    for j, (r, c) in enumerate(zip(full.any(2), full.any(1))):
+        ys, xs = np.flatnonzero(r), np.flatnonzero(c)
+        if ys.size:
+            boxes[j] = ys[0], xs[0], ys[-1] + 1, xs[-1] + 1
+            crops.append(full[j, ys[0]:ys[-1] + 1, xs[0]:xs[-1] + 1].ravel())
+    out = []
+    for a in (np.packbits(np.concatenate(crops)) if crops else np.zeros(0, np.uint8), boxes):
+        t = shared_empty(a.shape, a.dtype) if shared else torch.from_numpy(a)
+        t.numpy()[...] = a
+        out.append(t)
+    return out[0], out[1]
+
+
 def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.ndarray:
     kps = np.asarray(entry["gt_keypoints"])[rows].astype(np.float32)  # (N, 3, K)
     out = np.zeros((rows.size, kps.shape[2], 3), dtype=np.float32)
@@ -113,10 +134,11 @@ def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv
 
 
 def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], cfg: Any, *,
-                shared: bool = False) -> dict:
+                shared: bool = False, compact_masks: bool = False) -> dict:
     """The target dict of one image (see the module docstring for conventions).
 
-    ``shared=True`` allocates the masks in shared memory (for DataLoader workers).
+    ``shared=True`` allocates the masks in shared memory (for DataLoader workers);
+    ``compact_masks=True`` gives them as bit-packed crops.
     """
     h, w = size
     boxes = np.asarray(entry["boxes"], dtype=np.float32).reshape(-1, 4)
@@ -139,7 +161,10 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
         "orig_size": (int(entry["height"]), int(entry["width"])),
         "flipped": bool(entry.get("flipped", False)),
     }
-    if cfg.MODEL.MASK_ON:
+    if cfg.MODEL.MASK_ON and compact_masks:
+        full = _masks(entry, gt_rows, scale, h, w).numpy()
+        target["mask_crops"], target["mask_boxes"] = _mask_crops(full, shared)
+    elif cfg.MODEL.MASK_ON:
         target["masks"] = tv_tensors.Mask(_masks(entry, gt_rows, scale, h, w, shared))
     if cfg.MODEL.KEYPOINTS_ON and "gt_keypoints" in entry:
         target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
@@ -152,7 +177,7 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
 
 def build_torchvision_batch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mod.RNG, *,
                             pixel_format: str = "uint8", loader: ImageLoader | None = None,
-                            augment: Any = None, shared: bool = False
+                            augment: Any = None, shared: bool = False, compact_masks: bool = False
                             ) -> tuple[list[tv_tensors.Image], list[dict]]:
     """Images and torchvision-style targets for a block of roidb entries.
 
@@ -163,6 +188,9 @@ def build_torchvision_batch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng:
         loader, augment: as :func:`~lit_roidata.minibatch.image.build_image_blob`.
         shared: build the images and masks in shared memory (what a DataLoader worker
             sends then crosses to the main process without a copy).
+        compact_masks: masks as bit-packed crops (``mask_format="compact"``), pasted
+            into full-image masks on the device by
+            :func:`~lit_roidata.minibatch.device.finish_batch`.
 
     Returns:
         ``(images, targets)``.
@@ -170,6 +198,6 @@ def build_torchvision_batch(entries: Sequence[Mapping[str, Any]], cfg: Any, rng:
     ims, scales, used = load_and_scale(entries, cfg, rng, pixel_format=pixel_format,
                                        loader=loader, augment=augment)
     images = [_image_tensor(im, pixel_format, shared) for im in ims]
-    targets = [make_target(e, s, im.shape[:2], cfg, shared=shared)
+    targets = [make_target(e, s, im.shape[:2], cfg, shared=shared, compact_masks=compact_masks)
                for e, s, im in zip(used, scales, ims)]
     return images, targets

@@ -389,7 +389,9 @@ class TorchvisionDetector(pl.LightningModule):
             raise TypeError("TorchvisionDetector trains on the torchvision format: set "
                             "data.output_format: torchvision (got a Detectron blob dict with "
                             f"{sorted(k for k in batch if not k.startswith('_'))[:6]}...)")
-        images, targets = batch[0], batch[1]
+        from lit_roidata.minibatch.device import paste_target_masks
+
+        images, targets = paste_target_masks(batch)[:2]  # compact masks not pasted yet
         ims = [self._prepare(torch.as_tensor(im), rgb_uint8=True) for im in images]
         tgts = []
 
