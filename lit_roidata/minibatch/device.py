@@ -195,11 +195,15 @@ def paste_mask_crops(bits: torch.Tensor, boxes: torch.Tensor, size: Sequence[int
         boxes: ``mask_boxes``: ``(n, 4)`` crop ``y0, x0, y1, x1`` (ends exclusive; empty
             for an empty mask); size: ``(h, w)``, the image's size.
     """
-    rows = boxes.tolist()
-    dev = bits.device
-    out = torch.zeros((len(rows), int(size[0]), int(size[1])), dtype=torch.uint8, device=dev)
-    flat = (bits[:, None] >> torch.arange(7, -1, -1, dtype=torch.uint8, device=dev)) & 1
-    flat, lo = flat.view(-1), 0
+    rows, dev, shape = boxes.tolist(), bits.device, (len(boxes), int(size[0]), int(size[1]))
+    if dev.type == "cpu":  # NumPy: single-threaded, no intra-op pool to wake per small op
+        out, flat = torch.from_numpy(np.zeros(shape, np.uint8)), torch.from_numpy(
+            np.unpackbits(bits.numpy()))
+    else:
+        out = torch.zeros(shape, dtype=torch.uint8, device=dev)
+        flat = ((bits[:, None] >> torch.arange(7, -1, -1, dtype=torch.uint8, device=dev)) & 1
+                ).view(-1)
+    lo = 0
     for j, (y0, x0, y1, x1) in enumerate(rows):
         n = (y1 - y0) * (x1 - x0)
         out[j, y0:y1, x0:x1] = flat[lo:lo + n].view(y1 - y0, x1 - x0)
