@@ -351,7 +351,7 @@ def decode_window(path: str, key: str, start: int, end: int) -> Optional[RawCoco
     return cols
 
 
-def _typed_window(key: str, buf: bytearray, source: str, lvis: bool = False
+def _typed_window(key: str, buf: bytes, source: str, lvis: bool = False
                   ) -> Optional[RawCoco]:
     """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
     try:
@@ -536,12 +536,10 @@ class _Chunked:
                 self.mapper = None
         return pos, count
 
-    def _window_text(self, start: int, end: int) -> bytearray:
-        """``[`` + the elements in ``[start, end)`` + ``]``: a JSON list to decode."""
-        buf = bytearray(end - start + 2)
-        buf[0], buf[-1] = 0x5B, 0x5D
-        buf[1:-1] = self.view[start:end]
-        return buf
+    def _window_text(self, start: int, end: int) -> bytes:
+        """``[`` + the elements in ``[start, end)`` + ``]``: a JSON list to decode (bytes:
+        one copy, and msgspec's ``Raw`` values are views of it instead of copies)."""
+        return b"".join((b"[", self.view[start:end], b"]"))
 
     def _decode(self, key: str, start: int, end: int, base: int,
                 typed_only: bool) -> Optional[RawCoco]:
