@@ -67,11 +67,13 @@ def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
             bufs: list = []  # arrays' data out of band: sent from their memory, no copies
             head = pickle.dumps(out, protocol=5, buffer_callback=bufs.append)
         except Exception:  # noqa: BLE001 - an exception that does not pickle
-            head = pickle.dumps(("err", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
+            bufs, head = [], pickle.dumps(("err", RuntimeError(f"{type(out[1]).__name__}: "
+                                                               f"{out[1]}")))
         raws = [b.raw() for b in bufs]
         conn.send((head, [r.nbytes for r in raws]))
-        for r in raws:
-            conn.send_bytes(r)
+        for r in raws:  # raw bytes on the pipe (their sizes went ahead)
+            while r:
+                r = r[os.write(conn.fileno(), r):]
 
 
 class OrderedWorkers:
@@ -134,9 +136,13 @@ class OrderedWorkers:
         k = self._owner.popleft()
         try:
             head, sizes = self._conns[k].recv()
-            bufs = [np.empty(n, np.uint8) for n in sizes]  # received in place, no copy
-            for b in bufs:
-                self._conns[k].recv_bytes_into(b)
+            bufs = [np.empty(n, np.uint8) for n in sizes]  # read in place, no copy
+            for b in map(memoryview, bufs):
+                while b:
+                    got = os.readv(self._conns[k].fileno(), [b])
+                    if not got:
+                        raise EOFError
+                    b = b[got:]
             kind, value = pickle.loads(head, buffers=bufs)
         except (EOFError, OSError) as exc:
             code = self._procs[k].exitcode
