@@ -592,7 +592,8 @@ def report(rows: dict, scale: float, args) -> None:
         spread = lambda r, k="all": "/".join(f"{x:.1f}" for x in r[k])  # noqa: E731
         print(f"\ncold gt build vs Detectron2's load_coco_json, same run (best of "
               f"{len(o['all'])}; all: ours {spread(o)} s, detectron2 {spread(d)} s):")
-        print(f"  ours / detectron2: {o['seconds'] / d['seconds']:6.2f}x wall  (target <= 0.25x)")
+        print(f"  ours / detectron2: {o['seconds'] / d['seconds']:6.2f}x wall  (target <= 0.25x; "
+              f"per run pair: {', '.join(f'{a / b:.2f}' for a, b in zip(o['all'], d['all']))})")
         print(f"  ours / detectron2: {o['cpu_s'] / d['cpu_s']:6.2f}x CPU (best of each; all: "
               f"ours {spread(o, 'all_cpu')} s, detectron2 {spread(d, 'all_cpu')} s; steadier "
               f"than wall on a shared machine)")

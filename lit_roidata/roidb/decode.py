@@ -281,6 +281,7 @@ _DELTA = np.zeros(256, np.int64)
 _DELTA[list(b"[{")] = 1
 _DELTA[list(b"]}")] = -1
 _CANDIDATE = re.compile(rb"\}[ \t\r\n]*,")
+_LAST = re.compile(rb"\}[ \t\r\n]*\]")
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _SCALAR = re.compile(rb"[^,\]}\s]*")
 _WINDOW_DECODERS = {"images": msgspec.json.Decoder(list[_Img]),
@@ -350,7 +351,7 @@ def decode_window(path: str, key: str, start: int, end: int) -> Optional[RawCoco
     return cols
 
 
-def _typed_window(key: str, buf: bytearray, source: str, lvis: bool = False
+def _typed_window(key: str, buf: bytes, source: str, lvis: bool = False
                   ) -> Optional[RawCoco]:
     """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
     try:
@@ -477,16 +478,20 @@ class _Chunked:
     def _array(self, open_pos: int, key: str) -> Any:
         """Yield the events of the array at ``open_pos`` (its ``[``), window by window;
         return ``(the position after it, its elements)``."""
-        count, pos = 0, self._ws(open_pos + 1)
+        count, pos, refused = 0, self._ws(open_pos + 1), -1
         if pos < self.n and self.mm[pos] == 0x5D:
             return pos + 1, 0
         if self.mapper is not None and self.mapper.handles(key):
             pos, count = yield from self._mapped(pos, key)
+            refused = pos  # the mapper's window from here (if any) was refused: not again
         while True:
-            m = self._candidate(pos)
+            m = None if pos == refused else self._candidate(pos)
             w = None if m is None else self._decode(key, pos, m.start() + 1, count, True)
             if w is not None:  # the proposed cut decodes: an element boundary
                 nxt, last = self._ws(m.end()), False
+            elif (e := self._candidate(pos, True)) and (
+                    w := self._decode(key, pos, e.start() + 1, count, True)) is not None:
+                nxt, last = e.end(), True  # the proposed end decodes: the array's end
             else:  # the exact cut (scanning the structure), decoded whatever it holds
                 cut, last = self._cut(pos, key)
                 w = self._decode(key, pos, cut, count, False)
@@ -497,11 +502,13 @@ class _Chunked:
                 return nxt, count
             pos = nxt
 
-    def _candidate(self, pos: int) -> Any:
-        """The first proposed cut (``},``) at least a window after element start ``pos``."""
+    def _candidate(self, pos: int, last: bool = False) -> Any:
+        """The first proposed cut (``},``) at least a window after element start ``pos``;
+        ``last``: the first proposed array end (``}]``) after it (tried once a cut fails)."""
         n = self.n
-        return _CANDIDATE.search(self.mm, min(n, pos + self.window),
-                                 min(n, pos + 2 * self.window + (1 << 20)))
+        return (_LAST if last else _CANDIDATE).search(
+            self.mm, min(n, pos + (0 if last else self.window)),
+            min(n, pos + 2 * self.window + (1 << 20)))
 
     def _mapped(self, pos: int, key: str) -> Any:
         """Windows from element start ``pos`` decoded by the mapper, several in flight;
@@ -529,12 +536,10 @@ class _Chunked:
                 self.mapper = None
         return pos, count
 
-    def _window_text(self, start: int, end: int) -> bytearray:
-        """``[`` + the elements in ``[start, end)`` + ``]``: a JSON list to decode."""
-        buf = bytearray(end - start + 2)
-        buf[0], buf[-1] = 0x5B, 0x5D
-        buf[1:-1] = self.view[start:end]
-        return buf
+    def _window_text(self, start: int, end: int) -> bytes:
+        """``[`` + the elements in ``[start, end)`` + ``]``: a JSON list to decode (bytes:
+        one copy, and msgspec's ``Raw`` values are views of it instead of copies)."""
+        return b"".join((b"[", self.view[start:end], b"]"))
 
     def _decode(self, key: str, start: int, end: int, base: int,
                 typed_only: bool) -> Optional[RawCoco]:
@@ -566,9 +571,9 @@ class _Chunked:
     def _structure(self, start: int) -> Any:
         """Yield ``(positions, bytes, depth after each)`` of the structural bytes ``[]{},``
         outside strings, from ``start`` (outside a string, depth 0), block by block."""
-        n, p, in_str, depth, bs_carry = self.n, start, 0, 0, 0
-        while p < n:
-            m = min(_SCAN_BLOCK, n - p)
+        n, p, in_str, depth, bs_carry, block = self.n, start, 0, 0, 0, 1 << 16
+        while p < n:  # blocks from 64 KiB up: a short value costs a short scan
+            m, block = min(block, n - p), min(2 * block, _SCAN_BLOCK)
             a = np.frombuffer(self.mm, np.uint8, m, p)
             q = np.flatnonzero(a == 0x22)
             esc = np.where(q > 0, a[q - 1] == 0x5C, bs_carry > 0)  # a backslash before

@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import signal
 from collections import deque
 from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
 
 __all__ = ["OrderedWorkers", "WorkerDied", "WorkerFailed", "build_workers", "map_ordered"]
 
@@ -61,9 +64,16 @@ def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
         except BaseException as exc:  # noqa: BLE001 - the caller decides what it means
             out = ("err", exc)
         try:
-            conn.send(out)
+            bufs: list = []  # arrays' data out of band: sent from their memory, no copies
+            head = pickle.dumps(out, protocol=5, buffer_callback=bufs.append)
         except Exception:  # noqa: BLE001 - an exception that does not pickle
-            conn.send(("err", RuntimeError(f"{type(out[1]).__name__}: {out[1]}")))
+            bufs, head = [], pickle.dumps(("err", RuntimeError(f"{type(out[1]).__name__}: "
+                                                               f"{out[1]}")))
+        raws = [b.raw() for b in bufs]
+        conn.send((head, [r.nbytes for r in raws]))
+        for r in raws:  # raw bytes on the pipe (their sizes went ahead)
+            while r:
+                r = r[os.write(conn.fileno(), r):]
 
 
 class OrderedWorkers:
@@ -125,7 +135,15 @@ class OrderedWorkers:
         """
         k = self._owner.popleft()
         try:
-            kind, value = self._conns[k].recv()
+            head, sizes = self._conns[k].recv()
+            bufs = [np.empty(n, np.uint8) for n in sizes]  # read in place, no copy
+            for b in map(memoryview, bufs):
+                while b:
+                    got = os.readv(self._conns[k].fileno(), [b])
+                    if not got:
+                        raise EOFError
+                    b = b[got:]
+            kind, value = pickle.loads(head, buffers=bufs)
         except (EOFError, OSError) as exc:
             code = self._procs[k].exitcode
             raise WorkerDied(f"a build worker process ended (exit code {code}); "
