@@ -63,12 +63,14 @@ class S3Server:
             env = dict(os.environ, **self.extra_env)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                start_new_session=True)  # a signal to the test run's group is not for it
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 with contextlib.suppress(OSError):
                     urllib.request.urlopen(self.url + "/moto-api/", timeout=1).close()
-                    return self
+                    if self._listening():  # not another test run's server on this port
+                        return self
                 time.sleep(0.1)
             if self.proc.poll() is None:
                 self.stop()
@@ -78,6 +80,16 @@ class S3Server:
                 self.port = port_candidate()
             time.sleep(0.2)
         raise RuntimeError("moto server could not bind a port")
+
+    def _listening(self) -> bool:
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(self.proc.pid)
+            conns = getattr(proc, "net_connections", proc.connections)("tcp")
+            return any(c.laddr.port == self.port and c.status == psutil.CONN_LISTEN
+                       for c in conns)
+        return False
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and wait for it."""
