@@ -17,9 +17,9 @@ import time
 import pytest
 
 try:
-    from ports import port_candidate
+    from ports import port_candidate, stop_server
 except ImportError:  # tests/ imported as a package (benchmarks)
-    from tests.ports import port_candidate
+    from tests.ports import port_candidate, stop_server
 
 __all__ = ["MemcachedServer", "memcached_server", "memcached_path"]
 
@@ -119,13 +119,7 @@ class MemcachedServer:
         """Stop the server (SIGTERM, then SIGKILL) and wait for it."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_server(self.proc)
         if self.proc.stderr:
             self.proc.stderr.close()
         self.proc = None

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 from typing import Iterator
 
-__all__ = ["ddp_rendezvous_env", "port_candidate"]
+__all__ = ["ddp_rendezvous_env", "port_candidate", "stop_server"]
 
 
 def port_candidate(host: str = "127.0.0.1") -> int:
@@ -50,3 +51,15 @@ def ddp_rendezvous_env(host: str = "127.0.0.1") -> Iterator[dict[str, str]]:
                "TORCHELASTIC_USE_AGENT_STORE": "True"}
     finally:
         del store
+
+
+def stop_server(proc: subprocess.Popen | None) -> None:
+    """Stop a server process the tests started (SIGTERM, then SIGKILL) and wait for it."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

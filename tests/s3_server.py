@@ -22,9 +22,9 @@ import urllib.request
 import pytest
 
 try:
-    from ports import port_candidate
+    from ports import port_candidate, stop_server
 except ImportError:  # tests/ imported as a package (benchmarks)
-    from tests.ports import port_candidate
+    from tests.ports import port_candidate, stop_server
 
 __all__ = ["S3Server", "LatencyProxy", "s3_server", "moto_available"]
 
@@ -93,14 +93,8 @@ class S3Server:
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and wait for it."""
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
+        stop_server(self.proc)
+        self.proc = None
 
     def restart(self) -> None:
         """Stop and start again on the same port (every object is gone)."""

@@ -15,6 +15,7 @@ import torch
 from pycocotools import mask as mask_utils
 
 from lit_roidata.evaluation import COCOEvaluator, coco_category_map, detections_to_coco_results
+from evaluation_support import OracleDetector
 
 INFO = SimpleNamespace(contiguous_category_id_to_json_id={1: 3, 2: 7})
 
@@ -143,16 +144,6 @@ def test_unknown_image_and_category_map(tmp_path: Path) -> None:
         COCOEvaluator(iou_types=("keypoint",))
 
 
-class _Oracle(pl.LightningModule):
-    """Returns fixed detections per validation batch (one image per batch)."""
-
-    def __init__(self, dets: list[dict]) -> None:
-        super().__init__()
-        self.dets = dets
-        self.w = torch.nn.Parameter(torch.zeros(1))
-
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
-        return {"detections": [self.dets[int(batch[0])]]}
 
 
 def test_callback_in_trainer(tmp_path: Path) -> None:
@@ -162,12 +153,12 @@ def test_callback_in_trainer(tmp_path: Path) -> None:
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     loader = torch.utils.data.DataLoader(torch.arange(3), batch_size=1)
-    trainer.validate(_Oracle(_perfect(anns)), dataloaders=loader, verbose=False)
+    trainer.validate(OracleDetector(_perfect(anns)), dataloaders=loader, verbose=False)
     assert trainer.callback_metrics["val/bbox_AP"].item() == pytest.approx(1.0)
     assert ev.last_metrics["val/bbox_AP50"] == pytest.approx(1.0)
 
 
-class _Silent(_Oracle):
+class _Silent(OracleDetector):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         return None
 

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from lit_roidata.evaluation import COCOEvaluator, detections_to_coco_results
 from lit_roidata.lvis_evaluation import LVISEvaluator, limit_dets_per_image
 from lvis_support import (make_detections, make_lvis_gt, official_key, official_lvis,
-                                official_lvis_eval)
+                          official_lvis_eval)
+from evaluation_support import OracleDetector
 
 pytest.importorskip("faster_coco_eval")
 
@@ -205,14 +206,6 @@ def test_coco_format_annotation_file_is_refused_by_name(tmp_path: Path) -> None:
         LVISEvaluator(iou_types=("bbox", "keypoints"))
 
 
-class _Oracle(pl.LightningModule):
-    def __init__(self, dets: list[dict[str, Any]]) -> None:
-        super().__init__()
-        self.dets = dets
-        self.w = torch.nn.Parameter(torch.zeros(1))
-
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
-        return {"detections": [self.dets[int(batch[0])]]}
 
 
 def test_callback_in_trainer_logs_lvis_names(tmp_path: Path) -> None:
@@ -232,7 +225,7 @@ def test_callback_in_trainer_logs_lvis_names(tmp_path: Path) -> None:
                          callbacks=[ev, COCOEvaluator(iou_types=("bbox",), print_summary=False,
                                                       annotation_files={"lvis_tiny": ann})])
     loader = torch.utils.data.DataLoader(torch.arange(len(dets)), batch_size=1)
-    trainer.validate(_Oracle(dets), dataloaders=loader, verbose=False)
+    trainer.validate(OracleDetector(dets), dataloaders=loader, verbose=False)
     cm = trainer.callback_metrics
     for iou in ("bbox", "segm"):
         for s in STATS:

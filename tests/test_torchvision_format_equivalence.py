@@ -153,13 +153,7 @@ def test_image_tensor_equals_previous_implementation(h, w, pixel_format, shared,
 def test_whole_batch_equals_previous_implementation(tmp_path, monkeypatch, rng_kind, flipped):
     cfg = small_cfg(**{"MODEL.MASK_ON": True, "TRAIN.SCALES": [40, 72],
                        "TRAIN.MAX_SIZE": 200})
-    r = np.random.default_rng(11)
-    entries = []
-    for i in range(3):
-        p = tmp_path / f"t{i}.png"
-        write_image(p, 64, 48, seed=i)
-        entries.append(make_entry(r, image=str(p), image_id=i, crowd=i == 1,
-                                  num_gt=(0 if i == 2 else 4), flipped=flipped))
+    entries = _entries_for_batch(tmp_path, flipped)
 
     def gen():
         return (np.random.RandomState(3) if rng_kind == "detectron"

@@ -23,6 +23,7 @@ from lit_roidata.catalog import Catalog
 from lit_roidata.roidb.voc import (VOC_CLASSES, load_voc_instances, voc_image_ids, voc_root_split,
                                    voc_source)
 from lit_roidata.voc_evaluation import VOCEvaluator, voc_ap, voc_class_aps
+from evaluation_support import OracleDetector
 
 CLASSES = VOC_CLASSES[:4]
 
@@ -285,14 +286,6 @@ def _d2_per_class(d2eval: Any, evaluator: Any, d: Path,
     return out
 
 
-class _Oracle(pl.LightningModule):
-    def __init__(self, dets: list[dict[str, Any]]) -> None:
-        super().__init__()
-        self.dets = dets
-        self.w = torch.nn.Parameter(torch.zeros(1))
-
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> dict:
-        return {"detections": [self.dets[int(batch[0])]]}
 
 
 def test_callback_in_a_trainer(tmp_path: Path) -> None:
@@ -308,7 +301,7 @@ def test_callback_in_a_trainer(tmp_path: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[ev])
     loader = torch.utils.data.DataLoader(torch.arange(len(dets)), batch_size=1)
-    trainer.validate(_Oracle(dets), dataloaders=loader, verbose=False)
+    trainer.validate(OracleDetector(dets), dataloaders=loader, verbose=False)
     for key in ("AP", "AP50", "AP75", "AP50_11pt", "AP50_area"):
         assert trainer.callback_metrics[f"val/voc_bbox_{key}"] == pytest.approx(1.0), key
     assert ev.last_metrics["val/voc_bbox_AP50_area_person"] != ev.last_metrics[
