@@ -18,17 +18,16 @@ from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
 from lit_roidata.config import DetectronConfig, blob_family, get_cfg
 from lit_roidata.osutil import no_transparent_hugepages
-from lit_roidata.roidb.cache import cache_key, default_cache_dir, file_fingerprint, get_or_build
-from lit_roidata.roidb.cache import ArrayWriter
+from lit_roidata.roidb.cache import (ArrayWriter, cache_key, default_cache_dir, file_fingerprint,
+                                     get_or_build)
 from lit_roidata.roidb.coco import GtTable, load_coco_json
 from lit_roidata.roidb.dicts import load_records, records_digest
 from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
-from lit_roidata.roidb.proposals import ProposalColumns, build_proposal_table
-from lit_roidata.roidb.proposals import empty_proposal_table
+from lit_roidata.roidb.proposals import (ProposalColumns, build_proposal_table,
+                                         empty_proposal_table, read_proposal_file)
 from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
-from lit_roidata.roidb.proposals import read_proposal_file
 from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.voc import voc_source
 from lit_roidata.roidb.segms import SegmColumns, concat, concat_offsets, offsets
@@ -87,14 +86,12 @@ def combined_roidb_for_training(
     """
     cfg = cfg if cfg is not None else get_cfg()
     t = cfg.TRAIN
-    options = {
-        "mode": "train", "gt_min_area": float(t.GT_MIN_AREA),
-        "crowd_filter_thresh": float(t.CROWD_FILTER_THRESH),
-        "proposal_limit": int(t.PROPOSAL_LIMIT), "min_proposal_size": MIN_PROPOSAL_SIZE,
-        "use_flipped": bool(t.USE_FLIPPED), "filter": True,
-        "fg_thresh": float(t.FG_THRESH), "bg_thresh_hi": float(t.BG_THRESH_HI),
-        "bg_thresh_lo": float(t.BG_THRESH_LO), "keypoints_on": bool(cfg.MODEL.KEYPOINTS_ON),
-    }
+    options = {"mode": "train", "gt_min_area": float(t.GT_MIN_AREA),
+               "crowd_filter_thresh": float(t.CROWD_FILTER_THRESH),
+               "proposal_limit": int(t.PROPOSAL_LIMIT), "min_proposal_size": MIN_PROPOSAL_SIZE,
+               "use_flipped": bool(t.USE_FLIPPED), "filter": True, "fg_thresh": float(t.FG_THRESH),
+               "bg_thresh_hi": float(t.BG_THRESH_HI), "bg_thresh_lo": float(t.BG_THRESH_LO),
+               "keypoints_on": bool(cfg.MODEL.KEYPOINTS_ON)}
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
                           category_policy, check_images, progress, rebuild, verify,
                           trust_pickle)
@@ -114,11 +111,9 @@ def roidb_for_evaluation(
     test roidb does. Arguments as :func:`combined_roidb_for_training`.
     """
     cfg = cfg if cfg is not None else get_cfg()
-    options = {
-        "mode": "eval", "gt_min_area": float(cfg.TRAIN.GT_MIN_AREA), "crowd_filter_thresh": 0.0,
-        "proposal_limit": int(cfg.TEST.get("PROPOSAL_LIMIT", -1)),
-        "min_proposal_size": MIN_PROPOSAL_SIZE, "use_flipped": False, "filter": False,
-    }
+    options = {"mode": "eval", "gt_min_area": float(cfg.TRAIN.GT_MIN_AREA),
+               "crowd_filter_thresh": 0.0, "proposal_limit": int(cfg.TEST.get("PROPOSAL_LIMIT", -1)),
+               "min_proposal_size": MIN_PROPOSAL_SIZE, "use_flipped": False, "filter": False}
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
                           category_policy, check_images, progress, rebuild, verify,
                           trust_pickle)
@@ -282,10 +277,7 @@ def _in_child(fn, *args):
     if not hasattr(os, "fork") or os.environ.get("LIT_ROIDATA_BUILD_IN_PROCESS") == "1":
         return fn(*args)
 
-    def task(_: Any, state: dict) -> Any:
-        return fn(*args)
-
-    with OrderedWorkers(task, 1, daemon=False) as child:
+    with OrderedWorkers(lambda _, state: fn(*args), 1, daemon=False) as child:
         child.submit(None)
         try:
             return child.result()

@@ -8,6 +8,7 @@ import math
 import os
 import pickle
 import tempfile
+import time
 import weakref
 import zipfile
 from dataclasses import dataclass
@@ -110,11 +111,12 @@ class _Stored:
         """The array (read back from the staging area)."""
         if self.array is not None:
             return self.array
+        n = math.prod(self.shape)
         if self.off == _DROPPED:
-            if math.prod(self.shape) == 0:
+            if n == 0:
                 return np.zeros(self.shape, self.dtype)
             raise _NeedDropped()
-        return self.sink.read(self.off, self.dtype, self.shape)
+        return self.sink.rows(self.off, self.dtype, n, ())[0:n].reshape(self.shape)
 
 
 _DROPPED = -2  # offset of an array whose bytes were not kept (scores of a build)
@@ -228,20 +230,12 @@ class _Sink:
                 bufs[0] = bufs[0][n:]
         self._pending, self._pending_bytes = [], 0
 
-    def read(self, off: int, dtype: np.dtype, shape: tuple) -> np.ndarray:
-        n = math.prod(shape)
-        return self.rows(off, dtype, n, ())[0:n].reshape(shape)
-
     def rows(self, off: int, dtype: np.dtype, n: int, row_shape: tuple) -> Any:
         if self.mem is not None:  # read-only rows of the memory staging area (no copy)
             a = np.frombuffer(self.mem, dtype, n * math.prod(row_shape), off).reshape(n, *row_shape)
             a.flags.writeable = False
             return a
         return FileRows(self.fh, off, dtype, n, row_shape)
-
-    def finish(self) -> None:
-        if self.mem is None:
-            self._flush()
 
     def close(self) -> None:
         """Free the staging memory and close the scratch file."""
@@ -349,7 +343,7 @@ def _load_pickle(path: str, trust_pickle: bool,
                 else "is it a Detectron proposal pickle?")
         raise RoIDBInputError(f"{path}: cannot unpickle the proposal file "
                               f"({type(exc).__name__}: {exc}); {hint}") from None
-    sink.finish()
+    sink._flush()  # (nothing is pending while staging in memory)
     return data, sink
 
 
@@ -494,8 +488,7 @@ def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Any:
     nonempty = [(it, int(c)) for it, c in zip(items, counts) if c]
     if not nonempty:
         return None
-    first = nonempty[0][0]
-    expect = first.off
+    first, expect = nonempty[0][0], nonempty[0][0].off
     for it, c in nonempty:
         if it.dtype != first.dtype or it.off != expect:
             return None
@@ -636,8 +629,6 @@ def convert_proposals(in_path: str, out_path: str, *,
     Raises:
         RoIDBInputError: as :func:`read_proposal_file`; unknown file names.
     """
-    import time
-
     t0 = time.perf_counter()
     src = (read_proposal_file(in_path, trust_pickle=trust_pickle) if annotations is None
            else _read_with_name_map(in_path, annotations, trust_pickle))

@@ -1,5 +1,4 @@
-"""Proposal files → per-image proposal rows merged into the roidb (Detectron semantics: proposals).
-"""
+"""Proposal files → per-image proposal rows merged into the roidb (Detectron semantics)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ import numpy as np
 from lit_roidata.boxes import box_areas, iou_kernel
 from lit_roidata.roidb.cache import ArrayWriter, npy_header
 from lit_roidata.roidb.info import RoIDBInputError
-from lit_roidata.roidb.proposal_files import ProposalSource, convert_proposals
-from lit_roidata.roidb.proposal_files import read_proposal_file
+from lit_roidata.roidb.proposal_files import ProposalSource, convert_proposals, read_proposal_file
 from lit_roidata.roidb.segms import offsets
 from lit_roidata.roidb.workers import build_workers, map_ordered
 
@@ -32,18 +30,11 @@ _CHUNK_BOXES = 1 << 18  # proposals per vectorised chunk: small, reused temporar
 
 @dataclass
 class ProposalTable:
-    """Proposal rows of one dataset, aligned with its images (sorted by id).
-
-    Attributes:
-        off: int64 (n+1,) proposal row range per image.
-        boxes: float32 (P, 4); max_overlaps float32; max_classes (int32, or the narrow
-            dtype of the :class:`ProposalColumns` it was written to);
-        gt_map: ``box_to_gt_ind_map`` (-1 where no gt overlaps), int32 or narrow.
-        counts: what the processing removed, by reason.
-        columns: the shared :class:`ProposalColumns` the rows went to (``None``: the
-            arrays above hold them). Until that writer is finished, the four arrays are
-            ``None``; its finished columns hold every dataset's rows in order.
-    """
+    """Proposal rows of one dataset, aligned with its images (sorted by id): ``off`` (n+1,)
+    row ranges, the four :data:`PROPOSAL_COLUMNS` (float32 boxes and overlaps; classes and
+    ``gt_map``, -1 where no gt overlaps, int32 or narrow), ``counts`` (what was removed, by
+    reason) and ``columns``: the shared :class:`ProposalColumns` the rows went to (then the
+    four arrays are ``None``)."""
 
     off: np.ndarray
     boxes: Optional[np.ndarray]
@@ -55,9 +46,7 @@ class ProposalTable:
 
 
 def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -> np.ndarray:
-    """Record index for each image (sorted ids), as Detectron aligns them (Detectron semantics:
-    proposals).
-    """
+    """Record index for each image (sorted ids), as Detectron aligns them."""
     ids = src.ids
     uniq, cnt = np.unique(ids, return_counts=True)
     if (cnt > 1).any():
@@ -149,15 +138,11 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
 
 
 def iof_pairs(props: np.ndarray, crowd: np.ndarray) -> np.ndarray:
-    """Row-wise ``pycocotools.mask.iou(.., iscrowd=1)`` of float32 xyxy boxes (Detectron semantics:
-    proposals).
-    """
-    pw = (props[:, 2] - props[:, 0] + 1).astype(np.float64)
-    ph = (props[:, 3] - props[:, 1] + 1).astype(np.float64)
-    gw = (crowd[:, 2] - crowd[:, 0] + 1).astype(np.float64)
-    gh = (crowd[:, 3] - crowd[:, 1] + 1).astype(np.float64)
-    px, py = props[:, 0].astype(np.float64), props[:, 1].astype(np.float64)
-    gx, gy = crowd[:, 0].astype(np.float64), crowd[:, 1].astype(np.float64)
+    """Row-wise ``pycocotools.mask.iou(.., iscrowd=1)`` of float32 xyxy boxes."""
+    # widths and heights in the boxes' dtype (+1), then float64, as pycocotools gets them
+    pw, ph, gw, gh = ((x[:, k + 2] - x[:, k] + 1).astype(np.float64)
+                      for x in (props, crowd) for k in (0, 1))
+    px, py, gx, gy = (x[:, k].astype(np.float64) for x in (props, crowd) for k in (0, 1))
     w = np.minimum(pw + px, gw + gx) - np.maximum(px, gx)
     h = np.minimum(ph + py, gh + gy) - np.maximum(py, gy)
     ok = (w > 0) & (h > 0)
@@ -167,22 +152,18 @@ def iof_pairs(props: np.ndarray, crowd: np.ndarray) -> np.ndarray:
 
 def _segment_pairs(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For segments of the given sizes: owner index and position within, per element."""
-    total = int(counts.sum())
-    owner = np.repeat(np.arange(counts.size), counts)
     starts = np.cumsum(counts) - counts
-    within = np.arange(total) - np.repeat(starts, counts)
-    return owner, within
+    return (np.repeat(np.arange(counts.size), counts),
+            np.arange(int(counts.sum())) - np.repeat(starts, counts))
 
 
 def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: np.ndarray,
                          heights: np.ndarray, gt_off: np.ndarray, gt_boxes: np.ndarray,
-                         gt_classes: np.ndarray, gt_is_crowd: np.ndarray,
-                         min_proposal_size: int = 2, proposal_limit: int = -1,
-                         crowd_filter_thresh: float = 0.0,
+                         gt_classes: np.ndarray, gt_is_crowd: np.ndarray, min_proposal_size: int = 2,
+                         proposal_limit: int = -1, crowd_filter_thresh: float = 0.0,
                          progress: Optional[Callable[[int], None]] = None,
                          out: Optional["ProposalColumns"] = None) -> ProposalTable:
-    """Process a proposal file for one dataset exactly as Detectron does (Detectron semantics:
-    proposals).
+    """Process a proposal file for one dataset exactly as Detectron does.
 
     Args:
         src: the opened file (:func:`read_proposal_file`).
@@ -200,22 +181,18 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     """
     counts: Counter = Counter()
     rec = align_records(src, image_ids, counts)
-    # Each chunk's rows are appended to four files (one per column: the cache's final
-    # files when ``out`` is given, else scratch files the table maps at the end): nothing
-    # of the size of the file is held in anonymous memory (first-touching GBs of fresh
-    # pages costs several times more CPU than writing them into the page cache), and no
-    # concatenation or copy writes the columns a second time.
+    # Each chunk's rows are appended to four files (the cache's final files, else scratch
+    # files the table maps): first-touching GBs of anonymous memory costs several times
+    # more CPU than writing into the page cache, and nothing writes the columns twice.
     own = out is None
-    if own:
-        out = ProposalColumns(None, persistent=False)  # unlinked files the table maps
+    out = ProposalColumns(None, persistent=False) if own else out
     off, pos = np.zeros(image_ids.size + 1, np.int64), 0
     chunks = _chunk_ranges(src.counts[rec])
     gt = (image_ids, widths, heights, gt_off, gt_boxes, gt_classes, gt_is_crowd)
 
     def one_chunk(task: tuple, state: dict) -> tuple:
-        c: Counter = Counter()
         return _chunk(src, rec, *task, gt, min_proposal_size, proposal_limit,
-                      crowd_filter_thresh, c), c
+                      crowd_filter_thresh)
 
     # chunks are independent (every rule is per image): forked workers compute them from
     # the staged file they inherit, in order; this process writes the rows meanwhile
@@ -227,8 +204,7 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
             per_img, b, mo, mc, gmap = res
             counts.update(c)
             out.append(b, mo, mc, gmap)
-            np.cumsum(per_img, out=off[start + 1:stop + 1])
-            off[start + 1:stop + 1] += pos
+            off[start + 1:stop + 1] = np.cumsum(per_img) + pos
             pos += b.shape[0]
             if progress is not None:
                 progress(stop - start)
@@ -281,9 +257,8 @@ class ProposalColumns:
                  max_gt: Optional[int] = None, persistent: bool = True) -> None:
         mc, gm = proposal_dtypes(2**31 if num_classes is None else num_classes,  # None: int32
                                  2**31 if max_gt is None else max_gt)
-        self.spec = tuple(zip((n for n, _ in PROPOSAL_COLUMNS),
-                              (np.dtype(np.float32), np.dtype(np.float32), mc, gm),
-                              (sh for _, sh in PROPOSAL_COLUMNS)))
+        self.spec = tuple((name, np.dtype(dt), shape) for (name, shape), dt
+                          in zip(PROPOSAL_COLUMNS, (np.float32, np.float32, mc, gm)))
         self.bounds = (np.iinfo(mc).max if num_classes is None else int(num_classes) - 1,
                        np.iinfo(gm).max if max_gt is None else int(max_gt) - 1)
         self.persistent, self.rows, self._reserved = persistent, 0, 0
@@ -351,7 +326,8 @@ _WRITE_THREADS = 3
 _MAX_PENDING_WRITES = 64  # column writes (16 chunks) queued before append waits
 
 
-def _chunk(src, rec, i0, i1, gt, min_size, limit, crowd_thresh, counts):
+def _chunk(src, rec, i0, i1, gt, min_size, limit, crowd_thresh):
+    counts: Counter = Counter()
     image_ids, widths, heights, gt_off, gt_boxes, gt_classes, gt_is_crowd = gt
     recs = rec[i0:i1]
     if src.flat is not None and recs.size and np.all(np.diff(recs) == 1):
@@ -376,8 +352,7 @@ def _chunk(src, rec, i0, i1, gt, min_size, limit, crowd_thresh, counts):
             f"proposals or drop those boxes.")
     # 1. clip (in the file's dtype, as Detectron does in place: min(W - 1, max(0, x))),
     # all four columns in one contiguous pass against per-box [W-1, H-1, W-1, H-1] rows
-    wm1 = (widths[i0:i1] - 1).astype(b.dtype)
-    hm1 = (heights[i0:i1] - 1).astype(b.dtype)
+    wm1, hm1 = ((x[i0:i1] - 1).astype(b.dtype) for x in (widths, heights))
     lim = np.repeat(np.stack([wm1, hm1, wm1, hm1], 1), cnt, axis=0)
     np.minimum(lim, np.maximum(0, b, out=b), out=b)
     del lim
@@ -389,8 +364,7 @@ def _chunk(src, rec, i0, i1, gt, min_size, limit, crowd_thresh, counts):
     keep = unique & big
     counts["proposals_min_size"] += int(np.count_nonzero(unique) - np.count_nonzero(keep))
     if not keep.all():
-        kept = np.flatnonzero(keep)
-        b, img = b.take(kept, axis=0), img.take(kept)
+        b, img = b.take(kept := np.flatnonzero(keep), axis=0), img.take(kept)
     # 4. optional limit (file order = descending score)
     if limit > 0 and img.size:
         _, rank = _segment_pairs(np.bincount(img - i0, minlength=i1 - i0))
@@ -404,8 +378,7 @@ def _chunk(src, rec, i0, i1, gt, min_size, limit, crowd_thresh, counts):
         counts["proposals_crowd_filtered"] += int(bad.sum())
         mo[bad] = -1.0
         mc[bad] = 0
-    per_img = np.bincount(img - i0, minlength=i1 - i0).astype(np.int64)
-    return per_img, b, mo, mc, gmap
+    return (np.bincount(img - i0, minlength=i1 - i0).astype(np.int64), b, mo, mc, gmap), counts
 
 
 _IOU_BLOCK = 1 << 16  # padded proposal slots per merge block (the temporaries stay in cache)
@@ -413,22 +386,15 @@ _SAFE_COORD = 2.0**22  # below it, float32 thresholds +-2 around a gt edge are e
 
 
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
-    """IoU merge into overlaps (Detectron semantics: proposals): ``(max_overlaps, max_classes,
-    gt_map)``.
+    """IoU merge into overlaps: ``(max_overlaps, max_classes, gt_map)``.
 
-    Only the proposal/gt pairs that can overlap are computed. Consecutive images form
-    small padded ``(images, P)`` blocks of float32 coordinates (about 64k slots, so the
-    temporaries stay in the CPU cache; pads are NaN). For gt slot ``j`` (the rows of
-    the images with ``G > j``) a float32 test against the gt box widened by 2 pixels
-    keeps the candidate pairs; every other pair has ``iw <= 0`` or ``ih <= 0``, hence
-    an IoU of exactly 0, which never changes the running maximum. The candidates' IoU
-    is Detectron's float64 arithmetic (:func:`lit_roidata.boxes.iou_kernel`, the same
-    per-pair operations as the dense matrix, rounded once to float32), folded into a
-    running maximum where a strictly greater value replaces (ties keep the lowest gt
-    index, as ``argmax`` does). ``img`` must be non-decreasing (proposals of one image
-    contiguous), as :func:`_chunk` produces. Zero or negative areas (possible only with
-    ``min_proposal_size < 0`` or degenerate gt) and coordinates of ``2**22`` or more go
-    through :func:`_merge_blocks` (dense blocks and ``argmax``, NaN handling included).
+    Only pairs that can overlap are computed: padded ``(images, P)`` blocks of about 64k
+    float32 slots (NaN pads) are tested against each gt box widened by 2 pixels; other
+    pairs have an IoU of exactly 0. Candidates get Detectron's float64 IoU
+    (:func:`lit_roidata.boxes.iou_kernel`), folded into a running maximum where only a
+    strictly greater value replaces (ties keep the lowest gt index, as ``argmax``).
+    ``img`` must be non-decreasing. Non-positive areas and coordinates of ``2**22`` or
+    more go through :func:`_merge_blocks` (dense blocks and ``argmax``).
     """
     n = b.shape[0]
     mo, mc, gmap = np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
@@ -453,8 +419,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
     gx1, gy1, gx2, gy2 = (np.ascontiguousarray(gt64[:, c]) for c in range(4))
     # Candidate thresholds in float32: a pair with max(x1) > min(x2) + 1.75 (or the same
     # in y) has iw <= 0 (ih <= 0); below 2**22 the rounding of g +- 2 is at most 0.25.
-    thr = ((gx2 + 2).astype(np.float32), (gx1 - 2).astype(np.float32),
-           (gy2 + 2).astype(np.float32), (gy1 - 2).astype(np.float32))
+    thr = tuple((g + d).astype(np.float32) for g, d in ((gx2, 2), (gx1, -2), (gy2, 2), (gy1, -2)))
     gt_rows = (gx1, gy1, gx2, gy2, ga)
     best = mo  # zeros; only ever replaced by a strictly greater (positive) IoU
     arg = np.zeros(n, np.int32)
@@ -468,8 +433,7 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
         _merge_block(k0, k1, p_max, starts, pcount, g0 - r0, ng, cols, thr, gt_rows, best, arg)
         k0 = k1
     hit = np.flatnonzero(best > 0)
-    a = arg[hit]
-    gmap[hit] = a
+    gmap[hit] = a = arg[hit]
     own = np.repeat(g0 - r0, pcount)  # each proposal's first gt row
     mc[hit] = gt_classes[r0:r1][own[hit] + a]
     return mo, mc, gmap
@@ -495,9 +459,7 @@ def _merge_block(k0, k1, p_max, starts, pcount, g0, ng, cols, thr, gt_rows, best
     # rows by gt count, descending: the images with a gt slot j are a prefix
     perm = np.argsort(-ng[k0:k1], kind="stable")
     qx1, qy1, qx2, qy2 = (t[perm] for t in q)
-    rows = g0[k0:k1][perm]
-    gcount = ng[k0:k1][perm]
-    row_start = starts[k0:k1][perm]
+    rows, gcount, row_start = (x[k0:k1][perm] for x in (g0, ng, starts))
     for j in range(int(gcount[0])):
         kj = int(np.count_nonzero(gcount > j))
         r = rows[:kj] + j
@@ -551,17 +513,15 @@ def _merge_blocks(b, img, gt_off, gt_boxes, gt_classes):
         best = np.take_along_axis(ov, arg[..., None], axis=2)[..., 0]
         pos = valid & (best > 0)
         hit = idx[pos]
-        a = arg[pos]
         mo[hit] = best[pos]
-        gmap[hit] = a
+        gmap[hit] = arg[pos]
         mc[hit] = gt_classes[np.take_along_axis(rows, arg, axis=1)[pos]]
     return mo, mc, gmap
 
 
 def _block_iou(p: np.ndarray, g: np.ndarray) -> np.ndarray:
     """IoU ``(k, P, G)`` of float64 proposals ``(k, P, 4)`` with gt ``(k, G, 4)`` of the
-    same image: :func:`lit_roidata.boxes.iou_kernel` on the broadcast block.
-    """
+    same image (:func:`lit_roidata.boxes.iou_kernel` on the broadcast block)."""
     pa, ga = box_areas(p), box_areas(g)
     return iou_kernel(p[:, :, None, 0], p[:, :, None, 1], p[:, :, None, 2], p[:, :, None, 3],
                       pa[:, :, None], g[:, None, :, 0], g[:, None, :, 1], g[:, None, :, 2],
@@ -588,9 +548,7 @@ def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
     props = starts[sel][run] + within
     k, cw = _segment_pairs(cc[sel][run])
     p = props[k]
-    c = c0[sel][run][k] + cw
-    iof = iof_pairs(b[p], gt_boxes[crowd_rows[c]])
-    bad[p[iof > thresh]] = True
+    bad[p[iof_pairs(b[p], gt_boxes[crowd_rows[c0[sel][run][k] + cw]]) > thresh]] = True
     return bad
 
 
