@@ -93,8 +93,7 @@ def combined_roidb_for_training(
                "bg_thresh_hi": float(t.BG_THRESH_HI), "bg_thresh_lo": float(t.BG_THRESH_LO),
                "keypoints_on": bool(cfg.MODEL.KEYPOINTS_ON)}
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild, verify,
-                          trust_pickle)
+                          category_policy, check_images, progress, rebuild, verify, trust_pickle)
 
 
 def roidb_for_evaluation(
@@ -112,11 +111,11 @@ def roidb_for_evaluation(
     """
     cfg = cfg if cfg is not None else get_cfg()
     options = {"mode": "eval", "gt_min_area": float(cfg.TRAIN.GT_MIN_AREA),
-               "crowd_filter_thresh": 0.0, "proposal_limit": int(cfg.TEST.get("PROPOSAL_LIMIT", -1)),
+               "crowd_filter_thresh": 0.0,
+               "proposal_limit": int(cfg.TEST.get("PROPOSAL_LIMIT", -1)),
                "min_proposal_size": MIN_PROPOSAL_SIZE, "use_flipped": False, "filter": False}
     return _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                          category_policy, check_images, progress, rebuild, verify,
-                          trust_pickle)
+                          category_policy, check_images, progress, rebuild, verify, trust_pickle)
 
 
 def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
@@ -186,8 +185,7 @@ def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]
 
 
 def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
-                   category_policy, check_images, progress, rebuild, verify=None,
-                   trust_pickle=False) -> RoIDB:
+                   category_policy, check_images, progress, rebuild, verify, trust_pickle):
     if category_policy not in CATEGORY_POLICIES:
         raise ValueError(f"category_policy={category_policy!r}; choose one of "
                          f"{CATEGORY_POLICIES}")
@@ -283,8 +281,8 @@ def _in_child(fn, *args):
             return child.result()
         except WorkerDied as exc:
             raise RuntimeError(f"the roidb builder process died ({exc}); rerun with "
-                               f"LIT_ROIDATA_BUILD_IN_PROCESS=1 to see the error "
-                               f"in-process") from None
+                               f"LIT_ROIDATA_BUILD_IN_PROCESS=1 to see the error in-process"
+                               ) from None
         except WorkerFailed as exc:
             raise exc.__cause__ from None
 
@@ -328,9 +326,9 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                       "keypoints_required": bool(options.get("keypoints_on"))}
                 raw = decode_lvis(spec.annotation_file) if spec.format == "lvis" else None
                 if spec.function is not None:
-                    table = load_records(spec.function(), name=spec.name,
+                    table = load_records(spec.function(), name=spec.name, **gt,
                                          thing_classes=spec.thing_classes,
-                                         keypoint_names=spec.keypoint_names, **gt)
+                                         keypoint_names=spec.keypoint_names)
                 else:
                     table = load_coco_json(spec.annotation_file, name=spec.name, raw=raw, **gt)
                 if raw is not None:
@@ -440,8 +438,7 @@ _NO_PROPOSALS = {"prop_boxes": ((0, 4), np.float32), "prop_max_overlaps": (0, np
 
 
 def _combine(specs, tables, props, options, written=None,
-             emit: Callable[[str, np.ndarray], Any] = lambda k, v: None
-             ) -> tuple[dict, dict]:
+             emit: Callable[[str, np.ndarray], Any] = lambda k, v: None) -> tuple[dict, dict]:
     """The cache's arrays and the build report; ``emit(name, array)`` is called for each
     array once it is final (the caller writes it meanwhile)."""
     n_imgs = [t.ids.size for t in tables]
@@ -474,12 +471,10 @@ def _combine(specs, tables, props, options, written=None,
         "img_dataset": concat([np.full(n, k, np.int16) for k, n in enumerate(n_imgs)]),
         "img_path_bytes": np.frombuffer(b"".join(paths), np.uint8),
         "img_path_off": offsets(np.fromiter(map(len, paths), np.int64, len(paths))),
-        "img_has_vis_kp": concat([t.has_vis_kp for t in tables]),
+        "img_has_vis_kp": concat([t.has_vis_kp for t in tables]), "gt_keypoints": concat(kps),
         "img_gt_off": concat_offsets([t.gt_off for t in tables]),
         "img_prop_off": concat_offsets([p.off for p in props]),
-        "gt_keypoints": concat(kps),
-        **(written or {k: np.zeros(*v) for k, v in _NO_PROPOSALS.items()}),
-    }
+        **(written or {k: np.zeros(*v) for k, v in _NO_PROPOSALS.items()})}
     if any(t.image_lists is not None for t in tables):  # LVIS: only then, COCO unchanged
         rest.update(_image_list_columns(tables))
     put(rest)
@@ -592,9 +587,7 @@ def _dataset_reports(tables, props, a) -> list[dict]:
             "dropped": {k: int(t.counts.get(k, 0)) for k in _GT_KEYS},
             "segms": {k: int(t.counts.get(k, 0)) for k in
                       ("polygon_lt_6_coords", "empty_segmentation", "missing_segmentation")},
-            "proposals": dict(p.counts),
-            "class_histogram": {t.info.classes[c]: int(hist[c])
-                                for c in range(1, t.info.num_classes)},
-        })
+            "proposals": dict(p.counts), "class_histogram": {
+                t.info.classes[c]: int(hist[c]) for c in range(1, t.info.num_classes)}})
         g0 = g1
     return out

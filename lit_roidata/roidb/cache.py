@@ -63,13 +63,12 @@ def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
     algo = default_algo()
     memo_dir = os.path.join(cache_root, ".fingerprints")
     memo = os.path.join(memo_dir, hashlib.sha1(path.encode()).hexdigest() + ".json")
-    try:
-        with open(memo, encoding="utf-8") as fh:
-            rec = json.load(fh)
-        digest = rec["digest"] if rec.get("stat") == stat_key and \
-            rec.get("path") == path and str(rec["digest"]).startswith(algo + ":") else None
-    except (OSError, ValueError, KeyError):
-        digest = None
+    digest = None
+    with contextlib.suppress(OSError, ValueError, KeyError), open(memo, encoding="utf-8") as fh:
+        rec = json.load(fh)
+        if rec.get("stat") == stat_key and rec.get("path") == path \
+                and str(rec["digest"]).startswith(algo + ":"):
+            digest = rec["digest"]
     if digest is None:
         digest = f"{algo}:{file_digest(path, algo)}"
         try:  # best effort: a read-only cache directory just means re-hashing next time
@@ -95,7 +94,7 @@ def write_arrays(directory: str, arrays: Mapping[str, np.ndarray]) -> dict[str, 
             writer.add(name, arr)
         return writer.finish()
     finally:
-        writer.close()  # (again: a no-op after finish)
+        writer.close()  # (a no-op after finish)
 
 
 class DiskFullError(OSError, CacheError):
@@ -400,10 +399,9 @@ def verify_checksums(path: str, manifest: Optional[dict] = None) -> None:
             raise CacheError(f"{path}: array file {rec['file']} is damaged (its {algo} checksum "
                              f"differs from the manifest's; e.g. zero-filled by a power loss)")
     for stamp in _stamps(path):  # in the cache, or (read-only cache) in the temp dir
-        with contextlib.suppress(OSError):
-            with atomic_write(stamp, "w", encoding="ascii") as fh:
-                fh.write(_boot_id())
-            break
+        with contextlib.suppress(OSError), atomic_write(stamp, "w", encoding="ascii") as fh:
+            fh.write(_boot_id())
+            break  # (a failed write goes on with the next place)
 
 
 def _stamps(path: str) -> list[str]:

@@ -159,8 +159,9 @@ def _segment_pairs(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: np.ndarray,
                          heights: np.ndarray, gt_off: np.ndarray, gt_boxes: np.ndarray,
-                         gt_classes: np.ndarray, gt_is_crowd: np.ndarray, min_proposal_size: int = 2,
-                         proposal_limit: int = -1, crowd_filter_thresh: float = 0.0,
+                         gt_classes: np.ndarray, gt_is_crowd: np.ndarray,
+                         min_proposal_size: int = 2, proposal_limit: int = -1,
+                         crowd_filter_thresh: float = 0.0,
                          progress: Optional[Callable[[int], None]] = None,
                          out: Optional["ProposalColumns"] = None) -> ProposalTable:
     """Process a proposal file for one dataset exactly as Detectron does.

@@ -91,15 +91,10 @@ def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
     cls -= int(cls.min())
     k = int(cls.max()) + 1
     # One (image, category) pair per category present in an image. The gt rows are
-    # grouped by image, so the keys are nearly sorted; a stable (timsort/radix) sort of
-    # short unsorted runs is cheap.
-    img *= k
-    img += cls
-    key = np.sort(img, kind="stable")
-    del img, cls
+    # grouped by image, so the keys are nearly sorted: a stable (radix) sort is cheap.
+    key = np.sort(img * k + cls, kind="stable")
     key = key[np.r_[True, key[1:] != key[:-1]]]  # the first of each run
-    pair_img = key // k
-    pair_cls = key - pair_img * k
+    pair_img, pair_cls = np.divmod(key, k)
     freq = np.bincount(pair_cls, minlength=k) / num_images  # f(c), Detectron2's v / n
     present = freq > 0
     rep_c = np.ones(k, dtype=np.float64)

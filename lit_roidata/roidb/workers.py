@@ -145,9 +145,7 @@ class OrderedWorkers:
                     b = b[got:]
             kind, value = pickle.loads(head, buffers=bufs)
         except (EOFError, OSError) as exc:
-            code = self._procs[k].exitcode
-            raise WorkerDied(f"a build worker process ended (exit code {code}); "
-                             f"is the machine out of memory?") from exc
+            raise self._died(k, "; is the machine out of memory?") from exc
         if kind == "err":
             raise WorkerFailed(f"{type(value).__name__}: {value}") from value
         return value
@@ -181,9 +179,12 @@ class OrderedWorkers:
             raise WorkerDied("the build workers were closed")
         try:
             self._conns[k].send(msg)
-        except (BrokenPipeError, OSError) as exc:
-            raise WorkerDied(f"a build worker process ended (exit code "
-                             f"{self._procs[k].exitcode})") from exc
+        except OSError as exc:  # BrokenPipeError included
+            raise self._died(k) from exc
+
+    def _died(self, k: int, hint: str = "") -> WorkerDied:
+        return WorkerDied(f"a build worker process ended (exit code "
+                          f"{self._procs[k].exitcode}){hint}")
 
     def close(self) -> None:
         """End the processes (those busy with a task are terminated)."""
