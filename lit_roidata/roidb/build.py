@@ -62,27 +62,15 @@ def combined_roidb_for_training(
         proposal_files: one per dataset (``TRAIN.PROPOSAL_FILES``) or empty for none.
         cfg: Detectron config (``TRAIN.*``, ``MODEL.KEYPOINTS_ON``, ``MODEL.BBOX_REG_*``).
         cache_dir: cache root; default ``$LIT_ROIDATA_CACHE`` or ``~/.cache/lit_roidata``.
-        catalog: where names are looked up (default :data:`DatasetCatalog`).
         category_policy: ``"strict"`` (category lists must agree, else a diff is shown),
-            ``"detectron"`` (concatenate without reconciling, Detectron quirk Q22
-            (docs/detectron_quirks.md)) or ``"by_name"``
-            (map every dataset's categories onto one class list by name).
-        check_images: verify at build time that every image file exists.
-        progress: show rich progress bars (default: when stderr is a terminal).
-        rebuild: ignore an existing cache.
-        verify: check an existing cache's array checksums (a full read): ``None`` on the
-            first open after each boot, ``True`` always, ``False`` never. A damaged
-            cache is rebuilt, with a warning naming the file.
-        trust_pickle: allow proposal pickles (``.pkl``); unpickling runs code, so without
-            it a pickle is refused with an error naming ``lit-roidata convert-proposals``.
-            The ``.npz`` proposal format needs no trust.
+            ``"detectron"`` (no reconciling, Detectron quirk Q22) or ``"by_name"``.
+        verify: check a cache's array checksums: ``None`` on the first open after each
+            boot, ``True`` always, ``False`` never (a damaged cache is rebuilt).
+        trust_pickle: allow proposal pickles (unpickling runs code; ``.npz`` needs none).
+        catalog, check_images, progress, rebuild: see docs/roidb.md.
 
-    Returns:
-        The :class:`RoIDB` (memory-mapped).
-
-    Raises:
-        KeyError: unknown dataset name. RoIDBInputError: bad input (names the file,
-        image id and fix). ValueError: bad arguments.
+    Returns the memory-mapped :class:`RoIDB`. Raises KeyError (unknown dataset name),
+    RoIDBInputError (bad input: names the file, image id and fix), ValueError.
     """
     cfg = cfg if cfg is not None else get_cfg()
     t = cfg.TRAIN
@@ -120,16 +108,8 @@ def roidb_for_evaluation(
 
 def check_training_config(cfg: DetectronConfig, proposal_files: Any = (),
                           dataset_names: Names = ()) -> None:
-    """Reject config values that make training impossible, before any roidb is built.
-
-    Checks ``TRAIN.IMS_PER_BATCH``, ``TRAIN.SCALES``, ``TRAIN.MAX_SIZE``, the RoI and
-    RPN sampling sizes and fractions, the fg/bg thresholds, and that a Fast R-CNN
-    family model (no RPN, no RetinaNet: it trains on precomputed proposals) has a
-    proposal file for every training dataset.
-
-    Raises:
-        ValueError: every problem found, each with the setting to change.
-    """
+    """Reject config values that make training impossible, before any roidb is built
+    (docs/roidb.md): one ``ValueError`` lists every problem with the setting to change."""
     t, problems = cfg.TRAIN, []
 
     def pos_int(v: Any) -> bool:
@@ -264,14 +244,10 @@ def _check_categories(tables_cats: list, names: list, policy: str) -> None:
 
 
 def _in_child(fn, *args):
-    """Run ``fn(*args)`` in a forked build worker (:class:`OrderedWorkers`) and return its
-    (picklable) result; its errors are raised here.
-
-    Parsing train2017 creates millions of Python objects (GBs); in a child they vanish
-    with ``os._exit`` instead of being freed one by one, and the calling process (a DDP
-    rank that goes on to train) keeps its small footprint. Without ``fork`` (or with
-    ``LIT_ROIDATA_BUILD_IN_PROCESS=1``) it runs in-process.
-    """
+    """``fn(*args)`` run in a forked build worker, its errors raised here: parsing creates
+    millions of objects (GBs) that vanish with the child, and the caller (a DDP rank that
+    goes on to train) stays small. In-process without ``fork`` or with
+    ``LIT_ROIDATA_BUILD_IN_PROCESS=1``."""
     if not hasattr(os, "fork") or os.environ.get("LIT_ROIDATA_BUILD_IN_PROCESS") == "1":
         return fn(*args)
 
@@ -375,9 +351,8 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
 
 def _proposal_columns(tmp: str, tables: list, files: Sequence, union: Optional[list]
                       ) -> Optional[ProposalColumns]:
-    """The cache's proposal columns, written in place, with dtypes narrow enough for the
-    class count and the most gt boxes of an image over all datasets; ``None`` without
-    proposal files (the empty columns then stay int32, as in gt-only caches)."""
+    """The cache's proposal columns, their dtypes narrow enough for all datasets; ``None``
+    without proposal files (the empty columns then stay int32)."""
     if all(f is None for f in files):
         return None
     num_classes = max([t.info.num_classes for t in tables] +
@@ -387,8 +362,7 @@ def _proposal_columns(tmp: str, tables: list, files: Sequence, union: Optional[l
 
 
 def _dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle):
-    """One dataset's proposal rows, appended to ``columns`` (an empty table without a
-    proposal file)."""
+    """One dataset's proposal rows, appended to ``columns`` (else an empty table)."""
     if pfile is None:
         return empty_proposal_table(table.ids.size)
     with prog.task(f"{spec.name}: proposals {os.path.basename(pfile)}", table.ids.size) as step:

@@ -52,11 +52,7 @@ def default_cache_dir() -> str:
 
 
 def file_fingerprint(path: str, cache_root: str) -> dict[str, Any]:
-    """``{path, size, mtime_ns, digest}`` of ``path``, with the hash memoised by stat.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-    """
+    """``{path, size, mtime_ns, digest}`` of ``path``, with the hash memoised by stat."""
     path = os.path.abspath(path)
     st = os.stat(path)
     stat_key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
@@ -377,12 +373,8 @@ def _check_header(path: str, rec: dict) -> None:
 
 
 def verify_checksums(path: str, manifest: Optional[dict] = None) -> None:
-    """Read every array file of the cache at ``path`` and compare its BLAKE2b digest.
-
-    Raises:
-        CacheError: naming the first file whose digest differs (or a cache built before
-            checksums were kept).
-    """
+    """Read every array file of the cache at ``path`` and compare its digest; else
+    :class:`CacheError` naming the first file that differs."""
     manifest = manifest if manifest is not None else validate_cache(path)
     for name, rec in manifest.get("arrays", {}).items():
         want = rec.get("checksum")
@@ -461,13 +453,8 @@ def touch_last_used(path: str) -> None:
 
 
 def validate_cache(path: str) -> dict[str, Any]:
-    """The manifest of a complete, undamaged cache directory (cheap: no full read).
-
-    Raises:
-        CacheError: missing/unreadable manifest, wrong format version, a missing array
-            file, one whose size differs from the manifest (e.g. truncated) or whose
-            ``.npy`` header is damaged or disagrees with the manifest.
-    """
+    """The manifest of a complete, undamaged cache directory (cheap: no full read); else
+    :class:`CacheError` (manifest, format version, array file sizes and headers)."""
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as fh:
             manifest = json.load(fh)
@@ -491,19 +478,10 @@ def validate_cache(path: str) -> dict[str, Any]:
 def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any]], *,
                  rebuild: bool = False, verify: Optional[bool] = None
                  ) -> tuple[str, dict, bool]:
-    """Open the cache ``roidb-<key>`` under ``cache_root``, building it if needed.
-
-    Args:
-        build: fills a temporary directory and returns the manifest (without
-            ``format``); it runs under the lock, at most once per key at a time.
-        rebuild: discard an existing cache and build again.
-        verify: compare the array checksums when opening an existing cache: ``None``
-            (default) on the first open after each boot, ``True`` always, ``False`` never.
-            A mismatch rebuilds the cache, with a warning naming the file.
-
-    Returns:
-        ``(path, manifest, built)``.
-    """
+    """``(path, manifest, built)`` of the cache ``roidb-<key>`` under ``cache_root``; if it
+    is missing or unusable (or ``rebuild``), ``build(tmp)`` fills a temporary folder and
+    returns the manifest, under a lock (once per key at a time). ``verify`` as for
+    :func:`~lit_roidata.roidb.build.combined_roidb_for_training`."""
     os.makedirs(cache_root, exist_ok=True)
     final = os.path.join(cache_root, f"roidb-{key}")
     if not rebuild and (manifest := _try_open(final, verify)) is not None:

@@ -1,8 +1,5 @@
-"""Detectron2's standard dataset dicts → the roidb's ground-truth table, window by window.
-
-A registered function's records (``DatasetCatalog.register(name, func,
-thing_classes=...)``) become COCO-shaped windows, decoded and cleaned exactly as a COCO
-json's (:func:`lit_roidata.roidb.coco.table_from_windows`); see docs/custom_datasets.md.
+"""Detectron2's standard dataset dicts → the roidb's ground-truth table, window by window:
+COCO-shaped windows, decoded and cleaned exactly as a COCO json's (docs/custom_datasets.md).
 """
 
 from __future__ import annotations
@@ -121,16 +118,11 @@ def coco_windows(records: Iterable[Mapping], *, name: str, thing_classes: Sequen
                  keypoint_names: Optional[Sequence[str]] = None,
                  window: int = WINDOW) -> Iterator[dict]:
     """The records as COCO json dicts (``images``, ``annotations``, ``categories``),
-    ``window`` records at a time, consumed lazily.
+    ``window`` records at a time, consumed lazily. Image ids are the records' ``image_id``
+    when the first is an integer, else (e.g. VOC's ``"000005"``) their positions.
 
-    Image ids are the records' ``image_id`` when the first is an integer; otherwise (e.g.
-    Pascal VOC's ``"000005"``) every image's id is its position in the records.
-
-    Raises:
-        RoIDBInputError: a record without ``file_name`` / ``height`` / ``width`` /
-            ``image_id``, an annotation without ``bbox`` / ``bbox_mode`` /
-            ``category_id``, a box mode other than XYXY_ABS / XYWH_ABS, or a category id
-            outside 0..K-1; each names the dataset, the record, the image id and the fix.
+    RoIDBInputError: a record or annotation lacking a key, a box mode other than XYXY_ABS /
+    XYWH_ABS, or a category id outside 0..K-1 (naming the dataset, record, id and fix).
     """
     if not hasattr(records, "__iter__"):
         raise RoIDBInputError(f"dataset {name!r}: the registered function returned "
@@ -165,19 +157,11 @@ def load_records(records: Iterable[Mapping], *, name: str, thing_classes: Sequen
                  keypoints_required: bool = False,
                  categories_hook: Optional[Callable[[list], Optional[Sequence[str]]]] = None,
                  window: int = WINDOW) -> GtTable:
-    """The :class:`GtTable` of Detectron2-style records (a list or a generator): the same
-    as a COCO json holding them gives (:func:`lit_roidata.roidb.coco.load_coco_json`).
-
-    Args:
-        records: Detectron2's standard dataset dicts.
-        name: the dataset's catalog name (in messages).
-        thing_classes: class names of the contiguous category ids 0..K-1 (our 1..K).
-        keypoint_names: keypoint names of the class ``person``.
-        gt_min_area, keypoints_required, categories_hook: as for ``load_coco_json``.
-        window: records decoded at a time (the Python objects alive at once).
-
-    Raises:
-        RoIDBInputError: a malformed record (see :func:`coco_windows`).
+    """The :class:`GtTable` of Detectron2-style records (a list or a generator), the same
+    as a COCO json holding them gives (:func:`lit_roidata.roidb.coco.load_coco_json`, whose
+    keyword arguments it shares). ``thing_classes`` name the contiguous category ids
+    0..K-1; ``window`` records are decoded at a time. RoIDBInputError: a malformed record
+    (:func:`coco_windows`).
     """
     cats = dict_categories(thing_classes, keypoint_names)
     source = f"dataset {name!r}"

@@ -159,7 +159,7 @@ class _Sink:
         self.budget, self.drop = staging_budget(), drop
         self.mem: Optional[bytearray] = bytearray()
         self.fh: Optional[BinaryIO] = None
-        self.fd, self.pos = -1, 0  # pos: the logical end (staged + pending)
+        self.pos = 0  # the logical end (staged + pending)
         self._pending: list = []
         self._pending_bytes = 0
 
@@ -169,22 +169,16 @@ class _Sink:
 
     def frombuffer(self, buf: Any, dtype: Any, shape: tuple, order: str) -> _Stored:
         """Stands in for ``numpy.core.numeric._frombuffer`` (pickle protocol 5)."""
-        dtype = np.dtype(dtype)
+        dtype = np.dtype(dtype)  # (never an object dtype: np.frombuffer refuses those)
         arr = np.frombuffer(buf, dtype=dtype).reshape(shape, order=order)
-        st = _Stored(self)
-        if dtype.hasobject:
-            st.array, st.dtype, st.shape = arr, arr.dtype, arr.shape
-        else:
-            self.put(st, arr, dtype, tuple(int(s) for s in shape))
+        self.put(st := _Stored(self), arr, dtype, tuple(int(s) for s in shape))
         return st
 
     def put(self, st: _Stored, raw: Any, dtype: np.dtype, shape: tuple) -> None:
         if self.drop is not None and self.drop(dtype, shape):
             st.off, st.dtype, st.shape = _DROPPED, dtype, shape
             return
-        pad = (-self.pos) % max(1, dtype.alignment)
-        if pad:
-            self._append(b"\0" * pad)
+        self._append(b"\0" * ((-self.pos) % max(1, dtype.alignment)))  # (empty: no-op)
         if not isinstance(raw, (bytes, bytearray)):
             raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
         st.off, st.dtype, st.shape = self.pos, dtype, shape
@@ -209,7 +203,6 @@ class _Sink:
     def _spill(self) -> None:
         """Move what is staged in memory to a new scratch file; later arrays go there."""
         self.fh = tempfile.TemporaryFile(prefix="lit-roidata-proposals-")
-        self.fd = self.fh.fileno()
         # nothing is pending while staging in memory: the staged bytes go first
         self._pending, self._pending_bytes, self.mem = [self.mem], len(self.mem), None
         self._flush()
@@ -218,7 +211,7 @@ class _Sink:
         bufs = [memoryview(b).cast("B") for b in self._pending]
         while bufs:
             try:
-                n = os.writev(self.fd, bufs)
+                n = os.writev(self.fh.fileno(), bufs)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
@@ -290,13 +283,8 @@ def read_proposal_file(path: str, *, trust_pickle: bool = False,
                        scores: bool = True) -> ProposalSource:
     """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated).
 
-    Raises:
-        FileNotFoundError: no such file.
-        UntrustedPickleError: a pickle without ``trust_pickle=True``.
-        RoIDBInputError: an empty, truncated or unreadable file, a wrong top-level type,
-            missing keys, ids that are not integers, per-image boxes that are not
-            ``(P, 4)`` numbers, or scores whose length differs from the boxes'. The
-            message names the file, the record (index and image id) and the fix.
+    Raises FileNotFoundError, UntrustedPickleError (a pickle without ``trust_pickle``) or
+    RoIDBInputError (a bad file or record: names the file, record, image id and fix).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -613,21 +601,11 @@ def _column_dtype(flat: Any, of: Any, counts: np.ndarray) -> np.dtype:
 
 def convert_proposals(in_path: str, out_path: str, *,
                       annotations: Optional[str] = None, trust_pickle: bool = False) -> dict:
-    """Convert a proposal pickle into the columnar ``.npz`` (reads it once, streamed).
+    """Convert a proposal pickle (or an ``.npz``) into the columnar ``.npz`` ``out_path``,
+    streamed; ``annotations`` (a COCO json) maps ids that are file names to image ids.
 
-    Args:
-        in_path: Detectron proposal pickle (or an ``.npz``, rewritten).
-        out_path: the ``.npz`` to write (written to a temporary name, then renamed).
-        annotations: optional COCO json; when the pickle's ids are file names, they are
-            mapped to that json's image ids (by ``file_name`` or its stem).
-        trust_pickle: read a pickle (unpickling runs code; ``lit-roidata
-            convert-proposals`` passes it, as the user names the file explicitly).
-
-    Returns:
-        ``{"images": n, "boxes": N, "dtype": str, "seconds_read": .., "seconds_write": ..}``.
-
-    Raises:
-        RoIDBInputError: as :func:`read_proposal_file`; unknown file names.
+    Returns ``{"images", "boxes", "dtype", "seconds_read", "seconds_write"}``; raises as
+    :func:`read_proposal_file` (and for unknown file names).
     """
     t0 = time.perf_counter()
     src = (read_proposal_file(in_path, trust_pickle=trust_pickle) if annotations is None

@@ -76,14 +76,9 @@ def align_records(src: ProposalSource, image_ids: np.ndarray, counts: Counter) -
 
 
 def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """Keep-mask of first occurrences of Detectron's box hash within each group (Detectron
-    semantics: proposals).
-
-    The hash is Detectron's float64 ``round(x1) + 1e3 round(y1) + 1e6 round(x2) + 1e9
-    round(y2)`` (which can collide for coordinates >= 1000, Detectron quirk Q13
-    (docs/detectron_quirks.md), and rounds away low digits beyond 2**53); order is
-    preserved.
-    """
+    """Keep-mask of first occurrences of Detectron's float64 box hash ``round(x1) + 1e3
+    round(y1) + 1e6 round(x2) + 1e9 round(y2)`` within each group (it can collide,
+    Detectron quirk Q13)."""
     if boxes.shape[0] == 0:
         return np.zeros(0, bool)
     r = np.round(boxes)
@@ -164,21 +159,12 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
                          crowd_filter_thresh: float = 0.0,
                          progress: Optional[Callable[[int], None]] = None,
                          out: Optional["ProposalColumns"] = None) -> ProposalTable:
-    """Process a proposal file for one dataset exactly as Detectron does.
-
-    Args:
-        src: the opened file (:func:`read_proposal_file`).
-        image_ids, widths, heights, gt_*: the dataset's gt table (images sorted by id).
-        min_proposal_size: keep boxes with ``w > size`` and ``h > size`` (+1 widths).
-        proposal_limit: keep the first ``limit`` per image if ``> 0``.
-        crowd_filter_thresh: IoF threshold of the crowd filter; ``0`` disables it.
-        progress: called with the number of images done after each chunk.
-        out: a :class:`ProposalColumns` the rows are appended to instead (several
-            datasets in turn, each row written once into the cache's final files); the
-            table's arrays are then ``None`` and :meth:`ProposalColumns.finish` gives them.
-
-    Raises:
-        RoIDBInputError: missing/duplicate ids, NaN or infinite coordinates.
+    """Process a proposal file (:func:`read_proposal_file`) for one dataset (its gt table,
+    images sorted by id) exactly as Detectron does: clip, de-duplicate, drop boxes not
+    larger than ``min_proposal_size``, keep ``proposal_limit`` (if > 0), merge, crowd
+    filter (``crowd_filter_thresh`` > 0). ``progress(n)`` after each chunk; with ``out``
+    the rows go to that :class:`ProposalColumns` (the table's arrays are then ``None``).
+    RoIDBInputError: missing/duplicate ids, NaN or infinite coordinates.
     """
     counts: Counter = Counter()
     rec = align_records(src, image_ids, counts)
@@ -245,13 +231,9 @@ def proposal_dtypes(num_classes: int, max_gt: int) -> tuple[np.dtype, np.dtype]:
 
 
 class ProposalColumns:
-    """The four proposal columns of a roidb, each written once, chunk by chunk.
-
-    Args:
-        directory: where the files go (``None``: the temporary directory; scratch only).
-        num_classes, max_gt: bounds of ``max_classes`` / ``gt_map`` values, which choose
-            their dtypes (:func:`proposal_dtypes`); both ``None``: int32 (the wide dtypes).
-        persistent: named ``.npy`` files (kept) or unlinked scratch files.
+    """The four proposal columns of a roidb, each written once, chunk by chunk, into
+    ``directory`` (``persistent`` named ``.npy`` files, else unlinked scratch files);
+    ``num_classes`` / ``max_gt`` choose the dtypes (:func:`proposal_dtypes`; ``None``: int32).
     """
 
     def __init__(self, directory: Optional[str], *, num_classes: Optional[int] = None,

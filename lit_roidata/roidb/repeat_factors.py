@@ -1,10 +1,8 @@
 """Repeat factors for long-tailed datasets (LVIS): Detectron2's category-frequency rule.
 
-``r(I) = max over the categories c in I of max(1, sqrt(t / f(c)))``, over the training
-roidb's distinct images (a flipped entry gets its original's factor), in Detectron2's
-float64 arithmetic rounded once to float32 (bit-identical factors). The rule, the
-dataset it counts and the side file ``repeat_factors-<key>.npy`` kept next to the
-roidb cache: docs/sampler.md, "Repeat factors".
+``r(I) = max over the categories c in I of max(1, sqrt(t / f(c)))`` over the training
+roidb's distinct images, in Detectron2's float64 arithmetic rounded once to float32; the
+rule and the side file ``repeat_factors-<key>.npy``: docs/sampler.md, "Repeat factors".
 """
 
 from __future__ import annotations
@@ -46,22 +44,12 @@ def check_repeat_threshold(value: Any, name: str = "sampling.repeat_factor_thres
 def repeat_factors_from_category_frequency(img_gt_off: Any, gt_classes: Any,
                                            repeat_thresh: float, *, images: Any = None,
                                            sqrt: bool = True) -> np.ndarray:
-    """Per-image repeat factors from category frequency, vectorised (module doc).
+    """Per-image float32 repeat factors (module doc), one per element of ``images``.
 
-    Args:
-        img_gt_off: ``n + 1`` offsets: the gt rows of image row ``i`` are
-            ``gt_classes[img_gt_off[i]:img_gt_off[i + 1]]`` (the roidb's columns).
-        gt_classes: category of every gt row (any integer labelling).
-        repeat_thresh: the threshold ``t`` (> 0).
-        images: the distinct image rows forming the dataset (default: all ``n``); the
-            frequencies count only these.
-        sqrt: ``r(c) = max(1, sqrt(t / f(c)))``; ``False``: ``max(1, t / f(c))``.
-
-    Returns:
-        float32 factors, one per element of ``images`` (in its order).
-
-    Raises:
-        ValueError: a bad threshold, or ``images`` with repeats or out of range.
+    ``img_gt_off`` (n + 1 offsets) and ``gt_classes`` (any integer labelling) are the
+    roidb's columns; ``images`` are the distinct image rows whose categories are counted
+    (default: all); ``sqrt=False`` uses ``max(1, t / f(c))``. ValueError: a bad
+    threshold, or ``images`` with repeats or out of range.
     """
     t = check_repeat_threshold(repeat_thresh, "repeat_thresh")
     off = np.asarray(img_gt_off, dtype=np.int64).reshape(-1)
@@ -113,22 +101,11 @@ def _side_name(key: str, t: float, sqrt: bool) -> str:
 
 def repeat_factors_for_roidb(roidb: Any, repeat_thresh: float, *, sqrt: bool = True,
                              cache: bool = True) -> np.ndarray:
-    """Per-entry repeat factors of a training :class:`~lit_roidata.roidb.columnar.RoIDB`
-    (a flipped entry gets its original's factor), read from or written to the side file
-    in the roidb's cache directory.
-
-    Args:
-        roidb: the training roidb.
-        repeat_thresh: the threshold ``t`` (``sampling.repeat_factor_threshold``,
-            Detectron2's ``DATALOADER.REPEAT_THRESHOLD``).
-        sqrt: Detectron2's ``DATALOADER.REPEAT_SQRT``.
-        cache: read/write the side file (a read-only cache directory only logs).
-
-    Returns:
-        read-only float32 array of ``len(roidb)`` factors, each >= 1.
-
-    Raises:
-        ValueError: a bad threshold. TypeError: ``roidb`` is not a columnar roidb.
+    """Read-only float32 repeat factors (>= 1) of each entry of a training
+    :class:`~lit_roidata.roidb.columnar.RoIDB` (a flip gets its original's), read from or
+    written to (``cache``) the side file in its cache folder. ``repeat_thresh`` and
+    ``sqrt``: Detectron2's ``DATALOADER.REPEAT_THRESHOLD`` / ``REPEAT_SQRT``. ValueError: a
+    bad threshold; TypeError: not a columnar roidb.
     """
     t = check_repeat_threshold(repeat_thresh)
     if not hasattr(roidb, "entry_image_rows") or not hasattr(roidb, "column"):

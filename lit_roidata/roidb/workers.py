@@ -77,14 +77,9 @@ def _serve(fn: Callable[[Any, dict], Any], conn: Any) -> None:
 
 
 class OrderedWorkers:
-    """``n`` forked processes running ``fn(task, state)``; results in submission order.
-
-    Args:
-        fn: a function of ``(task, state)``; it runs in the forked processes, where
-            everything the caller had at construction is visible.
-        n: the number of processes (>= 1).
-        daemon: daemon processes (they cannot fork workers of their own).
-    """
+    """``n`` forked processes running ``fn(task, state)`` (they see everything the caller
+    had at construction); results in submission order. ``daemon`` processes cannot fork
+    workers of their own."""
 
     def __init__(self, fn: Callable[[Any, dict], Any], n: int, *, daemon: bool = True
                  ) -> None:
@@ -127,12 +122,8 @@ class OrderedWorkers:
             self._send(k, ("set", state))
 
     def result(self) -> Any:
-        """The result of the oldest unread task.
-
-        Raises:
-            WorkerFailed: the task raised (its exception is the ``__cause__``), or its
-                worker died.
-        """
+        """The result of the oldest unread task; :class:`WorkerFailed` if the task raised
+        (its exception is the ``__cause__``) or its worker died."""
         k = self._owner.popleft()
         try:
             head, sizes = self._conns[k].recv()
