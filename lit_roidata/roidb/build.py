@@ -296,8 +296,7 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                         union.extend(n for _, n in c if n not in union)
                     return union
 
-                # LVIS: decoded whole (its per-image federated lists), then cleaned; COCO
-                # and a function's records: decoded and cleaned window by window
+                # LVIS: decoded whole (federated lists), then cleaned; else window by window
                 gt = {"gt_min_area": options["gt_min_area"], "categories_hook": categories_seen,
                       "keypoints_required": bool(options.get("keypoints_on"))}
                 raw = decode_lvis(spec.annotation_file) if spec.format == "lvis" else None
@@ -349,8 +348,7 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
             "options": options, "inputs": inputs, "report": report}
 
 
-def _proposal_columns(tmp: str, tables: list, files: Sequence, union: Optional[list]
-                      ) -> Optional[ProposalColumns]:
+def _proposal_columns(tmp: str, tables: list, files: Sequence, union: Optional[list]):
     """The cache's proposal columns, their dtypes narrow enough for all datasets; ``None``
     without proposal files (the empty columns then stay int32)."""
     if all(f is None for f in files):
@@ -370,9 +368,8 @@ def _dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle)
         return build_proposal_table(
             src, image_ids=table.ids, widths=table.widths, heights=table.heights,
             gt_off=table.gt_off, gt_boxes=table.boxes, gt_classes=table.classes,
-            gt_is_crowd=table.is_crowd, min_proposal_size=options["min_proposal_size"],
-            proposal_limit=options["proposal_limit"],
-            crowd_filter_thresh=options["crowd_filter_thresh"], progress=step, out=columns)
+            gt_is_crowd=table.is_crowd, progress=step, out=columns, **{k: options[k] for k in (
+                "min_proposal_size", "proposal_limit", "crowd_filter_thresh")})
 
 
 def _check_images(spec: DatasetSpec, file_names: list) -> None:
@@ -478,9 +475,8 @@ def _combine(specs, tables, props, options, written=None,
     return a, report
 
 
-#: Arrays in the order the manifest has always listed them: image and gt columns,
-#: proposal columns, then (rank (1, 0), in their own order) segmentation and LVIS list
-#: columns, entries last.
+#: Arrays in the manifest's order: image, gt and proposal columns, then (rank (1, 0))
+#: segmentation and LVIS list columns, entries last.
 _RANK = {name: (0 if i < 18 else 2, i) for i, name in enumerate((
     "img_id", "img_width", "img_height", "img_dataset", "img_path_bytes", "img_path_off",
     "img_has_vis_kp", "img_gt_off", "img_prop_off", "gt_boxes", "gt_classes", "gt_seg_areas",

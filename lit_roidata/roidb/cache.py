@@ -190,8 +190,7 @@ class ArrayWriter:
             raise
 
     def wait(self) -> None:
-        """Wait for the queued writes and stop the threads (they start again with the
-        next write), e.g. before forking."""
+        """Wait for the queued writes and stop the threads (e.g. before forking)."""
         while self._futures:
             self._guard(self._futures.popleft().result)
         self._stop_threads()
@@ -229,8 +228,8 @@ _WRITE_THREADS = 4
 
 
 def pwrite_all(fd: int, offset: int, data: Any, writeback: bool = True) -> None:
-    """Write all of ``data`` at ``offset`` of ``fd``; with ``writeback`` have the kernel
-    start writing it to disk (``sync_file_range``; the final fsync then waits less)."""
+    """Write all of ``data`` at ``offset`` of ``fd``; ``writeback`` has the kernel start
+    writing it to disk (``sync_file_range``: the final fsync waits less)."""
     view = memoryview(data).cast("B")
     start, size = offset, view.nbytes
     while view.nbytes:
@@ -330,10 +329,9 @@ def _boot_id() -> str:
 
 
 def npy_data_offset(fn: str, rec: dict) -> Optional[int]:
-    """Where the array data of ``.npy`` file ``fn`` starts, if its header says exactly
-    the manifest entry ``rec``'s dtype and shape (C order, any padding); ``None`` if it
-    does not, or differs only in how it is written (then parse it:
-    :func:`validate_cache` does). Reads one small block, parses nothing."""
+    """Where the array data of ``.npy`` file ``fn`` start, if its header is exactly what
+    NumPy writes for the manifest entry ``rec`` (any padding); else ``None`` (then parse
+    it). Reads one small block, parses nothing."""
     try:
         with open(fn, "rb", buffering=0) as fh:
             head = fh.read(_HEADER_PEEK)
@@ -411,9 +409,8 @@ def _verified_this_boot(path: str) -> bool:
 
 
 def hold_in_use(path: str, owner: Any) -> bool:
-    """Mark the cache at ``path`` as in use with a shared lock held as long as ``owner``
-    lives (or the process): ``lit-roidata cache clean`` never removes a cache someone
-    holds. Returns whether the lock is held."""
+    """Mark the cache at ``path`` in use (``lit-roidata cache clean`` skips it) with a shared
+    lock held while ``owner`` lives; whether the lock is held."""
     try:
         import fcntl
 
@@ -476,8 +473,7 @@ def validate_cache(path: str) -> dict[str, Any]:
 
 
 def get_or_build(cache_root: str, key: str, build: Callable[[str], dict[str, Any]], *,
-                 rebuild: bool = False, verify: Optional[bool] = None
-                 ) -> tuple[str, dict, bool]:
+                 rebuild: bool = False, verify: Optional[bool] = None) -> tuple[str, dict, bool]:
     """``(path, manifest, built)`` of the cache ``roidb-<key>`` under ``cache_root``; if it
     is missing or unusable (or ``rebuild``), ``build(tmp)`` fills a temporary folder and
     returns the manifest, under a lock (once per key at a time). ``verify`` as for
@@ -555,8 +551,7 @@ def _try_open(path: str, verify: Optional[bool] = None) -> Optional[dict]:
 
 
 def remove_cache(path: str) -> None:
-    """Remove the cache folder ``path``, renamed away first so that a reader never sees a
-    half-deleted folder."""
+    """Remove the cache folder ``path`` (renamed away first: no reader sees half of it)."""
     trash = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=".trash-")
     os.rename(path, os.path.join(trash, "old"))
     shutil.rmtree(trash, ignore_errors=True)

@@ -71,7 +71,6 @@ class FileRows:
         return out
 
 
-# ----------------------------------------------------------------------------- streaming
 class _Stored:
     """An array the unpickler wrote to the scratch file (only its place is kept)."""
 
@@ -148,9 +147,8 @@ def staging_budget() -> int:
 
 
 class _Sink:
-    """Where the arrays' bytes go, in unpickling order: one growing ``bytearray`` up to
-    :func:`staging_budget` bytes, then (everything staged so far, and what follows) an anonymous
-    scratch file."""
+    """Where the arrays' bytes go, in unpickling order: a ``bytearray`` up to
+    :func:`staging_budget` bytes, then (all of it) an anonymous scratch file."""
 
     _BATCH_BYTES = 8 << 20
     _BATCH_BUFFERS = 512
@@ -278,14 +276,11 @@ def _unpickler(fh: BinaryIO, sink: _Sink, *, trust_pickle: bool) -> pickle.Unpic
     return _ProposalUnpickler(fh, sink)
 
 
-# ----------------------------------------------------------------------------- reading
 def read_proposal_file(path: str, *, trust_pickle: bool = False,
                        scores: bool = True) -> ProposalSource:
-    """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated).
-
-    Raises FileNotFoundError, UntrustedPickleError (a pickle without ``trust_pickle``) or
-    RoIDBInputError (a bad file or record: names the file, record, image id and fix).
-    """
+    """Open a Detectron pickle or a columnar ``.npz`` proposal file (validated): else
+    FileNotFoundError, UntrustedPickleError (a pickle without ``trust_pickle``) or
+    RoIDBInputError (a bad file or record: names the file, record, image id and fix)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"proposal file not found: {path}")
@@ -311,8 +306,7 @@ def _read_pickle(path: str, trust_pickle: bool, scores: bool = True) -> Proposal
 
 
 def _load_pickle(path: str, trust_pickle: bool,
-                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None
-                 ) -> tuple[Any, "_Sink"]:
+                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> tuple[Any, _Sink]:
     """Unpickle a proposal file, its arrays streamed into the staging area (the sink)."""
     if not trust_pickle:
         raise untrusted_proposal_pickle(path)
@@ -469,8 +463,7 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
 
 def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Any:
     """The records as one block of rows (:class:`FileRows` or a read-only array) when they
-    lie back to back in the staging area in one dtype (as in Detectron's pickles), else
-    ``None``."""
+    lie back to back in the staging area in one dtype (as in Detectron's pickles)."""
     if not all(isinstance(it, _Stored) and it.array is None for it in items):
         return None
     nonempty = [(it, int(c)) for it, c in zip(items, counts) if c]
@@ -484,9 +477,7 @@ def _contiguous(items: list, counts: np.ndarray, width: Optional[int]) -> Any:
     return first.sink.rows(first.off, first.dtype, int(counts.sum()), (width,) if width else ())
 
 
-# ----------------------------------------------------------------------------- npz
-def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple[int, np.dtype, tuple,
-                                                                        bool, bool]:
+def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple:
     """``(data offset, dtype, shape, fortran, stored)`` of ``name.npy`` in an open npz."""
     info = zf.getinfo(name + ".npy")
     fh.seek(info.header_offset)
@@ -565,7 +556,6 @@ def _read_npz(path: str) -> ProposalSource:
     return src
 
 
-# ----------------------------------------------------------------------------- conversion
 _CHUNK_ROWS = 1 << 20
 
 
@@ -580,15 +570,11 @@ def _write_member(zf: zipfile.ZipFile, name: str, dtype: np.dtype, shape: tuple,
                 f.write(c.reshape(-1).view(np.uint8))
 
 
-def _chunks_of(flat: Any, of: Callable[[int], np.ndarray], counts: np.ndarray,
-               rows: int = _CHUNK_ROWS) -> Any:
-    if flat is not None:
-        total = int(counts.sum())
-        for a in range(0, total, rows):
-            yield flat[a:min(total, a + rows)]
-        return
-    for i in range(counts.size):
-        yield of(i)
+def _chunks_of(flat: Any, of: Callable[[int], np.ndarray], counts: np.ndarray) -> Any:
+    if flat is None:
+        return map(of, range(counts.size))
+    total = int(counts.sum())
+    return (flat[a:min(total, a + _CHUNK_ROWS)] for a in range(0, total, _CHUNK_ROWS))
 
 
 def _column_dtype(flat: Any, of: Any, counts: np.ndarray) -> np.dtype:

@@ -83,10 +83,8 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         return np.zeros(0, bool)
     r = np.round(boxes)
     if r.size and float(np.abs(r).max()) < 2.0**53 / 1.002e9:
-        # every partial sum is an integer below 2**53, hence exact in any summation
-        # order: four float64 column products give Detectron's values exactly (np.dot
-        # of float32 rows by a float64 vector takes a slow generic loop, and a BLAS
-        # product spins its threads on a busy machine)
+        # every partial sum is an integer below 2**53, exact in any order: four float64
+        # column products give Detectron's values (np.dot takes a slow generic loop)
         r64 = r.astype(np.float64)
         hf = r64[:, 3] * 1e9 + r64[:, 2] * 1e6 + r64[:, 1] * 1e3 + r64[:, 0]
         del r64
@@ -102,17 +100,15 @@ def unique_box_keep(boxes: np.ndarray, group: np.ndarray) -> np.ndarray:
         del hf
         span = int(h.max()) + 1
     if exact and span * (int(g.max()) + 1) < 2**62:
-        # Duplicates are rare: sort the keys' values (a SIMD sort, ~4x cheaper than an
-        # argsort) to find the repeated ones, then settle first occurrences among the
-        # boxes carrying a repeated key only (np.unique's stable return_index).
+        # Duplicates are rare: a (SIMD) sort finds the repeated keys, then first
+        # occurrences are settled among their boxes only (np.unique's stable return_index)
         key = g * span + h
         ks = np.sort(key)
         rep = ks[1:][ks[1:] == ks[:-1]]
         if rep.size == 0:
             return np.ones(boxes.shape[0], bool)
         rep = np.unique(rep)
-        # boxes whose key may repeat: a 2**20-bit table of the repeated keys' low bits
-        # (cheap, in cache) narrows them down before the exact binary search
+        # a 2**20-bit table of the repeated keys' low bits narrows them down first
         seen = np.zeros(1 << 20, bool)
         seen[rep & 0xFFFFF] = True
         cand = np.flatnonzero(seen[key & 0xFFFFF])
@@ -181,8 +177,7 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
         return _chunk(src, rec, *task, gt, min_proposal_size, proposal_limit,
                       crowd_filter_thresh)
 
-    # chunks are independent (every rule is per image): forked workers compute them from
-    # the staged file they inherit, in order; this process writes the rows meanwhile
+    # chunks are independent (rules are per image): forked workers compute them in order
     workers = build_workers() if len(chunks) >= 4 else 0
     if workers:
         out.writer.wait()  # no writer threads while forking (a previous dataset's)
@@ -333,14 +328,12 @@ def _chunk(src, rec, i0, i1, gt, min_size, limit, crowd_thresh):
             f"{src.path}: {int((~finite).sum())} proposal(s) have NaN or infinite coordinates "
             f"(image ids {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}). Regenerate the "
             f"proposals or drop those boxes.")
-    # 1. clip (in the file's dtype, as Detectron does in place: min(W - 1, max(0, x))),
-    # all four columns in one contiguous pass against per-box [W-1, H-1, W-1, H-1] rows
+    # 1. clip in the file's dtype, as Detectron does in place: min(W - 1, max(0, x))
     wm1, hm1 = ((x[i0:i1] - 1).astype(b.dtype) for x in (widths, heights))
     lim = np.repeat(np.stack([wm1, hm1, wm1, hm1], 1), cnt, axis=0)
     np.minimum(lim, np.maximum(0, b, out=b), out=b)
     del lim
-    # 2. de-duplicate, then 3. min size (strict, +1 widths, in the file's dtype); the size
-    # rule looks at each box alone, so both masks are applied in one compaction
+    # 2. de-duplicate, then 3. min size (strict, +1 widths), applied in one compaction
     unique = unique_box_keep(b, img)
     big = (b[:, 2] - b[:, 0] + 1 > min_size) & (b[:, 3] - b[:, 1] + 1 > min_size)
     counts["proposals_duplicate"] += int(b.shape[0] - np.count_nonzero(unique))
@@ -369,16 +362,12 @@ _SAFE_COORD = 2.0**22  # below it, float32 thresholds +-2 around a gt edge are e
 
 
 def _merge(b, img, gt_off, gt_boxes, gt_classes):
-    """IoU merge into overlaps: ``(max_overlaps, max_classes, gt_map)``.
-
-    Only pairs that can overlap are computed: padded ``(images, P)`` blocks of about 64k
-    float32 slots (NaN pads) are tested against each gt box widened by 2 pixels; other
-    pairs have an IoU of exactly 0. Candidates get Detectron's float64 IoU
-    (:func:`lit_roidata.boxes.iou_kernel`), folded into a running maximum where only a
-    strictly greater value replaces (ties keep the lowest gt index, as ``argmax``).
-    ``img`` must be non-decreasing. Non-positive areas and coordinates of ``2**22`` or
-    more go through :func:`_merge_blocks` (dense blocks and ``argmax``).
-    """
+    """IoU merge into overlaps: ``(max_overlaps, max_classes, gt_map)``, ``img``
+    non-decreasing. Padded ``(images, P)`` blocks of ~64k float32 slots are tested against
+    each gt box widened by 2 pixels (other pairs have IoU 0); candidates get Detectron's
+    float64 IoU (:func:`lit_roidata.boxes.iou_kernel`) in a running maximum (ties keep the
+    lowest gt index, as ``argmax``). Non-positive areas and coordinates of ``2**22`` or
+    more go through :func:`_merge_blocks`."""
     n = b.shape[0]
     mo, mc, gmap = np.zeros(n, np.float32), np.zeros(n, np.int32), np.full(n, -1, np.int32)
     if n == 0:
@@ -400,8 +389,8 @@ def _merge(b, img, gt_off, gt_boxes, gt_classes):
         return _merge_blocks(b, img, gt_off, gt_boxes, gt_classes)
     del wx, wy
     gx1, gy1, gx2, gy2 = (np.ascontiguousarray(gt64[:, c]) for c in range(4))
-    # Candidate thresholds in float32: a pair with max(x1) > min(x2) + 1.75 (or the same
-    # in y) has iw <= 0 (ih <= 0); below 2**22 the rounding of g +- 2 is at most 0.25.
+    # float32 candidate thresholds: max(x1) > min(x2) + 1.75 means iw <= 0 (also in y);
+    # below 2**22 the rounding of g +- 2 is at most 0.25
     thr = tuple((g + d).astype(np.float32) for g, d in ((gx2, 2), (gx1, -2), (gy2, 2), (gy1, -2)))
     gt_rows = (gx1, gy1, gx2, gy2, ga)
     best = mo  # zeros; only ever replaced by a strictly greater (positive) IoU

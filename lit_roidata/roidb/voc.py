@@ -56,15 +56,9 @@ def parse_voc_xml(path: str) -> tuple[int, int, list[tuple[str, list[float], boo
 def load_voc_instances(dirname: str, split: str,
                        class_names: Sequence[str] = VOC_CLASSES) -> list[dict[str, Any]]:
     """Detectron2's standard dataset dicts of a VOC split, equal to Detectron2's
-    ``load_voc_instances``.
-
-    ``image_id`` is the file id (a string); ``category_id`` the 0-based index in
-    ``class_names``; ``bbox`` is ``XYXY_ABS`` in continuous coordinates: the file's
-    1-based inclusive ``xmin, ymin`` minus 1, ``xmax, ymax`` as written. Difficult
-    objects are kept (Detectron2 trains on them; the VOC evaluator ignores them).
-
-    Raises:
-        ValueError: an object whose class is not in ``class_names`` (names the file).
+    ``load_voc_instances``: string ``image_id``, 0-based ``category_id`` in ``class_names``,
+    ``XYXY_ABS`` boxes (the file's ``xmin, ymin`` minus 1), difficult objects kept.
+    ValueError: an object whose class is not in ``class_names`` (names the file).
     """
     index = {name: i for i, name in reversed(list(enumerate(class_names)))}
     out = []

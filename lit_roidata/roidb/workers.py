@@ -19,8 +19,7 @@ _MAX_WORKERS = 8
 
 class WorkerFailed(Exception):
     """A task raised in its worker (``__cause__`` is its exception when it could be sent
-    back), or a worker died (:class:`WorkerDied`); the caller redoes the work
-    in-process."""
+    back), or a worker died (:class:`WorkerDied`)."""
 
 
 class WorkerDied(WorkerFailed):
@@ -81,8 +80,7 @@ class OrderedWorkers:
     had at construction); results in submission order. ``daemon`` processes cannot fork
     workers of their own."""
 
-    def __init__(self, fn: Callable[[Any, dict], Any], n: int, *, daemon: bool = True
-                 ) -> None:
+    def __init__(self, fn: Callable[[Any, dict], Any], n: int, *, daemon: bool = True) -> None:
         ctx = multiprocessing.get_context("fork")
         self.n = max(1, int(n))
         # pipes, processes, the worker index of each task not yet read back, next worker
@@ -205,8 +203,7 @@ class OrderedWorkers:
 def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int
                 ) -> Iterator[Any]:
     """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
-    workers (at most ``2 * n`` in flight); with ``n <= 1``, here.
-    A task's error is raised; after a worker's death the rest is computed here."""
+    workers (``n <= 1`` or after a worker's death: here); a task's error is raised."""
     done = 0
     if n > 1:
         with OrderedWorkers(fn, n) as w:
