@@ -129,10 +129,7 @@ def coco_windows(records: Iterable[Mapping], *, name: str, thing_classes: Sequen
                               f"{type(records).__name__}, not a list or generator of dicts")
     cats, k, it = dict_categories(thing_classes, keypoint_names), len(thing_classes), iter(records)
     positional, n = None, 0
-    while True:
-        chunk = list(itertools.islice(it, window))
-        if not chunk:
-            return
+    for chunk in iter(lambda: list(itertools.islice(it, window)), []):
         images, anns = [], []
         for rec in chunk:
             rid = rec.get("image_id") if isinstance(rec, Mapping) else None

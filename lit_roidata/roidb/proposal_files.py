@@ -52,9 +52,8 @@ class FileRows:
     def __init__(self, fh: BinaryIO, offset: int, dtype: np.dtype, n: int,
                  row_shape: tuple = (4,)) -> None:
         self.fh, self.offset, self.dtype = fh, int(offset), np.dtype(dtype)
-        self.row_shape = tuple(row_shape)
-        self.row_bytes = self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64))
-        self.shape = (int(n), *self.row_shape)
+        self.shape = (int(n), *row_shape)
+        self.row_bytes = self.dtype.itemsize * math.prod(row_shape)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -63,7 +62,7 @@ class FileRows:
         if not isinstance(sl, slice) or sl.step not in (None, 1):
             raise TypeError("FileRows supports contiguous slices only")
         a, b, _ = sl.indices(self.shape[0])
-        out = np.empty((max(a, b) - a, *self.row_shape), self.dtype)
+        out = np.empty((max(a, b) - a, *self.shape[1:]), self.dtype)
         if out.nbytes:
             pread_exact(self.fh.fileno(), memoryview(out.reshape(-1).view(np.uint8)),
                         self.offset + a * self.row_bytes,
