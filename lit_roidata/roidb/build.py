@@ -167,8 +167,7 @@ def _normalise(dataset_names: Names, proposal_files: Any) -> tuple[tuple, tuple]
 def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catalog,
                    category_policy, check_images, progress, rebuild, verify, trust_pickle):
     if category_policy not in CATEGORY_POLICIES:
-        raise ValueError(f"category_policy={category_policy!r}; choose one of "
-                         f"{CATEGORY_POLICIES}")
+        raise ValueError(f"category_policy={category_policy!r}; choose one of {CATEGORY_POLICIES}")
     names, files = _normalise(dataset_names, proposal_files)
     catalog = catalog if catalog is not None else DatasetCatalog
     specs = [catalog.get(n) for n in names]
@@ -236,11 +235,10 @@ def _check_categories(tables_cats: list, names: list, policy: str) -> None:
         if cur != ref:
             diff = "\n".join(difflib.unified_diff(ref, cur, names[0], name, lineterm="", n=1))
             raise RoIDBInputError(
-                f"datasets {names[0]!r} and {name!r} have different categories (Detectron "
-                f"would silently mix their class ids, Detectron quirk Q22, see "
-                f"docs/detectron_quirks.md):\n{diff}\nMake the category "
-                f"lists identical, or pass category_policy='by_name' (map by category name) "
-                f"or 'detectron' (keep Detectron's behaviour).")
+                f"datasets {names[0]!r} and {name!r} have different categories (Detectron would "
+                f"silently mix their class ids, Detectron quirk Q22, see docs/detectron_quirks.md)"
+                f":\n{diff}\nMake the category lists identical, or pass category_policy='by_name' "
+                f"(map by category name) or 'detectron' (keep Detectron's behaviour).")
 
 
 def _in_child(fn, *args):

@@ -173,9 +173,8 @@ def load_records(records: Iterable[Mapping], *, name: str, thing_classes: Sequen
                                   ann_base=n_ann))
             n_img, n_ann = n_img + len(w["images"]), n_ann + len(w["annotations"])
 
-    return table_from_windows(windows(), cats, source=source, name=name,
-                              gt_min_area=gt_min_area, class_order=order,
-                              keypoints_required=keypoints_required)
+    return table_from_windows(windows(), cats, source=source, name=name, gt_min_area=gt_min_area,
+                              class_order=order, keypoints_required=keypoints_required)
 
 
 def records_digest(records: Iterable[Mapping]) -> str:

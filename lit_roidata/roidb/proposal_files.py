@@ -424,9 +424,8 @@ def source_from_object(path: str, data: Any, keep_alive: Any = None,
     id_list = [x.load() if isinstance(x, _Stored) else x  # e.g. 0-d arrays
                for x in _as_records(path, id_key, data[id_key])]
     if len(boxes) != len(id_list) or len(scores) != len(id_list):
-        raise RoIDBInputError(f"{path}: 'boxes' ({len(boxes)}), {score_key!r} "
-                              f"({len(scores)}) and {id_key!r} ({len(id_list)}) must have one "
-                              f"record per image")
+        raise RoIDBInputError(f"{path}: 'boxes' ({len(boxes)}), {score_key!r} ({len(scores)}) "
+                              f"and {id_key!r} ({len(id_list)}) must have one record per image")
     ids = _ids_array(path, id_key, id_list)
     counts = np.zeros(ids.size, np.int64)
     for i, b in enumerate(boxes):
@@ -612,8 +611,7 @@ def convert_proposals(in_path: str, out_path: str, *,
                 _write_member(zf, "scores", sdt, (total,),
                               _chunks_of(src.scores_flat, src.scores_of, counts))
     return {"images": int(counts.size), "boxes": total, "dtype": dtype.str,
-            "seconds_read": round(t1 - t0, 3),
-            "seconds_write": round(time.perf_counter() - t1, 3)}
+            "seconds_read": round(t1 - t0, 3), "seconds_write": round(time.perf_counter() - t1, 3)}
 
 
 def _read_with_name_map(path: str, annotations: str, trust_pickle: bool) -> ProposalSource:

@@ -174,8 +174,7 @@ def build_proposal_table(src: ProposalSource, *, image_ids: np.ndarray, widths: 
     gt = (image_ids, widths, heights, gt_off, gt_boxes, gt_classes, gt_is_crowd)
 
     def one_chunk(task: tuple, state: dict) -> tuple:
-        return _chunk(src, rec, *task, gt, min_proposal_size, proposal_limit,
-                      crowd_filter_thresh)
+        return _chunk(src, rec, *task, gt, min_proposal_size, proposal_limit, crowd_filter_thresh)
 
     # chunks are independent (rules are per image): forked workers compute them in order
     workers = build_workers() if len(chunks) >= 4 else 0
@@ -527,5 +526,5 @@ def _crowd_filter(b, img, gt_off, gt_boxes, gt_is_crowd, thresh):
 def empty_proposal_table(n: int) -> ProposalTable:
     """A table with no proposals for ``n`` images."""
     return ProposalTable(np.zeros(n + 1, np.int64), np.zeros((0, 4), np.float32),
-                         np.zeros(0, np.float32), np.zeros(0, np.int32),
-                         np.zeros(0, np.int32), Counter())
+                         np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros(0, np.int32),
+                         Counter())

@@ -200,8 +200,7 @@ class OrderedWorkers:
         self.close()
 
 
-def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int
-                ) -> Iterator[Any]:
+def map_ordered(fn: Callable[[Any, dict], Any], tasks: Sequence[Any], n: int) -> Iterator[Any]:
     """Yield ``fn(task, {})`` for each of ``tasks`` in order, computed by ``n`` forked
     workers (``n <= 1`` or after a worker's death: here); a task's error is raised."""
     done = 0
