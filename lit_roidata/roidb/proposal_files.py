@@ -254,10 +254,9 @@ def untrusted_proposal_pickle(path: str) -> UntrustedPickleError:
     stem = os.path.splitext(os.path.basename(path))[0]
     return UntrustedPickleError(
         path, "proposal file",
-        f"Convert it once with `lit-roidata convert-proposals {path} {stem}.npz` and give "
-        f"the .npz instead, or, if you trust the file, pass trust_pickle=True (the "
-        f"data module's sources.trust_pickle; on the command line: "
-        f"--data.sources.trust_pickle true).")
+        f"Convert it once with `lit-roidata convert-proposals {path} {stem}.npz` and give the "
+        f".npz instead, or, if you trust the file, pass trust_pickle=True (the data module's "
+        f"sources.trust_pickle; on the command line: --data.sources.trust_pickle true).")
 
 
 def is_pickle(path: str) -> bool:
@@ -370,9 +369,8 @@ def _ids_array(path: str, key: str, ids: list) -> np.ndarray:
                     "`lit-roidata convert-proposals in.pkl out.npz --annotations "
                     "instances.json`." if isinstance(v, (str, bytes)) else "")
             raise RoIDBInputError(
-                f"{path}: {key!r} record {i} is {what}; ids must be the integer image ids "
-                f"of the dataset (the 'id' of each entry of 'images' in the annotation "
-                f"json).{hint}")
+                f"{path}: {key!r} record {i} is {what}; ids must be the integer image ids of the "
+                f"dataset (the 'id' of each entry of 'images' in the annotation json).{hint}")
     return np.array([int(v) for v in ids], dtype=np.int64)
 
 
