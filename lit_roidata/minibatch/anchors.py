@@ -438,28 +438,20 @@ def rpn_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, insi
     x1 = np.clip(np.floor((g[None, :, 2] - iw + 2 - cell[:, 0:1]) / st) + 1, rx0, rx1)
     y0 = np.clip(np.ceil((g[None, :, 1] + ih - 2 - cell[:, 3:4]) / st), ry0, ry1)
     y1 = np.clip(np.floor((g[None, :, 3] - ih + 2 - cell[:, 1:2]) / st) + 1, ry0, ry1)
-    gidx, gid = _enumerate_rects(tab, x0, x1, y0, y1, useful)
-    iou = bbox_overlaps_pairs(all_anchors[gidx], gt[gid])
-    cand, row = np.unique(gidx, return_inverse=True)
-    overlaps = np.zeros((len(cand), n_g), dtype=np.float32)
-    overlaps[row, gid] = iou
-    return cand, overlaps
-
-
-def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray, y0: np.ndarray,
-                     y1: np.ndarray, useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(anchor index, gt index) of every cell of the ``(shape, gt)`` rectangles
-    ``[x0, x1) x [y0, y1)`` (float arrays ``(S, G)``) where ``useful``, enumerated with
-    ``repeat``/``divmod``, no loop over boxes."""
-    n_g = x0.shape[1]
+    # (anchor, gt) of every cell of the (shape, gt) rectangles [x0, x1) x [y0, y1) where
+    # useful, enumerated with repeat/divmod, no loop over boxes
     x0, x1, y0, y1 = (v.astype(np.int64).ravel() for v in (x0, x1, y0, y1))
     wx = np.maximum(x1 - x0, 0)
     counts = wx * np.maximum(y1 - y0, 0) * useful.ravel()
     sg = np.repeat(np.arange(counts.size), counts)  # which (shape, gt) each pair is from
     dy, dx = np.divmod(np.arange(len(sg)) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
-    si = sg // n_g
+    si, gid = np.divmod(sg, n_g)
     gidx = tab["base"][si] + ((y0[sg] + dy) * tab["size"][si] + x0[sg] + dx) * tab["n_a"][si]
-    return gidx, sg % n_g
+    iou = bbox_overlaps_pairs(all_anchors[gidx], gt[gid])
+    cand, row = np.unique(gidx, return_inverse=True)
+    overlaps = np.zeros((len(cand), n_g), dtype=np.float32)
+    overlaps[row, gid] = iou
+    return cand, overlaps
 
 
 def anchor_targets(anchors: np.ndarray, gt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,7 @@ import torch
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, InsideAnchors, anchor_targets, concat_fields, inside_anchors, rpn_fields,
+    FieldOfAnchors, anchor_targets, concat_fields, inside_anchors, rpn_fields,
     rpn_overlaps, scaled_noncrowd_gt, stack_rows)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import (
@@ -131,30 +131,23 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
         ``all_anchors``) of anchors with label >= 0 and those labels; global indices of
         the anchors that get regression targets and the ``(len(fg), 4)`` targets;
         the number of examples (weights are ``1/num_examples``).
+
+    Detectron's positives, positive subsampling and negatives run on index sets, not on
+    K-long label arrays, with the same draws on the same ascending index arrays. Only
+    anchors with an IoU that can matter are visited (outside the candidates of
+    :func:`rpn_overlaps` every anchor's max IoU is below both thresholds), and the
+    negatives are picked by position in the inside anchors minus the excluded ones without
+    listing them (:meth:`InsideAnchors.select`). Where that does not hold (a non-positive
+    threshold, or Detectron quirk Q2: a gt with zero IoU to every inside anchor makes all
+    of them positive) every inside anchor is a candidate.
     """
+    fix = fix_rpn_quirks
     inside = inside_anchors(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-    labelled, lab, fg_inds = _label(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
-    _, targets = anchor_targets(all_anchors[fg_inds], gt)  # only the <= 128 that need it
-    return labelled, lab, fg_inds, targets, float(len(labelled))
-
-
-def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
-           gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Detectron's positives, positive subsampling and negatives on index sets, not on
-    K-long label arrays: ``(labelled, labels, fg)``.
-
-    The same draws on the same ascending index arrays as Detectron. Only anchors with an
-    IoU that can matter are visited (outside the candidates of :func:`rpn_overlaps` every
-    anchor's max IoU is below both thresholds), and the negatives are picked by position
-    in the inside anchors minus the excluded ones without listing them
-    (:meth:`InsideAnchors.select`). Where that does not hold (a non-positive threshold,
-    or Detectron quirk Q2: a gt with zero IoU to every inside anchor makes all of them
-    positive) every inside anchor is a candidate.
-    """
     pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
     if inside.count == 0:  # Detectron crashes in argmax here; nothing to label
-        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64)
+        fg = np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), fg, anchor_targets(
+            all_anchors[fg], gt)[1], 0.0
     cand = np.zeros(0, np.int64)
     if pos_t > 0 and neg_t > 0:
         cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
@@ -176,27 +169,18 @@ def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: In
     # negatives: the inside anchors minus `excluded` (ascending), by position
     excluded = cand[(a2g >= neg_t) | is_pos] if fix else cand[a2g >= neg_t]
     n_cand = inside.count - len(excluded)
-    pos = _negative_positions(n_cand, num_bg, rng, fix)
+    # positions of the drawn negatives among the n_cand candidates (all if at most num_bg).
+    # Detectron: bg_inds[npr.randint(len(bg_inds), size=num_bg)] (quirk Q3: with
+    # replacement, may overwrite positives); fixed: choice(bg_inds, num_bg, replace=False),
+    # whose draws depend only on the number of candidates, so drawing positions is the same
+    pos = (np.arange(n_cand) if n_cand <= num_bg
+           else np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False)) if fix
+           else np.asarray(rng_mod.randint(rng, n_cand, size=num_bg)))
     # the p-th candidate is the q-th inside anchor, q = p + #excluded placed before it
     shift = inside.rank(excluded) - np.arange(len(excluded))
     bg_inds = inside.select(pos + np.searchsorted(shift, pos, side="right"))
     labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
     lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
-    return labelled, lab, fg_inds
+    _, targets = anchor_targets(all_anchors[fg_inds], gt)  # only the <= 128 that need it
+    return labelled, lab, fg_inds, targets, float(len(labelled))
 
-
-def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
-                        fix: bool) -> np.ndarray:
-    """Positions of the negatives drawn among ``n_cand`` candidates (ascending order): all
-    of them when there are at most ``num_bg``.
-
-    Detectron's draw: ``bg_inds[npr.randint(len(bg_inds), size=num_bg)]`` (Detectron quirk
-    Q3 (docs/detectron_quirks.md): with replacement, and may overwrite positives); fixed:
-    ``choice(bg_inds, size=num_bg, replace=False)``, whose draws depend only on the
-    number of candidates, so drawing positions consumes the generator identically.
-    """
-    if n_cand <= num_bg:
-        return np.arange(n_cand)
-    if fix:
-        return np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False))
-    return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))
