@@ -232,11 +232,10 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
         masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M, height, width)
     else:  # or fg only through crowd boxes (Detectron quirk Q8, docs/detectron_quirks.md)
         masks = np.full((take.size, M * M), -1, dtype=np.int32)
-    if cfg.MRCNN.CLS_SPECIFIC_MASK:
-        if expand:
-            masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
-        else:
-            blobs["_mask_class_labels"] = np.asarray(class_labels, dtype=np.int64)
+    if cfg.MRCNN.CLS_SPECIFIC_MASK and expand:
+        masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
+    elif cfg.MRCNN.CLS_SPECIFIC_MASK:
+        blobs["_mask_class_labels"] = np.asarray(class_labels, dtype=np.int64)
     blobs["mask_rois"] = rois_blob(rois_fg * im_scale, batch_idx)
     blobs["roi_has_mask_int32"] = roi_has_mask.astype(np.int32, copy=False)
     blobs["masks_int32"] = masks

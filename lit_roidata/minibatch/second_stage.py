@@ -120,9 +120,28 @@ def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
     order = torch.sort(img, stable=True).indices  # image-major, score order within
     img, props = img[order], props[order]
     cols = [_entry_columns(e, dev) for e in entries]
-    gt = _cat_gt(cols, dev)
-    counts = torch.bincount(img, minlength=len(entries)).tolist()
-    rows = _merged_rows(cols, {"boxes": props, **_assign(props, img, gt, dev)}, counts, dev)
+    # every image's gt rows (gt_classes > 0, crowd included), with image and row ids
+    gt_rows = [torch.nonzero(c["gt_classes"] > 0).reshape(-1) for c in cols]
+    gt = {"boxes": [c["boxes"][r] for c, r in zip(cols, gt_rows)],
+          "cls": [c["gt_classes"][r].to(torch.int64) for c, r in zip(cols, gt_rows)],
+          "crowd": [c["is_crowd"][r] for c, r in zip(cols, gt_rows)], "row": gt_rows,
+          "img": [torch.full_like(r, i) for i, r in enumerate(gt_rows)]}
+    gt = {k: torch.cat(v) if v else torch.zeros(0, device=dev) for k, v in gt.items()}
+    new = {"boxes": props, **_assign(props, img, gt, dev)}
+    # image by image, the entry's rows, then its proposal rows (their own values in `new`;
+    # zero in the other columns)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
+        "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
+        "max_overlaps", "max_classes")}
+    counts, start = torch.bincount(img, minlength=len(entries)).tolist(), 0
+    for i, (c, p) in enumerate(zip(cols, counts)):
+        parts["img"].append(torch.full((c["n"] + p,), i, dtype=torch.int64, device=dev))
+        for k in list(parts)[1:]:
+            tail = (new[k][start:start + p] if k in new
+                    else torch.zeros(p, dtype=c[k].dtype, device=dev))
+            parts[k].append(torch.cat([c[k], tail]))
+        start += p
+    rows = {k: torch.cat(v) for k, v in parts.items()}
     rows["bbox_targets"] = _targets(rows, gt, cfg, dev)
     host = {k: v.cpu().numpy() for k, v in rows.items()}
     starts = np.concatenate(([0], np.cumsum([c["n"] + p for c, p in zip(cols, counts)])))
@@ -162,16 +181,6 @@ def _entry_columns(e: Mapping[str, Any], dev: torch.device) -> dict[str, Any]:
             "max_overlaps": t(mo, torch.float32), "max_classes": t(mc, torch.int64)}
 
 
-def _cat_gt(cols: list[dict[str, Any]], dev: torch.device) -> dict[str, torch.Tensor]:
-    """Every image's gt rows (``gt_classes > 0``, crowd included), with image and row ids."""
-    rows = [torch.nonzero(c["gt_classes"] > 0).reshape(-1) for c in cols]
-    parts = {"boxes": [c["boxes"][r] for c, r in zip(cols, rows)],
-             "cls": [c["gt_classes"][r].to(torch.int64) for c, r in zip(cols, rows)],
-             "crowd": [c["is_crowd"][r] for c, r in zip(cols, rows)], "row": rows,
-             "img": [torch.full_like(r, i) for i, r in enumerate(rows)]}
-    return {k: torch.cat(v) if v else torch.zeros(0, device=dev) for k, v in parts.items()}
-
-
 def _masked_iou(a: torch.Tensor, a_img: torch.Tensor, b: torch.Tensor, b_img: torch.Tensor,
                 b_ok: torch.Tensor | None = None) -> torch.Tensor:
     """IoU with pairs from different images (or ``~b_ok`` columns) set to -1."""
@@ -197,24 +206,6 @@ def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
             "max_classes": torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
             "box_to_gt_ind_map": torch.where(hit, gt["row"][arg],
                                              torch.full_like(arg, -1)).to(torch.int32)}
-
-
-def _merged_rows(cols: list[dict[str, Any]], new: dict[str, torch.Tensor], counts: list[int],
-                 dev: torch.device) -> dict[str, torch.Tensor]:
-    """Concatenate, image by image, the entry's rows and then its proposal rows (``new``:
-    the proposal rows' own values; the other columns are zero)."""
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in (
-        "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
-        "max_overlaps", "max_classes")}
-    start = 0
-    for i, (c, p) in enumerate(zip(cols, counts)):
-        out["img"].append(torch.full((c["n"] + p,), i, dtype=torch.int64, device=dev))
-        for k in list(out)[1:]:
-            tail = (new[k][start:start + p] if k in new
-                    else torch.zeros(p, dtype=c[k].dtype, device=dev))
-            out[k].append(torch.cat([c[k], tail]))
-        start += p
-    return {k: torch.cat(v) for k, v in out.items()}
 
 
 def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: Any,

@@ -325,8 +325,7 @@ class _PoolUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
         off, dtype, shape, stride, cls, state = pid
-        numel = int(np.prod(shape, dtype=np.int64))
-        if numel == 0:
+        if int(np.prod(shape, dtype=np.int64)) == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
             if self.lease is None:

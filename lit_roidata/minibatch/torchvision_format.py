@@ -114,15 +114,6 @@ def _mask_crops(full: np.ndarray, shared: bool) -> tuple[torch.Tensor, torch.Ten
     return out[0], out[1]
 
 
-def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.ndarray:
-    kps = np.asarray(entry["gt_keypoints"])[rows].astype(np.float32)  # (N, 3, K)
-    out = np.zeros((rows.size, kps.shape[2], 3), dtype=np.float32)
-    vis = kps[:, 2, :] > 0
-    out[:, :, :2] = np.where(vis[..., None], (kps[:, :2, :].transpose(0, 2, 1) + 0.5) * scale, 0)
-    out[:, :, 2] = kps[:, 2, :]
-    return out
-
-
 def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv_tensors.Image:
     h, w, c = im.shape  # shared: a DataLoader worker sends it without a copy
     t = (shared_empty((c, h, w), im.dtype) if shared
@@ -167,7 +158,12 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
     elif cfg.MODEL.MASK_ON:
         target["masks"] = tv_tensors.Mask(_masks(entry, gt_rows, scale, h, w, shared))
     if cfg.MODEL.KEYPOINTS_ON and "gt_keypoints" in entry:
-        target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
+        kps = np.asarray(entry["gt_keypoints"])[gt_rows].astype(np.float32)  # (N, 3, K)
+        out = np.zeros((gt_rows.size, kps.shape[2], 3), dtype=np.float32)  # (N, K, 3)
+        out[:, :, :2] = np.where((kps[:, 2, :] > 0)[..., None],
+                                 (kps[:, :2, :].transpose(0, 2, 1) + 0.5) * scale, 0)
+        out[:, :, 2] = kps[:, 2, :]
+        target["keypoints"] = torch.from_numpy(out)
     if prop_rows.size:
         target["proposals"] = bb(prop_rows)
     target.update({key: torch.from_numpy(np.asarray(entry[key]).astype(np.int64))
