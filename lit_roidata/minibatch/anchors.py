@@ -100,14 +100,13 @@ def field_size(stride: float, coarsest_stride: int, max_size: int) -> int:
 def _field_array(stride: float, sizes: tuple[float, ...], ratios: tuple[float, ...],
                  coarsest_stride: int, max_size: int) -> tuple[np.ndarray, int, int]:
     cell = generate_anchors(stride=stride, sizes=sizes, aspect_ratios=ratios)
-    num_a = cell.shape[0]
     f = field_size(stride, coarsest_stride, max_size)
     shifts = np.arange(0, f) * stride
     shift_x, shift_y = (s.ravel() for s in np.meshgrid(shifts, shifts))
     shifts4 = np.stack((shift_x, shift_y, shift_x, shift_y), axis=1)  # (F*F, 4), x fastest
     field = (cell[None] + shifts4[:, None]).reshape((-1, 4)).astype(np.float32)
     field.setflags(write=False)
-    return field, num_a, f
+    return field, cell.shape[0], f
 
 
 def get_field_of_anchors(stride: float, sizes: Sequence[float], aspect_ratios: Sequence[float],

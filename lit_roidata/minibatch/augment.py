@@ -75,12 +75,10 @@ class Augmentation:
                                  "left/right; use TRAIN.USE_FLIPPED for flips")
         self.cfg = cfg
         self.compose = A.Compose(
-            transforms,
-            bbox_params=A.BboxParams(format="pascal_voc", label_fields=["row_ids"],
-                                     min_visibility=min_visibility, clip=True),
+            transforms, bbox_params=A.BboxParams(format="pascal_voc", label_fields=["row_ids"],
+                                                 min_visibility=min_visibility, clip=True),
             keypoint_params=A.KeypointParams(format="xy", label_fields=["kp_ids"],
-                                             remove_invisible=False),
-            seed=0)
+                                             remove_invisible=False), seed=0)
 
     def draw_seeds(self, n: int, rng: rng_mod.RNG) -> list[int]:
         """One seed per image, without disturbing a ``Generator``'s own stream."""
@@ -96,7 +94,16 @@ class Augmentation:
         vo = np.clip(boxes + np.float32([0, 0, 1, 1]), 0, np.float32([w, h, w, h]))
         ok = (vo[:, 2] > vo[:, 0]) & (vo[:, 3] > vo[:, 1])
         n_gt = len(entry["segms"])
-        points, polys = self._points(entry, n_gt)
+        pts: list[np.ndarray] = []  # polygon vertices, then keypoints (pixel centres)
+        polys: list[list[int]] = []  # per gt row: number of vertices of each part
+        for r in range(n_gt):
+            parts = segm_polygons(entry["segms"][r])
+            polys.append([len(p) // 2 for p in parts])
+            pts.extend(p.reshape(-1, 2) for p in parts)
+        if "gt_keypoints" in entry:
+            kps = np.asarray(entry["gt_keypoints"])
+            pts.extend(kps[r, :2, :].T.astype(np.float32) + 0.5 for r in range(kps.shape[0]))
+        points = np.concatenate(pts).astype(np.float32) if pts else np.zeros((0, 2), np.float32)
         rle_rows = [r for r in range(n_gt) if not segm_polygons(entry["segms"][r])
                     and segm_as_rle(entry["segms"][r], h, w) is not None]
         masks = [mask_util.decode(segm_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
@@ -162,17 +169,3 @@ class Augmentation:
                        weights=tuple(cfg.MODEL.BBOX_REG_WEIGHTS)))
         new.pop("gt_overlaps", None)
         return new_im, new
-
-    @staticmethod
-    def _points(entry: Mapping[str, Any], n_gt: int) -> tuple[np.ndarray, list]:
-        pts: list[np.ndarray] = []
-        polys: list[list[int]] = []  # per gt row: number of vertices of each part
-        for r in range(n_gt):
-            parts = segm_polygons(entry["segms"][r])
-            polys.append([len(p) // 2 for p in parts])
-            pts.extend(p.reshape(-1, 2) for p in parts)
-        if "gt_keypoints" in entry:
-            kps = np.asarray(entry["gt_keypoints"])
-            pts.extend(kps[r, :2, :].T.astype(np.float32) + 0.5 for r in range(kps.shape[0]))
-        arr = np.concatenate(pts).astype(np.float32) if pts else np.zeros((0, 2), np.float32)
-        return arr, polys

@@ -174,8 +174,7 @@ def expand_sparse(rows: torch.Tensor, shape: Any, fill: int = 0) -> torch.Tensor
     return out
 
 
-def paste_mask_crops(bits: torch.Tensor, boxes: torch.Tensor, size: Sequence[int]
-                     ) -> torch.Tensor:
+def paste_mask_crops(bits: torch.Tensor, boxes: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
     """Full-image ``(n, h, w)`` uint8 masks from a torchvision target's compact ones, on
     ``bits``' device (bit-identical to the masks built in the worker).
 
@@ -205,8 +204,7 @@ def paste_target_masks(batch: Any) -> Any:
     """``finish_batch`` of a torchvision ``(images, targets)`` batch: each target's
     ``mask_crops`` / ``mask_boxes`` replaced, in place and at their position, by ``masks``
     (a ``tv_tensors.Mask``); anything else is returned unchanged."""
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2
-            and isinstance(batch[1], list)):
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], list)):
         return batch
     for image, target in zip(*batch):
         if isinstance(target, dict) and "mask_boxes" in target:

@@ -114,8 +114,7 @@ def im_list_to_blob(ims: Sequence[np.ndarray], *, fpn_on: bool = False,
         raise ValueError("im_list_to_blob needs at least one image")
     blob = _new_blob([im.shape[:2] for im in ims], ims[0].dtype, fpn_on, coarsest_stride, alloc)
     for i, im in enumerate(ims):
-        h, w = im.shape[:2]
-        split_into(im, [blob[i, c, :h, :w] for c in range(3)])
+        split_into(im, [blob[i, c, :im.shape[0], :im.shape[1]] for c in range(3)])
     return blob
 
 

@@ -104,10 +104,9 @@ def finalize_keypoint_minibatch(blobs: MutableMapping[str, Any], valid: bool, cf
     """
     weights = blobs["keypoint_weights"]
     num_visible = float(np.sum(weights))
-    min_count = cfg.KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH
-    valid = bool(valid and len(weights) > 0 and num_visible > min_count)
     norm = num_visible / (cfg.TRAIN.IMS_PER_BATCH * cfg.TRAIN.BATCH_SIZE_PER_IM
                           * cfg.TRAIN.FG_FRACTION * cfg.KRCNN.NUM_KEYPOINTS)
     blobs["keypoint_loss_normalizer"] = np.array(norm, dtype=np.float32)
-    return valid
+    return bool(valid and len(weights) > 0
+                and num_visible > cfg.KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH)
 

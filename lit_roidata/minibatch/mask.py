@@ -132,9 +132,8 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     Detectron) and rasterised by a single pycocotools call; RLE segms are sampled at
     the grid centres.
     """
-    n = len(segms)
     boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
-    masks = np.zeros((n, M * M), dtype=np.int32)
+    masks = np.zeros((len(segms), M * M), dtype=np.int32)
     poly_rows: list[int] = []
     row_parts: list[list[np.ndarray]] = []
     cache: dict[int, list[np.ndarray]] = {}  # a gt's segm is shared by many RoIs

@@ -91,6 +91,5 @@ def get_minibatch_blob_names(cfg: Any) -> list[str]:
     Returns:
         The list of blob names (Detectron semantics: blob names).
     """
-    family = blob_family(cfg)
     return ["data"] + {"rpn": get_rpn_blob_names, "retinanet": get_retinanet_blob_names,
-                       "fast_rcnn": get_fast_rcnn_blob_names}[family](cfg)
+                       "fast_rcnn": get_fast_rcnn_blob_names}[blob_family(cfg)](cfg)

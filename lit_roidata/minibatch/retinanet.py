@@ -134,8 +134,8 @@ def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnc
         ``NEGATIVE_OVERLAP``.
     """
     n = all_anchors.shape[0]
-    every = inside_anchors(fields, 0, 0, -1.0)  # no straddle filter
     below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
+    every = inside_anchors(fields, 0, 0, -1.0)  # no straddle filter
     cand, overlaps = rpn_overlaps(fields, all_anchors, every, gt, below)
     a2g_max = np.zeros(n, dtype=np.float32)
     a2g_max[cand] = overlaps.max(axis=1)

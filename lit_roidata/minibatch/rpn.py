@@ -88,11 +88,9 @@ def _wide(rows: dict[str, np.ndarray], alloc: Callable | None) -> dict[str, np.n
     """Detectron's wide blobs from the compact ones, in ``alloc``'s arrays when given."""
     from lit_roidata.minibatch.device import expand_rpn_targets
 
-    def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(alloc(shape, np.dtype(str(dtype).removeprefix("torch."))))
-
-    wide = expand_rpn_targets({k: torch.from_numpy(v) for k, v in rows.items()},
-                              new=None if alloc is None else new)
+    new = None if alloc is None else (lambda shape, dtype: torch.from_numpy(
+        alloc(shape, np.dtype(str(dtype).removeprefix("torch.")))))
+    wide = expand_rpn_targets({k: torch.from_numpy(v) for k, v in rows.items()}, new=new)
     return {k: v.numpy() for k, v in wide.items()}
 
 
@@ -104,13 +102,10 @@ def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
     labels = [np.stack([np.full(len(idx), i), idx, lab], 1)
               for i, (idx, lab, *_) in enumerate(per_image)]
     fg = [np.stack([np.full(len(p[2]), i), p[2]], 1) for i, p in enumerate(per_image)]
-    return {"rpn_compact_layout": layout,
-            "rpn_compact_labels_int32": stack_rows(labels, 3, np.int32),
-            "rpn_compact_fg_int32": stack_rows(fg, 2, np.int32),
-            "rpn_compact_bbox_targets": stack_rows(
-                [np.asarray(p[3]).reshape(-1, 4) for p in per_image], 4, np.float32),
-            "rpn_compact_outside_weights": np.array(
-                [1.0 / p[4] if p[4] else 0.0 for p in per_image], np.float32)}
+    return dict(zip(RPN_COMPACT_KEYS, (
+        layout, stack_rows(labels, 3, np.int32), stack_rows(fg, 2, np.int32),
+        stack_rows([np.asarray(p[3]).reshape(-1, 4) for p in per_image], 4, np.float32),
+        np.array([1.0 / p[4] if p[4] else 0.0 for p in per_image], np.float32))))
 
 
 def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
