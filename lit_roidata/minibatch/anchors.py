@@ -475,5 +475,4 @@ def scaled_noncrowd_gt(entry: Any, scale: float, family: str,
             f"{family} targets: image id {entry.get('id')} ({entry.get('image')}) has no "
             f"non-crowd gt box; {what_detectron_does}. Keep filter_for_training on, or "
             "drop images without annotations.")
-    gt = (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32)
-    return gt, keep
+    return (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32), keep

@@ -143,8 +143,7 @@ class Augmentation:
                 inside = (kp >= 0).all(axis=1) & (kp[:, 0] <= w - 1) & (kp[:, 1] <= h - 1)
                 kps[:, 2, :] = np.where(inside, kps[:, 2, :], 0)
                 kps[:, :2, :] = np.where(kps[:, 2:, :] == 0, 0, np.round(kp))
-            kps = kps[gt_old]
-            new["gt_keypoints"] = kps
+            new["gt_keypoints"] = kps = kps[gt_old]
             new["has_visible_keypoints"] = bool((kps[:, 2, :] > 0).any()) if kps.size else False
         # relabelled: proposal overlaps with the surviving gt rows (the first g rows)
         g, r = len(gt_old), len(kept)

@@ -53,9 +53,8 @@ def normalize_on_device(data_uint8: torch.Tensor, image_sizes_or_im_info: Any,
     if data_uint8.dtype != torch.uint8 or data_uint8.dim() != 4 or data_uint8.shape[1] != 3:
         raise ValueError("normalize_on_device expects a (n, 3, H, W) uint8 tensor, got "
                          f"{tuple(data_uint8.shape)} {data_uint8.dtype}")
-    sizes = image_sizes_or_im_info
-    sizes = torch.as_tensor(np.asarray(sizes.cpu() if torch.is_tensor(sizes) else sizes,
-                                       dtype=np.float64))
+    s = image_sizes_or_im_info
+    sizes = torch.as_tensor(np.asarray(s.cpu() if torch.is_tensor(s) else s, dtype=np.float64))
     if sizes.dim() != 2 or sizes.shape[0] != data_uint8.shape[0] or sizes.shape[1] not in (2, 3):
         raise ValueError(f"image sizes must be (n, 2) or (n, 3) with n={data_uint8.shape[0]}, "
                          f"got {tuple(sizes.shape)}")

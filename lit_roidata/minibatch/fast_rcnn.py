@@ -108,13 +108,11 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     (existing keys, e.g. pre-created by ``get_minibatch``, keep their place).
 
     Args:
-        blobs: dict to fill (may already hold ``data``).
-        im_scales: one scale per entry.
+        blobs: dict to fill (may already hold ``data``); im_scales: one scale per entry.
         entries: roidb-style entries with ``boxes``, ``max_overlaps``, ``max_classes``,
             ``bbox_targets``, ``box_to_gt_ind_map``, ``gt_classes``, ``is_crowd`` and, when
             enabled, ``segms`` / ``gt_keypoints``.
-        cfg: the Detectron config.
-        rng: generator for the RoI (and keypoint) draws.
+        cfg: the Detectron config; rng: generator for the RoI (and keypoint) draws.
         alloc: optional ``(shape, dtype) -> array`` for the largest blob (class-specific
             ``masks_int32``), e.g. shared memory in a DataLoader worker.
         compact_masks: keep class-specific ``masks_int32`` as ``(n, M*M)`` and add

@@ -47,9 +47,8 @@ def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str, 
     ``<prefix>_idx_restore_int32`` so that ``concat(levels)[restore] == rois``."""
     lvls = np.asarray(target_lvls).reshape(-1)
     by_level = np.argsort(lvls, kind="stable")  # level order; original order within a level
-    sorted_lvls = lvls[by_level]
     levels = np.arange(lvl_min, lvl_max + 1)
-    lo, hi = (np.searchsorted(sorted_lvls, levels, side=side) for side in ("left", "right"))
+    lo, hi = (np.searchsorted(lvls[by_level], levels, side=side) for side in ("left", "right"))
     for lvl, a, b in zip(levels.tolist(), lo.tolist(), hi.tolist()):
         blobs[f"{blob_prefix}_fpn{lvl}"] = rois[by_level[a:b], :]
     # rows outside [lvl_min, lvl_max] are left out

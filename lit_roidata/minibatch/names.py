@@ -1,9 +1,8 @@
 """Blob names per model family, in Detectron's queue order (Detectron semantics: blob names).
 
-The order matters: Detectron feeds blobs to the network positionally, and the
-in-network label ops of end-to-end training (Detectron semantics: end-to-end training) emit the Fast
-R-CNN list in
-this same order. Every training blob is float32 or int32 (Detectron semantics: tested invariants).
+The order matters: Detectron feeds blobs to the network positionally, and the in-network
+label ops of end-to-end training emit the Fast R-CNN list in this same order. Every training
+blob is float32 or int32 (Detectron semantics: blob names; end-to-end training).
 """
 
 from __future__ import annotations

@@ -46,10 +46,8 @@ def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
     Args:
         blobs: the minibatch dict (already holding ``data``); updated in place.
         im_scales: the scale of each image, as drawn for the image blob.
-        entries: the roidb entries (Detectron field names, docs/architecture.md, "A roidb
-            entry").
-        cfg: a ``DetectronConfig``.
-        rng: generator for all draws (``lit_roidata.rng``).
+        entries: the roidb entries (Detectron field names, docs/architecture.md).
+        cfg: a ``DetectronConfig``; rng: generator for all draws (``lit_roidata.rng``).
         fix_rpn_quirks: correct Detectron quirks Q2/Q3 (see the module docstring).
         alloc: optional ``(shape, dtype) -> zeroed array`` for the wide blobs (about
             35 MB for 2 images at FPN level 2 with MAX_SIZE 1333), e.g. shared memory
@@ -59,12 +57,9 @@ def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
             draws, and :func:`lit_roidata.minibatch.device.expand_rpn_targets` turns them
             into the wide blobs bit for bit (which is how the wide blobs are made here).
 
-    Returns:
-        True: RPN minibatches are always valid.
-
-    Raises:
-        ValueError: an entry has no non-crowd gt box (Detectron crashes there, Detectron
-            quirk Q27; ``filter_for_training`` normally removes such images).
+    Returns True (RPN minibatches are always valid). Raises ``ValueError`` for an entry
+    without a non-crowd gt box (Detectron crashes there, quirk Q27; ``filter_for_training``
+    normally removes such images).
     """
     fields = rpn_fields(cfg)
     all_anchors = concat_fields(fields)
@@ -136,7 +131,6 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
     threshold, or Detectron quirk Q2: a gt with zero IoU to every inside anchor makes all
     of them positive) every inside anchor is a candidate.
     """
-    fix = fix_rpn_quirks
     inside = inside_anchors(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
     pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
     if inside.count == 0:  # Detectron crashes in argmax here; nothing to label
@@ -146,13 +140,12 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
     cand = np.zeros(0, np.int64)
     if pos_t > 0 and neg_t > 0:
         cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
-    if not len(cand) or not (fix or overlaps.max(axis=0).all()):
+    if not len(cand) or not (fix_rpn_quirks or overlaps.max(axis=0).all()):
         cand = inside.select(np.arange(inside.count))
         overlaps = bbox_overlaps(all_anchors[cand], gt)
-    a2g = overlaps.max(axis=1)
-    g2a = overlaps.max(axis=0)
+    a2g, g2a = overlaps.max(axis=1), overlaps.max(axis=0)
     best = overlaps == g2a[None, :]
-    if fix:
+    if fix_rpn_quirks:
         best &= (g2a > 0)[None, :]
     is_pos = best.any(axis=1) | (a2g >= pos_t)
     fg_inds = cand[is_pos]  # ascending, as flatnonzero
@@ -162,15 +155,15 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
         fg_inds = np.setdiff1d(fg_inds, disable, assume_unique=True)
     num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
     # negatives: the inside anchors minus `excluded` (ascending), by position
-    excluded = cand[(a2g >= neg_t) | is_pos] if fix else cand[a2g >= neg_t]
+    excluded = cand[(a2g >= neg_t) | is_pos] if fix_rpn_quirks else cand[a2g >= neg_t]
     n_cand = inside.count - len(excluded)
     # positions of the drawn negatives among the n_cand candidates (all if at most num_bg).
     # Detectron: bg_inds[npr.randint(len(bg_inds), size=num_bg)] (quirk Q3: with
     # replacement, may overwrite positives); fixed: choice(bg_inds, num_bg, replace=False),
     # whose draws depend only on the number of candidates, so drawing positions is the same
-    pos = (np.arange(n_cand) if n_cand <= num_bg
-           else np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False)) if fix
-           else np.asarray(rng_mod.randint(rng, n_cand, size=num_bg)))
+    pos = (np.arange(n_cand) if n_cand <= num_bg else np.asarray(
+        rng_mod.choice(rng, n_cand, size=num_bg, replace=False) if fix_rpn_quirks
+        else rng_mod.randint(rng, n_cand, size=num_bg)))
     # the p-th candidate is the q-th inside anchor, q = p + #excluded placed before it
     shift = inside.rank(excluded) - np.arange(len(excluded))
     bg_inds = inside.select(pos + np.searchsorted(shift, pos, side="right"))

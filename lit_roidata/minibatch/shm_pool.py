@@ -213,10 +213,9 @@ class ShmPool:
         ``given_back_in_worker``; and, in this process, ``leases`` made and
         ``released``, ``in_use`` slots now, ``slots`` in all."""
         self.reclaim()
-        out = {name: int(v) for name, v in zip(_STATS, self.counters.sum(axis=0))}
-        out.update(leases=self._leases[0], released=self._leases[1], in_use=self.in_use(),
-                   slots=self.num_workers * self.slots, slot_bytes=self.slot_bytes)
-        return out
+        return dict({name: int(v) for name, v in zip(_STATS, self.counters.sum(axis=0))},
+                    leases=self._leases[0], released=self._leases[1], in_use=self.in_use(),
+                    slots=self.num_workers * self.slots, slot_bytes=self.slot_bytes)
 
     def __repr__(self) -> str:
         return (f"ShmPool(num_workers={self.num_workers}, slots={self.slots}, "
