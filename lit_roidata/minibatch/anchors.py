@@ -100,14 +100,13 @@ def field_size(stride: float, coarsest_stride: int, max_size: int) -> int:
 def _field_array(stride: float, sizes: tuple[float, ...], ratios: tuple[float, ...],
                  coarsest_stride: int, max_size: int) -> tuple[np.ndarray, int, int]:
     cell = generate_anchors(stride=stride, sizes=sizes, aspect_ratios=ratios)
-    num_a = cell.shape[0]
     f = field_size(stride, coarsest_stride, max_size)
     shifts = np.arange(0, f) * stride
     shift_x, shift_y = (s.ravel() for s in np.meshgrid(shifts, shifts))
     shifts4 = np.stack((shift_x, shift_y, shift_x, shift_y), axis=1)  # (F*F, 4), x fastest
     field = (cell[None] + shifts4[:, None]).reshape((-1, 4)).astype(np.float32)
     field.setflags(write=False)
-    return field, num_a, f
+    return field, cell.shape[0], f
 
 
 def get_field_of_anchors(stride: float, sizes: Sequence[float], aspect_ratios: Sequence[float],
@@ -184,11 +183,10 @@ def build_anchor_caches(cfg: Any) -> None:
     from lit_roidata.minibatch.model_type import blob_family
 
     family = blob_family(cfg)
-    if family not in ("rpn", "retinanet"):
-        return
-    fields = rpn_fields(cfg) if family == "rpn" else retinanet_fields(cfg)
-    concat_fields(fields)
-    _table(tuple(f.key for f in fields))
+    if family in ("rpn", "retinanet"):
+        fields = rpn_fields(cfg) if family == "rpn" else retinanet_fields(cfg)
+        concat_fields(fields)
+        _table(tuple(f.key for f in fields))
 
 
 def concat_fields(fields: Sequence[FieldOfAnchors]) -> np.ndarray:
@@ -212,7 +210,6 @@ def anchor_gt_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray
     dense matrix's entry); ``below`` is accepted for compatibility. The target builders
     use the tighter :func:`rpn_overlaps`.
     """
-    del below
     cand, overlaps = rpn_overlaps(fields, all_anchors, inside_anchors(fields, 0, 0, -1.0), gt, 0.0)
     keep = np.asarray(inside, bool)[cand]
     return cand[keep], overlaps[keep]
@@ -329,9 +326,8 @@ class InsideAnchors:
         y = g - rows["row_off"][f]
         off = pos - self.row_starts[g]
         x0, x1, y0, y1 = np.moveaxis(self.field_rects[f], -1, 0)  # (Q, A) each
-        wx = x1 - x0
         act = (y0 <= y[:, None]) & (y[:, None] < y1)
-        wx = wx * act  # shapes not in this row contribute nothing
+        wx = (x1 - x0) * act  # shapes not in this row contribute nothing
         # (anchors of the row left of column x) = sum_a clip(x - x0_a, 0, wx_a): piecewise
         # linear, the slope is the number of shapes whose run holds x. The column is
         # found from the last breakpoint b (a run's start or end) with count(b) <= off.
@@ -357,7 +353,7 @@ def inside_anchors(fields: Sequence[FieldOfAnchors], im_h: float, im_w: float,
 
 @functools.lru_cache(maxsize=256)
 def _inside_anchors(keys: Keys, im_h: float, im_w: float, t: float) -> InsideAnchors:
-    tab = rows = _table(keys)
+    tab = _table(keys)
     if t < 0:
         r = np.stack([np.zeros_like(tab["size"]), tab["size"]] * 2, axis=1)
     else:
@@ -371,15 +367,14 @@ def _inside_anchors(keys: Keys, im_h: float, im_w: float, t: float) -> InsideAnc
     field_rects[tab["field"], tab["a"]] = r
     x0, x1, y0, y1 = r.T
     area = (x1 - x0) * (y1 - y0)
-    count = int(area.sum())
     per_field = np.bincount(tab["field"], weights=area, minlength=len(keys)).astype(np.int64)
-    n_rows = len(rows["row_field"])
-    base = rows["row_off"][tab["field"]]
+    n_rows = len(tab["row_field"])
+    base = tab["row_off"][tab["field"]]
     wx = (x1 - x0).astype(np.float64)  # a shape's run adds wx anchors to rows y0 .. y1-1
     diff = (np.bincount(base + y0, weights=wx, minlength=n_rows + 1)
             - np.bincount(base + y1, weights=wx, minlength=n_rows + 1))
     per_row = np.cumsum(diff[:n_rows]).astype(np.int64)
-    out = InsideAnchors(r, count, keys, field_rects,
+    out = InsideAnchors(r, int(area.sum()), keys, field_rects,
                         np.concatenate(([0], np.cumsum(per_field)[:-1])),
                         np.concatenate(([0], np.cumsum(per_row))))
     for arr in (r, out.field_rects, out.field_counts, out.row_starts):
@@ -416,10 +411,9 @@ def rpn_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, insi
     n_a, size = tab["n_a"][:, None], tab["size"][:, None]
     hx = np.minimum(np.maximum(rx1 - 1, rx0), size - 1)  # (an empty rectangle: any cell)
     hy = np.minimum(np.maximum(ry1 - 1, ry0), size - 1)
-    x = np.clip(np.round(((g[:, 0] + g[:, 2])[None] - (cell[:, 0] + cell[:, 2])[:, None])
-                         / (2 * st)), rx0, hx).astype(np.int64)
-    y = np.clip(np.round(((g[:, 1] + g[:, 3])[None] - (cell[:, 1] + cell[:, 3])[:, None])
-                         / (2 * st)), ry0, hy).astype(np.int64)
+    x, y = (np.clip(np.round(((g[:, k] + g[:, k + 2])[None]
+                              - (cell[:, k] + cell[:, k + 2])[:, None]) / (2 * st)), lo, hi)
+            .astype(np.int64) for k, lo, hi in ((0, rx0, hx), (1, ry0, hy)))
     near = (tab["base"][:, None] + (y * size + x) * n_a).ravel()
     iou = bbox_overlaps_pairs(all_anchors[near], np.tile(gt, (len(cell), 1)))
     lower = (iou.reshape(len(cell), n_g) * nonempty).max(axis=0).astype(np.float64)
@@ -438,28 +432,20 @@ def rpn_overlaps(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, insi
     x1 = np.clip(np.floor((g[None, :, 2] - iw + 2 - cell[:, 0:1]) / st) + 1, rx0, rx1)
     y0 = np.clip(np.ceil((g[None, :, 1] + ih - 2 - cell[:, 3:4]) / st), ry0, ry1)
     y1 = np.clip(np.floor((g[None, :, 3] - ih + 2 - cell[:, 1:2]) / st) + 1, ry0, ry1)
-    gidx, gid = _enumerate_rects(tab, x0, x1, y0, y1, useful)
-    iou = bbox_overlaps_pairs(all_anchors[gidx], gt[gid])
-    cand, row = np.unique(gidx, return_inverse=True)
-    overlaps = np.zeros((len(cand), n_g), dtype=np.float32)
-    overlaps[row, gid] = iou
-    return cand, overlaps
-
-
-def _enumerate_rects(tab: dict[str, np.ndarray], x0: np.ndarray, x1: np.ndarray, y0: np.ndarray,
-                     y1: np.ndarray, useful: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(anchor index, gt index) of every cell of the ``(shape, gt)`` rectangles
-    ``[x0, x1) x [y0, y1)`` (float arrays ``(S, G)``) where ``useful``, enumerated with
-    ``repeat``/``divmod``, no loop over boxes."""
-    n_g = x0.shape[1]
+    # (anchor, gt) of every cell of the (shape, gt) rectangles [x0, x1) x [y0, y1) where
+    # useful, enumerated with repeat/divmod, no loop over boxes
     x0, x1, y0, y1 = (v.astype(np.int64).ravel() for v in (x0, x1, y0, y1))
     wx = np.maximum(x1 - x0, 0)
     counts = wx * np.maximum(y1 - y0, 0) * useful.ravel()
     sg = np.repeat(np.arange(counts.size), counts)  # which (shape, gt) each pair is from
     dy, dx = np.divmod(np.arange(len(sg)) - np.repeat(np.cumsum(counts) - counts, counts), wx[sg])
-    si = sg // n_g
+    si, gid = np.divmod(sg, n_g)
     gidx = tab["base"][si] + ((y0[sg] + dy) * tab["size"][si] + x0[sg] + dx) * tab["n_a"][si]
-    return gidx, sg % n_g
+    iou = bbox_overlaps_pairs(all_anchors[gidx], gt[gid])
+    cand, row = np.unique(gidx, return_inverse=True)
+    overlaps = np.zeros((len(cand), n_g), dtype=np.float32)
+    overlaps[row, gid] = iou
+    return cand, overlaps
 
 
 def anchor_targets(anchors: np.ndarray, gt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -489,5 +475,4 @@ def scaled_noncrowd_gt(entry: Any, scale: float, family: str,
             f"{family} targets: image id {entry.get('id')} ({entry.get('image')}) has no "
             f"non-crowd gt box; {what_detectron_does}. Keep filter_for_training on, or "
             "drop images without annotations.")
-    gt = (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32)
-    return gt, keep
+    return (np.asarray(entry["boxes"])[keep] * scale).astype(np.float32), keep

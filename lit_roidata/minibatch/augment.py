@@ -75,12 +75,10 @@ class Augmentation:
                                  "left/right; use TRAIN.USE_FLIPPED for flips")
         self.cfg = cfg
         self.compose = A.Compose(
-            transforms,
-            bbox_params=A.BboxParams(format="pascal_voc", label_fields=["row_ids"],
-                                     min_visibility=min_visibility, clip=True),
+            transforms, bbox_params=A.BboxParams(format="pascal_voc", label_fields=["row_ids"],
+                                                 min_visibility=min_visibility, clip=True),
             keypoint_params=A.KeypointParams(format="xy", label_fields=["kp_ids"],
-                                             remove_invisible=False),
-            seed=0)
+                                             remove_invisible=False), seed=0)
 
     def draw_seeds(self, n: int, rng: rng_mod.RNG) -> list[int]:
         """One seed per image, without disturbing a ``Generator``'s own stream."""
@@ -96,28 +94,7 @@ class Augmentation:
         vo = np.clip(boxes + np.float32([0, 0, 1, 1]), 0, np.float32([w, h, w, h]))
         ok = (vo[:, 2] > vo[:, 0]) & (vo[:, 3] > vo[:, 1])
         n_gt = len(entry["segms"])
-        points, polys = self._points(entry, n_gt)
-        rle_rows = [r for r in range(n_gt) if not segm_polygons(entry["segms"][r])
-                    and segm_as_rle(entry["segms"][r], h, w) is not None]
-        masks = [mask_util.decode(segm_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
-        self.compose.set_random_seed(int(seed))
-        out = self.compose(image=np.ascontiguousarray(im[:, :, ::-1]), bboxes=vo[ok],
-                           row_ids=np.flatnonzero(ok), keypoints=points,
-                           kp_ids=np.arange(len(points)), **({"masks": masks} if masks else {}))
-        new_im = np.ascontiguousarray(out["image"][:, :, ::-1])
-        kept = np.asarray(out["row_ids"], dtype=np.int64)
-        order = np.argsort(kept, kind="stable")  # keep gt rows a prefix
-        kept = kept[order]
-        new_boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)[order]
-        new_boxes[:, 2:] = np.maximum(new_boxes[:, 2:] - 1, new_boxes[:, :2])
-        new_pts = np.asarray(out["keypoints"], dtype=np.float32).reshape(-1, 2)
-        rle_masks = dict(zip(rle_rows, out.get("masks", [])))
-        return new_im, self._rebuild(entry, kept, new_boxes, new_pts, polys, rle_masks, n_gt,
-                                     *new_im.shape[:2])
-
-    @staticmethod
-    def _points(entry: Mapping[str, Any], n_gt: int) -> tuple[np.ndarray, list]:
-        pts: list[np.ndarray] = []
+        pts: list[np.ndarray] = []  # polygon vertices, then keypoints (pixel centres)
         polys: list[list[int]] = []  # per gt row: number of vertices of each part
         for r in range(n_gt):
             parts = segm_polygons(entry["segms"][r])
@@ -126,17 +103,25 @@ class Augmentation:
         if "gt_keypoints" in entry:
             kps = np.asarray(entry["gt_keypoints"])
             pts.extend(kps[r, :2, :].T.astype(np.float32) + 0.5 for r in range(kps.shape[0]))
-        arr = np.concatenate(pts).astype(np.float32) if pts else np.zeros((0, 2), np.float32)
-        return arr, polys
-
-    def _rebuild(self, entry: Mapping[str, Any], kept: np.ndarray, boxes: np.ndarray,
-                 pts: np.ndarray, polys: list, rle_masks: dict, n_gt: int, h: int,
-                 w: int) -> dict[str, Any]:
-        gt_classes = np.asarray(entry["gt_classes"])
-        is_crowd = np.asarray(entry["is_crowd"]).astype(bool)
-        old_mo = np.asarray(entry["max_overlaps"])
-        is_gt_row = kept < n_gt
-        gt_old = kept[is_gt_row]
+        points = np.concatenate(pts).astype(np.float32) if pts else np.zeros((0, 2), np.float32)
+        rle_rows = [r for r in range(n_gt) if not segm_polygons(entry["segms"][r])
+                    and segm_as_rle(entry["segms"][r], h, w) is not None]
+        masks = [mask_util.decode(segm_as_rle(entry["segms"][r], h, w)) for r in rle_rows]
+        self.compose.set_random_seed(int(seed))
+        out = self.compose(image=np.ascontiguousarray(im[:, :, ::-1]), bboxes=vo[ok],
+                           row_ids=np.flatnonzero(ok), keypoints=points,
+                           kp_ids=np.arange(len(points)), **({"masks": masks} if masks else {}))
+        new_im = np.ascontiguousarray(out["image"][:, :, ::-1])
+        h, w = new_im.shape[:2]
+        kept = np.asarray(out["row_ids"], dtype=np.int64)
+        order = np.argsort(kept, kind="stable")  # keep gt rows a prefix
+        kept = kept[order]
+        boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)[order]
+        boxes[:, 2:] = np.maximum(boxes[:, 2:] - 1, boxes[:, :2])
+        pts = np.asarray(out["keypoints"], dtype=np.float32).reshape(-1, 2)
+        rle_masks = dict(zip(rle_rows, out.get("masks", [])))
+        # the entry copy: the kept rows, their transformed segms and keypoints, relabelled
+        gt_old = kept[kept < n_gt]
         counts = [nv for row in polys for nv in row]  # vertices per polygon part
         cursor = int(sum(counts))
         flat = iter(np.split(pts[:cursor], np.cumsum(counts, dtype=np.int64)[:-1]))
@@ -144,11 +129,13 @@ class Augmentation:
         segms = [mask_util.encode(np.asfortranarray(rle_masks[r].astype(np.uint8)))
                  if r in rle_masks else new_polys[r] if polys[r] else entry["segms"][r]
                  for r in gt_old]
-        out = dict(entry)
-        out.update(width=w, height=h, boxes=boxes, gt_classes=gt_classes[kept],
-                   is_crowd=is_crowd[kept], segms=segms)
+        gt_classes = np.asarray(entry["gt_classes"])[kept]
+        is_crowd = np.asarray(entry["is_crowd"]).astype(bool)[kept]
+        new = dict(entry)
+        new.update(width=w, height=h, boxes=boxes, gt_classes=gt_classes, is_crowd=is_crowd,
+                   segms=segms)
         if "seg_areas" in entry:
-            out["seg_areas"] = np.asarray(entry["seg_areas"])[kept]
+            new["seg_areas"] = np.asarray(entry["seg_areas"])[kept]
         if "gt_keypoints" in entry:
             kps = np.asarray(entry["gt_keypoints"]).copy()
             if kps.size:  # (x, y) back to pixel indices; outside the image: invisible, 0
@@ -156,33 +143,28 @@ class Augmentation:
                 inside = (kp >= 0).all(axis=1) & (kp[:, 0] <= w - 1) & (kp[:, 1] <= h - 1)
                 kps[:, 2, :] = np.where(inside, kps[:, 2, :], 0)
                 kps[:, :2, :] = np.where(kps[:, 2:, :] == 0, 0, np.round(kp))
-            kps = kps[gt_old]
-            out["gt_keypoints"] = kps
-            out["has_visible_keypoints"] = bool((kps[:, 2, :] > 0).any()) if kps.size else False
-        self._relabel(out, old_mo[kept], int(is_gt_row.sum()))
-        return out
-
-    def _relabel(self, e: dict[str, Any], old_mo: np.ndarray, n_gt: int) -> None:
-        boxes, gt_classes, is_crowd = e["boxes"], e["gt_classes"], e["is_crowd"]
-        R = boxes.shape[0]
-        mo = np.zeros(R, np.float32)
-        mc = np.zeros(R, np.int64)
-        b2g = -np.ones(R, np.int32)
-        if n_gt:
-            ov = bbox_overlaps(boxes[n_gt:], boxes[:n_gt])
+            new["gt_keypoints"] = kps = kps[gt_old]
+            new["has_visible_keypoints"] = bool((kps[:, 2, :] > 0).any()) if kps.size else False
+        # relabelled: proposal overlaps with the surviving gt rows (the first g rows)
+        g, r = len(gt_old), len(kept)
+        mo, mc, b2g = np.zeros(r, np.float32), np.zeros(r, np.int64), -np.ones(r, np.int32)
+        if g:
+            ov = bbox_overlaps(boxes[g:], boxes[:g])
             arg, mx = ov.argmax(1), ov.max(1)
             pos = mx > 0
-            rows = np.flatnonzero(pos) + n_gt
+            rows = np.flatnonzero(pos) + g
             mo[rows], mc[rows], b2g[rows] = mx[pos], gt_classes[arg[pos]], arg[pos]
-            mo[:n_gt] = np.where(is_crowd[:n_gt], -1.0, 1.0)
-            mc[:n_gt] = np.where(is_crowd[:n_gt], 0, gt_classes[:n_gt])
-            b2g[:n_gt] = np.arange(n_gt)
-        filtered = np.flatnonzero(old_mo[n_gt:] < 0) + n_gt  # crowd-filtered proposals
+            mo[:g] = np.where(is_crowd[:g], -1.0, 1.0)
+            mc[:g] = np.where(is_crowd[:g], 0, gt_classes[:g])
+            b2g[:g] = np.arange(g)
+        # crowd-filtered proposals stay filtered
+        filtered = np.flatnonzero(np.asarray(entry["max_overlaps"])[kept][g:] < 0) + g
         mo[filtered], mc[filtered] = -1.0, 0
         cfg = self.cfg
-        e.update(max_overlaps=mo, max_classes=mc, box_to_gt_ind_map=b2g,
-                 bbox_targets=compute_bbox_targets(
-                     boxes, mo, mc, gt_classes, is_crowd, bbox_thresh=cfg.TRAIN.BBOX_THRESH,
-                     cls_agnostic=cfg.MODEL.CLS_AGNOSTIC_BBOX_REG,
-                     weights=tuple(cfg.MODEL.BBOX_REG_WEIGHTS)))
-        e.pop("gt_overlaps", None)
+        new.update(max_overlaps=mo, max_classes=mc, box_to_gt_ind_map=b2g,
+                   bbox_targets=compute_bbox_targets(
+                       boxes, mo, mc, gt_classes, is_crowd, bbox_thresh=cfg.TRAIN.BBOX_THRESH,
+                       cls_agnostic=cfg.MODEL.CLS_AGNOSTIC_BBOX_REG,
+                       weights=tuple(cfg.MODEL.BBOX_REG_WEIGHTS)))
+        new.pop("gt_overlaps", None)
+        return new_im, new

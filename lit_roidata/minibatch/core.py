@@ -69,19 +69,11 @@ def get_minibatch(entries: Sequence[Mapping[str, Any]], cfg: Any,
     ``randint`` for all images, then per image the fg ``choice``, the bg ``choice``
     and (keypoints) the keypoint ``choice``.
 
-    Args:
-        entries: roidb entries (Mappings with Detectron's field names).
-        cfg: the Detectron config.
-        rng: ``numpy.random.Generator`` (e.g. :func:`lit_roidata.rng.block_rng`) or
-            ``RandomState``.
-
-    Returns:
-        ``(blobs, valid)``: blob name -> NumPy array in :func:`get_minibatch_blob_names`
-        order (``data`` is Detectron's float32 blob), and the validity of Detectron semantics:
-        minibatch validity.
-
-    Raises:
-        BadImageError: an image is missing, undecodable or of the wrong size.
+    ``entries`` are roidb entries (Mappings with Detectron's field names), ``rng`` a
+    ``numpy.random.Generator`` (e.g. :func:`lit_roidata.rng.block_rng`) or ``RandomState``.
+    Returns ``(blobs, valid)``: blob name -> NumPy array in :func:`get_minibatch_blob_names`
+    order (``data`` is Detectron's float32 blob) and the minibatch's validity. Raises
+    :class:`BadImageError` for an image that is missing, undecodable or of the wrong size.
     """
     mb = build_minibatch(entries, cfg, rng, pixel_format="detectron")
     return mb.blobs, mb.valid

@@ -69,9 +69,11 @@ def decode_bgr(data: bytes) -> np.ndarray:
     """
     if not data:
         raise ValueError("the file is empty")
-    # A JPEG cut short has no end-of-image marker after its last scan. OpenCV 5 refuses
-    # it; older releases decode it with a grey bottom and only print a warning.
-    if data[:2] == b"\xff\xd8" and _jpeg_truncated(data):
+    # A JPEG cut short has no end-of-image marker (FFD9) after its last scan (FFDA; both
+    # are real markers: in entropy-coded data FF is followed by 00 or a restart marker).
+    # OpenCV 5 refuses it; older releases decode it with a grey bottom and a warning.
+    if data[:2] == b"\xff\xd8" and ((eoi := data.rfind(b"\xff\xd9")) < 0
+                                     or data.find(b"\xff\xda", eoi) >= 0):
         raise ValueError("truncated JPEG (no end-of-image marker after the last scan)")
     im = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
     if im is None:
@@ -79,20 +81,8 @@ def decode_bgr(data: bytes) -> np.ndarray:
     return im
 
 
-def _jpeg_truncated(data: bytes) -> bool:
-    """No end-of-image marker (``FFD9``) after the last start-of-scan (``FFDA``). In
-    entropy-coded data ``FF`` is always followed by ``00`` or a restart marker, so both
-    markers are real; an EXIF thumbnail's own markers come before the main scan."""
-    eoi = data.rfind(b"\xff\xd9")  # near the end of a whole file: a short search
-    return eoi < 0 or data.find(b"\xff\xda", eoi) >= 0
-
-
 def decode_rgb(data: bytes) -> np.ndarray:
-    """:func:`decode_bgr` with the channels in RGB order (the same pixels).
-
-    Raises:
-        ValueError: the bytes are not a decodable image (truncated JPEGs included).
-    """
+    """:func:`decode_bgr` with the channels in RGB order (the same pixels)."""
     return cv2.cvtColor(decode_bgr(data), cv2.COLOR_BGR2RGB)  # SIMD; faster than [..., ::-1]
 
 
@@ -140,11 +130,7 @@ def load_image(entry: Mapping[str, Any], decode: Any = None) -> np.ndarray:
 
 def load_image_rgb(entry: Mapping[str, Any]) -> np.ndarray:
     """:func:`load_image` with the channels in RGB order (its ``channel_order``
-    attribute says so, and the blob builders write each channel into its BGR plane).
-
-    Raises:
-        BadImageError: missing/unreadable/undecodable file or size mismatch.
-    """
+    attribute says so, and the blob builders write each channel into its BGR plane)."""
     return load_image(entry, decode_rgb)
 
 

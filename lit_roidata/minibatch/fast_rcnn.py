@@ -44,13 +44,11 @@ def expand_bbox_targets(bbox_target_data: np.ndarray, cfg: Any) -> tuple[np.ndar
     targets, inside = np.zeros((2, n, num_reg_classes, 4), dtype=np.float32)
     rows = np.flatnonzero(data[:, 0] > 0)
     if rows.size and clss[rows].max() >= num_reg_classes:
-        if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG:
-            raise ValueError(f"a regression target has class {int(clss[rows].max())} but "
-                             "MODEL.CLS_AGNOSTIC_BBOX_REG needs class 1; the roidb's targets "
-                             "were built class-specific: rebuild them with the same config")
-        raise ValueError(f"a regression target has class {int(clss[rows].max())} but "
-                         f"MODEL.NUM_CLASSES is {num_reg_classes}; set MODEL.NUM_CLASSES to the "
-                         "dataset's class count plus one (background)")
+        why = ("MODEL.CLS_AGNOSTIC_BBOX_REG needs class 1; the roidb's targets were built class-"
+               "specific: rebuild them with the same config" if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG
+               else f"MODEL.NUM_CLASSES is {num_reg_classes}; set MODEL.NUM_CLASSES to the "
+               "dataset's class count plus one (background)")
+        raise ValueError(f"a regression target has class {int(clss[rows].max())} but {why}")
     targets[rows, clss[rows]] = data[rows, 1:]
     inside[rows, clss[rows]] = 1.0
     return targets.reshape(n, 4 * num_reg_classes), inside.reshape(n, 4 * num_reg_classes)
@@ -110,13 +108,11 @@ def add_fast_rcnn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     (existing keys, e.g. pre-created by ``get_minibatch``, keep their place).
 
     Args:
-        blobs: dict to fill (may already hold ``data``).
-        im_scales: one scale per entry.
+        blobs: dict to fill (may already hold ``data``); im_scales: one scale per entry.
         entries: roidb-style entries with ``boxes``, ``max_overlaps``, ``max_classes``,
             ``bbox_targets``, ``box_to_gt_ind_map``, ``gt_classes``, ``is_crowd`` and, when
             enabled, ``segms`` / ``gt_keypoints``.
-        cfg: the Detectron config.
-        rng: generator for the RoI (and keypoint) draws.
+        cfg: the Detectron config; rng: generator for the RoI (and keypoint) draws.
         alloc: optional ``(shape, dtype) -> array`` for the largest blob (class-specific
             ``masks_int32``), e.g. shared memory in a DataLoader worker.
         compact_masks: keep class-specific ``masks_int32`` as ``(n, M*M)`` and add

@@ -37,11 +37,8 @@ def map_rois_to_fpn_levels(rois: np.ndarray, k_min: int, k_max: int, *,
     Returns:
         float array of levels in ``[k_min, k_max]``.
     """
-    w = rois[:, 2] - rois[:, 0] + 1
-    h = rois[:, 3] - rois[:, 1] + 1
-    s = np.sqrt(w * h)
-    target = np.floor(canonical_level + np.log2(s / canonical_scale + 1e-6))
-    return np.clip(target, k_min, k_max)
+    s = np.sqrt((rois[:, 2] - rois[:, 0] + 1) * (rois[:, 3] - rois[:, 1] + 1))
+    return np.clip(np.floor(canonical_level + np.log2(s / canonical_scale + 1e-6)), k_min, k_max)
 
 
 def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str, rois: np.ndarray,
@@ -50,17 +47,15 @@ def add_multilevel_roi_blobs(blobs: MutableMapping[str, Any], blob_prefix: str, 
     ``<prefix>_idx_restore_int32`` so that ``concat(levels)[restore] == rois``."""
     lvls = np.asarray(target_lvls).reshape(-1)
     by_level = np.argsort(lvls, kind="stable")  # level order; original order within a level
-    sorted_lvls = lvls[by_level]
     levels = np.arange(lvl_min, lvl_max + 1)
-    lo = np.searchsorted(sorted_lvls, levels, side="left")
-    hi = np.searchsorted(sorted_lvls, levels, side="right")
+    lo, hi = (np.searchsorted(lvls[by_level], levels, side=side) for side in ("left", "right"))
     for lvl, a, b in zip(levels.tolist(), lo.tolist(), hi.tolist()):
         blobs[f"{blob_prefix}_fpn{lvl}"] = rois[by_level[a:b], :]
     # rows outside [lvl_min, lvl_max] are left out
     idx_order = np.concatenate([by_level[a:b] for a, b in zip(lo.tolist(), hi.tolist())]
                                or [np.zeros(0, dtype=np.int64)])
-    restore = np.argsort(idx_order, kind="stable").astype(np.int32, copy=False)
-    blobs[f"{blob_prefix}_idx_restore_int32"] = restore
+    blobs[f"{blob_prefix}_idx_restore_int32"] = np.argsort(idx_order, kind="stable").astype(
+        np.int32, copy=False)
 
 
 def add_multilevel_rois(blobs: MutableMapping[str, Any], cfg: Any,

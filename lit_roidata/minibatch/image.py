@@ -68,12 +68,6 @@ def get_target_scale(im_size_min: float, im_size_max: float, target_size: float,
     return im_scale
 
 
-def _pixel_means(pixel_means: Sequence[float]) -> np.ndarray:
-    # Detectron keeps PIXEL_MEANS as a float64 (1, 1, 3) array; subtracting it in place
-    # from float32 pixels rounds once from float64, which normalize_on_device mirrors.
-    return np.asarray(pixel_means, dtype=np.float64).reshape(1, 1, 3)
-
-
 def scale_image(im: np.ndarray, target_size: int, max_size: int, *, pixel_format: str,
                 pixel_means: Sequence[float]) -> tuple[np.ndarray, float]:
     """Detectron's ``prep_im_for_blob`` for one BGR uint8 image (HWC).
@@ -85,11 +79,12 @@ def scale_image(im: np.ndarray, target_size: int, max_size: int, *, pixel_format
     scale = get_target_scale(min(im.shape[:2]), max(im.shape[:2]), target_size, max_size)
     if pixel_format == "detectron":
         im = im.astype(np.float32)
-        im -= _pixel_means(pixel_means)
+        # Detectron keeps PIXEL_MEANS as a float64 (1, 1, 3) array; subtracting it in place
+        # from float32 pixels rounds once from float64, which normalize_on_device mirrors
+        im -= np.asarray(pixel_means, dtype=np.float64).reshape(1, 1, 3)
     elif pixel_format != "uint8":
         raise ValueError(f"pixel_format must be one of {PIXEL_FORMATS}, got {pixel_format!r}")
-    out = cv2.resize(im, None, None, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR)
-    return out, scale
+    return cv2.resize(im, None, None, fx=scale, fy=scale, interpolation=cv2.INTER_LINEAR), scale
 
 
 def _new_blob(sizes: Sequence[tuple[int, int]], dtype: Any, fpn_on: bool, coarsest_stride: int,
@@ -119,8 +114,7 @@ def im_list_to_blob(ims: Sequence[np.ndarray], *, fpn_on: bool = False,
         raise ValueError("im_list_to_blob needs at least one image")
     blob = _new_blob([im.shape[:2] for im in ims], ims[0].dtype, fpn_on, coarsest_stride, alloc)
     for i, im in enumerate(ims):
-        h, w = im.shape[:2]
-        split_into(im, [blob[i, c, :h, :w] for c in range(3)])
+        split_into(im, [blob[i, c, :im.shape[0], :im.shape[1]] for c in range(3)])
     return blob
 
 
@@ -204,9 +198,8 @@ def build_image_blob(entries: Sequence[Mapping[str, Any]], cfg: Any, rng: rng_mo
     Raises:
         BadImageError: from the loader, naming the file, image id and dataset.
     """
-    load = loader or load_image
     if pixel_format == "uint8" and augment is None:
-        return _build_uint8_planes(entries, cfg, rng, load, alloc)
+        return _build_uint8_planes(entries, cfg, rng, loader or load_image, alloc)
     ims, im_scales, out_entries = load_and_scale(entries, cfg, rng, pixel_format=pixel_format,
                                                  loader=loader, augment=augment)
     data = im_list_to_blob(ims, fpn_on=cfg.FPN.FPN_ON, coarsest_stride=cfg.FPN.COARSEST_STRIDE,

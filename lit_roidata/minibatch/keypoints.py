@@ -89,10 +89,9 @@ def add_keypoint_rcnn_blobs(blobs: MutableMapping[str, Any], entry: Mapping[str,
     has_gt = maps >= 0
     sampled_kps[has_gt] = gt_keypoints[gt_inds[maps[has_gt]]]
     heats, weights = keypoints_to_heatmap_labels(sampled_kps, sampled_rois, HM)
-    shape = (sampled_rois.shape[0] * K, 1)
     blobs["keypoint_rois"] = rois_blob(sampled_rois * float(im_scale), batch_idx)
-    blobs["keypoint_locations_int32"] = heats.reshape(shape).astype(np.int32, copy=False)
-    blobs["keypoint_weights"] = weights.reshape(shape)
+    blobs["keypoint_locations_int32"] = heats.reshape(-1, 1).astype(np.int32, copy=False)
+    blobs["keypoint_weights"] = weights.reshape(-1, 1)  # (rows * K, 1), as the locations
 
 
 def finalize_keypoint_minibatch(blobs: MutableMapping[str, Any], valid: bool, cfg: Any) -> bool:
@@ -104,10 +103,9 @@ def finalize_keypoint_minibatch(blobs: MutableMapping[str, Any], valid: bool, cf
     """
     weights = blobs["keypoint_weights"]
     num_visible = float(np.sum(weights))
-    min_count = cfg.KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH
-    valid = bool(valid and len(weights) > 0 and num_visible > min_count)
     norm = num_visible / (cfg.TRAIN.IMS_PER_BATCH * cfg.TRAIN.BATCH_SIZE_PER_IM
                           * cfg.TRAIN.FG_FRACTION * cfg.KRCNN.NUM_KEYPOINTS)
     blobs["keypoint_loss_normalizer"] = np.array(norm, dtype=np.float32)
-    return valid
+    return bool(valid and len(weights) > 0
+                and num_visible > cfg.KRCNN.MIN_KEYPOINT_COUNT_FOR_VALID_MINIBATCH)
 

@@ -112,12 +112,10 @@ def polys_to_boxes(polys: Sequence[Sequence[Sequence[float]]]) -> np.ndarray:
 
 def _rasterize_rle(rle: dict, box: np.ndarray, M: int) -> np.ndarray:
     """Sample a decoded RLE at the centres of the ``M x M`` grid over ``box``."""
-    w = max(float(box[2] - box[0]), 1.0)
-    h = max(float(box[3] - box[1]), 1.0)
     full = mask_util.decode(rle)
     centres = (np.arange(M, dtype=np.float64) + 0.5) / M
-    xs = np.floor(box[0] + centres * w).astype(np.int64)
-    ys = np.floor(box[1] + centres * h).astype(np.int64)
+    xs, ys = (np.floor(box[k] + centres * max(float(box[k + 2] - box[k]), 1.0)).astype(np.int64)
+              for k in (0, 1))
     inside = ((ys[:, None] >= 0) & (ys[:, None] < full.shape[0])
               & (xs[None, :] >= 0) & (xs[None, :] < full.shape[1]))
     grid = full[np.clip(ys, 0, full.shape[0] - 1)[:, None],
@@ -134,15 +132,13 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     Detectron) and rasterised by a single pycocotools call; RLE segms are sampled at
     the grid centres.
     """
-    n = len(segms)
     boxes = np.asarray(boxes, dtype=np.float32).reshape(-1, 4)
-    masks = np.zeros((n, M * M), dtype=np.int32)
+    masks = np.zeros((len(segms), M * M), dtype=np.int32)
     poly_rows: list[int] = []
     row_parts: list[list[np.ndarray]] = []
     cache: dict[int, list[np.ndarray]] = {}  # a gt's segm is shared by many RoIs
     for i, segm in enumerate(segms):
-        parts = cache.get(id(segm))
-        if parts is None:
+        if (parts := cache.get(id(segm))) is None:
             parts = cache[id(segm)] = segm_polygons(segm)
         if parts:
             poly_rows.append(i)
@@ -159,10 +155,9 @@ def rasterize_segms_in_boxes(segms: Sequence[Any], boxes: np.ndarray, M: int, he
     parts_per_row = [len(parts) for parts in row_parts]
     # one owner per vertex
     owner = np.repeat(rows, [sum(len(p) for p in parts) // 2 for parts in row_parts])
-    w = np.maximum(boxes[:, 2] - boxes[:, 0], 1)
-    h = np.maximum(boxes[:, 3] - boxes[:, 1], 1)
-    coords[0::2] = (coords[0::2] - boxes[owner, 0]) * M / w[owner]
-    coords[1::2] = (coords[1::2] - boxes[owner, 1]) * M / h[owner]
+    for k in (0, 1):  # x, then y: relative to the box, M / width (height), at least 1
+        extent = np.maximum(boxes[:, k + 2] - boxes[:, k], 1)
+        coords[k::2] = (coords[k::2] - boxes[owner, k]) * M / extent[owner]
     parts_all = np.split(coords.astype(np.float64), np.cumsum([len(p) for p in parts_all])[:-1])
     decoded = mask_util.decode(mask_util.frPyObjects(parts_all, M, M))  # (M, M, parts), F order
     by_part = decoded.transpose(2, 1, 0).reshape(len(parts_all), M * M)  # C order [part, x, y]
@@ -191,22 +186,6 @@ def expand_class_specific_masks(masks: np.ndarray, class_labels: np.ndarray, num
     return out.reshape(n, num_classes * m2)
 
 
-def _match_boxes(entry: Mapping[str, Any], gt_rows: np.ndarray) -> tuple[list, np.ndarray]:
-    chosen = [entry["segms"][i] for i in gt_rows]
-    # Detectron quirk Q24 (docs/detectron_quirks.md): without a usable segm, match through
-    # the gt box instead
-    out = np.asarray(entry["boxes"], dtype=np.float32)[gt_rows]
-    for j, segm in enumerate(chosen):
-        parts = segm_polygons(segm)
-        rle = None if parts else segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
-        if parts:
-            out[j] = polys_to_boxes([parts])[0]
-        elif rle is not None:
-            x, y, w, h = mask_util.toBbox(rle)
-            out[j] = (x, y, x + w, y + h)
-    return chosen, out
-
-
 def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarray,
                         entry: Mapping[str, Any], im_scale: float, batch_idx: int,
                         cfg: Any, *, expand: bool = True) -> None:
@@ -224,7 +203,7 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
         im_scale: the image's scale; batch_idx: its position in the minibatch.
         cfg: ``MRCNN.RESOLUTION``, ``MRCNN.CLS_SPECIFIC_MASK``, ``MODEL.NUM_CLASSES``.
     """
-    M = int(cfg.MRCNN.RESOLUTION)
+    M, height, width = int(cfg.MRCNN.RESOLUTION), int(entry["height"]), int(entry["width"])
     labels = blobs["labels_int32"]
     gt_classes = np.asarray(entry["gt_classes"])
     is_crowd = np.asarray(entry["is_crowd"]).astype(bool)
@@ -239,17 +218,23 @@ def add_mask_rcnn_blobs(blobs: MutableMapping[str, Any], sampled_boxes: np.ndarr
     class_labels = labels[take]
     rois_fg = sampled_boxes[take].reshape((-1, 4)).astype(np.float32, copy=False)
     if fg_inds.size and gt_rows.size:
-        segms, match_boxes = _match_boxes(entry, gt_rows)
+        segms = [entry["segms"][i] for i in gt_rows]
+        # the segm's box; without a usable segm, the gt box (Detectron quirk Q24)
+        match_boxes = np.asarray(entry["boxes"], dtype=np.float32)[gt_rows]
+        for j, segm in enumerate(segms):
+            if parts := segm_polygons(segm):
+                match_boxes[j] = polys_to_boxes([parts])[0]
+            elif (rle := segm_as_rle(segm, height, width)) is not None:
+                x, y, w, h = mask_util.toBbox(rle)
+                match_boxes[j] = (x, y, x + w, y + h)
         best = np.argmax(bbox_overlaps(rois_fg, match_boxes), axis=1)
-        masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M,
-                                         int(entry["height"]), int(entry["width"]))
+        masks = rasterize_segms_in_boxes([segms[b] for b in best], rois_fg, M, height, width)
     else:  # or fg only through crowd boxes (Detectron quirk Q8, docs/detectron_quirks.md)
         masks = np.full((take.size, M * M), -1, dtype=np.int32)
-    if cfg.MRCNN.CLS_SPECIFIC_MASK:
-        if expand:
-            masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
-        else:
-            blobs["_mask_class_labels"] = np.asarray(class_labels, dtype=np.int64)
+    if cfg.MRCNN.CLS_SPECIFIC_MASK and expand:
+        masks = expand_class_specific_masks(masks, class_labels, int(cfg.MODEL.NUM_CLASSES))
+    elif cfg.MRCNN.CLS_SPECIFIC_MASK:
+        blobs["_mask_class_labels"] = np.asarray(class_labels, dtype=np.int64)
     blobs["mask_rois"] = rois_blob(rois_fg * im_scale, batch_idx)
     blobs["roi_has_mask_int32"] = roi_has_mask.astype(np.int32, copy=False)
     blobs["masks_int32"] = masks

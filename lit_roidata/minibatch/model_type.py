@@ -22,13 +22,11 @@ _OFF = {"MODEL.FASTER_RCNN": False, "MODEL.RPN_ONLY": False, "MODEL.MASK_ON": Fa
         "MODEL.KEYPOINTS_ON": False, "RPN.RPN_ON": False, "RETINANET.RETINANET_ON": False}
 
 _BASE: dict[str, dict[str, Any]] = {
-    "fast_rcnn": {},
-    "mask_rcnn_proposals": {"MODEL.MASK_ON": True},
+    "fast_rcnn": {}, "mask_rcnn_proposals": {"MODEL.MASK_ON": True},
     "keypoint_rcnn_proposals": {"MODEL.KEYPOINTS_ON": True},
     "faster_rcnn": {"MODEL.FASTER_RCNN": True, "RPN.RPN_ON": True},
     "mask_rcnn": {"MODEL.FASTER_RCNN": True, "RPN.RPN_ON": True, "MODEL.MASK_ON": True},
-    "keypoint_rcnn": {"MODEL.FASTER_RCNN": True, "RPN.RPN_ON": True,
-                      "MODEL.KEYPOINTS_ON": True},
+    "keypoint_rcnn": {"MODEL.FASTER_RCNN": True, "RPN.RPN_ON": True, "MODEL.KEYPOINTS_ON": True},
     "rpn_only": {"MODEL.RPN_ONLY": True, "RPN.RPN_ON": True},
     "retinanet": {"RETINANET.RETINANET_ON": True, "FPN.FPN_ON": True},
 }

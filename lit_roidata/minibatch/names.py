@@ -1,9 +1,8 @@
 """Blob names per model family, in Detectron's queue order (Detectron semantics: blob names).
 
-The order matters: Detectron feeds blobs to the network positionally, and the
-in-network label ops of end-to-end training (Detectron semantics: end-to-end training) emit the Fast
-R-CNN list in
-this same order. Every training blob is float32 or int32 (Detectron semantics: tested invariants).
+The order matters: Detectron feeds blobs to the network positionally, and the in-network
+label ops of end-to-end training emit the Fast R-CNN list in this same order. Every training
+blob is float32 or int32 (Detectron semantics: blob names; end-to-end training).
 """
 
 from __future__ import annotations
@@ -91,6 +90,5 @@ def get_minibatch_blob_names(cfg: Any) -> list[str]:
     Returns:
         The list of blob names (Detectron semantics: blob names).
     """
-    family = blob_family(cfg)
     return ["data"] + {"rpn": get_rpn_blob_names, "retinanet": get_retinanet_blob_names,
-                       "fast_rcnn": get_fast_rcnn_blob_names}[family](cfg)
+                       "fast_rcnn": get_fast_rcnn_blob_names}[blob_family(cfg)](cfg)

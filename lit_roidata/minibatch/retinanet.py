@@ -4,10 +4,10 @@ Every anchor of every (level, octave, aspect) field is labelled against the imag
 non-crowd gt boxes, with no sampling and no straddle filter, exactly as Detectron's
 ``roi_data/retinanet.py``: best-match and threshold positives take the class of their
 own argmax gt, then every anchor with max IoU below ``NEGATIVE_OVERLAP`` becomes 0,
-after the foreground was counted (Detectron quirk Q4, docs/detectron_quirks.md, reproduced). Labels
-are cropped to the padded
-image's feature size; positives are listed as ``roi_fg_bbox_locs`` rows whose column 1
-is the channel offset of the box prediction, so the loss gathers without a dense target.
+after the foreground was counted (Detectron quirk Q4, docs/detectron_quirks.md, reproduced).
+Labels are cropped to the padded image's feature size; positives are listed as
+``roi_fg_bbox_locs`` rows whose column 1 is the channel offset of the box prediction, so the
+loss gathers without a dense target.
 """
 
 from __future__ import annotations
@@ -58,14 +58,20 @@ def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     fields = retinanet_fields(cfg)
     all_anchors = concat_fields(fields)
     pad_h, pad_w = int(blobs["data"].shape[2]), int(blobs["data"].shape[3])
-    _warn_if_not_multiple(pad_h, pad_w, cfg)
-    n_classes = int(cfg.MODEL.NUM_CLASSES)
+    top = 2 ** int(cfg.FPN.RPN_MAX_LEVEL)
+    if pad_h % top or pad_w % top:
+        warnings.warn(
+            f"RetinaNet: padded blob {pad_h}x{pad_w} is not a multiple of the coarsest level "
+            f"stride {top}; the cropped labels will not match the head's feature size. "
+            f"Set FPN.COARSEST_STRIDE to {top} (Detectron's RetinaNet configs use 128).",
+            stacklevel=2)
+    retina, n_classes = cfg.RETINANET, int(cfg.MODEL.NUM_CLASSES)
     fg_total, bg_total = 0.0, 0.0
     per_image = []
     for entry, scale in zip(entries, im_scales):
         gt, keep = scaled_noncrowd_gt(entry, scale, "RetinaNet", "Detectron asserts here")
         labels, fg, targets, num_bg = label_retinanet_anchors(
-            all_anchors, fields, gt, np.asarray(entry["gt_classes"])[keep], cfg.RETINANET)
+            all_anchors, fields, gt, np.asarray(entry["gt_classes"])[keep], retina)
         fg_num = np.float32(len(fg) + 1.0)
         fg_total += fg_num
         bg_total += (num_bg + 1.0) * (n_classes - 1) + fg_num * (n_classes - 2)
@@ -73,48 +79,8 @@ def add_retinanet_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[flo
     blobs["im_info"] = im_info_rows(entries, im_scales)
     blobs["retnet_fg_num"] = np.array([fg_total], dtype=np.float32)
     blobs["retnet_bg_num"] = np.array([bg_total], dtype=np.float32)
-    _level_blobs(blobs, per_image, fields, pad_h, pad_w, cfg, compact=compact)
-    return True
-
-
-def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors],
-                            gt: np.ndarray, gt_classes: np.ndarray, retina: Any
-                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Label all anchors of one image (Detectron semantics: RetinaNet targets steps 1-3).
-
-    Returns:
-        ``(labels, fg, targets, num_bg)``: float32 labels over all anchors (-1, 0 or a
-        class), the anchors counted as foreground *before* the negative overwrite (Detectron quirk
-        Q4, docs/detectron_quirks.md),
-        their ``(len(fg), 4)`` targets, and the number of anchors below
-        ``NEGATIVE_OVERLAP``.
-    """
-    n = all_anchors.shape[0]
-    every = inside_anchors(fields, 0, 0, -1.0)  # no straddle filter
-    below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
-    cand, overlaps = rpn_overlaps(fields, all_anchors, every, gt, below)
-    a2g_max = np.zeros(n, dtype=np.float32)
-    a2g_max[cand] = overlaps.max(axis=1)
-    g2a_max = overlaps.max(axis=0, initial=0)
-    # a gt with zero IoU everywhere ties at zero with every anchor (as Detectron)
-    positive = np.full(n, (g2a_max == 0).any())
-    positive[cand] = (overlaps == g2a_max[None, :]).any(axis=1)
-    positive |= a2g_max >= retina.POSITIVE_OVERLAP
-    fg = np.flatnonzero(positive)
-    assigned, targets = anchor_targets(all_anchors[fg], gt)  # for the positives only
-    labels = np.full(n, -1, dtype=np.float32)
-    labels[fg] = gt_classes[assigned]
-    bg = a2g_max < retina.NEGATIVE_OVERLAP
-    labels[bg] = 0
-    return labels, fg, targets, int(bg.sum())
-
-
-def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Sequence[FieldOfAnchors],
-                 pad_h: int, pad_w: int, cfg: Any, *, compact: bool = False) -> None:
-    """Crop labels per field, list the positives per level, fill the blobs (Detectron semantics:
-    RetinaNet targets step 4)."""
-    retina = cfg.RETINANET
-    n_classes = int(cfg.MODEL.NUM_CLASSES)
+    # crop labels per field, list the positives per level (Detectron semantics: RetinaNet
+    # targets step 4)
     loc_stride = 4 * (n_classes - 1) if retina.CLASS_SPECIFIC_BBOX else 4
     offsets = level_offsets(fields)
     # fields per level, in (octave, aspect) order: a field's place in its level is its anchor
@@ -153,13 +119,36 @@ def _level_blobs(blobs: MutableMapping[str, Any], per_image: list, fields: Seque
             blobs[f"retnet_cls_labels_fpn{lvl}"] = cls
         blobs[f"retnet_roi_bbox_targets_fpn{lvl}"] = stack_rows(tgt_rows, 4, np.float32)
         blobs[f"retnet_roi_fg_bbox_locs_fpn{lvl}"] = stack_rows(loc_rows, 4, np.float32)
+    return True
 
 
-def _warn_if_not_multiple(pad_h: int, pad_w: int, cfg: Any) -> None:
-    top = 2 ** int(cfg.FPN.RPN_MAX_LEVEL)
-    if pad_h % top or pad_w % top:
-        warnings.warn(
-            f"RetinaNet: padded blob {pad_h}x{pad_w} is not a multiple of the coarsest level "
-            f"stride {top}; the cropped labels will not match the head's feature size. "
-            f"Set FPN.COARSEST_STRIDE to {top} (Detectron's RetinaNet configs use 128).",
-            stacklevel=3)
+def label_retinanet_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors],
+                            gt: np.ndarray, gt_classes: np.ndarray, retina: Any
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Label all anchors of one image (Detectron semantics: RetinaNet targets steps 1-3).
+
+    Returns:
+        ``(labels, fg, targets, num_bg)``: float32 labels over all anchors (-1, 0 or a
+        class), the anchors counted as foreground *before* the negative overwrite (Detectron
+        quirk Q4), their ``(len(fg), 4)`` targets, and the number of anchors below
+        ``NEGATIVE_OVERLAP``.
+    """
+    n = all_anchors.shape[0]
+    below = min(retina.NEGATIVE_OVERLAP, retina.POSITIVE_OVERLAP)
+    every = inside_anchors(fields, 0, 0, -1.0)  # no straddle filter
+    cand, overlaps = rpn_overlaps(fields, all_anchors, every, gt, below)
+    a2g_max = np.zeros(n, dtype=np.float32)
+    a2g_max[cand] = overlaps.max(axis=1)
+    g2a_max = overlaps.max(axis=0, initial=0)
+    # a gt with zero IoU everywhere ties at zero with every anchor (as Detectron)
+    positive = np.full(n, (g2a_max == 0).any())
+    positive[cand] = (overlaps == g2a_max[None, :]).any(axis=1)
+    positive |= a2g_max >= retina.POSITIVE_OVERLAP
+    fg = np.flatnonzero(positive)
+    assigned, targets = anchor_targets(all_anchors[fg], gt)  # for the positives only
+    labels = np.full(n, -1, dtype=np.float32)
+    labels[fg] = gt_classes[assigned]
+    bg = a2g_max < retina.NEGATIVE_OVERLAP
+    labels[bg] = 0
+    return labels, fg, targets, int(bg.sum())
+

@@ -96,10 +96,9 @@ def deserialize_roidb(blob: Any) -> list[dict[str, Any]]:
     data = memoryview(raw)[9 + hlen:]
 
     def get(desc: Mapping[str, Any]) -> np.ndarray:
-        dtype = np.dtype(desc["dtype"])
         count = int(np.prod(desc["shape"], dtype=np.int64))
-        arr = np.frombuffer(data, dtype=dtype, count=count, offset=desc["off"])
-        return arr.reshape(desc["shape"]).copy()
+        return np.frombuffer(data, dtype=np.dtype(desc["dtype"]), count=count,
+                             offset=desc["off"]).reshape(desc["shape"]).copy()
 
     def value(desc: Mapping[str, Any]) -> Any:
         if desc["t"] == "j":

@@ -21,7 +21,7 @@ import torch
 from lit_roidata import rng as rng_mod
 from lit_roidata.boxes import bbox_overlaps
 from lit_roidata.minibatch.anchors import (
-    FieldOfAnchors, InsideAnchors, anchor_targets, concat_fields, inside_anchors, rpn_fields,
+    FieldOfAnchors, anchor_targets, concat_fields, inside_anchors, rpn_fields,
     rpn_overlaps, scaled_noncrowd_gt, stack_rows)
 from lit_roidata.minibatch.image import im_info_rows
 from lit_roidata.minibatch.names import (
@@ -46,10 +46,8 @@ def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
     Args:
         blobs: the minibatch dict (already holding ``data``); updated in place.
         im_scales: the scale of each image, as drawn for the image blob.
-        entries: the roidb entries (Detectron field names, docs/architecture.md, "A roidb
-            entry").
-        cfg: a ``DetectronConfig``.
-        rng: generator for all draws (``lit_roidata.rng``).
+        entries: the roidb entries (Detectron field names, docs/architecture.md).
+        cfg: a ``DetectronConfig``; rng: generator for all draws (``lit_roidata.rng``).
         fix_rpn_quirks: correct Detectron quirks Q2/Q3 (see the module docstring).
         alloc: optional ``(shape, dtype) -> zeroed array`` for the wide blobs (about
             35 MB for 2 images at FPN level 2 with MAX_SIZE 1333), e.g. shared memory
@@ -59,12 +57,9 @@ def add_rpn_blobs(blobs: MutableMapping[str, Any], im_scales: Sequence[float],
             draws, and :func:`lit_roidata.minibatch.device.expand_rpn_targets` turns them
             into the wide blobs bit for bit (which is how the wide blobs are made here).
 
-    Returns:
-        True: RPN minibatches are always valid.
-
-    Raises:
-        ValueError: an entry has no non-crowd gt box (Detectron crashes there, Detectron
-            quirk Q27; ``filter_for_training`` normally removes such images).
+    Returns True (RPN minibatches are always valid). Raises ``ValueError`` for an entry
+    without a non-crowd gt box (Detectron crashes there, quirk Q27; ``filter_for_training``
+    normally removes such images).
     """
     fields = rpn_fields(cfg)
     all_anchors = concat_fields(fields)
@@ -88,11 +83,9 @@ def _wide(rows: dict[str, np.ndarray], alloc: Callable | None) -> dict[str, np.n
     """Detectron's wide blobs from the compact ones, in ``alloc``'s arrays when given."""
     from lit_roidata.minibatch.device import expand_rpn_targets
 
-    def new(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(alloc(shape, np.dtype(str(dtype).removeprefix("torch."))))
-
-    wide = expand_rpn_targets({k: torch.from_numpy(v) for k, v in rows.items()},
-                              new=None if alloc is None else new)
+    new = None if alloc is None else (lambda shape, dtype: torch.from_numpy(
+        alloc(shape, np.dtype(str(dtype).removeprefix("torch.")))))
+    wide = expand_rpn_targets({k: torch.from_numpy(v) for k, v in rows.items()}, new=new)
     return {k: v.numpy() for k, v in wide.items()}
 
 
@@ -104,13 +97,10 @@ def _compact(per_image: list[tuple], fields: Sequence[FieldOfAnchors],
     labels = [np.stack([np.full(len(idx), i), idx, lab], 1)
               for i, (idx, lab, *_) in enumerate(per_image)]
     fg = [np.stack([np.full(len(p[2]), i), p[2]], 1) for i, p in enumerate(per_image)]
-    return {"rpn_compact_layout": layout,
-            "rpn_compact_labels_int32": stack_rows(labels, 3, np.int32),
-            "rpn_compact_fg_int32": stack_rows(fg, 2, np.int32),
-            "rpn_compact_bbox_targets": stack_rows(
-                [np.asarray(p[3]).reshape(-1, 4) for p in per_image], 4, np.float32),
-            "rpn_compact_outside_weights": np.array(
-                [1.0 / p[4] if p[4] else 0.0 for p in per_image], np.float32)}
+    return dict(zip(RPN_COMPACT_KEYS, (
+        layout, stack_rows(labels, 3, np.int32), stack_rows(fg, 2, np.int32),
+        stack_rows([np.asarray(p[3]).reshape(-1, 4) for p in per_image], 4, np.float32),
+        np.array([1.0 / p[4] if p[4] else 0.0 for p in per_image], np.float32))))
 
 
 def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt: np.ndarray,
@@ -131,40 +121,31 @@ def label_anchors(all_anchors: np.ndarray, fields: Sequence[FieldOfAnchors], gt:
         ``all_anchors``) of anchors with label >= 0 and those labels; global indices of
         the anchors that get regression targets and the ``(len(fg), 4)`` targets;
         the number of examples (weights are ``1/num_examples``).
+
+    Detectron's positives, positive subsampling and negatives run on index sets, not on
+    K-long label arrays, with the same draws on the same ascending index arrays. Only
+    anchors with an IoU that can matter are visited (outside the candidates of
+    :func:`rpn_overlaps` every anchor's max IoU is below both thresholds), and the
+    negatives are picked by position in the inside anchors minus the excluded ones without
+    listing them (:meth:`InsideAnchors.select`). Where that does not hold (a non-positive
+    threshold, or Detectron quirk Q2: a gt with zero IoU to every inside anchor makes all
+    of them positive) every inside anchor is a candidate.
     """
     inside = inside_anchors(fields, im_h, im_w, train.RPN_STRADDLE_THRESH)
-    labelled, lab, fg_inds = _label(fields, all_anchors, inside, gt, train, rng, fix_rpn_quirks)
-    _, targets = anchor_targets(all_anchors[fg_inds], gt)  # only the <= 128 that need it
-    return labelled, lab, fg_inds, targets, float(len(labelled))
-
-
-def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: InsideAnchors,
-           gt: np.ndarray, train: Any, rng: rng_mod.RNG, fix: bool
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Detectron's positives, positive subsampling and negatives on index sets, not on
-    K-long label arrays: ``(labelled, labels, fg)``.
-
-    The same draws on the same ascending index arrays as Detectron. Only anchors with an
-    IoU that can matter are visited (outside the candidates of :func:`rpn_overlaps` every
-    anchor's max IoU is below both thresholds), and the negatives are picked by position
-    in the inside anchors minus the excluded ones without listing them
-    (:meth:`InsideAnchors.select`). Where that does not hold (a non-positive threshold,
-    or Detectron quirk Q2: a gt with zero IoU to every inside anchor makes all of them
-    positive) every inside anchor is a candidate.
-    """
     pos_t, neg_t = train.RPN_POSITIVE_OVERLAP, train.RPN_NEGATIVE_OVERLAP
     if inside.count == 0:  # Detectron crashes in argmax here; nothing to label
-        return np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64)
+        fg = np.zeros(0, np.int64)
+        return np.zeros(0, np.int64), np.zeros(0, np.int32), fg, anchor_targets(
+            all_anchors[fg], gt)[1], 0.0
     cand = np.zeros(0, np.int64)
     if pos_t > 0 and neg_t > 0:
         cand, overlaps = rpn_overlaps(fields, all_anchors, inside, gt, below=min(neg_t, pos_t))
-    if not len(cand) or not (fix or overlaps.max(axis=0).all()):
+    if not len(cand) or not (fix_rpn_quirks or overlaps.max(axis=0).all()):
         cand = inside.select(np.arange(inside.count))
         overlaps = bbox_overlaps(all_anchors[cand], gt)
-    a2g = overlaps.max(axis=1)
-    g2a = overlaps.max(axis=0)
+    a2g, g2a = overlaps.max(axis=1), overlaps.max(axis=0)
     best = overlaps == g2a[None, :]
-    if fix:
+    if fix_rpn_quirks:
         best &= (g2a > 0)[None, :]
     is_pos = best.any(axis=1) | (a2g >= pos_t)
     fg_inds = cand[is_pos]  # ascending, as flatnonzero
@@ -174,29 +155,20 @@ def _label(fields: Sequence[FieldOfAnchors], all_anchors: np.ndarray, inside: In
         fg_inds = np.setdiff1d(fg_inds, disable, assume_unique=True)
     num_bg = max(int(train.RPN_BATCH_SIZE_PER_IM - len(fg_inds)), 0)
     # negatives: the inside anchors minus `excluded` (ascending), by position
-    excluded = cand[(a2g >= neg_t) | is_pos] if fix else cand[a2g >= neg_t]
+    excluded = cand[(a2g >= neg_t) | is_pos] if fix_rpn_quirks else cand[a2g >= neg_t]
     n_cand = inside.count - len(excluded)
-    pos = _negative_positions(n_cand, num_bg, rng, fix)
+    # positions of the drawn negatives among the n_cand candidates (all if at most num_bg).
+    # Detectron: bg_inds[npr.randint(len(bg_inds), size=num_bg)] (quirk Q3: with
+    # replacement, may overwrite positives); fixed: choice(bg_inds, num_bg, replace=False),
+    # whose draws depend only on the number of candidates, so drawing positions is the same
+    pos = (np.arange(n_cand) if n_cand <= num_bg else np.asarray(
+        rng_mod.choice(rng, n_cand, size=num_bg, replace=False) if fix_rpn_quirks
+        else rng_mod.randint(rng, n_cand, size=num_bg)))
     # the p-th candidate is the q-th inside anchor, q = p + #excluded placed before it
     shift = inside.rank(excluded) - np.arange(len(excluded))
     bg_inds = inside.select(pos + np.searchsorted(shift, pos, side="right"))
     labelled = np.union1d(fg_inds, bg_inds).astype(np.int64, copy=False)
     lab = np.where(np.isin(labelled, bg_inds), 0, 1).astype(np.int32)
-    return labelled, lab, fg_inds
+    _, targets = anchor_targets(all_anchors[fg_inds], gt)  # only the <= 128 that need it
+    return labelled, lab, fg_inds, targets, float(len(labelled))
 
-
-def _negative_positions(n_cand: int, num_bg: int, rng: rng_mod.RNG,
-                        fix: bool) -> np.ndarray:
-    """Positions of the negatives drawn among ``n_cand`` candidates (ascending order): all
-    of them when there are at most ``num_bg``.
-
-    Detectron's draw: ``bg_inds[npr.randint(len(bg_inds), size=num_bg)]`` (Detectron quirk
-    Q3 (docs/detectron_quirks.md): with replacement, and may overwrite positives); fixed:
-    ``choice(bg_inds, size=num_bg, replace=False)``, whose draws depend only on the
-    number of candidates, so drawing positions consumes the generator identically.
-    """
-    if n_cand <= num_bg:
-        return np.arange(n_cand)
-    if fix:
-        return np.asarray(rng_mod.choice(rng, n_cand, size=num_bg, replace=False))
-    return np.asarray(rng_mod.randint(rng, n_cand, size=num_bg))

@@ -69,10 +69,9 @@ def proposal_labels(rois: Any, entries: Any, im_scales: Any, cfg: Any, rng: rng_
     if scores is not None and cfg.FPN.FPN_ON and cfg.FPN.MULTILEVEL_RPN:
         rois_t = collect_top_proposals(
             rois_t, scores, int(cfg.TRAIN.RPN_POST_NMS_TOP_N * cfg.FPN.RPN_COLLECT_SCALE))
-    merged = merge_proposals(rois_t, entries, scales, cfg)
     blobs: dict[str, Any] = {}
     # valid is ignored end to end (Detectron quirk Q7, docs/detectron_quirks.md)
-    add_fast_rcnn_blobs(blobs, scales, merged, cfg, rng)
+    add_fast_rcnn_blobs(blobs, scales, merge_proposals(rois_t, entries, scales, cfg), cfg, rng)
     if as_numpy:
         return blobs
     return {k: torch.from_numpy(v if v.flags.c_contiguous else v.copy()).to(rois_t.device)
@@ -90,8 +89,7 @@ def collect_top_proposals(rois: torch.Tensor, scores: Any, top_n: int) -> torch.
     s = s.detach().reshape(-1).to(rois.device)
     if s.numel() != rois.shape[0]:
         raise ValueError(f"scores has {s.numel()} values for {rois.shape[0]} rois")
-    order = torch.sort(-s.to(torch.float64), stable=True).indices[:top_n]
-    return rois[order]
+    return rois[torch.sort(-s.to(torch.float64), stable=True).indices[:top_n]]
 
 
 def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
@@ -120,10 +118,56 @@ def merge_proposals(rois: torch.Tensor, entries: Sequence[Mapping[str, Any]],
     order = torch.sort(img, stable=True).indices  # image-major, score order within
     img, props = img[order], props[order]
     cols = [_entry_columns(e, dev) for e in entries]
-    gt = _cat_gt(cols, dev)
-    counts = torch.bincount(img, minlength=len(entries)).tolist()
-    rows = _merged_rows(cols, {"boxes": props, **_assign(props, img, gt, dev)}, counts, dev)
-    rows["bbox_targets"] = _targets(rows, gt, cfg, dev)
+    # every image's gt rows (gt_classes > 0, crowd included), with image and row ids
+    gt_rows = [torch.nonzero(c["gt_classes"] > 0).reshape(-1) for c in cols]
+    gt = {"boxes": [c["boxes"][r] for c, r in zip(cols, gt_rows)],
+          "cls": [c["gt_classes"][r].to(torch.int64) for c, r in zip(cols, gt_rows)],
+          "crowd": [c["is_crowd"][r] for c, r in zip(cols, gt_rows)], "row": gt_rows,
+          "img": [torch.full_like(r, i) for i, r in enumerate(gt_rows)]}
+    gt = {k: torch.cat(v) if v else torch.zeros(0, device=dev) for k, v in gt.items()}
+    # per proposal: max IoU, its gt's class and roidb row (0, 0, -1 if none; Detectron
+    # semantics: class assignment)
+    n = props.shape[0]
+    if n == 0 or gt["boxes"].shape[0] == 0:
+        new = {"max_overlaps": torch.zeros(n, device=dev),
+               "max_classes": torch.zeros(n, dtype=torch.int64, device=dev),
+               "box_to_gt_ind_map": torch.full((n,), -1, dtype=torch.int32, device=dev)}
+    else:
+        best, arg = _masked_iou(props, img, gt["boxes"], gt["img"]).max(dim=1)  # first on ties
+        hit = best > 0
+        new = {"max_overlaps": torch.where(hit, best, torch.zeros_like(best)),
+               "max_classes": torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
+               "box_to_gt_ind_map": torch.where(hit, gt["row"][arg],
+                                                torch.full_like(arg, -1)).to(torch.int32)}
+    new["boxes"] = props
+    # image by image, the entry's rows, then its proposal rows (their own values in `new`;
+    # zero in the other columns)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
+        "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
+        "max_overlaps", "max_classes")}
+    counts, start = torch.bincount(img, minlength=len(entries)).tolist(), 0
+    for i, (c, p) in enumerate(zip(cols, counts)):
+        parts["img"].append(torch.full((c["n"] + p,), i, dtype=torch.int64, device=dev))
+        for k in list(parts)[1:]:
+            tail = (new[k][start:start + p] if k in new
+                    else torch.zeros(p, dtype=c[k].dtype, device=dev))
+            parts[k].append(torch.cat([c[k], tail]))
+        start += p
+    rows = {k: torch.cat(v) for k, v in parts.items()}
+    # regression targets of the merged rows: towards the best non-crowd gt of the same image
+    targets = torch.zeros((rows["boxes"].shape[0], 5), dtype=torch.float32, device=dev)
+    ok = ~gt["crowd"].to(torch.bool) if gt["boxes"].shape[0] else None
+    ex = torch.nonzero(rows["max_overlaps"] >= cfg.TRAIN.BBOX_THRESH).reshape(-1)
+    if ok is not None and bool(ok.any()) and ex.numel() != 0:
+        iou = _masked_iou(rows["boxes"][ex], rows["img"][ex], gt["boxes"], gt["img"], ok)
+        # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8)
+        best, arg = iou.max(dim=1)
+        ex, arg = ex[best >= 0], arg[best >= 0]  # images without a non-crowd gt: all zero
+        cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG else rows["max_classes"][ex])
+        targets[ex, 0] = cls.to(torch.float32)
+        targets[ex, 1:] = bbox_transform_targets_torch(
+            rows["boxes"][ex], gt["boxes"][arg], tuple(cfg.MODEL.BBOX_REG_WEIGHTS))
+    rows["bbox_targets"] = targets
     host = {k: v.cpu().numpy() for k, v in rows.items()}
     starts = np.concatenate(([0], np.cumsum([c["n"] + p for c, p in zip(cols, counts)])))
     out = []
@@ -162,16 +206,6 @@ def _entry_columns(e: Mapping[str, Any], dev: torch.device) -> dict[str, Any]:
             "max_overlaps": t(mo, torch.float32), "max_classes": t(mc, torch.int64)}
 
 
-def _cat_gt(cols: list[dict[str, Any]], dev: torch.device) -> dict[str, torch.Tensor]:
-    """Every image's gt rows (``gt_classes > 0``, crowd included), with image and row ids."""
-    rows = [torch.nonzero(c["gt_classes"] > 0).reshape(-1) for c in cols]
-    parts = {"boxes": [c["boxes"][r] for c, r in zip(cols, rows)],
-             "cls": [c["gt_classes"][r].to(torch.int64) for c, r in zip(cols, rows)],
-             "crowd": [c["is_crowd"][r] for c, r in zip(cols, rows)], "row": rows,
-             "img": [torch.full_like(r, i) for i, r in enumerate(rows)]}
-    return {k: torch.cat(v) if v else torch.zeros(0, device=dev) for k, v in parts.items()}
-
-
 def _masked_iou(a: torch.Tensor, a_img: torch.Tensor, b: torch.Tensor, b_img: torch.Tensor,
                 b_ok: torch.Tensor | None = None) -> torch.Tensor:
     """IoU with pairs from different images (or ``~b_ok`` columns) set to -1."""
@@ -180,58 +214,3 @@ def _masked_iou(a: torch.Tensor, a_img: torch.Tensor, b: torch.Tensor, b_img: to
     if b_ok is not None:
         same &= b_ok[None, :]
     return torch.where(same, iou, torch.full_like(iou, -1.0))
-
-
-def _assign(props: torch.Tensor, img: torch.Tensor, gt: dict[str, torch.Tensor],
-            dev: torch.device) -> dict[str, torch.Tensor]:
-    """Per proposal: max IoU, its gt's class and roidb row (0, 0, -1 if none; Detectron
-    semantics: class assignment)."""
-    n = props.shape[0]
-    if n == 0 or gt["boxes"].shape[0] == 0:
-        return {"max_overlaps": torch.zeros(n, device=dev),
-                "max_classes": torch.zeros(n, dtype=torch.int64, device=dev),
-                "box_to_gt_ind_map": torch.full((n,), -1, dtype=torch.int32, device=dev)}
-    best, arg = _masked_iou(props, img, gt["boxes"], gt["img"]).max(dim=1)  # first on ties
-    hit = best > 0
-    return {"max_overlaps": torch.where(hit, best, torch.zeros_like(best)),
-            "max_classes": torch.where(hit, gt["cls"][arg], torch.zeros_like(arg)),
-            "box_to_gt_ind_map": torch.where(hit, gt["row"][arg],
-                                             torch.full_like(arg, -1)).to(torch.int32)}
-
-
-def _merged_rows(cols: list[dict[str, Any]], new: dict[str, torch.Tensor], counts: list[int],
-                 dev: torch.device) -> dict[str, torch.Tensor]:
-    """Concatenate, image by image, the entry's rows and then its proposal rows (``new``:
-    the proposal rows' own values; the other columns are zero)."""
-    out: dict[str, list[torch.Tensor]] = {k: [] for k in (
-        "img", "boxes", "gt_classes", "is_crowd", "seg_areas", "box_to_gt_ind_map",
-        "max_overlaps", "max_classes")}
-    start = 0
-    for i, (c, p) in enumerate(zip(cols, counts)):
-        out["img"].append(torch.full((c["n"] + p,), i, dtype=torch.int64, device=dev))
-        for k in list(out)[1:]:
-            tail = (new[k][start:start + p] if k in new
-                    else torch.zeros(p, dtype=c[k].dtype, device=dev))
-            out[k].append(torch.cat([c[k], tail]))
-        start += p
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-def _targets(rows: dict[str, torch.Tensor], gt: dict[str, torch.Tensor], cfg: Any,
-             dev: torch.device) -> torch.Tensor:
-    """Bounding-box regression targets of the merged rows: towards the best non-crowd gt
-    of the same image."""
-    targets = torch.zeros((rows["boxes"].shape[0], 5), dtype=torch.float32, device=dev)
-    ok = ~gt["crowd"].to(torch.bool) if gt["boxes"].shape[0] else None
-    ex = torch.nonzero(rows["max_overlaps"] >= cfg.TRAIN.BBOX_THRESH).reshape(-1)
-    if ok is None or not bool(ok.any()) or ex.numel() == 0:
-        return targets
-    iou = _masked_iou(rows["boxes"][ex], rows["img"][ex], gt["boxes"], gt["img"], ok)
-    # all-zero rows -> the image's first non-crowd gt (Detectron quirk Q8, docs/detectron_quirks.md)
-    best, arg = iou.max(dim=1)
-    ex, arg = ex[best >= 0], arg[best >= 0]  # images without a non-crowd gt: all-zero targets
-    cls = (torch.ones_like(ex) if cfg.MODEL.CLS_AGNOSTIC_BBOX_REG else rows["max_classes"][ex])
-    targets[ex, 0] = cls.to(torch.float32)
-    targets[ex, 1:] = bbox_transform_targets_torch(
-        rows["boxes"][ex], gt["boxes"][arg], tuple(cfg.MODEL.BBOX_REG_WEIGHTS))
-    return targets

@@ -23,6 +23,7 @@ import pickle
 import secrets
 import threading
 import weakref
+from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
@@ -63,15 +64,17 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
     return torch.zeros(nbytes, dtype=torch.uint8).share_memory_().untyped_storage()
 
 
+@dataclass(eq=False)
 class _Arena:
-    """One block's use of one slot (worker side)."""
+    """One block's use of one slot (worker side); ``used``: some tensor of the sent batch
+    lies in the slot."""
 
-    __slots__ = ("pool", "worker", "slot", "index", "offset", "used")
-
-    def __init__(self, pool: "ShmPool", worker: int, slot: int) -> None:
-        self.pool, self.worker, self.slot = pool, worker, slot
-        self.index, self.offset, self.used = worker * pool.slots + slot, 0, False
-        # used: some tensor of the sent batch lies in the slot
+    pool: "ShmPool"
+    worker: int
+    slot: int
+    index: int
+    offset: int = 0
+    used: bool = False
 
 
 class ShmPool:
@@ -94,11 +97,10 @@ class ShmPool:
                     torch.zeros((num_workers, slots), dtype=torch.uint8).share_memory_(),
                     torch.zeros((num_workers, len(_STATS)), dtype=torch.int64).share_memory_())
 
-    def _setup(self, token: int, num_workers: int, slots: int, slot_bytes: int,
-               storages: list, flags: torch.Tensor, counters: torch.Tensor) -> None:
-        self.token, self.num_workers, self.slots, self.slot_bytes = (
-            token, num_workers, slots, slot_bytes)
-        self._storages, self._flags, self._counters = storages, flags, counters
+    def _setup(self, *state: Any) -> None:
+        """``state``: token, num_workers, slots, slot_bytes, storages, flags, counters."""
+        self._state = state
+        self.token, self.num_workers, self.slots, self.slot_bytes, storages, flags, counters = state
         self._u8 = [torch.empty(0, dtype=torch.uint8).set_(s) for s in storages]
         self._np = [t.numpy() for t in self._u8]
         self._base = {int(t.data_ptr()): i for i, t in enumerate(self._u8)}
@@ -107,12 +109,11 @@ class ShmPool:
         self._leases = [0, 0]  # made, released (main process)
         self._outstanding: list[tuple[weakref.ref, int, int]] = []  # leases not yet freed
         self._lock = threading.Lock()  # batches may be unpickled in the pin-memory thread
-        _POOLS[token] = self
+        _POOLS[self.token] = self
 
     def __reduce__(self) -> tuple:
         # Only ForkingPickler (spawned workers) can send the segments (as descriptors).
-        return (_rebuild_pool, (self.token, self.num_workers, self.slots, self.slot_bytes,
-                                self._storages, self._flags, self._counters))
+        return (_rebuild_pool, self._state)
 
     # ------------------------------------------------------------------ worker side
     def acquire(self, worker: int) -> _Arena | None:
@@ -126,7 +127,7 @@ class ShmPool:
             self.counters[worker, _S["no_free_slot"]] += 1
             return None
         row[free[0]] = 1
-        return _Arena(self, worker, int(free[0]))
+        return _Arena(self, worker, int(free[0]), worker * self.slots + int(free[0]))
 
     def give_back(self, arena: _Arena) -> None:
         """Worker side: free a slot that nothing sent refers to."""
@@ -212,22 +213,20 @@ class ShmPool:
         ``given_back_in_worker``; and, in this process, ``leases`` made and
         ``released``, ``in_use`` slots now, ``slots`` in all."""
         self.reclaim()
-        out = {name: int(v) for name, v in zip(_STATS, self.counters.sum(axis=0))}
-        out.update(leases=self._leases[0], released=self._leases[1], in_use=self.in_use(),
-                   slots=self.num_workers * self.slots, slot_bytes=self.slot_bytes)
-        return out
+        return dict({name: int(v) for name, v in zip(_STATS, self.counters.sum(axis=0))},
+                    leases=self._leases[0], released=self._leases[1], in_use=self.in_use(),
+                    slots=self.num_workers * self.slots, slot_bytes=self.slot_bytes)
 
     def __repr__(self) -> str:
         return (f"ShmPool(num_workers={self.num_workers}, slots={self.slots}, "
                 f"slot_bytes={self.slot_bytes}, in_use={self.in_use()})")
 
 
-def _rebuild_pool(token: int, num_workers: int, slots: int, slot_bytes: int, storages: list,
-                  flags: torch.Tensor, counters: torch.Tensor) -> ShmPool:
-    pool = _POOLS.get(token)
+def _rebuild_pool(*state: Any) -> ShmPool:
+    pool = _POOLS.get(state[0])
     if pool is None:  # (else: sent back to the process that has it)
         pool = ShmPool.__new__(ShmPool)
-        pool._setup(token, num_workers, slots, slot_bytes, storages, flags, counters)
+        pool._setup(*state)
     return pool
 
 
@@ -325,8 +324,7 @@ class _PoolUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
         off, dtype, shape, stride, cls, state = pid
-        numel = int(np.prod(shape, dtype=np.int64))
-        if numel == 0:
+        if int(np.prod(shape, dtype=np.int64)) == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
             if self.lease is None:

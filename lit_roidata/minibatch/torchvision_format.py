@@ -73,18 +73,13 @@ def _masks(entry: Mapping[str, Any], rows: np.ndarray, scale: float, h: int, w: 
     t = (shared_empty((rows.size, h, w), torch.uint8) if shared
          else torch.zeros((rows.size, h, w), dtype=torch.uint8))
     out = t.numpy()
-    segms = entry["segms"]
     polys: list[np.ndarray] = []  # every polygon part of the image: one pycocotools call
     spans: list[tuple[int, int, int]] = []  # (mask row, first part, part count)
-    for j, r in enumerate(rows):
-        segm = segms[r]
-        parts = segm_polygons(segm)
-        if parts:
+    for j, segm in enumerate([entry["segms"][r] for r in rows]):
+        if parts := segm_polygons(segm):
             spans.append((j, len(polys), len(parts)))
             polys.extend(p.astype(np.float64) * scale for p in parts)
-            continue
-        rle = segm_as_rle(segm, int(entry["height"]), int(entry["width"]))
-        if rle is not None:
+        elif (rle := segm_as_rle(segm, int(entry["height"]), int(entry["width"]))) is not None:
             out[j] = cv2.resize(mask_util.decode(rle), (w, h), interpolation=cv2.INTER_NEAREST)
     if polys:
         rles = mask_util.frPyObjects(polys, h, w)
@@ -112,15 +107,6 @@ def _mask_crops(full: np.ndarray, shared: bool) -> tuple[torch.Tensor, torch.Ten
         t.numpy()[...] = a
         out.append(t)
     return out[0], out[1]
-
-
-def _keypoints(entry: Mapping[str, Any], rows: np.ndarray, scale: float) -> np.ndarray:
-    kps = np.asarray(entry["gt_keypoints"])[rows].astype(np.float32)  # (N, 3, K)
-    out = np.zeros((rows.size, kps.shape[2], 3), dtype=np.float32)
-    vis = kps[:, 2, :] > 0
-    out[:, :, :2] = np.where(vis[..., None], (kps[:, :2, :].transpose(0, 2, 1) + 0.5) * scale, 0)
-    out[:, :, 2] = kps[:, 2, :]
-    return out
 
 
 def _image_tensor(im: np.ndarray, pixel_format: str, shared: bool = False) -> tv_tensors.Image:
@@ -153,21 +139,22 @@ def make_target(entry: Mapping[str, Any], scale: float, size: tuple[int, int], c
                                         format="XYXY", canvas_size=(h, w))
 
     target: dict[str, Any] = {
-        "boxes": bb(gt_rows),
-        "labels": torch.from_numpy(gt_classes[gt_rows].astype(np.int64)),
-        "image_id": int(entry["id"]),
-        "crowd_boxes": bb(crowd_rows),
-        "scale": float(scale),
+        "boxes": bb(gt_rows), "labels": torch.from_numpy(gt_classes[gt_rows].astype(np.int64)),
+        "image_id": int(entry["id"]), "crowd_boxes": bb(crowd_rows), "scale": float(scale),
         "orig_size": (int(entry["height"]), int(entry["width"])),
-        "flipped": bool(entry.get("flipped", False)),
-    }
+        "flipped": bool(entry.get("flipped", False))}
     if cfg.MODEL.MASK_ON and compact_masks:
         full = _masks(entry, gt_rows, scale, h, w).numpy()
         target["mask_crops"], target["mask_boxes"] = _mask_crops(full, shared)
     elif cfg.MODEL.MASK_ON:
         target["masks"] = tv_tensors.Mask(_masks(entry, gt_rows, scale, h, w, shared))
     if cfg.MODEL.KEYPOINTS_ON and "gt_keypoints" in entry:
-        target["keypoints"] = torch.from_numpy(_keypoints(entry, gt_rows, scale))
+        kps = np.asarray(entry["gt_keypoints"])[gt_rows].astype(np.float32)  # (N, 3, K)
+        out = np.zeros((gt_rows.size, kps.shape[2], 3), dtype=np.float32)  # (N, K, 3)
+        out[:, :, :2] = np.where((kps[:, 2, :] > 0)[..., None],
+                                 (kps[:, :2, :].transpose(0, 2, 1) + 0.5) * scale, 0)
+        out[:, :, 2] = kps[:, 2, :]
+        target["keypoints"] = torch.from_numpy(out)
     if prop_rows.size:
         target["proposals"] = bb(prop_rows)
     target.update({key: torch.from_numpy(np.asarray(entry[key]).astype(np.int64))
