@@ -119,9 +119,8 @@ class BlobExchangeCallback(pl.Callback):
             self._out = self.exchange.channel(self.publish, "producer")
             self._published = int(restored.get("published_seq", 0)) if restored else 0
         if self.subscribe:
-            start = None
-            if restored is not None and self.delivery == "exactly_once":
-                start = int(restored.get("consumed_seq", 0)) + 1
+            start = (int(restored.get("consumed_seq", 0)) + 1 if restored is not None
+                     and self.delivery == "exactly_once" else None)
             self._in = self.exchange.channel(self.subscribe, "consumer", start_seq=start,
                                              delivery=self.delivery)
             self._consumed = self._checkpointed_seq = self._in.next_seq - 1

@@ -1,8 +1,8 @@
 """Ownership leases: one producer and one consumer per channel, dead owners detected.
 
 Each end holds a lease record (JSON) with a TTL refreshed by a heartbeat. A peer is
-*absent* (no record), *dead* (a record whose process is gone, seen at once on the same
-kernel) or *alive* (a record on another machine is trusted until its TTL runs out).
+*absent* (no record), *dead* (its process is gone, seen at once on the same kernel) or
+*alive* (a record on another machine is trusted until its TTL runs out).
 """
 
 from __future__ import annotations
@@ -47,10 +47,13 @@ class LeaseRecord:
     @classmethod
     def mine(cls, role: str, gen: int = 0) -> LeaseRecord:
         """A fresh record for this process, holding lease generation ``gen``."""
-        pid = os.getpid()
-        return cls(token=uuid.uuid4().hex, role=role, pid=pid, hostname=socket.gethostname(),
-                   host_id=host_identity(), create_time=_create_time(pid) or 0.0,
-                   opened_at=time.time(), gen=gen)
+        try:
+            created = psutil.Process().create_time()
+        except psutil.Error:
+            created = 0.0
+        return cls(token=uuid.uuid4().hex, role=role, pid=os.getpid(),
+                   hostname=socket.gethostname(), host_id=host_identity(),
+                   create_time=created, opened_at=time.time(), gen=gen)
 
     def dumps(self) -> bytes:
         """Serialise to the stored value."""
@@ -67,13 +70,6 @@ class LeaseRecord:
     def describe(self) -> str:
         """``"producer pid 123 on host"`` for error messages."""
         return f"{self.role} pid {self.pid} on {self.hostname}"
-
-
-def _create_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
 
 
 def peer_liveness(record: LeaseRecord | None) -> str:
