@@ -302,7 +302,7 @@ class Channel:
             self._check_usable()
             got = self._store.get_many(keys)
         raw, closed, act = (got.get(k) for k in keys)
-        rec = LeaseRecord.loads(raw) if raw is not None else None
+        rec = LeaseRecord.loads(raw)
         if closed is not None and rec is None:
             info = orjson.loads(closed)
             raise ChannelClosedError(
@@ -311,8 +311,8 @@ class Channel:
                 f"while this end waited for {waiting_for}")
         self._peer_checked = time.monotonic()
         try:
-            self._peer_activity = orjson.loads(act) if act is not None else None
-        except orjson.JSONDecodeError:
+            self._peer_activity = orjson.loads(act)
+        except orjson.JSONDecodeError:  # (also None: no activity)
             self._peer_activity = None
         state = peer_liveness(rec)
         if state == "alive":
@@ -431,8 +431,7 @@ class Channel:
 
     def _waiter(self, timeout: float) -> dict[str, float]:
         now = time.monotonic()
-        return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
-                "paused": 0.0}
+        return dict(deadline=now + timeout, backoff=self._ex.poll_min, last=now, paused=0.0)
 
     def _poll(self, what: str, timeout: float, attempt: Callable[[], Any],
               w: dict[str, float] | None = None, on_recover: Callable[[], object] | None = None,

@@ -396,8 +396,7 @@ class EmbeddedStore(Store):
                     except OSError:
                         continue
                     if name.startswith("lease.") and not name.endswith(".tmp"):
-                        raw = self._read_small(full)
-                        rec = LeaseRecord.loads(raw) if raw is not None else None
+                        rec = LeaseRecord.loads(self._read_small(full))
                         live = live or peer_liveness(rec) == "alive"
                 if live:
                     break

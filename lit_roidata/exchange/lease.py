@@ -60,8 +60,8 @@ class LeaseRecord:
         return orjson.dumps(asdict(self))
 
     @classmethod
-    def loads(cls, raw: bytes) -> LeaseRecord | None:
-        """Parse a stored value; ``None`` if it is not a lease record."""
+    def loads(cls, raw: bytes | None) -> LeaseRecord | None:
+        """Parse a stored value; ``None`` if it is none or not a lease record."""
         try:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError):
@@ -82,11 +82,9 @@ def peer_liveness(record: LeaseRecord | None) -> str:
         proc = psutil.Process(record.pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return "dead"
-        started = proc.create_time()
+        reused = record.create_time and abs(proc.create_time() - record.create_time) > 1.0
     except psutil.NoSuchProcess:
         return "dead"
     except psutil.AccessDenied:
         return "alive"
-    if record.create_time and abs(started - record.create_time) > 1.0:
-        return "dead"  # the PID was reused by another process
-    return "alive"
+    return "dead" if reused else "alive"  # (reused: the PID now names another process)

@@ -103,10 +103,9 @@ def _json_default(obj: Any) -> Any:
 
 def _check_finite(obj: Any, path: str) -> None:
     """JSON has no inf/nan (orjson would silently write ``null``): refuse them."""
-    if isinstance(obj, float):
-        if obj != obj or obj in (float("inf"), float("-inf")):
-            raise WireFormatError(f"meta field {path!r} is {obj}; JSON cannot carry inf/nan "
-                                  "(send it as a tensor instead)")
+    if isinstance(obj, float) and not np.isfinite(obj):
+        raise WireFormatError(f"meta field {path!r} is {obj}; JSON cannot carry inf/nan "
+                              "(send it as a tensor instead)")
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _check_finite(v, f"{path}.{k}" if path else str(k))
