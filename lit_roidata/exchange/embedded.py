@@ -143,9 +143,10 @@ class EmbeddedStore(Store):
             "embedded store at a larger directory: BlobExchange(..., shm_dir=<dir>) or "
             "LIT_ROIDATA_EXCHANGE_DIR=<dir> (in Docker, raise /dev/shm with --shm-size)")
 
-    def _write_tmp(self, path: str, chunks: list) -> str:
-        """Write ``chunks`` to a new temporary file next to ``path``; return its name (on
-        failure it is removed; no space raises :class:`ExchangeError`)."""
+    def _write_new(self, path: str, chunks: list, place: Callable[[str, str], Any]) -> Any:
+        """Write ``chunks`` to a new temporary file next to ``path``, then return
+        ``place(tmp, path)``; the temporary file is always removed (no space raises
+        :class:`ExchangeError`)."""
         tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         views = [v for v in (memoryview(c).cast("B") for c in chunks) if len(v)]
         needed, fd = sum(len(v) for v in views), None
@@ -173,7 +174,11 @@ class EmbeddedStore(Store):
                 raise self._space_error(path, exc, needed) from exc
             raise
         os.close(fd)
-        return tmp
+        try:
+            return place(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     @staticmethod
     def _read_file(path: str) -> bytearray | None:
@@ -233,16 +238,6 @@ class EmbeddedStore(Store):
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _replace(self, path: str, parts: list[bytes]) -> None:
-        """Write ``parts`` to a temp file and rename it over ``path``."""
-        tmp = self._write_tmp(path, parts)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-
     def _read_record(self, path: str, locked: bool = False) -> tuple[int, float, bytes] | None:
         """``(version, expiry, value)`` of a record file, ``None`` if there is none (a torn
         read without the lock is retried, then repeated under the lock)."""
@@ -272,9 +267,10 @@ class EmbeddedStore(Store):
         caller's lock, ``rec``: what it read)."""
         expiry = time.time() + ttl if ttl else 0.0
         if not path.endswith(_RECORD_SUFFIXES):
-            return self._replace(path, [_EXPIRY.pack(expiry), value])
+            return self._write_new(path, [_EXPIRY.pack(expiry), value], os.replace)
         if rec is None:  # create it whole
-            return self._replace(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
+            return self._write_new(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)],
+                                   os.replace)
         version = rec[0] + 1
         try:
             os.pwrite(self._recfds[path], _pack_slot(version, expiry, value),
@@ -340,8 +336,10 @@ class EmbeddedStore(Store):
         return os.path.exists(self._root + key)
 
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
-        path = self._path(key)
-        tmp = self._write_tmp(path, encoded.buffers)
+        return self._write_new(self._path(key), encoded.buffers, self._link_new)
+
+    def _link_new(self, tmp: str, path: str) -> bool:
+        """Publish ``tmp`` as ``path`` unless it exists (hard link, else exclusive rename)."""
         try:
             if self._links:
                 try:
@@ -365,9 +363,6 @@ class EmbeddedStore(Store):
                 "payload cannot be published atomically and exactly once there. Use "
                 "/dev/shm or a local file system (shm_dir=... or LIT_ROIDATA_EXCHANGE_DIR)"
             ) from exc
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
 
     def get_payload(self, key: str) -> bytearray | None:
         return self._read_file(self._root + key)
