@@ -709,7 +709,8 @@ class Channel:
                else max(_seq(got.get(self._k_ack, b"0")) - 1, 0))
         keys = [self._k_head, self._k_ack, self._k_gen, self._k_commit, *self._k_lease.values(),
                 *self._k_closed.values(), *self._k_activity.values()]
-        self._store.delete_namespace(self._ns, keys, [self._msg(s) for s in range(low + 1, head + 2)])
+        payloads = [self._msg(s) for s in range(low + 1, head + 2)]
+        self._store.delete_namespace(self._ns, keys, payloads)
         log.debug("%s: both ends closed; removed the channel's state", self.where)
 
     def __enter__(self) -> Channel:
