@@ -63,8 +63,7 @@ def load_secret(secret: str | bytes | None = None,
         try:
             secret = Path(secret_file).read_bytes().strip()
         except OSError as exc:
-            raise ValueError(f"cannot read the exchange secret file {secret_file}: {exc}"
-                             ) from exc
+            raise ValueError(f"cannot read the exchange secret file {secret_file}: {exc}") from exc
     if secret is None:
         return None
     value = secret.encode() if isinstance(secret, str) else bytes(secret)

@@ -162,8 +162,7 @@ class BlobExchangeCallback(pl.Callback):
             return
         self._restored = dict(state_dict)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                 stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

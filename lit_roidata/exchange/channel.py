@@ -563,8 +563,7 @@ class Channel:
         self._poll(f"the acknowledgement write of seq {seq}", timeout, acknowledge, w)
         return msg.tensors, msg.meta
 
-    def _accept(self, buf: bytearray, seq: int, as_torch: bool,
-                where: str) -> wire.Message | None:
+    def _accept(self, buf: bytearray, seq: int, as_torch: bool, where: str) -> wire.Message | None:
         """Decode a payload; ``None`` (after counting and deleting it) if it is forged or
         replayed under authentication."""
         key = self._ex.auth_key

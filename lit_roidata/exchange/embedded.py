@@ -105,8 +105,7 @@ class EmbeddedStore(Store):
     """File-backed :class:`~lit_roidata.exchange.backend.Store` under ``root`` (created if
     missing); ``hard_links=False`` publishes payloads with the exclusive rename."""
 
-    def __init__(self, root: str | os.PathLike | None = None, *,
-                 hard_links: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike | None = None, *, hard_links: bool = True) -> None:
         self.root = Path(root) if root is not None else default_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)

@@ -185,8 +185,7 @@ class MemcachedStore(Store):
             value = self._call(self._client.incr, k, 1)
             if value is not None:
                 return int(value)
-            self._call(self._client.add, k, str(time.time_ns() // 1000).encode(),
-                       self._ttl(ttl))
+            self._call(self._client.add, k, str(time.time_ns() // 1000).encode(), self._ttl(ttl))
         raise ExchangeError(f"{self.describe} did not keep counter {key!r}")
 
     def delete(self, key: str) -> None:

@@ -212,8 +212,7 @@ def _parse(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
             raise MessageAuthError(f"unauthenticated exchange message{where}: this end "
                                    "requires an HMAC (a secret is set) and the message has "
                                    "none (forged, or the producer has no secret)")
-        if not hmac.compare_digest(hmac.new(key, view[:end], hashlib.sha256).digest(),
-                                   view[end:]):
+        if not hmac.compare_digest(hmac.new(key, view[:end], hashlib.sha256).digest(), view[end:]):
             raise MessageAuthError(f"forged or altered exchange message{where}: its HMAC "
                                    "does not match this run's secret")
     elif tag:
