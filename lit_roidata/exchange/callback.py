@@ -138,8 +138,7 @@ class BlobExchangeCallback(pl.Callback):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.exchange is not None:
-            self.exchange.set_activity(f"training (after validation at step {self._step})",
-                                       busy=False)
+            self.exchange.set_activity(f"training (after validation at step {self._step})")
 
     def state_dict(self) -> dict[str, Any]:
         """Consumed/published sequence numbers (and the last alignment) for checkpoints.

@@ -434,8 +434,8 @@ class Channel:
         return dict(deadline=now + timeout, backoff=self._ex.poll_min, last=now, paused=0.0)
 
     def _poll(self, what: str, timeout: float, attempt: Callable[[], Any],
-              w: dict[str, float] | None = None, on_recover: Callable[[], object] | None = None,
-              writes: bool = True) -> Any:
+              w: dict[str, float] | None = None,
+              on_recover: Callable[[], object] = lambda: None, writes: bool = True) -> Any:
         """Call ``attempt`` until it returns a result, sleeping a back-off step after each
         ``None`` (or str: what it waits for instead) or unreachable store. In recover mode a
         state loss seen by a poll's read or (``writes``) before its write is rejoined, then
@@ -455,8 +455,7 @@ class Channel:
                     if not writes or not self._incarnation_moved():
                         raise
                     self._recover()  # the state was lost between a read and a write
-                if on_recover is not None:
-                    on_recover()
+                on_recover()
                 continue
             self._wait(w, waiting_for, timeout, unreachable)
 
