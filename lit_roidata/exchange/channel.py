@@ -452,7 +452,7 @@ class Channel:
                 unreachable = str(exc)
             except (_Rejoined, ExchangeStateLostError) as exc:
                 if not isinstance(exc, _Rejoined):
-                    if not writes or not self._incarnation_moved():
+                    if not writes or not self._ex.recover or not self._incarnation_moved():
                         raise
                     self._recover()  # the state was lost between a read and a write
                 on_recover()
@@ -460,9 +460,7 @@ class Channel:
             self._wait(w, waiting_for, timeout, unreachable)
 
     def _incarnation_moved(self) -> bool:
-        """Recover mode: whether the incarnation moved (a restart, not a lost message)."""
-        if not self._ex.recover:
-            return False
+        """Whether the incarnation moved (a restart, not a lost message)."""
         try:
             with self._io:
                 return self._store.get(self._k_inc) != self._incarnation
