@@ -1,9 +1,8 @@
 """``BlobExchange``: an exactly-once mailbox between training processes.
 
-The same capability as the Detectron fork's 13 global memcached keys with a "read/unread"
-status each (Detectron semantics: cross-process exchange), without their lost, duplicated
-or cross-wired messages: exactly-once, in-order delivery per named channel, over files
-(``"embedded"``, one machine) or memcached. See ``docs/exchange.md``.
+The Detectron fork's 13 global memcached keys with a "read/unread" status each (Detectron
+semantics: cross-process exchange), without their lost, duplicated or cross-wired messages:
+exactly-once, in-order delivery per named channel, over files (``"embedded"``) or memcached.
 
 >>> ex = BlobExchange("embedded", run_id="distill-1", rank=0)      # doctest: +SKIP
 >>> out = ex.channel("teacher_rpn", role="producer")                # doctest: +SKIP
@@ -53,11 +52,7 @@ def load_secret(secret: str | bytes | None = None,
                 secret_file: str | os.PathLike | None = None) -> bytes | None:
     """The exchange secret: ``secret``, else the file ``secret_file``, else
     ``$LIT_ROIDATA_EXCHANGE_SECRET``, else the file ``$LIT_ROIDATA_EXCHANGE_SECRET_FILE``;
-    ``None`` if none is set.
-
-    Raises:
-        ValueError: the secret (or its file) is empty, or the file cannot be read.
-    """
+    ``None`` if none is set. ValueError if it (or its file) is empty or unreadable."""
     source = "secret="
     if secret is None and secret_file is None:
         secret, source = os.environ.get(SECRET_ENV) or None, f"${SECRET_ENV}"
@@ -68,8 +63,7 @@ def load_secret(secret: str | bytes | None = None,
         try:
             secret = Path(secret_file).read_bytes().strip()
         except OSError as exc:
-            raise ValueError(f"cannot read the exchange secret file {secret_file}: {exc}"
-                             ) from exc
+            raise ValueError(f"cannot read the exchange secret file {secret_file}: {exc}") from exc
     if secret is None:
         return None
     value = secret.encode() if isinstance(secret, str) else bytes(secret)
@@ -87,17 +81,10 @@ def _check_name(what: str, value: Any) -> str:
 class BlobExchange:
     """Named producer/consumer channels between processes that share a run id and rank.
 
-    Channels are namespaced by ``(run_id, rank, name)``: both processes pass the same
-    ``run_id`` (e.g. the experiment name) and their DDP rank. docs/exchange.md ("API")
-    describes every argument: ``address`` is the embedded directory (default
-    ``$LIT_ROIDATA_EXCHANGE_DIR`` or ``/dev/shm``) or memcached's ``"host:port"``;
-    ``timeout``/``capacity`` are the channels' defaults; ``secret``/``secret_file``/
-    ``authenticate`` turn on HMAC-authenticated messages (default: on iff
-    ``$LIT_ROIDATA_EXCHANGE_SECRET`` or ``..._SECRET_FILE`` is set).
-
-    Raises:
-        ValueError: unknown backend, bad run id/rank/address, empty secret.
-        ExchangeError: the backend cannot be reached or initialised.
+    Channels are namespaced by ``(run_id, rank, name)``; docs/exchange.md ("API") describes
+    every argument. ``address``: the embedded directory (default ``$LIT_ROIDATA_EXCHANGE_DIR``
+    or ``/dev/shm``) or memcached's ``"host:port"``. Raises ValueError (bad argument, empty
+    secret) or ExchangeError (the backend cannot be reached or initialised).
     """
 
     def __init__(self, backend: str = "embedded", address: str | None = None,
@@ -150,6 +137,11 @@ class BlobExchange:
             from lit_roidata.exchange.embedded import EmbeddedStore
 
             self.store = EmbeddedStore(address)
+            if stale_after is not None:
+                removed = self.store.sweep_stale_runs(stale_after, keep=self.run_id)
+                if removed:
+                    log.info("removed %d stale exchange run(s) from %s: %s", len(removed),
+                             self.store.root, ", ".join(removed))
         else:
             require("pymemcache", "memcached", "the memcached BlobExchange backend")
             from lit_roidata.exchange.memcached import MemcachedStore
@@ -158,16 +150,10 @@ class BlobExchange:
                 self.store = MemcachedStore(address, chunk_size=chunk_size, key_ttl=key_ttl)
             except StoreUnavailable as exc:
                 raise ExchangeError(f"cannot start the memcached exchange: {exc}") from exc
-        if backend == "embedded" and stale_after is not None:
-            removed = self.store.sweep_stale_runs(stale_after, keep=self.run_id)
-            if removed:
-                log.info("removed %d stale exchange run(s) from %s: %s", len(removed),
-                         self.store.root, ", ".join(removed))
         #: The store key whose value names the run's incarnation (lost on a restart).
         self.incarnation_key = f"{self.run_id}/incarnation"
         self._join_lock = threading.Lock()
-        #: Every incarnation this process joined (authenticated messages from any of them
-        #: are accepted: a producer may re-publish after a recovery).
+        #: Every incarnation this process joined (a producer may re-publish after a recovery).
         self.incarnations: set[str] = set()
         try:
             self.rejoin(self.store)
@@ -178,11 +164,8 @@ class BlobExchange:
         self._hb_thread: threading.Thread | None = None
 
     def rejoin(self, store: Store) -> bytes:
-        """Create (or adopt) the run's incarnation key: on opening and after a state loss.
-
-        A server restart (or eviction) loses the key; every later operation compares it with
-        this value and raises (or rejoins) instead of reading another incarnation's state.
-        """
+        """Create (or adopt) the run's incarnation key (lost by a server restart or
+        eviction): on opening and after a state loss."""
         with self._join_lock:
             value = store.get(self.incarnation_key)
             if value is None:
@@ -198,17 +181,12 @@ class BlobExchange:
     def channel(self, name: str, role: str = "producer", *, capacity: int | None = None,
                 timeout: float | None = None, start_seq: int | None = None,
                 delivery: str = "at_most_once") -> Channel:
-        """Open one end of channel ``name``.
+        """Open one end (``role``: ``"producer"`` or ``"consumer"``) of channel ``name``.
 
-        ``role`` is ``"producer"`` (``put``) or ``"consumer"`` (``get``); ``capacity`` and
-        ``timeout`` override the exchange's. Consumer only: ``start_seq`` resumes from the
-        application's checkpoint (needs ``resume=True`` and ``delivery="exactly_once"``);
-        ``delivery="exactly_once"`` keeps payloads until :meth:`Channel.commit`.
-
-        Raises:
-            ChannelBusyError: another live process already holds this end.
-            ExchangeError: this end already made progress under this run id and
-                ``resume`` is not set.
+        Consumer only: ``start_seq`` resumes from the application's checkpoint (needs
+        ``resume=True`` and ``delivery="exactly_once"``, which keeps payloads until
+        :meth:`Channel.commit`). Raises ChannelBusyError (another live process holds this
+        end) or ExchangeError (this end made progress under this run id, no ``resume``).
         """
         _check_name("channel name", name)
         if role not in ROLES:
@@ -225,11 +203,8 @@ class BlobExchange:
         return ch
 
     def set_activity(self, activity: str, busy: bool = False) -> None:
-        """Tell the peers what this process is doing.
-
-        While ``busy``, a peer waiting on any of this exchange's channels does not count
-        the time against its timeout (up to its ``busy_timeout``); the heartbeat repeats it.
-        """
+        """Tell the peers what this process is doing; while ``busy``, their waits do not
+        count the time against their timeouts (up to ``busy_timeout``)."""
         self.activity = (str(activity), bool(busy), time.time())
         for ch in self._open_channels():
             ch.publish_activity()
@@ -269,10 +244,8 @@ class BlobExchange:
             self._channels.discard(ch)
 
     def close(self, finished: bool = True) -> None:
-        """Close every open channel (waking waiters) and stop the heartbeat thread.
-
-        ``finished=False`` keeps every stream for a later resume (see :meth:`Channel.close`).
-        """
+        """Close every open channel (waking waiters) and stop the heartbeat thread;
+        ``finished=False`` keeps every stream for a later resume."""
         for ch in self._open_channels():
             ch.close(finished)
         self._hb_stop.set()

@@ -45,27 +45,20 @@ def _first_difference(got: Any, exp: Any, path: str, rel_tol: float) -> str | No
     if isinstance(exp, bool) or isinstance(got, bool):
         return None if got is exp else path
     if isinstance(exp, float) or isinstance(got, float):
-        if isinstance(got, (int, float)) and isinstance(exp, (int, float)) and \
-                math.isclose(got, exp, rel_tol=rel_tol, abs_tol=0.0):
-            return None
-        return path
+        close = isinstance(got, (int, float)) and isinstance(exp, (int, float)) and \
+            math.isclose(got, exp, rel_tol=rel_tol, abs_tol=0.0)
+        return None if close else path
     return None if got == exp else path
 
 
 def check_alignment(meta: Mapping[str, Any], expected: Mapping[str, Any], *,
                     where: str = "", rel_tol: float = 1e-6,
                     tensors: Mapping[str, Any] | None = None) -> None:
-    """Check that every field of ``expected`` matches ``meta``; raise naming the first miss.
+    """Check that every field of ``expected`` (this process's own values) matches
+    ``meta`` (the message's); raise AlignmentError naming the first miss.
 
-    Lists/tuples/arrays compare element-wise; floats (e.g. ``im_scales``) within
-    ``rel_tol``; booleans (``flipped``) and ints (``step``, image ids) exactly. The
-    special key ``"shapes"`` (name → shape) is compared with the shapes of ``tensors``.
-    ``meta`` is what the message carries, ``expected`` this process's own values (e.g.
-    ``{"step": 12, "image_ids": [...]}``), ``where`` the channel, for the message.
-
-    Raises:
-        AlignmentError: a field is missing or differs; the message names it, both values
-            and the likely fix.
+    Sequences compare element-wise, floats within ``rel_tol``, bools and ints exactly; the
+    key ``"shapes"`` (name → shape) is compared with the shapes of ``tensors``.
     """
     got_all = to_plain(dict(meta))
     if "shapes" in expected and tensors is not None and "shapes" not in got_all:

@@ -1,10 +1,8 @@
 """The key-value primitives a backend provides to the channel protocol.
 
-Keys are logical paths ``"<run>/<rank>/<channel>/<name>"``; small values are ``bytes``;
-payloads are written once and read back as a writable ``bytearray``. Every method
-succeeds, returns its documented "absent"/"refused" value, or raises
-:class:`StoreUnavailable` (transient: retry within the deadline) or
-:class:`~lit_roidata.exchange.errors.ExchangeError`.
+Keys are logical paths ``"<run>/<rank>/<channel>/<name>"``; payloads are written once and
+read back as a writable ``bytearray``. Every method succeeds, returns its "absent"/"refused"
+value, or raises :class:`StoreUnavailable` (transient) or ``ExchangeError``.
 """
 
 from __future__ import annotations
@@ -53,18 +51,13 @@ class Store(ABC):
 
     @abstractmethod
     def incr(self, key: str, ttl: float = 0) -> int:
-        """Atomically increment a counter and return the new value (lease generations).
-        A missing counter starts from the time in microseconds (so it grows across a
-        restart that lost it)."""
+        """Atomically increment a counter and return the new value; a missing one starts
+        from the time in microseconds (so it grows across a restart that lost it)."""
 
     @abstractmethod
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
-        """Write a payload once; it becomes visible atomically and completely. ``False``
-        if ``key`` already exists (nothing was written).
-
-        Raises:
-            ExchangeError: the backend refused the data (too large, out of memory or space).
-        """
+        """Write a payload once, visible atomically and completely; ``False`` if ``key``
+        exists. ExchangeError if the backend refused it (too large, no memory or space)."""
 
     @abstractmethod
     def get_payload(self, key: str) -> bytearray | None:
@@ -81,15 +74,13 @@ class Store(ABC):
 
     #: Whether :meth:`fence` is one atomic local operation (no prior read needed).
     local_fence: bool = False
-    #: Whether the store can lose state by itself (a cache server restarting or evicting):
-    #: then every poll also checks the run's incarnation key. A directory only loses
-    #: state if someone deletes it; the heartbeat and missing keys reveal that.
+    #: Whether the store can lose state by itself (a server restarting or evicting): then
+    #: every poll also checks the run's incarnation key.
     volatile: bool = True
 
     def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
-        """Replace ``key`` (``"<seq> <gen>"``) with ``new`` unless its stored generation
-        is newer than ``gen``; return ``(done, current value or None if missing)``.
-        Only backends with ``local_fence`` implement it."""
+        """Replace ``key`` (``"<seq> <gen>"``) with ``new`` unless its generation is newer
+        than ``gen``: ``(done, current value or None)``. Backends with ``local_fence`` only."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -104,9 +95,8 @@ class Store(ABC):
 
     def read_message(self, small_keys: list[str],
                      payload_key: str) -> tuple[dict[str, bytes], bytearray | None]:
-        """Read ``small_keys`` and then the payload, in that order (one round trip if the
-        backend can). Reading the producer's head *before* the payload lets a consumer
-        tell "not yet published" from "published, then lost"."""
+        """Read ``small_keys``, then the payload (so a consumer tells "not yet published"
+        from "published, then lost"), in one round trip if the backend can."""
         return self.get_many(small_keys), self.get_payload(payload_key)
 
     def peek_many(self, keys: list[str]) -> dict[str, bytes]:

@@ -119,9 +119,8 @@ class BlobExchangeCallback(pl.Callback):
             self._out = self.exchange.channel(self.publish, "producer")
             self._published = int(restored.get("published_seq", 0)) if restored else 0
         if self.subscribe:
-            start = None
-            if restored is not None and self.delivery == "exactly_once":
-                start = int(restored.get("consumed_seq", 0)) + 1
+            start = (int(restored.get("consumed_seq", 0)) + 1 if restored is not None
+                     and self.delivery == "exactly_once" else None)
             self._in = self.exchange.channel(self.subscribe, "consumer", start_seq=start,
                                              delivery=self.delivery)
             self._consumed = self._checkpointed_seq = self._in.next_seq - 1
@@ -139,8 +138,7 @@ class BlobExchangeCallback(pl.Callback):
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.exchange is not None:
-            self.exchange.set_activity(f"training (after validation at step {self._step})",
-                                       busy=False)
+            self.exchange.set_activity(f"training (after validation at step {self._step})")
 
     def state_dict(self) -> dict[str, Any]:
         """Consumed/published sequence numbers (and the last alignment) for checkpoints.
@@ -163,8 +161,7 @@ class BlobExchangeCallback(pl.Callback):
             return
         self._restored = dict(state_dict)
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                 stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -1,8 +1,7 @@
 """One producer → one consumer channel with exactly-once, in-order delivery.
 
-Keys live under ``<run_id>/<rank>/<name>/`` (``head``, ``ack``, ``msg.<seq>``,
-``lease.<role>``, ``gen``, ``closed.<role>``, ``activity.<role>``, ``commit``). The
-protocol, the lease fencing and the recovery are described in docs/exchange.md.
+Keys live under ``<run_id>/<rank>/<name>/``; docs/exchange.md describes the protocol, the
+lease fencing and the recovery.
 """
 
 from __future__ import annotations
@@ -46,17 +45,8 @@ class _Rejoined(Exception):
 
 
 class Channel:
-    """One end (producer or consumer) of a named channel; made by ``BlobExchange.channel``.
-
-    The arguments are :meth:`BlobExchange.channel`'s (``start_seq``: the consumer's next
-    sequence number from its checkpoint; ``delivery="exactly_once"``: payloads are kept
-    until :meth:`commit`).
-
-    Raises:
-        ChannelBusyError: another live process (or object) holds this end of the channel.
-        ExchangeError: the channel has an earlier stream of this role and the exchange
-            was not opened with ``resume=True``.
-    """
+    """One end (producer or consumer) of a named channel, made (and its arguments and
+    errors documented) by :meth:`BlobExchange.channel`."""
 
     def __init__(self, exchange: Any, name: str, role: str, *, capacity: int,
                  timeout: float, start_seq: int | None = None,
@@ -73,7 +63,7 @@ class Channel:
         self._closing, self._lost, self._lost_type = False, None, LeaseLostError
         self._peer_seen: LeaseRecord | None = None
         self._peer_activity: dict[str, Any] | None = None
-        self._peer_checked = 0.0
+        self._peer_checked, self._resend, self._committed = 0.0, False, 0
         #: Messages rejected by this consumer: ``forged`` (no/bad HMAC) and ``replayed``
         #: (authentic, but stamped for another position, channel, run or incarnation).
         self.rejected = {"forged": 0, "replayed": 0}
@@ -82,13 +72,10 @@ class Channel:
             f"{ns}/{k}" for k in ("head", "ack", "gen", "commit"))
         self._k_lease, self._k_closed, self._k_activity = (
             {r: f"{ns}/{k}.{r}" for r in ROLES} for k in ("lease", "closed", "activity"))
-        # (the incarnation this end last joined)
         self._k_inc, self._incarnation = exchange.incarnation_key, exchange.incarnation
         self._pending: dict[int, wire.Encoded] = {}  # recover mode: unacknowledged messages
-        self._resend, self._committed = False, 0
-        #: head/ack value this end wrote last (the expected value of its next fenced
-        #: write, so a put/get need not read it: a write by anyone else in between makes
-        #: the compare-and-swap fail, and the key is then read again and checked).
+        #: head/ack value this end wrote last: the expected value of its next fenced write
+        #: (a write by anyone else in between fails the compare-and-swap: then it is re-read).
         self._written: dict[str, bytes] = {}
         self.where = (f"channel {name!r} ({role}; run {exchange.run_id!r}, rank "
                       f"{exchange.rank}, {self._store.describe})")
@@ -103,8 +90,8 @@ class Channel:
                 raise
 
     def _acquire_lease(self, old: bytes | None = None) -> tuple[bytes, int]:
-        """Take this end's lease with a new generation; ``old`` is this end's own record
-        from before a state loss (replaced, not a rival). Returns ``(record, gen)``."""
+        """Take this end's lease with a new generation: ``(record, gen)``. ``old``: this
+        end's own record from before a state loss (replaced, not a rival)."""
         key, ttl, s = self._k_lease[self.role], self._ex.lease_ttl, self._store
         gen = s.incr(self._k_gen)
         mine = LeaseRecord.mine(self.role, gen).dumps()
@@ -120,11 +107,10 @@ class Channel:
                     raise ChannelBusyError(f"{self.where}: after the state loss, "
                                            f"{owner.describe()} holds this end's lease")
                 raise ChannelBusyError(
-                    f"{self.where}: this channel already has a {self.role}: "
-                    f"{owner.describe()}, opened {time.time() - owner.opened_at:.1f}s ago. "
-                    f"A channel has exactly one producer and one consumer: use "
-                    f"another channel name, rank or run id. If that process is gone, its "
-                    f"lease expires within {ttl:g}s.")
+                    f"{self.where}: this channel already has a {self.role}: {owner.describe()}, "
+                    f"opened {time.time() - owner.opened_at:.1f}s ago. A channel has exactly one "
+                    "producer and one consumer: use another channel name, rank or run id. If that "
+                    f"process is gone, its lease expires within {ttl:g}s.")
             if s.cas(key, raw, mine, ttl):
                 if raw != old:
                     log.warning("%s: took over the lease of %s, which is no longer running",
@@ -209,19 +195,17 @@ class Channel:
 
     def _incarnation_lost(self, value: bytes | None) -> str:
         return (f"{self.where}: the run's incarnation key "
-                f"{'is missing' if value is None else 'changed'} on {self._store.describe}: "
-                "the server restarted (or evicted this run's keys) after this process joined, "
-                "so messages may have been lost and old data must not be trusted. Restart "
-                "both processes with a new run id, or open the exchange with "
-                "on_state_lost='recover'")
+                f"{'is missing' if value is None else 'changed'} on {self._store.describe}: the "
+                "server restarted (or evicted this run's keys) after this process joined, so "
+                "messages may have been lost and old data must not be trusted. Restart both "
+                "processes with a new run id, or open the exchange with on_state_lost='recover'")
 
     def _check_incarnation(self, got: Mapping[str, bytes]) -> None:
         if got.get(self._k_inc) != self._incarnation:
             raise ExchangeStateLostError(self._incarnation_lost(got.get(self._k_inc)))
 
     def _check_or_recover(self, got: Mapping[str, bytes]) -> None:
-        """Check the incarnation (volatile stores: polls of others do not read it, the
-        heartbeat checks it); in ``on_state_lost="recover"`` mode rejoin instead of
+        """Check the incarnation (volatile stores only); in recover mode rejoin instead of
         raising, then raise :class:`_Rejoined` (the poll retries at once)."""
         if not self._store.volatile or got.get(self._k_inc) == self._incarnation:
             return
@@ -231,9 +215,8 @@ class Channel:
         raise _Rejoined
 
     def _recover(self) -> None:
-        """Rejoin after the store lost this run's state (memcached restart): new
-        incarnation and lease; the consumer re-states its position (``ack``), the producer
-        re-publishes what the consumer has not acknowledged before its next message."""
+        """Rejoin after a state loss: new incarnation and lease; the consumer re-states its
+        ``ack``, the producer re-publishes what is unacknowledged before its next message."""
         with self._io:
             self._check_usable()
             s = self._store
@@ -269,11 +252,8 @@ class Channel:
         self._resend = False
 
     def _fenced_set(self, key: str, seq: int, raw: bytes | None) -> None:
-        """Set ``key`` (head or ack) to ``seq`` if no newer lease generation wrote it.
-
-        ``raw`` is the value read last (``None``: read it now). Raises LeaseLostError
-        (fenced out), ExchangeStateLostError (the key or the incarnation vanished).
-        """
+        """Set ``key`` (head or ack) to ``seq`` if no newer lease generation wrote it;
+        ``raw``: the value read last (``None``: read it now)."""
         new = b"%d %d" % (seq, self._gen)
         if self._store.local_fence:  # one locked read-check-write, no prior read needed
             done, cur = self._store.fence(key, new, self._gen)
@@ -317,13 +297,12 @@ class Channel:
         now = time.monotonic()
         if now - self._peer_checked < _PEER_CHECK_EVERY:
             return
-        keys = [self._k_lease[self.peer_role], self._k_closed[self.peer_role],
-                self._k_activity[self.peer_role]]
+        keys = [k[self.peer_role] for k in (self._k_lease, self._k_closed, self._k_activity)]
         with self._io:
             self._check_usable()
             got = self._store.get_many(keys)
         raw, closed, act = (got.get(k) for k in keys)
-        rec = LeaseRecord.loads(raw) if raw is not None else None
+        rec = LeaseRecord.loads(raw)
         if closed is not None and rec is None:
             info = orjson.loads(closed)
             raise ChannelClosedError(
@@ -332,8 +311,8 @@ class Channel:
                 f"while this end waited for {waiting_for}")
         self._peer_checked = time.monotonic()
         try:
-            self._peer_activity = orjson.loads(act) if act is not None else None
-        except orjson.JSONDecodeError:
+            self._peer_activity = orjson.loads(act)
+        except orjson.JSONDecodeError:  # (also None: no activity)
             self._peer_activity = None
         state = peer_liveness(rec)
         if state == "alive":
@@ -358,9 +337,8 @@ class Channel:
 
     def _wait(self, w: dict[str, float], what: str, timeout: float,
               unreachable: str | None) -> None:
-        """Sleep one back-off step; raise ExchangeTimeoutError once the deadline passed.
-        Time while the peer reports itself busy (``BlobExchange.busy``) does not count, up
-        to the exchange's ``busy_timeout``."""
+        """Sleep one back-off step; raise ExchangeTimeoutError once the deadline passed
+        (time while the peer is busy does not count, up to ``busy_timeout``)."""
         self._check_usable()
         now = time.monotonic()
         if (self._peer_activity or {}).get("busy") and w["paused"] < self._ex.busy_timeout:
@@ -392,27 +370,15 @@ class Channel:
 
     def put(self, tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None, *,
             timeout: float | None = None) -> int:
-        """Publish one message; wait (bounded) while ``capacity`` messages are unacknowledged.
-
-        ``tensors``: name → NumPy array / torch tensor (any dtype and shape); ``meta``:
-        JSON-serialisable metadata (e.g. alignment fields); ``timeout``: for the consumer's
-        acknowledgement (time while it reports itself busy does not count). Returns the
-        message's sequence number (1, 2, ...).
-
-        Raises:
-            ExchangeTimeoutError, PeerDeadError, ChannelClosedError, LeaseLostError,
-            ExchangeStateLostError, WireFormatError: see :mod:`~lit_roidata.exchange.errors`.
-        """
-        if self.role != "producer":
-            raise TypeError(f"{self.where}: put() needs a producer channel")
-        self._check_usable()
-        seq = self._next
+        """Publish one message (name → array/tensor, JSON ``meta``); return its seq (1, 2,
+        ...). Waits (bounded by ``timeout``, less the peer's busy time) while ``capacity``
+        messages are unacknowledged. Errors: see docs/exchange.md."""
+        seq, timeout = self._begin("put", "producer", timeout)
         encoded = wire.encode(tensors, meta, envelope={
             "seq": seq, "channel": self.name, "run_id": self._ex.run_id, "rank": self._ex.rank,
             "gen": self._gen, "inc": self._incarnation.decode()}, key=self._ex.auth_key)
         if self._ex.recover:  # kept for a re-publish: must not alias the caller's arrays
             encoded = wire.Encoded([encoded.tobytes()], encoded.nbytes)
-        timeout = self.timeout if timeout is None else timeout
         what = f"acknowledgement of seq {seq - self.capacity} from the consumer"
         keys = self._poll_keys(self._k_ack, self._k_head)
         # No CAS tokens needed unless head is read: otherwise its token is this end's own.
@@ -451,26 +417,29 @@ class Channel:
         return self._poll(what, timeout, attempt,
                           on_recover=lambda: state.update(stored=False, failed=False))
 
+    def _begin(self, op: str, role: str, timeout: float | None) -> tuple[int, float]:
+        if self.role != role:
+            raise TypeError(f"{self.where}: {op}() needs a {role} channel")
+        self._check_usable()
+        return self._next, self.timeout if timeout is None else timeout
+
     def _poll_keys(self, theirs: str, mine: str) -> list[str]:
-        """What a poll reads: the incarnation (volatile stores), the peer's position and,
-        unless this end wrote it last, its own (its CAS token makes the fenced write 1 RTT)."""
+        """What a poll reads: the incarnation (volatile stores), the peer's position and its
+        own unless this end wrote it last (its CAS token makes the fenced write 1 RTT)."""
         keys = [self._k_inc, theirs] if self._store.volatile else [theirs]
         return keys if self._store.local_fence or mine in self._written else [*keys, mine]
 
     def _waiter(self, timeout: float) -> dict[str, float]:
         now = time.monotonic()
-        return {"deadline": now + timeout, "backoff": self._ex.poll_min, "last": now,
-                "paused": 0.0}
+        return dict(deadline=now + timeout, backoff=self._ex.poll_min, last=now, paused=0.0)
 
     def _poll(self, what: str, timeout: float, attempt: Callable[[], Any],
-              w: dict[str, float] | None = None, on_recover: Callable[[], object] | None = None,
-              writes: bool = True) -> Any:
-        """Call ``attempt`` until it returns a result, sleeping a back-off step (bounded by
-        the deadline, see :meth:`_wait`) after each ``None`` (or str: what it waits for
-        instead of ``what``) and while the store is unreachable. In recover mode a state
-        loss seen by a poll's read (:class:`_Rejoined`) or, if ``attempt`` ``writes``,
-        between its read and its write is rejoined (then ``on_recover()``) and ``attempt``
-        called again at once."""
+              w: dict[str, float] | None = None,
+              on_recover: Callable[[], object] = lambda: None, writes: bool = True) -> Any:
+        """Call ``attempt`` until it returns a result, sleeping a back-off step after each
+        ``None`` (or str: what it waits for instead) or unreachable store. In recover mode a
+        state loss seen by a poll's read or (``writes``) before its write is rejoined, then
+        ``on_recover()`` and ``attempt`` again at once."""
         w = w or self._waiter(timeout)
         while True:
             unreachable, waiting_for = None, what
@@ -483,19 +452,15 @@ class Channel:
                 unreachable = str(exc)
             except (_Rejoined, ExchangeStateLostError) as exc:
                 if not isinstance(exc, _Rejoined):
-                    if not writes or not self._incarnation_moved():
+                    if not writes or not self._ex.recover or not self._incarnation_moved():
                         raise
                     self._recover()  # the state was lost between a read and a write
-                if on_recover is not None:
-                    on_recover()
+                on_recover()
                 continue
             self._wait(w, waiting_for, timeout, unreachable)
 
     def _incarnation_moved(self) -> bool:
-        """Recover mode: whether the run's incarnation differs from the one this end
-        joined (a restart, as opposed to a lost message, which is not recoverable)."""
-        if not self._ex.recover:
-            return False
+        """Whether the incarnation moved (a restart, not a lost message)."""
         try:
             with self._io:
                 return self._store.get(self._k_inc) != self._incarnation
@@ -539,26 +504,14 @@ class Channel:
 
     def get(self, timeout: float | None = None, *, expect: Mapping[str, Any] | None = None,
             as_torch: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Take the next message, in order and exactly once.
+        """Take the next message, in order and exactly once: ``(tensors, meta)``.
 
-        Returns ``(tensors, meta)``. ``timeout``: seconds (time while the producer reports
-        itself busy does not count); ``expect``: alignment fields checked
-        (:func:`~lit_roidata.exchange.alignment.check_alignment`) before the message is
-        acknowledged (a mismatch leaves it pending); ``as_torch``: torch tensors instead of
-        NumPy arrays (bfloat16/float8 always are).
-
-        Raises:
-            ExchangeTimeoutError, PeerDeadError, ChannelClosedError (the producer closed
-            after every pending message, or this end was closed), SequenceError,
-            WireFormatError, AlignmentError, ExchangeStateLostError, LeaseLostError. A
-            forged or replayed message is never returned: with authentication on it is
-            counted in :attr:`rejected`, deleted, and the wait goes on.
+        ``expect``: alignment fields checked (:func:`check_alignment`) before the message is
+        acknowledged; ``as_torch``: torch tensors (bfloat16/float8 always are). Forged or
+        replayed messages are counted in :attr:`rejected` and skipped. Errors: see
+        docs/exchange.md.
         """
-        if self.role != "consumer":
-            raise TypeError(f"{self.where}: get() needs a consumer channel")
-        self._check_usable()
-        seq = self._next
-        timeout = self.timeout if timeout is None else timeout
+        seq, timeout = self._begin("get", "consumer", timeout)
         w, what = self._waiter(timeout), f"message seq {seq} from the producer"
         small = self._poll_keys(self._k_head, self._k_ack)
         where = f"{self.where}, seq {seq}"
@@ -588,9 +541,8 @@ class Channel:
         raws = [got.get(self._k_ack, self._written.get(self._k_ack))]
 
         def acknowledge() -> bool:
-            """Set ``ack`` (fenced) and drop the payload. A ``close()`` that started
-            meanwhile wins: the message stays pending, the tombstone's ``last_seq`` is
-            ``ack``. A retry re-reads ``ack`` (a restart in between is then reported)."""
+            """Set ``ack`` (fenced) and drop the payload; a ``close()`` that started
+            meanwhile wins (the message stays pending). A retry re-reads ``ack``."""
             with self._io:
                 self._check_usable()
                 self._fenced_set(self._k_ack, seq, raws.pop() if raws else None)
@@ -608,8 +560,7 @@ class Channel:
         self._poll(f"the acknowledgement write of seq {seq}", timeout, acknowledge, w)
         return msg.tensors, msg.meta
 
-    def _accept(self, buf: bytearray, seq: int, as_torch: bool,
-                where: str) -> wire.Message | None:
+    def _accept(self, buf: bytearray, seq: int, as_torch: bool, where: str) -> wire.Message | None:
         """Decode a payload; ``None`` (after counting and deleting it) if it is forged or
         replayed under authentication."""
         key = self._ex.auth_key
@@ -640,11 +591,8 @@ class Channel:
             self._store.delete_payload(self._msg(seq))
 
     def commit(self, seq: int) -> None:
-        """Exactly-once consumers: the application's checkpoint now covers ``seq``.
-
-        Payloads up to ``seq`` are deleted (a consumer restarted from that checkpoint
-        never needs them again). Call it only once the checkpoint is durable.
-        """
+        """Exactly-once consumers: the (durable) checkpoint now covers ``seq``, so payloads
+        up to ``seq`` are deleted."""
         if self.role != "consumer":
             raise TypeError(f"{self.where}: commit() needs a consumer channel")
         seq = min(seq, self._next - 1)
@@ -720,13 +668,9 @@ class Channel:
             self._store.delete(self._k_lease[self.role])
 
     def close(self, finished: bool = True) -> None:
-        """Leave a tombstone, release the lease and wake a waiting ``get``/``put``.
-
-        Safe from another thread (a blocked ``get`` raises :class:`ChannelClosedError`; a
-        message it already read stays pending) and more than once. When the peer closed
-        cleanly too, the channel's state is removed, unless ``finished=False`` (e.g.
-        closing on an exception: the stream stays resumable from a checkpoint).
-        """
+        """Leave a tombstone, release the lease and wake a waiting ``get``/``put`` (safe
+        from another thread, idempotent). Once both ends closed, the channel's state is
+        removed unless ``finished=False`` (the stream stays resumable)."""
         if self._closing:
             return
         self._closing = True
@@ -761,7 +705,8 @@ class Channel:
                else max(_seq(got.get(self._k_ack, b"0")) - 1, 0))
         keys = [self._k_head, self._k_ack, self._k_gen, self._k_commit, *self._k_lease.values(),
                 *self._k_closed.values(), *self._k_activity.values()]
-        self._store.delete_namespace(self._ns, keys, [self._msg(s) for s in range(low + 1, head + 2)])
+        payloads = [self._msg(s) for s in range(low + 1, head + 2)]
+        self._store.delete_namespace(self._ns, keys, payloads)
         log.debug("%s: both ends closed; removed the channel's state", self.where)
 
     def __enter__(self) -> Channel:

@@ -88,11 +88,8 @@ def rename_noreplace(src: str, dst: str) -> None:
                   _RENAME_NOREPLACE) == 0:
         return
     err = ctypes.get_errno()
-    if err == errno.EEXIST:
-        raise FileExistsError(err, os.strerror(err), dst)
-    if err in (errno.EINVAL, errno.ENOSYS):
-        err = errno.ENOTSUP
-    raise OSError(err, os.strerror(err), dst)
+    err = errno.ENOTSUP if err in (errno.EINVAL, errno.ENOSYS) else err
+    raise OSError(err, os.strerror(err), dst)  # (EEXIST makes it a FileExistsError)
 
 
 def default_root() -> Path:
@@ -106,11 +103,9 @@ def default_root() -> Path:
 
 class EmbeddedStore(Store):
     """File-backed :class:`~lit_roidata.exchange.backend.Store` under ``root`` (created if
-    missing). ``hard_links=False`` publishes payloads with the exclusive rename instead of
-    ``link`` (what happens by itself on a file system without hard links)."""
+    missing); ``hard_links=False`` publishes payloads with the exclusive rename."""
 
-    def __init__(self, root: str | os.PathLike | None = None, *,
-                 hard_links: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike | None = None, *, hard_links: bool = True) -> None:
         self.root = Path(root) if root is not None else default_root()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -147,10 +142,10 @@ class EmbeddedStore(Store):
             "embedded store at a larger directory: BlobExchange(..., shm_dir=<dir>) or "
             "LIT_ROIDATA_EXCHANGE_DIR=<dir> (in Docker, raise /dev/shm with --shm-size)")
 
-    def _write_tmp(self, path: str, chunks: list) -> str:
-        """Write ``chunks`` to a new temporary file next to ``path``; return its name. On
-        failure it is removed; no space (or a file size limit) raises :class:`ExchangeError`
-        naming the directory and the sizes."""
+    def _write_new(self, path: str, chunks: list, place: Callable[[str, str], Any]) -> Any:
+        """Write ``chunks`` to a new temporary file next to ``path``, then return
+        ``place(tmp, path)``; the temporary file is always removed (no space raises
+        :class:`ExchangeError`)."""
         tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
         views = [v for v in (memoryview(c).cast("B") for c in chunks) if len(v)]
         needed, fd = sum(len(v) for v in views), None
@@ -178,7 +173,11 @@ class EmbeddedStore(Store):
                 raise self._space_error(path, exc, needed) from exc
             raise
         os.close(fd)
-        return tmp
+        try:
+            return place(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
     @staticmethod
     def _read_file(path: str) -> bytearray | None:
@@ -208,8 +207,8 @@ class EmbeddedStore(Store):
 
     @staticmethod
     def _fd(cache: dict[str, int], path: str, flags: int) -> int | None:
-        """A kept-open fd of ``path``, re-opened once the file was removed (the channel
-        was deleted, maybe re-created); ``None`` if it does not exist."""
+        """A kept-open fd of ``path`` (re-opened once the file was removed), ``None`` if it
+        does not exist."""
         fd = cache.get(path)
         if fd is not None and os.fstat(fd).st_nlink:
             return fd
@@ -238,21 +237,9 @@ class EmbeddedStore(Store):
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def _replace(self, path: str, parts: list[bytes]) -> None:
-        """Write ``parts`` to a temp file and rename it over ``path`` (no partial file
-        is ever visible; the temp file is removed on failure)."""
-        tmp = self._write_tmp(path, parts)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-
     def _read_record(self, path: str, locked: bool = False) -> tuple[int, float, bytes] | None:
-        """``(version, expiry, value)`` of a record file, ``None`` if there is none.
-        Without the lock, a read that finds both slots torn is retried, then repeated under
-        the lock."""
+        """``(version, expiry, value)`` of a record file, ``None`` if there is none (a torn
+        read without the lock is retried, then repeated under the lock)."""
         for _ in range(1 if locked else _TORN_RETRIES):
             fd = self._fd(self._recfds, path, os.O_RDWR)
             if fd is None:
@@ -275,13 +262,14 @@ class EmbeddedStore(Store):
         return (None if expired else rec[2]), rec
 
     def _write(self, path: str, value: bytes, ttl: float, rec: tuple | None) -> None:
-        """Replace a small value's file; rewrite a record's older slot in place (the
-        caller holds the lock and passes what it read under it)."""
+        """Replace a small value's file; rewrite a record's older slot in place (under the
+        caller's lock, ``rec``: what it read)."""
         expiry = time.time() + ttl if ttl else 0.0
         if not path.endswith(_RECORD_SUFFIXES):
-            return self._replace(path, [_EXPIRY.pack(expiry), value])
+            return self._write_new(path, [_EXPIRY.pack(expiry), value], os.replace)
         if rec is None:  # create it whole
-            return self._replace(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)])
+            return self._write_new(path, [_pack_slot(0, expiry, value) + bytes(_SLOT_SIZE)],
+                                   os.replace)
         version = rec[0] + 1
         try:
             os.pwrite(self._recfds[path], _pack_slot(version, expiry, value),
@@ -323,8 +311,7 @@ class EmbeddedStore(Store):
 
     def fence(self, key: str, new: bytes, gen: int) -> tuple[bool, bytes | None]:
         def decide(cur: bytes | None) -> tuple:
-            parts = (cur or b"").split(b" ", 1)
-            if cur is None or (len(parts) > 1 and int(parts[1]) > gen):
+            if cur is None or (b" " in cur and int(cur.split(b" ", 1)[1]) > gen):
                 return None, (False, cur)
             return (new if cur != new else None), (True, cur)
 
@@ -348,8 +335,10 @@ class EmbeddedStore(Store):
         return os.path.exists(self._root + key)
 
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
-        path = self._path(key)
-        tmp = self._write_tmp(path, encoded.buffers)
+        return self._write_new(self._path(key), encoded.buffers, self._link_new)
+
+    def _link_new(self, tmp: str, path: str) -> bool:
+        """Publish ``tmp`` as ``path`` unless it exists (hard link, else exclusive rename)."""
         try:
             if self._links:
                 try:
@@ -373,9 +362,6 @@ class EmbeddedStore(Store):
                 "payload cannot be published atomically and exactly once there. Use "
                 "/dev/shm or a local file system (shm_dir=... or LIT_ROIDATA_EXCHANGE_DIR)"
             ) from exc
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
 
     def get_payload(self, key: str) -> bytearray | None:
         return self._read_file(self._root + key)
@@ -383,11 +369,8 @@ class EmbeddedStore(Store):
     delete_payload = delete
 
     def sweep_stale_runs(self, stale_after: float, keep: str | None = None) -> list[str]:
-        """Remove run directories under the root that nobody owns any more; return their ids.
-
-        Stale: no lease file names a live owner and no file changed for ``stale_after``
-        seconds. ``keep`` (this process's run id) is never removed.
-        """
+        """Remove run directories (but ``keep``) with no live lease owner and no file changed
+        for ``stale_after`` seconds; return their ids."""
         from lit_roidata.exchange.lease import LeaseRecord, peer_liveness
 
         removed, now = [], time.time()
@@ -407,8 +390,7 @@ class EmbeddedStore(Store):
                     except OSError:
                         continue
                     if name.startswith("lease.") and not name.endswith(".tmp"):
-                        raw = self._read_small(full)
-                        rec = LeaseRecord.loads(raw) if raw is not None else None
+                        rec = LeaseRecord.loads(self._read_small(full))
                         live = live or peer_liveness(rec) == "alive"
                 if live:
                     break
@@ -418,8 +400,8 @@ class EmbeddedStore(Store):
         return removed
 
     def remove_run_if_unused(self, run_id: str) -> bool:
-        """Remove ``<root>/<run_id>`` if no channel directory is left in it (every channel
-        of the run was closed by both ends); return whether it was removed."""
+        """Remove ``<root>/<run_id>`` if no channel directory is left in it; return whether
+        it was removed."""
         run = self._root + run_id
         try:
             entries = list(os.scandir(run))
@@ -452,8 +434,7 @@ class EmbeddedStore(Store):
         return EmbeddedStore(self.root, hard_links=self._links)
 
     def close(self) -> None:
-        fds, self._lockfds = self._lockfds, {}
-        recs, self._recfds = self._recfds, {}
-        for fd in [*fds.values(), *recs.values()]:
+        for fd in [*self._lockfds.values(), *self._recfds.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self._lockfds, self._recfds = {}, {}

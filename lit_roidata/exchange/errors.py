@@ -1,9 +1,5 @@
-"""Exceptions raised by :mod:`lit_roidata.exchange`.
-
-Every error names the channel (run id, rank, channel name) and, where there is one, the
-peer, so a stuck or crashed pair of training processes can be diagnosed from one line.
-All derive from :class:`ExchangeError` so callers can catch the family at once.
-"""
+"""Exceptions raised by :mod:`lit_roidata.exchange`, all :class:`ExchangeError`s; each
+names the channel (run id, rank, name) and, where there is one, the peer."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Ownership leases: one producer and one consumer per channel, dead owners detected.
 
 Each end holds a lease record (JSON) with a TTL refreshed by a heartbeat. A peer is
-*absent* (no record), *dead* (a record whose process is gone, seen at once on the same
-kernel) or *alive* (a record on another machine is trusted until its TTL runs out).
+*absent* (no record), *dead* (its process is gone, seen at once on the same kernel) or
+*alive* (a record on another machine is trusted until its TTL runs out).
 """
 
 from __future__ import annotations
@@ -47,18 +47,21 @@ class LeaseRecord:
     @classmethod
     def mine(cls, role: str, gen: int = 0) -> LeaseRecord:
         """A fresh record for this process, holding lease generation ``gen``."""
-        pid = os.getpid()
-        return cls(token=uuid.uuid4().hex, role=role, pid=pid, hostname=socket.gethostname(),
-                   host_id=host_identity(), create_time=_create_time(pid) or 0.0,
-                   opened_at=time.time(), gen=gen)
+        try:
+            created = psutil.Process().create_time()
+        except psutil.Error:
+            created = 0.0
+        return cls(token=uuid.uuid4().hex, role=role, pid=os.getpid(),
+                   hostname=socket.gethostname(), host_id=host_identity(),
+                   create_time=created, opened_at=time.time(), gen=gen)
 
     def dumps(self) -> bytes:
         """Serialise to the stored value."""
         return orjson.dumps(asdict(self))
 
     @classmethod
-    def loads(cls, raw: bytes) -> LeaseRecord | None:
-        """Parse a stored value; ``None`` if it is not a lease record."""
+    def loads(cls, raw: bytes | None) -> LeaseRecord | None:
+        """Parse a stored value; ``None`` if it is none or not a lease record."""
         try:
             return cls(**orjson.loads(raw))
         except (orjson.JSONDecodeError, TypeError):
@@ -67,13 +70,6 @@ class LeaseRecord:
     def describe(self) -> str:
         """``"producer pid 123 on host"`` for error messages."""
         return f"{self.role} pid {self.pid} on {self.hostname}"
-
-
-def _create_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
 
 
 def peer_liveness(record: LeaseRecord | None) -> str:
@@ -86,11 +82,9 @@ def peer_liveness(record: LeaseRecord | None) -> str:
         proc = psutil.Process(record.pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return "dead"
-        started = proc.create_time()
+        reused = record.create_time and abs(proc.create_time() - record.create_time) > 1.0
     except psutil.NoSuchProcess:
         return "dead"
     except psutil.AccessDenied:
         return "alive"
-    if record.create_time and abs(started - record.create_time) > 1.0:
-        return "dead"  # the PID was reused by another process
-    return "alive"
+    return "dead" if reused else "alive"  # (reused: the PID now names another process)

@@ -108,10 +108,8 @@ class MemcachedStore(Store):
     _k = staticmethod(_memcached_key)
 
     def _ttl(self, ttl: float) -> int:
-        # memcached expiry is in whole seconds on a clock that ticks once a second, so a
-        # relative expiry of n lives between n-1 and n seconds: add one so an item lives
-        # at least ``ttl`` seconds (a lease must not lapse between two heartbeats).
-        # ``ttl=0`` means "the store's key_ttl", so no key lives forever.
+        # A relative expiry of n (whole seconds) lives between n-1 and n seconds: add one so
+        # a lease cannot lapse between two heartbeats. 0: the store's key_ttl.
         ttl = ttl or self.key_ttl
         return 0 if not ttl else min(math.ceil(ttl) + 1, _MAX_RELATIVE_TTL)
 
@@ -151,11 +149,8 @@ class MemcachedStore(Store):
         return value == expected and bool(self._cas_write(k, new, token, ttl_s))
 
     def _cas_write(self, k: bytes, new: bytes, token: bytes, ttl: int) -> bool | None:
-        """Meta-set ``k`` to ``new`` iff its CAS token is ``token``; remember the new token.
-
-        Returns ``True`` if stored, ``False`` if the key is missing, ``None`` if its token
-        changed (someone wrote it since ``token`` was read).
-        """
+        """Meta-set ``k`` to ``new`` iff its CAS token is ``token`` (then remember the new
+        one): ``True`` if stored, ``False`` if the key is missing, ``None`` if written since."""
         stored, line = self._meta(b"ms %b %d T%d C%b c\r\n%b" % (k, len(new), ttl, token, new),
                                   {b"HD": True, b"EX": None, b"NF": False})
         if stored:
@@ -190,8 +185,7 @@ class MemcachedStore(Store):
             value = self._call(self._client.incr, k, 1)
             if value is not None:
                 return int(value)
-            self._call(self._client.add, k, str(time.time_ns() // 1000).encode(),
-                       self._ttl(ttl))
+            self._call(self._client.add, k, str(time.time_ns() // 1000).encode(), self._ttl(ttl))
         raise ExchangeError(f"{self.describe} did not keep counter {key!r}")
 
     def delete(self, key: str) -> None:
@@ -203,8 +197,7 @@ class MemcachedStore(Store):
         return self._meta(b"mg " + self._k(key), {b"HD": True, b"EN": False})[0]
 
     def put_payload(self, key: str, encoded: Encoded, ttl: float = 0) -> bool:
-        one = encoded.buffers[0] if len(encoded.buffers) == 1 else None
-        data = one if isinstance(one, bytes) else encoded.tobytes()
+        data = encoded.tobytes()  # (a single bytes buffer is returned as is: no copy)
         head, names, size = data, [], self.chunk_size
         if len(data) > size:
             n, view = math.ceil(len(data) / size), memoryview(data)

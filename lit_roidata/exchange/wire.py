@@ -38,7 +38,8 @@ _NUMPY_TYPES: dict[str, np.dtype] = {name: np.dtype(name).newbyteorder("<") for 
 # Torch-only types (the torch dtype's name) -> the same-width integer carrier.
 _TORCH_ONLY: dict[str, str] = {"bfloat16": "int16", **dict.fromkeys(
     ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"), "uint8")}
-SUPPORTED_DTYPES: tuple[str, ...] = tuple(_NUMPY_TYPES) + tuple(_TORCH_ONLY)
+_CARRIERS = {**_NUMPY_TYPES, **{k: _NUMPY_TYPES[v] for k, v in _TORCH_ONLY.items()}}
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(_CARRIERS)
 
 
 def _align(n: int) -> int:
@@ -78,8 +79,7 @@ def _to_numpy(name: str, value: Any) -> tuple[str, np.ndarray]:
             t = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
             tname = str(t.dtype).removeprefix("torch.")
             if tname in _TORCH_ONLY:
-                carrier = getattr(torch, _TORCH_ONLY[tname])
-                return tname, t.view(carrier).numpy()
+                return tname, t.view(getattr(torch, _TORCH_ONLY[tname])).numpy()
             value = t.numpy()
     arr = np.asarray(value)
     dname = arr.dtype.name
@@ -103,10 +103,9 @@ def _json_default(obj: Any) -> Any:
 
 def _check_finite(obj: Any, path: str) -> None:
     """JSON has no inf/nan (orjson would silently write ``null``): refuse them."""
-    if isinstance(obj, float):
-        if obj != obj or obj in (float("inf"), float("-inf")):
-            raise WireFormatError(f"meta field {path!r} is {obj}; JSON cannot carry inf/nan "
-                                  "(send it as a tensor instead)")
+    if isinstance(obj, float) and not np.isfinite(obj):
+        raise WireFormatError(f"meta field {path!r} is {obj}; JSON cannot carry inf/nan "
+                              "(send it as a tensor instead)")
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
             _check_finite(v, f"{path}.{k}" if path else str(k))
@@ -119,31 +118,15 @@ def _check_finite(obj: Any, path: str) -> None:
                                   "them (send it as a tensor instead)")
 
 
-def _dumps(obj: Any, what: str) -> bytes:
-    _check_finite(obj.get("meta", {}), "")
-    try:
-        return orjson.dumps(obj, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
-    except (TypeError, orjson.JSONEncodeError) as exc:
-        raise WireFormatError(f"{what} must be JSON-serialisable (numbers, strings, lists, "
-                              f"dicts with str keys, NumPy arrays): {exc}") from exc
-
-
 def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
            envelope: Mapping[str, Any] | None = None, *, key: bytes | None = None
            ) -> Encoded:
-    """Encode named arrays/tensors and JSON metadata into the wire format.
-
-    ``tensors``: name -> NumPy array, torch tensor (any device; detached, copied to the CPU)
-    or anything ``np.asarray`` accepts, any shape; ``meta``: JSON-serialisable user
-    metadata; ``envelope``: channel bookkeeping (seq, channel, run id, rank); ``key``: HMAC
-    key (the message is then authenticated, ``FLAG_HMAC``). The array data are not copied.
-
-    Raises:
-        WireFormatError: an unsupported dtype, a non-str name, or non-JSON metadata.
-    """
+    """Encode named arrays/tensors (any device, dtype of :data:`SUPPORTED_DTYPES`, shape)
+    and JSON metadata, without copying the array data; ``key``: HMAC key (``FLAG_HMAC``).
+    WireFormatError on an unsupported dtype, a non-str name or non-JSON metadata."""
     if not isinstance(tensors, Mapping):
         raise WireFormatError(f"tensors must be a dict of name -> array, got {type(tensors)}")
-    entries, arrays, offset = [], [], 0
+    entries, data, offset = [], [], 0
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             raise WireFormatError(f"tensor names must be non-empty strings, got {name!r}")
@@ -151,25 +134,26 @@ def encode(tensors: Mapping[str, Any], meta: Mapping[str, Any] | None = None,
         entries.append({"name": name, "dtype": dname,
                         "byteorder": "|" if arr.dtype.itemsize == 1 else "<",
                         "shape": list(arr.shape), "offset": offset, "nbytes": arr.nbytes})
-        arrays.append(arr)
-        offset = _align(offset + arr.nbytes)
-    data_len = offset
-    header = _dumps({"envelope": dict(envelope or {}), "meta": dict(meta or {}),
-                     "tensors": entries}, "meta")
-    body: list[Any] = [header, bytes(_align(_PREFIX.size + len(header)) - _PREFIX.size
-                                     - len(header))]
-    for arr, entry in zip(arrays, entries):
         if arr.nbytes:
-            body.append(memoryview(arr.reshape(-1).view(np.uint8)))
-        pad = _align(entry["offset"] + arr.nbytes) - entry["offset"] - arr.nbytes
-        if pad:
-            body.append(bytes(pad))
+            data.append(memoryview(arr.reshape(-1).view(np.uint8)))
+        if arr.nbytes % _ALIGN:
+            data.append(bytes(-arr.nbytes % _ALIGN))
+        offset = _align(offset + arr.nbytes)
+    meta = dict(meta or {})
+    _check_finite(meta, "")
+    try:
+        header = orjson.dumps({"envelope": dict(envelope or {}), "meta": meta,
+                               "tensors": entries}, default=_json_default,
+                              option=orjson.OPT_SERIALIZE_NUMPY)
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise WireFormatError(f"meta must be JSON-serialisable (numbers, strings, lists, "
+                              f"dicts with str keys, NumPy arrays): {exc}") from exc
+    body: list[Any] = [header, bytes(-(_PREFIX.size + len(header)) % _ALIGN), *data]
     crc = 0
-    if key is None:  # with an HMAC the tag covers corruption too
-        for buf in body:
-            crc = zlib.crc32(buf, crc)
-    flags = FLAG_HMAC if key is not None else 0
-    prefix = _PREFIX.pack(MAGIC, VERSION, flags, len(header), crc, data_len)
+    for buf in body if key is None else ():  # with an HMAC the tag covers corruption too
+        crc = zlib.crc32(buf, crc)
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0 if key is None else FLAG_HMAC, len(header), crc,
+                          offset)
     buffers = [prefix, *body]
     if key is not None:
         mac = hmac.new(key, prefix, hashlib.sha256)
@@ -185,18 +169,9 @@ def _fail(where: str, msg: str) -> WireFormatError:
 
 def decode(buf: bytes | bytearray | memoryview, *, as_torch: bool = False,
            where: str = "", key: bytes | None = None) -> Message:
-    """Decode and validate a message produced by :func:`encode`.
-
-    Arrays share ``buf``'s memory (writable if ``buf`` is a ``bytearray``); ``as_torch``
-    returns torch tensors; ``where`` names the channel and seq in errors; with ``key`` only
-    authenticated messages with a valid HMAC tag are read.
-
-    Raises:
-        MessageAuthError: forged or altered, unauthenticated while ``key`` is set, or
-            authenticated while ``key`` is not.
-        WireFormatError: bad magic/version/flags, truncated data, CRC mismatch, inconsistent
-            tensor table or unknown dtype.
-    """
+    """Decode and validate a message produced by :func:`encode`; arrays share ``buf``'s
+    memory. With ``key`` only messages with a valid HMAC tag are read (else
+    MessageAuthError); a corrupt one raises WireFormatError."""
     view, data_start, data_len, header = _parse(buf, where, key)
     data = view[data_start:data_start + data_len]
     tensors = {e["name"]: _decode_one(e, data, data_len, as_torch, where)
@@ -212,8 +187,8 @@ def read_envelope(buf: bytes | bytearray | memoryview, *, key: bytes | None = No
 
 def _parse(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
            ) -> tuple[memoryview, int, int, dict[str, Any]]:
-    """Check prefix, length, HMAC (or CRC-32) and header; ``(view, data start, data
-    length, header)``."""
+    """Check prefix, length, HMAC (or CRC-32) and header: ``(view, data start, length,
+    header)``."""
     view = memoryview(buf).cast("B")
     if len(view) < _PREFIX.size:
         raise _fail(where, f"{len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
@@ -237,8 +212,7 @@ def _parse(buf: bytes | bytearray | memoryview, where: str, key: bytes | None
             raise MessageAuthError(f"unauthenticated exchange message{where}: this end "
                                    "requires an HMAC (a secret is set) and the message has "
                                    "none (forged, or the producer has no secret)")
-        if not hmac.compare_digest(hmac.new(key, view[:end], hashlib.sha256).digest(),
-                                   view[end:]):
+        if not hmac.compare_digest(hmac.new(key, view[:end], hashlib.sha256).digest(), view[end:]):
             raise MessageAuthError(f"forged or altered exchange message{where}: its HMAC "
                                    "does not match this run's secret")
     elif tag:
@@ -259,11 +233,8 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
                 where: str) -> Any:
     name, dname, shape = e["name"], e["dtype"], tuple(int(s) for s in e["shape"])
     offset, nbytes, order = int(e["offset"]), int(e["nbytes"]), e["byteorder"]
-    if dname in _NUMPY_TYPES:
-        carrier = _NUMPY_TYPES[dname]
-    elif dname in _TORCH_ONLY:
-        carrier = np.dtype(_TORCH_ONLY[dname]).newbyteorder("<")
-    else:
+    carrier = _CARRIERS.get(dname)
+    if carrier is None:
         raise _fail(where, f"tensor {name!r} has unknown dtype {dname!r}")
     if order == ">":
         carrier = carrier.newbyteorder(">")
