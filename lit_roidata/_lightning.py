@@ -252,8 +252,7 @@ def bind(cls: T, namespace: str) -> T:
                 setattr(new, k, rebound)
         new.__module__, new.__qualname__ = _BOUND_MODULE[namespace], src.__qualname__
         setattr(new, _SOURCE_ATTR, src)
-        unbound = unbound_super_calls(new)
-        if unbound:
+        if unbound := unbound_super_calls(new):
             raise TypeError(f"cannot bind {src.__module__}.{src.__qualname__} to {namespace}: "
                             + "; ".join(unbound) + ". bind rebinds plain functions, "
                             "staticmethod, classmethod, property and functools.wraps "

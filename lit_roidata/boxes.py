@@ -52,14 +52,11 @@ def iou_kernel(
     iw, ih, tmp = work
     if out is None:
         out = np.empty(iw.shape, np.float32)
-    np.minimum(ax2, bx2, out=iw)
-    iw -= np.maximum(ax1, bx1, out=tmp)
-    iw += 1
-    np.maximum(iw, 0, out=iw)
-    np.minimum(ay2, by2, out=ih)
-    ih -= np.maximum(ay1, by1, out=tmp)
-    ih += 1
-    np.maximum(ih, 0, out=ih)
+    for side, lo_a, lo_b, hi_a, hi_b in ((iw, ax1, bx1, ax2, bx2), (ih, ay1, by1, ay2, by2)):
+        np.minimum(hi_a, hi_b, out=side)
+        side -= np.maximum(lo_a, lo_b, out=tmp)
+        side += 1
+        np.maximum(side, 0, out=side)
     iw *= ih  # intersection
     np.add(a_area, b_area, out=tmp)
     tmp -= iw  # union
@@ -132,10 +129,8 @@ def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tenso
 def _targets(xp: Any, ex: Any, gt: Any, weights: tuple[float, float, float, float]) -> Any:
     """The target arithmetic on float64 rows, for ``xp`` = numpy or torch (same steps)."""
     wx, wy, ww, wh = weights
-    ex_w = ex[:, 2] - ex[:, 0] + 1.0
-    ex_h = ex[:, 3] - ex[:, 1] + 1.0
-    gt_w = gt[:, 2] - gt[:, 0] + 1.0
-    gt_h = gt[:, 3] - gt[:, 1] + 1.0
+    ex_w, ex_h = ex[:, 2] - ex[:, 0] + 1.0, ex[:, 3] - ex[:, 1] + 1.0
+    gt_w, gt_h = gt[:, 2] - gt[:, 0] + 1.0, gt[:, 3] - gt[:, 1] + 1.0
     dx = (gt[:, 0] + 0.5 * gt_w) - (ex[:, 0] + 0.5 * ex_w)
     dy = (gt[:, 1] + 0.5 * gt_h) - (ex[:, 1] + 0.5 * ex_h)
     return xp.stack([wx * dx / ex_w, wy * dy / ex_h, ww * xp.log(gt_w / ex_w),
@@ -164,17 +159,13 @@ def _decode(xp: Any, b: Any, d: Any, weights: tuple[float, float, float, float],
             clip: float | None) -> Any:
     """The decoding arithmetic, for ``xp`` = numpy or torch (same steps)."""
     wx, wy, ww, wh = weights
-    w = b[:, 2] - b[:, 0] + 1.0
-    h = b[:, 3] - b[:, 1] + 1.0
-    cx = b[:, 0] + 0.5 * w
-    cy = b[:, 1] + 0.5 * h
+    w, h = b[:, 2] - b[:, 0] + 1.0, b[:, 3] - b[:, 1] + 1.0
+    cx, cy = b[:, 0] + 0.5 * w, b[:, 1] + 0.5 * h
     dw, dh = d[:, 2] / ww, d[:, 3] / wh
     if clip is not None:
         dw, dh = dw.clip(max=clip), dh.clip(max=clip)
-    pcx = d[:, 0] / wx * w + cx
-    pcy = d[:, 1] / wy * h + cy
-    pw = xp.exp(dw) * w
-    ph = xp.exp(dh) * h
+    pcx, pcy = d[:, 0] / wx * w + cx, d[:, 1] / wy * h + cy
+    pw, ph = xp.exp(dw) * w, xp.exp(dh) * h
     return xp.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
 
 

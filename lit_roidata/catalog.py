@@ -316,12 +316,10 @@ class Catalog:
         """Register datasets from a mapping shaped like :meth:`load_yaml`'s file."""
         if not isinstance(data, Mapping):
             raise ValueError(f"{source}: expected a mapping at the top level")
-        unknown = set(data) - {"data_root", "datasets", "builtin_data_root"}
-        if unknown:
+        if unknown := set(data) - {"data_root", "datasets", "builtin_data_root"}:
             raise ValueError(f"{source}: unknown top-level keys {sorted(unknown)}; expected "
                              f"'datasets' and optionally 'data_root'")
-        root = data.get("data_root")
-        if root is not None:
+        if (root := data.get("data_root")) is not None:
             root = os.path.join(base_dir, os.path.expanduser(str(root)))
             if "datasets" not in data or data.get("builtin_data_root"):
                 self.set_data_root(root)

@@ -81,8 +81,7 @@ class _RankZeroFilter(logging.Filter):
         # (if imported) keeps the one it read from the environment: the same, or 0.
         rank = 0
         for ns in (PL, LIGHTNING):
-            module = sys.modules.get(f"{ns}.utilities.rank_zero")
-            if module is not None:
+            if (module := sys.modules.get(f"{ns}.utilities.rank_zero")) is not None:
                 rank = max(rank, int(getattr(module.rank_zero_only, "rank", 0) or 0))
         if getattr(record, "rank_specific", False):
             record.msg = f"[rank {rank}] {record.msg}"
@@ -94,8 +93,7 @@ def exit_status(cli: Any) -> int:
     """0, or ``128 + signum`` when a callback of ``cli.trainer`` stopped the run on a signal
     (:class:`~lit_roidata.callbacks.GracefulStop`'s public ``stopped_by_signal``)."""
     for cb in getattr(getattr(cli, "trainer", None), "callbacks", None) or ():
-        signum = getattr(cb, "stopped_by_signal", None)
-        if signum:
+        if signum := getattr(cb, "stopped_by_signal", None):
             return 128 + int(signum)
     return 0
 

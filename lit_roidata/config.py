@@ -263,11 +263,8 @@ def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]
         if key not in node:
             if _DEFAULTS.key_is_deprecated(full):  # logs a warning, as Detectron does
                 continue
-            if _DEFAULTS.key_is_renamed(full):
-                try:
-                    _DEFAULTS.raise_key_rename_error(full)
-                except KeyError as exc:
-                    raise ConfigError(exc.args[0]) from None
+            if _DEFAULTS.key_is_renamed(full):  # a KeyError, made a ConfigError by the caller
+                _DEFAULTS.raise_key_rename_error(full)
             raise ConfigError(_unknown(full, key, node))
         current = dict.__getitem__(node, key)
         if isinstance(current, CfgNode):
@@ -498,7 +495,7 @@ def check_sampler_train(cfg: Any) -> bool:
     if name != "RepeatFactorTrainingSampler":
         return False
     t = cfg.DATALOADER.REPEAT_THRESHOLD
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+    if not _is_number(t) or not math.isfinite(t) or t <= 0:
         raise ConfigError(f"DATALOADER.REPEAT_THRESHOLD={t!r} with SAMPLER_TRAIN="
                           "RepeatFactorTrainingSampler: the threshold must be a finite number "
                           "> 0 (LVIS uses 0.001); set it, or use SAMPLER_TRAIN: "

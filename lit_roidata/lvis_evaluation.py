@@ -73,8 +73,7 @@ def _check_lvis_gt(dataset: Mapping[str, Any], ann_file: str) -> None:
                     f"{ann_file}: image id {img.get('id')} has no {key!r}; LVISEvaluator needs "
                     f"an LVIS-format annotation file (every image lists its negative and "
                     f"not-exhaustive categories, possibly empty)")
-            unknown = sorted(set(int(c) for c in img[key]) - cat_ids)
-            if unknown:
+            if unknown := sorted(set(int(c) for c in img[key]) - cat_ids):
                 raise ValueError(f"{ann_file}: image id {img.get('id')} lists {key} {unknown[:5]} "
                                  f"that are not in its categories; fix the annotation file")
 

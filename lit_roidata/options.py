@@ -301,8 +301,7 @@ def as_options(cls: type[T], value: Union[None, T, Mapping[str, Any]], group: st
         value = dataclasses.asdict(value)  # e.g. the same fields from jsonargparse
     if isinstance(value, Mapping):
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(value) - names)
-        if unknown:
+        if unknown := sorted(set(value) - names):
             raise TypeError(f"{group}: unknown option(s) {unknown}; valid: {sorted(names)}")
         return cls(**dict(value))
     raise TypeError(f"{group}: expected a {cls.__name__} or a dict, got {type(value).__name__}")
@@ -336,13 +335,11 @@ def albumentations_transform(spec: Any) -> Any:
         raise ValueError(f"augment.transforms: {dict(spec)!r} needs a class_path, e.g. "
                          "{class_path: RandomBrightnessContrast, init_args: {p: 0.5}}")
     path = str(spec["class_path"])
-    unknown = sorted(set(spec) - {"class_path", "init_args"})
-    if unknown:
+    if unknown := sorted(set(spec) - {"class_path", "init_args"}):
         raise ValueError(f"augment.transforms: {path}: unknown keys {unknown}; use "
                          "class_path and init_args")
     module, _, name = path.rpartition(".")
-    cls = getattr(importlib.import_module(module) if module else A, name, None)
-    if cls is None:
+    if (cls := getattr(importlib.import_module(module) if module else A, name, None)) is None:
         raise ValueError(f"augment.transforms: no albumentations transform {path!r}")
     args = dict(spec.get("init_args") or {})
     if "transforms" in args:  # OneOf, SomeOf, Sequential: nested specs
@@ -372,8 +369,7 @@ def detectron_cfg(detectron_config: Optional[str], model_type: Optional[str],
     given = _flat_keys(overrides or {})
     keyed = {"TRAIN.IMS_PER_BATCH": ("loader.ims_per_batch", loader.ims_per_batch),
              "TRAIN.ASPECT_GROUPING": ("sampling.aspect_grouping", sampling.aspect_grouping)}
-    t = getattr(sampling, "repeat_factor_threshold", None)
-    if t is not None:
+    if (t := getattr(sampling, "repeat_factor_threshold", None)) is not None:
         keyed["DATALOADER.SAMPLER_TRAIN"] = ("sampling.repeat_factor_threshold",
                                              "RepeatFactorTrainingSampler")
         keyed["DATALOADER.REPEAT_THRESHOLD"] = ("sampling.repeat_factor_threshold", float(t))

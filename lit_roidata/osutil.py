@@ -100,8 +100,7 @@ def malloc_trim() -> bool:
     worker, decoded windows in a build. Costs well under a millisecond. Returns False where
     there is no glibc (nothing is done).
     """
-    trim = _libc("malloc_trim")
-    if trim is None:
+    if (trim := _libc("malloc_trim")) is None:
         return False
     trim(ctypes.c_size_t(0))
     return True

@@ -81,8 +81,7 @@ def is_interrupted_fit(path: str) -> bool:
     module's state) has ``trainer_fn == "fit"``. A file without that entry (another data
     module) counts as one: ``lit-roidata`` lets only ``fit`` write interrupted-run files
     (``validate``/``test``/``predict`` run without ``OnExceptionCheckpoint``)."""
-    meta = checkpoint_meta(path)
-    if not meta:  # unreadable
+    if not (meta := checkpoint_meta(path)):  # unreadable
         return False
     fns = [_plain(v["trainer_fn"]) for v in meta.values()
            if isinstance(v, dict) and "trainer_fn" in v]
@@ -135,8 +134,7 @@ def last_checkpoints(trainer: Any, all_versions: bool = False) -> list[str]:
     """The ``last*.ckpt`` files (``CHECKPOINT_NAME_LAST``, ``FILE_EXTENSION``) of every
     ``ModelCheckpoint`` of ``trainer``: those Lightning's ``"last"`` finds, or with
     ``all_versions`` also those of the earlier logger versions."""
-    cbs = _callbacks(trainer, "callbacks.ModelCheckpoint")
-    if not cbs:
+    if not (cbs := _callbacks(trainer, "callbacks.ModelCheckpoint")):
         return []
     pattern = f"{cbs[0].CHECKPOINT_NAME_LAST}*{cbs[0].FILE_EXTENSION}"
     return sorted({p for d in _last_dirs(trainer, all_versions)
@@ -205,8 +203,7 @@ def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[st
                     path, _step_text(path))
         return path
     if _callbacks(trainer, "callbacks.OnExceptionCheckpoint"):
-        earlier = last_checkpoints(trainer)
-        if earlier:
+        if earlier := last_checkpoints(trainer):
             raise ResumeChoiceError(
                 f"{earlier[0]} (global step {_step_text(earlier[0])}) is the last checkpoint "
                 "of an earlier run, and with OnExceptionCheckpoint configured Lightning resumes "

@@ -106,8 +106,7 @@ def read_bytes(path: str) -> bytes:
     if not is_url(path):
         with open(path, "rb") as fh:
             return fh.read()
-    ahead = _AHEAD.get(os.getpid())
-    if ahead is not None:
+    if (ahead := _AHEAD.get(os.getpid())) is not None:
         return ahead.get(path)
     return _get(path)
 

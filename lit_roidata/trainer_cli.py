@@ -163,8 +163,7 @@ class RoIDataCLI(LightningCLI):
 
         for pattern in _SILENCED_WARNINGS:
             warnings.filterwarnings("ignore", message=pattern)
-        decided = os.environ.get(_RESUME_ENV)
-        if decided is None:
+        if (decided := os.environ.get(_RESUME_ENV)) is None:
             try:
                 asked = self.subcommand_config().get("ckpt_path")
                 decided = choose_fit_checkpoint(self.trainer, asked)
