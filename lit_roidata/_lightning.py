@@ -247,8 +247,7 @@ def bind(cls: T, namespace: str) -> T:
         new = types.new_class(src.__name__, bases, exec_body=lambda ns: ns.update(body))
         memo: dict[int, Any] = {}
         for k, v in list(new.__dict__.items()):
-            rebound = _rebind(v, src, new, memo)
-            if rebound is not v:
+            if (rebound := _rebind(v, src, new, memo)) is not v:
                 setattr(new, k, rebound)
         new.__module__, new.__qualname__ = _BOUND_MODULE[namespace], src.__qualname__
         setattr(new, _SOURCE_ATTR, src)

@@ -99,12 +99,10 @@ _BUILTIN = _detectron_builtins()
 #: Detectron2's LVIS v1 names and layout (``detectron2/data/datasets/builtin.py``): the
 #: images are COCO's, under ``coco/``; each file name is ``train2017/<file>`` or
 #: ``val2017/<file>``, taken from the image's ``coco_url``.
-_BUILTIN_LVIS: dict[str, tuple[str, str, str]] = {
-    "lvis_v1_train": ("coco", "lvis/lvis_v1_train.json", ""),
-    "lvis_v1_val": ("coco", "lvis/lvis_v1_val.json", ""),
-    "lvis_v1_test_dev": ("coco", "lvis/lvis_v1_image_info_test_dev.json", ""),
-    "lvis_v1_test_challenge": ("coco", "lvis/lvis_v1_image_info_test_challenge.json", ""),
-}
+_BUILTIN_LVIS = {f"lvis_v1_{split}": ("coco", f"lvis/lvis_v1_{file}.json", "")
+                 for split, file in (("train", "train"), ("val", "val"),
+                                     ("test_dev", "image_info_test_dev"),
+                                     ("test_challenge", "image_info_test_challenge"))}
 _BUILTIN.update(_BUILTIN_LVIS)
 
 #: Detectron2's Pascal VOC names (``register_all_pascal_voc``): VOC tree, split. Where

@@ -1,19 +1,9 @@
 """Detectron's option tree, with Detectron's defaults, on yacs' ``CfgNode``.
 
-The data pipeline reads the keys Detectron reads (docs/detectron_semantics.md,
-"Configuration"): ``cfg.TRAIN.SCALES``, ``cfg.TEST.SCALE``, ... Values are decoded with
-Detectron's ``literal_eval`` rule and type-checked by yacs. On top of yacs, errors name
-the file, the key and the nearest valid key at every depth; an int is accepted where the
-default is a float; a single name is accepted for ``*.DATASETS`` / ``*.PROPOSAL_FILES``
-and Detectron's nested ``PIXEL_MEANS``; and Detectron's inferred options are re-derived
-after every merge. :func:`load_detectron_cfg` returns a **frozen** config.
-
-Example::
-
-    >>> from lit_roidata.config import get_cfg, load_detectron_cfg
-    >>> cfg = load_detectron_cfg(None, {"TRAIN.SCALES": (800,), "MODEL.FASTER_RCNN": True})
-    >>> cfg.TRAIN.SCALES, cfg.RPN.RPN_ON, cfg.is_frozen()
-    ((800,), True, True)
+Values are decoded with Detectron's ``literal_eval`` rule and type-checked by yacs; errors
+name the file, the key and the nearest valid key; Detectron's inferred options are
+re-derived after every merge (docs/detectron_semantics.md, "Configuration").
+:func:`load_detectron_cfg` returns a **frozen** config.
 """
 
 from __future__ import annotations
@@ -52,11 +42,7 @@ class ConfigError(KeyError, ValueError):
 class DetectronConfig(CfgNode):
     """Detectron's option tree: a yacs ``CfgNode`` with Detectron's defaults.
 
-    Use :func:`get_cfg` for a mutable copy of the defaults and :func:`load_detectron_cfg`
-    for a built, inferred and frozen config. Merges (:meth:`merge_from_dict`,
-    :meth:`merge_from_file`, :meth:`merge_from_list`) check every key and value before
-    changing anything, then run :meth:`infer` (``RPN.RPN_ON`` from ``MODEL.FASTER_RCNN``
-    / ``MODEL.RPN_ONLY``, as Detectron's ``assert_and_infer_cfg``).
+    Merges check every key and value before changing anything, then run :meth:`infer`.
     """
 
     def __init__(self, init_dict: Optional[Mapping[str, Any]] = None,
@@ -83,10 +69,8 @@ class DetectronConfig(CfgNode):
                 f"or build a changed copy: load_detectron_cfg(cfg, {{'{self._full(name)}': ...}})")
 
     def _immutable(self, is_immutable: bool) -> None:
-        # A frozen node also keeps its keys in its instance __dict__, so that attribute
-        # reads (cfg.TRAIN.SCALES, on every minibatch) take Python's fast path instead of
-        # a failed lookup and __getattr__ (~50x slower). Only frozen nodes are mirrored:
-        # they cannot change, so the mirror cannot go stale.
+        # A frozen node mirrors its keys in its __dict__: attribute reads (on every
+        # minibatch) then skip __getattr__ (~50x faster); frozen, it cannot go stale.
         super()._immutable(is_immutable)
         for key in dict.keys(self):
             if is_immutable:
@@ -105,10 +89,8 @@ class DetectronConfig(CfgNode):
         return new
 
     def merge_from_dict(self, overrides: Mapping[str, Any], *, source: str = "") -> None:
-        """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both.
-
-        String values are decoded with Detectron's ``literal_eval`` rule. Nothing changes
-        unless every key and value is accepted; :meth:`infer` runs afterwards.
+        """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both;
+        nothing changes unless every key and value is accepted.
 
         Raises:
             ConfigError: an unknown key (naming the nearest valid one), a renamed key, or
@@ -481,9 +463,7 @@ def check_sampler_train(cfg: Any) -> bool:
     config asks for repeat factors (``RepeatFactorTrainingSampler``).
 
     Raises:
-        ConfigError: an unknown sampler name (Detectron2's other samplers are not
-            implemented), or a repeat-factor sampler with a threshold that is not a
-            finite number > 0.
+        ConfigError: an unknown sampler name, or a repeat threshold that is not > 0.
     """
     name = cfg.DATALOADER.SAMPLER_TRAIN
     if name not in SAMPLERS_TRAIN:
@@ -504,8 +484,7 @@ def check_sampler_train(cfg: Any) -> bool:
 
 
 def get_cfg() -> DetectronConfig:
-    """A fresh, mutable config holding Detectron's defaults (Detectron semantics:
-    configuration). Use :func:`load_detectron_cfg` for the frozen config a run uses."""
+    """A fresh, mutable config holding Detectron's defaults."""
     cfg = _DEFAULTS.clone()
     cfg.defrost()
     return cfg
@@ -517,23 +496,11 @@ def load_detectron_cfg(
     freeze: bool = True,
 ) -> DetectronConfig:
     """Build a config: defaults, then a Detectron YAML file (or a dict of the same shape,
-    or a copy of a config), then each mapping of ``overrides`` in order; infer; freeze.
-
-    Example::
-
-        cfg = load_detectron_cfg("configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml")
-        cfg = load_detectron_cfg({"TRAIN": {"SCALES": [800]}}, {"MODEL.MASK_ON": True})
-        test_cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (cfg.TEST.SCALE,)})
-
-    Args:
-        path_or_dict: a YAML path, a nested/dotted mapping, a config (copied), or None.
-        overrides: mappings of dotted or nested keys, merged after ``path_or_dict``
-            (``None`` entries are skipped).
-        freeze: freeze the result (the default); ``False`` returns it mutable.
+    or a copy of a config), then each mapping of ``overrides`` (``None`` skipped) in
+    order; infer; freeze unless ``freeze=False``.
 
     Raises:
-        ConfigError: unknown key (with the nearest valid one) or a bad value; the
-            message starts with the file's path when the problem is in the file.
+        ConfigError: unknown key (with the nearest valid one) or a bad value.
         FileNotFoundError: the YAML path does not exist.
     """
     if isinstance(path_or_dict, DetectronConfig):
@@ -556,14 +523,9 @@ def load_detectron_cfg(
 
 
 def blob_family(cfg: Any) -> str:
-    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: the one place the loader's blob
-    family is decided (Detectron semantics: configuration).
-
-    Detectron's precedence: RPN (``RPN.RPN_ON``, or ``MODEL.FASTER_RCNN`` /
-    ``MODEL.RPN_ONLY``, which imply it as ``assert_and_infer_cfg`` does), else RetinaNet
-    (``RETINANET.RETINANET_ON``), else Fast R-CNN with precomputed proposals. Mask and
-    keypoint heads and FPN change the blobs inside a family, not the family. Re-exported
-    by :mod:`lit_roidata.minibatch.model_type`.
+    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: the loader's blob family, in
+    Detectron's precedence (RPN, including ``MODEL.FASTER_RCNN`` / ``RPN_ONLY``, else
+    RetinaNet, else Fast R-CNN with precomputed proposals).
 
     Raises:
         ValueError: RetinaNet without ``FPN.FPN_ON`` (Detectron asserts the same).

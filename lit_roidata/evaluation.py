@@ -147,8 +147,7 @@ def coco_category_map(coco: Any) -> dict[int, int]:
 
 def keypoint_category_ids(coco_gt: Any) -> list[int]:
     """Json ids of the categories that define keypoints (``"keypoints"`` names)."""
-    return sorted(int(c["id"]) for c in coco_gt.loadCats(coco_gt.getCatIds())
-                  if c.get("keypoints"))
+    return sorted(int(c["id"]) for c in coco_gt.loadCats(coco_gt.getCatIds()) if c.get("keypoints"))
 
 
 def load_coco(ann_file: str) -> Any:

@@ -50,8 +50,7 @@ def limit_dets_per_image(results: Sequence[Mapping[str, Any]],
     out: list[Mapping[str, Any]] = []
     for anns in by_image.values():
         if len(anns) > max_dets:
-            order = np.argsort(-np.asarray([a["score"] for a in anns], np.float64),
-                               kind="stable")
+            order = np.argsort(-np.asarray([a["score"] for a in anns], np.float64), kind="stable")
             anns = [anns[i] for i in order[:max_dets]]
         out.extend(anns)
     return out

@@ -360,12 +360,9 @@ def detectron_cfg(detectron_config: Optional[str], model_type: Optional[str],
         ValueError: an option and ``overrides`` setting the same key to different values.
     """
     from lit_roidata.config import load_detectron_cfg
+    from lit_roidata.minibatch.model_type import flags_for_model_type
 
-    flags = None
-    if model_type is not None:
-        from lit_roidata.minibatch.model_type import flags_for_model_type
-
-        flags = flags_for_model_type(model_type)
+    flags = None if model_type is None else flags_for_model_type(model_type)
     given = _flat_keys(overrides or {})
     keyed = {"TRAIN.IMS_PER_BATCH": ("loader.ims_per_batch", loader.ims_per_batch),
              "TRAIN.ASPECT_GROUPING": ("sampling.aspect_grouping", sampling.aspect_grouping)}

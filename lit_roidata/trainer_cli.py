@@ -48,9 +48,8 @@ class _RoIDataParserMixin:
     def format_help(self) -> str:
         """jsonargparse's help, plus the data module's options on a parser with ``--data``."""
         text = super().format_help()  # type: ignore[misc]
-        if "--data.help" not in text:  # not a parser with the data module (subclass mode)
-            return text
-        return text + "\n" + _data_options_help()
+        # (only a parser with the data module in subclass mode has --data.help)
+        return text + "\n" + _data_options_help() if "--data.help" in text else text
 
     def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
         """jsonargparse's error, with the nested name of a data option given flat."""
@@ -181,8 +180,7 @@ class RoIDataCLI(LightningCLI):
         """Run without ``OnExceptionCheckpoint`` (also ``test`` and ``predict``): their
         crashes must not leave or delete an interrupted run's checkpoint."""
         on_exc = lightning_attr(self.trainer, "callbacks.OnExceptionCheckpoint")
-        self.trainer.callbacks = [cb for cb in self.trainer.callbacks
-                                  if not isinstance(cb, on_exc)]
+        self.trainer.callbacks = [cb for cb in self.trainer.callbacks if not isinstance(cb, on_exc)]
 
     before_test = before_validate
 
