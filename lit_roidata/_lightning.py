@@ -1,18 +1,10 @@
 """One implementation, two Lightning namespaces.
 
-``pytorch_lightning`` and ``lightning.pytorch`` ship the same code under two names whose
-classes do not mix. lit_roidata's classes are written once, against ``pytorch_lightning``,
-and :func:`bind` makes the same class for ``lightning.pytorch`` (the
-:mod:`lit_roidata.lightning` names): the other namespace's Lightning bases, the very same
-method code. Shared code asks :func:`namespace_of` the object it works on and looks
-classes up there (:func:`lightning_attr`).
-
-Zero-argument ``super()`` reads the ``__class__`` cell, so :func:`bind` gives each method a
-copy with that cell holding the bound class: plain methods, ``staticmethod`` /
-``classmethod`` / ``property`` and ``functools.wraps`` decorators. Anything else holding
-one (``cached_property``, ``partialmethod``, ``lru_cache``, a callable object) makes
-:func:`bind` raise ``TypeError`` at bind time (:func:`unbound_super_calls`), rather than
-leave a ``super()`` that fails when called.
+lit_roidata's classes are written against ``pytorch_lightning``; :func:`bind` makes the
+same class, with the same method code, on ``lightning.pytorch``'s bases. Each method's
+zero-argument ``super()`` cell is rebound (plain methods, ``staticmethod`` /
+``classmethod`` / ``property``, ``functools.wraps`` decorators); anything else holding one
+makes :func:`bind` raise ``TypeError`` (:func:`unbound_super_calls`).
 """
 
 from __future__ import annotations
@@ -158,8 +150,7 @@ def _rebind(value: Any, old: type, new: type, memo: dict[int, Any]) -> Any:
         if func is not value.__func__:
             out = type(value)(func)
     elif isinstance(value, property):
-        funcs = [None if f is None else _rebind(f, old, new, memo)
-                 for f in (value.fget, value.fset, value.fdel)]
+        funcs = [_rebind(f, old, new, memo) for f in (value.fget, value.fset, value.fdel)]
         if any(a is not b for a, b in zip(funcs, (value.fget, value.fset, value.fdel))):
             out = type(value)(*funcs, value.__doc__)
     memo[id(value)] = out

@@ -117,9 +117,8 @@ def _builtin_spec(name: str, root: str) -> DatasetSpec:
     if name in _BUILTIN_VOC and (name not in _BUILTIN
                                  or not os.path.isfile(os.path.join(root, _BUILTIN[name][1]))):
         voc, split = _BUILTIN_VOC[name]
-        return DatasetSpec(name, os.path.join(root, voc, "JPEGImages"),
-                           os.path.join(root, voc, "ImageSets", "Main", split + ".txt"),
-                           format="voc")
+        return DatasetSpec(name, os.path.join(root, voc, "JPEGImages"), os.path.join(
+            root, voc, "ImageSets", "Main", split + ".txt"), format="voc")
     im, ann, prefix = _BUILTIN[name]
     return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix,
                        format="lvis" if name in _BUILTIN_LVIS else "coco")
@@ -204,6 +203,7 @@ class Catalog:
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"dataset name must be a non-empty string, got {name!r}")
+        proposal = None if proposal_file is None else os.fspath(proposal_file)
         if callable(image_dir):
             classes = (thing_classes,) if isinstance(thing_classes, str) else thing_classes
             if not classes or not all(isinstance(c, str) for c in classes):
@@ -213,8 +213,7 @@ class Catalog:
                     f"MetadataCatalog.get({name!r}).thing_classes), got {thing_classes!r}")
             spec = DatasetSpec(  # file names are the records' own (full) paths
                 name, "", f"<function {getattr(image_dir, '__qualname__', image_dir)!s}>", "",
-                None if proposal_file is None else os.fspath(proposal_file), "dicts",
-                image_dir, tuple(classes),
+                proposal, "dicts", image_dir, tuple(classes),
                 None if keypoint_names is None else tuple(map(str, keypoint_names)),
                 None if version is None else str(version))
         elif annotation_file is None:
@@ -222,15 +221,13 @@ class Catalog:
                              f"or register a function returning Detectron2's dataset dicts")
         else:
             spec = DatasetSpec(name, os.fspath(image_dir), os.fspath(annotation_file),
-                               str(image_prefix or ""),
-                               None if proposal_file is None else os.fspath(proposal_file),
+                               str(image_prefix or ""), proposal,
                                _check_format(format, f"dataset {name!r}"))
         with self._lock:
             old = self._user.get(name)
             if old is not None and old != spec and not overwrite:
-                raise ValueError(
-                    f"dataset {name!r} is already registered as {old}; pass overwrite=True "
-                    f"to replace it or choose another name")
+                raise ValueError(f"dataset {name!r} is already registered as {old}; pass "
+                                 "overwrite=True to replace it or choose another name")
             self._user[name] = spec
         return spec
 
@@ -252,10 +249,9 @@ class Catalog:
         known = self.names()
         near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
         hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise KeyError(
-            f"dataset {name!r} is not in the catalog.{hint} Register it with "
-            f"DatasetCatalog.register(name, image_dir, annotation_file) or a catalog YAML. "
-            f"Known datasets: {', '.join(known)}")
+        raise KeyError(f"dataset {name!r} is not in the catalog.{hint} Register it with "
+                       "DatasetCatalog.register(name, image_dir, annotation_file) or a catalog "
+                       f"YAML. Known datasets: {', '.join(known)}")
 
     def names(self) -> list[str]:
         """All known names: user registrations first (in order), then built-ins."""

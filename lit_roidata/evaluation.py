@@ -224,10 +224,9 @@ class COCOEvaluator(pl.Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
         dets, self._dets = gather_to_rank0(self._dets), []  # only rank 0 evaluates
         if not dets and trainer.global_rank == 0:
-            log.warning("%s: no detections were returned during %s; the model's "
-                        "%s_step must return {'detections': [per-image dict, ...]} (see "
-                        "lit_roidata.evaluation)", type(self).__name__, prefix,
-                        "validation" if prefix == "val" else "test")
+            log.warning("%s: no detections were returned during %s; the model's %s_step must "
+                        "return {'detections': [per-image dict, ...]} (see lit_roidata.evaluation)",
+                        type(self).__name__, prefix, "validation" if prefix == "val" else "test")
         metrics = run_on_rank0(lambda: self.evaluate(dets, prefix=prefix, trainer=trainer),
                                trainer.global_rank, f"run the {self._label} evaluation") or {}
         self.last_metrics = dict(metrics)

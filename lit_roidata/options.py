@@ -278,9 +278,8 @@ def refuse_unknown(owner: str, names: Mapping[str, Any]) -> None:
                             "(the generated demo data)")
         if name in MOVED_OPTIONS:
             group, key = MOVED_OPTIONS[name]
-            raise TypeError(f"{owner}: {name}=... is now {group}.{key}: pass "
-                            f"{group}={{{key!r}: ...}} (--data.{group}.{key} on the command "
-                            "line)")
+            raise TypeError(f"{owner}: {name}=... is now {group}.{key}: pass {group}="
+                            f"{{{key!r}: ...}} (--data.{group}.{key} on the command line)")
         raise TypeError(f"{owner}: unexpected keyword argument {name!r}; the arguments are "
                         "detectron_config, overrides, model_type and the option groups "
                         f"{list(GROUPS)} (options are grouped, e.g. loader.num_workers)")

@@ -1,10 +1,5 @@
-"""Which checkpoint ``lit-roidata fit`` resumes from, decided from files and public attributes.
-
-The CLI (:class:`~lit_roidata.trainer_cli.RoIDataCLI`) calls :func:`choose_fit_checkpoint`
-before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``, so Lightning's own
-``"last"`` lookup (with ``OnExceptionCheckpoint`` configured) is never left a choice; the
-rules are in docs/cli.md. Checkpoints are read without torch and without running pickled
-code (:func:`checkpoint_meta`).
+"""Which checkpoint ``lit-roidata fit`` resumes from, decided from files and public attributes
+(docs/cli.md); checkpoints are read without torch and without running pickled code.
 """
 
 from __future__ import annotations
@@ -153,24 +148,12 @@ def _move_aside(path: str, why: str) -> None:
 
 
 def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
-    """The checkpoint ``fit`` resumes from (``None``: start fresh), logged with its step.
-
-    * ``PATH``: that file;
-    * ``"fresh"``: ``None``; the interrupted-run checkpoint and the ``last*.ckpt`` that
-      Lightning's ``"last"`` would find are moved aside to ``<name>.stale``;
-    * ``"last"``: the newest of the interrupted-run checkpoint and every ``last*.ckpt``,
-      also in earlier logger versions (where Lightning does not look);
-    * ``None``: the interrupted-run checkpoint when an interrupted ``fit`` wrote it (the
-      same command resumes), else ``None``.
-
-    For ``None`` and ``"last"``, an interrupted-run file written by anything but ``fit``
-    is moved aside, never resumed.
+    """The checkpoint ``fit`` resumes from (``None``: start fresh) for ``ckpt_path`` PATH,
+    ``"fresh"``, ``"last"`` or ``None``, logged with its step (the rules: docs/cli.md).
 
     Raises:
         ResumeChoiceError: ``ckpt_path`` is ``None``, there is no interrupted run, and
-            Lightning would still resume an earlier run's ``last*.ckpt`` (a fixed
-            ``ModelCheckpoint`` dirpath with ``OnExceptionCheckpoint`` configured); the
-            message names ``--ckpt_path last`` and ``--ckpt_path fresh``.
+            Lightning would still resume an earlier run's ``last*.ckpt``.
     """
     if ckpt_path not in (None, "last", "fresh"):
         log.warning("resuming from %s (global step %s)", ckpt_path, _step_text(str(ckpt_path)))
@@ -205,12 +188,12 @@ def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[st
     if _callbacks(trainer, "callbacks.OnExceptionCheckpoint"):
         if earlier := last_checkpoints(trainer):
             raise ResumeChoiceError(
-                f"{earlier[0]} (global step {_step_text(earlier[0])}) is the last checkpoint "
-                "of an earlier run, and with OnExceptionCheckpoint configured Lightning resumes "
-                "from it when no checkpoint is given. Pass --ckpt_path last to continue that "
-                "run, or --ckpt_path fresh to start over (it is moved to "
-                f"{os.path.basename(earlier[0])}.stale), or give the ModelCheckpoint another "
-                "dirpath (trainer.callbacks in the config)")
+                f"{earlier[0]} (global step {_step_text(earlier[0])}) is the last checkpoint of an "
+                "earlier run, and with OnExceptionCheckpoint configured Lightning resumes from it "
+                "when no checkpoint is given. Pass --ckpt_path last to continue that run, or "
+                f"--ckpt_path fresh to start over (it is moved to {os.path.basename(earlier[0])}"
+                ".stale), or give the ModelCheckpoint another dirpath (trainer.callbacks in the "
+                "config)")
         log.info("no interrupted-run checkpoint at %s: starting fresh",
                  ", ".join(interrupted_checkpoints(trainer)))
     return None
