@@ -17,6 +17,8 @@ import threading
 import types
 from typing import Any, Iterator, Optional, TypeVar
 
+from lit_roidata._optional import require
+
 __all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
            "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls",
            "bound_classes"]
@@ -62,8 +64,6 @@ def import_namespace(namespace: str) -> types.ModuleType:
     if namespace == PL:
         return importlib.import_module(PL)
     if namespace == LIGHTNING:
-        from lit_roidata._optional import require
-
         return require(LIGHTNING, "lightning",
                        "the `lightning` namespace (lit_roidata.lightning, `import lightning as L`)")
     raise ValueError(f"unknown Lightning namespace {namespace!r}; use one of {NAMESPACES}")

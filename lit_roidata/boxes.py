@@ -27,12 +27,11 @@ def box_areas(boxes: np.ndarray) -> np.ndarray:
     return (boxes[..., 2] - boxes[..., 0] + 1) * (boxes[..., 3] - boxes[..., 1] + 1)
 
 
-def iou_kernel(
-    ax1: np.ndarray, ay1: np.ndarray, ax2: np.ndarray, ay2: np.ndarray, a_area: np.ndarray,
-    bx1: np.ndarray, by1: np.ndarray, bx2: np.ndarray, by2: np.ndarray, b_area: np.ndarray,
-    *, out: np.ndarray | None = None, work: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-    positive_areas: bool = False,
-) -> np.ndarray:
+def iou_kernel(ax1: np.ndarray, ay1: np.ndarray, ax2: np.ndarray, ay2: np.ndarray,
+               a_area: np.ndarray, bx1: np.ndarray, by1: np.ndarray, bx2: np.ndarray,
+               by2: np.ndarray, b_area: np.ndarray, *, out: np.ndarray | None = None,
+               work: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               positive_areas: bool = False) -> np.ndarray:
     """Detectron's per-pair IoU arithmetic, the one NumPy kernel every IoU site calls.
 
     Coordinates and areas (:func:`box_areas`) are float64 arrays that broadcast to one
@@ -137,17 +136,15 @@ def _targets(xp: Any, ex: Any, gt: Any, weights: tuple[float, float, float, floa
                      wh * xp.log(gt_h / ex_h)], 1)
 
 
-def bbox_transform_targets(
-    ex_rois: np.ndarray, gt_rois: np.ndarray, weights: tuple[float, float, float, float]
-) -> np.ndarray:
+def bbox_transform_targets(ex_rois: np.ndarray, gt_rois: np.ndarray,
+                           weights: tuple[float, float, float, float]) -> np.ndarray:
     """Regression targets ``(tx, ty, tw, th)`` from ``ex_rois`` to ``gt_rois`` (Detectron semantics:
     bounding-box regression targets)."""
     return _targets(np, _rows(ex_rois), _rows(gt_rois), weights).astype(np.float32)
 
 
-def bbox_transform_targets_torch(
-    ex_rois: torch.Tensor, gt_rois: torch.Tensor, weights: tuple[float, float, float, float]
-) -> torch.Tensor:
+def bbox_transform_targets_torch(ex_rois: torch.Tensor, gt_rois: torch.Tensor,
+                                 weights: tuple[float, float, float, float]) -> torch.Tensor:
     """Torch twin of :func:`bbox_transform_targets` (float32 result)."""
     import torch
 
@@ -169,18 +166,15 @@ def _decode(xp: Any, b: Any, d: Any, weights: tuple[float, float, float, float],
     return xp.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
 
 
-def bbox_transform_inv(
-    boxes: np.ndarray, deltas: np.ndarray, weights: tuple[float, float, float, float]
-) -> np.ndarray:
+def bbox_transform_inv(boxes: np.ndarray, deltas: np.ndarray,
+                       weights: tuple[float, float, float, float]) -> np.ndarray:
     """Decode ``deltas`` relative to ``boxes``: the inverse of :func:`bbox_transform_targets`."""
     return _decode(np, _rows(boxes), _rows(deltas), weights, None)
 
 
-def bbox_transform_inv_torch(
-    boxes: torch.Tensor, deltas: torch.Tensor,
-    weights: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0),
-    clip: float | None = None,
-) -> torch.Tensor:
+def bbox_transform_inv_torch(boxes: torch.Tensor, deltas: torch.Tensor,
+                             weights: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0),
+                             clip: float | None = None) -> torch.Tensor:
     """Torch twin of :func:`bbox_transform_inv` (Detectron's ``bbox_transform``).
 
     Computes in the dtype of ``deltas``. ``clip`` (Detectron's ``BBOX_XFORM_CLIP``,

@@ -255,10 +255,8 @@ class Catalog:
 
     def names(self) -> list[str]:
         """All known names: user registrations first (in order), then built-ins."""
-        out = list(self._user)
-        if self._builtins:
-            out += [n for n in _BUILTIN_NAMES if n not in self._user]
-        return out
+        return list(self._user) + ([n for n in _BUILTIN_NAMES if n not in self._user]
+                                    if self._builtins else [])
 
     def __contains__(self, name: object) -> bool:
         return name in self._user or (self._builtins and name in _BUILTIN_NAMES)

@@ -236,8 +236,7 @@ def _unknown(full_key: str, key: str, valid: Iterable[str]) -> str:
     return f"unknown config key '{full_key}'{hint}"
 
 
-def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]
-                ) -> dict[str, Any]:
+def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]) -> dict[str, Any]:
     """Every key of ``tree`` checked against ``node``; values decoded and coerced."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -308,9 +307,7 @@ def _flat(value: Any) -> list[Any]:
 def _lists(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_lists(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _lists(v) for k, v in obj.items()}
-    return obj
+    return {k: _lists(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
 
 
 # Defaults: Detectron's, key for key (Detectron semantics: configuration). Keys marked

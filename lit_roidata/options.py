@@ -20,8 +20,11 @@ A flat name (``num_workers=4``) is refused with an error naming its nested key
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
+
+from lit_roidata._optional import require
 
 __all__ = ["AugmentOptions", "DatasetOptions", "MOVED_OPTIONS", "LoaderOptions",
            "OutputOptions", "SamplingOptions", "SourceOptions", "as_options",
@@ -315,9 +318,8 @@ def to_plain(value: Any) -> Any:
         return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)  # e.g. an albumentations transform instance
+    # (repr: e.g. an albumentations transform instance)
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
 def albumentations_transform(spec: Any) -> Any:
@@ -325,10 +327,6 @@ def albumentations_transform(spec: Any) -> Any:
     dict (a bare class name is looked up in ``albumentations``; ``augment.transforms``)."""
     if not isinstance(spec, Mapping):
         return spec
-    import importlib
-
-    from lit_roidata._optional import require
-
     A = require("albumentations", "augment", "augmentation (augment.transforms)")
     if "class_path" not in spec:
         raise ValueError(f"augment.transforms: {dict(spec)!r} needs a class_path, e.g. "

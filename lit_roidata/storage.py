@@ -106,9 +106,8 @@ def read_bytes(path: str) -> bytes:
     if not is_url(path):
         with open(path, "rb") as fh:
             return fh.read()
-    if (ahead := _AHEAD.get(os.getpid())) is not None:
-        return ahead.get(path)
-    return _get(path)
+    ahead = _AHEAD.get(os.getpid())
+    return _get(path) if ahead is None else ahead.get(path)
 
 
 def _get(url: str) -> bytes:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Any, Optional
 
 import jsonargparse
+import yaml
 from jsonargparse import ActionConfigFile, DefaultHelpFormatter
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
@@ -67,8 +70,6 @@ def _parser_class(namespace: str) -> type:
 def _renamed_hint(message: str) -> str:
     """Append "data.<flat> is now data.<group>.<key>" for each flat option of earlier
     releases named in ``message``."""
-    import re
-
     from lit_roidata.options import MOVED_OPTIONS as moved
 
     # "Option 'x'" / "key 'x'" (newer jsonargparse), "NestedArg(key='x'" (4.39)
@@ -206,8 +207,6 @@ def translate_class_path(path: str, namespace: str) -> str:
         return namespace + path[len(other):]
     if not path.startswith("lit_roidata."):
         return path
-    import importlib
-
     module, _, name = path.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module), name)
@@ -235,8 +234,6 @@ def _translate_class_paths(value: Any, namespace: str) -> Any:
 def _lightning_parser_mode() -> str:
     """A jsonargparse parser mode: YAML with the class paths translated to
     ``lightning.pytorch`` (:func:`translate_class_path`), registered once."""
-    import yaml
-
     yaml_loader = jsonargparse.get_loader("yaml")
     jsonargparse.set_loader(
         _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),

@@ -45,8 +45,7 @@ _TRUST_FIX = ("If you trust the file, pass trust_pickle=True to BroadcastParamet
               "session and save its tensors with torch.save(state_dict, 'weights.pth').")
 
 
-def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False
-                      ) -> dict[str, Any]:
+def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False) -> dict[str, Any]:
     """Read a weights file into ``{name: array or tensor}``.
 
     Accepts a Detectron pickle (``{'blobs': {...}, 'cfg': ...}`` or a legacy bare dict
