@@ -86,10 +86,7 @@ def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
     ``ih <= 0`` have IoU 0. Computed in float64 and returned as float32, like the
     Cython original (the arithmetic is :func:`iou_kernel`'s).
     """
-    a, b = _rows(boxes), _rows(query)
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return np.zeros((a.shape[0], b.shape[0]), dtype=np.float32)
-    return _iou_boxes(a[:, None, :], b[None, :, :])
+    return _iou_boxes(_rows(boxes)[:, None, :], _rows(query)[None, :, :])
 
 
 def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -111,18 +108,12 @@ def iou_kernel_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     wh = (torch.minimum(a[..., 2:4], b[..., 2:4]) - lo + 1).clamp_(min=0)
     inter = wh[..., 0] * wh[..., 1]
     union = box_areas(a) + box_areas(b) - inter
-    out = torch.where(inter > 0, inter / union, torch.zeros_like(inter))
-    return out.to(torch.float32)
+    return torch.where(inter > 0, inter / union, torch.zeros_like(inter)).to(torch.float32)
 
 
 def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Torch twin of :func:`bbox_overlaps` on any device (float32 result)."""
-    import torch
-
-    a, b = boxes.reshape(-1, 4), query.reshape(-1, 4)
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return a.new_zeros((a.shape[0], b.shape[0]), dtype=torch.float32)
-    return iou_kernel_torch(a[:, None, :], b[None, :, :])
+    return iou_kernel_torch(boxes.reshape(-1, 4)[:, None, :], query.reshape(-1, 4)[None, :, :])
 
 
 def _targets(xp: Any, ex: Any, gt: Any, weights: tuple[float, float, float, float]) -> Any:

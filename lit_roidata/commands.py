@@ -42,6 +42,5 @@ EXIT_STATUS = """exit status:
 
 def tools_help() -> str:
     """The data tools with their one-line help (also the training subcommands' epilog)."""
-    lines = ["data tools (run `lit-roidata TOOL --help`):"]
-    lines += [f"  {name:<18} {help_}" for name, (_, help_) in TOOLS.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(["data tools (run `lit-roidata TOOL --help`):",
+                      *(f"  {name:<18} {help_}" for name, help_ in _TOOL_HELP.items())]) + "\n"

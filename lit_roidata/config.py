@@ -53,9 +53,8 @@ class DetectronConfig(CfgNode):
     def __getattr__(self, name: str) -> Any:
         if name in self:
             return self[name]
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(_unknown(self._full(name), name, self))
+        raise AttributeError(name if name.startswith("__")
+                             else _unknown(self._full(name), name, self))
 
     def _full(self, name: str) -> str:
         path = self.__dict__.get(_KEY_PATH, "")
@@ -298,10 +297,7 @@ def _is_number(v: Any) -> bool:
 
 
 def _flat(value: Any) -> list[Any]:
-    out: list[Any] = []
-    for v in value:
-        out.extend(_flat(v) if isinstance(v, (list, tuple)) else [v])
-    return out
+    return [x for v in value for x in (_flat(v) if isinstance(v, (list, tuple)) else [v])]
 
 
 def _lists(obj: Any) -> Any:
@@ -503,9 +499,8 @@ def load_detectron_cfg(
             cfg.merge_from_dict(path_or_dict)
         elif path_or_dict is not None:
             cfg.merge_from_file(path_or_dict)
-    for extra in overrides:
-        if extra:
-            cfg.merge_from_dict(extra)
+    for extra in filter(None, overrides):
+        cfg.merge_from_dict(extra)
     cfg.infer()
     check_sampler_train(cfg)
     if freeze:

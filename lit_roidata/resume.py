@@ -137,8 +137,7 @@ def last_checkpoints(trainer: Any, all_versions: bool = False) -> list[str]:
 
 
 def _step_text(path: str) -> str:
-    step = checkpoint_step(path)
-    return "?" if step is None else str(step)
+    return "?" if (step := checkpoint_step(path)) is None else str(step)
 
 
 def _move_aside(path: str, why: str) -> None:
@@ -165,9 +164,8 @@ def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[st
         log.warning("starting a fresh run (--ckpt_path fresh)")
         return None
     resumable = [p for p in interrupted if is_interrupted_fit(p)]
-    for p in interrupted:
-        if p not in resumable:
-            _move_aside(p, "it was not written by an interrupted `fit`")
+    for p in [p for p in interrupted if p not in resumable]:
+        _move_aside(p, "it was not written by an interrupted `fit`")
     if ckpt_path == "last":
         found = resumable + last_checkpoints(trainer, all_versions=True)
         if not found:  # Lightning's own "last" looks in fewer places: it finds nothing either

@@ -39,9 +39,7 @@ def randint(rng: RNG, low: int, high: int | None = None, size: Any = None) -> An
     """``RandomState.randint`` semantics (``high`` exclusive) for either generator kind."""
     if isinstance(rng, np.random.RandomState):
         return rng.randint(low, high, size=size)
-    if high is None:
-        low, high = 0, low
-    return rng.integers(low, high, size=size)
+    return rng.integers(0, low, size=size) if high is None else rng.integers(low, high, size=size)
 
 
 def choice(rng: RNG, a: Any, size: Any = None, replace: bool = True) -> Any:

@@ -146,8 +146,7 @@ class RoIDataCLI(LightningCLI):
         callbacks = config.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(
             callbacks, (list, tuple)) else [callbacks]
-        sources = getattr(self.datamodule, "sources", None)
-        if (getattr(sources, "on_bad_image", None) == "skip"
+        if (getattr(getattr(self.datamodule, "sources", None), "on_bad_image", None) == "skip"
                 and not any(isinstance_any(cb, BadImageReport) for cb in callbacks)):
             callbacks.insert(0, bind(BadImageReport, ns)())
         bar = lightning_attr(ns, "callbacks.ProgressBar")
