@@ -213,11 +213,9 @@ def _nest(tree: Mapping[str, Any]) -> dict[str, Any]:
         parts = str(key).split(".")
         node = out
         for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
+            if not isinstance(node := node.setdefault(part, {}), dict):
                 raise ConfigError(f"config key '{key}' is given both as a value and as a "
                                   f"section")
-            node = nxt
         leaf = parts[-1]
         if isinstance(value, Mapping):
             value = _nest(value)

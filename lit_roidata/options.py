@@ -367,15 +367,12 @@ def detectron_cfg(detectron_config: Optional[str], model_type: Optional[str],
         keyed["DATALOADER.SAMPLER_TRAIN"] = ("sampling.repeat_factor_threshold",
                                              "RepeatFactorTrainingSampler")
         keyed["DATALOADER.REPEAT_THRESHOLD"] = ("sampling.repeat_factor_threshold", float(t))
-    merged: dict[str, Any] = {}
     for key, (option, value) in keyed.items():
-        if value is None:
-            continue
-        if key in given and given[key] != value:
+        if value is not None and key in given and given[key] != value:
             raise ValueError(f"{option}={value!r} and overrides {key}={given[key]!r} "
                              f"disagree; set one of them (null {option} takes {key} from "
                              "the Detectron config)")
-        merged[key] = value
+    merged = {key: value for key, (_, value) in keyed.items() if value is not None}
     return load_detectron_cfg(detectron_config, flags, dict(overrides or {}), merged or None)
 
 
