@@ -88,8 +88,9 @@ class DetectronConfig(CfgNode):
         return new
 
     def merge_from_dict(self, overrides: Mapping[str, Any], *, source: str = "") -> None:
-        """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both;
-        nothing changes unless every key and value is accepted.
+        """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both.
+
+        Nothing changes unless every key and value is accepted.
 
         Raises:
             ConfigError: an unknown key (naming the nearest valid one), a renamed key, or
