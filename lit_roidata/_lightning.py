@@ -1,18 +1,10 @@
 """One implementation, two Lightning namespaces.
 
-``pytorch_lightning`` and ``lightning.pytorch`` ship the same code under two names whose
-classes do not mix. lit_roidata's classes are written once, against ``pytorch_lightning``,
-and :func:`bind` makes the same class for ``lightning.pytorch`` (the
-:mod:`lit_roidata.lightning` names): the other namespace's Lightning bases, the very same
-method code. Shared code asks :func:`namespace_of` the object it works on and looks
-classes up there (:func:`lightning_attr`).
-
-Zero-argument ``super()`` reads the ``__class__`` cell, so :func:`bind` gives each method a
-copy with that cell holding the bound class: plain methods, ``staticmethod`` /
-``classmethod`` / ``property`` and ``functools.wraps`` decorators. Anything else holding
-one (``cached_property``, ``partialmethod``, ``lru_cache``, a callable object) makes
-:func:`bind` raise ``TypeError`` at bind time (:func:`unbound_super_calls`), rather than
-leave a ``super()`` that fails when called.
+lit_roidata's classes are written against ``pytorch_lightning``; :func:`bind` makes the
+same class, with the same method code, on ``lightning.pytorch``'s bases. Each method's
+zero-argument ``super()`` cell is rebound (plain methods, ``staticmethod`` /
+``classmethod`` / ``property``, ``functools.wraps`` decorators); anything else holding one
+makes :func:`bind` raise ``TypeError`` (:func:`unbound_super_calls`).
 """
 
 from __future__ import annotations
@@ -24,6 +16,8 @@ import importlib.util
 import threading
 import types
 from typing import Any, Iterator, Optional, TypeVar
+
+from lit_roidata._optional import require
 
 __all__ = ["PL", "LIGHTNING", "NAMESPACES", "bind", "namespace_of", "lightning_attr",
            "import_namespace", "available", "isinstance_any", "source_class", "unbound_super_calls",
@@ -70,8 +64,6 @@ def import_namespace(namespace: str) -> types.ModuleType:
     if namespace == PL:
         return importlib.import_module(PL)
     if namespace == LIGHTNING:
-        from lit_roidata._optional import require
-
         return require(LIGHTNING, "lightning",
                        "the `lightning` namespace (lit_roidata.lightning, `import lightning as L`)")
     raise ValueError(f"unknown Lightning namespace {namespace!r}; use one of {NAMESPACES}")
@@ -158,8 +150,7 @@ def _rebind(value: Any, old: type, new: type, memo: dict[int, Any]) -> Any:
         if func is not value.__func__:
             out = type(value)(func)
     elif isinstance(value, property):
-        funcs = [None if f is None else _rebind(f, old, new, memo)
-                 for f in (value.fget, value.fset, value.fdel)]
+        funcs = [_rebind(f, old, new, memo) for f in (value.fget, value.fset, value.fdel)]
         if any(a is not b for a, b in zip(funcs, (value.fget, value.fset, value.fdel))):
             out = type(value)(*funcs, value.__doc__)
     memo[id(value)] = out
@@ -247,13 +238,11 @@ def bind(cls: T, namespace: str) -> T:
         new = types.new_class(src.__name__, bases, exec_body=lambda ns: ns.update(body))
         memo: dict[int, Any] = {}
         for k, v in list(new.__dict__.items()):
-            rebound = _rebind(v, src, new, memo)
-            if rebound is not v:
+            if (rebound := _rebind(v, src, new, memo)) is not v:
                 setattr(new, k, rebound)
         new.__module__, new.__qualname__ = _BOUND_MODULE[namespace], src.__qualname__
         setattr(new, _SOURCE_ATTR, src)
-        unbound = unbound_super_calls(new)
-        if unbound:
+        if unbound := unbound_super_calls(new):
             raise TypeError(f"cannot bind {src.__module__}.{src.__qualname__} to {namespace}: "
                             + "; ".join(unbound) + ". bind rebinds plain functions, "
                             "staticmethod, classmethod, property and functools.wraps "

@@ -28,10 +28,9 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        top = module.split(".")[0]
         raise MissingOptionalDependency(
-            f"{feature} needs the optional package {top!r}, which is not installed; "
-            f'install it with: pip install "lit_roidata[{extra}]"') from exc
+            f"{feature} needs the optional package {module.split('.')[0]!r}, which is not "
+            f'installed; install it with: pip install "lit_roidata[{extra}]"') from exc
 
 
 def lazy_getattr(module: str, names: Mapping[str, str]) -> Callable[[str], Any]:

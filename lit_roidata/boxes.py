@@ -27,12 +27,11 @@ def box_areas(boxes: np.ndarray) -> np.ndarray:
     return (boxes[..., 2] - boxes[..., 0] + 1) * (boxes[..., 3] - boxes[..., 1] + 1)
 
 
-def iou_kernel(
-    ax1: np.ndarray, ay1: np.ndarray, ax2: np.ndarray, ay2: np.ndarray, a_area: np.ndarray,
-    bx1: np.ndarray, by1: np.ndarray, bx2: np.ndarray, by2: np.ndarray, b_area: np.ndarray,
-    *, out: np.ndarray | None = None, work: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-    positive_areas: bool = False,
-) -> np.ndarray:
+def iou_kernel(ax1: np.ndarray, ay1: np.ndarray, ax2: np.ndarray, ay2: np.ndarray,
+               a_area: np.ndarray, bx1: np.ndarray, by1: np.ndarray, bx2: np.ndarray,
+               by2: np.ndarray, b_area: np.ndarray, *, out: np.ndarray | None = None,
+               work: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+               positive_areas: bool = False) -> np.ndarray:
     """Detectron's per-pair IoU arithmetic, the one NumPy kernel every IoU site calls.
 
     Coordinates and areas (:func:`box_areas`) are float64 arrays that broadcast to one
@@ -52,14 +51,11 @@ def iou_kernel(
     iw, ih, tmp = work
     if out is None:
         out = np.empty(iw.shape, np.float32)
-    np.minimum(ax2, bx2, out=iw)
-    iw -= np.maximum(ax1, bx1, out=tmp)
-    iw += 1
-    np.maximum(iw, 0, out=iw)
-    np.minimum(ay2, by2, out=ih)
-    ih -= np.maximum(ay1, by1, out=tmp)
-    ih += 1
-    np.maximum(ih, 0, out=ih)
+    for side, lo_a, lo_b, hi_a, hi_b in ((iw, ax1, bx1, ax2, bx2), (ih, ay1, by1, ay2, by2)):
+        np.minimum(hi_a, hi_b, out=side)
+        side -= np.maximum(lo_a, lo_b, out=tmp)
+        side += 1
+        np.maximum(side, 0, out=side)
     iw *= ih  # intersection
     np.add(a_area, b_area, out=tmp)
     tmp -= iw  # union
@@ -90,10 +86,7 @@ def bbox_overlaps(boxes: np.ndarray, query: np.ndarray) -> np.ndarray:
     ``ih <= 0`` have IoU 0. Computed in float64 and returned as float32, like the
     Cython original (the arithmetic is :func:`iou_kernel`'s).
     """
-    a, b = _rows(boxes), _rows(query)
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return np.zeros((a.shape[0], b.shape[0]), dtype=np.float32)
-    return _iou_boxes(a[:, None, :], b[None, :, :])
+    return _iou_boxes(_rows(boxes)[:, None, :], _rows(query)[None, :, :])
 
 
 def bbox_overlaps_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -115,44 +108,34 @@ def iou_kernel_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     wh = (torch.minimum(a[..., 2:4], b[..., 2:4]) - lo + 1).clamp_(min=0)
     inter = wh[..., 0] * wh[..., 1]
     union = box_areas(a) + box_areas(b) - inter
-    out = torch.where(inter > 0, inter / union, torch.zeros_like(inter))
-    return out.to(torch.float32)
+    return torch.where(inter > 0, inter / union, torch.zeros_like(inter)).to(torch.float32)
 
 
 def bbox_overlaps_torch(boxes: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Torch twin of :func:`bbox_overlaps` on any device (float32 result)."""
-    import torch
-
-    a, b = boxes.reshape(-1, 4), query.reshape(-1, 4)
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return a.new_zeros((a.shape[0], b.shape[0]), dtype=torch.float32)
-    return iou_kernel_torch(a[:, None, :], b[None, :, :])
+    return iou_kernel_torch(boxes.reshape(-1, 4)[:, None, :], query.reshape(-1, 4)[None, :, :])
 
 
 def _targets(xp: Any, ex: Any, gt: Any, weights: tuple[float, float, float, float]) -> Any:
     """The target arithmetic on float64 rows, for ``xp`` = numpy or torch (same steps)."""
     wx, wy, ww, wh = weights
-    ex_w = ex[:, 2] - ex[:, 0] + 1.0
-    ex_h = ex[:, 3] - ex[:, 1] + 1.0
-    gt_w = gt[:, 2] - gt[:, 0] + 1.0
-    gt_h = gt[:, 3] - gt[:, 1] + 1.0
+    ex_w, ex_h = ex[:, 2] - ex[:, 0] + 1.0, ex[:, 3] - ex[:, 1] + 1.0
+    gt_w, gt_h = gt[:, 2] - gt[:, 0] + 1.0, gt[:, 3] - gt[:, 1] + 1.0
     dx = (gt[:, 0] + 0.5 * gt_w) - (ex[:, 0] + 0.5 * ex_w)
     dy = (gt[:, 1] + 0.5 * gt_h) - (ex[:, 1] + 0.5 * ex_h)
     return xp.stack([wx * dx / ex_w, wy * dy / ex_h, ww * xp.log(gt_w / ex_w),
                      wh * xp.log(gt_h / ex_h)], 1)
 
 
-def bbox_transform_targets(
-    ex_rois: np.ndarray, gt_rois: np.ndarray, weights: tuple[float, float, float, float]
-) -> np.ndarray:
+def bbox_transform_targets(ex_rois: np.ndarray, gt_rois: np.ndarray,
+                           weights: tuple[float, float, float, float]) -> np.ndarray:
     """Regression targets ``(tx, ty, tw, th)`` from ``ex_rois`` to ``gt_rois`` (Detectron semantics:
     bounding-box regression targets)."""
     return _targets(np, _rows(ex_rois), _rows(gt_rois), weights).astype(np.float32)
 
 
-def bbox_transform_targets_torch(
-    ex_rois: torch.Tensor, gt_rois: torch.Tensor, weights: tuple[float, float, float, float]
-) -> torch.Tensor:
+def bbox_transform_targets_torch(ex_rois: torch.Tensor, gt_rois: torch.Tensor,
+                                 weights: tuple[float, float, float, float]) -> torch.Tensor:
     """Torch twin of :func:`bbox_transform_targets` (float32 result)."""
     import torch
 
@@ -164,32 +147,25 @@ def _decode(xp: Any, b: Any, d: Any, weights: tuple[float, float, float, float],
             clip: float | None) -> Any:
     """The decoding arithmetic, for ``xp`` = numpy or torch (same steps)."""
     wx, wy, ww, wh = weights
-    w = b[:, 2] - b[:, 0] + 1.0
-    h = b[:, 3] - b[:, 1] + 1.0
-    cx = b[:, 0] + 0.5 * w
-    cy = b[:, 1] + 0.5 * h
+    w, h = b[:, 2] - b[:, 0] + 1.0, b[:, 3] - b[:, 1] + 1.0
+    cx, cy = b[:, 0] + 0.5 * w, b[:, 1] + 0.5 * h
     dw, dh = d[:, 2] / ww, d[:, 3] / wh
     if clip is not None:
         dw, dh = dw.clip(max=clip), dh.clip(max=clip)
-    pcx = d[:, 0] / wx * w + cx
-    pcy = d[:, 1] / wy * h + cy
-    pw = xp.exp(dw) * w
-    ph = xp.exp(dh) * h
+    pcx, pcy = d[:, 0] / wx * w + cx, d[:, 1] / wy * h + cy
+    pw, ph = xp.exp(dw) * w, xp.exp(dh) * h
     return xp.stack([pcx - 0.5 * pw, pcy - 0.5 * ph, pcx + 0.5 * pw - 1, pcy + 0.5 * ph - 1], 1)
 
 
-def bbox_transform_inv(
-    boxes: np.ndarray, deltas: np.ndarray, weights: tuple[float, float, float, float]
-) -> np.ndarray:
+def bbox_transform_inv(boxes: np.ndarray, deltas: np.ndarray,
+                       weights: tuple[float, float, float, float]) -> np.ndarray:
     """Decode ``deltas`` relative to ``boxes``: the inverse of :func:`bbox_transform_targets`."""
     return _decode(np, _rows(boxes), _rows(deltas), weights, None)
 
 
-def bbox_transform_inv_torch(
-    boxes: torch.Tensor, deltas: torch.Tensor,
-    weights: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0),
-    clip: float | None = None,
-) -> torch.Tensor:
+def bbox_transform_inv_torch(boxes: torch.Tensor, deltas: torch.Tensor,
+                             weights: tuple[float, float, float, float] = (1.0, 1.0, 1.0, 1.0),
+                             clip: float | None = None) -> torch.Tensor:
     """Torch twin of :func:`bbox_transform_inv` (Detectron's ``bbox_transform``).
 
     Computes in the dtype of ``deltas``. ``clip`` (Detectron's ``BBOX_XFORM_CLIP``,

@@ -151,8 +151,7 @@ def verify_replicas(module: nn.Module) -> int:
     """
     if not distributed():
         return 0
-    tensors = _tensors(module)
-    mine = [(n, _checksum(t)) for n, t in tensors]
+    mine = [(n, _checksum(t)) for n, t in _tensors(module)]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     ref = everyone[0]

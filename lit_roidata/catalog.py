@@ -99,12 +99,10 @@ _BUILTIN = _detectron_builtins()
 #: Detectron2's LVIS v1 names and layout (``detectron2/data/datasets/builtin.py``): the
 #: images are COCO's, under ``coco/``; each file name is ``train2017/<file>`` or
 #: ``val2017/<file>``, taken from the image's ``coco_url``.
-_BUILTIN_LVIS: dict[str, tuple[str, str, str]] = {
-    "lvis_v1_train": ("coco", "lvis/lvis_v1_train.json", ""),
-    "lvis_v1_val": ("coco", "lvis/lvis_v1_val.json", ""),
-    "lvis_v1_test_dev": ("coco", "lvis/lvis_v1_image_info_test_dev.json", ""),
-    "lvis_v1_test_challenge": ("coco", "lvis/lvis_v1_image_info_test_challenge.json", ""),
-}
+_BUILTIN_LVIS = {f"lvis_v1_{split}": ("coco", f"lvis/lvis_v1_{file}.json", "")
+                 for split, file in (("train", "train"), ("val", "val"),
+                                     ("test_dev", "image_info_test_dev"),
+                                     ("test_challenge", "image_info_test_challenge"))}
 _BUILTIN.update(_BUILTIN_LVIS)
 
 #: Detectron2's Pascal VOC names (``register_all_pascal_voc``): VOC tree, split. Where
@@ -119,9 +117,8 @@ def _builtin_spec(name: str, root: str) -> DatasetSpec:
     if name in _BUILTIN_VOC and (name not in _BUILTIN
                                  or not os.path.isfile(os.path.join(root, _BUILTIN[name][1]))):
         voc, split = _BUILTIN_VOC[name]
-        return DatasetSpec(name, os.path.join(root, voc, "JPEGImages"),
-                           os.path.join(root, voc, "ImageSets", "Main", split + ".txt"),
-                           format="voc")
+        return DatasetSpec(name, os.path.join(root, voc, "JPEGImages"), os.path.join(
+            root, voc, "ImageSets", "Main", split + ".txt"), format="voc")
     im, ann, prefix = _BUILTIN[name]
     return DatasetSpec(name, os.path.join(root, im), os.path.join(root, ann), prefix,
                        format="lvis" if name in _BUILTIN_LVIS else "coco")
@@ -206,6 +203,7 @@ class Catalog:
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"dataset name must be a non-empty string, got {name!r}")
+        proposal = None if proposal_file is None else os.fspath(proposal_file)
         if callable(image_dir):
             classes = (thing_classes,) if isinstance(thing_classes, str) else thing_classes
             if not classes or not all(isinstance(c, str) for c in classes):
@@ -215,8 +213,7 @@ class Catalog:
                     f"MetadataCatalog.get({name!r}).thing_classes), got {thing_classes!r}")
             spec = DatasetSpec(  # file names are the records' own (full) paths
                 name, "", f"<function {getattr(image_dir, '__qualname__', image_dir)!s}>", "",
-                None if proposal_file is None else os.fspath(proposal_file), "dicts",
-                image_dir, tuple(classes),
+                proposal, "dicts", image_dir, tuple(classes),
                 None if keypoint_names is None else tuple(map(str, keypoint_names)),
                 None if version is None else str(version))
         elif annotation_file is None:
@@ -224,15 +221,13 @@ class Catalog:
                              f"or register a function returning Detectron2's dataset dicts")
         else:
             spec = DatasetSpec(name, os.fspath(image_dir), os.fspath(annotation_file),
-                               str(image_prefix or ""),
-                               None if proposal_file is None else os.fspath(proposal_file),
+                               str(image_prefix or ""), proposal,
                                _check_format(format, f"dataset {name!r}"))
         with self._lock:
             old = self._user.get(name)
             if old is not None and old != spec and not overwrite:
-                raise ValueError(
-                    f"dataset {name!r} is already registered as {old}; pass overwrite=True "
-                    f"to replace it or choose another name")
+                raise ValueError(f"dataset {name!r} is already registered as {old}; pass "
+                                 "overwrite=True to replace it or choose another name")
             self._user[name] = spec
         return spec
 
@@ -254,17 +249,14 @@ class Catalog:
         known = self.names()
         near = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
         hint = f" Did you mean {near[0]!r}?" if near else ""
-        raise KeyError(
-            f"dataset {name!r} is not in the catalog.{hint} Register it with "
-            f"DatasetCatalog.register(name, image_dir, annotation_file) or a catalog YAML. "
-            f"Known datasets: {', '.join(known)}")
+        raise KeyError(f"dataset {name!r} is not in the catalog.{hint} Register it with "
+                       "DatasetCatalog.register(name, image_dir, annotation_file) or a catalog "
+                       f"YAML. Known datasets: {', '.join(known)}")
 
     def names(self) -> list[str]:
         """All known names: user registrations first (in order), then built-ins."""
-        out = list(self._user)
-        if self._builtins:
-            out += [n for n in _BUILTIN_NAMES if n not in self._user]
-        return out
+        return list(self._user) + ([n for n in _BUILTIN_NAMES if n not in self._user]
+                                    if self._builtins else [])
 
     def __contains__(self, name: object) -> bool:
         return name in self._user or (self._builtins and name in _BUILTIN_NAMES)
@@ -316,12 +308,10 @@ class Catalog:
         """Register datasets from a mapping shaped like :meth:`load_yaml`'s file."""
         if not isinstance(data, Mapping):
             raise ValueError(f"{source}: expected a mapping at the top level")
-        unknown = set(data) - {"data_root", "datasets", "builtin_data_root"}
-        if unknown:
+        if unknown := set(data) - {"data_root", "datasets", "builtin_data_root"}:
             raise ValueError(f"{source}: unknown top-level keys {sorted(unknown)}; expected "
                              f"'datasets' and optionally 'data_root'")
-        root = data.get("data_root")
-        if root is not None:
+        if (root := data.get("data_root")) is not None:
             root = os.path.join(base_dir, os.path.expanduser(str(root)))
             if "datasets" not in data or data.get("builtin_data_root"):
                 self.set_data_root(root)

@@ -45,8 +45,7 @@ def _prog(namespace: str) -> str:
 def top_level_help(namespace: str = PL) -> str:
     """``lit-roidata --help`` (written here: building LightningCLI's parser imports Lightning)."""
     prog = _prog(namespace)
-    names = ",".join([*TRAINING, *TOOLS])
-    lines = [f"usage: {prog} [-h] {{{names}}} ...", "",
+    lines = [f"usage: {prog} [-h] {{{','.join([*TRAINING, *TOOLS])}}} ...", "",
              "Detectron's training-data pipeline for PyTorch Lightning"
              + (" (lightning.pytorch namespace)." if namespace != PL else "."), "",
              "options:", "  -h, --help          show this help message and exit", "",
@@ -79,11 +78,8 @@ class _RankZeroFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         # The rank is set by the strategy of the namespace in use; the other namespace's
         # (if imported) keeps the one it read from the environment: the same, or 0.
-        rank = 0
-        for ns in (PL, LIGHTNING):
-            module = sys.modules.get(f"{ns}.utilities.rank_zero")
-            if module is not None:
-                rank = max(rank, int(getattr(module.rank_zero_only, "rank", 0) or 0))
+        rank = max((int(getattr(m.rank_zero_only, "rank", 0) or 0) for ns in (PL, LIGHTNING)
+                    if (m := sys.modules.get(f"{ns}.utilities.rank_zero")) is not None), default=0)
         if getattr(record, "rank_specific", False):
             record.msg = f"[rank {rank}] {record.msg}"
             return True
@@ -94,8 +90,7 @@ def exit_status(cli: Any) -> int:
     """0, or ``128 + signum`` when a callback of ``cli.trainer`` stopped the run on a signal
     (:class:`~lit_roidata.callbacks.GracefulStop`'s public ``stopped_by_signal``)."""
     for cb in getattr(getattr(cli, "trainer", None), "callbacks", None) or ():
-        signum = getattr(cb, "stopped_by_signal", None)
-        if signum:
+        if signum := getattr(cb, "stopped_by_signal", None):
             return 128 + int(signum)
     return 0
 

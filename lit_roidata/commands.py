@@ -16,21 +16,19 @@ TRAINING: dict[str, str] = {
     "predict": "run the model on the test images; writes COCO results json",
 }
 
-#: Tool subcommand → (``"module:function"`` taking ``argv`` → exit code, one line of help).
-TOOLS: dict[str, tuple[str, str]] = {
-    "inspect": ("lit_roidata.tools.inspect:main",
-                "roidb statistics table, minibatch pictures and histograms (PNG)"),
-    "dump-blobs": ("lit_roidata.tools.dump_blobs:main",
-                   "Detectron's blob dump: identity order, one image per batch, .npz files"),
-    "bench": ("lit_roidata.tools.bench:main",
-              "train loader images/s and per-batch latency percentiles on your data"),
-    "make-demo-data": ("lit_roidata.tools.make_demo_data:main",
-                       "generate the synthetic demo datasets (shapes, proposals, keypoints)"),
-    "convert-proposals": ("lit_roidata.tools.convert_proposals:main",
-                          "proposal pickle -> columnar .npz (loads without unpickling)"),
-    "cache": ("lit_roidata.tools.cache:main",
-              "roidb caches: ls (sizes, datasets, last used), clean, verify (checksums)"),
+_TOOL_HELP = {
+    "inspect": "roidb statistics table, minibatch pictures and histograms (PNG)",
+    "dump-blobs": "Detectron's blob dump: identity order, one image per batch, .npz files",
+    "bench": "train loader images/s and per-batch latency percentiles on your data",
+    "make-demo-data": "generate the synthetic demo datasets (shapes, proposals, keypoints)",
+    "convert-proposals": "proposal pickle -> columnar .npz (loads without unpickling)",
+    "cache": "roidb caches: ls (sizes, datasets, last used), clean, verify (checksums)",
 }
+#: Tool subcommand → (``"module:function"`` taking ``argv`` → exit code, one line of help);
+#: ``x-y`` runs ``lit_roidata.tools.x_y:main``.
+TOOLS: dict[str, tuple[str, str]] = {
+    name: (f"lit_roidata.tools.{name.replace('-', '_')}:main", help_)
+    for name, help_ in _TOOL_HELP.items()}
 
 #: Printed by ``--help`` and after each training subcommand's ``--help``.
 EXIT_STATUS = """exit status:
@@ -44,6 +42,5 @@ EXIT_STATUS = """exit status:
 
 def tools_help() -> str:
     """The data tools with their one-line help (also the training subcommands' epilog)."""
-    lines = ["data tools (run `lit-roidata TOOL --help`):"]
-    lines += [f"  {name:<18} {help_}" for name, (_, help_) in TOOLS.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(["data tools (run `lit-roidata TOOL --help`):",
+                      *(f"  {name:<18} {help_}" for name, help_ in _TOOL_HELP.items())]) + "\n"

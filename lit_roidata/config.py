@@ -1,19 +1,9 @@
 """Detectron's option tree, with Detectron's defaults, on yacs' ``CfgNode``.
 
-The data pipeline reads the keys Detectron reads (docs/detectron_semantics.md,
-"Configuration"): ``cfg.TRAIN.SCALES``, ``cfg.TEST.SCALE``, ... Values are decoded with
-Detectron's ``literal_eval`` rule and type-checked by yacs. On top of yacs, errors name
-the file, the key and the nearest valid key at every depth; an int is accepted where the
-default is a float; a single name is accepted for ``*.DATASETS`` / ``*.PROPOSAL_FILES``
-and Detectron's nested ``PIXEL_MEANS``; and Detectron's inferred options are re-derived
-after every merge. :func:`load_detectron_cfg` returns a **frozen** config.
-
-Example::
-
-    >>> from lit_roidata.config import get_cfg, load_detectron_cfg
-    >>> cfg = load_detectron_cfg(None, {"TRAIN.SCALES": (800,), "MODEL.FASTER_RCNN": True})
-    >>> cfg.TRAIN.SCALES, cfg.RPN.RPN_ON, cfg.is_frozen()
-    ((800,), True, True)
+Values are decoded with Detectron's ``literal_eval`` rule and type-checked by yacs; errors
+name the file, the key and the nearest valid key; Detectron's inferred options are
+re-derived after every merge (docs/detectron_semantics.md, "Configuration").
+:func:`load_detectron_cfg` returns a **frozen** config.
 """
 
 from __future__ import annotations
@@ -52,11 +42,7 @@ class ConfigError(KeyError, ValueError):
 class DetectronConfig(CfgNode):
     """Detectron's option tree: a yacs ``CfgNode`` with Detectron's defaults.
 
-    Use :func:`get_cfg` for a mutable copy of the defaults and :func:`load_detectron_cfg`
-    for a built, inferred and frozen config. Merges (:meth:`merge_from_dict`,
-    :meth:`merge_from_file`, :meth:`merge_from_list`) check every key and value before
-    changing anything, then run :meth:`infer` (``RPN.RPN_ON`` from ``MODEL.FASTER_RCNN``
-    / ``MODEL.RPN_ONLY``, as Detectron's ``assert_and_infer_cfg``).
+    Merges check every key and value before changing anything, then run :meth:`infer`.
     """
 
     def __init__(self, init_dict: Optional[Mapping[str, Any]] = None,
@@ -67,9 +53,8 @@ class DetectronConfig(CfgNode):
     def __getattr__(self, name: str) -> Any:
         if name in self:
             return self[name]
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(_unknown(self._full(name), name, self))
+        raise AttributeError(name if name.startswith("__")
+                             else _unknown(self._full(name), name, self))
 
     def _full(self, name: str) -> str:
         path = self.__dict__.get(_KEY_PATH, "")
@@ -83,10 +68,8 @@ class DetectronConfig(CfgNode):
                 f"or build a changed copy: load_detectron_cfg(cfg, {{'{self._full(name)}': ...}})")
 
     def _immutable(self, is_immutable: bool) -> None:
-        # A frozen node also keeps its keys in its instance __dict__, so that attribute
-        # reads (cfg.TRAIN.SCALES, on every minibatch) take Python's fast path instead of
-        # a failed lookup and __getattr__ (~50x slower). Only frozen nodes are mirrored:
-        # they cannot change, so the mirror cannot go stale.
+        # A frozen node mirrors its keys in its __dict__: attribute reads (on every
+        # minibatch) then skip __getattr__ (~50x faster); frozen, it cannot go stale.
         super()._immutable(is_immutable)
         for key in dict.keys(self):
             if is_immutable:
@@ -107,8 +90,7 @@ class DetectronConfig(CfgNode):
     def merge_from_dict(self, overrides: Mapping[str, Any], *, source: str = "") -> None:
         """Apply overrides given as dotted keys (``"TRAIN.SCALES"``), nested dicts, or both.
 
-        String values are decoded with Detectron's ``literal_eval`` rule. Nothing changes
-        unless every key and value is accepted; :meth:`infer` runs afterwards.
+        Nothing changes unless every key and value is accepted.
 
         Raises:
             ConfigError: an unknown key (naming the nearest valid one), a renamed key, or
@@ -232,11 +214,9 @@ def _nest(tree: Mapping[str, Any]) -> dict[str, Any]:
         parts = str(key).split(".")
         node = out
         for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
+            if not isinstance(node := node.setdefault(part, {}), dict):
                 raise ConfigError(f"config key '{key}' is given both as a value and as a "
                                   f"section")
-            node = nxt
         leaf = parts[-1]
         if isinstance(value, Mapping):
             value = _nest(value)
@@ -254,8 +234,7 @@ def _unknown(full_key: str, key: str, valid: Iterable[str]) -> str:
     return f"unknown config key '{full_key}'{hint}"
 
 
-def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]
-                ) -> dict[str, Any]:
+def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]) -> dict[str, Any]:
     """Every key of ``tree`` checked against ``node``; values decoded and coerced."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
@@ -263,11 +242,8 @@ def _check_tree(tree: Mapping[str, Any], node: DetectronConfig, path: list[str]
         if key not in node:
             if _DEFAULTS.key_is_deprecated(full):  # logs a warning, as Detectron does
                 continue
-            if _DEFAULTS.key_is_renamed(full):
-                try:
-                    _DEFAULTS.raise_key_rename_error(full)
-                except KeyError as exc:
-                    raise ConfigError(exc.args[0]) from None
+            if _DEFAULTS.key_is_renamed(full):  # a KeyError, made a ConfigError by the caller
+                _DEFAULTS.raise_key_rename_error(full)
             raise ConfigError(_unknown(full, key, node))
         current = dict.__getitem__(node, key)
         if isinstance(current, CfgNode):
@@ -320,18 +296,13 @@ def _is_number(v: Any) -> bool:
 
 
 def _flat(value: Any) -> list[Any]:
-    out: list[Any] = []
-    for v in value:
-        out.extend(_flat(v) if isinstance(v, (list, tuple)) else [v])
-    return out
+    return [x for v in value for x in (_flat(v) if isinstance(v, (list, tuple)) else [v])]
 
 
 def _lists(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_lists(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _lists(v) for k, v in obj.items()}
-    return obj
+    return {k: _lists(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
 
 
 # Defaults: Detectron's, key for key (Detectron semantics: configuration). Keys marked
@@ -341,19 +312,17 @@ def _node(**values: Any) -> DetectronConfig:
 
 
 _C = DetectronConfig()
+# RPN_STRADDLE_THRESH, RPN_MIN_SIZE (pixels) and GT_MIN_AREA (square pixels) are floats
+# here; Detectron's are the ints 0, 0 and -1. PROPOSAL_LIMIT (lit_roidata): proposals kept
+# per image when training from proposal files; -1 keeps every proposal, as Detectron trains.
 _C.TRAIN = _node(
-    WEIGHTS="", DATASETS=(), SCALES=(600,), MAX_SIZE=1000, IMS_PER_BATCH=2,
-    BATCH_SIZE_PER_IM=64, FG_FRACTION=0.25, FG_THRESH=0.5, BG_THRESH_HI=0.5, BG_THRESH_LO=0.0,
-    USE_FLIPPED=True, BBOX_THRESH=0.5, SNAPSHOT_ITERS=20000, PROPOSAL_FILES=(),
-    ASPECT_GROUPING=True, RPN_POSITIVE_OVERLAP=0.7, RPN_NEGATIVE_OVERLAP=0.3,
-    RPN_FG_FRACTION=0.5, RPN_BATCH_SIZE_PER_IM=256, RPN_NMS_THRESH=0.7, RPN_PRE_NMS_TOP_N=12000,
-    # RPN_STRADDLE_THRESH, RPN_MIN_SIZE (pixels) and GT_MIN_AREA (square pixels) are floats
-    # here; Detectron's are the ints 0, 0 and -1.
-    RPN_POST_NMS_TOP_N=2000, RPN_STRADDLE_THRESH=0.0, RPN_MIN_SIZE=0.0, CROWD_FILTER_THRESH=0.7,
-    GT_MIN_AREA=-1.0, FREEZE_CONV_BODY=False, FREEZE_AT=2, AUTO_RESUME=True, COPY_WEIGHTS=False,
-    # lit_roidata: proposals kept per image when training from proposal files; -1 keeps
-    # every proposal, as Detectron trains (its PROPOSAL_LIMIT is TEST-only).
-    PROPOSAL_LIMIT=-1)
+    WEIGHTS="", DATASETS=(), SCALES=(600,), MAX_SIZE=1000, IMS_PER_BATCH=2, BATCH_SIZE_PER_IM=64,
+    FG_FRACTION=0.25, FG_THRESH=0.5, BG_THRESH_HI=0.5, BG_THRESH_LO=0.0, USE_FLIPPED=True,
+    BBOX_THRESH=0.5, SNAPSHOT_ITERS=20000, PROPOSAL_FILES=(), ASPECT_GROUPING=True,
+    RPN_POSITIVE_OVERLAP=0.7, RPN_NEGATIVE_OVERLAP=0.3, RPN_FG_FRACTION=0.5,
+    RPN_BATCH_SIZE_PER_IM=256, RPN_NMS_THRESH=0.7, RPN_PRE_NMS_TOP_N=12000, RPN_POST_NMS_TOP_N=2000,
+    RPN_STRADDLE_THRESH=0.0, RPN_MIN_SIZE=0.0, CROWD_FILTER_THRESH=0.7, GT_MIN_AREA=-1.0,
+    FREEZE_CONV_BODY=False, FREEZE_AT=2, AUTO_RESUME=True, COPY_WEIGHTS=False, PROPOSAL_LIMIT=-1)
 
 _C.DATA_LOADER = _node(NUM_THREADS=4, MINIBATCH_QUEUE_SIZE=64, BLOBS_QUEUE_CAPACITY=8)
 
@@ -363,12 +332,12 @@ _C.DATA_LOADER = _node(NUM_THREADS=4, MINIBATCH_QUEUE_SIZE=64, BLOBS_QUEUE_CAPAC
 # (REPEAT_SQRT False drops the sqrt). Detectron2's other DATALOADER keys are not read.
 _C.DATALOADER = _node(SAMPLER_TRAIN="TrainingSampler", REPEAT_THRESHOLD=0.0, REPEAT_SQRT=True)
 
+# PRECOMPUTED_PROPOSALS: inferred (see DetectronConfig.infer)
 _C.TEST = _node(
-    WEIGHTS="", DATASETS=(), SCALE=600, MAX_SIZE=1000, NMS=0.3, BBOX_REG=True,
-    PROPOSAL_FILES=(), PROPOSAL_LIMIT=2000, RPN_NMS_THRESH=0.7, RPN_PRE_NMS_TOP_N=12000,
-    RPN_POST_NMS_TOP_N=2000, RPN_MIN_SIZE=0, DETECTIONS_PER_IM=100, SCORE_THRESH=0.05,
-    # PRECOMPUTED_PROPOSALS: inferred (see DetectronConfig.infer)
-    COMPETITION_MODE=True, FORCE_JSON_DATASET_EVAL=False, PRECOMPUTED_PROPOSALS=True)
+    WEIGHTS="", DATASETS=(), SCALE=600, MAX_SIZE=1000, NMS=0.3, BBOX_REG=True, PROPOSAL_FILES=(),
+    PROPOSAL_LIMIT=2000, RPN_NMS_THRESH=0.7, RPN_PRE_NMS_TOP_N=12000, RPN_POST_NMS_TOP_N=2000,
+    RPN_MIN_SIZE=0, DETECTIONS_PER_IM=100, SCORE_THRESH=0.05, COMPETITION_MODE=True,
+    FORCE_JSON_DATASET_EVAL=False, PRECOMPUTED_PROPOSALS=True)
 
 _C.TEST.BBOX_AUG = _node(
     ENABLED=False, SCORE_HEUR="UNION", COORD_HEUR="UNION", H_FLIP=False, SCALES=(),
@@ -389,22 +358,20 @@ _C.MODEL = _node(
     BBOX_REG_WEIGHTS=(10.0, 10.0, 5.0, 5.0), FASTER_RCNN=False, MASK_ON=False,
     KEYPOINTS_ON=False, RPN_ONLY=False, EXECUTION_TYPE="dag")
 
+# ANCHOR_SCALE: Detectron's int 4; a float here, so 4.5 is accepted
+# LOSS_BBOX_WEIGHT, BBOX_REG_WEIGHTS: lit_roidata (later Detectron forks).
 _C.RETINANET = _node(
-    # ANCHOR_SCALE: Detectron's int 4; a float here, so 4.5 is accepted
     RETINANET_ON=False, ASPECT_RATIOS=(0.5, 1.0, 2.0), SCALES_PER_OCTAVE=3, ANCHOR_SCALE=4.0,
-    NUM_CONVS=4, BBOX_REG_WEIGHT=1.0, BBOX_REG_BETA=0.11, PRE_NMS_TOP_N=1000,
-    POSITIVE_OVERLAP=0.5, NEGATIVE_OVERLAP=0.4, LOSS_ALPHA=0.25, LOSS_GAMMA=2.0,
-    PRIOR_PROB=0.01, SHARE_CLS_BBOX_TOWER=False, CLASS_SPECIFIC_BBOX=False, SOFTMAX=False,
-    INFERENCE_TH=0.05,
-    # lit_roidata (later Detectron forks): the box loss weight and per-coordinate weights.
+    NUM_CONVS=4, BBOX_REG_WEIGHT=1.0, BBOX_REG_BETA=0.11, PRE_NMS_TOP_N=1000, POSITIVE_OVERLAP=0.5,
+    NEGATIVE_OVERLAP=0.4, LOSS_ALPHA=0.25, LOSS_GAMMA=2.0, PRIOR_PROB=0.01,
+    SHARE_CLS_BBOX_TOWER=False, CLASS_SPECIFIC_BBOX=False, SOFTMAX=False, INFERENCE_TH=0.05,
     LOSS_BBOX_WEIGHT=1.0, BBOX_REG_WEIGHTS=(1.0, 1.0, 1.0, 1.0))
 
 _C.SOLVER = _node(
-    BASE_LR=0.001, LR_POLICY="step", GAMMA=0.1, STEP_SIZE=30000, STEPS=[], LRS=[],
-    MAX_ITER=40000, MOMENTUM=0.9, WEIGHT_DECAY=0.0005, WEIGHT_DECAY_GN=0.0, BIAS_DOUBLE_LR=True,
-    BIAS_WEIGHT_DECAY=False, WARM_UP_ITERS=500, WARM_UP_FACTOR=1.0 / 3.0,
-    WARM_UP_METHOD="linear", SCALE_MOMENTUM=True, SCALE_MOMENTUM_THRESHOLD=1.1,
-    LOG_LR_CHANGE_THRESHOLD=1.1)
+    BASE_LR=0.001, LR_POLICY="step", GAMMA=0.1, STEP_SIZE=30000, STEPS=[], LRS=[], MAX_ITER=40000,
+    MOMENTUM=0.9, WEIGHT_DECAY=0.0005, WEIGHT_DECAY_GN=0.0, BIAS_DOUBLE_LR=True,
+    BIAS_WEIGHT_DECAY=False, WARM_UP_ITERS=500, WARM_UP_FACTOR=1.0 / 3.0, WARM_UP_METHOD="linear",
+    SCALE_MOMENTUM=True, SCALE_MOMENTUM_THRESHOLD=1.1, LOG_LR_CHANGE_THRESHOLD=1.1)
 
 _C.FAST_RCNN = _node(
     ROI_BOX_HEAD="", MLP_HEAD_DIM=1024, CONV_HEAD_DIM=256, NUM_STACKED_CONVS=4,
@@ -421,9 +388,8 @@ _C.FPN = _node(
 
 _C.MRCNN = _node(
     ROI_MASK_HEAD="", RESOLUTION=14, ROI_XFORM_METHOD="RoIAlign", ROI_XFORM_RESOLUTION=7,
-    ROI_XFORM_SAMPLING_RATIO=0, DIM_REDUCED=256, DILATION=2, UPSAMPLE_RATIO=1,
-    USE_FC_OUTPUT=False, CONV_INIT="GaussianFill", CLS_SPECIFIC_MASK=True, WEIGHT_LOSS_MASK=1.0,
-    THRESH_BINARIZE=0.5)
+    ROI_XFORM_SAMPLING_RATIO=0, DIM_REDUCED=256, DILATION=2, UPSAMPLE_RATIO=1, USE_FC_OUTPUT=False,
+    CONV_INIT="GaussianFill", CLS_SPECIFIC_MASK=True, WEIGHT_LOSS_MASK=1.0, THRESH_BINARIZE=0.5)
 
 _C.KRCNN = _node(
     ROI_KEYPOINTS_HEAD="", HEATMAP_SIZE=-1, UP_SCALE=-1, USE_DECONV=False, DECONV_DIM=256,
@@ -443,14 +409,13 @@ _C.GROUP_NORM = _node(DIM_PER_GP=-1, NUM_GROUPS=32, EPSILON=1e-5)
 
 _C.CLUSTER = _node(ON_CLUSTER=False)
 
+# PIXEL_MEANS: BGR; Detectron's (1, 1, 3) array is stored flat as three floats.
 _C.update(
     NUM_GPUS=1, USE_NCCL=False, DEDUP_BOXES=1.0 / 16.0, BBOX_XFORM_CLIP=math.log(1000.0 / 16.0),
-    # BGR means; Detectron's (1, 1, 3) array is stored flat as three floats.
     PIXEL_MEANS=(102.9801, 115.9465, 122.7717), RNG_SEED=3, EPS=1e-14, ROOT_DIR=os.getcwd(),
-    OUTPUT_DIR="/tmp", MATLAB="matlab", MEMONGER=True, MEMONGER_SHARE_ACTIVATIONS=False,
-    VIS=False, VIS_TH=0.9, EXPECTED_RESULTS=[], EXPECTED_RESULTS_RTOL=0.1,
-    EXPECTED_RESULTS_ATOL=0.005, EXPECTED_RESULTS_EMAIL="", DATA_DIR="",
-    DOWNLOAD_CACHE="/tmp/detectron-download-cache")
+    OUTPUT_DIR="/tmp", MATLAB="matlab", MEMONGER=True, MEMONGER_SHARE_ACTIVATIONS=False, VIS=False,
+    VIS_TH=0.9, EXPECTED_RESULTS=[], EXPECTED_RESULTS_RTOL=0.1, EXPECTED_RESULTS_ATOL=0.005,
+    EXPECTED_RESULTS_EMAIL="", DATA_DIR="", DOWNLOAD_CACHE="/tmp/detectron-download-cache")
 
 _C = DetectronConfig(_C)
 # Detectron's deprecated keys (ignored with a warning) and renamed keys (an error that
@@ -484,9 +449,7 @@ def check_sampler_train(cfg: Any) -> bool:
     config asks for repeat factors (``RepeatFactorTrainingSampler``).
 
     Raises:
-        ConfigError: an unknown sampler name (Detectron2's other samplers are not
-            implemented), or a repeat-factor sampler with a threshold that is not a
-            finite number > 0.
+        ConfigError: an unknown sampler name, or a repeat threshold that is not > 0.
     """
     name = cfg.DATALOADER.SAMPLER_TRAIN
     if name not in SAMPLERS_TRAIN:
@@ -498,7 +461,7 @@ def check_sampler_train(cfg: Any) -> bool:
     if name != "RepeatFactorTrainingSampler":
         return False
     t = cfg.DATALOADER.REPEAT_THRESHOLD
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+    if not _is_number(t) or not math.isfinite(t) or t <= 0:
         raise ConfigError(f"DATALOADER.REPEAT_THRESHOLD={t!r} with SAMPLER_TRAIN="
                           "RepeatFactorTrainingSampler: the threshold must be a finite number "
                           "> 0 (LVIS uses 0.001); set it, or use SAMPLER_TRAIN: "
@@ -507,8 +470,7 @@ def check_sampler_train(cfg: Any) -> bool:
 
 
 def get_cfg() -> DetectronConfig:
-    """A fresh, mutable config holding Detectron's defaults (Detectron semantics:
-    configuration). Use :func:`load_detectron_cfg` for the frozen config a run uses."""
+    """A fresh, mutable config holding Detectron's defaults."""
     cfg = _DEFAULTS.clone()
     cfg.defrost()
     return cfg
@@ -520,23 +482,11 @@ def load_detectron_cfg(
     freeze: bool = True,
 ) -> DetectronConfig:
     """Build a config: defaults, then a Detectron YAML file (or a dict of the same shape,
-    or a copy of a config), then each mapping of ``overrides`` in order; infer; freeze.
-
-    Example::
-
-        cfg = load_detectron_cfg("configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml")
-        cfg = load_detectron_cfg({"TRAIN": {"SCALES": [800]}}, {"MODEL.MASK_ON": True})
-        test_cfg = load_detectron_cfg(cfg, {"TRAIN.SCALES": (cfg.TEST.SCALE,)})
-
-    Args:
-        path_or_dict: a YAML path, a nested/dotted mapping, a config (copied), or None.
-        overrides: mappings of dotted or nested keys, merged after ``path_or_dict``
-            (``None`` entries are skipped).
-        freeze: freeze the result (the default); ``False`` returns it mutable.
+    or a copy of a config), then each mapping of ``overrides`` (``None`` skipped) in
+    order; infer; freeze unless ``freeze=False``.
 
     Raises:
-        ConfigError: unknown key (with the nearest valid one) or a bad value; the
-            message starts with the file's path when the problem is in the file.
+        ConfigError: unknown key (with the nearest valid one) or a bad value.
         FileNotFoundError: the YAML path does not exist.
     """
     if isinstance(path_or_dict, DetectronConfig):
@@ -548,9 +498,8 @@ def load_detectron_cfg(
             cfg.merge_from_dict(path_or_dict)
         elif path_or_dict is not None:
             cfg.merge_from_file(path_or_dict)
-    for extra in overrides:
-        if extra:
-            cfg.merge_from_dict(extra)
+    for extra in filter(None, overrides):
+        cfg.merge_from_dict(extra)
     cfg.infer()
     check_sampler_train(cfg)
     if freeze:
@@ -559,14 +508,9 @@ def load_detectron_cfg(
 
 
 def blob_family(cfg: Any) -> str:
-    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: the one place the loader's blob
-    family is decided (Detectron semantics: configuration).
-
-    Detectron's precedence: RPN (``RPN.RPN_ON``, or ``MODEL.FASTER_RCNN`` /
-    ``MODEL.RPN_ONLY``, which imply it as ``assert_and_infer_cfg`` does), else RetinaNet
-    (``RETINANET.RETINANET_ON``), else Fast R-CNN with precomputed proposals. Mask and
-    keypoint heads and FPN change the blobs inside a family, not the family. Re-exported
-    by :mod:`lit_roidata.minibatch.model_type`.
+    """``"rpn"``, ``"retinanet"`` or ``"fast_rcnn"``: the loader's blob family, in
+    Detectron's precedence (RPN, including ``MODEL.FASTER_RCNN`` / ``RPN_ONLY``, else
+    RetinaNet, else Fast R-CNN with precomputed proposals).
 
     Raises:
         ValueError: RetinaNet without ``FPN.FPN_ON`` (Detectron asserts the same).

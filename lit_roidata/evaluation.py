@@ -95,7 +95,7 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
             dataset lacks), or inconsistent array lengths; the message names the image.
     """
     results: list[dict[str, Any]] = []
-    maps: dict[Any, tuple[Mapping[int, int], set[int]]] = {}  # per dataset: map, its keys
+    maps: dict[Any, dict[int, int]] = {}  # per dataset: its map, with int keys
     for det in detections:
         image_id = int(det["image_id"])
         boxes = as_numpy(det["boxes"]).astype(np.float64).reshape(-1, 4)
@@ -109,23 +109,19 @@ def detections_to_coco_results(detections: Iterable[Mapping[str, Any]],
         # Class-agnostic proposals: every box is category 1, as COCO's proposal results.
         if proposals:
             id_map = {int(c): 1 for c in labels}
-            known = set(id_map)
         else:
             ds = det.get("dataset")
             if ds not in maps:
-                m = _id_map(dataset_info, ds)
-                maps[ds] = (m, {int(k) for k in m})
-            id_map, known = maps[ds]
-        unknown = sorted({int(c) for c in labels} - known)
-        if unknown:
+                maps[ds] = {int(k): v for k, v in _id_map(dataset_info, ds).items()}
+            id_map = maps[ds]
+        if unknown := sorted({int(c) for c in labels} - id_map.keys()):
             raise ValueError(f"image {image_id} (dataset {det.get('dataset')!r}): labels "
                              f"{unknown} have no json category id; known contiguous ids are "
                              f"{sorted(int(k) for k in id_map)} (0 is background)")
         masks = det.get("masks")
         if masks is not None and len(masks) != len(boxes):
             raise ValueError(f"image {image_id}: {len(masks)} masks for {len(boxes)} boxes")
-        kps = det.get("keypoints")
-        if kps is not None:
+        if (kps := det.get("keypoints")) is not None:
             kps = as_numpy(kps).astype(np.float64)
             if kps.ndim != 3 or kps.shape[0] != len(boxes) or kps.shape[2] < 2:
                 raise ValueError(f"image {image_id}: keypoints must be (k, K, 3) for {len(boxes)} "
@@ -151,8 +147,7 @@ def coco_category_map(coco: Any) -> dict[int, int]:
 
 def keypoint_category_ids(coco_gt: Any) -> list[int]:
     """Json ids of the categories that define keypoints (``"keypoints"`` names)."""
-    return sorted(int(c["id"]) for c in coco_gt.loadCats(coco_gt.getCatIds())
-                  if c.get("keypoints"))
+    return sorted(int(c["id"]) for c in coco_gt.loadCats(coco_gt.getCatIds()) if c.get("keypoints"))
 
 
 def load_coco(ann_file: str) -> Any:
@@ -185,8 +180,7 @@ class COCOEvaluator(pl.Callback):
                  annotation_files: Optional[dict[str, str]] = None,
                  output_dir: Optional[str] = None, print_summary: bool = True,
                  kpt_oks_sigmas: Optional[Sequence[float]] = None) -> None:
-        bad = sorted(set(iou_types) - set(self._iou_choices))
-        if bad:
+        if bad := sorted(set(iou_types) - set(self._iou_choices)):
             raise ValueError(f"iou_types {bad} are not supported by {self._label} evaluation; "
                              f"choose from {', '.join(self._iou_choices)}")
         self.iou_types = tuple(iou_types)
@@ -230,10 +224,9 @@ class COCOEvaluator(pl.Callback):
     def _finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prefix: str) -> None:
         dets, self._dets = gather_to_rank0(self._dets), []  # only rank 0 evaluates
         if not dets and trainer.global_rank == 0:
-            log.warning("%s: no detections were returned during %s; the model's "
-                        "%s_step must return {'detections': [per-image dict, ...]} (see "
-                        "lit_roidata.evaluation)", type(self).__name__, prefix,
-                        "validation" if prefix == "val" else "test")
+            log.warning("%s: no detections were returned during %s; the model's %s_step must "
+                        "return {'detections': [per-image dict, ...]} (see lit_roidata.evaluation)",
+                        type(self).__name__, prefix, "validation" if prefix == "val" else "test")
         metrics = run_on_rank0(lambda: self.evaluate(dets, prefix=prefix, trainer=trainer),
                                trainer.global_rank, f"run the {self._label} evaluation") or {}
         self.last_metrics = dict(metrics)
@@ -253,8 +246,7 @@ class COCOEvaluator(pl.Callback):
         by_ds: dict[str, dict[Any, Mapping[str, Any]]] = defaultdict(dict)
         for d in detections:
             by_ds[str(d.get("dataset"))].setdefault(self._image_key(d["image_id"]), d)
-        repeats = len(detections) - sum(len(m) for m in by_ds.values())
-        if repeats:
+        if repeats := len(detections) - sum(len(m) for m in by_ds.values()):
             log.info("%s evaluation: ignored %d repeated image(s) (padded shards)",
                      self._label, repeats)
         per_ds = {name: self._dataset_metrics(name, by_ds[name], prefix, trainer)
@@ -279,8 +271,7 @@ class COCOEvaluator(pl.Callback):
         """The metrics of dataset ``name`` from its detections by image id."""
         coco, info = self._dataset(name, trainer)
         dets, image_ids = list(by_image.values()), sorted(by_image)
-        missing = sorted(set(image_ids) - set(coco.getImgIds()))
-        if missing:
+        if missing := sorted(set(image_ids) - set(coco.getImgIds())):
             raise ValueError(f"dataset {name!r}: image ids {missing[:5]} are not in its "
                              f"annotation file; are the detections from another dataset?")
         out: dict[str, float] = {}
@@ -341,9 +332,8 @@ class COCOEvaluator(pl.Callback):
                 ev.summarize()
         return {s: float(v) for s, v in zip(names, ev.stats)}, summary.getvalue()
 
-    def _load_gt(self, ann_file: str) -> Any:
-        """The ground-truth object of ``ann_file`` (pycocotools' ``COCO``)."""
-        return load_coco(ann_file)
+    #: The ground-truth object of an annotation file (pycocotools' ``COCO``).
+    _load_gt = staticmethod(load_coco)
 
     def _dataset(self, name: str, trainer: Optional[pl.Trainer]) -> tuple[Any, Any]:
         """(ground truth, id map source) for dataset ``name``."""

@@ -50,8 +50,7 @@ def limit_dets_per_image(results: Sequence[Mapping[str, Any]],
     out: list[Mapping[str, Any]] = []
     for anns in by_image.values():
         if len(anns) > max_dets:
-            order = np.argsort(-np.asarray([a["score"] for a in anns], np.float64),
-                               kind="stable")
+            order = np.argsort(-np.asarray([a["score"] for a in anns], np.float64), kind="stable")
             anns = [anns[i] for i in order[:max_dets]]
         out.extend(anns)
     return out
@@ -73,8 +72,7 @@ def _check_lvis_gt(dataset: Mapping[str, Any], ann_file: str) -> None:
                     f"{ann_file}: image id {img.get('id')} has no {key!r}; LVISEvaluator needs "
                     f"an LVIS-format annotation file (every image lists its negative and "
                     f"not-exhaustive categories, possibly empty)")
-            unknown = sorted(set(int(c) for c in img[key]) - cat_ids)
-            if unknown:
+            if unknown := sorted(set(int(c) for c in img[key]) - cat_ids):
                 raise ValueError(f"{ann_file}: image id {img.get('id')} lists {key} {unknown[:5]} "
                                  f"that are not in its categories; fix the annotation file")
 

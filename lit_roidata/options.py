@@ -20,8 +20,11 @@ A flat name (``num_workers=4``) is refused with an error naming its nested key
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Optional, TypeVar, Union
+
+from lit_roidata._optional import require
 
 __all__ = ["AugmentOptions", "DatasetOptions", "MOVED_OPTIONS", "LoaderOptions",
            "OutputOptions", "SamplingOptions", "SourceOptions", "as_options",
@@ -278,9 +281,8 @@ def refuse_unknown(owner: str, names: Mapping[str, Any]) -> None:
                             "(the generated demo data)")
         if name in MOVED_OPTIONS:
             group, key = MOVED_OPTIONS[name]
-            raise TypeError(f"{owner}: {name}=... is now {group}.{key}: pass "
-                            f"{group}={{{key!r}: ...}} (--data.{group}.{key} on the command "
-                            "line)")
+            raise TypeError(f"{owner}: {name}=... is now {group}.{key}: pass {group}="
+                            f"{{{key!r}: ...}} (--data.{group}.{key} on the command line)")
         raise TypeError(f"{owner}: unexpected keyword argument {name!r}; the arguments are "
                         "detectron_config, overrides, model_type and the option groups "
                         f"{list(GROUPS)} (options are grouped, e.g. loader.num_workers)")
@@ -301,8 +303,7 @@ def as_options(cls: type[T], value: Union[None, T, Mapping[str, Any]], group: st
         value = dataclasses.asdict(value)  # e.g. the same fields from jsonargparse
     if isinstance(value, Mapping):
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(value) - names)
-        if unknown:
+        if unknown := sorted(set(value) - names):
             raise TypeError(f"{group}: unknown option(s) {unknown}; valid: {sorted(names)}")
         return cls(**dict(value))
     raise TypeError(f"{group}: expected a {cls.__name__} or a dict, got {type(value).__name__}")
@@ -317,9 +318,8 @@ def to_plain(value: Any) -> Any:
         return {str(k): to_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)  # e.g. an albumentations transform instance
+    # (repr: e.g. an albumentations transform instance)
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
 def albumentations_transform(spec: Any) -> Any:
@@ -327,22 +327,16 @@ def albumentations_transform(spec: Any) -> Any:
     dict (a bare class name is looked up in ``albumentations``; ``augment.transforms``)."""
     if not isinstance(spec, Mapping):
         return spec
-    import importlib
-
-    from lit_roidata._optional import require
-
     A = require("albumentations", "augment", "augmentation (augment.transforms)")
     if "class_path" not in spec:
         raise ValueError(f"augment.transforms: {dict(spec)!r} needs a class_path, e.g. "
                          "{class_path: RandomBrightnessContrast, init_args: {p: 0.5}}")
     path = str(spec["class_path"])
-    unknown = sorted(set(spec) - {"class_path", "init_args"})
-    if unknown:
+    if unknown := sorted(set(spec) - {"class_path", "init_args"}):
         raise ValueError(f"augment.transforms: {path}: unknown keys {unknown}; use "
                          "class_path and init_args")
     module, _, name = path.rpartition(".")
-    cls = getattr(importlib.import_module(module) if module else A, name, None)
-    if cls is None:
+    if (cls := getattr(importlib.import_module(module) if module else A, name, None)) is None:
         raise ValueError(f"augment.transforms: no albumentations transform {path!r}")
     args = dict(spec.get("init_args") or {})
     if "transforms" in args:  # OneOf, SomeOf, Sequential: nested specs
@@ -363,29 +357,22 @@ def detectron_cfg(detectron_config: Optional[str], model_type: Optional[str],
         ValueError: an option and ``overrides`` setting the same key to different values.
     """
     from lit_roidata.config import load_detectron_cfg
+    from lit_roidata.minibatch.model_type import flags_for_model_type
 
-    flags = None
-    if model_type is not None:
-        from lit_roidata.minibatch.model_type import flags_for_model_type
-
-        flags = flags_for_model_type(model_type)
+    flags = None if model_type is None else flags_for_model_type(model_type)
     given = _flat_keys(overrides or {})
     keyed = {"TRAIN.IMS_PER_BATCH": ("loader.ims_per_batch", loader.ims_per_batch),
              "TRAIN.ASPECT_GROUPING": ("sampling.aspect_grouping", sampling.aspect_grouping)}
-    t = getattr(sampling, "repeat_factor_threshold", None)
-    if t is not None:
+    if (t := getattr(sampling, "repeat_factor_threshold", None)) is not None:
         keyed["DATALOADER.SAMPLER_TRAIN"] = ("sampling.repeat_factor_threshold",
                                              "RepeatFactorTrainingSampler")
         keyed["DATALOADER.REPEAT_THRESHOLD"] = ("sampling.repeat_factor_threshold", float(t))
-    merged: dict[str, Any] = {}
     for key, (option, value) in keyed.items():
-        if value is None:
-            continue
-        if key in given and given[key] != value:
+        if value is not None and key in given and given[key] != value:
             raise ValueError(f"{option}={value!r} and overrides {key}={given[key]!r} "
                              f"disagree; set one of them (null {option} takes {key} from "
                              "the Detectron config)")
-        merged[key] = value
+    merged = {key: value for key, (_, value) in keyed.items() if value is not None}
     return load_detectron_cfg(detectron_config, flags, dict(overrides or {}), merged or None)
 
 

@@ -1,10 +1,4 @@
-"""Small operating-system helpers every part of the package shares (one of each).
-
-* :func:`atomic_write`: write a file under a temporary name in the same folder and rename
-  it into place, so a reader sees the old file or the whole new one, never a part.
-* :func:`malloc_trim`: give the C heap's free pages back to the system (glibc).
-* :func:`no_transparent_hugepages`: no transparent huge pages while a block runs (Linux).
-"""
+"""Small operating-system helpers every part of the package shares (one of each)."""
 
 from __future__ import annotations
 
@@ -49,13 +43,11 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, fsync: bool = Tru
 
 def _umask() -> int:
     """The process's umask (read without changing it where Linux allows)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(
+            "/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -93,15 +85,9 @@ def _libc(name: str) -> Any:
 
 
 def malloc_trim() -> bool:
-    """Return the C heap's free memory to the OS (glibc ``malloc_trim(0)``).
-
-    glibc keeps freed heap memory (and raises its mmap threshold after large frees), which
-    shows as private memory that grows with the work done: decode temporaries in a loader
-    worker, decoded windows in a build. Costs well under a millisecond. Returns False where
-    there is no glibc (nothing is done).
-    """
-    trim = _libc("malloc_trim")
-    if trim is None:
+    """Return the C heap's free memory to the OS (glibc ``malloc_trim(0)``; glibc keeps
+    freed memory); False where there is no glibc (nothing is done)."""
+    if (trim := _libc("malloc_trim")) is None:
         return False
     trim(ctypes.c_size_t(0))
     return True

@@ -1,10 +1,5 @@
-"""Which checkpoint ``lit-roidata fit`` resumes from, decided from files and public attributes.
-
-The CLI (:class:`~lit_roidata.trainer_cli.RoIDataCLI`) calls :func:`choose_fit_checkpoint`
-before ``fit`` and passes its answer as ``trainer.fit(ckpt_path=...)``, so Lightning's own
-``"last"`` lookup (with ``OnExceptionCheckpoint`` configured) is never left a choice; the
-rules are in docs/cli.md. Checkpoints are read without torch and without running pickled
-code (:func:`checkpoint_meta`).
+"""Which checkpoint ``lit-roidata fit`` resumes from, decided from files and public attributes
+(docs/cli.md); checkpoints are read without torch and without running pickled code.
 """
 
 from __future__ import annotations
@@ -81,8 +76,7 @@ def is_interrupted_fit(path: str) -> bool:
     module's state) has ``trainer_fn == "fit"``. A file without that entry (another data
     module) counts as one: ``lit-roidata`` lets only ``fit`` write interrupted-run files
     (``validate``/``test``/``predict`` run without ``OnExceptionCheckpoint``)."""
-    meta = checkpoint_meta(path)
-    if not meta:  # unreadable
+    if not (meta := checkpoint_meta(path)):  # unreadable
         return False
     fns = [_plain(v["trainer_fn"]) for v in meta.values()
            if isinstance(v, dict) and "trainer_fn" in v]
@@ -135,8 +129,7 @@ def last_checkpoints(trainer: Any, all_versions: bool = False) -> list[str]:
     """The ``last*.ckpt`` files (``CHECKPOINT_NAME_LAST``, ``FILE_EXTENSION``) of every
     ``ModelCheckpoint`` of ``trainer``: those Lightning's ``"last"`` finds, or with
     ``all_versions`` also those of the earlier logger versions."""
-    cbs = _callbacks(trainer, "callbacks.ModelCheckpoint")
-    if not cbs:
+    if not (cbs := _callbacks(trainer, "callbacks.ModelCheckpoint")):
         return []
     pattern = f"{cbs[0].CHECKPOINT_NAME_LAST}*{cbs[0].FILE_EXTENSION}"
     return sorted({p for d in _last_dirs(trainer, all_versions)
@@ -144,8 +137,7 @@ def last_checkpoints(trainer: Any, all_versions: bool = False) -> list[str]:
 
 
 def _step_text(path: str) -> str:
-    step = checkpoint_step(path)
-    return "?" if step is None else str(step)
+    return "?" if (step := checkpoint_step(path)) is None else str(step)
 
 
 def _move_aside(path: str, why: str) -> None:
@@ -155,24 +147,12 @@ def _move_aside(path: str, why: str) -> None:
 
 
 def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[str]:
-    """The checkpoint ``fit`` resumes from (``None``: start fresh), logged with its step.
-
-    * ``PATH``: that file;
-    * ``"fresh"``: ``None``; the interrupted-run checkpoint and the ``last*.ckpt`` that
-      Lightning's ``"last"`` would find are moved aside to ``<name>.stale``;
-    * ``"last"``: the newest of the interrupted-run checkpoint and every ``last*.ckpt``,
-      also in earlier logger versions (where Lightning does not look);
-    * ``None``: the interrupted-run checkpoint when an interrupted ``fit`` wrote it (the
-      same command resumes), else ``None``.
-
-    For ``None`` and ``"last"``, an interrupted-run file written by anything but ``fit``
-    is moved aside, never resumed.
+    """The checkpoint ``fit`` resumes from (``None``: start fresh) for ``ckpt_path`` PATH,
+    ``"fresh"``, ``"last"`` or ``None``, logged with its step (the rules: docs/cli.md).
 
     Raises:
         ResumeChoiceError: ``ckpt_path`` is ``None``, there is no interrupted run, and
-            Lightning would still resume an earlier run's ``last*.ckpt`` (a fixed
-            ``ModelCheckpoint`` dirpath with ``OnExceptionCheckpoint`` configured); the
-            message names ``--ckpt_path last`` and ``--ckpt_path fresh``.
+            Lightning would still resume an earlier run's ``last*.ckpt``.
     """
     if ckpt_path not in (None, "last", "fresh"):
         log.warning("resuming from %s (global step %s)", ckpt_path, _step_text(str(ckpt_path)))
@@ -184,9 +164,8 @@ def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[st
         log.warning("starting a fresh run (--ckpt_path fresh)")
         return None
     resumable = [p for p in interrupted if is_interrupted_fit(p)]
-    for p in interrupted:
-        if p not in resumable:
-            _move_aside(p, "it was not written by an interrupted `fit`")
+    for p in [p for p in interrupted if p not in resumable]:
+        _move_aside(p, "it was not written by an interrupted `fit`")
     if ckpt_path == "last":
         found = resumable + last_checkpoints(trainer, all_versions=True)
         if not found:  # Lightning's own "last" looks in fewer places: it finds nothing either
@@ -205,15 +184,14 @@ def choose_fit_checkpoint(trainer: Any, ckpt_path: Optional[str]) -> Optional[st
                     path, _step_text(path))
         return path
     if _callbacks(trainer, "callbacks.OnExceptionCheckpoint"):
-        earlier = last_checkpoints(trainer)
-        if earlier:
+        if earlier := last_checkpoints(trainer):
             raise ResumeChoiceError(
-                f"{earlier[0]} (global step {_step_text(earlier[0])}) is the last checkpoint "
-                "of an earlier run, and with OnExceptionCheckpoint configured Lightning resumes "
-                "from it when no checkpoint is given. Pass --ckpt_path last to continue that "
-                "run, or --ckpt_path fresh to start over (it is moved to "
-                f"{os.path.basename(earlier[0])}.stale), or give the ModelCheckpoint another "
-                "dirpath (trainer.callbacks in the config)")
+                f"{earlier[0]} (global step {_step_text(earlier[0])}) is the last checkpoint of an "
+                "earlier run, and with OnExceptionCheckpoint configured Lightning resumes from it "
+                "when no checkpoint is given. Pass --ckpt_path last to continue that run, or "
+                f"--ckpt_path fresh to start over (it is moved to {os.path.basename(earlier[0])}"
+                ".stale), or give the ModelCheckpoint another dirpath (trainer.callbacks in the "
+                "config)")
         log.info("no interrupted-run checkpoint at %s: starting fresh",
                  ", ".join(interrupted_checkpoints(trainer)))
     return None

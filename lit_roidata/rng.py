@@ -1,16 +1,6 @@
-"""Random draws for minibatches: per-block generators, and Detectron's legacy call order.
-
-Every random draw of a minibatch (scale index, RoI sampling, anchor sampling) goes
-through the helpers below, with a generator passed in explicitly (design principle 6:
-workers are stateless). Two kinds of generator are accepted:
-
-* ``numpy.random.Generator`` (the default): made by :func:`block_rng` from
-  ``(seed, pass_index, block_index)``, so a block is rebuilt bit-for-bit on any worker,
-  rank or after a resume.
-* ``numpy.random.RandomState`` (``rng="detectron"``): the legacy API Detectron's global
-  ``np.random`` uses. The helpers then call exactly the RandomState methods Detectron
-  calls (``randint``, ``choice``), in Detectron's order, so seeding it like Detectron's
-  ``np.random.seed(cfg.RNG_SEED)`` reproduces Detectron's draws.
+"""Random draws for minibatches, with an explicit generator: a ``numpy.random.Generator``
+per block (:func:`block_rng`, rebuilt bit-for-bit anywhere), or a ``RandomState`` called
+exactly as Detectron calls its global ``np.random`` (``rng="detectron"``).
 """
 
 from __future__ import annotations
@@ -34,9 +24,8 @@ def block_rng(seed: int, pass_index: int, block_index: int) -> np.random.Generat
     process. ``block_index`` counts blocks of the global stream within the pass.
     """
     if min(seed, pass_index, block_index) < 0:
-        raise ValueError(
-            f"block_rng needs non-negative integers, got seed={seed}, "
-            f"pass_index={pass_index}, block_index={block_index}")
+        raise ValueError(f"block_rng needs non-negative integers, got seed={seed}, "
+                         f"pass_index={pass_index}, block_index={block_index}")
     ss = np.random.SeedSequence([_BLOCK_DOMAIN, int(seed), int(pass_index), int(block_index)])
     return np.random.Generator(np.random.PCG64(ss))
 
@@ -50,9 +39,7 @@ def randint(rng: RNG, low: int, high: int | None = None, size: Any = None) -> An
     """``RandomState.randint`` semantics (``high`` exclusive) for either generator kind."""
     if isinstance(rng, np.random.RandomState):
         return rng.randint(low, high, size=size)
-    if high is None:
-        low, high = 0, low
-    return rng.integers(low, high, size=size)
+    return rng.integers(0, low, size=size) if high is None else rng.integers(low, high, size=size)
 
 
 def choice(rng: RNG, a: Any, size: Any = None, replace: bool = True) -> Any:

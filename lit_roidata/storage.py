@@ -107,9 +107,7 @@ def read_bytes(path: str) -> bytes:
         with open(path, "rb") as fh:
             return fh.read()
     ahead = _AHEAD.get(os.getpid())
-    if ahead is not None:
-        return ahead.get(path)
-    return _get(path)
+    return _get(path) if ahead is None else ahead.get(path)
 
 
 def _get(url: str) -> bytes:

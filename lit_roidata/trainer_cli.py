@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Any, Optional
 
 import jsonargparse
+import yaml
 from jsonargparse import ActionConfigFile, DefaultHelpFormatter
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
@@ -48,9 +51,8 @@ class _RoIDataParserMixin:
     def format_help(self) -> str:
         """jsonargparse's help, plus the data module's options on a parser with ``--data``."""
         text = super().format_help()  # type: ignore[misc]
-        if "--data.help" not in text:  # not a parser with the data module (subclass mode)
-            return text
-        return text + "\n" + _data_options_help()
+        # (only a parser with the data module in subclass mode has --data.help)
+        return text + "\n" + _data_options_help() if "--data.help" in text else text
 
     def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
         """jsonargparse's error, with the nested name of a data option given flat."""
@@ -68,8 +70,6 @@ def _parser_class(namespace: str) -> type:
 def _renamed_hint(message: str) -> str:
     """Append "data.<flat> is now data.<group>.<key>" for each flat option of earlier
     releases named in ``message``."""
-    import re
-
     from lit_roidata.options import MOVED_OPTIONS as moved
 
     # "Option 'x'" / "key 'x'" (newer jsonargparse), "NestedArg(key='x'" (4.39)
@@ -146,8 +146,7 @@ class RoIDataCLI(LightningCLI):
         callbacks = config.get("callbacks")
         callbacks = [] if callbacks is None else list(callbacks) if isinstance(
             callbacks, (list, tuple)) else [callbacks]
-        sources = getattr(self.datamodule, "sources", None)
-        if (getattr(sources, "on_bad_image", None) == "skip"
+        if (getattr(getattr(self.datamodule, "sources", None), "on_bad_image", None) == "skip"
                 and not any(isinstance_any(cb, BadImageReport) for cb in callbacks)):
             callbacks.insert(0, bind(BadImageReport, ns)())
         bar = lightning_attr(ns, "callbacks.ProgressBar")
@@ -163,8 +162,7 @@ class RoIDataCLI(LightningCLI):
 
         for pattern in _SILENCED_WARNINGS:
             warnings.filterwarnings("ignore", message=pattern)
-        decided = os.environ.get(_RESUME_ENV)
-        if decided is None:
+        if (decided := os.environ.get(_RESUME_ENV)) is None:
             try:
                 asked = self.subcommand_config().get("ckpt_path")
                 decided = choose_fit_checkpoint(self.trainer, asked)
@@ -182,8 +180,7 @@ class RoIDataCLI(LightningCLI):
         """Run without ``OnExceptionCheckpoint`` (also ``test`` and ``predict``): their
         crashes must not leave or delete an interrupted run's checkpoint."""
         on_exc = lightning_attr(self.trainer, "callbacks.OnExceptionCheckpoint")
-        self.trainer.callbacks = [cb for cb in self.trainer.callbacks
-                                  if not isinstance(cb, on_exc)]
+        self.trainer.callbacks = [cb for cb in self.trainer.callbacks if not isinstance(cb, on_exc)]
 
     before_test = before_validate
 
@@ -209,8 +206,6 @@ def translate_class_path(path: str, namespace: str) -> str:
         return namespace + path[len(other):]
     if not path.startswith("lit_roidata."):
         return path
-    import importlib
-
     module, _, name = path.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module), name)
@@ -238,8 +233,6 @@ def _translate_class_paths(value: Any, namespace: str) -> Any:
 def _lightning_parser_mode() -> str:
     """A jsonargparse parser mode: YAML with the class paths translated to
     ``lightning.pytorch`` (:func:`translate_class_path`), registered once."""
-    import yaml
-
     yaml_loader = jsonargparse.get_loader("yaml")
     jsonargparse.set_loader(
         _LIGHTNING_MODE, lambda text: _translate_class_paths(yaml_loader(text), LIGHTNING),

@@ -29,8 +29,7 @@ def voc_ap(rec: np.ndarray, prec: np.ndarray, use_07_metric: bool) -> float:
     (maximum precision at recall >= 0, 0.1, ... 1) or the area under the monotone
     precision envelope (VOC2010 on)."""
     if use_07_metric:
-        return float(sum(prec[rec >= t].max(initial=0.0) for t in np.arange(0.0, 1.1, 0.1))
-                     / 11.0)
+        return float(sum(prec[rec >= t].max(initial=0.0) for t in np.arange(0.0, 1.1, 0.1)) / 11.0)
     mrec = np.concatenate(([0.0], rec, [1.0]))
     mpre = np.maximum.accumulate(np.concatenate(([0.0], prec, [0.0]))[::-1])[::-1]
     i = np.flatnonzero(mrec[1:] != mrec[:-1])
@@ -39,8 +38,7 @@ def voc_ap(rec: np.ndarray, prec: np.ndarray, use_07_metric: bool) -> float:
 
 def _round(x: np.ndarray, digits: int) -> np.ndarray:
     """``x`` as the devkit's results files write it (``%.<digits>f``, read back)."""
-    return np.array([f"{v:.{digits}f}" for v in x.ravel().tolist()],
-                    np.float64).reshape(x.shape)
+    return np.array([f"{v:.{digits}f}" for v in x.ravel().tolist()], np.float64).reshape(x.shape)
 
 
 def voc_class_aps(gt: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -135,8 +133,7 @@ class VOCEvaluator(COCOEvaluator):
         root, split = voc_root_split(self.annotation_files.get(name)
                                      or annotation_file(name, trainer))
         info = dataset_info(name, trainer)
-        classes = self.class_names or (tuple(info.classes[1:]) if info is not None
-                                       else VOC_CLASSES)
+        classes = self.class_names or (tuple(info.classes[1:]) if info is not None else VOC_CLASSES)
         index = {c: i for i, c in enumerate(classes)}
         ids, gt, dets = voc_image_ids(root, split), [], []
         for image_id, d in by_image.items():

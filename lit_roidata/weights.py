@@ -45,8 +45,7 @@ _TRUST_FIX = ("If you trust the file, pass trust_pickle=True to BroadcastParamet
               "session and save its tensors with torch.save(state_dict, 'weights.pth').")
 
 
-def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False
-                      ) -> dict[str, Any]:
+def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False) -> dict[str, Any]:
     """Read a weights file into ``{name: array or tensor}``.
 
     Accepts a Detectron pickle (``{'blobs': {...}, 'cfg': ...}`` or a legacy bare dict
@@ -91,14 +90,6 @@ def load_weights_file(path: str | os.PathLike, *, trust_pickle: bool = False
             if isinstance(v, (np.ndarray, torch.Tensor, np.generic))}
 
 
-def _source_name(name: str, name_map: Optional[NameMap]) -> Optional[str]:
-    if name_map is None:
-        return name
-    if isinstance(name_map, Mapping):
-        return name_map.get(name, name)
-    return name_map(name)
-
-
 def load_weights_into(module: nn.Module, blobs: Mapping[str, Any], *,
                       name_map: Optional[NameMap] = None, strict: bool = False,
                       source: str = "<weights>") -> LoadReport:
@@ -122,10 +113,10 @@ def load_weights_into(module: nn.Module, blobs: Mapping[str, Any], *,
         KeyError: ``strict`` and some tensors are missing.
     """
     report = LoadReport()
-    state = module.state_dict(keep_vars=True)
     with torch.no_grad():
-        for name, dst in state.items():
-            src_name = _source_name(name, name_map)
+        for name, dst in module.state_dict(keep_vars=True).items():
+            src_name = (name if name_map is None else name_map.get(name, name)
+                        if isinstance(name_map, Mapping) else name_map(name))
             if src_name is None:
                 continue
             if src_name not in blobs and "]_" in src_name:
