@@ -159,9 +159,8 @@ class DemoFastRCNN(pl.LightningModule):
         self.save_hyperparameters()
         w = backbone_width
         # Stride 8: the demo's objects are 20-110 px, so 7x7 bins stay meaningful.
-        self.body = nn.Sequential(_conv(3, w, 2), _conv(w, w, 1), _conv(w, 2 * w, 2),
-                                  _conv(2 * w, 2 * w, 1), _conv(2 * w, 4 * w, 2),
-                                  _conv(4 * w, 4 * w, 1))
+        chans = (3, w, w, 2 * w, 2 * w, 4 * w, 4 * w)  # stride 2 then 1 per stage
+        self.body = nn.Sequential(*(_conv(chans[i], chans[i + 1], 2 - i % 2) for i in range(6)))
         self.spatial_scale = 1.0 / 8.0
         self.fc6 = nn.Linear(4 * w * roi_resolution ** 2, head_dim)
         self.fc7 = nn.Linear(head_dim, head_dim)
@@ -203,8 +202,8 @@ class DemoFastRCNN(pl.LightningModule):
         h = F.relu(self.fc7(F.relu(self.fc6(pooled.flatten(1)))))
         return self.cls_score(h), self.bbox_pred(h)
 
-    def _tensor(self, x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.as_tensor(x, device=self.device).to(dtype)
+    def _tensor(self, x: Any) -> torch.Tensor:
+        return torch.as_tensor(x, device=self.device).float()
 
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Forward a training batch of Fast R-CNN blobs and return Detectron's losses."""
@@ -260,8 +259,7 @@ class DemoFastRCNN(pl.LightningModule):
         probs = F.softmax(cls_logits.float(), dim=1).cpu().numpy()
         deltas = bbox_pred.float().cpu().numpy()
         rois = torch.as_tensor(rois).reshape(-1, 5).cpu().numpy()
-        hp = self.hparams
-        C = hp.num_classes
+        hp, C = self.hparams, self.hparams.num_classes
         if hp.cls_agnostic_bbox_reg:
             deltas = np.tile(deltas[:, 4:8], (1, C))
         deltas = deltas.reshape(-1, C, 4).copy()

@@ -222,36 +222,32 @@ class TorchvisionDetector(pl.LightningModule):
         body = hp.backbone or ("mobilenet_v3_large" if "mobilenet" in builder_name else "resnet50")
         wb = _weight_enum(builder_name, hp.weights_backbone, body) if tv_backbone else None
         if hp.backbone is not None and not tv_weights:
-            return self._finish(self._build_custom(body, wb, kwargs))
-        kwargs["weights_backbone"] = wb
-        if hp.trainable_backbone_layers is not None:
-            kwargs["trainable_backbone_layers"] = hp.trainable_backbone_layers
-        builder = get_model_builder(builder_name)
-        if not tv_weights:
-            return self._finish(builder(weights=None, num_classes=hp.num_classes, **kwargs))
-        net = builder(weights=_weight_enum(builder_name, hp.weights, None), **kwargs)
-        self._reset_heads(net)
-        return self._finish(net)
-
-    def _finish(self, net: nn.Module) -> nn.Module:
-        """Keep-size transform, the anchors of ``anchor_sizes``, no RPN for ``fast``."""
+            net = self._build_custom(body, wb, kwargs)
+        else:
+            kwargs["weights_backbone"] = wb
+            if hp.trainable_backbone_layers is not None:
+                kwargs["trainable_backbone_layers"] = hp.trainable_backbone_layers
+            builder = get_model_builder(builder_name)
+            if tv_weights:
+                net = builder(weights=_weight_enum(builder_name, hp.weights, None), **kwargs)
+                self._reset_heads(net)
+            else:
+                net = builder(weights=None, num_classes=hp.num_classes, **kwargs)
+        # Keep-size transform, the anchors of ``anchor_sizes``, no RPN for ``fast``.
         net.transform = _no_resize_transform()
         if self.family == "fast":
             net.rpn = None  # proposals come from the loader; no unused RPN parameters
-        elif self.hparams.anchor_sizes is not None:
-            gen = self._anchor_generator([float(a) for a in self.hparams.anchor_sizes])
+        elif hp.anchor_sizes is not None:
+            gen = self._anchor_generator([float(a) for a in hp.anchor_sizes])
             n = gen.num_anchors_per_location()[0]
-            if self.family == "retinanet":
-                if n != net.anchor_generator.num_anchors_per_location()[0]:
+            owner = net if self.family == "retinanet" else net.rpn
+            if n != owner.anchor_generator.num_anchors_per_location()[0]:
+                if owner is net:
                     raise ValueError("anchor_sizes must keep RetinaNet's 9 anchors per place")
-                net.anchor_generator = gen
-            else:
                 from torchvision.models.detection.rpn import RPNHead
 
-                if n != net.rpn.anchor_generator.num_anchors_per_location()[0]:
-                    conv = net.rpn.head.cls_logits
-                    net.rpn.head = RPNHead(conv.in_channels, n)
-                net.rpn.anchor_generator = gen
+                net.rpn.head = RPNHead(net.rpn.head.cls_logits.in_channels, n)
+            owner.anchor_generator = gen
         return net
 
     def _anchor_generator(self, sizes: list[float]) -> nn.Module:

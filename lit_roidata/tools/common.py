@@ -16,8 +16,7 @@ _IGNORED: dict[str, Any] = {
 
 def tool_parser(prog: str, description: str) -> ArgumentParser:
     """A parser with ``--config`` and ``--data`` (class path + ``--data.*`` options)."""
-    parser = ArgumentParser(prog=f"lit-roidata {prog}", description=description,
-                            exit_on_error=True)
+    parser = ArgumentParser(prog=f"lit-roidata {prog}", description=description, exit_on_error=True)
     parser.add_argument("-c", "--config", action=ActionConfigFile,
                         help="a lit-roidata YAML config (its data: section is used)")
     parser.add_subclass_arguments(_data_module_bases(), "data", required=True,

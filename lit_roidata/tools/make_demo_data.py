@@ -48,8 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     table = Table("dataset", "images", "annotation file", "proposal file",
                   title=f"demo data in {args.root}")
     for name, info in layout.items():
-        table.add_row(name, str(info["num_images"]), info["annotation_file"],
-                      info["proposal_file"])
+        table.add_row(name, str(info["num_images"]), info["annotation_file"], info["proposal_file"])
     Console().print(table)
     return 0
 
