@@ -1,10 +1,6 @@
-"""Aligned synthetic streams for the exchange examples, tests and benchmark.
-
-Two processes that exchange per-step blobs must see the same images, flips and scales
-at every step. :func:`demo_alignment_stream` reproduces what two correctly configured
-loaders agree on, using the real :class:`~lit_roidata.sampler.RoIBatchSampler` (a pure
-function of the seed) and per-block generators (:func:`lit_roidata.rng.block_rng`), on
-a small fake roidb: every call with the same seed yields the same alignment metadata.
+"""Aligned synthetic streams for the exchange examples, tests and benchmark: what two
+correctly configured loaders agree on (images, flips, scales per step), from the real
+:class:`~lit_roidata.sampler.RoIBatchSampler` and :func:`lit_roidata.rng.block_rng`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
 """Synthetic LVIS v1-format data: long-tailed categories, federated image labels, real JPEGs.
 
-:func:`ensure_lvis_demo_data` writes, once, train and val splits in Detectron2's LVIS v1
-layout under a data root (``lvis/lvis_v1_{train,val}.json``, ``coco/{train,val}2017/``),
-with LVIS category records (frequency groups from the actual train counts), federated
-``neg_category_ids`` / ``not_exhaustive_category_ids`` and one shape and colour per
-category; :func:`register_lvis_demo_datasets` registers ``lvis_demo_train`` /
-``lvis_demo_val``. See docs/lvis_datasets.md.
+Train and val splits in Detectron2's LVIS v1 layout, one shape and colour per category;
+see docs/lvis_datasets.md.
 """
 
 from __future__ import annotations
@@ -194,9 +190,8 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
                           size_range: tuple[int, int] = (160, 320)) -> dict[str, dict[str, Any]]:
     """Create the synthetic LVIS v1-format data under ``root`` unless it is already there.
 
-    Safe to call from every DDP rank at once (file lock, build in a temporary folder,
-    manifest written last); a complete folder made with the same arguments is reused.
-    The defaults take a few seconds and give 12 categories: 3 frequent, 5 common, 4 rare.
+    Safe from every DDP rank at once, as :func:`~lit_roidata.demo.ensure_demo_data`. The
+    defaults give 12 categories: 3 frequent, 5 common, 4 rare.
 
     Args:
         root: data root (created if needed); the files follow Detectron2's LVIS layout.

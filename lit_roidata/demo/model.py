@@ -1,10 +1,5 @@
-"""``DemoFastRCNN``: a small Fast R-CNN that consumes this package's Detectron blobs.
-
-A few convolutions, ``roi_align`` and a 2-layer head that read exactly the Fast R-CNN
-blobs Detectron reads, with Detectron's losses (softmax cross-entropy, smooth L1 masked by
-the inside/outside weights) and test path (decode, clip, per-class threshold and NMS);
-see docs/demo.md.
-"""
+"""``DemoFastRCNN``: a small Fast R-CNN that consumes this package's Detectron blobs, with
+Detectron's losses and test path (docs/demo.md)."""
 
 from __future__ import annotations
 
@@ -68,11 +63,9 @@ def rpn_proposals(anchors: torch.Tensor, probs: torch.Tensor, deltas: torch.Tens
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Detectron's ``GenerateProposals`` on one level: per image ``(boxes, scores)``.
 
-    ``probs`` ``(N, A, H, W)`` and ``deltas`` ``(N, 4A, H, W)`` against ``anchors``
-    enumerated (y, x, a); ``im_info`` rows ``(h, w, scale)``. The top ``pre`` anchors are
-    decoded, clipped, those under ``min_size`` original pixels (at least 1) dropped (and,
-    with ``centred_inside``, those centred outside the image), NMS, the top ``post`` kept.
-    """
+    ``probs`` ``(N, A, H, W)``, ``deltas`` ``(N, 4A, H, W)``, ``anchors`` enumerated (y, x,
+    a), ``im_info`` rows ``(h, w, scale)``; ``centred_inside`` also drops boxes centred
+    outside the image."""
     n, a, hf, wf = probs.shape
     scores = probs.permute(0, 2, 3, 1).reshape(n, -1).float()
     d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4).float()

@@ -1,9 +1,5 @@
-"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example
-(docs/exchange.md).
-
-The fork exchanged per-level RPN outputs between two training processes; this module is
-the smallest model that produces and consumes them, so ``configs/exchange_*.yaml`` run on
-a laptop. It is a demonstration of the plumbing, not a detector.
+"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example, the
+smallest model that produces and consumes the fork's per-level RPN outputs (docs/exchange.md).
 """
 
 from __future__ import annotations

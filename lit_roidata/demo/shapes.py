@@ -1,8 +1,7 @@
 """Drawing one synthetic demo image and its COCO annotations (used by :mod:`.data`).
 
-Each category is one shape in one colour, so a tiny detector separates the classes after
-a few hundred steps. Objects never overlap, so a drawn mask is exactly the object's
-segmentation and its tight pixel bounds are the COCO box (``w = x2 - x1 + 1``).
+Each category is one shape in one colour; objects never overlap, so a drawn mask is the
+object's segmentation and its tight pixel bounds the COCO box (``w = x2 - x1 + 1``).
 """
 
 from __future__ import annotations
