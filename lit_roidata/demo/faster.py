@@ -157,8 +157,7 @@ class DemoFasterRCNN(DemoFastRCNN):
         cls_logits, bbox_pred = self.box_head(feats, blobs["rois"])
         out.update(fast_rcnn_losses(cls_logits, bbox_pred, {k: v.float() if k != "labels_int32"
                                                              else v for k, v in blobs.items()}))
-        out["loss"] = sum(out[k] for k in ("loss_rpn_cls", "loss_rpn_bbox", "loss_cls",
-                                            "loss_bbox"))
+        out["loss"] = out["loss_rpn_cls"] + out["loss_rpn_bbox"] + out["loss_cls"] + out["loss_bbox"]
         return out
 
     @torch.no_grad()

@@ -65,17 +65,11 @@ def _targets(rng: np.random.Generator, n_img: int, n_cat: int, rare_max: int,
     """Planned train image count per category: frequent, common, rare groups by index."""
     n_f = max(1, round(0.25 * n_cat))
     n_r = max(1, round(0.35 * n_cat)) if n_cat > 2 else 0
-    n_c = n_cat - n_f - n_r
-    targets = []
-    for k in range(n_cat):
-        if k < n_f:
-            lo, hi = common_max + 1, max(common_max + 2, int(0.55 * n_img))
-        elif k < n_f + n_c:
-            lo, hi = rare_max + 2, max(rare_max + 3, common_max - 1)
-        else:
-            lo, hi = 1, rare_max + 1
-        targets.append(int(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
-    return targets
+    groups = ((n_f, common_max + 1, max(common_max + 2, int(0.55 * n_img))),
+              (n_cat - n_f - n_r, rare_max + 2, max(rare_max + 3, common_max - 1)),
+              (n_r, 1, rare_max + 1))
+    return [int(np.exp(rng.uniform(np.log(lo), np.log(hi))))
+            for n, lo, hi in groups for _ in range(n)]
 
 
 def _plan(rng: np.random.Generator, n_img: int, targets: list[int],

@@ -417,10 +417,13 @@ class TorchvisionDetector(pl.LightningModule):
         if self.family != "fast":
             return self.net(images, targets)
         proposals = [t.pop("proposals") for t in targets]
+        return self._fast_heads(images, proposals, targets)[1]
+
+    def _fast_heads(self, images: list[torch.Tensor], proposals: list[torch.Tensor],
+                    targets: Optional[list[dict[str, Any]]] = None) -> tuple[list, dict]:
+        """``fast``: backbone and RoI heads on the given proposals (no RPN)."""
         il, tg = self.net.transform(images, targets)
-        feats = self.net.backbone(il.tensors)
-        _, losses = self.net.roi_heads(feats, proposals, il.image_sizes, tg)
-        return losses
+        return self.net.roi_heads(self.net.backbone(il.tensors), proposals, il.image_sizes, tg)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, targets = self._train_inputs(batch)
@@ -484,10 +487,7 @@ class TorchvisionDetector(pl.LightningModule):
         for b, s in enumerate(float(s) for s in batch["_meta"]["im_scales"][:len(images)]):
             r = rois[rois[:, 0] == b, 1:]  # Detectron inclusive boxes × s -> continuous edges
             proposals.append(r + r.new_tensor([0.0, 0.0, s, s]))
-        il, _ = self.net.transform(images)
-        feats = self.net.backbone(il.tensors)
-        dets, _ = self.net.roi_heads(feats, proposals, il.image_sizes)
-        return dets
+        return self._fast_heads(images, proposals)[0]
 
     def _to_original(self, r: Mapping[str, torch.Tensor], meta: Mapping[str, Any], i: int
                      ) -> dict[str, Any]:

@@ -74,12 +74,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="also measure the decode+resize floor (baseline)")
     cfg, dm = data_module_from(parser, argv or ())
     res = bench_loader(dm, cfg.num_batches, cfg.warmup)
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table(title=f"train loader ({dm.loader.num_workers} workers, "
+    table = Table(*(Column(c, justify="right") for c in ("images/s", "p50 ms", "p90 ms",
+                                                         "p99 ms", "max ms", "batches")),
+                  title=f"train loader ({dm.loader.num_workers} workers, "
                         f"{dm.cfg.TRAIN.IMS_PER_BATCH} images/batch, {dm.output.pixel_format})")
-    for col in ("images/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "batches"):
-        table.add_column(col, justify="right")
     table.add_row(f"{res['images_per_s']:.1f}", f"{res['p50_ms']:.1f}", f"{res['p90_ms']:.1f}",
                   f"{res['p99_ms']:.1f}", f"{res['max_ms']:.1f}", str(res["batches"]))
     con = Console()
