@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_roidata.minibatch import proposal_labels
+from lit_roidata.minibatch.anchors import generate_anchors
 from lit_roidata.demo.model import (BBOX_XFORM_CLIP, DemoFastRCNN, data_cfg, fast_rcnn_losses,
                                     rpn_proposals, smooth_l1_loss)
 
@@ -50,8 +52,6 @@ class DemoFasterRCNN(DemoFastRCNN):
                  sample_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.save_hyperparameters()
-        from lit_roidata.minibatch.anchors import generate_anchors
-
         cell = generate_anchors(stride=_STRIDE, sizes=tuple(rpn_sizes),
                                 aspect_ratios=tuple(rpn_aspect_ratios))
         self.register_buffer("cell_anchors", torch.tensor(cell, dtype=torch.float32),
@@ -142,8 +142,6 @@ class DemoFasterRCNN(DemoFastRCNN):
 
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """RPN losses, in-network proposals, second-stage labels and Fast R-CNN losses."""
-        from lit_roidata.minibatch import proposal_labels
-
         feats = self.features(batch["data"])
         logits, deltas = self.rpn(feats)
         out = self.rpn_losses(logits, deltas, batch)

@@ -126,8 +126,7 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
                 targets: list[int], scale: float, size_range: tuple[int, int]
                 ) -> tuple[list, list]:
     folder, _, id_base = _SPLITS[name]
-    split_index = list(_SPLITS).index(name)
-    img_dir = root / "coco" / folder
+    split_index, img_dir = list(_SPLITS).index(name), root / "coco" / folder
     img_dir.mkdir(parents=True, exist_ok=True)
     plan = _plan(np.random.default_rng(np.random.SeedSequence([seed, split_index, 0])), n_img,
                  targets, scale)
@@ -215,8 +214,7 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
 
 def _build(tmp: Path, wanted: dict[str, Any]) -> tuple[str, ...]:
     counts, seed = wanted["num_images"], wanted["seed"]
-    n_train = counts["lvis_demo_train"]
-    cats = _categories(wanted["num_categories"])
+    n_train, cats = counts["lvis_demo_train"], _categories(wanted["num_categories"])
     thresholds = lvis_thresholds(n_train)
     targets = _targets(np.random.default_rng(np.random.SeedSequence([seed, 99])), n_train,
                        len(cats), *thresholds)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import batched_nms, nms, roi_align
 
+from lit_roidata.config import get_cfg
 from lit_roidata.boxes import bbox_transform_inv, bbox_transform_inv_torch, clip_boxes
 from lit_roidata.models.detector import DETECTRON_PIXEL_MEANS, detectron_lr_multiplier
 
@@ -91,8 +92,6 @@ def data_cfg(trainer: Optional[pl.Trainer], defaults: Mapping[str, Any]) -> Any:
     ``defaults`` merged."""
     cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
     if cfg is None:
-        from lit_roidata.config import get_cfg
-
         cfg = get_cfg()
         cfg.merge_from_dict(dict(defaults))
     return cfg
@@ -218,8 +217,7 @@ class DemoFastRCNN(pl.LightningModule):
         return out
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        out = self.compute_losses(batch)
-        n = int(np.shape(batch["data"])[0])
+        out, n = self.compute_losses(batch), int(np.shape(batch["data"])[0])
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
         self.log_dict({f"train/{k}": v for k, v in out.items() if k != "loss"}, batch_size=n)
         return out["loss"]

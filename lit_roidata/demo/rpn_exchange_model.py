@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lit_roidata.minibatch.anchors import get_field_of_anchors
 from lit_roidata.demo.model import BBOX_XFORM_CLIP, data_cfg, rpn_proposals, smooth_l1_loss
 
 __all__ = ["RPNExchangeDemo"]
@@ -120,8 +121,6 @@ class RPNExchangeDemo(pl.LightningModule):
         """Detectron's RPN-only test path per image: ``(boxes (R, 4), scores (R,))`` in
         the scaled input frame (``GenerateProposals`` per level on the loader's anchors, then
         ``CollectAndDistributeFpnRpnProposals``; docs/exchange.md lists the steps)."""
-        from lit_roidata.minibatch.anchors import get_field_of_anchors
-
         test, k_min = cfg.TEST, cfg.FPN.RPN_MIN_LEVEL
         post = int(test["RPN_POST_NMS_TOP_N"])
         kwargs = dict(pre=int(test["RPN_PRE_NMS_TOP_N"]), post=post,

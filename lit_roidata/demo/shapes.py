@@ -66,8 +66,7 @@ def draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> np
         cv2.fillPoly(mask, [pts], 1)
     else:
         kp = np.array([x, y]) + _KP_TEMPLATE * np.array([w - 1, h - 1])
-        p = np.round(kp).astype(np.int32)
-        t = max(2, w // 9)
+        p, t = np.round(kp).astype(np.int32), max(2, w // 9)
         cv2.circle(mask, tuple(int(v) for v in p[0]), max(2, int(0.09 * h)), 1, -1)
         cv2.fillPoly(mask, [p[[5, 6, 12, 11]]], 1)
         cv2.line(mask, tuple(map(int, p[0])), tuple(map(int, (p[5] + p[6]) // 2)), 1, t)

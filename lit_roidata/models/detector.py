@@ -17,6 +17,20 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torchvision.models import get_model_builder, get_model_weights, get_weight
+from torchvision.models.detection import FasterRCNN, KeypointRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+from torchvision.models.detection.mask_rcnn import MaskRCNNPredictor
+from torchvision.models.detection.retinanet import RetinaNetClassificationHead
+from torchvision.models.detection.roi_heads import paste_masks_in_image
+from torchvision.models.detection.rpn import RPNHead
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
+from torchvision.ops import misc as misc_nn_ops
+from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+from lit_roidata.evaluation import mask_rle
+from lit_roidata.minibatch.device import paste_target_masks
 
 __all__ = ["ARCHS", "TorchvisionDetector", "detectron_solver_kwargs"]
 
@@ -32,8 +46,7 @@ ARCHS: dict[str, tuple[str, str]] = {
 }
 
 DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
+_IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
@@ -80,8 +93,6 @@ def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_
 def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
     """torchvision's ``GeneralizedRCNNTransform`` with identity normalise, resize and
     postprocess: batches (pads) the images, nothing else."""
-    from torchvision.models.detection.transform import GeneralizedRCNNTransform
-
     class _KeepSize(GeneralizedRCNNTransform):
         def normalize(self, image: torch.Tensor) -> torch.Tensor:
             return image
@@ -99,8 +110,6 @@ def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
 def _weight_enum(builder_name: str, name: str, backbone: Optional[str]) -> Any:
     """A torchvision weight enum from a name such as ``COCO_V1``, ``DEFAULT`` or
     ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (no download happens here)."""
-    from torchvision.models import get_model_builder, get_model_weights, get_weight
-
     if "." in name:
         return get_weight(name)
     enum = get_model_weights(get_model_builder(backbone or builder_name))
@@ -210,8 +219,6 @@ class TorchvisionDetector(pl.LightningModule):
             self.load_weights(weights_backbone, prefix="backbone.body.")
 
     def _build(self, tv_weights: bool, tv_backbone: bool) -> nn.Module:
-        from torchvision.models import get_model_builder
-
         hp = self.hparams
         builder_name = ARCHS[hp.arch][0]
         kwargs: dict[str, Any] = dict(hp.detector_kwargs or {})
@@ -244,15 +251,11 @@ class TorchvisionDetector(pl.LightningModule):
             if n != owner.anchor_generator.num_anchors_per_location()[0]:
                 if owner is net:
                     raise ValueError("anchor_sizes must keep RetinaNet's 9 anchors per place")
-                from torchvision.models.detection.rpn import RPNHead
-
                 net.rpn.head = RPNHead(net.rpn.head.cls_logits.in_channels, n)
             owner.anchor_generator = gen
         return net
 
     def _anchor_generator(self, sizes: list[float]) -> nn.Module:
-        from torchvision.models.detection.anchor_utils import AnchorGenerator
-
         if "mobilenet" in self.hparams.arch:  # one set of sizes on each of its 3 maps
             per = (tuple(sizes),) * 3
         elif self.family == "retinanet":
@@ -264,14 +267,9 @@ class TorchvisionDetector(pl.LightningModule):
     def _build_custom(self, body: str, weights_backbone: Any, kwargs: dict[str, Any]
                       ) -> nn.Module:
         """torchvision's construction of the arch with another ResNet in the FPN backbone."""
-        from torchvision.models import get_model_builder
-        from torchvision.models.detection import FasterRCNN, KeypointRCNN, MaskRCNN, RetinaNet
         from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
-        from torchvision.ops import misc as misc_nn_ops
-        from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
-        hp = self.hparams
-        trained = weights_backbone is not None
+        hp, trained = self.hparams, weights_backbone is not None
         norm = misc_nn_ops.FrozenBatchNorm2d if trained else nn.BatchNorm2d
         layers = hp.trainable_backbone_layers
         layers = (3 if trained else 5) if layers is None else int(layers)
@@ -288,8 +286,6 @@ class TorchvisionDetector(pl.LightningModule):
         """Replace class-count dependent heads of pretrained weights for ``num_classes``."""
         c = self.hparams.num_classes
         if self.family == "retinanet":
-            from torchvision.models.detection.retinanet import RetinaNetClassificationHead
-
             head = net.head.classification_head
             if head.num_classes != c:
                 log.warning("re-initialising RetinaNet's classification head for %d classes "
@@ -297,9 +293,6 @@ class TorchvisionDetector(pl.LightningModule):
                 net.head.classification_head = RetinaNetClassificationHead(
                     head.cls_logits.in_channels, head.num_anchors, c)
             return
-        from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
-        from torchvision.models.detection.mask_rcnn import MaskRCNNPredictor
-
         pred = net.roi_heads.box_predictor
         if pred.cls_score.out_features != c:
             log.warning("re-initialising the box predictor for %d classes (the weights have "
@@ -385,8 +378,6 @@ class TorchvisionDetector(pl.LightningModule):
             raise TypeError("TorchvisionDetector trains on the torchvision format: set "
                             "data.output_format: torchvision (got a Detectron blob dict with "
                             f"{sorted(k for k in batch if not k.startswith('_'))[:6]}...)")
-        from lit_roidata.minibatch.device import paste_target_masks
-
         images, targets = paste_target_masks(batch)[:2]  # compact masks not pasted yet
         ims = [self._prepare(torch.as_tensor(im), rgb_uint8=True) for im in images]
         tgts = []
@@ -511,10 +502,6 @@ class TorchvisionDetector(pl.LightningModule):
         return out
 
     def _mask_rles(self, probs: torch.Tensor, boxes: torch.Tensor, H: int, W: int) -> list:
-        from torchvision.models.detection.roi_heads import paste_masks_in_image
-
-        from lit_roidata.evaluation import mask_rle
-
         if len(boxes) == 0:
             return []
         full = paste_masks_in_image(probs, boxes, (H, W))[:, 0] > self.hparams.mask_thresh

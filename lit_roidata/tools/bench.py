@@ -57,8 +57,7 @@ def decode_resize_floor(dm: Any, num_images: int) -> float:
     from lit_roidata.minibatch.image import scale_image
 
     roidb, cfg = dm.train_roidb, dm.cfg
-    n = min(int(num_images), len(roidb))
-    t = time.perf_counter()
+    n, t = min(int(num_images), len(roidb)), time.perf_counter()
     for i in range(n):
         scale_image(load_image(roidb[i]), cfg.TRAIN.SCALES[i % len(cfg.TRAIN.SCALES)],
                     cfg.TRAIN.MAX_SIZE, pixel_format=dm.output.pixel_format,

@@ -164,8 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.cmd == "ls" and args.json:
         print(json.dumps(list_caches(root), indent=1))
     elif args.cmd == "ls":
-        recs = list_caches(root)
-        t = Table(title=f"roidb caches in {root}")
+        recs, t = list_caches(root), Table(title=f"roidb caches in {root}")
         for col in ("key", "MiB", "datasets", "mode", "entries", "built", "last used", "state"):
             t.add_column(col, justify="right" if col in ("MiB", "entries") else "left",
                          no_wrap=col in ("key", "state"))

@@ -61,8 +61,7 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
             mb["masks_int32"] = expand_masks_on_device(
                 mb["masks_int32"], mb.pop("mask_class_int32"), int(dm.cfg.MODEL.NUM_CLASSES))
         expand_targets(mb)
-        meta = mb["_meta"]
-        path = os.path.join(out, f"minibatch_{k:05d}.npz")
+        meta, path = mb["_meta"], os.path.join(out, f"minibatch_{k:05d}.npz")
         np.savez(path, **{n: np.asarray(mb[n]) for n in chosen})
         index.append({
             "file": os.path.basename(path), "indices": [int(i) for i in meta["indices"]],

@@ -49,8 +49,7 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
 def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
     from rich.table import Column, Table
 
-    con = Console()
-    table = Table(title=f"roidb: {len(roidb)} entries ({roidb.path})")
+    con, table = Console(), Table(title=f"roidb: {len(roidb)} entries ({roidb.path})")
     for col in ("dataset", "entries", "flipped", "horiz/vert", "gt boxes/img", "crowd",
                 "proposals/img", "kp images"):
         table.add_column(col, justify="right" if col != "dataset" else "left")
@@ -122,8 +121,7 @@ def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> 
         if data.dtype != np.uint8:  # Detectron float blob: add the means back
             im = im + np.asarray(e.get("_pixel_means", (102.9801, 115.9465, 122.7717)))
         ax.imshow(np.clip(im[:, :, ::-1], 0, 255).astype(np.uint8))
-        s = float(meta["im_scales"][b])
-        sel = rois[:, 0] == b
+        s, sel = float(meta["im_scales"][b]), rois[:, 0] == b
         for r, lab in zip(rois[sel], labels[sel]):
             fg = lab > 0
             ax.add_patch(Rectangle((r[1], r[2]), r[3] - r[1], r[4] - r[2], fill=False,
