@@ -54,9 +54,8 @@ class COCOPredictionWriter(BasePredictionWriter):
         if prediction is None:
             raise TypeError(f"{type(pl_module).__name__}.predict_step returned nothing; it must "
                             f"return a list of per-image detection dicts (lit_roidata.evaluation)")
-        for d in prediction:
-            self._dets.append({k: (v.detach().cpu().numpy() if torch.is_tensor(v) else v)
-                               for k, v in d.items()})
+        self._dets += [{k: (v.detach().cpu().numpy() if torch.is_tensor(v) else v)
+                        for k, v in d.items()} for d in prediction]
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dets, self._dets = gather_to_rank0(self._dets), []
