@@ -51,11 +51,10 @@ def fast_rcnn_losses(cls_logits: torch.Tensor, bbox_pred: torch.Tensor,
         outside weights, divided by the number of RoIs) and ``accuracy_cls``.
     """
     labels = blobs["labels_int32"].long()
-    loss_cls = F.cross_entropy(cls_logits, labels)
-    loss_bbox = smooth_l1_loss(bbox_pred, blobs["bbox_targets"], blobs["bbox_inside_weights"],
-                               blobs["bbox_outside_weights"])
-    accuracy = (cls_logits.argmax(1) == labels).float().mean()
-    return {"loss_cls": loss_cls, "loss_bbox": loss_bbox, "accuracy_cls": accuracy.detach()}
+    return {"loss_cls": F.cross_entropy(cls_logits, labels),
+            "loss_bbox": smooth_l1_loss(bbox_pred, blobs["bbox_targets"],
+                                        blobs["bbox_inside_weights"], blobs["bbox_outside_weights"]),
+            "accuracy_cls": (cls_logits.argmax(1) == labels).float().mean().detach()}
 
 
 def rpn_proposals(anchors: torch.Tensor, probs: torch.Tensor, deltas: torch.Tensor,

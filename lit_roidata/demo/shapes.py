@@ -159,8 +159,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
             masks.append((mask, cat))
 
     if crowd:
-        cat = int(rng.choice([3, 7]))
-        side = int(rng.integers(44, min(80, min(W, H) - 4) + 1))
+        cat, side = int(rng.choice([3, 7])), int(rng.integers(44, min(80, min(W, H) - 4) + 1))
         pos = place(rng, taken, W, H, side, side)
         if pos is not None:
             mask = np.zeros((H, W), np.uint8)
@@ -168,8 +167,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
                 for cx in range(pos[0] + 3, pos[0] + side - 8, 11):
                     draw_shape(mask, cat, cx, cy, 7, 7)
             add(mask, cat, (pos[0], pos[1], side, side), crowd=True)
-    n_obj = 0 if empty else int(rng.integers(1, 5))
-    for _ in range(n_obj):
+    for _ in range(0 if empty else int(rng.integers(1, 5))):
         cat = int(rng.choice([c["id"] for c in DEMO_CATEGORIES]))
         if cat == 1:
             h = int(rng.integers(48, min(112, H - 4) + 1))

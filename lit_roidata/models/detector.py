@@ -207,9 +207,8 @@ class TorchvisionDetector(pl.LightningModule):
                                  f"backbone={backbone!r} use weights_backbone instead")
         self.save_hyperparameters()
         self.family = ARCHS[arch][1]
-        if normalize == "auto":
-            normalize = "torchvision" if (tv_weights or tv_backbone) else "detectron"
-        self.normalize_mode = normalize
+        self.normalize_mode = normalize if normalize != "auto" else (
+            "torchvision" if (tv_weights or tv_backbone) else "detectron")
         self.net = self._build(tv_weights, tv_backbone)
         self.register_buffer("_means", torch.tensor(pixel_means, dtype=torch.float32).view(3, 1, 1),
                              persistent=False)
@@ -219,8 +218,7 @@ class TorchvisionDetector(pl.LightningModule):
             self.load_weights(weights_backbone, prefix="backbone.body.")
 
     def _build(self, tv_weights: bool, tv_backbone: bool) -> nn.Module:
-        hp = self.hparams
-        builder_name = ARCHS[hp.arch][0]
+        hp, builder_name = self.hparams, ARCHS[self.hparams.arch][0]
         kwargs: dict[str, Any] = dict(hp.detector_kwargs or {})
         for key in ("score_thresh", "nms_thresh", "detections_per_img"):  # box_*: R-CNN's names
             kwargs.setdefault(("" if self.family == "retinanet" else "box_") + key, hp[key])
@@ -379,8 +377,7 @@ class TorchvisionDetector(pl.LightningModule):
                             "data.output_format: torchvision (got a Detectron blob dict with "
                             f"{sorted(k for k in batch if not k.startswith('_'))[:6]}...)")
         images, targets = paste_target_masks(batch)[:2]  # compact masks not pasted yet
-        ims = [self._prepare(torch.as_tensor(im), rgb_uint8=True) for im in images]
-        tgts = []
+        ims, tgts = [self._prepare(torch.as_tensor(im), rgb_uint8=True) for im in images], []
 
         def tensor(x: Any) -> torch.Tensor:  # plain tensors (not tv_tensors) on our device
             return torch.as_tensor(x).as_subclass(torch.Tensor).to(self.device)
@@ -407,8 +404,7 @@ class TorchvisionDetector(pl.LightningModule):
         """torchvision's loss dict for prepared images and targets (training mode)."""
         if self.family != "fast":
             return self.net(images, targets)
-        proposals = [t.pop("proposals") for t in targets]
-        return self._fast_heads(images, proposals, targets)[1]
+        return self._fast_heads(images, [t.pop("proposals") for t in targets], targets)[1]
 
     def _fast_heads(self, images: list[torch.Tensor], proposals: list[torch.Tensor],
                     targets: Optional[list[dict[str, Any]]] = None) -> tuple[list, dict]:
@@ -426,8 +422,7 @@ class TorchvisionDetector(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """Detectron's SGD (bias lr and decay rules) and per-iteration step schedule."""
-        hp = self.hparams
-        weights, biases = [], []
+        hp, weights, biases = self.hparams, [], []
         for name, p in self.named_parameters():
             if p.requires_grad:
                 (biases if name.endswith(".bias") else weights).append(p)
@@ -451,9 +446,8 @@ class TorchvisionDetector(pl.LightningModule):
                             "(a dict with 'data' and '_meta')")
         meta, data = batch["_meta"], batch["data"]
         sizes = torch.as_tensor(meta["image_sizes"]).reshape(-1, 2).tolist()
-        ims = [self._prepare(data[i, :, : int(h), : int(w)], rgb_uint8=False)
-               for i, (h, w) in enumerate(sizes)]
-        return ims, meta
+        return [self._prepare(data[i, :, : int(h), : int(w)], rgb_uint8=False)
+                for i, (h, w) in enumerate(sizes)], meta
 
     @torch.no_grad()
     def detect(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:

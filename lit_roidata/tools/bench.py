@@ -30,8 +30,7 @@ def bench_loader(dm: Any, num_batches: int = 50, warmup: int = 5) -> dict[str, f
     dm.prepare_data()
     dm.setup("fit")
     loader = dm.train_dataloader()
-    it = iter(loader)
-    lat, images = [], 0
+    it, lat, images = iter(loader), [], 0
     for k in range(int(warmup) + int(num_batches)):
         t = time.perf_counter()
         try:
