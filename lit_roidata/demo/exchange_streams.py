@@ -24,14 +24,9 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     The roidb has ``num_images // 2`` originals followed by their flipped copies
     (Detectron's order, Detectron semantics: flipping); image sizes alternate
     landscape/portrait so aspect grouping matters. Scales are drawn per block from
-    ``block_rng`` like a worker does.
-
-    Args:
-        seed: the stream seed, equal in both processes for aligned streams.
-        num_images: roidb length (even).
-        ims_per_batch: images per block.
-        scales: ``TRAIN.SCALES``.
-        max_size: ``TRAIN.MAX_SIZE``.
+    ``block_rng`` like a worker does. ``seed`` is the stream seed (equal in both processes),
+    ``num_images`` the (even) roidb length, ``scales`` / ``max_size`` ``TRAIN.SCALES`` /
+    ``TRAIN.MAX_SIZE``.
     """
     from lit_roidata.minibatch.image import get_target_scale
     from lit_roidata.sampler import RoIBatchSampler

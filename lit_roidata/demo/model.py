@@ -28,12 +28,8 @@ _PLUS_ONE = torch.tensor([0.0, 0.0, 1.0, 1.0])
 def smooth_l1_loss(pred: torch.Tensor, target: torch.Tensor, inside_w: torch.Tensor,
                    outside_w: torch.Tensor, *, beta: float = 1.0,
                    normalizer: float | None = None) -> torch.Tensor:
-    """Detectron's ``SmoothL1Loss`` op: ``sum(out * huber(in * (pred - target))) / N``.
-
-    Args:
-        pred, target, inside_w, outside_w: ``(N, 4C)`` tensors.
-        beta: transition point between the quadratic and the linear part.
-        normalizer: divisor; Detectron uses the number of rows ``N`` (the default).
+    """Detectron's ``SmoothL1Loss`` op: ``sum(out * huber(in * (pred - target))) / N`` on
+    ``(N, 4C)`` tensors; ``beta``: the quadratic part's end; ``normalizer``: ``N`` by default.
     """
     diff = inside_w * (pred - target)
     ad = diff.abs()

@@ -133,15 +133,10 @@ def canvas(rng: np.random.Generator, size_range: tuple[int, int],
 
 def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: bool,
                size_range: tuple[int, int]) -> tuple[np.ndarray, list[dict[str, Any]]]:
-    """One BGR uint8 image and its annotation records (without ``id``/``image_id``).
-
-    Args:
-        rng: the image's own generator (so each image is reproducible on its own).
-        portrait: make the image taller than wide (exercises aspect grouping).
-        empty: no objects at all (Detectron keeps such images only if proposals give bg).
-        crowd: add one ``iscrowd=1`` region (a cluster of small shapes, RLE mask).
-        size_range: (short side, long side) bounds in pixels.
-    """
+    """One BGR uint8 image and its annotation records (without ``id``/``image_id``), from
+    the image's own generator: taller than wide if ``portrait``, no objects if ``empty``,
+    one ``iscrowd=1`` cluster of small shapes (RLE) if ``crowd``; ``size_range``: (short
+    side, long side) bounds in pixels."""
     img = canvas(rng, size_range, portrait)
     H, W = img.shape[:2]
     anns: list[dict[str, Any]] = []

@@ -1,17 +1,8 @@
-"""``lit-roidata cache``: list, clean and verify the roidb caches.
+"""``lit-roidata cache``: list, clean and verify the roidb caches (docs/cli.md).
 
-Subcommands (all take ``--cache-dir``, default ``$LIT_ROIDATA_CACHE`` or
-``~/.cache/lit_roidata``):
-
-* ``ls``: one row per cache: key, size, datasets, entries, built, last used, state
-  (``ok``, ``in use`` when a process has it open, ``damaged``);
-* ``clean``: remove caches chosen explicitly with ``--all``, ``--older-than DAYS``
-  (not used for that long) or ``--key KEY`` (repeatable; a prefix is enough). A cache
-  in use or being built is never removed (it is listed as kept). ``--dry-run`` shows
-  what would go. ``--all`` also removes leftovers of interrupted builds and the input
-  fingerprint memo;
-* ``verify``: read every array file and compare its checksum with the manifest; exit
-  status 1 if any cache is damaged (``clean --key`` it, or let the next run rebuild it).
+``clean`` never removes a cache in use or being built (it is listed as kept); ``--all``
+also removes leftovers of interrupted builds and the input fingerprint memo. ``verify``
+exits with status 1 if any cache is damaged.
 """
 
 from __future__ import annotations
@@ -62,7 +53,8 @@ def _building(path: str) -> bool:
 
 
 def list_caches(root: str) -> list[dict[str, Any]]:
-    """One dict per ``roidb-*`` directory under ``root`` (see the module docstring)."""
+    """One dict per ``roidb-*`` directory under ``root``: key, path, bytes, state (``ok``,
+    ``in use``, ``damaged``), datasets, entries, mode, built, last_used."""
     out: list[dict[str, Any]] = []
     for name in sorted(os.listdir(root) if os.path.isdir(root) else ()):
         path = os.path.join(root, name)
