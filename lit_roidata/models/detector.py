@@ -58,14 +58,13 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
         cfg = load_detectron_cfg("configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml")
         model = TorchvisionDetector("maskrcnn_resnet50_fpn", **detectron_solver_kwargs(cfg))
     """
-    s = cfg.SOLVER
+    s, t = cfg.SOLVER, cfg.TEST
     if str(s.get("LR_POLICY", "steps_with_decay")) not in ("steps_with_decay", "step"):
         raise ValueError(f"SOLVER.LR_POLICY={s['LR_POLICY']!r} is not supported; "
                          f"TorchvisionDetector implements steps_with_decay (and step)")
     steps = [int(x) for x in s.get("STEPS") or ()]
     if str(s.get("LR_POLICY")) == "step" and not steps:
         steps = list(range(int(s["STEP_SIZE"]), int(s["MAX_ITER"]), int(s["STEP_SIZE"])))
-    test = cfg.TEST
     return {
         "num_classes": int(cfg.MODEL.NUM_CLASSES), "lr": float(s["BASE_LR"]),
         "momentum": float(s["MOMENTUM"]), "weight_decay": float(s["WEIGHT_DECAY"]),
@@ -74,9 +73,8 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
         "warmup_method": str(s["WARM_UP_METHOD"]),
         "bias_lr_factor": 2.0 if s.get("BIAS_DOUBLE_LR", True) else 1.0,
         "bias_weight_decay": bool(s.get("BIAS_WEIGHT_DECAY", False)),
-        "score_thresh": float(test.get("SCORE_THRESH", 0.05)),
-        "nms_thresh": float(test.get("NMS", 0.5)),
-        "detections_per_img": int(test.get("DETECTIONS_PER_IM", 100)),
+        "score_thresh": float(t.get("SCORE_THRESH", 0.05)), "nms_thresh": float(t.get("NMS", 0.5)),
+        "detections_per_img": int(t.get("DETECTIONS_PER_IM", 100)),
         "pixel_means": tuple(float(v) for v in cfg.PIXEL_MEANS)}
 
 
@@ -346,8 +344,7 @@ class TorchvisionDetector(pl.LightningModule):
         evaluation blobs with them); set the CPU threads."""
         cfg = getattr(getattr(getattr(self, "_trainer", None), "datamodule", None), "cfg", None)
         means = getattr(cfg, "PIXEL_MEANS", None)
-        if means is not None and tuple(float(v) for v in means) != tuple(
-                float(v) for v in self.hparams.pixel_means):
+        if means is not None and [*map(float, means)] != [*map(float, self.hparams.pixel_means)]:
             log.warning("using the data module's PIXEL_MEANS %s instead of pixel_means %s",
                         tuple(means), tuple(self.hparams.pixel_means))
             self._means = torch.tensor(tuple(means), dtype=torch.float32,

@@ -80,12 +80,11 @@ class COCOPredictionWriter(BasePredictionWriter):
             if info is None:  # the annotation file's category order (Detectron's ids)
                 info = coco_category_map(load_coco(annotation_file(name, trainer)))
             results = detections_to_coco_results(dets, info)
-            path = os.path.join(out_dir, f"{name}.json")
+            written[name] = path = os.path.join(out_dir, f"{name}.json")
             with atomic_write(path, "w", fsync=False) as f:
                 json.dump(results, f)
             log.info("wrote %d detections of %d images (%s) to %s", len(results), len(dets),
                      name, path)
-            written[name] = path
         if not by_ds:
             log.warning("predict produced no detections to write")
         return written
