@@ -47,8 +47,7 @@ def _categories(num_categories: int) -> list[dict[str, Any]]:
     n_col = -(-num_categories // len(_SHAPES))
     out = []
     for k in range(num_categories):
-        shape, shape_name = _SHAPES[k % len(_SHAPES)]
-        col = k // len(_SHAPES)
+        (shape, shape_name), col = _SHAPES[k % len(_SHAPES)], k // len(_SHAPES)
         deg = int(round(360 * col / n_col))  # more colours than named: evenly spaced hues
         cname, deg = (_COLOURS[col * len(_COLOURS) // n_col] if n_col <= len(_COLOURS)
                       else (f"hue{deg}", deg))
@@ -130,8 +129,7 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
     img_dir.mkdir(parents=True, exist_ok=True)
     plan = _plan(np.random.default_rng(np.random.SeedSequence([seed, split_index, 0])), n_img,
                  targets, scale)
-    images, annotations = [], []
-    all_ids = np.arange(1, len(cats) + 1)
+    images, annotations, all_ids = [], [], np.arange(1, len(cats) + 1)
     for i in range(n_img):
         rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 1, i]))
         image_id = id_base + 7 * i + 1
