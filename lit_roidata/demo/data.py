@@ -41,8 +41,9 @@ _LOCK_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class DemoDatasets:
-    """What :func:`register_demo_datasets` registered: the train/val catalog names, their
-    proposal files (aligned with the names) and the catalog they were registered in."""
+    """What :func:`register_demo_datasets` registered: names and proposal files.
+
+    The train/val catalog names, their proposal files (aligned) and the catalog used."""
 
     train_datasets: tuple[str, ...]
     train_proposal_files: tuple[str, ...]
