@@ -133,7 +133,8 @@ class DemoFasterRCNN(DemoFastRCNN):
         if hf > field or wf > field:
             raise ValueError(f"feature map {hf}x{wf} exceeds the {field}x{field} field of "
                              f"anchors: TRAIN.MAX_SIZE is smaller than the images")
-        wide = [self._tensor(batch[k])[:, :, :hf, :wf] for k in names]  # SpatialNarrowAs
+        # SpatialNarrowAs: the wide blobs cropped to the feature map
+        wide = [torch.as_tensor(batch[k], device=self.device).float()[:, :, :hf, :wf] for k in names]
         labels, valid = wide[0], wide[0] >= 0
         loss_cls = F.binary_cross_entropy_with_logits(
             logits[valid], labels[valid].float(), reduction="sum") / valid.sum().clamp(min=1)

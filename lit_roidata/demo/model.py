@@ -189,9 +189,6 @@ class DemoFastRCNN(pl.LightningModule):
         h = F.relu(self.fc7(F.relu(self.fc6(pooled.flatten(1)))))
         return self.cls_score(h), self.bbox_pred(h)
 
-    def _tensor(self, x: Any) -> torch.Tensor:
-        return torch.as_tensor(x, device=self.device).float()
-
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Forward a training batch of Fast R-CNN blobs and return Detectron's losses."""
         names = ("labels_int32", "bbox_targets", "bbox_inside_weights", "bbox_outside_weights")
@@ -202,7 +199,7 @@ class DemoFastRCNN(pl.LightningModule):
                            f"Detectron output format with MODEL.FASTER_RCNN False and proposal "
                            f"files.")
         cls_logits, bbox_pred = self(batch["data"], batch["rois"])
-        blobs = {k: self._tensor(batch[k]) for k in names}
+        blobs = {k: torch.as_tensor(batch[k], device=self.device).float() for k in names}
         if blobs["bbox_targets"].shape != bbox_pred.shape:
             raise ValueError(f"bbox_targets has shape {tuple(blobs['bbox_targets'].shape)} but "
                              f"the head predicts {tuple(bbox_pred.shape)}: set model.num_classes "
@@ -252,8 +249,7 @@ class DemoFastRCNN(pl.LightningModule):
         deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], BBOX_XFORM_CLIP)
         results = []
         for b, image_id in enumerate(meta["image_ids"]):
-            sel = rois[:, 0] == b
-            H, W = int(meta["heights"][b]), int(meta["widths"][b])
+            sel, H, W = rois[:, 0] == b, int(meta["heights"][b]), int(meta["widths"][b])
             boxes = rois[sel, 1:5] / float(meta["im_scales"][b])
             pred = bbox_transform_inv(np.repeat(boxes, C, 0), deltas[sel].reshape(-1, 4),
                                       hp.bbox_reg_weights)

@@ -364,8 +364,7 @@ class TorchvisionDetector(pl.LightningModule):
             return x
         else:
             rgb = (x + means).flip(0) / 255.0
-        mean = rgb.new_tensor(_IMAGENET_MEAN).view(3, 1, 1)
-        std = rgb.new_tensor(_IMAGENET_STD).view(3, 1, 1)
+        mean, std = (rgb.new_tensor(v).view(3, 1, 1) for v in (_IMAGENET_MEAN, _IMAGENET_STD))
         return (rgb - mean) / std
 
     def _train_inputs(self, batch: Any) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
@@ -473,8 +472,7 @@ class TorchvisionDetector(pl.LightningModule):
 
     def _to_original(self, r: Mapping[str, torch.Tensor], meta: Mapping[str, Any], i: int
                      ) -> dict[str, Any]:
-        s = float(meta["im_scales"][i])
-        H, W = int(meta["heights"][i]), int(meta["widths"][i])
+        s, H, W = float(meta["im_scales"][i]), int(meta["heights"][i]), int(meta["widths"][i])
         boxes = r["boxes"].float() / s  # continuous edges in the original image
         boxes[:, 0::2] = boxes[:, 0::2].clamp(0, W)
         boxes[:, 1::2] = boxes[:, 1::2].clamp(0, H)

@@ -41,9 +41,7 @@ def data_module_from(parser: ArgumentParser, argv: Sequence[str]) -> tuple[Any, 
     from lit_roidata.datamodule import RoIDataModule
 
     cfg = parser.parse_args(list(argv))
-    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
-    init = instantiate(cfg)
-    dm = init.data
+    dm = (getattr(parser, "instantiate", None) or parser.instantiate_classes)(cfg).data
     if not isinstance_any(dm, RoIDataModule):
         parser.error(f"data: the tools need a lit_roidata.RoIDataModule, got "
                      f"{type(dm).__name__}")
