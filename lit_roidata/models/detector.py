@@ -325,8 +325,7 @@ class TorchvisionDetector(pl.LightningModule):
         state = {(k[4:] if k.startswith("net.") else k): v for k, v in state.items()}
         if prefix and not any(k.startswith(prefix) for k in state):
             state = {prefix + k: v for k, v in state.items()}  # a bare backbone state dict
-        own = self.net.state_dict()
-        state = {k: v for k, v in state.items() if k.startswith(prefix)}
+        own, state = self.net.state_dict(), {k: v for k, v in state.items() if k.startswith(prefix)}
         skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
         keep = {k: v for k, v in state.items() if k not in skipped}
         missing, unexpected = self.net.load_state_dict(keep, strict=False)
