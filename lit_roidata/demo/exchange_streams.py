@@ -35,8 +35,7 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     landscape = np.tile(np.arange(half) % 2 == 0, 2)
     widths, heights = np.where(landscape, 640, 480), np.where(landscape, 480, 640)
     ids = np.tile(np.arange(100, 100 + half), 2)
-    sampler = RoIBatchSampler(widths, heights, ims_per_batch, seed=seed, infinite=True)
-    for block in sampler:
+    for block in RoIBatchSampler(widths, heights, ims_per_batch, seed=seed, infinite=True):
         rng = block_rng(seed, block.pass_index, block.block_index)
         targets = rng.choice(np.asarray(scales), size=len(block))
         yield {"image_ids": [int(ids[i]) for i in block],
