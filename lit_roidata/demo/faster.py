@@ -96,9 +96,8 @@ class DemoFasterRCNN(DemoFastRCNN):
 
     def _anchors(self, hf: int, wf: int) -> torch.Tensor:
         """``(hf*wf*A, 4)`` anchors, enumerated (y, x, a) like the field of anchors."""
-        sy = torch.arange(hf, device=self.device, dtype=torch.float32) * _STRIDE
-        sx = torch.arange(wf, device=self.device, dtype=torch.float32) * _STRIDE
-        yy, xx = torch.meshgrid(sy, sx, indexing="ij")
+        yy, xx = torch.meshgrid(*(torch.arange(n, device=self.device, dtype=torch.float32) * _STRIDE
+                                  for n in (hf, wf)), indexing="ij")
         shifts = torch.stack([xx, yy, xx, yy], -1).reshape(-1, 1, 4)
         return (shifts + self.cell_anchors.view(1, -1, 4)).reshape(-1, 4)
 
