@@ -8,9 +8,7 @@ models are imported lazily (the data part needs no torchvision). See docs/demo.m
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from lit_roidata._optional import lazy_getattr
 from lit_roidata.demo.data import (DEMO_CATEGORIES, DEMO_TRAIN_DATASETS, DEMO_VAL_DATASETS,
                                    DemoDatasets, ensure_demo_data, register_demo_datasets)
 from lit_roidata.demo.lvis_data import (LVIS_DEMO_DATASETS, ensure_lvis_demo_data,
@@ -23,12 +21,8 @@ __all__ = ["DEMO_CATEGORIES", "DEMO_TRAIN_DATASETS", "DEMO_VAL_DATASETS", "LVIS_
 
 
 #: Names imported on first use (the models import torchvision) -> their module.
-_LAZY = {"DemoFastRCNN": "model", "DemoRoIDataModule": "datamodule", "DemoFasterRCNN": "faster",
-         "RPNExchangeDemo": "rpn_exchange_model", "demo_alignment_stream": "exchange_streams",
-         "demo_batches": "exchange_streams"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"lit_roidata.demo.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'lit_roidata.demo' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, {
+    name: f"lit_roidata.demo.{module}" for name, module in (
+        ("DemoFastRCNN", "model"), ("DemoRoIDataModule", "datamodule"),
+        ("DemoFasterRCNN", "faster"), ("RPNExchangeDemo", "rpn_exchange_model"),
+        ("demo_alignment_stream", "exchange_streams"), ("demo_batches", "exchange_streams"))})

@@ -1,9 +1,7 @@
 """Synthetic COCO-style demo data: images, annotation JSON and Detectron proposal files.
 
-:func:`ensure_demo_data` writes, once, two training sets and a validation set that
-exercise every part of the pipeline (columnar proposal files, crowd RLE, polygons, person
-keypoints, portrait and empty images); built in a temporary folder under a file lock, a
-manifest written last marks it complete (docs/demo.md).
+Two training sets and a validation set that exercise every part of the pipeline (columnar
+proposal files, crowd RLE, polygons, person keypoints, portrait and empty images; docs/demo.md).
 """
 
 from __future__ import annotations
@@ -45,11 +43,7 @@ _LOCK_TIMEOUT_S = 600.0
 class DemoDatasets:
     """What :func:`register_demo_datasets` registered: names and proposal files.
 
-    Attributes:
-        train_datasets / val_datasets: catalog names.
-        train_proposal_files / val_proposal_files: proposal files, aligned with the names.
-        catalog: the catalog the names were registered in.
-    """
+    The train/val catalog names, their proposal files (aligned) and the catalog used."""
 
     train_datasets: tuple[str, ...]
     train_proposal_files: tuple[str, ...]
@@ -165,10 +159,8 @@ def ensure_demo_data(root: str | os.PathLike, *, seed: int = 0,
                      num_images: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Create the synthetic demo datasets under ``root`` unless they are already there.
 
-    Safe to call from every DDP rank at once: a file lock serialises the ranks, the
-    data is built in a temporary folder and moved into place, and a manifest (written
-    last) records the seed and sizes. A complete folder with the same parameters is
-    reused untouched; anything else is regenerated. Takes a few seconds.
+    Safe from every DDP rank at once; a complete folder with the same parameters is reused
+    untouched, anything else regenerated (docs/demo.md: how it is built).
 
     Args:
         root: folder for the data (created if needed).
@@ -205,13 +197,9 @@ def build_once(root: str | os.PathLike, lock_name: str, manifest: str, wanted: M
     """Generate a data folder unless it is there (:func:`is_built`), once across processes;
     returns the folder's resolved path (created if needed).
 
-    Under a file lock in ``root`` (checked again after the wait: another rank may have
-    built it meanwhile), ``make(tmp)`` writes into a temporary folder and returns the
-    paths it made there; they replace those of ``root`` and the manifest (``wanted``) is
-    written last, marking the folder complete.
-
-    Raises:
-        TimeoutError: the lock was held for 10 minutes (names the lock file to delete).
+    Under a file lock (checked again after the wait), ``make(tmp)`` writes into a temporary
+    folder and returns the paths it made; they replace those of ``root``, then the manifest
+    (``wanted``) is written, marking the folder complete. ``TimeoutError`` after 10 minutes.
     """
     root = Path(root).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -253,9 +241,8 @@ def register_demo_datasets(root: str | os.PathLike, catalog: Any = None, *, seed
     Args:
         root: demo data folder (see :func:`ensure_demo_data`).
         catalog: an object with ``register(name, image_dir, annotation_file,
-            image_prefix="")``; default :class:`lit_roidata.catalog.DatasetCatalog`. If
-            ``register`` returns a new catalog (a frozen-value catalog), that one is used
-            for the next name and returned.
+            image_prefix="")`` (default :class:`lit_roidata.catalog.DatasetCatalog`); a new
+            catalog that ``register`` returns (frozen-value catalogs) is used from then on.
         seed, num_images: passed to :func:`ensure_demo_data`.
 
     Returns:

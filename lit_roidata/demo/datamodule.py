@@ -35,8 +35,7 @@ class DemoRoIDataModule(RoIDataModule):
     def __init__(self, demo_root: str = "demo_data", demo_size: Optional[dict[str, int]] = None,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.demo_root = str(demo_root)
-        self.demo_size = dict(demo_size) if demo_size else None
+        self.demo_root, self.demo_size = str(demo_root), dict(demo_size) if demo_size else None
         self.save_hyperparameters(dict(self.hparams, demo_root=self.demo_root,
                                        demo_size=self.demo_size))
 
@@ -48,7 +47,6 @@ class DemoRoIDataModule(RoIDataModule):
 
     def default_datasets(self, split: str) -> tuple[Sequence[str], Sequence[str]]:
         """The demo's datasets and proposal files (training or validation)."""
-        demo = self._demo
-        if split == "train":
-            return demo.train_datasets, demo.train_proposal_files
-        return demo.val_datasets, demo.val_proposal_files
+        d = self._demo
+        return ((d.train_datasets, d.train_proposal_files) if split == "train"
+                else (d.val_datasets, d.val_proposal_files))

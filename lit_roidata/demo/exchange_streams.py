@@ -1,10 +1,6 @@
-"""Aligned synthetic streams for the exchange examples, tests and benchmark.
-
-Two processes that exchange per-step blobs must see the same images, flips and scales
-at every step. :func:`demo_alignment_stream` reproduces what two correctly configured
-loaders agree on, using the real :class:`~lit_roidata.sampler.RoIBatchSampler` (a pure
-function of the seed) and per-block generators (:func:`lit_roidata.rng.block_rng`), on
-a small fake roidb: every call with the same seed yields the same alignment metadata.
+"""Aligned synthetic streams for the exchange examples, tests and benchmark: what two
+correctly configured loaders agree on (images, flips, scales per step), from the real
+:class:`~lit_roidata.sampler.RoIBatchSampler` and :func:`lit_roidata.rng.block_rng`.
 """
 
 from __future__ import annotations
@@ -28,14 +24,9 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     The roidb has ``num_images // 2`` originals followed by their flipped copies
     (Detectron's order, Detectron semantics: flipping); image sizes alternate
     landscape/portrait so aspect grouping matters. Scales are drawn per block from
-    ``block_rng`` like a worker does.
-
-    Args:
-        seed: the stream seed, equal in both processes for aligned streams.
-        num_images: roidb length (even).
-        ims_per_batch: images per block.
-        scales: ``TRAIN.SCALES``.
-        max_size: ``TRAIN.MAX_SIZE``.
+    ``block_rng`` like a worker does. ``seed`` is the stream seed (equal in both processes),
+    ``num_images`` the (even) roidb length, ``scales`` / ``max_size`` ``TRAIN.SCALES`` /
+    ``TRAIN.MAX_SIZE``.
     """
     from lit_roidata.minibatch.image import get_target_scale
     from lit_roidata.sampler import RoIBatchSampler
@@ -44,8 +35,7 @@ def demo_alignment_stream(seed: int, *, num_images: int = 20, ims_per_batch: int
     landscape = np.tile(np.arange(half) % 2 == 0, 2)
     widths, heights = np.where(landscape, 640, 480), np.where(landscape, 480, 640)
     ids = np.tile(np.arange(100, 100 + half), 2)
-    sampler = RoIBatchSampler(widths, heights, ims_per_batch, seed=seed, infinite=True)
-    for block in sampler:
+    for block in RoIBatchSampler(widths, heights, ims_per_batch, seed=seed, infinite=True):
         rng = block_rng(seed, block.pass_index, block.block_index)
         targets = rng.choice(np.asarray(scales), size=len(block))
         yield {"image_ids": [int(ids[i]) for i in block],
@@ -66,11 +56,9 @@ def demo_batches(seed: int, num_batches: int, *, image_size: tuple[int, int] = (
 
     out = []
     for meta in itertools.islice(demo_alignment_stream(seed, **stream_kwargs), num_batches):
-        images = []
-        for image_id, flipped in zip(meta["image_ids"], meta["flipped"]):
-            img = np.random.default_rng(image_id).integers(0, 256, size=(3, *image_size),
-                                                           dtype=np.uint8)
-            images.append(img[:, :, ::-1] if flipped else img)
+        images = [np.random.default_rng(i).integers(0, 256, size=(3, *image_size), dtype=np.uint8)
+                  [:, :, ::-1 if flipped else 1]  # pixels: a function of the id and flip only
+                  for i, flipped in zip(meta["image_ids"], meta["flipped"])]
         out.append({"data": torch.from_numpy(np.ascontiguousarray(np.stack(images))),
                     "_meta": {k: torch.tensor(v) for k, v in meta.items()}})
     return out

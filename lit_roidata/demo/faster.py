@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lit_roidata.minibatch import proposal_labels
+from lit_roidata.minibatch.anchors import generate_anchors
 from lit_roidata.demo.model import (BBOX_XFORM_CLIP, DemoFastRCNN, data_cfg, fast_rcnn_losses,
                                     rpn_proposals, smooth_l1_loss)
 
@@ -50,8 +52,6 @@ class DemoFasterRCNN(DemoFastRCNN):
                  sample_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.save_hyperparameters()
-        from lit_roidata.minibatch.anchors import generate_anchors
-
         cell = generate_anchors(stride=_STRIDE, sizes=tuple(rpn_sizes),
                                 aspect_ratios=tuple(rpn_aspect_ratios))
         self.register_buffer("cell_anchors", torch.tensor(cell, dtype=torch.float32),
@@ -96,9 +96,8 @@ class DemoFasterRCNN(DemoFastRCNN):
 
     def _anchors(self, hf: int, wf: int) -> torch.Tensor:
         """``(hf*wf*A, 4)`` anchors, enumerated (y, x, a) like the field of anchors."""
-        sy = torch.arange(hf, device=self.device, dtype=torch.float32) * _STRIDE
-        sx = torch.arange(wf, device=self.device, dtype=torch.float32) * _STRIDE
-        yy, xx = torch.meshgrid(sy, sx, indexing="ij")
+        yy, xx = torch.meshgrid(*(torch.arange(n, device=self.device, dtype=torch.float32) * _STRIDE
+                                  for n in (hf, wf)), indexing="ij")
         shifts = torch.stack([xx, yy, xx, yy], -1).reshape(-1, 1, 4)
         return (shifts + self.cell_anchors.view(1, -1, 4)).reshape(-1, 4)
 
@@ -133,7 +132,8 @@ class DemoFasterRCNN(DemoFastRCNN):
         if hf > field or wf > field:
             raise ValueError(f"feature map {hf}x{wf} exceeds the {field}x{field} field of "
                              f"anchors: TRAIN.MAX_SIZE is smaller than the images")
-        wide = [self._tensor(batch[k])[:, :, :hf, :wf] for k in names]  # SpatialNarrowAs
+        # SpatialNarrowAs: the wide blobs cropped to the feature map
+        wide = [torch.as_tensor(batch[k], device=self.device).float()[:, :, :hf, :wf] for k in names]
         labels, valid = wide[0], wide[0] >= 0
         loss_cls = F.binary_cross_entropy_with_logits(
             logits[valid], labels[valid].float(), reduction="sum") / valid.sum().clamp(min=1)
@@ -142,8 +142,6 @@ class DemoFasterRCNN(DemoFastRCNN):
 
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """RPN losses, in-network proposals, second-stage labels and Fast R-CNN losses."""
-        from lit_roidata.minibatch import proposal_labels
-
         feats = self.features(batch["data"])
         logits, deltas = self.rpn(feats)
         out = self.rpn_losses(logits, deltas, batch)
@@ -157,8 +155,7 @@ class DemoFasterRCNN(DemoFastRCNN):
         cls_logits, bbox_pred = self.box_head(feats, blobs["rois"])
         out.update(fast_rcnn_losses(cls_logits, bbox_pred, {k: v.float() if k != "labels_int32"
                                                              else v for k, v in blobs.items()}))
-        out["loss"] = sum(out[k] for k in ("loss_rpn_cls", "loss_rpn_bbox", "loss_cls",
-                                            "loss_bbox"))
+        out["loss"] = out["loss_rpn_cls"] + out["loss_rpn_bbox"] + out["loss_cls"] + out["loss_bbox"]
         return out
 
     @torch.no_grad()

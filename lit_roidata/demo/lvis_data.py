@@ -1,11 +1,7 @@
 """Synthetic LVIS v1-format data: long-tailed categories, federated image labels, real JPEGs.
 
-:func:`ensure_lvis_demo_data` writes, once, train and val splits in Detectron2's LVIS v1
-layout under a data root (``lvis/lvis_v1_{train,val}.json``, ``coco/{train,val}2017/``),
-with LVIS category records (frequency groups from the actual train counts), federated
-``neg_category_ids`` / ``not_exhaustive_category_ids`` and one shape and colour per
-category; :func:`register_lvis_demo_datasets` registers ``lvis_demo_train`` /
-``lvis_demo_val``. See docs/lvis_datasets.md.
+Train and val splits in Detectron2's LVIS v1 layout, one shape and colour per category;
+see docs/lvis_datasets.md.
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ def _categories(num_categories: int) -> list[dict[str, Any]]:
     n_col = -(-num_categories // len(_SHAPES))
     out = []
     for k in range(num_categories):
-        shape, shape_name = _SHAPES[k % len(_SHAPES)]
-        col = k // len(_SHAPES)
+        (shape, shape_name), col = _SHAPES[k % len(_SHAPES)], k // len(_SHAPES)
         deg = int(round(360 * col / n_col))  # more colours than named: evenly spaced hues
         cname, deg = (_COLOURS[col * len(_COLOURS) // n_col] if n_col <= len(_COLOURS)
                       else (f"hue{deg}", deg))
@@ -69,17 +64,11 @@ def _targets(rng: np.random.Generator, n_img: int, n_cat: int, rare_max: int,
     """Planned train image count per category: frequent, common, rare groups by index."""
     n_f = max(1, round(0.25 * n_cat))
     n_r = max(1, round(0.35 * n_cat)) if n_cat > 2 else 0
-    n_c = n_cat - n_f - n_r
-    targets = []
-    for k in range(n_cat):
-        if k < n_f:
-            lo, hi = common_max + 1, max(common_max + 2, int(0.55 * n_img))
-        elif k < n_f + n_c:
-            lo, hi = rare_max + 2, max(rare_max + 3, common_max - 1)
-        else:
-            lo, hi = 1, rare_max + 1
-        targets.append(int(np.exp(rng.uniform(np.log(lo), np.log(hi)))))
-    return targets
+    groups = ((n_f, common_max + 1, max(common_max + 2, int(0.55 * n_img))),
+              (n_cat - n_f - n_r, rare_max + 2, max(rare_max + 3, common_max - 1)),
+              (n_r, 1, rare_max + 1))
+    return [int(np.exp(rng.uniform(np.log(lo), np.log(hi))))
+            for n, lo, hi in groups for _ in range(n)]
 
 
 def _plan(rng: np.random.Generator, n_img: int, targets: list[int],
@@ -136,13 +125,11 @@ def _make_split(root: Path, name: str, n_img: int, seed: int, cats: list[dict],
                 targets: list[int], scale: float, size_range: tuple[int, int]
                 ) -> tuple[list, list]:
     folder, _, id_base = _SPLITS[name]
-    split_index = list(_SPLITS).index(name)
-    img_dir = root / "coco" / folder
+    split_index, img_dir = list(_SPLITS).index(name), root / "coco" / folder
     img_dir.mkdir(parents=True, exist_ok=True)
     plan = _plan(np.random.default_rng(np.random.SeedSequence([seed, split_index, 0])), n_img,
                  targets, scale)
-    images, annotations = [], []
-    all_ids = np.arange(1, len(cats) + 1)
+    images, annotations, all_ids = [], [], np.arange(1, len(cats) + 1)
     for i in range(n_img):
         rng = np.random.default_rng(np.random.SeedSequence([seed, split_index, 1, i]))
         image_id = id_base + 7 * i + 1
@@ -194,9 +181,8 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
                           size_range: tuple[int, int] = (160, 320)) -> dict[str, dict[str, Any]]:
     """Create the synthetic LVIS v1-format data under ``root`` unless it is already there.
 
-    Safe to call from every DDP rank at once (file lock, build in a temporary folder,
-    manifest written last); a complete folder made with the same arguments is reused.
-    The defaults take a few seconds and give 12 categories: 3 frequent, 5 common, 4 rare.
+    Safe from every DDP rank at once, as :func:`~lit_roidata.demo.ensure_demo_data`. The
+    defaults give 12 categories: 3 frequent, 5 common, 4 rare.
 
     Args:
         root: data root (created if needed); the files follow Detectron2's LVIS layout.
@@ -226,8 +212,7 @@ def ensure_lvis_demo_data(root: str | os.PathLike, *, seed: int = 0, num_train: 
 
 def _build(tmp: Path, wanted: dict[str, Any]) -> tuple[str, ...]:
     counts, seed = wanted["num_images"], wanted["seed"]
-    n_train = counts["lvis_demo_train"]
-    cats = _categories(wanted["num_categories"])
+    n_train, cats = counts["lvis_demo_train"], _categories(wanted["num_categories"])
     thresholds = lvis_thresholds(n_train)
     targets = _targets(np.random.default_rng(np.random.SeedSequence([seed, 99])), n_train,
                        len(cats), *thresholds)

@@ -1,10 +1,5 @@
-"""``DemoFastRCNN``: a small Fast R-CNN that consumes this package's Detectron blobs.
-
-A few convolutions, ``roi_align`` and a 2-layer head that read exactly the Fast R-CNN
-blobs Detectron reads, with Detectron's losses (softmax cross-entropy, smooth L1 masked by
-the inside/outside weights) and test path (decode, clip, per-class threshold and NMS);
-see docs/demo.md.
-"""
+"""``DemoFastRCNN``: a small Fast R-CNN that consumes this package's Detectron blobs, with
+Detectron's losses and test path (docs/demo.md)."""
 
 from __future__ import annotations
 
@@ -19,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.ops import batched_nms, nms, roi_align
 
+from lit_roidata.config import get_cfg
 from lit_roidata.boxes import bbox_transform_inv, bbox_transform_inv_torch, clip_boxes
 from lit_roidata.models.detector import DETECTRON_PIXEL_MEANS, detectron_lr_multiplier
 
@@ -32,12 +28,8 @@ _PLUS_ONE = torch.tensor([0.0, 0.0, 1.0, 1.0])
 def smooth_l1_loss(pred: torch.Tensor, target: torch.Tensor, inside_w: torch.Tensor,
                    outside_w: torch.Tensor, *, beta: float = 1.0,
                    normalizer: float | None = None) -> torch.Tensor:
-    """Detectron's ``SmoothL1Loss`` op: ``sum(out * huber(in * (pred - target))) / N``.
-
-    Args:
-        pred, target, inside_w, outside_w: ``(N, 4C)`` tensors.
-        beta: transition point between the quadratic and the linear part.
-        normalizer: divisor; Detectron uses the number of rows ``N`` (the default).
+    """Detectron's ``SmoothL1Loss`` op: ``sum(out * huber(in * (pred - target))) / N`` on
+    ``(N, 4C)`` tensors; ``beta``: the quadratic part's end; ``normalizer``: ``N`` by default.
     """
     diff = inside_w * (pred - target)
     ad = diff.abs()
@@ -55,11 +47,10 @@ def fast_rcnn_losses(cls_logits: torch.Tensor, bbox_pred: torch.Tensor,
         outside weights, divided by the number of RoIs) and ``accuracy_cls``.
     """
     labels = blobs["labels_int32"].long()
-    loss_cls = F.cross_entropy(cls_logits, labels)
-    loss_bbox = smooth_l1_loss(bbox_pred, blobs["bbox_targets"], blobs["bbox_inside_weights"],
-                               blobs["bbox_outside_weights"])
-    accuracy = (cls_logits.argmax(1) == labels).float().mean()
-    return {"loss_cls": loss_cls, "loss_bbox": loss_bbox, "accuracy_cls": accuracy.detach()}
+    return {"loss_cls": F.cross_entropy(cls_logits, labels),
+            "loss_bbox": smooth_l1_loss(bbox_pred, blobs["bbox_targets"],
+                                        blobs["bbox_inside_weights"], blobs["bbox_outside_weights"]),
+            "accuracy_cls": (cls_logits.argmax(1) == labels).float().mean().detach()}
 
 
 def rpn_proposals(anchors: torch.Tensor, probs: torch.Tensor, deltas: torch.Tensor,
@@ -68,11 +59,9 @@ def rpn_proposals(anchors: torch.Tensor, probs: torch.Tensor, deltas: torch.Tens
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Detectron's ``GenerateProposals`` on one level: per image ``(boxes, scores)``.
 
-    ``probs`` ``(N, A, H, W)`` and ``deltas`` ``(N, 4A, H, W)`` against ``anchors``
-    enumerated (y, x, a); ``im_info`` rows ``(h, w, scale)``. The top ``pre`` anchors are
-    decoded, clipped, those under ``min_size`` original pixels (at least 1) dropped (and,
-    with ``centred_inside``, those centred outside the image), NMS, the top ``post`` kept.
-    """
+    ``probs`` ``(N, A, H, W)``, ``deltas`` ``(N, 4A, H, W)``, ``anchors`` enumerated (y, x,
+    a), ``im_info`` rows ``(h, w, scale)``; ``centred_inside`` also drops boxes centred
+    outside the image."""
     n, a, hf, wf = probs.shape
     scores = probs.permute(0, 2, 3, 1).reshape(n, -1).float()
     d = deltas.view(n, a, 4, hf, wf).permute(0, 3, 4, 1, 2).reshape(n, -1, 4).float()
@@ -98,8 +87,6 @@ def data_cfg(trainer: Optional[pl.Trainer], defaults: Mapping[str, Any]) -> Any:
     ``defaults`` merged."""
     cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
     if cfg is None:
-        from lit_roidata.config import get_cfg
-
         cfg = get_cfg()
         cfg.merge_from_dict(dict(defaults))
     return cfg
@@ -159,9 +146,8 @@ class DemoFastRCNN(pl.LightningModule):
         self.save_hyperparameters()
         w = backbone_width
         # Stride 8: the demo's objects are 20-110 px, so 7x7 bins stay meaningful.
-        self.body = nn.Sequential(_conv(3, w, 2), _conv(w, w, 1), _conv(w, 2 * w, 2),
-                                  _conv(2 * w, 2 * w, 1), _conv(2 * w, 4 * w, 2),
-                                  _conv(4 * w, 4 * w, 1))
+        chans = (3, w, w, 2 * w, 2 * w, 4 * w, 4 * w)  # stride 2 then 1 per stage
+        self.body = nn.Sequential(*(_conv(chans[i], chans[i + 1], 2 - i % 2) for i in range(6)))
         self.spatial_scale = 1.0 / 8.0
         self.fc6 = nn.Linear(4 * w * roi_resolution ** 2, head_dim)
         self.fc7 = nn.Linear(head_dim, head_dim)
@@ -203,9 +189,6 @@ class DemoFastRCNN(pl.LightningModule):
         h = F.relu(self.fc7(F.relu(self.fc6(pooled.flatten(1)))))
         return self.cls_score(h), self.bbox_pred(h)
 
-    def _tensor(self, x: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.as_tensor(x, device=self.device).to(dtype)
-
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Forward a training batch of Fast R-CNN blobs and return Detectron's losses."""
         names = ("labels_int32", "bbox_targets", "bbox_inside_weights", "bbox_outside_weights")
@@ -216,7 +199,7 @@ class DemoFastRCNN(pl.LightningModule):
                            f"Detectron output format with MODEL.FASTER_RCNN False and proposal "
                            f"files.")
         cls_logits, bbox_pred = self(batch["data"], batch["rois"])
-        blobs = {k: self._tensor(batch[k]) for k in names}
+        blobs = {k: torch.as_tensor(batch[k], device=self.device).float() for k in names}
         if blobs["bbox_targets"].shape != bbox_pred.shape:
             raise ValueError(f"bbox_targets has shape {tuple(blobs['bbox_targets'].shape)} but "
                              f"the head predicts {tuple(bbox_pred.shape)}: set model.num_classes "
@@ -226,8 +209,7 @@ class DemoFastRCNN(pl.LightningModule):
         return out
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
-        out = self.compute_losses(batch)
-        n = int(np.shape(batch["data"])[0])
+        out, n = self.compute_losses(batch), int(np.shape(batch["data"])[0])
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=n)
         self.log_dict({f"train/{k}": v for k, v in out.items() if k != "loss"}, batch_size=n)
         return out["loss"]
@@ -260,16 +242,14 @@ class DemoFastRCNN(pl.LightningModule):
         probs = F.softmax(cls_logits.float(), dim=1).cpu().numpy()
         deltas = bbox_pred.float().cpu().numpy()
         rois = torch.as_tensor(rois).reshape(-1, 5).cpu().numpy()
-        hp = self.hparams
-        C = hp.num_classes
+        hp, C = self.hparams, self.hparams.num_classes
         if hp.cls_agnostic_bbox_reg:
             deltas = np.tile(deltas[:, 4:8], (1, C))
         deltas = deltas.reshape(-1, C, 4).copy()
         deltas[:, :, 2:] = np.minimum(deltas[:, :, 2:], BBOX_XFORM_CLIP)
         results = []
         for b, image_id in enumerate(meta["image_ids"]):
-            sel = rois[:, 0] == b
-            H, W = int(meta["heights"][b]), int(meta["widths"][b])
+            sel, H, W = rois[:, 0] == b, int(meta["heights"][b]), int(meta["widths"][b])
             boxes = rois[sel, 1:5] / float(meta["im_scales"][b])
             pred = bbox_transform_inv(np.repeat(boxes, C, 0), deltas[sel].reshape(-1, 4),
                                       hp.bbox_reg_weights)

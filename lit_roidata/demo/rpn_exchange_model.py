@@ -1,9 +1,5 @@
-"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example
-(docs/exchange.md).
-
-The fork exchanged per-level RPN outputs between two training processes; this module is
-the smallest model that produces and consumes them, so ``configs/exchange_*.yaml`` run on
-a laptop. It is a demonstration of the plumbing, not a detector.
+"""``RPNExchangeDemo``: a tiny FPN-RPN for the teacher/student exchange example, the
+smallest model that produces and consumes the fork's per-level RPN outputs (docs/exchange.md).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lit_roidata.minibatch.anchors import get_field_of_anchors
 from lit_roidata.demo.model import BBOX_XFORM_CLIP, data_cfg, rpn_proposals, smooth_l1_loss
 
 __all__ = ["RPNExchangeDemo"]
@@ -90,17 +87,16 @@ class RPNExchangeDemo(pl.LightningModule):
         peer = self.peer_outputs
         if not peer:
             return None
-        loss = None
+        terms = []
         for name, target in peer.items():
             pred = out[name]
             if pred.shape != target.shape:
                 raise ValueError(f"peer blob {name!r} has shape {tuple(target.shape)}, this "
                                  f"model's is {tuple(pred.shape)}: different images or models")
             # the fork's outside weight 1/(C*H*W), averaged over the images
-            term = smooth_l1_loss(pred, target.to(pred), 1.0, 1.0,
-                                  normalizer=target[0].numel() * pred.shape[0])
-            loss = term if loss is None else loss + term
-        return loss
+            terms.append(smooth_l1_loss(pred, target.to(pred), 1.0, 1.0,
+                                        normalizer=target[0].numel() * pred.shape[0]))
+        return sum(terms[1:], terms[0])
 
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> dict[str, Any]:
         out = self(batch["data"])
@@ -123,27 +119,15 @@ class RPNExchangeDemo(pl.LightningModule):
     def proposals(self, out: Mapping[str, torch.Tensor], im_info: Any, cfg: Any
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Detectron's RPN-only test path per image: ``(boxes (R, 4), scores (R,))`` in
-        the scaled input frame.
-
-        Per FPN level (Detectron's ``GenerateProposals``): the top ``TEST.RPN_PRE_NMS_TOP_N``
-        anchors by objectness, decoded with the predicted deltas (``BBOX_XFORM_CLIP``),
-        clipped to the scaled image, boxes under ``TEST.RPN_MIN_SIZE`` (original pixels,
-        at least 1) or centred outside the image dropped, NMS at ``TEST.RPN_NMS_THRESH``,
-        the top ``TEST.RPN_POST_NMS_TOP_N`` kept; then over all levels (Detectron's
-        ``CollectAndDistributeFpnRpnProposals``) the top ``TEST.RPN_POST_NMS_TOP_N *
-        FPN.RPN_COLLECT_SCALE`` by score. Anchors are the loader's
-        (:func:`lit_roidata.minibatch.anchors.rpn_fields`' levels), cropped to the map.
-        """
-        from lit_roidata.minibatch.anchors import get_field_of_anchors
-
-        test = cfg.TEST
+        the scaled input frame (``GenerateProposals`` per level on the loader's anchors, then
+        ``CollectAndDistributeFpnRpnProposals``; docs/exchange.md lists the steps)."""
+        test, k_min = cfg.TEST, cfg.FPN.RPN_MIN_LEVEL
         post = int(test["RPN_POST_NMS_TOP_N"])
         kwargs = dict(pre=int(test["RPN_PRE_NMS_TOP_N"]), post=post,
                       nms_thresh=float(test["RPN_NMS_THRESH"]),
                       min_size=float(test["RPN_MIN_SIZE"]), centred_inside=True,
                       clip=float(getattr(cfg, "BBOX_XFORM_CLIP", BBOX_XFORM_CLIP)))
         info = torch.as_tensor(im_info, dtype=torch.float32).reshape(-1, 3).tolist()
-        k_min = cfg.FPN.RPN_MIN_LEVEL
         per_image: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in info]
         for lvl in self.levels:
             probs, deltas = out[f"rpn_cls_probs_fpn{lvl}"], out[f"rpn_bbox_pred_fpn{lvl}"]
@@ -161,11 +145,10 @@ class RPNExchangeDemo(pl.LightningModule):
             anchors = torch.tensor(crop.reshape(-1, 4), device=probs.device)
             for i, found in enumerate(rpn_proposals(anchors, probs, deltas, info, **kwargs)):
                 per_image[i].append(found)
-        collect = int(post * cfg.FPN.RPN_COLLECT_SCALE)
         result = []
         for parts in per_image:
             boxes, scores = (torch.cat(col) for col in zip(*parts))
-            top = scores.argsort(descending=True)[:collect]
+            top = scores.argsort(descending=True)[:int(post * cfg.FPN.RPN_COLLECT_SCALE)]
             result.append((boxes[top], scores[top]))
         return result
 
@@ -178,10 +161,8 @@ class RPNExchangeDemo(pl.LightningModule):
         labels); :class:`~lit_roidata.models.COCOPredictionWriter` writes them with
         ``category_id`` 1, to be evaluated as proposals (``useCats = 0``).
         """
-        meta = batch["_meta"]
-        out = self(batch["data"])
-        found = self.proposals(out, batch["im_info"], self._test_cfg())
-        dets = []
+        meta, dets = batch["_meta"], []
+        found = self.proposals(self(batch["data"]), batch["im_info"], self._test_cfg())
         for b, (boxes, scores) in enumerate(found):
             boxes = boxes / float(meta["im_scales"][b])
             h, w = int(meta["heights"][b]), int(meta["widths"][b])

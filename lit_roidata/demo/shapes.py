@@ -1,8 +1,7 @@
 """Drawing one synthetic demo image and its COCO annotations (used by :mod:`.data`).
 
-Each category is one shape in one colour, so a tiny detector separates the classes after
-a few hundred steps. Objects never overlap, so a drawn mask is exactly the object's
-segmentation and its tight pixel bounds are the COCO box (``w = x2 - x1 + 1``).
+Each category is one shape in one colour; objects never overlap, so a drawn mask is the
+object's segmentation and its tight pixel bounds the COCO box (``w = x2 - x1 + 1``).
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ def draw_shape(mask: np.ndarray, cat: int, x: int, y: int, w: int, h: int) -> np
         cv2.fillPoly(mask, [pts], 1)
     else:
         kp = np.array([x, y]) + _KP_TEMPLATE * np.array([w - 1, h - 1])
-        p = np.round(kp).astype(np.int32)
-        t = max(2, w // 9)
+        p, t = np.round(kp).astype(np.int32), max(2, w // 9)
         cv2.circle(mask, tuple(int(v) for v in p[0]), max(2, int(0.09 * h)), 1, -1)
         cv2.fillPoly(mask, [p[[5, 6, 12, 11]]], 1)
         cv2.line(mask, tuple(map(int, p[0])), tuple(map(int, (p[5] + p[6]) // 2)), 1, t)
@@ -135,15 +133,10 @@ def canvas(rng: np.random.Generator, size_range: tuple[int, int],
 
 def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: bool,
                size_range: tuple[int, int]) -> tuple[np.ndarray, list[dict[str, Any]]]:
-    """One BGR uint8 image and its annotation records (without ``id``/``image_id``).
-
-    Args:
-        rng: the image's own generator (so each image is reproducible on its own).
-        portrait: make the image taller than wide (exercises aspect grouping).
-        empty: no objects at all (Detectron keeps such images only if proposals give bg).
-        crowd: add one ``iscrowd=1`` region (a cluster of small shapes, RLE mask).
-        size_range: (short side, long side) bounds in pixels.
-    """
+    """One BGR uint8 image and its annotation records (without ``id``/``image_id``), from
+    the image's own generator: taller than wide if ``portrait``, no objects if ``empty``,
+    one ``iscrowd=1`` cluster of small shapes (RLE) if ``crowd``; ``size_range``: (short
+    side, long side) bounds in pixels."""
     img = canvas(rng, size_range, portrait)
     H, W = img.shape[:2]
     anns: list[dict[str, Any]] = []
@@ -161,8 +154,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
             masks.append((mask, cat))
 
     if crowd:
-        cat = int(rng.choice([3, 7]))
-        side = int(rng.integers(44, min(80, min(W, H) - 4) + 1))
+        cat, side = int(rng.choice([3, 7])), int(rng.integers(44, min(80, min(W, H) - 4) + 1))
         pos = place(rng, taken, W, H, side, side)
         if pos is not None:
             mask = np.zeros((H, W), np.uint8)
@@ -170,8 +162,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
                 for cx in range(pos[0] + 3, pos[0] + side - 8, 11):
                     draw_shape(mask, cat, cx, cy, 7, 7)
             add(mask, cat, (pos[0], pos[1], side, side), crowd=True)
-    n_obj = 0 if empty else int(rng.integers(1, 5))
-    for _ in range(n_obj):
+    for _ in range(0 if empty else int(rng.integers(1, 5))):
         cat = int(rng.choice([c["id"] for c in DEMO_CATEGORIES]))
         if cat == 1:
             h = int(rng.integers(48, min(112, H - 4) + 1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lit_roidata import cli
 from lit_roidata._lightning import LIGHTNING, bind, bound_classes, import_namespace
 
 import_namespace(LIGHTNING)  # a clear error naming the extra when `lightning` is missing
@@ -41,8 +42,7 @@ def _source(name: str) -> type:
 def __getattr__(name: str) -> Any:
     # Bound on first use (importing every class would import torchvision's models, ...).
     if name in CLASSES:
-        cls = bind(_source(name), LIGHTNING)
-        globals()[name] = cls
+        globals()[name] = cls = bind(_source(name), LIGHTNING)
         return cls
     for cls in bound_classes(LIGHTNING):  # bound on the fly (lit_roidata.lightning.bind)
         if cls.__qualname__ == name:
@@ -56,14 +56,10 @@ def __dir__() -> list[str]:
 
 def cli_main(args: Any = None, run: bool = True) -> Any:
     """:func:`lit_roidata.cli.cli_main` with ``lightning.pytorch``'s LightningCLI."""
-    from lit_roidata.cli import cli_main as _cli_main
-
-    return _cli_main(args, run, namespace=LIGHTNING)
+    return cli.cli_main(args, run, namespace=LIGHTNING)
 
 
 def main(argv: Any = None) -> int:
     """``python -m lit_roidata.lightning``: :func:`lit_roidata.cli.main` (the Lightning
     subcommands and the data tools) with ``lightning.pytorch``'s LightningCLI."""
-    from lit_roidata.cli import main as _main
-
-    return _main(argv, namespace=LIGHTNING)
+    return cli.main(argv, namespace=LIGHTNING)

@@ -8,14 +8,10 @@ COCO results in ``predict`` (:class:`COCOPredictionWriter`).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from lit_roidata._optional import lazy_getattr
 
 __all__ = ["ARCHS", "COCOPredictionWriter", "TorchvisionDetector", "detectron_solver_kwargs"]
 
-
-def __getattr__(name: str) -> Any:  # lazy: importing torchvision's detection zoo is slow
-    if name in __all__:
-        module = "predict" if name == "COCOPredictionWriter" else "detector"
-        return getattr(importlib.import_module(f"lit_roidata.models.{module}"), name)
-    raise AttributeError(f"module 'lit_roidata.models' has no attribute {name!r}")
+# lazy: importing torchvision's detection zoo is slow
+__getattr__ = lazy_getattr(__name__, {name: "lit_roidata.models." + (
+    "predict" if name == "COCOPredictionWriter" else "detector") for name in __all__})

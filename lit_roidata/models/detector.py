@@ -17,6 +17,20 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torchvision.models import get_model_builder, get_model_weights, get_weight
+from torchvision.models.detection import FasterRCNN, KeypointRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+from torchvision.models.detection.mask_rcnn import MaskRCNNPredictor
+from torchvision.models.detection.retinanet import RetinaNetClassificationHead
+from torchvision.models.detection.roi_heads import paste_masks_in_image
+from torchvision.models.detection.rpn import RPNHead
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
+from torchvision.ops import misc as misc_nn_ops
+from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+from lit_roidata.evaluation import mask_rle
+from lit_roidata.minibatch.device import paste_target_masks
 
 __all__ = ["ARCHS", "TorchvisionDetector", "detectron_solver_kwargs"]
 
@@ -32,8 +46,7 @@ ARCHS: dict[str, tuple[str, str]] = {
 }
 
 DETECTRON_PIXEL_MEANS = (102.9801, 115.9465, 122.7717)
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
+_IMAGENET_MEAN, _IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
@@ -45,14 +58,13 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
         cfg = load_detectron_cfg("configs/detectron/e2e_mask_rcnn_R-50-FPN_1x.yaml")
         model = TorchvisionDetector("maskrcnn_resnet50_fpn", **detectron_solver_kwargs(cfg))
     """
-    s = cfg.SOLVER
+    s, t = cfg.SOLVER, cfg.TEST
     if str(s.get("LR_POLICY", "steps_with_decay")) not in ("steps_with_decay", "step"):
         raise ValueError(f"SOLVER.LR_POLICY={s['LR_POLICY']!r} is not supported; "
                          f"TorchvisionDetector implements steps_with_decay (and step)")
     steps = [int(x) for x in s.get("STEPS") or ()]
     if str(s.get("LR_POLICY")) == "step" and not steps:
         steps = list(range(int(s["STEP_SIZE"]), int(s["MAX_ITER"]), int(s["STEP_SIZE"])))
-    test = cfg.TEST
     return {
         "num_classes": int(cfg.MODEL.NUM_CLASSES), "lr": float(s["BASE_LR"]),
         "momentum": float(s["MOMENTUM"]), "weight_decay": float(s["WEIGHT_DECAY"]),
@@ -61,9 +73,8 @@ def detectron_solver_kwargs(cfg: Any) -> dict[str, Any]:
         "warmup_method": str(s["WARM_UP_METHOD"]),
         "bias_lr_factor": 2.0 if s.get("BIAS_DOUBLE_LR", True) else 1.0,
         "bias_weight_decay": bool(s.get("BIAS_WEIGHT_DECAY", False)),
-        "score_thresh": float(test.get("SCORE_THRESH", 0.05)),
-        "nms_thresh": float(test.get("NMS", 0.5)),
-        "detections_per_img": int(test.get("DETECTIONS_PER_IM", 100)),
+        "score_thresh": float(t.get("SCORE_THRESH", 0.05)), "nms_thresh": float(t.get("NMS", 0.5)),
+        "detections_per_img": int(t.get("DETECTIONS_PER_IM", 100)),
         "pixel_means": tuple(float(v) for v in cfg.PIXEL_MEANS)}
 
 
@@ -80,8 +91,6 @@ def detectron_lr_multiplier(it: int, steps: Sequence[int], gamma: float, warmup_
 def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
     """torchvision's ``GeneralizedRCNNTransform`` with identity normalise, resize and
     postprocess: batches (pads) the images, nothing else."""
-    from torchvision.models.detection.transform import GeneralizedRCNNTransform
-
     class _KeepSize(GeneralizedRCNNTransform):
         def normalize(self, image: torch.Tensor) -> torch.Tensor:
             return image
@@ -99,8 +108,6 @@ def _no_resize_transform(size_divisible: int = 32) -> nn.Module:
 def _weight_enum(builder_name: str, name: str, backbone: Optional[str]) -> Any:
     """A torchvision weight enum from a name such as ``COCO_V1``, ``DEFAULT`` or
     ``FasterRCNN_ResNet50_FPN_Weights.COCO_V1`` (no download happens here)."""
-    from torchvision.models import get_model_builder, get_model_weights, get_weight
-
     if "." in name:
         return get_weight(name)
     enum = get_model_weights(get_model_builder(backbone or builder_name))
@@ -198,9 +205,8 @@ class TorchvisionDetector(pl.LightningModule):
                                  f"backbone={backbone!r} use weights_backbone instead")
         self.save_hyperparameters()
         self.family = ARCHS[arch][1]
-        if normalize == "auto":
-            normalize = "torchvision" if (tv_weights or tv_backbone) else "detectron"
-        self.normalize_mode = normalize
+        self.normalize_mode = normalize if normalize != "auto" else (
+            "torchvision" if (tv_weights or tv_backbone) else "detectron")
         self.net = self._build(tv_weights, tv_backbone)
         self.register_buffer("_means", torch.tensor(pixel_means, dtype=torch.float32).view(3, 1, 1),
                              persistent=False)
@@ -210,10 +216,7 @@ class TorchvisionDetector(pl.LightningModule):
             self.load_weights(weights_backbone, prefix="backbone.body.")
 
     def _build(self, tv_weights: bool, tv_backbone: bool) -> nn.Module:
-        from torchvision.models import get_model_builder
-
-        hp = self.hparams
-        builder_name = ARCHS[hp.arch][0]
+        hp, builder_name = self.hparams, ARCHS[self.hparams.arch][0]
         kwargs: dict[str, Any] = dict(hp.detector_kwargs or {})
         for key in ("score_thresh", "nms_thresh", "detections_per_img"):  # box_*: R-CNN's names
             kwargs.setdefault(("" if self.family == "retinanet" else "box_") + key, hp[key])
@@ -222,41 +225,33 @@ class TorchvisionDetector(pl.LightningModule):
         body = hp.backbone or ("mobilenet_v3_large" if "mobilenet" in builder_name else "resnet50")
         wb = _weight_enum(builder_name, hp.weights_backbone, body) if tv_backbone else None
         if hp.backbone is not None and not tv_weights:
-            return self._finish(self._build_custom(body, wb, kwargs))
-        kwargs["weights_backbone"] = wb
-        if hp.trainable_backbone_layers is not None:
-            kwargs["trainable_backbone_layers"] = hp.trainable_backbone_layers
-        builder = get_model_builder(builder_name)
-        if not tv_weights:
-            return self._finish(builder(weights=None, num_classes=hp.num_classes, **kwargs))
-        net = builder(weights=_weight_enum(builder_name, hp.weights, None), **kwargs)
-        self._reset_heads(net)
-        return self._finish(net)
-
-    def _finish(self, net: nn.Module) -> nn.Module:
-        """Keep-size transform, the anchors of ``anchor_sizes``, no RPN for ``fast``."""
+            net = self._build_custom(body, wb, kwargs)
+        else:
+            kwargs["weights_backbone"] = wb
+            if hp.trainable_backbone_layers is not None:
+                kwargs["trainable_backbone_layers"] = hp.trainable_backbone_layers
+            builder = get_model_builder(builder_name)
+            if tv_weights:
+                net = builder(weights=_weight_enum(builder_name, hp.weights, None), **kwargs)
+                self._reset_heads(net)
+            else:
+                net = builder(weights=None, num_classes=hp.num_classes, **kwargs)
+        # Keep-size transform, the anchors of ``anchor_sizes``, no RPN for ``fast``.
         net.transform = _no_resize_transform()
         if self.family == "fast":
             net.rpn = None  # proposals come from the loader; no unused RPN parameters
-        elif self.hparams.anchor_sizes is not None:
-            gen = self._anchor_generator([float(a) for a in self.hparams.anchor_sizes])
+        elif hp.anchor_sizes is not None:
+            gen = self._anchor_generator([float(a) for a in hp.anchor_sizes])
             n = gen.num_anchors_per_location()[0]
-            if self.family == "retinanet":
-                if n != net.anchor_generator.num_anchors_per_location()[0]:
+            owner = net if self.family == "retinanet" else net.rpn
+            if n != owner.anchor_generator.num_anchors_per_location()[0]:
+                if owner is net:
                     raise ValueError("anchor_sizes must keep RetinaNet's 9 anchors per place")
-                net.anchor_generator = gen
-            else:
-                from torchvision.models.detection.rpn import RPNHead
-
-                if n != net.rpn.anchor_generator.num_anchors_per_location()[0]:
-                    conv = net.rpn.head.cls_logits
-                    net.rpn.head = RPNHead(conv.in_channels, n)
-                net.rpn.anchor_generator = gen
+                net.rpn.head = RPNHead(net.rpn.head.cls_logits.in_channels, n)
+            owner.anchor_generator = gen
         return net
 
     def _anchor_generator(self, sizes: list[float]) -> nn.Module:
-        from torchvision.models.detection.anchor_utils import AnchorGenerator
-
         if "mobilenet" in self.hparams.arch:  # one set of sizes on each of its 3 maps
             per = (tuple(sizes),) * 3
         elif self.family == "retinanet":
@@ -268,14 +263,9 @@ class TorchvisionDetector(pl.LightningModule):
     def _build_custom(self, body: str, weights_backbone: Any, kwargs: dict[str, Any]
                       ) -> nn.Module:
         """torchvision's construction of the arch with another ResNet in the FPN backbone."""
-        from torchvision.models import get_model_builder
-        from torchvision.models.detection import FasterRCNN, KeypointRCNN, MaskRCNN, RetinaNet
         from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
-        from torchvision.ops import misc as misc_nn_ops
-        from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
-        hp = self.hparams
-        trained = weights_backbone is not None
+        hp, trained = self.hparams, weights_backbone is not None
         norm = misc_nn_ops.FrozenBatchNorm2d if trained else nn.BatchNorm2d
         layers = hp.trainable_backbone_layers
         layers = (3 if trained else 5) if layers is None else int(layers)
@@ -292,8 +282,6 @@ class TorchvisionDetector(pl.LightningModule):
         """Replace class-count dependent heads of pretrained weights for ``num_classes``."""
         c = self.hparams.num_classes
         if self.family == "retinanet":
-            from torchvision.models.detection.retinanet import RetinaNetClassificationHead
-
             head = net.head.classification_head
             if head.num_classes != c:
                 log.warning("re-initialising RetinaNet's classification head for %d classes "
@@ -301,9 +289,6 @@ class TorchvisionDetector(pl.LightningModule):
                 net.head.classification_head = RetinaNetClassificationHead(
                     head.cls_logits.in_channels, head.num_anchors, c)
             return
-        from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
-        from torchvision.models.detection.mask_rcnn import MaskRCNNPredictor
-
         pred = net.roi_heads.box_predictor
         if pred.cls_score.out_features != c:
             log.warning("re-initialising the box predictor for %d classes (the weights have "
@@ -340,8 +325,7 @@ class TorchvisionDetector(pl.LightningModule):
         state = {(k[4:] if k.startswith("net.") else k): v for k, v in state.items()}
         if prefix and not any(k.startswith(prefix) for k in state):
             state = {prefix + k: v for k, v in state.items()}  # a bare backbone state dict
-        own = self.net.state_dict()
-        state = {k: v for k, v in state.items() if k.startswith(prefix)}
+        own, state = self.net.state_dict(), {k: v for k, v in state.items() if k.startswith(prefix)}
         skipped = [k for k, v in state.items() if k in own and own[k].shape != v.shape]
         keep = {k: v for k, v in state.items() if k not in skipped}
         missing, unexpected = self.net.load_state_dict(keep, strict=False)
@@ -359,8 +343,7 @@ class TorchvisionDetector(pl.LightningModule):
         evaluation blobs with them); set the CPU threads."""
         cfg = getattr(getattr(getattr(self, "_trainer", None), "datamodule", None), "cfg", None)
         means = getattr(cfg, "PIXEL_MEANS", None)
-        if means is not None and tuple(float(v) for v in means) != tuple(
-                float(v) for v in self.hparams.pixel_means):
+        if means is not None and [*map(float, means)] != [*map(float, self.hparams.pixel_means)]:
             log.warning("using the data module's PIXEL_MEANS %s instead of pixel_means %s",
                         tuple(means), tuple(self.hparams.pixel_means))
             self._means = torch.tensor(tuple(means), dtype=torch.float32,
@@ -380,8 +363,7 @@ class TorchvisionDetector(pl.LightningModule):
             return x
         else:
             rgb = (x + means).flip(0) / 255.0
-        mean = rgb.new_tensor(_IMAGENET_MEAN).view(3, 1, 1)
-        std = rgb.new_tensor(_IMAGENET_STD).view(3, 1, 1)
+        mean, std = (rgb.new_tensor(v).view(3, 1, 1) for v in (_IMAGENET_MEAN, _IMAGENET_STD))
         return (rgb - mean) / std
 
     def _train_inputs(self, batch: Any) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
@@ -389,11 +371,8 @@ class TorchvisionDetector(pl.LightningModule):
             raise TypeError("TorchvisionDetector trains on the torchvision format: set "
                             "data.output_format: torchvision (got a Detectron blob dict with "
                             f"{sorted(k for k in batch if not k.startswith('_'))[:6]}...)")
-        from lit_roidata.minibatch.device import paste_target_masks
-
         images, targets = paste_target_masks(batch)[:2]  # compact masks not pasted yet
-        ims = [self._prepare(torch.as_tensor(im), rgb_uint8=True) for im in images]
-        tgts = []
+        ims, tgts = [self._prepare(torch.as_tensor(im), rgb_uint8=True) for im in images], []
 
         def tensor(x: Any) -> torch.Tensor:  # plain tensors (not tv_tensors) on our device
             return torch.as_tensor(x).as_subclass(torch.Tensor).to(self.device)
@@ -420,11 +399,13 @@ class TorchvisionDetector(pl.LightningModule):
         """torchvision's loss dict for prepared images and targets (training mode)."""
         if self.family != "fast":
             return self.net(images, targets)
-        proposals = [t.pop("proposals") for t in targets]
+        return self._fast_heads(images, [t.pop("proposals") for t in targets], targets)[1]
+
+    def _fast_heads(self, images: list[torch.Tensor], proposals: list[torch.Tensor],
+                    targets: Optional[list[dict[str, Any]]] = None) -> tuple[list, dict]:
+        """``fast``: backbone and RoI heads on the given proposals (no RPN)."""
         il, tg = self.net.transform(images, targets)
-        feats = self.net.backbone(il.tensors)
-        _, losses = self.net.roi_heads(feats, proposals, il.image_sizes, tg)
-        return losses
+        return self.net.roi_heads(self.net.backbone(il.tensors), proposals, il.image_sizes, tg)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         images, targets = self._train_inputs(batch)
@@ -436,8 +417,7 @@ class TorchvisionDetector(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """Detectron's SGD (bias lr and decay rules) and per-iteration step schedule."""
-        hp = self.hparams
-        weights, biases = [], []
+        hp, weights, biases = self.hparams, [], []
         for name, p in self.named_parameters():
             if p.requires_grad:
                 (biases if name.endswith(".bias") else weights).append(p)
@@ -461,9 +441,8 @@ class TorchvisionDetector(pl.LightningModule):
                             "(a dict with 'data' and '_meta')")
         meta, data = batch["_meta"], batch["data"]
         sizes = torch.as_tensor(meta["image_sizes"]).reshape(-1, 2).tolist()
-        ims = [self._prepare(data[i, :, : int(h), : int(w)], rgb_uint8=False)
-               for i, (h, w) in enumerate(sizes)]
-        return ims, meta
+        return [self._prepare(data[i, :, : int(h), : int(w)], rgb_uint8=False)
+                for i, (h, w) in enumerate(sizes)], meta
 
     @torch.no_grad()
     def detect(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -488,15 +467,11 @@ class TorchvisionDetector(pl.LightningModule):
         for b, s in enumerate(float(s) for s in batch["_meta"]["im_scales"][:len(images)]):
             r = rois[rois[:, 0] == b, 1:]  # Detectron inclusive boxes × s -> continuous edges
             proposals.append(r + r.new_tensor([0.0, 0.0, s, s]))
-        il, _ = self.net.transform(images)
-        feats = self.net.backbone(il.tensors)
-        dets, _ = self.net.roi_heads(feats, proposals, il.image_sizes)
-        return dets
+        return self._fast_heads(images, proposals)[0]
 
     def _to_original(self, r: Mapping[str, torch.Tensor], meta: Mapping[str, Any], i: int
                      ) -> dict[str, Any]:
-        s = float(meta["im_scales"][i])
-        H, W = int(meta["heights"][i]), int(meta["widths"][i])
+        s, H, W = float(meta["im_scales"][i]), int(meta["heights"][i]), int(meta["widths"][i])
         boxes = r["boxes"].float() / s  # continuous edges in the original image
         boxes[:, 0::2] = boxes[:, 0::2].clamp(0, W)
         boxes[:, 1::2] = boxes[:, 1::2].clamp(0, H)
@@ -515,10 +490,6 @@ class TorchvisionDetector(pl.LightningModule):
         return out
 
     def _mask_rles(self, probs: torch.Tensor, boxes: torch.Tensor, H: int, W: int) -> list:
-        from torchvision.models.detection.roi_heads import paste_masks_in_image
-
-        from lit_roidata.evaluation import mask_rle
-
         if len(boxes) == 0:
             return []
         full = paste_masks_in_image(probs, boxes, (H, W))[:, 0] > self.hparams.mask_thresh

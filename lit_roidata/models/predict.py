@@ -54,9 +54,8 @@ class COCOPredictionWriter(BasePredictionWriter):
         if prediction is None:
             raise TypeError(f"{type(pl_module).__name__}.predict_step returned nothing; it must "
                             f"return a list of per-image detection dicts (lit_roidata.evaluation)")
-        for d in prediction:
-            self._dets.append({k: (v.detach().cpu().numpy() if torch.is_tensor(v) else v)
-                               for k, v in d.items()})
+        self._dets += [{k: (v.detach().cpu().numpy() if torch.is_tensor(v) else v)
+                        for k, v in d.items()} for d in prediction]
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dets, self._dets = gather_to_rank0(self._dets), []
@@ -81,12 +80,11 @@ class COCOPredictionWriter(BasePredictionWriter):
             if info is None:  # the annotation file's category order (Detectron's ids)
                 info = coco_category_map(load_coco(annotation_file(name, trainer)))
             results = detections_to_coco_results(dets, info)
-            path = os.path.join(out_dir, f"{name}.json")
+            written[name] = path = os.path.join(out_dir, f"{name}.json")
             with atomic_write(path, "w", fsync=False) as f:
                 json.dump(results, f)
             log.info("wrote %d detections of %d images (%s) to %s", len(results), len(dets),
                      name, path)
-            written[name] = path
         if not by_ds:
             log.warning("predict produced no detections to write")
         return written

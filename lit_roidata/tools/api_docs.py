@@ -89,12 +89,6 @@ def _signature(obj: Any) -> str:
     return _ADDRESS.sub("", str(sig.replace(parameters=params)))
 
 
-def _methods(cls: type) -> list[tuple[str, Any]]:
-    members = ((name, getattr(m, "__func__", m)) for name, m in sorted(vars(cls).items()))
-    return [(name, m) for name, m in members  # __func__: staticmethod / classmethod
-            if not name.startswith("_") and inspect.isfunction(m)]
-
-
 def _entry(name: str, obj: Any) -> list[str]:
     kind = "class" if inspect.isclass(obj) else "def"
     lines = [f"### `{kind} {name}{_signature(obj)}`", "", *_paragraph_lines(obj)]
@@ -102,7 +96,10 @@ def _entry(name: str, obj: Any) -> list[str]:
     if base is not None:
         lines += [f"Takes the arguments of `{base.__module__}.{base.__qualname__}`.", ""]
     if inspect.isclass(obj):
-        for mname, meth in _methods(obj):
+        members = ((n, getattr(m, "__func__", m)) for n, m in sorted(vars(obj).items()))
+        for mname, meth in members:  # __func__: staticmethod / classmethod
+            if mname.startswith("_") or not inspect.isfunction(meth):
+                continue
             first = _first_paragraph(meth).split("\n")[0]
             lines.append(f"- `{mname}{_signature(meth)}`" + (f": {first}" if first else ""))
         if lines[-1] != "":
@@ -133,15 +130,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the page differs from the generated text")
     args = parser.parse_args(argv)
-    text = render()
-    out = Path(args.out)
-    if args.check:
-        if not out.is_file() or out.read_text(encoding="utf-8") != text:
-            print(f"{out} is out of date; run python -m lit_roidata.tools.api_docs",
-                  file=sys.stderr)
-            return 1
-        return 0
-    out.write_text(text, encoding="utf-8")
+    text, out = render(), Path(args.out)
+    if not args.check:
+        out.write_text(text, encoding="utf-8")
+    elif not out.is_file() or out.read_text(encoding="utf-8") != text:
+        print(f"{out} is out of date; run python -m lit_roidata.tools.api_docs", file=sys.stderr)
+        return 1
     return 0
 
 

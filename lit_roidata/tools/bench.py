@@ -30,8 +30,7 @@ def bench_loader(dm: Any, num_batches: int = 50, warmup: int = 5) -> dict[str, f
     dm.prepare_data()
     dm.setup("fit")
     loader = dm.train_dataloader()
-    it = iter(loader)
-    lat, images = [], 0
+    it, lat, images = iter(loader), [], 0
     for k in range(int(warmup) + int(num_batches)):
         t = time.perf_counter()
         try:
@@ -57,8 +56,7 @@ def decode_resize_floor(dm: Any, num_images: int) -> float:
     from lit_roidata.minibatch.image import scale_image
 
     roidb, cfg = dm.train_roidb, dm.cfg
-    n = min(int(num_images), len(roidb))
-    t = time.perf_counter()
+    n, t = min(int(num_images), len(roidb)), time.perf_counter()
     for i in range(n):
         scale_image(load_image(roidb[i]), cfg.TRAIN.SCALES[i % len(cfg.TRAIN.SCALES)],
                     cfg.TRAIN.MAX_SIZE, pixel_format=dm.output.pixel_format,
@@ -74,12 +72,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="also measure the decode+resize floor (baseline)")
     cfg, dm = data_module_from(parser, argv or ())
     res = bench_loader(dm, cfg.num_batches, cfg.warmup)
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    table = Table(title=f"train loader ({dm.loader.num_workers} workers, "
+    table = Table(*(Column(c, justify="right") for c in ("images/s", "p50 ms", "p90 ms",
+                                                         "p99 ms", "max ms", "batches")),
+                  title=f"train loader ({dm.loader.num_workers} workers, "
                         f"{dm.cfg.TRAIN.IMS_PER_BATCH} images/batch, {dm.output.pixel_format})")
-    for col in ("images/s", "p50 ms", "p90 ms", "p99 ms", "max ms", "batches"):
-        table.add_column(col, justify="right")
     table.add_row(f"{res['images_per_s']:.1f}", f"{res['p50_ms']:.1f}", f"{res['p90_ms']:.1f}",
                   f"{res['p99_ms']:.1f}", f"{res['max_ms']:.1f}", str(res["batches"]))
     con = Console()

@@ -1,17 +1,8 @@
-"""``lit-roidata cache``: list, clean and verify the roidb caches.
+"""``lit-roidata cache``: list, clean and verify the roidb caches (docs/cli.md).
 
-Subcommands (all take ``--cache-dir``, default ``$LIT_ROIDATA_CACHE`` or
-``~/.cache/lit_roidata``):
-
-* ``ls``: one row per cache: key, size, datasets, entries, built, last used, state
-  (``ok``, ``in use`` when a process has it open, ``damaged``);
-* ``clean``: remove caches chosen explicitly with ``--all``, ``--older-than DAYS``
-  (not used for that long) or ``--key KEY`` (repeatable; a prefix is enough). A cache
-  in use or being built is never removed (it is listed as kept). ``--dry-run`` shows
-  what would go. ``--all`` also removes leftovers of interrupted builds and the input
-  fingerprint memo;
-* ``verify``: read every array file and compare its checksum with the manifest; exit
-  status 1 if any cache is damaged (``clean --key`` it, or let the next run rebuild it).
+``clean`` never removes a cache in use or being built (it is listed as kept); ``--all``
+also removes leftovers of interrupted builds and the input fingerprint memo. ``verify``
+exits with status 1 if any cache is damaged.
 """
 
 from __future__ import annotations
@@ -50,10 +41,9 @@ def _building(path: str) -> bool:
     """Whether a builder holds the lock of the cache at ``path``."""
     from filelock import FileLock, Timeout
 
-    lock_file = path + ".lock"
-    if not os.path.exists(lock_file):
+    if not os.path.exists(path + ".lock"):
         return False
-    lock = FileLock(lock_file)
+    lock = FileLock(path + ".lock")
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -63,11 +53,10 @@ def _building(path: str) -> bool:
 
 
 def list_caches(root: str) -> list[dict[str, Any]]:
-    """One dict per ``roidb-*`` directory under ``root`` (see the module docstring)."""
-    out = []
-    if not os.path.isdir(root):
-        return out
-    for name in sorted(os.listdir(root)):
+    """One dict per ``roidb-*`` directory under ``root``: key, path, bytes, state (``ok``,
+    ``in use``, ``damaged``), datasets, entries, mode, built, last_used."""
+    out: list[dict[str, Any]] = []
+    for name in sorted(os.listdir(root) if os.path.isdir(root) else ()):
         path = os.path.join(root, name)
         if not (name.startswith("roidb-") and os.path.isdir(path)):
             continue
@@ -82,8 +71,7 @@ def list_caches(root: str) -> list[dict[str, Any]]:
         rec["built"] = _mtime(os.path.join(path, MANIFEST))
         used = _mtime(os.path.join(path, LAST_USED))
         rec["last_used"] = rec["built"] if used is None else used
-        if in_use(path):
-            rec["state"] = "in use"
+        rec["state"] = "in use" if in_use(path) else rec["state"]
         out.append(rec)
     return out
 
@@ -105,8 +93,9 @@ def clean_caches(root: str, *, all_: bool = False, older_than_days: Optional[flo
             and now - rec["last_used"] > older_than_days * 86400)
         if not chosen:
             continue
-        if rec["state"] == "in use" or _building(rec["path"]):
-            kept.append((rec["key"], "in use" if rec["state"] == "in use" else "being built"))
+        busy = "in use" if rec["state"] == "in use" else _building(rec["path"]) and "being built"
+        if busy:
+            kept.append((rec["key"], busy))
             continue
         if not dry_run:
             remove_cache(rec["path"])
@@ -149,12 +138,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.table import Table
 
     con = Console()
-    if args.cmd == "ls":
-        recs = list_caches(root)
-        if args.json:
-            print(json.dumps(recs, indent=1))
-            return 0
-        t = Table(title=f"roidb caches in {root}")
+    if args.cmd == "verify":
+        bad = 0
+        for r in list_caches(root):
+            if args.key and not any(r["key"].startswith(k) for k in args.key):
+                continue
+            try:
+                verify_checksums(r["path"])
+                con.print(f"ok      roidb-{r['key']}")
+            except CacheError as exc:
+                bad += 1
+                con.print(f"DAMAGED roidb-{r['key']}: {exc}", markup=False, highlight=False)
+        if bad:
+            con.print(f"{bad} damaged cache(s): remove them (lit-roidata cache clean --key KEY) or "
+                      f"let the next run rebuild them")
+        return 1 if bad else 0
+    if args.cmd == "ls" and args.json:
+        print(json.dumps(list_caches(root), indent=1))
+    elif args.cmd == "ls":
+        recs, t = list_caches(root), Table(title=f"roidb caches in {root}")
         for col in ("key", "MiB", "datasets", "mode", "entries", "built", "last used", "state"):
             t.add_column(col, justify="right" if col in ("MiB", "entries") else "left",
                          no_wrap=col in ("key", "state"))
@@ -164,8 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       r["state"])
         con.print(t)
         con.print(f"{len(recs)} cache(s), {sum(r['bytes'] for r in recs) / 2**20:.1f} MiB")
-        return 0
-    if args.cmd == "clean":
+    else:  # clean
         try:
             removed, kept = clean_caches(root, all_=args.all_, older_than_days=args.older_than,
                                          keys=args.key, dry_run=args.dry_run)
@@ -177,18 +178,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for key, why in kept:
             con.print(f"kept roidb-{key} ({why})")
         con.print(f"{verb} {len(removed)} cache(s), kept {len(kept)}")
-        return 0
-    bad = 0
-    for r in list_caches(root):
-        if args.key and not any(r["key"].startswith(k) for k in args.key):
-            continue
-        try:
-            verify_checksums(r["path"])
-            con.print(f"ok      roidb-{r['key']}")
-        except CacheError as exc:
-            bad += 1
-            con.print(f"DAMAGED roidb-{r['key']}: {exc}", markup=False, highlight=False)
-    if bad:
-        con.print(f"{bad} damaged cache(s): remove them (lit-roidata cache clean --key KEY) or "
-                  f"let the next run rebuild them")
-    return 1 if bad else 0
+    return 0

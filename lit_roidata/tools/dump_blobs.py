@@ -61,15 +61,11 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
             mb["masks_int32"] = expand_masks_on_device(
                 mb["masks_int32"], mb.pop("mask_class_int32"), int(dm.cfg.MODEL.NUM_CLASSES))
         expand_targets(mb)
-        meta = mb["_meta"]
-        path = os.path.join(out, f"minibatch_{k:05d}.npz")
+        meta, path = mb["_meta"], os.path.join(out, f"minibatch_{k:05d}.npz")
         np.savez(path, **{n: np.asarray(mb[n]) for n in chosen})
-        index.append({
-            "file": os.path.basename(path), "indices": [int(i) for i in meta["indices"]],
-            "image_ids": [int(i) for i in meta["image_ids"]], "images": list(meta["images"]),
-            "flipped": [bool(f) for f in meta["flipped"]],
-            "im_scales": [float(s) for s in meta["im_scales"]],
-            **{k: int(meta[k]) for k in ("seed", "pass_index", "block_index")},
+        index.append({"file": os.path.basename(path), **{k: [f(v) for v in meta[k]] for k, f in (
+            ("indices", int), ("image_ids", int), ("images", str), ("flipped", bool),
+            ("im_scales", float))}, **{k: int(meta[k]) for k in ("seed", "pass_index", "block_index")},
             "blobs": chosen, "pixel_format": pixel_format})
     with open(os.path.join(out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)

@@ -47,10 +47,9 @@ def roidb_stats(roidb: Any, max_entries: int = _MAX_STAT_ENTRIES) -> dict[str, d
 
 
 def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    con = Console()
-    table = Table(title=f"roidb: {len(roidb)} entries ({roidb.path})")
+    con, table = Console(), Table(title=f"roidb: {len(roidb)} entries ({roidb.path})")
     for col in ("dataset", "entries", "flipped", "horiz/vert", "gt boxes/img", "crowd",
                 "proposals/img", "kp images"):
         table.add_column(col, justify="right" if col != "dataset" else "left")
@@ -61,15 +60,13 @@ def _print_stats(roidb: Any, stats: dict[str, dict[str, Any]]) -> None:
                       f"{gt.mean():.2f} (max {gt.max()})", str(s["crowd"]),
                       f"{pr.mean():.1f} ({pr.min()}-{pr.max()})", str(s["kp_images"]))
     con.print(table)
-    classes = Table(title="gt boxes per class (non-crowd)")
-    for col, justify in (("dataset", "left"), ("class", "left"), ("boxes", "right")):
-        classes.add_column(col, justify=justify)
+    classes = Table("dataset", "class", Column("boxes", justify="right"),
+                    title="gt boxes per class (non-crowd)")
     for name, s in stats.items():
         for c, k in sorted(s["classes"].items(), key=lambda kv: -kv[1]):
             classes.add_row(name, c, str(k))
     con.print(classes)
-    report = getattr(roidb, "report", None)
-    if report:
+    if report := getattr(roidb, "report", None):
         con.print("build report:", report)
 
 
@@ -90,23 +87,21 @@ def plot_histograms(roidb: Any, cfg: Any, stats: dict[str, dict[str, Any]], path
     """Aspect ratios, Detectron image scales, gt boxes and proposals per image."""
     plt = _pyplot()
     w, h = np.asarray(roidb.widths, float), np.asarray(roidb.heights, float)
-    short, long_ = np.minimum(w, h), np.maximum(w, h)
-    top = cfg.TRAIN.MAX_SIZE
+    short, long_, top = np.minimum(w, h), np.maximum(w, h), cfg.TRAIN.MAX_SIZE
     scales = [np.where(np.round(t / short * long_) > top, top / long_, t / short)
               for t in cfg.TRAIN.SCALES]
     gt = np.concatenate([np.asarray(s["gt"]) for s in stats.values()])
     props = np.concatenate([np.asarray(s["proposals"]) for s in stats.values()])
     fig, ax = plt.subplots(2, 2, figsize=(11, 8))
-    ax[0, 0].hist(w / h, bins=50)
+    for a, (values, bins, title) in zip(ax.flat, (
+            (w / h, 50, "aspect ratio w/h (>= 1: horizontal group)"),
+            (np.concatenate(scales), 50, f"im_scale (TRAIN.SCALES={list(cfg.TRAIN.SCALES)}, "
+                                         f"MAX_SIZE={cfg.TRAIN.MAX_SIZE})"),
+            (gt, np.arange(gt.max() + 2) - 0.5, "gt boxes per image (non-crowd)"),
+            (props, 50, "proposals per image"))):
+        a.hist(values, bins=bins)
+        a.set_title(title)
     ax[0, 0].axvline(1.0, color="k", ls="--", lw=1)
-    ax[0, 0].set_title("aspect ratio w/h (>= 1: horizontal group)")
-    ax[0, 1].hist(np.concatenate(scales), bins=50)
-    ax[0, 1].set_title(f"im_scale (TRAIN.SCALES={list(cfg.TRAIN.SCALES)}, "
-                       f"MAX_SIZE={cfg.TRAIN.MAX_SIZE})")
-    ax[1, 0].hist(gt, bins=np.arange(gt.max() + 2) - 0.5)
-    ax[1, 0].set_title("gt boxes per image (non-crowd)")
-    ax[1, 1].hist(props, bins=50)
-    ax[1, 1].set_title("proposals per image")
     _save(plt, fig, path)
 
 
@@ -115,8 +110,7 @@ def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> 
     plt = _pyplot()
     from matplotlib.patches import Polygon, Rectangle
 
-    meta = blobs["_meta"]
-    data = np.asarray(blobs["data"])
+    meta, data = blobs["_meta"], np.asarray(blobs["data"])
     sizes = np.asarray(meta["image_sizes"])
     rois = np.asarray(blobs["rois"]) if "rois" in blobs else np.zeros((0, 5))
     labels = np.asarray(blobs["labels_int32"]) if "labels_int32" in blobs else np.zeros(len(rois))
@@ -127,8 +121,7 @@ def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> 
         if data.dtype != np.uint8:  # Detectron float blob: add the means back
             im = im + np.asarray(e.get("_pixel_means", (102.9801, 115.9465, 122.7717)))
         ax.imshow(np.clip(im[:, :, ::-1], 0, 255).astype(np.uint8))
-        s = float(meta["im_scales"][b])
-        sel = rois[:, 0] == b
+        s, sel = float(meta["im_scales"][b]), rois[:, 0] == b
         for r, lab in zip(rois[sel], labels[sel]):
             fg = lab > 0
             ax.add_patch(Rectangle((r[1], r[2]), r[3] - r[1], r[4] - r[2], fill=False,
@@ -144,9 +137,8 @@ def plot_minibatch(blobs: dict[str, Any], entries: Sequence[Any], path: str) -> 
 def _draw_gt(ax: Any, e: Any, s: float, Polygon: Any, Rectangle: Any) -> None:
     import pycocotools.mask as mask_util
 
-    gt = np.flatnonzero(np.asarray(e["gt_classes"]) > 0)
+    gt, crowd = np.flatnonzero(np.asarray(e["gt_classes"]) > 0), np.asarray(e["is_crowd"], bool)
     classes = e["dataset"].classes
-    crowd = np.asarray(e["is_crowd"], bool)
     for j, row in enumerate(gt):
         x1, y1, x2, y2 = np.asarray(e["boxes"][row], float) * s
         ax.add_patch(Rectangle((x1, y1), x2 - x1, y2 - y1, fill=False, lw=1.5,
@@ -166,10 +158,9 @@ def _draw_gt(ax: Any, e: Any, s: float, Polygon: Any, Rectangle: Any) -> None:
             ax.imshow(np.ma.masked_equal(m, 0), cmap="autumn", alpha=0.4,
                       extent=(-0.5 * s, (W - 0.5) * s, (H - 0.5) * s, -0.5 * s))
     kps = e.get("gt_keypoints") if "gt_keypoints" in e else None
-    if kps is not None and len(kps):
-        for k in np.asarray(kps):
-            vis = k[2] > 0
-            ax.scatter(k[0][vis] * s, k[1][vis] * s, s=6, c="magenta")
+    for k in np.asarray(kps if kps is not None else ()):
+        vis = k[2] > 0
+        ax.scatter(k[0][vis] * s, k[1][vis] * s, s=6, c="magenta")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from lit_roidata.demo.data import ensure_demo_data, is_demo_data
 
 __all__ = ["main"]
 
@@ -36,20 +39,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "another --root.", file=sys.stderr)
         return 2
     if refusal:
-        import shutil
-
         shutil.rmtree(os.path.join(args.root, "cache"), ignore_errors=True)
     from rich.console import Console
     from rich.table import Table
-
-    from lit_roidata.demo import ensure_demo_data
 
     layout = ensure_demo_data(args.root, seed=args.seed, num_images=args.size)
     table = Table("dataset", "images", "annotation file", "proposal file",
                   title=f"demo data in {args.root}")
     for name, info in layout.items():
-        table.add_row(name, str(info["num_images"]), info["annotation_file"],
-                      info["proposal_file"])
+        table.add_row(name, str(info["num_images"]), info["annotation_file"], info["proposal_file"])
     Console().print(table)
     return 0
 
@@ -57,15 +55,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _existing_data(root: str, seed: int, size: Optional[dict[str, Any]]) -> Optional[str]:
     """Why generating into ``root`` would replace something (``None``: nothing there, or
     the same demo data already, which is reused untouched)."""
-    from lit_roidata.demo import data as demo
-
     path = Path(root)
     if not path.exists():
         return None
     if not path.is_dir():
         return f"{root} exists and is not a folder"
     entries = [e for e in path.iterdir() if e.name != ".demo_data.lock"]
-    if not entries or demo.is_demo_data(path, seed=seed, num_images=size):
+    if not entries or is_demo_data(path, seed=seed, num_images=size):
         return None
     return (f"{root} already holds other data ({len(entries)} entries: not the demo data "
             f"for seed {seed} and these sizes)")
