@@ -83,11 +83,10 @@ def dataset_info_from_categories(name: str, categories: Sequence[dict], *, sourc
     dup = [k for k, v in Counter(cat_ids).items() if v > 1]
     if dup:
         raise RoIDBInputError(f"{source}: duplicate category ids {dup[:10]}; ids must be unique")
+    classes = ("__background__", *(cat_names if class_order is None else class_order))
     if class_order is None:
-        classes = ("__background__", *cat_names)
         j2c = {cid: i + 1 for i, cid in enumerate(cat_ids)}
     else:
-        classes = ("__background__", *class_order)
         pos = {n: i + 1 for i, n in enumerate(class_order)}
         j2c = {cid: pos[n] for cid, n in zip(cat_ids, cat_names)}
     kps = [c["keypoints"] for c in categories if c.get("name") == "person" and c.get("keypoints")]
@@ -156,9 +155,8 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
 
 def _fail(raw: RawCoco, rows: np.ndarray, problem: str, fix: str) -> None:
     """Raise the error for the first of ``rows`` (annotation positions) having ``problem``."""
-    i = int(rows[0])
     more = f" ({rows.size} annotations have this problem)" if rows.size > 1 else ""
-    raise RoIDBInputError(f"{raw.source}: {raw.ann_label(i)} {problem}{more}. {fix}")
+    raise RoIDBInputError(f"{raw.source}: {raw.ann_label(int(rows[0]))} {problem}{more}. {fix}")
 
 
 def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
@@ -194,13 +192,10 @@ class _GtBuilder:
 
     def __init__(self, path: str, gt_min_area: float, keypoints_required: bool) -> None:
         self.path, self.gt_min_area, self.required = path, gt_min_area, keypoints_required
-        self.img_parts: list = []
-        self.pending: list = []
-        self.parts: list = []
+        self.img_parts, self.pending, self.parts, self.categories = [], [], [], []
         self.ids: Optional[np.ndarray] = None
         self.counts: Counter = Counter({k: 0 for k in _COUNT_KEYS})
         self.unknown_ids = np.zeros(0, np.int64)
-        self.categories: list = []
 
     def end(self, categories: list) -> None:
         """The file's ``categories`` (the last event)."""
@@ -235,8 +230,7 @@ class _GtBuilder:
                 f"integer: {ex}. Fix 'width'/'height' in the JSON (read them from the image "
                 f"files) or remove those images.")
         self.names = [file_names[i] for i in order_img.tolist()]
-        self.ids = ids
-        self.widths, self.heights = widths.astype(np.int32), heights.astype(np.int32)
+        self.ids, self.widths, self.heights = ids, widths.astype(np.int32), heights.astype(np.int32)
         pending, self.pending = self.pending, []
         for w in pending:
             self.annotations(w)
@@ -409,8 +403,7 @@ class ParallelWindows(OrderedWorkers):
                  ) -> None:
         super().__init__(functools.partial(_window_task, path, gt_min_area,
                                            keypoints_required), n)
-        self.depth = 2 * n
-        self.indexed = False
+        self.depth, self.indexed = 2 * n, False
 
     def handles(self, key: str) -> bool:
         """Images always; annotations once the image index is known."""
@@ -442,9 +435,7 @@ def _window_task(path: str, gt_min_area: float, required: bool, task: tuple,
 
 def _narrow(a: np.ndarray) -> np.ndarray:
     """``a`` as int32 when its values fit (window columns held to the end)."""
-    if a.size and (a.min() < -2 ** 31 or a.max() >= 2 ** 31):
-        return a
-    return a.astype(np.int32)
+    return a if a.size and (a.min() < -2 ** 31 or a.max() >= 2 ** 31) else a.astype(np.int32)
 
 
 _SEG_FIX = ("A polygon is a list of numbers [x1, y1, x2, y2, ...] (at least 3 points); "
@@ -465,11 +456,11 @@ def _check_polygons(raw: RawCoco, known: np.ndarray) -> None:
         total = raw.coords.sum()
     if np.isfinite(total):  # no NaN/inf anywhere (one pass, no temporary)
         return
-    fin = np.isfinite(raw.coords)
-    if not fin.all():
-        bad = np.unique(np.repeat(owner, raw.coord_n)[~fin & np.repeat(rel, raw.coord_n)])
-        if bad.size:
-            _fail(raw, bad, "has a polygon coordinate that is not a finite number", _SEG_FIX)
+    # (the sum also overflows for huge finite values: then no row is bad)
+    bad_c = ~np.isfinite(raw.coords) & np.repeat(rel, raw.coord_n)
+    bad = np.unique(np.repeat(owner, raw.coord_n)[bad_c])
+    if bad.size:
+        _fail(raw, bad, "has a polygon coordinate that is not a finite number", _SEG_FIX)
 
 
 _RLE_FIX = ("A COCO RLE is {'size': [image height, image width], 'counts': [run lengths] "
@@ -636,11 +627,10 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
                   rles: dict) -> tuple[SegmColumns, dict[str, int]]:
     """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
     Q24, docs/detectron_quirks.md)."""
-    g = order.size
     poly_counts, coord_counts, coords, short = _polygons(raw, order, 6)
     seg_kind = raw.seg_kind[order]
-    kind = np.full(g, POLY, np.int8)
-    rle_idx = np.full(g, -1, np.int32)
+    kind = np.full(order.size, POLY, np.int8)
+    rle_idx = np.full(order.size, -1, np.int32)
     rows = np.flatnonzero(seg_kind == SEG_RLE).tolist()
     missing = int((seg_kind == SEG_MISSING).sum())
     cols = SegmColumns(

@@ -20,9 +20,8 @@ page cache):
 
 A flipped entry is the index of its original plus a flag; boxes, segms and keypoints
 are mirrored when read (Detectron semantics: flipping). ``gt_overlaps`` is rebuilt from
-``max_overlaps`` and
-``max_classes``: every row holds one non-zero value or is all -1 (Detectron semantics: ground-truth
-cleaning; proposals).
+``max_overlaps`` and ``max_classes``: every row holds one non-zero value or is all -1
+(Detectron semantics: ground-truth cleaning; proposals).
 """
 
 from __future__ import annotations
@@ -244,9 +243,7 @@ class RoIEntry(Mapping):
             value = np.array(classes[self._span(off)], np.int32)
         else:
             value = getattr(self, "_f_" + key)()
-        if isinstance(value, np.ndarray):
-            value.flags.writeable = False
-        self._cache[key] = value
+        self._cache[key] = value = _ro(value) if isinstance(value, np.ndarray) else value
         return value
 
     def to_dict(self) -> dict[str, Any]:
@@ -275,12 +272,12 @@ class RoIEntry(Mapping):
 
     def _rows(self, gt_col: str, prop_col: Optional[str], prop_fill: Any = 0,
               dtype: Any = None) -> np.ndarray:
-        gt = np.asarray(self._a[gt_col][self._span("img_gt_off")])
+        gt = self._gt(gt_col, None)
         dtype = dtype or gt.dtype
         p = self._span("img_prop_off")
         if p.stop == p.start:
             return np.array(gt, dtype=dtype)
-        tail = (np.asarray(self._a[prop_col][p], dtype) if prop_col is not None else
+        tail = (self._prop(prop_col, dtype) if prop_col is not None else
                 np.full((p.stop - p.start,) + gt.shape[1:], prop_fill, dtype=dtype))
         return np.concatenate([gt.astype(dtype), tail])
 

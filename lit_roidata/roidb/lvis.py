@@ -23,9 +23,7 @@ def file_name_from_coco_url(url: str) -> Optional[str]:
     """``<split folder>/<file>`` from a ``coco_url`` (its last two path parts), or
     ``None`` when the URL has fewer than two non-empty parts."""
     parts = url.split("/")[-2:]
-    if len(parts) < 2 or not all(parts):
-        return None
-    return parts[0] + "/" + parts[1]
+    return parts[0] + "/" + parts[1] if len(parts) == 2 and all(parts) else None
 
 
 def decode_lvis(path: str, *, fast: bool = True) -> RawCoco:

@@ -78,15 +78,10 @@ def rle_columns(rows: Sequence[int], rles: Sequence[tuple[int, int, Any]], kind:
     ints: list = []
     strs: list[bytes] = []
     for r, (_, _, counts) in zip(rows, rles):
-        rle_idx[r] = len(ints)
-        if isinstance(counts, list):
-            kind[r] = RLE_LIST
-            ints.append(counts)
-            strs.append(b"")
-        else:
-            kind[r] = RLE_STR
-            ints.append(())
-            strs.append(counts)
+        rle_idx[r], is_list = len(ints), isinstance(counts, list)
+        kind[r] = RLE_LIST if is_list else RLE_STR
+        ints.append(counts if is_list else ())
+        strs.append(b"" if is_list else counts)
     return dict(
         rle_size=np.asarray([(h, w) for h, w, _ in rles], np.int64).reshape(-1, 2),
         rle_int_off=offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
