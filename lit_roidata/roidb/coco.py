@@ -535,30 +535,26 @@ def _check_keypoints(raw: RawCoco, info: DatasetInfo, required: bool) -> Optiona
     present = kp_len > 0  # missing, null and [] all mean "no keypoints"
     if required:
         kp_cats = np.array(keypoint_category_ids(raw.categories), np.int64)
-        need = np.isin(raw.ann_cat, kp_cats) & ~present
-        if need.any():
-            rows = np.flatnonzero(need)
+        rows = np.flatnonzero(np.isin(raw.ann_cat, kp_cats) & ~present)
+        if rows.size:
             ex = ", ".join(raw.ann_label(int(i)) for i in rows[:5])
             raise RoIDBInputError(
                 f"{raw.source}: the model trains keypoints (MODEL.KEYPOINTS_ON) and category "
                 f"'person' lists {k} keypoints, but {rows.size} 'person' annotation(s) have no "
                 f"'keypoints' field: {ex}. Add 'keypoints': [0, 0, 0] * {k} for objects "
                 f"without labelled keypoints (Detectron crashes here).")
-    wrong = present & (kp_len != 3 * k)
-    if wrong.any():
-        rows = np.flatnonzero(wrong)
+    rows = np.flatnonzero(present & (kp_len != 3 * k))
+    if rows.size:
         i = int(rows[0])
         raise RoIDBInputError(
             f"{raw.source}: {raw.ann_label(i)} has {int(kp_len[i])} keypoint values, expected "
             f"3 x {k} = {3 * k} ({rows.size} such annotations). Fix the 'keypoints' lists.")
     vals = raw.kp_vals
     # all within (-2**31, 2**31) (NaN fails both): two reductions, no temporaries
-    in_range = vals.size == 0 or (vals.min() > -2 ** 31 and vals.max() < 2 ** 31)
-    if not in_range:
+    if not (vals.size == 0 or (vals.min() > -2 ** 31 and vals.max() < 2 ** 31)):
         with np.errstate(invalid="ignore"):
             bad_v = ~(np.abs(vals) < 2 ** 31)
-        v_owner = np.repeat(np.arange(kp_len.size), np.maximum(kp_len, 0))
-        rows = np.unique(v_owner[bad_v])
+        rows = np.unique(np.repeat(np.arange(kp_len.size), np.maximum(kp_len, 0))[bad_v])
         if rows.size:
             _fail(raw, rows, "has a keypoint value that is not a finite number within the "
                   "int32 range", "Keypoints are [x1, y1, v1, ...] in pixels; use 0, 0, 0 for "

@@ -199,9 +199,8 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
         ann = _annotation_columns(top.annotations or [])
     except (*_REFUSED, orjson.JSONDecodeError):  # an id beyond int64: OverflowError
         return None
-    if ann is None or not isinstance(cats, list):
-        return None
-    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast")
+    return (None if ann is None or not isinstance(cats, list) else
+            RawCoco(source=source, categories=cats, **img, **ann, decoder="fast"))
 
 
 def _attrs(items: list, name: str, dtype: Any = None) -> Any:
@@ -237,9 +236,8 @@ def _annotation_columns(anns: list) -> Optional[dict]:
     segs = _attrs(anns, "segmentation")
     rles: dict = {}
     if segs.count(None) == na:  # box-only files (Objects365): no per-row segm work
-        poly_n = np.zeros(na, np.int64)
+        poly_n, seg_kind = np.zeros(na, np.int64), np.full(na, SEG_MISSING, np.int8)
         coord_n, coords = np.zeros(0, np.int64), np.zeros(0, np.float64)
-        seg_kind = np.full(na, SEG_MISSING, np.int8)
     else:
         types = list(map(type, segs))
         per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
@@ -400,8 +398,7 @@ class _Chunked:
                 self._value_end(pos, "the top level")
                 raise RoIDBInputError(f"{path}: expected a JSON object at the top level")
             self._syntax_error(pos, "expected a JSON value")
-        values: dict = {}
-        seen: set = set()
+        values, seen = {}, set()
         pos = self._ws(pos + 1)
         closed = self._at(pos, b"}")
         pos = self._ws(pos + 1) if closed else pos
@@ -747,9 +744,8 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
         bad = [i for i, v in enumerate(lists) if type(v) is not list
                or not set(map(type, v)) <= _INT or any(abs(x) >= 2 ** 63 for x in v)]
         if bad:
-            i = bad[0]
-            raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has {key}="
-                                  f"{lists[i]!r:.80}; expected a list of integer category ids "
+            raise RoIDBInputError(f"{source}: image id {int(img_id[bad[0]])} has {key}="
+                                  f"{lists[bad[0]]!r:.80}; expected a list of integer category ids "
                                   f"({len(bad)} image(s) have this problem). Fix the lists.")
         out[short + "_n"], out[short + "_ids"] = _id_lists(lists)
     return out
