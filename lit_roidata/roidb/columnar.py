@@ -51,9 +51,11 @@ _FIELDS_NO_KEYPOINTS = tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
 #: Entry fields that are one image column's value: field -> (column, type)
 _IMAGE_VALUES = {"id": ("img_id", int), "width": ("img_width", int),
                  "height": ("img_height", int), "has_visible_keypoints": ("img_has_vis_kp", bool)}
-#: Entry fields of gt rows only (proposal rows get ``fill``): field -> (column, fill, dtype)
-_GT_ONLY = {"gt_classes": ("gt_classes", 0, np.int32), "seg_areas": ("gt_seg_areas", 0, np.float32),
-            "is_crowd": ("gt_is_crowd", False, bool)}
+#: Entry fields of gt rows only (proposal rows get ``fill``): field -> the ``_rows``
+#: arguments (column, no proposal column, fill, dtype)
+_GT_ONLY = {"gt_classes": ("gt_classes", None, 0, np.int32),
+            "seg_areas": ("gt_seg_areas", None, 0, np.float32),
+            "is_crowd": ("gt_is_crowd", None, False, bool)}
 #: Fields added to every entry of a roidb with an LVIS dataset: int32 contiguous class
 #: ids (like ``gt_classes``), JSON order; empty for images of COCO datasets.
 LVIS_ENTRY_FIELDS = tuple(IMAGE_LIST_COLUMNS)
@@ -236,8 +238,7 @@ class RoIEntry(Mapping):
             col, typ = _IMAGE_VALUES[key]
             value = typ(self._a[col][self._img])
         elif key in _GT_ONLY:
-            col, fill, dtype = _GT_ONLY[key]
-            value = self._rows(col, None, fill, dtype)
+            value = self._rows(*_GT_ONLY[key])
         elif key in self._db._image_lists:  # LVIS: the image's class list
             off, classes = self._db._image_lists[key]
             value = np.array(classes[self._span(off)], np.int32)

@@ -134,9 +134,8 @@ def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
     c0 = int(coord_off[0])
     coords = np.array(cols.coords[c0:int(coord_off[-1])], dtype=np.float64)
     if flipped and coords.size:
-        lens = np.diff(coord_off)
-        pos = np.arange(coords.size) - np.repeat(coord_off[:-1] - c0, lens)
-        xs = pos % 2 == 0
+        # even positions within each polygon are x
+        xs = (np.arange(coords.size) - np.repeat(coord_off[:-1] - c0, np.diff(coord_off))) % 2 == 0
         coords[xs] = width - coords[xs] - 1
     flat = coords.tolist()
     bounds = (coord_off - c0).tolist()
