@@ -83,11 +83,10 @@ def dataset_info_from_categories(name: str, categories: Sequence[dict], *, sourc
     dup = [k for k, v in Counter(cat_ids).items() if v > 1]
     if dup:
         raise RoIDBInputError(f"{source}: duplicate category ids {dup[:10]}; ids must be unique")
+    classes = ("__background__", *(cat_names if class_order is None else class_order))
     if class_order is None:
-        classes = ("__background__", *cat_names)
         j2c = {cid: i + 1 for i, cid in enumerate(cat_ids)}
     else:
-        classes = ("__background__", *class_order)
         pos = {n: i + 1 for i, n in enumerate(class_order)}
         j2c = {cid: pos[n] for cid, n in zip(cat_ids, cat_names)}
     kps = [c["keypoints"] for c in categories if c.get("name") == "person" and c.get("keypoints")]
@@ -97,7 +96,6 @@ def dataset_info_from_categories(name: str, categories: Sequence[dict], *, sourc
         contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
         keypoints=keypoints,
         keypoint_flip_map=None if keypoints is None else keypoint_flip_map(keypoints))
-
 
 
 
@@ -141,17 +139,14 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
         return table_from_raw(raw, name=name, gt_min_area=gt_min_area, class_order=class_order,
                               keypoints_required=keypoints_required)
     gb = _GtBuilder(path, gt_min_area, keypoints_required)
-    cats: list = []
     n_workers = build_workers() if os.path.getsize(path) >= _PARALLEL_BYTES * window_bytes else 0
     with (ParallelWindows(path, n_workers, gt_min_area, keypoints_required) if n_workers
           else contextlib.nullcontext()) as mapper:
         for kind, *args in iter_coco(path, window_bytes=window_bytes, mapper=mapper):
-            if kind == "end":
-                cats = args[0]
-            else:  # _GtBuilder's methods are named after the events
-                getattr(gb, kind)(*args)
+            getattr(gb, kind)(*args)  # _GtBuilder's methods are named after the events
             if kind == "images_end" and mapper is not None:
                 mapper.set_index(gb.ids, gb.widths, gb.heights)
+    cats = gb.categories
     if categories_hook is not None:
         class_order = categories_hook(cats)
     info = dataset_info_from_categories(name, cats, source=path, class_order=class_order)
@@ -160,9 +155,8 @@ def load_coco_json(path: str, *, name: str, gt_min_area: float = -1,
 
 def _fail(raw: RawCoco, rows: np.ndarray, problem: str, fix: str) -> None:
     """Raise the error for the first of ``rows`` (annotation positions) having ``problem``."""
-    i = int(rows[0])
     more = f" ({rows.size} annotations have this problem)" if rows.size > 1 else ""
-    raise RoIDBInputError(f"{raw.source}: {raw.ann_label(i)} {problem}{more}. {fix}")
+    raise RoIDBInputError(f"{raw.source}: {raw.ann_label(int(rows[0]))} {problem}{more}. {fix}")
 
 
 def table_from_raw(raw: RawCoco, *, name: str, gt_min_area: float = -1,
@@ -198,12 +192,14 @@ class _GtBuilder:
 
     def __init__(self, path: str, gt_min_area: float, keypoints_required: bool) -> None:
         self.path, self.gt_min_area, self.required = path, gt_min_area, keypoints_required
-        self.img_parts: list = []
-        self.pending: list = []
-        self.parts: list = []
+        self.img_parts, self.pending, self.parts, self.categories = [], [], [], []
         self.ids: Optional[np.ndarray] = None
         self.counts: Counter = Counter({k: 0 for k in _COUNT_KEYS})
         self.unknown_ids = np.zeros(0, np.int64)
+
+    def end(self, categories: list) -> None:
+        """The file's ``categories`` (the last event)."""
+        self.categories = categories
 
     def images(self, w: RawCoco, base: int = 0) -> None:
         """One window of images (its ``img_*`` and ``file_names`` columns)."""
@@ -214,9 +210,8 @@ class _GtBuilder:
         if self.ids is not None:
             return
         path, parts = self.path, self.img_parts
-        img_id = concat([p.img_id for p in parts], np.int64)
-        img_w = concat([p.img_w for p in parts], np.float64)
-        img_h = concat([p.img_h for p in parts], np.float64)
+        img_id, img_w, img_h = (concat([getattr(p, k) for p in parts], dt) for k, dt in
+                                (("img_id", np.int64), ("img_w", np.float64), ("img_h", np.float64)))
         file_names = [f for p in parts for f in p.file_names]
         self.img_parts = []
         order_img = np.argsort(img_id, kind="stable")
@@ -235,8 +230,7 @@ class _GtBuilder:
                 f"integer: {ex}. Fix 'width'/'height' in the JSON (read them from the image "
                 f"files) or remove those images.")
         self.names = [file_names[i] for i in order_img.tolist()]
-        self.ids = ids
-        self.widths, self.heights = widths.astype(np.int32), heights.astype(np.int32)
+        self.ids, self.widths, self.heights = ids, widths.astype(np.int32), heights.astype(np.int32)
         pending, self.pending = self.pending, []
         for w in pending:
             self.annotations(w)
@@ -263,7 +257,6 @@ class _GtBuilder:
         self.parts.append(part)
         self.counts.update(counts)
         self.unknown_ids = np.unique(np.concatenate([self.unknown_ids, unknown]))[:5]
-
 
     def finish(self, info: DatasetInfo, categories: list) -> GtTable:
         """The table: kept rows ordered by image, class ids, segms and keypoints."""
@@ -301,7 +294,7 @@ class _GtBuilder:
         gt_off = offsets(np.bincount(pos_o, minlength=n))
         kept = RawCoco(
             source=path, categories=categories, ann_id=col("ann_id", np.int64),
-            ann_img=_ImageOf(ids, pos), ann_cat=col("cat", np.int64),  # type: ignore[arg-type]
+            ann_img=ids[pos], ann_cat=col("cat", np.int64),
             seg_kind=col("seg_kind", np.int8), poly_n=col("poly_n", np.int64),
             coord_n=col("coord_n", np.int64), coords=col("coords", np.float64),
             ann_pos=col("gpos", np.int64))
@@ -312,9 +305,8 @@ class _GtBuilder:
         boxes = by_image(col("boxes", np.float32).reshape(-1, 4))
         seg_areas = by_image(col("area", np.float32))
         is_crowd = by_image(col("crowd", bool))
-        rles: dict = {}
-        for p, b in zip(parts, offsets([p["krow"].size for p in parts]).tolist()):
-            rles.update((b + j, v) for j, v in p.pop("rles").items())
+        rles = {b + j: v for p, b in zip(parts, offsets([p["krow"].size for p in parts]).tolist())
+                for j, v in p.pop("rles").items()}
         segms, seg_counts = _segm_columns(kept, order, rles)
         counts.update(seg_counts)
         del kept, rles
@@ -356,18 +348,14 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
 
     area, ignore, bbox = raw.ann_area, raw.ann_ignore, raw.ann_bbox
     with np.errstate(invalid="ignore"):
-        x1, y1 = bbox[:, 0], bbox[:, 1]
-        x2 = x1 + np.maximum(0.0, bbox[:, 2] - 1.0)
-        y2 = y1 + np.maximum(0.0, bbox[:, 3] - 1.0)
-        x1 = np.minimum(w_img - 1.0, np.maximum(0.0, x1))
-        y1 = np.minimum(h_img - 1.0, np.maximum(0.0, y1))
-        x2 = np.minimum(w_img - 1.0, np.maximum(0.0, x2))
-        y2 = np.minimum(h_img - 1.0, np.maximum(0.0, y2))
+        # x1 y1 x2 y2, clipped to the image (Detectron's xywh_to_xyxy + clip_xyxy_to_image)
+        box = np.concatenate([bbox[:, :2], bbox[:, :2] + np.maximum(0.0, bbox[:, 2:] - 1.0)], 1)
+        box = np.minimum(np.stack([w_img, h_img, w_img, h_img], 1) - 1.0, np.maximum(0.0, box))
         keep = known.copy()
         for reason, drop in (("gt_min_area", area < gt_min_area), ("ignore", ignore == 1),
                              ("non_finite_bbox", ~np.isfinite(bbox).all(axis=1)),
                              ("non_positive_area", ~(area > 0)),
-                             ("degenerate_box", ~((x2 > x1) & (y2 > y1)))):
+                             ("degenerate_box", ~(box[:, 2:] > box[:, :2]).all(1))):
             drop &= keep
             counts[reason] += int(drop.sum())
             keep &= ~drop
@@ -383,7 +371,7 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
     # the same), integers narrowed where they fit: only these live to the end
     part = {
         "pos": _narrow(pos[kept]),
-        "boxes": np.stack([x1, y1, x2, y2], 1)[kept].astype(np.float32),
+        "boxes": box[kept].astype(np.float32),
         "area": area[kept].astype(np.float32), "crowd": raw.ann_crowd[kept] != 0,
         "cat": _narrow(raw.ann_cat[kept]), "ann_id": _narrow(raw.ann_id[kept]),
         "gpos": _narrow(raw.ann_at(kept)), "seg_kind": seg_kind, "poly_n": _narrow(poly_n),
@@ -415,8 +403,7 @@ class ParallelWindows(OrderedWorkers):
                  ) -> None:
         super().__init__(functools.partial(_window_task, path, gt_min_area,
                                            keypoints_required), n)
-        self.depth = 2 * n
-        self.indexed = False
+        self.depth, self.indexed = 2 * n, False
 
     def handles(self, key: str) -> bool:
         """Images always; annotations once the image index is known."""
@@ -446,21 +433,9 @@ def _window_task(path: str, gt_min_area: float, required: bool, task: tuple,
                                           state["heights"], gt_min_area, required)
 
 
-class _ImageOf:
-    """``ids[pos[i]]`` on demand: the image id of kept row ``i`` (for error messages)."""
-
-    def __init__(self, ids: np.ndarray, pos: np.ndarray) -> None:
-        self.ids, self.pos = ids, pos
-
-    def __getitem__(self, i: int) -> Any:
-        return self.ids[self.pos[i]]
-
-
 def _narrow(a: np.ndarray) -> np.ndarray:
     """``a`` as int32 when its values fit (window columns held to the end)."""
-    if a.size and (a.min() < -2 ** 31 or a.max() >= 2 ** 31):
-        return a
-    return a.astype(np.int32)
+    return a if a.size and (a.min() < -2 ** 31 or a.max() >= 2 ** 31) else a.astype(np.int32)
 
 
 _SEG_FIX = ("A polygon is a list of numbers [x1, y1, x2, y2, ...] (at least 3 points); "
@@ -481,17 +456,41 @@ def _check_polygons(raw: RawCoco, known: np.ndarray) -> None:
         total = raw.coords.sum()
     if np.isfinite(total):  # no NaN/inf anywhere (one pass, no temporary)
         return
-    fin = np.isfinite(raw.coords)
-    if not fin.all():
-        c_owner = np.repeat(owner, raw.coord_n)
-        bad = np.unique(c_owner[~fin & rel[np.repeat(np.arange(owner.size), raw.coord_n)]])
-        if bad.size:
-            _fail(raw, bad, "has a polygon coordinate that is not a finite number", _SEG_FIX)
+    # (the sum also overflows for huge finite values: then no row is bad)
+    bad_c = ~np.isfinite(raw.coords) & np.repeat(rel, raw.coord_n)
+    bad = np.unique(np.repeat(owner, raw.coord_n)[bad_c])
+    if bad.size:
+        _fail(raw, bad, "has a polygon coordinate that is not a finite number", _SEG_FIX)
 
 
 _RLE_FIX = ("A COCO RLE is {'size': [image height, image width], 'counts': [run lengths] "
             "or 'compressed string'} whose runs cover exactly height x width pixels; "
             "re-encode the mask (pycocotools.mask.encode) or use polygons.")
+
+
+def _rle_problem(rle: Any, h_img: int, w_img: int) -> Optional[str]:
+    """What is wrong with one JSON RLE of an image of ``h_img`` x ``w_img``, if anything
+    (compressed strings are decoded by :func:`_check_rles`)."""
+    if not isinstance(rle, dict) or "counts" not in rle or "size" not in rle:
+        return f"has a malformed RLE segmentation without 'size' and 'counts' ({rle!r:.60})"
+    size, cnt = rle["size"], rle["counts"]
+    if not (type(size) is list and len(size) == 2 and all(type(v) is int for v in size)):
+        return f"has an RLE 'size' of {size!r:.40}, expected [height, width]"
+    h, w = size
+    if (h, w) != (h_img, w_img):
+        return (f"has an RLE of size [{h}, {w}] but its image is {h_img} x {w_img} (height x "
+                f"width); the mask would not line up with the image")
+    if type(cnt) is list:
+        if not (set(map(type, cnt)) <= {int} and (not cnt or min(cnt) >= 0)):
+            return "has RLE counts that are not non-negative integers"
+        if sum(cnt) != h * w:
+            return f"has RLE counts summing to {sum(cnt)}, not height x width = {h * w}"
+    elif type(cnt) is not str:
+        return (f"has RLE 'counts' {cnt!r:.40}; expected a list of run lengths or a "
+                f"compressed string")
+    elif not cnt.isascii():
+        return "has a compressed RLE string with non-ASCII characters"
+    return None
 
 
 def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
@@ -502,37 +501,15 @@ def _check_rles(raw: RawCoco, known: np.ndarray, h_img: np.ndarray,
     for i, rle in raw.rles.items():
         if not known[i]:
             continue
-        row = np.array([i])
-        if not isinstance(rle, dict) or "counts" not in rle or "size" not in rle:
-            _fail(raw, row, f"has a malformed RLE segmentation without 'size' and 'counts' "
-                  f"({rle!r:.60})", _RLE_FIX)
-        size, cnt = rle["size"], rle["counts"]
-        if not (type(size) is list and len(size) == 2 and all(type(v) is int for v in size)):
-            _fail(raw, row, f"has an RLE 'size' of {size!r:.40}, expected [height, width]",
-                  _RLE_FIX)
-        h, w = size
-        if (h, w) != (int(h_img[i]), int(w_img[i])):
-            _fail(raw, row, f"has an RLE of size [{h}, {w}] but its image is "
-                  f"{int(h_img[i])} x {int(w_img[i])} (height x width); the mask would not "
-                  f"line up with the image", _RLE_FIX)
-        if type(cnt) is list:
-            if not (set(map(type, cnt)) <= {int} and (not cnt or min(cnt) >= 0)):
-                _fail(raw, row, "has RLE counts that are not non-negative integers", _RLE_FIX)
-            if sum(cnt) != h * w:
-                _fail(raw, row, f"has RLE counts summing to {sum(cnt)}, not height x width = "
-                      f"{h * w}", _RLE_FIX)
-            out[i] = (h, w, cnt)
-        elif type(cnt) is str:
-            if not cnt.isascii():
-                _fail(raw, row, "has a compressed RLE string with non-ASCII characters",
-                      _RLE_FIX)
-            b = cnt.encode("ascii")
-            strs.append(b)
+        problem = _rle_problem(rle, int(h_img[i]), int(w_img[i]))
+        if problem:
+            _fail(raw, np.array([i]), problem, _RLE_FIX)
+        cnt = rle["counts"]
+        if type(cnt) is str:
+            cnt = cnt.encode("ascii")
+            strs.append(cnt)
             str_rows.append(i)
-            out[i] = (h, w, b)
-        else:
-            _fail(raw, row, f"has RLE 'counts' {cnt!r:.40}; expected a list of run lengths "
-                  f"or a compressed string", _RLE_FIX)
+        out[i] = (*rle["size"], cnt)
     if strs:
         c, off, bad = rle_string_counts(strs)
         cs = offsets(c)
@@ -558,31 +535,26 @@ def _check_keypoints(raw: RawCoco, info: DatasetInfo, required: bool) -> Optiona
     present = kp_len > 0  # missing, null and [] all mean "no keypoints"
     if required:
         kp_cats = np.array(keypoint_category_ids(raw.categories), np.int64)
-        need = np.isin(raw.ann_cat, kp_cats) & ~present
-        if need.any():
-            rows = np.flatnonzero(need)
+        rows = np.flatnonzero(np.isin(raw.ann_cat, kp_cats) & ~present)
+        if rows.size:
             ex = ", ".join(raw.ann_label(int(i)) for i in rows[:5])
             raise RoIDBInputError(
                 f"{raw.source}: the model trains keypoints (MODEL.KEYPOINTS_ON) and category "
                 f"'person' lists {k} keypoints, but {rows.size} 'person' annotation(s) have no "
                 f"'keypoints' field: {ex}. Add 'keypoints': [0, 0, 0] * {k} for objects "
                 f"without labelled keypoints (Detectron crashes here).")
-    wrong = present & (kp_len != 3 * k)
-    if wrong.any():
-        rows = np.flatnonzero(wrong)
+    rows = np.flatnonzero(present & (kp_len != 3 * k))
+    if rows.size:
         i = int(rows[0])
         raise RoIDBInputError(
             f"{raw.source}: {raw.ann_label(i)} has {int(kp_len[i])} keypoint values, expected "
             f"3 x {k} = {3 * k} ({rows.size} such annotations). Fix the 'keypoints' lists.")
-    off = offsets(np.maximum(kp_len, 0))
     vals = raw.kp_vals
     # all within (-2**31, 2**31) (NaN fails both): two reductions, no temporaries
-    in_range = vals.size == 0 or (vals.min() > -2 ** 31 and vals.max() < 2 ** 31)
-    if not in_range:
+    if not (vals.size == 0 or (vals.min() > -2 ** 31 and vals.max() < 2 ** 31)):
         with np.errstate(invalid="ignore"):
             bad_v = ~(np.abs(vals) < 2 ** 31)
-        v_owner = np.repeat(np.arange(kp_len.size), np.maximum(kp_len, 0))
-        rows = np.unique(v_owner[bad_v])
+        rows = np.unique(np.repeat(np.arange(kp_len.size), np.maximum(kp_len, 0))[bad_v])
         if rows.size:
             _fail(raw, rows, "has a keypoint value that is not a finite number within the "
                   "int32 range", "Keypoints are [x1, y1, v1, ...] in pixels; use 0, 0, 0 for "
@@ -591,18 +563,10 @@ def _check_keypoints(raw: RawCoco, info: DatasetInfo, required: bool) -> Optiona
     def table(rows: np.ndarray) -> np.ndarray:
         out = np.zeros((rows.size, 3, k), np.int32)
         has = present[rows]
-        sel = rows[has]
-        if (kp_len[present] == 3 * k).all():  # the usual case: one (3K,) row per holder
-            rank = np.cumsum(present) - 1
-            picked = vals.reshape(-1, 3 * k)[rank[sel]]
-        else:
-            picked = vals[off[sel][:, None] + np.arange(3 * k)]
+        # every holder has one (3K,) row of ``vals`` (checked above)
+        picked = vals.reshape(-1, 3 * k)[(np.cumsum(present) - 1)[rows[has]]]
         # (S, K, 3) -> (S, 3, K), cast on assignment: truncates toward zero, like Detectron
-        picked = picked.reshape(-1, k, 3).transpose(0, 2, 1)
-        if has.all():
-            out[...] = picked
-        else:
-            out[has] = picked
+        out[has] = picked.reshape(-1, k, 3).transpose(0, 2, 1)
         return out
 
     return table
@@ -659,11 +623,10 @@ def _segm_columns(raw: RawCoco, order: np.ndarray,
                   rles: dict) -> tuple[SegmColumns, dict[str, int]]:
     """:class:`SegmColumns` of rows ``order``; polygons under 6 coordinates dropped (Detectron quirk
     Q24, docs/detectron_quirks.md)."""
-    g = order.size
     poly_counts, coord_counts, coords, short = _polygons(raw, order, 6)
     seg_kind = raw.seg_kind[order]
-    kind = np.full(g, POLY, np.int8)
-    rle_idx = np.full(g, -1, np.int32)
+    kind = np.full(order.size, POLY, np.int8)
+    rle_idx = np.full(order.size, -1, np.int32)
     rows = np.flatnonzero(seg_kind == SEG_RLE).tolist()
     missing = int((seg_kind == SEG_MISSING).sum())
     cols = SegmColumns(

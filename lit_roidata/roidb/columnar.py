@@ -20,9 +20,8 @@ page cache):
 
 A flipped entry is the index of its original plus a flag; boxes, segms and keypoints
 are mirrored when read (Detectron semantics: flipping). ``gt_overlaps`` is rebuilt from
-``max_overlaps`` and
-``max_classes``: every row holds one non-zero value or is all -1 (Detectron semantics: ground-truth
-cleaning; proposals).
+``max_overlaps`` and ``max_classes``: every row holds one non-zero value or is all -1
+(Detectron semantics: ground-truth cleaning; proposals).
 """
 
 from __future__ import annotations
@@ -52,9 +51,11 @@ _FIELDS_NO_KEYPOINTS = tuple(k for k in ENTRY_FIELDS if k != "gt_keypoints")
 #: Entry fields that are one image column's value: field -> (column, type)
 _IMAGE_VALUES = {"id": ("img_id", int), "width": ("img_width", int),
                  "height": ("img_height", int), "has_visible_keypoints": ("img_has_vis_kp", bool)}
-#: Entry fields of gt rows only (proposal rows get ``fill``): field -> (column, fill, dtype)
-_GT_ONLY = {"gt_classes": ("gt_classes", 0, np.int32), "seg_areas": ("gt_seg_areas", 0, np.float32),
-            "is_crowd": ("gt_is_crowd", False, bool)}
+#: Entry fields of gt rows only (proposal rows get ``fill``): field -> the ``_rows``
+#: arguments (column, no proposal column, fill, dtype)
+_GT_ONLY = {"gt_classes": ("gt_classes", None, 0, np.int32),
+            "seg_areas": ("gt_seg_areas", None, 0, np.float32),
+            "is_crowd": ("gt_is_crowd", None, False, bool)}
 #: Fields added to every entry of a roidb with an LVIS dataset: int32 contiguous class
 #: ids (like ``gt_classes``), JSON order; empty for images of COCO datasets.
 LVIS_ENTRY_FIELDS = tuple(IMAGE_LIST_COLUMNS)
@@ -93,6 +94,14 @@ def _ro(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _per_entry(column: str, doc: str) -> functools.cached_property:
+    """A cached read-only property: image column ``column`` gathered per entry."""
+    def get(self: "RoIDB") -> np.ndarray:
+        return _ro(np.asarray(self._a[column])[self._entry_img])
+    get.__doc__ = doc
+    return functools.cached_property(get)
+
+
 class RoIDB:
     """Detectron's combined roidb, columnar and memory-mapped (Detectron semantics: roidb building).
 
@@ -128,20 +137,9 @@ class RoIDB:
 
     # Per-entry image columns, gathered on first use (aspect grouping needs them; opening
     # the roidb, and a worker reading entries, do not).
-    @functools.cached_property
-    def widths(self) -> np.ndarray:
-        """Image width of every entry (read-only)."""
-        return _ro(np.asarray(self._a["img_width"])[self._entry_img])
-
-    @functools.cached_property
-    def heights(self) -> np.ndarray:
-        """Image height of every entry (read-only)."""
-        return _ro(np.asarray(self._a["img_height"])[self._entry_img])
-
-    @functools.cached_property
-    def ids(self) -> np.ndarray:
-        """Image id of every entry (read-only)."""
-        return _ro(np.asarray(self._a["img_id"])[self._entry_img])
+    widths = _per_entry("img_width", "Image width of every entry (read-only).")
+    heights = _per_entry("img_height", "Image height of every entry (read-only).")
+    ids = _per_entry("img_id", "Image id of every entry (read-only).")
 
     @property
     def entry_image_rows(self) -> np.ndarray:
@@ -215,9 +213,7 @@ class RoIEntry(Mapping):
     __slots__ = ("_db", "_i", "_img", "_cache", "_info")
 
     def __init__(self, db: RoIDB, i: int) -> None:
-        self._db = db
-        self._i = i
-        self._img = int(db._entry_img[i])
+        self._db, self._i, self._img = db, i, int(db._entry_img[i])
         self._info = db.datasets[int(db._a["img_dataset"][self._img])]
         self._cache: dict[str, Any] = {}
 
@@ -242,16 +238,13 @@ class RoIEntry(Mapping):
             col, typ = _IMAGE_VALUES[key]
             value = typ(self._a[col][self._img])
         elif key in _GT_ONLY:
-            col, fill, dtype = _GT_ONLY[key]
-            value = self._rows(col, None, fill, dtype)
+            value = self._rows(*_GT_ONLY[key])
         elif key in self._db._image_lists:  # LVIS: the image's class list
             off, classes = self._db._image_lists[key]
             value = np.array(classes[self._span(off)], np.int32)
         else:
             value = getattr(self, "_f_" + key)()
-        if isinstance(value, np.ndarray):
-            value.flags.writeable = False
-        self._cache[key] = value
+        self._cache[key] = value = _ro(value) if isinstance(value, np.ndarray) else value
         return value
 
     def to_dict(self) -> dict[str, Any]:
@@ -272,14 +265,20 @@ class RoIEntry(Mapping):
         off = self._a[off] if isinstance(off, str) else off
         return slice(int(off[self._img]), int(off[self._img + 1]))
 
+    def _gt(self, col: str, dtype: Any) -> np.ndarray:
+        return np.asarray(self._a[col][self._span("img_gt_off")], dtype)
+
+    def _prop(self, col: str, dtype: Any) -> np.ndarray:
+        return np.asarray(self._a[col][self._span("img_prop_off")], dtype)
+
     def _rows(self, gt_col: str, prop_col: Optional[str], prop_fill: Any = 0,
               dtype: Any = None) -> np.ndarray:
-        gt = np.asarray(self._a[gt_col][self._span("img_gt_off")])
+        gt = self._gt(gt_col, None)
         dtype = dtype or gt.dtype
         p = self._span("img_prop_off")
         if p.stop == p.start:
             return np.array(gt, dtype=dtype)
-        tail = (np.asarray(self._a[prop_col][p], dtype) if prop_col is not None else
+        tail = (self._prop(prop_col, dtype) if prop_col is not None else
                 np.full((p.stop - p.start,) + gt.shape[1:], prop_fill, dtype=dtype))
         return np.concatenate([gt.astype(dtype), tail])
 
@@ -297,20 +296,16 @@ class RoIEntry(Mapping):
 
     def _f_box_to_gt_ind_map(self) -> np.ndarray:
         g = self._span("img_gt_off")
-        return np.concatenate([np.arange(g.stop - g.start, dtype=np.int32), np.asarray(
-            self._a["prop_gt_map"][self._span("img_prop_off")], np.int32)])
+        gt = np.arange(g.stop - g.start, dtype=np.int32)
+        return np.concatenate([gt, self._prop("prop_gt_map", np.int32)])
 
     def _f_max_overlaps(self) -> np.ndarray:
-        crowd = np.asarray(self._a["gt_is_crowd"][self._span("img_gt_off")], bool)
-        gt = np.where(crowd, np.float32(-1), np.float32(1)).astype(np.float32)
-        p = self._span("img_prop_off")
-        return np.concatenate([gt, np.asarray(self._a["prop_max_overlaps"][p], np.float32)])
+        gt = np.where(self._gt("gt_is_crowd", bool), -1, 1).astype(np.float32)
+        return np.concatenate([gt, self._prop("prop_max_overlaps", np.float32)])
 
     def _f_max_classes(self) -> np.ndarray:
-        g, p = self._span("img_gt_off"), self._span("img_prop_off")
-        crowd = np.asarray(self._a["gt_is_crowd"][g], bool)
-        gt = np.where(crowd, 0, np.asarray(self._a["gt_classes"][g])).astype(np.int64)
-        return np.concatenate([gt, np.asarray(self._a["prop_max_classes"][p], np.int64)])
+        gt = np.where(self._gt("gt_is_crowd", bool), 0, self._gt("gt_classes", np.int64))
+        return np.concatenate([gt, self._prop("prop_max_classes", np.int64)])
 
     def _f_gt_overlaps(self) -> scipy.sparse.csr_matrix:
         mo, mc = self["max_overlaps"], self["max_classes"]
@@ -332,8 +327,7 @@ class RoIEntry(Mapping):
                             width=self["width"], height=self["height"])
 
     def _f_gt_keypoints(self) -> np.ndarray:
-        kps = np.array(self._a["gt_keypoints"][self._span("img_gt_off"), :,
-                                               :self._info.num_keypoints], dtype=np.int32)
+        kps = self._gt("gt_keypoints", np.int32)[:, :, :self._info.num_keypoints].copy()
         return flip_keypoints(kps, self._info, self["width"]) if self["flipped"] else kps
 
     def _f_dataset(self) -> DatasetInfo:

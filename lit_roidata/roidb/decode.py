@@ -29,7 +29,7 @@ from lit_roidata.roidb.segms import concat
 
 __all__ = ["RawCoco", "decode_coco", "decode_chunked", "decode_fast", "decode_generic",
            "read_json", "WINDOW_BYTES", "iter_coco", "decode_window",
-           "SEG_MISSING", "SEG_POLY", "SEG_RLE"]
+           "SEG_MISSING", "SEG_POLY", "SEG_RLE", "LVIS_IMAGE_LISTS"]
 
 #: ``RawCoco.seg_kind`` values.
 SEG_MISSING, SEG_POLY, SEG_RLE = 0, 1, 2
@@ -45,23 +45,15 @@ def _empty(dtype: Any, shape: tuple = (0,)) -> Any:
 class RawCoco:
     """One COCO file's roidb fields as columns, images and annotations in JSON order.
 
-    Attributes:
-        source: the file (for messages).
-        categories: the JSON ``categories`` entries (plain dicts).
-        img_id, img_w, img_h: int64 / float64 / float64 per image; ``file_names`` str.
-        ann_id (``-1`` when absent), ann_img, ann_cat: int64 per annotation.
-        ann_bbox: float64 (N, 4); ann_area, ann_ignore: float64; ann_crowd: int64.
-        seg_kind: int8 per annotation (``SEG_MISSING`` / ``SEG_POLY`` / ``SEG_RLE``).
-        poly_n: int64 polygons per annotation; coord_n: int64 coordinates per polygon;
-        coords: float64, all polygon coordinates.
-        rles: annotation index → the JSON RLE value (a dict, or whatever was there).
-        kp_len: int64 keypoint values per annotation (-1: no ``keypoints`` field);
-        kp_vals: float64, all keypoint values.
-        coco_urls: LVIS only (``decode_coco(..., lvis=True)``): per image, ``coco_url`` or
-            ``None``; ``file_names`` then holds ``None`` where ``file_name`` is absent.
-        neg_n, neg_ids / nexh_n, nexh_ids: LVIS only: int64 per image, the length of its
-            ``neg_category_ids`` / ``not_exhaustive_category_ids``, and all their values
-            (JSON category ids, images in JSON order).
+    ``source`` is the file; ``categories`` the JSON entries; ``img_*`` / ``ann_*`` one
+    value per image / annotation (``ann_id`` -1 when absent, ``ann_bbox`` (N, 4));
+    ``seg_kind`` a ``SEG_*`` per annotation, ``poly_n`` polygons per annotation,
+    ``coord_n`` coordinates per polygon, ``coords`` all of them; ``rles`` annotation
+    index → the JSON RLE value; ``kp_len`` keypoint values per annotation (-1: no
+    ``keypoints`` field), ``kp_vals`` all of them. LVIS only (``lvis=True``):
+    ``coco_urls`` (``file_names`` then holds ``None`` where ``file_name`` is absent) and
+    ``neg_n``/``neg_ids``, ``nexh_n``/``nexh_ids``: per image the length of its
+    ``neg_category_ids`` / ``not_exhaustive_category_ids``, and all their values.
     """
 
     source: str
@@ -96,13 +88,16 @@ class RawCoco:
 
     def ann_label(self, i: int) -> str:
         """``annotation id X (image id Y)`` of annotation ``i`` (JSON position)."""
-        aid = int(self.ann_id[i])
-        who = f"annotation id {aid}" if aid != -1 else f"annotation #{self.ann_at(i)} (no 'id')"
-        return f"{who} (image id {int(self.ann_img[i])})"
+        return _ann_label(int(self.ann_id[i]), self.ann_at(i), int(self.ann_img[i]))
 
     def ann_at(self, rows: Any) -> Any:
         """The JSON positions of annotations ``rows`` (indices into the columns)."""
         return self.ann_pos[rows] if self.ann_pos is not None else self.ann_base + rows
+
+
+def _ann_label(aid: int, pos: Any, image_id: Any) -> str:
+    who = f"annotation id {aid}" if aid != -1 else f"annotation #{pos} (no 'id')"
+    return f"{who} (image id {image_id})"
 
 
 def read_json(path: str, raw: Optional[bytes] = None) -> Any:
@@ -180,11 +175,12 @@ class _LvisImg(msgspec.Struct, kw_only=True, gc=False):
 
 
 _EMPTY: tuple = ()
-#: the LVIS per-image id lists: JSON field → ``RawCoco`` column prefix
-_LVIS_LISTS = (("neg_category_ids", "neg"), ("not_exhaustive_category_ids", "nexh"))
+#: The per-image category lists an LVIS roidb keeps: entry field → ``RawCoco`` prefix.
+LVIS_IMAGE_LISTS = {"neg_category_ids": "neg", "not_exhaustive_category_ids": "nexh"}
 #: the per-image numeric columns and their dtypes (LVIS: plus the id lists)
 _IMG_ARRAYS = {"img_id": np.int64, "img_w": np.float64, "img_h": np.float64}
-_LVIS_ARRAYS = {f"{short}_{k}": np.int64 for _, short in _LVIS_LISTS for k in ("n", "ids")}
+_LVIS_ARRAYS = {f"{short}_{k}": np.int64 for short in LVIS_IMAGE_LISTS.values()
+                for k in ("n", "ids")}
 
 #: the element types the typed decoder gave polygon coordinates and keypoint values:
 #: numbers the vectorised parser leaves to msgspec are decoded with them
@@ -203,23 +199,31 @@ def decode_fast(raw: bytes, source: str) -> Optional[RawCoco]:
         ann = _annotation_columns(top.annotations or [])
     except (*_REFUSED, orjson.JSONDecodeError):  # an id beyond int64: OverflowError
         return None
-    if ann is None or not isinstance(cats, list):
-        return None
-    return RawCoco(source=source, categories=cats, **img, **ann, decoder="fast")
+    return (None if ann is None or not isinstance(cats, list) else
+            RawCoco(source=source, categories=cats, **img, **ann, decoder="fast"))
+
+
+def _attrs(items: list, name: str, dtype: Any = None) -> Any:
+    """Attribute ``name`` of every struct: a ``dtype`` array, or a list."""
+    vals = map(attrgetter(name), items)
+    return list(vals) if dtype is None else np.fromiter(vals, dtype, len(items))
+
+
+#: typed-struct columns: RawCoco column -> (struct attribute, dtype)
+_IMG_FIELDS = {"img_id": ("id", np.int64), "img_w": ("width", np.float64),
+               "img_h": ("height", np.float64), "file_names": ("file_name", None)}
+_ANN_FIELDS = {"ann_id": ("id", np.int64), "ann_img": ("image_id", np.int64),
+               "ann_cat": ("category_id", np.int64), "ann_area": ("area", np.float64),
+               "ann_crowd": ("iscrowd", np.int64), "ann_ignore": ("ignore", np.float64)}
 
 
 def _image_columns(images: list, lvis: bool = False) -> dict:
     """Image columns of typed ``_Img`` (``lvis``: ``_LvisImg``) structs."""
-    n = len(images)
-    cols = {"img_id": np.fromiter(map(attrgetter("id"), images), np.int64, n),
-            "img_w": np.fromiter(map(attrgetter("width"), images), np.float64, n),
-            "img_h": np.fromiter(map(attrgetter("height"), images), np.float64, n),
-            "file_names": list(map(attrgetter("file_name"), images))}
+    cols = {k: _attrs(images, *a) for k, a in _IMG_FIELDS.items()}
     if lvis:
-        cols["coco_urls"] = list(map(attrgetter("coco_url"), images))
-        for key, short in _LVIS_LISTS:
-            cols[short + "_n"], cols[short + "_ids"] = _id_lists(list(map(attrgetter(key),
-                                                                          images)))
+        cols["coco_urls"] = _attrs(images, "coco_url")
+        for key, short in LVIS_IMAGE_LISTS.items():
+            cols[short + "_n"], cols[short + "_ids"] = _id_lists(_attrs(images, key))
     return cols
 
 
@@ -229,12 +233,11 @@ def _annotation_columns(anns: list) -> Optional[dict]:
     na = len(anns)
     bbox = np.fromiter(chain.from_iterable(map(attrgetter("bbox"), anns)), np.float64,
                        4 * na).reshape(-1, 4)
-    segs = list(map(attrgetter("segmentation"), anns))
+    segs = _attrs(anns, "segmentation")
     rles: dict = {}
     if segs.count(None) == na:  # box-only files (Objects365): no per-row segm work
-        poly_n = np.zeros(na, np.int64)
+        poly_n, seg_kind = np.zeros(na, np.int64), np.full(na, SEG_MISSING, np.int8)
         coord_n, coords = np.zeros(0, np.int64), np.zeros(0, np.float64)
-        seg_kind = np.full(na, SEG_MISSING, np.int8)
     else:
         types = list(map(type, segs))
         per = [s_ if t is list else _EMPTY for s_, t in zip(segs, types)]
@@ -246,7 +249,7 @@ def _annotation_columns(anns: list) -> Optional[dict]:
         seg_kind = np.fromiter(map(_SEG_KIND.__getitem__, types), np.int8, na)
         rles = {i: {"size": segs[i].size, "counts": segs[i].counts}
                 for i in np.flatnonzero(seg_kind == SEG_RLE).tolist()}
-    kps = list(map(attrgetter("keypoints"), anns))
+    kps = _attrs(anns, "keypoints")
     kp_len, kp_vals = np.full(na, -1, np.int64), np.zeros(0, np.float64)
     if kps.count(_NULL) != na:  # (identity first) an annotation has a keypoints field
         # null (or absent) keypoints: the 4-byte text "null"
@@ -258,13 +261,7 @@ def _annotation_columns(anns: list) -> Optional[dict]:
         if parsed is None:
             return None
         kp_len[kp_rows], kp_vals = parsed
-    return {"ann_id": np.fromiter(map(attrgetter("id"), anns), np.int64, na),
-            "ann_img": np.fromiter(map(attrgetter("image_id"), anns), np.int64, na),
-            "ann_cat": np.fromiter(map(attrgetter("category_id"), anns), np.int64, na),
-            "ann_bbox": bbox,
-            "ann_area": np.fromiter(map(attrgetter("area"), anns), np.float64, na),
-            "ann_crowd": np.fromiter(map(attrgetter("iscrowd"), anns), np.int64, na),
-            "ann_ignore": np.fromiter(map(attrgetter("ignore"), anns), np.float64, na),
+    return {**{k: _attrs(anns, *a) for k, a in _ANN_FIELDS.items()}, "ann_bbox": bbox,
             "seg_kind": seg_kind, "poly_n": poly_n, "coord_n": coord_n, "coords": coords,
             "rles": rles, "kp_len": kp_len, "kp_vals": kp_vals}
 
@@ -301,8 +298,7 @@ def decode_coco(path: str, *, fast: bool = True, window_bytes: int = WINDOW_BYTE
     """
     if fast:
         return decode_chunked(path, window_bytes=window_bytes, lvis=lvis)
-    with open(path, "rb") as fh:
-        return decode_generic(read_json(path, fh.read()), path, lvis=lvis)
+    return decode_generic(read_json(path), path, lvis=lvis)
 
 
 def decode_chunked(path: str, *, window_bytes: int = WINDOW_BYTES,
@@ -355,11 +351,8 @@ def _typed_window(key: str, buf: bytes, source: str, lvis: bool = False
                   ) -> Optional[RawCoco]:
     """The typed decode of a window's JSON list of ``key`` elements; ``None`` if refused."""
     try:
-        if key == "images":
-            return RawCoco(source, **_image_columns(
-                _WINDOW_DECODERS["lvis_images" if lvis else key].decode(buf), lvis),
-                decoder="fast")
-        cols = _annotation_columns(_WINDOW_DECODERS[key].decode(buf))
+        items = _WINDOW_DECODERS["lvis_images" if lvis and key == "images" else key].decode(buf)
+        cols = _image_columns(items, lvis) if key == "images" else _annotation_columns(items)
     except _REFUSED:
         return None
     return None if cols is None else RawCoco(source, **cols, decoder="fast")
@@ -375,10 +368,8 @@ class _Chunked:
                 read_json(path, b"")
             self.mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self.path, self.window, self.lvis = path, max(1, int(window_bytes)), lvis
-        self.n = len(self.mm)
-        self.view = memoryview(self.mm)
-        self.generic = False
-        self.released = 0
+        self.n, self.view = len(self.mm), memoryview(self.mm)
+        self.generic, self.released = False, 0
         self.mapper: Any = None
 
     def __enter__(self) -> "_Chunked":
@@ -401,35 +392,27 @@ class _Chunked:
     # ------------------------------------------------------------------ top level
     def events(self) -> Any:
         """Walk the top-level object; yield the events of :func:`iter_coco`."""
-        mm, n, path, pos = self.mm, self.n, self.path, self._ws(0)
-        if pos >= n or mm[pos] != 0x7B:  # not an object: the generic decoder says so
-            if pos < n and mm[pos] in b'["0123456789-tfn':
+        path, pos = self.path, self._ws(0)
+        if not self._at(pos, b"{"):  # not an object: the generic decoder says so
+            if self._at(pos, b'["0123456789-tfn'):
                 self._value_end(pos, "the top level")
                 raise RoIDBInputError(f"{path}: expected a JSON object at the top level")
             self._syntax_error(pos, "expected a JSON value")
-        values: dict = {}
-        seen: set = set()
+        values, seen = {}, set()
         pos = self._ws(pos + 1)
-        closed = pos < n and mm[pos] == 0x7D
-        if closed:
-            pos = self._ws(pos + 1)
+        closed = self._at(pos, b"}")
+        pos = self._ws(pos + 1) if closed else pos
         while not closed:
-            m = _STRING.match(mm, pos)
-            if m is None:
-                self._syntax_error(pos, "expected a key string")
+            m = _STRING.match(self.mm, pos) or self._syntax_error(pos, "expected a key string")
             key = orjson.loads(m.group())
-            pos = self._ws(m.end())
-            if pos >= n or mm[pos] != 0x3A:
-                self._syntax_error(pos, "expected ':'")
-            pos = self._ws(pos + 1)
-            if pos >= n:
+            pos = self._expect(self._ws(m.end()), b":", "expected ':'")
+            if pos >= self.n:
                 self._syntax_error(pos, "unexpected end of data")
-            if key in ("images", "annotations"):
-                if key in seen:
-                    raise RoIDBInputError(f"{path}: the key {key!r} appears twice at the top "
-                                          f"level; keep one")
-                seen.add(key)
-            if key in ("images", "annotations") and mm[pos] == 0x5B:
+            if key in seen:
+                raise RoIDBInputError(f"{path}: the key {key!r} appears twice at the top "
+                                      f"level; keep one")
+            seen.update({key} & {"images", "annotations"})
+            if key in ("images", "annotations") and self.mm[pos] == 0x5B:
                 pos, count = yield from self._array(pos, key)
                 if key == "images":
                     yield "images_end", count
@@ -439,11 +422,9 @@ class _Chunked:
                     values[key] = (pos, end)
                 pos = end
             pos = self._ws(pos)
-            closed = pos < n and mm[pos] == 0x7D
-            if not closed and (pos >= n or mm[pos] != 0x2C):
-                self._syntax_error(pos, "expected ',' or '}'")
-            pos = self._ws(pos + 1)
-        if pos < n:
+            closed = self._at(pos, b"}")
+            pos = self._expect(pos, b",}", "expected ',' or '}'")
+        if pos < self.n:
             self._syntax_error(pos, "trailing characters")
         small = {k: orjson.loads(self.view[a:b]) for k, (a, b) in values.items()}
         if "images" not in seen or "images" in small:
@@ -562,6 +543,16 @@ class _Chunked:
         return w
 
     # ------------------------------------------------------------------ scanning
+    def _at(self, pos: int, chars: bytes) -> bool:
+        """Whether the byte at ``pos`` is one of ``chars`` (false at the end)."""
+        return pos < self.n and self.mm[pos] in chars
+
+    def _expect(self, pos: int, chars: bytes, msg: str) -> int:
+        """The first non-blank position after the byte at ``pos``, one of ``chars``."""
+        if not self._at(pos, chars):
+            self._syntax_error(pos, msg)
+        return self._ws(pos + 1)
+
     def _ws(self, pos: int) -> int:
         mm, n = self.mm, self.n
         while pos < n and mm[pos] in _WS:
@@ -580,12 +571,7 @@ class _Chunked:
             if esc.any():  # a quote after backslashes: escaped if their run is odd
                 keep = np.ones(q.size, bool)
                 for j in np.flatnonzero(esc).tolist():
-                    x, run = int(q[j]) - 1, 0
-                    while x >= 0 and a[x] == 0x5C:
-                        run, x = run + 1, x - 1
-                    if x < 0:
-                        run += bs_carry
-                    keep[j] = run % 2 == 0
+                    keep[j] = _backslashes(a, int(q[j]), bs_carry) % 2 == 0
                 q = q[keep]
             s = np.flatnonzero(_STRUCT[a])
             s = s[(np.searchsorted(q, s) + in_str) % 2 == 0]
@@ -595,10 +581,7 @@ class _Chunked:
             if d.size:
                 depth = int(d[-1])
             in_str = (in_str + q.size) % 2
-            run = 0
-            while run < m and a[m - 1 - run] == 0x5C:
-                run += 1
-            bs_carry = run + (bs_carry if run == m else 0)
+            bs_carry = _backslashes(a, m, bs_carry)
             p += m
 
     def _cut(self, pos: int, key: str) -> tuple[int, bool]:
@@ -637,6 +620,14 @@ class _Chunked:
             self.mm, np.uint8, min(_SCAN_BLOCK, pos - p), p) == 0x0A))
             for p in range(0, pos, _SCAN_BLOCK))
         raise _malformed(self.path, line, pos - self.mm.rfind(b"\n", 0, pos), pos, msg)
+
+
+def _backslashes(a: np.ndarray, end: int, carry: int) -> int:
+    """The backslashes right before ``a[end]`` (``carry`` more before ``a`` if it is all)."""
+    x = end
+    while x > 0 and a[x - 1] == 0x5C:
+        x -= 1
+    return end - x + (carry if x == 0 else 0)
 
 
 def _id_lists(lists: list) -> tuple[np.ndarray, np.ndarray]:
@@ -721,9 +712,7 @@ def decode_generic(data: Any, source: str, *, img_base: int = 0,
     img_raw = [a.get("image_id") if isinstance(a, dict) else None for a in anns]
 
     def lab(i: int) -> str:
-        aid = int(ann_id[i])
-        who = f"annotation id {aid}" if aid != -1 else f"annotation #{ann_base + i} (no 'id')"
-        return f"{who} (image id {img_raw[i]})"
+        return _ann_label(int(ann_id[i]), ann_base + i, img_raw[i])
 
     acol = functools.partial(_col, anns, source=source, what="annotation", label=lab,
                              base=ann_base)
@@ -750,14 +739,13 @@ def _lvis_generic(images: list, img_id: np.ndarray, source: str) -> dict:
                               f"{urls[i]!r:.80}; expected a URL string such as "
                               f"'http://images.cocodataset.org/train2017/000000000139.jpg'.")
     out: dict = {"coco_urls": urls}
-    for key, short in _LVIS_LISTS:
+    for key, short in LVIS_IMAGE_LISTS.items():
         lists = [im.get(key) or [] for im in images]
         bad = [i for i, v in enumerate(lists) if type(v) is not list
                or not set(map(type, v)) <= _INT or any(abs(x) >= 2 ** 63 for x in v)]
         if bad:
-            i = bad[0]
-            raise RoIDBInputError(f"{source}: image id {int(img_id[i])} has {key}="
-                                  f"{lists[i]!r:.80}; expected a list of integer category ids "
+            raise RoIDBInputError(f"{source}: image id {int(img_id[bad[0]])} has {key}="
+                                  f"{lists[bad[0]]!r:.80}; expected a list of integer category ids "
                                   f"({len(bad)} image(s) have this problem). Fix the lists.")
         out[short + "_n"], out[short + "_ids"] = _id_lists(lists)
     return out

@@ -49,8 +49,7 @@ def filter_entries(entry_img: np.ndarray, img_ok: np.ndarray, img_has_vis_kp: np
         "no_visible_keypoints": 3}`` (entries, flipped copies included).
     """
     ok = img_ok[entry_img]
-    dropped: Counter = Counter()
-    dropped["no_fg_or_bg_candidate"] = int((~ok).sum())
+    dropped = Counter(no_fg_or_bg_candidate=int((~ok).sum()))
     if keypoints_on:
         vis = img_has_vis_kp[entry_img]
         dropped["no_visible_keypoints"] = int((ok & ~vis).sum())

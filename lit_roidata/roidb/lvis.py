@@ -6,15 +6,13 @@ from typing import Optional
 
 import numpy as np
 
-from lit_roidata.roidb.decode import RawCoco, decode_coco
+from lit_roidata.roidb.decode import LVIS_IMAGE_LISTS, RawCoco, decode_coco
 from lit_roidata.roidb.info import DatasetInfo, RoIDBInputError
 from lit_roidata.roidb.segms import offsets, take_ranges
 
 __all__ = ["LVIS_IMAGE_LISTS", "IMAGE_LIST_COLUMNS", "decode_lvis", "file_name_from_coco_url",
            "lvis_image_lists"]
 
-#: The per-image category lists an LVIS roidb keeps: entry field → ``RawCoco`` prefix.
-LVIS_IMAGE_LISTS = {"neg_category_ids": "neg", "not_exhaustive_category_ids": "nexh"}
 #: Their columns in the roidb cache: entry field → (per-image offsets, contiguous classes).
 #: Written only when a dataset of the roidb is LVIS (a COCO roidb has none of them).
 IMAGE_LIST_COLUMNS = {key: (f"img_{short}_off", f"{short}_classes")
@@ -25,9 +23,7 @@ def file_name_from_coco_url(url: str) -> Optional[str]:
     """``<split folder>/<file>`` from a ``coco_url`` (its last two path parts), or
     ``None`` when the URL has fewer than two non-empty parts."""
     parts = url.split("/")[-2:]
-    if len(parts) < 2 or not all(parts):
-        return None
-    return parts[0] + "/" + parts[1]
+    return parts[0] + "/" + parts[1] if len(parts) == 2 and all(parts) else None
 
 
 def decode_lvis(path: str, *, fast: bool = True) -> RawCoco:

@@ -126,7 +126,7 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
             has_exp)
         if not ok.all():
             bad = np.flatnonzero(~ok)
-            slow.append((bad + ntok, starts[bad] - _LEAD, ends[bad] - _LEAD))
+            slow.append((bad + ntok, starts[bad], ends[bad]))
         b = np.flatnonzero((c | np.uint8(6)) == 0x5F)  # '[' 0x5B, ']' 0x5D
         brackets.append(c[b] == 0x5B)
         before.append(np.searchsorted(starts, b + (_LEAD + pos)) + ntok)
@@ -149,10 +149,8 @@ def parse_number_lists(raws: Sequence[Any], *, slow_type: Any
 
 def _slow_numbers(text: bytes, values: np.ndarray, slow: list, slow_type: Any) -> bool:
     """Decode the tokens the fast path left with msgspec into ``values``; False if refused."""
-    idx = np.concatenate([s[0] for s in slow])
-    a = np.concatenate([s[1] for s in slow]).tolist()
-    b = np.concatenate([s[2] for s in slow]).tolist()
-    toks = [text[i + _LEAD:j + _LEAD] for i, j in zip(a, b)]
+    idx, a, b = (np.concatenate(c) for c in zip(*slow))
+    toks = [text[i:j] for i, j in zip(a.tolist(), b.tolist())]
     try:
         got = msgspec.json.decode(b"[" + b",".join(toks) + b"]", type=slow_type)
         values[idx] = np.fromiter(got, np.float64, len(got))

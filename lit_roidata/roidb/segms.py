@@ -78,15 +78,10 @@ def rle_columns(rows: Sequence[int], rles: Sequence[tuple[int, int, Any]], kind:
     ints: list = []
     strs: list[bytes] = []
     for r, (_, _, counts) in zip(rows, rles):
-        rle_idx[r] = len(ints)
-        if isinstance(counts, list):
-            kind[r] = RLE_LIST
-            ints.append(counts)
-            strs.append(b"")
-        else:
-            kind[r] = RLE_STR
-            ints.append(())
-            strs.append(counts)
+        rle_idx[r], is_list = len(ints), isinstance(counts, list)
+        kind[r] = RLE_LIST if is_list else RLE_STR
+        ints.append(counts if is_list else ())
+        strs.append(b"" if is_list else counts)
     return dict(
         rle_size=np.asarray([(h, w) for h, w, _ in rles], np.int64).reshape(-1, 2),
         rle_int_off=offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
@@ -139,9 +134,8 @@ def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
     c0 = int(coord_off[0])
     coords = np.array(cols.coords[c0:int(coord_off[-1])], dtype=np.float64)
     if flipped and coords.size:
-        lens = np.diff(coord_off)
-        pos = np.arange(coords.size) - np.repeat(coord_off[:-1] - c0, lens)
-        xs = pos % 2 == 0
+        # even positions within each polygon are x
+        xs = (np.arange(coords.size) - np.repeat(coord_off[:-1] - c0, np.diff(coord_off))) % 2 == 0
         coords[xs] = width - coords[xs] - 1
     flat = coords.tolist()
     bounds = (coord_off - c0).tolist()
@@ -156,11 +150,10 @@ def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
 
 def _rle(cols: SegmColumns, r: int, kind: int, flipped: bool) -> dict:
     if kind == RLE_LIST:
-        counts: Any = np.asarray(cols.rle_ints[cols.rle_int_off[r]:cols.rle_int_off[r + 1]])
-        counts = counts.tolist()
+        counts: Any = np.asarray(cols.rle_ints[cols.rle_int_off[r]:cols.rle_int_off[r + 1]]).tolist()
     else:
-        counts = bytes(np.asarray(cols.rle_bytes[cols.rle_str_off[r]:cols.rle_str_off[r + 1]]))
-        counts = counts.decode("ascii")
+        counts = bytes(np.asarray(cols.rle_bytes[cols.rle_str_off[r]:cols.rle_str_off[r + 1]])
+                       ).decode("ascii")
     rle = {"size": [int(v) for v in cols.rle_size[r]], "counts": counts}
     return flip_rle(rle) if flipped else rle
 
@@ -190,8 +183,7 @@ def mask_to_uncompressed_counts(mask: np.ndarray) -> list[int]:
     if flat.size == 0:
         return []
     change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    bounds = np.concatenate([[0], change, [flat.size]])
-    runs = np.diff(bounds).tolist()
+    runs = np.diff(np.concatenate([[0], change, [flat.size]])).tolist()
     return ([0] + runs) if flat[0] else runs
 
 
@@ -241,16 +233,13 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
     tok_end = np.flatnonzero(~more)
     tok_start = np.concatenate([[0], tok_end[:-1] + 1]).astype(np.int64)
     klen = tok_end - tok_start + 1
-    tok_str = owner[tok_start] if tok_start.size else np.zeros(0, np.int64)
-    big = klen > 7
-    if big.any():
-        np.logical_or.at(bad, tok_str[big], True)
-        klen = np.minimum(klen, 7)
-    k = np.arange(v.size, dtype=np.int64) - np.repeat(tok_start, tok_end - tok_start + 1)
-    contrib = (v & 0x1F) << (5 * np.minimum(k, 6))
-    x = np.add.reduceat(contrib, tok_start) if tok_start.size else np.zeros(0, np.int64)
-    neg = (v[tok_end] & 0x10) != 0 if tok_end.size else np.zeros(0, bool)
-    x = np.where(neg, x - (np.int64(1) << (5 * klen)), x)
+    # v is not empty and every string ends a value (checked above): tokens exist
+    tok_str = owner[tok_start]
+    np.logical_or.at(bad, tok_str[klen > 7], True)
+    k = np.arange(v.size, dtype=np.int64) - np.repeat(tok_start, klen)
+    x = np.add.reduceat((v & 0x1F) << (5 * np.minimum(k, 6)), tok_start)
+    neg = (v[tok_end] & 0x10) != 0
+    x = np.where(neg, x - (np.int64(1) << (5 * np.minimum(klen, 7))), x)
     ntok = np.bincount(tok_str, minlength=n).astype(np.int64)
     off = offsets(ntok)
     m = np.arange(x.size, dtype=np.int64) - off[:-1][tok_str]
@@ -266,7 +255,5 @@ def rle_string_counts(strs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np
     before = np.concatenate([[0], cs])[base]
     c = np.empty_like(x)
     c[order] = cs - before
-    out_of_range = (c < 0) | (c >= 2 ** 32)
-    if out_of_range.any():
-        np.logical_or.at(bad, tok_str[out_of_range], True)
+    np.logical_or.at(bad, tok_str[(c < 0) | (c >= 2 ** 32)], True)
     return c, off, bad

@@ -25,10 +25,8 @@ def compute_bbox_targets(boxes: np.ndarray, max_overlaps: np.ndarray, max_classe
     """
     targets = np.zeros((boxes.shape[0], 5), dtype=np.float32)
     gt_inds = np.flatnonzero((gt_classes > 0) & ~np.asarray(is_crowd, bool))
-    if gt_inds.size == 0:
-        return targets
     ex_inds = np.flatnonzero(max_overlaps >= bbox_thresh)
-    if ex_inds.size == 0:
+    if gt_inds.size == 0 or ex_inds.size == 0:
         return targets
     ov = bbox_overlaps(boxes[ex_inds].astype(np.float32, copy=False),
                        boxes[gt_inds].astype(np.float32, copy=False))
