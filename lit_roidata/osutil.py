@@ -6,12 +6,14 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import os
+import weakref
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_write", "malloc_trim", "no_transparent_hugepages"]
+__all__ = ["atomic_write", "malloc_trim", "map_readonly", "no_transparent_hugepages"]
 
 
 @contextlib.contextmanager
@@ -79,7 +81,8 @@ _PR_SET_THP_DISABLE, _PR_GET_THP_DISABLE = 41, 42
 def _libc(name: str) -> Any:
     """The C library's function ``name``, or ``None`` where there is none."""
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True),
+                       name)
     except (OSError, AttributeError):
         return None
 
@@ -91,3 +94,46 @@ def malloc_trim() -> bool:
         return False
     trim(ctypes.c_size_t(0))
     return True
+
+
+def map_readonly(path: str, dtype: Any, offset: int, shape: tuple[int, ...]) -> Any:
+    """A read-only NumPy array over ``shape`` items of ``dtype`` at ``offset`` in ``path``,
+    memory-mapped (shared page cache) without holding a file descriptor.
+
+    ``np.memmap`` keeps a descriptor open per array (Python's ``mmap`` duplicates it): a
+    roidb of 60 arrays then holds 60, and a process that opens roidbs again and again (a
+    notebook, a sweep, a test run) reaches the usual 1,024 limit before the garbage
+    collector unmaps them. Here the descriptor is closed once the pages are mapped; the
+    mapping ends when the last view of the array is gone. ``np.memmap`` where there is no
+    C ``mmap`` (Windows).
+
+    Raises:
+        ValueError: the file is shorter than ``offset`` plus the array's bytes.
+    """
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    fn = _libc("mmap")
+    if fn is None or _libc("munmap") is None:
+        return np.asarray(np.memmap(path, dtype, "r", offset, shape))
+    fn.restype, fn.argtypes = ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t,
+                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                                  ctypes.c_int64)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    length = max(1, offset - start + nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size < offset + nbytes:
+            raise ValueError(f"{path} is shorter ({os.fstat(fd).st_size} bytes) than the "
+                             f"array it holds ({offset + nbytes} bytes)")
+        addr = fn(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    finally:
+        os.close(fd)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    pages = (ctypes.c_ubyte * length).from_address(addr)
+    weakref.finalize(pages, _libc("munmap"), ctypes.c_void_p(addr), ctypes.c_size_t(length))
+    return np.frombuffer(memoryview(pages).toreadonly(), dtype, nbytes // dtype.itemsize,
+                         offset - start).reshape(shape)

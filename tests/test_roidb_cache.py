@@ -42,7 +42,29 @@ def test_warm_open_reuses_cache(ds, caplog):
     assert a.path == b.path
     msgs = [r.getMessage() for r in caplog.records if "entries (" in r.getMessage()]
     assert msgs[0].startswith("roidb built") and msgs[1].startswith("roidb opened from cache")
-    assert isinstance(a._a["gt_boxes"].base, np.memmap)  # a view of the memory map
+    boxes = a._a["gt_boxes"]
+    assert not boxes.flags.owndata and not boxes.flags.writeable  # a view of the mapping
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as fh:
+            assert os.path.join(a.path, "gt_boxes.npy") in fh.read()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_open_roidbs_hold_no_file_descriptor_per_array(ds):
+    cat, _, tmp = ds
+    a = _build(cat, tmp)
+    count = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    gc.collect()
+    before = count()
+    opened = [RoIDB(a.path) for _ in range(40)]
+    entries = [r[i].to_dict() for r in opened for i in range(len(r))]
+    # one shared lock per open roidb (on its manifest), no descriptor per memory-mapped array
+    assert count() - before <= len(opened)
+    assert len(opened[0].manifest["arrays"]) > 5
+    np.testing.assert_array_equal(entries[0]["boxes"], a[0]["boxes"])
+    del opened, entries
+    gc.collect()
+    assert count() == before
 
 
 def test_changed_input_or_option_rebuilds(ds):

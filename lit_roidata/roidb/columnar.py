@@ -34,6 +34,7 @@ import numpy as np
 import scipy.sparse
 
 from lit_roidata.boxes import flip_boxes
+from lit_roidata.osutil import map_readonly
 from lit_roidata.roidb.cache import CacheError, hold_in_use, npy_data_offset, validate_cache
 from lit_roidata.roidb.info import DatasetInfo
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS
@@ -75,13 +76,13 @@ def flip_keypoints(kps: np.ndarray, info: DatasetInfo, width: int) -> np.ndarray
 
 
 def _load(path: str, rec: dict) -> np.ndarray:
-    """Memory-map one array file of a cache (never unpickles); errors name the file."""
+    """Memory-map one array file of a cache (never unpickles, holds no file descriptor);
+    errors name the file."""
     fn = os.path.join(path, rec["file"])
     try:
         offset = npy_data_offset(fn, rec)
         if offset is not None:
-            return np.asarray(np.memmap(fn, np.dtype(rec["dtype"]), "r", offset,
-                                        tuple(rec["shape"])))
+            return map_readonly(fn, rec["dtype"], offset, tuple(rec["shape"]))
         return np.asarray(np.load(fn, mmap_mode="r", allow_pickle=False))
     except (OSError, ValueError) as exc:
         raise CacheError(f"{fn}: cannot be opened as a roidb array ({exc}); the cache is "
