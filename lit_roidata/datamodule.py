@@ -212,11 +212,9 @@ class RoIDataModule(pl.LightningDataModule):
         """:func:`~lit_roidata.loader.build_train_sampler` with this module's options
         (``roidb`` defaults to the training roidb; ``kw`` overrides, e.g. ``rank``)."""
         rank, world = self._rank_world()
-        skip = self.sources.on_bad_image == "skip"
-        kw = dict(dict(seed=self.seed, rank=rank, world_size=world,
-                       infinite=bool(self.sampling.infinite),
-                       bad_image_reserve=float(self.sources.bad_image_reserve) if skip else 0.0),
-                  **kw)
+        reserve = self.sources.bad_image_reserve if self.sources.on_bad_image == "skip" else 0
+        kw = {"seed": self.seed, "rank": rank, "world_size": world,
+              "infinite": bool(self.sampling.infinite), "bad_image_reserve": float(reserve), **kw}
         return build_train_sampler(self.cfg, self.train_roidb if roidb is None else roidb, **kw)
 
     def make_dataset(self, roidb: Any = None, sampler: Any = None, **kw: Any) -> Any:

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_roidata.config import DetectronConfig
+from lit_roidata.config import DetectronConfig, check_sampler_train
 from lit_roidata.dataset import BadImageFound, EvalDataset, RoIBlockDataset
 from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.plan import Block, StreamPlan
@@ -128,16 +128,11 @@ def _worker_death(message: str, where: tuple[int, int]) -> str | None:
         return None
     found = re.search(r"pid(?:\(s\))? ([\d, ]+)", message)
     pids = [int(p) for p in re.findall(r"\d+", found.group(1))] if found else []
-    parts = []
-    for pid in pids or [0]:
-        signum = _DEATHS.pop(pid, None)
-        if signum is None:
-            m = re.search(r"killed by signal: (\w+)", message)
-            name = f"SIG{m.group(1).upper()}" if m else "an unknown cause"
-            name = {"SIGKILLED": "SIGKILL", "SIGTERMINATED": "SIGTERM"}.get(name, name)
-        else:
-            name = signal.Signals(signum).name
-        parts.append(f"pid {pid}, {name}")
+    m = re.search(r"killed by signal: (\w+)", message)
+    said = f"SIG{m.group(1).upper()}" if m else "an unknown cause"
+    said = {"SIGKILLED": "SIGKILL", "SIGTERMINATED": "SIGTERM"}.get(said, said)
+    parts = [f"pid {pid}, {said if s is None else signal.Signals(s).name}"
+             for pid in pids or [0] for s in [_DEATHS.pop(pid, None)]]
     hint = ("SIGKILL is most often the kernel's out-of-memory killer (see `dmesg`): lower "
             "loader.num_workers, loader.prefetch_factor or TRAIN.IMS_PER_BATCH, or give the "
             "job more memory" if "SIGKILL" in " ".join(parts) else
@@ -155,11 +150,9 @@ def _frozen_heap(dl: DataLoader) -> Iterator[None]:
     the parent afterwards, so a worker's collector never copies inherited pages. Nothing
     is done for ``spawn``/``forkserver`` workers (they inherit nothing) or without workers.
     """
-    if dl.num_workers == 0 or gc.get_freeze_count():
-        yield  # nothing to fork, or the caller froze the heap itself
-        return
     ctx = dl.multiprocessing_context or torch.multiprocessing.get_context()
-    if ctx.get_start_method() != "fork":
+    # nothing to fork, or the caller froze the heap itself
+    if dl.num_workers == 0 or gc.get_freeze_count() or ctx.get_start_method() != "fork":
         yield
         return
     before_fork = getattr(dl.dataset, "before_fork", None)
@@ -272,14 +265,13 @@ class StatefulRoIDataLoader:
         if not isinstance(batch_sampler, StreamPlan):
             raise TypeError("StatefulRoIDataLoader: batch_sampler must be a RoIBatchSampler "
                             f"(or a StreamPlan), got {type(batch_sampler).__name__}")
-        self.dataset = dataset
-        self.batch_sampler = batch_sampler
+        self.dataset, self.batch_sampler = dataset, batch_sampler
         self.strict_resume = bool(strict_resume)
         self.epoch_length = None if epoch_length is None else int(epoch_length)
         #: The :class:`~lit_roidata.skip.SkipPolicy` (``on_bad_image="skip"``), else None.
-        self.skip_policy: SkipPolicy | None = None
-        if getattr(dataset, "hand_back_bad_images", False):
-            self.skip_policy = SkipPolicy(BadImageLedger(batch_sampler, dataset.roidb))
+        self.skip_policy: SkipPolicy | None = (
+            SkipPolicy(BadImageLedger(batch_sampler, dataset.roidb))
+            if getattr(dataset, "hand_back_bad_images", False) else None)
         self._source = _BlockSource(batch_sampler, self.skip_policy and self.skip_policy.ledger)
         self._source.ahead = (int(read_ahead), max(1, num_workers))
         if num_workers > 0:
@@ -290,22 +282,20 @@ class StatefulRoIDataLoader:
         self._make_loader = functools.partial(
             DataLoader, dataset, batch_sampler=self._source, num_workers=num_workers,
             collate_fn=passthrough_collate if collate_fn is None else collate_fn,
-            pin_memory=pin_memory, timeout=timeout,
+            pin_memory=pin_memory, timeout=timeout, generator=self._generator, in_order=True,
             worker_init_fn=functools.partial(_init_worker, worker_init_fn),
-            multiprocessing_context=multiprocessing_context, generator=self._generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            in_order=True)
+            multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers)
         self._loader = self._make_loader()
         self._persistent_started = False
         self._stream: Iterator[Any] | None = None  # the running DataLoader iterator
         self._stream_next: tuple[int, int] | None = None  # the position of its next block
-        get_state = getattr(batch_sampler, "state_dict", None)
-        state = get_state() if callable(get_state) else {"pass": 0, "cursor": 0}
+        state = getattr(batch_sampler, "state_dict", lambda: {"pass": 0, "cursor": 0})()
         self._pos: tuple[int, int] = (state["pass"], state["cursor"])
-        self._consumed = 0  # global minibatches handed out over the run
-        self._epoch_base = 0  # batches of the current epoch trained before a restore
-        self._iter_base = 0  # the restored count the running epoch started with
-        self._epoch_count = 0  # batches handed out by the current iteration
+        # Counts: global minibatches handed out over the run; batches of the current epoch
+        # trained before a restore; the restored count the running epoch started with;
+        # batches handed out by the current iteration.
+        self._consumed = self._epoch_base = self._iter_base = self._epoch_count = 0
         self._epoch_start: tuple[int, int] | None = None  # where the current epoch began
         self._optimizer_steps = optimizer_steps
         self._window: list[tuple[int, int]] = []  # positions before the untrained batches
@@ -341,10 +331,8 @@ class StatefulRoIDataLoader:
     def __len__(self) -> int:
         """Batches of the current epoch on this rank, equal on every rank (class docstring).
         Infinite mode: the batches of a pass (Lightning's epoch length)."""
-        if self._epoch_start is None:
-            base, start = self._epoch_base, self._pos
-        else:
-            base, start = self._iter_base, self._epoch_start
+        base, start = ((self._epoch_base, self._pos) if self._epoch_start is None
+                       else (self._iter_base, self._epoch_start))
         if self.batch_sampler.infinite:
             return self.epoch_length or self.batch_sampler.length_at(*start)
         return base + self.batch_sampler.remaining_at(*start)
@@ -360,9 +348,7 @@ class StatefulRoIDataLoader:
         return self._generate()
 
     def _generate(self) -> Iterator[Any]:
-        plan = self.batch_sampler
-        epoch_pass = self._pos[0]
-        handed_out = False
+        plan, epoch_pass, handed_out = self.batch_sampler, self._pos[0], False
         while True:
             if self._abort:
                 self._abort = False
@@ -435,8 +421,7 @@ class StatefulRoIDataLoader:
     def _finish(self, item: Any) -> Any:
         """Finish a block whose worker found a bad image (main process, stream order) and
         count the batch's skips."""
-        policy = self.skip_policy
-        tries = 0
+        policy, tries = self.skip_policy, 0
         while isinstance(item, BadImageFound):
             if policy is None or tries > self.dataset.max_attempts:
                 raise RuntimeError(
@@ -452,10 +437,9 @@ class StatefulRoIDataLoader:
             block, _ = policy.ledger.substitute(item.block, item.slot, attempt=tries - 1)
             item = self.dataset.build_stream_block(
                 block, item.skipped + [dict(item.record, again=not new)])
-        if policy is not None:
-            meta = item.get("_meta") if isinstance(item, dict) else getattr(item, "meta", None)
-            if isinstance(meta, Mapping):
-                policy.count(meta)
+        meta = item.get("_meta") if isinstance(item, dict) else getattr(item, "meta", None)
+        if policy is not None and isinstance(meta, Mapping):
+            policy.count(meta)
         return item
 
     def _steps(self) -> int:
@@ -469,9 +453,8 @@ class StatefulRoIDataLoader:
 
     def _stop_now(self, ready: Callable[[], bool] | None,
                   on_stop: Callable[[], None] | None) -> bool:
-        if self._in_flight():  # inside a gradient-accumulation window
-            return False
-        if ready is not None and not ready():
+        # not inside a gradient-accumulation window
+        if self._in_flight() or (ready is not None and not ready()):
             return False
         self._stop = None
         log.debug("StatefulRoIDataLoader: stopping at pass %d, block %d", *self._pos)
@@ -506,17 +489,17 @@ class StatefulRoIDataLoader:
         dl = self._loader
         reuse = dl.persistent_workers and self._persistent_started
         self._persistent_started = dl.persistent_workers
-        if not self._use_pool or reuse:
-            with _frozen_heap(dl):
-                it = iter(dl)
-        else:
+        pool = None
+        if self._use_pool and not reuse:
             pool = ShmPool(dl.num_workers, int(dl.prefetch_factor or 2) + 3, self._slot_bytes)
             self.dataset.shm_pool = pool  # the workers take it with the dataset
-            try:
-                with _frozen_heap(dl):
-                    it = iter(dl)
-            finally:
+        try:
+            with _frozen_heap(dl):
+                it = iter(dl)
+        finally:
+            if pool is not None:
                 self.dataset.shm_pool = None  # no other loader's workers may use it
+        if pool is not None:
             it.lit_shm_pool = pool  # alive as long as the workers that write into it
             self._pool_ref = weakref.ref(pool)
         if dl.num_workers:
@@ -594,8 +577,6 @@ class StatefulRoIDataLoader:
 def train_repeat_factors(cfg: DetectronConfig, roidb: Any) -> Any:
     """The roidb's per-entry repeat factors when the config asks for Detectron2's
     ``RepeatFactorTrainingSampler``, else None (``TrainingSampler``)."""
-    from lit_roidata.config import check_sampler_train
-
     if not check_sampler_train(cfg):
         return None
     from lit_roidata.roidb.repeat_factors import repeat_factors_for_roidb
@@ -706,16 +687,12 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
     options = dict(output_format=output_format, pixel_format=pixel_format, rng_mode=rng_mode,
                    augment=augment, mask_format=mask_format, target_format=target_format,
                    fix_rpn_quirks=fix_rpn_quirks)
-    if dataset is not None:
-        given = sorted(k for k, v in options.items() if v != _DATASET_DEFAULTS[k])
-        if given:
-            raise TypeError(f"build_train_loader: dataset options {given} given with your own "
-                            "dataset; set them on the dataset")
+    given = sorted(k for k, v in options.items() if v != _DATASET_DEFAULTS[k])
     if dataset is None:
-        dataset = build_train_dataset(
-            cfg, roidb, sampler, on_bad_image=on_bad_image, output_format=output_format,
-            pixel_format=pixel_format, rng_mode=rng_mode, augment=augment,
-            mask_format=mask_format, target_format=target_format, fix_rpn_quirks=fix_rpn_quirks)
+        dataset = build_train_dataset(cfg, roidb, sampler, on_bad_image=on_bad_image, **options)
+    elif given:
+        raise TypeError(f"build_train_loader: dataset options {given} given with your own "
+                        "dataset; set them on the dataset")
     return StatefulRoIDataLoader(
         dataset, sampler, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=persistent_workers and num_workers > 0,

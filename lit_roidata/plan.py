@@ -195,12 +195,10 @@ class StreamPlan:
         self.shuffle, self.infinite = bool(shuffle), bool(infinite)
         self.aspect_grouping = bool(aspect_grouping)
         self.grouped = self.aspect_grouping and self.shuffle
-        self.num_images = int(w.size)
-        horizontal = w >= h
-        self.num_horizontal = int(horizontal.sum())
         #: Read-only ``width >= height`` per entry (a block's orientation when grouped).
-        self.is_horizontal = horizontal.astype(bool)
-        self.is_horizontal.setflags(write=False)
+        self.is_horizontal = horizontal = w >= h
+        horizontal.setflags(write=False)
+        self.num_images, self.num_horizontal = int(w.size), int(horizontal.sum())
         self.horizontal = np.flatnonzero(horizontal).astype(np.int64)
         self.vertical = np.flatnonzero(~horizontal).astype(np.int64)
         self.repeat_factors, self.repeat_digest = self._check_repeat_factors(repeat_factors)
