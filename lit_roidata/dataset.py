@@ -1,23 +1,12 @@
 """The workers' datasets: ``RoIBlockDataset`` (a block of roidb indices in, one partial
 training minibatch out) and ``EvalDataset`` (evaluation batches at the test scale).
 
-Runs inside DataLoader workers (docs/architecture.md, "Worker output"). Workers are stateless
-(design principle 6): every random draw of a block comes from
-``lit_roidata.rng.block_rng(seed, pass_index, block_index)`` (or, with
-``rng_mode="detectron"``, a legacy ``RandomState`` seeded from the same triple and
-drawn in Detectron's call order), so :func:`rebuild_block` reproduces a block bit for
-bit in any process.
-
-The dataset only builds: it knows nothing of the sampler, the stream position or the skip
-policy. An invalid minibatch (keypoint rule, Detectron semantics: minibatch validity) is
-replaced by ``replacement(block, attempt)`` for ``attempt = 1, 2, ...`` (a pure function,
-the plan's ``StreamPlan.replacement_block``), at most ``max_attempts`` times, then a clear
-error. An unreadable image either raises (``on_bad_image="raise"``), replaces the whole
-block (``"skip"``), or, with ``hand_back_bad_images``, comes back as a typed result
-(:class:`BadImageFound`) that the train loader finishes in stream order, replacing only
-the bad image (see :mod:`lit_roidata.skip`). Detectron retries forever and silently
-(Detectron quirk Q21, docs/detectron_quirks.md) or dies on the first bad image (Detectron
-quirk Q33, docs/detectron_quirks.md); here every replacement is recorded in ``"_meta"``.
+Runs inside DataLoader workers, which are stateless: every random draw of a block comes
+from its coordinates ``(seed, pass_index, block_index)`` (docs/architecture.md, "Blocks and
+randomness"), so :func:`rebuild_block` reproduces a block bit for bit in any process. The
+dataset only builds: it knows nothing of the sampler, the stream position or the skip
+policy. Invalid minibatches and unreadable images: docs/sampler.md, "Invalid minibatches",
+and docs/minibatch.md, "Bad images"; every replacement is recorded in ``"_meta"``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The loaders and their builders, usable with or without Lightning.
 
-* :func:`build_train_loader` / :func:`build_eval_loader`: a config and a roidb in, a
-  loader out (Detectron2's injectable-builder spirit: pass your own ``dataset`` or
-  ``sampler`` to replace one part). :class:`~lit_roidata.RoIDataModule` only calls them.
-* :class:`StatefulRoIDataLoader`: the train loader. It alone owns the training stream's
-  position: it asks the plan (:class:`~lit_roidata.plan.StreamPlan`) for the blocks after
-  it, finishes blocks with a bad image (:mod:`lit_roidata.skip`), counts what was trained,
-  stops at clean step boundaries and saves what a resume needs.
-* :class:`EvalLoader`: this rank's evaluation batches, every image once, in order.
-
-The stream runs one way: plan -> blocks -> dataset (workers build) -> loader. Nothing
-downstream calls back upstream. Both loaders *wrap* a ``torch.utils.data.DataLoader``
-instead of subclassing one, so Lightning neither re-instantiates nor wraps them and never
-swaps in a ``DistributedSampler`` (peers.md P9).
+:func:`build_train_loader` / :func:`build_eval_loader` take a config and a roidb (pass your
+own ``dataset`` or ``sampler`` to replace one part); :class:`StatefulRoIDataLoader`, the
+train loader, alone owns the stream's position (docs/sampler.md); :class:`EvalLoader` gives
+this rank's evaluation batches. Both *wrap* a ``torch.utils.data.DataLoader`` instead of
+subclassing one, so Lightning neither re-instantiates nor wraps them and never swaps in a
+``DistributedSampler``.
 
 Nothing here imports Lightning: DataLoader workers import this module.
 """
@@ -174,11 +167,11 @@ class _BlockSource:
     delivered, in stream order (the DataLoader delivers in order).
     """
 
-    def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None) -> None:
-        self.plan, self.ledger = plan, ledger
-        self.start = (0, 0)
+    def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None,
+                 ahead: tuple[int, int]) -> None:
+        # ahead: (read_ahead blocks, num_workers), see _AheadBlock
+        self.plan, self.ledger, self.ahead, self.start = plan, ledger, ahead, (0, 0)
         self.issued: collections.deque[tuple[Any, Any]] = collections.deque()
-        self.ahead = (0, 1)  # (read_ahead blocks, num_workers): see _AheadBlock
 
     def __iter__(self) -> Iterator[Any]:
         plan, ledger, pos, (ahead, nw) = self.plan, self.ledger, self.start, self.ahead
@@ -218,18 +211,10 @@ class StatefulRoIDataLoader:
     """The checkpointable train loader of one rank, the one owner of the stream position.
 
     Iterating yields one item per block of this rank (the dataset's ``__getitems__``
-    result): the rest of the current pass (epoch mode) or forever (infinite mode). It asks
-    the plan for the blocks after its position (images known to be bad already replaced),
-    finishes blocks whose worker found a bad image (:attr:`skip_policy`), counts what was
-    trained and saves the position after the batches *trained* (:meth:`state_dict`: a
-    batch whose step failed is trained again after a resume). Restoring is O(1), for any
-    ``num_workers`` and another ``world_size``; Lightning's counters never decide what data
-    comes next and ``set_epoch`` is ignored. In epoch mode ``len()`` is the current epoch's
-    batches, so after a resume with another world size mid-pass the epoch ends with the
-    pass. :meth:`request_stop` ends the iteration at the next clean step boundary,
-    :meth:`request_abort` raises ``KeyboardInterrupt`` before the next batch. Workers ignore
-    SIGINT and SIGTERM; a worker killed otherwise raises :class:`WorkerDiedError` at the
-    next fetch (docs/sampler.md, docs/ddp_and_resume.md).
+    result): the rest of the current pass (epoch mode) or forever (infinite mode).
+    :meth:`state_dict` saves the position after the batches *trained*; restoring is O(1),
+    for any ``num_workers`` and another ``world_size``, and Lightning's counters never
+    decide what data comes next (docs/sampler.md, docs/ddp_and_resume.md).
 
     Args:
         dataset: map-style dataset; ``__getitems__(block)`` builds one block in a worker
@@ -272,8 +257,8 @@ class StatefulRoIDataLoader:
         self.skip_policy: SkipPolicy | None = (
             SkipPolicy(BadImageLedger(batch_sampler, dataset.roidb))
             if getattr(dataset, "hand_back_bad_images", False) else None)
-        self._source = _BlockSource(batch_sampler, self.skip_policy and self.skip_policy.ledger)
-        self._source.ahead = (int(read_ahead), max(1, num_workers))
+        self._source = _BlockSource(batch_sampler, self.skip_policy and self.skip_policy.ledger,
+                                    (int(read_ahead), max(1, num_workers)))
         if num_workers > 0:
             fork_safe_opencv()
         # A private generator: the DataLoader draws the worker base seed from it, so the
@@ -307,11 +292,6 @@ class StatefulRoIDataLoader:
         self._pool_ref: Callable[[], ShmPool | None] = lambda: None
 
     # ------------------------------------------------------------------ DataLoader face
-    @property
-    def dataloader(self) -> DataLoader:
-        """The wrapped ``torch.utils.data.DataLoader``."""
-        return self._loader
-
     @property
     def num_workers(self) -> int:
         return self._loader.num_workers
@@ -611,12 +591,11 @@ def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = 
                            repeat_factors=train_repeat_factors(cfg, roidb))
 
 
-def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | None = None,
-                        *, on_bad_image: str = "raise", output_format: str = "detectron",
-                        pixel_format: str = "uint8", rng_mode: str = "block",
-                        augment: Any = None, mask_format: str = "detectron",
-                        target_format: str = "detectron", fix_rpn_quirks: bool = False
-                        ) -> RoIBlockDataset:
+def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | None = None, *,
+                        on_bad_image: str = "raise", output_format: str = "detectron",
+                        pixel_format: str = "uint8", rng_mode: str = "block", augment: Any = None,
+                        mask_format: str = "detectron", target_format: str = "detectron",
+                        fix_rpn_quirks: bool = False) -> RoIBlockDataset:
     """The workers' :class:`~lit_roidata.dataset.RoIBlockDataset` over ``roidb``.
 
     Args:
@@ -641,21 +620,20 @@ _DATASET_DEFAULTS = {name: p.default for name, p in
 
 
 def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
-                       sampler: StreamPlan | None = None, seed: int | None = None,
-                       rank: int = 0, world_size: int = 1, infinite: bool = False,
-                       shuffle: bool = True, ims_per_batch: int | None = None,
-                       on_bad_image: str = "raise", bad_image_reserve: float = 0.01,
-                       num_workers: int = 0, pin_memory: bool = False,
-                       persistent_workers: bool = False, prefetch_factor: int | None = None,
-                       strict_resume: bool = True,
+                       sampler: StreamPlan | None = None, seed: int | None = None, rank: int = 0,
+                       world_size: int = 1, infinite: bool = False, shuffle: bool = True,
+                       ims_per_batch: int | None = None, on_bad_image: str = "raise",
+                       bad_image_reserve: float = 0.01, num_workers: int = 0,
+                       pin_memory: bool = False, persistent_workers: bool = False,
+                       prefetch_factor: int | None = None, strict_resume: bool = True,
                        optimizer_steps: Callable[[], int] | None = None, shm_pool: bool = True,
                        worker_init_fn: Callable[[int], None] | None = None,
                        multiprocessing_context: Any = None, timeout: float = 0,
                        output_format: str = "detectron", pixel_format: str = "uint8",
-                       rng_mode: str = "block", augment: Any = None,
-                       mask_format: str = "detectron", target_format: str = "detectron",
-                       fix_rpn_quirks: bool = False, epoch_length: int | None = None,
-                       read_ahead: int = 0) -> StatefulRoIDataLoader:
+                       rng_mode: str = "block", augment: Any = None, mask_format: str = "detectron",
+                       target_format: str = "detectron", fix_rpn_quirks: bool = False,
+                       epoch_length: int | None = None, read_ahead: int = 0
+                       ) -> StatefulRoIDataLoader:
     """The checkpointable train loader of one rank, with or without Lightning.
 
     Example::
@@ -724,8 +702,7 @@ class EvalLoader:
     def __init__(self, roidb: Any, cfg: DetectronConfig, *, rank: int = 0, world_size: int = 1,
                  ims_per_batch: int = 1, pixel_format: str = "uint8", num_workers: int = 0,
                  pin_memory: bool = False, with_rois: bool = False,
-                 persistent_workers: bool = False, prefetch_factor: int | None = None
-                 ) -> None:
+                 persistent_workers: bool = False, prefetch_factor: int | None = None) -> None:
         shard = np.array_split(np.arange(len(roidb)), world_size)[rank]
         self.batches = [shard[i:i + ims_per_batch].tolist()
                         for i in range(0, len(shard), ims_per_batch)]
