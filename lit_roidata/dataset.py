@@ -296,10 +296,9 @@ class RoIBlockDataset(torch.utils.data.Dataset):
     def _attempts(self, block: Any, skipped: Sequence[Mapping[str, Any]], hand_back: bool) -> Any:
         """``block``, then whole-block replacements ``1, 2, ...`` (invalid minibatches; bad
         images unless ``hand_back``, which returns the first as :class:`BadImageFound`)."""
-        current, skipped, invalid = block, [dict(r) for r in skipped], 0
+        skipped, invalid = [dict(r) for r in skipped], 0
         for attempt in range(self.max_attempts + 1):
-            if attempt:
-                current = self._replacement(block, attempt)
+            current = self._replacement(block, attempt) if attempt else block
             reads: list = []
             try:
                 out, valid, entries = self._build_once(current, reads)
@@ -351,9 +350,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         blobs = {name: _as_tensor(value) if isinstance(value, np.ndarray) else value
                  for name, value in out.blobs.items()}
         meta = self._meta(entries, stream, used, skipped, invalid, out.image.im_scales)
-        meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
-        meta["im_info"] = torch.from_numpy(out.image.im_info)
-        blobs["_meta"] = meta
+        blobs["_meta"] = dict(meta, image_sizes=torch.from_numpy(out.image.image_sizes),
+                              im_info=torch.from_numpy(out.image.im_info))
         _SHARED.clear()
         # In a worker: one shared buffer for all small tensors instead of ~30 segments.
         return packed(blobs) if _in_worker() else blobs
