@@ -213,16 +213,14 @@ class RoIDataModule(pl.LightningDataModule):
     def make_dataset(self, roidb: Any = None, sampler: Any = None, **kw: Any) -> Any:
         """:func:`~lit_roidata.loader.build_train_dataset` with this module's options
         (``kw`` overrides, e.g. ``pixel_format``)."""
-        return build_train_dataset(self.cfg, self.train_roidb if roidb is None else roidb,
-                                   sampler, on_bad_image=self.sources.on_bad_image,
-                                   **dict(self._dataset_options(), **kw))
-
-    def _dataset_options(self) -> dict[str, Any]:
         out = self.output
-        return dict(output_format=out.output_format, pixel_format=out.pixel_format,
-                    rng_mode=self.sampling.rng_mode, augment=self.make_augmentation(),
-                    fix_rpn_quirks=bool(out.fix_rpn_quirks), mask_format=out.mask_format,
-                    target_format="detectron" if out.target_format == "detectron" else "compact")
+        kw = {"output_format": out.output_format, "pixel_format": out.pixel_format,
+              "rng_mode": self.sampling.rng_mode, "augment": self.make_augmentation(),
+              "fix_rpn_quirks": bool(out.fix_rpn_quirks), "mask_format": out.mask_format,
+              "target_format": "detectron" if out.target_format == "detectron" else "compact",
+              **kw}
+        return build_train_dataset(self.cfg, self.train_roidb if roidb is None else roidb,
+                                   sampler, on_bad_image=self.sources.on_bad_image, **kw)
 
     def make_augmentation(self) -> Any:
         """The training images' :class:`~lit_roidata.minibatch.augment.Augmentation`

@@ -174,20 +174,15 @@ class BadImageReport(pl.Callback):
     the checkpoint callbacks and an epoch-end checkpoint holds the state after the exchange.
     """
 
-    @staticmethod
-    def _loader(trainer: Any) -> Any:
-        loader = trainer.train_dataloader
-        return loader if getattr(loader, "skip_policy", None) is not None else None
-
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        loader = self._loader(trainer)
-        if loader is not None:
+        loader = trainer.train_dataloader
+        if getattr(loader, "skip_policy", None) is not None:
             loader.skip_policy.exchange(loader.position)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        loader = self._loader(trainer)
-        if loader is not None:
-            loader.skip_policy.run_report(log_it=trainer.is_global_zero)
+        policy = getattr(trainer.train_dataloader, "skip_policy", None)
+        if policy is not None:
+            policy.run_report(log_it=trainer.is_global_zero)
 
 
 def check_trainer_for_loader(trainer: Any, plan: Any, skip: bool) -> None:

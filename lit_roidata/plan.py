@@ -314,13 +314,12 @@ class StreamPlan:
         elif not self.grouped:
             perm = rng.permutation(every)
         else:
-            horz = rng.permutation(horz)  # three draws, in Detectron's order
-            vert = rng.permutation(vert)
+            # three draws, in Detectron's order: horizontal, vertical, then the rows
+            horz, vert = rng.permutation(horz), rng.permutation(vert)
             rows = np.concatenate([horz[: horz.size // mb * mb],
                                    vert[: vert.size // mb * mb]]).reshape(-1, mb)
             perm = rows[rng.permutation(rows.shape[0])].reshape(-1)
-        perm = perm.astype(np.int64, copy=False)
-        perm.setflags(write=False)
+        perm.setflags(write=False)  # int64 throughout
         return perm
 
     def block(self, pass_index: int, block_index: int) -> Block:
