@@ -36,11 +36,6 @@ __all__ = ["RoIBlockDataset", "BadImageFound", "rebuild_block", "EvalDataset"]
 
 log = logging.getLogger(__name__)
 
-OUTPUT_FORMATS = ("detectron", "torchvision")
-RNG_MODES = ("block", "detectron")
-ON_BAD_IMAGE = ("raise", "skip")
-MASK_FORMATS = ("detectron", "compact")
-TARGET_FORMATS = ("detectron", "compact")
 _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rng streams
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
 
@@ -158,12 +153,12 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                  loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
                  mask_format: str = "detectron", fix_rpn_quirks: bool = False,
                  target_format: str = "detectron", hand_back_bad_images: bool = False) -> None:
-        for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
+        for name, value, valid in (("output_format", output_format, ("detectron", "torchvision")),
                                    ("pixel_format", pixel_format, PIXEL_FORMATS),
-                                   ("rng_mode", rng_mode, RNG_MODES),
-                                   ("on_bad_image", on_bad_image, ON_BAD_IMAGE),
-                                   ("mask_format", mask_format, MASK_FORMATS),
-                                   ("target_format", target_format, TARGET_FORMATS)):
+                                   ("rng_mode", rng_mode, ("block", "detectron")),
+                                   ("on_bad_image", on_bad_image, ("raise", "skip")),
+                                   ("mask_format", mask_format, ("detectron", "compact")),
+                                   ("target_format", target_format, ("detectron", "compact"))):
             if value not in valid:
                 raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
         if max_attempts < 0:

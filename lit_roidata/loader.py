@@ -665,10 +665,9 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
     options = dict(output_format=output_format, pixel_format=pixel_format, rng_mode=rng_mode,
                    augment=augment, mask_format=mask_format, target_format=target_format,
                    fix_rpn_quirks=fix_rpn_quirks)
-    given = sorted(k for k, v in options.items() if v != _DATASET_DEFAULTS[k])
     if dataset is None:
         dataset = build_train_dataset(cfg, roidb, sampler, on_bad_image=on_bad_image, **options)
-    elif given:
+    elif given := sorted(k for k, v in options.items() if v != _DATASET_DEFAULTS[k]):
         raise TypeError(f"build_train_loader: dataset options {given} given with your own "
                         "dataset; set them on the dataset")
     return StatefulRoIDataLoader(
