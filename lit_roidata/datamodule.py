@@ -77,19 +77,13 @@ class RoIDataModule(pl.LightningDataModule):
             same Detectron key to different values.
     """
 
-    def __init__(
-        self,
-        detectron_config: Optional[str] = None,
-        overrides: Optional[dict[str, Any]] = None,
-        model_type: Optional[ModelType] = None,
-        datasets: DatasetOptions = DatasetOptions(),
-        sources: SourceOptions = SourceOptions(),
-        loader: LoaderOptions = LoaderOptions(),
-        output: OutputOptions = OutputOptions(),
-        sampling: SamplingOptions = SamplingOptions(),
-        augment: Optional[AugmentOptions] = None,
-        **unknown: Any,
-    ) -> None:
+    def __init__(self, detectron_config: Optional[str] = None,
+                 overrides: Optional[dict[str, Any]] = None, model_type: Optional[ModelType] = None,
+                 datasets: DatasetOptions = DatasetOptions(),
+                 sources: SourceOptions = SourceOptions(), loader: LoaderOptions = LoaderOptions(),
+                 output: OutputOptions = OutputOptions(),
+                 sampling: SamplingOptions = SamplingOptions(),
+                 augment: Optional[AugmentOptions] = None, **unknown: Any) -> None:
         super().__init__()
         refuse_unknown(type(self).__name__, unknown)
         self.datasets: DatasetOptions = as_options(DatasetOptions, datasets, "datasets")
@@ -99,9 +93,8 @@ class RoIDataModule(pl.LightningDataModule):
         self.sampling: SamplingOptions = as_options(SamplingOptions, sampling, "sampling")
         self.augment: Optional[AugmentOptions] = (
             None if augment is None else as_options(AugmentOptions, augment, "augment"))
-        self.detectron_config = detectron_config
+        self.detectron_config, self.model_type = detectron_config, model_type
         self.overrides = dict(overrides) if overrides else None
-        self.model_type = model_type
         self.save_hyperparameters(to_plain(dict(
             detectron_config=detectron_config, overrides=self.overrides, model_type=model_type,
             datasets=self.datasets, sources=self.sources, loader=self.loader,
@@ -190,8 +183,8 @@ class RoIDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         """Open the cached roidbs read-only for ``stage`` (every process)."""
         if stage in (None, "fit"):
-            self._train_loader = None  # a new fit: its first loader starts afresh
-            self._restored_stream = None  # (a checkpoint's is restored after setup)
+            # a new fit: its first loader starts afresh (a checkpoint's is restored after setup)
+            self._train_loader = self._restored_stream = None
             if self.train_roidb is None:
                 self.train_roidb = self._open("train")
                 if self.train_roidb is None:
@@ -212,26 +205,22 @@ class RoIDataModule(pl.LightningDataModule):
         """:func:`~lit_roidata.loader.build_train_sampler` with this module's options
         (``roidb`` defaults to the training roidb; ``kw`` overrides, e.g. ``rank``)."""
         rank, world = self._rank_world()
-        skip = self.sources.on_bad_image == "skip"
-        kw = dict(dict(seed=self.seed, rank=rank, world_size=world,
-                       infinite=bool(self.sampling.infinite),
-                       bad_image_reserve=float(self.sources.bad_image_reserve) if skip else 0.0),
-                  **kw)
+        reserve = self.sources.bad_image_reserve if self.sources.on_bad_image == "skip" else 0
+        kw = {"seed": self.seed, "rank": rank, "world_size": world,
+              "infinite": bool(self.sampling.infinite), "bad_image_reserve": float(reserve), **kw}
         return build_train_sampler(self.cfg, self.train_roidb if roidb is None else roidb, **kw)
 
     def make_dataset(self, roidb: Any = None, sampler: Any = None, **kw: Any) -> Any:
         """:func:`~lit_roidata.loader.build_train_dataset` with this module's options
         (``kw`` overrides, e.g. ``pixel_format``)."""
-        return build_train_dataset(self.cfg, self.train_roidb if roidb is None else roidb,
-                                   sampler, on_bad_image=self.sources.on_bad_image,
-                                   **dict(self._dataset_options(), **kw))
-
-    def _dataset_options(self) -> dict[str, Any]:
         out = self.output
-        return dict(output_format=out.output_format, pixel_format=out.pixel_format,
-                    rng_mode=self.sampling.rng_mode, augment=self.make_augmentation(),
-                    fix_rpn_quirks=bool(out.fix_rpn_quirks), mask_format=out.mask_format,
-                    target_format="detectron" if out.target_format == "detectron" else "compact")
+        kw = {"output_format": out.output_format, "pixel_format": out.pixel_format,
+              "rng_mode": self.sampling.rng_mode, "augment": self.make_augmentation(),
+              "fix_rpn_quirks": bool(out.fix_rpn_quirks), "mask_format": out.mask_format,
+              "target_format": "detectron" if out.target_format == "detectron" else "compact",
+              **kw}
+        return build_train_dataset(self.cfg, self.train_roidb if roidb is None else roidb,
+                                   sampler, on_bad_image=self.sources.on_bad_image, **kw)
 
     def make_augmentation(self) -> Any:
         """The training images' :class:`~lit_roidata.minibatch.augment.Augmentation`
@@ -275,11 +264,13 @@ class RoIDataModule(pl.LightningDataModule):
         trainer = self.trainer
         return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
-    def _eval_loader(self, roidb: Any, split: str) -> Any:
+    def _eval_loader(self, split: str, stage: str) -> Any:
+        if getattr(self, f"{split}_roidb") is None:
+            self.setup(stage)
         rank, world = self._rank_world()
         ld = self.loader
         return build_eval_loader(
-            self.cfg, roidb, rank=rank, world_size=world,
+            self.cfg, getattr(self, f"{split}_roidb"), rank=rank, world_size=world,
             ims_per_batch=int(ld.eval_ims_per_batch), pixel_format=self.output.pixel_format,
             with_rois=bool(self._datasets(split)[1]), num_workers=int(ld.num_workers),
             pin_memory=self.pin_memory(), persistent_workers=bool(ld.persistent_workers),
@@ -287,15 +278,11 @@ class RoIDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> Any:
         """Every validation image once, in roidb order, unflipped, sharded by rank."""
-        if self.val_roidb is None:
-            self.setup("validate")
-        return self._eval_loader(self.val_roidb, "val")
+        return self._eval_loader("val", "validate")
 
     def test_dataloader(self) -> Any:
         """Every test image once, in roidb order, unflipped, sharded by rank."""
-        if self.test_roidb is None:
-            self.setup("test")
-        return self._eval_loader(self.test_roidb, "test")
+        return self._eval_loader("test", "test")
 
     def predict_dataloader(self) -> Any:
         """The test images (every one once, in order): ``test_dataloader``'s batches."""

@@ -1,23 +1,12 @@
 """The workers' datasets: ``RoIBlockDataset`` (a block of roidb indices in, one partial
 training minibatch out) and ``EvalDataset`` (evaluation batches at the test scale).
 
-Runs inside DataLoader workers (docs/architecture.md, "Worker output"). Workers are stateless
-(design principle 6): every random draw of a block comes from
-``lit_roidata.rng.block_rng(seed, pass_index, block_index)`` (or, with
-``rng_mode="detectron"``, a legacy ``RandomState`` seeded from the same triple and
-drawn in Detectron's call order), so :func:`rebuild_block` reproduces a block bit for
-bit in any process.
-
-The dataset only builds: it knows nothing of the sampler, the stream position or the skip
-policy. An invalid minibatch (keypoint rule, Detectron semantics: minibatch validity) is
-replaced by ``replacement(block, attempt)`` for ``attempt = 1, 2, ...`` (a pure function,
-the plan's ``StreamPlan.replacement_block``), at most ``max_attempts`` times, then a clear
-error. An unreadable image either raises (``on_bad_image="raise"``), replaces the whole
-block (``"skip"``), or, with ``hand_back_bad_images``, comes back as a typed result
-(:class:`BadImageFound`) that the train loader finishes in stream order, replacing only
-the bad image (see :mod:`lit_roidata.skip`). Detectron retries forever and silently
-(Detectron quirk Q21, docs/detectron_quirks.md) or dies on the first bad image (Detectron
-quirk Q33, docs/detectron_quirks.md); here every replacement is recorded in ``"_meta"``.
+Runs inside DataLoader workers, which are stateless: every random draw of a block comes
+from its coordinates ``(seed, pass_index, block_index)`` (docs/architecture.md, "Blocks and
+randomness"), so :func:`rebuild_block` reproduces a block bit for bit in any process. The
+dataset only builds: it knows nothing of the sampler, the stream position or the skip
+policy. Invalid minibatches and unreadable images: docs/sampler.md, "Invalid minibatches",
+and docs/minibatch.md, "Bad images"; every replacement is recorded in ``"_meta"``.
 """
 
 from __future__ import annotations
@@ -47,11 +36,6 @@ __all__ = ["RoIBlockDataset", "BadImageFound", "rebuild_block", "EvalDataset"]
 
 log = logging.getLogger(__name__)
 
-OUTPUT_FORMATS = ("detectron", "torchvision")
-RNG_MODES = ("block", "detectron")
-ON_BAD_IMAGE = ("raise", "skip")
-MASK_FORMATS = ("detectron", "compact")
-TARGET_FORMATS = ("detectron", "compact")
 _DETECTRON_DOMAIN = 0x64747270  # "dtrp": RandomState seeds never equal block_rng streams
 _REPLACE_DOMAIN = 0x64737270  # "dsrp": the fallback replacement when no sampler is given
 
@@ -169,12 +153,12 @@ class RoIBlockDataset(torch.utils.data.Dataset):
                  loader: Callable[[Mapping[str, Any]], np.ndarray] | None = None,
                  mask_format: str = "detectron", fix_rpn_quirks: bool = False,
                  target_format: str = "detectron", hand_back_bad_images: bool = False) -> None:
-        for name, value, valid in (("output_format", output_format, OUTPUT_FORMATS),
+        for name, value, valid in (("output_format", output_format, ("detectron", "torchvision")),
                                    ("pixel_format", pixel_format, PIXEL_FORMATS),
-                                   ("rng_mode", rng_mode, RNG_MODES),
-                                   ("on_bad_image", on_bad_image, ON_BAD_IMAGE),
-                                   ("mask_format", mask_format, MASK_FORMATS),
-                                   ("target_format", target_format, TARGET_FORMATS)):
+                                   ("rng_mode", rng_mode, ("block", "detectron")),
+                                   ("on_bad_image", on_bad_image, ("raise", "skip")),
+                                   ("mask_format", mask_format, ("detectron", "compact")),
+                                   ("target_format", target_format, ("detectron", "compact"))):
             if value not in valid:
                 raise ValueError(f"RoIBlockDataset: {name}={value!r} is not one of {valid}")
         if max_attempts < 0:
@@ -307,10 +291,9 @@ class RoIBlockDataset(torch.utils.data.Dataset):
     def _attempts(self, block: Any, skipped: Sequence[Mapping[str, Any]], hand_back: bool) -> Any:
         """``block``, then whole-block replacements ``1, 2, ...`` (invalid minibatches; bad
         images unless ``hand_back``, which returns the first as :class:`BadImageFound`)."""
-        current, skipped, invalid = block, [dict(r) for r in skipped], 0
+        skipped, invalid = [dict(r) for r in skipped], 0
         for attempt in range(self.max_attempts + 1):
-            if attempt:
-                current = self._replacement(block, attempt)
+            current = self._replacement(block, attempt) if attempt else block
             reads: list = []
             try:
                 out, valid, entries = self._build_once(current, reads)
@@ -362,9 +345,8 @@ class RoIBlockDataset(torch.utils.data.Dataset):
         blobs = {name: _as_tensor(value) if isinstance(value, np.ndarray) else value
                  for name, value in out.blobs.items()}
         meta = self._meta(entries, stream, used, skipped, invalid, out.image.im_scales)
-        meta["image_sizes"] = torch.from_numpy(out.image.image_sizes)
-        meta["im_info"] = torch.from_numpy(out.image.im_info)
-        blobs["_meta"] = meta
+        blobs["_meta"] = dict(meta, image_sizes=torch.from_numpy(out.image.image_sizes),
+                              im_info=torch.from_numpy(out.image.im_info))
         _SHARED.clear()
         # In a worker: one shared buffer for all small tensors instead of ~30 segments.
         return packed(blobs) if _in_worker() else blobs

@@ -1,18 +1,11 @@
 """The loaders and their builders, usable with or without Lightning.
 
-* :func:`build_train_loader` / :func:`build_eval_loader`: a config and a roidb in, a
-  loader out (Detectron2's injectable-builder spirit: pass your own ``dataset`` or
-  ``sampler`` to replace one part). :class:`~lit_roidata.RoIDataModule` only calls them.
-* :class:`StatefulRoIDataLoader`: the train loader. It alone owns the training stream's
-  position: it asks the plan (:class:`~lit_roidata.plan.StreamPlan`) for the blocks after
-  it, finishes blocks with a bad image (:mod:`lit_roidata.skip`), counts what was trained,
-  stops at clean step boundaries and saves what a resume needs.
-* :class:`EvalLoader`: this rank's evaluation batches, every image once, in order.
-
-The stream runs one way: plan -> blocks -> dataset (workers build) -> loader. Nothing
-downstream calls back upstream. Both loaders *wrap* a ``torch.utils.data.DataLoader``
-instead of subclassing one, so Lightning neither re-instantiates nor wraps them and never
-swaps in a ``DistributedSampler`` (peers.md P9).
+:func:`build_train_loader` / :func:`build_eval_loader` take a config and a roidb (pass your
+own ``dataset`` or ``sampler`` to replace one part); :class:`StatefulRoIDataLoader`, the
+train loader, alone owns the stream's position (docs/sampler.md); :class:`EvalLoader` gives
+this rank's evaluation batches. Both *wrap* a ``torch.utils.data.DataLoader`` instead of
+subclassing one, so Lightning neither re-instantiates nor wraps them and never swaps in a
+``DistributedSampler``.
 
 Nothing here imports Lightning: DataLoader workers import this module.
 """
@@ -37,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_roidata.config import DetectronConfig
+from lit_roidata.config import DetectronConfig, check_sampler_train
 from lit_roidata.dataset import BadImageFound, EvalDataset, RoIBlockDataset
 from lit_roidata.minibatch.shm_pool import DEFAULT_SLOT_BYTES, ShmPool
 from lit_roidata.plan import Block, StreamPlan
@@ -128,16 +121,11 @@ def _worker_death(message: str, where: tuple[int, int]) -> str | None:
         return None
     found = re.search(r"pid(?:\(s\))? ([\d, ]+)", message)
     pids = [int(p) for p in re.findall(r"\d+", found.group(1))] if found else []
-    parts = []
-    for pid in pids or [0]:
-        signum = _DEATHS.pop(pid, None)
-        if signum is None:
-            m = re.search(r"killed by signal: (\w+)", message)
-            name = f"SIG{m.group(1).upper()}" if m else "an unknown cause"
-            name = {"SIGKILLED": "SIGKILL", "SIGTERMINATED": "SIGTERM"}.get(name, name)
-        else:
-            name = signal.Signals(signum).name
-        parts.append(f"pid {pid}, {name}")
+    m = re.search(r"killed by signal: (\w+)", message)
+    said = f"SIG{m.group(1).upper()}" if m else "an unknown cause"
+    said = {"SIGKILLED": "SIGKILL", "SIGTERMINATED": "SIGTERM"}.get(said, said)
+    parts = [f"pid {pid}, {said if s is None else signal.Signals(s).name}"
+             for pid in pids or [0] for s in [_DEATHS.pop(pid, None)]]
     hint = ("SIGKILL is most often the kernel's out-of-memory killer (see `dmesg`): lower "
             "loader.num_workers, loader.prefetch_factor or TRAIN.IMS_PER_BATCH, or give the "
             "job more memory" if "SIGKILL" in " ".join(parts) else
@@ -155,11 +143,9 @@ def _frozen_heap(dl: DataLoader) -> Iterator[None]:
     the parent afterwards, so a worker's collector never copies inherited pages. Nothing
     is done for ``spawn``/``forkserver`` workers (they inherit nothing) or without workers.
     """
-    if dl.num_workers == 0 or gc.get_freeze_count():
-        yield  # nothing to fork, or the caller froze the heap itself
-        return
     ctx = dl.multiprocessing_context or torch.multiprocessing.get_context()
-    if ctx.get_start_method() != "fork":
+    # nothing to fork, or the caller froze the heap itself
+    if dl.num_workers == 0 or gc.get_freeze_count() or ctx.get_start_method() != "fork":
         yield
         return
     before_fork = getattr(dl.dataset, "before_fork", None)
@@ -181,11 +167,11 @@ class _BlockSource:
     delivered, in stream order (the DataLoader delivers in order).
     """
 
-    def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None) -> None:
-        self.plan, self.ledger = plan, ledger
-        self.start = (0, 0)
+    def __init__(self, plan: StreamPlan, ledger: BadImageLedger | None,
+                 ahead: tuple[int, int]) -> None:
+        # ahead: (read_ahead blocks, num_workers), see _AheadBlock
+        self.plan, self.ledger, self.ahead, self.start = plan, ledger, ahead, (0, 0)
         self.issued: collections.deque[tuple[Any, Any]] = collections.deque()
-        self.ahead = (0, 1)  # (read_ahead blocks, num_workers): see _AheadBlock
 
     def __iter__(self) -> Iterator[Any]:
         plan, ledger, pos, (ahead, nw) = self.plan, self.ledger, self.start, self.ahead
@@ -225,18 +211,10 @@ class StatefulRoIDataLoader:
     """The checkpointable train loader of one rank, the one owner of the stream position.
 
     Iterating yields one item per block of this rank (the dataset's ``__getitems__``
-    result): the rest of the current pass (epoch mode) or forever (infinite mode). It asks
-    the plan for the blocks after its position (images known to be bad already replaced),
-    finishes blocks whose worker found a bad image (:attr:`skip_policy`), counts what was
-    trained and saves the position after the batches *trained* (:meth:`state_dict`: a
-    batch whose step failed is trained again after a resume). Restoring is O(1), for any
-    ``num_workers`` and another ``world_size``; Lightning's counters never decide what data
-    comes next and ``set_epoch`` is ignored. In epoch mode ``len()`` is the current epoch's
-    batches, so after a resume with another world size mid-pass the epoch ends with the
-    pass. :meth:`request_stop` ends the iteration at the next clean step boundary,
-    :meth:`request_abort` raises ``KeyboardInterrupt`` before the next batch. Workers ignore
-    SIGINT and SIGTERM; a worker killed otherwise raises :class:`WorkerDiedError` at the
-    next fetch (docs/sampler.md, docs/ddp_and_resume.md).
+    result): the rest of the current pass (epoch mode) or forever (infinite mode).
+    :meth:`state_dict` saves the position after the batches *trained*; restoring is O(1),
+    for any ``num_workers`` and another ``world_size``, and Lightning's counters never
+    decide what data comes next (docs/sampler.md, docs/ddp_and_resume.md).
 
     Args:
         dataset: map-style dataset; ``__getitems__(block)`` builds one block in a worker
@@ -272,16 +250,15 @@ class StatefulRoIDataLoader:
         if not isinstance(batch_sampler, StreamPlan):
             raise TypeError("StatefulRoIDataLoader: batch_sampler must be a RoIBatchSampler "
                             f"(or a StreamPlan), got {type(batch_sampler).__name__}")
-        self.dataset = dataset
-        self.batch_sampler = batch_sampler
+        self.dataset, self.batch_sampler = dataset, batch_sampler
         self.strict_resume = bool(strict_resume)
         self.epoch_length = None if epoch_length is None else int(epoch_length)
         #: The :class:`~lit_roidata.skip.SkipPolicy` (``on_bad_image="skip"``), else None.
-        self.skip_policy: SkipPolicy | None = None
-        if getattr(dataset, "hand_back_bad_images", False):
-            self.skip_policy = SkipPolicy(BadImageLedger(batch_sampler, dataset.roidb))
-        self._source = _BlockSource(batch_sampler, self.skip_policy and self.skip_policy.ledger)
-        self._source.ahead = (int(read_ahead), max(1, num_workers))
+        self.skip_policy: SkipPolicy | None = (
+            SkipPolicy(BadImageLedger(batch_sampler, dataset.roidb))
+            if getattr(dataset, "hand_back_bad_images", False) else None)
+        self._source = _BlockSource(batch_sampler, self.skip_policy and self.skip_policy.ledger,
+                                    (int(read_ahead), max(1, num_workers)))
         if num_workers > 0:
             fork_safe_opencv()
         # A private generator: the DataLoader draws the worker base seed from it, so the
@@ -290,22 +267,20 @@ class StatefulRoIDataLoader:
         self._make_loader = functools.partial(
             DataLoader, dataset, batch_sampler=self._source, num_workers=num_workers,
             collate_fn=passthrough_collate if collate_fn is None else collate_fn,
-            pin_memory=pin_memory, timeout=timeout,
+            pin_memory=pin_memory, timeout=timeout, generator=self._generator, in_order=True,
             worker_init_fn=functools.partial(_init_worker, worker_init_fn),
-            multiprocessing_context=multiprocessing_context, generator=self._generator,
-            prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-            in_order=True)
+            multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers)
         self._loader = self._make_loader()
         self._persistent_started = False
         self._stream: Iterator[Any] | None = None  # the running DataLoader iterator
         self._stream_next: tuple[int, int] | None = None  # the position of its next block
-        get_state = getattr(batch_sampler, "state_dict", None)
-        state = get_state() if callable(get_state) else {"pass": 0, "cursor": 0}
+        state = getattr(batch_sampler, "state_dict", lambda: {"pass": 0, "cursor": 0})()
         self._pos: tuple[int, int] = (state["pass"], state["cursor"])
-        self._consumed = 0  # global minibatches handed out over the run
-        self._epoch_base = 0  # batches of the current epoch trained before a restore
-        self._iter_base = 0  # the restored count the running epoch started with
-        self._epoch_count = 0  # batches handed out by the current iteration
+        # Counts: global minibatches handed out over the run; batches of the current epoch
+        # trained before a restore; the restored count the running epoch started with;
+        # batches handed out by the current iteration.
+        self._consumed = self._epoch_base = self._iter_base = self._epoch_count = 0
         self._epoch_start: tuple[int, int] | None = None  # where the current epoch began
         self._optimizer_steps = optimizer_steps
         self._window: list[tuple[int, int]] = []  # positions before the untrained batches
@@ -317,11 +292,6 @@ class StatefulRoIDataLoader:
         self._pool_ref: Callable[[], ShmPool | None] = lambda: None
 
     # ------------------------------------------------------------------ DataLoader face
-    @property
-    def dataloader(self) -> DataLoader:
-        """The wrapped ``torch.utils.data.DataLoader``."""
-        return self._loader
-
     @property
     def num_workers(self) -> int:
         return self._loader.num_workers
@@ -341,10 +311,8 @@ class StatefulRoIDataLoader:
     def __len__(self) -> int:
         """Batches of the current epoch on this rank, equal on every rank (class docstring).
         Infinite mode: the batches of a pass (Lightning's epoch length)."""
-        if self._epoch_start is None:
-            base, start = self._epoch_base, self._pos
-        else:
-            base, start = self._iter_base, self._epoch_start
+        base, start = ((self._epoch_base, self._pos) if self._epoch_start is None
+                       else (self._iter_base, self._epoch_start))
         if self.batch_sampler.infinite:
             return self.epoch_length or self.batch_sampler.length_at(*start)
         return base + self.batch_sampler.remaining_at(*start)
@@ -360,9 +328,7 @@ class StatefulRoIDataLoader:
         return self._generate()
 
     def _generate(self) -> Iterator[Any]:
-        plan = self.batch_sampler
-        epoch_pass = self._pos[0]
-        handed_out = False
+        plan, epoch_pass, handed_out = self.batch_sampler, self._pos[0], False
         while True:
             if self._abort:
                 self._abort = False
@@ -435,8 +401,7 @@ class StatefulRoIDataLoader:
     def _finish(self, item: Any) -> Any:
         """Finish a block whose worker found a bad image (main process, stream order) and
         count the batch's skips."""
-        policy = self.skip_policy
-        tries = 0
+        policy, tries = self.skip_policy, 0
         while isinstance(item, BadImageFound):
             if policy is None or tries > self.dataset.max_attempts:
                 raise RuntimeError(
@@ -452,10 +417,9 @@ class StatefulRoIDataLoader:
             block, _ = policy.ledger.substitute(item.block, item.slot, attempt=tries - 1)
             item = self.dataset.build_stream_block(
                 block, item.skipped + [dict(item.record, again=not new)])
-        if policy is not None:
-            meta = item.get("_meta") if isinstance(item, dict) else getattr(item, "meta", None)
-            if isinstance(meta, Mapping):
-                policy.count(meta)
+        meta = item.get("_meta") if isinstance(item, dict) else getattr(item, "meta", None)
+        if policy is not None and isinstance(meta, Mapping):
+            policy.count(meta)
         return item
 
     def _steps(self) -> int:
@@ -469,9 +433,8 @@ class StatefulRoIDataLoader:
 
     def _stop_now(self, ready: Callable[[], bool] | None,
                   on_stop: Callable[[], None] | None) -> bool:
-        if self._in_flight():  # inside a gradient-accumulation window
-            return False
-        if ready is not None and not ready():
+        # not inside a gradient-accumulation window
+        if self._in_flight() or (ready is not None and not ready()):
             return False
         self._stop = None
         log.debug("StatefulRoIDataLoader: stopping at pass %d, block %d", *self._pos)
@@ -506,17 +469,17 @@ class StatefulRoIDataLoader:
         dl = self._loader
         reuse = dl.persistent_workers and self._persistent_started
         self._persistent_started = dl.persistent_workers
-        if not self._use_pool or reuse:
-            with _frozen_heap(dl):
-                it = iter(dl)
-        else:
+        pool = None
+        if self._use_pool and not reuse:
             pool = ShmPool(dl.num_workers, int(dl.prefetch_factor or 2) + 3, self._slot_bytes)
             self.dataset.shm_pool = pool  # the workers take it with the dataset
-            try:
-                with _frozen_heap(dl):
-                    it = iter(dl)
-            finally:
+        try:
+            with _frozen_heap(dl):
+                it = iter(dl)
+        finally:
+            if pool is not None:
                 self.dataset.shm_pool = None  # no other loader's workers may use it
+        if pool is not None:
             it.lit_shm_pool = pool  # alive as long as the workers that write into it
             self._pool_ref = weakref.ref(pool)
         if dl.num_workers:
@@ -594,8 +557,6 @@ class StatefulRoIDataLoader:
 def train_repeat_factors(cfg: DetectronConfig, roidb: Any) -> Any:
     """The roidb's per-entry repeat factors when the config asks for Detectron2's
     ``RepeatFactorTrainingSampler``, else None (``TrainingSampler``)."""
-    from lit_roidata.config import check_sampler_train
-
     if not check_sampler_train(cfg):
         return None
     from lit_roidata.roidb.repeat_factors import repeat_factors_for_roidb
@@ -630,12 +591,11 @@ def build_train_sampler(cfg: DetectronConfig, roidb: Any, *, seed: int | None = 
                            repeat_factors=train_repeat_factors(cfg, roidb))
 
 
-def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | None = None,
-                        *, on_bad_image: str = "raise", output_format: str = "detectron",
-                        pixel_format: str = "uint8", rng_mode: str = "block",
-                        augment: Any = None, mask_format: str = "detectron",
-                        target_format: str = "detectron", fix_rpn_quirks: bool = False
-                        ) -> RoIBlockDataset:
+def build_train_dataset(cfg: DetectronConfig, roidb: Any, sampler: StreamPlan | None = None, *,
+                        on_bad_image: str = "raise", output_format: str = "detectron",
+                        pixel_format: str = "uint8", rng_mode: str = "block", augment: Any = None,
+                        mask_format: str = "detectron", target_format: str = "detectron",
+                        fix_rpn_quirks: bool = False) -> RoIBlockDataset:
     """The workers' :class:`~lit_roidata.dataset.RoIBlockDataset` over ``roidb``.
 
     Args:
@@ -660,21 +620,20 @@ _DATASET_DEFAULTS = {name: p.default for name, p in
 
 
 def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
-                       sampler: StreamPlan | None = None, seed: int | None = None,
-                       rank: int = 0, world_size: int = 1, infinite: bool = False,
-                       shuffle: bool = True, ims_per_batch: int | None = None,
-                       on_bad_image: str = "raise", bad_image_reserve: float = 0.01,
-                       num_workers: int = 0, pin_memory: bool = False,
-                       persistent_workers: bool = False, prefetch_factor: int | None = None,
-                       strict_resume: bool = True,
+                       sampler: StreamPlan | None = None, seed: int | None = None, rank: int = 0,
+                       world_size: int = 1, infinite: bool = False, shuffle: bool = True,
+                       ims_per_batch: int | None = None, on_bad_image: str = "raise",
+                       bad_image_reserve: float = 0.01, num_workers: int = 0,
+                       pin_memory: bool = False, persistent_workers: bool = False,
+                       prefetch_factor: int | None = None, strict_resume: bool = True,
                        optimizer_steps: Callable[[], int] | None = None, shm_pool: bool = True,
                        worker_init_fn: Callable[[int], None] | None = None,
                        multiprocessing_context: Any = None, timeout: float = 0,
                        output_format: str = "detectron", pixel_format: str = "uint8",
-                       rng_mode: str = "block", augment: Any = None,
-                       mask_format: str = "detectron", target_format: str = "detectron",
-                       fix_rpn_quirks: bool = False, epoch_length: int | None = None,
-                       read_ahead: int = 0) -> StatefulRoIDataLoader:
+                       rng_mode: str = "block", augment: Any = None, mask_format: str = "detectron",
+                       target_format: str = "detectron", fix_rpn_quirks: bool = False,
+                       epoch_length: int | None = None, read_ahead: int = 0
+                       ) -> StatefulRoIDataLoader:
     """The checkpointable train loader of one rank, with or without Lightning.
 
     Example::
@@ -706,16 +665,11 @@ def build_train_loader(cfg: DetectronConfig, roidb: Any, *, dataset: Any = None,
     options = dict(output_format=output_format, pixel_format=pixel_format, rng_mode=rng_mode,
                    augment=augment, mask_format=mask_format, target_format=target_format,
                    fix_rpn_quirks=fix_rpn_quirks)
-    if dataset is not None:
-        given = sorted(k for k, v in options.items() if v != _DATASET_DEFAULTS[k])
-        if given:
-            raise TypeError(f"build_train_loader: dataset options {given} given with your own "
-                            "dataset; set them on the dataset")
     if dataset is None:
-        dataset = build_train_dataset(
-            cfg, roidb, sampler, on_bad_image=on_bad_image, output_format=output_format,
-            pixel_format=pixel_format, rng_mode=rng_mode, augment=augment,
-            mask_format=mask_format, target_format=target_format, fix_rpn_quirks=fix_rpn_quirks)
+        dataset = build_train_dataset(cfg, roidb, sampler, on_bad_image=on_bad_image, **options)
+    elif given := sorted(k for k, v in options.items() if v != _DATASET_DEFAULTS[k]):
+        raise TypeError(f"build_train_loader: dataset options {given} given with your own "
+                        "dataset; set them on the dataset")
     return StatefulRoIDataLoader(
         dataset, sampler, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=persistent_workers and num_workers > 0,
@@ -747,8 +701,7 @@ class EvalLoader:
     def __init__(self, roidb: Any, cfg: DetectronConfig, *, rank: int = 0, world_size: int = 1,
                  ims_per_batch: int = 1, pixel_format: str = "uint8", num_workers: int = 0,
                  pin_memory: bool = False, with_rois: bool = False,
-                 persistent_workers: bool = False, prefetch_factor: int | None = None
-                 ) -> None:
+                 persistent_workers: bool = False, prefetch_factor: int | None = None) -> None:
         shard = np.array_split(np.arange(len(roidb)), world_size)[rank]
         self.batches = [shard[i:i + ims_per_batch].tolist()
                         for i in range(0, len(shard), ims_per_batch)]

@@ -1,10 +1,7 @@
-"""The Lightning callbacks that drive lit_roidata's train loader.
-
-:class:`GracefulStop`: the first Ctrl-C / SIGTERM stops ``fit`` at a clean step boundary
-(:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_stop`) with a checkpoint that
-resumes exactly. :class:`BadImageReport`: ``on_bad_image="skip"``'s epoch-end exchange
-of bad images between ranks (:class:`~lit_roidata.skip.SkipPolicy`) and its report.
-Both use only Lightning's public API; both are also ``lit_roidata.callbacks.X``.
+"""The Lightning callbacks that drive lit_roidata's train loader (also
+``lit_roidata.callbacks.X``): :class:`GracefulStop` (Ctrl-C / SIGTERM stop at a clean step
+boundary) and :class:`BadImageReport` (``on_bad_image="skip"``'s epoch-end exchange).
+Both use only Lightning's public API.
 """
 
 from __future__ import annotations
@@ -25,26 +22,13 @@ log = logging.getLogger(__name__)
 class GracefulStop(pl.Callback):
     """Stop ``fit`` at a clean step boundary on the first Ctrl-C or SIGTERM.
 
-    The first signal during training is only noted (``"SIGINT: stopping after this step;
-    Ctrl-C again to abort"``, or "after this validation" while one runs). At the next
-    clean boundary the train loader
-    (:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_stop`) ends the epoch:
-    every rank at the same step, after an optimizer step, never inside a
-    gradient-accumulation window and never right after a validation (a running
-    validation completes, the next step trains, then it stops). There the trainer writes
-    a checkpoint (``trainer.save_checkpoint``) and ``trainer.should_stop`` ends ``fit``;
-    re-running from that checkpoint gives the same batches, learning rates and
-    validations as an uninterrupted run (docs/ddp_and_resume.md, "Stops").
-
-    A second signal aborts before the next batch is handed out
-    (:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_abort`): Lightning's
-    ``KeyboardInterrupt`` path, where ``OnExceptionCheckpoint`` writes its checkpoint between
-    two steps, so the re-run trains the same batches and validates at the same steps as an
-    uninterrupted run (a running validation completes first). A third aborts at once
-    (SIGINT: ``KeyboardInterrupt`` wherever the process is; SIGTERM: the handler that was
-    there before, or the default action). With a train loader that cannot stop at a boundary
-    (not a lit_roidata loader) the stop happens in ``on_train_batch_end`` instead and the
-    second signal aborts at once.
+    At the next clean boundary after the first signal the train loader
+    (:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_stop`) ends the epoch on
+    every rank at the same step; the trainer writes a checkpoint that resumes exactly and
+    ``trainer.should_stop`` ends ``fit``. A second signal aborts before the next batch
+    (:meth:`~lit_roidata.loader.StatefulRoIDataLoader.request_abort`, Lightning's
+    ``KeyboardInterrupt`` path), a third at once. The boundary rule and why:
+    docs/ddp_and_resume.md, "Stops".
 
     Args:
         ckpt_path: the checkpoint to write. ``None``: ``interrupted.ckpt`` in the
@@ -185,29 +169,20 @@ class BadImageReport(pl.Callback):
     """``on_bad_image="skip"``: exchange bad images between ranks and report skips.
 
     ``on_train_epoch_end`` (every rank, same step) runs the skip policy's only collective
-    (:meth:`lit_roidata.skip.SkipPolicy.exchange` of ``trainer.train_dataloader``): the
-    bad images each rank found become known on every rank from the next pass that has
-    not started, and rank 0 logs every file skipped in the epoch with its reason and the
-    counts by kind. ``on_train_end`` logs the run's total. Needed whenever the data module
-    has ``sources.on_bad_image="skip"`` (``lit-roidata`` adds it when the config has
-    none); a plain callback, so Lightning runs it before the checkpoint callbacks and an
-    epoch-end checkpoint holds the state after the exchange.
+    (:meth:`lit_roidata.skip.SkipPolicy.exchange`) and rank 0 logs the epoch's skips;
+    ``on_train_end`` logs the run's total. A plain callback, so Lightning runs it before
+    the checkpoint callbacks and an epoch-end checkpoint holds the state after the exchange.
     """
 
-    @staticmethod
-    def _loader(trainer: Any) -> Any:
-        loader = trainer.train_dataloader
-        return loader if getattr(loader, "skip_policy", None) is not None else None
-
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        loader = self._loader(trainer)
-        if loader is not None:
+        loader = trainer.train_dataloader
+        if getattr(loader, "skip_policy", None) is not None:
             loader.skip_policy.exchange(loader.position)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        loader = self._loader(trainer)
-        if loader is not None:
-            loader.skip_policy.run_report(log_it=trainer.is_global_zero)
+        policy = getattr(trainer.train_dataloader, "skip_policy", None)
+        if policy is not None:
+            policy.run_report(log_it=trainer.is_global_zero)
 
 
 def check_trainer_for_loader(trainer: Any, plan: Any, skip: bool) -> None:
@@ -245,7 +220,7 @@ def fit_epochs_to_passes(trainer: Any, loader: Any) -> None:
     (``trainer.reload_dataloaders_every_n_epochs = 1``), since it reads an epoch's length
     once per loader and each epoch must end with its pass."""
     plan = loader.batch_sampler
-    natural = plan.batches_in_pass(plan.normalize(*loader.position)[0])
+    natural = plan.length_at(*loader.position)
     if (trainer is None or plan.infinite or len(loader) == natural
             or trainer.reload_dataloaders_every_n_epochs):
         return

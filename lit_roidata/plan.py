@@ -1,25 +1,13 @@
 """The stream plan: which roidb entries every block of the training stream holds (pure).
 
-Detectron's ``RoIDataLoader`` hands out ``IMS_PER_BATCH`` indices at a time from one
-permutation (aspect-grouped or plain) under a lock and draws a new permutation when the
-cursor passes the end; GPUs take blocks first come (Detectron semantics: sampler and
-aspect grouping). :class:`StreamPlan` makes that stream a pure function:
-
-* the permutation of pass ``p`` is drawn from ``(seed, p)``, so every rank computes the
-  same stream without communication;
-* a global minibatch is ``world_size`` consecutive blocks and rank ``r`` takes block
-  ``k * world_size + r``; a position ``(pass, cursor)`` counts *global* blocks, so the
-  same position means the same blocks for any world size;
-* optional repeat factors (Detectron2's ``RepeatFactorTrainingSampler``): pass ``p``
-  permutes a multiset drawn from ``(seed, p)``, so pass lengths vary by pass;
-* the reserve of ``on_bad_image="skip"``: the last ``holdback`` blocks of every pass are
-  not delivered; images known to be bad (a frozen set) are replaced before they are
-  read by reserve images, a pure function of ``(seed, pass, known bad set)``.
-
-No I/O and no state beyond the inputs (the memo of the last permutation aside): the
-loader (:class:`~lit_roidata.loader.StatefulRoIDataLoader`) owns the position and asks
-the plan what comes next; :class:`~lit_roidata.sampler.RoIBatchSampler` is the plan with
-a cursor, for use without that loader.
+Detectron's ``RoIDataLoader`` stream as a pure function of ``(seed, pass, block, world
+size, rank)``: the pass permutations (aspect-grouped or plain, optional repeat factors),
+global minibatches of ``world_size`` consecutive blocks (rank ``r`` takes block
+``k * world_size + r``; a position counts global blocks, so it means the same blocks for any
+world size) and the bad-image reserve held back at the end of every pass (docs/sampler.md).
+The loader (:class:`~lit_roidata.loader.StatefulRoIDataLoader`) owns the position and asks
+the plan what comes next; :class:`~lit_roidata.sampler.RoIBatchSampler` is the plan with a
+cursor, for use without that loader.
 """
 
 from __future__ import annotations
@@ -195,12 +183,10 @@ class StreamPlan:
         self.shuffle, self.infinite = bool(shuffle), bool(infinite)
         self.aspect_grouping = bool(aspect_grouping)
         self.grouped = self.aspect_grouping and self.shuffle
-        self.num_images = int(w.size)
-        horizontal = w >= h
-        self.num_horizontal = int(horizontal.sum())
         #: Read-only ``width >= height`` per entry (a block's orientation when grouped).
-        self.is_horizontal = horizontal.astype(bool)
-        self.is_horizontal.setflags(write=False)
+        self.is_horizontal = horizontal = w >= h
+        horizontal.setflags(write=False)
+        self.num_images, self.num_horizontal = int(w.size), int(horizontal.sum())
         self.horizontal = np.flatnonzero(horizontal).astype(np.int64)
         self.vertical = np.flatnonzero(~horizontal).astype(np.int64)
         self.repeat_factors, self.repeat_digest = self._check_repeat_factors(repeat_factors)
@@ -328,13 +314,12 @@ class StreamPlan:
         elif not self.grouped:
             perm = rng.permutation(every)
         else:
-            horz = rng.permutation(horz)  # three draws, in Detectron's order
-            vert = rng.permutation(vert)
+            # three draws, in Detectron's order: horizontal, vertical, then the rows
+            horz, vert = rng.permutation(horz), rng.permutation(vert)
             rows = np.concatenate([horz[: horz.size // mb * mb],
                                    vert[: vert.size // mb * mb]]).reshape(-1, mb)
             perm = rows[rng.permutation(rows.shape[0])].reshape(-1)
-        perm = perm.astype(np.int64, copy=False)
-        perm.setflags(write=False)
+        perm.setflags(write=False)  # int64 throughout
         return perm
 
     def block(self, pass_index: int, block_index: int) -> Block:
@@ -461,9 +446,8 @@ class StreamPlan:
         pass, block, attempt)``."""
         if not block:
             raise ValueError("replacement_block: empty block")
-        pool: np.ndarray | int = self.num_images
-        if self.grouped:
-            pool = self.horizontal if self.is_horizontal[int(block[0])] else self.vertical
+        o = self.orientation(block[0])
+        pool = self.num_images if o is None else self.horizontal if o else self.vertical
         return draw_replacement(block, attempt, pool, self.ims_per_batch, seed=self.seed)
 
     def orientation(self, index: int) -> bool | None:

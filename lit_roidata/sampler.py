@@ -1,11 +1,8 @@
 """``RoIBatchSampler``: Detectron's locked cursor over the stream plan, for any DataLoader.
 
-The blocks come from :class:`~lit_roidata.plan.StreamPlan` (a pure function of the seed,
-pass, block, world size and rank); this class adds the one thing a plain
-``torch.utils.data`` batch sampler needs: a cursor ``(pass, cursor in global blocks)``,
-drawn under a lock (Detectron semantics: sampler and aspect grouping), saved and restored
-in O(1). lit_roidata's own train loader does not use this cursor: it keeps the position
-itself and asks the plan (:class:`~lit_roidata.loader.StatefulRoIDataLoader`).
+The blocks come from :class:`~lit_roidata.plan.StreamPlan`; this class adds a cursor
+``(pass, cursor in global blocks)``, drawn under a lock and saved and restored in O(1).
+lit_roidata's own train loader keeps the position itself and does not use this cursor.
 """
 
 from __future__ import annotations
@@ -24,17 +21,10 @@ __all__ = ["Block", "RoIBatchSampler", "STATE_VERSION", "draw_replacement"]
 class RoIBatchSampler(StreamPlan, Sampler[Block]):
     """Yield this rank's partial minibatches (:class:`Block`) in Detectron's order, resumably.
 
-    Takes :class:`~lit_roidata.plan.StreamPlan`'s arguments (every pure method is the
-    plan's). Two modes:
-
-    * epoch mode (``infinite=False``): one iteration is the rest of the current pass;
-      ``len()`` is ``blocks_per_pass // world_size`` full global minibatches, equal on every
-      rank. ``set_epoch(e)`` selects pass ``e``.
-    * infinite mode (``infinite=True``, Detectron's stream for ``max_steps`` training): the
-      iterator never stops; ``len()`` still gives Lightning an epoch length.
-
-    Draws (:meth:`draw` and iteration) are atomic under a lock: threads sharing one sampler
-    get whole blocks, none lost or duplicated (Detectron semantics: tested invariants).
+    Takes :class:`~lit_roidata.plan.StreamPlan`'s arguments. Epoch mode: one iteration is
+    the rest of the current pass and ``set_epoch(e)`` selects pass ``e``; infinite mode: the
+    iterator never stops. Draws are atomic under a lock: threads sharing one sampler get
+    whole blocks, none lost or duplicated.
     """
 
     def __init__(self, widths: Any, heights: Any, ims_per_batch: int, **kwargs: Any) -> None:

@@ -1,16 +1,10 @@
 """The bad-image skip policy (``on_bad_image="skip"``): replace only the bad image.
 
-A block with an unreadable image keeps its good images in their slots; only the bad
-image's slot is refilled, with an image of the block's orientation that the pass does not
-deliver otherwise (its *reserve*: the blocks held back at the end of every pass plus what
-a pass leaves out anyway) and that is not known to be bad, chosen deterministically.
-Images known to be bad on every rank (the frozen set, from the last epoch-end exchange)
-are replaced before reading by the plan (:meth:`lit_roidata.plan.StreamPlan.final_block`);
-a newly found one comes back from the worker as
-:class:`~lit_roidata.dataset.BadImageFound` and the train loader gives its slot the next
-image of this rank's own share of the reserve (:meth:`BadImageLedger.substitute`). An
-exhausted reserve repeats a delivered image (counted, ``reserve_exhausted``). The
-guarantees and the reasons are in docs/minibatch.md, "Bad images".
+The bad image's slot is refilled from the pass's *reserve* (what the pass does not deliver),
+with an image of the block's orientation not known to be bad: before reading for the frozen
+set (:meth:`lit_roidata.plan.StreamPlan.final_block`), in stream order for a newly found one
+(:meth:`BadImageLedger.substitute`). The guarantees and the reasons: docs/minibatch.md, "Bad
+images".
 """
 
 from __future__ import annotations
