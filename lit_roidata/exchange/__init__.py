@@ -138,8 +138,7 @@ class BlobExchange:
 
             self.store = EmbeddedStore(address)
             if stale_after is not None:
-                removed = self.store.sweep_stale_runs(stale_after, keep=self.run_id)
-                if removed:
+                if removed := self.store.sweep_stale_runs(stale_after, keep=self.run_id):
                     log.info("removed %d stale exchange run(s) from %s: %s", len(removed),
                              self.store.root, ", ".join(removed))
         else:
@@ -167,8 +166,7 @@ class BlobExchange:
         """Create (or adopt) the run's incarnation key (lost by a server restart or
         eviction): on opening and after a state loss."""
         with self._join_lock:
-            value = store.get(self.incarnation_key)
-            if value is None:
+            if (value := store.get(self.incarnation_key)) is None:
                 store.add(self.incarnation_key, uuid.uuid4().hex.encode())  # key_ttl
                 value = store.get(self.incarnation_key)
             if value is None:

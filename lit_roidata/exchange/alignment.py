@@ -70,8 +70,7 @@ def check_alignment(meta: Mapping[str, Any], expected: Mapping[str, Any], *,
             raise AlignmentError(
                 f"{prefix}the message has no alignment field {key!r} (it has "
                 f"{sorted(got_all)}); the producer must put {key!r} in put(..., meta=...)")
-        diff = _first_difference(got_all[key], exp, key, rel_tol)
-        if diff is not None:
+        if (diff := _first_difference(got_all[key], exp, key, rel_tol)) is not None:
             raise AlignmentError(
                 f"{prefix}misaligned stream: field {diff!r} differs: the message has "
                 f"{key}={got_all[key]!r}, this process expects {key}={exp!r}. Both "

@@ -200,8 +200,7 @@ class BlobExchangeCallback(pl.Callback):
                                 "training_step's returned dict, but training_step returned "
                                 f"{type(outputs).__name__}; return a dict with 'loss' and "
                                 "those entries")
-            missing = [k for k in self.publish_keys if k not in outputs]
-            if missing:
+            if missing := [k for k in self.publish_keys if k not in outputs]:
                 raise KeyError(f"training_step did not return {missing} (it returned "
                                f"{sorted(outputs)}); BlobExchangeCallback(publish_keys=...) "
                                "names what to send")

@@ -94,8 +94,7 @@ def rename_noreplace(src: str, dst: str) -> None:
 
 def default_root() -> Path:
     """``$LIT_ROIDATA_EXCHANGE_DIR``, else ``/dev/shm/lit_roidata_exchange-<uid>``, else tmp."""
-    env = os.environ.get("LIT_ROIDATA_EXCHANGE_DIR")
-    if env:
+    if env := os.environ.get("LIT_ROIDATA_EXCHANGE_DIR"):
         return Path(env)
     base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
     return base / f"lit_roidata_exchange-{os.getuid() if hasattr(os, 'getuid') else 0}"
@@ -199,8 +198,7 @@ class EmbeddedStore(Store):
             os.close(fd)
 
     def _read_small(self, path: str) -> bytes | None:
-        raw = self._read_file(path)
-        if raw is None or len(raw) < _EXPIRY.size:
+        if (raw := self._read_file(path)) is None or len(raw) < _EXPIRY.size:
             return None  # (too short cannot happen with atomic writes: treat as absent)
         (expiry,) = _EXPIRY.unpack_from(raw)
         return None if expiry and expiry < time.time() else bytes(raw[_EXPIRY.size:])
@@ -209,8 +207,7 @@ class EmbeddedStore(Store):
     def _fd(cache: dict[str, int], path: str, flags: int) -> int | None:
         """A kept-open fd of ``path`` (re-opened once the file was removed), ``None`` if it
         does not exist."""
-        fd = cache.get(path)
-        if fd is not None and os.fstat(fd).st_nlink:
+        if (fd := cache.get(path)) is not None and os.fstat(fd).st_nlink:
             return fd
         if fd is not None:
             os.close(cache.pop(path))
@@ -241,11 +238,9 @@ class EmbeddedStore(Store):
         """``(version, expiry, value)`` of a record file, ``None`` if there is none (a torn
         read without the lock is retried, then repeated under the lock)."""
         for _ in range(1 if locked else _TORN_RETRIES):
-            fd = self._fd(self._recfds, path, os.O_RDWR)
-            if fd is None:
+            if (fd := self._fd(self._recfds, path, os.O_RDWR)) is None:
                 return None
-            rec = _parse_record(os.pread(fd, _RECORD_SIZE, 0))
-            if rec is not None:
+            if (rec := _parse_record(os.pread(fd, _RECORD_SIZE, 0))) is not None:
                 return rec
         if not locked:
             with self._lock(path):
@@ -325,8 +320,7 @@ class EmbeddedStore(Store):
         return self._rmw(key, ttl, bump)
 
     def delete(self, key: str) -> None:
-        fd = self._recfds.pop(self._root + key, None)
-        if fd is not None:
+        if (fd := self._recfds.pop(self._root + key, None)) is not None:
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._root + key)

@@ -140,10 +140,8 @@ class MemcachedStore(Store):
         k, ttl_s = self._k(key), self._ttl(ttl)
         # The token of this handle's last read or write of ``k``: if the item still has it,
         # nobody has written it since, so it still holds that value (no extra ``gets``).
-        known = self._tokens.pop(k, None)
-        if known is not None and known[0] == expected:
-            stored = self._cas_write(k, new, known[1], ttl_s)
-            if stored is not None:
+        if (known := self._tokens.pop(k, None)) is not None and known[0] == expected:
+            if (stored := self._cas_write(k, new, known[1], ttl_s)) is not None:
                 return stored
         value, token = self._call(self._client.gets, k)  # unknown, or written meanwhile
         return value == expected and bool(self._cas_write(k, new, token, ttl_s))
@@ -182,8 +180,7 @@ class MemcachedStore(Store):
     def incr(self, key: str, ttl: float = 0) -> int:
         k = self._k(key)
         for _ in range(3):
-            value = self._call(self._client.incr, k, 1)
-            if value is not None:
+            if (value := self._call(self._client.incr, k, 1)) is not None:
                 return int(value)
             self._call(self._client.add, k, str(time.time_ns() // 1000).encode(), self._ttl(ttl))
         raise ExchangeError(f"{self.describe} did not keep counter {key!r}")
@@ -204,8 +201,7 @@ class MemcachedStore(Store):
             head = _DESCRIPTOR.pack(_DESC_MAGIC, n, len(data), os.urandom(8))
             names = [self._k(name) for name in _chunk_names(key, head)]
             chunks = {k: bytes(view[i * size:(i + 1) * size]) for i, k in enumerate(names)}
-            failed = self._call(self._client.set_many, chunks, self._ttl(ttl))
-            if failed:
+            if failed := self._call(self._client.set_many, chunks, self._ttl(ttl)):
                 self._drop(names)
                 raise ExchangeError(f"{self.describe} did not store {len(failed)} chunk(s) "
                                     f"of {key!r}; give it more memory (-m)")
@@ -239,8 +235,7 @@ class MemcachedStore(Store):
         if not names:
             return bytearray(head)
         total, got = _DESCRIPTOR.unpack(head)[2], self.peek_many(names)
-        missing = [i for i, name in enumerate(names) if name not in got]
-        if missing:
+        if missing := [i for i, name in enumerate(names) if name not in got]:
             raise ExchangeStateLostError(
                 f"chunk {missing[0]}/{len(names)} of {key!r} is missing from {self.describe}: "
                 "evicted or the server restarted; give memcached more memory (-m) and restart "
@@ -252,8 +247,7 @@ class MemcachedStore(Store):
         return buf
 
     def delete_payload(self, key: str) -> None:
-        names = self._chunks.pop(key, None)
-        if names is None:
+        if (names := self._chunks.pop(key, None)) is None:
             head = self.peek_many([key]).get(key)
             names = [] if head is None else _chunk_names(key, head)
         self._drop([self._k(name) for name in [key, *names]])

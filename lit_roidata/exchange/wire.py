@@ -233,8 +233,7 @@ def _decode_one(e: Mapping[str, Any], data: memoryview, data_len: int, as_torch:
                 where: str) -> Any:
     name, dname, shape = e["name"], e["dtype"], tuple(int(s) for s in e["shape"])
     offset, nbytes, order = int(e["offset"]), int(e["nbytes"]), e["byteorder"]
-    carrier = _CARRIERS.get(dname)
-    if carrier is None:
+    if (carrier := _CARRIERS.get(dname)) is None:
         raise _fail(where, f"tensor {name!r} has unknown dtype {dname!r}")
     if order == ">":
         carrier = carrier.newbyteorder(">")

@@ -69,8 +69,7 @@ class Augmentation:
         transforms = list(transforms.transforms if isinstance(transforms, A.Compose)
                           else transforms)
         if cfg.MODEL.KEYPOINTS_ON:
-            bad = sorted({type(t).__name__ for t in _walk(transforms)} & _FLIPS)
-            if bad:
+            if bad := sorted({type(t).__name__ for t in _walk(transforms)} & _FLIPS):
                 raise ValueError(f"augmentation {bad} would mirror keypoints without swapping "
                                  "left/right; use TRAIN.USE_FLIPPED for flips")
         self.cfg = cfg

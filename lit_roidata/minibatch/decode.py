@@ -75,8 +75,7 @@ def decode_bgr(data: bytes) -> np.ndarray:
     if data[:2] == b"\xff\xd8" and ((eoi := data.rfind(b"\xff\xd9")) < 0
                                      or data.find(b"\xff\xda", eoi) >= 0):
         raise ValueError("truncated JPEG (no end-of-image marker after the last scan)")
-    im = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)
-    if im is None:
+    if (im := cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_COLOR)) is None:
         raise ValueError("not a known image format, or a corrupt or truncated file")
     return im
 

@@ -131,8 +131,7 @@ def draw_scales(entries: Sequence[Any], cfg: Any, rng: rng_mod.RNG) -> list[int]
     minibatch (Detectron order)."""
     if not entries:
         raise ValueError("a minibatch needs at least one roidb entry")
-    scales = tuple(cfg.TRAIN.SCALES)
-    if not scales:
+    if not (scales := tuple(cfg.TRAIN.SCALES)):
         raise ValueError("TRAIN.SCALES is empty; set at least one target size")
     return [scales[int(i)] for i in rng_mod.randint(rng, 0, len(scales), size=len(entries))]
 

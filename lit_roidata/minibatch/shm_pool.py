@@ -160,8 +160,7 @@ class ShmPool:
             base = t.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return None
-        i = self._base.get(int(base))
-        if i is None:
+        if (i := self._base.get(int(base))) is None:
             return None
         if i != arena.index:
             raise RuntimeError("shared-memory pool: a batch refers to another block's slot "
@@ -245,8 +244,7 @@ def begin_block(pool: ShmPool | None) -> _Arena | None:
 
 def rewind() -> None:
     """Forget what the current block allocated so far (a failed attempt's arrays)."""
-    arena = getattr(_local, "arena", None)
-    if arena is not None:
+    if (arena := getattr(_local, "arena", None)) is not None:
         arena.offset = 0
 
 
@@ -288,8 +286,7 @@ class _PoolPickler(ForkingPickler):
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
             return None
-        desc = self.pool._descriptor(obj, self.arena)
-        if desc is None and _copyable(obj):
+        if (desc := self.pool._descriptor(obj, self.arena)) is None and _copyable(obj):
             seen = self._copied.get(id(obj))
             if seen is not None:  # the same tensor twice: one copy, as pickle's memo
                 return seen[1]
@@ -339,8 +336,7 @@ class _PoolUnpickler(pickle.Unpickler):
 
 
 def _load_pooled(token: int, worker: int, slot: int, data: bytes) -> Any:
-    pool = _POOLS.get(token)
-    if pool is None:
+    if (pool := _POOLS.get(token)) is None:
         raise RuntimeError("lit_roidata: a batch arrived from DataLoader workers whose "
                            "shared-memory pool no longer exists in this process (was the "
                            "loader deleted while its iterator was in use?)")

@@ -40,8 +40,7 @@ class PackedBlobs(dict):
     shm_arena: Any = None
 
     def __reduce__(self) -> tuple:
-        arena = self.shm_arena
-        if arena is None:
+        if (arena := self.shm_arena) is None:
             return _unpack, _pack(self, self.limit)
         return shm_pool.pooled_reduce(_unpack, _pack(self, self.limit, arena), arena)
 
