@@ -187,11 +187,10 @@ def _open_or_build(dataset_names, proposal_files, cfg, options, cache_dir, catal
             if not trust_pickle:
                 raise untrusted_proposal_pickle(f)
             warn_trusted(f, "proposal file")
-    m = cfg.MODEL
     options = dict(options, category_policy=category_policy, check_images=bool(check_images),
                    bbox_thresh=float(cfg.TRAIN.BBOX_THRESH),
-                   cls_agnostic=bool(m.CLS_AGNOSTIC_BBOX_REG),
-                   bbox_reg_weights=[float(w) for w in m.BBOX_REG_WEIGHTS])
+                   cls_agnostic=bool(cfg.MODEL.CLS_AGNOSTIC_BBOX_REG),
+                   bbox_reg_weights=[float(w) for w in cfg.MODEL.BBOX_REG_WEIGHTS])
     inputs = [{"name": s.name, "image_prefix": s.image_prefix,
                "image_dir": s.image_dir if is_url(s.image_dir) else os.path.abspath(s.image_dir),
                "annotation": _records_key(s) if s.function is not None
@@ -534,8 +533,7 @@ _GT_KEYS = ("gt_min_area", "ignore", "non_finite_bbox", "non_positive_area", "de
 
 
 def _dataset_reports(tables, props, a) -> list[dict]:
-    n_total = a["img_id"].size
-    weight = np.bincount(a["entry_img"], minlength=n_total)  # entries per image (0-2)
+    weight = np.bincount(a["entry_img"], minlength=a["img_id"].size)  # entries per image (0-2)
     w_max = int(weight.max()) if weight.size else 0
     w_rows = np.repeat(weight.astype(np.uint8 if w_max < 256 else np.int64),
                        np.diff(a["img_gt_off"]))

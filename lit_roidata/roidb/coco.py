@@ -93,8 +93,7 @@ def dataset_info_from_categories(name: str, categories: Sequence[dict], *, sourc
     keypoints = tuple(str(k) for k in kps[-1]) if kps else None  # the last such category
     return DatasetInfo(
         name=name, classes=classes, json_category_id_to_contiguous_id=j2c,
-        contiguous_category_id_to_json_id={v: k for k, v in j2c.items()},
-        keypoints=keypoints,
+        contiguous_category_id_to_json_id={v: k for k, v in j2c.items()}, keypoints=keypoints,
         keypoint_flip_map=None if keypoints is None else keypoint_flip_map(keypoints))
 
 
@@ -277,11 +276,10 @@ class _GtBuilder:
             kbase = offsets([p["k_id"].size for p in parts])
             krow = concat([np.where(p["krow"] >= 0, p["krow"] + b, -1)
                          for p, b in zip(parts, kbase)], np.int64)
-            kraw = RawCoco(
-                source=path, categories=categories, ann_id=col("k_id", np.int64),
-                ann_img=col("k_img", np.int64), ann_cat=col("k_cat", np.int64),
-                kp_len=col("k_len", np.int64), kp_vals=col("k_vals", np.float64),
-                ann_pos=col("k_pos", np.int64))
+            kraw = RawCoco(source=path, categories=categories, ann_id=col("k_id", np.int64),
+                           ann_img=col("k_img", np.int64), ann_cat=col("k_cat", np.int64),
+                           kp_len=col("k_len", np.int64), kp_vals=col("k_vals", np.float64),
+                           ann_pos=col("k_pos", np.int64))
             kp_table = _check_keypoints(kraw, info, self.required)
         pos = col("pos", np.int64)
         # annotations grouped by image in image order (many exports): no reordering
@@ -292,12 +290,11 @@ class _GtBuilder:
         def by_image(a: np.ndarray) -> np.ndarray:
             return a if grouped else a[order]
         gt_off = offsets(np.bincount(pos_o, minlength=n))
-        kept = RawCoco(
-            source=path, categories=categories, ann_id=col("ann_id", np.int64),
-            ann_img=ids[pos], ann_cat=col("cat", np.int64),
-            seg_kind=col("seg_kind", np.int8), poly_n=col("poly_n", np.int64),
-            coord_n=col("coord_n", np.int64), coords=col("coords", np.float64),
-            ann_pos=col("gpos", np.int64))
+        kept = RawCoco(source=path, categories=categories, ann_id=col("ann_id", np.int64),
+                       ann_img=ids[pos], ann_cat=col("cat", np.int64),
+                       seg_kind=col("seg_kind", np.int8), poly_n=col("poly_n", np.int64),
+                       coord_n=col("coord_n", np.int64), coords=col("coords", np.float64),
+                       ann_pos=col("gpos", np.int64))
         classes = _classes(kept, order, info)
         # only the segmentation columns are needed from here on
         kept.ann_id = kept.ann_cat = kept.ann_pos = kept.ann_img = None  # type: ignore[assignment]
@@ -319,11 +316,10 @@ class _GtBuilder:
             has_vis = np.bincount(pos_o, weights=vis, minlength=n) > 0
         counts.update(images=n, gt_boxes=int(order.size), gt_crowd=int(is_crowd.sum()))
         self.parts = []
-        return GtTable(
-            info=info, ids=ids, widths=self.widths, heights=self.heights,
-            file_names=self.names, gt_off=gt_off, boxes=boxes, classes=classes,
-            seg_areas=seg_areas, is_crowd=is_crowd, segms=segms, keypoints=keypoints,
-            has_vis_kp=has_vis, counts=counts)
+        return GtTable(info=info, ids=ids, widths=self.widths, heights=self.heights,
+                       file_names=self.names, gt_off=gt_off, boxes=boxes, classes=classes,
+                       seg_areas=seg_areas, is_crowd=is_crowd, segms=segms, keypoints=keypoints,
+                       has_vis_kp=has_vis, counts=counts)
 
 
 def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.ndarray,
@@ -370,8 +366,7 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
     # kept rows in their output dtypes (a float32 cast before or after the gather is
     # the same), integers narrowed where they fit: only these live to the end
     part = {
-        "pos": _narrow(pos[kept]),
-        "boxes": box[kept].astype(np.float32),
+        "pos": _narrow(pos[kept]), "boxes": box[kept].astype(np.float32),
         "area": area[kept].astype(np.float32), "crowd": raw.ann_crowd[kept] != 0,
         "cat": _narrow(raw.ann_cat[kept]), "ann_id": _narrow(raw.ann_id[kept]),
         "gpos": _narrow(raw.ann_at(kept)), "seg_kind": seg_kind, "poly_n": _narrow(poly_n),
@@ -380,8 +375,7 @@ def clean_window(raw: RawCoco, ids: np.ndarray, widths: np.ndarray, heights: np.
         "k_id": raw.ann_id[kp_rows], "k_img": a_img[kp_rows], "k_cat": raw.ann_cat[kp_rows],
         "k_len": raw.kp_len[kp_rows],
         "k_vals": raw.kp_vals[take_ranges(offsets(kp_len)[kp_rows], kp_len[kp_rows])],
-        "k_pos": raw.ann_at(kp_rows),
-    }
+        "k_pos": raw.ann_at(kp_rows)}
     return part, dict(counts), unknown_ids
 
 
@@ -530,8 +524,7 @@ def _check_keypoints(raw: RawCoco, info: DatasetInfo, required: bool) -> Optiona
     (G, 3, K)`` or ``None`` (no keypoints)."""
     if info.keypoints is None:
         return None
-    k = info.num_keypoints
-    kp_len = raw.kp_len
+    k, kp_len = info.num_keypoints, raw.kp_len
     present = kp_len > 0  # missing, null and [] all mean "no keypoints"
     if required:
         kp_cats = np.array(keypoint_category_ids(raw.categories), np.int64)

@@ -102,8 +102,7 @@ def _annotation(a: Any, iid: int, h: Any, w: Any, k: int, where: Callable[[], st
     elif isinstance(seg, (list, tuple)):
         seg = [_floats(p) for p in seg]
     out = {"image_id": iid, "category_id": cat, "bbox": box, "iscrowd": _py(a.get("iscrowd", 0)),
-           "segmentation": seg,
-           "area": _py(a["area"]) if "area" in a else _area(seg, box, h, w)}
+           "segmentation": seg, "area": _py(a["area"]) if "area" in a else _area(seg, box, h, w)}
     kp = a.get("keypoints")
     if kp is not None and len(kp):  # Detectron2 adds 0.5 to COCO's pixel indices
         kp = _floats(kp)

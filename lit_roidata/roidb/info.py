@@ -20,15 +20,13 @@ class RoIDBInputError(ValueError):
 COCO_KEYPOINT_NAMES: tuple[str, ...] = (
     "nose", "left_eye", "right_eye", "left_ear", "right_ear", "left_shoulder",
     "right_shoulder", "left_elbow", "right_elbow", "left_wrist", "right_wrist", "left_hip",
-    "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle",
-)
+    "right_hip", "left_knee", "right_knee", "left_ankle", "right_ankle")
 
 #: Detectron's hard-coded COCO person flip map (Detectron semantics: datasets and catalog):
 #: every ``left_X`` of :data:`COCO_KEYPOINT_NAMES` to its ``right_X``, in list order.
 COCO_KEYPOINT_FLIP_MAP: dict[str, str] = {
     name: "right_" + name[len("left_"):] for name in COCO_KEYPOINT_NAMES
-    if name.startswith("left_")
-}
+    if name.startswith("left_")}
 
 
 def keypoint_flip_map(keypoints: tuple[str, ...]) -> dict[str, str]:
@@ -81,15 +79,12 @@ class DatasetInfo:
 
     def to_json(self) -> dict:
         """A JSON-serialisable dict (stored in the cache's ``meta.json``)."""
-        return {
-            "name": self.name,
-            "classes": list(self.classes),
-            "json_to_contiguous": [[int(k), int(v)] for k, v in
-                                   self.json_category_id_to_contiguous_id.items()],
-            "keypoints": None if self.keypoints is None else list(self.keypoints),
-            "keypoint_flip_map": None if self.keypoint_flip_map is None
-            else dict(self.keypoint_flip_map),
-        }
+        return {"name": self.name, "classes": list(self.classes),
+                "json_to_contiguous": [[int(k), int(v)] for k, v in
+                                       self.json_category_id_to_contiguous_id.items()],
+                "keypoints": None if self.keypoints is None else list(self.keypoints),
+                "keypoint_flip_map": None if self.keypoint_flip_map is None
+                else dict(self.keypoint_flip_map)}
 
     @classmethod
     def from_json(cls, d: dict) -> "DatasetInfo":

@@ -486,8 +486,7 @@ def _npz_member(zf: zipfile.ZipFile, fh: BinaryIO, name: str) -> tuple:
     stored = info.compress_type == zipfile.ZIP_STORED
     with zf.open(info) as member:
         shape, fortran, dtype = read_npy_header(member)
-        header_len = member.tell() if stored else 0
-    return start + header_len, dtype, shape, fortran, stored
+        return start + (member.tell() if stored else 0), dtype, shape, fortran, stored
 
 
 def _read_npz(path: str) -> ProposalSource:
@@ -605,9 +604,8 @@ def convert_proposals(in_path: str, out_path: str, *,
             _write_member(zf, "boxes", dtype, (total, 4),
                           _chunks_of(src.flat, src.boxes_of, counts))
             if src.scores_flat is not None or src.scores_of is not None:
-                sdt = _column_dtype(src.scores_flat, src.scores_of, counts)
-                _write_member(zf, "scores", sdt, (total,),
-                              _chunks_of(src.scores_flat, src.scores_of, counts))
+                _write_member(zf, "scores", _column_dtype(src.scores_flat, src.scores_of, counts),
+                              (total,), _chunks_of(src.scores_flat, src.scores_of, counts))
     return {"images": int(counts.size), "boxes": total, "dtype": dtype.str,
             "seconds_read": round(t1 - t0, 3), "seconds_write": round(time.perf_counter() - t1, 3)}
 

@@ -64,8 +64,7 @@ def summary_text(report: dict, *, width: int = 120, top_classes: int = 20) -> st
                   str(props.get("proposals_kept", "-")) if props else "-",
                   nonzero(d.get("dropped", {})), nonzero(d.get("segms", {})))
     console.print(t)
-    ent = report.get("entries", {})
-    if ent:
+    if ent := report.get("entries", {}):
         drops = {k: v for k, v in ent.get("dropped", {}).items() if v}
         console.print(f"entries: {ent.get('before_filter', 0)} -> {ent.get('after_filter', 0)} "
                       f"after filter_for_training" + (f" (dropped {drops})" if drops else "")

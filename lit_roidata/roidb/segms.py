@@ -59,8 +59,7 @@ class SegmColumns:
         cat = np.concatenate
         rle_base = np.cumsum([0] + [len(p.rle_size) for p in parts[:-1]]).tolist()
         return SegmColumns(
-            cat([p.kind for p in parts]).astype(np.int8),
-            concat_offsets([p.poly_off for p in parts]),
+            cat([p.kind for p in parts]).astype(np.int8), concat_offsets([p.poly_off for p in parts]),
             concat_offsets([p.coord_off for p in parts]), cat([p.coords for p in parts]),
             cat([np.where(p.rle_idx >= 0, p.rle_idx + n, -1).astype(np.int32)
                  for p, n in zip(parts, rle_base)]),
@@ -82,12 +81,11 @@ def rle_columns(rows: Sequence[int], rles: Sequence[tuple[int, int, Any]], kind:
         kind[r] = RLE_LIST if is_list else RLE_STR
         ints.append(counts if is_list else ())
         strs.append(b"" if is_list else counts)
-    return dict(
-        rle_size=np.asarray([(h, w) for h, w, _ in rles], np.int64).reshape(-1, 2),
-        rle_int_off=offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
-        rle_ints=np.fromiter(chain.from_iterable(ints), np.int64, sum(map(len, ints))),
-        rle_str_off=offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
-        rle_bytes=np.frombuffer(b"".join(strs), np.uint8).copy())
+    return dict(rle_size=np.asarray([(h, w) for h, w, _ in rles], np.int64).reshape(-1, 2),
+                rle_int_off=offsets(np.fromiter(map(len, ints), np.int64, len(ints))),
+                rle_ints=np.fromiter(chain.from_iterable(ints), np.int64, sum(map(len, ints))),
+                rle_str_off=offsets(np.fromiter(map(len, strs), np.int64, len(strs))),
+                rle_bytes=np.frombuffer(b"".join(strs), np.uint8).copy())
 
 
 def offsets(counts: np.ndarray) -> np.ndarray:

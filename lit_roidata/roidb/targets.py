@@ -28,9 +28,8 @@ def compute_bbox_targets(boxes: np.ndarray, max_overlaps: np.ndarray, max_classe
     ex_inds = np.flatnonzero(max_overlaps >= bbox_thresh)
     if gt_inds.size == 0 or ex_inds.size == 0:
         return targets
-    ov = bbox_overlaps(boxes[ex_inds].astype(np.float32, copy=False),
-                       boxes[gt_inds].astype(np.float32, copy=False))
-    assign = ov.argmax(axis=1)
+    assign = bbox_overlaps(boxes[ex_inds].astype(np.float32, copy=False),
+                           boxes[gt_inds].astype(np.float32, copy=False)).argmax(axis=1)
     targets[ex_inds, 0] = 1 if cls_agnostic else max_classes[ex_inds]
     targets[ex_inds, 1:] = bbox_transform_targets(boxes[ex_inds], boxes[gt_inds[assign]],
                                                   tuple(weights))
