@@ -84,8 +84,7 @@ class RPNExchangeDemo(pl.LightningModule):
         return loss
 
     def _distill_loss(self, out: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        peer = self.peer_outputs
-        if not peer:
+        if not (peer := self.peer_outputs):
             return None
         terms = []
         for name, target in peer.items():
