@@ -146,8 +146,7 @@ def _rebind(value: Any, old: type, new: type, memo: dict[int, Any]) -> Any:
             for attr in ("__qualname__", "__doc__", "__module__", "__annotations__"):
                 setattr(out, attr, getattr(value, attr))
     elif isinstance(value, (staticmethod, classmethod)):
-        func = _rebind(value.__func__, old, new, memo)
-        if func is not value.__func__:
+        if (func := _rebind(value.__func__, old, new, memo)) is not value.__func__:
             out = type(value)(func)
     elif isinstance(value, property):
         funcs = [_rebind(f, old, new, memo) for f in (value.fget, value.fset, value.fdel)]

@@ -316,8 +316,7 @@ class Catalog:
             if "datasets" not in data or data.get("builtin_data_root"):
                 self.set_data_root(root)
         base = root if root is not None else base_dir
-        entries = data.get("datasets") or {}
-        if not isinstance(entries, Mapping):
+        if not isinstance((entries := data.get("datasets") or {}), Mapping):
             raise ValueError(f"{source}: 'datasets' must map names to entries")
         fields = {"image_dir", "annotation_file", "image_prefix", "proposal_file", "format"}
         names = []

@@ -451,8 +451,7 @@ def check_sampler_train(cfg: Any) -> bool:
     Raises:
         ConfigError: an unknown sampler name, or a repeat threshold that is not > 0.
     """
-    name = cfg.DATALOADER.SAMPLER_TRAIN
-    if name not in SAMPLERS_TRAIN:
+    if (name := cfg.DATALOADER.SAMPLER_TRAIN) not in SAMPLERS_TRAIN:
         near = difflib.get_close_matches(str(name), SAMPLERS_TRAIN, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ConfigError(f"DATALOADER.SAMPLER_TRAIN={name!r} is not a training sampler "

@@ -114,20 +114,18 @@ def map_readonly(path: str, dtype: Any, offset: int, shape: tuple[int, ...]) -> 
 
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    fn = _libc("mmap")
-    if fn is None or _libc("munmap") is None:
+    if (fn := _libc("mmap")) is None or _libc("munmap") is None:
         return np.asarray(np.memmap(path, dtype, "r", offset, shape))
-    fn.restype, fn.argtypes = ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t,
-                                                  ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                                  ctypes.c_int64)
+    fn.restype = ctypes.c_void_p
     start = offset - offset % mmap.ALLOCATIONGRANULARITY
     length = max(1, offset - start + nbytes)
     fd = os.open(path, os.O_RDONLY)
     try:
-        if os.fstat(fd).st_size < offset + nbytes:
-            raise ValueError(f"{path} is shorter ({os.fstat(fd).st_size} bytes) than the "
+        if (size := os.fstat(fd).st_size) < offset + nbytes:
+            raise ValueError(f"{path} is shorter ({size} bytes) than the "
                              f"array it holds ({offset + nbytes} bytes)")
-        addr = fn(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+        addr = fn(None, ctypes.c_size_t(length), mmap.PROT_READ, mmap.MAP_SHARED, fd,
+                  ctypes.c_int64(start))
     finally:
         os.close(fd)
     if addr is None or addr == ctypes.c_void_p(-1).value:

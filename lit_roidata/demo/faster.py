@@ -123,8 +123,7 @@ class DemoFasterRCNN(DemoFastRCNN):
         n, _, hf, wf = logits.shape
         names = ("rpn_labels_int32_wide", "rpn_bbox_targets_wide",
                  "rpn_bbox_inside_weights_wide", "rpn_bbox_outside_weights_wide")
-        missing = [k for k in names + ("im_info", "roidb") if k not in batch]
-        if missing:
+        if missing := [k for k in names + ("im_info", "roidb") if k not in batch]:
             raise KeyError(f"DemoFasterRCNN needs the single-level RPN blobs (Detectron semantics"
                            f": blob names); the batch lacks {missing}. Use model_type faster_rcnn "
                            f"with FPN off.")

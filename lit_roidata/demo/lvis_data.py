@@ -98,13 +98,11 @@ def _draw(rng: np.random.Generator, cats: list[dict], planned: list[int],
         for _ in range(1 + int(rng.random() < 0.35) + int(rng.random() < 0.1)):
             s = int(rng.integers(18, min(64, min(W, H) - 4) + 1))
             w, h = s, int(np.clip(round(s * rng.uniform(0.7, 1.4)), 14, H - 4))
-            pos = place(rng, taken, W, H, w, h)
-            if pos is None:
+            if (pos := place(rng, taken, W, H, w, h)) is None:
                 continue
             mask = np.zeros((H, W), np.uint8)
             draw_shape(mask, cat["_shape"], pos[0], pos[1], w, h)
-            ann = annotation(mask, cat["_shape"], crowd=False)
-            if ann is None:
+            if (ann := annotation(mask, cat["_shape"], crowd=False)) is None:
                 continue
             ann.pop("iscrowd")  # LVIS has no crowd annotations
             ann["category_id"] = cat["id"]

@@ -85,8 +85,7 @@ def rpn_proposals(anchors: torch.Tensor, probs: torch.Tensor, deltas: torch.Tens
 def data_cfg(trainer: Optional[pl.Trainer], defaults: Mapping[str, Any]) -> Any:
     """The Detectron config of ``trainer``'s data module, else the default config with
     ``defaults`` merged."""
-    cfg = getattr(getattr(trainer, "datamodule", None), "cfg", None)
-    if cfg is None:
+    if (cfg := getattr(getattr(trainer, "datamodule", None), "cfg", None)) is None:
         cfg = get_cfg()
         cfg.merge_from_dict(dict(defaults))
     return cfg
@@ -192,8 +191,7 @@ class DemoFastRCNN(pl.LightningModule):
     def compute_losses(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Forward a training batch of Fast R-CNN blobs and return Detectron's losses."""
         names = ("labels_int32", "bbox_targets", "bbox_inside_weights", "bbox_outside_weights")
-        missing = [k for k in ("data", "rois", *names) if k not in batch]
-        if missing:
+        if missing := [k for k in ("data", "rois", *names) if k not in batch]:
             raise KeyError(f"DemoFastRCNN needs the Fast R-CNN blobs (Detectron semantics: blob "
                            f"names); the batch lacks {missing} (has {sorted(batch)}). Use the "
                            f"Detectron output format with MODEL.FASTER_RCNN False and proposal "

@@ -74,8 +74,7 @@ class RPNExchangeDemo(pl.LightningModule):
             labels = batch[key][..., :h, :w].to(logits.device)
             hh, ww = labels.shape[-2:]
             logits, deltas = logits[..., :hh, :ww], deltas[..., :hh, :ww]
-            valid = labels >= 0
-            if valid.any():
+            if (valid := labels >= 0).any():
                 loss = loss + nn.functional.binary_cross_entropy_with_logits(
                     logits[valid], labels[valid].float())
             tgt, w_in, w_out = (batch[f"rpn_bbox_{k}_wide_fpn{lvl}"][..., :hh, :ww].to(deltas)
@@ -84,13 +83,11 @@ class RPNExchangeDemo(pl.LightningModule):
         return loss
 
     def _distill_loss(self, out: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        peer = self.peer_outputs
-        if not peer:
+        if not (peer := self.peer_outputs):
             return None
         terms = []
         for name, target in peer.items():
-            pred = out[name]
-            if pred.shape != target.shape:
+            if (pred := out[name]).shape != target.shape:
                 raise ValueError(f"peer blob {name!r} has shape {tuple(target.shape)}, this "
                                  f"model's is {tuple(pred.shape)}: different images or models")
             # the fork's outside weight 1/(C*H*W), averaged over the images

@@ -145,8 +145,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
 
     def add(mask: np.ndarray, cat: int, box: tuple[int, int, int, int],
             kp: np.ndarray | None = None, crowd: bool = False) -> None:
-        ann = annotation(mask, cat, crowd=crowd)
-        if ann is not None:
+        if (ann := annotation(mask, cat, crowd=crowd)) is not None:
             ann["keypoints"], ann["num_keypoints"] = (
                 (list(_NO_KEYPOINTS), 0) if kp is None else _keypoints(kp, rng))
             taken.append(box)
@@ -155,8 +154,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
 
     if crowd:
         cat, side = int(rng.choice([3, 7])), int(rng.integers(44, min(80, min(W, H) - 4) + 1))
-        pos = place(rng, taken, W, H, side, side)
-        if pos is not None:
+        if (pos := place(rng, taken, W, H, side, side)) is not None:
             mask = np.zeros((H, W), np.uint8)
             for cy in range(pos[1] + 3, pos[1] + side - 8, 11):
                 for cx in range(pos[0] + 3, pos[0] + side - 8, 11):
@@ -170,8 +168,7 @@ def draw_image(rng: np.random.Generator, *, portrait: bool, empty: bool, crowd: 
         else:
             s = int(rng.integers(22, min(90, min(W, H) - 4) + 1))
             w, h = s, int(np.clip(round(s * rng.uniform(0.7, 1.4)), 16, H - 4))
-        pos = place(rng, taken, W, H, w, h)
-        if pos is not None:
+        if (pos := place(rng, taken, W, H, w, h)) is not None:
             mask = np.zeros((H, W), np.uint8)
             add(mask, cat, (pos[0], pos[1], w, h), draw_shape(mask, cat, pos[0], pos[1], w, h))
     for mask, cat in masks:

@@ -282,15 +282,13 @@ class TorchvisionDetector(pl.LightningModule):
         """Replace class-count dependent heads of pretrained weights for ``num_classes``."""
         c = self.hparams.num_classes
         if self.family == "retinanet":
-            head = net.head.classification_head
-            if head.num_classes != c:
+            if (head := net.head.classification_head).num_classes != c:
                 log.warning("re-initialising RetinaNet's classification head for %d classes "
                             "(the weights have %d)", c, head.num_classes)
                 net.head.classification_head = RetinaNetClassificationHead(
                     head.cls_logits.in_channels, head.num_anchors, c)
             return
-        pred = net.roi_heads.box_predictor
-        if pred.cls_score.out_features != c:
+        if (pred := net.roi_heads.box_predictor).cls_score.out_features != c:
             log.warning("re-initialising the box predictor for %d classes (the weights have "
                         "%d)", c, pred.cls_score.out_features)
             net.roi_heads.box_predictor = FastRCNNPredictor(pred.cls_score.in_features, c)

@@ -64,8 +64,7 @@ class _Elided:
 def _inherited_init(cls: type) -> Optional[type]:
     """The third-party class whose Python ``__init__`` ``cls`` inherits, if any."""
     for base in cls.__mro__:
-        init = vars(base).get("__init__")
-        if init is not None:
+        if (init := vars(base).get("__init__")) is not None:
             inherited = inspect.isfunction(init) and not base.__module__.startswith("lit_roidata")
             return base if inherited else None
     return None
@@ -92,8 +91,7 @@ def _signature(obj: Any) -> str:
 def _entry(name: str, obj: Any) -> list[str]:
     kind = "class" if inspect.isclass(obj) else "def"
     lines = [f"### `{kind} {name}{_signature(obj)}`", "", *_paragraph_lines(obj)]
-    base = _inherited_init(obj) if inspect.isclass(obj) else None
-    if base is not None:
+    if inspect.isclass(obj) and (base := _inherited_init(obj)) is not None:
         lines += [f"Takes the arguments of `{base.__module__}.{base.__qualname__}`.", ""]
     if inspect.isclass(obj):
         members = ((n, getattr(m, "__func__", m)) for n, m in sorted(vars(obj).items()))

@@ -47,8 +47,7 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
     dm.setup("fit")
     names = list(get_minibatch_blob_names(dm.cfg))
     chosen = list(blobs) if blobs else names
-    unknown = [b for b in chosen if b not in names]
-    if unknown:
+    if unknown := [b for b in chosen if b not in names]:
         raise ValueError(f"unknown blob name(s) {unknown}; this config builds {names}")
     sampler = dm.make_sampler(shuffle=False, ims_per_batch=ims_per_batch, rank=0, world_size=1)
     dataset = dm.make_dataset(sampler=sampler, pixel_format=pixel_format)

@@ -32,8 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="replace an existing folder holding other data (other seed or "
                              "sizes, or not demo data) and its roidb caches under ROOT/cache")
     args = parser.parse_args(list(argv or ()))
-    refusal = _existing_data(args.root, args.seed, args.size)
-    if refusal and not args.force:
+    if (refusal := _existing_data(args.root, args.seed, args.size)) and not args.force:
         print(f"lit-roidata make-demo-data: {refusal}; not replacing it. Pass --force to "
               "replace it (its roidb caches under ROOT/cache are removed too), or choose "
               "another --root.", file=sys.stderr)
