@@ -14,7 +14,8 @@ from lit_roidata._optional import MissingOptionalDependency, lazy_getattr
 from lit_roidata._pickle_trust import UntrustedPickleError
 
 __version__ = "0.1.0"
-__all__ = ["DemoRoIDataModule", "MissingOptionalDependency", "RoIDataModule", "UntrustedPickleError", "__version__"]
+__all__ = ["DemoRoIDataModule", "MissingOptionalDependency", "RoIDataModule",
+           "UntrustedPickleError", "__version__"]
 
 
 # Imported lazily so that ``import lit_roidata.config`` stays cheap in workers.

@@ -132,7 +132,8 @@ class DemoFasterRCNN(DemoFastRCNN):
             raise ValueError(f"feature map {hf}x{wf} exceeds the {field}x{field} field of "
                              f"anchors: TRAIN.MAX_SIZE is smaller than the images")
         # SpatialNarrowAs: the wide blobs cropped to the feature map
-        wide = [torch.as_tensor(batch[k], device=self.device).float()[:, :, :hf, :wf] for k in names]
+        wide = [torch.as_tensor(batch[k], device=self.device).float()[:, :, :hf, :wf]
+                for k in names]
         labels, valid = wide[0], wide[0] >= 0
         loss_cls = F.binary_cross_entropy_with_logits(
             logits[valid], labels[valid].float(), reduction="sum") / valid.sum().clamp(min=1)
@@ -154,7 +155,8 @@ class DemoFasterRCNN(DemoFastRCNN):
         cls_logits, bbox_pred = self.box_head(feats, blobs["rois"])
         out.update(fast_rcnn_losses(cls_logits, bbox_pred, {k: v.float() if k != "labels_int32"
                                                              else v for k, v in blobs.items()}))
-        out["loss"] = out["loss_rpn_cls"] + out["loss_rpn_bbox"] + out["loss_cls"] + out["loss_bbox"]
+        out["loss"] = (out["loss_rpn_cls"] + out["loss_rpn_bbox"] + out["loss_cls"]
+                       + out["loss_bbox"])
         return out
 
     @torch.no_grad()

@@ -49,7 +49,8 @@ def fast_rcnn_losses(cls_logits: torch.Tensor, bbox_pred: torch.Tensor,
     labels = blobs["labels_int32"].long()
     return {"loss_cls": F.cross_entropy(cls_logits, labels),
             "loss_bbox": smooth_l1_loss(bbox_pred, blobs["bbox_targets"],
-                                        blobs["bbox_inside_weights"], blobs["bbox_outside_weights"]),
+                                        blobs["bbox_inside_weights"],
+                                        blobs["bbox_outside_weights"]),
             "accuracy_cls": (cls_logits.argmax(1) == labels).float().mean().detach()}
 
 

@@ -209,8 +209,9 @@ class _GtBuilder:
         if self.ids is not None:
             return
         path, parts = self.path, self.img_parts
-        img_id, img_w, img_h = (concat([getattr(p, k) for p in parts], dt) for k, dt in
-                                (("img_id", np.int64), ("img_w", np.float64), ("img_h", np.float64)))
+        img_id, img_w, img_h = (
+            concat([getattr(p, k) for p in parts], dt)
+            for k, dt in (("img_id", np.int64), ("img_w", np.float64), ("img_h", np.float64)))
         file_names = [f for p in parts for f in p.file_names]
         self.img_parts = []
         order_img = np.argsort(img_id, kind="stable")

@@ -59,7 +59,8 @@ class SegmColumns:
         cat = np.concatenate
         rle_base = np.cumsum([0] + [len(p.rle_size) for p in parts[:-1]]).tolist()
         return SegmColumns(
-            cat([p.kind for p in parts]).astype(np.int8), concat_offsets([p.poly_off for p in parts]),
+            cat([p.kind for p in parts]).astype(np.int8),
+            concat_offsets([p.poly_off for p in parts]),
             concat_offsets([p.coord_off for p in parts]), cat([p.coords for p in parts]),
             cat([np.where(p.rle_idx >= 0, p.rle_idx + n, -1).astype(np.int32)
                  for p, n in zip(parts, rle_base)]),
@@ -148,7 +149,8 @@ def decode_segms(cols: SegmColumns, g0: int, g1: int, *, flipped: bool = False,
 
 def _rle(cols: SegmColumns, r: int, kind: int, flipped: bool) -> dict:
     if kind == RLE_LIST:
-        counts: Any = np.asarray(cols.rle_ints[cols.rle_int_off[r]:cols.rle_int_off[r + 1]]).tolist()
+        ints = cols.rle_ints[cols.rle_int_off[r]:cols.rle_int_off[r + 1]]
+        counts: Any = np.asarray(ints).tolist()
     else:
         counts = bytes(np.asarray(cols.rle_bytes[cols.rle_str_off[r]:cols.rle_str_off[r + 1]])
                        ).decode("ascii")

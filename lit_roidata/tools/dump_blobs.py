@@ -64,7 +64,8 @@ def dump_blobs(dm: Any, out: str, num: int, blobs: Optional[Sequence[str]] = Non
         np.savez(path, **{n: np.asarray(mb[n]) for n in chosen})
         index.append({"file": os.path.basename(path), **{k: [f(v) for v in meta[k]] for k, f in (
             ("indices", int), ("image_ids", int), ("images", str), ("flipped", bool),
-            ("im_scales", float))}, **{k: int(meta[k]) for k in ("seed", "pass_index", "block_index")},
+            ("im_scales", float))},
+            **{k: int(meta[k]) for k in ("seed", "pass_index", "block_index")},
             "blobs": chosen, "pixel_format": pixel_format})
     with open(os.path.join(out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
