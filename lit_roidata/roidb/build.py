@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections import Counter
+from contextlib import closing
 from operator import methodcaller
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -26,8 +27,9 @@ from lit_roidata.roidb.filters import filter_entries, trainable_images
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.lvis import IMAGE_LIST_COLUMNS, decode_lvis, lvis_image_lists
 from lit_roidata.roidb.proposals import (ProposalColumns, build_proposal_table,
-                                         empty_proposal_table, read_proposal_file)
-from lit_roidata.roidb.proposal_files import is_pickle, untrusted_proposal_pickle
+                                         empty_proposal_table)
+from lit_roidata.roidb.proposal_files import (PickleReadAhead, is_pickle,
+                                              untrusted_proposal_pickle)
 from lit_roidata.roidb.report import BuildProgress, log_report
 from lit_roidata.roidb.voc import voc_source
 from lit_roidata.roidb.segms import SegmColumns, concat, concat_offsets, offsets
@@ -279,7 +281,8 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
     tables: list[GtTable] = []
     cats: list = []
     union: Optional[list] = [] if options["category_policy"] == "by_name" else None
-    with BuildProgress(progress) as prog:
+    # proposal pickles are unpickled while the annotations decode
+    with closing(PickleReadAhead(files, trust_pickle)) as ahead, BuildProgress(progress) as prog:
         for spec, pfile in zip(specs, files):
             with prog.task(f"{spec.name}: annotations", 3) as step:
 
@@ -315,7 +318,7 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
         # proposals after every dataset's gt: the column dtypes depend on all of them
         columns = _proposal_columns(tmp, tables, files, union)
         try:
-            props = [_dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle)
+            props = [_dataset_proposals(prog, spec, pfile, table, options, columns, ahead)
                      for spec, pfile, table in zip(specs, files, tables)]
             written = columns.finish() if columns is not None else {}
         except BaseException:
@@ -357,12 +360,12 @@ def _proposal_columns(tmp: str, tables: list, files: Sequence, union: Optional[l
     return ProposalColumns(tmp, num_classes=num_classes, max_gt=max_gt)
 
 
-def _dataset_proposals(prog, spec, pfile, table, options, columns, trust_pickle):
+def _dataset_proposals(prog, spec, pfile, table, options, columns, ahead):
     """One dataset's proposal rows, appended to ``columns`` (else an empty table)."""
     if pfile is None:
         return empty_proposal_table(table.ids.size)
     with prog.task(f"{spec.name}: proposals {os.path.basename(pfile)}", table.ids.size) as step:
-        src = read_proposal_file(pfile, trust_pickle=trust_pickle, scores=False)
+        src = ahead.source(pfile)
         return build_proposal_table(
             src, image_ids=table.ids, widths=table.widths, heights=table.heights,
             gt_off=table.gt_off, gt_boxes=table.boxes, gt_classes=table.classes,

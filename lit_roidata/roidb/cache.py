@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Optional, Sequence
 import numpy as np
 from filelock import FileLock, Timeout
 
-from lit_roidata.osutil import atomic_write
+from lit_roidata.osutil import atomic_write, start_writeback
 
 __all__ = ["CACHE_ENV", "FORMAT_VERSION", "default_cache_dir", "file_fingerprint", "cache_key",
            "write_arrays", "ArrayWriter", "npy_data_offset", "npy_header", "read_npy_header",
@@ -235,9 +235,8 @@ def pwrite_all(fd: int, offset: int, data: Any, writeback: bool = True) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-    if writeback and size and hasattr(os, "sync_file_range"):
-        with contextlib.suppress(OSError):
-            os.sync_file_range(fd, start, size, os.SYNC_FILE_RANGE_WRITE)
+    if writeback and size:
+        start_writeback(fd, start, size)
 
 
 def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:

@@ -11,8 +11,9 @@ import tempfile
 import time
 import weakref
 import zipfile
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Optional
+from typing import Any, BinaryIO, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -22,8 +23,9 @@ from lit_roidata.roidb.cache import DiskFullError, disk_full_error, npy_header, 
 from lit_roidata.roidb.cache import read_npy_header
 from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.segms import offsets
+from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed, build_workers
 
-__all__ = ["ProposalSource", "read_proposal_file", "convert_proposals"]
+__all__ = ["PickleReadAhead", "ProposalSource", "read_proposal_file", "convert_proposals"]
 
 _RECONSTRUCT = {("numpy.core.multiarray", "_reconstruct"),
                 ("numpy._core.multiarray", "_reconstruct")}
@@ -152,10 +154,11 @@ class _Sink:
     _BATCH_BYTES = 8 << 20
     _BATCH_BUFFERS = 512
 
-    def __init__(self, drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> None:
+    def __init__(self, drop: Optional[Callable[[np.dtype, tuple], bool]] = None,
+                 fh: Optional[BinaryIO] = None) -> None:  # fh: the scratch file from the start
         self.budget, self.drop = staging_budget(), drop
-        self.mem: Optional[bytearray] = bytearray()
-        self.fh: Optional[BinaryIO] = None
+        self.mem: Optional[bytearray] = None if fh else bytearray()
+        self.fh: Optional[BinaryIO] = fh
         self.pos = 0  # the logical end (staged + pending)
         self._pending: list = []
         self._pending_bytes = 0
@@ -293,8 +296,9 @@ def _drop_scores(dtype: np.dtype, shape: tuple) -> bool:
     return len(shape) == 1 and dtype.kind == "f"
 
 
-def _read_pickle(path: str, trust_pickle: bool, scores: bool = True) -> ProposalSource:
-    data, sink = _load_pickle(path, trust_pickle, None if scores else _drop_scores)
+def _read_pickle(path: str, trust_pickle: bool, scores: bool = True,
+                 fh: Optional[BinaryIO] = None) -> ProposalSource:
+    data, sink = _load_pickle(path, trust_pickle, None if scores else _drop_scores, fh)
     try:
         return source_from_object(path, data, keep_alive=sink, scores=scores)
     except _NeedDropped:  # e.g. float ids in a 1-D array: read again, keeping everything
@@ -304,11 +308,12 @@ def _read_pickle(path: str, trust_pickle: bool, scores: bool = True) -> Proposal
 
 
 def _load_pickle(path: str, trust_pickle: bool,
-                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None) -> tuple[Any, _Sink]:
+                 drop: Optional[Callable[[np.dtype, tuple], bool]] = None,
+                 fh: Optional[BinaryIO] = None) -> tuple[Any, _Sink]:
     """Unpickle a proposal file, its arrays streamed into the staging area (the sink)."""
     if not trust_pickle:
         raise untrusted_proposal_pickle(path)
-    sink = _Sink(drop=drop)
+    sink = _Sink(drop, fh)
     try:
         with open(path, "rb") as fh:
             data = _unpickler(fh, sink, trust_pickle=trust_pickle).load()
@@ -325,6 +330,64 @@ def _load_pickle(path: str, trust_pickle: bool,
                               f"({type(exc).__name__}: {exc}); {hint}") from None
     sink._flush()  # (nothing is pending while staging in memory)
     return data, sink
+
+
+class PickleReadAhead:
+    """The proposal pickles of ``paths`` unpickled (scores dropped) in one forked process,
+    in order, while the caller goes on (decoding the annotations); :meth:`source` takes
+    each one's result. Their arrays go to a shared scratch file (memory up to
+    :func:`staging_budget`). Without build workers, each is read when asked for."""
+
+    def __init__(self, paths: Sequence[Optional[str]], trust_pickle: bool) -> None:
+        self.trust, self.todo, self.proc = trust_pickle, deque(), None
+        picks = [p for p in paths if p and os.path.isfile(p) and is_pickle(p)]
+        if not (trust_pickle and picks and build_workers()):
+            return
+        for p in picks:  # created before the fork: the reader writes into the same files
+            fd = (os.memfd_create("lit-roidata-proposals") if hasattr(os, "memfd_create")
+                  and os.path.getsize(p) <= staging_budget() else None)
+            self.todo.append((p, open(fd, "w+b") if fd is not None else
+                              tempfile.TemporaryFile(prefix="lit-roidata-proposals-")))
+        files = list(self.todo)
+        self.proc = OrderedWorkers(lambda k, _: _read_ahead(*files[k], trust_pickle), 1)
+        for k in range(len(files)):
+            self.proc.submit(k)
+
+    def source(self, path: str) -> ProposalSource:
+        """``read_proposal_file(path, scores=False)``, from the read-ahead when it has it."""
+        if self.todo and self.todo[0][0] == path:
+            fh, got = self.todo.popleft()[1], None
+            try:
+                got = self.proc.result()
+            except WorkerFailed as exc:
+                if not isinstance(exc, WorkerDied):
+                    fh.close()
+                    raise exc.__cause__ from None
+            if got is not None:  # (else an unusual layout: read here)
+                ids, counts, off, dtype, n = got
+                flat, fo = FileRows(fh, off, np.dtype(dtype), n), offsets(counts)
+                src = ProposalSource(path, ids, counts, lambda i: flat[fo[i]:fo[i + 1]], flat,
+                                     fo, keep_alive=fh)
+                weakref.finalize(src, fh.close)
+                return src
+            fh.close()
+        return read_proposal_file(path, trust_pickle=self.trust, scores=False)
+
+    def close(self) -> None:
+        """End the reader; close the files not taken."""
+        if self.proc is not None:
+            self.proc.close()
+        while self.todo:
+            self.todo.popleft()[1].close()
+
+
+def _read_ahead(path: str, fh: BinaryIO, trust_pickle: bool) -> Optional[tuple]:
+    """In the reader: unpickle ``path`` into ``fh``; the source's place there (``None``
+    unless its boxes lie back to back there, as in Detectron's pickles)."""
+    src = _read_pickle(path, trust_pickle, False, fh)
+    if not (isinstance(f := src.flat, FileRows) and f.fh is fh):
+        return None
+    return src.ids, src.counts, f.offset, f.dtype.str, len(f)
 
 
 def _as_records(path: str, key: str, value: Any) -> list:
