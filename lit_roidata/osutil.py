@@ -13,8 +13,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_write", "malloc_trim", "map_readonly", "no_transparent_hugepages",
-           "start_writeback"]
+__all__ = ["atomic_write", "keep_freed_memory", "malloc_trim", "map_readonly",
+           "no_transparent_hugepages", "start_writeback"]
 
 
 @contextlib.contextmanager
@@ -95,6 +95,18 @@ def malloc_trim() -> bool:
         return False
     trim(ctypes.c_size_t(0))
     return True
+
+
+def keep_freed_memory() -> None:
+    """Have glibc keep freed memory for reuse instead of handing it back to the OS, for the
+    rest of this (short-lived) process: the forked builder frees and allocates the same
+    few-MB arrays chunk after chunk, and every hand-back is paid again in page faults."""
+    if (fn := _libc("mallopt")) is not None:
+        fn(_M_TRIM_THRESHOLD, 1 << 30)
+        fn(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's largest
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:

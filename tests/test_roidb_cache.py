@@ -452,3 +452,22 @@ def test_durable_writes_start_the_writeback(tmp_path, monkeypatch):
         os.close(fd)
     assert calls == [(4096, 10000)]
     assert (tmp_path / "f").read_bytes() == b"y" * 100 + b"\0" * 3996 + b"x" * 10000
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the builder is forked")
+def test_the_forked_builder_keeps_freed_memory(ds, monkeypatch):
+    """The forked builder (and only it: it exits after the build) tells glibc to keep
+    freed memory, so chunk after chunk reuses pages instead of faulting in new ones."""
+    from lit_roidata import osutil
+    from lit_roidata.roidb import build as build_mod
+
+    if sys.platform.startswith("linux"):
+        assert osutil._libc("mallopt") is not None
+    cat, _, tmp = ds
+    marker = tmp / "kept"
+    monkeypatch.delenv("LIT_ROIDATA_BUILD_IN_PROCESS", raising=False)
+    parent = os.getpid()
+    monkeypatch.setattr(build_mod, "keep_freed_memory",
+                        lambda: marker.write_text(str(os.getpid() != parent)))
+    _build(cat, tmp, progress=False)
+    assert marker.read_text() == "True"

@@ -18,7 +18,7 @@ import numpy as np
 from lit_roidata._pickle_trust import warn_trusted
 from lit_roidata.catalog import Catalog, DatasetCatalog, DatasetSpec
 from lit_roidata.config import DetectronConfig, blob_family, get_cfg
-from lit_roidata.osutil import no_transparent_hugepages
+from lit_roidata.osutil import keep_freed_memory, no_transparent_hugepages
 from lit_roidata.roidb.cache import (ArrayWriter, cache_key, default_cache_dir, file_fingerprint,
                                      get_or_build)
 from lit_roidata.roidb.coco import GtTable, load_coco_json
@@ -251,7 +251,8 @@ def _in_child(fn, *args):
     if not hasattr(os, "fork") or os.environ.get("LIT_ROIDATA_BUILD_IN_PROCESS") == "1":
         return fn(*args)
 
-    with OrderedWorkers(lambda _, state: fn(*args), 1, daemon=False) as child:
+    with OrderedWorkers(lambda _, state: (keep_freed_memory(), fn(*args))[1], 1,
+                        daemon=False) as child:
         child.submit(None)
         try:
             return child.result()
