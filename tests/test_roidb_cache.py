@@ -456,8 +456,9 @@ def test_durable_writes_start_the_writeback(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the builder is forked")
 def test_the_forked_builder_keeps_freed_memory(ds, monkeypatch):
-    """The forked builder (and only it: it exits after the build) tells glibc to keep
-    freed memory, so chunk after chunk reuses pages instead of faulting in new ones."""
+    """Before the proposal chunks, the forked builder (and only it: it exits after the
+    build) tells glibc to keep freed memory, so chunk after chunk reuses pages instead of
+    faulting in new ones; a gt-only build and an in-process build leave malloc alone."""
     from lit_roidata import osutil
     from lit_roidata.roidb import build as build_mod
 
@@ -470,4 +471,11 @@ def test_the_forked_builder_keeps_freed_memory(ds, monkeypatch):
     monkeypatch.setattr(build_mod, "keep_freed_memory",
                         lambda: marker.write_text(str(os.getpid() != parent)))
     _build(cat, tmp, progress=False)
+    assert not marker.exists()  # no proposals: the gt build keeps glibc's defaults
+    props = make_proposals(3, ds[1], str(tmp / "p.pkl"))
+    _build(cat, tmp, cache="c2", progress=False, proposals=[props])
     assert marker.read_text() == "True"
+    marker.unlink()
+    monkeypatch.setenv("LIT_ROIDATA_BUILD_IN_PROCESS", "1")
+    _build(cat, tmp, cache="c3", progress=False, proposals=[props])
+    assert not marker.exists()

@@ -225,7 +225,7 @@ def _records_key(spec: DatasetSpec) -> dict:
     key = {"classes": list(spec.thing_classes), "keypoints": spec.keypoint_names}
     if spec.version is not None:
         return dict(key, version=spec.version)
-    return dict(key, records=_in_child(lambda: records_digest(spec.function())))
+    return dict(key, records=_in_child(lambda **_: records_digest(spec.function())))
 
 
 def _check_categories(tables_cats: list, names: list, policy: str) -> None:
@@ -251,8 +251,7 @@ def _in_child(fn, *args):
     if not hasattr(os, "fork") or os.environ.get("LIT_ROIDATA_BUILD_IN_PROCESS") == "1":
         return fn(*args)
 
-    with OrderedWorkers(lambda _, state: (keep_freed_memory(), fn(*args))[1], 1,
-                        daemon=False) as child:
+    with OrderedWorkers(lambda _, state: fn(*args, forked=True), 1, daemon=False) as child:
         child.submit(None)
         try:
             return child.result()
@@ -264,20 +263,21 @@ def _in_child(fn, *args):
             raise exc.__cause__ from None
 
 
-def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
+def _build(tmp, specs, files, options, progress, inputs, trust_pickle=False, forked=False):
     # Parsing a COCO file creates millions of containers that hold no cycles: the cyclic
     # GC would rescan them over and over (several seconds at train2017 scale)
     was = gc.isenabled()
     gc.disable()
     try:
         with no_transparent_hugepages():
-            return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle)
+            return _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle,
+                                forked)
     finally:
         if was:
             gc.enable()
 
 
-def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=False) -> dict:
+def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle, forked) -> dict:
     t0 = time.perf_counter()
     tables: list[GtTable] = []
     cats: list = []
@@ -317,7 +317,8 @@ def _build_inner(tmp, specs, files, options, progress, inputs, trust_pickle=Fals
                 step()
             tables.append(table)
         # proposals after every dataset's gt: the column dtypes depend on all of them
-        columns = _proposal_columns(tmp, tables, files, union)
+        if (columns := _proposal_columns(tmp, tables, files, union)) is not None and forked:
+            keep_freed_memory()  # chunk after chunk reuses pages (the builder exits after)
         try:
             props = [_dataset_proposals(prog, spec, pfile, table, options, columns, ahead)
                      for spec, pfile, table in zip(specs, files, tables)]
