@@ -25,7 +25,7 @@ from lit_roidata.roidb.info import RoIDBInputError
 from lit_roidata.roidb.segms import offsets
 from lit_roidata.roidb.workers import OrderedWorkers, WorkerDied, WorkerFailed, build_workers
 
-__all__ = ["PickleReadAhead", "ProposalSource", "read_proposal_file", "convert_proposals"]
+__all__ = ["ProposalSource", "read_proposal_file", "convert_proposals"]
 
 _RECONSTRUCT = {("numpy.core.multiarray", "_reconstruct"),
                 ("numpy._core.multiarray", "_reconstruct")}
