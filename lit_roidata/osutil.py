@@ -110,14 +110,19 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Have the kernel start writing ``nbytes`` at ``offset`` of ``fd`` to the disk, so a
-    later ``fsync`` waits less (Linux ``sync_file_range``, which Python's ``os`` lacks;
-    elsewhere nothing is done, and errors are ignored: it is only a hint)."""
-    if (fn := _libc("sync_file_range")) is not None:
-        fn(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), _SYNC_FILE_RANGE_WRITE)
+    """Have the kernel start writing the just-written ``nbytes`` at ``offset`` of ``fd`` to
+    the disk, so a later ``fsync`` waits less (Linux ``sync_file_range``, which Python's
+    ``os`` lacks; elsewhere nothing is done, and errors are ignored: it is only a hint).
+
+    Only the whole 2 MiB spans inside the range are started: the page-cache folio (up to
+    2 MiB) at either end may be shared with a write not done yet (writer threads finish in
+    any order), and a folio written out before it would be dirtied, and written, twice."""
+    lo, hi = -(-offset // _SPAN) * _SPAN, (offset + nbytes) // _SPAN * _SPAN
+    if hi > lo and (fn := _libc("sync_file_range")) is not None:
+        fn(fd, ctypes.c_int64(lo), ctypes.c_int64(hi - lo), _SYNC_FILE_RANGE_WRITE)
 
 
-_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE_WRITE, _SPAN = 2, 2 << 20
 
 
 def map_readonly(path: str, dtype: Any, offset: int, shape: tuple[int, ...]) -> Any:

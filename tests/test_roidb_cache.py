@@ -479,3 +479,19 @@ def test_the_forked_builder_keeps_freed_memory(ds, monkeypatch):
     monkeypatch.setenv("LIT_ROIDATA_BUILD_IN_PROCESS", "1")
     _build(cat, tmp, cache="c3", progress=False, proposals=[props])
     assert not marker.exists()
+
+
+def test_writeback_hint_starts_only_whole_2mib_spans(monkeypatch):
+    """A folio at either end of a write may be shared with a write not done yet: started
+    early it would be dirtied, and counted in the bytes written, twice."""
+    from lit_roidata import osutil
+
+    got = []
+    monkeypatch.setattr(osutil, "_libc", lambda name: (
+        lambda fd, off, n, flags: got.append((fd, off.value, n.value, flags)))
+        if name == "sync_file_range" else None)
+    mib = 1 << 20
+    osutil.start_writeback(7, 100, 5 * mib)  # [100, 5 MiB + 100): the span [2, 4) MiB
+    osutil.start_writeback(7, 0, 4 * mib)  # aligned: all of it
+    osutil.start_writeback(7, 3 * mib, 2 * mib)  # [3, 5) MiB holds no whole span: nothing
+    assert got == [(7, 2 * mib, 2 * mib, 2), (7, 0, 4 * mib, 2)]

@@ -26,9 +26,7 @@ def to_plain(value: Any) -> Any:
         return value.tolist()
     if isinstance(value, Mapping):
         return {str(k): to_plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_plain(v) for v in value]
-    return value
+    return [to_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _first_difference(got: Any, exp: Any, path: str, rel_tol: float) -> str | None:

@@ -144,9 +144,7 @@ def _to_json(value: Any) -> Any:
         return _to_json(value.tolist())
     if isinstance(value, (list, tuple)):
         return [_to_json(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _from_json(value: Any) -> Any:
@@ -154,6 +152,4 @@ def _from_json(value: Any) -> Any:
         if "__bytes__" in value:
             return value["__bytes__"].encode("latin1")
         return {k: _from_json(v) for k, v in value["__dict__"]}
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    return value
+    return [_from_json(v) for v in value] if isinstance(value, list) else value

@@ -770,9 +770,7 @@ def _bboxes(anns: list, source: str, lab: Callable[[int], str]) -> np.ndarray:
 def _numbers(lists: list) -> Optional[np.ndarray]:
     """The values of lists of JSON numbers, float64; ``None`` if one is not a number."""
     flat = list(chain.from_iterable(lists))
-    if not set(map(type, flat)) <= _NUM:
-        return None
-    return np.fromiter(flat, np.float64, len(flat))
+    return np.fromiter(flat, np.float64, len(flat)) if set(map(type, flat)) <= _NUM else None
 
 
 def _segms(anns: list, source: str, lab: Callable[[int], str]) -> tuple:
