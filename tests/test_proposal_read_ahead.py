@@ -58,10 +58,12 @@ def test_the_reader_gives_the_source_read_here(tmp_path, monkeypatch):
     ahead = _read_ahead([paths[0], None, paths[1]], monkeypatch)
     try:
         assert ahead.proc is not None and len(ahead.todo) == 2  # both sent to the reader
-        for p in paths:
+        for k, p in enumerate(paths):
             got = ahead.source(p)
             assert isinstance(got.flat, FileRows)  # from the shared scratch file
             _same_source(got, read_proposal_file(p, trust_pickle=True, scores=False))
+            # the reader ends once its last result is taken, not with the build
+            assert ahead.proc.alive == (k < len(paths) - 1)
     finally:
         ahead.close()
 

@@ -155,10 +155,10 @@ class _Sink:
     _BATCH_BUFFERS = 512
 
     def __init__(self, drop: Optional[Callable[[np.dtype, tuple], bool]] = None,
-                 fh: Optional[BinaryIO] = None) -> None:  # fh: the scratch file from the start
+                 scratch: Optional[BinaryIO] = None) -> None:  # the scratch file from the start
         self.budget, self.drop = staging_budget(), drop
-        self.mem: Optional[bytearray] = None if fh else bytearray()
-        self.fh: Optional[BinaryIO] = fh
+        self.mem: Optional[bytearray] = None if scratch else bytearray()
+        self.fh: Optional[BinaryIO] = scratch
         self.pos = 0  # the logical end (staged + pending)
         self._pending: list = []
         self._pending_bytes = 0
@@ -297,8 +297,8 @@ def _drop_scores(dtype: np.dtype, shape: tuple) -> bool:
 
 
 def _read_pickle(path: str, trust_pickle: bool, scores: bool = True,
-                 fh: Optional[BinaryIO] = None) -> ProposalSource:
-    data, sink = _load_pickle(path, trust_pickle, None if scores else _drop_scores, fh)
+                 scratch: Optional[BinaryIO] = None) -> ProposalSource:
+    data, sink = _load_pickle(path, trust_pickle, None if scores else _drop_scores, scratch)
     try:
         return source_from_object(path, data, keep_alive=sink, scores=scores)
     except _NeedDropped:  # e.g. float ids in a 1-D array: read again, keeping everything
@@ -309,11 +309,12 @@ def _read_pickle(path: str, trust_pickle: bool, scores: bool = True,
 
 def _load_pickle(path: str, trust_pickle: bool,
                  drop: Optional[Callable[[np.dtype, tuple], bool]] = None,
-                 fh: Optional[BinaryIO] = None) -> tuple[Any, _Sink]:
-    """Unpickle a proposal file, its arrays streamed into the staging area (the sink)."""
+                 scratch: Optional[BinaryIO] = None) -> tuple[Any, _Sink]:
+    """Unpickle a proposal file, its arrays streamed into the staging area (the sink; with
+    ``scratch``, that file from the start)."""
     if not trust_pickle:
         raise untrusted_proposal_pickle(path)
-    sink = _Sink(drop, fh)
+    sink = _Sink(drop, scratch)
     try:
         with open(path, "rb") as fh:
             data = _unpickler(fh, sink, trust_pickle=trust_pickle).load()
@@ -363,6 +364,9 @@ class PickleReadAhead:
                 if not isinstance(exc, WorkerDied):
                     fh.close()
                     raise exc.__cause__ from None
+            finally:
+                if not self.todo:  # its last file: the reader ends now, not with the build
+                    self.proc.close()
             if got is not None:  # (else an unusual layout: read here)
                 ids, counts, off, dtype, n = got
                 flat, fo = FileRows(fh, off, np.dtype(dtype), n), offsets(counts)
